@@ -1,0 +1,231 @@
+/*
+ * tp/comm.h - process groups, collectives, async work, backends.
+ *
+ * A tp_comm is a process group: this rank's index, the group size, and a
+ * backend. Collective calls are collective: every rank of the group must make
+ * them, in the same order, with matching arguments (kind, dtype, element count,
+ * op, root). A rank that fails aborts its communicator so that its peers'
+ * pending and later collectives return TP_ERR_ABORTED instead of hanging; every
+ * wait honours the communicator's timeout (TP_ERR_TIMEOUT, after which the
+ * communicator is aborted too).
+ *
+ * Buffers are contiguous tensors on a device the backend supports; send and
+ * recv have the same dtype and device. Element counts per collective (n is the
+ * group size):
+ *
+ *   all_reduce      send k,    recv k      in place: send == recv
+ *   all_gather      send k,    recv n*k    in place: send is recv's rank-th block
+ *   reduce_scatter  send n*k,  recv k      in place: recv is send's rank-th block
+ *   all_to_all      send n*k,  recv n*k    never in place; block j of send goes to rank j
+ *   broadcast       buffer k               root's buffer is copied to every rank
+ *
+ * Any other overlap between send and recv is TP_ERR_INVALID_ARG. Blocks are in
+ * rank order, so gathering k-element blocks is concatenation along dim 0 of the
+ * flattened buffers.
+ *
+ * Every collective takes `tp_work **work`: NULL makes the call blocking (it
+ * returns once this rank's part is complete and its buffers may be reused);
+ * otherwise *work receives a handle, and the buffers must stay untouched until
+ * tp_work_wait() returns or tp_work_test() reports completion. Collectives
+ * issued while a tp_comm_debug counter is active on the calling thread are
+ * recorded there.
+ */
+#ifndef TP_COMM_H
+#define TP_COMM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "tp/status.h"
+#include "tp/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tp_comm tp_comm;
+typedef struct tp_work tp_work;
+
+typedef enum tp_reduce_op {
+    TP_SUM = 0,
+    TP_AVG,     /* sum / n; integer dtypes truncate toward zero */
+    TP_MAX,
+    TP_MIN,
+    TP_PRODUCT,
+    TP_REDUCE_OP_COUNT
+} tp_reduce_op;
+
+typedef enum tp_coll_kind {
+    TP_COLL_ALL_REDUCE = 0,
+    TP_COLL_ALL_GATHER,
+    TP_COLL_REDUCE_SCATTER,
+    TP_COLL_ALL_TO_ALL,
+    TP_COLL_BROADCAST,
+    TP_COLL_BARRIER,
+    TP_COLL_KIND_COUNT
+} tp_coll_kind;
+
+/* "all_reduce", "all_gather", ...; "invalid" otherwise. */
+TP_API const char *tp_coll_kind_name(tp_coll_kind kind);
+/* "sum", "avg", "max", "min", "product"; "invalid" otherwise. */
+TP_API const char *tp_reduce_op_name(tp_reduce_op op);
+
+/* ---- process groups ------------------------------------------------------ */
+
+TP_API int tp_comm_rank(const tp_comm *comm);
+TP_API int tp_comm_size(const tp_comm *comm);
+/* Name of the backend ("shm", "mpi", "nccl", or a user backend's name). */
+TP_API const char *tp_comm_backend(const tp_comm *comm);
+
+/* Wait limit for this rank's collectives on comm, in seconds (> 0). The
+ * default is 300 s, or TP_COMM_TIMEOUT from the environment. Local setting:
+ * ranks may differ. Sub-communicators inherit it. */
+TP_API tp_status tp_comm_set_timeout(tp_comm *comm, double seconds);
+TP_API double tp_comm_timeout(const tp_comm *comm);
+
+/* Opt-in debug check: before each collective the ranks exchange a descriptor
+ * (kind, dtype, element count, op, root, sequence number) and every rank
+ * returns TP_ERR_MISMATCH, with a message naming both sides, if any rank
+ * disagrees. Every rank must set the same value (it changes the traffic).
+ * Default off, or on when TP_COMM_CHECK=1. Backends that already compare
+ * descriptors on every call (shm) need no extra exchange. Inherited by
+ * sub-communicators. */
+TP_API tp_status tp_comm_set_check(tp_comm *comm, bool enabled);
+TP_API bool tp_comm_check(const tp_comm *comm);
+
+/*
+ * Collective: splits comm into disjoint groups, one per non-negative color;
+ * within a group ranks are ordered by (key, old rank). A rank passing
+ * color < 0 (TP_COMM_NO_COLOR) takes part but gets *out = NULL. The new
+ * communicator inherits timeout and check settings.
+ */
+#define TP_COMM_NO_COLOR (-1)
+TP_API tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out);
+
+/* Aborts comm: this rank's and every peer's pending and later collectives on
+ * it return TP_ERR_ABORTED. `reason` is recorded in the peers' error text.
+ * Local, never blocks. */
+TP_API void tp_comm_abort(tp_comm *comm, const char *reason);
+/* true once comm (or, for shm, its run) was aborted. */
+TP_API bool tp_comm_is_aborted(const tp_comm *comm);
+
+/* Frees this rank's handle. Pending work is waited for first (up to the
+ * timeout). NULL is a no-op. The world communicator handed to a
+ * tp_run_local() rank function belongs to tp_run_local: do not free it. */
+TP_API void tp_comm_free(tp_comm *comm);
+
+/* ---- collectives --------------------------------------------------------- */
+
+TP_API tp_status tp_all_reduce(tp_comm *comm, const tp_tensor *send, tp_tensor *recv,
+                               tp_reduce_op op, tp_work **work);
+TP_API tp_status tp_all_gather(tp_comm *comm, const tp_tensor *send, tp_tensor *recv,
+                               tp_work **work);
+TP_API tp_status tp_reduce_scatter(tp_comm *comm, const tp_tensor *send, tp_tensor *recv,
+                                   tp_reduce_op op, tp_work **work);
+TP_API tp_status tp_all_to_all(tp_comm *comm, const tp_tensor *send, tp_tensor *recv,
+                               tp_work **work);
+TP_API tp_status tp_broadcast(tp_comm *comm, tp_tensor *buffer, int root, tp_work **work);
+TP_API tp_status tp_barrier(tp_comm *comm, tp_work **work);
+
+/* ---- async work ---------------------------------------------------------- */
+
+/* Waits for completion up to the communicator's timeout. Returns the
+ * collective's status (TP_ERR_ABORTED, TP_ERR_MISMATCH, ...). Waiting again on
+ * completed work returns the same status. */
+TP_API tp_status tp_work_wait(tp_work *work);
+/* Makes progress without blocking; *done tells whether the work completed.
+ * Returns the collective's status once done, TP_OK while pending. */
+TP_API tp_status tp_work_test(tp_work *work, bool *done);
+/* Frees the handle, waiting for pending work first. NULL is a no-op. */
+TP_API void tp_work_free(tp_work *work);
+
+/* ---- ranks as threads (the shm backend) ---------------------------------- */
+
+/* A rank's body: runs on its own thread with its world communicator. */
+typedef tp_status (*tp_rank_fn)(tp_comm *world, void *arg);
+
+typedef struct tp_run_options {
+    double timeout_s;        /* 0: default (300 s or TP_COMM_TIMEOUT) */
+    bool check;              /* tp_comm_set_check on the world */
+    tp_status *rank_status;  /* optional: receives each rank's return value */
+} tp_run_options;
+
+/*
+ * Runs fn on n threads (n >= 1), one rank each, with a world communicator of
+ * the "shm" backend: ranks read each other's buffers directly. Returns once
+ * every rank has returned: TP_OK, or the status of the first rank to fail (by
+ * time); the failing rank's message is copied into the caller's
+ * tp_last_error() prefixed with "rank R: ". A failing rank aborts the run's
+ * communicators, so the others return TP_ERR_ABORTED rather than hang; a
+ * rank that returns while a peer still waits for it also aborts the run.
+ */
+TP_API tp_status tp_run_local(int n, tp_rank_fn fn, void *arg);
+TP_API tp_status tp_run_local_opts(int n, tp_rank_fn fn, void *arg,
+                                   const tp_run_options *opts);
+
+/* ---- backends ------------------------------------------------------------ */
+
+/* One collective as seen by a backend. Validation has already happened: the
+ * pointers and counts follow the table at the top of this file. */
+typedef struct tp_coll_desc {
+    tp_coll_kind kind;
+    tp_dtype dtype;
+    tp_device device;
+    size_t count;         /* k in the table above; 0 for barrier */
+    tp_reduce_op op;      /* reductions only */
+    int root;             /* broadcast only */
+    const void *sendbuf;  /* NULL for barrier; broadcast: == recvbuf */
+    void *recvbuf;        /* NULL for barrier */
+    const tp_tensor *send;
+    tp_tensor *recv;
+} tp_coll_desc;
+
+/*
+ * A backend is a table of functions registered by name. `collective` starts a
+ * collective; if it completes before returning it sets *work = NULL, otherwise
+ * it returns a backend work object that libtp drives through work_test /
+ * work_wait / work_free. A slot left NULL makes the matching calls return
+ * TP_ERR_NOT_SUPPORTED. User-written backends are first-class: register one
+ * and create communicators on it with tp_comm_create().
+ */
+typedef struct tp_backend {
+    const char *name;
+    /* device types this backend moves (bit 1 << tp_device_type) */
+    unsigned device_mask;
+    /* true if the backend compares descriptors across ranks on every call, so
+     * tp_comm_set_check needs no extra exchange */
+    bool checks_descriptors;
+    tp_status (*collective)(void *state, const tp_coll_desc *desc, void **work);
+    tp_status (*work_test)(void *state, void *work, bool *done);
+    tp_status (*work_wait)(void *state, void *work, double timeout_s);
+    void (*work_free)(void *state, void *work);
+    /* split: creates the state of the new group this rank joins; color < 0
+     * must still take part and return *new_state = NULL */
+    tp_status (*split)(void *state, int color, int key, void **new_state, int *new_rank,
+                       int *new_size);
+    void (*abort)(void *state, const char *reason);
+    void (*free)(void *state);
+    /* creates a world group for this process (MPI: MPI_COMM_WORLD); optional */
+    tp_status (*init_world)(void *options, void **state, int *rank, int *size);
+} tp_backend;
+
+/* Registers a backend (the table is copied; its name must stay valid). A
+ * second registration under the same name is TP_ERR_INVALID_ARG. Built-in
+ * backends are registered already. Thread-safe. */
+TP_API tp_status tp_backend_register(const tp_backend *backend);
+/* The registered table with this name, or NULL. */
+TP_API const tp_backend *tp_backend_find(const char *name);
+
+/* Wraps a backend state in a communicator. On success the communicator owns
+ * `state` and calls backend->free(state) when freed; on failure the caller
+ * keeps it. */
+TP_API tp_status tp_comm_create(const tp_backend *backend, void *state, int rank, int size,
+                                tp_comm **out);
+/* World communicator of a registered backend that implements init_world. */
+TP_API tp_status tp_comm_init(const char *backend_name, void *options, tp_comm **out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TP_COMM_H */

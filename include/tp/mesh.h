@@ -1,0 +1,69 @@
+/*
+ * tp/mesh.h - N-D device meshes.
+ *
+ * A mesh arranges the ranks of a world communicator in an N-D grid (row-major:
+ * world rank = linear index of the coordinate). Each mesh dim has a name and a
+ * sub-communicator grouping the ranks that differ only in that coordinate.
+ */
+#ifndef TP_MESH_H
+#define TP_MESH_H
+
+#include <stdint.h>
+
+#include "tp/comm.h"
+#include "tp/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TP_MESH_MAX_DIMS 8
+
+typedef struct tp_mesh tp_mesh;
+
+/*
+ * Collective over `world`: creates a mesh of ndim dims (1..8) with the given
+ * sizes (each >= 1; product must equal the world size, otherwise
+ * TP_ERR_INVALID_ARG naming both) and optional distinct names (NULL: "dim0",
+ * "dim1", ...). The mesh keeps its own sub-communicators; `world` must outlive
+ * the mesh.
+ */
+TP_API tp_status tp_mesh_create(tp_comm *world, int ndim, const int64_t *shape,
+                                const char *const *names, tp_mesh **out);
+/* NULL is a no-op. Frees the sub-communicators this mesh owns. */
+TP_API void tp_mesh_free(tp_mesh *mesh);
+
+TP_API int tp_mesh_ndim(const tp_mesh *mesh);
+/* Size of mesh dim d (negative counts from the end); -1 if out of range. */
+TP_API int64_t tp_mesh_size(const tp_mesh *mesh, int d);
+/* Number of ranks in the mesh. */
+TP_API int64_t tp_mesh_numel(const tp_mesh *mesh);
+/* This rank's coordinate along dim d; -1 if out of range. */
+TP_API int64_t tp_mesh_coord(const tp_mesh *mesh, int d);
+/* This rank's index in the mesh (row-major over coordinates). */
+TP_API int tp_mesh_rank(const tp_mesh *mesh);
+/* Name of dim d, or NULL if out of range. */
+TP_API const char *tp_mesh_dim_name(const tp_mesh *mesh, int d);
+/* Index of the dim called `name`, or -1. */
+TP_API int tp_mesh_dim_index(const tp_mesh *mesh, const char *name);
+/* Communicator of the ranks that share every coordinate but dim d (borrowed;
+ * lives as long as the mesh). NULL if out of range. */
+TP_API tp_comm *tp_mesh_comm(const tp_mesh *mesh, int d);
+/* Communicator spanning all ranks of the mesh (borrowed). */
+TP_API tp_comm *tp_mesh_group(const tp_mesh *mesh);
+
+/*
+ * Collective over the mesh: the lower-dimensional mesh made of the named dims
+ * (in the order given) that contains this rank, e.g. the "tp" slice of a
+ * ("dp", "tp") mesh. Unknown or repeated names are TP_ERR_INVALID_ARG. The
+ * slice is a mesh of its own (free it with tp_mesh_free) that may outlive
+ * the parent.
+ */
+TP_API tp_status tp_mesh_slice(tp_mesh *mesh, int nnames, const char *const *names,
+                               tp_mesh **out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TP_MESH_H */

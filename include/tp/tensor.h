@@ -1,0 +1,199 @@
+/*
+ * tp/tensor.h - local tensors: refcounted storage, shape, views, dtypes,
+ * devices, copy/fill/compare helpers and counter-based random fills.
+ *
+ * Shapes are int64_t, row-major, PyTorch dimension order (dim 0 outermost).
+ * Negative dims count from the end. Strides are in elements. A tensor is a view
+ * (shape, strides, offset) of a refcounted storage; views share the storage.
+ * Tensors are refcounted: every function that returns a tensor through an
+ * out-parameter gives the caller one reference, released with
+ * tp_tensor_release().
+ */
+#ifndef TP_TENSOR_H
+#define TP_TENSOR_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "tp/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TP_MAX_DIMS 8
+
+typedef enum tp_dtype {
+    TP_F32 = 0,
+    TP_F64,
+    TP_F16,
+    TP_BF16,
+    TP_I32,
+    TP_I64,
+    TP_DTYPE_COUNT
+} tp_dtype;
+
+typedef enum tp_device_type { TP_DEVICE_CPU = 0, TP_DEVICE_CUDA = 1 } tp_device_type;
+
+typedef struct tp_device {
+    tp_device_type type;
+    int index; /* CUDA ordinal; 0 for the CPU */
+} tp_device;
+
+#define TP_CPU ((tp_device){TP_DEVICE_CPU, 0})
+#define TP_CUDA(i) ((tp_device){TP_DEVICE_CUDA, (i)})
+
+typedef struct tp_tensor tp_tensor;
+
+/* Bytes per element (2 for f16/bf16); 0 for an invalid dtype. */
+TP_API size_t tp_dtype_size(tp_dtype dtype);
+/* "f32", "f64", "f16", "bf16", "i32", "i64"; "invalid" otherwise. */
+TP_API const char *tp_dtype_name(tp_dtype dtype);
+/* true for f32, f64, f16, bf16. */
+TP_API bool tp_dtype_is_float(tp_dtype dtype);
+
+/* Number of CUDA devices usable by libtp: 0 when built without CUDA or when no
+ * device is present (never an error). */
+TP_API int tp_cuda_device_count(void);
+
+/* ---- creation and lifetime ------------------------------------------------ */
+
+/* New contiguous tensor with uninitialized contents. ndim in [0, 8] (0 is a
+ * scalar with one element); every size >= 0. CUDA devices need a CUDA build
+ * (TP_ERR_NOT_SUPPORTED otherwise) and use cudaMalloc. */
+TP_API tp_status tp_tensor_empty(tp_dtype dtype, tp_device device, int ndim,
+                                 const int64_t *shape, tp_tensor **out);
+/* Same, filled with zeros. */
+TP_API tp_status tp_tensor_zeros(tp_dtype dtype, tp_device device, int ndim,
+                                 const int64_t *shape, tp_tensor **out);
+/* New contiguous CPU tensor holding a copy of `data` (numel elements of dtype,
+ * row-major). */
+TP_API tp_status tp_tensor_from_data(tp_dtype dtype, int ndim, const int64_t *shape,
+                                     const void *data, tp_tensor **out);
+/* Wraps caller memory without copying. `data` must stay valid until the last
+ * reference is released; then deleter(data, ctx) is called if non-NULL. */
+TP_API tp_status tp_tensor_from_blob(tp_dtype dtype, tp_device device, int ndim,
+                                     const int64_t *shape, void *data,
+                                     void (*deleter)(void *data, void *ctx), void *ctx,
+                                     tp_tensor **out);
+/* Adds a reference; returns t. NULL-safe. */
+TP_API tp_tensor *tp_tensor_retain(tp_tensor *t);
+/* Drops a reference; frees the view (and the storage with its last view) at
+ * zero. NULL is a no-op. */
+TP_API void tp_tensor_release(tp_tensor *t);
+
+/* ---- properties ----------------------------------------------------------- */
+
+TP_API int tp_tensor_ndim(const tp_tensor *t);
+/* Pointer to ndim sizes, valid while t is alive. */
+TP_API const int64_t *tp_tensor_shape(const tp_tensor *t);
+/* Size of dim d (negative counts from the end); -1 if d is out of range. */
+TP_API int64_t tp_tensor_size(const tp_tensor *t, int d);
+/* Pointer to ndim strides in elements. */
+TP_API const int64_t *tp_tensor_strides(const tp_tensor *t);
+TP_API int64_t tp_tensor_numel(const tp_tensor *t);
+TP_API tp_dtype tp_tensor_dtype(const tp_tensor *t);
+TP_API tp_device tp_tensor_device(const tp_tensor *t);
+/* Bytes of the elements the view covers (numel * dtype size). */
+TP_API size_t tp_tensor_nbytes(const tp_tensor *t);
+/* Address of the first element of the view (storage + offset). */
+TP_API void *tp_tensor_data(const tp_tensor *t);
+TP_API bool tp_tensor_is_contiguous(const tp_tensor *t);
+/* true when a and b view the same storage. */
+TP_API bool tp_tensor_shares_storage(const tp_tensor *a, const tp_tensor *b);
+
+/* ---- views (share storage; no copy) -------------------------------------- */
+
+/* Elements [start, start+length) along dim. 0 <= start, length >= 0,
+ * start + length <= size. */
+TP_API tp_status tp_tensor_narrow(tp_tensor *t, int dim, int64_t start, int64_t length,
+                                  tp_tensor **out);
+/* torch.chunk semantics with a fixed chunk count: chunk size c = ceil(n/chunks);
+ * chunk i covers [i*c, min((i+1)*c, n)), which is empty for trailing chunks
+ * when n is small. index in [0, chunks). */
+TP_API tp_status tp_tensor_chunk(tp_tensor *t, int64_t chunks, int dim, int64_t index,
+                                 tp_tensor **out);
+/* Removes dim, keeping element `index` along it. */
+TP_API tp_status tp_tensor_select(tp_tensor *t, int dim, int64_t index, tp_tensor **out);
+/* Same elements, new shape (numel must match); t must be contiguous. One size
+ * may be -1 (inferred). */
+TP_API tp_status tp_tensor_view(tp_tensor *t, int ndim, const int64_t *shape,
+                                tp_tensor **out);
+
+/* Start/length of chunk `index` of n elements split into `chunks` (torch.chunk
+ * rule above). Pure helper used by sharding. */
+TP_API void tp_chunk_range(int64_t n, int64_t chunks, int64_t index, int64_t *start,
+                           int64_t *length);
+
+/* ---- copies and conversions ---------------------------------------------- */
+
+/* Copies src into dst elementwise. Shapes must be equal; dtypes may differ
+ * (values convert as C casts do, floats round to nearest even when narrowing to
+ * f16/bf16); either may be strided; devices may differ (CPU<->CUDA). src and
+ * dst must not overlap unless they are the same view. */
+TP_API tp_status tp_tensor_copy(tp_tensor *dst, const tp_tensor *src);
+/* New contiguous tensor with src's contents, on `device`, of `dtype`. */
+TP_API tp_status tp_tensor_to(const tp_tensor *src, tp_dtype dtype, tp_device device,
+                              tp_tensor **out);
+/* New contiguous copy on the same device and dtype. */
+TP_API tp_status tp_tensor_clone(const tp_tensor *src, tp_tensor **out);
+
+/* ---- fill and element access --------------------------------------------- */
+
+/* Sets every element to value (converted to the dtype). */
+TP_API tp_status tp_tensor_fill(tp_tensor *t, double value);
+/* Element at the multi-index idx (ndim entries) as a double. CPU only. */
+TP_API tp_status tp_tensor_get(const tp_tensor *t, const int64_t *idx, double *value);
+/* Sets the element at idx. CPU only. */
+TP_API tp_status tp_tensor_set(tp_tensor *t, const int64_t *idx, double value);
+
+/* ---- comparison ----------------------------------------------------------- */
+
+/* *equal = same shape, and every element equal (NaN never equals). Dtypes
+ * may differ (values compare as doubles). Any devices. */
+TP_API tp_status tp_tensor_equal(const tp_tensor *a, const tp_tensor *b, bool *equal);
+/* *close = same shape and |a-b| <= atol + rtol*|b| elementwise (NaN never
+ * close). */
+TP_API tp_status tp_tensor_allclose(const tp_tensor *a, const tp_tensor *b, double rtol,
+                                    double atol, bool *close);
+/* Largest |a-b| over all elements (shapes must match). */
+TP_API tp_status tp_tensor_max_abs_diff(const tp_tensor *a, const tp_tensor *b,
+                                        double *diff);
+
+/* ---- counter-based random numbers --------------------------------------- */
+
+/*
+ * Philox-4x32-10 keyed by seed: the value of global element g depends only on
+ * (seed, g), so each rank can generate exactly its shard of a global random
+ * tensor without materializing the whole, and parameters initialise
+ * identically at every parallel degree.
+ */
+TP_API void tp_philox4x32(uint64_t seed, uint64_t counter, uint32_t out[4]);
+/* Uniform in [0, 1) for global element g. */
+TP_API double tp_rng_uniform(uint64_t seed, uint64_t g);
+/* Standard normal for global element g (Box-Muller on one Philox block). */
+TP_API double tp_rng_normal(uint64_t seed, uint64_t g);
+
+typedef enum tp_rng_dist {
+    TP_RNG_UNIFORM = 0, /* uniform in [a, b) */
+    TP_RNG_NORMAL,      /* mean a, standard deviation b */
+    TP_RNG_RANDINT      /* integer in [a, b) (a < b, both integral) */
+} tp_rng_dist;
+
+/*
+ * Fills t, viewed as the block of a global tensor of shape `global_shape`
+ * starting at `offset` (both t's ndim entries), with the values the global
+ * tensor holds there: element at global multi-index G gets the value of
+ * counter g = row-major linear index of G in global_shape. global_shape and
+ * offset may be NULL: t is then the whole tensor. The block must lie inside
+ * the global shape.
+ */
+TP_API tp_status tp_tensor_fill_random(tp_tensor *t, tp_rng_dist dist, double a, double b,
+                                       uint64_t seed, const int64_t *global_shape,
+                                       const int64_t *offset);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TP_TENSOR_H */

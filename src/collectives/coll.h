@@ -1,0 +1,43 @@
+/* Internal collectives definitions shared by the dispatch layer, the backends
+ * and the comm-debug counter. Not installed. */
+#ifndef TP_COLL_H
+#define TP_COLL_H
+
+#include <stdatomic.h>
+
+#include "core/core.h"
+#include "tp/comm.h"
+#include "tp/comm_debug.h"
+
+struct tp_comm {
+    tp_backend ops; /* copy of the backend table */
+    void *state;    /* backend state for this rank */
+    int rank;
+    int size;
+    double timeout_s;
+    bool check;
+    bool owned_by_run; /* the world handed out by tp_run_local */
+    uint64_t check_seq;
+    int pending; /* async work handed out and not yet freed */
+};
+
+struct tp_work {
+    tp_comm *comm;
+    void *impl; /* backend work; NULL once completed */
+    tp_status status;
+    bool done;
+    tp_coll_kind kind;
+};
+
+/* Records one collective in the calling thread's active counter (no-op when
+ * none is active). Called by the dispatch layer after validation. */
+void tp__comm_debug_record(tp_coll_kind kind, size_t bytes);
+
+/* Built-in backends. */
+extern const tp_backend tp__shm_backend;
+
+/* Default timeout from TP_COMM_TIMEOUT, else 300 s; check from TP_COMM_CHECK. */
+double tp__default_timeout(void);
+bool tp__default_check(void);
+
+#endif /* TP_COLL_H */

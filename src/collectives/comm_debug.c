@@ -1,0 +1,2 @@
+/* placeholder: being written */
+typedef int tp__placeholder_t;
