@@ -59,8 +59,10 @@ TP_API int tp_cuda_device_count(void);
 /* ---- creation and lifetime ------------------------------------------------ */
 
 /* New contiguous tensor with uninitialized contents. ndim in [0, 8] (0 is a
- * scalar with one element); every size >= 0. CUDA devices need a CUDA build
- * (TP_ERR_NOT_SUPPORTED otherwise) and use cudaMalloc. */
+ * scalar with one element); every size >= 0. CPU storage is 64-byte aligned.
+ * CUDA devices need a CUDA build and a device (TP_ERR_NOT_SUPPORTED otherwise;
+ * an ordinal past the device count is TP_ERR_INVALID_ARG) and use cudaMalloc.
+ * The CPU device index must be 0. */
 TP_API tp_status tp_tensor_empty(tp_dtype dtype, tp_device device, int ndim,
                                  const int64_t *shape, tp_tensor **out);
 /* Same, filled with zeros. */
@@ -71,7 +73,9 @@ TP_API tp_status tp_tensor_zeros(tp_dtype dtype, tp_device device, int ndim,
 TP_API tp_status tp_tensor_from_data(tp_dtype dtype, int ndim, const int64_t *shape,
                                      const void *data, tp_tensor **out);
 /* Wraps caller memory without copying. `data` must stay valid until the last
- * reference is released; then deleter(data, ctx) is called if non-NULL. */
+ * reference is released; then deleter(data, ctx) is called if non-NULL. data
+ * must be aligned to the element size (NULL only for zero elements). On failure
+ * the caller keeps ownership: the deleter is not called. */
 TP_API tp_status tp_tensor_from_blob(tp_dtype dtype, tp_device device, int ndim,
                                      const int64_t *shape, void *data,
                                      void (*deleter)(void *data, void *ctx), void *ctx,
@@ -83,6 +87,10 @@ TP_API tp_tensor *tp_tensor_retain(tp_tensor *t);
 TP_API void tp_tensor_release(tp_tensor *t);
 
 /* ---- properties ----------------------------------------------------------- */
+
+/* On a NULL tensor: ndim -1, shape/strides/data NULL, size -1, numel 0,
+ * nbytes 0, dtype TP_DTYPE_COUNT, device {TP_DEVICE_CPU, -1}, is_contiguous
+ * and shares_storage false. */
 
 TP_API int tp_tensor_ndim(const tp_tensor *t);
 /* Pointer to ndim sizes, valid while t is alive. */
@@ -113,7 +121,8 @@ TP_API tp_status tp_tensor_narrow(tp_tensor *t, int dim, int64_t start, int64_t 
  * when n is small. index in [0, chunks). */
 TP_API tp_status tp_tensor_chunk(tp_tensor *t, int64_t chunks, int dim, int64_t index,
                                  tp_tensor **out);
-/* Removes dim, keeping element `index` along it. */
+/* Removes dim, keeping element `index` along it (negative counts from the
+ * end). */
 TP_API tp_status tp_tensor_select(tp_tensor *t, int dim, int64_t index, tp_tensor **out);
 /* Same elements, new shape (numel must match); t must be contiguous. One size
  * may be -1 (inferred). */
@@ -129,8 +138,10 @@ TP_API void tp_chunk_range(int64_t n, int64_t chunks, int64_t index, int64_t *st
 
 /* Copies src into dst elementwise. Shapes must be equal; dtypes may differ
  * (values convert as C casts do, floats round to nearest even when narrowing to
- * f16/bf16); either may be strided; devices may differ (CPU<->CUDA). src and
- * dst must not overlap unless they are the same view. */
+ * f16/bf16; float -> integer truncates toward zero, with NaN -> 0 and
+ * out-of-range values saturating where a C cast would be undefined); either may
+ * be strided; devices may differ (CPU<->CUDA). src and dst must not overlap
+ * unless they are the same view. Returns when the copy is complete. */
 TP_API tp_status tp_tensor_copy(tp_tensor *dst, const tp_tensor *src);
 /* New contiguous tensor with src's contents, on `device`, of `dtype`. */
 TP_API tp_status tp_tensor_to(const tp_tensor *src, tp_dtype dtype, tp_device device,
@@ -142,7 +153,8 @@ TP_API tp_status tp_tensor_clone(const tp_tensor *src, tp_tensor **out);
 
 /* Sets every element to value (converted to the dtype). */
 TP_API tp_status tp_tensor_fill(tp_tensor *t, double value);
-/* Element at the multi-index idx (ndim entries) as a double. CPU only. */
+/* Element at the multi-index idx (ndim entries; NULL for a scalar) as a
+ * double. CPU only (TP_ERR_NOT_SUPPORTED on CUDA). */
 TP_API tp_status tp_tensor_get(const tp_tensor *t, const int64_t *idx, double *value);
 /* Sets the element at idx. CPU only. */
 TP_API tp_status tp_tensor_set(tp_tensor *t, const int64_t *idx, double value);
@@ -185,8 +197,10 @@ typedef enum tp_rng_dist {
  * starting at `offset` (both t's ndim entries), with the values the global
  * tensor holds there: element at global multi-index G gets the value of
  * counter g = row-major linear index of G in global_shape. global_shape and
- * offset may be NULL: t is then the whole tensor. The block must lie inside
- * the global shape.
+ * offset may be NULL: t is then the whole tensor (a NULL global_shape means
+ * t's own shape, a NULL offset means all zeros). The block must lie inside
+ * the global shape. Integer dtypes store values as tp_tensor_copy converts
+ * them; RANDINT bounds must be at most 2^53 in magnitude.
  */
 TP_API tp_status tp_tensor_fill_random(tp_tensor *t, tp_rng_dist dist, double a, double b,
                                        uint64_t seed, const int64_t *global_shape,

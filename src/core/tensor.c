@@ -1,2 +1,1163 @@
-/* placeholder: being written */
-typedef int tp__placeholder_t;
+/* Tensors: refcounted storage, views, copies across dtypes, layouts and
+ * devices, fill, element access and comparison. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/core.h"
+
+#if TP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define TP__SHAPE_BUF 200 /* "[" + 8 x (20 digits + ", ") + "]" */
+
+/* ---- validation ----------------------------------------------------------- */
+
+static bool tp__dtype_ok(tp_dtype dtype) { return (unsigned)dtype < TP_DTYPE_COUNT; }
+
+static tp_status tp__check_dtype(const char *fn, tp_dtype dtype)
+{
+    if (!tp__dtype_ok(dtype))
+        return tp__error(TP_ERR_INVALID_ARG, "%s: invalid dtype %d", fn, (int)dtype);
+    return TP_OK;
+}
+
+/* Validates a shape and returns its element count and byte size. The product
+ * of max(size, 1) must fit so that contiguous strides never overflow, even
+ * for shapes with a zero size. */
+static tp_status tp__check_shape(const char *fn, tp_dtype dtype, int ndim, const int64_t *shape,
+                                 int64_t *numel, size_t *nbytes)
+{
+    if (ndim < 0 || ndim > TP_MAX_DIMS)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: ndim %d outside [0, %d]", fn, ndim,
+                         TP_MAX_DIMS);
+    if (ndim > 0 && !shape)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: shape is NULL for ndim %d", fn, ndim);
+    int64_t n = 1, span = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return tp__error(TP_ERR_INVALID_ARG, "%s: size %lld of dim %d is negative", fn,
+                             (long long)shape[i], i);
+        int64_t s = shape[i] ? shape[i] : 1;
+        if (span > INT64_MAX / s) {
+            char buf[TP__SHAPE_BUF];
+            return tp__error(TP_ERR_INVALID_ARG, "%s: shape %s has too many elements", fn,
+                             tp__shape_str(ndim, shape, buf, sizeof buf));
+        }
+        span *= s;
+        n *= shape[i];
+    }
+    size_t es = tp_dtype_size(dtype);
+    if ((uint64_t)span > (uint64_t)(PTRDIFF_MAX / (ptrdiff_t)es)) {
+        char buf[TP__SHAPE_BUF];
+        return tp__error(TP_ERR_INVALID_ARG, "%s: shape %s of %s exceeds the addressable size",
+                         fn, tp__shape_str(ndim, shape, buf, sizeof buf), tp_dtype_name(dtype));
+    }
+    *numel = n;
+    *nbytes = (size_t)n * es;
+    return TP_OK;
+}
+
+#if TP_HAVE_CUDA
+/* Non-sticky CUDA errors stay queued for the next cudaGetLastError; drain them
+ * so a later unrelated check does not report this one. */
+static tp_status tp__cuda_fail(const char *fn, const char *what, cudaError_t err)
+{
+    (void)cudaGetLastError();
+    return tp__error(err == cudaErrorMemoryAllocation ? TP_ERR_NO_MEMORY : TP_ERR_BACKEND,
+                     "%s: %s failed: %s", fn, what, cudaGetErrorString(err));
+}
+
+/* Makes `index` current, remembering the caller's device so libtp does not
+ * change it behind the caller's back. */
+static tp_status tp__cuda_enter(const char *fn, int index, int *prev)
+{
+    cudaError_t err = cudaGetDevice(prev);
+    if (err == cudaSuccess && *prev != index)
+        err = cudaSetDevice(index);
+    if (err != cudaSuccess)
+        return tp__cuda_fail(fn, "cudaSetDevice", err);
+    return TP_OK;
+}
+
+static void tp__cuda_leave(int prev, int index)
+{
+    if (prev != index)
+        (void)cudaSetDevice(prev);
+}
+#endif
+
+int tp_cuda_device_count(void)
+{
+#if TP_HAVE_CUDA
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return count;
+#else
+    return 0;
+#endif
+}
+
+static tp_status tp__check_device(const char *fn, tp_device dev)
+{
+    switch (dev.type) {
+    case TP_DEVICE_CPU:
+        if (dev.index != 0)
+            return tp__error(TP_ERR_INVALID_ARG, "%s: CPU device index must be 0, got %d", fn,
+                             dev.index);
+        return TP_OK;
+    case TP_DEVICE_CUDA: {
+#if TP_HAVE_CUDA
+        if (dev.index < 0)
+            return tp__error(TP_ERR_INVALID_ARG, "%s: CUDA device index %d is negative", fn,
+                             dev.index);
+        int count = 0;
+        cudaError_t err = cudaGetDeviceCount(&count);
+        if (err != cudaSuccess) {
+            (void)cudaGetLastError();
+            return tp__error(TP_ERR_NOT_SUPPORTED, "%s: CUDA device %d unavailable: %s", fn,
+                             dev.index, cudaGetErrorString(err));
+        }
+        if (count == 0)
+            return tp__error(TP_ERR_NOT_SUPPORTED, "%s: CUDA device %d unavailable: no device",
+                             fn, dev.index);
+        if (dev.index >= count)
+            return tp__error(TP_ERR_INVALID_ARG, "%s: CUDA device %d out of range (%d devices)",
+                             fn, dev.index, count);
+        return TP_OK;
+#else
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "%s: CUDA device %d requested but libtp was built without CUDA", fn,
+                         dev.index);
+#endif
+    }
+    }
+    return tp__error(TP_ERR_INVALID_ARG, "%s: invalid device type %d", fn, (int)dev.type);
+}
+
+/* ---- storage and lifetime ------------------------------------------------- */
+
+static void tp__storage_release(tp_storage *s)
+{
+    if (atomic_fetch_sub_explicit(&s->refcount, 1, memory_order_acq_rel) != 1)
+        return;
+    if (s->deleter) {
+        s->deleter(s->data, s->deleter_ctx);
+    } else if (s->owned) {
+        if (s->device.type == TP_DEVICE_CPU) {
+            tp__free(s->data);
+        } else {
+#if TP_HAVE_CUDA
+            /* Release cannot report errors; a failing cudaFree means the
+             * context is already gone, and the memory with it. */
+            int prev = 0;
+            if (tp__cuda_enter("tp_tensor_release", s->device.index, &prev) == TP_OK) {
+                if (cudaFree(s->data) != cudaSuccess)
+                    (void)cudaGetLastError();
+                tp__cuda_leave(prev, s->device.index);
+            }
+#endif
+        }
+    }
+    tp__free(s);
+}
+
+static tp_status tp__storage_new(const char *fn, tp_device dev, size_t nbytes, bool zero,
+                                 tp_storage **out)
+{
+    tp_storage *s = tp__malloc(sizeof *s);
+    if (!s)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the storage header", fn);
+    atomic_init(&s->refcount, 1);
+    s->data = NULL;
+    s->nbytes = nbytes;
+    s->device = dev;
+    s->deleter = NULL;
+    s->deleter_ctx = NULL;
+    s->owned = true;
+    if (dev.type == TP_DEVICE_CPU) {
+        s->data = tp__aligned_alloc(nbytes, TP__ALIGN);
+        if (!s->data) {
+            tp__free(s);
+            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory allocating %zu bytes", fn,
+                             nbytes);
+        }
+        if (zero)
+            memset(s->data, 0, nbytes);
+    } else {
+#if TP_HAVE_CUDA
+        int prev = 0;
+        tp_status st = tp__cuda_enter(fn, dev.index, &prev);
+        if (st != TP_OK) {
+            tp__free(s);
+            return st;
+        }
+        /* cudaMalloc(0) may hand back NULL; keep every storage a real pointer */
+        cudaError_t err = cudaMalloc(&s->data, nbytes ? nbytes : 1);
+        if (err == cudaSuccess && zero && nbytes) {
+            err = cudaMemset(s->data, 0, nbytes);
+            if (err == cudaSuccess) /* memset may run asynchronously; copies elsewhere may not wait */
+                err = cudaDeviceSynchronize();
+            if (err != cudaSuccess) {
+                (void)cudaFree(s->data);
+                s->data = NULL;
+            }
+        }
+        if (err != cudaSuccess) {
+            st = tp__cuda_fail(fn, zero ? "cudaMalloc/cudaMemset" : "cudaMalloc", err);
+            tp__cuda_leave(prev, dev.index);
+            tp__free(s);
+            return st;
+        }
+        tp__cuda_leave(prev, dev.index);
+#else
+        tp__free(s); /* unreachable: tp__check_device refused the device */
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
+#endif
+    }
+    *out = s;
+    return TP_OK;
+}
+
+static void tp__contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
+{
+    int64_t s = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        stride[i] = s;
+        s *= shape[i] ? shape[i] : 1;
+    }
+}
+
+/* A tensor header over `storage` (whose reference it takes over). */
+static tp_tensor *tp__tensor_header(tp_storage *storage, tp_dtype dtype, int ndim,
+                                    const int64_t *shape, const int64_t *stride, int64_t offset)
+{
+    tp_tensor *t = tp__malloc(sizeof *t);
+    if (!t)
+        return NULL;
+    atomic_init(&t->refcount, 1);
+    t->storage = storage;
+    t->dtype = dtype;
+    t->ndim = ndim;
+    memset(t->shape, 0, sizeof t->shape);
+    memset(t->stride, 0, sizeof t->stride);
+    if (ndim > 0) {
+        memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
+        if (stride)
+            memcpy(t->stride, stride, (size_t)ndim * sizeof *stride);
+        else
+            tp__contiguous_strides(ndim, shape, t->stride);
+    }
+    t->offset = offset;
+    t->autograd = NULL;
+    return t;
+}
+
+static tp_status tp__tensor_new(const char *fn, tp_dtype dtype, tp_device device, int ndim,
+                                const int64_t *shape, bool zero, tp_tensor **out)
+{
+    int64_t numel;
+    size_t nbytes;
+    TP_CHECK(tp__check_dtype(fn, dtype));
+    TP_CHECK(tp__check_shape(fn, dtype, ndim, shape, &numel, &nbytes));
+    TP_CHECK(tp__check_device(fn, device));
+    tp_storage *s = NULL;
+    TP_CHECK(tp__storage_new(fn, device, nbytes, zero, &s));
+    tp_tensor *t = tp__tensor_header(s, dtype, ndim, shape, NULL, 0);
+    if (!t) {
+        tp__storage_release(s);
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the tensor header", fn);
+    }
+    *out = t;
+    return TP_OK;
+}
+
+tp_status tp_tensor_empty(tp_dtype dtype, tp_device device, int ndim, const int64_t *shape,
+                          tp_tensor **out)
+{
+    TP_ARG_CHECK(out, "tp_tensor_empty: out is NULL");
+    *out = NULL;
+    return tp__tensor_new("tp_tensor_empty", dtype, device, ndim, shape, false, out);
+}
+
+tp_status tp_tensor_zeros(tp_dtype dtype, tp_device device, int ndim, const int64_t *shape,
+                          tp_tensor **out)
+{
+    TP_ARG_CHECK(out, "tp_tensor_zeros: out is NULL");
+    *out = NULL;
+    return tp__tensor_new("tp_tensor_zeros", dtype, device, ndim, shape, true, out);
+}
+
+tp_status tp_tensor_from_data(tp_dtype dtype, int ndim, const int64_t *shape, const void *data,
+                              tp_tensor **out)
+{
+    const char *fn = "tp_tensor_from_data";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    int64_t numel;
+    size_t nbytes;
+    TP_CHECK(tp__check_dtype(fn, dtype));
+    TP_CHECK(tp__check_shape(fn, dtype, ndim, shape, &numel, &nbytes));
+    TP_ARG_CHECK(data || numel == 0, "%s: data is NULL for %lld elements", fn, (long long)numel);
+    tp_tensor *t = NULL;
+    TP_CHECK(tp__tensor_new(fn, dtype, TP_CPU, ndim, shape, false, &t));
+    if (nbytes)
+        memcpy(t->storage->data, data, nbytes);
+    *out = t;
+    return TP_OK;
+}
+
+tp_status tp_tensor_from_blob(tp_dtype dtype, tp_device device, int ndim, const int64_t *shape,
+                              void *data, void (*deleter)(void *data, void *ctx), void *ctx,
+                              tp_tensor **out)
+{
+    const char *fn = "tp_tensor_from_blob";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    int64_t numel;
+    size_t nbytes;
+    TP_CHECK(tp__check_dtype(fn, dtype));
+    TP_CHECK(tp__check_shape(fn, dtype, ndim, shape, &numel, &nbytes));
+    TP_CHECK(tp__check_device(fn, device));
+    TP_ARG_CHECK(data || numel == 0, "%s: data is NULL for %lld elements", fn, (long long)numel);
+    /* element loops and kernels rely on natural alignment */
+    TP_ARG_CHECK((uintptr_t)data % tp_dtype_size(dtype) == 0,
+                 "%s: data %p is not aligned to the %zu-byte %s element size", fn, data,
+                 tp_dtype_size(dtype), tp_dtype_name(dtype));
+    tp_storage *s = tp__malloc(sizeof *s);
+    if (!s)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the storage header", fn);
+    atomic_init(&s->refcount, 1);
+    s->data = data;
+    s->nbytes = nbytes;
+    s->device = device;
+    s->deleter = deleter;
+    s->deleter_ctx = ctx;
+    s->owned = deleter != NULL;
+    tp_tensor *t = tp__tensor_header(s, dtype, ndim, shape, NULL, 0);
+    if (!t) {
+        /* the caller keeps ownership on failure: do not run the deleter */
+        tp__free(s);
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the tensor header", fn);
+    }
+    *out = t;
+    return TP_OK;
+}
+
+tp_tensor *tp_tensor_retain(tp_tensor *t)
+{
+    if (t)
+        atomic_fetch_add_explicit(&t->refcount, 1, memory_order_relaxed);
+    return t;
+}
+
+void tp_tensor_release(tp_tensor *t)
+{
+    if (!t)
+        return;
+    if (atomic_fetch_sub_explicit(&t->refcount, 1, memory_order_acq_rel) != 1)
+        return;
+    tp__storage_release(t->storage);
+    tp__free(t);
+}
+
+/* ---- properties ----------------------------------------------------------- */
+
+int tp_tensor_ndim(const tp_tensor *t) { return t ? t->ndim : -1; }
+
+const int64_t *tp_tensor_shape(const tp_tensor *t) { return t ? t->shape : NULL; }
+
+int64_t tp_tensor_size(const tp_tensor *t, int d)
+{
+    if (!t)
+        return -1;
+    d = tp__wrap_dim(d, t->ndim);
+    return d < 0 ? -1 : t->shape[d];
+}
+
+const int64_t *tp_tensor_strides(const tp_tensor *t) { return t ? t->stride : NULL; }
+
+static int64_t tp__numel(const tp_tensor *t)
+{
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++)
+        n *= t->shape[i];
+    return n;
+}
+
+int64_t tp_tensor_numel(const tp_tensor *t) { return t ? tp__numel(t) : 0; }
+
+tp_dtype tp_tensor_dtype(const tp_tensor *t) { return t ? t->dtype : TP_DTYPE_COUNT; }
+
+tp_device tp_tensor_device(const tp_tensor *t)
+{
+    return t ? t->storage->device : (tp_device){TP_DEVICE_CPU, -1};
+}
+
+size_t tp_tensor_nbytes(const tp_tensor *t)
+{
+    return t ? (size_t)tp__numel(t) * tp_dtype_size(t->dtype) : 0;
+}
+
+void *tp_tensor_data(const tp_tensor *t)
+{
+    if (!t)
+        return NULL;
+    return (char *)t->storage->data + (size_t)t->offset * tp_dtype_size(t->dtype);
+}
+
+static bool tp__is_contiguous(const tp_tensor *t)
+{
+    int64_t expect = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] == 0)
+            return true; /* no elements: any strides describe them */
+        if (t->shape[i] != 1 && t->stride[i] != expect)
+            return false;
+        expect *= t->shape[i];
+    }
+    return true;
+}
+
+bool tp_tensor_is_contiguous(const tp_tensor *t) { return t ? tp__is_contiguous(t) : false; }
+
+bool tp_tensor_shares_storage(const tp_tensor *a, const tp_tensor *b)
+{
+    return a && b && a->storage == b->storage;
+}
+
+/* ---- views ---------------------------------------------------------------- */
+
+/* A new header over t's storage with the given layout; retains the storage. */
+static tp_status tp__make_view(const char *fn, const tp_tensor *t, int ndim, const int64_t *shape,
+                               const int64_t *stride, int64_t offset, tp_tensor **out)
+{
+    tp_tensor *v = tp__tensor_header(t->storage, t->dtype, ndim, shape, stride, offset);
+    if (!v)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the view header", fn);
+    atomic_fetch_add_explicit(&t->storage->refcount, 1, memory_order_relaxed);
+    *out = v;
+    return TP_OK;
+}
+
+static tp_status tp__narrow(const char *fn, tp_tensor *t, int dim, int64_t start, int64_t length,
+                            tp_tensor **out)
+{
+    int d = tp__wrap_dim(dim, t->ndim);
+    TP_ARG_CHECK(d >= 0, "%s: dim %d out of range for a %d-d tensor", fn, dim, t->ndim);
+    int64_t size = t->shape[d];
+    TP_ARG_CHECK(start >= 0 && start <= size, "%s: start %lld outside [0, %lld] of dim %d", fn,
+                 (long long)start, (long long)size, d);
+    TP_ARG_CHECK(length >= 0, "%s: length %lld is negative", fn, (long long)length);
+    TP_ARG_CHECK(length <= size - start, "%s: start %lld + length %lld exceeds size %lld of dim %d",
+                 fn, (long long)start, (long long)length, (long long)size, d);
+    int64_t shape[TP_MAX_DIMS];
+    memcpy(shape, t->shape, sizeof shape);
+    shape[d] = length;
+    return tp__make_view(fn, t, t->ndim, shape, t->stride, t->offset + start * t->stride[d], out);
+}
+
+tp_status tp_tensor_narrow(tp_tensor *t, int dim, int64_t start, int64_t length, tp_tensor **out)
+{
+    TP_ARG_CHECK(out, "tp_tensor_narrow: out is NULL");
+    *out = NULL;
+    TP_ARG_CHECK(t, "tp_tensor_narrow: t is NULL");
+    return tp__narrow("tp_tensor_narrow", t, dim, start, length, out);
+}
+
+void tp_chunk_range(int64_t n, int64_t chunks, int64_t index, int64_t *start, int64_t *length)
+{
+    int64_t s = 0, l = 0;
+    if (n > 0 && chunks > 0 && index >= 0 && index < chunks) {
+        int64_t c = n / chunks + (n % chunks != 0); /* ceil without overflow */
+        /* index * c may overflow for huge n; index > n / c already means past the end */
+        s = index > n / c ? n : index * c;
+        if (s > n)
+            s = n;
+        l = n - s < c ? n - s : c;
+    }
+    if (start)
+        *start = s;
+    if (length)
+        *length = l;
+}
+
+tp_status tp_tensor_chunk(tp_tensor *t, int64_t chunks, int dim, int64_t index, tp_tensor **out)
+{
+    const char *fn = "tp_tensor_chunk";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_ARG_CHECK(chunks >= 1, "%s: chunks %lld must be >= 1", fn, (long long)chunks);
+    TP_ARG_CHECK(index >= 0 && index < chunks, "%s: index %lld outside [0, %lld)", fn,
+                 (long long)index, (long long)chunks);
+    int d = tp__wrap_dim(dim, t->ndim);
+    TP_ARG_CHECK(d >= 0, "%s: dim %d out of range for a %d-d tensor", fn, dim, t->ndim);
+    int64_t start, length;
+    tp_chunk_range(t->shape[d], chunks, index, &start, &length);
+    return tp__narrow(fn, t, d, start, length, out);
+}
+
+tp_status tp_tensor_select(tp_tensor *t, int dim, int64_t index, tp_tensor **out)
+{
+    const char *fn = "tp_tensor_select";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    int d = tp__wrap_dim(dim, t->ndim);
+    TP_ARG_CHECK(d >= 0, "%s: dim %d out of range for a %d-d tensor", fn, dim, t->ndim);
+    int64_t size = t->shape[d];
+    int64_t i = index < 0 ? index + size : index;
+    TP_ARG_CHECK(i >= 0 && i < size, "%s: index %lld out of range for size %lld of dim %d", fn,
+                 (long long)index, (long long)size, d);
+    int64_t shape[TP_MAX_DIMS], stride[TP_MAX_DIMS];
+    int n = 0;
+    for (int k = 0; k < t->ndim; k++) {
+        if (k == d)
+            continue;
+        shape[n] = t->shape[k];
+        stride[n] = t->stride[k];
+        n++;
+    }
+    return tp__make_view(fn, t, n, shape, stride, t->offset + i * t->stride[d], out);
+}
+
+tp_status tp_tensor_view(tp_tensor *t, int ndim, const int64_t *shape, tp_tensor **out)
+{
+    const char *fn = "tp_tensor_view";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_ARG_CHECK(ndim >= 0 && ndim <= TP_MAX_DIMS, "%s: ndim %d outside [0, %d]", fn, ndim,
+                 TP_MAX_DIMS);
+    TP_ARG_CHECK(ndim == 0 || shape, "%s: shape is NULL for ndim %d", fn, ndim);
+    char buf[TP__SHAPE_BUF], buf2[TP__SHAPE_BUF];
+    if (!tp__is_contiguous(t))
+        return tp__error(TP_ERR_INVALID_ARG, "%s: tensor of shape %s with strides %s is not contiguous",
+                         fn, tp__shape_str(t->ndim, t->shape, buf, sizeof buf),
+                         tp__shape_str(t->ndim, t->stride, buf2, sizeof buf2));
+    int64_t numel = tp__numel(t);
+    int64_t resolved[TP_MAX_DIMS];
+    int infer = -1;
+    int64_t known = 1;
+    bool zero = false, overflow = false;
+    for (int i = 0; i < ndim; i++) {
+        resolved[i] = shape[i];
+        if (shape[i] == -1) {
+            TP_ARG_CHECK(infer < 0, "%s: only one size may be -1, got dims %d and %d", fn, infer, i);
+            infer = i;
+            continue;
+        }
+        TP_ARG_CHECK(shape[i] >= 0, "%s: size %lld of dim %d is invalid", fn,
+                     (long long)shape[i], i);
+        if (shape[i] == 0)
+            zero = true;
+        else if (known > INT64_MAX / shape[i])
+            overflow = true;
+        else
+            known *= shape[i];
+    }
+    if (zero)
+        known = 0;
+    else if (overflow)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: shape %s has too many elements", fn,
+                         tp__shape_str(ndim, shape, buf, sizeof buf));
+    if (infer >= 0) {
+        if (known == 0 || numel % known != 0)
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: cannot infer the -1 in shape %s for %lld elements", fn,
+                             tp__shape_str(ndim, shape, buf, sizeof buf), (long long)numel);
+        resolved[infer] = numel / known;
+    } else if (known != numel) {
+        return tp__error(TP_ERR_INVALID_ARG, "%s: shape %s has %lld elements, tensor %s has %lld",
+                         fn, tp__shape_str(ndim, shape, buf, sizeof buf), (long long)known,
+                         tp__shape_str(t->ndim, t->shape, buf2, sizeof buf2), (long long)numel);
+    }
+    int64_t n2;
+    size_t nb;
+    TP_CHECK(tp__check_shape(fn, t->dtype, ndim, resolved, &n2, &nb));
+    return tp__make_view(fn, t, ndim, resolved, NULL, t->offset, out);
+}
+
+/* ---- strided iteration ---------------------------------------------------- */
+
+/* Processes n elements: d and s advance by ds and ss bytes per element. */
+typedef void (*tp__run_fn)(char *d, int64_t ds, const char *s, int64_t ss, int64_t n, void *ctx);
+
+/*
+ * Calls fn once per innermost run of two same-shaped strided arrays (strides in
+ * bytes). Size-1 dims are dropped and dims that are contiguous with their inner
+ * neighbour in both arrays are merged, so contiguous data is one run (memcpy
+ * speed) and the outer odometer costs no divisions. numel must be > 0.
+ */
+static void tp__foreach2(int ndim, const int64_t *shape, char *d, const int64_t *dstr,
+                         const char *s, const int64_t *sstr, tp__run_fn fn, void *ctx)
+{
+    int64_t sh[TP_MAX_DIMS], ds[TP_MAX_DIMS], ss[TP_MAX_DIMS], idx[TP_MAX_DIMS];
+    int n = 0;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] == 1)
+            continue;
+        if (n > 0 && ds[n - 1] == dstr[i] * shape[i] && ss[n - 1] == sstr[i] * shape[i]) {
+            sh[n - 1] *= shape[i];
+            ds[n - 1] = dstr[i];
+            ss[n - 1] = sstr[i];
+        } else {
+            sh[n] = shape[i];
+            ds[n] = dstr[i];
+            ss[n] = sstr[i];
+            n++;
+        }
+    }
+    if (n == 0) {
+        fn(d, 0, s, 0, 1, ctx);
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        idx[i] = 0;
+    int inner = n - 1;
+    for (;;) {
+        fn(d, ds[inner], s, ss[inner], sh[inner], ctx);
+        int k = inner - 1;
+        for (; k >= 0; k--) {
+            d += ds[k];
+            s += ss[k];
+            if (++idx[k] < sh[k])
+                break;
+            d -= ds[k] * sh[k];
+            s -= ss[k] * sh[k];
+            idx[k] = 0;
+        }
+        if (k < 0)
+            return;
+    }
+}
+
+/* ---- element conversion runs ---------------------------------------------- */
+
+static inline float tp__ld_f32(const char *p) { float v; memcpy(&v, p, sizeof v); return v; }
+static inline double tp__ld_f64(const char *p) { double v; memcpy(&v, p, sizeof v); return v; }
+static inline float tp__ld_f16(const char *p) { uint16_t v; memcpy(&v, p, sizeof v); return tp__f16_to_f32(v); }
+static inline float tp__ld_bf16(const char *p) { uint16_t v; memcpy(&v, p, sizeof v); return tp__bf16_to_f32(v); }
+static inline int32_t tp__ld_i32(const char *p) { int32_t v; memcpy(&v, p, sizeof v); return v; }
+static inline int64_t tp__ld_i64(const char *p) { int64_t v; memcpy(&v, p, sizeof v); return v; }
+
+/* Stores from a float source (_d) and from an integer source (_i). Integers
+ * convert directly so that i64 -> f32 rounds once, not via double. */
+static inline void tp__st_f32_d(char *p, double v) { float x = (float)v; memcpy(p, &x, sizeof x); }
+static inline void tp__st_f32_i(char *p, int64_t v) { float x = (float)v; memcpy(p, &x, sizeof x); }
+static inline void tp__st_f64_d(char *p, double v) { memcpy(p, &v, sizeof v); }
+static inline void tp__st_f64_i(char *p, int64_t v) { double x = (double)v; memcpy(p, &x, sizeof x); }
+static inline void tp__st_f16_d(char *p, double v) { uint16_t x = tp__f32_to_f16((float)v); memcpy(p, &x, sizeof x); }
+static inline void tp__st_f16_i(char *p, int64_t v) { uint16_t x = tp__f32_to_f16((float)v); memcpy(p, &x, sizeof x); }
+static inline void tp__st_bf16_d(char *p, double v) { uint16_t x = tp__f32_to_bf16((float)v); memcpy(p, &x, sizeof x); }
+static inline void tp__st_bf16_i(char *p, int64_t v) { uint16_t x = tp__f32_to_bf16((float)v); memcpy(p, &x, sizeof x); }
+static inline void tp__st_i32_d(char *p, double v) { int32_t x = tp__f64_to_i32(v); memcpy(p, &x, sizeof x); }
+static inline void tp__st_i32_i(char *p, int64_t v) { int32_t x = (int32_t)v; memcpy(p, &x, sizeof x); }
+static inline void tp__st_i64_d(char *p, double v) { int64_t x = tp__f64_to_i64(v); memcpy(p, &x, sizeof x); }
+static inline void tp__st_i64_i(char *p, int64_t v) { memcpy(p, &v, sizeof v); }
+
+#define TP__ST(D, p, v)                                                         \
+    _Generic((v), int32_t: tp__st_##D##_i, int64_t: tp__st_##D##_i, default: tp__st_##D##_d)((p), (v))
+
+#define TP__CONV(S, D)                                                          \
+    static void tp__conv_##S##_##D(char *d, int64_t ds, const char *s, int64_t ss, int64_t n,   \
+                                   void *ctx)                                   \
+    {                                                                           \
+        (void)ctx;                                                              \
+        for (int64_t i = 0; i < n; i++, d += ds, s += ss)                       \
+            TP__ST(D, d, tp__ld_##S(s));                                        \
+    }
+#define TP__CONV_FROM(S)                                                        \
+    TP__CONV(S, f32) TP__CONV(S, f64) TP__CONV(S, f16) TP__CONV(S, bf16) TP__CONV(S, i32)       \
+    TP__CONV(S, i64)
+TP__CONV_FROM(f32)
+TP__CONV_FROM(f64)
+TP__CONV_FROM(f16)
+TP__CONV_FROM(bf16)
+TP__CONV_FROM(i32)
+TP__CONV_FROM(i64)
+
+#define TP__CONV_ROW(S)                                                         \
+    {                                                                           \
+        [TP_F32] = tp__conv_##S##_f32, [TP_F64] = tp__conv_##S##_f64,           \
+        [TP_F16] = tp__conv_##S##_f16, [TP_BF16] = tp__conv_##S##_bf16,         \
+        [TP_I32] = tp__conv_##S##_i32, [TP_I64] = tp__conv_##S##_i64,           \
+    }
+/* [src][dst]; the diagonal is never used (same dtype copies move raw bytes so
+ * that f16/bf16 NaN payloads survive) but keeps the table total. */
+static const tp__run_fn tp__conv_table[TP_DTYPE_COUNT][TP_DTYPE_COUNT] = {
+    [TP_F32] = TP__CONV_ROW(f32), [TP_F64] = TP__CONV_ROW(f64),
+    [TP_F16] = TP__CONV_ROW(f16), [TP_BF16] = TP__CONV_ROW(bf16),
+    [TP_I32] = TP__CONV_ROW(i32), [TP_I64] = TP__CONV_ROW(i64),
+};
+
+/* Same-dtype copy; ctx points at the element size. */
+static void tp__run_move(char *d, int64_t ds, const char *s, int64_t ss, int64_t n, void *ctx)
+{
+    size_t es = *(const size_t *)ctx;
+    if (ds == (int64_t)es && ss == (int64_t)es) {
+        memcpy(d, s, (size_t)n * es);
+        return;
+    }
+    switch (es) {
+    case 2:
+        for (int64_t i = 0; i < n; i++, d += ds, s += ss)
+            memcpy(d, s, 2);
+        break;
+    case 4:
+        for (int64_t i = 0; i < n; i++, d += ds, s += ss)
+            memcpy(d, s, 4);
+        break;
+    default:
+        for (int64_t i = 0; i < n; i++, d += ds, s += ss)
+            memcpy(d, s, 8);
+        break;
+    }
+}
+
+/* CPU copy between two strided arrays of the same shape (strides in elements). */
+static void tp__cpu_copy(int ndim, const int64_t *shape, char *d, tp_dtype dd,
+                         const int64_t *dstride, const char *s, tp_dtype sd,
+                         const int64_t *sstride)
+{
+    size_t des = tp_dtype_size(dd), ses = tp_dtype_size(sd);
+    int64_t db[TP_MAX_DIMS], sb[TP_MAX_DIMS];
+    for (int i = 0; i < ndim; i++) {
+        db[i] = dstride[i] * (int64_t)des;
+        sb[i] = sstride[i] * (int64_t)ses;
+    }
+    if (dd == sd)
+        tp__foreach2(ndim, shape, d, db, s, sb, tp__run_move, &des);
+    else
+        tp__foreach2(ndim, shape, d, db, s, sb, tp__conv_table[sd][dd], NULL);
+}
+
+/* ---- copies --------------------------------------------------------------- */
+
+static bool tp__same_shape(const tp_tensor *a, const tp_tensor *b)
+{
+    if (a->ndim != b->ndim)
+        return false;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i])
+            return false;
+    return true;
+}
+
+#if TP_HAVE_CUDA
+/* Bytes from a view's first element through its last. Strides are never
+ * negative, so this is the window a staged strided copy must move. */
+static size_t tp__span_bytes(const tp_tensor *t)
+{
+    int64_t last = 0;
+    for (int i = 0; i < t->ndim; i++)
+        last += (t->shape[i] - 1) * t->stride[i];
+    return (size_t)(last + 1) * tp_dtype_size(t->dtype);
+}
+
+/* Blocking byte copy where at least one side is a CUDA device. D2D copies are
+ * asynchronous to the host in CUDA; libtp synchronizes so every copy is
+ * complete on return, whichever stream the caller uses next. */
+static tp_status tp__cuda_memcpy(const char *fn, void *dst, tp_device dd, const void *src,
+                                 tp_device sd, size_t n)
+{
+    int dev = dd.type == TP_DEVICE_CUDA ? dd.index : sd.index, prev = 0;
+    TP_CHECK(tp__cuda_enter(fn, dev, &prev));
+    cudaError_t err;
+    const char *what;
+    if (dd.type == TP_DEVICE_CUDA && sd.type == TP_DEVICE_CUDA) {
+        if (dd.index == sd.index) {
+            what = "cudaMemcpy(device to device)";
+            err = cudaMemcpy(dst, src, n, cudaMemcpyDeviceToDevice);
+        } else {
+            what = "cudaMemcpyPeer";
+            err = cudaMemcpyPeer(dst, dd.index, src, sd.index, n);
+        }
+        if (err == cudaSuccess)
+            err = cudaDeviceSynchronize();
+    } else if (dd.type == TP_DEVICE_CUDA) {
+        what = "cudaMemcpy(host to device)";
+        err = cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice);
+    } else {
+        what = "cudaMemcpy(device to host)";
+        err = cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost);
+    }
+    tp_status st = err == cudaSuccess ? TP_OK : tp__cuda_fail(fn, what, err);
+    tp__cuda_leave(prev, dev);
+    return st;
+}
+
+/*
+ * Copy with at least one CUDA side. Same dtype and both contiguous is one
+ * cudaMemcpy. Anything else goes through host staging: a strided CUDA source is
+ * fetched as the whole window its elements span, converted/gathered on the
+ * host, and a strided CUDA destination is read, patched and written back as a
+ * window (so elements inside the window but outside the view are rewritten
+ * with their own values: do not run kernels on them concurrently).
+ */
+static tp_status tp__copy_cuda(const char *fn, tp_tensor *dst, const tp_tensor *src)
+{
+    tp_device dd = dst->storage->device, sd = src->storage->device;
+    if (dst->dtype == src->dtype && tp__is_contiguous(dst) && tp__is_contiguous(src))
+        return tp__cuda_memcpy(fn, tp_tensor_data(dst), dd, tp_tensor_data(src), sd,
+                               tp_tensor_nbytes(src));
+
+    tp_status st = TP_OK;
+    char *sbuf = NULL, *dbuf = NULL;
+    const char *sbase = tp_tensor_data(src);
+    if (sd.type == TP_DEVICE_CUDA) {
+        size_t n = tp__span_bytes(src);
+        sbuf = tp__aligned_alloc(n, TP__ALIGN);
+        if (!sbuf) {
+            st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for a %zu-byte staging buffer",
+                           fn, n);
+            goto done;
+        }
+        TP_CHECK_GOTO(tp__cuda_memcpy(fn, sbuf, TP_CPU, sbase, sd, n), st, done);
+        sbase = sbuf;
+    }
+    if (dd.type == TP_DEVICE_CPU) {
+        tp__cpu_copy(dst->ndim, dst->shape, tp_tensor_data(dst), dst->dtype, dst->stride, sbase,
+                     src->dtype, src->stride);
+        goto done;
+    }
+    bool contig = tp__is_contiguous(dst);
+    size_t n = contig ? tp_tensor_nbytes(dst) : tp__span_bytes(dst);
+    dbuf = tp__aligned_alloc(n, TP__ALIGN);
+    if (!dbuf) {
+        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for a %zu-byte staging buffer", fn,
+                       n);
+        goto done;
+    }
+    int64_t cstride[TP_MAX_DIMS];
+    const int64_t *dstride = dst->stride;
+    if (contig) {
+        tp__contiguous_strides(dst->ndim, dst->shape, cstride);
+        dstride = cstride;
+    } else {
+        TP_CHECK_GOTO(tp__cuda_memcpy(fn, dbuf, TP_CPU, tp_tensor_data(dst), dd, n), st, done);
+    }
+    tp__cpu_copy(dst->ndim, dst->shape, dbuf, dst->dtype, dstride, sbase, src->dtype,
+                 src->stride);
+    st = tp__cuda_memcpy(fn, tp_tensor_data(dst), dd, dbuf, TP_CPU, n);
+done:
+    tp__free(sbuf);
+    tp__free(dbuf);
+    return st;
+}
+#endif
+
+static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
+{
+    if (!tp__same_shape(dst, src)) {
+        char b1[TP__SHAPE_BUF], b2[TP__SHAPE_BUF];
+        return tp__error(TP_ERR_INVALID_ARG, "%s: dst shape %s != src shape %s", fn,
+                         tp__shape_str(dst->ndim, dst->shape, b1, sizeof b1),
+                         tp__shape_str(src->ndim, src->shape, b2, sizeof b2));
+    }
+    if (tp__numel(src) == 0)
+        return TP_OK;
+    if (dst->storage == src->storage && dst->offset == src->offset && dst->dtype == src->dtype &&
+        memcmp(dst->stride, src->stride, sizeof dst->stride) == 0)
+        return TP_OK; /* the same view: copying onto itself changes nothing */
+    if (dst->storage->device.type == TP_DEVICE_CPU && src->storage->device.type == TP_DEVICE_CPU) {
+        tp__cpu_copy(dst->ndim, dst->shape, tp_tensor_data(dst), dst->dtype, dst->stride,
+                     tp_tensor_data(src), src->dtype, src->stride);
+        return TP_OK;
+    }
+#if TP_HAVE_CUDA
+    return tp__copy_cuda(fn, dst, src);
+#else
+    return tp__error(TP_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
+#endif
+}
+
+tp_status tp_tensor_copy(tp_tensor *dst, const tp_tensor *src)
+{
+    TP_ARG_CHECK(dst, "tp_tensor_copy: dst is NULL");
+    TP_ARG_CHECK(src, "tp_tensor_copy: src is NULL");
+    return tp__copy("tp_tensor_copy", dst, src);
+}
+
+static tp_status tp__to(const char *fn, const tp_tensor *src, tp_dtype dtype, tp_device device,
+                        tp_tensor **out)
+{
+    tp_tensor *t = NULL;
+    TP_CHECK(tp__tensor_new(fn, dtype, device, src->ndim, src->shape, false, &t));
+    tp_status st = tp__copy(fn, t, src);
+    if (st != TP_OK) {
+        tp_tensor_release(t);
+        return st;
+    }
+    *out = t;
+    return TP_OK;
+}
+
+tp_status tp_tensor_to(const tp_tensor *src, tp_dtype dtype, tp_device device, tp_tensor **out)
+{
+    TP_ARG_CHECK(out, "tp_tensor_to: out is NULL");
+    *out = NULL;
+    TP_ARG_CHECK(src, "tp_tensor_to: src is NULL");
+    return tp__to("tp_tensor_to", src, dtype, device, out);
+}
+
+tp_status tp_tensor_clone(const tp_tensor *src, tp_tensor **out)
+{
+    TP_ARG_CHECK(out, "tp_tensor_clone: out is NULL");
+    *out = NULL;
+    TP_ARG_CHECK(src, "tp_tensor_clone: src is NULL");
+    return tp__to("tp_tensor_clone", src, src->dtype, src->storage->device, out);
+}
+
+/* ---- fill and element access ---------------------------------------------- */
+
+typedef struct tp__fill_ctx {
+    unsigned char pattern[8];
+    size_t es;
+    bool zero;
+} tp__fill_ctx;
+
+static void tp__run_fill(char *d, int64_t ds, const char *s, int64_t ss, int64_t n, void *vctx)
+{
+    (void)s;
+    (void)ss;
+    const tp__fill_ctx *c = vctx;
+    if (c->zero && ds == (int64_t)c->es) {
+        memset(d, 0, (size_t)n * c->es);
+        return;
+    }
+    switch (c->es) {
+    case 2:
+        for (int64_t i = 0; i < n; i++, d += ds)
+            memcpy(d, c->pattern, 2);
+        break;
+    case 4:
+        for (int64_t i = 0; i < n; i++, d += ds)
+            memcpy(d, c->pattern, 4);
+        break;
+    default:
+        for (int64_t i = 0; i < n; i++, d += ds)
+            memcpy(d, c->pattern, 8);
+        break;
+    }
+}
+
+static void tp__fill_cpu(tp_tensor *t, double value)
+{
+    tp__fill_ctx c;
+    c.es = tp_dtype_size(t->dtype);
+    memset(c.pattern, 0, sizeof c.pattern);
+    tp__store_f64(c.pattern, t->dtype, 0, value);
+    c.zero = true;
+    for (size_t i = 0; i < c.es; i++)
+        c.zero = c.zero && c.pattern[i] == 0;
+    int64_t b[TP_MAX_DIMS];
+    for (int i = 0; i < t->ndim; i++)
+        b[i] = t->stride[i] * (int64_t)c.es;
+    char *p = tp_tensor_data(t);
+    tp__foreach2(t->ndim, t->shape, p, b, p, b, tp__run_fill, &c);
+}
+
+tp_status tp_tensor_fill(tp_tensor *t, double value)
+{
+    const char *fn = "tp_tensor_fill";
+    TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    if (tp__numel(t) == 0)
+        return TP_OK;
+    if (t->storage->device.type == TP_DEVICE_CPU) {
+        tp__fill_cpu(t, value);
+        return TP_OK;
+    }
+#if TP_HAVE_CUDA
+    /* Zero bytes on a contiguous view: one memset on the device. */
+    unsigned char pat[8] = {0};
+    tp__store_f64(pat, t->dtype, 0, value);
+    bool zero = true;
+    for (size_t i = 0; i < tp_dtype_size(t->dtype); i++)
+        zero = zero && pat[i] == 0;
+    if (zero && tp__is_contiguous(t)) {
+        int prev = 0;
+        TP_CHECK(tp__cuda_enter(fn, t->storage->device.index, &prev));
+        cudaError_t err = cudaMemset(tp_tensor_data(t), 0, tp_tensor_nbytes(t));
+        if (err == cudaSuccess)
+            err = cudaDeviceSynchronize();
+        tp_status st = err == cudaSuccess ? TP_OK : tp__cuda_fail(fn, "cudaMemset", err);
+        tp__cuda_leave(prev, t->storage->device.index);
+        return st;
+    }
+    tp_tensor *host = NULL;
+    TP_CHECK(tp__tensor_new(fn, t->dtype, TP_CPU, t->ndim, t->shape, false, &host));
+    tp__fill_cpu(host, value);
+    tp_status st = tp__copy(fn, t, host);
+    tp_tensor_release(host);
+    return st;
+#else
+    return tp__error(TP_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
+#endif
+}
+
+/* Element offset (in elements from storage->data) of multi-index idx. */
+static tp_status tp__elem_offset(const char *fn, const tp_tensor *t, const int64_t *idx,
+                                 int64_t *off)
+{
+    if (t->storage->device.type != TP_DEVICE_CPU)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: tensor is on CUDA device %d; CPU only", fn,
+                         t->storage->device.index);
+    TP_ARG_CHECK(idx || t->ndim == 0, "%s: idx is NULL for a %d-d tensor", fn, t->ndim);
+    int64_t o = t->offset;
+    for (int i = 0; i < t->ndim; i++) {
+        TP_ARG_CHECK(idx[i] >= 0 && idx[i] < t->shape[i],
+                     "%s: index %lld out of range for size %lld of dim %d", fn,
+                     (long long)idx[i], (long long)t->shape[i], i);
+        o += idx[i] * t->stride[i];
+    }
+    *off = o;
+    return TP_OK;
+}
+
+tp_status tp_tensor_get(const tp_tensor *t, const int64_t *idx, double *value)
+{
+    TP_ARG_CHECK(value, "tp_tensor_get: value is NULL");
+    *value = 0.0;
+    TP_ARG_CHECK(t, "tp_tensor_get: t is NULL");
+    int64_t off = 0;
+    TP_CHECK(tp__elem_offset("tp_tensor_get", t, idx, &off));
+    *value = tp__load_f64(t->storage->data, t->dtype, off);
+    return TP_OK;
+}
+
+tp_status tp_tensor_set(tp_tensor *t, const int64_t *idx, double value)
+{
+    TP_ARG_CHECK(t, "tp_tensor_set: t is NULL");
+    int64_t off = 0;
+    TP_CHECK(tp__elem_offset("tp_tensor_set", t, idx, &off));
+    tp__store_f64(t->storage->data, t->dtype, off, value);
+    return TP_OK;
+}
+
+/* ---- comparison ----------------------------------------------------------- */
+
+enum { TP__CMP_EQUAL, TP__CMP_CLOSE, TP__CMP_MAXDIFF };
+
+typedef struct tp__cmp_ctx {
+    int mode;
+    tp_dtype ad, bd;
+    double rtol, atol;
+    bool ok;     /* EQUAL / CLOSE: every element so far passed */
+    double diff; /* MAXDIFF: NaN once any pair differs by NaN */
+} tp__cmp_ctx;
+
+static void tp__run_cmp(char *a, int64_t as, const char *b, int64_t bs, int64_t n, void *vctx)
+{
+    tp__cmp_ctx *c = vctx;
+    for (int64_t i = 0; i < n; i++, a += as, b += bs) {
+        double x = tp__load_f64(a, c->ad, 0), y = tp__load_f64(b, c->bd, 0);
+        switch (c->mode) {
+        case TP__CMP_EQUAL:
+            c->ok = c->ok && x == y;
+            break;
+        case TP__CMP_CLOSE:
+            /* equal infinities are close; any other inf or NaN is not (the
+             * bound atol + rtol*|inf| alone would accept +inf vs -inf) */
+            if (x != y && (!isfinite(x) || !isfinite(y) ||
+                           !(fabs(x - y) <= c->atol + c->rtol * fabs(y))))
+                c->ok = false;
+            break;
+        default: {
+            double d = x == y ? 0.0 : fabs(x - y);
+            if (isnan(d) || d > c->diff)
+                c->diff = d;
+            break;
+        }
+        }
+    }
+}
+
+/* Host copy for comparison; *tmp holds what the caller must release. */
+static tp_status tp__host_view(const char *fn, const tp_tensor *t, const tp_tensor **host,
+                               tp_tensor **tmp)
+{
+    *tmp = NULL;
+    if (t->storage->device.type == TP_DEVICE_CPU) {
+        *host = t;
+        return TP_OK;
+    }
+    TP_CHECK(tp__to(fn, t, t->dtype, TP_CPU, tmp));
+    *host = *tmp;
+    return TP_OK;
+}
+
+static tp_status tp__compare(const char *fn, const tp_tensor *a, const tp_tensor *b,
+                             bool mismatch_is_error, tp__cmp_ctx *c)
+{
+    TP_ARG_CHECK(a, "%s: a is NULL", fn);
+    TP_ARG_CHECK(b, "%s: b is NULL", fn);
+    if (!tp__same_shape(a, b)) {
+        if (!mismatch_is_error) {
+            c->ok = false;
+            return TP_OK;
+        }
+        char b1[TP__SHAPE_BUF], b2[TP__SHAPE_BUF];
+        return tp__error(TP_ERR_INVALID_ARG, "%s: shape %s != shape %s", fn,
+                         tp__shape_str(a->ndim, a->shape, b1, sizeof b1),
+                         tp__shape_str(b->ndim, b->shape, b2, sizeof b2));
+    }
+    if (tp__numel(a) == 0)
+        return TP_OK;
+    const tp_tensor *ha, *hb;
+    tp_tensor *ta = NULL, *tb = NULL;
+    tp_status st;
+    TP_CHECK_GOTO(tp__host_view(fn, a, &ha, &ta), st, done);
+    TP_CHECK_GOTO(tp__host_view(fn, b, &hb, &tb), st, done);
+    int64_t as[TP_MAX_DIMS], bs[TP_MAX_DIMS];
+    for (int i = 0; i < a->ndim; i++) {
+        as[i] = ha->stride[i] * (int64_t)tp_dtype_size(ha->dtype);
+        bs[i] = hb->stride[i] * (int64_t)tp_dtype_size(hb->dtype);
+    }
+    c->ad = ha->dtype;
+    c->bd = hb->dtype;
+    tp__foreach2(a->ndim, a->shape, tp_tensor_data(ha), as, tp_tensor_data(hb), bs, tp__run_cmp,
+                 c);
+done:
+    tp_tensor_release(ta);
+    tp_tensor_release(tb);
+    return st;
+}
+
+tp_status tp_tensor_equal(const tp_tensor *a, const tp_tensor *b, bool *equal)
+{
+    TP_ARG_CHECK(equal, "tp_tensor_equal: equal is NULL");
+    *equal = false;
+    tp__cmp_ctx c = {.mode = TP__CMP_EQUAL, .ok = true};
+    TP_CHECK(tp__compare("tp_tensor_equal", a, b, false, &c));
+    *equal = c.ok;
+    return TP_OK;
+}
+
+tp_status tp_tensor_allclose(const tp_tensor *a, const tp_tensor *b, double rtol, double atol,
+                             bool *close)
+{
+    TP_ARG_CHECK(close, "tp_tensor_allclose: close is NULL");
+    *close = false;
+    TP_ARG_CHECK(rtol >= 0 && atol >= 0, "tp_tensor_allclose: rtol %g and atol %g must be >= 0",
+                 rtol, atol);
+    tp__cmp_ctx c = {.mode = TP__CMP_CLOSE, .rtol = rtol, .atol = atol, .ok = true};
+    TP_CHECK(tp__compare("tp_tensor_allclose", a, b, false, &c));
+    *close = c.ok;
+    return TP_OK;
+}
+
+tp_status tp_tensor_max_abs_diff(const tp_tensor *a, const tp_tensor *b, double *diff)
+{
+    TP_ARG_CHECK(diff, "tp_tensor_max_abs_diff: diff is NULL");
+    *diff = 0.0;
+    tp__cmp_ctx c = {.mode = TP__CMP_MAXDIFF, .diff = 0.0};
+    TP_CHECK(tp__compare("tp_tensor_max_abs_diff", a, b, true, &c));
+    *diff = c.diff;
+    return TP_OK;
+}
