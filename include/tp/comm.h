@@ -178,6 +178,7 @@ typedef struct tp_coll_desc {
     void *recvbuf;        /* NULL for barrier */
     const tp_tensor *send;
     tp_tensor *recv;
+    double timeout_s;     /* the communicator's wait limit */
 } tp_coll_desc;
 
 /*

@@ -13,6 +13,14 @@
  *
  * Phase and scope are per-thread state kept whether or not a counter is
  * active, so modules and autograd can set them unconditionally.
+ *
+ * Read a counter (queries, writers) on the thread it is active on, or after
+ * tp_comm_debug_end() once that end happens-before the read (a thread join,
+ * a mutex); the writers return TP_ERR_STATE while it is active on another
+ * thread. If memory for a newly seen scope cannot be allocated, the
+ * collective still counts in the totals and in "Global", and
+ * tp_comm_debug_write_table() ends with a note saying per-scope counts are
+ * incomplete.
  */
 #ifndef TP_COMM_DEBUG_H
 #define TP_COMM_DEBUG_H
@@ -38,7 +46,9 @@ typedef enum tp_phase { TP_PHASE_FORWARD = 0, TP_PHASE_BACKWARD = 1, TP_PHASE_CO
 #define TP_COMM_DEBUG_GLOBAL "Global"
 
 TP_API tp_status tp_comm_debug_create(tp_comm_debug **out);
-/* NULL is a no-op. Ends it first if it is active on the calling thread. */
+/* NULL is a no-op. Ends it first if it is active on the calling thread. A
+ * counter active on another thread is not freed (that thread still records
+ * into it): the call leaves it allocated and sets tp_last_error(). */
 TP_API void tp_comm_debug_free(tp_comm_debug *debug);
 
 /* Clears the counts and makes debug the calling thread's active counter.
@@ -53,17 +63,22 @@ TP_API tp_comm_debug *tp_comm_debug_active(void);
 
 /* ---- phase and scopes (per thread) --------------------------------------- */
 
+/* Values other than TP_PHASE_FORWARD / TP_PHASE_BACKWARD are ignored. */
 TP_API void tp_comm_debug_set_phase(tp_phase phase);
 TP_API tp_phase tp_comm_debug_phase(void);
 
 /* Enters a scope named `name` (copied), nested in the current one: the FQN of
  * the new scope is "<current FQN>.<name>", or just "<name>" at the top level
- * (the root module's name). Names are non-empty and contain no '.'. At most
- * 32 levels and 255 characters of FQN. */
+ * (the root module's name). Names are non-empty and contain no '.'; "Global"
+ * is reserved at the top level. At most 32 levels and 255 characters of FQN.
+ * Otherwise TP_ERR_INVALID_ARG, and the stack is unchanged. Scopes entered
+ * while a counter is active (or open when it begins) are listed by the
+ * writers even if they issue no collective. */
 TP_API tp_status tp_comm_debug_push_scope(const char *name);
 /* Leaves the innermost scope. TP_ERR_STATE when no scope is open. */
 TP_API tp_status tp_comm_debug_pop_scope(void);
-/* FQN of the innermost scope, or "Global" when none is open. */
+/* FQN of the innermost scope, or "Global" when none is open. Valid until the
+ * thread's next push or pop. */
 TP_API const char *tp_comm_debug_current_scope(void);
 
 /* ---- queries ------------------------------------------------------------- */
@@ -82,10 +97,12 @@ TP_API int64_t tp_comm_debug_module_count(const tp_comm_debug *debug, const char
 
 /* Writes the per-scope counts as JSON:
  * {"Global": {"forward": {"all_reduce": 1}, "backward": {...}}, "mlp": ...}
- * in the order scopes were first seen. */
+ * in the order scopes were first seen; kinds with a zero count are left out.
+ * TP_ERR_BACKEND if writing to f fails. */
 TP_API tp_status tp_comm_debug_write_json(const tp_comm_debug *debug, FILE *f);
-/* Writes a readable table: one indented line per scope (depth by FQN), then
- * its forward/backward counts per kind. */
+/* Writes a readable table in the layout of PyTorch's CommDebugMode: one
+ * indented line per scope (depth by FQN), then its non-zero counts per kind
+ * under "FORWARD PASS" / "BACKWARD PASS". TP_ERR_BACKEND if writing fails. */
 TP_API tp_status tp_comm_debug_write_table(const tp_comm_debug *debug, FILE *f);
 
 #ifdef __cplusplus

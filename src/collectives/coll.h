@@ -18,6 +18,8 @@ struct tp_comm {
     bool check;
     bool owned_by_run; /* the world handed out by tp_run_local */
     uint64_t check_seq;
+    bool aborted; /* known to this rank: abort called or a collective reported it */
+    char abort_reason[256];
     int pending; /* async work handed out and not yet freed */
 };
 
@@ -32,6 +34,9 @@ struct tp_work {
 /* Records one collective in the calling thread's active counter (no-op when
  * none is active). Called by the dispatch layer after validation. */
 void tp__comm_debug_record(tp_coll_kind kind, size_t bytes);
+
+/* "all_reduce(f32, 16 elements, sum)" from a packed descriptor (comm.c). */
+void tp__desc_string(const int64_t *w, char *buf, size_t len);
 
 /* Built-in backends. */
 extern const tp_backend tp__shm_backend;

@@ -1,2 +1,874 @@
-/* placeholder: being written */
-typedef int tp__placeholder_t;
+/*
+ * The shm backend: the ranks of a group are threads of one process and read
+ * each other's buffers directly.
+ *
+ * Protocol. Every collective gets the next sequence number s of its group.
+ * A rank publishes a descriptor of its buffers in ring entry s of its slot and
+ * stores `arrived = s`. Once every rank has arrived, each rank does its share
+ * of the data movement (reading and writing peers' buffers through their
+ * descriptors), then stores `done = s`. The collective is complete for a rank
+ * when every rank is done, because only then are its buffers no longer read
+ * or written by peers. Data phases run in sequence order and only after the
+ * previous collective completed everywhere, which gives the ordering of a
+ * single stream: a later collective may consume what an earlier one wrote.
+ *
+ * Because every rank sees every descriptor, mismatched calls (kind, dtype,
+ * count, op, root) are detected on every collective and reported as
+ * TP_ERR_MISMATCH by all ranks alike, before any data moves.
+ *
+ * Waiting spins briefly, then yields, then sleeps on a futex, so eight ranks
+ * on two cores still make progress. Every wait honours the timeout, an abort
+ * (of the group or of the whole run), and notices a peer that returned from
+ * its rank function without joining.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "collectives/coll.h"
+#include "collectives/shm_kernels.h"
+
+#define SHM_RING 128 /* collectives a rank may have outstanding on a group */
+
+enum { SHM_SPLIT_EXCHANGE = 100, SHM_SPLIT_PUBLISH = 101 };
+
+typedef struct shm_op {
+    int kind; /* tp_coll_kind or SHM_SPLIT_* */
+    tp_dtype dtype;
+    tp_reduce_op op;
+    int root;
+    size_t count;
+    const void *send;
+    void *recv;
+    int color, key;   /* SPLIT_EXCHANGE */
+    void *new_group;  /* SPLIT_PUBLISH: the leader's new group */
+} shm_op;
+
+typedef struct shm_slot {
+    _Alignas(64) _Atomic uint64_t arrived;
+    _Alignas(64) _Atomic uint64_t done;
+    _Atomic uint64_t busy; /* s while in the data phase of s, else 0 */
+    _Alignas(64) shm_op ring[SHM_RING];
+} shm_slot;
+
+typedef struct shm_run {
+    _Atomic uint32_t epoch; /* futex word: bumped when a waiter may need waking */
+    _Atomic int sleepers;
+    _Atomic int refs;
+    _Atomic int aborted;
+    pthread_mutex_t mu;
+    char reason[512];
+    int n;
+    _Atomic int *exited; /* per world rank */
+    /* first failure */
+    int fail_rank;
+    tp_status fail_status;
+    char fail_msg[1024];
+} shm_run;
+
+typedef struct shm_group {
+    int n;
+    shm_run *run;
+    _Atomic int refs;
+    _Atomic int aborted;
+    char reason[512];
+    int *world; /* group rank -> world rank of the run */
+    shm_slot *slots;
+} shm_group;
+
+typedef struct shm_work {
+    uint64_t seq;
+    tp_status status;
+    bool retired;
+    char msg[400];
+} shm_work;
+
+typedef struct shm_rank {
+    shm_group *g;
+    int rank;
+    uint64_t posted, progressed, completed;
+    const void **srcs; /* scratch of n pointers for the kernels */
+    void **dsts;
+    int *split_colors, *split_keys; /* SPLIT_EXCHANGE results */
+    void *split_result;             /* SPLIT_PUBLISH result */
+    shm_work works[SHM_RING];
+} shm_rank;
+
+static size_t tp__stream_bytes(void)
+{
+    static _Atomic size_t cached;
+    size_t v = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (v)
+        return v;
+    v = (size_t)8 << 20;
+    const char *env = getenv("TP_SHM_STREAM_BYTES");
+    if (env && *env)
+        v = (size_t)strtoull(env, NULL, 10) + 1;
+    atomic_store_explicit(&cached, v, memory_order_relaxed);
+    return v;
+}
+
+static int tp__ncpu(void)
+{
+    static _Atomic int cached;
+    int v = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (!v) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        v = n > 0 ? (int)n : 1;
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return v;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* ---- waking and sleeping -------------------------------------------------- */
+
+static void run_wake(shm_run *run)
+{
+    if (atomic_load(&run->sleepers) > 0) {
+        atomic_fetch_add(&run->epoch, 1);
+        syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    }
+}
+
+static void run_sleep(shm_run *run, uint32_t seen, double seconds)
+{
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    syscall(SYS_futex, &run->epoch, FUTEX_WAIT_PRIVATE, seen, &ts, NULL, 0);
+}
+
+/* ---- aborts --------------------------------------------------------------- */
+
+static void run_release(shm_run *run);
+
+static void group_abort(shm_group *g, const char *reason)
+{
+    shm_run *run = g->run;
+    pthread_mutex_lock(&run->mu);
+    if (!atomic_load(&g->aborted)) {
+        snprintf(g->reason, sizeof g->reason, "%.500s", reason);
+        atomic_store(&g->aborted, 1);
+    }
+    pthread_mutex_unlock(&run->mu);
+    atomic_fetch_add(&run->epoch, 1);
+    syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static void run_abort(shm_run *run, const char *reason)
+{
+    pthread_mutex_lock(&run->mu);
+    if (!atomic_load(&run->aborted)) {
+        snprintf(run->reason, sizeof run->reason, "%.500s", reason);
+        atomic_store(&run->aborted, 1);
+    }
+    pthread_mutex_unlock(&run->mu);
+    atomic_fetch_add(&run->epoch, 1);
+    syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static bool group_is_aborted(const shm_group *g)
+{
+    return atomic_load(&g->aborted) || atomic_load(&g->run->aborted);
+}
+
+/* Returns TP_ERR_ABORTED with the reason, after making sure no peer is still
+ * inside a data phase that touches this rank's outstanding buffers: data
+ * phases never block, so this wait is short. */
+static tp_status rank_aborted(shm_rank *R)
+{
+    shm_group *g = R->g;
+    for (int q = 0; q < g->n; q++) {
+        for (;;) {
+            uint64_t b = atomic_load(&g->slots[q].busy);
+            if (b == 0 || b <= R->completed || b > R->posted)
+                break;
+            sched_yield();
+        }
+    }
+    pthread_mutex_lock(&g->run->mu);
+    const char *why = atomic_load(&g->aborted) ? g->reason : g->run->reason;
+    tp_status st = tp__error(TP_ERR_ABORTED, "communicator aborted: %s", why);
+    pthread_mutex_unlock(&g->run->mu);
+    return st;
+}
+
+/* ---- the data phase ------------------------------------------------------- */
+
+static void op_pack(const shm_op *o, int64_t w[7])
+{
+    bool red = o->kind == TP_COLL_ALL_REDUCE || o->kind == TP_COLL_REDUCE_SCATTER;
+    bool bar = o->kind == TP_COLL_BARRIER || o->kind >= SHM_SPLIT_EXCHANGE;
+    w[0] = 0;
+    w[1] = o->kind;
+    w[2] = bar ? -1 : (int64_t)o->dtype;
+    w[3] = bar ? 0 : (int64_t)o->count;
+    w[4] = red ? (int64_t)o->op : -1;
+    w[5] = o->kind == TP_COLL_BROADCAST ? o->root : -1;
+    w[6] = 0;
+}
+
+static void op_describe(const shm_op *o, char *buf, size_t len)
+{
+    if (o->kind >= SHM_SPLIT_EXCHANGE) {
+        snprintf(buf, len, "comm_split");
+        return;
+    }
+    int64_t w[7];
+    op_pack(o, w);
+    tp__desc_string(w, buf, len);
+}
+
+/* Same verdict on every rank: all compare every descriptor with rank 0's. */
+static bool ops_match(shm_rank *R, uint64_t s, shm_work *wk)
+{
+    shm_group *g = R->g;
+    const shm_op *a = &g->slots[0].ring[s % SHM_RING];
+    int64_t wa[7], wb[7];
+    op_pack(a, wa);
+    for (int q = 1; q < g->n; q++) {
+        const shm_op *b = &g->slots[q].ring[s % SHM_RING];
+        op_pack(b, wb);
+        if (memcmp(wa, wb, sizeof wa) != 0) {
+            char da[160], db[160];
+            op_describe(a, da, sizeof da);
+            op_describe(b, db, sizeof db);
+            snprintf(wk->msg, sizeof wk->msg,
+                     "ranks disagree at collective #%llu: rank 0 issued %.150s, rank %d issued %.150s",
+                     (unsigned long long)s, da, q, db);
+            return false;
+        }
+    }
+    return true;
+}
+
+static void data_phase(shm_rank *R, uint64_t s, shm_work *wk)
+{
+    shm_group *g = R->g;
+    int n = g->n, r = R->rank;
+    const shm_op *me = &g->slots[r].ring[s % SHM_RING];
+    const shm_op *ops[1]; /* silence unused warnings in some branches */
+    (void)ops;
+#define PEER(q) (&g->slots[(q)].ring[s % SHM_RING])
+    size_t es = tp_dtype_size(me->dtype);
+    size_t k = me->count;
+    size_t limit = tp__stream_bytes();
+
+    switch (me->kind) {
+    case TP_COLL_ALL_REDUCE: {
+        /* rank r reduces part r of every input and writes it to every output */
+        size_t align = 64 / es;
+        size_t part = (k + (size_t)n - 1) / (size_t)n;
+        part = (part + align - 1) / align * align;
+        size_t lo = (size_t)r * part, hi = lo + part < k ? lo + part : k;
+        if (lo >= hi)
+            break;
+        for (int q = 0; q < n; q++) {
+            R->srcs[q] = PEER(q)->send;
+            R->dsts[q] = PEER(q)->recv;
+        }
+        bool stream = (hi - lo) * es * (size_t)n >= limit;
+        tp__shm_reduce(me->dtype, me->op, n, n, R->srcs, lo, n, R->dsts, lo, hi - lo, stream);
+        break;
+    }
+    case TP_COLL_ALL_GATHER: {
+        /* push: this rank's block is read once per tile and written to all */
+        const char *src = me->send;
+        size_t bytes = k * es, tile = 64 << 10;
+        bool stream = bytes * (size_t)n >= limit;
+        for (size_t off = 0; off < bytes; off += tile) {
+            size_t len = bytes - off < tile ? bytes - off : tile;
+            for (int j = 0; j < n; j++) {
+                int q = (r + j) % n; /* stagger so ranks do not hit one buffer */
+                char *dst = (char *)PEER(q)->recv + (size_t)r * bytes;
+                if (dst != src)
+                    tp__shm_copy(dst + off, src + off, len, stream);
+            }
+        }
+        break;
+    }
+    case TP_COLL_REDUCE_SCATTER: {
+        for (int q = 0; q < n; q++)
+            R->srcs[q] = PEER(q)->send;
+        R->dsts[0] = me->recv;
+        bool stream = k * es >= limit;
+        tp__shm_reduce(me->dtype, me->op, n, n, R->srcs, (size_t)r * k, 1, R->dsts, 0, k,
+                       stream);
+        break;
+    }
+    case TP_COLL_ALL_TO_ALL: {
+        size_t bytes = k * es;
+        bool stream = bytes * (size_t)n >= limit;
+        for (int j = 0; j < n; j++) {
+            int q = (r + j) % n;
+            tp__shm_copy((char *)me->recv + (size_t)q * bytes,
+                         (const char *)PEER(q)->send + (size_t)r * bytes, bytes, stream);
+        }
+        break;
+    }
+    case TP_COLL_BROADCAST:
+        if (r != me->root && me->recv != PEER(me->root)->send)
+            tp__shm_copy(me->recv, PEER(me->root)->send, k * es, k * es >= limit);
+        break;
+    case TP_COLL_BARRIER:
+        break;
+    case SHM_SPLIT_EXCHANGE:
+        for (int q = 0; q < n; q++) {
+            R->split_colors[q] = PEER(q)->color;
+            R->split_keys[q] = PEER(q)->key;
+        }
+        break;
+    case SHM_SPLIT_PUBLISH:
+        /* me->root holds the leader of this rank's new group (or -1) */
+        R->split_result = me->root >= 0 ? PEER(me->root)->new_group : NULL;
+        break;
+    default:
+        TP_ASSERT(!"unknown shm op");
+    }
+#undef PEER
+}
+
+/* Advances this rank's outstanding collectives as far as possible without
+ * blocking. */
+static void rank_progress(shm_rank *R)
+{
+    shm_group *g = R->g;
+    int n = g->n;
+    shm_slot *mine = &g->slots[R->rank];
+    while (R->completed < R->posted) {
+        uint64_t s = R->completed + 1;
+        if (R->progressed < s) {
+            for (int q = 0; q < n; q++)
+                if (atomic_load_explicit(&g->slots[q].arrived, memory_order_acquire) < s)
+                    return;
+            shm_work *wk = &R->works[s % SHM_RING];
+            atomic_store(&mine->busy, s);
+            if (group_is_aborted(g)) {
+                /* peers may already be gone: touch nothing */
+                atomic_store(&mine->busy, 0);
+                return;
+            }
+            if (ops_match(R, s, wk)) {
+                data_phase(R, s, wk);
+                wk->status = TP_OK;
+            } else {
+                wk->status = TP_ERR_MISMATCH;
+            }
+            tp__shm_store_fence();
+            atomic_store_explicit(&mine->done, s, memory_order_seq_cst);
+            atomic_store(&mine->busy, 0);
+            R->progressed = s;
+            run_wake(g->run);
+        }
+        for (int q = 0; q < n; q++)
+            if (atomic_load_explicit(&g->slots[q].done, memory_order_acquire) < s)
+                return;
+        R->completed = s;
+    }
+}
+
+/* A peer that returned from its rank function cannot join any more. */
+static bool peer_gone(shm_rank *R, uint64_t s, char *why, size_t len)
+{
+    shm_group *g = R->g;
+    for (int q = 0; q < g->n; q++) {
+        if (!atomic_load(&g->run->exited[g->world[q]]))
+            continue;
+        if (atomic_load(&g->slots[q].done) < s) {
+            snprintf(why, len, "rank %d returned without joining collective #%llu", q,
+                     (unsigned long long)s);
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Waits until collective s completed for this rank (or only polls when
+ * !block). */
+static tp_status rank_wait(shm_rank *R, uint64_t s, double timeout, bool block)
+{
+    shm_group *g = R->g;
+    shm_run *run = g->run;
+    bool crowded = g->n > tp__ncpu();
+    double t0 = 0, spin_s = crowded ? 0 : 50e-6, yield_s = crowded ? 200e-6 : 1e-3;
+    for (unsigned it = 0;; it++) {
+        uint32_t seen = atomic_load(&run->epoch);
+        rank_progress(R);
+        if (R->completed >= s)
+            return TP_OK;
+        if (group_is_aborted(g))
+            return rank_aborted(R);
+        if (!block)
+            return TP_OK;
+        if ((it & 63) != 0 && !crowded) {
+            cpu_relax();
+            continue;
+        }
+        double now = tp__now();
+        if (t0 == 0)
+            t0 = now;
+        double waited = now - t0;
+        if (waited > timeout) {
+            char why[256];
+            snprintf(why, sizeof why,
+                     "rank %d (world rank %d) timed out after %.3g s waiting for collective "
+                     "#%llu",
+                     R->rank, g->world[R->rank], timeout, (unsigned long long)s);
+            group_abort(g, why);
+            rank_aborted(R);
+            return tp__error(TP_ERR_TIMEOUT, "%s", why);
+        }
+        if (waited < spin_s) {
+            cpu_relax();
+        } else if (waited < yield_s) {
+            sched_yield();
+        } else {
+            char why[256];
+            if (peer_gone(R, s, why, sizeof why)) {
+                group_abort(g, why);
+                continue;
+            }
+            atomic_fetch_add(&run->sleepers, 1);
+            rank_progress(R);
+            if (R->completed < s && !group_is_aborted(g))
+                run_sleep(run, seen, 0.01);
+            atomic_fetch_sub(&run->sleepers, 1);
+        }
+    }
+}
+
+/* ---- posting -------------------------------------------------------------- */
+
+static tp_status rank_post(shm_rank *R, const shm_op *op, double timeout, shm_work **out)
+{
+    shm_group *g = R->g;
+    if (group_is_aborted(g))
+        return rank_aborted(R);
+    uint64_t s = R->posted + 1;
+    shm_work *wk = &R->works[s % SHM_RING];
+    if (!wk->retired)
+        return tp__error(TP_ERR_STATE,
+                         "more than %d collectives outstanding on one communicator: wait on "
+                         "or free earlier work first",
+                         SHM_RING - 1);
+    if (s > SHM_RING && R->completed < s - SHM_RING) {
+        /* the ring entry is still readable by peers until that op completed */
+        TP_CHECK(rank_wait(R, s - SHM_RING, timeout, true));
+    }
+    shm_slot *mine = &g->slots[R->rank];
+    mine->ring[s % SHM_RING] = *op;
+    wk->seq = s;
+    wk->status = TP_OK;
+    wk->retired = false;
+    wk->msg[0] = '\0';
+    R->posted = s;
+    atomic_store_explicit(&mine->arrived, s, memory_order_seq_cst);
+    run_wake(g->run);
+    *out = wk;
+    return TP_OK;
+}
+
+static tp_status work_result(shm_work *wk)
+{
+    if (wk->status == TP_ERR_MISMATCH)
+        return tp__error(TP_ERR_MISMATCH, "%s", wk->msg);
+    return wk->status;
+}
+
+static tp_status shm_collective(void *state, const tp_coll_desc *d, void **work)
+{
+    shm_rank *R = state;
+    shm_op op = {.kind = d->kind, .dtype = d->dtype, .op = d->op, .root = d->root,
+                 .count = d->count, .send = d->sendbuf, .recv = d->recvbuf};
+    if (R->g->n == 1) {
+        /* nothing to wait for; still honour the copy and op semantics */
+        if (group_is_aborted(R->g))
+            return rank_aborted(R);
+        size_t es = tp_dtype_size(d->dtype);
+        if (d->kind == TP_COLL_ALL_REDUCE || d->kind == TP_COLL_REDUCE_SCATTER) {
+            const void *src[1] = {d->sendbuf};
+            void *dst[1] = {d->recvbuf};
+            tp__shm_reduce(d->dtype, d->op, 1, 1, src, 0, 1, dst, 0, d->count, false);
+        } else if (d->kind == TP_COLL_ALL_GATHER || d->kind == TP_COLL_ALL_TO_ALL) {
+            if (d->sendbuf != d->recvbuf)
+                memcpy(d->recvbuf, d->sendbuf, d->count * es);
+        }
+        *work = NULL;
+        return TP_OK;
+    }
+    shm_work *wk = NULL;
+    TP_CHECK(rank_post(R, &op, d->timeout_s, &wk));
+    *work = wk;
+    return TP_OK;
+}
+
+static tp_status shm_work_test(void *state, void *work, bool *done)
+{
+    shm_rank *R = state;
+    shm_work *wk = work;
+    TP_CHECK(rank_wait(R, wk->seq, 0, false));
+    *done = R->completed >= wk->seq;
+    return *done ? work_result(wk) : TP_OK;
+}
+
+static tp_status shm_work_wait(void *state, void *work, double timeout_s)
+{
+    shm_rank *R = state;
+    shm_work *wk = work;
+    TP_CHECK(rank_wait(R, wk->seq, timeout_s, true));
+    return work_result(wk);
+}
+
+static void shm_work_free(void *state, void *work)
+{
+    (void)state;
+    ((shm_work *)work)->retired = true;
+}
+
+/* ---- groups and ranks ----------------------------------------------------- */
+
+static void group_release(shm_group *g)
+{
+    if (atomic_fetch_sub(&g->refs, 1) != 1)
+        return;
+    shm_run *run = g->run;
+    tp__free(g->slots);
+    tp__free(g->world);
+    tp__free(g);
+    run_release(run);
+}
+
+static shm_group *group_create(shm_run *run, int n, const int *world)
+{
+    shm_group *g = tp__calloc(1, sizeof *g);
+    if (!g)
+        return NULL;
+    g->n = n;
+    g->run = run;
+    atomic_init(&g->refs, n);
+    g->world = tp__malloc(sizeof(int) * (size_t)n);
+    g->slots = tp__aligned_alloc(sizeof(shm_slot) * (size_t)n, 64);
+    if (!g->world || !g->slots) {
+        tp__free(g->world);
+        tp__free(g->slots);
+        tp__free(g);
+        return NULL;
+    }
+    memset(g->slots, 0, sizeof(shm_slot) * (size_t)n);
+    memcpy(g->world, world, sizeof(int) * (size_t)n);
+    atomic_fetch_add(&run->refs, 1);
+    return g;
+}
+
+static void rank_destroy(shm_rank *R)
+{
+    tp__free(R->srcs);
+    tp__free(R->dsts);
+    tp__free(R->split_colors);
+    tp__free(R->split_keys);
+    tp__free(R);
+}
+
+static shm_rank *rank_create(shm_group *g, int rank)
+{
+    shm_rank *R = tp__calloc(1, sizeof *R);
+    if (!R)
+        return NULL;
+    R->g = g;
+    R->rank = rank;
+    R->srcs = tp__calloc((size_t)g->n, sizeof *R->srcs);
+    R->dsts = tp__calloc((size_t)g->n, sizeof *R->dsts);
+    if (!R->srcs || !R->dsts) {
+        rank_destroy(R);
+        return NULL;
+    }
+    for (int i = 0; i < SHM_RING; i++)
+        R->works[i].retired = true;
+    return R;
+}
+
+static void shm_free(void *state)
+{
+    shm_rank *R = state;
+    if (!R)
+        return;
+    /* peers may still read this rank's buffers for posted collectives */
+    if (R->completed < R->posted && !group_is_aborted(R->g))
+        (void)rank_wait(R, R->posted, tp__default_timeout(), true);
+    shm_group *g = R->g;
+    rank_destroy(R);
+    group_release(g);
+}
+
+static void shm_abort(void *state, const char *reason)
+{
+    shm_rank *R = state;
+    char why[512];
+    snprintf(why, sizeof why, "rank %d aborted: %s", R->rank, reason);
+    group_abort(R->g, why);
+}
+
+static tp_status split_wait(shm_rank *R, const shm_op *op)
+{
+    shm_work *wk = NULL;
+    double timeout = tp__default_timeout();
+    TP_CHECK(rank_post(R, op, timeout, &wk));
+    tp_status st = rank_wait(R, wk->seq, timeout, true);
+    if (st == TP_OK)
+        st = work_result(wk);
+    wk->retired = true;
+    return st;
+}
+
+static tp_status shm_split(void *state, int color, int key, void **new_state, int *new_rank,
+                           int *new_size)
+{
+    shm_rank *R = state;
+    shm_group *g = R->g;
+    int n = g->n;
+    *new_state = NULL;
+    tp_status st = TP_OK;
+    int *members = NULL, *world = NULL;
+    shm_group *ng = NULL;
+    if (!R->split_colors) {
+        R->split_colors = tp__malloc(sizeof(int) * (size_t)n);
+        R->split_keys = tp__malloc(sizeof(int) * (size_t)n);
+    }
+    members = tp__malloc(sizeof(int) * (size_t)n);
+    world = tp__malloc(sizeof(int) * (size_t)n);
+    if (!R->split_colors || !R->split_keys || !members || !world) {
+        group_abort(g, "a rank ran out of memory in tp_comm_split");
+        st = tp__error(TP_ERR_NO_MEMORY, "out of memory");
+        goto out;
+    }
+    shm_op ex = {.kind = SHM_SPLIT_EXCHANGE, .color = color, .key = key};
+    if ((st = split_wait(R, &ex)) != TP_OK)
+        goto out;
+
+    /* members of this rank's color, ordered by (key, old rank) */
+    int m = 0, me = -1;
+    if (color >= 0) {
+        for (int q = 0; q < n; q++) {
+            if (R->split_colors[q] != color)
+                continue;
+            int pos = m++;
+            while (pos > 0 && (R->split_keys[members[pos - 1]] > R->split_keys[q]))
+                members[pos] = members[pos - 1], pos--;
+            members[pos] = q;
+        }
+        for (int i = 0; i < m; i++) {
+            world[i] = g->world[members[i]];
+            if (members[i] == R->rank)
+                me = i;
+        }
+    }
+    if (me == 0)
+        ng = group_create(g->run, m, world);
+    shm_op pub = {.kind = SHM_SPLIT_PUBLISH, .root = color >= 0 ? members[0] : -1,
+                  .new_group = ng};
+    if ((st = split_wait(R, &pub)) != TP_OK) {
+        if (ng)
+            while (m-- > 0)
+                group_release(ng);
+        goto out;
+    }
+    if (color < 0)
+        goto out;
+    ng = R->split_result;
+    if (!ng) {
+        st = tp__error(TP_ERR_NO_MEMORY, "the new group of color %d could not be allocated",
+                       color);
+        goto out;
+    }
+    shm_rank *NR = rank_create(ng, me);
+    if (!NR) {
+        group_abort(ng, "a rank ran out of memory joining the group in tp_comm_split");
+        group_release(ng);
+        st = tp__error(TP_ERR_NO_MEMORY, "out of memory");
+        goto out;
+    }
+    *new_state = NR;
+    *new_rank = me;
+    *new_size = m;
+out:
+    tp__free(members);
+    tp__free(world);
+    return st;
+}
+
+const tp_backend tp__shm_backend = {
+    .name = "shm",
+    .device_mask = 1u << TP_DEVICE_CPU,
+    .checks_descriptors = true,
+    .collective = shm_collective,
+    .work_test = shm_work_test,
+    .work_wait = shm_work_wait,
+    .work_free = shm_work_free,
+    .split = shm_split,
+    .abort = shm_abort,
+    .free = shm_free,
+    .init_world = NULL,
+};
+
+/* ---- tp_run_local --------------------------------------------------------- */
+
+static void run_release(shm_run *run)
+{
+    if (atomic_fetch_sub(&run->refs, 1) != 1)
+        return;
+    pthread_mutex_destroy(&run->mu);
+    tp__free((void *)run->exited);
+    tp__free(run);
+}
+
+typedef struct shm_thread {
+    shm_run *run;
+    shm_group *world;
+    int rank;
+    tp_rank_fn fn;
+    void *arg;
+    const tp_run_options *opts;
+    tp_status status;
+    pthread_t tid;
+} shm_thread;
+
+static void run_fail(shm_run *run, int rank, tp_status st, const char *msg)
+{
+    char why[1200];
+    pthread_mutex_lock(&run->mu);
+    bool first = run->fail_status == TP_OK;
+    if (first) {
+        run->fail_rank = rank;
+        run->fail_status = st;
+        snprintf(run->fail_msg, sizeof run->fail_msg, "%s", msg);
+    }
+    pthread_mutex_unlock(&run->mu);
+    if (first) {
+        snprintf(why, sizeof why, "rank %d failed with %s: %.1000s", rank, tp_status_name(st), msg);
+        run_abort(run, why);
+    }
+}
+
+static void *shm_thread_main(void *p)
+{
+    shm_thread *t = p;
+    shm_run *run = t->run;
+    tp_comm *comm = NULL;
+    shm_rank *R = rank_create(t->world, t->rank);
+    tp_status st = R ? tp_comm_create(&tp__shm_backend, R, t->rank, run->n, &comm)
+                     : tp__error(TP_ERR_NO_MEMORY, "tp_run_local: out of memory for rank %d",
+                                 t->rank);
+    if (st == TP_OK) {
+        comm->owned_by_run = true;
+        if (t->opts && t->opts->timeout_s > 0)
+            comm->timeout_s = t->opts->timeout_s;
+        if (t->opts && t->opts->check)
+            comm->check = true;
+        tp_clear_error();
+        st = t->fn(comm, t->arg);
+        if (st != TP_OK)
+            run_fail(run, t->rank, st, tp_last_error());
+        comm->owned_by_run = false;
+        tp_comm_free(comm); /* waits for this rank's outstanding work */
+    } else {
+        run_fail(run, t->rank, st, tp_last_error());
+        if (R)
+            shm_free(R);
+        else
+            group_release(t->world);
+    }
+    atomic_store(&run->exited[t->rank], 1);
+    atomic_fetch_add(&run->epoch, 1);
+    syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    t->status = st;
+    return NULL;
+}
+
+tp_status tp_run_local_opts(int n, tp_rank_fn fn, void *arg, const tp_run_options *opts)
+{
+    TP_ARG_CHECK(n >= 1 && n <= 4096, "tp_run_local: rank count must be in [1, 4096], got %d",
+                 n);
+    TP_ARG_CHECK(fn, "tp_run_local: rank function is NULL");
+    if (opts && opts->timeout_s < 0)
+        return tp__error(TP_ERR_INVALID_ARG, "tp_run_local: negative timeout %g s",
+                         opts->timeout_s);
+    tp_status st = TP_OK;
+    shm_run *run = tp__calloc(1, sizeof *run);
+    shm_thread *th = tp__calloc((size_t)n, sizeof *th);
+    int *ids = tp__malloc(sizeof(int) * (size_t)n);
+    shm_group *world = NULL;
+    int started = 0;
+    if (!run || !th || !ids)
+        goto oom;
+    run->exited = tp__calloc((size_t)n, sizeof *run->exited);
+    if (!run->exited)
+        goto oom;
+    run->n = n;
+    atomic_init(&run->refs, 1);
+    pthread_mutex_init(&run->mu, NULL);
+    for (int i = 0; i < n; i++)
+        ids[i] = i;
+    world = group_create(run, n, ids);
+    if (!world) {
+        run_release(run);
+        run = NULL;
+        goto oom;
+    }
+    for (int i = 0; i < n; i++) {
+        th[i] = (shm_thread){.run = run, .world = world, .rank = i, .fn = fn, .arg = arg,
+                             .opts = opts};
+        if (pthread_create(&th[i].tid, NULL, shm_thread_main, &th[i]) != 0) {
+            /* ranks never started cannot take part: fail the others cleanly */
+            run_fail(run, i, TP_ERR_BACKEND, "could not start the rank thread");
+            for (int j = i; j < n; j++) {
+                atomic_store(&run->exited[j], 1);
+                group_release(world);
+            }
+            break;
+        }
+        started++;
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(th[i].tid, NULL);
+    if (opts && opts->rank_status)
+        for (int i = 0; i < n; i++)
+            opts->rank_status[i] = i < started ? th[i].status : TP_ERR_BACKEND;
+    if (run->fail_status != TP_OK) {
+        char msg[1200];
+        snprintf(msg, sizeof msg, "rank %d: %s", run->fail_rank, run->fail_msg);
+        tp__error_set_text(msg);
+        st = run->fail_status;
+    }
+    run_release(run);
+    tp__free(th);
+    tp__free(ids);
+    return st;
+oom:
+    if (run) {
+        tp__free((void *)run->exited);
+        tp__free(run);
+    }
+    tp__free(th);
+    tp__free(ids);
+    return tp__error(TP_ERR_NO_MEMORY, "tp_run_local: out of memory for %d ranks", n);
+}
+
+tp_status tp_run_local(int n, tp_rank_fn fn, void *arg)
+{
+    return tp_run_local_opts(n, fn, arg, NULL);
+}
