@@ -333,10 +333,17 @@ static void data_phase(shm_rank *R, uint64_t s, shm_work *wk)
             R->split_keys[q] = PEER(q)->key;
         }
         break;
-    case SHM_SPLIT_PUBLISH:
-        /* me->root holds the leader of this rank's new group (or -1) */
-        R->split_result = me->root >= 0 ? PEER(me->root)->new_group : NULL;
+    case SHM_SPLIT_PUBLISH: {
+        /* me->root holds the leader of this rank's new group (or -1). The
+         * reference is taken here, while the leader's creation reference is
+         * certainly alive: the leader drops it only after this phase ended
+         * on every rank, or after an abort that no data phase outlives. */
+        shm_group *ng = me->root >= 0 ? PEER(me->root)->new_group : NULL;
+        if (ng)
+            atomic_fetch_add(&ng->refs, 1);
+        R->split_result = ng;
         break;
+    }
     default:
         TP_ASSERT(!"unknown shm op");
     }
@@ -560,7 +567,7 @@ static shm_group *group_create(shm_run *run, int n, const int *world)
         return NULL;
     g->n = n;
     g->run = run;
-    atomic_init(&g->refs, n);
+    atomic_init(&g->refs, 1); /* the creator's; members add their own */
     g->world = tp__malloc(sizeof(int) * (size_t)n);
     g->slots = tp__aligned_alloc(sizeof(shm_slot) * (size_t)n, 64);
     if (!g->world || !g->slots) {
@@ -679,17 +686,21 @@ static tp_status shm_split(void *state, int color, int key, void **new_state, in
     }
     if (me == 0)
         ng = group_create(g->run, m, world);
+    R->split_result = NULL;
     shm_op pub = {.kind = SHM_SPLIT_PUBLISH, .root = color >= 0 ? members[0] : -1,
                   .new_group = ng};
-    if ((st = split_wait(R, &pub)) != TP_OK) {
+    st = split_wait(R, &pub);
+    if (ng)
+        group_release(ng); /* creation reference: every member holds its own now */
+    ng = R->split_result;
+    R->split_result = NULL;
+    if (st != TP_OK) {
         if (ng)
-            while (m-- > 0)
-                group_release(ng);
+            group_release(ng);
         goto out;
     }
     if (color < 0)
         goto out;
-    ng = R->split_result;
     if (!ng) {
         st = tp__error(TP_ERR_NO_MEMORY, "the new group of color %d could not be allocated",
                        color);
@@ -829,6 +840,7 @@ tp_status tp_run_local_opts(int n, tp_rank_fn fn, void *arg, const tp_run_option
         run = NULL;
         goto oom;
     }
+    atomic_store(&world->refs, n); /* one per rank thread */
     for (int i = 0; i < n; i++) {
         th[i] = (shm_thread){.run = run, .world = world, .rank = i, .fn = fn, .arg = arg,
                              .opts = opts};
