@@ -27,12 +27,20 @@ typedef struct tp_mesh tp_mesh;
  * TP_ERR_INVALID_ARG naming both) and optional distinct names (NULL: "dim0",
  * "dim1", ...). The mesh keeps its own sub-communicators; `world` must outlive
  * the mesh.
+ *
+ * Arguments are validated locally before any communication, so a program
+ * passing the same arguments on every rank gets the same TP_ERR_INVALID_ARG on
+ * every rank; arguments that are invalid on some ranks only leave the others
+ * waiting. A failure after validation (out of memory, backend error) aborts
+ * `world` (when it has more than one rank) so that peers return
+ * TP_ERR_ABORTED rather than hang.
  */
 TP_API tp_status tp_mesh_create(tp_comm *world, int ndim, const int64_t *shape,
                                 const char *const *names, tp_mesh **out);
 /* NULL is a no-op. Frees the sub-communicators this mesh owns. */
 TP_API void tp_mesh_free(tp_mesh *mesh);
 
+/* Accessors return -1 (NULL for pointers) for a NULL mesh. */
 TP_API int tp_mesh_ndim(const tp_mesh *mesh);
 /* Size of mesh dim d (negative counts from the end); -1 if out of range. */
 TP_API int64_t tp_mesh_size(const tp_mesh *mesh, int d);
@@ -47,7 +55,9 @@ TP_API const char *tp_mesh_dim_name(const tp_mesh *mesh, int d);
 /* Index of the dim called `name`, or -1. */
 TP_API int tp_mesh_dim_index(const tp_mesh *mesh, const char *name);
 /* Communicator of the ranks that share every coordinate but dim d (borrowed;
- * lives as long as the mesh). NULL if out of range. */
+ * lives as long as the mesh). NULL if out of range. A dim that spans the whole
+ * mesh (size == numel, e.g. the only dim of a 1-D mesh) uses the group
+ * communicator itself. */
 TP_API tp_comm *tp_mesh_comm(const tp_mesh *mesh, int d);
 /* Communicator spanning all ranks of the mesh (borrowed). */
 TP_API tp_comm *tp_mesh_group(const tp_mesh *mesh);
@@ -55,9 +65,11 @@ TP_API tp_comm *tp_mesh_group(const tp_mesh *mesh);
 /*
  * Collective over the mesh: the lower-dimensional mesh made of the named dims
  * (in the order given) that contains this rank, e.g. the "tp" slice of a
- * ("dp", "tp") mesh. Unknown or repeated names are TP_ERR_INVALID_ARG. The
- * slice is a mesh of its own (free it with tp_mesh_free) that may outlive
- * the parent.
+ * ("dp", "tp") mesh. Unknown or repeated names, or nnames outside
+ * [1, ndim], are TP_ERR_INVALID_ARG. The slice is a mesh of its own (free it
+ * with tp_mesh_free) that owns a new group communicator, so it may outlive the
+ * parent. Validation and failures behave as in tp_mesh_create (a failure
+ * after validation aborts the communicator the rank was splitting).
  */
 TP_API tp_status tp_mesh_slice(tp_mesh *mesh, int nnames, const char *const *names,
                                tp_mesh **out);
