@@ -418,8 +418,14 @@ static tp_status rank_wait(shm_rank *R, uint64_t s, double timeout, bool block)
         rank_progress(R);
         if (R->completed >= s)
             return TP_OK;
-        if (group_is_aborted(g))
+        if (group_is_aborted(g)) {
+            /* the abort may have come after every rank finished s: then s is
+             * complete here too, as it is for the ranks that saw it first */
+            rank_progress(R);
+            if (R->completed >= s)
+                return TP_OK;
             return rank_aborted(R);
+        }
         if (!block)
             return TP_OK;
         if ((it & 63) != 0 && !crowded) {

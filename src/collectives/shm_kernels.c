@@ -145,10 +145,70 @@ DEFINE_REDUCE_NATIVE(i64, int64_t, uint64_t)
 DEFINE_REDUCE_HALF(f16, tp__f16_to_f32, tp__f32_to_f16)
 DEFINE_REDUCE_HALF(bf16, tp__bf16_to_f32, tp__f32_to_bf16)
 
+#if defined(__SSE2__)
+/* The large-buffer f32 sum/avg/product: one pass, accumulating 16 elements in
+ * registers over every source and streaming them to every destination, which
+ * keeps the memory traffic at exactly one read per source and one write per
+ * destination with no round trip through an L1 tile. Destinations must be
+ * 16-byte aligned (callers check). */
+static void reduce_f32_stream(tp_reduce_op op, int divisor, int nsrc, const void *const *src,
+                              size_t soff, int ndst, void *const *dst, size_t doff, size_t len)
+{
+    size_t body = len & ~(size_t)15;
+    __m128 div = _mm_set1_ps((float)divisor);
+    for (size_t i = 0; i < body; i += 16) {
+        const float *s0 = (const float *)src[0] + soff + i;
+        __m128 a0 = _mm_loadu_ps(s0), a1 = _mm_loadu_ps(s0 + 4);
+        __m128 a2 = _mm_loadu_ps(s0 + 8), a3 = _mm_loadu_ps(s0 + 12);
+        for (int q = 1; q < nsrc; q++) {
+            const float *sq = (const float *)src[q] + soff + i;
+            __m128 b0 = _mm_loadu_ps(sq), b1 = _mm_loadu_ps(sq + 4);
+            __m128 b2 = _mm_loadu_ps(sq + 8), b3 = _mm_loadu_ps(sq + 12);
+            if (op == TP_PRODUCT) {
+                a0 = _mm_mul_ps(a0, b0), a1 = _mm_mul_ps(a1, b1);
+                a2 = _mm_mul_ps(a2, b2), a3 = _mm_mul_ps(a3, b3);
+            } else {
+                a0 = _mm_add_ps(a0, b0), a1 = _mm_add_ps(a1, b1);
+                a2 = _mm_add_ps(a2, b2), a3 = _mm_add_ps(a3, b3);
+            }
+        }
+        if (op == TP_AVG) {
+            a0 = _mm_div_ps(a0, div), a1 = _mm_div_ps(a1, div);
+            a2 = _mm_div_ps(a2, div), a3 = _mm_div_ps(a3, div);
+        }
+        for (int j = 0; j < ndst; j++) {
+            float *d = (float *)dst[j] + doff + i;
+            _mm_stream_ps(d, a0);
+            _mm_stream_ps(d + 4, a1);
+            _mm_stream_ps(d + 8, a2);
+            _mm_stream_ps(d + 12, a3);
+        }
+    }
+    if (body < len)
+        reduce_f32(op, divisor, nsrc, src, soff + body, ndst, dst, doff + body, len - body,
+                   false);
+}
+
+static bool dsts_aligned16(int ndst, void *const *dst, size_t doff, size_t es)
+{
+    for (int j = 0; j < ndst; j++)
+        if (((uintptr_t)((char *)dst[j] + doff * es)) & 15)
+            return false;
+    return true;
+}
+#endif
+
 void tp__shm_reduce(tp_dtype dtype, tp_reduce_op op, int divisor, int nsrc,
                     const void *const *src, size_t src_off, int ndst, void *const *dst,
                     size_t dst_off, size_t len, bool stream)
 {
+#if defined(__SSE2__)
+    if (stream && dtype == TP_F32 && (op == TP_SUM || op == TP_AVG || op == TP_PRODUCT) &&
+        dsts_aligned16(ndst, dst, dst_off, sizeof(float))) {
+        reduce_f32_stream(op, divisor, nsrc, src, src_off, ndst, dst, dst_off, len);
+        return;
+    }
+#endif
     switch (dtype) {
     case TP_F32:
         reduce_f32(op, divisor, nsrc, src, src_off, ndst, dst, dst_off, len, stream);
