@@ -93,11 +93,7 @@ static tp_status ar_body(tp_comm *w, void *arg)
     return TP_OK;
 }
 
-ParameterizedTestParameters(comm, all_reduce)
-{
-    static int sizes[] = TP_TEST_WORLD_SIZES;
-    return cr_make_param_array(int, sizes, TP_TEST_N_WORLD_SIZES);
-}
+TP_TEST_WORLD_SIZE_PARAMS(comm, all_reduce)
 
 ParameterizedTest(int *n, comm, all_reduce, .timeout = 120)
 {
@@ -246,11 +242,7 @@ static tp_status bc_body(tp_comm *w, void *arg)
     return TP_OK;
 }
 
-ParameterizedTestParameters(comm, gather_scatter_bcast)
-{
-    static int sizes[] = TP_TEST_WORLD_SIZES;
-    return cr_make_param_array(int, sizes, TP_TEST_N_WORLD_SIZES);
-}
+TP_TEST_WORLD_SIZE_PARAMS(comm, gather_scatter_bcast)
 
 ParameterizedTest(int *n, comm, gather_scatter_bcast, .timeout = 120)
 {
@@ -374,18 +366,12 @@ static tp_status async_body(tp_comm *w, void *arg)
     return TP_OK;
 }
 
-ParameterizedTestParameters(comm, async_work)
-{
-    static int sizes[] = TP_TEST_WORLD_SIZES;
-    return cr_make_param_array(int, sizes, TP_TEST_N_WORLD_SIZES);
-}
+TP_TEST_WORLD_SIZE_PARAMS(comm, async_work)
 
 ParameterizedTest(int *n, comm, async_work, .timeout = 120)
 {
     async_ctx c = {0};
-    tp_status st = tp_run_local(*n, async_body, &c);
-    tp_test_assert_slots(c.slot, *n);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(*n, async_body, &c, c.slot);
 }
 
 /* ---- split ------------------------------------------------------------------ */
@@ -451,18 +437,12 @@ static tp_status split_body(tp_comm *w, void *arg)
     return TP_OK;
 }
 
-ParameterizedTestParameters(comm, split)
-{
-    static int sizes[] = TP_TEST_WORLD_SIZES;
-    return cr_make_param_array(int, sizes, TP_TEST_N_WORLD_SIZES);
-}
+TP_TEST_WORLD_SIZE_PARAMS(comm, split)
 
 ParameterizedTest(int *n, comm, split, .timeout = 60)
 {
     split_ctx c = {0};
-    tp_status st = tp_run_local(*n, split_body, &c);
-    tp_test_assert_slots(c.slot, *n);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(*n, split_body, &c, c.slot);
 }
 
 /* ---- properties ----------------------------------------------------------- */

@@ -8,21 +8,7 @@
  * Random123 known-answer vectors use. */
 #include "../src/core/core.h"
 
-#define OK(expr)                                                                \
-    do {                                                                        \
-        tp_status ok_st_ = (expr);                                              \
-        cr_assert_eq(ok_st_, TP_OK, "%s -> %s (%s)", #expr, tp_status_name(ok_st_),              \
-                     tp_last_error());                                          \
-    } while (0)
 
-#define EXPECT_ERR(expr, code)                                                  \
-    do {                                                                        \
-        tp_clear_error();                                                       \
-        tp_status err_st_ = (expr);                                             \
-        cr_assert_eq(err_st_, (code), "%s -> %s (%s)", #expr, tp_status_name(err_st_),          \
-                     tp_last_error());                                          \
-        cr_assert_neq(tp_last_error()[0], '\0');                               \
-    } while (0)
 
 static const tp_dtype all_dtypes[] = {TP_F32, TP_F64, TP_F16, TP_BF16, TP_I32, TP_I64};
 #define N_DTYPES 6
@@ -89,12 +75,12 @@ Test(rng, fill_matches_scalar_functions, .timeout = 30)
 {
     int64_t shape[2] = {13, 17};
     tp_tensor *u = NULL, *z = NULL, *s = NULL;
-    OK(tp_tensor_empty(TP_F64, TP_CPU, 2, shape, &u));
-    OK(tp_tensor_empty(TP_F64, TP_CPU, 2, shape, &z));
-    OK(tp_tensor_empty(TP_F64, TP_CPU, 2, shape, &s));
-    OK(tp_tensor_fill_random(u, TP_RNG_UNIFORM, 0, 1, 77, NULL, NULL));
-    OK(tp_tensor_fill_random(z, TP_RNG_NORMAL, 0, 1, 77, NULL, NULL));
-    OK(tp_tensor_fill_random(s, TP_RNG_UNIFORM, -2, 6, 77, NULL, NULL));
+    CHECK_OK(tp_tensor_empty(TP_F64, TP_CPU, 2, shape, &u));
+    CHECK_OK(tp_tensor_empty(TP_F64, TP_CPU, 2, shape, &z));
+    CHECK_OK(tp_tensor_empty(TP_F64, TP_CPU, 2, shape, &s));
+    CHECK_OK(tp_tensor_fill_random(u, TP_RNG_UNIFORM, 0, 1, 77, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(z, TP_RNG_NORMAL, 0, 1, 77, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(s, TP_RNG_UNIFORM, -2, 6, 77, NULL, NULL));
     const double *pu = tp_tensor_data(u), *pz = tp_tensor_data(z), *ps = tp_tensor_data(s);
     for (int64_t g = 0; g < 13 * 17; g++) {
         cr_assert_eq(pu[g], tp_rng_uniform(77, (uint64_t)g));
@@ -102,16 +88,16 @@ Test(rng, fill_matches_scalar_functions, .timeout = 30)
         cr_assert_eq(ps[g], -2 + 8 * tp_rng_uniform(77, (uint64_t)g));
     }
     /* normal with mean and std */
-    OK(tp_tensor_fill_random(z, TP_RNG_NORMAL, 3, 0.5, 77, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(z, TP_RNG_NORMAL, 3, 0.5, 77, NULL, NULL));
     for (int64_t g = 0; g < 13 * 17; g++)
         cr_assert_eq(pz[g], 3 + 0.5 * tp_rng_normal(77, (uint64_t)g));
 
     /* a scalar is global element 0 */
     tp_tensor *sc = NULL;
     double v;
-    OK(tp_tensor_empty(TP_F64, TP_CPU, 0, NULL, &sc));
-    OK(tp_tensor_fill_random(sc, TP_RNG_UNIFORM, 0, 1, 5, NULL, NULL));
-    OK(tp_tensor_get(sc, NULL, &v));
+    CHECK_OK(tp_tensor_empty(TP_F64, TP_CPU, 0, NULL, &sc));
+    CHECK_OK(tp_tensor_fill_random(sc, TP_RNG_UNIFORM, 0, 1, 5, NULL, NULL));
+    CHECK_OK(tp_tensor_get(sc, NULL, &v));
     cr_assert_eq(v, tp_rng_uniform(5, 0));
     tp_tensor_release(sc);
     tp_tensor_release(u);
@@ -126,8 +112,8 @@ static void check_shards(tp_dtype dt, tp_rng_dist dist, double a, double b, int 
 {
     int64_t gshape[2] = {7, 5};
     tp_tensor *global = NULL;
-    OK(tp_tensor_empty(dt, TP_CPU, 2, gshape, &global));
-    OK(tp_tensor_fill_random(global, dist, a, b, 42, gshape, NULL));
+    CHECK_OK(tp_tensor_empty(dt, TP_CPU, 2, gshape, &global));
+    CHECK_OK(tp_tensor_fill_random(global, dist, a, b, 42, gshape, NULL));
     for (int64_t i = 0; i < chunks; i++) {
         int64_t start, len;
         tp_chunk_range(gshape[dim], chunks, i, &start, &len);
@@ -135,11 +121,11 @@ static void check_shards(tp_dtype dt, tp_rng_dist dist, double a, double b, int 
         shape[dim] = len;
         off[dim] = start;
         tp_tensor *shard = NULL, *expect = NULL;
-        OK(tp_tensor_empty(dt, TP_CPU, 2, shape, &shard));
-        OK(tp_tensor_fill_random(shard, dist, a, b, 42, gshape, off));
-        OK(tp_tensor_chunk(global, chunks, dim, i, &expect));
+        CHECK_OK(tp_tensor_empty(dt, TP_CPU, 2, shape, &shard));
+        CHECK_OK(tp_tensor_fill_random(shard, dist, a, b, 42, gshape, off));
+        CHECK_OK(tp_tensor_chunk(global, chunks, dim, i, &expect));
         bool eq = false;
-        OK(tp_tensor_equal(shard, expect, &eq));
+        CHECK_OK(tp_tensor_equal(shard, expect, &eq));
         cr_assert(eq, "%s dist %d dim %d chunks %lld shard %lld", tp_dtype_name(dt), (int)dist,
                   dim, (long long)chunks, (long long)i);
         tp_tensor_release(shard);
@@ -165,24 +151,24 @@ Test(rng, shard_property_2d_and_strided, .timeout = 30)
     /* shards along both dims at once, written into strided views of a buffer */
     int64_t gshape[3] = {6, 7, 5};
     tp_tensor *global = NULL, *buf = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 3, gshape, &global));
-    OK(tp_tensor_fill_random(global, TP_RNG_NORMAL, 0, 1, 9, NULL, NULL));
-    OK(tp_tensor_zeros(TP_F32, TP_CPU, 3, gshape, &buf));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 3, gshape, &global));
+    CHECK_OK(tp_tensor_fill_random(global, TP_RNG_NORMAL, 0, 1, 9, NULL, NULL));
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 3, gshape, &buf));
     for (int64_t i = 0; i < 3; i++)
         for (int64_t j = 0; j < 4; j++) {
             tp_tensor *a = NULL, *blk = NULL;
-            OK(tp_tensor_chunk(buf, 3, 1, i, &a));
-            OK(tp_tensor_chunk(a, 4, 2, j, &blk));
+            CHECK_OK(tp_tensor_chunk(buf, 3, 1, i, &a));
+            CHECK_OK(tp_tensor_chunk(a, 4, 2, j, &blk));
             int64_t s1, s2;
             tp_chunk_range(7, 3, i, &s1, NULL);
             tp_chunk_range(5, 4, j, &s2, NULL);
             int64_t off[3] = {0, s1, s2};
-            OK(tp_tensor_fill_random(blk, TP_RNG_NORMAL, 0, 1, 9, gshape, off));
+            CHECK_OK(tp_tensor_fill_random(blk, TP_RNG_NORMAL, 0, 1, 9, gshape, off));
             tp_tensor_release(blk);
             tp_tensor_release(a);
         }
     bool eq = false;
-    OK(tp_tensor_equal(global, buf, &eq));
+    CHECK_OK(tp_tensor_equal(global, buf, &eq));
     cr_assert(eq);
     tp_tensor_release(buf);
     tp_tensor_release(global);
@@ -192,17 +178,17 @@ Test(rng, every_dtype_matches_f64_converted, .timeout = 30)
 {
     int64_t shape[2] = {9, 11};
     tp_tensor *ref = NULL;
-    OK(tp_tensor_empty(TP_F64, TP_CPU, 2, shape, &ref));
+    CHECK_OK(tp_tensor_empty(TP_F64, TP_CPU, 2, shape, &ref));
     const tp_rng_dist dists[3] = {TP_RNG_UNIFORM, TP_RNG_NORMAL, TP_RNG_RANDINT};
     for (int d = 0; d < 3; d++) {
-        OK(tp_tensor_fill_random(ref, dists[d], -20, 20, 3, NULL, NULL));
+        CHECK_OK(tp_tensor_fill_random(ref, dists[d], -20, 20, 3, NULL, NULL));
         for (int k = 0; k < N_DTYPES; k++) {
             tp_tensor *t = NULL, *conv = NULL;
-            OK(tp_tensor_empty(all_dtypes[k], TP_CPU, 2, shape, &t));
-            OK(tp_tensor_fill_random(t, dists[d], -20, 20, 3, NULL, NULL));
-            OK(tp_tensor_to(ref, all_dtypes[k], TP_CPU, &conv));
+            CHECK_OK(tp_tensor_empty(all_dtypes[k], TP_CPU, 2, shape, &t));
+            CHECK_OK(tp_tensor_fill_random(t, dists[d], -20, 20, 3, NULL, NULL));
+            CHECK_OK(tp_tensor_to(ref, all_dtypes[k], TP_CPU, &conv));
             bool eq = false;
-            OK(tp_tensor_equal(t, conv, &eq));
+            CHECK_OK(tp_tensor_equal(t, conv, &eq));
             cr_assert(eq, "%s dist %d", tp_dtype_name(all_dtypes[k]), d);
             tp_tensor_release(t);
             tp_tensor_release(conv);
@@ -215,8 +201,8 @@ Test(rng, randint_bounds, .timeout = 30)
 {
     int64_t n = 20000;
     tp_tensor *t = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 1, &n, &t));
-    OK(tp_tensor_fill_random(t, TP_RNG_RANDINT, -3, 5, 11, NULL, NULL));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 1, &n, &t));
+    CHECK_OK(tp_tensor_fill_random(t, TP_RNG_RANDINT, -3, 5, 11, NULL, NULL));
     const float *p = tp_tensor_data(t);
     int seen[8] = {0};
     for (int64_t i = 0; i < n; i++) {
@@ -231,9 +217,9 @@ Test(rng, randint_bounds, .timeout = 30)
 
     /* a large range into i64 */
     tp_tensor *big = NULL;
-    OK(tp_tensor_empty(TP_I64, TP_CPU, 1, &n, &big));
+    CHECK_OK(tp_tensor_empty(TP_I64, TP_CPU, 1, &n, &big));
     double hi = 0x1.0p53;
-    OK(tp_tensor_fill_random(big, TP_RNG_RANDINT, 0, hi, 11, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(big, TP_RNG_RANDINT, 0, hi, 11, NULL, NULL));
     const int64_t *q = tp_tensor_data(big);
     int64_t maxv = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -243,7 +229,7 @@ Test(rng, randint_bounds, .timeout = 30)
     }
     cr_assert(maxv > (1LL << 52), "uses the whole range");
     /* a single-value range */
-    OK(tp_tensor_fill_random(big, TP_RNG_RANDINT, 7, 8, 11, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(big, TP_RNG_RANDINT, 7, 8, 11, NULL, NULL));
     for (int64_t i = 0; i < n; i++)
         cr_assert_eq(q[i], 7);
     tp_tensor_release(big);
@@ -253,20 +239,20 @@ Test(rng, seeds_differ, .timeout = 30)
 {
     int64_t shape[2] = {16, 16};
     tp_tensor *a = NULL, *b = NULL, *c = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &a));
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &b));
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &c));
-    OK(tp_tensor_fill_random(a, TP_RNG_UNIFORM, 0, 1, 1, NULL, NULL));
-    OK(tp_tensor_fill_random(b, TP_RNG_UNIFORM, 0, 1, 2, NULL, NULL));
-    OK(tp_tensor_fill_random(c, TP_RNG_UNIFORM, 0, 1, 1, NULL, NULL));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &a));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &b));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &c));
+    CHECK_OK(tp_tensor_fill_random(a, TP_RNG_UNIFORM, 0, 1, 1, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(b, TP_RNG_UNIFORM, 0, 1, 2, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(c, TP_RNG_UNIFORM, 0, 1, 1, NULL, NULL));
     bool eq = true;
-    OK(tp_tensor_equal(a, b, &eq));
+    CHECK_OK(tp_tensor_equal(a, b, &eq));
     cr_assert(!eq);
-    OK(tp_tensor_equal(a, c, &eq));
+    CHECK_OK(tp_tensor_equal(a, c, &eq));
     cr_assert(eq, "same seed, same values");
     /* high seed bits matter too */
-    OK(tp_tensor_fill_random(b, TP_RNG_UNIFORM, 0, 1, 1 | (1ull << 40), NULL, NULL));
-    OK(tp_tensor_equal(a, b, &eq));
+    CHECK_OK(tp_tensor_fill_random(b, TP_RNG_UNIFORM, 0, 1, 1 | (1ull << 40), NULL, NULL));
+    CHECK_OK(tp_tensor_equal(a, b, &eq));
     cr_assert(!eq);
     int same = 0;
     const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
@@ -282,38 +268,38 @@ Test(rng, invalid_arguments, .timeout = 30)
 {
     int64_t shape[2] = {3, 4};
     tp_tensor *t = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &t));
-    EXPECT_ERR(tp_tensor_fill_random(NULL, TP_RNG_UNIFORM, 0, 1, 0, NULL, NULL),
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &t));
+    CHECK_ERR(tp_tensor_fill_random(NULL, TP_RNG_UNIFORM, 0, 1, 0, NULL, NULL),
                TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, (tp_rng_dist)9, 0, 1, 0, NULL, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 2, 1, 0, NULL, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, INFINITY, 0, NULL, NULL),
+    CHECK_ERR(tp_tensor_fill_random(t, (tp_rng_dist)9, 0, 1, 0, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 2, 1, 0, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, INFINITY, 0, NULL, NULL),
                TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_NORMAL, 0, -1, 0, NULL, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_NORMAL, NAN, 1, 0, NULL, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_RANDINT, 0, 1.5, 0, NULL, NULL),
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_NORMAL, 0, -1, 0, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_NORMAL, NAN, 1, 0, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_RANDINT, 0, 1.5, 0, NULL, NULL),
                TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_RANDINT, 3, 3, 0, NULL, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_RANDINT, 0, 0x1.0p60, 0, NULL, NULL),
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_RANDINT, 3, 3, 0, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_RANDINT, 0, 0x1.0p60, 0, NULL, NULL),
                TP_ERR_INVALID_ARG);
     int64_t g[2] = {3, 6};
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, g, (int64_t[]){0, 3}),
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, g, (int64_t[]){0, 3}),
                TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "offset 3 + size 4 exceeds global size 6 of dim 1"), "%s",
               tp_last_error());
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, g, (int64_t[]){-1, 0}),
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, g, (int64_t[]){-1, 0}),
                TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, (int64_t[]){2, 4}, NULL),
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, (int64_t[]){2, 4}, NULL),
                TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, (int64_t[]){-3, 4}, NULL),
+    CHECK_ERR(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, (int64_t[]){-3, 4}, NULL),
                TP_ERR_INVALID_ARG);
-    OK(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, g, (int64_t[]){0, 2}));
+    CHECK_OK(tp_tensor_fill_random(t, TP_RNG_UNIFORM, 0, 1, 0, g, (int64_t[]){0, 2}));
     tp_tensor_release(t);
 
     /* empty blocks are fine, including at the very end of a dim */
     tp_tensor *e = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){0, 4}, &e));
-    OK(tp_tensor_fill_random(e, TP_RNG_UNIFORM, 0, 1, 0, (int64_t[]){7, 4}, (int64_t[]){7, 0}));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){0, 4}, &e));
+    CHECK_OK(tp_tensor_fill_random(e, TP_RNG_UNIFORM, 0, 1, 0, (int64_t[]){7, 4}, (int64_t[]){7, 0}));
     tp_tensor_release(e);
 }
 
@@ -321,22 +307,22 @@ Test(rng, fills_millions_quickly, .timeout = 30)
 {
     int64_t gshape[2] = {4096, 1024}; /* 4 Mi elements */
     tp_tensor *t = NULL, *half = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, gshape, &t));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, gshape, &t));
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    OK(tp_tensor_fill_random(t, TP_RNG_NORMAL, 0, 0.02, 123, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(t, TP_RNG_NORMAL, 0, 0.02, 123, NULL, NULL));
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     cr_log_info("normal fill: %.1f M elements/s", 4.194304 / secs);
     cr_assert(secs < 10.0, "4 Mi normals took %.2f s", secs);
 
     /* column shard of the same global tensor */
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){4096, 512}, &half));
-    OK(tp_tensor_fill_random(half, TP_RNG_NORMAL, 0, 0.02, 123, gshape, (int64_t[]){0, 512}));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){4096, 512}, &half));
+    CHECK_OK(tp_tensor_fill_random(half, TP_RNG_NORMAL, 0, 0.02, 123, gshape, (int64_t[]){0, 512}));
     tp_tensor *expect = NULL;
-    OK(tp_tensor_chunk(t, 2, 1, 1, &expect));
+    CHECK_OK(tp_tensor_chunk(t, 2, 1, 1, &expect));
     bool eq = false;
-    OK(tp_tensor_equal(half, expect, &eq));
+    CHECK_OK(tp_tensor_equal(half, expect, &eq));
     cr_assert(eq);
     tp_tensor_release(expect);
     tp_tensor_release(half);

@@ -9,21 +9,7 @@
 static const tp_dtype all_dtypes[] = {TP_F32, TP_F64, TP_F16, TP_BF16, TP_I32, TP_I64};
 #define N_DTYPES 6
 
-#define OK(expr)                                                                \
-    do {                                                                        \
-        tp_status ok_st_ = (expr);                                              \
-        cr_assert_eq(ok_st_, TP_OK, "%s -> %s (%s)", #expr, tp_status_name(ok_st_),              \
-                     tp_last_error());                                          \
-    } while (0)
 
-#define EXPECT_ERR(expr, code)                                                  \
-    do {                                                                        \
-        tp_clear_error();                                                       \
-        tp_status err_st_ = (expr);                                             \
-        cr_assert_eq(err_st_, (code), "%s -> %s, expected %s (%s)", #expr,                      \
-                     tp_status_name(err_st_), tp_status_name(code), tp_last_error());            \
-        cr_assert_neq(tp_last_error()[0], '\0', "%s left no message", #expr);  \
-    } while (0)
 
 /* Multi-index of row-major linear index i. */
 static void unravel(int ndim, const int64_t *shape, int64_t i, int64_t *idx)
@@ -40,7 +26,7 @@ static void fill_seq(tp_tensor *t, double base)
     int64_t n = tp_tensor_numel(t), idx[TP_MAX_DIMS];
     for (int64_t i = 0; i < n; i++) {
         unravel(tp_tensor_ndim(t), tp_tensor_shape(t), i, idx);
-        OK(tp_tensor_set(t, idx, base + (double)i));
+        CHECK_OK(tp_tensor_set(t, idx, base + (double)i));
     }
 }
 
@@ -50,7 +36,7 @@ static void expect_seq(const tp_tensor *t, double base)
     for (int64_t i = 0; i < n; i++) {
         double v;
         unravel(tp_tensor_ndim(t), tp_tensor_shape(t), i, idx);
-        OK(tp_tensor_get(t, idx, &v));
+        CHECK_OK(tp_tensor_get(t, idx, &v));
         cr_assert_eq(v, base + (double)i, "element %lld: %g != %g", (long long)i, v,
                      base + (double)i);
     }
@@ -59,7 +45,7 @@ static void expect_seq(const tp_tensor *t, double base)
 static double get1(const tp_tensor *t, int64_t i0)
 {
     double v;
-    OK(tp_tensor_get(t, &i0, &v));
+    CHECK_OK(tp_tensor_get(t, &i0, &v));
     return v;
 }
 
@@ -67,7 +53,7 @@ static double get2(const tp_tensor *t, int64_t i0, int64_t i1)
 {
     int64_t idx[2] = {i0, i1};
     double v;
-    OK(tp_tensor_get(t, idx, &v));
+    CHECK_OK(tp_tensor_get(t, idx, &v));
     return v;
 }
 
@@ -101,8 +87,8 @@ Test(tensor, create_every_dtype_and_ndim, .timeout = 30)
                 numel *= shape[d];
             }
             tp_tensor *e = NULL, *z = NULL;
-            OK(tp_tensor_empty(dt, TP_CPU, nd, shape, &e));
-            OK(tp_tensor_zeros(dt, TP_CPU, nd, shape, &z));
+            CHECK_OK(tp_tensor_empty(dt, TP_CPU, nd, shape, &e));
+            CHECK_OK(tp_tensor_zeros(dt, TP_CPU, nd, shape, &z));
             cr_assert_eq(tp_tensor_ndim(e), nd);
             cr_assert_eq(tp_tensor_dtype(e), dt);
             cr_assert_eq(tp_tensor_numel(e), numel);
@@ -134,18 +120,18 @@ Test(tensor, empty_sizes, .timeout = 30)
 {
     int64_t shape[3] = {3, 0, 4};
     tp_tensor *t = NULL, *u = NULL;
-    OK(tp_tensor_zeros(TP_F32, TP_CPU, 3, shape, &t));
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 3, shape, &t));
     cr_assert_eq(tp_tensor_numel(t), 0);
     cr_assert_eq(tp_tensor_nbytes(t), 0);
     cr_assert_not_null(tp_tensor_data(t));
-    OK(tp_tensor_fill(t, 1.0));
-    OK(tp_tensor_empty(TP_F16, TP_CPU, 3, shape, &u));
-    OK(tp_tensor_copy(u, t));
+    CHECK_OK(tp_tensor_fill(t, 1.0));
+    CHECK_OK(tp_tensor_empty(TP_F16, TP_CPU, 3, shape, &u));
+    CHECK_OK(tp_tensor_copy(u, t));
     bool eq = false;
-    OK(tp_tensor_equal(t, u, &eq));
+    CHECK_OK(tp_tensor_equal(t, u, &eq));
     cr_assert(eq);
     tp_tensor_release(u);
-    OK(tp_tensor_from_data(TP_I64, 3, shape, NULL, &u)); /* no data needed for 0 elements */
+    CHECK_OK(tp_tensor_from_data(TP_I64, 3, shape, NULL, &u)); /* no data needed for 0 elements */
     cr_assert_eq(tp_tensor_numel(u), 0);
     tp_tensor_release(u);
     tp_tensor_release(t);
@@ -156,55 +142,55 @@ Test(tensor, invalid_creation, .timeout = 30)
     int64_t shape[TP_MAX_DIMS + 1] = {2, 2, 2, 2, 2, 2, 2, 2, 2};
     tp_tensor *t = (tp_tensor *)0x1;
 
-    EXPECT_ERR(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_zeros(TP_F32, TP_CPU, 2, shape, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_zeros(TP_F32, TP_CPU, 2, shape, NULL), TP_ERR_INVALID_ARG);
 
-    EXPECT_ERR(tp_tensor_empty(TP_F32, TP_CPU, TP_MAX_DIMS + 1, shape, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_empty(TP_F32, TP_CPU, TP_MAX_DIMS + 1, shape, &t), TP_ERR_INVALID_ARG);
     cr_assert_null(t, "out is NULL after a failure");
     cr_assert(strstr(tp_last_error(), "ndim 9"), "%s", tp_last_error());
-    EXPECT_ERR(tp_tensor_empty(TP_F32, TP_CPU, -1, shape, &t), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_empty(TP_F32, TP_CPU, 2, NULL, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_empty(TP_F32, TP_CPU, -1, shape, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_empty(TP_F32, TP_CPU, 2, NULL, &t), TP_ERR_INVALID_ARG);
 
     int64_t neg[2] = {3, -2};
-    EXPECT_ERR(tp_tensor_empty(TP_F32, TP_CPU, 2, neg, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_empty(TP_F32, TP_CPU, 2, neg, &t), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "-2") && strstr(tp_last_error(), "dim 1"), "%s",
               tp_last_error());
-    EXPECT_ERR(tp_tensor_zeros(TP_F32, TP_CPU, 2, neg, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_zeros(TP_F32, TP_CPU, 2, neg, &t), TP_ERR_INVALID_ARG);
 
-    EXPECT_ERR(tp_tensor_empty(TP_DTYPE_COUNT, TP_CPU, 1, shape, &t), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_empty((tp_dtype)-3, TP_CPU, 1, shape, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_empty(TP_DTYPE_COUNT, TP_CPU, 1, shape, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_empty((tp_dtype)-3, TP_CPU, 1, shape, &t), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "dtype"), "%s", tp_last_error());
 
     int64_t huge[3] = {INT64_MAX / 2, 4, 4};
-    EXPECT_ERR(tp_tensor_empty(TP_F32, TP_CPU, 3, huge, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_empty(TP_F32, TP_CPU, 3, huge, &t), TP_ERR_INVALID_ARG);
     int64_t big[1] = {INT64_MAX / 2};
-    EXPECT_ERR(tp_tensor_empty(TP_F64, TP_CPU, 1, big, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_empty(TP_F64, TP_CPU, 1, big, &t), TP_ERR_INVALID_ARG);
 
     /* devices */
-    EXPECT_ERR(tp_tensor_empty(TP_F32, ((tp_device){TP_DEVICE_CPU, 1}), 1, shape, &t),
+    CHECK_ERR(tp_tensor_empty(TP_F32, ((tp_device){TP_DEVICE_CPU, 1}), 1, shape, &t),
                TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_empty(TP_F32, ((tp_device){(tp_device_type)7, 0}), 1, shape, &t),
+    CHECK_ERR(tp_tensor_empty(TP_F32, ((tp_device){(tp_device_type)7, 0}), 1, shape, &t),
                TP_ERR_INVALID_ARG);
     if (tp_cuda_device_count() == 0) {
         /* no GPU (or a CPU-only build): a clean NOT_SUPPORTED, never a crash */
-        EXPECT_ERR(tp_tensor_empty(TP_F32, TP_CUDA(0), 1, shape, &t), TP_ERR_NOT_SUPPORTED);
+        CHECK_ERR(tp_tensor_empty(TP_F32, TP_CUDA(0), 1, shape, &t), TP_ERR_NOT_SUPPORTED);
         cr_assert(strstr(tp_last_error(), "CUDA"), "%s", tp_last_error());
-        EXPECT_ERR(tp_tensor_zeros(TP_F32, TP_CUDA(0), 1, shape, &t), TP_ERR_NOT_SUPPORTED);
+        CHECK_ERR(tp_tensor_zeros(TP_F32, TP_CUDA(0), 1, shape, &t), TP_ERR_NOT_SUPPORTED);
         float x = 0;
-        EXPECT_ERR(tp_tensor_from_blob(TP_F32, TP_CUDA(0), 0, NULL, &x, NULL, NULL, &t),
+        CHECK_ERR(tp_tensor_from_blob(TP_F32, TP_CUDA(0), 0, NULL, &x, NULL, NULL, &t),
                    TP_ERR_NOT_SUPPORTED);
     }
     cr_assert_null(t);
 
     /* from_data / from_blob */
-    EXPECT_ERR(tp_tensor_from_data(TP_F32, 1, shape, NULL, &t), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_from_data(TP_F32, 1, shape, shape, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_from_blob(TP_F32, TP_CPU, 1, shape, NULL, NULL, NULL, &t),
+    CHECK_ERR(tp_tensor_from_data(TP_F32, 1, shape, NULL, &t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_from_data(TP_F32, 1, shape, shape, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_from_blob(TP_F32, TP_CPU, 1, shape, NULL, NULL, NULL, &t),
                TP_ERR_INVALID_ARG);
     float buf[4];
-    EXPECT_ERR(tp_tensor_from_blob(TP_F32, TP_CPU, 1, shape, (char *)buf + 1, NULL, NULL, &t),
+    CHECK_ERR(tp_tensor_from_blob(TP_F32, TP_CPU, 1, shape, (char *)buf + 1, NULL, NULL, &t),
                TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_from_blob(TP_F32, TP_CPU, 1, shape, buf, NULL, NULL, NULL),
+    CHECK_ERR(tp_tensor_from_blob(TP_F32, TP_CPU, 1, shape, buf, NULL, NULL, NULL),
                TP_ERR_INVALID_ARG);
     cr_assert_null(t);
 }
@@ -228,38 +214,38 @@ Test(tensor, null_accessors, .timeout = 30)
     tp_tensor *out = (tp_tensor *)0x1;
     bool b = true;
     double v = 1;
-    EXPECT_ERR(tp_tensor_narrow(NULL, 0, 0, 0, &out), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_narrow(NULL, 0, 0, 0, &out), TP_ERR_INVALID_ARG);
     cr_assert_null(out);
-    EXPECT_ERR(tp_tensor_chunk(NULL, 2, 0, 0, &out), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_select(NULL, 0, 0, &out), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_view(NULL, 0, NULL, &out), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_copy(NULL, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_to(NULL, TP_F32, TP_CPU, &out), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_clone(NULL, &out), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_fill(NULL, 1.0), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_get(NULL, NULL, &v), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_set(NULL, NULL, 1.0), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_equal(NULL, NULL, &b), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_chunk(NULL, 2, 0, 0, &out), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_select(NULL, 0, 0, &out), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_view(NULL, 0, NULL, &out), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_copy(NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_to(NULL, TP_F32, TP_CPU, &out), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_clone(NULL, &out), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_fill(NULL, 1.0), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_get(NULL, NULL, &v), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_set(NULL, NULL, 1.0), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_equal(NULL, NULL, &b), TP_ERR_INVALID_ARG);
     cr_assert(!b);
-    EXPECT_ERR(tp_tensor_allclose(NULL, NULL, 0, 0, &b), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_max_abs_diff(NULL, NULL, &v), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_allclose(NULL, NULL, 0, 0, &b), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_max_abs_diff(NULL, NULL, &v), TP_ERR_INVALID_ARG);
 
     int64_t n = 3;
     tp_tensor *t = NULL;
-    OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, &n, &t));
-    EXPECT_ERR(tp_tensor_narrow(t, 0, 0, 1, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_chunk(t, 2, 0, 0, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_select(t, 0, 0, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_view(t, 1, &n, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_to(t, TP_F32, TP_CPU, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_clone(t, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_copy(t, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_copy(NULL, t), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_get(t, &n, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_equal(t, t, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_allclose(t, t, 0, 0, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_max_abs_diff(t, t, NULL), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_equal(t, NULL, &b), TP_ERR_INVALID_ARG);
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, &n, &t));
+    CHECK_ERR(tp_tensor_narrow(t, 0, 0, 1, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_chunk(t, 2, 0, 0, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_select(t, 0, 0, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_view(t, 1, &n, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_to(t, TP_F32, TP_CPU, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_clone(t, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_copy(t, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_copy(NULL, t), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_get(t, &n, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_equal(t, t, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_allclose(t, t, 0, 0, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_max_abs_diff(t, t, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_equal(t, NULL, &b), TP_ERR_INVALID_ARG);
     tp_tensor_release(t);
 }
 
@@ -277,15 +263,15 @@ Test(tensor, retain_release, .timeout = 30)
     int deleted = 0;
     int64_t shape[2] = {2, 3};
     tp_tensor *t = NULL, *v = NULL;
-    OK(tp_tensor_from_blob(TP_F32, TP_CPU, 2, shape, data, count_deleter, &deleted, &t));
+    CHECK_OK(tp_tensor_from_blob(TP_F32, TP_CPU, 2, shape, data, count_deleter, &deleted, &t));
     cr_assert_eq(tp_tensor_data(t), (void *)data, "no copy");
     cr_assert_eq(tp_tensor_retain(t), t);
     tp_tensor_release(t);
     cr_assert_eq(deleted, 0);
-    OK(tp_tensor_narrow(t, 1, 1, 2, &v));
+    CHECK_OK(tp_tensor_narrow(t, 1, 1, 2, &v));
     tp_tensor_release(t); /* the view keeps the storage alive */
     cr_assert_eq(deleted, 0);
-    OK(tp_tensor_fill(v, 7.0));
+    CHECK_OK(tp_tensor_fill(v, 7.0));
     cr_assert_eq(data[1], 7.0f);
     cr_assert_eq(data[0], 0.0f);
     tp_tensor_release(v);
@@ -297,7 +283,7 @@ Test(tensor, from_blob_without_deleter, .timeout = 30)
     int32_t data[4] = {1, 2, 3, 4};
     int64_t n = 4;
     tp_tensor *t = NULL;
-    OK(tp_tensor_from_blob(TP_I32, TP_CPU, 1, &n, data, NULL, NULL, &t));
+    CHECK_OK(tp_tensor_from_blob(TP_I32, TP_CPU, 1, &n, data, NULL, NULL, &t));
     cr_assert_eq(get1(t, 2), 3.0);
     data[2] = 30;
     cr_assert_eq(get1(t, 2), 30.0, "blob is shared, not copied");
@@ -310,7 +296,7 @@ Test(tensor, from_data_copies, .timeout = 30)
     double data[6] = {1, 2, 3, 4, 5, 6};
     int64_t shape[2] = {3, 2};
     tp_tensor *t = NULL;
-    OK(tp_tensor_from_data(TP_F64, 2, shape, data, &t));
+    CHECK_OK(tp_tensor_from_data(TP_F64, 2, shape, data, &t));
     data[0] = 100;
     cr_assert_eq(get2(t, 0, 0), 1.0);
     cr_assert_eq(get2(t, 2, 1), 6.0);
@@ -323,9 +309,9 @@ Test(tensor, narrow, .timeout = 30)
 {
     int64_t shape[2] = {4, 5};
     tp_tensor *t = NULL, *v = NULL, *w = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &t));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &t));
     fill_seq(t, 0);
-    OK(tp_tensor_narrow(t, 1, 1, 3, &v));
+    CHECK_OK(tp_tensor_narrow(t, 1, 1, 3, &v));
     cr_assert(tp_tensor_shares_storage(t, v));
     cr_assert_eq(tp_tensor_size(v, 0), 4);
     cr_assert_eq(tp_tensor_size(v, 1), 3);
@@ -335,31 +321,31 @@ Test(tensor, narrow, .timeout = 30)
         for (int j = 0; j < 3; j++)
             cr_assert_eq(get2(v, i, j), i * 5 + j + 1);
     int64_t idx[2] = {2, 0};
-    OK(tp_tensor_set(v, idx, -1.0));
+    CHECK_OK(tp_tensor_set(v, idx, -1.0));
     cr_assert_eq(get2(t, 2, 1), -1.0, "write through the view is seen by the base");
-    OK(tp_tensor_set(t, (int64_t[]){3, 3}, -2.0));
+    CHECK_OK(tp_tensor_set(t, (int64_t[]){3, 3}, -2.0));
     cr_assert_eq(get2(v, 3, 2), -2.0, "and the other way");
 
     /* negative dim, nested, dim 0 keeps contiguity */
-    OK(tp_tensor_narrow(t, -2, 1, 2, &w));
+    CHECK_OK(tp_tensor_narrow(t, -2, 1, 2, &w));
     cr_assert(tp_tensor_is_contiguous(w));
     cr_assert_eq(get2(w, 0, 0), 5.0);
     tp_tensor_release(w);
-    OK(tp_tensor_narrow(v, 0, 4, 0, &w));
+    CHECK_OK(tp_tensor_narrow(v, 0, 4, 0, &w));
     cr_assert_eq(tp_tensor_numel(w), 0);
     tp_tensor_release(w);
 
     tp_tensor *bad = (tp_tensor *)0x1;
-    EXPECT_ERR(tp_tensor_narrow(t, 1, 3, 4, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_narrow(t, 1, 3, 4, &bad), TP_ERR_INVALID_ARG);
     cr_assert_null(bad);
     cr_assert_str_eq(tp_last_error(),
                      "tp_tensor_narrow: start 3 + length 4 exceeds size 5 of dim 1");
-    EXPECT_ERR(tp_tensor_narrow(t, 2, 0, 1, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_narrow(t, -3, 0, 1, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_narrow(t, 0, -1, 1, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_narrow(t, 0, 0, -1, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_narrow(t, 0, 5, 0, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_narrow(t, 0, 1, INT64_MAX, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_narrow(t, 2, 0, 1, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_narrow(t, -3, 0, 1, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_narrow(t, 0, -1, 1, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_narrow(t, 0, 0, -1, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_narrow(t, 0, 5, 0, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_narrow(t, 0, 1, INT64_MAX, &bad), TP_ERR_INVALID_ARG);
     tp_tensor_release(v);
     tp_tensor_release(t);
 }
@@ -368,7 +354,7 @@ static void check_chunks(int64_t n, int64_t chunks, const int64_t *starts, const
 {
     int64_t shape[2] = {3, n};
     tp_tensor *t = NULL;
-    OK(tp_tensor_empty(TP_I32, TP_CPU, 2, shape, &t));
+    CHECK_OK(tp_tensor_empty(TP_I32, TP_CPU, 2, shape, &t));
     fill_seq(t, 0);
     for (int64_t i = 0; i < chunks; i++) {
         int64_t s = -1, l = -1;
@@ -378,7 +364,7 @@ static void check_chunks(int64_t n, int64_t chunks, const int64_t *starts, const
         cr_assert_eq(l, lens[i], "n=%lld chunks=%lld chunk %lld length %lld", (long long)n,
                      (long long)chunks, (long long)i, (long long)l);
         tp_tensor *c = NULL;
-        OK(tp_tensor_chunk(t, chunks, -1, i, &c));
+        CHECK_OK(tp_tensor_chunk(t, chunks, -1, i, &c));
         cr_assert(tp_tensor_shares_storage(t, c));
         cr_assert_eq(tp_tensor_size(c, 0), 3);
         cr_assert_eq(tp_tensor_size(c, 1), lens[i]);
@@ -412,12 +398,12 @@ Test(tensor, chunk, .timeout = 30)
 
     int64_t n = 5;
     tp_tensor *t = NULL, *c = (tp_tensor *)0x1;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 1, &n, &t));
-    EXPECT_ERR(tp_tensor_chunk(t, 0, 0, 0, &c), TP_ERR_INVALID_ARG);
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 1, &n, &t));
+    CHECK_ERR(tp_tensor_chunk(t, 0, 0, 0, &c), TP_ERR_INVALID_ARG);
     cr_assert_null(c);
-    EXPECT_ERR(tp_tensor_chunk(t, 4, 0, 4, &c), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_chunk(t, 4, 0, -1, &c), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_chunk(t, 4, 1, 0, &c), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_chunk(t, 4, 0, 4, &c), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_chunk(t, 4, 0, -1, &c), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_chunk(t, 4, 1, 0, &c), TP_ERR_INVALID_ARG);
     tp_tensor_release(t);
 }
 
@@ -425,9 +411,9 @@ Test(tensor, select, .timeout = 30)
 {
     int64_t shape[3] = {2, 3, 4};
     tp_tensor *t = NULL, *s = NULL, *s2 = NULL;
-    OK(tp_tensor_empty(TP_F64, TP_CPU, 3, shape, &t));
+    CHECK_OK(tp_tensor_empty(TP_F64, TP_CPU, 3, shape, &t));
     fill_seq(t, 0);
-    OK(tp_tensor_select(t, 1, 2, &s));
+    CHECK_OK(tp_tensor_select(t, 1, 2, &s));
     cr_assert(tp_tensor_shares_storage(t, s));
     cr_assert_eq(tp_tensor_ndim(s), 2);
     cr_assert_eq(tp_tensor_size(s, 0), 2);
@@ -435,33 +421,33 @@ Test(tensor, select, .timeout = 30)
     for (int i = 0; i < 2; i++)
         for (int k = 0; k < 4; k++)
             cr_assert_eq(get2(s, i, k), i * 12 + 2 * 4 + k);
-    OK(tp_tensor_select(s, -1, -1, &s2)); /* negative dim and index */
+    CHECK_OK(tp_tensor_select(s, -1, -1, &s2)); /* negative dim and index */
     cr_assert_eq(tp_tensor_ndim(s2), 1);
     cr_assert_eq(get1(s2, 1), 12 + 8 + 3);
-    OK(tp_tensor_set(s2, (int64_t[]){0}, 99));
+    CHECK_OK(tp_tensor_set(s2, (int64_t[]){0}, 99));
     cr_assert_eq(get2(s, 0, 0), 8.0); /* untouched element */
     int64_t idx[3] = {0, 2, 3};
     double v;
-    OK(tp_tensor_get(t, idx, &v));
+    CHECK_OK(tp_tensor_get(t, idx, &v));
     cr_assert_eq(v, 99.0, "write through a select of a select");
     tp_tensor_release(s2);
 
     /* select to a scalar */
     tp_tensor *sc = NULL, *sc2 = NULL;
-    OK(tp_tensor_select(s, 0, 1, &sc));
-    OK(tp_tensor_select(sc, 0, 3, &sc2));
+    CHECK_OK(tp_tensor_select(s, 0, 1, &sc));
+    CHECK_OK(tp_tensor_select(sc, 0, 3, &sc2));
     cr_assert_eq(tp_tensor_ndim(sc2), 0);
-    OK(tp_tensor_get(sc2, NULL, &v));
+    CHECK_OK(tp_tensor_get(sc2, NULL, &v));
     cr_assert_eq(v, 12 + 8 + 3);
     tp_tensor *bad = (tp_tensor *)0x1;
-    EXPECT_ERR(tp_tensor_select(sc2, 0, 0, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_select(sc2, 0, 0, &bad), TP_ERR_INVALID_ARG);
     cr_assert_null(bad);
     tp_tensor_release(sc2);
     tp_tensor_release(sc);
 
-    EXPECT_ERR(tp_tensor_select(t, 1, 3, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_select(t, 1, -4, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_select(t, 3, 0, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_select(t, 1, 3, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_select(t, 1, -4, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_select(t, 3, 0, &bad), TP_ERR_INVALID_ARG);
     tp_tensor_release(s);
     tp_tensor_release(t);
 }
@@ -470,63 +456,63 @@ Test(tensor, view, .timeout = 30)
 {
     int64_t shape[3] = {2, 3, 4};
     tp_tensor *t = NULL, *v = NULL, *bad = (tp_tensor *)0x1;
-    OK(tp_tensor_empty(TP_I64, TP_CPU, 3, shape, &t));
+    CHECK_OK(tp_tensor_empty(TP_I64, TP_CPU, 3, shape, &t));
     fill_seq(t, 0);
 
-    OK(tp_tensor_view(t, 2, (int64_t[]){6, -1}, &v));
+    CHECK_OK(tp_tensor_view(t, 2, (int64_t[]){6, -1}, &v));
     cr_assert(tp_tensor_shares_storage(t, v));
     cr_assert_eq(tp_tensor_size(v, 0), 6);
     cr_assert_eq(tp_tensor_size(v, 1), 4);
     expect_seq(v, 0);
-    OK(tp_tensor_set(v, (int64_t[]){5, 3}, -5));
+    CHECK_OK(tp_tensor_set(v, (int64_t[]){5, 3}, -5));
     double x;
-    OK(tp_tensor_get(t, (int64_t[]){1, 2, 3}, &x));
+    CHECK_OK(tp_tensor_get(t, (int64_t[]){1, 2, 3}, &x));
     cr_assert_eq(x, -5.0);
     tp_tensor_release(v);
 
-    OK(tp_tensor_view(t, 1, (int64_t[]){-1}, &v));
+    CHECK_OK(tp_tensor_view(t, 1, (int64_t[]){-1}, &v));
     cr_assert_eq(tp_tensor_size(v, 0), 24);
     tp_tensor_release(v);
-    OK(tp_tensor_view(t, 4, (int64_t[]){1, 2, 12, 1}, &v));
+    CHECK_OK(tp_tensor_view(t, 4, (int64_t[]){1, 2, 12, 1}, &v));
     cr_assert(tp_tensor_is_contiguous(v));
     tp_tensor_release(v);
 
-    EXPECT_ERR(tp_tensor_view(t, 2, (int64_t[]){-1, -1}, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_view(t, 2, (int64_t[]){-1, -1}, &bad), TP_ERR_INVALID_ARG);
     cr_assert_null(bad);
-    EXPECT_ERR(tp_tensor_view(t, 2, (int64_t[]){5, -1}, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_view(t, 2, (int64_t[]){5, 5}, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_view(t, 2, (int64_t[]){-2, 12}, &bad), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_view(t, 9, (int64_t[]){1, 1, 1, 1, 1, 1, 1, 1, 24}, &bad),
+    CHECK_ERR(tp_tensor_view(t, 2, (int64_t[]){5, -1}, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_view(t, 2, (int64_t[]){5, 5}, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_view(t, 2, (int64_t[]){-2, 12}, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_view(t, 9, (int64_t[]){1, 1, 1, 1, 1, 1, 1, 1, 24}, &bad),
                TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_view(t, 2, (int64_t[]){INT64_MAX, 4}, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_view(t, 2, (int64_t[]){INT64_MAX, 4}, &bad), TP_ERR_INVALID_ARG);
 
     /* a narrowed (non-contiguous) view cannot be re-viewed */
     tp_tensor *n = NULL;
-    OK(tp_tensor_narrow(t, 2, 0, 2, &n));
-    EXPECT_ERR(tp_tensor_view(n, 1, (int64_t[]){12}, &bad), TP_ERR_INVALID_ARG);
+    CHECK_OK(tp_tensor_narrow(t, 2, 0, 2, &n));
+    CHECK_ERR(tp_tensor_view(n, 1, (int64_t[]){12}, &bad), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "contiguous"), "%s", tp_last_error());
     tp_tensor_release(n);
 
     /* a contiguous narrow along dim 0 can, and keeps its offset */
-    OK(tp_tensor_narrow(t, 0, 1, 1, &n));
-    OK(tp_tensor_view(n, 2, (int64_t[]){3, 4}, &v));
+    CHECK_OK(tp_tensor_narrow(t, 0, 1, 1, &n));
+    CHECK_OK(tp_tensor_view(n, 2, (int64_t[]){3, 4}, &v));
     cr_assert_eq(get2(v, 0, 0), 12.0);
     tp_tensor_release(v);
     tp_tensor_release(n);
 
     /* zero elements: -1 is inferable only if the other sizes are non-zero */
     tp_tensor *z = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){0, 3}, &z));
-    OK(tp_tensor_view(z, 2, (int64_t[]){-1, 3}, &v));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){0, 3}, &z));
+    CHECK_OK(tp_tensor_view(z, 2, (int64_t[]){-1, 3}, &v));
     cr_assert_eq(tp_tensor_size(v, 0), 0);
     tp_tensor_release(v);
-    EXPECT_ERR(tp_tensor_view(z, 2, (int64_t[]){-1, 0}, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_view(z, 2, (int64_t[]){-1, 0}, &bad), TP_ERR_INVALID_ARG);
     tp_tensor_release(z);
 
     /* scalar <-> [1] */
     tp_tensor *one = NULL, *s = NULL;
-    OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){1}, &one));
-    OK(tp_tensor_view(one, 0, NULL, &s));
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){1}, &one));
+    CHECK_OK(tp_tensor_view(one, 0, NULL, &s));
     cr_assert_eq(tp_tensor_ndim(s), 0);
     cr_assert_eq(tp_tensor_numel(s), 1);
     tp_tensor_release(s);
@@ -540,19 +526,19 @@ Test(tensor, copy_across_dtypes_integer_valued, .timeout = 30)
 {
     int64_t shape[2] = {5, 41};
     tp_tensor *src = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &src));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &src));
     fill_seq(src, -100); /* -100 .. 104: exact in every dtype */
     for (int a = 0; a < N_DTYPES; a++) {
         tp_tensor *x = NULL;
-        OK(tp_tensor_to(src, all_dtypes[a], TP_CPU, &x));
+        CHECK_OK(tp_tensor_to(src, all_dtypes[a], TP_CPU, &x));
         cr_assert_eq(tp_tensor_dtype(x), all_dtypes[a]);
         expect_seq(x, -100);
         for (int b = 0; b < N_DTYPES; b++) {
             tp_tensor *y = NULL;
-            OK(tp_tensor_empty(all_dtypes[b], TP_CPU, 2, shape, &y));
-            OK(tp_tensor_copy(y, x));
+            CHECK_OK(tp_tensor_empty(all_dtypes[b], TP_CPU, 2, shape, &y));
+            CHECK_OK(tp_tensor_copy(y, x));
             bool eq = false;
-            OK(tp_tensor_equal(y, src, &eq));
+            CHECK_OK(tp_tensor_equal(y, src, &eq));
             cr_assert(eq, "%s -> %s", tp_dtype_name(all_dtypes[a]), tp_dtype_name(all_dtypes[b]));
             tp_tensor_release(y);
         }
@@ -565,8 +551,8 @@ static uint16_t f32_to_half_bits(float f, tp_dtype dt)
 {
     int64_t n = 1;
     tp_tensor *s = NULL, *h = NULL;
-    OK(tp_tensor_from_data(TP_F32, 1, &n, &f, &s));
-    OK(tp_tensor_to(s, dt, TP_CPU, &h));
+    CHECK_OK(tp_tensor_from_data(TP_F32, 1, &n, &f, &s));
+    CHECK_OK(tp_tensor_to(s, dt, TP_CPU, &h));
     uint16_t bits;
     memcpy(&bits, tp_tensor_data(h), 2);
     tp_tensor_release(s);
@@ -578,8 +564,8 @@ static float half_bits_to_f32(uint16_t bits, tp_dtype dt)
 {
     int64_t n = 1;
     tp_tensor *h = NULL, *s = NULL;
-    OK(tp_tensor_from_data(dt, 1, &n, &bits, &h));
-    OK(tp_tensor_to(h, TP_F32, TP_CPU, &s));
+    CHECK_OK(tp_tensor_from_data(dt, 1, &n, &bits, &h));
+    CHECK_OK(tp_tensor_to(h, TP_F32, TP_CPU, &s));
     float f;
     memcpy(&f, tp_tensor_data(s), 4);
     tp_tensor_release(s);
@@ -660,9 +646,9 @@ Test(tensor, f16_exhaustive_roundtrip_and_ties, .timeout = 30)
     for (int64_t i = 0; i < n; i++)
         bits[i] = (uint16_t)i;
     tp_tensor *h = NULL, *f = NULL, *back = NULL;
-    OK(tp_tensor_from_data(TP_F16, 1, &n, bits, &h));
-    OK(tp_tensor_to(h, TP_F32, TP_CPU, &f));
-    OK(tp_tensor_to(f, TP_F16, TP_CPU, &back));
+    CHECK_OK(tp_tensor_from_data(TP_F16, 1, &n, bits, &h));
+    CHECK_OK(tp_tensor_to(h, TP_F32, TP_CPU, &f));
+    CHECK_OK(tp_tensor_to(f, TP_F16, TP_CPU, &back));
     const float *fv = tp_tensor_data(f);
     const uint16_t *bv = tp_tensor_data(back);
     for (int64_t i = 0; i < n; i++) {
@@ -739,9 +725,9 @@ Test(tensor, float_to_int_and_back, .timeout = 30)
     int64_t expect64[] = {2, -2, 0, 0, INT64_MAX, INT64_MIN, 0, 2147483647LL, -2147483648LL};
     int64_t n = 9;
     tp_tensor *d = NULL, *i32 = NULL, *i64 = NULL;
-    OK(tp_tensor_from_data(TP_F64, 1, &n, vals, &d));
-    OK(tp_tensor_to(d, TP_I32, TP_CPU, &i32));
-    OK(tp_tensor_to(d, TP_I64, TP_CPU, &i64));
+    CHECK_OK(tp_tensor_from_data(TP_F64, 1, &n, vals, &d));
+    CHECK_OK(tp_tensor_to(d, TP_I32, TP_CPU, &i32));
+    CHECK_OK(tp_tensor_to(d, TP_I64, TP_CPU, &i64));
     const int32_t *p32 = tp_tensor_data(i32);
     const int64_t *p64 = tp_tensor_data(i64);
     for (int k = 0; k < n; k++) {
@@ -752,8 +738,8 @@ Test(tensor, float_to_int_and_back, .timeout = 30)
     int64_t big[2] = {(1LL << 53) + 1, (1LL << 24) + 1};
     int64_t two = 2;
     tp_tensor *bi = NULL, *bf = NULL;
-    OK(tp_tensor_from_data(TP_I64, 1, &two, big, &bi));
-    OK(tp_tensor_to(bi, TP_F32, TP_CPU, &bf));
+    CHECK_OK(tp_tensor_from_data(TP_I64, 1, &two, big, &bi));
+    CHECK_OK(tp_tensor_to(bi, TP_F32, TP_CPU, &bf));
     cr_assert_eq(((const float *)tp_tensor_data(bf))[1], 16777216.0f);
     tp_tensor_release(bf);
     tp_tensor_release(bi);
@@ -765,8 +751,8 @@ Test(tensor, float_to_int_and_back, .timeout = 30)
     double third = 1.0 / 3.0;
     int64_t one = 1;
     tp_tensor *t = NULL, *h = NULL;
-    OK(tp_tensor_from_data(TP_F64, 1, &one, &third, &t));
-    OK(tp_tensor_to(t, TP_F16, TP_CPU, &h));
+    CHECK_OK(tp_tensor_from_data(TP_F64, 1, &one, &third, &t));
+    CHECK_OK(tp_tensor_to(t, TP_F16, TP_CPU, &h));
     cr_assert_eq(*(const uint16_t *)tp_tensor_data(h), 0x3555);
     tp_tensor_release(t);
     tp_tensor_release(h);
@@ -776,35 +762,35 @@ Test(tensor, strided_copy, .timeout = 30)
 {
     int64_t shape[3] = {3, 4, 6};
     tp_tensor *base = NULL, *v = NULL, *dst = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 3, shape, &base));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 3, shape, &base));
     fill_seq(base, 0);
 
     /* source strided in the middle and last dims */
     tp_tensor *v1 = NULL;
-    OK(tp_tensor_narrow(base, 1, 1, 2, &v1));
-    OK(tp_tensor_narrow(v1, 2, 2, 3, &v));
+    CHECK_OK(tp_tensor_narrow(base, 1, 1, 2, &v1));
+    CHECK_OK(tp_tensor_narrow(v1, 2, 2, 3, &v));
     tp_tensor_release(v1);
     for (int k = 0; k < N_DTYPES; k++) {
-        OK(tp_tensor_empty(all_dtypes[k], TP_CPU, 3, (int64_t[]){3, 2, 3}, &dst));
-        OK(tp_tensor_copy(dst, v));
+        CHECK_OK(tp_tensor_empty(all_dtypes[k], TP_CPU, 3, (int64_t[]){3, 2, 3}, &dst));
+        CHECK_OK(tp_tensor_copy(dst, v));
         int64_t idx[3];
         for (idx[0] = 0; idx[0] < 3; idx[0]++)
             for (idx[1] = 0; idx[1] < 2; idx[1]++)
                 for (idx[2] = 0; idx[2] < 3; idx[2]++) {
                     double x;
-                    OK(tp_tensor_get(dst, idx, &x));
+                    CHECK_OK(tp_tensor_get(dst, idx, &x));
                     cr_assert_eq(x, (double)(idx[0] * 24 + (idx[1] + 1) * 6 + idx[2] + 2));
                 }
         bool eq = false;
-        OK(tp_tensor_equal(dst, v, &eq));
+        CHECK_OK(tp_tensor_equal(dst, v, &eq));
         cr_assert(eq);
         tp_tensor_release(dst);
     }
 
     /* a column (select along the last dim: stride 6) copied to contiguous */
     tp_tensor *col = NULL, *colc = NULL;
-    OK(tp_tensor_select(base, 2, 5, &col));
-    OK(tp_tensor_clone(col, &colc));
+    CHECK_OK(tp_tensor_select(base, 2, 5, &col));
+    CHECK_OK(tp_tensor_clone(col, &colc));
     cr_assert(tp_tensor_is_contiguous(colc));
     cr_assert(!tp_tensor_shares_storage(col, colc));
     for (int i = 0; i < 3; i++)
@@ -813,36 +799,36 @@ Test(tensor, strided_copy, .timeout = 30)
 
     /* contiguous source into a strided destination: only the view changes */
     tp_tensor *ones = NULL;
-    OK(tp_tensor_empty(TP_I32, TP_CPU, 2, (int64_t[]){3, 4}, &ones));
-    OK(tp_tensor_fill(ones, -1));
-    OK(tp_tensor_copy(col, ones));
+    CHECK_OK(tp_tensor_empty(TP_I32, TP_CPU, 2, (int64_t[]){3, 4}, &ones));
+    CHECK_OK(tp_tensor_fill(ones, -1));
+    CHECK_OK(tp_tensor_copy(col, ones));
     for (int64_t i = 0; i < 72; i++) {
         int64_t idx[3] = {i / 24, (i / 6) % 4, i % 6};
         double x;
-        OK(tp_tensor_get(base, idx, &x));
+        CHECK_OK(tp_tensor_get(base, idx, &x));
         cr_assert_eq(x, idx[2] == 5 ? -1.0 : (double)i, "element %lld", (long long)i);
     }
 
     /* strided to strided of a different dtype */
     tp_tensor *other = NULL, *ocol = NULL;
-    OK(tp_tensor_zeros(TP_BF16, TP_CPU, 3, (int64_t[]){3, 4, 2}, &other));
-    OK(tp_tensor_select(other, 2, 1, &ocol));
-    OK(tp_tensor_copy(ocol, colc));
+    CHECK_OK(tp_tensor_zeros(TP_BF16, TP_CPU, 3, (int64_t[]){3, 4, 2}, &other));
+    CHECK_OK(tp_tensor_select(other, 2, 1, &ocol));
+    CHECK_OK(tp_tensor_copy(ocol, colc));
     bool eq = false;
-    OK(tp_tensor_equal(ocol, colc, &eq));
+    CHECK_OK(tp_tensor_equal(ocol, colc, &eq));
     cr_assert(eq);
     tp_tensor *ocol0 = NULL;
-    OK(tp_tensor_select(other, 2, 0, &ocol0));
+    CHECK_OK(tp_tensor_select(other, 2, 0, &ocol0));
     double diff = -1;
-    OK(tp_tensor_fill(ones, 0));
-    OK(tp_tensor_max_abs_diff(ocol0, ones, &diff));
+    CHECK_OK(tp_tensor_fill(ones, 0));
+    CHECK_OK(tp_tensor_max_abs_diff(ocol0, ones, &diff));
     cr_assert_eq(diff, 0.0, "the other column is untouched");
 
     /* copy onto itself is a no-op */
-    OK(tp_tensor_copy(v, v));
+    CHECK_OK(tp_tensor_copy(v, v));
 
     /* shape mismatch */
-    EXPECT_ERR(tp_tensor_copy(ones, v), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_copy(ones, v), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "[3, 4]") && strstr(tp_last_error(), "[3, 2, 3]"), "%s",
               tp_last_error());
 
@@ -860,16 +846,16 @@ Test(tensor, large_contiguous_copy_and_convert, .timeout = 30)
 {
     int64_t shape[2] = {1024, 4096};
     tp_tensor *a = NULL, *b = NULL, *c = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &a));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &a));
     float *p = tp_tensor_data(a);
     for (int64_t i = 0; i < shape[0] * shape[1]; i++)
         p[i] = (float)(i % 1000);
-    OK(tp_tensor_clone(a, &b));
-    OK(tp_tensor_to(a, TP_BF16, TP_CPU, &c));
+    CHECK_OK(tp_tensor_clone(a, &b));
+    CHECK_OK(tp_tensor_to(a, TP_BF16, TP_CPU, &c));
     bool eq = false;
-    OK(tp_tensor_equal(a, b, &eq));
+    CHECK_OK(tp_tensor_equal(a, b, &eq));
     cr_assert(eq);
-    OK(tp_tensor_allclose(c, a, 0.01, 0, &eq));
+    CHECK_OK(tp_tensor_allclose(c, a, 0.01, 0, &eq));
     cr_assert(eq);
     tp_tensor_release(a);
     tp_tensor_release(b);
@@ -880,22 +866,22 @@ Test(tensor, clone_and_to, .timeout = 30)
 {
     int64_t shape[2] = {3, 5};
     tp_tensor *t = NULL, *c = NULL, *d = NULL;
-    OK(tp_tensor_empty(TP_I64, TP_CPU, 2, shape, &t));
+    CHECK_OK(tp_tensor_empty(TP_I64, TP_CPU, 2, shape, &t));
     fill_seq(t, 10);
-    OK(tp_tensor_clone(t, &c));
+    CHECK_OK(tp_tensor_clone(t, &c));
     cr_assert(!tp_tensor_shares_storage(t, c));
     cr_assert_eq(tp_tensor_dtype(c), TP_I64);
     expect_seq(c, 10);
-    OK(tp_tensor_fill(t, 0));
+    CHECK_OK(tp_tensor_fill(t, 0));
     expect_seq(c, 10); /* independent */
-    OK(tp_tensor_to(c, TP_F16, TP_CPU, &d));
+    CHECK_OK(tp_tensor_to(c, TP_F16, TP_CPU, &d));
     cr_assert_eq(tp_tensor_dtype(d), TP_F16);
     expect_seq(d, 10);
     tp_tensor *bad = (tp_tensor *)0x1;
-    EXPECT_ERR(tp_tensor_to(c, (tp_dtype)17, TP_CPU, &bad), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_to(c, (tp_dtype)17, TP_CPU, &bad), TP_ERR_INVALID_ARG);
     cr_assert_null(bad);
     if (tp_cuda_device_count() == 0)
-        EXPECT_ERR(tp_tensor_to(c, TP_F32, TP_CUDA(0), &bad), TP_ERR_NOT_SUPPORTED);
+        CHECK_ERR(tp_tensor_to(c, TP_F32, TP_CUDA(0), &bad), TP_ERR_NOT_SUPPORTED);
     tp_tensor_release(t);
     tp_tensor_release(c);
     tp_tensor_release(d);
@@ -908,28 +894,28 @@ Test(tensor, fill_every_dtype, .timeout = 30)
     int64_t shape[3] = {2, 3, 5};
     for (int k = 0; k < N_DTYPES; k++) {
         tp_tensor *t = NULL, *v = NULL;
-        OK(tp_tensor_empty(all_dtypes[k], TP_CPU, 3, shape, &t));
-        OK(tp_tensor_fill(t, 3.0));
+        CHECK_OK(tp_tensor_empty(all_dtypes[k], TP_CPU, 3, shape, &t));
+        CHECK_OK(tp_tensor_fill(t, 3.0));
         int64_t idx[3];
         for (int64_t i = 0; i < 30; i++) {
             unravel(3, shape, i, idx);
             double x;
-            OK(tp_tensor_get(t, idx, &x));
+            CHECK_OK(tp_tensor_get(t, idx, &x));
             cr_assert_eq(x, 3.0);
         }
         /* a strided view only */
-        OK(tp_tensor_narrow(t, 2, 1, 2, &v));
-        OK(tp_tensor_fill(v, 0.0));
+        CHECK_OK(tp_tensor_narrow(t, 2, 1, 2, &v));
+        CHECK_OK(tp_tensor_fill(v, 0.0));
         for (int64_t i = 0; i < 30; i++) {
             unravel(3, shape, i, idx);
             double x;
-            OK(tp_tensor_get(t, idx, &x));
+            CHECK_OK(tp_tensor_get(t, idx, &x));
             cr_assert_eq(x, (idx[2] == 1 || idx[2] == 2) ? 0.0 : 3.0, "%s element %lld",
                          tp_dtype_name(all_dtypes[k]), (long long)i);
         }
-        OK(tp_tensor_fill(t, -2.5));
+        CHECK_OK(tp_tensor_fill(t, -2.5));
         double x;
-        OK(tp_tensor_get(t, (int64_t[]){1, 2, 4}, &x));
+        CHECK_OK(tp_tensor_get(t, (int64_t[]){1, 2, 4}, &x));
         cr_assert_eq(x, tp_dtype_is_float(all_dtypes[k]) ? -2.5 : -2.0,
                      "integers truncate toward zero");
         tp_tensor_release(v);
@@ -938,12 +924,12 @@ Test(tensor, fill_every_dtype, .timeout = 30)
     /* scalar */
     tp_tensor *s = NULL;
     double x = 0;
-    OK(tp_tensor_empty(TP_F64, TP_CPU, 0, NULL, &s));
-    OK(tp_tensor_fill(s, 1.25));
-    OK(tp_tensor_get(s, NULL, &x));
+    CHECK_OK(tp_tensor_empty(TP_F64, TP_CPU, 0, NULL, &s));
+    CHECK_OK(tp_tensor_fill(s, 1.25));
+    CHECK_OK(tp_tensor_get(s, NULL, &x));
     cr_assert_eq(x, 1.25);
-    OK(tp_tensor_set(s, NULL, 2.5));
-    OK(tp_tensor_get(s, NULL, &x));
+    CHECK_OK(tp_tensor_set(s, NULL, 2.5));
+    CHECK_OK(tp_tensor_get(s, NULL, &x));
     cr_assert_eq(x, 2.5);
     tp_tensor_release(s);
 }
@@ -952,16 +938,16 @@ Test(tensor, get_set_errors, .timeout = 30)
 {
     int64_t shape[2] = {2, 3};
     tp_tensor *t = NULL;
-    OK(tp_tensor_zeros(TP_F32, TP_CPU, 2, shape, &t));
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 2, shape, &t));
     double v = 5;
-    EXPECT_ERR(tp_tensor_get(t, (int64_t[]){0, 3}, &v), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_get(t, (int64_t[]){0, 3}, &v), TP_ERR_INVALID_ARG);
     cr_assert_eq(v, 0.0);
     cr_assert(strstr(tp_last_error(), "index 3") && strstr(tp_last_error(), "dim 1"), "%s",
               tp_last_error());
-    EXPECT_ERR(tp_tensor_get(t, (int64_t[]){-1, 0}, &v), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_get(t, NULL, &v), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_set(t, (int64_t[]){2, 0}, 1.0), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_set(t, NULL, 1.0), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_get(t, (int64_t[]){-1, 0}, &v), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_get(t, NULL, &v), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_set(t, (int64_t[]){2, 0}, 1.0), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_set(t, NULL, 1.0), TP_ERR_INVALID_ARG);
     tp_tensor_release(t);
 }
 
@@ -973,79 +959,79 @@ Test(tensor, compare, .timeout = 30)
     float av[4] = {1, 2, 3, 4}, bv[4] = {1, 2, 3, 4.5f};
     int32_t iv[4] = {1, 2, 3, 4};
     tp_tensor *a = NULL, *b = NULL, *ia = NULL;
-    OK(tp_tensor_from_data(TP_F32, 1, &n, av, &a));
-    OK(tp_tensor_from_data(TP_F32, 1, &n, bv, &b));
-    OK(tp_tensor_from_data(TP_I32, 1, &n, iv, &ia));
+    CHECK_OK(tp_tensor_from_data(TP_F32, 1, &n, av, &a));
+    CHECK_OK(tp_tensor_from_data(TP_F32, 1, &n, bv, &b));
+    CHECK_OK(tp_tensor_from_data(TP_I32, 1, &n, iv, &ia));
     bool r = false;
     double d = -1;
 
-    OK(tp_tensor_equal(a, a, &r));
+    CHECK_OK(tp_tensor_equal(a, a, &r));
     cr_assert(r);
-    OK(tp_tensor_equal(a, ia, &r));
+    CHECK_OK(tp_tensor_equal(a, ia, &r));
     cr_assert(r, "dtypes may differ");
-    OK(tp_tensor_equal(a, b, &r));
+    CHECK_OK(tp_tensor_equal(a, b, &r));
     cr_assert(!r);
-    OK(tp_tensor_max_abs_diff(a, b, &d));
+    CHECK_OK(tp_tensor_max_abs_diff(a, b, &d));
     cr_assert_eq(d, 0.5);
-    OK(tp_tensor_allclose(a, b, 0, 0.5, &r));
+    CHECK_OK(tp_tensor_allclose(a, b, 0, 0.5, &r));
     cr_assert(r, "|diff| <= atol");
-    OK(tp_tensor_allclose(a, b, 0, 0.49, &r));
+    CHECK_OK(tp_tensor_allclose(a, b, 0, 0.49, &r));
     cr_assert(!r);
-    OK(tp_tensor_allclose(a, b, 0.12, 0, &r));
+    CHECK_OK(tp_tensor_allclose(a, b, 0.12, 0, &r));
     cr_assert(r, "0.5 <= 0.12 * 4.5");
-    OK(tp_tensor_allclose(a, b, 0.1, 0, &r));
+    CHECK_OK(tp_tensor_allclose(a, b, 0.1, 0, &r));
     cr_assert(!r);
-    EXPECT_ERR(tp_tensor_allclose(a, b, -1, 0, &r), TP_ERR_INVALID_ARG);
-    EXPECT_ERR(tp_tensor_allclose(a, b, NAN, 0, &r), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_allclose(a, b, -1, 0, &r), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_allclose(a, b, NAN, 0, &r), TP_ERR_INVALID_ARG);
 
     /* NaN: never equal or close, and the max difference is NaN */
     float nv[4] = {1, NAN, 3, 4};
     tp_tensor *na = NULL;
-    OK(tp_tensor_from_data(TP_F32, 1, &n, nv, &na));
-    OK(tp_tensor_equal(na, na, &r));
+    CHECK_OK(tp_tensor_from_data(TP_F32, 1, &n, nv, &na));
+    CHECK_OK(tp_tensor_equal(na, na, &r));
     cr_assert(!r);
-    OK(tp_tensor_allclose(na, na, 1, 1, &r));
+    CHECK_OK(tp_tensor_allclose(na, na, 1, 1, &r));
     cr_assert(!r);
-    OK(tp_tensor_max_abs_diff(na, a, &d));
+    CHECK_OK(tp_tensor_max_abs_diff(na, a, &d));
     cr_assert(isnan(d));
-    OK(tp_tensor_max_abs_diff(b, na, &d));
+    CHECK_OK(tp_tensor_max_abs_diff(b, na, &d));
     cr_assert(isnan(d), "NaN wins over a later larger difference");
 
     /* infinities: equal ones compare equal and close */
     float inf1[4] = {INFINITY, -INFINITY, 0, 0}, inf2[4] = {INFINITY, -INFINITY, 0, 1};
     tp_tensor *x = NULL, *y = NULL;
-    OK(tp_tensor_from_data(TP_F32, 1, &n, inf1, &x));
-    OK(tp_tensor_from_data(TP_F32, 1, &n, inf2, &y));
-    OK(tp_tensor_equal(x, x, &r));
+    CHECK_OK(tp_tensor_from_data(TP_F32, 1, &n, inf1, &x));
+    CHECK_OK(tp_tensor_from_data(TP_F32, 1, &n, inf2, &y));
+    CHECK_OK(tp_tensor_equal(x, x, &r));
     cr_assert(r);
-    OK(tp_tensor_allclose(x, y, 0, 1, &r));
+    CHECK_OK(tp_tensor_allclose(x, y, 0, 1, &r));
     cr_assert(r);
-    OK(tp_tensor_max_abs_diff(x, y, &d));
+    CHECK_OK(tp_tensor_max_abs_diff(x, y, &d));
     cr_assert_eq(d, 1.0);
     float inf3[4] = {-INFINITY, -INFINITY, 0, 0};
     tp_tensor *z = NULL;
-    OK(tp_tensor_from_data(TP_F32, 1, &n, inf3, &z));
-    OK(tp_tensor_allclose(x, z, 1e9, 1e9, &r));
+    CHECK_OK(tp_tensor_from_data(TP_F32, 1, &n, inf3, &z));
+    CHECK_OK(tp_tensor_allclose(x, z, 1e9, 1e9, &r));
     cr_assert(!r);
 
     /* shape mismatch: equal/allclose say no, max_abs_diff is an error */
     tp_tensor *m = NULL;
-    OK(tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){2, 2}, &m));
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){2, 2}, &m));
     r = true;
-    OK(tp_tensor_equal(a, m, &r));
+    CHECK_OK(tp_tensor_equal(a, m, &r));
     cr_assert(!r);
     r = true;
-    OK(tp_tensor_allclose(a, m, 1, 1, &r));
+    CHECK_OK(tp_tensor_allclose(a, m, 1, 1, &r));
     cr_assert(!r);
-    EXPECT_ERR(tp_tensor_max_abs_diff(a, m, &d), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_max_abs_diff(a, m, &d), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "[4]") && strstr(tp_last_error(), "[2, 2]"), "%s",
               tp_last_error());
 
     /* strided views compare by value */
     tp_tensor *v1 = NULL, *v2 = NULL;
-    OK(tp_tensor_narrow(a, 0, 0, 3, &v1));
-    OK(tp_tensor_narrow(b, 0, 0, 3, &v2));
-    OK(tp_tensor_equal(v1, v2, &r));
+    CHECK_OK(tp_tensor_narrow(a, 0, 0, 3, &v1));
+    CHECK_OK(tp_tensor_narrow(b, 0, 0, 3, &v2));
+    CHECK_OK(tp_tensor_equal(v1, v2, &r));
     cr_assert(r);
     tp_tensor_release(v1);
     tp_tensor_release(v2);
@@ -1068,35 +1054,35 @@ Test(tensor, cuda_roundtrip, .timeout = 60)
         cr_skip_test("no CUDA device");
     int64_t shape[2] = {5, 7};
     tp_tensor *h = NULL, *g = NULL, *g16 = NULL, *back = NULL, *z = NULL;
-    OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &h));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, shape, &h));
     fill_seq(h, -10);
-    OK(tp_tensor_to(h, TP_F32, TP_CUDA(0), &g));
+    CHECK_OK(tp_tensor_to(h, TP_F32, TP_CUDA(0), &g));
     cr_assert_eq(tp_tensor_device(g).type, TP_DEVICE_CUDA);
-    OK(tp_tensor_to(g, TP_BF16, TP_CUDA(0), &g16)); /* D2D with conversion: staged */
-    OK(tp_tensor_to(g16, TP_F64, TP_CPU, &back));
+    CHECK_OK(tp_tensor_to(g, TP_BF16, TP_CUDA(0), &g16)); /* D2D with conversion: staged */
+    CHECK_OK(tp_tensor_to(g16, TP_F64, TP_CPU, &back));
     expect_seq(back, -10);
     bool eq = false;
-    OK(tp_tensor_equal(g, h, &eq));
+    CHECK_OK(tp_tensor_equal(g, h, &eq));
     cr_assert(eq);
     tp_tensor_release(back);
 
     /* strided CUDA source and destination */
     tp_tensor *gv = NULL, *hv = NULL;
-    OK(tp_tensor_narrow(g, 1, 2, 3, &gv));
-    OK(tp_tensor_narrow(h, 1, 2, 3, &hv));
-    OK(tp_tensor_equal(gv, hv, &eq));
+    CHECK_OK(tp_tensor_narrow(g, 1, 2, 3, &gv));
+    CHECK_OK(tp_tensor_narrow(h, 1, 2, 3, &hv));
+    CHECK_OK(tp_tensor_equal(gv, hv, &eq));
     cr_assert(eq);
-    OK(tp_tensor_zeros(TP_F32, TP_CUDA(0), 2, (int64_t[]){5, 3}, &z));
-    OK(tp_tensor_fill(gv, 1.5));
-    OK(tp_tensor_to(g, TP_F32, TP_CPU, &back));
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CUDA(0), 2, (int64_t[]){5, 3}, &z));
+    CHECK_OK(tp_tensor_fill(gv, 1.5));
+    CHECK_OK(tp_tensor_to(g, TP_F32, TP_CPU, &back));
     for (int i = 0; i < 5; i++)
         for (int j = 0; j < 7; j++)
             cr_assert_eq(get2(back, i, j), (j >= 2 && j < 5) ? 1.5 : (double)(i * 7 + j - 10));
-    OK(tp_tensor_copy(gv, z));
-    OK(tp_tensor_max_abs_diff(gv, z, &(double){0}));
+    CHECK_OK(tp_tensor_copy(gv, z));
+    CHECK_OK(tp_tensor_max_abs_diff(gv, z, &(double){0}));
     double x = -1;
-    OK(tp_tensor_get(back, (int64_t[]){0, 0}, &x));
-    EXPECT_ERR(tp_tensor_get(g, (int64_t[]){0, 0}, &x), TP_ERR_NOT_SUPPORTED);
+    CHECK_OK(tp_tensor_get(back, (int64_t[]){0, 0}, &x));
+    CHECK_ERR(tp_tensor_get(g, (int64_t[]){0, 0}, &x), TP_ERR_NOT_SUPPORTED);
     tp_tensor_release(back);
     tp_tensor_release(gv);
     tp_tensor_release(hv);
