@@ -134,7 +134,7 @@ done
 {
     echo "#"
     # the roof of each tp-bench-comm run: memcpy traffic per thread, n threads at once
-    grep -ho "roof = the faster: [0-9.]* GB/s traffic per thread" "$raw"/tp-*.log 2>/dev/null |
+    grep -ho "roof = the [a-z]*: [0-9.]* GB/s traffic per thread" "$raw"/tp-*.log 2>/dev/null |
         awk '{ print $5 }' | sort -g | awk '
             { v[NR] = $1 }
             END {
