@@ -43,5 +43,6 @@
 #include "tp/comm.h"
 #include "tp/comm_debug.h"
 #include "tp/mesh.h"
+#include "tp/dtensor.h"
 
 #endif /* TP_H */

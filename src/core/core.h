@@ -71,8 +71,30 @@ struct tp_tensor {
     int64_t shape[TP_MAX_DIMS];
     int64_t stride[TP_MAX_DIMS]; /* elements */
     int64_t offset;              /* elements from storage->data */
-    void *autograd;              /* reserved for the autograd layer */
+    /* State of the upper layers, freed through tp__tensor_finalizer when the
+     * last reference goes. A DTensor has storage == NULL, shape = the global
+     * shape, and dist set; the dtensor layer's struct begins with the local
+     * shard (struct tp__dist_head). */
+    void *autograd;
+    struct tp__dist_head *dist;
 };
+
+struct tp__dist_head {
+    tp_tensor *local;
+};
+
+/* Installed by the dtensor layer before it hangs state on any tensor. */
+extern void (*tp__tensor_finalizer)(tp_tensor *t);
+
+/* Refuses a DTensor where core needs a plain tensor. */
+#define TP_PLAIN_CHECK(fn, t, what)                                             \
+    do {                                                                        \
+        if ((t) && (t)->dist)                                                   \
+            return tp__error(TP_ERR_INVALID_ARG,                                \
+                             "%s: %s is a DTensor; use tp_dtensor_local, "      \
+                             "tp_dtensor_to_local or tp_dtensor_full_tensor",   \
+                             (fn), (what));                                     \
+    } while (0)
 
 /* Normalizes a possibly negative dim against ndim; -1 if out of range. */
 static inline int tp__wrap_dim(int dim, int ndim)

@@ -154,6 +154,7 @@ tp_status tp_tensor_fill_random(tp_tensor *t, tp_rng_dist dist, double a, double
 {
     const char *fn = "tp_tensor_fill_random";
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_PLAIN_CHECK(fn, t, "t");
     TP_CHECK(tp__check_dist(fn, dist, a, b));
 
     int nd = t->ndim;

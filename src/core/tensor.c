@@ -254,6 +254,7 @@ static tp_tensor *tp__tensor_header(tp_storage *storage, tp_dtype dtype, int ndi
     }
     t->offset = offset;
     t->autograd = NULL;
+    t->dist = NULL;
     return t;
 }
 
@@ -355,13 +356,18 @@ tp_tensor *tp_tensor_retain(tp_tensor *t)
     return t;
 }
 
+void (*tp__tensor_finalizer)(tp_tensor *t);
+
 void tp_tensor_release(tp_tensor *t)
 {
     if (!t)
         return;
     if (atomic_fetch_sub_explicit(&t->refcount, 1, memory_order_acq_rel) != 1)
         return;
-    tp__storage_release(t->storage);
+    if ((t->autograd || t->dist) && tp__tensor_finalizer)
+        tp__tensor_finalizer(t);
+    if (t->storage)
+        tp__storage_release(t->storage);
     tp__free(t);
 }
 
@@ -395,6 +401,8 @@ tp_dtype tp_tensor_dtype(const tp_tensor *t) { return t ? t->dtype : TP_DTYPE_CO
 
 tp_device tp_tensor_device(const tp_tensor *t)
 {
+    if (t && t->dist)
+        return tp_tensor_device(t->dist->local);
     return t ? t->storage->device : (tp_device){TP_DEVICE_CPU, -1};
 }
 
@@ -405,7 +413,7 @@ size_t tp_tensor_nbytes(const tp_tensor *t)
 
 void *tp_tensor_data(const tp_tensor *t)
 {
-    if (!t)
+    if (!t || t->dist)
         return NULL;
     return (char *)t->storage->data + (size_t)t->offset * tp_dtype_size(t->dtype);
 }
@@ -423,11 +431,14 @@ static bool tp__is_contiguous(const tp_tensor *t)
     return true;
 }
 
-bool tp_tensor_is_contiguous(const tp_tensor *t) { return t ? tp__is_contiguous(t) : false; }
+bool tp_tensor_is_contiguous(const tp_tensor *t)
+{
+    return t && !t->dist && tp__is_contiguous(t);
+}
 
 bool tp_tensor_shares_storage(const tp_tensor *a, const tp_tensor *b)
 {
-    return a && b && a->storage == b->storage;
+    return a && b && a->storage && a->storage == b->storage;
 }
 
 /* ---- views ---------------------------------------------------------------- */
@@ -447,6 +458,7 @@ static tp_status tp__make_view(const char *fn, const tp_tensor *t, int ndim, con
 static tp_status tp__narrow(const char *fn, tp_tensor *t, int dim, int64_t start, int64_t length,
                             tp_tensor **out)
 {
+    TP_PLAIN_CHECK(fn, t, "t");
     int d = tp__wrap_dim(dim, t->ndim);
     TP_ARG_CHECK(d >= 0, "%s: dim %d out of range for a %d-d tensor", fn, dim, t->ndim);
     int64_t size = t->shape[d];
@@ -492,6 +504,7 @@ tp_status tp_tensor_chunk(tp_tensor *t, int64_t chunks, int dim, int64_t index, 
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_PLAIN_CHECK(fn, t, "t");
     TP_ARG_CHECK(chunks >= 1, "%s: chunks %lld must be >= 1", fn, (long long)chunks);
     TP_ARG_CHECK(index >= 0 && index < chunks, "%s: index %lld outside [0, %lld)", fn,
                  (long long)index, (long long)chunks);
@@ -508,6 +521,7 @@ tp_status tp_tensor_select(tp_tensor *t, int dim, int64_t index, tp_tensor **out
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_PLAIN_CHECK(fn, t, "t");
     int d = tp__wrap_dim(dim, t->ndim);
     TP_ARG_CHECK(d >= 0, "%s: dim %d out of range for a %d-d tensor", fn, dim, t->ndim);
     int64_t size = t->shape[d];
@@ -532,6 +546,7 @@ tp_status tp_tensor_view(tp_tensor *t, int ndim, const int64_t *shape, tp_tensor
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_PLAIN_CHECK(fn, t, "t");
     TP_ARG_CHECK(ndim >= 0 && ndim <= TP_MAX_DIMS, "%s: ndim %d outside [0, %d]", fn, ndim,
                  TP_MAX_DIMS);
     TP_ARG_CHECK(ndim == 0 || shape, "%s: shape is NULL for ndim %d", fn, ndim);
@@ -854,6 +869,8 @@ done:
 
 static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
 {
+    TP_PLAIN_CHECK(fn, dst, "dst");
+    TP_PLAIN_CHECK(fn, src, "src");
     if (!tp__same_shape(dst, src)) {
         char b1[TP__SHAPE_BUF], b2[TP__SHAPE_BUF];
         return tp__error(TP_ERR_INVALID_ARG, "%s: dst shape %s != src shape %s", fn,
@@ -911,6 +928,7 @@ tp_status tp_tensor_clone(const tp_tensor *src, tp_tensor **out)
     TP_ARG_CHECK(out, "tp_tensor_clone: out is NULL");
     *out = NULL;
     TP_ARG_CHECK(src, "tp_tensor_clone: src is NULL");
+    TP_PLAIN_CHECK("tp_tensor_clone", src, "src");
     return tp__to("tp_tensor_clone", src, src->dtype, src->storage->device, out);
 }
 
@@ -967,6 +985,7 @@ tp_status tp_tensor_fill(tp_tensor *t, double value)
 {
     const char *fn = "tp_tensor_fill";
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_PLAIN_CHECK(fn, t, "t");
     if (tp__numel(t) == 0)
         return TP_OK;
     if (t->storage->device.type == TP_DEVICE_CPU) {
@@ -1025,6 +1044,7 @@ tp_status tp_tensor_get(const tp_tensor *t, const int64_t *idx, double *value)
     TP_ARG_CHECK(value, "tp_tensor_get: value is NULL");
     *value = 0.0;
     TP_ARG_CHECK(t, "tp_tensor_get: t is NULL");
+    TP_PLAIN_CHECK("tp_tensor_get", t, "t");
     int64_t off = 0;
     TP_CHECK(tp__elem_offset("tp_tensor_get", t, idx, &off));
     *value = tp__load_f64(t->storage->data, t->dtype, off);
@@ -1034,6 +1054,7 @@ tp_status tp_tensor_get(const tp_tensor *t, const int64_t *idx, double *value)
 tp_status tp_tensor_set(tp_tensor *t, const int64_t *idx, double value)
 {
     TP_ARG_CHECK(t, "tp_tensor_set: t is NULL");
+    TP_PLAIN_CHECK("tp_tensor_set", t, "t");
     int64_t off = 0;
     TP_CHECK(tp__elem_offset("tp_tensor_set", t, idx, &off));
     tp__store_f64(t->storage->data, t->dtype, off, value);
@@ -1097,6 +1118,8 @@ static tp_status tp__compare(const char *fn, const tp_tensor *a, const tp_tensor
 {
     TP_ARG_CHECK(a, "%s: a is NULL", fn);
     TP_ARG_CHECK(b, "%s: b is NULL", fn);
+    TP_PLAIN_CHECK(fn, a, "a");
+    TP_PLAIN_CHECK(fn, b, "b");
     if (!tp__same_shape(a, b)) {
         if (!mismatch_is_error) {
             c->ok = false;

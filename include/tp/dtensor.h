@@ -1,0 +1,180 @@
+/*
+ * tp/dtensor.h - distributed tensors, redistribution, autograd.
+ *
+ * A distributed tensor (DTensor) is a tp_tensor handle whose layout is a mesh
+ * plus one placement per mesh dim: Shard(d) (split along tensor dim d,
+ * torch.chunk rule: chunk = ceil(n / W), trailing ranks may hold fewer or zero
+ * rows), Replicate (every rank holds all of it) or Partial(op) (every rank
+ * holds a term; the value is their reduction). Several mesh dims may shard the
+ * same tensor dim (mesh dim 0 splits first).
+ *
+ * For a DTensor, tp_tensor_ndim/shape/size/numel/dtype/device describe the
+ * global (logical) tensor; its data lives in the local shard,
+ * tp_dtensor_local(). Views and element access of core (narrow, get, copy,
+ * data, ...) refuse DTensors: convert with tp_dtensor_to_local or
+ * tp_dtensor_full_tensor first. A mesh must outlive the DTensors on it.
+ *
+ * Collective calls here are collective over the mesh: every rank of the mesh
+ * calls them in the same order with the same layouts.
+ *
+ * Autograd: any tensor (plain or distributed) may require grad. Ops record a
+ * tape; tp_backward walks it in reverse and accumulates gradients into
+ * tp_tensor_grad() of the leaves. The backward of a redistribute is itself a
+ * redistribute, recorded by the comm-debug counter in the backward phase.
+ */
+#ifndef TP_DTENSOR_H
+#define TP_DTENSOR_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "tp/comm.h"
+#include "tp/mesh.h"
+#include "tp/status.h"
+#include "tp/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum tp_placement_kind {
+    TP_PLACEMENT_REPLICATE = 0,
+    TP_PLACEMENT_SHARD,
+    TP_PLACEMENT_PARTIAL
+} tp_placement_kind;
+
+/* A value type; the zero value is Replicate. */
+typedef struct tp_placement {
+    tp_placement_kind kind;
+    int dim;         /* Shard: tensor dim, negative counts from the end */
+    tp_reduce_op op; /* Partial: sum, avg, max or min */
+} tp_placement;
+
+static inline tp_placement tp_replicate(void)
+{
+    tp_placement p = {TP_PLACEMENT_REPLICATE, 0, TP_SUM};
+    return p;
+}
+static inline tp_placement tp_shard(int dim)
+{
+    tp_placement p = {TP_PLACEMENT_SHARD, dim, TP_SUM};
+    return p;
+}
+static inline tp_placement tp_partial(tp_reduce_op op)
+{
+    tp_placement p = {TP_PLACEMENT_PARTIAL, 0, op};
+    return p;
+}
+
+/* "R", "S(1)", "P(sum)" into buf; returns buf. */
+TP_API const char *tp_placement_str(tp_placement p, char *buf, size_t len);
+/* "(S(0), R)" for a list; returns buf. */
+TP_API const char *tp_placements_str(int n, const tp_placement *p, char *buf, size_t len);
+
+/* ---- creating and converting --------------------------------------------- */
+
+/*
+ * Collective: the DTensor with `placements` (one per mesh dim) whose global
+ * value is `full` (every rank passes a tensor of the same global shape and
+ * dtype). src_rank >= 0: the value of mesh rank src_rank is used and sent
+ * to the others (one broadcast over the mesh, counted); src_rank < 0: every
+ * rank already holds the same value and nothing is sent. Partial placements
+ * are refused. The result is a leaf (requires_grad false).
+ */
+TP_API tp_status tp_dtensor_distribute(tp_mesh *mesh, const tp_tensor *full, int nplacements,
+                                       const tp_placement *placements, int src_rank,
+                                       tp_tensor **out);
+
+typedef struct tp_from_local_options {
+    /* global shape (ndim of local), or NULL: inferred as if every shard were
+     * as large as this rank's (even sharding) */
+    const int64_t *global_shape;
+    /* verify with collectives that Replicate mesh dims hold equal values and
+     * the shard sizes add up (TP_ERR_MISMATCH otherwise); default off */
+    bool check;
+} tp_from_local_options;
+
+/* The DTensor whose local shard on this rank is `local` (shared, not
+ * copied). No communication unless options->check. Differentiable: the
+ * gradient flows back to `local` as this rank's shard of the DTensor's
+ * gradient. options may be NULL. */
+TP_API tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements,
+                                       const tp_placement *placements,
+                                       const tp_from_local_options *options, tp_tensor **out);
+
+/* This rank's shard as a plain tensor (shares storage). Differentiable: the
+ * gradient of the result is taken to have `grad_placements` (ngrad = mesh
+ * ndim; NULL with ngrad 0: the DTensor's own placements) when it flows back. */
+TP_API tp_status tp_dtensor_to_local(tp_tensor *dt, int ngrad,
+                                     const tp_placement *grad_placements, tp_tensor **out);
+
+/* Collective: the whole global tensor on every rank, as a plain tensor
+ * (redistributes to all-Replicate; differentiable). */
+TP_API tp_status tp_dtensor_full_tensor(tp_tensor *dt, tp_tensor **out);
+
+/* Collective: the same global value with new placements. A Partial target is
+ * refused unless that mesh dim already has the same Partial placement
+ * ("redistributing to Partial is for internal use"); Shard -> Partial is not
+ * supported. Differentiable. */
+TP_API tp_status tp_dtensor_redistribute(tp_tensor *dt, int nplacements,
+                                         const tp_placement *placements, tp_tensor **out);
+
+/* The collectives redistributing src -> dst issues on this mesh, per kind
+ * (counts[TP_COLL_KIND_COUNT]); the same planner tp_dtensor_redistribute
+ * runs, so tests and cost models can compare against it. Errors as for
+ * tp_dtensor_redistribute (Partial targets allowed here). */
+TP_API tp_status tp_dtensor_plan_collectives(const tp_mesh *mesh, int ndim, int nplacements,
+                                             const tp_placement *src, const tp_placement *dst,
+                                             int64_t *counts);
+
+/* ---- properties ---------------------------------------------------------- */
+
+TP_API bool tp_tensor_is_dtensor(const tp_tensor *t);
+/* The mesh, the placements (mesh ndim entries, normalized: Shard dims are
+ * non-negative) and the local shard (borrowed, lives as long as dt); NULL for
+ * a plain tensor. */
+TP_API tp_mesh *tp_dtensor_mesh(const tp_tensor *dt);
+TP_API const tp_placement *tp_dtensor_placements(const tp_tensor *dt);
+TP_API tp_tensor *tp_dtensor_local(const tp_tensor *dt);
+
+/* Size and offset along tensor dim d of the shard that mesh coordinate `coord`
+ * holds (coord: mesh ndim entries; NULL = this rank's), for a global shape
+ * and placements. Pure arithmetic; used by tests and sharded initialisation. */
+TP_API tp_status tp_dtensor_shard_extent(const tp_mesh *mesh, int ndim,
+                                         const int64_t *global_shape, int nplacements,
+                                         const tp_placement *placements, const int64_t *coord,
+                                         int64_t *local_shape, int64_t *offset);
+
+/* ---- autograd ------------------------------------------------------------ */
+
+/* Marks a leaf tensor (plain or DTensor) as requiring grad. TP_ERR_STATE for
+ * a non-leaf, TP_ERR_INVALID_ARG for a non-float dtype. */
+TP_API tp_status tp_tensor_set_requires_grad(tp_tensor *t, bool requires_grad);
+TP_API bool tp_tensor_requires_grad(const tp_tensor *t);
+/* The accumulated gradient (borrowed; same layout as t for DTensors), or NULL
+ * if none was computed yet. */
+TP_API tp_tensor *tp_tensor_grad(const tp_tensor *t);
+/* Drops the accumulated gradient. */
+TP_API void tp_tensor_zero_grad(tp_tensor *t);
+/* true when t was produced by a recorded op (has a backward node). */
+TP_API bool tp_tensor_has_grad_fn(const tp_tensor *t);
+
+/*
+ * Reverse mode from `loss`: grad NULL means a ones tensor (loss must then have
+ * one element); otherwise grad has loss's shape and layout. Collective when
+ * the graph contains DTensor ops. Gradients accumulate into the leaves'
+ * tp_tensor_grad(); the graph is freed as it is walked (a second backward
+ * through it is TP_ERR_STATE). The comm-debug phase is "backward" meanwhile.
+ */
+TP_API tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad);
+
+/* No-grad scopes (per thread, nestable): ops inside record nothing. */
+TP_API void tp_no_grad_begin(void);
+TP_API void tp_no_grad_end(void);
+TP_API bool tp_grad_enabled(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TP_DTENSOR_H */

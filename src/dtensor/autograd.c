@@ -1,0 +1,375 @@
+/* Reverse-mode autograd over a tape of op nodes.
+ *
+ * Every recorded op attaches a node to its output; the node holds references
+ * to the inputs that need gradients and whatever the backward needs. The
+ * backward walks the nodes reachable from the loss in reverse topological
+ * order, summing the gradients that reach a node from several consumers
+ * before calling it, and frees each node's saved state as soon as it ran. */
+#include <string.h>
+
+#include "dtensor/dtensor_internal.h"
+
+static _Thread_local int tp__no_grad_depth;
+
+void tp_no_grad_begin(void) { tp__no_grad_depth++; }
+void tp_no_grad_end(void)
+{
+    if (tp__no_grad_depth > 0)
+        tp__no_grad_depth--;
+}
+bool tp_grad_enabled(void) { return tp__no_grad_depth == 0; }
+
+static tp__autograd *tp__meta(tp_tensor *t, bool create)
+{
+    if (!t->autograd && create) {
+        tp__dtensor_install_finalizer();
+        t->autograd = tp__calloc(1, sizeof(tp__autograd));
+    }
+    return t->autograd;
+}
+
+bool tp_tensor_requires_grad(const tp_tensor *t)
+{
+    return t && t->autograd && ((tp__autograd *)t->autograd)->requires_grad;
+}
+
+bool tp_tensor_has_grad_fn(const tp_tensor *t)
+{
+    return t && t->autograd && ((tp__autograd *)t->autograd)->grad_fn;
+}
+
+tp_tensor *tp_tensor_grad(const tp_tensor *t)
+{
+    return t && t->autograd ? ((tp__autograd *)t->autograd)->grad : NULL;
+}
+
+void tp_tensor_zero_grad(tp_tensor *t)
+{
+    if (!t || !t->autograd)
+        return;
+    tp__autograd *ag = t->autograd;
+    tp_tensor_release(ag->grad);
+    ag->grad = NULL;
+}
+
+tp_status tp_tensor_set_requires_grad(tp_tensor *t, bool requires_grad)
+{
+    const char *fn = "tp_tensor_set_requires_grad";
+    TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    if (tp_tensor_has_grad_fn(t))
+        return tp__error(TP_ERR_STATE,
+                         "%s: t is the output of a recorded op; only leaves can be marked", fn);
+    TP_ARG_CHECK(tp_dtype_is_float(t->dtype), "%s: t is %s; gradients need a float dtype", fn,
+                 tp_dtype_name(t->dtype));
+    if (!requires_grad && !t->autograd)
+        return TP_OK;
+    tp__autograd *ag = tp__meta(t, true);
+    if (!ag)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    ag->requires_grad = requires_grad;
+    return TP_OK;
+}
+
+bool tp__needs_grad(int n, tp_tensor *const *inputs)
+{
+    if (tp__no_grad_depth)
+        return false;
+    for (int i = 0; i < n; i++)
+        if (tp_tensor_requires_grad(inputs[i]))
+            return true;
+    return false;
+}
+
+/* ---- nodes ---------------------------------------------------------------- */
+
+static void tp__node_drop_graph(tp__node *n)
+{
+    if (n->released)
+        return;
+    n->released = true;
+    if (n->free_saved)
+        n->free_saved(n);
+    n->saved = NULL;
+    for (int i = 0; i < 4; i++) {
+        tp_tensor_release(n->saved_t[i]);
+        n->saved_t[i] = NULL;
+    }
+    for (int i = 0; i < n->n_inputs; i++) {
+        tp_tensor_release(n->inputs[i]);
+        n->inputs[i] = NULL;
+    }
+    tp_tensor_release(n->grad_acc);
+    n->grad_acc = NULL;
+}
+
+void tp__node_release(tp__node *n);
+void tp__node_release(tp__node *n)
+{
+    if (!n || atomic_fetch_sub(&n->refcount, 1) != 1)
+        return;
+    tp__node_drop_graph(n);
+    tp__free(n);
+}
+
+tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn backward, int n,
+                          tp_tensor *const *inputs, tp__node **node_out)
+{
+    TP_ASSERT(n <= TP__NODE_MAX_INPUTS);
+    tp__node *node = tp__calloc(1, sizeof *node);
+    tp__autograd *ag = node ? tp__meta(out, true) : NULL;
+    if (!node || !ag) {
+        tp__free(node);
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the autograd node", name);
+    }
+    atomic_init(&node->refcount, 1);
+    node->name = name;
+    node->backward = backward;
+    node->n_inputs = n;
+    for (int i = 0; i < n; i++)
+        node->inputs[i] = tp_tensor_requires_grad(inputs[i]) ? tp_tensor_retain(inputs[i]) : NULL;
+    ag->requires_grad = true;
+    ag->grad_fn = node;
+    if (node_out)
+        *node_out = node;
+    return TP_OK;
+}
+
+/* ---- gradient sums -------------------------------------------------------- */
+
+static tp_status tp__add_plain(tp_tensor *a, tp_tensor *b, tp_tensor **out)
+{
+    if (a->ndim != b->ndim || memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim))
+        return tp__error(TP_ERR_INVALID_ARG, "gradient shapes differ");
+    tp_tensor *r = NULL;
+    TP_CHECK(tp_tensor_to(a, a->dtype, tp_tensor_device(a), &r));
+    int64_t n = tp_tensor_numel(r);
+    tp_tensor *bc = NULL;
+    tp_status st = tp_tensor_is_contiguous(b) ? TP_OK : tp_tensor_clone(b, &bc);
+    const tp_tensor *src = bc ? bc : b;
+    if (st == TP_OK) {
+        if (r->dtype == TP_F32) {
+            float *y = tp_tensor_data(r);
+            const float *x = tp_tensor_data(src);
+            for (int64_t i = 0; i < n; i++)
+                y[i] += x[i];
+        } else if (r->dtype == TP_F64) {
+            double *y = tp_tensor_data(r);
+            const double *x = tp_tensor_data(src);
+            for (int64_t i = 0; i < n; i++)
+                y[i] += x[i];
+        } else {
+            for (int64_t i = 0; i < n; i++)
+                tp__store_f64(tp_tensor_data(r), r->dtype, i,
+                              tp__load_f64(tp_tensor_data(r), r->dtype, i) +
+                                  tp__load_f64(tp_tensor_data(src), src->dtype, i));
+        }
+    }
+    tp_tensor_release(bc);
+    if (st != TP_OK) {
+        tp_tensor_release(r);
+        return st;
+    }
+    *out = r;
+    return TP_OK;
+}
+
+tp_status tp__grad_add(tp_tensor *a, tp_tensor *b, tp_tensor **out)
+{
+    *out = NULL;
+    if (!a->dist && !b->dist)
+        return tp__add_plain(a, b, out);
+    if (!a->dist || !b->dist)
+        return tp__error(TP_ERR_INVALID_ARG, "a plain and a distributed gradient meet");
+    tp__dist *da = tp__dist_of(a);
+    tp_tensor *bb = NULL, *sum = NULL;
+    TP_CHECK(tp__redistribute(b, da->placements, false, &bb));
+    tp_status st = tp__add_plain(da->local, tp_dtensor_local(bb), &sum);
+    if (st == TP_OK)
+        st = tp__dtensor_wrap(da->mesh, sum, da->placements, a->ndim, a->shape, out);
+    tp_tensor_release(sum);
+    tp_tensor_release(bb);
+    return st;
+}
+
+/* ---- backward ------------------------------------------------------------- */
+
+typedef struct {
+    tp__node **v;
+    size_t n, cap;
+} tp__nodes;
+
+static bool tp__nodes_push(tp__nodes *s, tp__node *n)
+{
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? 2 * s->cap : 64;
+        tp__node **v = tp__malloc(cap * sizeof *v);
+        if (!v)
+            return false;
+        if (s->n)
+            memcpy(v, s->v, s->n * sizeof *v);
+        tp__free(s->v);
+        s->v = v;
+        s->cap = cap;
+    }
+    s->v[s->n++] = n;
+    return true;
+}
+
+static tp__node *tp__grad_fn(const tp_tensor *t)
+{
+    return t && t->autograd ? ((tp__autograd *)t->autograd)->grad_fn : NULL;
+}
+
+/* Ones with loss's shape and layout (Replicate where loss is Partial). */
+static tp_status tp__ones_like(tp_tensor *loss, tp_tensor **out)
+{
+    if (!loss->dist) {
+        tp_tensor *o = NULL;
+        TP_CHECK(tp_tensor_empty(loss->dtype, tp_tensor_device(loss), loss->ndim, loss->shape,
+                                 &o));
+        tp_status st = tp_tensor_fill(o, 1.0);
+        if (st != TP_OK) {
+            tp_tensor_release(o);
+            return st;
+        }
+        *out = o;
+        return TP_OK;
+    }
+    tp__dist *d = tp__dist_of(loss);
+    tp_placement p[TP_MESH_MAX_DIMS];
+    for (int i = 0; i < d->mesh_ndim; i++)
+        p[i] = d->placements[i].kind == TP_PLACEMENT_PARTIAL ? tp_replicate() : d->placements[i];
+    tp_tensor *o = NULL;
+    TP_CHECK(tp__ones_like(d->local, &o));
+    tp_status st = tp__dtensor_wrap(d->mesh, o, p, loss->ndim, loss->shape, out);
+    tp_tensor_release(o);
+    return st;
+}
+
+static tp_status tp__accumulate_leaf(tp_tensor *leaf, tp_tensor *g)
+{
+    tp__autograd *ag = leaf->autograd;
+    if (!ag->grad) {
+        ag->grad = tp_tensor_retain(g);
+        return TP_OK;
+    }
+    tp_tensor *sum = NULL;
+    TP_CHECK(tp__grad_add(ag->grad, g, &sum));
+    tp_tensor_release(ag->grad);
+    ag->grad = sum;
+    return TP_OK;
+}
+
+static tp_status tp__accumulate_node(tp__node *n, tp_tensor *g)
+{
+    if (!n->grad_acc) {
+        n->grad_acc = tp_tensor_retain(g);
+        return TP_OK;
+    }
+    tp_tensor *sum = NULL;
+    TP_CHECK(tp__grad_add(n->grad_acc, g, &sum));
+    tp_tensor_release(n->grad_acc);
+    n->grad_acc = sum;
+    return TP_OK;
+}
+
+tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
+{
+    const char *fn = "tp_backward";
+    TP_ARG_CHECK(loss, "%s: loss is NULL", fn);
+    if (!tp_tensor_requires_grad(loss))
+        return tp__error(TP_ERR_INVALID_ARG, "%s: loss does not require grad", fn);
+    tp_tensor *g0 = NULL;
+    if (grad) {
+        TP_ARG_CHECK(grad->ndim == loss->ndim &&
+                         !memcmp(grad->shape, loss->shape, sizeof(int64_t) * (size_t)loss->ndim),
+                     "%s: grad shape differs from loss shape", fn);
+        TP_ARG_CHECK(!grad->dist == !loss->dist, "%s: grad and loss must both be DTensors or "
+                     "both plain", fn);
+        g0 = tp_tensor_retain((tp_tensor *)grad);
+    } else {
+        TP_ARG_CHECK(tp_tensor_numel(loss) == 1,
+                     "%s: loss has %lld elements; pass grad for a non-scalar loss", fn,
+                     (long long)tp_tensor_numel(loss));
+        TP_CHECK(tp__ones_like(loss, &g0));
+    }
+    tp__node *root = tp__grad_fn(loss);
+    if (!root) {
+        tp_status st = tp__accumulate_leaf(loss, g0);
+        tp_tensor_release(g0);
+        return st;
+    }
+    if (root->released) {
+        tp_tensor_release(g0);
+        return tp__error(TP_ERR_STATE, "%s: the graph was already freed by an earlier backward",
+                         fn);
+    }
+
+    /* count, for every reachable node, how many edges lead into it */
+    tp_status st = TP_OK;
+    tp__nodes all = {0}, stack = {0}, ready = {0};
+    if (!tp__nodes_push(&stack, root) || !tp__nodes_push(&all, root)) {
+        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+        goto out;
+    }
+    root->pending = 0;
+    while (stack.n && st == TP_OK) {
+        tp__node *n = stack.v[--stack.n];
+        for (int i = 0; i < n->n_inputs; i++) {
+            tp__node *p = tp__grad_fn(n->inputs[i]);
+            if (!p)
+                continue;
+            if (p->released) {
+                st = tp__error(TP_ERR_STATE, "%s: part of the graph (%s) was already freed by an "
+                               "earlier backward", fn, p->name);
+                break;
+            }
+            if (p->pending++ == 0 && (!tp__nodes_push(&stack, p) || !tp__nodes_push(&all, p)))
+                st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+        }
+    }
+    if (st != TP_OK)
+        goto out;
+
+    tp_phase saved_phase = tp_comm_debug_phase();
+    tp_comm_debug_set_phase(TP_PHASE_BACKWARD);
+    root->grad_acc = g0;
+    g0 = NULL;
+    if (!tp__nodes_push(&ready, root))
+        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    while (ready.n && st == TP_OK) {
+        tp__node *n = ready.v[--ready.n];
+        tp_tensor *gin[TP__NODE_MAX_INPUTS] = {0};
+        st = n->backward(n, n->grad_acc, gin);
+        if (st != TP_OK)
+            tp__error_prefix("%s: backward of %s", fn, n->name);
+        for (int i = 0; i < n->n_inputs; i++) {
+            tp_tensor *in = n->inputs[i];
+            if (st == TP_OK && in && gin[i]) {
+                tp__node *p = tp__grad_fn(in);
+                if (p) {
+                    st = tp__accumulate_node(p, gin[i]);
+                    if (st == TP_OK && --p->pending == 0 && !tp__nodes_push(&ready, p))
+                        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+                } else {
+                    st = tp__accumulate_leaf(in, gin[i]);
+                }
+            }
+            tp_tensor_release(gin[i]);
+        }
+        tp__node_drop_graph(n);
+    }
+    tp_comm_debug_set_phase(saved_phase);
+
+out:
+    /* whatever was not reached (on failure) is freed too: the graph is spent */
+    for (size_t i = 0; i < all.n; i++) {
+        all.v[i]->pending = 0;
+        tp__node_drop_graph(all.v[i]);
+    }
+    tp_tensor_release(g0);
+    tp__free(all.v);
+    tp__free(stack.v);
+    tp__free(ready.v);
+    return st;
+}

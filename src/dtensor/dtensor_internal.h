@@ -1,0 +1,100 @@
+/* Internal definitions of the dtensor layer: the distribution of a DTensor,
+ * autograd metadata and nodes, the redistribute executor. Not installed. */
+#ifndef TP_DTENSOR_INTERNAL_H
+#define TP_DTENSOR_INTERNAL_H
+
+#include <stdatomic.h>
+
+#include "core/core.h"
+#include "tp/comm_debug.h"
+#include "tp/dtensor.h"
+
+/* struct tp__dist_head (core.h) is its first member. */
+typedef struct tp__dist {
+    tp_tensor *local; /* retained; plain */
+    tp_mesh *mesh;    /* borrowed: outlives the DTensor */
+    int mesh_ndim;
+    tp_placement placements[TP_MESH_MAX_DIMS]; /* normalized shard dims */
+} tp__dist;
+
+static inline tp__dist *tp__dist_of(const tp_tensor *t)
+{
+    return t ? (tp__dist *)t->dist : NULL;
+}
+
+/* New DTensor header over `local` (retained) with this layout; global shape
+ * given. No checks, no autograd. */
+tp_status tp__dtensor_wrap(tp_mesh *mesh, tp_tensor *local, const tp_placement *placements,
+                           int ndim, const int64_t *global_shape, tp_tensor **out);
+
+/* Shard extent along every tensor dim for a mesh coordinate (NULL: this
+ * rank's), following the nesting rule (mesh dim 0 splits first). */
+void tp__shard_extent(const tp_mesh *mesh, int ndim, const int64_t *global_shape,
+                      const tp_placement *placements, const int64_t *coord, int64_t *local_shape,
+                      int64_t *offset);
+
+/* Validates a placement list against a mesh and a tensor rank; normalizes
+ * shard dims into `out`. allow_partial: Partial allowed at all. */
+tp_status tp__placements_check(const char *fn, const tp_mesh *mesh, int ndim, int n,
+                               const tp_placement *in, bool allow_partial, tp_placement *out);
+
+bool tp__placement_eq(tp_placement a, tp_placement b);
+
+/* ---- autograd ------------------------------------------------------------- */
+
+#define TP__NODE_MAX_INPUTS 4
+
+typedef struct tp__node tp__node;
+
+/* Computes the gradients of the node's inputs from the gradient of its output.
+ * grad_in[i] starts NULL; set it (a new reference) for every input that
+ * requires grad. */
+typedef tp_status (*tp__backward_fn)(tp__node *node, tp_tensor *grad_out, tp_tensor **grad_in);
+
+struct tp__node {
+    atomic_long refcount;
+    const char *name;
+    tp__backward_fn backward;
+    void (*free_saved)(tp__node *node);
+    int n_inputs;
+    tp_tensor *inputs[TP__NODE_MAX_INPUTS]; /* retained; NULL where no grad flows */
+    void *saved;
+    tp_tensor *saved_t[4]; /* retained tensors for the backward, released with the graph */
+    bool released;
+    /* backward bookkeeping */
+    int pending;
+    tp_tensor *grad_acc;
+};
+
+typedef struct tp__autograd {
+    bool requires_grad;
+    tp_tensor *grad;   /* accumulated (leaves) */
+    tp__node *grad_fn; /* retained */
+} tp__autograd;
+
+/* true when recording is on and any of the tensors requires grad. */
+bool tp__needs_grad(int n, tp_tensor *const *inputs);
+
+/* Creates a node over the inputs (those not requiring grad are stored NULL)
+ * and attaches it to `out` as its grad_fn. On allocation failure returns
+ * TP_ERR_NO_MEMORY and leaves `out` untouched. */
+tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn backward, int n,
+                          tp_tensor *const *inputs, tp__node **node_out);
+
+/* Installs the finalizer that frees dist and autograd state. */
+void tp__dtensor_install_finalizer(void);
+
+/* a + b into a new tensor (plain or DTensor; for DTensors b is first brought
+ * to a's placements, Partial targets allowed). */
+tp_status tp__grad_add(tp_tensor *a, tp_tensor *b, tp_tensor **out);
+
+/* ---- redistribute --------------------------------------------------------- */
+
+/* Redistributes to `placements` (normalized, validated); internal callers may
+ * target Partial. record: attach an autograd node when inputs require grad.
+ * grad_placements is what the backward turns the gradient into (NULL: the
+ * source placements with Partial replaced by Replicate). */
+tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool record,
+                           tp_tensor **out);
+
+#endif /* TP_DTENSOR_INTERNAL_H */

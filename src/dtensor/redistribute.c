@@ -1,0 +1,536 @@
+/*
+ * Redistribution between layouts.
+ *
+ * A plan is a list of steps, each changing the placement of one mesh dim and
+ * issuing at most one collective on that dim's communicator:
+ *
+ *   S(i) -> R     all_gather along i       R -> S(i)  local chunk
+ *   P -> R        all_reduce               P -> S(i)  reduce_scatter along i
+ *   S(i) -> S(j)  all_to_all               R -> P     local (sum: / W)
+ *
+ * On N-D meshes the plan first walks the mesh dims from last to first,
+ * turning a dim to Replicate where the sharding of the same tensor dim by
+ * earlier mesh dims differs between source and target (nested sharding must
+ * be undone inner first), applying every other change on the way; then it
+ * walks first to last applying what remains. Uneven shards (torch.chunk) are
+ * padded to the chunk size for the collective and trimmed after. Plans depend
+ * only on the placements and are cached per thread.
+ */
+#include <string.h>
+
+#include "dtensor/dtensor_internal.h"
+
+typedef struct {
+    int mesh_dim;
+    tp_placement from, to;
+} tp__step;
+
+typedef struct {
+    int n;
+    tp__step s[2 * TP_MESH_MAX_DIMS];
+} tp__plan;
+
+static void tp__make_plan(int m, const tp_placement *src, const tp_placement *dst, tp__plan *plan)
+{
+    tp_placement cur[TP_MESH_MAX_DIMS];
+    memcpy(cur, src, sizeof(tp_placement) * (size_t)m);
+    plan->n = 0;
+    bool sharded = false;
+    for (int i = 0; i < m; i++)
+        sharded |= src[i].kind == TP_PLACEMENT_SHARD;
+    if (m > 1 && sharded) {
+        for (int d = m - 1; d >= 0; d--) {
+            tp_placement tgt = dst[d];
+            if (tgt.kind == TP_PLACEMENT_SHARD) {
+                for (int i = 0; i < d; i++) {
+                    bool a = cur[i].kind == TP_PLACEMENT_SHARD && cur[i].dim == tgt.dim;
+                    bool b = dst[i].kind == TP_PLACEMENT_SHARD && dst[i].dim == tgt.dim;
+                    if (a != b) {
+                        tgt = tp_replicate();
+                        break;
+                    }
+                }
+            }
+            if (!tp__placement_eq(cur[d], tgt)) {
+                plan->s[plan->n++] = (tp__step){d, cur[d], tgt};
+                cur[d] = tgt;
+            }
+        }
+    }
+    for (int d = 0; d < m; d++)
+        if (!tp__placement_eq(cur[d], dst[d])) {
+            plan->s[plan->n++] = (tp__step){d, cur[d], dst[d]};
+            cur[d] = dst[d];
+        }
+}
+
+/* ---- the per-thread plan cache ------------------------------------------- */
+
+#define TP__CACHE 64
+
+typedef struct {
+    bool used;
+    int m;
+    tp_placement src[TP_MESH_MAX_DIMS], dst[TP_MESH_MAX_DIMS];
+    tp__plan plan;
+} tp__cache_entry;
+
+static _Thread_local tp__cache_entry tp__cache[TP__CACHE];
+
+static unsigned tp__hash(int m, const tp_placement *src, const tp_placement *dst)
+{
+    unsigned h = 2166136261u ^ (unsigned)m;
+    for (int i = 0; i < m; i++) {
+        h = (h ^ (unsigned)(src[i].kind * 31 + src[i].dim * 7 + (int)src[i].op)) * 16777619u;
+        h = (h ^ (unsigned)(dst[i].kind * 37 + dst[i].dim * 11 + (int)dst[i].op)) * 16777619u;
+    }
+    return h;
+}
+
+static bool tp__same(int m, const tp_placement *a, const tp_placement *b)
+{
+    for (int i = 0; i < m; i++)
+        if (!tp__placement_eq(a[i], b[i]))
+            return false;
+    return true;
+}
+
+static const tp__plan *tp__get_plan(int m, const tp_placement *src, const tp_placement *dst)
+{
+    tp__cache_entry *e = &tp__cache[tp__hash(m, src, dst) % TP__CACHE];
+    if (e->used && e->m == m && tp__same(m, e->src, src) && tp__same(m, e->dst, dst))
+        return &e->plan;
+    e->used = true;
+    e->m = m;
+    memcpy(e->src, src, sizeof(tp_placement) * (size_t)m);
+    memcpy(e->dst, dst, sizeof(tp_placement) * (size_t)m);
+    tp__make_plan(m, src, dst, &e->plan);
+    return &e->plan;
+}
+
+/* ---- validation of a step ------------------------------------------------ */
+
+static tp_status tp__step_check(const char *fn, const tp__step *st, int64_t w)
+{
+    char a[32], b[32];
+    if (st->to.kind == TP_PLACEMENT_PARTIAL && st->from.kind == TP_PLACEMENT_SHARD)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s -> %s on mesh dim %d is not supported", fn,
+                         tp_placement_str(st->from, a, sizeof a),
+                         tp_placement_str(st->to, b, sizeof b), st->mesh_dim);
+    if (st->to.kind == TP_PLACEMENT_PARTIAL && st->from.kind == TP_PLACEMENT_PARTIAL)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s -> %s on mesh dim %d is not supported", fn,
+                         tp_placement_str(st->from, a, sizeof a),
+                         tp_placement_str(st->to, b, sizeof b), st->mesh_dim);
+    (void)w;
+    return TP_OK;
+}
+
+static tp_coll_kind tp__step_kind(const tp__step *st, int64_t w)
+{
+    if (w == 1)
+        return TP_COLL_KIND_COUNT;
+    tp_placement_kind f = st->from.kind, t = st->to.kind;
+    if (f == TP_PLACEMENT_SHARD && t == TP_PLACEMENT_REPLICATE)
+        return TP_COLL_ALL_GATHER;
+    if (f == TP_PLACEMENT_PARTIAL && t == TP_PLACEMENT_REPLICATE)
+        return TP_COLL_ALL_REDUCE;
+    if (f == TP_PLACEMENT_PARTIAL && t == TP_PLACEMENT_SHARD)
+        return TP_COLL_REDUCE_SCATTER;
+    if (f == TP_PLACEMENT_SHARD && t == TP_PLACEMENT_SHARD)
+        return TP_COLL_ALL_TO_ALL;
+    return TP_COLL_KIND_COUNT; /* local */
+}
+
+tp_status tp_dtensor_plan_collectives(const tp_mesh *mesh, int ndim, int nplacements,
+                                      const tp_placement *src_in, const tp_placement *dst_in,
+                                      int64_t *counts)
+{
+    const char *fn = "tp_dtensor_plan_collectives";
+    TP_ARG_CHECK(counts, "%s: counts is NULL", fn);
+    tp_placement src[TP_MESH_MAX_DIMS], dst[TP_MESH_MAX_DIMS];
+    TP_CHECK(tp__placements_check(fn, mesh, ndim, nplacements, src_in, true, src));
+    TP_CHECK(tp__placements_check(fn, mesh, ndim, nplacements, dst_in, true, dst));
+    int m = tp_mesh_ndim(mesh);
+    tp__plan plan;
+    tp__make_plan(m, src, dst, &plan);
+    for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
+        counts[k] = 0;
+    for (int i = 0; i < plan.n; i++) {
+        TP_CHECK(tp__step_check("tp_dtensor_redistribute", &plan.s[i], 0));
+        tp_coll_kind k = tp__step_kind(&plan.s[i], tp_mesh_size(mesh, plan.s[i].mesh_dim));
+        if (k != TP_COLL_KIND_COUNT)
+            counts[k]++;
+    }
+    return TP_OK;
+}
+
+/* ---- executing steps ----------------------------------------------------- */
+
+/* The size of tensor dim k at mesh level d: the global size split by the mesh
+ * dims before d that currently shard k (this rank's chunks). */
+static int64_t tp__level_size(const tp_mesh *mesh, const tp_placement *cur, int d, int k,
+                              int64_t global)
+{
+    int64_t n = global;
+    for (int i = 0; i < d; i++) {
+        if (cur[i].kind == TP_PLACEMENT_SHARD && cur[i].dim == k) {
+            int64_t start = 0, len = 0;
+            tp_chunk_range(n, tp_mesh_size(mesh, i), tp_mesh_coord(mesh, i), &start, &len);
+            n = len;
+        }
+    }
+    return n;
+}
+
+static tp_status tp__new_like(const tp_tensor *t, const int64_t *shape, bool zero, tp_tensor **out)
+{
+    return zero ? tp_tensor_zeros(t->dtype, tp_tensor_device(t), t->ndim, shape, out)
+                : tp_tensor_empty(t->dtype, tp_tensor_device(t), t->ndim, shape, out);
+}
+
+/* dst (a view) <- src (a view) */
+static tp_status tp__copy_block(tp_tensor *dst, int dim, int64_t start, int64_t len,
+                                tp_tensor *src, int sdim, int64_t sstart, int64_t slen)
+{
+    tp_tensor *a = NULL, *b = NULL;
+    tp_status st = tp_tensor_narrow(dst, dim, start, len, &a);
+    if (st == TP_OK)
+        st = tp_tensor_narrow(src, sdim, sstart, slen, &b);
+    if (st == TP_OK)
+        st = tp_tensor_copy(a, b);
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    return st;
+}
+
+/* A contiguous version of `t` restricted to [start, start+len) along k. */
+static tp_status tp__chunk_of(tp_tensor *t, int k, int64_t start, int64_t len, tp_tensor **out)
+{
+    tp_tensor *v = NULL;
+    TP_CHECK(tp_tensor_narrow(t, k, start, len, &v));
+    if (tp_tensor_is_contiguous(v)) {
+        *out = v;
+        return TP_OK;
+    }
+    tp_status st = tp_tensor_clone(v, out);
+    tp_tensor_release(v);
+    return st;
+}
+
+static tp_status tp__all_gather_dim(tp_comm *comm, tp_tensor *local, int k, int64_t L,
+                                    tp_tensor **out)
+{
+    int64_t w = tp_comm_size(comm), cs = (L + w - 1) / w;
+    int64_t shape[TP_MAX_DIMS], pshape[TP_MAX_DIMS + 1];
+    memcpy(shape, local->shape, sizeof shape);
+    shape[k] = L;
+    bool even = L == cs * w;
+    if (k == 0 && even) {
+        TP_CHECK(tp__new_like(local, shape, false, out));
+        tp_status st = tp_all_gather(comm, local, *out, NULL);
+        if (st != TP_OK) {
+            tp_tensor_release(*out);
+            *out = NULL;
+        }
+        return st;
+    }
+    /* padded blocks: [w, ...local shape with dim k = cs...] */
+    tp_tensor *send = NULL, *recv = NULL, *res = NULL;
+    memcpy(pshape + 1, local->shape, sizeof(int64_t) * (size_t)local->ndim);
+    pshape[0] = w;
+    pshape[1 + k] = cs;
+    tp_status st = tp__new_like(local, pshape + 1, true, &send);
+    if (st == TP_OK)
+        st = tp__copy_block(send, k, 0, local->shape[k], local, k, 0, local->shape[k]);
+    if (st == TP_OK)
+        st = tp_tensor_empty(local->dtype, tp_tensor_device(local), local->ndim + 1, pshape,
+                             &recv);
+    if (st == TP_OK)
+        st = tp_all_gather(comm, send, recv, NULL);
+    if (st == TP_OK)
+        st = tp__new_like(local, shape, false, &res);
+    for (int64_t r = 0; r < w && st == TP_OK; r++) {
+        int64_t start = 0, len = 0;
+        tp_chunk_range(L, w, r, &start, &len);
+        if (len == 0)
+            continue;
+        tp_tensor *blk = NULL;
+        st = tp_tensor_select(recv, 0, r, &blk);
+        if (st == TP_OK)
+            st = tp__copy_block(res, k, start, len, blk, k, 0, len);
+        tp_tensor_release(blk);
+    }
+    tp_tensor_release(send);
+    tp_tensor_release(recv);
+    if (st != TP_OK) {
+        tp_tensor_release(res);
+        return st;
+    }
+    *out = res;
+    return TP_OK;
+}
+
+static tp_status tp__reduce_scatter_dim(tp_comm *comm, tp_tensor *local, int k, tp_reduce_op op,
+                                        int64_t c, tp_tensor **out)
+{
+    int64_t w = tp_comm_size(comm), L = local->shape[k], cs = (L + w - 1) / w;
+    int64_t start = 0, len = 0;
+    tp_chunk_range(L, w, c, &start, &len);
+    if (k == 0 && L == cs * w) {
+        int64_t shape[TP_MAX_DIMS];
+        memcpy(shape, local->shape, sizeof shape);
+        shape[0] = cs;
+        TP_CHECK(tp__new_like(local, shape, false, out));
+        tp_status st = tp_reduce_scatter(comm, local, *out, op, NULL);
+        if (st != TP_OK) {
+            tp_tensor_release(*out);
+            *out = NULL;
+        }
+        return st;
+    }
+    int64_t pshape[TP_MAX_DIMS + 1];
+    memcpy(pshape + 1, local->shape, sizeof(int64_t) * (size_t)local->ndim);
+    pshape[0] = w;
+    pshape[1 + k] = cs;
+    tp_tensor *send = NULL, *recv = NULL;
+    tp_status st = tp_tensor_zeros(local->dtype, tp_tensor_device(local), local->ndim + 1, pshape,
+                                   &send);
+    for (int64_t r = 0; r < w && st == TP_OK; r++) {
+        int64_t s0 = 0, l0 = 0;
+        tp_chunk_range(L, w, r, &s0, &l0);
+        if (l0 == 0)
+            continue;
+        tp_tensor *blk = NULL;
+        st = tp_tensor_select(send, 0, r, &blk);
+        if (st == TP_OK)
+            st = tp__copy_block(blk, k, 0, l0, local, k, s0, l0);
+        tp_tensor_release(blk);
+    }
+    if (st == TP_OK)
+        st = tp__new_like(local, pshape + 1, false, &recv);
+    if (st == TP_OK)
+        st = tp_reduce_scatter(comm, send, recv, op, NULL);
+    if (st == TP_OK)
+        st = tp__chunk_of(recv, k, 0, len, out);
+    tp_tensor_release(send);
+    tp_tensor_release(recv);
+    return st;
+}
+
+static tp_status tp__all_to_all_dims(tp_comm *comm, tp_tensor *local, int i, int j, int64_t Li,
+                                     int64_t c, tp_tensor **out)
+{
+    int64_t w = tp_comm_size(comm), Lj = local->shape[j];
+    int64_t ci = (Li + w - 1) / w, cj = (Lj + w - 1) / w;
+    int64_t pshape[TP_MAX_DIMS + 1], shape[TP_MAX_DIMS];
+    memcpy(pshape + 1, local->shape, sizeof(int64_t) * (size_t)local->ndim);
+    pshape[0] = w;
+    pshape[1 + i] = ci;
+    pshape[1 + j] = cj;
+    int64_t sj = 0, lj = 0;
+    tp_chunk_range(Lj, w, c, &sj, &lj);
+    tp_tensor *send = NULL, *recv = NULL, *res = NULL;
+    tp_status st = tp_tensor_zeros(local->dtype, tp_tensor_device(local), local->ndim + 1, pshape,
+                                   &send);
+    int64_t li_mine = local->shape[i];
+    for (int64_t r = 0; r < w && st == TP_OK; r++) {
+        int64_t s0 = 0, l0 = 0;
+        tp_chunk_range(Lj, w, r, &s0, &l0);
+        if (l0 == 0 || li_mine == 0)
+            continue;
+        tp_tensor *blk = NULL, *blk2 = NULL, *src = NULL;
+        st = tp_tensor_select(send, 0, r, &blk);
+        if (st == TP_OK)
+            st = tp_tensor_narrow(blk, i, 0, li_mine, &blk2);
+        if (st == TP_OK)
+            st = tp_tensor_narrow(local, j, s0, l0, &src);
+        tp_tensor *dst = NULL;
+        if (st == TP_OK)
+            st = tp_tensor_narrow(blk2, j, 0, l0, &dst);
+        if (st == TP_OK)
+            st = tp_tensor_copy(dst, src);
+        tp_tensor_release(dst);
+        tp_tensor_release(blk);
+        tp_tensor_release(blk2);
+        tp_tensor_release(src);
+    }
+    if (st == TP_OK)
+        st = tp_tensor_empty(local->dtype, tp_tensor_device(local), local->ndim + 1, pshape,
+                             &recv);
+    if (st == TP_OK)
+        st = tp_all_to_all(comm, send, recv, NULL);
+    memcpy(shape, local->shape, sizeof shape);
+    shape[i] = Li;
+    shape[j] = lj;
+    if (st == TP_OK)
+        st = tp__new_like(local, shape, false, &res);
+    for (int64_t r = 0; r < w && st == TP_OK; r++) {
+        int64_t s0 = 0, l0 = 0;
+        tp_chunk_range(Li, w, r, &s0, &l0);
+        if (l0 == 0 || lj == 0)
+            continue;
+        tp_tensor *blk = NULL, *a = NULL, *b = NULL, *d1 = NULL;
+        st = tp_tensor_select(recv, 0, r, &blk);
+        if (st == TP_OK)
+            st = tp_tensor_narrow(blk, i, 0, l0, &a);
+        if (st == TP_OK)
+            st = tp_tensor_narrow(a, j, 0, lj, &b);
+        if (st == TP_OK)
+            st = tp_tensor_narrow(res, i, s0, l0, &d1);
+        if (st == TP_OK)
+            st = tp_tensor_copy(d1, b);
+        tp_tensor_release(blk);
+        tp_tensor_release(a);
+        tp_tensor_release(b);
+        tp_tensor_release(d1);
+    }
+    tp_tensor_release(send);
+    tp_tensor_release(recv);
+    if (st != TP_OK) {
+        tp_tensor_release(res);
+        return st;
+    }
+    *out = res;
+    return TP_OK;
+}
+
+static tp_status tp__run_step(const tp_mesh *mesh, const tp__step *step, const tp_placement *cur,
+                              const int64_t *global, tp_tensor *local, tp_tensor **out)
+{
+    int d = step->mesh_dim;
+    int64_t w = tp_mesh_size(mesh, d), c = tp_mesh_coord(mesh, d);
+    tp_comm *comm = tp_mesh_comm(mesh, d);
+    tp_placement_kind f = step->from.kind, t = step->to.kind;
+    if (w == 1) {
+        *out = tp_tensor_retain(local);
+        return TP_OK;
+    }
+    if (f == TP_PLACEMENT_SHARD && t == TP_PLACEMENT_REPLICATE) {
+        int k = step->from.dim;
+        return tp__all_gather_dim(comm, local, k, tp__level_size(mesh, cur, d, k, global[k]), out);
+    }
+    if (f == TP_PLACEMENT_REPLICATE && t == TP_PLACEMENT_SHARD) {
+        int k = step->to.dim;
+        int64_t start = 0, len = 0;
+        tp_chunk_range(local->shape[k], w, c, &start, &len);
+        return tp__chunk_of(local, k, start, len, out);
+    }
+    if (f == TP_PLACEMENT_PARTIAL && t == TP_PLACEMENT_REPLICATE) {
+        TP_CHECK(tp__new_like(local, local->shape, false, out));
+        tp_status st = tp_all_reduce(comm, local, *out, step->from.op, NULL);
+        if (st != TP_OK) {
+            tp_tensor_release(*out);
+            *out = NULL;
+        }
+        return st;
+    }
+    if (f == TP_PLACEMENT_PARTIAL && t == TP_PLACEMENT_SHARD)
+        return tp__reduce_scatter_dim(comm, local, step->to.dim, step->from.op, c, out);
+    if (f == TP_PLACEMENT_SHARD && t == TP_PLACEMENT_SHARD) {
+        int i = step->from.dim, j = step->to.dim;
+        return tp__all_to_all_dims(comm, local, i, j, tp__level_size(mesh, cur, d, i, global[i]),
+                                   c, out);
+    }
+    if (f == TP_PLACEMENT_REPLICATE && t == TP_PLACEMENT_PARTIAL) {
+        if (step->to.op != TP_SUM) {
+            *out = tp_tensor_retain(local);
+            return TP_OK;
+        }
+        TP_CHECK(tp_tensor_clone(local, out));
+        int64_t n = tp_tensor_numel(*out);
+        for (int64_t e = 0; e < n; e++)
+            tp__store_f64(tp_tensor_data(*out), (*out)->dtype, e,
+                          tp__load_f64(tp_tensor_data(*out), (*out)->dtype, e) / (double)w);
+        return TP_OK;
+    }
+    return tp__step_check("tp_dtensor_redistribute", step, w);
+}
+
+typedef struct {
+    tp_placement src[TP_MESH_MAX_DIMS];
+} tp__redist_saved;
+
+static void tp__free_saved(tp__node *node) { tp__free(node->saved); }
+
+static tp_status tp__redist_bwd(tp__node *node, tp_tensor *g, tp_tensor **gin)
+{
+    tp__redist_saved *sv = node->saved;
+    tp__dist *d = tp__dist_of(g);
+    tp_placement want[TP_MESH_MAX_DIMS];
+    for (int i = 0; i < d->mesh_ndim; i++)
+        want[i] = sv->src[i].kind == TP_PLACEMENT_PARTIAL ? tp_replicate() : sv->src[i];
+    return tp__redistribute(g, want, false, &gin[0]);
+}
+
+tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool record,
+                           tp_tensor **out)
+{
+    const char *fn = "tp_dtensor_redistribute";
+    tp__dist *d = tp__dist_of(dt);
+    int m = d->mesh_ndim;
+    const tp__plan *cached = tp__get_plan(m, d->placements, placements);
+    tp__plan plan = *cached; /* a nested redistribute may evict the entry */
+    tp_placement cur[TP_MESH_MAX_DIMS];
+    memcpy(cur, d->placements, sizeof cur);
+    for (int i = 0; i < plan.n; i++)
+        TP_CHECK(tp__step_check(fn, &plan.s[i], 0));
+    tp_tensor *local = tp_tensor_retain(d->local);
+    tp_status st = TP_OK;
+    for (int i = 0; i < plan.n && st == TP_OK; i++) {
+        tp_tensor *next = NULL;
+        st = tp__run_step(d->mesh, &plan.s[i], cur, dt->shape, local, &next);
+        if (st == TP_OK) {
+            tp_tensor_release(local);
+            local = next;
+            cur[plan.s[i].mesh_dim] = plan.s[i].to;
+        }
+    }
+    tp_tensor *res = NULL;
+    if (st == TP_OK)
+        st = tp__dtensor_wrap(d->mesh, local, placements, dt->ndim, dt->shape, &res);
+    tp_tensor_release(local);
+    if (st != TP_OK)
+        return st;
+    if (record && tp__needs_grad(1, &dt)) {
+        tp__node *node = NULL;
+        tp__redist_saved *sv = tp__malloc(sizeof *sv);
+        st = sv ? tp__node_attach(res, "redistribute", tp__redist_bwd, 1, &dt, &node)
+                : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+        if (st != TP_OK) {
+            tp__free(sv);
+            tp_tensor_release(res);
+            return st;
+        }
+        memcpy(sv->src, d->placements, sizeof sv->src);
+        node->saved = sv;
+        node->free_saved = tp__free_saved;
+    }
+    *out = res;
+    return TP_OK;
+}
+
+tp_status tp_dtensor_redistribute(tp_tensor *dt, int nplacements, const tp_placement *placements,
+                                  tp_tensor **out)
+{
+    const char *fn = "tp_dtensor_redistribute";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    TP_ARG_CHECK(dt, "%s: dt is NULL", fn);
+    TP_ARG_CHECK(dt->dist, "%s: dt is not a DTensor (use tp_dtensor_distribute)", fn);
+    tp__dist *d = tp__dist_of(dt);
+    tp_placement p[TP_MESH_MAX_DIMS];
+    TP_CHECK(tp__placements_check(fn, d->mesh, dt->ndim, nplacements, placements, true, p));
+    for (int i = 0; i < d->mesh_ndim; i++)
+        if (p[i].kind == TP_PLACEMENT_PARTIAL && !tp__placement_eq(p[i], d->placements[i])) {
+            char a[32], b[32];
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: mesh dim %d: %s -> %s: redistributing to Partial is for "
+                             "internal use",
+                             fn, i, tp_placement_str(d->placements[i], a, sizeof a),
+                             tp_placement_str(p[i], b, sizeof b));
+        }
+    tp_status st = tp__redistribute(dt, p, true, out);
+    if (st != TP_OK && st != TP_ERR_NOT_SUPPORTED && st != TP_ERR_INVALID_ARG)
+        tp__error_prefix("%s", fn);
+    return st;
+}

@@ -1,0 +1,479 @@
+/* DTensors: distribute / from_local / to_local / full_tensor on 1-, 2- and
+ * 3-D meshes with even, uneven and empty shards; a property test of random
+ * redistributions checked element for element against the global tensor and
+ * collective for collective against the planner; the collective counts of
+ * every transition of the DESIGN table, forward and backward; the errors. */
+#include <stdlib.h>
+
+#include "tp_test.h"
+
+#define SEED 1234
+
+/* ---- helpers run on rank threads ------------------------------------------ */
+
+typedef struct {
+    int ndim;
+    int64_t shape[TP_MESH_MAX_DIMS];
+    const char *names[TP_MESH_MAX_DIMS];
+} mesh_spec;
+
+/* Fills `t`, the block at `offset` of a global tensor, with the global
+ * tensor's small integers (exact in f32 sums). */
+static tp_status fill_block(tp_tensor *t, const int64_t *global, const int64_t *offset,
+                            uint64_t seed)
+{
+    return tp_tensor_fill_random(t, TP_RNG_RANDINT, -8, 9, seed, global, offset);
+}
+
+/* This rank's local term of a DTensor with `pl` whose global value is the
+ * RANDINT tensor of `seed`: Shard takes the block, Partial(sum) spreads a
+ * zero-sum noise over the group, Partial(max) lowers every term but one. */
+static tp_status make_source(tp_mesh *mesh, int ndim, const int64_t *global,
+                             const tp_placement *pl, uint64_t seed, tp_tensor **out)
+{
+    int m = tp_mesh_ndim(mesh);
+    int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
+    tp_status st = tp_dtensor_shard_extent(mesh, ndim, global, m, pl, NULL, shape, off);
+    tp_tensor *local = NULL, *noise = NULL;
+    if (st == TP_OK)
+        st = tp_tensor_zeros(TP_F32, TP_CPU, ndim, shape, &local);
+    if (st == TP_OK)
+        st = fill_block(local, global, off, seed);
+    if (st == TP_OK)
+        st = tp_tensor_zeros(TP_F32, TP_CPU, ndim, shape, &noise);
+    if (st == TP_OK)
+        st = fill_block(noise, global, off, seed + 1);
+    bool first = true, any_partial = false;
+    double noise_mult = 0;
+    tp_reduce_op pop = TP_SUM;
+    for (int i = 0; i < m; i++) {
+        if (pl[i].kind != TP_PLACEMENT_PARTIAL)
+            continue;
+        any_partial = true;
+        pop = pl[i].op;
+        int64_t c = tp_mesh_coord(mesh, i), w = tp_mesh_size(mesh, i);
+        first = first && c == 0;
+        noise_mult += c == 0 ? -(double)(w - 1) : 1.0;
+    }
+    int64_t n = tp_tensor_numel(local);
+    float *x = tp_tensor_data(local);
+    const float *r = tp_tensor_data(noise);
+    for (int64_t e = 0; st == TP_OK && any_partial && e < n; e++) {
+        if (pop == TP_SUM)
+            x[e] = (first ? x[e] : 0.0f) + (float)noise_mult * r[e];
+        else
+            x[e] = first ? x[e] : x[e] - 5.0f;
+    }
+    tp_tensor_release(noise);
+    if (st == TP_OK)
+        st = tp_dtensor_from_local(mesh, local, m, pl,
+                                   &(tp_from_local_options){.global_shape = global}, out);
+    tp_tensor_release(local);
+    return st;
+}
+
+/* Checks that dt holds, as its local shard, exactly the block of the global
+ * RANDINT tensor of `seed` its placements say (non-Partial layouts). */
+static bool shard_is_right(tp_tensor *dt, uint64_t seed, char *why, size_t len)
+{
+    tp_mesh *mesh = tp_dtensor_mesh(dt);
+    int nd = tp_tensor_ndim(dt), m = tp_mesh_ndim(mesh);
+    int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
+    tp_dtensor_shard_extent(mesh, nd, tp_tensor_shape(dt), m, tp_dtensor_placements(dt), NULL,
+                            shape, off);
+    tp_tensor *want = NULL, *local = tp_dtensor_local(dt);
+    if (tp_tensor_ndim(local) != nd ||
+        memcmp(tp_tensor_shape(local), shape, sizeof(int64_t) * (size_t)nd) != 0) {
+        snprintf(why, len, "local shape is not the shard shape");
+        return false;
+    }
+    tp_tensor_zeros(TP_F32, TP_CPU, nd, shape, &want);
+    fill_block(want, tp_tensor_shape(dt), off, seed);
+    bool eq = false;
+    tp_tensor_equal(local, want, &eq);
+    tp_tensor_release(want);
+    if (!eq)
+        snprintf(why, len, "local shard values differ from the global tensor's block");
+    return eq;
+}
+
+static bool full_is_right(tp_tensor *full, int nd, const int64_t *global, uint64_t seed)
+{
+    tp_tensor *want = NULL;
+    tp_tensor_zeros(TP_F32, TP_CPU, nd, global, &want);
+    fill_block(want, global, NULL, seed);
+    bool eq = false;
+    tp_tensor_equal(full, want, &eq);
+    tp_tensor_release(want);
+    return eq;
+}
+
+/* ---- distribute and full_tensor round trips ------------------------------- */
+
+typedef struct {
+    mesh_spec mesh;
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} rt_ctx;
+
+static tp_status roundtrip_body(tp_comm *w, void *arg)
+{
+    rt_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(w)];
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(w, c->mesh.ndim, c->mesh.shape, NULL, &mesh));
+    int m = c->mesh.ndim;
+    static const int64_t shapes[][3] = {{8, 6, 4}, {5, 3, 7}, {1, 2, 3}, {0, 4, 2}, {9, 1, 5}};
+    tp_placement opts[] = {tp_replicate(), tp_shard(0), tp_shard(1), tp_shard(-1)};
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        for (int combo = 0; combo < 64; combo++) {
+            tp_placement pl[TP_MESH_MAX_DIMS];
+            int x = combo;
+            for (int i = 0; i < m; i++, x /= 4)
+                pl[i] = opts[x % 4];
+            if (x)
+                break;
+            tp_tensor *full = NULL, *dt = NULL, *back = NULL;
+            RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 3, shapes[k], &full));
+            RANK_OK(s, fill_block(full, shapes[k], NULL, SEED));
+            /* src_rank 0 broadcasts; the others pass garbage of the same shape */
+            if (tp_mesh_rank(mesh) != 0)
+                RANK_OK(s, tp_tensor_fill(full, -99));
+            RANK_OK(s, tp_dtensor_distribute(mesh, full, m, pl, 0, &dt));
+            char why[128] = "";
+            char ps[64];
+            RANK_EXPECT(s, shard_is_right(dt, SEED, why, sizeof why), "distribute %s of [%lld,%lld,%lld]: %s",
+                        tp_placements_str(m, pl, ps, sizeof ps), (long long)shapes[k][0],
+                        (long long)shapes[k][1], (long long)shapes[k][2], why);
+            RANK_OK(s, tp_dtensor_full_tensor(dt, &back));
+            RANK_EXPECT(s, full_is_right(back, 3, shapes[k], SEED), "full_tensor %s wrong",
+                        tp_placements_str(m, pl, ps, sizeof ps));
+            tp_tensor_release(full);
+            tp_tensor_release(dt);
+            tp_tensor_release(back);
+        }
+    }
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+static const mesh_spec roundtrip_meshes[] = {
+    {1, {1}, {0}}, {1, {2}, {0}}, {1, {3}, {0}}, {1, {4}, {0}}, {1, {8}, {0}},
+    {2, {2, 2}, {0}}, {2, {4, 2}, {0}}, {2, {2, 3}, {0}}, {3, {2, 2, 2}, {0}},
+};
+
+ParameterizedTestParameters(dtensor, roundtrip)
+{
+    return cr_make_param_array(mesh_spec, (void *)roundtrip_meshes,
+                               sizeof roundtrip_meshes / sizeof roundtrip_meshes[0]);
+}
+
+ParameterizedTest(const mesh_spec *ms, dtensor, roundtrip, .timeout = 120)
+{
+    rt_ctx c = {.mesh = *ms};
+    int n = 1;
+    for (int i = 0; i < ms->ndim; i++)
+        n *= (int)ms->shape[i];
+    tp_test_run(n, roundtrip_body, &c, c.slot);
+}
+
+/* ---- property test: random redistributions ------------------------------- */
+
+typedef struct {
+    int world;
+    int trials;
+    int done[TP_TEST_MAX_RANKS];
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} prop_ctx;
+
+static uint64_t lcg(uint64_t *s)
+{
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return *s >> 33;
+}
+
+/* A random placement for mesh dim i of a tensor with nd dims; partial allowed
+ * when `pop` >= 0 (that op). */
+static tp_placement random_placement(uint64_t *rs, int nd, int pop)
+{
+    int k = (int)(lcg(rs) % (pop >= 0 ? 4 : 3));
+    if (k == 0 || nd == 0)
+        return tp_replicate();
+    if (k == 3)
+        return tp_partial((tp_reduce_op)pop);
+    return tp_shard((int)(lcg(rs) % (uint64_t)nd));
+}
+
+static tp_status prop_body(tp_comm *w, void *arg)
+{
+    prop_ctx *c = arg;
+    int r = tp_comm_rank(w);
+    tp_test_slot *s = &c->slot[r];
+    /* every mesh whose size is the world size */
+    static const mesh_spec all[] = {
+        {1, {1}, {0}}, {1, {2}, {0}}, {1, {3}, {0}}, {1, {4}, {0}}, {1, {6}, {0}},
+        {1, {8}, {0}}, {2, {2, 2}, {0}}, {2, {4, 2}, {0}}, {2, {2, 4}, {0}}, {2, {2, 3}, {0}},
+        {2, {3, 2}, {0}}, {2, {1, 4}, {0}}, {3, {2, 2, 2}, {0}}, {3, {2, 1, 3}, {0}},
+    };
+    tp_mesh *meshes[16];
+    int nm = 0;
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        int64_t n = 1;
+        for (int d = 0; d < all[i].ndim; d++)
+            n *= all[i].shape[d];
+        if (n == c->world)
+            RANK_OK(s, tp_mesh_create(w, all[i].ndim, all[i].shape, NULL, &meshes[nm++]));
+    }
+    uint64_t rs = 42 + (uint64_t)c->world; /* the same sequence on every rank */
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    for (int t = 0; t < c->trials; t++) {
+        tp_mesh *mesh = meshes[lcg(&rs) % (uint64_t)nm];
+        int m = tp_mesh_ndim(mesh);
+        int nd = 1 + (int)(lcg(&rs) % 3);
+        int64_t global[3];
+        for (int d = 0; d < nd; d++)
+            global[d] = (int64_t)(lcg(&rs) % 8); /* 0..7: empty and uneven shards */
+        int pop = (lcg(&rs) % 3 == 0) ? -1 : (lcg(&rs) % 2 ? TP_SUM : TP_MAX);
+        tp_placement src[TP_MESH_MAX_DIMS], dst[TP_MESH_MAX_DIMS];
+        for (int i = 0; i < m; i++)
+            src[i] = random_placement(&rs, nd, pop);
+        for (int i = 0; i < m; i++) {
+            dst[i] = random_placement(&rs, nd, -1);
+            /* a Partial target is only allowed where the source already is */
+            if (src[i].kind == TP_PLACEMENT_PARTIAL && lcg(&rs) % 3 == 0)
+                dst[i] = src[i];
+        }
+        uint64_t seed = 1000 + (uint64_t)t;
+        tp_tensor *dt = NULL, *out = NULL, *full = NULL;
+        RANK_OK(s, make_source(mesh, nd, global, src, seed, &dt));
+        int64_t predicted[TP_COLL_KIND_COUNT];
+        RANK_OK(s, tp_dtensor_plan_collectives(mesh, nd, m, src, dst, predicted));
+        RANK_OK(s, tp_comm_debug_begin(dbg));
+        tp_status st = tp_dtensor_redistribute(dt, m, dst, &out);
+        RANK_OK(s, tp_comm_debug_end(dbg));
+        char a[64], b[64];
+        tp_placements_str(m, src, a, sizeof a);
+        tp_placements_str(m, dst, b, sizeof b);
+        RANK_EXPECT(s, st == TP_OK, "trial %d %s -> %s: %s %s", t, a, b, tp_status_name(st),
+                    tp_last_error());
+        if (st != TP_OK)
+            return st;
+        for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
+            RANK_EXPECT(s, tp_comm_debug_count(dbg, (tp_coll_kind)k) == predicted[k],
+                        "trial %d %s -> %s: %lld %s issued, planner said %lld", t, a, b,
+                        (long long)tp_comm_debug_count(dbg, (tp_coll_kind)k),
+                        tp_coll_kind_name((tp_coll_kind)k), (long long)predicted[k]);
+        bool has_partial = false;
+        for (int i = 0; i < m; i++)
+            has_partial |= dst[i].kind == TP_PLACEMENT_PARTIAL;
+        char why[128] = "";
+        if (!has_partial)
+            RANK_EXPECT(s, shard_is_right(out, seed, why, sizeof why),
+                        "trial %d %s -> %s on a %d-d mesh, global [%lld %lld %lld]: %s", t, a, b,
+                        m, (long long)global[0], (long long)(nd > 1 ? global[1] : -1),
+                        (long long)(nd > 2 ? global[2] : -1), why);
+        RANK_OK(s, tp_dtensor_full_tensor(out, &full));
+        RANK_EXPECT(s, full_is_right(full, nd, global, seed), "trial %d %s -> %s: full tensor wrong",
+                    t, a, b);
+        tp_tensor_release(dt);
+        tp_tensor_release(out);
+        tp_tensor_release(full);
+        c->done[r]++;
+    }
+    tp_comm_debug_free(dbg);
+    for (int i = 0; i < nm; i++)
+        tp_mesh_free(meshes[i]);
+    return TP_OK;
+}
+
+Test(dtensor, random_redistributions, .timeout = 300)
+{
+    static const int worlds[] = {1, 2, 3, 4, 6, 8};
+    int total = 0;
+    for (size_t i = 0; i < sizeof worlds / sizeof worlds[0]; i++) {
+        prop_ctx c = {.world = worlds[i], .trials = 200};
+        tp_test_run(worlds[i], prop_body, &c, c.slot);
+        for (int r = 0; r < worlds[i]; r++)
+            cr_assert_eq(c.done[r], c.trials, "world %d rank %d ran %d trials", worlds[i], r,
+                         c.done[r]);
+        total += c.trials;
+    }
+    cr_assert_geq(total, 1000);
+}
+
+/* ---- the DESIGN table: counts forward and backward ------------------------ */
+
+typedef struct {
+    tp_placement src, dst;
+    int64_t fwd[TP_COLL_KIND_COUNT], bwd[TP_COLL_KIND_COUNT];
+} table_row;
+
+#define AG TP_COLL_ALL_GATHER
+#define AR TP_COLL_ALL_REDUCE
+#define RS TP_COLL_REDUCE_SCATTER
+#define A2A TP_COLL_ALL_TO_ALL
+
+typedef struct {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} table_ctx;
+
+static tp_status table_body(tp_comm *w, void *arg)
+{
+    table_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(w)];
+    int n = tp_comm_size(w);
+    int64_t W = n;
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(w, 1, &W, NULL, &mesh));
+    table_row rows[] = {
+        {tp_shard(0), tp_replicate(), {[AG] = 1}, {0}},             /* grad R: local chunk */
+        {tp_replicate(), tp_shard(0), {0}, {[AG] = 1}},             /* grad S(0) -> R */
+        {tp_partial(TP_SUM), tp_replicate(), {[AR] = 1}, {0}},      /* grad stays R */
+        {tp_partial(TP_SUM), tp_shard(0), {[RS] = 1}, {[AG] = 1}},  /* grad S(0) -> R */
+        {tp_shard(0), tp_shard(1), {[A2A] = 1}, {[A2A] = 1}},
+        {tp_shard(1), tp_replicate(), {[AG] = 1}, {0}},
+        {tp_shard(0), tp_shard(0), {0}, {0}},
+        {tp_replicate(), tp_replicate(), {0}, {0}},
+    };
+    int64_t shape[2] = {4 * W + 1, 3 * W};
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        table_row *row = &rows[i];
+        tp_tensor *local = NULL, *dt = NULL, *out = NULL, *ol = NULL, *g = NULL;
+        int64_t ls[2], off[2];
+        RANK_OK(s, tp_dtensor_shard_extent(mesh, 2, shape, 1, &row->src, NULL, ls, off));
+        RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, ls, &local));
+        RANK_OK(s, fill_block(local, shape, off, SEED));
+        RANK_OK(s, tp_tensor_set_requires_grad(local, true));
+        RANK_OK(s, tp_dtensor_from_local(mesh, local, 1, &row->src,
+                                         &(tp_from_local_options){.global_shape = shape}, &dt));
+        RANK_OK(s, tp_comm_debug_begin(dbg));
+        RANK_OK(s, tp_dtensor_redistribute(dt, 1, &row->dst, &out));
+        RANK_OK(s, tp_dtensor_to_local(out, 0, NULL, &ol));
+        RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, tp_tensor_ndim(ol), tp_tensor_shape(ol), &g));
+        RANK_OK(s, tp_tensor_fill(g, 1));
+        RANK_OK(s, tp_backward(ol, g));
+        RANK_OK(s, tp_comm_debug_end(dbg));
+        char a[32], b[32];
+        tp_placement_str(row->src, a, sizeof a);
+        tp_placement_str(row->dst, b, sizeof b);
+        for (int k = 0; k < TP_COLL_KIND_COUNT; k++) {
+            int64_t f = tp_comm_debug_module_count(dbg, TP_COMM_DEBUG_GLOBAL, TP_PHASE_FORWARD,
+                                                   (tp_coll_kind)k);
+            int64_t bw = tp_comm_debug_module_count(dbg, TP_COMM_DEBUG_GLOBAL, TP_PHASE_BACKWARD,
+                                                    (tp_coll_kind)k);
+            int64_t ef = n == 1 ? 0 : row->fwd[k], eb = n == 1 ? 0 : row->bwd[k];
+            RANK_EXPECT(s, f == ef && bw == eb, "%s -> %s: %s forward %lld (want %lld), backward "
+                        "%lld (want %lld)", a, b, tp_coll_kind_name((tp_coll_kind)k),
+                        (long long)f, (long long)ef, (long long)bw, (long long)eb);
+        }
+        /* the gradient reaching the source shard: ones for non-Partial sources
+         * (every element of the global tensor got gradient 1) */
+        tp_tensor *gl = tp_tensor_grad(local);
+        RANK_EXPECT(s, gl != NULL, "%s -> %s: no gradient reached the source", a, b);
+        if (gl) {
+            bool ok = tp_tensor_ndim(gl) == 2 && tp_tensor_size(gl, 0) == ls[0] &&
+                      tp_tensor_size(gl, 1) == ls[1];
+            for (int64_t e0 = 0; ok && e0 < ls[0]; e0++)
+                for (int64_t e1 = 0; ok && e1 < ls[1]; e1++) {
+                    double v = 0;
+                    tp_tensor_get(gl, (int64_t[]){e0, e1}, &v);
+                    ok = v == 1.0;
+                }
+            RANK_EXPECT(s, ok, "%s -> %s: the source gradient is not all ones", a, b);
+        }
+        tp_tensor_release(local);
+        tp_tensor_release(dt);
+        tp_tensor_release(out);
+        tp_tensor_release(ol);
+        tp_tensor_release(g);
+    }
+    tp_comm_debug_free(dbg);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+TP_TEST_WORLD_SIZE_PARAMS(dtensor, design_table_counts)
+
+ParameterizedTest(int *n, dtensor, design_table_counts, .timeout = 60)
+{
+    table_ctx c = {0};
+    tp_test_run(*n, table_body, &c, c.slot);
+}
+
+/* ---- errors ----------------------------------------------------------------- */
+
+static tp_status errors_body(tp_comm *w, void *arg)
+{
+    table_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(w)];
+    int64_t ms[2] = {2, 2}, sh[2] = {4, 6};
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(w, 2, ms, (const char *[]){"dp", "tp"}, &mesh));
+    tp_tensor *full = NULL, *dt = NULL, *out = (tp_tensor *)1, *pt = NULL;
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, sh, &full));
+    tp_placement rr[2] = {tp_replicate(), tp_replicate()};
+#define ERR(call, code, needle)                                                                \
+    do {                                                                                       \
+        tp_status st_ = (call);                                                                \
+        RANK_EXPECT(s, st_ == (code) && strstr(tp_last_error(), needle), "%s: %s '%s'", #call, \
+                    tp_status_name(st_), tp_last_error());                                     \
+    } while (0)
+    ERR(tp_dtensor_distribute(mesh, full, 1, rr, -1, &out), TP_ERR_INVALID_ARG,
+        "1 placements for a 2-d mesh");
+    RANK_EXPECT(s, out == NULL, "out not reset on failure");
+    ERR(tp_dtensor_distribute(mesh, full, 2, (tp_placement[]){tp_shard(2), tp_replicate()}, -1,
+                              &out),
+        TP_ERR_INVALID_ARG, "Shard(2) but the tensor has 2 dims");
+    ERR(tp_dtensor_distribute(mesh, full, 2, (tp_placement[]){tp_partial(TP_SUM), tp_replicate()},
+                              -1, &out),
+        TP_ERR_INVALID_ARG, "Partial, not allowed here");
+    ERR(tp_dtensor_distribute(mesh, full, 2, rr, 4, &out), TP_ERR_INVALID_ARG, "src_rank 4");
+    ERR(tp_dtensor_distribute(NULL, full, 2, rr, 0, &out), TP_ERR_INVALID_ARG, "mesh is NULL");
+    RANK_OK(s, tp_dtensor_distribute(mesh, full, 2, (tp_placement[]){tp_shard(0), tp_shard(1)}, -1,
+                                     &dt));
+    ERR(tp_dtensor_redistribute(dt, 2, (tp_placement[]){tp_partial(TP_SUM), tp_shard(1)}, &out),
+        TP_ERR_INVALID_ARG, "redistributing to Partial is for internal use");
+    ERR(tp_dtensor_redistribute(dt, 3, rr, &out), TP_ERR_INVALID_ARG, "3 placements");
+    ERR(tp_dtensor_redistribute(full, 2, rr, &out), TP_ERR_INVALID_ARG, "not a DTensor");
+    ERR(tp_dtensor_to_local(full, 0, NULL, &out), TP_ERR_INVALID_ARG, "not a DTensor");
+    int64_t counts[TP_COLL_KIND_COUNT];
+    ERR(tp_dtensor_plan_collectives(mesh, 2, 2, (tp_placement[]){tp_shard(0), tp_shard(1)},
+                                    (tp_placement[]){tp_partial(TP_SUM), tp_shard(1)}, counts),
+        TP_ERR_NOT_SUPPORTED, "S(0) -> P(sum) on mesh dim 0 is not supported");
+    /* core refuses DTensors where it needs memory */
+    ERR(tp_tensor_narrow(dt, 0, 0, 1, &pt), TP_ERR_INVALID_ARG, "is a DTensor");
+    ERR(tp_tensor_fill(dt, 1), TP_ERR_INVALID_ARG, "is a DTensor");
+    ERR(tp_tensor_copy(full, dt), TP_ERR_INVALID_ARG, "is a DTensor");
+    RANK_EXPECT(s, tp_tensor_data(dt) == NULL && !tp_tensor_is_contiguous(dt),
+                "a DTensor exposes data");
+    RANK_EXPECT(s, tp_tensor_numel(dt) == 24 && tp_tensor_is_dtensor(dt) &&
+                       tp_tensor_numel(tp_dtensor_local(dt)) == 6,
+                "DTensor shape accessors");
+    /* from_local with a global shape this rank's shard does not fit */
+    int64_t bad[2] = {5, 6};
+    ERR(tp_dtensor_from_local(mesh, full, 2, (tp_placement[]){tp_shard(0), tp_replicate()},
+                              &(tp_from_local_options){.global_shape = bad}, &out),
+        TP_ERR_INVALID_ARG, "is not this rank's shard");
+    /* the check option catches replicas that differ */
+    tp_tensor *mine = NULL;
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, sh, &mine));
+    RANK_OK(s, tp_tensor_fill(mine, tp_mesh_coord(mesh, 1)));
+    ERR(tp_dtensor_from_local(mesh, mine, 2, rr, &(tp_from_local_options){.check = true}, &out),
+        TP_ERR_MISMATCH, "mesh dim 1 is Replicate but the ranks hold different values");
+    /* backward errors */
+    ERR(tp_backward(full, NULL), TP_ERR_INVALID_ARG, "does not require grad");
+    ERR(tp_tensor_set_requires_grad(NULL, true), TP_ERR_INVALID_ARG, "NULL");
+    tp_tensor_release(mine);
+    tp_tensor_release(dt);
+    tp_tensor_release(full);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+Test(dtensor, errors, .timeout = 60)
+{
+    table_ctx c = {0};
+    tp_test_run(4, errors_body, &c, c.slot);
+}
