@@ -83,8 +83,10 @@ struct tp__dist_head {
     tp_tensor *local;
 };
 
-/* Installed by the dtensor layer before it hangs state on any tensor. */
-extern void (*tp__tensor_finalizer)(tp_tensor *t);
+/* Installed by the dtensor layer before it hangs state on any tensor (rank
+ * threads race to install the same value, hence atomic). */
+typedef void (*tp__finalizer_fn)(tp_tensor *t);
+extern _Atomic(tp__finalizer_fn) tp__tensor_finalizer;
 
 /* Refuses a DTensor where core needs a plain tensor. */
 #define TP_PLAIN_CHECK(fn, t, what)                                             \

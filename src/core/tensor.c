@@ -356,7 +356,7 @@ tp_tensor *tp_tensor_retain(tp_tensor *t)
     return t;
 }
 
-void (*tp__tensor_finalizer)(tp_tensor *t);
+_Atomic(tp__finalizer_fn) tp__tensor_finalizer;
 
 void tp_tensor_release(tp_tensor *t)
 {
@@ -364,8 +364,11 @@ void tp_tensor_release(tp_tensor *t)
         return;
     if (atomic_fetch_sub_explicit(&t->refcount, 1, memory_order_acq_rel) != 1)
         return;
-    if ((t->autograd || t->dist) && tp__tensor_finalizer)
-        tp__tensor_finalizer(t);
+    if (t->autograd || t->dist) {
+        tp__finalizer_fn fin = atomic_load_explicit(&tp__tensor_finalizer, memory_order_acquire);
+        if (fin)
+            fin(t);
+    }
     if (t->storage)
         tp__storage_release(t->storage);
     tp__free(t);

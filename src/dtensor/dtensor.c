@@ -149,7 +149,10 @@ static void tp__finalize(tp_tensor *t)
     }
 }
 
-void tp__dtensor_install_finalizer(void) { tp__tensor_finalizer = tp__finalize; }
+void tp__dtensor_install_finalizer(void)
+{
+    atomic_store_explicit(&tp__tensor_finalizer, tp__finalize, memory_order_release);
+}
 
 /* Node release lives in autograd.c; the finalizer only drops references. */
 void tp__node_release(tp__node *n);
