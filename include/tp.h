@@ -44,5 +44,6 @@
 #include "tp/comm_debug.h"
 #include "tp/mesh.h"
 #include "tp/dtensor.h"
+#include "tp/ops.h"
 
 #endif /* TP_H */

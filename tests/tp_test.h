@@ -41,6 +41,14 @@ typedef struct tp_test_slot {
         }                                                                       \
     } while (0)
 
+/* In a helper returning tp_status: propagate a failure. */
+#define TP_TEST_TRY(expr)                                                       \
+    do {                                                                        \
+        tp_status try_st_ = (expr);                                             \
+        if (try_st_ != TP_OK)                                                   \
+            return try_st_;                                                     \
+    } while (0)
+
 /* Main thread only: a call that must succeed. */
 #define CHECK_OK(expr)                                                          \
     do {                                                                        \

@@ -198,6 +198,11 @@ typedef struct {
     size_t n, cap;
 } tp__nodes;
 
+/* `all` holds a reference on every node it lists: releasing a consumer's
+ * inputs during the walk may drop the last tensor that owns a node still
+ * waiting in the queue. */
+static bool tp__nodes_hold(tp__nodes *s, tp__node *n);
+
 static bool tp__nodes_push(tp__nodes *s, tp__node *n)
 {
     if (s->n == s->cap) {
@@ -212,6 +217,14 @@ static bool tp__nodes_push(tp__nodes *s, tp__node *n)
         s->cap = cap;
     }
     s->v[s->n++] = n;
+    return true;
+}
+
+static bool tp__nodes_hold(tp__nodes *s, tp__node *n)
+{
+    if (!tp__nodes_push(s, n))
+        return false;
+    atomic_fetch_add(&n->refcount, 1);
     return true;
 }
 
@@ -308,7 +321,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
     /* count, for every reachable node, how many edges lead into it */
     tp_status st = TP_OK;
     tp__nodes all = {0}, stack = {0}, ready = {0};
-    if (!tp__nodes_push(&stack, root) || !tp__nodes_push(&all, root)) {
+    if (!tp__nodes_push(&stack, root) || !tp__nodes_hold(&all, root)) {
         st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
         goto out;
     }
@@ -324,7 +337,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
                                "earlier backward", fn, p->name);
                 break;
             }
-            if (p->pending++ == 0 && (!tp__nodes_push(&stack, p) || !tp__nodes_push(&all, p)))
+            if (p->pending++ == 0 && (!tp__nodes_push(&stack, p) || !tp__nodes_hold(&all, p)))
                 st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
         }
     }
@@ -333,6 +346,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
 
     tp_phase saved_phase = tp_comm_debug_phase();
     tp_comm_debug_set_phase(TP_PHASE_BACKWARD);
+    tp_no_grad_begin(); /* the backward itself records nothing */
     root->grad_acc = g0;
     g0 = NULL;
     if (!tp__nodes_push(&ready, root))
@@ -359,6 +373,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
         }
         tp__node_drop_graph(n);
     }
+    tp_no_grad_end();
     tp_comm_debug_set_phase(saved_phase);
 
 out:
@@ -366,6 +381,7 @@ out:
     for (size_t i = 0; i < all.n; i++) {
         all.v[i]->pending = 0;
         tp__node_drop_graph(all.v[i]);
+        tp__node_release(all.v[i]);
     }
     tp_tensor_release(g0);
     tp__free(all.v);

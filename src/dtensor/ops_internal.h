@@ -1,0 +1,95 @@
+/* The op layer: one dispatcher that picks a sharding strategy per mesh dim,
+ * redistributes the inputs to it (differentiably, counted), runs the local
+ * kernel and records a node whose backward runs the local backward kernel and
+ * wraps the gradients in the strategy's placements. Each op supplies a
+ * tp__op_def. Not installed. */
+#ifndef TP_OPS_INTERNAL_H
+#define TP_OPS_INTERNAL_H
+
+#include "dtensor/dtensor_internal.h"
+#include "kernels/kernels.h"
+#include "tp/ops.h"
+
+#define TP__OP_MAX_IN 4
+#define TP__OP_MAX_STRATS 24
+#define TP__OP_MAX_SAVED 4
+
+/* One strategy on one mesh dim. */
+typedef struct tp__strategy {
+    tp_placement in[TP__OP_MAX_IN];   /* what each present input must be */
+    tp_placement out;                 /* what the output is */
+    tp_placement grad[TP__OP_MAX_IN]; /* what the local gradient of input i is */
+} tp__strategy;
+
+typedef struct tp__op tp__op;
+
+typedef struct tp__op_def {
+    const char *name;
+    int n_inputs;
+    const char *input_names[TP__OP_MAX_IN];
+    unsigned optional_mask;   /* bit i: input i may be NULL */
+    unsigned nondiff_mask;    /* bit i: input i never gets a gradient (indices) */
+    /* fills up to TP__OP_MAX_STRATS strategies for one mesh dim; returns the
+     * count. NULL: the op has no distributed form. */
+    int (*strategies)(const tp__op *op, int mesh_dim, tp__strategy *out);
+    /* global output shape from the global input shapes and params */
+    tp_status (*out_shape)(const tp__op *op, int *ndim, int64_t *shape);
+    /* local forward on the (redistributed) local inputs; allocates *out */
+    tp_status (*forward)(tp__op *op, tp_tensor *const *in, tp_tensor **out);
+    /* local backward: gy has the output's placement (Partial read as
+     * Replicate); sets g[i] for every input with op->need_grad[i] */
+    tp_status (*backward)(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g);
+} tp__op_def;
+
+struct tp__op {
+    const tp__op_def *def;
+    tp_tensor *arg[TP__OP_MAX_IN]; /* the caller's arguments (borrowed during the call) */
+    tp_tensor *in[TP__OP_MAX_IN];  /* redistributed inputs (retained by a recorded node) */
+    int arg_ndim[TP__OP_MAX_IN];   /* global shapes of the arguments */
+    int64_t arg_shape[TP__OP_MAX_IN][TP_MAX_DIMS];
+    bool need_grad[TP__OP_MAX_IN];
+    bool distributed;
+    tp_mesh *mesh;
+    int mesh_ndim;
+    tp_placement in_pl[TP__OP_MAX_IN][TP_MESH_MAX_DIMS];
+    tp_placement out_pl[TP_MESH_MAX_DIMS];
+    tp_placement grad_pl[TP__OP_MAX_IN][TP_MESH_MAX_DIMS];
+    int out_ndim;
+    int64_t out_shape[TP_MAX_DIMS];
+    tp_tensor *saved[TP__OP_MAX_SAVED]; /* local tensors the forward keeps for the backward */
+    _Alignas(8) unsigned char params[160];
+};
+
+#define TP__OP_PARAMS(op, T) ((T *)(void *)(op)->params)
+
+/* Runs an op: validation of plain/DTensor mixing, strategy choice,
+ * redistribution, forward, recording. params (plen bytes) are copied. */
+tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *params,
+                     size_t plen, tp_tensor **out);
+
+/* Global shape of input i (DTensor: logical; plain: its shape). Valid in
+ * strategies, out_shape, forward and backward. */
+static inline const int64_t *tp__op_gshape(const tp__op *op, int i) { return op->arg_shape[i]; }
+static inline int tp__op_gndim(const tp__op *op, int i) { return op->arg_ndim[i]; }
+
+/* true on the ranks that hold the single copy of a term added to a Partial
+ * output (coordinate 0 on every mesh dim where the output is Partial), and
+ * always for plain tensors. */
+bool tp__op_partial_leader(const tp__op *op);
+
+/* Global offset of this rank's shard of input i along every dim. */
+void tp__op_offset(const tp__op *op, int i, int64_t *offset);
+
+/* Strategy helpers. */
+static inline tp_placement tp__R(void) { return tp_replicate(); }
+static inline tp_placement tp__S(int d) { return tp_shard(d); }
+static inline tp_placement tp__P(void) { return tp_partial(TP_SUM); }
+
+/* New contiguous f32 tensor of a shape on the CPU. */
+tp_status tp__f32(int ndim, const int64_t *shape, bool zero, tp_tensor **out);
+/* rows = product of all dims but the last, for a contiguous tensor. */
+int64_t tp__rows(const tp_tensor *t);
+/* Checks that plain input i is f32 and contiguous (DTensor locals are). */
+tp_status tp__require_f32(const tp__op *op, int i);
+
+#endif /* TP_OPS_INTERNAL_H */

@@ -1,0 +1,171 @@
+/* linear and matmul. */
+#include <string.h>
+
+#include "dtensor/ops_internal.h"
+
+/* ---- linear: y = x W^T + b ------------------------------------------------- */
+
+static int linear_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    (void)mesh_dim;
+    int nd = tp__op_gndim(op, 0), n = 0;
+    /* colwise: the weight's rows (output features) are split */
+    s[n++] = (tp__strategy){{tp__R(), tp__S(0), tp__S(0)}, tp__S(nd - 1),
+                            {tp__P(), tp__S(0), tp__S(0)}};
+    /* rowwise: the contraction is split, the output is a partial sum */
+    s[n++] = (tp__strategy){{tp__S(nd - 1), tp__S(1), tp__R()}, tp__P(),
+                            {tp__S(nd - 1), tp__S(1), tp__R()}};
+    /* a batch dim is split, the weight replicated */
+    for (int d = 0; d + 1 < nd; d++)
+        s[n++] = (tp__strategy){{tp__S(d), tp__R(), tp__R()}, tp__S(d),
+                                {tp__S(d), tp__P(), tp__P()}};
+    /* linear in x: a partial input gives a partial output */
+    s[n++] = (tp__strategy){{tp__P(), tp__R(), tp__R()}, tp__P(), {tp__R(), tp__P(), tp__R()}};
+    s[n++] = (tp__strategy){{tp__R(), tp__R(), tp__R()}, tp__R(), {tp__R(), tp__R(), tp__R()}};
+    return n;
+}
+
+static tp_status linear_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    const char *fn = op->def->name;
+    int nd = tp__op_gndim(op, 0);
+    const int64_t *x = tp__op_gshape(op, 0), *w = tp__op_gshape(op, 1);
+    TP_ARG_CHECK(nd >= 1, "%s: x must have at least 1 dim", fn);
+    TP_ARG_CHECK(tp__op_gndim(op, 1) == 2, "%s: weight must be 2-d [out, in], got %d dims", fn,
+                 tp__op_gndim(op, 1));
+    TP_ARG_CHECK(x[nd - 1] == w[1], "%s: input has %lld features, weight expects %lld", fn,
+                 (long long)x[nd - 1], (long long)w[1]);
+    if (op->in[2])
+        TP_ARG_CHECK(tp__op_gndim(op, 2) == 1 && tp__op_gshape(op, 2)[0] == w[0],
+                     "%s: bias must be [%lld]", fn, (long long)w[0]);
+    *ndim = nd;
+    memcpy(shape, x, sizeof(int64_t) * (size_t)nd);
+    shape[nd - 1] = w[0];
+    return TP_OK;
+}
+
+static tp_status linear_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    tp_tensor *x = in[0], *w = in[1], *b = in[2];
+    int nd = x->ndim;
+    int64_t shape[TP_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof(int64_t) * (size_t)nd);
+    shape[nd - 1] = w->shape[0];
+    TP_CHECK(tp__f32(nd, shape, false, out));
+    /* a bias joins a partial sum once, on the leader */
+    const float *bias = b && tp__op_partial_leader(op) ? tp_tensor_data(b) : NULL;
+    tp__k_linear_fwd(tp_tensor_data(x), tp_tensor_data(w), bias, tp_tensor_data(*out),
+                     tp__rows(x), w->shape[1], w->shape[0]);
+    return TP_OK;
+}
+
+static tp_status linear_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    tp_tensor *x = in[0], *w = in[1];
+    if (op->need_grad[0])
+        TP_CHECK(tp__f32(x->ndim, x->shape, false, &g[0]));
+    if (op->need_grad[1])
+        TP_CHECK(tp__f32(2, w->shape, false, &g[1]));
+    if (op->need_grad[2])
+        TP_CHECK(tp__f32(1, in[2]->shape, false, &g[2]));
+    tp__k_linear_bwd(tp_tensor_data(x), tp_tensor_data(w), tp_tensor_data(gy),
+                     g[0] ? tp_tensor_data(g[0]) : NULL, g[1] ? tp_tensor_data(g[1]) : NULL,
+                     g[2] ? tp_tensor_data(g[2]) : NULL, tp__rows(x), w->shape[1], w->shape[0],
+                     false);
+    return TP_OK;
+}
+
+static const tp__op_def linear_def = {
+    .name = "linear",
+    .n_inputs = 3,
+    .input_names = {"x", "weight", "bias"},
+    .optional_mask = 1u << 2,
+    .strategies = linear_strategies,
+    .out_shape = linear_shape,
+    .forward = linear_fwd,
+    .backward = linear_bwd,
+};
+
+tp_status tp_linear(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_tensor **y)
+{
+    tp_tensor *args[3] = {x, w, b};
+    return tp__op_run(&linear_def, args, NULL, 0, y);
+}
+
+/* ---- matmul: y = a b, b 2-D ----------------------------------------------- */
+
+static int matmul_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    (void)mesh_dim;
+    int nd = tp__op_gndim(op, 0), n = 0;
+    s[n++] = (tp__strategy){{tp__R(), tp__S(1)}, tp__S(nd - 1), {tp__P(), tp__S(1)}};
+    s[n++] = (tp__strategy){{tp__S(nd - 1), tp__S(0)}, tp__P(), {tp__S(nd - 1), tp__S(0)}};
+    for (int d = 0; d + 1 < nd; d++)
+        s[n++] = (tp__strategy){{tp__S(d), tp__R()}, tp__S(d), {tp__S(d), tp__P()}};
+    s[n++] = (tp__strategy){{tp__P(), tp__R()}, tp__P(), {tp__R(), tp__P()}};
+    s[n++] = (tp__strategy){{tp__R(), tp__R()}, tp__R(), {tp__R(), tp__R()}};
+    return n;
+}
+
+static tp_status matmul_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    const char *fn = op->def->name;
+    int nd = tp__op_gndim(op, 0);
+    const int64_t *a = tp__op_gshape(op, 0), *b = tp__op_gshape(op, 1);
+    TP_ARG_CHECK(nd >= 1, "%s: a must have at least 1 dim", fn);
+    TP_ARG_CHECK(tp__op_gndim(op, 1) == 2, "%s: b must be 2-d, got %d dims", fn,
+                 tp__op_gndim(op, 1));
+    TP_ARG_CHECK(a[nd - 1] == b[0], "%s: a has %lld columns but b has %lld rows", fn,
+                 (long long)a[nd - 1], (long long)b[0]);
+    *ndim = nd;
+    memcpy(shape, a, sizeof(int64_t) * (size_t)nd);
+    shape[nd - 1] = b[1];
+    return TP_OK;
+}
+
+static tp_status matmul_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    (void)op;
+    tp_tensor *a = in[0], *b = in[1];
+    int nd = a->ndim;
+    int64_t shape[TP_MAX_DIMS], m = tp__rows(a), k = b->shape[0], n = b->shape[1];
+    memcpy(shape, a->shape, sizeof(int64_t) * (size_t)nd);
+    shape[nd - 1] = n;
+    TP_CHECK(tp__f32(nd, shape, false, out));
+    tp__k_gemm(false, false, m, n, k, 1.0f, tp_tensor_data(a), k, tp_tensor_data(b), n, 0.0f,
+               tp_tensor_data(*out), n);
+    return TP_OK;
+}
+
+static tp_status matmul_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    tp_tensor *a = in[0], *b = in[1];
+    int64_t m = tp__rows(a), k = b->shape[0], n = b->shape[1];
+    if (op->need_grad[0]) { /* ga = gy b^T */
+        TP_CHECK(tp__f32(a->ndim, a->shape, false, &g[0]));
+        tp__k_gemm(false, true, m, k, n, 1.0f, tp_tensor_data(gy), n, tp_tensor_data(b), n, 0.0f,
+                   tp_tensor_data(g[0]), k);
+    }
+    if (op->need_grad[1]) { /* gb = a^T gy */
+        TP_CHECK(tp__f32(2, b->shape, false, &g[1]));
+        tp__k_gemm(true, false, k, n, m, 1.0f, tp_tensor_data(a), k, tp_tensor_data(gy), n, 0.0f,
+                   tp_tensor_data(g[1]), n);
+    }
+    return TP_OK;
+}
+
+static const tp__op_def matmul_def = {
+    .name = "matmul",
+    .n_inputs = 2,
+    .input_names = {"a", "b"},
+    .strategies = matmul_strategies,
+    .out_shape = matmul_shape,
+    .forward = matmul_fwd,
+    .backward = matmul_bwd,
+};
+
+tp_status tp_matmul(tp_tensor *a, tp_tensor *b, tp_tensor **y)
+{
+    tp_tensor *args[2] = {a, b};
+    return tp__op_run(&matmul_def, args, NULL, 0, y);
+}

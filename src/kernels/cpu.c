@@ -1,0 +1,675 @@
+/* The CPU engine of the local kernels (kernels.h): OpenBLAS sgemm for the
+ * matrix products, plain loops for the rest.
+ *
+ * Reductions accumulate in double and store float. Column sums over rows (the
+ * bias and norm-weight gradients, sum over a non-innermost dim) go through a
+ * block of double accumulators on the stack, so they stay row-major and
+ * vectorizable without allocating (kernels never allocate).
+ *
+ * This file may use only public libtp symbols (tp_rng_uniform): the kernel
+ * test compiles it into its own executable, which links the shared library,
+ * where everything not TP_API is hidden. */
+#include <cblas.h>
+#include <math.h>
+#include <string.h>
+
+#include "kernels/kernels.h"
+#include "tp/tensor.h"
+
+/* Column block of the double accumulators: 4 KiB of stack. */
+#define TP__KCOLS 512
+
+/* ---- helpers ---------------------------------------------------------------- */
+
+/* Sum of n floats in double. Eight independent lanes break the dependency
+ * chain so the compiler can vectorize without reassociating a single sum. */
+static double tp__dsum(const float *restrict x, int64_t n)
+{
+    double acc[8] = {0};
+    int64_t n8 = n - n % 8;
+    for (int64_t i = 0; i < n8; i += 8)
+        for (int j = 0; j < 8; j++)
+            acc[j] += (double)x[i + j];
+    double s = 0;
+    for (int64_t i = n8; i < n; i++)
+        s += (double)x[i];
+    return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* Sum of a[i] * b[i] in double. */
+static double tp__ddot(const float *restrict a, const float *restrict b, int64_t n)
+{
+    double acc[8] = {0};
+    int64_t n8 = n - n % 8;
+    for (int64_t i = 0; i < n8; i += 8)
+        for (int j = 0; j < 8; j++)
+            acc[j] += (double)a[i + j] * (double)b[i + j];
+    double s = 0;
+    for (int64_t i = n8; i < n; i++)
+        s += (double)a[i] * (double)b[i];
+    return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* g[c] (+)= sum_r y[r * ld + c] for a [rows, cols] matrix with row length ld. */
+static void tp__colsum(const float *restrict y, int64_t rows, int64_t cols, int64_t ld,
+                       float *restrict g, bool accumulate)
+{
+    double acc[TP__KCOLS];
+    for (int64_t c0 = 0; c0 < cols; c0 += TP__KCOLS) {
+        int64_t nc = cols - c0 < TP__KCOLS ? cols - c0 : TP__KCOLS;
+        for (int64_t j = 0; j < nc; j++)
+            acc[j] = 0;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *restrict yr = y + r * ld + c0;
+            for (int64_t j = 0; j < nc; j++)
+                acc[j] += (double)yr[j];
+        }
+        if (accumulate)
+            for (int64_t j = 0; j < nc; j++)
+                g[c0 + j] = (float)((double)g[c0 + j] + acc[j]);
+        else
+            for (int64_t j = 0; j < nc; j++)
+                g[c0 + j] = (float)acc[j];
+    }
+}
+
+static float tp__rowmax(const float *restrict x, int64_t n)
+{
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++)
+        m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* Sum of exp(x[i] - mx) in double. */
+static double tp__sumexp(const float *restrict x, float mx, int64_t n)
+{
+    double s = 0;
+    for (int64_t i = 0; i < n; i++)
+        s += (double)expf(x[i] - mx);
+    return s;
+}
+
+/* ---- matrix products -------------------------------------------------------- */
+
+void tp__k_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                int64_t ldc)
+{
+    if (m <= 0 || n <= 0)
+        return;
+    if (k <= 0) {
+        /* C = beta * C; BLAS would reject the zero leading dimensions of
+         * empty A and B, and beta == 0 must overwrite (even NaN) */
+        for (int64_t i = 0; i < m; i++) {
+            float *restrict ci = c + i * ldc;
+            if (beta == 0.0f)
+                memset(ci, 0, (size_t)n * sizeof *ci);
+            else
+                for (int64_t j = 0; j < n; j++)
+                    ci[j] *= beta;
+        }
+        return;
+    }
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                trans_b ? CblasTrans : CblasNoTrans, (int)m, (int)n, (int)k, alpha, a, (int)lda,
+                b, (int)ldb, beta, c, (int)ldc);
+}
+
+void tp__k_linear_fwd(const float *x, const float *w, const float *bias, float *y, int64_t rows,
+                      int64_t in, int64_t out)
+{
+    tp__k_gemm(false, true, rows, out, in, 1.0f, x, in, w, in, 0.0f, y, out);
+    if (bias)
+        tp__k_add_row(y, bias, rows, out);
+}
+
+void tp__k_linear_bwd(const float *x, const float *w, const float *gy, float *gx, float *gw,
+                      float *gb, int64_t rows, int64_t in, int64_t out, bool accumulate)
+{
+    float beta = accumulate ? 1.0f : 0.0f;
+    if (gx) /* gx[rows, in] = gy[rows, out] W[out, in] */
+        tp__k_gemm(false, false, rows, in, out, 1.0f, gy, out, w, in, beta, gx, in);
+    if (gw) /* gw[out, in] = gy^T x[rows, in] */
+        tp__k_gemm(true, false, out, in, rows, 1.0f, gy, out, x, in, beta, gw, in);
+    if (gb)
+        tp__colsum(gy, rows, out, out, gb, accumulate);
+}
+
+/* ---- elementwise -------------------------------------------------------------
+ * No restrict here: the output may be one of the inputs (in place, kernels.h);
+ * the compiler vectorizes behind a runtime overlap check. */
+
+void tp__k_add(const float *a, const float *b, float *y, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = a[i] + b[i];
+}
+
+void tp__k_mul(const float *a, const float *b, float *y, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = a[i] * b[i];
+}
+
+void tp__k_scale(const float *a, float s, float *y, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = a[i] * s;
+}
+
+void tp__k_accumulate(float *y, const float *a, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] += a[i];
+}
+
+void tp__k_add_row(float *y, const float *b, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        float *restrict yr = y + r * cols;
+        for (int64_t c = 0; c < cols; c++)
+            yr[c] += b[c];
+    }
+}
+
+void tp__k_sum_rows(const float *y, float *g, int64_t rows, int64_t cols)
+{
+    tp__colsum(y, rows, cols, cols, g, true);
+}
+
+void tp__k_relu_fwd(const float *x, float *y, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
+void tp__k_relu_bwd(const float *x, const float *gy, float *gx, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        gx[i] = x[i] > 0.0f ? gy[i] : 0.0f;
+}
+
+#define TP__SQRT1_2 0.70710678118654752440f    /* 1/sqrt(2) */
+#define TP__INV_SQRT2PI 0.39894228040143267794f /* 1/sqrt(2 pi) */
+#define TP__SQRT2_PI 0.79788456080286535588f   /* sqrt(2/pi) */
+#define TP__GELU_C 0.044715f
+
+void tp__k_gelu_fwd(const float *x, float *y, int64_t n, bool tanh_approx)
+{
+    if (tanh_approx) {
+        for (int64_t i = 0; i < n; i++) {
+            float v = x[i];
+            float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
+            y[i] = 0.5f * v * (1.0f + tanhf(u));
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            float v = x[i];
+            y[i] = 0.5f * v * (1.0f + erff(v * TP__SQRT1_2));
+        }
+    }
+}
+
+void tp__k_gelu_bwd(const float *x, const float *gy, float *gx, int64_t n, bool tanh_approx)
+{
+    if (tanh_approx) {
+        /* d/dx 0.5 x (1 + tanh u) = 0.5 (1 + t) + 0.5 x (1 - t^2) u',
+         * u' = sqrt(2/pi) (1 + 3 c x^2) */
+        for (int64_t i = 0; i < n; i++) {
+            float v = x[i];
+            float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
+            float t = tanhf(u);
+            float du = TP__SQRT2_PI * (1.0f + 3.0f * TP__GELU_C * v * v);
+            gx[i] = gy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+        }
+    } else {
+        /* d/dx x Phi(x) = Phi(x) + x phi(x) */
+        for (int64_t i = 0; i < n; i++) {
+            float v = x[i];
+            float cdf = 0.5f * (1.0f + erff(v * TP__SQRT1_2));
+            float pdf = TP__INV_SQRT2PI * expf(-0.5f * v * v);
+            gx[i] = gy[i] * (cdf + v * pdf);
+        }
+    }
+}
+
+/* ---- reductions ------------------------------------------------------------- */
+
+void tp__k_sum_dim(const float *x, float *y, int64_t outer, int64_t size, int64_t inner)
+{
+    for (int64_t o = 0; o < outer; o++) {
+        const float *xo = x + o * size * inner;
+        if (inner == 1)
+            y[o] = (float)tp__dsum(xo, size);
+        else
+            tp__colsum(xo, size, inner, inner, y + o * inner, false);
+    }
+}
+
+void tp__k_sum_dim_bwd(const float *gy, float *gx, int64_t outer, int64_t size, int64_t inner,
+                       float scale)
+{
+    for (int64_t o = 0; o < outer; o++) {
+        const float *restrict go = gy + o * inner;
+        for (int64_t s = 0; s < size; s++) {
+            float *restrict gxs = gx + (o * size + s) * inner;
+            for (int64_t i = 0; i < inner; i++)
+                gxs[i] = go[i] * scale;
+        }
+    }
+}
+
+double tp__k_sum_all(const float *x, int64_t n)
+{
+    return n > 0 ? tp__dsum(x, n) : 0.0;
+}
+
+/* ---- softmax ------------------------------------------------------------------ */
+
+void tp__k_softmax_fwd(const float *x, float *y, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols;
+        float *yr = y + r * cols;
+        float mx = tp__rowmax(xr, cols);
+        double s = 0;
+        for (int64_t c = 0; c < cols; c++) {
+            float e = expf(xr[c] - mx);
+            yr[c] = e;
+            s += (double)e;
+        }
+        float inv = (float)(1.0 / s);
+        for (int64_t c = 0; c < cols; c++)
+            yr[c] *= inv;
+    }
+}
+
+void tp__k_softmax_bwd(const float *y, const float *gy, float *gx, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *yr = y + r * cols, *gr = gy + r * cols;
+        float *gxr = gx + r * cols;
+        float dot = (float)tp__ddot(yr, gr, cols);
+        for (int64_t c = 0; c < cols; c++)
+            gxr[c] = yr[c] * (gr[c] - dot);
+    }
+}
+
+/* ---- layout ------------------------------------------------------------------- */
+
+void tp__k_transpose_last2(const float *x, float *y, int64_t batch, int64_t r, int64_t c)
+{
+    /* square tiles so that both the reads and the writes stay in cache lines */
+    enum { TB = 32 };
+    for (int64_t b = 0; b < batch; b++) {
+        const float *restrict xb = x + b * r * c;
+        float *restrict yb = y + b * r * c;
+        for (int64_t i0 = 0; i0 < r; i0 += TB) {
+            int64_t i1 = i0 + TB < r ? i0 + TB : r;
+            for (int64_t j0 = 0; j0 < c; j0 += TB) {
+                int64_t j1 = j0 + TB < c ? j0 + TB : c;
+                for (int64_t i = i0; i < i1; i++)
+                    for (int64_t j = j0; j < j1; j++)
+                        yb[j * r + i] = xb[i * c + j];
+            }
+        }
+    }
+}
+
+/* ---- embedding ---------------------------------------------------------------- */
+
+void tp__k_embedding_fwd(const int64_t *idx, int64_t n, const float *w, int64_t rows_local,
+                         int64_t dim, int64_t offset, float *y)
+{
+    for (int64_t i = 0; i < n; i++) {
+        float *yi = y + i * dim;
+        /* compare before subtracting: defined for any int64 index */
+        if (idx[i] >= offset && idx[i] - offset < rows_local)
+            memcpy(yi, w + (idx[i] - offset) * dim, (size_t)dim * sizeof *yi);
+        else
+            memset(yi, 0, (size_t)dim * sizeof *yi);
+    }
+}
+
+void tp__k_embedding_bwd(const int64_t *idx, int64_t n, const float *gy, int64_t rows_local,
+                         int64_t dim, int64_t offset, float *gw)
+{
+    for (int64_t i = 0; i < n; i++) {
+        if (idx[i] < offset || idx[i] - offset >= rows_local)
+            continue;
+        float *restrict gr = gw + (idx[i] - offset) * dim;
+        const float *restrict gi = gy + i * dim;
+        for (int64_t c = 0; c < dim; c++)
+            gr[c] += gi[c];
+    }
+}
+
+/* ---- normalization ------------------------------------------------------------ */
+
+void tp__k_layer_norm_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
+                          float *rstd, int64_t rows, int64_t cols, float eps)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * cols;
+        float *restrict yr = y + r * cols;
+        double mu = cols > 0 ? tp__dsum(xr, cols) / (double)cols : 0.0;
+        /* two-pass variance: no cancellation when |mean| >> std */
+        double var = 0;
+        for (int64_t c = 0; c < cols; c++) {
+            double d = (double)xr[c] - mu;
+            var += d * d;
+        }
+        var = cols > 0 ? var / (double)cols : 0.0;
+        float m = (float)mu, rs = (float)(1.0 / sqrt(var + (double)eps));
+        mean[r] = m;
+        rstd[r] = rs;
+        /* y from the stored (float) statistics, the ones backward sees */
+        if (w && b)
+            for (int64_t c = 0; c < cols; c++)
+                yr[c] = (xr[c] - m) * rs * w[c] + b[c];
+        else if (w)
+            for (int64_t c = 0; c < cols; c++)
+                yr[c] = (xr[c] - m) * rs * w[c];
+        else if (b)
+            for (int64_t c = 0; c < cols; c++)
+                yr[c] = (xr[c] - m) * rs + b[c];
+        else
+            for (int64_t c = 0; c < cols; c++)
+                yr[c] = (xr[c] - m) * rs;
+    }
+}
+
+/* gw[c] += sum_r gy[r,c] * (x[r,c] - mean[r]) * rstd[r] (mean NULL: 0, RMS norm),
+ * accumulated in double over row-major column blocks. */
+static void tp__norm_wgrad(const float *restrict x, const float *restrict mean,
+                           const float *restrict rstd, const float *restrict gy,
+                           float *restrict gw, int64_t rows, int64_t cols)
+{
+    double acc[TP__KCOLS];
+    for (int64_t c0 = 0; c0 < cols; c0 += TP__KCOLS) {
+        int64_t nc = cols - c0 < TP__KCOLS ? cols - c0 : TP__KCOLS;
+        for (int64_t j = 0; j < nc; j++)
+            acc[j] = 0;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *restrict xr = x + r * cols + c0, *restrict gr = gy + r * cols + c0;
+            float m = mean ? mean[r] : 0.0f, rs = rstd[r];
+            for (int64_t j = 0; j < nc; j++)
+                acc[j] += (double)(gr[j] * ((xr[j] - m) * rs));
+        }
+        for (int64_t j = 0; j < nc; j++)
+            gw[c0 + j] = (float)((double)gw[c0 + j] + acc[j]);
+    }
+}
+
+void tp__k_layer_norm_bwd(const float *x, const float *w, const float *mean, const float *rstd,
+                          const float *gy, float *gx, float *gw, float *gb, int64_t rows,
+                          int64_t cols)
+{
+    double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * cols, *restrict gr = gy + r * cols;
+        float *restrict gxr = gx + r * cols;
+        float m = mean[r], rs = rstd[r];
+        /* a = mean(gy w), b = mean(gy w xhat) */
+        double sa = 0, sb = 0;
+        if (w) {
+            for (int64_t c = 0; c < cols; c++) {
+                double g = (double)gr[c] * (double)w[c];
+                sa += g;
+                sb += g * (double)((xr[c] - m) * rs);
+            }
+        } else {
+            for (int64_t c = 0; c < cols; c++) {
+                sa += (double)gr[c];
+                sb += (double)gr[c] * (double)((xr[c] - m) * rs);
+            }
+        }
+        float a = (float)(sa * inv_n), bb = (float)(sb * inv_n);
+        if (w)
+            for (int64_t c = 0; c < cols; c++)
+                gxr[c] = rs * (gr[c] * w[c] - a - (xr[c] - m) * rs * bb);
+        else
+            for (int64_t c = 0; c < cols; c++)
+                gxr[c] = rs * (gr[c] - a - (xr[c] - m) * rs * bb);
+    }
+    if (gw)
+        tp__norm_wgrad(x, mean, rstd, gy, gw, rows, cols);
+    if (gb)
+        tp__colsum(gy, rows, cols, cols, gb, true);
+}
+
+void tp__k_rms_norm_fwd(const float *x, const float *w, float *y, float *rstd, int64_t rows,
+                        int64_t cols, float eps)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * cols;
+        float *restrict yr = y + r * cols;
+        double ms = cols > 0 ? tp__ddot(xr, xr, cols) / (double)cols : 0.0;
+        float rs = (float)(1.0 / sqrt(ms + (double)eps));
+        rstd[r] = rs;
+        if (w)
+            for (int64_t c = 0; c < cols; c++)
+                yr[c] = xr[c] * rs * w[c];
+        else
+            for (int64_t c = 0; c < cols; c++)
+                yr[c] = xr[c] * rs;
+    }
+}
+
+void tp__k_rms_norm_bwd(const float *x, const float *w, const float *rstd, const float *gy,
+                        float *gx, float *gw, int64_t rows, int64_t cols)
+{
+    double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * cols, *restrict gr = gy + r * cols;
+        float *restrict gxr = gx + r * cols;
+        float rs = rstd[r];
+        double sb = 0; /* sum gy w xhat */
+        if (w)
+            for (int64_t c = 0; c < cols; c++)
+                sb += (double)gr[c] * (double)w[c] * (double)(xr[c] * rs);
+        else
+            sb = tp__ddot(gr, xr, cols) * (double)rs;
+        float bb = (float)(sb * inv_n);
+        if (w)
+            for (int64_t c = 0; c < cols; c++)
+                gxr[c] = rs * (gr[c] * w[c] - xr[c] * rs * bb);
+        else
+            for (int64_t c = 0; c < cols; c++)
+                gxr[c] = rs * (gr[c] - xr[c] * rs * bb);
+    }
+    if (gw)
+        tp__norm_wgrad(x, NULL, rstd, gy, gw, rows, cols);
+}
+
+/* ---- dropout ------------------------------------------------------------------ */
+
+/* One run of n consecutive global counters starting at g. */
+static void tp__dropout_run(const float *x, float *y, uint8_t *mask, int64_t n, uint64_t g,
+                            double p, float scale, uint64_t seed)
+{
+    for (int64_t i = 0; i < n; i++) {
+        bool keep = tp_rng_uniform(seed, g + (uint64_t)i) >= p;
+        y[i] = keep ? x[i] * scale : 0.0f;
+        if (mask)
+            mask[i] = (uint8_t)keep;
+    }
+}
+
+void tp__k_dropout_fwd(const float *x, float *y, uint8_t *mask, int ndim, const int64_t *shape,
+                       const int64_t *global_shape, const int64_t *offset, float p,
+                       uint64_t seed)
+{
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        n *= shape[d];
+    if (n <= 0)
+        return;
+    if (p <= 0.0f) {
+        if (y != x)
+            memmove(y, x, (size_t)n * sizeof *y);
+        if (mask)
+            memset(mask, 1, (size_t)n);
+        return;
+    }
+    if (p >= 1.0f) {
+        memset(y, 0, (size_t)n * sizeof *y);
+        if (mask)
+            memset(mask, 0, (size_t)n);
+        return;
+    }
+    float scale = 1.0f / (1.0f - p);
+    if (ndim == 0) {
+        tp__dropout_run(x, y, mask, 1, 0, (double)p, scale, seed);
+        return;
+    }
+
+    /* global strides and the counter of the block's first element */
+    uint64_t gstride[TP_MAX_DIMS], g = 0;
+    int64_t idx[TP_MAX_DIMS];
+    uint64_t s = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+        gstride[d] = s;
+        s *= (uint64_t)(global_shape ? global_shape[d] : shape[d]);
+    }
+    for (int d = 0; d < ndim; d++) {
+        g += (uint64_t)(offset ? offset[d] : 0) * gstride[d];
+        idx[d] = 0;
+    }
+    /* innermost dim: one run of consecutive counters; outer dims: an odometer */
+    int inner = ndim - 1;
+    int64_t run = shape[inner];
+    for (int64_t pos = 0;;) {
+        tp__dropout_run(x + pos, y + pos, mask ? mask + pos : NULL, run, g, (double)p, scale,
+                        seed);
+        pos += run;
+        int k = inner - 1;
+        for (; k >= 0; k--) {
+            g += gstride[k];
+            if (++idx[k] < shape[k])
+                break;
+            g -= gstride[k] * (uint64_t)shape[k];
+            idx[k] = 0;
+        }
+        if (k < 0)
+            return;
+    }
+}
+
+void tp__k_dropout_bwd(const float *gy, const uint8_t *mask, float *gx, int64_t n, float p)
+{
+    if (n <= 0)
+        return;
+    if (p <= 0.0f) {
+        if (gx != gy)
+            memmove(gx, gy, (size_t)n * sizeof *gx);
+        return;
+    }
+    if (p >= 1.0f) {
+        memset(gx, 0, (size_t)n * sizeof *gx);
+        return;
+    }
+    float scale = 1.0f / (1.0f - p);
+    for (int64_t i = 0; i < n; i++)
+        gx[i] = mask[i] ? gy[i] * scale : 0.0f;
+}
+
+/* ---- cross entropy ------------------------------------------------------------ */
+
+/* Whether a row with target t counts. Out-of-range targets are rejected by the
+ * op layer; here they are skipped like ignore_index so nothing reads outside x. */
+static inline bool tp__ce_counted(int64_t t, int64_t classes, int64_t ignore_index)
+{
+    return t != ignore_index && t >= 0 && t < classes;
+}
+
+void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float *weight,
+                             float *loss, int64_t rows, int64_t classes, int64_t ignore_index,
+                             double *wsum)
+{
+    double ws = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = target[r];
+        if (!tp__ce_counted(t, classes, ignore_index)) {
+            loss[r] = 0.0f;
+            continue;
+        }
+        const float *xr = x + r * classes;
+        float mx = tp__rowmax(xr, classes);
+        double lse = log(tp__sumexp(xr, mx, classes)) + (double)mx;
+        double wt = weight ? (double)weight[t] : 1.0;
+        loss[r] = (float)(wt * (lse - (double)xr[t]));
+        ws += wt;
+    }
+    if (wsum)
+        *wsum = ws;
+}
+
+void tp__k_cross_entropy_bwd(const float *x, const int64_t *target, const float *weight,
+                             const float *gloss, float *gx, int64_t rows, int64_t classes,
+                             int64_t ignore_index)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = target[r];
+        float *restrict gxr = gx + r * classes;
+        if (!tp__ce_counted(t, classes, ignore_index)) {
+            memset(gxr, 0, (size_t)classes * sizeof *gxr);
+            continue;
+        }
+        const float *restrict xr = x + r * classes;
+        float mx = tp__rowmax(xr, classes);
+        double s = tp__sumexp(xr, mx, classes);
+        float g = gloss[r] * (weight ? weight[t] : 1.0f);
+        float k = (float)((double)g / s);
+        for (int64_t c = 0; c < classes; c++)
+            gxr[c] = k * expf(xr[c] - mx);
+        gxr[t] -= g;
+    }
+}
+
+void tp__k_row_max(const float *x, float *mx, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++)
+        mx[r] = tp__rowmax(x + r * cols, cols);
+}
+
+void tp__k_row_sumexp(const float *x, const float *mx, float *s, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++)
+        s[r] = (float)tp__sumexp(x + r * cols, mx[r], cols);
+}
+
+void tp__k_pick_target(const float *x, const int64_t *target, float *picked, int64_t rows,
+                       int64_t cols, int64_t offset, int64_t ignore_index)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = target[r];
+        bool owned = t != ignore_index && t >= offset && t - offset < cols;
+        picked[r] = owned ? x[r * cols + (t - offset)] : 0.0f;
+    }
+}
+
+void tp__k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weight,
+                        const float *mx, const float *sumexp, const float *gloss, float *gx,
+                        int64_t rows, int64_t cols, int64_t offset, int64_t ignore_index)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = target[r];
+        float *restrict gxr = gx + r * cols;
+        /* the global class count is not known here: negative targets other
+         * than ignore_index are skipped, the op layer rejects the rest */
+        if (t == ignore_index || t < 0) {
+            memset(gxr, 0, (size_t)cols * sizeof *gxr);
+            continue;
+        }
+        const float *restrict xr = x + r * cols;
+        float g = gloss[r] * (weight ? weight[t] : 1.0f);
+        float k = (float)((double)g / (double)sumexp[r]);
+        float m = mx[r];
+        for (int64_t c = 0; c < cols; c++)
+            gxr[c] = k * expf(xr[c] - m);
+        if (t >= offset && t - offset < cols)
+            gxr[t - offset] -= g;
+    }
+}
