@@ -477,3 +477,97 @@ Test(dtensor, errors, .timeout = 60)
     table_ctx c = {0};
     tp_test_run(4, errors_body, &c, c.slot);
 }
+
+/* ---- autograd mechanics ----------------------------------------------------- */
+
+static tp_status autograd_body(tp_comm *w, void *arg)
+{
+    table_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(w)];
+    int64_t n = tp_comm_size(w);
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(w, 1, &n, NULL, &mesh));
+    int64_t xs[2] = {3, 4}, ws[2] = {2 * n, 4};
+    tp_tensor *xf = NULL, *wf = NULL, *x = NULL, *wt = NULL, *y = NULL, *yl = NULL, *g = NULL;
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, xs, &xf));
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, ws, &wf));
+    RANK_OK(s, fill_block(xf, xs, NULL, 5));
+    RANK_OK(s, fill_block(wf, ws, NULL, 6));
+    tp_placement R = tp_replicate(), S0 = tp_shard(0);
+    RANK_OK(s, tp_dtensor_distribute(mesh, xf, 1, &R, -1, &x));
+    RANK_OK(s, tp_dtensor_distribute(mesh, wf, 1, &S0, -1, &wt));
+    RANK_OK(s, tp_tensor_set_requires_grad(wt, true));
+    RANK_EXPECT(s, tp_tensor_requires_grad(wt) && !tp_tensor_has_grad_fn(wt), "leaf state");
+
+    /* no-grad scopes record nothing */
+    tp_no_grad_begin();
+    RANK_EXPECT(s, !tp_grad_enabled(), "no-grad scope not reported");
+    RANK_OK(s, tp_linear(x, wt, NULL, &y));
+    RANK_EXPECT(s, !tp_tensor_requires_grad(y) && !tp_tensor_has_grad_fn(y),
+                "an op inside no-grad recorded a node");
+    tp_no_grad_end();
+    RANK_EXPECT(s, tp_grad_enabled(), "no-grad scope did not end");
+    tp_tensor_release(y);
+
+    /* two backwards through two graphs accumulate; a third through a spent
+     * graph is refused */
+    for (int round = 0; round < 2; round++) {
+        RANK_OK(s, tp_linear(x, wt, NULL, &y));
+        RANK_EXPECT(s, tp_tensor_has_grad_fn(y), "the op recorded no node");
+        RANK_OK(s, tp_dtensor_to_local(y, 0, NULL, &yl));
+        RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, tp_tensor_shape(yl), &g));
+        RANK_OK(s, tp_tensor_fill(g, 1));
+        RANK_OK(s, tp_backward(yl, g));
+        if (round == 1) {
+            tp_status st = tp_backward(yl, g);
+            RANK_EXPECT(s, st == TP_ERR_STATE && strstr(tp_last_error(), "already freed"),
+                        "second backward: %s %s", tp_status_name(st), tp_last_error());
+        }
+        tp_tensor_release(y);
+        tp_tensor_release(yl);
+        tp_tensor_release(g);
+    }
+    /* d/dW of sum(x W^T) is the column sums of x, twice */
+    tp_tensor *gw = tp_tensor_grad(wt), *gwf = NULL;
+    RANK_EXPECT(s, gw && tp_tensor_is_dtensor(gw) &&
+                       tp_dtensor_placements(gw)[0].kind == TP_PLACEMENT_SHARD,
+                "weight gradient missing or not sharded like the weight");
+    RANK_OK(s, tp_dtensor_full_tensor(gw, &gwf));
+    bool ok = true;
+    for (int64_t o = 0; o < ws[0]; o++)
+        for (int64_t i = 0; i < 4; i++) {
+            double v = 0, colsum = 0, e = 0;
+            tp_tensor_get(gwf, (int64_t[]){o, i}, &v);
+            for (int64_t r = 0; r < 3; r++) {
+                tp_tensor_get(xf, (int64_t[]){r, i}, &e);
+                colsum += e;
+            }
+            ok = ok && v == 2 * colsum;
+        }
+    RANK_EXPECT(s, ok, "accumulated weight gradient is not twice the column sums");
+    tp_tensor_zero_grad(wt);
+    RANK_EXPECT(s, tp_tensor_grad(wt) == NULL, "zero_grad kept the gradient");
+    /* only leaves can be marked */
+    RANK_OK(s, tp_linear(x, wt, NULL, &y));
+    tp_status st = tp_tensor_set_requires_grad(y, false);
+    RANK_EXPECT(s, st == TP_ERR_STATE, "marking a non-leaf: %s", tp_status_name(st));
+    tp_tensor *idx = NULL;
+    int64_t three = 3;
+    RANK_OK(s, tp_tensor_zeros(TP_I64, TP_CPU, 1, &three, &idx));
+    st = tp_tensor_set_requires_grad(idx, true);
+    RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && strstr(tp_last_error(), "float dtype"),
+                "integer leaf: %s", tp_status_name(st));
+    tp_tensor *all[] = {xf, wf, x, wt, y, gwf, idx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        tp_tensor_release(all[i]);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+TP_TEST_WORLD_SIZE_PARAMS(dtensor, autograd)
+
+ParameterizedTest(int *n, dtensor, autograd, .timeout = 60)
+{
+    table_ctx c = {0};
+    tp_test_run(*n, autograd_body, &c, c.slot);
+}
