@@ -6,7 +6,7 @@
 
 typedef struct {
     int mesh_ndim;
-    int64_t mesh_shape[2];
+    int64_t mesh_shape[3];
     tp_test_slot slot[TP_TEST_MAX_RANKS];
 } lin_ctx;
 
@@ -32,7 +32,7 @@ static tp_status mm2(tp_tensor *a, tp_tensor *b, tp_tensor *c, tp_tensor **y)
 
 static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, op3_fn op, int n_in,
                             const int *nds, const int64_t (*shapes)[3],
-                            const tp_placement (*pl)[2], const char *label)
+                            const tp_placement (*pl)[3], const char *label)
 {
     int m = tp_mesh_ndim(mesh);
     tp_tensor *full[3] = {0}, *dt[3] = {0}, *yp = NULL, *yd = NULL, *yfull = NULL, *g = NULL;
@@ -95,11 +95,12 @@ static tp_status lin_body(tp_comm *w, void *arg)
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         for (int with_bias = 0; with_bias < 2; with_bias++) {
-            tp_placement pl[3][2];
-            for (int d = 0; d < 2; d++) {
-                /* on 2-D meshes the first dim replicates everything but x */
-                bool inner = c->mesh_ndim == 1 || d == 1;
-                pl[0][d] = inner ? cases[k].x : S0;
+            tp_placement pl[3][3];
+            for (int d = 0; d < 3; d++) {
+                /* the last mesh dim takes the case; on N-D meshes mesh dim 0
+                 * shards x's batch (data parallel) and the others replicate */
+                bool inner = d == c->mesh_ndim - 1;
+                pl[0][d] = inner ? cases[k].x : d == 0 ? S0 : R;
                 pl[1][d] = inner ? cases[k].w : R;
                 pl[2][d] = inner ? cases[k].b : R;
             }
@@ -107,7 +108,7 @@ static tp_status lin_body(tp_comm *w, void *arg)
             snprintf(label, sizeof label, "linear %s%s", cases[k].label,
                      with_bias ? " with bias" : "");
             TP_TEST_TRY(check_case(s, mesh, lin3, with_bias ? 3 : 2, nds, shapes,
-                                (const tp_placement(*)[2])pl, label));
+                                (const tp_placement(*)[3])pl, label));
         }
     }
     /* matmul: a [5, 3, 7] b [7, 6] */
@@ -118,21 +119,22 @@ static tp_status lin_body(tp_comm *w, void *arg)
         tp_placement a, b;
     } mcases[] = {{"colwise", R, S1}, {"rowwise", Sm1, S0}, {"batch", S0, R}, {"mixed", S1, S1}};
     for (size_t k = 0; k < sizeof mcases / sizeof mcases[0]; k++) {
-        tp_placement pl[2][2];
-        for (int d = 0; d < 2; d++) {
-            bool inner = c->mesh_ndim == 1 || d == 1;
-            pl[0][d] = inner ? mcases[k].a : S0;
+        tp_placement pl[3][3];
+        for (int d = 0; d < 3; d++) {
+            bool inner = d == c->mesh_ndim - 1;
+            pl[0][d] = inner ? mcases[k].a : d == 0 ? S0 : R;
             pl[1][d] = inner ? mcases[k].b : R;
+            pl[2][d] = R;
         }
         char label[64];
         snprintf(label, sizeof label, "matmul %s", mcases[k].label);
-        TP_TEST_TRY(check_case(s, mesh, mm2, 2, mnds, mshapes, (const tp_placement(*)[2])pl, label));
+        TP_TEST_TRY(check_case(s, mesh, mm2, 2, mnds, mshapes, (const tp_placement(*)[3])pl, label));
     }
     /* mixing plain and distributed tensors names the argument */
     tp_tensor *x = NULL, *wp = NULL, *y = NULL, *wd = NULL;
     RANK_OK(s, global_tensor(2, (int64_t[]){4, 7}, 1, &x));
     RANK_OK(s, global_tensor(2, (int64_t[]){6, 7}, 2, &wp));
-    tp_placement rr[2] = {R, R};
+    tp_placement rr[3] = {R, R, R};
     RANK_OK(s, tp_dtensor_distribute(mesh, wp, c->mesh_ndim, rr, -1, &wd));
     tp_status st = tp_linear(x, wd, NULL, &y);
     RANK_EXPECT(s, st == TP_ERR_INVALID_ARG &&
@@ -157,17 +159,23 @@ static tp_status lin_body(tp_comm *w, void *arg)
 
 typedef struct {
     int ndim;
-    int64_t shape[2];
+    int64_t shape[3];
 } lin_mesh;
 
 ParameterizedTestParameters(ops_linear, equals_single_rank)
 {
-    static lin_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    static lin_mesh meshes[] = {{1, {1}},    {1, {2}},    {1, {3}},    {1, {4}},      {1, {8}},
+                                {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}, {3, {2, 2, 2}}};
     return cr_make_param_array(lin_mesh, meshes, sizeof meshes / sizeof meshes[0]);
 }
 
 ParameterizedTest(lin_mesh *lm, ops_linear, equals_single_rank, .timeout = 120)
 {
-    lin_ctx c = {.mesh_ndim = lm->ndim, .mesh_shape = {lm->shape[0], lm->shape[1]}};
-    tp_test_run((int)(lm->shape[0] * (lm->ndim > 1 ? lm->shape[1] : 1)), lin_body, &c, c.slot);
+    lin_ctx c = {.mesh_ndim = lm->ndim};
+    int n = 1;
+    for (int d = 0; d < lm->ndim; d++) {
+        c.mesh_shape[d] = lm->shape[d];
+        n *= (int)lm->shape[d];
+    }
+    tp_test_run(n, lin_body, &c, c.slot);
 }
