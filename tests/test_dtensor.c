@@ -571,3 +571,56 @@ ParameterizedTest(int *n, dtensor, autograd, .timeout = 60)
     table_ctx c = {0};
     tp_test_run(*n, autograd_body, &c, c.slot);
 }
+
+/* Collectives issued by a node's backward are counted for the scope the node
+ * was recorded in, whatever scope backward is called from. */
+static tp_status scope_body(tp_comm *w, void *arg)
+{
+    table_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(w)];
+    int64_t n = tp_comm_size(w), shape[2] = {2 * n + 1, 3};
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(w, 1, &n, NULL, &mesh));
+    tp_placement R = tp_replicate(), S0 = tp_shard(0);
+    tp_tensor *full = NULL, *dt = NULL, *sh = NULL, *l = NULL, *g = NULL;
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, shape, &full));
+    RANK_OK(s, tp_dtensor_distribute(mesh, full, 1, &R, -1, &dt));
+    RANK_OK(s, tp_tensor_set_requires_grad(dt, true));
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    RANK_OK(s, tp_comm_debug_begin(dbg));
+    RANK_OK(s, tp_comm_debug_push_scope("mlp"));
+    RANK_OK(s, tp_comm_debug_push_scope("net1"));
+    RANK_OK(s, tp_dtensor_redistribute(dt, 1, &S0, &sh)); /* R -> S(0): backward all_gathers */
+    RANK_OK(s, tp_comm_debug_pop_scope());
+    RANK_OK(s, tp_comm_debug_pop_scope());
+    RANK_OK(s, tp_dtensor_to_local(sh, 0, NULL, &l));
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, tp_tensor_shape(l), &g));
+    RANK_OK(s, tp_comm_debug_push_scope("elsewhere"));
+    RANK_OK(s, tp_backward(l, g));
+    RANK_EXPECT(s, strcmp(tp_comm_debug_current_scope(), "elsewhere") == 0,
+                "backward did not restore the caller's scope: %s", tp_comm_debug_current_scope());
+    RANK_OK(s, tp_comm_debug_pop_scope());
+    RANK_OK(s, tp_comm_debug_end(dbg));
+    int64_t want = n > 1 ? 1 : 0;
+    int64_t got = tp_comm_debug_module_count(dbg, "mlp.net1", TP_PHASE_BACKWARD,
+                                             TP_COLL_ALL_GATHER);
+    RANK_EXPECT(s, got == want, "mlp.net1 backward all_gather: %lld, want %lld", (long long)got,
+                (long long)want);
+    RANK_EXPECT(s, tp_comm_debug_module_count(dbg, "elsewhere", TP_PHASE_COUNT, TP_COLL_ANY) == 0,
+                "the backward was counted for the caller's scope");
+    tp_comm_debug_free(dbg);
+    tp_tensor *all[] = {full, dt, sh, l, g};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        tp_tensor_release(all[i]);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+TP_TEST_WORLD_SIZE_PARAMS(dtensor, backward_scopes)
+
+ParameterizedTest(int *n, dtensor, backward_scopes, .timeout = 60)
+{
+    table_ctx c = {0};
+    tp_test_run(*n, scope_body, &c, c.slot);
+}

@@ -61,6 +61,7 @@ struct tp__node {
     void *saved;
     tp_tensor *saved_t[4]; /* retained tensors for the backward, released with the graph */
     bool released;
+    char *scope; /* comm-debug scope at creation (NULL: Global), re-entered in backward */
     /* backward bookkeeping */
     int pending;
     tp_tensor *grad_acc;
