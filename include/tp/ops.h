@@ -35,6 +35,92 @@ TP_API tp_status tp_linear(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_tensor *
  * a P, b R -> P; all R. */
 TP_API tp_status tp_matmul(tp_tensor *a, tp_tensor *b, tp_tensor **y);
 
+/* ---- elementwise (ops_elementwise.c) --------------------------------------
+ * add/mul: b has a's shape, or is 1-D with a's last dim (broadcast over the
+ * rows). Strategies: equal placements (Shard/Replicate) pass through; for add
+ * a Partial(sum) pairs with a Partial(sum) (a Replicate operand becomes Partial
+ * locally, added once); for mul one Partial operand with a Replicate one gives
+ * Partial. relu, gelu, dropout: Shard and Replicate pass through, Partial is
+ * reduced first. */
+TP_API tp_status tp_add(tp_tensor *a, tp_tensor *b, tp_tensor **y);
+TP_API tp_status tp_mul(tp_tensor *a, tp_tensor *b, tp_tensor **y);
+/* y = s * x (any placement passes through; Partial stays Partial). */
+TP_API tp_status tp_scale(tp_tensor *x, double s, tp_tensor **y);
+TP_API tp_status tp_relu(tp_tensor *x, tp_tensor **y);
+
+typedef enum tp_gelu_approx { TP_GELU_EXACT = 0, TP_GELU_TANH = 1 } tp_gelu_approx;
+TP_API tp_status tp_gelu(tp_tensor *x, tp_gelu_approx approx, tp_tensor **y);
+
+/* Inverted dropout with probability p in [0, 1). The keep mask of element g
+ * (global row-major index) depends only on (seed, g), so it is identical at
+ * every parallel degree. training false (or p == 0): y = x. */
+TP_API tp_status tp_dropout(tp_tensor *x, double p, uint64_t seed, bool training, tp_tensor **y);
+
+/* Same elements, new shape (one size may be -1). On DTensors the sharded dims
+ * and the dims before them must keep their sizes; otherwise the input is
+ * replicated first. */
+TP_API tp_status tp_reshape(tp_tensor *x, int ndim, const int64_t *shape, tp_tensor **y);
+/* Swaps dims d0 and d1 (a copy); Shard dims follow. */
+TP_API tp_status tp_transpose(tp_tensor *x, int d0, int d1, tp_tensor **y);
+
+/* ---- reductions and normalizations (ops_reduce.c) --------------------------
+ * sum/mean over dim (keepdim keeps it with size 1) or over everything (a 0-d
+ * result). A dim sharded by the input gives a Partial(sum) output (mean
+ * divides by the global count, so the partial sums add up); other shards pass
+ * through with their dim renumbered. */
+TP_API tp_status tp_sum(tp_tensor *x, int dim, bool keepdim, tp_tensor **y);
+TP_API tp_status tp_sum_all(tp_tensor *x, tp_tensor **y);
+TP_API tp_status tp_mean(tp_tensor *x, int dim, bool keepdim, tp_tensor **y);
+TP_API tp_status tp_mean_all(tp_tensor *x, tp_tensor **y);
+/* Softmax along dim (only the last dim; -1 accepted). A shard of another dim
+ * passes through; the softmax dim is replicated first. */
+TP_API tp_status tp_softmax(tp_tensor *x, int dim, tp_tensor **y);
+/* LayerNorm / RMSNorm over the last dim; weight and bias (1-D, last-dim size)
+ * may be NULL. Shards of other dims pass through with the affine parameters
+ * replicated, and then the parameters' gradients are Partial(sum) (the
+ * sequence-parallel case). */
+TP_API tp_status tp_layer_norm(tp_tensor *x, tp_tensor *weight, tp_tensor *bias, double eps,
+                               tp_tensor **y);
+TP_API tp_status tp_rms_norm(tp_tensor *x, tp_tensor *weight, double eps, tp_tensor **y);
+
+/* ---- embedding and loss (ops_loss.c) ---------------------------------------
+ * y[..., dim] = weight[indices[...], :]; indices are i64 (or i32) and never
+ * get a gradient. Strategies: weight S(1) -> y S(-1); weight S(0) -> y
+ * P(sum), rows outside this rank's range read as zeros; indices S(d) with
+ * weight R -> y S(d); all R -> R. An index outside [0, num) is
+ * TP_ERR_INVALID_ARG, checked before any communication; with sharded indices
+ * only the ranks holding the bad index fail (their peers then wait for them
+ * until an abort or the timeout, as for any argument that is invalid on some
+ * ranks only). */
+TP_API tp_status tp_embedding(tp_tensor *indices, tp_tensor *weight, tp_tensor **y);
+
+typedef enum tp_reduction {
+    TP_REDUCTION_MEAN = 0, /* sum of weighted losses / sum of the weights used */
+    TP_REDUCTION_SUM,
+    TP_REDUCTION_NONE
+} tp_reduction;
+
+typedef struct tp_cross_entropy_options {
+    tp_reduction reduction;
+    tp_tensor *weight;    /* per-class weights [classes], or NULL */
+    int64_t ignore_index; /* targets equal to it contribute nothing */
+} tp_cross_entropy_options;
+
+/* Defaults: mean, no weights, ignore_index -100 (as PyTorch). */
+#define TP_CROSS_ENTROPY_DEFAULTS ((tp_cross_entropy_options){TP_REDUCTION_MEAN, NULL, -100})
+
+/*
+ * Cross entropy of logits [N, C] against integer targets [N] (options NULL:
+ * the defaults). Logits sharded on the class dim take the vocab-parallel form:
+ * 3 all_reduces forward (row max, sum of exp, target logit) on that mesh dim,
+ * none backward; the loss is Replicate. Logits sharded on another dim are
+ * TP_ERR_NOT_SUPPORTED (the message says to shard the class dim or
+ * replicate). Replicated logits compute locally. Targets and class weights
+ * never get gradients.
+ */
+TP_API tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
+                                  const tp_cross_entropy_options *options, tp_tensor **loss);
+
 #ifdef __cplusplus
 }
 #endif

@@ -88,8 +88,9 @@ static tp_status tp__choose(tp__op *op)
         int best = -1;
         double best_cost = 0;
         for (int k = 0; k < ns; k++) {
-            /* bytes moved, plus a little per change so that an exact match wins
-             * over an equally cheap local re-chunking */
+            /* bytes moved, plus a little per change (more for larger inputs) so
+             * that an exact match wins over an equally cheap local re-chunking,
+             * and a tie keeps the larger input where it is */
             double cost = 0;
             bool ok = true;
             for (int i = 0; i < n && ok; i++) {
@@ -100,7 +101,7 @@ static tp_status tp__choose(tp__op *op)
                                (double)tp_dtype_size(op->arg[i]->dtype);
                 double c = tp__cost(cur, s[k].in[i], bytes, w);
                 ok = c >= 0;
-                cost += c + (tp__placement_eq(cur, s[k].in[i]) ? 0.0 : 1e-3);
+                cost += c + (tp__placement_eq(cur, s[k].in[i]) ? 0.0 : 1e-3 + 1e-12 * bytes);
             }
             if (ok && (best < 0 || cost < best_cost)) {
                 best = k;

@@ -1,0 +1,734 @@
+/* Elementwise and shape ops: add, mul, scale, relu, gelu, dropout, reshape,
+ * transpose. Each is a tp__op_def (see ops_internal.h); the dispatcher picks
+ * the strategy per mesh dim, redistributes, records the node and wraps the
+ * local gradients in the strategy's grad placements. */
+#include <string.h>
+
+#include "dtensor/ops_internal.h"
+
+/* ---- shared helpers -------------------------------------------------------- */
+
+/* The placement of input i on mesh dim d as the caller passed it. */
+static tp_placement arg_placement(const tp__op *op, int i, int d)
+{
+    return tp_dtensor_placements(op->arg[i])[d];
+}
+
+/* Whether input i's local value contributes to this rank's term of the
+ * output: an operand that is not Partial on a mesh dim where the output is
+ * Partial joins the partial sum once, on coordinate 0 of that dim. Plain
+ * tensors always contribute. */
+static bool contributes(const tp__op *op, int i)
+{
+    if (!op->distributed)
+        return true;
+    for (int d = 0; d < op->mesh_ndim; d++)
+        if (op->out_pl[d].kind == TP_PLACEMENT_PARTIAL &&
+            op->in_pl[i][d].kind != TP_PLACEMENT_PARTIAL && tp_mesh_coord(op->mesh, d) != 0)
+            return false;
+    return true;
+}
+
+/* A new contiguous f32 tensor with t's shape. */
+static tp_status like(const tp_tensor *t, bool zero, tp_tensor **out)
+{
+    return tp__f32(t->ndim, t->shape, zero, out);
+}
+
+/* dst = src for n floats (n may be 0 with NULL pointers). */
+static void copy_f32(float *dst, const float *src, int64_t n)
+{
+    if (n > 0 && dst != src)
+        memcpy(dst, src, (size_t)n * sizeof *dst);
+}
+
+/* Strategies of an op that maps every element independently (Shard(d) and
+ * Replicate pass through). partial: the op commutes with the input's Partial
+ * reduction, so Partial(op) passes through too (the output is `pout` when that
+ * is a Partial, else the input's Partial); its gradient is Replicate. */
+static int unary_strategies(const tp__op *op, int mesh_dim, bool partial, tp_placement pout,
+                            tp__strategy *s)
+{
+    int nd = tp__op_gndim(op, 0), n = 0;
+    for (int d = 0; d < nd && n + 2 < TP__OP_MAX_STRATS; d++)
+        s[n++] = (tp__strategy){{tp__S(d)}, tp__S(d), {tp__S(d)}};
+    s[n++] = (tp__strategy){{tp__R()}, tp__R(), {tp__R()}};
+    if (partial) {
+        tp_placement cur = arg_placement(op, 0, mesh_dim);
+        tp_placement pin = cur.kind == TP_PLACEMENT_PARTIAL ? cur : tp__P();
+        if (pout.kind != TP_PLACEMENT_PARTIAL)
+            pout = pin;
+        s[n++] = (tp__strategy){{pin}, pout, {tp__R()}};
+    }
+    return n;
+}
+
+static tp_status same_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    *ndim = tp__op_gndim(op, 0);
+    memcpy(shape, tp__op_gshape(op, 0), sizeof(int64_t) * (size_t)*ndim);
+    return TP_OK;
+}
+
+/* ---- add and mul ------------------------------------------------------------
+ * b has a's shape, or is 1-D with a's last dim (broadcast over a's rows). */
+
+typedef struct {
+    bool mul;
+} binary_params;
+
+/* Validates the shapes of a binary op; *bcast tells whether b broadcasts. */
+static tp_status binary_shapes(const char *fn, int nda, const int64_t *a, int ndb,
+                               const int64_t *b, bool *bcast)
+{
+    *bcast = false;
+    if (nda == ndb && !memcmp(a, b, sizeof(int64_t) * (size_t)nda))
+        return TP_OK;
+    char sa[128], sb[128];
+    if (ndb == 1 && nda >= 1) {
+        TP_ARG_CHECK(b[0] == a[nda - 1], "%s: b has shape %s but a's last dim is %lld", fn,
+                     tp__shape_str(ndb, b, sb, sizeof sb), (long long)a[nda - 1]);
+        *bcast = true;
+        return TP_OK;
+    }
+    return tp__error(TP_ERR_INVALID_ARG,
+                     "%s: a has shape %s but b has shape %s; b must have a's shape or be 1-d "
+                     "with a's last dim",
+                     fn, tp__shape_str(nda, a, sa, sizeof sa),
+                     tp__shape_str(ndb, b, sb, sizeof sb));
+}
+
+static bool is_bcast(const tp__op *op)
+{
+    bool bc = false;
+    (void)binary_shapes(op->def->name, tp__op_gndim(op, 0), tp__op_gshape(op, 0),
+                        tp__op_gndim(op, 1), tp__op_gshape(op, 1), &bc);
+    return bc;
+}
+
+static int binary_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    (void)mesh_dim;
+    bool mul = TP__OP_PARAMS(op, binary_params)->mul;
+    int nd = tp__op_gndim(op, 0), n = 0;
+    const tp_placement R = tp__R(), P = tp__P();
+    if (is_bcast(op)) {
+        int last = nd - 1;
+        /* rows split: b replicated, its gradient (a column sum) a partial sum */
+        for (int d = 0; d < last && n + 5 < TP__OP_MAX_STRATS; d++)
+            s[n++] = (tp__strategy){{tp__S(d), R}, tp__S(d), {tp__S(d), P}};
+        /* columns split: b split alike */
+        s[n++] = (tp__strategy){{tp__S(last), tp__S(0)}, tp__S(last), {tp__S(last), tp__S(0)}};
+    } else {
+        for (int d = 0; d < nd && n + 4 < TP__OP_MAX_STRATS; d++)
+            s[n++] = (tp__strategy){{tp__S(d), tp__S(d)}, tp__S(d), {tp__S(d), tp__S(d)}};
+    }
+    s[n++] = (tp__strategy){{R, R}, R, {R, R}};
+    if (mul) {
+        /* linear in each operand: one Partial factor, the other Replicate */
+        s[n++] = (tp__strategy){{P, R}, P, {R, P}};
+        s[n++] = (tp__strategy){{R, P}, P, {P, R}};
+    } else {
+        s[n++] = (tp__strategy){{P, P}, P, {R, R}};
+        /* the Replicate operand joins the partial sum once, on the leader */
+        s[n++] = (tp__strategy){{P, R}, P, {R, R}};
+        s[n++] = (tp__strategy){{R, P}, P, {R, R}};
+    }
+    return n;
+}
+
+static tp_status binary_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    bool bc;
+    TP_CHECK(binary_shapes(op->def->name, tp__op_gndim(op, 0), tp__op_gshape(op, 0),
+                           tp__op_gndim(op, 1), tp__op_gshape(op, 1), &bc));
+    return same_shape(op, ndim, shape);
+}
+
+static tp_status add_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    tp_tensor *a = in[0], *b = in[1];
+    bool ca = contributes(op, 0), cb = contributes(op, 1);
+    TP_CHECK(like(a, !ca && !cb, out));
+    float *y = tp_tensor_data(*out);
+    const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
+    int64_t n = tp_tensor_numel(a);
+    if (!is_bcast(op)) {
+        if (ca && cb)
+            tp__k_add(pa, pb, y, n);
+        else if (ca || cb)
+            copy_f32(y, ca ? pa : pb, n);
+        return TP_OK;
+    }
+    int64_t cols = a->shape[a->ndim - 1], rows = tp__rows(a);
+    if (ca && !cb) {
+        copy_f32(y, pa, n);
+        return TP_OK;
+    }
+    for (int64_t r = 0; cb && r < rows && cols > 0; r++) {
+        if (ca)
+            tp__k_add(pa + r * cols, pb, y + r * cols, cols);
+        else
+            copy_f32(y + r * cols, pb, cols);
+    }
+    return TP_OK;
+}
+
+static tp_status mul_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    tp_tensor *a = in[0], *b = in[1];
+    TP_CHECK(like(a, false, out));
+    float *y = tp_tensor_data(*out);
+    const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
+    if (!is_bcast(op)) {
+        tp__k_mul(pa, pb, y, tp_tensor_numel(a));
+        return TP_OK;
+    }
+    int64_t cols = a->shape[a->ndim - 1], rows = tp__rows(a);
+    for (int64_t r = 0; r < rows && cols > 0; r++)
+        tp__k_mul(pa + r * cols, pb, y + r * cols, cols);
+    return TP_OK;
+}
+
+static tp_status binary_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    return TP__OP_PARAMS(op, binary_params)->mul ? mul_fwd(op, in, out) : add_fwd(op, in, out);
+}
+
+/* add: ga = gy, gb = gy (or its column sums when b broadcasts).
+ * mul: ga = gy * b, gb = gy * a (column sums when b broadcasts). */
+static tp_status binary_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    bool mul = TP__OP_PARAMS(op, binary_params)->mul, bc = is_bcast(op);
+    tp_tensor *a = in[0], *b = in[1];
+    const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b), *pg = tp_tensor_data(gy);
+    int64_t n = tp_tensor_numel(a);
+    int64_t cols = bc ? a->shape[a->ndim - 1] : 0, rows = bc ? tp__rows(a) : 0;
+    if (op->need_grad[0]) {
+        TP_CHECK(like(a, false, &g[0]));
+        float *ga = tp_tensor_data(g[0]);
+        if (!mul)
+            copy_f32(ga, pg, n);
+        else if (!bc)
+            tp__k_mul(pg, pb, ga, n);
+        else
+            for (int64_t r = 0; r < rows && cols > 0; r++)
+                tp__k_mul(pg + r * cols, pb, ga + r * cols, cols);
+    }
+    if (op->need_grad[1]) {
+        TP_CHECK(like(b, bc, &g[1]));
+        float *gb = tp_tensor_data(g[1]);
+        if (!bc) {
+            if (mul)
+                tp__k_mul(pg, pa, gb, n);
+            else
+                copy_f32(gb, pg, n);
+        } else if (!mul) {
+            if (n > 0)
+                tp__k_sum_rows(pg, gb, rows, cols);
+        } else if (n > 0) {
+            tp_tensor *t = NULL;
+            TP_CHECK(like(a, false, &t));
+            tp__k_mul(pg, pa, tp_tensor_data(t), n);
+            tp__k_sum_rows(tp_tensor_data(t), gb, rows, cols);
+            tp_tensor_release(t);
+        }
+    }
+    return TP_OK;
+}
+
+static const tp__op_def add_def = {
+    .name = "add",
+    .n_inputs = 2,
+    .input_names = {"a", "b"},
+    .strategies = binary_strategies,
+    .out_shape = binary_shape,
+    .forward = binary_fwd,
+    .backward = binary_bwd,
+};
+
+static const tp__op_def mul_def = {
+    .name = "mul",
+    .n_inputs = 2,
+    .input_names = {"a", "b"},
+    .strategies = binary_strategies,
+    .out_shape = binary_shape,
+    .forward = binary_fwd,
+    .backward = binary_bwd,
+};
+
+static tp_status binary_run(const tp__op_def *def, bool mul, tp_tensor *a, tp_tensor *b,
+                            tp_tensor **y)
+{
+    TP_ARG_CHECK(y, "%s: out is NULL", def->name);
+    *y = NULL;
+    /* shapes first, so that a mismatch fails before any redistribution */
+    if (a && b) {
+        bool bc;
+        TP_CHECK(binary_shapes(def->name, tp_tensor_ndim(a), tp_tensor_shape(a),
+                               tp_tensor_ndim(b), tp_tensor_shape(b), &bc));
+    }
+    tp_tensor *args[2] = {a, b};
+    binary_params p = {mul};
+    return tp__op_run(def, args, &p, sizeof p, y);
+}
+
+tp_status tp_add(tp_tensor *a, tp_tensor *b, tp_tensor **y)
+{
+    return binary_run(&add_def, false, a, b, y);
+}
+
+tp_status tp_mul(tp_tensor *a, tp_tensor *b, tp_tensor **y)
+{
+    return binary_run(&mul_def, true, a, b, y);
+}
+
+/* ---- scale ----------------------------------------------------------------- */
+
+typedef struct {
+    double s;
+} scale_params;
+
+static int scale_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    double k = TP__OP_PARAMS(op, scale_params)->s;
+    tp_placement cur = arg_placement(op, 0, mesh_dim), pout = tp_replicate();
+    /* a negative factor turns a partial max into a partial min and back */
+    if (cur.kind == TP_PLACEMENT_PARTIAL && k < 0 && (cur.op == TP_MAX || cur.op == TP_MIN))
+        pout = tp_partial(cur.op == TP_MAX ? TP_MIN : TP_MAX);
+    return unary_strategies(op, mesh_dim, true, pout, s);
+}
+
+static tp_status scale_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    TP_CHECK(like(in[0], false, out));
+    tp__k_scale(tp_tensor_data(in[0]), (float)TP__OP_PARAMS(op, scale_params)->s,
+                tp_tensor_data(*out), tp_tensor_numel(in[0]));
+    return TP_OK;
+}
+
+static tp_status scale_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    if (!op->need_grad[0])
+        return TP_OK;
+    TP_CHECK(like(in[0], false, &g[0]));
+    tp__k_scale(tp_tensor_data(gy), (float)TP__OP_PARAMS(op, scale_params)->s,
+                tp_tensor_data(g[0]), tp_tensor_numel(in[0]));
+    return TP_OK;
+}
+
+static const tp__op_def scale_def = {
+    .name = "scale",
+    .n_inputs = 1,
+    .input_names = {"x"},
+    .strategies = scale_strategies,
+    .out_shape = same_shape,
+    .forward = scale_fwd,
+    .backward = scale_bwd,
+};
+
+tp_status tp_scale(tp_tensor *x, double s, tp_tensor **y)
+{
+    tp_tensor *args[1] = {x};
+    scale_params p = {s};
+    return tp__op_run(&scale_def, args, &p, sizeof p, y);
+}
+
+/* ---- relu and gelu ---------------------------------------------------------- */
+
+static int pointwise_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    return unary_strategies(op, mesh_dim, false, tp_replicate(), s);
+}
+
+static tp_status relu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    (void)op;
+    TP_CHECK(like(in[0], false, out));
+    tp__k_relu_fwd(tp_tensor_data(in[0]), tp_tensor_data(*out), tp_tensor_numel(in[0]));
+    return TP_OK;
+}
+
+static tp_status relu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    if (!op->need_grad[0])
+        return TP_OK;
+    TP_CHECK(like(in[0], false, &g[0]));
+    tp__k_relu_bwd(tp_tensor_data(in[0]), tp_tensor_data(gy), tp_tensor_data(g[0]),
+                   tp_tensor_numel(in[0]));
+    return TP_OK;
+}
+
+static const tp__op_def relu_def = {
+    .name = "relu",
+    .n_inputs = 1,
+    .input_names = {"x"},
+    .strategies = pointwise_strategies,
+    .out_shape = same_shape,
+    .forward = relu_fwd,
+    .backward = relu_bwd,
+};
+
+tp_status tp_relu(tp_tensor *x, tp_tensor **y)
+{
+    tp_tensor *args[1] = {x};
+    return tp__op_run(&relu_def, args, NULL, 0, y);
+}
+
+typedef struct {
+    bool tanh_approx;
+} gelu_params;
+
+static tp_status gelu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    TP_CHECK(like(in[0], false, out));
+    tp__k_gelu_fwd(tp_tensor_data(in[0]), tp_tensor_data(*out), tp_tensor_numel(in[0]),
+                   TP__OP_PARAMS(op, gelu_params)->tanh_approx);
+    return TP_OK;
+}
+
+static tp_status gelu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    if (!op->need_grad[0])
+        return TP_OK;
+    TP_CHECK(like(in[0], false, &g[0]));
+    tp__k_gelu_bwd(tp_tensor_data(in[0]), tp_tensor_data(gy), tp_tensor_data(g[0]),
+                   tp_tensor_numel(in[0]), TP__OP_PARAMS(op, gelu_params)->tanh_approx);
+    return TP_OK;
+}
+
+static const tp__op_def gelu_def = {
+    .name = "gelu",
+    .n_inputs = 1,
+    .input_names = {"x"},
+    .strategies = pointwise_strategies,
+    .out_shape = same_shape,
+    .forward = gelu_fwd,
+    .backward = gelu_bwd,
+};
+
+tp_status tp_gelu(tp_tensor *x, tp_gelu_approx approx, tp_tensor **y)
+{
+    TP_ARG_CHECK(y, "gelu: out is NULL");
+    *y = NULL;
+    TP_ARG_CHECK(approx == TP_GELU_EXACT || approx == TP_GELU_TANH,
+                 "gelu: approx %d is neither TP_GELU_EXACT nor TP_GELU_TANH", (int)approx);
+    tp_tensor *args[1] = {x};
+    gelu_params p = {approx == TP_GELU_TANH};
+    return tp__op_run(&gelu_def, args, &p, sizeof p, y);
+}
+
+/* ---- dropout ------------------------------------------------------------------
+ * The keep mask comes from the counter-based RNG at the element's global index,
+ * so each rank draws exactly its shard's part of the single-rank mask. The
+ * backward reuses the mask the forward saved (1 byte per element, kept in an
+ * i32 tensor of ceil(n/4) elements: there is no byte dtype). */
+
+typedef struct {
+    float p; /* effective probability: 0 when not training */
+    uint64_t seed;
+} dropout_params;
+
+static int dropout_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    /* the identity is linear: a Partial input then passes through */
+    bool identity = TP__OP_PARAMS(op, dropout_params)->p <= 0.0f;
+    return unary_strategies(op, mesh_dim, identity, tp_replicate(), s);
+}
+
+static tp_status dropout_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    const dropout_params *prm = TP__OP_PARAMS(op, dropout_params);
+    tp_tensor *x = in[0];
+    int64_t n = tp_tensor_numel(x);
+    TP_CHECK(like(x, false, out));
+    if (prm->p <= 0.0f) {
+        copy_f32(tp_tensor_data(*out), tp_tensor_data(x), n);
+        return TP_OK;
+    }
+    uint8_t *mask = NULL;
+    if (tp__needs_grad(1, op->in) && n > 0) {
+        int64_t words = (n + 3) / 4;
+        TP_CHECK(tp_tensor_empty(TP_I32, TP_CPU, 1, &words, &op->saved[0]));
+        mask = tp_tensor_data(op->saved[0]);
+    }
+    int64_t offset[TP_MAX_DIMS];
+    tp__op_offset(op, 0, offset);
+    tp__k_dropout_fwd(tp_tensor_data(x), tp_tensor_data(*out), mask, x->ndim, x->shape,
+                      tp__op_gshape(op, 0), offset, prm->p, prm->seed);
+    return TP_OK;
+}
+
+static tp_status dropout_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    if (!op->need_grad[0])
+        return TP_OK;
+    const dropout_params *prm = TP__OP_PARAMS(op, dropout_params);
+    int64_t n = tp_tensor_numel(in[0]);
+    TP_CHECK(like(in[0], false, &g[0]));
+    if (prm->p <= 0.0f || n == 0) {
+        copy_f32(tp_tensor_data(g[0]), tp_tensor_data(gy), n);
+        return TP_OK;
+    }
+    TP_ASSERT(op->saved[0]);
+    tp__k_dropout_bwd(tp_tensor_data(gy), tp_tensor_data(op->saved[0]), tp_tensor_data(g[0]), n,
+                      prm->p);
+    return TP_OK;
+}
+
+static const tp__op_def dropout_def = {
+    .name = "dropout",
+    .n_inputs = 1,
+    .input_names = {"x"},
+    .strategies = dropout_strategies,
+    .out_shape = same_shape,
+    .forward = dropout_fwd,
+    .backward = dropout_bwd,
+};
+
+tp_status tp_dropout(tp_tensor *x, double p, uint64_t seed, bool training, tp_tensor **y)
+{
+    TP_ARG_CHECK(y, "dropout: out is NULL");
+    *y = NULL;
+    /* checked even when not training: a bad p is a bug either way */
+    TP_ARG_CHECK(p >= 0.0 && p < 1.0 && (float)p < 1.0f,
+                 "dropout: p = %g is outside [0, 1)", p);
+    tp_tensor *args[1] = {x};
+    dropout_params prm = {training ? (float)p : 0.0f, seed};
+    return tp__op_run(&dropout_def, args, &prm, sizeof prm, y);
+}
+
+/* ---- reshape -------------------------------------------------------------------
+ * The forward is a view of the (contiguous) local input: no copy. A Shard(d)
+ * passes through when dims 0..d keep their sizes (then each shard reshapes on
+ * its own); any other shard is replicated first. Replicate and Partial pass
+ * through. */
+
+typedef struct {
+    int ndim;
+    int64_t shape[TP_MAX_DIMS]; /* resolved: no -1 */
+} reshape_params;
+
+/* dims 0..d of the input and the output agree */
+static bool reshape_keeps(const tp__op *op, int d)
+{
+    const reshape_params *rp = TP__OP_PARAMS(op, reshape_params);
+    const int64_t *in = tp__op_gshape(op, 0);
+    if (d >= rp->ndim || d >= tp__op_gndim(op, 0))
+        return false;
+    for (int i = 0; i <= d; i++)
+        if (in[i] != rp->shape[i])
+            return false;
+    return true;
+}
+
+static int reshape_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    int nd = tp__op_gndim(op, 0), n = 0;
+    /* Replicate first: it wins the tie with re-sharding a disallowed shard */
+    s[n++] = (tp__strategy){{tp__R()}, tp__R(), {tp__R()}};
+    tp_placement cur = arg_placement(op, 0, mesh_dim);
+    tp_placement pin = cur.kind == TP_PLACEMENT_PARTIAL ? cur : tp__P();
+    s[n++] = (tp__strategy){{pin}, pin, {tp__R()}};
+    for (int d = 0; d < nd && n < TP__OP_MAX_STRATS; d++)
+        if (reshape_keeps(op, d))
+            s[n++] = (tp__strategy){{tp__S(d)}, tp__S(d), {tp__S(d)}};
+    return n;
+}
+
+static tp_status reshape_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    const reshape_params *rp = TP__OP_PARAMS(op, reshape_params);
+    *ndim = rp->ndim;
+    memcpy(shape, rp->shape, sizeof(int64_t) * (size_t)rp->ndim);
+    return TP_OK;
+}
+
+/* The local output shape: the global one with this rank's sizes on the
+ * sharded dims (which, by the strategy, are dims the reshape keeps). */
+static void reshape_local_shape(const tp__op *op, const tp_tensor *x, int64_t *shape)
+{
+    const reshape_params *rp = TP__OP_PARAMS(op, reshape_params);
+    memcpy(shape, rp->shape, sizeof(int64_t) * (size_t)rp->ndim);
+    for (int d = 0; op->distributed && d < op->mesh_ndim; d++)
+        if (op->out_pl[d].kind == TP_PLACEMENT_SHARD)
+            shape[op->out_pl[d].dim] = x->shape[op->out_pl[d].dim];
+}
+
+static tp_status reshape_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    int64_t shape[TP_MAX_DIMS];
+    reshape_local_shape(op, in[0], shape);
+    return tp_tensor_view(in[0], TP__OP_PARAMS(op, reshape_params)->ndim, shape, out);
+}
+
+static tp_status reshape_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    if (!op->need_grad[0])
+        return TP_OK;
+    /* a copy, so that the input's gradient never aliases the caller's gy */
+    TP_CHECK(like(in[0], false, &g[0]));
+    TP_ASSERT(tp_tensor_numel(gy) == tp_tensor_numel(in[0]));
+    copy_f32(tp_tensor_data(g[0]), tp_tensor_data(gy), tp_tensor_numel(in[0]));
+    return TP_OK;
+}
+
+static const tp__op_def reshape_def = {
+    .name = "reshape",
+    .n_inputs = 1,
+    .input_names = {"x"},
+    .strategies = reshape_strategies,
+    .out_shape = reshape_shape,
+    .forward = reshape_fwd,
+    .backward = reshape_bwd,
+};
+
+tp_status tp_reshape(tp_tensor *x, int ndim, const int64_t *shape, tp_tensor **y)
+{
+    const char *fn = "reshape";
+    TP_ARG_CHECK(y, "%s: out is NULL", fn);
+    *y = NULL;
+    TP_ARG_CHECK(x, "%s: x is NULL", fn);
+    TP_ARG_CHECK(ndim >= 0 && ndim <= TP_MAX_DIMS, "%s: ndim %d is outside [0, %d]", fn, ndim,
+                 TP_MAX_DIMS);
+    TP_ARG_CHECK(ndim == 0 || shape, "%s: shape is NULL for ndim %d", fn, ndim);
+    reshape_params rp = {.ndim = ndim};
+    int infer = -1;
+    int64_t known = 1, numel = tp_tensor_numel(x);
+    for (int i = 0; i < ndim; i++) {
+        rp.shape[i] = shape[i];
+        if (shape[i] == -1) {
+            TP_ARG_CHECK(infer < 0, "%s: only one size may be -1 (dims %d and %d are)", fn, infer,
+                         i);
+            infer = i;
+            continue;
+        }
+        TP_ARG_CHECK(shape[i] >= 0, "%s: size %lld of dim %d is invalid", fn,
+                     (long long)shape[i], i);
+        TP_ARG_CHECK(shape[i] == 0 || known <= INT64_MAX / shape[i],
+                     "%s: the new shape has too many elements", fn);
+        known *= shape[i];
+    }
+    char sx[128], sy[128];
+    if (infer >= 0) {
+        TP_ARG_CHECK(known != 0 && numel % known == 0,
+                     "%s: cannot infer the size of dim %d: %lld elements into %s", fn, infer,
+                     (long long)numel, tp__shape_str(ndim, shape, sy, sizeof sy));
+        rp.shape[infer] = numel / known;
+        known = numel;
+    }
+    TP_ARG_CHECK(known == numel, "%s: cannot reshape %s (%lld elements) into %s (%lld elements)",
+                 fn, tp__shape_str(tp_tensor_ndim(x), tp_tensor_shape(x), sx, sizeof sx),
+                 (long long)numel, tp__shape_str(ndim, shape, sy, sizeof sy), (long long)known);
+    tp_tensor *args[1] = {x};
+    return tp__op_run(&reshape_def, args, &rp, sizeof rp, y);
+}
+
+/* ---- transpose -------------------------------------------------------------- */
+
+typedef struct {
+    int d0, d1; /* normalized */
+} transpose_params;
+
+static int swap_dim(int d, int d0, int d1) { return d == d0 ? d1 : d == d1 ? d0 : d; }
+
+static int transpose_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    const transpose_params *prm = TP__OP_PARAMS(op, transpose_params);
+    int nd = tp__op_gndim(op, 0), n = 0;
+    for (int d = 0; d < nd && n + 2 < TP__OP_MAX_STRATS; d++)
+        s[n++] = (tp__strategy){{tp__S(d)}, tp__S(swap_dim(d, prm->d0, prm->d1)), {tp__S(d)}};
+    s[n++] = (tp__strategy){{tp__R()}, tp__R(), {tp__R()}};
+    tp_placement cur = arg_placement(op, 0, mesh_dim);
+    tp_placement pin = cur.kind == TP_PLACEMENT_PARTIAL ? cur : tp__P();
+    s[n++] = (tp__strategy){{pin}, pin, {tp__R()}};
+    return n;
+}
+
+static tp_status transpose_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    const transpose_params *prm = TP__OP_PARAMS(op, transpose_params);
+    TP_CHECK(same_shape(op, ndim, shape));
+    int64_t t = shape[prm->d0];
+    shape[prm->d0] = shape[prm->d1];
+    shape[prm->d1] = t;
+    return TP_OK;
+}
+
+/* A new contiguous tensor holding x (contiguous) with dims d0 and d1 swapped. */
+static tp_status transpose_local(tp_tensor *x, int d0, int d1, tp_tensor **out)
+{
+    int nd = x->ndim;
+    int64_t shape[TP_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof(int64_t) * (size_t)nd);
+    shape[d0] = x->shape[d1];
+    shape[d1] = x->shape[d0];
+    TP_CHECK(tp__f32(nd, shape, false, out));
+    int64_t n = tp_tensor_numel(x);
+    if (d0 == d1 || n == 0) {
+        copy_f32(tp_tensor_data(*out), tp_tensor_data(x), n);
+        return TP_OK;
+    }
+    int lo = d0 < d1 ? d0 : d1, hi = d0 < d1 ? d1 : d0;
+    if (lo == nd - 2 && hi == nd - 1) {
+        tp__k_transpose_last2(tp_tensor_data(x), tp_tensor_data(*out), n / (shape[lo] * shape[hi]),
+                              x->shape[lo], x->shape[hi]);
+        return TP_OK;
+    }
+    /* general case: a strided copy from a permuted view of x */
+    tp_tensor *v = NULL;
+    tp_status st = tp_tensor_view(x, nd, x->shape, &v);
+    if (st == TP_OK) {
+        int64_t t = v->stride[d0];
+        v->stride[d0] = v->stride[d1];
+        v->stride[d1] = t;
+        v->shape[d0] = shape[d0];
+        v->shape[d1] = shape[d1];
+        st = tp_tensor_copy(*out, v);
+    }
+    tp_tensor_release(v);
+    if (st != TP_OK) {
+        tp_tensor_release(*out);
+        *out = NULL;
+    }
+    return st;
+}
+
+static tp_status transpose_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    const transpose_params *prm = TP__OP_PARAMS(op, transpose_params);
+    return transpose_local(in[0], prm->d0, prm->d1, out);
+}
+
+static tp_status transpose_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    (void)in;
+    if (!op->need_grad[0])
+        return TP_OK;
+    const transpose_params *prm = TP__OP_PARAMS(op, transpose_params);
+    return transpose_local(gy, prm->d0, prm->d1, &g[0]);
+}
+
+static const tp__op_def transpose_def = {
+    .name = "transpose",
+    .n_inputs = 1,
+    .input_names = {"x"},
+    .strategies = transpose_strategies,
+    .out_shape = transpose_shape,
+    .forward = transpose_fwd,
+    .backward = transpose_bwd,
+};
+
+tp_status tp_transpose(tp_tensor *x, int d0, int d1, tp_tensor **y)
+{
+    const char *fn = "transpose";
+    TP_ARG_CHECK(y, "%s: out is NULL", fn);
+    *y = NULL;
+    TP_ARG_CHECK(x, "%s: x is NULL", fn);
+    int nd = tp_tensor_ndim(x);
+    transpose_params prm = {tp__wrap_dim(d0, nd), tp__wrap_dim(d1, nd)};
+    TP_ARG_CHECK(prm.d0 >= 0 && prm.d1 >= 0, "%s: dims (%d, %d) out of range for %d dims", fn, d0,
+                 d1, nd);
+    tp_tensor *args[1] = {x};
+    return tp__op_run(&transpose_def, args, &prm, sizeof prm, y);
+}

@@ -1,0 +1,653 @@
+/* embedding and cross entropy.
+ *
+ * embedding runs through the strategy dispatcher (ops.c): its indices are
+ * validated against the global table and converted to contiguous i64 first.
+ *
+ * cross_entropy has two forms:
+ *  - plain tensors and Replicate logits: a dispatcher op with one all-R
+ *    strategy that computes locally (tp__k_cross_entropy_fwd/bwd);
+ *  - logits sharded on the class dim on one mesh dim (vocab parallel): its own
+ *    path below, because its forward issues collectives. Three all_reduces on
+ *    that mesh dim's communicator (row max, sum of exp rescaled to the global
+ *    max, picked target logit); a Replicate loss; a backward node of its own
+ *    that issues no collective and hands back the logits' placements.
+ *
+ * Targets and class weights never get gradients. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "dtensor/ops_internal.h"
+
+/* ---- shared helpers ------------------------------------------------------- */
+
+/* A CPU integer tensor (i64 or i32, plain) as a contiguous i64 tensor without
+ * autograd state: a view when it already is one, else a converted copy. */
+static tp_status tp__as_i64(tp_tensor *t, tp_tensor **out)
+{
+    if (t->dtype == TP_I64 && tp_tensor_is_contiguous(t))
+        return tp_tensor_view(t, t->ndim, t->shape, out);
+    return tp_tensor_to(t, TP_I64, TP_CPU, out);
+}
+
+/* A plain tensor as a contiguous tensor of the same values without autograd
+ * state (a view, or a copy when t is strided). */
+static tp_status tp__detached(tp_tensor *t, tp_tensor **out)
+{
+    if (tp_tensor_is_contiguous(t))
+        return tp_tensor_view(t, t->ndim, t->shape, out);
+    return tp_tensor_clone(t, out);
+}
+
+static tp_tensor *tp__local_of(tp_tensor *t) { return t && t->dist ? tp_dtensor_local(t) : t; }
+
+/* Both plain or both DTensors on one mesh; the message names both. */
+static tp_status tp__same_kind(const char *fn, const char *an, const tp_tensor *a, const char *bn,
+                               const tp_tensor *b)
+{
+    if (!a || !b)
+        return TP_OK;
+    if ((a->dist != NULL) != (b->dist != NULL))
+        return tp__error(TP_ERR_INVALID_ARG, "%s: %s is %s but %s is %s", fn, an,
+                         a->dist ? "a DTensor" : "a plain tensor", bn,
+                         b->dist ? "a DTensor" : "a plain tensor");
+    if (a->dist && tp_dtensor_mesh(a) != tp_dtensor_mesh(b))
+        return tp__error(TP_ERR_INVALID_ARG, "%s: %s and %s are on different meshes", fn, an, bn);
+    return TP_OK;
+}
+
+static tp_status tp__check_cpu(const char *fn, const char *what, const tp_tensor *t)
+{
+    if (tp_tensor_device(t).type != TP_DEVICE_CPU)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is on a CUDA device; these ops run on the CPU",
+                         fn, what);
+    return TP_OK;
+}
+
+static tp_status tp__check_int(const char *fn, const char *what, const tp_tensor *t)
+{
+    if (t->dtype != TP_I64 && t->dtype != TP_I32)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: %s must be i64 or i32, got %s", fn, what,
+                         tp_dtype_name(t->dtype));
+    return tp__check_cpu(fn, what, t);
+}
+
+static tp_status tp__no_partial(const char *fn, const char *what, const tp_tensor *t)
+{
+    if (!t || !t->dist)
+        return TP_OK;
+    const tp_placement *p = tp_dtensor_placements(t);
+    for (int d = 0; d < tp_mesh_ndim(tp_dtensor_mesh(t)); d++)
+        if (p[d].kind == TP_PLACEMENT_PARTIAL) {
+            char buf[128];
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: %s is Partial on mesh dim %d (placements %s); integer %s must "
+                             "be Shard or Replicate",
+                             fn, what, d,
+                             tp_placements_str(tp_mesh_ndim(tp_dtensor_mesh(t)), p, buf,
+                                               sizeof buf),
+                             what);
+        }
+    return TP_OK;
+}
+
+/* "[1, 2]" for the multi-index of element k of a contiguous local block
+ * (shape) placed at `offset` in the global tensor. */
+static const char *tp__position(int ndim, const int64_t *shape, const int64_t *offset, int64_t k,
+                                char *buf, size_t len)
+{
+    int64_t idx[TP_MAX_DIMS];
+    for (int d = ndim - 1; d >= 0; d--) {
+        int64_t s = shape[d] > 0 ? shape[d] : 1;
+        idx[d] = k % s + (offset ? offset[d] : 0);
+        k /= s;
+    }
+    return tp__shape_str(ndim, idx, buf, len);
+}
+
+/* ---- embedding ------------------------------------------------------------ */
+
+static int emb_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    (void)mesh_dim;
+    int nd = tp__op_gndim(op, 0), n = 0; /* indices dims; the output has nd + 1 */
+    /* the table's features are split: each rank looks up its slice */
+    s[n++] = (tp__strategy){{tp__R(), tp__S(1)}, tp__S(nd), {tp__R(), tp__S(1)}};
+    /* the table's rows are split: a masked lookup, the ranks' rows add up */
+    s[n++] = (tp__strategy){{tp__R(), tp__S(0)}, tp__P(), {tp__R(), tp__S(0)}};
+    /* the indices are split, the table replicated: its gradient is a partial sum */
+    for (int d = 0; d < nd; d++)
+        s[n++] = (tp__strategy){{tp__S(d), tp__R()}, tp__S(d), {tp__S(d), tp__P()}};
+    s[n++] = (tp__strategy){{tp__R(), tp__R()}, tp__R(), {tp__R(), tp__R()}};
+    return n;
+}
+
+static tp_status emb_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    int nd = tp__op_gndim(op, 0);
+    memcpy(shape, tp__op_gshape(op, 0), sizeof(int64_t) * (size_t)nd);
+    shape[nd] = tp__op_gshape(op, 1)[1];
+    *ndim = nd + 1;
+    return TP_OK;
+}
+
+static tp_status emb_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    tp_tensor *idx = in[0], *w = in[1];
+    int nd = idx->ndim;
+    int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
+    memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)nd);
+    shape[nd] = w->shape[1];
+    TP_CHECK(tp__f32(nd + 1, shape, false, out));
+    tp__op_offset(op, 1, off); /* the first global row this rank's table holds */
+    tp__k_embedding_fwd(tp_tensor_data(idx), tp_tensor_numel(idx), tp_tensor_data(w),
+                        w->shape[0], w->shape[1], off[0], tp_tensor_data(*out));
+    return TP_OK;
+}
+
+static tp_status emb_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    tp_tensor *idx = in[0], *w = in[1];
+    if (!op->need_grad[1])
+        return TP_OK;
+    int64_t off[TP_MAX_DIMS];
+    tp__op_offset(op, 1, off);
+    TP_CHECK(tp__f32(2, w->shape, true, &g[1]));
+    tp__k_embedding_bwd(tp_tensor_data(idx), tp_tensor_numel(idx), tp_tensor_data(gy),
+                        w->shape[0], w->shape[1], off[0], tp_tensor_data(g[1]));
+    return TP_OK;
+}
+
+static const tp__op_def emb_def = {
+    .name = "embedding",
+    .n_inputs = 2,
+    .input_names = {"indices", "weight"},
+    .nondiff_mask = 1u << 0,
+    .strategies = emb_strategies,
+    .out_shape = emb_shape,
+    .forward = emb_fwd,
+    .backward = emb_bwd,
+};
+
+tp_status tp_embedding(tp_tensor *indices, tp_tensor *weight, tp_tensor **y)
+{
+    const char *fn = "embedding";
+    TP_ARG_CHECK(y, "%s: y is NULL", fn);
+    *y = NULL;
+    TP_ARG_CHECK(indices, "%s: indices is NULL", fn);
+    TP_ARG_CHECK(weight, "%s: weight is NULL", fn);
+    TP_CHECK(tp__same_kind(fn, "indices", indices, "weight", weight));
+    TP_CHECK(tp__check_int(fn, "indices", indices));
+    TP_ARG_CHECK(weight->ndim == 2, "%s: weight must be 2-d [num, dim], got %d dims", fn,
+                 weight->ndim);
+    TP_ARG_CHECK(indices->ndim < TP_MAX_DIMS,
+                 "%s: indices have %d dims; the output would exceed %d dims", fn, indices->ndim,
+                 TP_MAX_DIMS);
+    TP_CHECK(tp__no_partial(fn, "indices", indices));
+
+    /* every index against the global table, before any communication. Each
+     * rank checks the indices it holds: with sharded indices a bad index fails
+     * on the ranks holding it only (like any argument invalid on some ranks) */
+    const bool dist = indices->dist != NULL;
+    tp_tensor *local = tp__local_of(indices), *idx64 = NULL, *arg = NULL;
+    TP_CHECK(tp__as_i64(local, &idx64));
+    int64_t lshape[TP_MAX_DIMS], off[TP_MAX_DIMS];
+    for (int d = 0; d < local->ndim; d++) {
+        lshape[d] = local->shape[d];
+        off[d] = 0;
+    }
+    if (dist)
+        tp__shard_extent(tp_dtensor_mesh(indices), indices->ndim, indices->shape,
+                         tp_dtensor_placements(indices), NULL, lshape, off);
+    const int64_t num = weight->shape[0], n = tp_tensor_numel(idx64);
+    const int64_t *v = tp_tensor_data(idx64);
+    for (int64_t k = 0; k < n; k++)
+        if (v[k] < 0 || v[k] >= num) {
+            char pos[128];
+            tp_status st = tp__error(
+                TP_ERR_INVALID_ARG,
+                "%s: index %lld at position %s of indices is out of range for a table of %lld "
+                "rows (valid: [0, %lld))",
+                fn, (long long)v[k], tp__position(local->ndim, lshape, off, k, pos, sizeof pos),
+                (long long)num, (long long)num);
+            tp_tensor_release(idx64);
+            return st;
+        }
+
+    tp_status st = TP_OK;
+    if (dist)
+        st = tp__dtensor_wrap(tp_dtensor_mesh(indices), idx64, tp_dtensor_placements(indices),
+                              indices->ndim, indices->shape, &arg);
+    else
+        arg = tp_tensor_retain(idx64);
+    tp_tensor_release(idx64);
+    if (st != TP_OK)
+        return st;
+    tp_tensor *args[2] = {arg, weight};
+    st = tp__op_run(&emb_def, args, NULL, 0, y);
+    tp_tensor_release(arg);
+    return st;
+}
+
+/* ---- cross entropy: the shared arithmetic ----------------------------------- */
+
+typedef struct {
+    tp_reduction reduction;
+    int64_t ignore_index;
+    double wsum; /* set by the forward: the weights of the counted rows, summed */
+} ce_params;
+
+/* The loss tensor from the per-row losses (consumed): [N] for none, else a
+ * 0-d sum, or sum / wsum for mean (NaN when wsum is 0, as PyTorch). */
+static tp_status ce_reduce(tp_tensor *rows, tp_reduction red, double wsum, tp_tensor **out)
+{
+    if (red == TP_REDUCTION_NONE) {
+        *out = rows;
+        return TP_OK;
+    }
+    tp_tensor *s = NULL;
+    tp_status st = tp__f32(0, NULL, false, &s);
+    if (st == TP_OK) {
+        double total = tp__k_sum_all(tp_tensor_data(rows), tp_tensor_numel(rows));
+        *(float *)tp_tensor_data(s) = (float)(red == TP_REDUCTION_MEAN ? total / wsum : total);
+        *out = s;
+    }
+    tp_tensor_release(rows);
+    return st;
+}
+
+/* The gradient of every row's loss from the loss gradient gy (contiguous). */
+static tp_status ce_gloss(const tp_tensor *gy, int64_t rows, tp_reduction red, double wsum,
+                          tp_tensor **out)
+{
+    TP_CHECK(tp__f32(1, &rows, false, out));
+    float *gl = tp_tensor_data(*out);
+    const float *g = tp_tensor_data(gy);
+    if (red == TP_REDUCTION_NONE) {
+        if (rows)
+            memcpy(gl, g, sizeof(float) * (size_t)rows);
+        return TP_OK;
+    }
+    float v = red == TP_REDUCTION_MEAN ? (float)((double)g[0] / wsum) : g[0];
+    for (int64_t r = 0; r < rows; r++)
+        gl[r] = v;
+    return TP_OK;
+}
+
+/* ---- cross entropy: local (plain or Replicate) ------------------------------ */
+
+static int ce_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    (void)op;
+    (void)mesh_dim;
+    s[0] = (tp__strategy){{tp__R(), tp__R(), tp__R()}, tp__R(), {tp__R(), tp__R(), tp__R()}};
+    return 1;
+}
+
+static tp_status ce_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    const ce_params *p = (const ce_params *)(const void *)op->params;
+    if (p->reduction == TP_REDUCTION_NONE) {
+        *ndim = 1;
+        shape[0] = tp__op_gshape(op, 0)[0];
+    } else {
+        *ndim = 0;
+    }
+    return TP_OK;
+}
+
+static tp_status ce_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    ce_params *p = TP__OP_PARAMS(op, ce_params);
+    tp_tensor *x = in[0], *t = in[1], *w = in[2], *rows = NULL;
+    int64_t n = x->shape[0], c = x->shape[1];
+    TP_CHECK(tp__f32(1, &n, false, &rows));
+    tp__k_cross_entropy_fwd(tp_tensor_data(x), tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
+                            tp_tensor_data(rows), n, c, p->ignore_index, &p->wsum);
+    return ce_reduce(rows, p->reduction, p->wsum, out);
+}
+
+static tp_status ce_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    const ce_params *p = TP__OP_PARAMS(op, ce_params);
+    if (!op->need_grad[0])
+        return TP_OK;
+    tp_tensor *x = in[0], *t = in[1], *w = in[2], *gl = NULL;
+    int64_t n = x->shape[0], c = x->shape[1];
+    TP_CHECK(ce_gloss(gy, n, p->reduction, p->wsum, &gl));
+    tp_status st = tp__f32(2, x->shape, false, &g[0]);
+    if (st == TP_OK)
+        tp__k_cross_entropy_bwd(tp_tensor_data(x), tp_tensor_data(t),
+                                w ? tp_tensor_data(w) : NULL, tp_tensor_data(gl),
+                                tp_tensor_data(g[0]), n, c, p->ignore_index);
+    tp_tensor_release(gl);
+    return st;
+}
+
+static const tp__op_def ce_def = {
+    .name = "cross_entropy",
+    .n_inputs = 3,
+    .input_names = {"logits", "target", "weight"},
+    .optional_mask = 1u << 2,
+    .nondiff_mask = (1u << 1) | (1u << 2),
+    .strategies = ce_strategies,
+    .out_shape = ce_shape,
+    .forward = ce_fwd,
+    .backward = ce_bwd,
+};
+
+/* ---- cross entropy: vocab parallel ------------------------------------------ */
+
+typedef struct {
+    tp_mesh *mesh;
+    int64_t gshape[2];                   /* the logits' global shape */
+    tp_placement pl[TP_MESH_MAX_DIMS];   /* the logits' placements */
+    tp_tensor *x, *target, *weight;      /* local logits, full i64 target, full weight */
+    tp_tensor *mx, *sumexp;              /* global row max and sum of exp(x - max) */
+    int64_t offset;                      /* first class this rank holds */
+    int64_t ignore_index;
+    tp_reduction reduction;
+    double wsum;
+} ce_vocab_saved;
+
+static void ce_vocab_free(tp__node *node)
+{
+    ce_vocab_saved *sv = node->saved;
+    if (!sv)
+        return;
+    tp_tensor_release(sv->x);
+    tp_tensor_release(sv->target);
+    tp_tensor_release(sv->weight);
+    tp_tensor_release(sv->mx);
+    tp_tensor_release(sv->sumexp);
+    tp__free(sv);
+}
+
+/* No collective: the loss gradient is Replicate, the logits gradient is
+ * computed on the local shard and keeps the logits' placements. */
+static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
+{
+    ce_vocab_saved *sv = node->saved;
+    if (!node->inputs[0])
+        return TP_OK;
+    tp_tensor *gyr = NULL, *gyc = NULL, *gl = NULL, *gx = NULL;
+    tp_status st = TP_OK;
+    if (gy->dist) {
+        tp_placement rep[TP_MESH_MAX_DIMS];
+        for (int d = 0; d < TP_MESH_MAX_DIMS; d++)
+            rep[d] = tp_replicate();
+        /* nothing to do (and no collective) for the usual Replicate gradient */
+        TP_CHECK(tp__redistribute(gy, rep, false, &gyr));
+    } else {
+        gyr = tp_tensor_retain(gy);
+    }
+    tp_tensor *gyl = tp__local_of(gyr);
+    if (!tp_tensor_is_contiguous(gyl)) {
+        st = tp_tensor_clone(gyl, &gyc);
+        gyl = gyc;
+    }
+    int64_t rows = sv->x->shape[0], cols = sv->x->shape[1];
+    if (st == TP_OK)
+        st = ce_gloss(gyl, rows, sv->reduction, sv->wsum, &gl);
+    if (st == TP_OK)
+        st = tp__f32(2, sv->x->shape, false, &gx);
+    if (st == TP_OK) {
+        tp__k_vocab_ce_bwd(tp_tensor_data(sv->x), tp_tensor_data(sv->target),
+                           sv->weight ? tp_tensor_data(sv->weight) : NULL,
+                           tp_tensor_data(sv->mx), tp_tensor_data(sv->sumexp), tp_tensor_data(gl),
+                           tp_tensor_data(gx), rows, cols, sv->offset, sv->ignore_index);
+        st = tp__dtensor_wrap(sv->mesh, gx, sv->pl, 2, sv->gshape, &gin[0]);
+    }
+    tp_tensor_release(gx);
+    tp_tensor_release(gl);
+    tp_tensor_release(gyc);
+    tp_tensor_release(gyr);
+    return st;
+}
+
+/* logits: a DTensor sharded on dim 1 by mesh dim cdim only (Replicate
+ * elsewhere); target: the full i64 targets (contiguous, validated); weight:
+ * the full class weights (contiguous f32) or NULL. */
+static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_tensor *weight,
+                          const ce_params *p, tp_tensor **out)
+{
+    const char *fn = "cross_entropy";
+    tp_mesh *mesh = tp_dtensor_mesh(logits);
+    tp_comm *comm = tp_mesh_comm(mesh, cdim);
+    const int m = tp_mesh_ndim(mesh);
+    const bool multi = tp_comm_size(comm) > 1;
+    tp_tensor *x = NULL, *mx = NULL, *se = NULL, *pk = NULL, *rows = NULL, *lossl = NULL,
+              *res = NULL;
+    tp_status st = tp__detached(tp_dtensor_local(logits), &x);
+    if (st != TP_OK)
+        return st;
+    const int64_t n = logits->shape[0];
+    const int64_t cols = x->shape[1];
+    int64_t lshape[2], off[2];
+    tp__shard_extent(mesh, 2, logits->shape, tp_dtensor_placements(logits), NULL, lshape, off);
+
+    /* every allocation before the first collective: a rank failing between
+     * them would leave its peers waiting */
+    TP_CHECK_GOTO(tp__f32(1, &n, false, &mx), st, done);
+    TP_CHECK_GOTO(tp__f32(1, &n, false, &se), st, done);
+    TP_CHECK_GOTO(tp__f32(1, &n, false, &pk), st, done);
+    TP_CHECK_GOTO(tp__f32(1, &n, false, &rows), st, done);
+
+    const float *xd = tp_tensor_data(x);
+    const int64_t *t = tp_tensor_data(target);
+    tp__k_row_max(xd, tp_tensor_data(mx), n, cols);
+    if (multi)
+        TP_CHECK_GOTO(tp_all_reduce(comm, mx, mx, TP_MAX, NULL), st, done);
+    tp__k_row_sumexp(xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols);
+    if (multi)
+        TP_CHECK_GOTO(tp_all_reduce(comm, se, se, TP_SUM, NULL), st, done);
+    tp__k_pick_target(xd, t, tp_tensor_data(pk), n, cols, off[1], p->ignore_index);
+    if (multi)
+        TP_CHECK_GOTO(tp_all_reduce(comm, pk, pk, TP_SUM, NULL), st, done);
+
+    /* loss[r] = w_t (log(sumexp) + max - x_t), 0 for ignored rows */
+    const float *mxd = tp_tensor_data(mx), *sed = tp_tensor_data(se), *pkd = tp_tensor_data(pk);
+    const float *w = weight ? tp_tensor_data(weight) : NULL;
+    float *rl = tp_tensor_data(rows);
+    double wsum = 0;
+    for (int64_t r = 0; r < n; r++) {
+        if (t[r] == p->ignore_index) {
+            rl[r] = 0.0f;
+            continue;
+        }
+        double wt = w ? (double)w[t[r]] : 1.0;
+        rl[r] = (float)(wt * (log((double)sed[r]) + (double)mxd[r] - (double)pkd[r]));
+        wsum += wt;
+    }
+    st = ce_reduce(rows, p->reduction, wsum, &lossl);
+    rows = NULL; /* consumed */
+    if (st != TP_OK)
+        goto done;
+    tp_placement rep[TP_MESH_MAX_DIMS];
+    for (int d = 0; d < m; d++)
+        rep[d] = tp_replicate();
+    TP_CHECK_GOTO(tp__dtensor_wrap(mesh, lossl, rep, lossl->ndim, lossl->shape, &res), st, done);
+
+    if (tp__needs_grad(1, &logits)) {
+        ce_vocab_saved *sv = tp__calloc(1, sizeof *sv);
+        tp__node *node = NULL;
+        st = sv ? tp__node_attach(res, fn, ce_vocab_bwd, 1, &logits, &node)
+                : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+        if (st != TP_OK) {
+            tp__free(sv);
+            goto done;
+        }
+        sv->mesh = mesh;
+        sv->gshape[0] = logits->shape[0];
+        sv->gshape[1] = logits->shape[1];
+        memcpy(sv->pl, tp_dtensor_placements(logits), sizeof(tp_placement) * (size_t)m);
+        sv->x = tp_tensor_retain(x);
+        sv->target = tp_tensor_retain(target);
+        sv->weight = tp_tensor_retain(weight);
+        sv->mx = tp_tensor_retain(mx);
+        sv->sumexp = tp_tensor_retain(se);
+        sv->offset = off[1];
+        sv->ignore_index = p->ignore_index;
+        sv->reduction = p->reduction;
+        sv->wsum = wsum;
+        node->saved = sv;
+        node->free_saved = ce_vocab_free;
+    }
+    *out = res;
+    res = NULL;
+done:
+    tp_tensor_release(res);
+    tp_tensor_release(lossl);
+    tp_tensor_release(rows);
+    tp_tensor_release(pk);
+    tp_tensor_release(se);
+    tp_tensor_release(mx);
+    tp_tensor_release(x);
+    return st;
+}
+
+/* ---- cross entropy: the entry point ----------------------------------------- */
+
+tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
+                           const tp_cross_entropy_options *options, tp_tensor **loss)
+{
+    const char *fn = "cross_entropy";
+    TP_ARG_CHECK(loss, "%s: loss is NULL", fn);
+    *loss = NULL;
+    TP_ARG_CHECK(logits, "%s: logits is NULL", fn);
+    TP_ARG_CHECK(target, "%s: target is NULL", fn);
+    const tp_cross_entropy_options o = options ? *options : TP_CROSS_ENTROPY_DEFAULTS;
+    tp_tensor *weight = o.weight;
+    TP_ARG_CHECK(o.reduction == TP_REDUCTION_MEAN || o.reduction == TP_REDUCTION_SUM ||
+                     o.reduction == TP_REDUCTION_NONE,
+                 "%s: invalid reduction %d", fn, (int)o.reduction);
+    TP_CHECK(tp__same_kind(fn, "logits", logits, "target", target));
+    TP_CHECK(tp__same_kind(fn, "logits", logits, "weight", weight));
+
+    /* shapes and dtypes */
+    if (logits->dtype != TP_F32)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: logits is %s; CPU ops take f32", fn,
+                         tp_dtype_name(logits->dtype));
+    TP_CHECK(tp__check_cpu(fn, "logits", logits));
+    TP_ARG_CHECK(logits->ndim == 2, "%s: logits must be 2-d [N, C], got %d dims", fn,
+                 logits->ndim);
+    const int64_t n = logits->shape[0], c = logits->shape[1];
+    TP_CHECK(tp__check_int(fn, "target", target));
+    if (target->ndim != 1 || target->shape[0] != n) {
+        char buf[96];
+        return tp__error(TP_ERR_INVALID_ARG, "%s: target must be [%lld] (one class per row of "
+                         "logits [%lld, %lld]), got shape %s",
+                         fn, (long long)n, (long long)n, (long long)c,
+                         tp__shape_str(target->ndim, target->shape, buf, sizeof buf));
+    }
+    if (weight) {
+        if (weight->ndim != 1 || weight->shape[0] != c) {
+            char buf[96];
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: weight must be [%lld] (one per class), got shape %s", fn,
+                             (long long)c,
+                             tp__shape_str(weight->ndim, weight->shape, buf, sizeof buf));
+        }
+        if (weight->dtype != TP_F32)
+            return tp__error(TP_ERR_NOT_SUPPORTED, "%s: weight is %s; CPU ops take f32", fn,
+                             tp_dtype_name(weight->dtype));
+        TP_CHECK(tp__check_cpu(fn, "weight", weight));
+    }
+
+    /* layouts: which mesh dim (if any) shards the classes */
+    const bool dist = logits->dist != NULL;
+    tp_mesh *mesh = dist ? tp_dtensor_mesh(logits) : NULL;
+    const int m = dist ? tp_mesh_ndim(mesh) : 0;
+    int cdim = -1;
+    bool partial = false;
+    if (dist) {
+        const tp_placement *pl = tp_dtensor_placements(logits);
+        char buf[128];
+        for (int d = 0; d < m; d++) {
+            if (pl[d].kind == TP_PLACEMENT_PARTIAL)
+                partial = true;
+            if (pl[d].kind != TP_PLACEMENT_SHARD)
+                continue;
+            if (pl[d].dim != 1)
+                return tp__error(TP_ERR_NOT_SUPPORTED,
+                                 "%s: logits are sharded on dim %d by mesh dim %d (placements "
+                                 "%s); shard the class dim (dim 1, vocab parallel) or replicate "
+                                 "the logits",
+                                 fn, pl[d].dim, d, tp_placements_str(m, pl, buf, sizeof buf));
+            if (cdim >= 0)
+                return tp__error(TP_ERR_NOT_SUPPORTED,
+                                 "%s: logits are sharded on the class dim by mesh dims %d and %d "
+                                 "(placements %s); the vocab-parallel form shards it on one "
+                                 "mesh dim and needs Replicate on the others",
+                                 fn, cdim, d, tp_placements_str(m, pl, buf, sizeof buf));
+            cdim = d;
+        }
+        TP_CHECK(tp__no_partial(fn, "target", target));
+    }
+
+    /* the full targets and class weights on every rank (no communication
+     * when they are Replicate already); then the target values */
+    tp_placement rep[TP_MESH_MAX_DIMS];
+    for (int d = 0; d < TP_MESH_MAX_DIMS; d++)
+        rep[d] = tp_replicate();
+    tp_tensor *tr = NULL, *wr = NULL, *t64 = NULL, *w32 = NULL, *lg = NULL, *targ = NULL,
+              *warg = NULL;
+    tp_status st = TP_OK;
+    if (dist) {
+        TP_CHECK_GOTO(tp__redistribute(target, rep, false, &tr), st, done);
+        if (weight)
+            TP_CHECK_GOTO(tp__redistribute(weight, rep, false, &wr), st, done);
+    } else {
+        tr = tp_tensor_retain(target);
+        wr = tp_tensor_retain(weight);
+    }
+    TP_CHECK_GOTO(tp__as_i64(tp__local_of(tr), &t64), st, done);
+    if (wr)
+        TP_CHECK_GOTO(tp__detached(tp__local_of(wr), &w32), st, done);
+    const int64_t *tv = tp_tensor_data(t64);
+    for (int64_t r = 0; r < n; r++)
+        if (tv[r] != o.ignore_index && (tv[r] < 0 || tv[r] >= c)) {
+            st = tp__error(TP_ERR_INVALID_ARG,
+                           "%s: target %lld at row %lld is outside [0, %lld) and is not "
+                           "ignore_index (%lld)",
+                           fn, (long long)tv[r], (long long)r, (long long)c,
+                           (long long)o.ignore_index);
+            goto done;
+        }
+
+    /* a Partial logits dim is reduced first (differentiably, counted) */
+    if (partial) {
+        tp_placement want[TP_MESH_MAX_DIMS];
+        const tp_placement *pl = tp_dtensor_placements(logits);
+        for (int d = 0; d < m; d++)
+            want[d] = pl[d].kind == TP_PLACEMENT_PARTIAL ? tp_replicate() : pl[d];
+        TP_CHECK_GOTO(tp__redistribute(logits, want, true, &lg), st, done);
+    } else {
+        lg = tp_tensor_retain(logits);
+    }
+
+    const ce_params p = {o.reduction, o.ignore_index, 0.0};
+    if (cdim >= 0) {
+        st = ce_vocab(lg, cdim, t64, w32, &p, loss);
+        goto done;
+    }
+    if (dist) {
+        TP_CHECK_GOTO(tp__dtensor_wrap(mesh, t64, rep, 1, target->shape, &targ), st, done);
+        if (w32)
+            TP_CHECK_GOTO(tp__dtensor_wrap(mesh, w32, rep, 1, weight->shape, &warg), st, done);
+    } else {
+        targ = tp_tensor_retain(t64);
+        warg = tp_tensor_retain(w32);
+    }
+    tp_tensor *args[3] = {lg, targ, warg};
+    st = tp__op_run(&ce_def, args, &p, sizeof p, loss);
+done:
+    tp_tensor_release(warg);
+    tp_tensor_release(targ);
+    tp_tensor_release(lg);
+    tp_tensor_release(w32);
+    tp_tensor_release(t64);
+    tp_tensor_release(wr);
+    tp_tensor_release(tr);
+    return st;
+}
