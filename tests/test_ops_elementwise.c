@@ -509,7 +509,7 @@ static tp_status errors_body(tp_test_slot *s, tp_mesh *mesh, ew_ctx *c)
 
 ParameterizedTestParameters(ops_elementwise, add)
 {
-    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {1, {8}}, {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}};
     return cr_make_param_array(ew_mesh, meshes, NCASES(meshes));
 }
 ParameterizedTest(ew_mesh *em, ops_elementwise, add, .timeout = 120)
@@ -519,7 +519,7 @@ ParameterizedTest(ew_mesh *em, ops_elementwise, add, .timeout = 120)
 
 ParameterizedTestParameters(ops_elementwise, mul)
 {
-    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {1, {8}}, {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}};
     return cr_make_param_array(ew_mesh, meshes, NCASES(meshes));
 }
 ParameterizedTest(ew_mesh *em, ops_elementwise, mul, .timeout = 120)
@@ -529,7 +529,7 @@ ParameterizedTest(ew_mesh *em, ops_elementwise, mul, .timeout = 120)
 
 ParameterizedTestParameters(ops_elementwise, scale_relu_gelu)
 {
-    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {1, {8}}, {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}};
     return cr_make_param_array(ew_mesh, meshes, NCASES(meshes));
 }
 ParameterizedTest(ew_mesh *em, ops_elementwise, scale_relu_gelu, .timeout = 120)
@@ -539,7 +539,7 @@ ParameterizedTest(ew_mesh *em, ops_elementwise, scale_relu_gelu, .timeout = 120)
 
 ParameterizedTestParameters(ops_elementwise, dropout)
 {
-    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {1, {8}}, {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}};
     return cr_make_param_array(ew_mesh, meshes, NCASES(meshes));
 }
 ParameterizedTest(ew_mesh *em, ops_elementwise, dropout, .timeout = 120)
@@ -549,7 +549,7 @@ ParameterizedTest(ew_mesh *em, ops_elementwise, dropout, .timeout = 120)
 
 ParameterizedTestParameters(ops_elementwise, reshape_transpose)
 {
-    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {1, {8}}, {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}};
     return cr_make_param_array(ew_mesh, meshes, NCASES(meshes));
 }
 ParameterizedTest(ew_mesh *em, ops_elementwise, reshape_transpose, .timeout = 120)

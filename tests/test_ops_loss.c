@@ -553,7 +553,8 @@ static tp_status ce_body(tp_comm *world, void *arg)
 ParameterizedTestParameters(ops_loss, embedding_equals_single_rank)
 {
     static loss_mesh meshes[] = {{1, {1, 1}, 0}, {1, {2, 1}, 0}, {1, {3, 1}, 0},
-                                 {1, {4, 1}, 0}, {2, {2, 2}, 1}, {2, {2, 2}, 0}};
+                                 {1, {4, 1}, 0}, {1, {8, 1}, 0}, {2, {2, 2}, 1},
+                                 {2, {2, 2}, 0}, {2, {4, 2}, 1}, {2, {2, 3}, 0}};
     return cr_make_param_array(loss_mesh, meshes, sizeof meshes / sizeof meshes[0]);
 }
 
@@ -566,7 +567,8 @@ ParameterizedTest(loss_mesh *lm, ops_loss, embedding_equals_single_rank, .timeou
 ParameterizedTestParameters(ops_loss, cross_entropy_vocab_parallel)
 {
     static loss_mesh meshes[] = {{1, {1, 1}, 0}, {1, {2, 1}, 0}, {1, {3, 1}, 0},
-                                 {1, {4, 1}, 0}, {2, {2, 2}, 1}, {2, {2, 2}, 0}};
+                                 {1, {4, 1}, 0}, {1, {8, 1}, 0}, {2, {2, 2}, 1},
+                                 {2, {2, 2}, 0}, {2, {4, 2}, 1}, {2, {2, 3}, 0}};
     return cr_make_param_array(loss_mesh, meshes, sizeof meshes / sizeof meshes[0]);
 }
 

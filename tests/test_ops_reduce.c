@@ -996,7 +996,7 @@ typedef struct {
 
 ParameterizedTestParameters(ops_reduce, reductions_equal_single_rank)
 {
-    static red_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    static red_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {1, {8}}, {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}};
     return cr_make_param_array(red_mesh, meshes, sizeof meshes / sizeof meshes[0]);
 }
 
@@ -1013,7 +1013,7 @@ ParameterizedTest(red_mesh *rm, ops_reduce, reductions_equal_single_rank, .timeo
 
 ParameterizedTestParameters(ops_reduce, rowwise_equal_single_rank)
 {
-    static red_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    static red_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {1, {8}}, {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}};
     return cr_make_param_array(red_mesh, meshes, sizeof meshes / sizeof meshes[0]);
 }
 
@@ -1024,7 +1024,7 @@ ParameterizedTest(red_mesh *rm, ops_reduce, rowwise_equal_single_rank, .timeout 
 
 ParameterizedTestParameters(ops_reduce, sequence_parallel_collectives)
 {
-    static red_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    static red_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {1, {8}}, {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}};
     return cr_make_param_array(red_mesh, meshes, sizeof meshes / sizeof meshes[0]);
 }
 
