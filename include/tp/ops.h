@@ -121,6 +121,14 @@ typedef struct tp_cross_entropy_options {
 TP_API tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
                                   const tp_cross_entropy_options *options, tp_tensor **loss);
 
+/* ---- attention (ops_attention.c) -------------------------------------------
+ * out[..., s, :] = softmax(q k^T * scale (+ causal mask)) v over the last two
+ * dims [seq, head_dim] of q, k, v (same shape); scale 0 means 1/sqrt(head_dim).
+ * Strategies: any leading (batch or head) dim sharded alike on q, k, v passes
+ * through; all R -> R. */
+TP_API tp_status tp_scaled_dot_product_attention(tp_tensor *q, tp_tensor *k, tp_tensor *v,
+                                                 bool causal, double scale, tp_tensor **out);
+
 #ifdef __cplusplus
 }
 #endif
