@@ -45,5 +45,7 @@
 #include "tp/mesh.h"
 #include "tp/dtensor.h"
 #include "tp/ops.h"
+#include "tp/nn.h"
+#include "tp/styles.h"
 
 #endif /* TP_H */

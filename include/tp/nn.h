@@ -1,0 +1,181 @@
+/*
+ * tp/nn.h - modules: Linear, Embedding, LayerNorm, RMSNorm, Dropout, Identity,
+ * ReLU, GELU, Sequential, containers with named children and custom modules
+ * whose forward the user writes with library ops; parameters with dotted
+ * fully qualified names (FQNs), forward pre-hooks and hooks, deterministic
+ * initialisation, state dicts, SGD and Adam.
+ *
+ * Modules form a tree; a parent owns its children (tp_module_free frees the
+ * subtree). Parameters are tensors (plain, or DTensors once a parallel style
+ * distributed them) that require grad. A module's forward takes positional
+ * inputs and keyword inputs; a NULL input is "None".
+ */
+#ifndef TP_NN_H
+#define TP_NN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "tp/dtensor.h"
+#include "tp/ops.h"
+#include "tp/status.h"
+#include "tp/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tp_module tp_module;
+
+typedef enum tp_module_kind {
+    TP_MODULE_LINEAR = 0,
+    TP_MODULE_EMBEDDING,
+    TP_MODULE_LAYER_NORM,
+    TP_MODULE_RMS_NORM,
+    TP_MODULE_DROPOUT,
+    TP_MODULE_IDENTITY,
+    TP_MODULE_RELU,
+    TP_MODULE_GELU,
+    TP_MODULE_SEQUENTIAL, /* children run in order, output feeding input */
+    TP_MODULE_CONTAINER,  /* named children, no forward of its own */
+    TP_MODULE_CUSTOM      /* forward written by the user */
+} tp_module_kind;
+
+/* A keyword input. */
+typedef struct tp_kwarg {
+    const char *name;
+    tp_tensor *value; /* NULL: None */
+} tp_kwarg;
+
+/* A custom forward: reads self's children and parameters, computes with
+ * library ops (tp_module_forward on children included) and returns one new
+ * reference in *out. */
+typedef tp_status (*tp_forward_fn)(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                                   const tp_kwarg *kw, tp_tensor **out);
+
+/* ---- creation ------------------------------------------------------------ */
+
+/* Parameters are allocated and zero until tp_module_init (or a state dict). */
+TP_API tp_status tp_linear_create(int64_t in_features, int64_t out_features, bool bias,
+                                  tp_module **out);
+TP_API tp_status tp_embedding_create(int64_t num, int64_t dim, tp_module **out);
+TP_API tp_status tp_layer_norm_create(int64_t dim, bool affine, double eps, tp_module **out);
+TP_API tp_status tp_rms_norm_create(int64_t dim, bool affine, double eps, tp_module **out);
+/* Dropout: the mask depends on (seed + call count, global element index). */
+TP_API tp_status tp_dropout_create(double p, uint64_t seed, tp_module **out);
+TP_API tp_status tp_identity_create(tp_module **out);
+TP_API tp_status tp_relu_create(tp_module **out);
+TP_API tp_status tp_gelu_create(tp_gelu_approx approx, tp_module **out);
+TP_API tp_status tp_sequential_create(tp_module **out);
+TP_API tp_status tp_container_create(tp_module **out);
+/* ctx is passed back through tp_module_ctx; ctx_free (may be NULL) runs at
+ * tp_module_free. */
+TP_API tp_status tp_custom_module_create(const char *type_name, tp_forward_fn forward,
+                                         void *ctx, void (*ctx_free)(void *ctx),
+                                         tp_module **out);
+/* Frees the module and its subtree. NULL is a no-op. Only a root (a module
+ * that is nobody's child) may be freed. */
+TP_API void tp_module_free(tp_module *m);
+
+/* ---- the tree -------------------------------------------------------------- */
+
+/* Adds `child` under `name` (non-empty, no '.', unique among the children);
+ * the parent takes ownership. A module has at most one parent. */
+TP_API tp_status tp_module_add_child(tp_module *parent, const char *name, tp_module *child);
+/* Child by name, or NULL. */
+TP_API tp_module *tp_module_child(const tp_module *m, const char *name);
+/* Module at a dotted path below m ("" is m itself), or NULL. */
+TP_API tp_module *tp_module_find(tp_module *m, const char *fqn);
+TP_API int tp_module_num_children(const tp_module *m);
+/* i-th child in insertion order, with its name. */
+TP_API tp_module *tp_module_child_at(const tp_module *m, int i, const char **name);
+TP_API tp_module_kind tp_module_kind_of(const tp_module *m);
+/* "Linear", "Embedding", ... or the custom type name. */
+TP_API const char *tp_module_type_name(const tp_module *m);
+/* The name under which m hangs in its parent ("" for a root). */
+TP_API const char *tp_module_name(const tp_module *m);
+TP_API void *tp_module_ctx(const tp_module *m);
+
+/* ---- parameters ---------------------------------------------------------- */
+
+/* Registers a parameter of a custom module (retained; marked requires_grad).
+ * Names as for children. */
+TP_API tp_status tp_module_register_parameter(tp_module *m, const char *name, tp_tensor *t);
+/* Parameter by (local) name: Linear "weight"/"bias", Embedding "weight",
+ * norms "weight"/"bias"; NULL if absent. Borrowed. */
+TP_API tp_tensor *tp_module_parameter(const tp_module *m, const char *name);
+/* Replaces a parameter (a style distributing it); the new tensor is retained
+ * and marked requires_grad, the old one released. */
+TP_API tp_status tp_module_set_parameter(tp_module *m, const char *name, tp_tensor *t);
+/* Calls fn(fqn, param, ctx) for every parameter of the subtree, in
+ * registration order, depth first; stops at the first non-OK return. */
+TP_API tp_status tp_module_named_parameters(tp_module *m,
+                                            tp_status (*fn)(const char *fqn, tp_tensor *param,
+                                                            void *ctx),
+                                            void *ctx);
+/* Sets every parameter's gradient to none. */
+TP_API void tp_module_zero_grad(tp_module *m);
+
+/* ---- forward and hooks -------------------------------------------------------- */
+
+/* Runs pre-hooks, the module's forward, then hooks. Enters the comm-debug
+ * scope of the module (its name; the root's type name at the top). */
+TP_API tp_status tp_module_forward(tp_module *m, int nargs, tp_tensor *const *args, int nkw,
+                                   const tp_kwarg *kw, tp_tensor **out);
+/* One positional input. */
+TP_API tp_status tp_module_call(tp_module *m, tp_tensor *x, tp_tensor **out);
+
+/* A pre-hook may replace inputs: it receives the argument arrays (owned by the
+ * caller, entries replaceable: release the old one, store a new reference). */
+typedef tp_status (*tp_forward_pre_hook)(tp_module *m, int nargs, tp_tensor **args, int nkw,
+                                         tp_kwarg *kw, void *ctx);
+/* A hook may replace the output (*out: release the old, store a new one). */
+typedef tp_status (*tp_forward_hook)(tp_module *m, int nargs, tp_tensor *const *args,
+                                     tp_tensor **out, void *ctx);
+TP_API tp_status tp_module_add_forward_pre_hook(tp_module *m, tp_forward_pre_hook fn, void *ctx,
+                                                void (*ctx_free)(void *ctx));
+TP_API tp_status tp_module_add_forward_hook(tp_module *m, tp_forward_hook fn, void *ctx,
+                                            void (*ctx_free)(void *ctx));
+
+/* ---- initialisation and state dicts ---------------------------------------- */
+
+/*
+ * Deterministic initialisation of every parameter from (seed, FQN): the
+ * global value of each parameter is the same at every parallel degree, each
+ * rank generating only its shard (counter-based RNG). Linear weight and bias:
+ * uniform(-1/sqrt(in), 1/sqrt(in)); Embedding: normal(0, 1); norm weights 1,
+ * biases 0. No communication.
+ */
+TP_API tp_status tp_module_init(tp_module *m, uint64_t seed);
+
+/* Loads full (unsharded) values: for each FQN in names, this rank's shard of
+ * values[i] (global shape) goes into the parameter, whatever its layout. Names
+ * that match no parameter and parameters not named are TP_ERR_INVALID_ARG
+ * (listing them) unless `strict` is false. No communication. */
+TP_API tp_status tp_module_load_state_dict(tp_module *m, int n, const char *const *names,
+                                           tp_tensor *const *values, bool strict);
+/* Collective: calls fn(fqn, full_value, ctx) for every parameter with its full
+ * (gathered) value, a plain tensor. */
+TP_API tp_status tp_module_state_dict(tp_module *m,
+                                      tp_status (*fn)(const char *fqn, tp_tensor *full,
+                                                      void *ctx),
+                                      void *ctx);
+
+/* ---- optimizers ------------------------------------------------------------ */
+
+/* p -= lr * grad for every parameter with a gradient (a Partial gradient is
+ * reduced to the parameter's layout first: collective). */
+TP_API tp_status tp_sgd_step(tp_module *m, double lr);
+
+typedef struct tp_adam tp_adam;
+/* Adam (PyTorch defaults when zero: lr 1e-3, betas 0.9/0.999, eps 1e-8). */
+TP_API tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, double eps,
+                                tp_adam **out);
+TP_API tp_status tp_adam_step(tp_adam *opt);
+TP_API void tp_adam_free(tp_adam *opt);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TP_NN_H */

@@ -1,0 +1,596 @@
+/* Deterministic initialisation, state dicts, SGD and Adam. Parameters are
+ * reached through tp_module_named_parameters, so the FQNs here are the ones
+ * users see. */
+#include <math.h>
+#include <string.h>
+
+#include "nn/nn_internal.h"
+
+/* ---- helpers ---------------------------------------------------------------- */
+
+/* A parameter list: (FQN, tensor) pairs in named_parameters order. */
+typedef struct {
+    char **fqn;
+    tp_tensor **t;
+    int n, cap;
+} tp__plist;
+
+static tp_status tp__plist_add(const char *fqn, tp_tensor *t, void *ctx)
+{
+    tp__plist *l = ctx;
+    if (l->n == l->cap) {
+        int cap = l->cap ? 2 * l->cap : 16;
+        char **f = tp__malloc((size_t)cap * sizeof *f);
+        tp_tensor **v = tp__malloc((size_t)cap * sizeof *v);
+        if (!f || !v) {
+            tp__free(f);
+            tp__free(v);
+            return tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
+        }
+        if (l->n) {
+            memcpy(f, l->fqn, (size_t)l->n * sizeof *f);
+            memcpy(v, l->t, (size_t)l->n * sizeof *v);
+        }
+        tp__free(l->fqn);
+        tp__free(l->t);
+        l->fqn = f;
+        l->t = v;
+        l->cap = cap;
+    }
+    if (!(l->fqn[l->n] = tp__strdup(fqn)))
+        return tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
+    l->t[l->n++] = t; /* borrowed: the module holds it */
+    return TP_OK;
+}
+
+static void tp__plist_free(tp__plist *l)
+{
+    for (int i = 0; i < l->n; i++)
+        tp__free(l->fqn[i]);
+    tp__free(l->fqn);
+    tp__free(l->t);
+    *l = (tp__plist){0};
+}
+
+static tp_status tp__plist_of(const char *fn, tp_module *m, tp__plist *l)
+{
+    *l = (tp__plist){0};
+    tp_status st = tp_module_named_parameters(m, tp__plist_add, l);
+    if (st != TP_OK) {
+        tp__error_prefix("%s", fn);
+        tp__plist_free(l);
+    }
+    return st;
+}
+
+/* The tensor that holds this rank's values: the local shard of a DTensor,
+ * the tensor itself otherwise. */
+static tp_tensor *tp__storage_of(tp_tensor *t)
+{
+    return tp_tensor_is_dtensor(t) ? tp_dtensor_local(t) : t;
+}
+
+/* This rank's block of a parameter: local shape and offset in the global
+ * tensor. */
+static tp_status tp__block_of(const char *fn, const char *fqn, tp_tensor *p, int64_t *shape,
+                              int64_t *offset)
+{
+    int nd = tp_tensor_ndim(p);
+    if (!tp_tensor_is_dtensor(p)) {
+        memcpy(shape, tp_tensor_shape(p), (size_t)nd * sizeof *shape);
+        memset(offset, 0, (size_t)nd * sizeof *offset);
+        return TP_OK;
+    }
+    tp_mesh *mesh = tp_dtensor_mesh(p);
+    const tp_placement *pl = tp_dtensor_placements(p);
+    int md = tp_mesh_ndim(mesh);
+    for (int d = 0; d < md; d++)
+        if (pl[d].kind == TP_PLACEMENT_PARTIAL)
+            return tp__error(TP_ERR_NOT_SUPPORTED,
+                             "%s: parameter '%s' has a Partial placement on mesh dim %d", fn,
+                             fqn, d);
+    tp_status st = tp_dtensor_shard_extent(mesh, nd, tp_tensor_shape(p), md, pl, NULL, shape,
+                                           offset);
+    if (st != TP_OK)
+        tp__error_prefix("%s: parameter '%s'", fn, fqn);
+    return st;
+}
+
+/* ---- initialisation ------------------------------------------------------- */
+
+static uint64_t tp__mix64(uint64_t x)
+{
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    return x;
+}
+
+/* FNV-1a over the FQN, started from the mixed seed, finished with a mix so
+ * that near FQNs ("net1.weight", "net2.weight") give unrelated streams. */
+static uint64_t tp__param_seed(uint64_t seed, const char *fqn)
+{
+    uint64_t h = 0xcbf29ce484222325ull ^ tp__mix64(seed);
+    for (const unsigned char *c = (const unsigned char *)fqn; *c; c++) {
+        h ^= *c;
+        h *= 0x100000001b3ull;
+    }
+    return tp__mix64(h);
+}
+
+typedef struct {
+    tp_module *root;
+    uint64_t seed;
+} tp__init_ctx;
+
+static tp_status tp__init_one(const char *fqn, tp_tensor *p, void *vctx)
+{
+    const char *fn = "tp_module_init";
+    tp__init_ctx *c = vctx;
+
+    /* the owner decides the distribution: split the FQN at its last dot */
+    const char *dot = strrchr(fqn, '.');
+    const char *local_name = dot ? dot + 1 : fqn;
+    tp_module *owner = c->root;
+    if (dot) {
+        size_t n = (size_t)(dot - fqn);
+        char *prefix = tp__malloc(n + 1);
+        if (!prefix)
+            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+        memcpy(prefix, fqn, n);
+        prefix[n] = '\0';
+        owner = tp_module_find(c->root, prefix);
+        tp__free(prefix);
+        TP_ASSERT(owner);
+    }
+
+    bool constant = false;
+    double value = 0, a = -0.1, b = 0.1;
+    tp_rng_dist dist = TP_RNG_UNIFORM;
+    switch (owner->kind) {
+    case TP_MODULE_LINEAR: {
+        int64_t in = owner->cfg.linear.in;
+        double bound = in > 0 ? 1.0 / sqrt((double)in) : 0.0;
+        a = -bound;
+        b = bound;
+        break;
+    }
+    case TP_MODULE_EMBEDDING:
+        dist = TP_RNG_NORMAL;
+        a = 0;
+        b = 1;
+        break;
+    case TP_MODULE_LAYER_NORM:
+    case TP_MODULE_RMS_NORM:
+        constant = true;
+        value = strcmp(local_name, "weight") == 0 ? 1.0 : 0.0;
+        break;
+    default:
+        break; /* custom parameters: uniform(-0.1, 0.1) */
+    }
+
+    int64_t shape[TP_MAX_DIMS], offset[TP_MAX_DIMS];
+    TP_CHECK(tp__block_of(fn, fqn, p, shape, offset));
+    tp_tensor *dst = tp__storage_of(p);
+    tp_status st = constant ? tp_tensor_fill(dst, value)
+                            : tp_tensor_fill_random(dst, dist, a, b, tp__param_seed(c->seed, fqn),
+                                                    tp_tensor_shape(p), offset);
+    if (st != TP_OK)
+        tp__error_prefix("%s: parameter '%s'", fn, fqn);
+    return st;
+}
+
+tp_status tp_module_init(tp_module *m, uint64_t seed)
+{
+    TP_ARG_CHECK(m, "tp_module_init: module is NULL");
+    tp__init_ctx c = {m, seed};
+    return tp_module_named_parameters(m, tp__init_one, &c);
+}
+
+/* ---- state dicts ----------------------------------------------------------- */
+
+/* Appends to a bounded message (silently stops at the end). */
+static void tp__msg_add(char *buf, size_t len, const char *s)
+{
+    size_t used = strlen(buf);
+    if (used + 1 >= len)
+        return;
+    size_t n = strlen(s);
+    if (n > len - used - 1)
+        n = len - used - 1;
+    memcpy(buf + used, s, n);
+    buf[used + n] = '\0';
+}
+
+tp_status tp_module_load_state_dict(tp_module *m, int n, const char *const *names,
+                                    tp_tensor *const *values, bool strict)
+{
+    const char *fn = "tp_module_load_state_dict";
+    TP_ARG_CHECK(m, "%s: module is NULL", fn);
+    TP_ARG_CHECK(n >= 0, "%s: n %d is negative", fn, n);
+    TP_ARG_CHECK(n == 0 || (names && values), "%s: names or values is NULL with n = %d", fn, n);
+    for (int i = 0; i < n; i++) {
+        TP_ARG_CHECK(names[i], "%s: names[%d] is NULL", fn, i);
+        TP_ARG_CHECK(values[i], "%s: the value of '%s' is NULL", fn, names[i]);
+        TP_ARG_CHECK(!tp_tensor_is_dtensor(values[i]),
+                     "%s: the value of '%s' is a DTensor; pass the full tensor "
+                     "(tp_dtensor_full_tensor)", fn, names[i]);
+    }
+
+    tp__plist l;
+    TP_CHECK(tp__plist_of(fn, m, &l));
+    tp_status st = TP_OK;
+    int *match = tp__malloc((size_t)(n ? n : 1) * sizeof *match);
+    bool *named = tp__calloc((size_t)(l.n ? l.n : 1), sizeof *named);
+    if (!match || !named) {
+        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+        goto done;
+    }
+
+    /* Every check before any copy: a refused load leaves the module as it
+     * was. */
+    char unknown[512] = "", missing[512] = "";
+    for (int i = 0; i < n; i++) {
+        match[i] = -1;
+        for (int j = 0; j < l.n; j++)
+            if (!strcmp(names[i], l.fqn[j])) {
+                match[i] = j;
+                break;
+            }
+        if (match[i] < 0) {
+            if (unknown[0])
+                tp__msg_add(unknown, sizeof unknown, ", ");
+            tp__msg_add(unknown, sizeof unknown, names[i]);
+            continue;
+        }
+        named[match[i]] = true;
+        tp_tensor *p = l.t[match[i]];
+        int nd = tp_tensor_ndim(p);
+        if (tp_tensor_ndim(values[i]) != nd ||
+            memcmp(tp_tensor_shape(values[i]), tp_tensor_shape(p), (size_t)nd * sizeof(int64_t))) {
+            char a[128], b[128];
+            st = tp__error(TP_ERR_INVALID_ARG,
+                           "%s: the value of '%s' has shape %s, the parameter has %s", fn,
+                           names[i],
+                           tp__shape_str(tp_tensor_ndim(values[i]), tp_tensor_shape(values[i]),
+                                         a, sizeof a),
+                           tp__shape_str(nd, tp_tensor_shape(p), b, sizeof b));
+            goto done;
+        }
+        int64_t shape[TP_MAX_DIMS], offset[TP_MAX_DIMS];
+        TP_CHECK_GOTO(tp__block_of(fn, names[i], p, shape, offset), st, done);
+    }
+    for (int j = 0; j < l.n; j++)
+        if (!named[j]) {
+            if (missing[0])
+                tp__msg_add(missing, sizeof missing, ", ");
+            tp__msg_add(missing, sizeof missing, l.fqn[j]);
+        }
+    if (strict && (unknown[0] || missing[0])) {
+        st = tp__error(TP_ERR_INVALID_ARG, "%s: %s%s%s%s%s", fn,
+                       unknown[0] ? "unknown names: " : "", unknown,
+                       unknown[0] && missing[0] ? "; " : "",
+                       missing[0] ? "missing parameters: " : "", missing);
+        goto done;
+    }
+
+    for (int i = 0; i < n && st == TP_OK; i++) {
+        if (match[i] < 0)
+            continue;
+        tp_tensor *p = l.t[match[i]];
+        int64_t shape[TP_MAX_DIMS], offset[TP_MAX_DIMS];
+        TP_CHECK_GOTO(tp__block_of(fn, names[i], p, shape, offset), st, done);
+        /* this rank's block of the full value: narrow every dim */
+        tp_tensor *src = tp_tensor_retain(values[i]);
+        for (int d = 0; d < tp_tensor_ndim(p) && st == TP_OK; d++) {
+            tp_tensor *v = NULL;
+            st = tp_tensor_narrow(src, d, offset[d], shape[d], &v);
+            tp_tensor_release(src);
+            src = v;
+        }
+        if (st == TP_OK)
+            st = tp_tensor_copy(tp__storage_of(p), src);
+        tp_tensor_release(src);
+        if (st != TP_OK)
+            tp__error_prefix("%s: '%s'", fn, names[i]);
+    }
+
+done:
+    tp__free(match);
+    tp__free(named);
+    tp__plist_free(&l);
+    return st;
+}
+
+tp_status tp_module_state_dict(tp_module *m,
+                               tp_status (*fn)(const char *fqn, tp_tensor *full, void *ctx),
+                               void *ctx)
+{
+    const char *f = "tp_module_state_dict";
+    TP_ARG_CHECK(m, "%s: module is NULL", f);
+    TP_ARG_CHECK(fn, "%s: fn is NULL", f);
+    /* listed first: fn may be anything, the walk stays out of its way */
+    tp__plist l;
+    TP_CHECK(tp__plist_of(f, m, &l));
+    tp_status st = TP_OK;
+    for (int i = 0; i < l.n && st == TP_OK; i++) {
+        tp_tensor *full = NULL;
+        tp_no_grad_begin();
+        st = tp_tensor_is_dtensor(l.t[i]) ? tp_dtensor_full_tensor(l.t[i], &full)
+                                          : tp_tensor_clone(l.t[i], &full);
+        tp_no_grad_end();
+        if (st != TP_OK) {
+            tp__error_prefix("%s: '%s'", f, l.fqn[i]);
+            break;
+        }
+        st = fn(l.fqn[i], full, ctx);
+        tp_tensor_release(full);
+    }
+    tp__plist_free(&l);
+    return st;
+}
+
+/* ---- optimizers ------------------------------------------------------------ */
+
+static bool tp__same_placements(const tp_tensor *a, const tp_tensor *b)
+{
+    int md = tp_mesh_ndim(tp_dtensor_mesh(a));
+    if (tp_dtensor_mesh(a) != tp_dtensor_mesh(b))
+        return false;
+    const tp_placement *pa = tp_dtensor_placements(a), *pb = tp_dtensor_placements(b);
+    for (int d = 0; d < md; d++) {
+        if (pa[d].kind != pb[d].kind)
+            return false;
+        if (pa[d].kind == TP_PLACEMENT_SHARD && pa[d].dim != pb[d].dim)
+            return false;
+        if (pa[d].kind == TP_PLACEMENT_PARTIAL && pa[d].op != pb[d].op)
+            return false;
+    }
+    return true;
+}
+
+/* This rank's gradient block of p as a contiguous f32 CPU tensor (a new
+ * reference), or NULL when p has no gradient. A gradient whose layout
+ * differs from the parameter's (a Partial one) is redistributed to it
+ * first: collective. */
+static tp_status tp__local_grad(const char *fn, const char *fqn, tp_tensor *p, tp_tensor **out)
+{
+    *out = NULL;
+    tp_tensor *g = tp_tensor_grad(p);
+    if (!g)
+        return TP_OK;
+    if (tp_tensor_is_dtensor(p) != tp_tensor_is_dtensor(g))
+        return tp__error(TP_ERR_STATE, "%s: parameter '%s' is %s but its gradient is %s", fn,
+                         fqn, tp_tensor_is_dtensor(p) ? "a DTensor" : "plain",
+                         tp_tensor_is_dtensor(g) ? "a DTensor" : "plain");
+    tp_tensor *gl = NULL;
+    tp_status st = TP_OK;
+    if (tp_tensor_is_dtensor(p) && !tp__same_placements(p, g)) {
+        tp_tensor *r = NULL;
+        tp_no_grad_begin();
+        st = tp_dtensor_redistribute(g, tp_mesh_ndim(tp_dtensor_mesh(p)),
+                                     tp_dtensor_placements(p), &r);
+        tp_no_grad_end();
+        if (st != TP_OK) {
+            tp__error_prefix("%s: reducing the gradient of '%s'", fn, fqn);
+            return st;
+        }
+        gl = tp_tensor_retain(tp_dtensor_local(r));
+        tp_tensor_release(r);
+    } else {
+        gl = tp_tensor_retain(tp__storage_of(g));
+    }
+    tp_tensor *pl = tp__storage_of(p);
+    if (tp_tensor_ndim(gl) != tp_tensor_ndim(pl) ||
+        memcmp(tp_tensor_shape(gl), tp_tensor_shape(pl),
+               (size_t)tp_tensor_ndim(pl) * sizeof(int64_t))) {
+        tp_tensor_release(gl);
+        return tp__error(TP_ERR_STATE, "%s: the gradient of '%s' does not match its shape", fn,
+                         fqn);
+    }
+    if (tp_tensor_dtype(gl) != TP_F32 || tp_tensor_device(gl).type != TP_DEVICE_CPU ||
+        !tp_tensor_is_contiguous(gl)) {
+        tp_tensor *c = NULL;
+        st = tp_tensor_to(gl, TP_F32, TP_CPU, &c);
+        tp_tensor_release(gl);
+        if (st != TP_OK)
+            return st;
+        gl = c;
+    }
+    *out = gl;
+    return TP_OK;
+}
+
+/* Updates run on a contiguous f32 view of the parameter's local storage: the
+ * storage itself when it is one, else a copy written back afterwards. */
+static tp_status tp__param_begin(const char *fn, const char *fqn, tp_tensor *p, tp_tensor **work)
+{
+    tp_tensor *pl = tp__storage_of(p);
+    if (tp_tensor_dtype(pl) != TP_F32 || tp_tensor_device(pl).type != TP_DEVICE_CPU)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: parameter '%s' is %s on %s; only f32 CPU "
+                         "parameters are supported", fn, fqn, tp_dtype_name(tp_tensor_dtype(pl)),
+                         tp_tensor_device(pl).type == TP_DEVICE_CPU ? "the CPU" : "CUDA");
+    if (tp_tensor_is_contiguous(pl)) {
+        *work = tp_tensor_retain(pl);
+        return TP_OK;
+    }
+    return tp_tensor_clone(pl, work);
+}
+
+static tp_status tp__param_end(tp_tensor *p, tp_tensor *work)
+{
+    tp_tensor *pl = tp__storage_of(p);
+    tp_status st = work == pl ? TP_OK : tp_tensor_copy(pl, work);
+    tp_tensor_release(work);
+    return st;
+}
+
+tp_status tp_sgd_step(tp_module *m, double lr)
+{
+    const char *fn = "tp_sgd_step";
+    TP_ARG_CHECK(m, "%s: module is NULL", fn);
+    TP_ARG_CHECK(isfinite(lr) && lr >= 0, "%s: lr %g must be finite and >= 0", fn, lr);
+    tp__plist l;
+    TP_CHECK(tp__plist_of(fn, m, &l));
+    tp_status st = TP_OK;
+    for (int i = 0; i < l.n && st == TP_OK; i++) {
+        tp_tensor *g = NULL, *w = NULL;
+        st = tp__local_grad(fn, l.fqn[i], l.t[i], &g);
+        if (st != TP_OK || !g)
+            continue;
+        st = tp__param_begin(fn, l.fqn[i], l.t[i], &w);
+        if (st == TP_OK) {
+            float *pd = tp_tensor_data(w);
+            const float *gd = tp_tensor_data(g);
+            int64_t ne = tp_tensor_numel(w);
+            for (int64_t k = 0; k < ne; k++)
+                pd[k] = (float)((double)pd[k] - lr * (double)gd[k]);
+            st = tp__param_end(l.t[i], w);
+        }
+        tp_tensor_release(g);
+    }
+    tp__plist_free(&l);
+    return st;
+}
+
+/* Per-parameter state, keyed by FQN and created at the parameter's first
+ * step with a gradient (as torch.optim.Adam's lazy state). */
+typedef struct {
+    char *fqn;
+    tp_tensor *param; /* retained: a replaced parameter is detected, not updated */
+    tp_tensor *m, *v; /* f32, the local block's shape */
+    int64_t step;
+} tp__adam_state;
+
+struct tp_adam {
+    tp_module *module;
+    double lr, beta1, beta2, eps;
+    int n, cap;
+    tp__adam_state *s;
+};
+
+tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, double eps,
+                         tp_adam **out)
+{
+    const char *fn = "tp_adam_create";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    TP_ARG_CHECK(m, "%s: module is NULL", fn);
+    TP_ARG_CHECK(isfinite(lr) && lr >= 0, "%s: lr %g must be finite and >= 0", fn, lr);
+    TP_ARG_CHECK(beta1 >= 0 && beta1 < 1, "%s: beta1 %g must be in [0, 1)", fn, beta1);
+    TP_ARG_CHECK(beta2 >= 0 && beta2 < 1, "%s: beta2 %g must be in [0, 1)", fn, beta2);
+    TP_ARG_CHECK(isfinite(eps) && eps >= 0, "%s: eps %g must be finite and >= 0", fn, eps);
+    tp_adam *o = tp__calloc(1, sizeof *o);
+    if (!o)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    o->module = m;
+    o->lr = lr ? lr : 1e-3;
+    o->beta1 = beta1 ? beta1 : 0.9;
+    o->beta2 = beta2 ? beta2 : 0.999;
+    o->eps = eps ? eps : 1e-8;
+    *out = o;
+    return TP_OK;
+}
+
+void tp_adam_free(tp_adam *opt)
+{
+    if (!opt)
+        return;
+    for (int i = 0; i < opt->n; i++) {
+        tp__free(opt->s[i].fqn);
+        tp_tensor_release(opt->s[i].param);
+        tp_tensor_release(opt->s[i].m);
+        tp_tensor_release(opt->s[i].v);
+    }
+    tp__free(opt->s);
+    tp__free(opt);
+}
+
+static tp_status tp__adam_state_of(tp_adam *o, const char *fqn, tp_tensor *p, tp_tensor *work,
+                                   tp__adam_state **out)
+{
+    const char *fn = "tp_adam_step";
+    for (int i = 0; i < o->n; i++)
+        if (!strcmp(o->s[i].fqn, fqn)) {
+            if (o->s[i].param != p)
+                return tp__error(TP_ERR_STATE,
+                                 "%s: parameter '%s' was replaced after its first step; create "
+                                 "the optimizer after parallelizing the module", fn, fqn);
+            *out = &o->s[i];
+            return TP_OK;
+        }
+    if (o->n == o->cap) {
+        int cap = o->cap ? 2 * o->cap : 16;
+        tp__adam_state *s = tp__malloc((size_t)cap * sizeof *s);
+        if (!s)
+            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+        if (o->n)
+            memcpy(s, o->s, (size_t)o->n * sizeof *s);
+        tp__free(o->s);
+        o->s = s;
+        o->cap = cap;
+    }
+    tp__adam_state st = {0};
+    st.fqn = tp__strdup(fqn);
+    tp_status rc = st.fqn ? TP_OK : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    if (rc == TP_OK)
+        rc = tp_tensor_zeros(TP_F32, TP_CPU, tp_tensor_ndim(work), tp_tensor_shape(work), &st.m);
+    if (rc == TP_OK)
+        rc = tp_tensor_zeros(TP_F32, TP_CPU, tp_tensor_ndim(work), tp_tensor_shape(work), &st.v);
+    if (rc != TP_OK) {
+        tp__free(st.fqn);
+        tp_tensor_release(st.m);
+        tp_tensor_release(st.v);
+        return rc;
+    }
+    st.param = tp_tensor_retain(p);
+    o->s[o->n] = st;
+    *out = &o->s[o->n++];
+    return TP_OK;
+}
+
+tp_status tp_adam_step(tp_adam *opt)
+{
+    const char *fn = "tp_adam_step";
+    TP_ARG_CHECK(opt, "%s: optimizer is NULL", fn);
+    tp__plist l;
+    TP_CHECK(tp__plist_of(fn, opt->module, &l));
+    tp_status st = TP_OK;
+    const double b1 = opt->beta1, b2 = opt->beta2;
+    for (int i = 0; i < l.n && st == TP_OK; i++) {
+        tp_tensor *g = NULL, *w = NULL;
+        st = tp__local_grad(fn, l.fqn[i], l.t[i], &g);
+        if (st != TP_OK || !g)
+            continue;
+        st = tp__param_begin(fn, l.fqn[i], l.t[i], &w);
+        tp__adam_state *s = NULL;
+        if (st == TP_OK)
+            st = tp__adam_state_of(opt, l.fqn[i], l.t[i], w, &s);
+        if (st == TP_OK) {
+            /* torch.optim.Adam (foreach=False, amsgrad=False, no weight decay):
+             * p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps) */
+            s->step++;
+            double bc1 = 1.0 - pow(b1, (double)s->step), bc2 = 1.0 - pow(b2, (double)s->step);
+            double step_size = opt->lr / bc1, bc2_sqrt = sqrt(bc2);
+            float *pd = tp_tensor_data(w), *md = tp_tensor_data(s->m), *vd = tp_tensor_data(s->v);
+            const float *gd = tp_tensor_data(g);
+            int64_t ne = tp_tensor_numel(w);
+            for (int64_t k = 0; k < ne; k++) {
+                double gk = gd[k];
+                md[k] = (float)(b1 * md[k] + (1.0 - b1) * gk);
+                vd[k] = (float)(b2 * vd[k] + (1.0 - b2) * gk * gk);
+                double denom = sqrt((double)vd[k]) / bc2_sqrt + opt->eps;
+                pd[k] = (float)((double)pd[k] - step_size * (double)md[k] / denom);
+            }
+        }
+        if (w && st == TP_OK)
+            st = tp__param_end(l.t[i], w);
+        else
+            tp_tensor_release(w);
+        tp_tensor_release(g);
+    }
+    tp__plist_free(&l);
+    return st;
+}

@@ -1,0 +1,29 @@
+/* Internal interface between styles.c (the style objects and their hooks) and
+ * parallelize.c (plan matching). Not installed. */
+#ifndef TP_STYLES_INTERNAL_H
+#define TP_STYLES_INTERNAL_H
+
+#include <stdbool.h>
+
+#include "nn/nn_internal.h"
+#include "tp/styles.h"
+
+/* "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+ * "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput". */
+const char *tp__style_name(const tp_style *s);
+
+/* true for the styles that distribute parameters (Colwise, Rowwise,
+ * SequenceParallel): at most one of them per module. */
+bool tp__style_shards_params(const tp_style *s);
+
+/* Local check (no communication, nothing changed) that the style can apply to
+ * m, whose FQN relative to the parallelized root is fqn: Colwise/Rowwise need
+ * a Linear or an Embedding. */
+tp_status tp__style_check(const tp_style *s, const tp_module *m, const char *fqn);
+
+/* Applies the style to m: distributes its parameters (collective over the
+ * mesh when src_rank >= 0) and installs the hooks. */
+tp_status tp__style_apply(const tp_style *s, tp_module *m, const char *fqn, tp_mesh *mesh,
+                          bool params_everywhere);
+
+#endif /* TP_STYLES_INTERNAL_H */
