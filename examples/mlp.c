@@ -1,0 +1,498 @@
+/*
+ * mlp.c - tensor parallelism on a 2-layer MLP, checked against one rank.
+ *
+ * The model is a custom module "MLP" with the children net1 = Linear(16, 64),
+ * relu and net2 = Linear(64, 16). It trains for a few SGD steps (lr 0.05) on
+ * a fixed synthetic regression batch, loss = mean((y - t)^2), three ways:
+ *
+ *   no TP   plain tensors, 1 rank: the reference
+ *   TP      {"net1": Colwise, "net2": Rowwise}
+ *   TP+SP   {"net1": Colwise(input_layouts=S(0)), "net2": Rowwise(output_layouts=S(0))}
+ *           (sequence parallel: every rank feeds only its rows of the batch)
+ *
+ * on 1, 2 and 4 ranks (threads of this process, tp_run_local). Parameters are
+ * initialised with tp_module_init after parallelizing, so every run starts
+ * from the same global values; each run's losses and final parameters must
+ * equal the reference's within rtol 1e-5, atol 1e-6. The collectives of one
+ * training step are printed per run with tp_comm_debug_write_table.
+ *
+ * Usage: tp-example-mlp [-r RANKS] [-s STEPS]
+ *   -r RANKS  run the TP and TP+SP plans on this many ranks only, a divisor of
+ *             the hidden size 64 (default 1, 2 and 4; the 1-rank reference
+ *             always runs)
+ *   -s STEPS  training steps (default 5)
+ * Exit status 0 when every run matches the reference, 1 otherwise.
+ */
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <tp.h>
+
+enum { BATCH = 8, IN = 16, HIDDEN = 64, OUT = 16 };
+enum { MAX_STEPS = 100, MAX_PARAMS = 8, MAX_RUNS = 32 };
+
+#define LR 0.05
+#define RTOL 1e-5
+#define ATOL 1e-6
+#define PARAM_SEED 2024
+#define INPUT_SEED 1
+#define TARGET_SEED 2
+
+typedef enum run_mode { MODE_NONE = 0, MODE_TP, MODE_SP } run_mode;
+
+static const char *const mode_name[] = {"no TP", "TP", "TP+SP"};
+static const char *const mode_plan[] = {
+    "(not parallelized)",
+    "{\"net1\": Colwise, \"net2\": Rowwise}",
+    "{\"net1\": Colwise(input_layouts=S(0)), \"net2\": Rowwise(output_layouts=S(0))}",
+};
+
+/* A parameter's full value at the end of a run, gathered by rank 0. */
+typedef struct param_value {
+    char fqn[64];
+    tp_tensor *full;
+} param_value;
+
+/* One run: its configuration, and what rank 0 recorded. */
+typedef struct run {
+    run_mode mode;
+    int ranks;
+    int steps;
+    double loss[MAX_STEPS];
+    int nparams;
+    param_value params[MAX_PARAMS];
+    tp_comm_debug *debug; /* the collectives of training step 0 on rank 0 */
+    tp_status status;
+    double loss_diff, param_diff; /* max |run - reference| */
+    bool ok;
+} run;
+
+/* ---- error reporting ------------------------------------------------------ */
+
+/* Prints a failed call with the library's message. A rank that only returns
+ * TP_ERR_ABORTED because a peer failed stays quiet: the peer reports. */
+static void report(tp_status st, const char *call, int line)
+{
+    if (st == TP_ERR_ABORTED)
+        return;
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", tp_last_error());
+    fprintf(stderr, "mlp.c:%d: %s failed: %s: %s\n", line, call, tp_status_name(st), msg);
+}
+
+/* Runs a call returning tp_status; on failure reports it and jumps to `out`
+ * (the function declares `tp_status st`). */
+#define CHECK(call)                                                                          \
+    do {                                                                                     \
+        st = (call);                                                                         \
+        if (st != TP_OK) {                                                                   \
+            report(st, #call, __LINE__);                                                     \
+            goto out;                                                                        \
+        }                                                                                    \
+    } while (0)
+
+/* ---- the model ------------------------------------------------------------ */
+
+/* MLP.forward(x) = net2(relu(net1(x))). */
+static tp_status mlp_forward(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                             const tp_kwarg *kw, tp_tensor **out)
+{
+    (void)kw;
+    if (nargs != 1 || nkw != 0) {
+        fprintf(stderr, "MLP.forward takes one input, got %d and %d keywords\n", nargs, nkw);
+        return TP_ERR_INVALID_ARG;
+    }
+    tp_status st;
+    tp_tensor *h = NULL, *a = NULL;
+    CHECK(tp_module_call(tp_module_child(self, "net1"), args[0], &h));
+    CHECK(tp_module_call(tp_module_child(self, "relu"), h, &a));
+    CHECK(tp_module_call(tp_module_child(self, "net2"), a, out));
+out:
+    tp_tensor_release(a);
+    tp_tensor_release(h);
+    return st;
+}
+
+/* Hangs child under parent; frees it when the parent does not take it. */
+static tp_status adopt(tp_module *parent, const char *name, tp_module *child)
+{
+    tp_status st = tp_module_add_child(parent, name, child);
+    if (st != TP_OK)
+        tp_module_free(child);
+    return st;
+}
+
+static tp_status build_mlp(tp_module **out)
+{
+    tp_status st;
+    tp_module *m = NULL, *c = NULL;
+    *out = NULL;
+    CHECK(tp_custom_module_create("MLP", mlp_forward, NULL, NULL, &m));
+    CHECK(tp_linear_create(IN, HIDDEN, true, &c));
+    CHECK(adopt(m, "net1", c));
+    CHECK(tp_relu_create(&c));
+    CHECK(adopt(m, "relu", c));
+    CHECK(tp_linear_create(HIDDEN, OUT, true, &c));
+    CHECK(adopt(m, "net2", c));
+    *out = m;
+    m = NULL;
+out:
+    tp_module_free(m);
+    return st;
+}
+
+static tp_status parallelize_mlp(tp_module *m, tp_mesh *mesh, run_mode mode)
+{
+    tp_status st;
+    tp_style *col = NULL, *row = NULL;
+    tp_colwise_options co = {0};
+    tp_rowwise_options ro = {0};
+    if (mode == MODE_SP) {
+        /* the batch rows arrive sharded, and leave sharded again */
+        co.input_layouts = tp_layout_of(tp_shard(0));
+        ro.output_layouts = tp_layout_of(tp_shard(0));
+    }
+    CHECK(tp_colwise_parallel(&co, &col));
+    CHECK(tp_rowwise_parallel(&ro, &row));
+    const tp_plan_entry plan[] = {{"net1", col}, {"net2", row}};
+    /* tp_module_init overwrites every parameter right after, so nothing needs
+     * to be sent from rank 0 */
+    tp_parallelize_options po = {.params_everywhere = true};
+    CHECK(tp_parallelize_module(m, mesh, 2, plan, &po));
+out:
+    tp_style_free(col);
+    tp_style_free(row);
+    return st;
+}
+
+/* ---- training --------------------------------------------------------------- */
+
+/*
+ * loss = mean((y - t)^2) of one forward pass. Without sequence parallelism x
+ * and t are the whole batch and so is the output. With it they hold this
+ * rank's rows only, and so does the output: the squared errors become a
+ * Shard(0) DTensor of the global [BATCH, OUT] shape, whose mean over every
+ * element is a Partial(sum) (each rank's sum divided by the global count);
+ * full_tensor adds the terms up (one all_reduce) into the value the 1-rank
+ * run computes, and its backward hands every rank 1 / (BATCH * OUT) per local
+ * element, without communication.
+ */
+static tp_status mse_loss(tp_tensor *y, tp_tensor *t, tp_mesh *mesh, run_mode mode,
+                          tp_tensor **loss)
+{
+    tp_status st;
+    tp_tensor *neg = NULL, *diff = NULL, *sq = NULL, *sq_dt = NULL, *mean = NULL;
+    CHECK(tp_scale(t, -1.0, &neg));
+    CHECK(tp_add(y, neg, &diff));
+    CHECK(tp_mul(diff, diff, &sq));
+    if (mode == MODE_SP) {
+        const tp_placement s0 = tp_shard(0);
+        const int64_t global[2] = {BATCH, OUT};
+        const tp_from_local_options fo = {.global_shape = global};
+        CHECK(tp_dtensor_from_local(mesh, sq, 1, &s0, &fo, &sq_dt));
+        CHECK(tp_mean_all(sq_dt, &mean));
+        CHECK(tp_dtensor_full_tensor(mean, loss));
+    } else {
+        CHECK(tp_mean_all(sq, loss));
+    }
+out:
+    tp_tensor_release(mean);
+    tp_tensor_release(sq_dt);
+    tp_tensor_release(sq);
+    tp_tensor_release(diff);
+    tp_tensor_release(neg);
+    return st;
+}
+
+/* One SGD step on (x, t); *loss_value receives the loss before the update.
+ * The loss and the SGD step run in comm-debug scopes of their own ("loss",
+ * "SGD"), so that the tables attribute their collectives. */
+static tp_status train_step(tp_module *model, tp_mesh *mesh, run_mode mode, tp_tensor *x,
+                            tp_tensor *t, double *loss_value)
+{
+    tp_status st;
+    tp_tensor *y = NULL, *loss = NULL;
+    CHECK(tp_module_call(model, x, &y));
+    CHECK(tp_comm_debug_push_scope("loss"));
+    st = mse_loss(y, t, mesh, mode, &loss);
+    tp_status pop = tp_comm_debug_pop_scope();
+    CHECK(st != TP_OK ? st : pop);
+    CHECK(tp_tensor_get(loss, NULL, loss_value));
+    CHECK(tp_backward(loss, NULL));
+    CHECK(tp_comm_debug_push_scope("SGD"));
+    st = tp_sgd_step(model, LR);
+    pop = tp_comm_debug_pop_scope();
+    CHECK(st != TP_OK ? st : pop);
+    tp_module_zero_grad(model);
+out:
+    tp_tensor_release(loss);
+    tp_tensor_release(y);
+    return st;
+}
+
+/* tp_module_state_dict callback: rank 0 keeps a copy of every full value. */
+static tp_status keep_param(const char *fqn, tp_tensor *full, void *ctx)
+{
+    run *r = ctx;
+    if (!r)
+        return TP_OK; /* not rank 0 */
+    if (r->nparams == MAX_PARAMS) {
+        fprintf(stderr, "more than %d parameters\n", MAX_PARAMS);
+        return TP_ERR_NO_MEMORY;
+    }
+    param_value *p = &r->params[r->nparams];
+    snprintf(p->fqn, sizeof p->fqn, "%s", fqn);
+    tp_status st = tp_tensor_clone(full, &p->full);
+    if (st == TP_OK)
+        r->nparams++;
+    return st;
+}
+
+/* The body of every rank of a run. */
+static tp_status mlp_rank(tp_comm *world, void *arg)
+{
+    run *r = arg;
+    const int rank = tp_comm_rank(world);
+    tp_status st;
+    tp_mesh *mesh = NULL;
+    tp_module *model = NULL;
+    tp_tensor *x = NULL, *t = NULL, *x_rows = NULL, *x_in = NULL, *t_in = NULL;
+    tp_comm_debug *debug = NULL;
+
+    if (r->mode != MODE_NONE) {
+        const int64_t size = tp_comm_size(world);
+        const char *const names[1] = {"tp"};
+        CHECK(tp_mesh_create(world, 1, &size, names, &mesh));
+    }
+    CHECK(build_mlp(&model));
+    if (r->mode != MODE_NONE)
+        CHECK(parallelize_mlp(model, mesh, r->mode));
+    CHECK(tp_module_init(model, PARAM_SEED));
+
+    /* the global batch: every rank generates the same values */
+    const int64_t xshape[2] = {BATCH, IN}, tshape[2] = {BATCH, OUT};
+    CHECK(tp_tensor_empty(TP_F32, TP_CPU, 2, xshape, &x));
+    CHECK(tp_tensor_fill_random(x, TP_RNG_NORMAL, 0.0, 1.0, INPUT_SEED, NULL, NULL));
+    CHECK(tp_tensor_empty(TP_F32, TP_CPU, 2, tshape, &t));
+    CHECK(tp_tensor_fill_random(t, TP_RNG_NORMAL, 0.0, 1.0, TARGET_SEED, NULL, NULL));
+    if (r->mode == MODE_SP) {
+        /* this rank's rows: its Shard(0) block of the batch */
+        const tp_placement s0 = tp_shard(0);
+        int64_t local[2], offset[2];
+        CHECK(tp_dtensor_shard_extent(mesh, 2, xshape, 1, &s0, NULL, local, offset));
+        CHECK(tp_tensor_narrow(x, 0, offset[0], local[0], &x_rows));
+        CHECK(tp_tensor_narrow(t, 0, offset[0], local[0], &t_in));
+        /* The rows go in as a Shard(0) DTensor that knows the global shape. A
+         * plain tensor would do when the ranks divide the batch evenly, but
+         * the style wraps it with tp_dtensor_from_local without a global
+         * shape, which assumes even shards (BATCH 8 on 3 ranks holds 3, 3
+         * and 2 rows, and the all_gather would fail) */
+        const tp_from_local_options fo = {.global_shape = xshape};
+        CHECK(tp_dtensor_from_local(mesh, x_rows, 1, &s0, &fo, &x_in));
+    } else {
+        x_in = tp_tensor_retain(x);
+        t_in = tp_tensor_retain(t);
+    }
+
+    CHECK(tp_comm_debug_create(&debug));
+    for (int step = 0; step < r->steps; step++) {
+        double loss = 0.0;
+        if (step == 0)
+            CHECK(tp_comm_debug_begin(debug));
+        CHECK(train_step(model, mesh, r->mode, x_in, t_in, &loss));
+        if (step == 0)
+            CHECK(tp_comm_debug_end(debug));
+        if (rank == 0)
+            r->loss[step] = loss;
+    }
+    CHECK(tp_module_state_dict(model, keep_param, rank == 0 ? r : NULL));
+    if (rank == 0) {
+        r->debug = debug; /* main reads it after tp_run_local joined the ranks */
+        debug = NULL;
+    }
+out:
+    tp_comm_debug_free(debug);
+    tp_tensor_release(t_in);
+    tp_tensor_release(x_in);
+    tp_tensor_release(x_rows);
+    tp_tensor_release(t);
+    tp_tensor_release(x);
+    tp_module_free(model); /* before the mesh its DTensors live on */
+    tp_mesh_free(mesh);
+    return st;
+}
+
+/* ---- comparing runs --------------------------------------------------------- */
+
+static bool close_to(double a, double ref)
+{
+    return fabs(a - ref) <= ATOL + RTOL * fabs(ref);
+}
+
+/* Compares r with the reference: losses per step, then every parameter. */
+static void compare(run *r, const run *ref)
+{
+    r->ok = r->status == TP_OK && r->nparams == ref->nparams;
+    r->loss_diff = r->param_diff = 0.0;
+    if (r->status != TP_OK)
+        return;
+    for (int s = 0; s < r->steps; s++) {
+        double d = fabs(r->loss[s] - ref->loss[s]);
+        r->loss_diff = d > r->loss_diff ? d : r->loss_diff;
+        if (!close_to(r->loss[s], ref->loss[s]))
+            r->ok = false;
+    }
+    for (int i = 0; i < ref->nparams; i++) {
+        const param_value *want = &ref->params[i];
+        const param_value *got = NULL;
+        for (int j = 0; j < r->nparams && !got; j++)
+            if (!strcmp(r->params[j].fqn, want->fqn))
+                got = &r->params[j];
+        double d = 0.0;
+        bool close = false;
+        if (!got || tp_tensor_max_abs_diff(got->full, want->full, &d) != TP_OK ||
+            tp_tensor_allclose(got->full, want->full, RTOL, ATOL, &close) != TP_OK || !close) {
+            fprintf(stderr, "  parameter %s differs from the reference (max |diff| %.3g)%s\n",
+                    want->fqn, d, got ? "" : ": missing");
+            r->ok = false;
+        }
+        r->param_diff = d > r->param_diff ? d : r->param_diff;
+    }
+}
+
+static void run_free(run *r)
+{
+    for (int i = 0; i < r->nparams; i++)
+        tp_tensor_release(r->params[i].full);
+    r->nparams = 0;
+    tp_comm_debug_free(r->debug);
+    r->debug = NULL;
+}
+
+/* ---- main ------------------------------------------------------------------- */
+
+static int parse_int(const char *s, int lo, int hi, const char *what)
+{
+    char *end = NULL;
+    long v = s ? strtol(s, &end, 10) : 0;
+    if (!s || *end || v < lo || v > hi) {
+        fprintf(stderr, "%s must be an integer in [%d, %d]\n", what, lo, hi);
+        return -1;
+    }
+    return (int)v;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: tp-example-mlp [-r RANKS] [-s STEPS]\n"
+               "  -r RANKS  rank count of the TP runs, dividing %d (default: 1, 2 and 4)\n"
+               "  -s STEPS  SGD steps (default 5)\n",
+            HIDDEN);
+}
+
+int main(int argc, char **argv)
+{
+    int rank_counts[3] = {1, 2, 4}, n_counts = 3, steps = 5;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(argv[i], "-r")) {
+            rank_counts[0] = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, HIDDEN, "-r RANKS");
+            n_counts = 1;
+            if (rank_counts[0] < 0)
+                return 2;
+            /* net1's local output reaches net2 as a plain tensor, which
+             * RowwiseParallel wraps assuming even shards of the hidden dim */
+            if (HIDDEN % rank_counts[0]) {
+                fprintf(stderr, "-r RANKS must divide the hidden size %d\n", HIDDEN);
+                return 2;
+            }
+        } else if (!strcmp(argv[i], "-s")) {
+            steps = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, MAX_STEPS, "-s STEPS");
+            if (steps < 0)
+                return 2;
+        } else {
+            usage(stderr);
+            return 2;
+        }
+    }
+
+    static run runs[MAX_RUNS];
+    int nruns = 0;
+    runs[nruns++] = (run){.mode = MODE_NONE, .ranks = 1, .steps = steps};
+    for (int c = 0; c < n_counts; c++)
+        for (int m = MODE_TP; m <= MODE_SP; m++)
+            runs[nruns++] = (run){.mode = (run_mode)m, .ranks = rank_counts[c], .steps = steps};
+
+    printf("libtp example: MLP (net1 = Linear(%d, %d), ReLU, net2 = Linear(%d, %d)), batch %d,\n"
+           "loss mean((y - t)^2), SGD lr %g, %d steps; every run must match the 1-rank run\n"
+           "within rtol %g, atol %g\n",
+           IN, HIDDEN, HIDDEN, OUT, BATCH, LR, steps, RTOL, ATOL);
+
+    bool all_ok = true;
+    double worst_loss = 0.0, worst_param = 0.0;
+    for (int i = 0; i < nruns; i++) {
+        run *r = &runs[i];
+        printf("\n== %s on %d rank%s: %s\n", mode_name[r->mode], r->ranks, r->ranks > 1 ? "s" : "",
+               mode_plan[r->mode]);
+        fflush(stdout);
+        r->status = tp_run_local(r->ranks, mlp_rank, r);
+        if (r->status != TP_OK) {
+            fprintf(stderr, "run failed: %s: %s\n", tp_status_name(r->status), tp_last_error());
+            all_ok = false;
+            if (i == 0)
+                break; /* nothing to compare with */
+            continue;
+        }
+        printf("   loss per step:");
+        for (int s = 0; s < steps; s++)
+            printf(" %.6f", r->loss[s]);
+        printf("\n");
+        if (i > 0) {
+            compare(r, &runs[0]);
+            printf("   max |diff| vs the 1-rank run: loss %.3g, parameters %.3g  %s\n",
+                   r->loss_diff, r->param_diff, r->ok ? "ok" : "MISMATCH");
+            all_ok = all_ok && r->ok;
+            worst_loss = r->loss_diff > worst_loss ? r->loss_diff : worst_loss;
+            worst_param = r->param_diff > worst_param ? r->param_diff : worst_param;
+        }
+        printf("   collectives of training step 0 (rank 0; forward, backward, SGD step):\n");
+        fflush(stdout);
+        if (tp_comm_debug_write_table(r->debug, stdout) != TP_OK) {
+            fprintf(stderr, "tp_comm_debug_write_table: %s\n", tp_last_error());
+            all_ok = false;
+        }
+    }
+
+    /* the losses side by side, one column per run */
+    if (runs[0].status == TP_OK) {
+        printf("\nloss per step\nstep");
+        for (int i = 0; i < nruns; i++) {
+            char head[32];
+            snprintf(head, sizeof head, "%s/%d", mode_name[runs[i].mode], runs[i].ranks);
+            printf("  %10s", head);
+        }
+        printf("\n");
+        for (int s = 0; s < steps; s++) {
+            printf("%4d", s);
+            for (int i = 0; i < nruns; i++) {
+                if (runs[i].status == TP_OK)
+                    printf("  %10.6f", runs[i].loss[s]);
+                else
+                    printf("  %10s", "failed");
+            }
+            printf("\n");
+        }
+    }
+
+    printf("\n%s: %d runs; max |diff| vs the 1-rank run: loss %.3g, parameters %.3g "
+           "(rtol %g, atol %g)\n",
+           all_ok ? "PASS" : "FAIL", nruns, worst_loss, worst_param, RTOL, ATOL);
+    for (int i = 0; i < nruns; i++)
+        run_free(&runs[i]);
+    return all_ok ? 0 : 1;
+}
