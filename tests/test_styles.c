@@ -1661,3 +1661,75 @@ Test(styles, parallelize_arguments, .timeout = 30)
     sty_ctx c = {.w = 2};
     tp_test_run(2, args_body, &c, c.slot);
 }
+
+/* ---- uneven feature shards through Colwise -> Rowwise ---------------------- */
+/* 22 hidden features over 3 ranks (8, 7, 7): the plain local output of the
+ * colwise layer enters the rowwise one, which knows its in_features and so
+ * wraps the uneven shard correctly. */
+
+typedef struct {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} uneven_ctx;
+
+static tp_status uneven_build(tp_module **out)
+{
+    tp_module *seq = NULL, *a = NULL, *b = NULL;
+    TP_TEST_TRY(tp_sequential_create(&seq));
+    tp_status st = tp_linear_create(16, 22, true, &a);
+    if (st == TP_OK)
+        st = tp_module_add_child(seq, "net1", a);
+    if (st == TP_OK)
+        st = tp_linear_create(22, 16, true, &b);
+    if (st == TP_OK)
+        st = tp_module_add_child(seq, "net2", b);
+    if (st != TP_OK) {
+        tp_module_free(seq);
+        return st;
+    }
+    *out = seq;
+    return TP_OK;
+}
+
+static tp_status uneven_body(tp_comm *w, void *arg)
+{
+    uneven_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(w)];
+    int64_t n = tp_comm_size(w), xs[2] = {5, 16};
+    tp_mesh *mesh = NULL;
+    tp_module *ref = NULL, *par = NULL;
+    tp_style *col = NULL, *row = NULL;
+    tp_tensor *x = NULL, *yr = NULL, *yp = NULL;
+    RANK_OK(s, tp_mesh_create(w, 1, &n, NULL, &mesh));
+    RANK_OK(s, uneven_build(&ref));
+    RANK_OK(s, uneven_build(&par));
+    RANK_OK(s, tp_colwise_parallel(NULL, &col));
+    RANK_OK(s, tp_rowwise_parallel(NULL, &row));
+    tp_plan_entry plan[2] = {{"net1", col}, {"net2", row}};
+    RANK_OK(s, tp_parallelize_module(par, mesh, 2, plan, NULL));
+    RANK_OK(s, tp_module_init(ref, 9));
+    RANK_OK(s, tp_module_init(par, 9));
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, xs, &x));
+    RANK_OK(s, tp_tensor_fill_random(x, TP_RNG_UNIFORM, -1, 1, 3, NULL, NULL));
+    RANK_OK(s, tp_module_call(ref, x, &yr));
+    RANK_OK(s, tp_module_call(par, x, &yp));
+    bool ok = false;
+    RANK_OK(s, tp_tensor_allclose(yp, yr, 1e-5, 1e-5, &ok));
+    RANK_EXPECT(s, ok, "uneven colwise -> rowwise output differs from the plain module");
+    tp_tensor *all[] = {x, yr, yp};
+    for (size_t i = 0; i < 3; i++)
+        tp_tensor_release(all[i]);
+    tp_module_free(ref);
+    tp_module_free(par);
+    tp_style_free(col);
+    tp_style_free(row);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+Test(styles, uneven_feature_shards, .timeout = 60)
+{
+    for (int n = 1; n <= 4; n++) {
+        uneven_ctx c = {0};
+        tp_test_run(n, uneven_body, &c, c.slot);
+    }
+}

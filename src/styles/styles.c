@@ -425,7 +425,19 @@ static tp_status tp__prepare_input(const tp__hook_ctx *c, tp_module *m, tp_tenso
          * brought to it (as PyTorch does) */
         st = tp__to_placement(&dt, in.p);
     } else {
-        st = tp_dtensor_from_local(c->mesh, x, 1, &in.p, NULL, &dt);
+        /* A Linear knows the global size of its feature dim, so a plain input
+         * sharded on it may hold uneven shards (in_features not divisible by
+         * the mesh); elsewhere shards are taken to be even, as in PyTorch. */
+        tp_from_local_options fo = {0};
+        int64_t global[TP_MAX_DIMS];
+        int nd = tp_tensor_ndim(x);
+        if (m->kind == TP_MODULE_LINEAR && in.p.kind == TP_PLACEMENT_SHARD && nd >= 1 &&
+            (in.p.dim == -1 || in.p.dim == nd - 1)) {
+            memcpy(global, tp_tensor_shape(x), sizeof(int64_t) * (size_t)nd);
+            global[nd - 1] = m->cfg.linear.in;
+            fo.global_shape = global;
+        }
+        st = tp_dtensor_from_local(c->mesh, x, 1, &in.p, &fo, &dt);
     }
     if (st == TP_OK && want.set)
         st = tp__to_placement(&dt, want.p);
