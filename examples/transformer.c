@@ -223,39 +223,14 @@ out:
     return st;
 }
 
-/*
- * [B, S, V] logits -> [B*S, V]. A plain tensor reshapes. A DTensor here is
- * sharded on the vocab dim (colwise output), and merging the leading dims
- * leaves that shard intact - but tp_reshape keeps a Shard(d) only when dims
- * 0..d keep their sizes, so it would all_gather the logits and lose the
- * vocab-parallel loss. Workaround: reshape the local shard and wrap it again
- * as Shard(1) of [B*S, V] (both steps differentiable, no communication).
- */
+/* [B, S, V] -> [B*S, V] for the loss. With the vocab dim sharded the shard
+ * moves from dim 2 to dim 1 without communication (the dims before it merge),
+ * so the cross entropy takes its vocab-parallel form. */
 static tp_status flatten_logits(tp_tensor *logits, tp_tensor **out)
 {
     const int64_t rows = tp_tensor_size(logits, 0) * tp_tensor_size(logits, 1);
     const int64_t global[2] = {rows, tp_tensor_size(logits, 2)};
-    if (!tp_tensor_is_dtensor(logits))
-        return tp_reshape(logits, 2, global, out);
-    tp_status st;
-    tp_tensor *local = NULL, *flat = NULL;
-    const tp_placement vocab = tp_shard(1);
-    const tp_placement *pl = tp_dtensor_placements(logits);
-    if (pl[0].kind != TP_PLACEMENT_SHARD || pl[0].dim != 2) {
-        char buf[32];
-        fprintf(stderr, "flatten_logits: expected logits sharded on the vocab dim, got %s\n",
-                tp_placement_str(pl[0], buf, sizeof buf));
-        return TP_ERR_INVALID_ARG;
-    }
-    CHECK(tp_dtensor_to_local(logits, 0, NULL, &local));
-    const int64_t lshape[2] = {rows, tp_tensor_size(local, 2)};
-    CHECK(tp_reshape(local, 2, lshape, &flat));
-    const tp_from_local_options fo = {.global_shape = global};
-    CHECK(tp_dtensor_from_local(tp_dtensor_mesh(logits), flat, 1, &vocab, &fo, out));
-out:
-    tp_tensor_release(flat);
-    tp_tensor_release(local);
-    return st;
+    return tp_reshape(logits, 2, global, out);
 }
 
 /* Transformer.forward(tokens, positions) -> logits [B*S, V]. */

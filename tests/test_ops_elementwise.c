@@ -416,9 +416,12 @@ static tp_status shape_body(tp_test_slot *s, tp_mesh *mesh, ew_ctx *c)
          .out = {S_(0), S_(2)}, .no_comm = true, .rnd = 4, .rshape = {5, 3, 7, 1}},
         {"[5,3,-1] S(1)", OP_RESHAPE, X1, .pl = {{S_(1), S_(1)}}, .check_out = true,
          .out = {S_(1), S_(1)}, .no_comm = true, .rnd = 3, .rshape = {5, 3, -1}},
-        /* a shard whose prefix changes is replicated first */
-        {"[15,7] S(0) (replicated)", OP_RESHAPE, X1, .pl = {{S_(2), S_(0)}},
-         .check_out = true, .out = {R_, R_}, .rnd = 2, .rshape = {15, 7}},
+        /* a shard whose dim merges is replicated first; a shard after merged
+         * dims moves with its dim (S(2) of [5,3,7] is S(1) of [15,7]) */
+        {"[15,7] S(2)->S(1), S(0) (replicated)", OP_RESHAPE, X1, .pl = {{S_(2), S_(0)}},
+         .check_out = true, .out = {S_(1), R_}, .rnd = 2, .rshape = {15, 7}},
+        {"[15,7] S(2)->S(1)", OP_RESHAPE, X1, .pl = {{S_(2), S_(2)}}, .check_out = true,
+         .out = {S_(1), S_(1)}, .no_comm = true, .rnd = 2, .rshape = {15, 7}},
         {"[-1] S(1) (replicated)", OP_RESHAPE, X1, .pl = {{R_, S_(1)}},
          .check_out = true, .out = {R_, R_}, .rnd = 1, .rshape = {-1}},
         {"[5,7,3] S(0)+S(1)", OP_RESHAPE, X1, .pl = {{S_(0), S_(1)}},

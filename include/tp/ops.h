@@ -56,9 +56,10 @@ TP_API tp_status tp_gelu(tp_tensor *x, tp_gelu_approx approx, tp_tensor **y);
  * every parallel degree. training false (or p == 0): y = x. */
 TP_API tp_status tp_dropout(tp_tensor *x, double p, uint64_t seed, bool training, tp_tensor **y);
 
-/* Same elements, new shape (one size may be -1). On DTensors the sharded dims
- * and the dims before them must keep their sizes; otherwise the input is
- * replicated first. */
+/* Same elements, new shape (one size may be -1). On DTensors a shard of dim d
+ * survives when d keeps its size and the dims before it hold as many elements
+ * as the new dims before it (merged or split); it then moves to its new index
+ * (S(2) of [B, S, V] is S(1) of [B*S, V]). Other shards are replicated first. */
 TP_API tp_status tp_reshape(tp_tensor *x, int ndim, const int64_t *shape, tp_tensor **y);
 /* Swaps dims d0 and d1 (a copy); Shard dims follow. */
 TP_API tp_status tp_transpose(tp_tensor *x, int d0, int d1, tp_tensor **y);

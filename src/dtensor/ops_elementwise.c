@@ -510,16 +510,28 @@ typedef struct {
 } reshape_params;
 
 /* dims 0..d of the input and the output agree */
-static bool reshape_keeps(const tp__op *op, int d)
+/* The output dim a shard of input dim d lands on, or -1: a shard survives a
+ * reshape when its dim keeps its size and the dims before it, whatever they
+ * are merged or split into, hold the same number of elements (each rank's
+ * rows are then whole blocks of the output too). */
+static int reshape_map(const tp__op *op, int d)
 {
     const reshape_params *rp = TP__OP_PARAMS(op, reshape_params);
     const int64_t *in = tp__op_gshape(op, 0);
-    if (d >= rp->ndim || d >= tp__op_gndim(op, 0))
-        return false;
-    for (int i = 0; i <= d; i++)
-        if (in[i] != rp->shape[i])
-            return false;
-    return true;
+    int nd = tp__op_gndim(op, 0);
+    if (d >= nd)
+        return -1;
+    int64_t before = 1, after = 1;
+    for (int i = 0; i < d; i++)
+        before *= in[i];
+    for (int j = 0; j < rp->ndim; j++) {
+        if (after == before && rp->shape[j] == in[d])
+            return j;
+        after *= rp->shape[j];
+        if (after > before && before > 0)
+            break;
+    }
+    return -1;
 }
 
 static int reshape_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
@@ -530,9 +542,11 @@ static int reshape_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
     tp_placement cur = arg_placement(op, 0, mesh_dim);
     tp_placement pin = cur.kind == TP_PLACEMENT_PARTIAL ? cur : tp__P();
     s[n++] = (tp__strategy){{pin}, pin, {tp__R()}};
-    for (int d = 0; d < nd && n < TP__OP_MAX_STRATS; d++)
-        if (reshape_keeps(op, d))
-            s[n++] = (tp__strategy){{tp__S(d)}, tp__S(d), {tp__S(d)}};
+    for (int d = 0; d < nd && n < TP__OP_MAX_STRATS; d++) {
+        int to = reshape_map(op, d);
+        if (to >= 0)
+            s[n++] = (tp__strategy){{tp__S(d)}, tp__S(to), {tp__S(d)}};
+    }
     return n;
 }
 
@@ -545,14 +559,14 @@ static tp_status reshape_shape(const tp__op *op, int *ndim, int64_t *shape)
 }
 
 /* The local output shape: the global one with this rank's sizes on the
- * sharded dims (which, by the strategy, are dims the reshape keeps). */
+ * sharded dims, taken from the input dims they come from. */
 static void reshape_local_shape(const tp__op *op, const tp_tensor *x, int64_t *shape)
 {
     const reshape_params *rp = TP__OP_PARAMS(op, reshape_params);
     memcpy(shape, rp->shape, sizeof(int64_t) * (size_t)rp->ndim);
     for (int d = 0; op->distributed && d < op->mesh_ndim; d++)
         if (op->out_pl[d].kind == TP_PLACEMENT_SHARD)
-            shape[op->out_pl[d].dim] = x->shape[op->out_pl[d].dim];
+            shape[op->out_pl[d].dim] = x->shape[op->in_pl[0][d].dim];
 }
 
 static tp_status reshape_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
