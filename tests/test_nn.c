@@ -1891,3 +1891,31 @@ Test(nn, allocation_failures, .init = nn_alloc_install, .fini = nn_alloc_restore
     cr_assert_eq(A.live, 0, "the successful run leaked %ld", A.live);
     cr_assert_gt(k, 50, "the scenario allocates (%ld)", k);
 }
+
+/* Evaluation mode makes Dropout the identity, for the whole subtree. */
+Test(nn, training_mode, .timeout = 10)
+{
+    tp_module *seq = NULL, *drop = NULL;
+    CHECK_OK(tp_sequential_create(&seq));
+    CHECK_OK(tp_dropout_create(0.5, 7, &drop));
+    CHECK_OK(tp_module_add_child(seq, "0", drop));
+    cr_assert(tp_module_is_training(seq) && tp_module_is_training(drop));
+    int64_t n = 64;
+    tp_tensor *x = NULL, *y = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, &n, &x));
+    CHECK_OK(tp_tensor_fill(x, 1));
+    CHECK_OK(tp_module_call(seq, x, &y));
+    bool eq = true;
+    CHECK_OK(tp_tensor_equal(x, y, &eq));
+    cr_assert(!eq, "dropout in training mode left every element unchanged");
+    tp_tensor_release(y);
+    tp_module_set_training(seq, false);
+    cr_assert(!tp_module_is_training(drop), "evaluation mode did not reach the child");
+    CHECK_OK(tp_module_call(seq, x, &y));
+    CHECK_OK(tp_tensor_equal(x, y, &eq));
+    cr_assert(eq, "dropout in evaluation mode changed the input");
+    tp_tensor_release(y);
+    tp_tensor_release(x);
+    tp_module_free(seq);
+    cr_assert(!tp_module_is_training(NULL));
+}

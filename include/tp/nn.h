@@ -116,6 +116,11 @@ TP_API tp_status tp_module_named_parameters(tp_module *m,
 /* Sets every parameter's gradient to none. */
 TP_API void tp_module_zero_grad(tp_module *m);
 
+/* Training mode of m and its subtree (default true); in evaluation mode
+ * Dropout is the identity. */
+TP_API void tp_module_set_training(tp_module *m, bool training);
+TP_API bool tp_module_is_training(const tp_module *m);
+
 /* ---- forward and hooks -------------------------------------------------------- */
 
 /* Runs pre-hooks, the module's forward, then hooks. Enters the comm-debug

@@ -486,3 +486,14 @@ tp_status tp_module_call(tp_module *m, tp_tensor *x, tp_tensor **out)
 {
     return tp_module_forward(m, 1, &x, 0, NULL, out);
 }
+
+void tp_module_set_training(tp_module *m, bool training)
+{
+    if (!m)
+        return;
+    m->training = training;
+    for (int i = 0; i < m->n_children; i++)
+        tp_module_set_training(m->children[i], training);
+}
+
+bool tp_module_is_training(const tp_module *m) { return m && m->training; }
