@@ -10,6 +10,8 @@ rc=$?
 log="$build/meson-logs/testlog.txt"
 if [ -f "$log" ]; then
     # Criterion: "Synthesis: Tested: T | Passing: P | Failing: F | Crashing: C"
+    # Criterion: "Synthesis: Tested: T | Passing: P | Failing: F | Crashing: C";
+    # the MPI programs: "mpi: N passed, N failed" (checks, summed over ranks)
     awk -F'[:|]' '/Synthesis: Tested:/ {
             for (i = 1; i <= NF; i++) {
                 if ($i ~ /Passing/) p += $(i+1)
@@ -17,6 +19,10 @@ if [ -f "$log" ]; then
                 if ($i ~ /Crashing/) f += $(i+1)
             }
         }
-        END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+        /^mpi: [0-9]+ passed, [0-9]+ failed/ { split($2, a, " "); mp += a[1]; mf += a[3] }
+        END {
+            if (mp + mf) printf "mpi checks: %d passed, %d failed\n", mp, mf
+            printf "tests: %d passed, %d failed\n", p, f
+        }' "$log"
 fi
 exit $rc

@@ -40,6 +40,9 @@ void tp__desc_string(const int64_t *w, char *buf, size_t len);
 
 /* Built-in backends. */
 extern const tp_backend tp__shm_backend;
+#if TP_HAVE_MPI
+extern const tp_backend tp__mpi_backend;
+#endif
 
 /* Default timeout from TP_COMM_TIMEOUT, else 300 s; check from TP_COMM_CHECK. */
 double tp__default_timeout(void);

@@ -1,0 +1,819 @@
+/*
+ * The mpi backend: one rank per process, started by mpirun; every collective
+ * is one of MPI's non-blocking collectives behind a tp_work.
+ *
+ * World. tp_comm_init("mpi", options, &world) initializes MPI with
+ * MPI_THREAD_MULTIPLE unless the program already did; libtp then finalizes
+ * MPI itself, once, when the last communicator of this backend is freed
+ * (normally the world, after the meshes built on it). If the program
+ * initialized MPI, libtp never finalizes it. Either way libtp works on a
+ * duplicate (MPI_Comm_dup) of MPI_COMM_WORLD, or of the MPI_Comm that
+ * `options` points to when it is not NULL, so its traffic never matches the
+ * program's own messages. Errors return (MPI_ERRORS_RETURN on every
+ * communicator libtp creates) and are reported as TP_ERR_BACKEND with MPI's
+ * error string. Free every communicator before the program exits: a process
+ * that ends without MPI_Finalize makes mpirun fail the job.
+ *
+ * Waiting. tp_work_wait polls MPI_Test, which is also what drives MPI's
+ * progress, until completion or the timeout: busy, like MPI_Wait, yielding
+ * the core when the node runs more ranks than cores and MPI does not yield
+ * by itself. tp_comm_split first waits (with the default timeout, as shm
+ * does) on a non-blocking barrier, so that a missing peer is a timeout rather
+ * than a hang inside MPI_Comm_split.
+ *
+ * Types. f32, f64, i32, i64 map to MPI's predefined types and ops. MPI has no
+ * 16-bit floats: f16 and bf16 travel as a contiguous 2-byte type, and their
+ * reductions are user-defined ops that widen each pair of operands to float,
+ * combine them and round to nearest even (so a reduction over n ranks rounds
+ * n - 1 times; integer-valued data within the type's exact range is exact).
+ * avg is a sum divided by the group size when the collective completes
+ * (integers truncate toward zero, as in shm). max/min of f32/f64 are MPI's
+ * own, whose NaN handling is the MPI library's; for f16/bf16 a NaN operand
+ * wins, as in shm.
+ *
+ * Failure semantics, and where they are weaker than shm's:
+ *  - MPI cannot cancel a collective. A wait that runs past the timeout
+ *    returns TP_ERR_TIMEOUT and the communicator is aborted (unusable): the
+ *    request stays posted inside MPI, which may still write the receive
+ *    buffer should the peers join later, so do not reuse the buffers of a
+ *    collective that did not complete.
+ *  - tp_comm_abort is local. Later calls on this rank return TP_ERR_ABORTED
+ *    at once (pending work too), but the peers learn of it only through
+ *    their own timeouts: MPI has no cross-process abort short of MPI_Abort,
+ *    which ends the whole job. Set TP_MPI_ABORT_ON_FAILURE=1 to get exactly
+ *    that: any abort (tp_comm_abort, a timeout, a failed MPI call) calls
+ *    MPI_Abort, and mpirun stops every rank.
+ *  - Element counts per collective (k of comm.h) must fit in an int.
+ *  - A thread level below MPI_THREAD_MULTIPLE (MPI initialized by the
+ *    program with MPI_Init) makes libtp serialize its own MPI calls; calling
+ *    libtp from several threads then also needs MPI_THREAD_SERIALIZED.
+ */
+#include <mpi.h>
+
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "collectives/coll.h"
+
+/* ---- process-wide MPI state ----------------------------------------------- */
+
+static pthread_mutex_t mpi_mu = PTHREAD_MUTEX_INITIALIZER; /* guards the fields below */
+static int mpi_live;         /* states of this backend alive (worlds and split groups) */
+static bool mpi_owned;       /* libtp called MPI_Init_thread, so it finalizes */
+static bool mpi_types_ready; /* mpi_half and mpi_half_ops exist */
+static bool mpi_serialize;   /* thread level below MULTIPLE: one libtp MPI call at a time */
+static bool mpi_yield;       /* more ranks on this node than cores: yield while waiting */
+
+static pthread_mutex_t mpi_call_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static MPI_Datatype mpi_half = MPI_DATATYPE_NULL; /* 2 bytes: f16 and bf16 */
+static struct mpi_work *mpi_orphans; /* work MPI never completed, of freed communicators */
+enum { HALF_F16 = 0, HALF_BF16 = 1 };
+static MPI_Op mpi_half_ops[2][TP_REDUCE_OP_COUNT];
+
+static void mpi_lock(void)
+{
+    if (mpi_serialize)
+        pthread_mutex_lock(&mpi_call_mu);
+}
+
+static void mpi_unlock(void)
+{
+    if (mpi_serialize)
+        pthread_mutex_unlock(&mpi_call_mu);
+}
+
+/* ---- type and op translation ---------------------------------------------- */
+
+/* f16/bf16 have no MPI type: MPI_DATATYPE_NULL here means mpi_half. */
+static const MPI_Datatype mpi_dtypes[TP_DTYPE_COUNT] = {
+    [TP_F32] = MPI_FLOAT,        [TP_F64] = MPI_DOUBLE,
+    [TP_I32] = MPI_INT32_T,      [TP_I64] = MPI_INT64_T,
+    [TP_F16] = MPI_DATATYPE_NULL, [TP_BF16] = MPI_DATATYPE_NULL,
+};
+
+/* avg is a sum here; the division happens when the collective completes. */
+static const MPI_Op mpi_ops[TP_REDUCE_OP_COUNT] = {
+    [TP_SUM] = MPI_SUM, [TP_AVG] = MPI_SUM, [TP_MAX] = MPI_MAX, [TP_MIN] = MPI_MIN,
+    [TP_PRODUCT] = MPI_PROD,
+};
+
+static MPI_Datatype mpi_dtype(tp_dtype d)
+{
+    return (d == TP_F16 || d == TP_BF16) ? mpi_half : mpi_dtypes[d];
+}
+
+static MPI_Op mpi_op(tp_dtype d, tp_reduce_op op)
+{
+    if (d == TP_F16)
+        return mpi_half_ops[HALF_F16][op];
+    if (d == TP_BF16)
+        return mpi_half_ops[HALF_BF16][op];
+    return mpi_ops[op];
+}
+
+/* User ops for the half types: inout[i] = in[i] (op) inout[i] in float,
+ * rounded back to nearest even. The comparisons follow shm's: a NaN operand
+ * wins. */
+#define HALF_USER_OP(NAME, TO_F32, FROM_F32, EXPR)                              \
+    static void NAME(void *in, void *inout, int *len, MPI_Datatype *type)       \
+    {                                                                           \
+        (void)type;                                                             \
+        const uint16_t *a = in;                                                 \
+        uint16_t *b = inout;                                                    \
+        for (int i = 0; i < *len; i++) {                                        \
+            float x = TO_F32(a[i]), y = TO_F32(b[i]);                           \
+            b[i] = FROM_F32(EXPR);                                              \
+        }                                                                       \
+    }
+
+#define HALF_USER_OPS(P, TO_F32, FROM_F32)                                      \
+    HALF_USER_OP(P##_sum, TO_F32, FROM_F32, x + y)                              \
+    HALF_USER_OP(P##_prod, TO_F32, FROM_F32, x * y)                             \
+    HALF_USER_OP(P##_max, TO_F32, FROM_F32, (x > y || x != x) ? x : y)          \
+    HALF_USER_OP(P##_min, TO_F32, FROM_F32, (x < y || x != x) ? x : y)
+
+HALF_USER_OPS(f16, tp__f16_to_f32, tp__f32_to_f16)
+HALF_USER_OPS(bf16, tp__bf16_to_f32, tp__f32_to_bf16)
+
+static MPI_User_function *const mpi_half_fns[2][TP_REDUCE_OP_COUNT] = {
+    [HALF_F16] = {[TP_SUM] = f16_sum, [TP_AVG] = f16_sum, [TP_MAX] = f16_max,
+                  [TP_MIN] = f16_min, [TP_PRODUCT] = f16_prod},
+    [HALF_BF16] = {[TP_SUM] = bf16_sum, [TP_AVG] = bf16_sum, [TP_MAX] = bf16_max,
+                   [TP_MIN] = bf16_min, [TP_PRODUCT] = bf16_prod},
+};
+
+/* Records an MPI failure as the calling thread's error. */
+static tp_status mpi_error(int rc, const char *what)
+{
+    char text[MPI_MAX_ERROR_STRING + 1];
+    int len = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS)
+        len = snprintf(text, sizeof text, "MPI error code %d", rc);
+    text[len < 0 ? 0 : (len > MPI_MAX_ERROR_STRING ? MPI_MAX_ERROR_STRING : len)] = '\0';
+    return tp__error(TP_ERR_BACKEND, "%s failed: %s", what, text);
+}
+
+/* Called with mpi_mu held, MPI initialized. */
+static tp_status mpi_types_create(void)
+{
+    if (mpi_types_ready)
+        return TP_OK;
+    int rc = MPI_Type_contiguous(2, MPI_BYTE, &mpi_half);
+    if (rc == MPI_SUCCESS)
+        rc = MPI_Type_commit(&mpi_half);
+    if (rc != MPI_SUCCESS)
+        return mpi_error(rc, "MPI_Type_contiguous (f16/bf16)");
+    for (int h = 0; h < 2; h++) {
+        for (int op = 0; op < TP_REDUCE_OP_COUNT; op++) {
+            mpi_half_ops[h][op] = MPI_OP_NULL;
+            if (op == TP_AVG)
+                continue; /* shares the sum op */
+            rc = MPI_Op_create(mpi_half_fns[h][op], 1, &mpi_half_ops[h][op]);
+            if (rc != MPI_SUCCESS) {
+                for (int g = 0; g <= h; g++)
+                    for (int o = 0; o < TP_REDUCE_OP_COUNT; o++)
+                        if (o != TP_AVG && mpi_half_ops[g][o] != MPI_OP_NULL &&
+                            (g < h || o < op))
+                            MPI_Op_free(&mpi_half_ops[g][o]);
+                MPI_Type_free(&mpi_half);
+                return mpi_error(rc, "MPI_Op_create (f16/bf16)");
+            }
+        }
+        mpi_half_ops[h][TP_AVG] = mpi_half_ops[h][TP_SUM];
+    }
+    mpi_types_ready = true;
+    return TP_OK;
+}
+
+/* ---- states and work ------------------------------------------------------ */
+
+typedef struct mpi_work mpi_work;
+
+typedef struct mpi_state {
+    MPI_Comm comm;
+    int rank, size;
+    int world_rank; /* in MPI_COMM_WORLD, for messages */
+    _Atomic int aborted;
+    pthread_mutex_t mu; /* reason, the work lists */
+    char reason[300];
+    mpi_work *active;  /* work handed out and not yet freed */
+    mpi_work *zombies; /* freed before MPI completed it (after a timeout or abort) */
+} mpi_state;
+
+struct mpi_work {
+    MPI_Request req;
+    mpi_work *next;
+    tp_coll_kind kind;
+    tp_dtype dtype;
+    tp_reduce_op op;
+    size_t count;  /* elements of the result on this rank */
+    void *result;  /* where they end up (avg divides them there) */
+    void *tmp;     /* in-place reduce_scatter: MPI writes here, copied to result */
+    bool complete; /* MPI finished the request */
+    bool finished; /* post-processing done, status final */
+    tp_status status;
+};
+
+static bool abort_on_failure(void)
+{
+    const char *env = getenv("TP_MPI_ABORT_ON_FAILURE");
+    return env && strcmp(env, "1") == 0;
+}
+
+static void state_abort(mpi_state *S, const char *reason)
+{
+    pthread_mutex_lock(&S->mu);
+    if (!atomic_load(&S->aborted)) {
+        snprintf(S->reason, sizeof S->reason, "%.290s", reason);
+        atomic_store(&S->aborted, 1);
+    }
+    pthread_mutex_unlock(&S->mu);
+    if (abort_on_failure()) {
+        fprintf(stderr,
+                "libtp: MPI rank %d: communicator aborted (%s); TP_MPI_ABORT_ON_FAILURE=1: "
+                "calling MPI_Abort\n",
+                S->world_rank, reason);
+        fflush(stderr);
+        MPI_Abort(S->comm, 1);
+    }
+}
+
+static tp_status state_aborted_error(mpi_state *S)
+{
+    pthread_mutex_lock(&S->mu);
+    tp_status st = tp__error(TP_ERR_ABORTED, "communicator aborted: %s", S->reason);
+    pthread_mutex_unlock(&S->mu);
+    return st;
+}
+
+/* This rank skipped a collective its peers may have posted: it is out of
+ * step with them now. */
+static tp_status state_skip(mpi_state *S, tp_status st)
+{
+    char why[400];
+    snprintf(why, sizeof why, "rank %d: %.380s", S->rank, tp_last_error());
+    state_abort(S, why);
+    return st;
+}
+
+/* An MPI call failed: this rank is out of step with its peers now. */
+static tp_status state_fail(mpi_state *S, int rc, const char *what)
+{
+    return state_skip(S, mpi_error(rc, what));
+}
+
+static void list_remove(mpi_work **head, mpi_work *w)
+{
+    for (mpi_work **p = head; *p; p = &(*p)->next) {
+        if (*p == w) {
+            *p = w->next;
+            w->next = NULL;
+            return;
+        }
+    }
+}
+
+static void work_destroy(mpi_work *w)
+{
+    tp__free(w->tmp);
+    tp__free(w);
+}
+
+/* Called with mpi_mu held when the last state goes: frees what libtp created
+ * and finalizes MPI if libtp initialized it. */
+static void mpi_teardown_locked(void)
+{
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin)
+        return;
+    if (mpi_types_ready) {
+        for (int h = 0; h < 2; h++)
+            for (int op = 0; op < TP_REDUCE_OP_COUNT; op++)
+                if (op != TP_AVG)
+                    MPI_Op_free(&mpi_half_ops[h][op]);
+        MPI_Type_free(&mpi_half);
+        mpi_types_ready = false;
+    }
+    if (mpi_owned) {
+        MPI_Finalize();
+        mpi_owned = false;
+        /* MPI is gone, and with it the requests that could still write */
+        while (mpi_orphans) {
+            struct mpi_work *w = mpi_orphans;
+            mpi_orphans = w->next;
+            work_destroy(w);
+        }
+    }
+}
+
+static void avg_divide(void *buf, tp_dtype dt, size_t n, int size)
+{
+    switch (dt) {
+    case TP_F32: {
+        float *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] /= (float)size;
+        break;
+    }
+    case TP_F64: {
+        double *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] /= (double)size;
+        break;
+    }
+    case TP_I32: {
+        int32_t *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] /= size;
+        break;
+    }
+    case TP_I64: {
+        int64_t *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] /= size;
+        break;
+    }
+    case TP_F16: {
+        uint16_t *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] = tp__f32_to_f16(tp__f16_to_f32(p[i]) / (float)size);
+        break;
+    }
+    case TP_BF16: {
+        uint16_t *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] = tp__f32_to_bf16(tp__bf16_to_f32(p[i]) / (float)size);
+        break;
+    }
+    default:
+        TP_ASSERT(!"invalid dtype");
+    }
+}
+
+/* MPI completed the request: move an in-place reduce_scatter result into
+ * place and finish avg. */
+static void work_finish(mpi_state *S, mpi_work *w)
+{
+    if (w->tmp) {
+        memcpy(w->result, w->tmp, w->count * tp_dtype_size(w->dtype));
+        tp__free(w->tmp);
+        w->tmp = NULL;
+    }
+    if (w->op == TP_AVG && (w->kind == TP_COLL_ALL_REDUCE || w->kind == TP_COLL_REDUCE_SCATTER))
+        avg_divide(w->result, w->dtype, w->count, S->size);
+    w->finished = true;
+    w->status = TP_OK;
+}
+
+/* One MPI_Test of a request; *done once it completed. */
+static tp_status req_test(mpi_state *S, MPI_Request *req, bool *done, const char *what)
+{
+    int flag = 0;
+    mpi_lock();
+    int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+    mpi_unlock();
+    if (rc != MPI_SUCCESS) {
+        *done = true;
+        return state_fail(S, rc, what);
+    }
+    *done = flag != 0;
+    return TP_OK;
+}
+
+/* Between two MPI_Tests. MPI_Test is the progress engine (OpenMPI moves one
+ * fragment of a large message per call), so any sleep here costs bandwidth:
+ * poll as MPI_Wait does, but yield the core when this node runs more ranks
+ * than it has cores and MPI does not yield by itself. */
+static void pause_once(void)
+{
+    if (mpi_yield)
+        sched_yield();
+}
+
+/* OpenMPI yields inside its progress loop when mpirun says the node is
+ * oversubscribed (or when told to): a second yield here only adds latency. */
+static bool mpi_library_yields(void)
+{
+    const char *y = getenv("OMPI_MCA_mpi_yield_when_idle");
+    if (y && *y)
+        return strcmp(y, "0") != 0 && strcmp(y, "false") != 0;
+    const char *o = getenv("OMPI_MCA_mpi_oversubscribe");
+    return o && (strcmp(o, "1") == 0 || strcmp(o, "true") == 0);
+}
+
+/* Polls a request until it completes, the state is aborted or timeout_s
+ * passes (then the state is aborted: MPI cannot cancel the request). */
+static tp_status req_wait(mpi_state *S, MPI_Request *req, double timeout_s, const char *what,
+                          bool *done)
+{
+    double t0 = tp__now();
+    for (;;) {
+        TP_CHECK(req_test(S, req, done, what));
+        if (*done)
+            return TP_OK;
+        if (atomic_load(&S->aborted))
+            return state_aborted_error(S);
+        double waited = tp__now() - t0;
+        if (waited > timeout_s) {
+            char why[300];
+            snprintf(why, sizeof why,
+                     "rank %d (MPI_COMM_WORLD rank %d) timed out after %.3g s waiting for %s "
+                     "(MPI cannot cancel it: the communicator is unusable now)",
+                     S->rank, S->world_rank, timeout_s, what);
+            state_abort(S, why);
+            return tp__error(TP_ERR_TIMEOUT, "%s", why);
+        }
+        pause_once();
+    }
+}
+
+/* ---- the backend ---------------------------------------------------------- */
+
+static const char *const mpi_call_names[TP_COLL_KIND_COUNT] = {
+    [TP_COLL_ALL_REDUCE] = "MPI_Iallreduce",
+    [TP_COLL_ALL_GATHER] = "MPI_Iallgather",
+    [TP_COLL_REDUCE_SCATTER] = "MPI_Ireduce_scatter_block",
+    [TP_COLL_ALL_TO_ALL] = "MPI_Ialltoall",
+    [TP_COLL_BROADCAST] = "MPI_Ibcast",
+    [TP_COLL_BARRIER] = "MPI_Ibarrier",
+};
+
+static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
+{
+    mpi_state *S = state;
+    *work = NULL;
+    if (atomic_load(&S->aborted))
+        return state_aborted_error(S);
+    if (d->device.type != TP_DEVICE_CPU)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "backend 'mpi' moves CPU tensors only");
+    if (d->kind != TP_COLL_BARRIER && d->count == 0)
+        return TP_OK; /* every rank has the same count (comm.h), so none moves data */
+    if (d->count > INT_MAX)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "backend 'mpi': %zu elements per rank exceed MPI's int count", d->count);
+
+    mpi_work *w = tp__calloc(1, sizeof *w);
+    if (!w)
+        return state_skip(S, tp__error(TP_ERR_NO_MEMORY,
+                                       "backend 'mpi': out of memory for the work object"));
+    w->req = MPI_REQUEST_NULL;
+    w->kind = d->kind;
+    w->dtype = d->dtype;
+    w->op = d->op;
+    w->count = d->count;
+    w->result = d->recvbuf;
+
+    int k = (int)d->count;
+    size_t es = tp_dtype_size(d->dtype);
+    MPI_Datatype dt = d->kind == TP_COLL_BARRIER ? MPI_DATATYPE_NULL : mpi_dtype(d->dtype);
+    bool red = d->kind == TP_COLL_ALL_REDUCE || d->kind == TP_COLL_REDUCE_SCATTER;
+    MPI_Op op = red ? mpi_op(d->dtype, d->op) : MPI_OP_NULL;
+    const char *rbuf = d->recvbuf, *sbuf = d->sendbuf;
+    size_t block = (size_t)S->rank * d->count * es;
+    int rc = MPI_SUCCESS;
+
+    mpi_lock();
+    switch (d->kind) {
+    case TP_COLL_ALL_REDUCE:
+        rc = MPI_Iallreduce(sbuf == rbuf ? MPI_IN_PLACE : d->sendbuf, d->recvbuf, k, dt, op,
+                            S->comm, &w->req);
+        break;
+    case TP_COLL_ALL_GATHER:
+        if (sbuf == rbuf + block)
+            rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, d->recvbuf, k, dt, S->comm,
+                                &w->req);
+        else
+            rc = MPI_Iallgather(d->sendbuf, k, dt, d->recvbuf, k, dt, S->comm, &w->req);
+        break;
+    case TP_COLL_REDUCE_SCATTER:
+        if (rbuf == sbuf + block) {
+            /* MPI's in-place form reduces the whole send buffer into its first
+             * block and leaves the rest undefined; the comm.h form is a
+             * result in this rank's block with the others untouched, so the
+             * result goes through a temporary */
+            w->tmp = tp__malloc(d->count * es);
+            if (!w->tmp) {
+                mpi_unlock();
+                tp__free(w);
+                tp__error(TP_ERR_NO_MEMORY,
+                          "backend 'mpi': out of memory for the in-place reduce_scatter");
+                return state_skip(S, TP_ERR_NO_MEMORY);
+            }
+            rc = MPI_Ireduce_scatter_block(d->sendbuf, w->tmp, k, dt, op, S->comm, &w->req);
+        } else {
+            rc = MPI_Ireduce_scatter_block(d->sendbuf, d->recvbuf, k, dt, op, S->comm,
+                                           &w->req);
+        }
+        break;
+    case TP_COLL_ALL_TO_ALL:
+        rc = MPI_Ialltoall(d->sendbuf, k, dt, d->recvbuf, k, dt, S->comm, &w->req);
+        break;
+    case TP_COLL_BROADCAST:
+        rc = MPI_Ibcast(d->recvbuf, k, dt, d->root, S->comm, &w->req);
+        break;
+    case TP_COLL_BARRIER:
+        rc = MPI_Ibarrier(S->comm, &w->req);
+        break;
+    default:
+        mpi_unlock();
+        work_destroy(w);
+        return tp__error(TP_ERR_INVALID_ARG, "backend 'mpi': invalid collective kind");
+    }
+    mpi_unlock();
+    if (rc != MPI_SUCCESS) {
+        work_destroy(w);
+        return state_fail(S, rc, mpi_call_names[d->kind]);
+    }
+    pthread_mutex_lock(&S->mu);
+    w->next = S->active;
+    S->active = w;
+    pthread_mutex_unlock(&S->mu);
+    *work = w;
+    return TP_OK;
+}
+
+static tp_status mpi_work_test(void *state, void *work, bool *done)
+{
+    mpi_state *S = state;
+    mpi_work *w = work;
+    *done = false;
+    if (w->finished) {
+        *done = true;
+        return w->status;
+    }
+    bool fin = false;
+    tp_status st = req_test(S, &w->req, &fin, mpi_call_names[w->kind]);
+    if (st != TP_OK) {
+        w->complete = w->finished = true;
+        w->status = st;
+        *done = true;
+        return st;
+    }
+    if (fin) {
+        w->complete = true;
+        work_finish(S, w);
+        *done = true;
+        return TP_OK;
+    }
+    if (atomic_load(&S->aborted)) {
+        *done = true;
+        return state_aborted_error(S);
+    }
+    return TP_OK;
+}
+
+static tp_status mpi_work_wait(void *state, void *work, double timeout_s)
+{
+    mpi_state *S = state;
+    mpi_work *w = work;
+    if (w->finished)
+        return w->status;
+    bool fin = false;
+    tp_status st = req_wait(S, &w->req, timeout_s, tp_coll_kind_name(w->kind), &fin);
+    if (st == TP_OK) {
+        w->complete = true;
+        work_finish(S, w);
+        return TP_OK;
+    }
+    if (fin) {
+        /* MPI reported an error for the request */
+        w->complete = w->finished = true;
+        w->status = st;
+    }
+    return st;
+}
+
+static void mpi_work_free(void *state, void *work)
+{
+    mpi_state *S = state;
+    mpi_work *w = work;
+    if (!w)
+        return;
+    pthread_mutex_lock(&S->mu);
+    list_remove(&S->active, w);
+    if (!w->complete) {
+        /* MPI still owns the request and may write w->tmp: keep both */
+        w->next = S->zombies;
+        S->zombies = w;
+        w = NULL;
+    }
+    pthread_mutex_unlock(&S->mu);
+    if (w)
+        work_destroy(w);
+}
+
+static tp_status state_create(MPI_Comm comm, mpi_state **out)
+{
+    mpi_state *S = tp__calloc(1, sizeof *S);
+    if (!S)
+        return tp__error(TP_ERR_NO_MEMORY, "backend 'mpi': out of memory for the communicator");
+    S->comm = comm;
+    int rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    if (rc == MPI_SUCCESS)
+        rc = MPI_Comm_rank(comm, &S->rank);
+    if (rc == MPI_SUCCESS)
+        rc = MPI_Comm_size(comm, &S->size);
+    if (rc == MPI_SUCCESS)
+        rc = MPI_Comm_rank(MPI_COMM_WORLD, &S->world_rank);
+    if (rc != MPI_SUCCESS) {
+        tp__free(S);
+        return mpi_error(rc, "MPI_Comm_rank/size");
+    }
+    pthread_mutex_init(&S->mu, NULL);
+    *out = S;
+    return TP_OK;
+}
+
+static void mpi_free(void *state)
+{
+    mpi_state *S = state;
+    if (!S)
+        return;
+    int fin = 0;
+    MPI_Finalized(&fin);
+    /* pending work is waited for first (comm.h), unless the communicator is
+     * unusable anyway */
+    double timeout = tp__default_timeout();
+    for (mpi_work *w = S->active; w && !fin && !atomic_load(&S->aborted); w = w->next) {
+        if (w->complete)
+            continue;
+        bool done = false;
+        if (req_wait(S, &w->req, timeout, tp_coll_kind_name(w->kind), &done) == TP_OK) {
+            w->complete = true;
+            work_finish(S, w);
+        } else if (done) {
+            w->complete = w->finished = true;
+        }
+    }
+    pthread_mutex_lock(&mpi_mu);
+    mpi_lock();
+    /* zombies MPI finished since can go; the rest stay with MPI until it
+     * is finalized */
+    for (mpi_work *w = S->zombies, *next = NULL; w; w = next) {
+        next = w->next;
+        int flag = 0;
+        if (fin || (MPI_Test(&w->req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag)) {
+            work_destroy(w);
+        } else {
+            w->next = mpi_orphans;
+            mpi_orphans = w;
+        }
+    }
+    if (!fin)
+        MPI_Comm_free(&S->comm);
+    pthread_mutex_destroy(&S->mu);
+    tp__free(S);
+    if (--mpi_live == 0)
+        mpi_teardown_locked();
+    mpi_unlock();
+    pthread_mutex_unlock(&mpi_mu);
+}
+
+static void mpi_abort(void *state, const char *reason)
+{
+    mpi_state *S = state;
+    char why[300];
+    snprintf(why, sizeof why, "rank %d aborted: %.260s", S->rank, reason ? reason : "");
+    state_abort(S, why);
+}
+
+static tp_status mpi_split(void *state, int color, int key, void **new_state, int *new_rank,
+                           int *new_size)
+{
+    mpi_state *S = state;
+    *new_state = NULL;
+    if (atomic_load(&S->aborted))
+        return state_aborted_error(S);
+    /* MPI_Comm_split cannot time out: a non-blocking barrier first makes a
+     * peer that never joins a timeout here instead of a hang there */
+    MPI_Request req = MPI_REQUEST_NULL;
+    mpi_lock();
+    int rc = MPI_Ibarrier(S->comm, &req);
+    mpi_unlock();
+    if (rc != MPI_SUCCESS)
+        return state_fail(S, rc, "MPI_Ibarrier (split)");
+    bool fin = false;
+    tp_status st = req_wait(S, &req, tp__default_timeout(), "comm_split", &fin);
+    if (st != TP_OK)
+        return st; /* the barrier request stays with MPI; S is aborted */
+
+    MPI_Comm nc = MPI_COMM_NULL;
+    mpi_lock();
+    rc = MPI_Comm_split(S->comm, color < 0 ? MPI_UNDEFINED : color, key, &nc);
+    mpi_unlock();
+    if (rc != MPI_SUCCESS)
+        return state_fail(S, rc, "MPI_Comm_split");
+    if (nc == MPI_COMM_NULL)
+        return TP_OK;
+    mpi_state *N = NULL;
+    pthread_mutex_lock(&mpi_mu);
+    mpi_lock();
+    st = state_create(nc, &N);
+    if (st == TP_OK)
+        mpi_live++;
+    else
+        MPI_Comm_free(&nc);
+    mpi_unlock();
+    pthread_mutex_unlock(&mpi_mu);
+    if (st != TP_OK)
+        return st;
+    *new_state = N;
+    *new_rank = N->rank;
+    *new_size = N->size;
+    return TP_OK;
+}
+
+static int ncpu(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static tp_status mpi_init_world(void *options, void **state, int *rank, int *size)
+{
+    tp_status st = TP_OK;
+    MPI_Comm parent = options ? *(const MPI_Comm *)options : MPI_COMM_WORLD;
+    MPI_Comm comm = MPI_COMM_NULL, node = MPI_COMM_NULL;
+    mpi_state *S = NULL;
+    pthread_mutex_lock(&mpi_mu);
+    int inited = 0, fin = 0, level = MPI_THREAD_SINGLE, rc;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&fin);
+    if (fin) {
+        st = tp__error(TP_ERR_STATE,
+                       "tp_comm_init: MPI was finalized already (libtp finalizes MPI when "
+                       "the last 'mpi' communicator is freed if it initialized MPI) and "
+                       "cannot be initialized again");
+        goto out;
+    }
+    if (!inited) {
+        rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level);
+        if (rc != MPI_SUCCESS) {
+            st = mpi_error(rc, "MPI_Init_thread");
+            goto out;
+        }
+        mpi_owned = true;
+    } else {
+        MPI_Query_thread(&level);
+    }
+    mpi_serialize = level < MPI_THREAD_MULTIPLE;
+    mpi_lock();
+    if ((st = mpi_types_create()) != TP_OK)
+        goto fail;
+    if (parent == MPI_COMM_NULL) {
+        st = tp__error(TP_ERR_INVALID_ARG, "tp_comm_init: options point to MPI_COMM_NULL");
+        goto fail;
+    }
+    rc = MPI_Comm_dup(parent, &comm);
+    if (rc != MPI_SUCCESS) {
+        st = mpi_error(rc, "MPI_Comm_dup");
+        goto fail;
+    }
+    if ((st = state_create(comm, &S)) != TP_OK) {
+        MPI_Comm_free(&comm);
+        goto fail;
+    }
+    /* ranks sharing this node's cores decide how politely to wait */
+    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
+        MPI_SUCCESS) {
+        int local = 1;
+        MPI_Comm_size(node, &local);
+        mpi_yield = local > ncpu() && !mpi_library_yields();
+        MPI_Comm_free(&node);
+    }
+    mpi_live++;
+    *state = S;
+    *rank = S->rank;
+    *size = S->size;
+    mpi_unlock();
+    goto out;
+fail:
+    if (mpi_live == 0)
+        mpi_teardown_locked();
+    mpi_unlock();
+out:
+    pthread_mutex_unlock(&mpi_mu);
+    return st;
+}
+
+const tp_backend tp__mpi_backend = {
+    .name = "mpi",
+    .device_mask = 1u << TP_DEVICE_CPU,
+    .checks_descriptors = false,
+    .collective = mpi_collective,
+    .work_test = mpi_work_test,
+    .work_wait = mpi_work_wait,
+    .work_free = mpi_work_free,
+    .split = mpi_split,
+    .abort = mpi_abort,
+    .free = mpi_free,
+    .init_world = mpi_init_world,
+};
