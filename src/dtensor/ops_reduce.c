@@ -172,42 +172,20 @@ static tp_status sum_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_ten
     return TP_OK;
 }
 
-static const tp__op_def sum_def = {
-    .name = "sum",
-    .n_inputs = 1,
-    .input_names = {"x"},
-    .strategies = sum_strategies,
-    .out_shape = sum_shape,
-    .forward = sum_fwd,
-    .backward = sum_bwd,
-};
-static const tp__op_def sum_all_def = {
-    .name = "sum_all",
-    .n_inputs = 1,
-    .input_names = {"x"},
-    .strategies = sum_strategies,
-    .out_shape = sum_shape,
-    .forward = sum_fwd,
-    .backward = sum_bwd,
-};
-static const tp__op_def mean_def = {
-    .name = "mean",
-    .n_inputs = 1,
-    .input_names = {"x"},
-    .strategies = sum_strategies,
-    .out_shape = sum_shape,
-    .forward = sum_fwd,
-    .backward = sum_bwd,
-};
-static const tp__op_def mean_all_def = {
-    .name = "mean_all",
-    .n_inputs = 1,
-    .input_names = {"x"},
-    .strategies = sum_strategies,
-    .out_shape = sum_shape,
-    .forward = sum_fwd,
-    .backward = sum_bwd,
-};
+/* sum, sum_all, mean and mean_all share one implementation; only the name
+ * (in messages) differs, the rest comes from the params. */
+#define TP__SUM_DEF(var, nm)                                                    \
+    static const tp__op_def var = {.name = nm,                                  \
+                                   .n_inputs = 1,                               \
+                                   .input_names = {"x"},                        \
+                                   .strategies = sum_strategies,                \
+                                   .out_shape = sum_shape,                      \
+                                   .forward = sum_fwd,                          \
+                                   .backward = sum_bwd}
+TP__SUM_DEF(sum_def, "sum");
+TP__SUM_DEF(sum_all_def, "sum_all");
+TP__SUM_DEF(mean_def, "mean");
+TP__SUM_DEF(mean_all_def, "mean_all");
 
 static tp_status red_run(const tp__op_def *def, tp_tensor *x, bool all, int dim, bool keepdim,
                          bool mean, tp_tensor **y)
