@@ -103,6 +103,8 @@ static void tp__node_drop_graph(tp__node *n)
     n->grad_acc = NULL;
 }
 
+void tp__node_free_saved(tp__node *node) { tp__free(node->saved); }
+
 void tp__node_release(tp__node *n);
 void tp__node_release(tp__node *n)
 {

@@ -296,8 +296,6 @@ static tp_status tp__from_local_bwd(tp__node *node, tp_tensor *g, tp_tensor **gi
     return TP_OK;
 }
 
-static void tp__free_saved(tp__node *node) { tp__free(node->saved); }
-
 tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements,
                                 const tp_placement *placements,
                                 const tp_from_local_options *options, tp_tensor **out)
@@ -392,7 +390,7 @@ tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements
         }
         memcpy(sv->src, p, sizeof sv->src);
         node->saved = sv;
-        node->free_saved = tp__free_saved;
+        node->free_saved = tp__node_free_saved;
     }
     *out = dt;
     return TP_OK;
@@ -457,7 +455,7 @@ tp_status tp_dtensor_to_local(tp_tensor *dt, int ngrad, const tp_placement *grad
         memcpy(sv->global, dt->shape, sizeof sv->global);
         memcpy(sv->grad, gp, sizeof sv->grad);
         node->saved = sv;
-        node->free_saved = tp__free_saved;
+        node->free_saved = tp__node_free_saved;
     }
     *out = a;
     return TP_OK;

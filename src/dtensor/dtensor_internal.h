@@ -82,6 +82,9 @@ bool tp__needs_grad(int n, tp_tensor *const *inputs);
 tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn backward, int n,
                           tp_tensor *const *inputs, tp__node **node_out);
 
+/* free_saved for nodes whose saved state is one tp__malloc'd block. */
+void tp__node_free_saved(tp__node *node);
+
 /* Installs the finalizer that frees dist and autograd state. */
 void tp__dtensor_install_finalizer(void);
 

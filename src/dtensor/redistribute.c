@@ -450,8 +450,6 @@ typedef struct {
     tp_placement src[TP_MESH_MAX_DIMS];
 } tp__redist_saved;
 
-static void tp__free_saved(tp__node *node) { tp__free(node->saved); }
-
 static tp_status tp__redist_bwd(tp__node *node, tp_tensor *g, tp_tensor **gin)
 {
     tp__redist_saved *sv = node->saved;
@@ -503,7 +501,7 @@ tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool r
         }
         memcpy(sv->src, d->placements, sizeof sv->src);
         node->saved = sv;
-        node->free_saved = tp__free_saved;
+        node->free_saved = tp__node_free_saved;
     }
     *out = res;
     return TP_OK;
