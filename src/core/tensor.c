@@ -5,10 +5,7 @@
 #include <string.h>
 
 #include "core/core.h"
-
-#if TP_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#include "core/cuda_rt.h"
 
 #define TP__SHAPE_BUF 200 /* "[" + 8 x (20 digits + ", ") + "]" */
 
@@ -59,34 +56,6 @@ static tp_status tp__check_shape(const char *fn, tp_dtype dtype, int ndim, const
     return TP_OK;
 }
 
-#if TP_HAVE_CUDA
-/* Non-sticky CUDA errors stay queued for the next cudaGetLastError; drain them
- * so a later unrelated check does not report this one. */
-static tp_status tp__cuda_fail(const char *fn, const char *what, cudaError_t err)
-{
-    (void)cudaGetLastError();
-    return tp__error(err == cudaErrorMemoryAllocation ? TP_ERR_NO_MEMORY : TP_ERR_BACKEND,
-                     "%s: %s failed: %s", fn, what, cudaGetErrorString(err));
-}
-
-/* Makes `index` current, remembering the caller's device so libtp does not
- * change it behind the caller's back. */
-static tp_status tp__cuda_enter(const char *fn, int index, int *prev)
-{
-    cudaError_t err = cudaGetDevice(prev);
-    if (err == cudaSuccess && *prev != index)
-        err = cudaSetDevice(index);
-    if (err != cudaSuccess)
-        return tp__cuda_fail(fn, "cudaSetDevice", err);
-    return TP_OK;
-}
-
-static void tp__cuda_leave(int prev, int index)
-{
-    if (prev != index)
-        (void)cudaSetDevice(prev);
-}
-#endif
 
 int tp_cuda_device_count(void)
 {
