@@ -225,6 +225,34 @@ TP_API tp_status tp_comm_create(const tp_backend *backend, void *state, int rank
 /* World communicator of a registered backend that implements init_world. */
 TP_API tp_status tp_comm_init(const char *backend_name, void *options, tp_comm **out);
 
+/* ---- the nccl backend ---------------------------------------------------- */
+
+/*
+ * Options of tp_comm_init("nccl", &opts, &comm): one GPU per rank.
+ *
+ * Collective over `bootstrap`: every rank of it must call. `bootstrap` is any
+ * existing communicator of the same ranks (the shm world of tp_run_local
+ * threads, or an "mpi" world); rank 0 creates the ncclUniqueId and it travels
+ * to the others through tp_broadcast on `bootstrap` (a 128-byte CPU tensor).
+ * The new communicator has the bootstrap's rank and size, and its own timeout
+ * (default, as every new communicator); the bootstrap stays the caller's and
+ * may be freed afterwards. A NULL `bootstrap` means the MPI world when libtp
+ * is built with MPI: a temporary tp_comm_init("mpi", NULL, ...) world is
+ * created and freed around the exchange (MPI stays initialized while the
+ * nccl communicator lives).
+ *
+ * `device` is this rank's CUDA ordinal, or -1 for (bootstrap rank % number of
+ * visible devices). Buffers of every collective on the communicator must be
+ * CUDA tensors on that device.
+ *
+ * Declared in every build; without NCCL, tp_comm_init("nccl", ...) returns
+ * TP_ERR_NOT_SUPPORTED saying libtp was built without NCCL.
+ */
+typedef struct tp_nccl_options {
+    tp_comm *bootstrap; /* NULL: the MPI world (builds with MPI only) */
+    int device;         /* CUDA ordinal, or -1: bootstrap rank % device count */
+} tp_nccl_options;
+
 #ifdef __cplusplus
 }
 #endif
