@@ -8,7 +8,10 @@
 
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <tp.h>
@@ -78,12 +81,109 @@ static inline void tp_test_assert_slots(const tp_test_slot *slots, int n)
         cr_assert(!slots[r].failed, "rank %d: %s", r, slots[r].msg);
 }
 
+#ifndef TP_TEST_MPI
 static inline void tp_test_run(int n, tp_rank_fn fn, void *arg, const tp_test_slot *slots)
 {
     tp_status st = tp_run_local(n, fn, arg);
     tp_test_assert_slots(slots, n);
     cr_assert_eq(st, TP_OK, "%s", tp_last_error());
 }
+
+/* Ranks whose state lives in this process: all of them as threads. */
+static inline bool tp_test_rank_is_local(int r)
+{
+    (void)r;
+    return true;
+}
+#else
+/*
+ * The same tests as MPI programs (tests/meson.build builds them with
+ * -DTP_TEST_MPI against tests/shim and runs them under mpirun): every process
+ * runs every test, and tp_test_run(n, ...) runs fn once per process on a group
+ * of the first n processes of the "mpi" world (a tp_comm_split), instead of on
+ * n threads. A test needing more ranks than mpirun started is skipped, with a
+ * message. Each process only holds its own rank's slot, so the ranks agree on
+ * the outcome through the world: every process then fails (or passes) the
+ * test with the first failing rank's message, and all of them go on to the
+ * next test together.
+ */
+static tp_comm *tp_test_mpi_world_;
+
+static inline void tp_test_mpi_fini_(void)
+{
+    tp_comm_free(tp_test_mpi_world_); /* the last mpi comm: libtp finalizes MPI */
+    tp_test_mpi_world_ = NULL;
+}
+
+static inline tp_comm *tp_test_mpi_world(void)
+{
+    if (!tp_test_mpi_world_) {
+        tp_status st = tp_comm_init("mpi", NULL, &tp_test_mpi_world_);
+        cr_assert_eq(st, TP_OK, "tp_comm_init(\"mpi\") -> %s (%s)", tp_status_name(st),
+                     tp_last_error());
+        atexit(tp_test_mpi_fini_);
+    }
+    return tp_test_mpi_world_;
+}
+
+/* All-reduces two ints (max) over the world; the test fails if that fails. */
+static inline void tp_test_mpi_max2_(tp_comm *w, int32_t v[2])
+{
+    tp_tensor *t = NULL;
+    int64_t two = 2;
+    tp_status st = tp_tensor_from_blob(TP_I32, TP_CPU, 1, &two, v, NULL, NULL, &t);
+    if (st == TP_OK)
+        st = tp_all_reduce(w, t, t, TP_MAX, NULL);
+    tp_tensor_release(t);
+    cr_assert_eq(st, TP_OK, "agreeing on the outcome over the mpi world: %s (%s)",
+                 tp_status_name(st), tp_last_error());
+}
+
+static inline void tp_test_run(int n, tp_rank_fn fn, void *arg, const tp_test_slot *slots)
+{
+    tp_comm *w = tp_test_mpi_world();
+    int rank = tp_comm_rank(w), size = tp_comm_size(w);
+    if (n > size)
+        cr_skip_test("needs %d ranks; mpirun started %d processes", n, size);
+    tp_comm *g = NULL;
+    tp_status st = tp_comm_split(w, rank < n ? 0 : TP_COMM_NO_COLOR, rank, &g);
+    cr_assert_eq(st, TP_OK, "tp_comm_split -> %s (%s)", tp_status_name(st), tp_last_error());
+    _Alignas(int32_t) char msg[600] = "";
+    if (g) {
+        cr_assert_str_eq(tp_comm_backend(g), "mpi");
+        st = fn(g, arg);
+        if (st != TP_OK)
+            tp_comm_abort(g, "the rank function failed"); /* peers time out, not hang */
+        if (slots[rank].failed)
+            snprintf(msg, sizeof msg, "rank %d: %s", rank, slots[rank].msg);
+        else if (st != TP_OK)
+            snprintf(msg, sizeof msg, "rank %d: %s (%s)", rank, tp_status_name(st),
+                     tp_last_error());
+        tp_comm_free(g);
+    }
+    /* v[0]: somebody failed; v[1]: the lowest failing rank, as size - rank */
+    int32_t v[2] = {msg[0] != '\0', msg[0] ? size - rank : 0};
+    tp_test_mpi_max2_(w, v);
+    if (!v[0])
+        return;
+    int first = size - v[1];
+    tp_tensor *t = NULL;
+    int64_t len = sizeof msg;
+    st = tp_tensor_from_blob(TP_I32, TP_CPU, 1, (int64_t[]){len / 4}, msg, NULL, NULL, &t);
+    if (st == TP_OK)
+        st = tp_broadcast(w, t, first, NULL);
+    tp_tensor_release(t);
+    msg[sizeof msg - 1] = '\0';
+    cr_assert(0, "%s%s", st == TP_OK ? msg : "a rank failed; its message was lost: ",
+              st == TP_OK ? "" : tp_last_error());
+}
+
+/* Ranks whose state lives in this process: only this process's own rank. */
+static inline bool tp_test_rank_is_local(int r)
+{
+    return r == tp_comm_rank(tp_test_mpi_world());
+}
+#endif
 
 /* World sizes every distributed test covers. */
 #define TP_TEST_WORLD_SIZES {1, 2, 3, 4, 8}
