@@ -88,7 +88,7 @@ tp_status tp__cuda_stream(const char *fn, int index, cudaStream_t *out)
 
 tp_status tp__cuda_stream_sync(const char *fn, int index)
 {
-    cudaStream_t s;
+    cudaStream_t s = NULL;
     TP_CHECK(tp__cuda_stream(fn, index, &s));
     cudaError_t err = cudaStreamSynchronize(s);
     return err == cudaSuccess ? TP_OK : tp__cuda_fail(fn, "cudaStreamSynchronize", err);
