@@ -43,6 +43,9 @@ extern const tp_backend tp__shm_backend;
 #if TP_HAVE_MPI
 extern const tp_backend tp__mpi_backend;
 #endif
+#if TP_HAVE_NCCL
+extern const tp_backend tp__nccl_backend;
+#endif
 
 /* Default timeout from TP_COMM_TIMEOUT, else 300 s; check from TP_COMM_CHECK. */
 double tp__default_timeout(void);

@@ -99,6 +99,15 @@ tp_status tp_comm_init(const char *backend_name, void *options, tp_comm **out)
     *out = NULL;
     TP_ARG_CHECK(backend_name, "tp_comm_init: backend name is NULL");
     const tp_backend *b = tp_backend_find(backend_name);
+    if (!b && strcmp(backend_name, "nccl") == 0)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "tp_comm_init: libtp was built without NCCL, so backend 'nccl' is not "
+                         "available (rebuild with CUDA and NCCL found: meson setup "
+                         "-Dnccl=enabled)");
+    if (!b && strcmp(backend_name, "mpi") == 0)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "tp_comm_init: libtp was built without MPI, so backend 'mpi' is not "
+                         "available (rebuild with MPI found: meson setup -Dmpi=enabled)");
     if (!b)
         return tp__error(TP_ERR_NOT_SUPPORTED, "tp_comm_init: no backend named '%s' is registered%s",
                          backend_name,

@@ -21,6 +21,9 @@ static void tp__reg_builtins_locked(void)
 #if TP_HAVE_MPI
     tp__reg[tp__reg_n++] = tp__mpi_backend;
 #endif
+#if TP_HAVE_NCCL
+    tp__reg[tp__reg_n++] = tp__nccl_backend;
+#endif
 }
 
 tp_status tp_backend_register(const tp_backend *backend)
