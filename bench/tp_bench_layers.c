@@ -6,7 +6,18 @@
  * matrix products), tokens/s, the share of the time spent in collectives
  * (the collectives the comm-debug counter saw, re-issued alone on buffers of
  * the same sizes and timed), and the speedup over one rank running the whole
- * layer. Ranks are threads (shm); every rank runs one BLAS thread.
+ * layer. Every rank runs one BLAS thread. --backend picks how ranks exist:
+ *
+ *   shm   threads of this process (tp_run_local), -g of them (default 1,2)
+ *   mpi   one process per rank under mpirun (tp_comm_init("mpi")); a rank
+ *         count below the process count runs on the first ranks while the
+ *         others wait asleep; default -g 1,N for N processes; rank 0 prints
+ *   nccl  one GPU per rank, the nccl communicator bootstrapped over the shm
+ *         threads, or over the mpi world when run under mpirun
+ *         (--bootstrap shm|mpi); parameters and inputs on TP_CUDA(rank % GPUs)
+ *
+ * The timing is the same for all: a barrier before every timed pass, rank 0's
+ * clock, the median over -n passes after one warm-up pass.
  *
  *   layers:  colwise   Linear(H -> 4H), ColwiseParallel
  *            rowwise   Linear(4H -> H), RowwiseParallel (input sharded)
@@ -14,8 +25,8 @@
  *            emb-col   Embedding(V, H) ColwiseParallel
  *            emb-row   Embedding(V, H) RowwiseParallel(input R)
  *
- * Usage: tp-bench-layers [-l LAYERS] [-t TOKENS,..] [-H HIDDEN,..] [-g RANKS,..]
- *                        [-n ITERS] [--csv FILE]
+ * Usage: tp-bench-layers [--backend shm|mpi|nccl] [--bootstrap shm|mpi] [-l LAYERS]
+ *                        [-t TOKENS,..] [-H HIDDEN,..] [-g RANKS,..] [-n ITERS] [--csv FILE]
  *        tp-bench-layers --mlp-check   (2048 -> 8192 -> 2048, 2048 tokens)
  */
 #include <cblas.h>
@@ -26,6 +37,15 @@
 #include <time.h>
 
 #include <tp.h>
+
+/* tp_module_to(m, device) moves a module's parameters; --backend nccl needs it
+ * and stays a clear "not supported" until nn.h declares it. */
+#ifndef TP_BENCH_HAVE_MODULE_TO
+#define TP_BENCH_HAVE_MODULE_TO 0
+#endif
+
+enum { BK_SHM, BK_MPI, BK_NCCL, BK_COUNT };
+static const char *backend_names[BK_COUNT] = {"shm", "mpi", "nccl"};
 
 static double now_s(void)
 {
@@ -48,9 +68,9 @@ typedef struct {
     int64_t tokens, hidden, vocab;
     bool backward;
     int iters;
+    bool cuda; /* parameters, inputs and collective buffers on this rank's GPU */
     /* out (rank 0) */
     double t_med, t_coll;
-    tp_status st;
 } point;
 
 #define TRY(expr)                                                               \
@@ -127,16 +147,45 @@ static tp_status build(point *p, tp_mesh *mesh, int W, tp_module **root, tp_styl
     return TP_OK;
 }
 
-typedef struct {
-    point *p;
-    int n;
-} run_ctx;
+/* The GPU of a rank: the nccl backend's choice for device = -1. */
+static tp_device rank_device(const tp_comm *w, bool cuda)
+{
+    int n = cuda ? tp_cuda_device_count() : 0;
+    return n > 0 ? TP_CUDA(tp_comm_rank(w) % n) : TP_CPU;
+}
+
+static tp_status module_to_device(tp_module *m, tp_device dev)
+{
+    if (dev.type == TP_DEVICE_CPU)
+        return TP_OK;
+#if TP_BENCH_HAVE_MODULE_TO
+    return tp_module_to(m, dev);
+#else
+    (void)m;
+    return TP_ERR_NOT_SUPPORTED;
+#endif
+}
+
+/* GPU work is queued: a timed region ends by reading one element back, which
+ * is ordered after everything this rank queued before it. No-op on the CPU. */
+static tp_status device_sync(const tp_tensor *t)
+{
+    if (!t)
+        return TP_OK;
+    const tp_tensor *l = tp_tensor_is_dtensor(t) ? tp_dtensor_local(t) : t;
+    if (!l || tp_tensor_device(l).type == TP_DEVICE_CPU || tp_tensor_numel(l) == 0)
+        return TP_OK;
+    int64_t idx[8] = {0};
+    double v;
+    return tp_tensor_get(l, idx, &v);
+}
 
 static tp_status run_point(tp_comm *w, point *p)
 {
     tp_status st = TP_OK;
     int W = tp_comm_size(w), r = tp_comm_rank(w);
     int64_t Wl = W;
+    tp_device dev = rank_device(w, p->cuda);
     tp_mesh *mesh = NULL;
     tp_module *m = NULL;
     tp_style *styles[2] = {0};
@@ -145,6 +194,7 @@ static tp_status run_point(tp_comm *w, point *p)
     double *times = NULL;
     TRY(tp_mesh_create(w, 1, &Wl, (const char *[]){"tp"}, &mesh));
     TRY(build(p, mesh, W, &m, styles));
+    TRY(module_to_device(m, dev));
     int64_t T = p->tokens, H = p->hidden;
     if (p->layer == L_EMB_COL || p->layer == L_EMB_ROW) {
         TRY(tp_tensor_zeros(TP_I64, TP_CPU, 1, &T, &x));
@@ -153,6 +203,12 @@ static tp_status run_point(tp_comm *w, point *p)
         int64_t in = p->layer == L_ROWWISE ? 4 * H / W : H, xs[2] = {T, in};
         TRY(tp_tensor_zeros(TP_F32, TP_CPU, 2, xs, &x));
         TRY(tp_tensor_fill_random(x, TP_RNG_UNIFORM, -1, 1, 7, NULL, NULL));
+    }
+    if (dev.type != TP_DEVICE_CPU) { /* filled on the host, the same values */
+        tp_tensor *xd = NULL;
+        TRY(tp_tensor_to(x, tp_tensor_dtype(x), dev, &xd));
+        tp_tensor_release(x);
+        x = xd;
     }
     TRY(tp_comm_debug_create(&dbg));
     times = calloc((size_t)p->iters + 1, sizeof *times);
@@ -179,6 +235,8 @@ static tp_status run_point(tp_comm *w, point *p)
                 st = tp_backward(loss, NULL);
             tp_module_zero_grad(m);
         }
+        if (st == TP_OK)
+            st = device_sync(y);
         double t1 = now_s();
         tp_tensor_release(y);
         tp_tensor_release(loss);
@@ -204,8 +262,8 @@ static tp_status run_point(tp_comm *w, point *p)
             tp_tensor *a = NULL, *b = NULL;
             int64_t sa = (k == TP_COLL_ALL_GATHER) ? part : elems;
             int64_t sb = (k == TP_COLL_REDUCE_SCATTER) ? part : elems;
-            TRY(tp_tensor_zeros(TP_F32, TP_CPU, 1, &sa, &a));
-            TRY(tp_tensor_zeros(TP_F32, TP_CPU, 1, &sb, &b));
+            TRY(tp_tensor_zeros(TP_F32, dev, 1, &sa, &a));
+            TRY(tp_tensor_zeros(TP_F32, dev, 1, &sb, &b));
             double best = 1e30;
             for (int rep = 0; rep < 5; rep++) {
                 TRY(tp_barrier(w, NULL));
@@ -216,8 +274,19 @@ static tp_status run_point(tp_comm *w, point *p)
                     else if (k == TP_COLL_REDUCE_SCATTER) st = tp_reduce_scatter(w, a, b, TP_SUM, NULL);
                     else if (k == TP_COLL_ALL_TO_ALL) st = tp_all_to_all(w, a, b, NULL);
                     else st = tp_broadcast(w, a, 0, NULL);
+                    if (st != TP_OK)
+                        break;
                 }
+                if (st == TP_OK)
+                    st = device_sync(k == TP_COLL_BROADCAST ? a : b);
                 double dt = now_s() - t0;
+                if (st != TP_OK) {
+                    fprintf(stderr, "rank %d: %s x%lld: %s (%s)\n", r, tp_coll_kind_name((tp_coll_kind)k),
+                            (long long)cnt, tp_status_name(st), tp_last_error());
+                    tp_tensor_release(a);
+                    tp_tensor_release(b);
+                    goto out;
+                }
                 best = dt < best ? dt : best;
             }
             t_coll += best;
@@ -244,9 +313,122 @@ out:
 
 static tp_status body(tp_comm *w, void *arg)
 {
-    point *p = arg;
-    p->st = run_point(w, p);
-    return p->st;
+    return run_point(w, arg);
+}
+
+#if TP_HAVE_NCCL
+/* A nccl communicator over the ranks of `boot` (collective over boot). */
+static tp_status nccl_over(tp_comm *boot, tp_comm **out)
+{
+    tp_status st = tp_comm_init("nccl", &(tp_nccl_options){.bootstrap = boot, .device = -1}, out);
+    if (st != TP_OK)
+        fprintf(stderr, "rank %d: tp_comm_init(\"nccl\"): %s (%s)\n", tp_comm_rank(boot),
+                tp_status_name(st), tp_last_error());
+    return st;
+}
+
+/* nccl over shm threads: each point makes its communicator from the threads'
+ * world, outside the timed passes, and frees it after. */
+static tp_status body_nccl(tp_comm *w, void *arg)
+{
+    tp_comm *nc = NULL;
+    tp_status st = nccl_over(w, &nc);
+    if (st == TP_OK)
+        st = run_point(nc, arg);
+    tp_comm_free(nc);
+    return st;
+}
+#endif
+
+/* ---- one rank per process (mpi, or nccl bootstrapped over mpi) ---------- */
+
+typedef struct proc_world {
+    tp_comm *world;
+    int nr;
+    tp_comm *sub[8]; /* the first ranks[i] processes; NULL on the others */
+    tp_comm *run[8]; /* what points with ranks[i] ranks run on: sub[i] or its nccl comm */
+} proc_world;
+
+/* Every process learns whether any failed. The wait polls with short sleeps:
+ * a process that sits out a point (fewer ranks than processes) must leave its
+ * core to the ranks being timed, and MPI's own waits spin. */
+static tp_status agree(tp_comm *world, tp_status mine)
+{
+    tp_tensor *f = NULL;
+    tp_work *wk = NULL;
+    int64_t one = 1, zero = 0;
+    double any = 1;
+    tp_status st = tp_tensor_zeros(TP_I32, TP_CPU, 1, &one, &f);
+    if (st == TP_OK)
+        st = tp_tensor_fill(f, mine != TP_OK);
+    if (st == TP_OK)
+        st = tp_all_reduce(world, f, f, TP_MAX, &wk);
+    double deadline = now_s() + tp_comm_timeout(world);
+    bool done = false;
+    while (st == TP_OK && !done) {
+        st = tp_work_test(wk, &done);
+        if (st == TP_OK && !done) {
+            if (now_s() > deadline) {
+                st = TP_ERR_TIMEOUT;
+                break;
+            }
+            nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+        }
+    }
+    tp_work_free(wk);
+    if (st == TP_OK)
+        st = tp_tensor_get(f, &zero, &any);
+    tp_tensor_release(f);
+    if (mine != TP_OK)
+        return mine;
+    if (st != TP_OK)
+        return st;
+    return any != 0 ? TP_ERR_ABORTED : TP_OK;
+}
+
+static tp_status proc_point(proc_world *pw, int i, point *p)
+{
+    tp_status st = pw->run[i] ? run_point(pw->run[i], p) : TP_OK;
+    return agree(pw->world, st);
+}
+
+static tp_status proc_setup(proc_world *pw, const int64_t *ranks, int nr, bool nccl)
+{
+    int me = tp_comm_rank(pw->world);
+    tp_status st = TP_OK;
+    for (int i = 0; i < nr && st == TP_OK; i++) {
+        st = tp_comm_split(pw->world, me < ranks[i] ? 0 : TP_COMM_NO_COLOR, me, &pw->sub[i]);
+        pw->nr = i + 1;
+        pw->run[i] = pw->sub[i];
+        if (st != TP_OK) {
+            fprintf(stderr, "rank %d: tp_comm_split: %s (%s)\n", me, tp_status_name(st),
+                    tp_last_error());
+            break;
+        }
+#if TP_HAVE_NCCL
+        if (nccl && pw->sub[i])
+            st = nccl_over(pw->sub[i], &pw->run[i]);
+        st = agree(pw->world, st);
+#else
+        (void)nccl;
+#endif
+    }
+    return st;
+}
+
+static void proc_free(proc_world *pw)
+{
+    for (int i = 0; i < pw->nr; i++) {
+        if (pw->run[i] != pw->sub[i])
+            tp_comm_free(pw->run[i]);
+        tp_comm_free(pw->sub[i]);
+    }
+    tp_comm_free(pw->world);
+}
+
+static bool under_mpirun(void)
+{
+    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
 }
 
 /* Matrix-product flops of one pass. The input never requires grad, so the
@@ -277,8 +459,8 @@ static int parse_list(const char *s, int64_t *v, int max)
 int main(int argc, char **argv)
 {
     int64_t tokens[8] = {512, 2048}, hidden[8] = {256, 512, 1024}, ranks[8] = {1, 2};
-    int nt = 2, nh = 3, nr = 2, iters = 5;
-    bool layers[L_COUNT] = {true, true, true, true, true}, mlp_check = false;
+    int nt = 2, nh = 3, nr = 2, iters = 5, backend = BK_SHM, boot = -1;
+    bool layers[L_COUNT] = {true, true, true, true, true}, mlp_check = false, ranks_given = false;
     const char *csv = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--mlp-check")) {
@@ -289,6 +471,7 @@ int main(int argc, char **argv)
             nh = parse_list(argv[++i], hidden, 8);
         } else if (i + 1 < argc && !strcmp(argv[i], "-g")) {
             nr = parse_list(argv[++i], ranks, 8);
+            ranks_given = true;
         } else if (i + 1 < argc && !strcmp(argv[i], "-n")) {
             iters = atoi(argv[++i]);
         } else if (i + 1 < argc && !strcmp(argv[i], "--csv")) {
@@ -297,11 +480,44 @@ int main(int argc, char **argv)
             const char *s = argv[++i];
             for (int l = 0; l < L_COUNT; l++)
                 layers[l] = strstr(s, layer_names[l]) != NULL;
+        } else if (i + 1 < argc && (!strcmp(argv[i], "--backend") || !strcmp(argv[i], "--bootstrap"))) {
+            bool is_boot = !strcmp(argv[i], "--bootstrap");
+            const char *name = argv[++i];
+            int b = 0;
+            while (b < BK_COUNT && strcmp(name, backend_names[b]))
+                b++;
+            if (b == BK_COUNT || (is_boot && b == BK_NCCL)) {
+                fprintf(stderr, "tp-bench-layers: unknown %s '%s' (%s)\n", argv[i - 1], name,
+                        is_boot ? "shm|mpi" : "shm|mpi|nccl");
+                return 64;
+            }
+            if (is_boot)
+                boot = b;
+            else
+                backend = b;
         } else {
-            fprintf(stderr, "usage: tp-bench-layers [-l LAYERS] [-t T,..] [-H H,..] [-g RANKS,..] "
-                            "[-n ITERS] [--csv FILE] | --mlp-check\n");
+            fprintf(stderr, "usage: tp-bench-layers [--backend shm|mpi|nccl] [--bootstrap shm|mpi] "
+                            "[-l LAYERS] [-t T,..] [-H H,..] [-g RANKS,..] [-n ITERS] [--csv FILE]\n"
+                            "       tp-bench-layers --mlp-check\n");
             return 64;
         }
+    }
+    if (iters < 1 || nr < 1 || nt < 1 || nh < 1) {
+        fprintf(stderr, "tp-bench-layers: -n, -g, -t, -H need at least one positive value\n");
+        return 64;
+    }
+    for (int ri = 0; ri < nr; ri++)
+        if (ranks[ri] < 1) {
+            fprintf(stderr, "tp-bench-layers: -g: rank counts must be >= 1\n");
+            return 64;
+        }
+    if (boot >= 0 && backend != BK_NCCL) {
+        fprintf(stderr, "tp-bench-layers: --bootstrap goes with --backend nccl\n");
+        return 64;
+    }
+    if (mlp_check && backend != BK_SHM) {
+        fprintf(stderr, "tp-bench-layers: --mlp-check runs its ranks as threads (--backend shm)\n");
+        return 64;
     }
     openblas_set_num_threads(1);
     if (mlp_check) {
@@ -349,16 +565,98 @@ int main(int argc, char **argv)
         free(x), free(w1), free(w2), free(h), free(y), free(gh), free(gw1), free(gw2), free(gx);
         return 0;
     }
-    FILE *fcsv = csv ? fopen(csv, "w") : NULL;
-    if (csv && !fcsv) {
+    if (backend == BK_NCCL) {
+#if !TP_HAVE_NCCL
+        fprintf(stderr, "tp-bench-layers: libtp built without NCCL support\n");
+        return 2;
+#else
+        if (tp_cuda_device_count() == 0) {
+            fprintf(stderr, "tp-bench-layers: no CUDA device\n");
+            return 2;
+        }
+        if (!TP_BENCH_HAVE_MODULE_TO) {
+            fprintf(stderr, "tp-bench-layers: --backend nccl needs tp_module_to() to move a "
+                            "module's parameters to the GPU; this libtp does not have it\n");
+            return 2;
+        }
+        if (!ranks_given && tp_cuda_device_count() < 2)
+            nr = 1; /* one GPU: only the one-rank points (NCCL refuses two ranks on one GPU) */
+#endif
+    }
+    if (boot < 0)
+        boot = backend == BK_MPI || (backend == BK_NCCL && under_mpirun()) ? BK_MPI : BK_SHM;
+    if (backend == BK_MPI)
+        boot = BK_MPI;
+
+    /* one rank per process: every process runs the whole sweep */
+    proc_world pw = {0};
+    bool printer = true;
+    int nproc = 0;
+    if (boot == BK_MPI) {
+        if (!tp_backend_find("mpi")) {
+            fprintf(stderr, "tp-bench-layers: libtp built without MPI support\n");
+            return 2;
+        }
+        tp_status st = tp_comm_init("mpi", NULL, &pw.world);
+        if (st != TP_OK) {
+            fprintf(stderr, "tp-bench-layers: tp_comm_init(\"mpi\"): %s (%s)\n", tp_status_name(st),
+                    tp_last_error());
+            return 2;
+        }
+        nproc = tp_comm_size(pw.world);
+        printer = tp_comm_rank(pw.world) == 0;
+        if (!ranks_given) {
+            nr = nproc > 1 ? 2 : 1;
+            ranks[0] = 1;
+            ranks[1] = nproc;
+        }
+        int k = 0;
+        for (int ri = 0; ri < nr; ri++) {
+            if (ranks[ri] <= nproc)
+                ranks[k++] = ranks[ri];
+            else if (printer)
+                fprintf(stderr, "tp-bench-layers: -g %lld skipped: the MPI world has %d processes\n",
+                        (long long)ranks[ri], nproc);
+        }
+        nr = k;
+        st = proc_setup(&pw, ranks, nr, backend == BK_NCCL);
+        if (st != TP_OK || nr == 0) {
+            proc_free(&pw);
+            return 2;
+        }
+    }
+
+    FILE *fcsv = csv && printer ? fopen(csv, "w") : NULL;
+    if (csv && printer && !fcsv)
         perror(csv);
+    if (boot == BK_MPI && agree(pw.world, csv && printer && !fcsv ? TP_ERR_INVALID_ARG : TP_OK) != TP_OK) {
+        proc_free(&pw);
         return 2;
     }
+    if (csv && printer && !fcsv)
+        return 2;
     if (fcsv)
-        fprintf(fcsv, "layer,pass,tokens,hidden,ranks,time_ms,gflops,tokens_per_s,coll_share,speedup\n");
-    printf("# tp-bench-layers: ranks as threads, 1 BLAS thread each; median of %d\n", iters);
-    printf("%-8s %-8s %6s %6s %5s %10s %8s %12s %6s %7s\n", "layer", "pass", "tokens", "hidden",
-           "ranks", "time(ms)", "GFLOP/s", "tokens/s", "coll%", "speedup");
+        fprintf(fcsv, "layer,pass,tokens,hidden,ranks,time_ms,gflops,tokens_per_s,coll_share,speedup,"
+                      "backend\n");
+    if (printer) {
+        if (backend == BK_SHM)
+            printf("# tp-bench-layers: ranks as threads, 1 BLAS thread each; median of %d\n", iters);
+        else if (backend == BK_MPI)
+            printf("# tp-bench-layers: backend mpi, ranks as processes of a %d-process MPI world (fewer "
+                   "ranks run on the first processes, the rest wait asleep), 1 BLAS thread each; "
+                   "median of %d\n", nproc, iters);
+        else
+            printf("# tp-bench-layers: backend nccl over %s, one GPU per rank (rank %% %d GPUs); "
+                   "median of %d\n", backend_names[boot], tp_cuda_device_count(), iters);
+        printf("%-8s %-8s %6s %6s %5s %10s %8s %12s %6s %7s\n", "layer", "pass", "tokens", "hidden",
+               "ranks", "time(ms)", "GFLOP/s", "tokens/s", "coll%", "speedup");
+        fflush(stdout);
+    }
+    tp_rank_fn fn = body;
+#if TP_HAVE_NCCL
+    if (backend == BK_NCCL)
+        fn = body_nccl;
+#endif
     int rc = 0;
     for (int l = 0; l < L_COUNT; l++) {
         if (!layers[l])
@@ -369,15 +667,27 @@ int main(int argc, char **argv)
                     double t1 = 0;
                     for (int ri = 0; ri < nr; ri++) {
                         point p = {.layer = l, .tokens = tokens[ti], .hidden = hidden[hi],
-                                   .vocab = 8192, .backward = bw, .iters = iters};
-                        if (4 * p.hidden % ranks[ri] || p.vocab % ranks[ri] ||
+                                   .vocab = 8192, .backward = bw, .iters = iters,
+                                   .cuda = backend == BK_NCCL};
+                        bool emb = l == L_EMB_COL || l == L_EMB_ROW;
+                        if (4 * p.hidden % ranks[ri] || (emb && p.vocab % ranks[ri]) ||
                             p.hidden % ranks[ri])
                             continue;
-                        if (tp_run_local((int)ranks[ri], body, &p) != TP_OK) {
-                            fprintf(stderr, "tp-bench-layers: %s\n", tp_last_error());
+                        tp_status st = boot == BK_MPI ? proc_point(&pw, ri, &p)
+                                                      : tp_run_local((int)ranks[ri], fn, &p);
+                        if (st != TP_OK) {
+                            if (boot != BK_MPI)
+                                fprintf(stderr, "tp-bench-layers: %s\n", tp_last_error());
+                            else if (printer)
+                                fprintf(stderr, "tp-bench-layers: %s %s T=%lld H=%lld on %lld ranks "
+                                                "failed: %s\n", layer_names[l], bw ? "fwd+bwd" : "fwd",
+                                        (long long)p.tokens, (long long)p.hidden,
+                                        (long long)ranks[ri], tp_status_name(st));
                             rc = 2;
                             continue;
                         }
+                        if (!printer)
+                            continue;
                         if (ranks[ri] == 1)
                             t1 = p.t_med;
                         double gf = flops(&p) / p.t_med / 1e9;
@@ -387,15 +697,18 @@ int main(int argc, char **argv)
                                layer_names[l], bw ? "fwd+bwd" : "fwd", (long long)p.tokens,
                                (long long)p.hidden, (long long)ranks[ri], p.t_med * 1e3, gf,
                                (double)p.tokens / p.t_med, 100 * share, sp);
+                        fflush(stdout);
                         if (fcsv)
-                            fprintf(fcsv, "%s,%s,%lld,%lld,%lld,%.4f,%.2f,%.0f,%.4f,%.3f\n",
+                            fprintf(fcsv, "%s,%s,%lld,%lld,%lld,%.4f,%.2f,%.0f,%.4f,%.3f,%s\n",
                                     layer_names[l], bw ? "fwd+bwd" : "fwd", (long long)p.tokens,
                                     (long long)p.hidden, (long long)ranks[ri], p.t_med * 1e3, gf,
-                                    (double)p.tokens / p.t_med, share, sp);
+                                    (double)p.tokens / p.t_med, share, sp, backend_names[backend]);
                     }
                 }
     }
     if (fcsv)
         fclose(fcsv);
+    if (boot == BK_MPI)
+        proc_free(&pw);
     return rc;
 }
