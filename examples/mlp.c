@@ -16,7 +16,10 @@
  * equal the reference's within rtol 1e-5, atol 1e-6. The collectives of one
  * training step are printed per run with tp_comm_debug_write_table.
  *
- * Usage: tp-example-mlp [-r RANKS] [-s STEPS]
+ * Usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi]
+ *   -b mpi    run under mpirun: the TP and TP+SP plans use the MPI world, one
+ *             process per rank (the process count must divide 64); the
+ *             reference runs on each process, the first process prints
  *   -r RANKS  run the TP and TP+SP plans on this many ranks only, a divisor of
  *             the hidden size 64 (default 1, 2 and 4; the 1-rank reference
  *             always runs)
@@ -387,8 +390,9 @@ static int parse_int(const char *s, int lo, int hi, const char *what)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: tp-example-mlp [-r RANKS] [-s STEPS]\n"
+    fprintf(f, "usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi]\n"
                "  -r RANKS  rank count of the TP runs, dividing %d (default: 1, 2 and 4)\n"
+               "  -b mpi    under mpirun: the TP runs use one process per rank\n"
                "  -s STEPS  SGD steps (default 5)\n",
             HIDDEN);
 }
@@ -396,6 +400,7 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     int rank_counts[3] = {1, 2, 4}, n_counts = 3, steps = 5;
+    bool use_mpi = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
@@ -411,6 +416,13 @@ int main(int argc, char **argv)
                 fprintf(stderr, "-r RANKS must divide the hidden size %d\n", HIDDEN);
                 return 2;
             }
+        } else if (!strcmp(argv[i], "-b")) {
+            const char *b = i + 1 < argc ? argv[++i] : "";
+            if (strcmp(b, "shm") && strcmp(b, "mpi")) {
+                fprintf(stderr, "-b BACKEND must be shm or mpi, got '%s'\n", b);
+                return 2;
+            }
+            use_mpi = !strcmp(b, "mpi");
         } else if (!strcmp(argv[i], "-s")) {
             steps = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, MAX_STEPS, "-s STEPS");
             if (steps < 0)
@@ -418,6 +430,33 @@ int main(int argc, char **argv)
         } else {
             usage(stderr);
             return 2;
+        }
+    }
+
+    /* -b mpi: this process is one rank of the MPI world (under mpirun); the
+     * TP runs use every process, the reference runs on one thread of each,
+     * and the first process prints and compares */
+    tp_comm *world = NULL;
+    bool reporter = true;
+    if (use_mpi) {
+        tp_status st = tp_comm_init("mpi", NULL, &world);
+        if (st != TP_OK) {
+            fprintf(stderr, "tp_comm_init(\"mpi\"): %s: %s\n", tp_status_name(st), tp_last_error());
+            return 1;
+        }
+        if (HIDDEN % tp_comm_size(world)) {
+            fprintf(stderr, "the MPI world size %d must divide the hidden size %d\n",
+                    tp_comm_size(world), HIDDEN);
+            tp_comm_free(world);
+            return 2;
+        }
+        rank_counts[0] = tp_comm_size(world);
+        n_counts = 1;
+        reporter = tp_comm_rank(world) == 0;
+        if (!reporter && !freopen("/dev/null", "w", stdout)) {
+            fprintf(stderr, "cannot silence stdout on rank %d\n", tp_comm_rank(world));
+            tp_comm_free(world);
+            return 1;
         }
     }
 
@@ -440,7 +479,8 @@ int main(int argc, char **argv)
         printf("\n== %s on %d rank%s: %s\n", mode_name[r->mode], r->ranks, r->ranks > 1 ? "s" : "",
                mode_plan[r->mode]);
         fflush(stdout);
-        r->status = tp_run_local(r->ranks, mlp_rank, r);
+        r->status = world && r->mode != MODE_NONE ? mlp_rank(world, r)
+                                                    : tp_run_local(r->ranks, mlp_rank, r);
         if (r->status != TP_OK) {
             fprintf(stderr, "run failed: %s: %s\n", tp_status_name(r->status), tp_last_error());
             all_ok = false;
@@ -453,7 +493,10 @@ int main(int argc, char **argv)
             printf(" %.6f", r->loss[s]);
         printf("\n");
         if (i > 0) {
-            compare(r, &runs[0]);
+            if (reporter) /* the other processes hold no parameters */
+                compare(r, &runs[0]);
+            else
+                r->ok = true;
             printf("   max |diff| vs the 1-rank run: loss %.3g, parameters %.3g  %s\n",
                    r->loss_diff, r->param_diff, r->ok ? "ok" : "MISMATCH");
             all_ok = all_ok && r->ok;
@@ -462,7 +505,7 @@ int main(int argc, char **argv)
         }
         printf("   collectives of training step 0 (rank 0; forward, backward, SGD step):\n");
         fflush(stdout);
-        if (tp_comm_debug_write_table(r->debug, stdout) != TP_OK) {
+        if (reporter && tp_comm_debug_write_table(r->debug, stdout) != TP_OK) {
             fprintf(stderr, "tp_comm_debug_write_table: %s\n", tp_last_error());
             all_ok = false;
         }
@@ -494,5 +537,6 @@ int main(int argc, char **argv)
            all_ok ? "PASS" : "FAIL", nruns, worst_loss, worst_param, RTOL, ATOL);
     for (int i = 0; i < nruns; i++)
         run_free(&runs[i]);
+    tp_comm_free(world); /* the last mpi communicator: finalizes MPI */
     return all_ok ? 0 : 1;
 }

@@ -40,7 +40,10 @@
  * are the tokens shifted by one) on 1, 2 and 4 ranks; the losses and the final
  * parameters must equal the 1-rank run without TP within rtol 1e-4, atol 1e-5.
  *
- * Usage: tp-example-transformer [-r RANKS] [-s STEPS] [-t]
+ * Usage: tp-example-transformer [-r RANKS] [-s STEPS] [-t] [-b shm|mpi]
+ *   -b mpi    run under mpirun: the TP plans use the MPI world, one process
+ *             per rank (the process count must divide the 4 heads); the
+ *             reference runs on each process, the first process prints
  *   -r RANKS  run the TP plans on this many ranks only (default 1, 2 and 4)
  *   -s STEPS  Adam steps (default 3)
  *   -t        also print tp_comm_debug_write_table's full table of every run
@@ -720,7 +723,8 @@ static int parse_int(const char *s, int lo, int hi, const char *what)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: tp-example-transformer [-r RANKS] [-s STEPS] [-t]\n"
+    fprintf(f, "usage: tp-example-transformer [-r RANKS] [-s STEPS] [-t] [-b shm|mpi]\n"
+               "  -b mpi    under mpirun: the TP runs use one process per rank\n"
                "  -r RANKS  rank count of the TP runs, dividing %d heads (default: 1, 2 and 4)\n"
                "  -s STEPS  Adam steps (default 3)\n"
                "  -t        also print the full comm-debug table of every run\n",
@@ -730,6 +734,7 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     int rank_counts[3] = {1, 2, 4}, n_counts = 3, steps = 3;
+    bool use_mpi = false;
     bool all_tables = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
@@ -744,6 +749,13 @@ int main(int argc, char **argv)
                 fprintf(stderr, "-r RANKS must divide the %d heads\n", HEADS);
                 return 2;
             }
+        } else if (!strcmp(argv[i], "-b")) {
+            const char *b = i + 1 < argc ? argv[++i] : "";
+            if (strcmp(b, "shm") && strcmp(b, "mpi")) {
+                fprintf(stderr, "-b BACKEND must be shm or mpi, got '%s'\n", b);
+                return 2;
+            }
+            use_mpi = !strcmp(b, "mpi");
         } else if (!strcmp(argv[i], "-s")) {
             steps = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, MAX_STEPS, "-s STEPS");
             if (steps < 0)
@@ -753,6 +765,33 @@ int main(int argc, char **argv)
         } else {
             usage(stderr);
             return 2;
+        }
+    }
+
+    /* -b mpi: this process is one rank of the MPI world (under mpirun); the
+     * TP runs use every process, the reference runs on one thread of each,
+     * and the first process prints and compares */
+    tp_comm *world = NULL;
+    bool reporter = true;
+    if (use_mpi) {
+        tp_status st = tp_comm_init("mpi", NULL, &world);
+        if (st != TP_OK) {
+            fprintf(stderr, "tp_comm_init(\"mpi\"): %s: %s\n", tp_status_name(st), tp_last_error());
+            return 1;
+        }
+        if (HEADS % tp_comm_size(world)) {
+            fprintf(stderr, "the MPI world size %d must divide the %d heads\n", tp_comm_size(world),
+                    HEADS);
+            tp_comm_free(world);
+            return 2;
+        }
+        rank_counts[0] = tp_comm_size(world);
+        n_counts = 1;
+        reporter = tp_comm_rank(world) == 0;
+        if (!reporter && !freopen("/dev/null", "w", stdout)) {
+            fprintf(stderr, "cannot silence stdout on rank %d\n", tp_comm_rank(world));
+            tp_comm_free(world);
+            return 1;
         }
     }
 
@@ -778,7 +817,8 @@ int main(int argc, char **argv)
     int table_run = -1;
     for (int i = 0; i < nruns; i++) {
         run *r = &runs[i];
-        r->status = tp_run_local(r->ranks, transformer_rank, r);
+        r->status = world && r->mode != MODE_NONE ? transformer_rank(world, r)
+                                                    : tp_run_local(r->ranks, transformer_rank, r);
         if (r->status != TP_OK) {
             fprintf(stderr, "%s on %d ranks failed: %s: %s\n", mode_name[r->mode], r->ranks,
                     tp_status_name(r->status), tp_last_error());
@@ -791,7 +831,10 @@ int main(int argc, char **argv)
         for (int s = 0; s < steps; s++)
             printf(" %9.6f", r->loss[s]);
         if (i > 0) {
-            compare(r, &runs[0]);
+            if (reporter) /* the other processes hold no parameters */
+                compare(r, &runs[0]);
+            else
+                r->ok = true;
             printf("  %-10.2e %-11.2e", r->loss_diff, r->param_diff);
             all_ok = all_ok && r->ok;
             worst_loss = r->loss_diff > worst_loss ? r->loss_diff : worst_loss;
@@ -827,5 +870,6 @@ int main(int argc, char **argv)
            all_ok ? "PASS" : "FAIL", nruns, worst_loss, worst_param, RTOL, ATOL);
     for (int i = 0; i < nruns; i++)
         run_free(&runs[i]);
+    tp_comm_free(world); /* the last mpi communicator: finalizes MPI */
     return all_ok ? 0 : 1;
 }
