@@ -261,9 +261,7 @@ ParameterizedTest(mesh_case *c, mesh, shapes, .timeout = 60)
 {
     shape_arg a = {.c = *c};
     int n = (int)ref_numel(c->ndim, c->shape);
-    tp_status st = tp_run_local(n, shape_rank, &a);
-    tp_test_assert_slots(a.slots, n);
-    cr_assert_eq(st, TP_OK, "tp_run_local: %s (%s)", tp_status_name(st), tp_last_error());
+    tp_test_run(n, shape_rank, &a, a.slots);
 }
 
 /* Names are copied: the caller's strings may change or die after create. */
@@ -288,9 +286,7 @@ static tp_status names_copied_rank(tp_comm *world, void *p)
 Test(mesh, names_are_copied, .timeout = 30)
 {
     tp_test_slot slots[TP_TEST_MAX_RANKS] = {0};
-    tp_status st = tp_run_local(2, names_copied_rank, slots);
-    tp_test_assert_slots(slots, 2);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(2, names_copied_rank, slots, slots);
 }
 
 /* Two meshes over the same world, and a second mesh created while the first
@@ -317,9 +313,7 @@ static tp_status two_meshes_rank(tp_comm *world, void *p)
 Test(mesh, two_meshes_on_one_world, .timeout = 30)
 {
     tp_test_slot slots[TP_TEST_MAX_RANKS] = {0};
-    tp_status st = tp_run_local(6, two_meshes_rank, slots);
-    tp_test_assert_slots(slots, 6);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(6, two_meshes_rank, slots, slots);
 }
 
 /* ---- slicing -------------------------------------------------------------- */
@@ -409,9 +403,7 @@ ParameterizedTest(shape2 *shape, mesh, slice_2d, .timeout = 60)
 {
     slice_arg a = {.shape = {shape->s[0], shape->s[1]}};
     int n = (int)(a.shape[0] * a.shape[1]);
-    tp_status st = tp_run_local(n, slice_2d_rank, &a);
-    tp_test_assert_slots(a.slots, n);
-    cr_assert_eq(st, TP_OK, "tp_run_local: %s (%s)", tp_status_name(st), tp_last_error());
+    tp_test_run(n, slice_2d_rank, &a, a.slots);
 }
 
 /* 3-D (pp, dp, tp) = 2x2x2 and 2x3x2: every slice of two dims in both
@@ -449,17 +441,13 @@ static tp_status slice_3d_rank(tp_comm *world, void *p)
 Test(mesh, slice_3d_2x2x2, .timeout = 60)
 {
     slice_arg a = {.shape = {2}};
-    tp_status st = tp_run_local(8, slice_3d_rank, &a);
-    tp_test_assert_slots(a.slots, 8);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(8, slice_3d_rank, &a, a.slots);
 }
 
 Test(mesh, slice_3d_2x3x2, .timeout = 60)
 {
     slice_arg a = {.shape = {3}};
-    tp_status st = tp_run_local(12, slice_3d_rank, &a);
-    tp_test_assert_slots(a.slots, 12);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(12, slice_3d_rank, &a, a.slots);
 }
 
 /* Slice the 3-D mesh to 2-D (tp, pp), free the parent, slice again. */
@@ -494,9 +482,7 @@ static tp_status slice_chain_rank(tp_comm *world, void *p)
 Test(mesh, slice_of_slice_outlives_parents, .timeout = 30)
 {
     tp_test_slot slots[TP_TEST_MAX_RANKS] = {0};
-    tp_status st = tp_run_local(8, slice_chain_rank, slots);
-    tp_test_assert_slots(slots, 8);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(8, slice_chain_rank, slots, slots);
 }
 
 /* ---- errors --------------------------------------------------------------- */
@@ -564,9 +550,7 @@ static tp_status create_errors_rank(tp_comm *world, void *p)
 Test(mesh, create_errors, .timeout = 30)
 {
     tp_test_slot slots[TP_TEST_MAX_RANKS] = {0};
-    tp_status st = tp_run_local(4, create_errors_rank, slots);
-    tp_test_assert_slots(slots, 4);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(4, create_errors_rank, slots, slots);
 }
 
 Test(mesh, create_null_world, .timeout = 10)
@@ -609,9 +593,7 @@ static tp_status slice_errors_rank(tp_comm *world, void *p)
 Test(mesh, slice_errors, .timeout = 30)
 {
     tp_test_slot slots[TP_TEST_MAX_RANKS] = {0};
-    tp_status st = tp_run_local(4, slice_errors_rank, slots);
-    tp_test_assert_slots(slots, 4);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(4, slice_errors_rank, slots, slots);
 }
 
 static tp_status accessors_rank(tp_comm *world, void *p)
@@ -644,9 +626,7 @@ static tp_status accessors_rank(tp_comm *world, void *p)
 Test(mesh, accessors_out_of_range, .timeout = 30)
 {
     tp_test_slot slots[TP_TEST_MAX_RANKS] = {0};
-    tp_status st = tp_run_local(2, accessors_rank, slots);
-    tp_test_assert_slots(slots, 2);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+    tp_test_run(2, accessors_rank, slots, slots);
 }
 
 Test(mesh, accessors_null_mesh, .timeout = 10)
