@@ -20,8 +20,11 @@ if [ -f "$log" ]; then
             }
         }
         /^mpi: [0-9]+ passed, [0-9]+ failed/ { split($2, a, " "); mp += a[1]; mf += a[3] }
+        /^\[SKIP\] / { if ($0 ~ /no CUDA device|without CUDA|without NCCL/) gs++; else sk++ }
         END {
             if (mp + mf) printf "mpi checks: %d passed, %d failed\n", mp, mf
+            if (gs) printf "GPU tests skipped: %d (no CUDA device, or built without CUDA/NCCL)\n", gs
+            if (sk) printf "other tests skipped: %d (e.g. more ranks than mpirun started)\n", sk
             printf "tests: %d passed, %d failed\n", p, f
         }' "$log"
 fi

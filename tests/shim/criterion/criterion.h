@@ -612,8 +612,9 @@ CRS_WEAK_ void crs_usage_(const char *argv0);
 CRS_WEAK_ void crs_usage_(const char *argv0)
 {
     fprintf(stderr,
-            "usage: %s [--jobs N] [--filter PATTERN]\n"
-            "  in-process Criterion stand-in (tests/shim); --jobs is accepted and ignored,\n"
+            "usage: %s [--jobs N] [--filter PATTERN] [--verbose]\n"
+            "  in-process Criterion stand-in (tests/shim); --jobs and --verbose are accepted\n"
+            "  and ignored (skips and failures are always printed),\n"
             "  --filter runs the tests whose \"suite/name\" matches the glob PATTERN\n",
             argv0);
 }
@@ -628,7 +629,8 @@ CRS_WEAK_ int main(int argc, char **argv)
                 crs_usage_(argv[0]);
                 return 2;
             }
-        } else if (strncmp(a, "--jobs=", 7) == 0 || (strncmp(a, "-j", 2) == 0 && a[2])) {
+        } else if (strncmp(a, "--jobs=", 7) == 0 || (strncmp(a, "-j", 2) == 0 && a[2]) ||
+                   strcmp(a, "--verbose") == 0 || strncmp(a, "--verbose=", 10) == 0) {
             /* ignored: the shim always runs one test at a time */
         } else if (strcmp(a, "--filter") == 0) {
             if (++i >= argc) {
