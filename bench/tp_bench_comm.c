@@ -134,9 +134,13 @@ struct bench_run;
  *    comes from tp_comm_init("mpi", NULL, &world) (launch_world below). The
  *    entry is already here and becomes available as soon as libtp registers a
  *    backend of that name.
- *  - "nccl" from threads would be launch_threads with the buffers on
- *    TP_CUDA(rank): allocate them there, and fill/check through a host copy
- *    (tp_tensor_copy); the roof would be a device-to-device copy.
+ *  - "nccl": one GPU per rank, buffers on the device (launch_nccl). Under
+ *    mpirun (one process per rank) the NCCL communicator is bootstrapped over
+ *    the MPI world and each process takes GPU (local rank % GPUs); in a
+ *    single process, -g tp_run_local threads take GPU rank each, bootstrapped
+ *    over the shm world. Inputs are written and outputs checked in host
+ *    mirrors of the device buffers (tp_tensor_copy before and after);
+ *    statistics travel over the bootstrap communicator; no memcpy roof.
  * A backend is offered when it is "shm" (always built in) or when
  * tp_backend_find() knows its name.
  */
@@ -149,11 +153,15 @@ typedef struct bench_backend {
 
 static tp_status launch_threads(struct bench_run *run);
 static tp_status launch_world(struct bench_run *run);
+static tp_status launch_nccl(struct bench_run *run);
 
 static const bench_backend backends[] = {
     {"shm", "ranks are threads of this process (tp_run_local), -g of them", true, launch_threads},
     {"mpi", "one process per rank under mpirun (tp_comm_init(\"mpi\")); -g is ignored", false,
      launch_world},
+    {"nccl", "one GPU per rank: -g threads of this process on GPUs 0..g-1, or under mpirun\n"
+             "         one process per rank on GPU (local rank % GPUs), -g ignored",
+     true, launch_nccl},
 };
 #define N_BACKENDS (sizeof(backends) / sizeof(backends[0]))
 
@@ -538,9 +546,12 @@ static double bus_factor(bench_op op, int n)
 typedef struct rank_ctx {
     bench_run *run;
     const bench_cfg *cfg;
-    tp_comm *comm;
+    tp_comm *comm; /* the collectives under test */
+    tp_comm *ctl;  /* statistics on host tensors: comm, or nccl's bootstrap */
     int rank, n;
-    tp_tensor *sendbuf, *recvbuf; /* max_bytes each */
+    int device;                   /* CUDA ordinal of the buffers, or -1: CPU */
+    tp_tensor *sendbuf, *recvbuf; /* max_bytes each, on the device under test */
+    tp_tensor *hsendbuf, *hrecvbuf; /* host mirrors when device >= 0, else NULL */
     unsigned char *scratch;       /* PAT_MAX * 1024 elements */
     double *times;                /* MAX_ITERS */
 } rank_ctx;
@@ -553,6 +564,7 @@ typedef struct point {
     size_t count; /* S / element size */
     size_t k;     /* block elements: per-rank slice of split collectives */
     tp_tensor *send, *recv; /* views; broadcast uses send as its buffer */
+    tp_tensor *hsend, *hrecv; /* the same views of the host mirrors (== send, recv on CPU) */
     red_plan plan;
     bool check;
 } point;
@@ -575,7 +587,7 @@ static tp_status reduce_f64(const rank_ctx *rc, double *vals, size_t count, tp_r
         report(rc, NULL, "tp_tensor_from_blob (statistics)", st);
         return st;
     }
-    st = tp_all_reduce(rc->comm, t, t, op, NULL);
+    st = tp_all_reduce(rc->ctl, t, t, op, NULL);
     if (st != TP_OK)
         report(rc, NULL, "tp_all_reduce (statistics)", st);
     tp_tensor_release(t);
@@ -701,12 +713,67 @@ static tp_status measure_roof(rank_ctx *rc)
 
 /* ---- one point ----------------------------------------------------------------- */
 
+static void release_pair(tp_tensor **send, tp_tensor **recv)
+{
+    if (*recv != *send)
+        tp_tensor_release(*recv);
+    tp_tensor_release(*send);
+    *send = *recv = NULL;
+}
+
 static void release_views(point *pt)
 {
-    if (pt->recv != pt->send)
-        tp_tensor_release(pt->recv);
-    tp_tensor_release(pt->send);
-    pt->send = pt->recv = NULL;
+    if (pt->hsend != pt->send || pt->hrecv != pt->recv)
+        release_pair(&pt->hsend, &pt->hrecv);
+    pt->hsend = pt->hrecv = NULL;
+    release_pair(&pt->send, &pt->recv);
+}
+
+/* The send and recv views of a point on one pair of buffers. */
+static tp_status make_views(const point *pt, int rank, tp_tensor *sendbuf, tp_tensor *recvbuf,
+                            tp_tensor **send, tp_tensor **recv)
+{
+    int64_t cnt = (int64_t)pt->count, k = (int64_t)pt->k, rk = (int64_t)rank * k;
+    tp_status st = TP_OK;
+    *send = *recv = NULL;
+    switch (pt->op) {
+    case OP_ALL_REDUCE:
+        st = tp_tensor_narrow(sendbuf, 0, 0, cnt, send);
+        if (st == TP_OK)
+            st = pt->inplace ? (*recv = *send, TP_OK)
+                             : tp_tensor_narrow(recvbuf, 0, 0, cnt, recv);
+        break;
+    case OP_ALL_GATHER:
+        st = tp_tensor_narrow(recvbuf, 0, 0, cnt, recv);
+        if (st == TP_OK)
+            st = pt->inplace ? tp_tensor_narrow(*recv, 0, rk, k, send)
+                             : tp_tensor_narrow(sendbuf, 0, 0, k, send);
+        break;
+    case OP_REDUCE_SCATTER:
+        st = tp_tensor_narrow(sendbuf, 0, 0, cnt, send);
+        if (st == TP_OK)
+            st = pt->inplace ? tp_tensor_narrow(*send, 0, rk, k, recv)
+                             : tp_tensor_narrow(recvbuf, 0, 0, k, recv);
+        break;
+    case OP_ALL_TO_ALL:
+        st = tp_tensor_narrow(sendbuf, 0, 0, cnt, send);
+        if (st == TP_OK)
+            st = tp_tensor_narrow(recvbuf, 0, 0, cnt, recv);
+        break;
+    case OP_BROADCAST:
+        st = tp_tensor_narrow(sendbuf, 0, 0, cnt, send);
+        *recv = *send;
+        break;
+    default: break;
+    }
+    if (st != TP_OK) {
+        if (*recv == *send)
+            *recv = NULL;
+        tp_tensor_release(*recv);
+        tp_tensor_release(*send);
+        *send = *recv = NULL;
+    }
+    return st;
 }
 
 /* Picks the element counts for size S and makes the views. Returns TP_OK with
@@ -714,7 +781,7 @@ static void release_views(point *pt)
 static tp_status setup_point(const rank_ctx *rc, bench_op op, size_t S, point *pt)
 {
     const bench_cfg *cfg = rc->cfg;
-    size_t es = cfg->dt->size, n = (size_t)rc->n, r = (size_t)rc->rank;
+    size_t es = cfg->dt->size, n = (size_t)rc->n;
     tp_status st = TP_OK;
     memset(pt, 0, sizeof *pt);
     pt->op = op;
@@ -725,46 +792,41 @@ static tp_status setup_point(const rank_ctx *rc, bench_op op, size_t S, point *p
     pt->bytes = pt->count * es;
     if (pt->k == 0)
         return TP_OK;
-    int64_t cnt = (int64_t)pt->count, k = (int64_t)pt->k, rk = (int64_t)r * k;
-    const char *what = "tp_tensor_narrow";
-    switch (op) {
-    case OP_ALL_REDUCE:
-        st = tp_tensor_narrow(rc->sendbuf, 0, 0, cnt, &pt->send);
-        if (st == TP_OK)
-            st = pt->inplace ? (pt->recv = pt->send, TP_OK)
-                             : tp_tensor_narrow(rc->recvbuf, 0, 0, cnt, &pt->recv);
-        break;
-    case OP_ALL_GATHER:
-        st = tp_tensor_narrow(rc->recvbuf, 0, 0, cnt, &pt->recv);
-        if (st == TP_OK)
-            st = pt->inplace ? tp_tensor_narrow(pt->recv, 0, rk, k, &pt->send)
-                             : tp_tensor_narrow(rc->sendbuf, 0, 0, k, &pt->send);
-        break;
-    case OP_REDUCE_SCATTER:
-        st = tp_tensor_narrow(rc->sendbuf, 0, 0, cnt, &pt->send);
-        if (st == TP_OK)
-            st = pt->inplace ? tp_tensor_narrow(pt->send, 0, rk, k, &pt->recv)
-                             : tp_tensor_narrow(rc->recvbuf, 0, 0, k, &pt->recv);
-        break;
-    case OP_ALL_TO_ALL:
-        st = tp_tensor_narrow(rc->sendbuf, 0, 0, cnt, &pt->send);
-        if (st == TP_OK)
-            st = tp_tensor_narrow(rc->recvbuf, 0, 0, cnt, &pt->recv);
-        break;
-    case OP_BROADCAST:
-        st = tp_tensor_narrow(rc->sendbuf, 0, 0, cnt, &pt->send);
-        pt->recv = pt->send;
-        break;
-    default: break;
+    st = make_views(pt, rc->rank, rc->sendbuf, rc->recvbuf, &pt->send, &pt->recv);
+    if (st == TP_OK && rc->device >= 0) {
+        st = make_views(pt, rc->rank, rc->hsendbuf, rc->hrecvbuf, &pt->hsend, &pt->hrecv);
+        if (st != TP_OK)
+            release_pair(&pt->send, &pt->recv);
+    } else {
+        pt->hsend = pt->send;
+        pt->hrecv = pt->recv;
     }
-    if (st != TP_OK) {
-        report(rc, pt, what, st);
-        if (pt->recv == pt->send)
-            pt->recv = NULL;
-        tp_tensor_release(pt->recv);
-        tp_tensor_release(pt->send);
-        pt->send = pt->recv = NULL;
-    }
+    if (st != TP_OK)
+        report(rc, pt, "tp_tensor_narrow", st);
+    return st;
+}
+
+/* Device buffers: host mirrors -> device before a call, device -> host
+ * before a check. No-ops on CPU. */
+static tp_status upload(const rank_ctx *rc, const point *pt)
+{
+    if (rc->device < 0)
+        return TP_OK;
+    tp_status st = tp_tensor_copy(pt->recv, pt->hrecv);
+    if (st == TP_OK && pt->send != pt->recv)
+        st = tp_tensor_copy(pt->send, pt->hsend);
+    if (st != TP_OK)
+        report(rc, pt, "tp_tensor_copy (host to device)", st);
+    return st;
+}
+
+static tp_status download(const rank_ctx *rc, const point *pt)
+{
+    if (rc->device < 0)
+        return TP_OK;
+    tp_status st = tp_tensor_copy(pt->hrecv, pt->recv);
+    if (st != TP_OK)
+        report(rc, pt, "tp_tensor_copy (device to host)", st);
     return st;
 }
 
@@ -790,17 +852,17 @@ static void reset_outputs(const rank_ctx *rc, const point *pt)
     case OP_ALL_REDUCE:
     case OP_REDUCE_SCATTER:
         if (!pt->inplace)
-            pattern_fill(tdata(pt->recv), pt->op == OP_ALL_REDUCE ? pt->count : k, &s, 0);
+            pattern_fill(tdata(pt->hrecv), pt->op == OP_ALL_REDUCE ? pt->count : k, &s, 0);
         break;
     case OP_ALL_GATHER:
         for (size_t b = 0; b < n; b++)
             if (!pt->inplace || b != r)
-                pattern_fill(tdata(pt->recv) + b * k * es, k, &s, 0);
+                pattern_fill(tdata(pt->hrecv) + b * k * es, k, &s, 0);
         break;
-    case OP_ALL_TO_ALL: pattern_fill(tdata(pt->recv), pt->count, &s, 0); break;
+    case OP_ALL_TO_ALL: pattern_fill(tdata(pt->hrecv), pt->count, &s, 0); break;
     case OP_BROADCAST:
         if (rc->rank != rc->cfg->root)
-            pattern_fill(tdata(pt->send), pt->count, &s, 0);
+            pattern_fill(tdata(pt->hsend), pt->count, &s, 0);
         break;
     default: break;
     }
@@ -818,27 +880,27 @@ static void fill_point(const rank_ctx *rc, const point *pt)
     case OP_REDUCE_SCATTER: {
         pattern p = red_in_pattern(&pt->plan, cfg->redop, rc->rank);
         epattern ep = encode_pattern(&p, dt);
-        pattern_fill(tdata(pt->send), pt->count, &ep, 0);
+        pattern_fill(tdata(pt->hsend), pt->count, &ep, 0);
         break;
     }
     case OP_ALL_GATHER: {
         pattern p = block_pattern(r);
         epattern ep = encode_pattern(&p, dt);
-        pattern_fill(tdata(pt->send), k, &ep, 0);
+        pattern_fill(tdata(pt->hsend), k, &ep, 0);
         break;
     }
     case OP_ALL_TO_ALL:
         for (size_t j = 0; j < n; j++) {
             pattern p = block_pattern(r * n + j);
             epattern ep = encode_pattern(&p, dt);
-            pattern_fill(tdata(pt->send) + j * k * es, k, &ep, 0);
+            pattern_fill(tdata(pt->hsend) + j * k * es, k, &ep, 0);
         }
         break;
     case OP_BROADCAST:
         if (rc->rank == cfg->root) {
             pattern p = block_pattern((size_t)cfg->root);
             epattern ep = encode_pattern(&p, dt);
-            pattern_fill(tdata(pt->send), pt->count, &ep, 0);
+            pattern_fill(tdata(pt->hsend), pt->count, &ep, 0);
         }
         break;
     default: break;
@@ -858,9 +920,9 @@ static size_t check_point(const rank_ctx *rc, const point *pt)
         epattern ep = encode_pattern(&p, dt);
         double rtol = (cfg->redop == TP_AVG && dt->is_float) ? dt->avg_rtol : 0.0;
         if (pt->op == OP_ALL_REDUCE)
-            wrong = pattern_count_wrong(tdata(pt->recv), pt->count, &ep, 0, dt, rtol, rc->scratch);
+            wrong = pattern_count_wrong(tdata(pt->hrecv), pt->count, &ep, 0, dt, rtol, rc->scratch);
         else
-            wrong = pattern_count_wrong(tdata(pt->recv), k, &ep, (r * k) % p.period, dt, rtol,
+            wrong = pattern_count_wrong(tdata(pt->hrecv), k, &ep, (r * k) % p.period, dt, rtol,
                                         rc->scratch);
         break;
     }
@@ -868,7 +930,7 @@ static size_t check_point(const rank_ctx *rc, const point *pt)
         for (size_t b = 0; b < n; b++) {
             pattern p = block_pattern(b);
             epattern ep = encode_pattern(&p, dt);
-            wrong += pattern_count_wrong(tdata(pt->recv) + b * k * es, k, &ep, 0, dt, 0.0,
+            wrong += pattern_count_wrong(tdata(pt->hrecv) + b * k * es, k, &ep, 0, dt, 0.0,
                                          rc->scratch);
         }
         break;
@@ -876,14 +938,14 @@ static size_t check_point(const rank_ctx *rc, const point *pt)
         for (size_t b = 0; b < n; b++) {
             pattern p = block_pattern(b * n + r);
             epattern ep = encode_pattern(&p, dt);
-            wrong += pattern_count_wrong(tdata(pt->recv) + b * k * es, k, &ep, 0, dt, 0.0,
+            wrong += pattern_count_wrong(tdata(pt->hrecv) + b * k * es, k, &ep, 0, dt, 0.0,
                                          rc->scratch);
         }
         break;
     case OP_BROADCAST: {
         pattern p = block_pattern((size_t)cfg->root);
         epattern ep = encode_pattern(&p, dt);
-        wrong = pattern_count_wrong(tdata(pt->send), pt->count, &ep, 0, dt, 0.0, rc->scratch);
+        wrong = pattern_count_wrong(tdata(pt->hsend), pt->count, &ep, 0, dt, 0.0, rc->scratch);
         break;
     }
     default: break;
@@ -933,6 +995,8 @@ static tp_status bench_point(rank_ctx *rc, bench_op op, size_t S)
         }
     }
     fill_point(rc, &pt);
+    if ((st = upload(rc, &pt)) != TP_OK)
+        goto done;
 
     double wrong = 0.0, t0, t1;
     const char *what = op_info[op].name;
@@ -945,8 +1009,11 @@ static tp_status bench_point(rank_ctx *rc, bench_op op, size_t S)
     if ((st = run_coll(rc, &pt)) != TP_OK)
         goto fail;
     double tw[2] = {now_s() - t0, 0.0};
-    if (pt.check)
+    if (pt.check) {
+        if ((st = download(rc, &pt)) != TP_OK)
+            goto done;
         wrong += (double)check_point(rc, &pt);
+    }
     if ((st = reduce_f64(rc, tw, 1, TP_MAX)) != TP_OK)
         goto done;
     int warm_rest = cfg->warmup - 1;
@@ -970,8 +1037,11 @@ static tp_status bench_point(rank_ctx *rc, bench_op op, size_t S)
         double want = tw[1] > 0.0 ? cfg->target_s / tw[1] : MAX_ITERS;
         iters = want < MIN_ITERS ? MIN_ITERS : want > MAX_ITERS ? MAX_ITERS : (int)want;
     }
-    if (pt.check)
+    if (pt.check) {
         reset_outputs(rc, &pt);
+        if ((st = upload(rc, &pt)) != TP_OK)
+            goto done;
+    }
 
     for (int i = 0; i < iters; i++) {
         if ((st = tp_barrier(rc->comm, NULL)) != TP_OK) {
@@ -988,6 +1058,8 @@ static tp_status bench_point(rank_ctx *rc, bench_op op, size_t S)
     if (pt.check) {
         if (compounds(rc, &pt)) {
             fill_point(rc, &pt);
+            if ((st = upload(rc, &pt)) != TP_OK)
+                goto done;
             if ((st = tp_barrier(rc->comm, NULL)) != TP_OK) {
                 what = "tp_barrier";
                 goto fail;
@@ -995,6 +1067,8 @@ static tp_status bench_point(rank_ctx *rc, bench_op op, size_t S)
             if ((st = run_coll(rc, &pt)) != TP_OK)
                 goto fail;
         }
+        if ((st = download(rc, &pt)) != TP_OK)
+            goto done;
         wrong += (double)check_point(rc, &pt);
     }
     if ((st = reduce_f64(rc, rc->times, (size_t)iters, TP_MAX)) != TP_OK)
@@ -1065,16 +1139,19 @@ done:
 
 /* ---- the rank body ------------------------------------------------------------ */
 
-static tp_status rank_main(tp_comm *world, void *arg)
+/* One rank's sweep over `comm`; `ctl` carries the statistics (host
+ * tensors); device >= 0 puts the buffers on that CUDA device. */
+static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int device)
 {
-    bench_run *run = arg;
     const bench_cfg *cfg = run->cfg;
     rank_ctx rc = {
         .run = run,
         .cfg = cfg,
-        .comm = world,
-        .rank = tp_comm_rank(world),
-        .n = tp_comm_size(world),
+        .comm = comm,
+        .ctl = ctl,
+        .rank = tp_comm_rank(comm),
+        .n = tp_comm_size(comm),
+        .device = device,
     };
     tp_status st = TP_OK;
     if (rc.rank == 0) {
@@ -1113,8 +1190,13 @@ static tp_status rank_main(tp_comm *world, void *arg)
         return st;
     if (csv_failed != 0.0)
         return TP_ERR_INVALID_ARG;
-    if ((st = measure_roof(&rc)) != TP_OK)
+    if (device >= 0) {
+        if (rc.rank == 0)
+            printf("# buffers on the GPU (cuda:%d on rank 0); no memcpy roof: roof%% not shown\n",
+                   device);
+    } else if ((st = measure_roof(&rc)) != TP_OK) {
         return st;
+    }
 
     int64_t maxcount = (int64_t)(cfg->max_bytes / cfg->dt->size);
     rc.times = malloc(sizeof(double) * MAX_ITERS);
@@ -1124,9 +1206,16 @@ static tp_status rank_main(tp_comm *world, void *arg)
         fprintf(stderr, "tp-bench-comm: rank %d: out of memory\n", rc.rank);
         goto out;
     }
-    if ((st = tp_tensor_empty(cfg->dt->dtype, TP_CPU, 1, &maxcount, &rc.sendbuf)) != TP_OK ||
-        (st = tp_tensor_empty(cfg->dt->dtype, TP_CPU, 1, &maxcount, &rc.recvbuf)) != TP_OK) {
+    tp_device where = device >= 0 ? TP_CUDA(device) : TP_CPU;
+    if ((st = tp_tensor_empty(cfg->dt->dtype, where, 1, &maxcount, &rc.sendbuf)) != TP_OK ||
+        (st = tp_tensor_empty(cfg->dt->dtype, where, 1, &maxcount, &rc.recvbuf)) != TP_OK) {
         report(&rc, NULL, "tp_tensor_empty (2 buffers of max size)", st);
+        goto out;
+    }
+    if (device >= 0 &&
+        ((st = tp_tensor_empty(cfg->dt->dtype, TP_CPU, 1, &maxcount, &rc.hsendbuf)) != TP_OK ||
+         (st = tp_tensor_empty(cfg->dt->dtype, TP_CPU, 1, &maxcount, &rc.hrecvbuf)) != TP_OK)) {
+        report(&rc, NULL, "tp_tensor_empty (2 host mirrors of max size)", st);
         goto out;
     }
 
@@ -1157,9 +1246,16 @@ static tp_status rank_main(tp_comm *world, void *arg)
 out:
     tp_tensor_release(rc.sendbuf);
     tp_tensor_release(rc.recvbuf);
+    tp_tensor_release(rc.hsendbuf);
+    tp_tensor_release(rc.hrecvbuf);
     free(rc.times);
     free(rc.scratch);
     return st;
+}
+
+static tp_status rank_main(tp_comm *world, void *arg)
+{
+    return rank_body(arg, world, world, -1);
 }
 
 static tp_status launch_threads(bench_run *run)
@@ -1181,6 +1277,80 @@ static tp_status launch_world(bench_run *run)
     st = rank_main(world, run);
     tp_comm_free(world);
     return st;
+}
+
+/* This process's rank among those of its node under mpirun (OpenMPI, MPICH,
+ * Slurm spellings), or -1 when not started by a launcher. */
+static int launcher_local_rank(void)
+{
+    static const char *const vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                                       "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                                       "PMIX_LOCAL_RANK"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v)
+            return atoi(v);
+    }
+    return -1;
+}
+
+static bool under_mpirun(void)
+{
+    return launcher_local_rank() >= 0 || getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE");
+}
+
+/* One rank of the nccl backend: an NCCL communicator bootstrapped over
+ * `boot` on `device`, statistics over boot. */
+static tp_status nccl_rank_on(bench_run *run, tp_comm *boot, int device)
+{
+    tp_nccl_options o = {.bootstrap = boot, .device = device};
+    tp_comm *comm = NULL;
+    tp_status st = tp_comm_init("nccl", &o, &comm);
+    if (st != TP_OK) {
+        fprintf(stderr, "tp-bench-comm: rank %d: tp_comm_init(\"nccl\") on cuda:%d: %s: %s\n",
+                tp_comm_rank(boot), device, tp_status_name(st), tp_last_error());
+        return st;
+    }
+    st = rank_body(run, comm, boot, device);
+    tp_comm_free(comm);
+    return st;
+}
+
+static tp_status nccl_thread_main(tp_comm *world, void *arg)
+{
+    return nccl_rank_on(arg, world, tp_comm_rank(world));
+}
+
+/* Threads of this process, GPU r for rank r; or, under mpirun, one process
+ * per rank on GPU (local rank % GPUs), bootstrapped over the MPI world. */
+static tp_status launch_nccl(bench_run *run)
+{
+    int gpus = tp_cuda_device_count();
+    if (gpus <= 0) {
+        fprintf(stderr, "tp-bench-comm: backend nccl: no CUDA device visible\n");
+        return TP_ERR_NOT_SUPPORTED;
+    }
+    if (under_mpirun() && tp_backend_find("mpi")) {
+        tp_comm *world = NULL;
+        tp_status st = tp_comm_init("mpi", NULL, &world);
+        if (st != TP_OK)
+            return st;
+        run->printer = tp_comm_rank(world) == 0;
+        if (run->cfg->nranks_given && tp_comm_size(world) != run->cfg->nranks &&
+            tp_comm_rank(world) == 0)
+            fprintf(stderr, "tp-bench-comm: -g %d ignored: mpirun started %d processes\n",
+                    run->cfg->nranks, tp_comm_size(world));
+        int local = launcher_local_rank();
+        st = nccl_rank_on(run, world, (local >= 0 ? local : tp_comm_rank(world)) % gpus);
+        tp_comm_free(world);
+        return st;
+    }
+    if (run->cfg->nranks > gpus) {
+        fprintf(stderr, "tp-bench-comm: backend nccl: -g %d needs %d GPUs, %d visible\n",
+                run->cfg->nranks, run->cfg->nranks, gpus);
+        return TP_ERR_INVALID_ARG;
+    }
+    return tp_run_local(run->cfg->nranks, nccl_thread_main, run);
 }
 
 /* ---- command line --------------------------------------------------------------- */
@@ -1430,7 +1600,8 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         fprintf(stderr, "\n");
         return EXIT_USAGE;
     }
-    if (cfg->backend->threads && cfg->root >= cfg->nranks) {
+    if (cfg->backend->threads && !(strcmp(cfg->backend->name, "nccl") == 0 && under_mpirun()) &&
+        cfg->root >= cfg->nranks) {
         fprintf(stderr, "tp-bench-comm: --root %d is not a rank of %d\n", cfg->root, cfg->nranks);
         return EXIT_USAGE;
     }
