@@ -56,6 +56,15 @@ TP_API bool tp_dtype_is_float(tp_dtype dtype);
  * device is present (never an error). */
 TP_API int tp_cuda_device_count(void);
 
+/* TF32 tensor cores for f32 matrix products on CUDA devices (cuBLAS
+ * CUBLAS_COMPUTE_32F_FAST_TF32: inputs rounded to 10 mantissa bits, f32
+ * accumulation). Process-wide; default false: f32 products use full f32
+ * (CUBLAS_COMPUTE_32F). f16/bf16 products are unaffected. Takes effect for
+ * products issued after the call. Setting it in a build without CUDA is
+ * allowed and has no effect. Always TP_OK. */
+TP_API tp_status tp_cuda_set_allow_tf32(bool allow);
+TP_API bool tp_cuda_allow_tf32(void);
+
 /* ---- creation and lifetime ------------------------------------------------ */
 
 /* New contiguous tensor with uninitialized contents. ndim in [0, 8] (0 is a

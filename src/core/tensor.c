@@ -71,6 +71,19 @@ int tp_cuda_device_count(void)
 #endif
 }
 
+static atomic_bool tp__allow_tf32; /* zero-initialized: false */
+
+tp_status tp_cuda_set_allow_tf32(bool allow)
+{
+    atomic_store_explicit(&tp__allow_tf32, allow, memory_order_relaxed);
+    return TP_OK;
+}
+
+bool tp_cuda_allow_tf32(void)
+{
+    return atomic_load_explicit(&tp__allow_tf32, memory_order_relaxed);
+}
+
 static tp_status tp__check_device(const char *fn, tp_device dev)
 {
     switch (dev.type) {

@@ -1,0 +1,1310 @@
+/* The CUDA engine of the local kernels (kernels_cuda.h): cuBLAS for the
+ * matrix products, plain grid-stride kernels for the rest.
+ *
+ * Every kernel runs on the calling thread's compute stream for the device
+ * (one per rank thread, tp__cuda_stream), and so does every cuBLAS call: the
+ * cuBLAS handle is per thread and device and bound to that stream once.
+ * Sizes and indices are int64 throughout; grids are capped and every loop is
+ * grid-stride (or block-stride over rows), so any size runs with a bounded
+ * grid. Reductions accumulate in double like the CPU engine, so results agree
+ * with it to float rounding (the order of the additions differs). */
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "core/philox.h"
+#include "kernels/kernels_cuda.h"
+
+/* From core/core.h and core/cuda_rt.h, which are C-only (stdatomic.h). */
+extern "C" {
+tp_status tp__error(tp_status status, const char *fmt, ...);
+tp_status tp__cuda_fail(const char *fn, const char *what, cudaError_t err);
+tp_status tp__cuda_enter(const char *fn, int index, int *prev);
+void tp__cuda_leave(int prev, int index);
+tp_status tp__cuda_stream(const char *fn, int index, cudaStream_t *out);
+}
+
+#define TP__KC_MAX_DEVICES 64 /* as core/cuda_rt.c */
+
+namespace {
+
+const int kThreads = 256;   /* elementwise and row kernels */
+const int64_t kMaxGrid = 65535;
+
+/* ---- launch plumbing ---------------------------------------------------------- */
+
+struct Launch {
+    const char *fn;
+    int dev;
+    int prev;
+    cudaStream_t s;
+};
+
+tp_status begin(const char *fn, int dev, Launch *L)
+{
+    L->fn = fn;
+    L->dev = dev;
+    tp_status st = tp__cuda_enter(fn, dev, &L->prev);
+    if (st != TP_OK)
+        return st;
+    st = tp__cuda_stream(fn, dev, &L->s);
+    if (st != TP_OK)
+        tp__cuda_leave(L->prev, dev);
+    return st;
+}
+
+/* Checks the launches issued since begin() and restores the caller's device. */
+tp_status end(Launch *L)
+{
+    cudaError_t err = cudaGetLastError();
+    tp__cuda_leave(L->prev, L->dev);
+    return err == cudaSuccess ? TP_OK : tp__cuda_fail(L->fn, "kernel launch", err);
+}
+
+/* Leaves after a failure that is already recorded. */
+tp_status fail(Launch *L, tp_status st)
+{
+    (void)cudaGetLastError();
+    tp__cuda_leave(L->prev, L->dev);
+    return st;
+}
+
+#define KC_BEGIN(name)                                                          \
+    Launch L;                                                                   \
+    do {                                                                        \
+        tp_status st_ = begin((name), dev, &L);                                 \
+        if (st_ != TP_OK)                                                       \
+            return st_;                                                         \
+    } while (0)
+
+unsigned grid_for(int64_t n, int threads)
+{
+    int64_t b = (n + threads - 1) / threads;
+    if (b < 1)
+        b = 1;
+    return (unsigned)(b < kMaxGrid ? b : kMaxGrid);
+}
+
+unsigned grid_rows(int64_t rows)
+{
+    return (unsigned)(rows < kMaxGrid ? (rows > 0 ? rows : 1) : kMaxGrid);
+}
+
+#define GRID_STRIDE(i, n)                                                       \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);   \
+         i += (int64_t)blockDim.x * gridDim.x)
+
+/* ---- block reductions (blockDim.x a multiple of 32, at most 1024) ------------ */
+
+__device__ double block_sum(double v, double *sh)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_down_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads(); /* earlier readers of sh[0] are done */
+    if (lane == 0)
+        sh[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        v = lane < nw ? sh[lane] : 0.0;
+        for (int o = 16; o > 0; o >>= 1)
+            v += __shfl_down_sync(0xffffffffu, v, o);
+        if (lane == 0)
+            sh[0] = v;
+    }
+    __syncthreads();
+    return sh[0];
+}
+
+/* Max ignoring NaN, as the CPU's `x > m ? x : m` from -inf. */
+__device__ float block_max(float v, float *sh)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0)
+        sh[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        v = lane < nw ? sh[lane] : -INFINITY;
+        for (int o = 16; o > 0; o >>= 1)
+            v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, o));
+        if (lane == 0)
+            sh[0] = v;
+    }
+    __syncthreads();
+    return sh[0];
+}
+
+/* ---- dtype helpers -------------------------------------------------------------- */
+
+__device__ __forceinline__ float ldf(float v) { return v; }
+__device__ __forceinline__ float ldf(__half v) { return __half2float(v); }
+__device__ __forceinline__ float ldf(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <class T> __device__ __forceinline__ T stf(float v);
+template <> __device__ __forceinline__ float stf<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half stf<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 stf<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
+
+/* ---- elementwise kernels ---------------------------------------------------------- */
+
+__global__ void k_fill(float *y, float v, int64_t n)
+{
+    GRID_STRIDE(i, n) y[i] = v;
+}
+
+__global__ void k_add(const float *a, const float *b, float *y, int64_t n)
+{
+    GRID_STRIDE(i, n) y[i] = a[i] + b[i];
+}
+
+__global__ void k_mul(const float *a, const float *b, float *y, int64_t n)
+{
+    GRID_STRIDE(i, n) y[i] = a[i] * b[i];
+}
+
+__global__ void k_scale(const float *a, float s, float *y, int64_t n)
+{
+    GRID_STRIDE(i, n) y[i] = a[i] * s;
+}
+
+__global__ void k_accumulate(float *y, const float *a, int64_t n)
+{
+    GRID_STRIDE(i, n) y[i] += a[i];
+}
+
+__global__ void k_add_row(float *y, const float *b, int64_t rows, int64_t cols)
+{
+    GRID_STRIDE(i, rows * cols) y[i] += b[i % cols];
+}
+
+__global__ void k_add_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols)
+{
+    GRID_STRIDE(i, rows * cols) y[i] = a[i] + b[i % cols];
+}
+
+__global__ void k_mul_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols)
+{
+    GRID_STRIDE(i, rows * cols) y[i] = a[i] * b[i % cols];
+}
+
+struct GatherGeom {
+    int ndim;
+    int64_t shape[TP_MAX_DIMS];
+    int64_t stride[TP_MAX_DIMS];
+};
+
+__global__ void k_gather(float *y, const float *x, int64_t n, GatherGeom geo)
+{
+    GRID_STRIDE(i, n)
+    {
+        int64_t rem = i, off = 0;
+        for (int d = geo.ndim - 1; d >= 0; d--) {
+            off += (rem % geo.shape[d]) * geo.stride[d];
+            rem /= geo.shape[d];
+        }
+        y[i] = x[off];
+    }
+}
+
+/* y[r, c] = b[c]: the bias a linear's product then adds onto (beta = 1) */
+template <class T> __global__ void k_bcast_row(T *y, const T *b, int64_t rows, int64_t cols)
+{
+    GRID_STRIDE(i, rows * cols) y[i] = b[i % cols];
+}
+
+/* C[m, n] (row length ldc) = beta * C; beta 0 overwrites (even NaN) */
+template <class T> __global__ void k_scale_mat(T *c, int64_t m, int64_t n, int64_t ldc, float beta)
+{
+    GRID_STRIDE(i, m * n)
+    {
+        T *p = c + (i / n) * ldc + i % n;
+        *p = beta == 0.0f ? stf<T>(0.0f) : stf<T>(ldf(*p) * beta);
+    }
+}
+
+__global__ void k_relu_fwd(const float *x, float *y, int64_t n)
+{
+    GRID_STRIDE(i, n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
+__global__ void k_relu_bwd(const float *x, const float *gy, float *gx, int64_t n)
+{
+    GRID_STRIDE(i, n) gx[i] = x[i] > 0.0f ? gy[i] : 0.0f;
+}
+
+#define TP__SQRT1_2 0.70710678118654752440f    /* 1/sqrt(2) */
+#define TP__INV_SQRT2PI 0.39894228040143267794f /* 1/sqrt(2 pi) */
+#define TP__SQRT2_PI 0.79788456080286535588f   /* sqrt(2/pi) */
+#define TP__GELU_C 0.044715f
+
+__global__ void k_gelu_fwd(const float *x, float *y, int64_t n, bool tanh_approx)
+{
+    GRID_STRIDE(i, n)
+    {
+        float v = x[i];
+        if (tanh_approx) {
+            float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
+            y[i] = 0.5f * v * (1.0f + tanhf(u));
+        } else {
+            y[i] = 0.5f * v * (1.0f + erff(v * TP__SQRT1_2));
+        }
+    }
+}
+
+__global__ void k_gelu_bwd(const float *x, const float *gy, float *gx, int64_t n, bool tanh_approx)
+{
+    GRID_STRIDE(i, n)
+    {
+        float v = x[i];
+        if (tanh_approx) {
+            float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
+            float t = tanhf(u);
+            float du = TP__SQRT2_PI * (1.0f + 3.0f * TP__GELU_C * v * v);
+            gx[i] = gy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+        } else {
+            float cdf = 0.5f * (1.0f + erff(v * TP__SQRT1_2));
+            float pdf = TP__INV_SQRT2PI * expf(-0.5f * v * v);
+            gx[i] = gy[i] * (cdf + v * pdf);
+        }
+    }
+}
+
+/* ---- column sums: 32 columns per block, 8 row lanes, double accumulators ---- */
+
+enum { COL_PLAIN = 0, COL_NORM = 1 };
+const int kColW = 32, kColH = 8;
+
+/* g[c] (+)= sum_r term(r, c): PLAIN: y[r, c]; NORM: y[r, c] * ((x[r, c] -
+ * mean[r]) * rstd[r]) with mean NULL meaning 0 (the norm weight gradients). */
+template <class T, int MODE>
+__global__ void k_colsum(const T *y, const float *x, const float *mean, const float *rstd, T *g,
+                         int64_t rows, int64_t cols, bool accumulate)
+{
+    __shared__ double sh[kColH][kColW + 1];
+    for (int64_t c0 = (int64_t)blockIdx.x * kColW; c0 < cols; c0 += (int64_t)gridDim.x * kColW) {
+        int64_t c = c0 + threadIdx.x;
+        double acc = 0;
+        if (c < cols)
+            for (int64_t r = threadIdx.y; r < rows; r += kColH) {
+                float v = ldf(y[r * cols + c]);
+                if (MODE == COL_PLAIN) {
+                    acc += (double)v;
+                } else {
+                    float m = mean ? mean[r] : 0.0f;
+                    acc += (double)(v * ((x[r * cols + c] - m) * rstd[r]));
+                }
+            }
+        sh[threadIdx.y][threadIdx.x] = acc;
+        __syncthreads();
+        if (threadIdx.y == 0 && c < cols) {
+            double s = 0;
+            for (int j = 0; j < kColH; j++)
+                s += sh[j][threadIdx.x];
+            g[c] = stf<T>(accumulate ? (float)((double)ldf(g[c]) + s) : (float)s);
+        }
+        __syncthreads();
+    }
+}
+
+template <class T, int MODE>
+void launch_colsum(cudaStream_t s, const T *y, const float *x, const float *mean,
+                   const float *rstd, T *g, int64_t rows, int64_t cols, bool accumulate)
+{
+    if (cols <= 0)
+        return;
+    int64_t tiles = (cols + kColW - 1) / kColW;
+    dim3 block(kColW, kColH);
+    k_colsum<T, MODE><<<(unsigned)(tiles < kMaxGrid ? tiles : kMaxGrid), block, 0, s>>>(
+        y, x, mean, rstd, g, rows, cols, accumulate);
+}
+
+/* ---- reductions ------------------------------------------------------------------ */
+
+/* inner == 1: one block per row of [outer, size] */
+__global__ void k_sum_rowwise(const float *x, float *y, int64_t outer, int64_t size, double div)
+{
+    __shared__ double sh[32];
+    for (int64_t o = blockIdx.x; o < outer; o += gridDim.x) {
+        const float *xo = x + o * size;
+        double acc = 0;
+        for (int64_t s = threadIdx.x; s < size; s += blockDim.x)
+            acc += (double)xo[s];
+        acc = block_sum(acc, sh);
+        if (threadIdx.x == 0)
+            y[o] = (float)(acc / div);
+    }
+}
+
+/* inner > 1: one thread per output, walking the reduced dim (coalesced over inner) */
+__global__ void k_sum_strided(const float *x, float *y, int64_t outer, int64_t size,
+                              int64_t inner, double div)
+{
+    GRID_STRIDE(e, outer * inner)
+    {
+        int64_t o = e / inner, i = e % inner;
+        const float *p = x + o * size * inner + i;
+        double acc = 0;
+        for (int64_t s = 0; s < size; s++)
+            acc += (double)p[s * inner];
+        y[e] = (float)(acc / div);
+    }
+}
+
+__global__ void k_sum_dim_bwd(const float *gy, float *gx, int64_t outer, int64_t size,
+                              int64_t inner, float scale)
+{
+    GRID_STRIDE(e, outer * size * inner)
+    {
+        int64_t o = e / (size * inner), i = e % inner;
+        gx[e] = gy[o * inner + i] * scale;
+    }
+}
+
+/* one block: deterministic, and a single write of the result */
+__global__ void k_sum_all(const float *x, int64_t n, float *y, double div)
+{
+    __shared__ double sh[32];
+    double acc = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+        acc += (double)x[i];
+    acc = block_sum(acc, sh);
+    if (threadIdx.x == 0)
+        y[0] = (float)(acc / div);
+}
+
+/* ---- softmax ---------------------------------------------------------------------- */
+
+__global__ void k_softmax_fwd(const float *x, float *y, int64_t rows, int64_t cols)
+{
+    __shared__ double shd[32];
+    __shared__ float shf[32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *xr = x + r * cols;
+        float *yr = y + r * cols;
+        float m = -INFINITY;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            m = fmaxf(m, xr[c]);
+        m = block_max(m, shf);
+        double s = 0;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            s += (double)expf(xr[c] - m);
+        s = block_sum(s, shd);
+        float inv = (float)(1.0 / s);
+        /* each thread rewrites only the columns it read: in place is safe */
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            yr[c] = expf(xr[c] - m) * inv;
+        __syncthreads();
+    }
+}
+
+__global__ void k_softmax_bwd(const float *y, const float *gy, float *gx, int64_t rows,
+                              int64_t cols)
+{
+    __shared__ double sh[32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *yr = y + r * cols, *gr = gy + r * cols;
+        float *gxr = gx + r * cols;
+        double d = 0;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            d += (double)yr[c] * (double)gr[c];
+        float dot = (float)block_sum(d, sh);
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            gxr[c] = yr[c] * (gr[c] - dot);
+        __syncthreads();
+    }
+}
+
+__global__ void k_causal_mask(float *s, int64_t batch, int64_t S)
+{
+    GRID_STRIDE(e, batch * S * S)
+    {
+        int64_t ij = e % (S * S);
+        if (ij % S > ij / S)
+            s[e] = -INFINITY;
+    }
+}
+
+/* 32 x 32 tiles through shared memory: coalesced reads and writes */
+__global__ void k_transpose(const float *x, float *y, int64_t batch, int64_t R, int64_t C)
+{
+    __shared__ float tile[32][33];
+    for (int64_t b = blockIdx.z; b < batch; b += gridDim.z)
+        for (int64_t i0 = (int64_t)blockIdx.y * 32; i0 < R; i0 += (int64_t)gridDim.y * 32)
+            for (int64_t j0 = (int64_t)blockIdx.x * 32; j0 < C; j0 += (int64_t)gridDim.x * 32) {
+                const float *xb = x + b * R * C;
+                float *yb = y + b * R * C;
+                for (int k = threadIdx.y; k < 32; k += blockDim.y) {
+                    int64_t i = i0 + k, j = j0 + threadIdx.x;
+                    if (i < R && j < C)
+                        tile[k][threadIdx.x] = xb[i * C + j];
+                }
+                __syncthreads();
+                for (int k = threadIdx.y; k < 32; k += blockDim.y) {
+                    int64_t j = j0 + k, i = i0 + threadIdx.x;
+                    if (i < R && j < C)
+                        yb[j * R + i] = tile[threadIdx.x][k];
+                }
+                __syncthreads();
+            }
+}
+
+/* ---- embedding ------------------------------------------------------------------ */
+
+__global__ void k_embedding_fwd(const int64_t *idx, int64_t n, const float *w, int64_t rows_local,
+                                int64_t dim, int64_t offset, float *y)
+{
+    GRID_STRIDE(e, n * dim)
+    {
+        int64_t i = e / dim, c = e % dim, t = idx[i];
+        /* compare before subtracting: defined for any int64 index */
+        y[e] = (t >= offset && t - offset < rows_local) ? w[(t - offset) * dim + c] : 0.0f;
+    }
+}
+
+__global__ void k_embedding_bwd(const int64_t *idx, int64_t n, const float *gy, int64_t rows_local,
+                                int64_t dim, int64_t offset, float *gw)
+{
+    GRID_STRIDE(e, n * dim)
+    {
+        int64_t i = e / dim, c = e % dim, t = idx[i];
+        if (t >= offset && t - offset < rows_local)
+            atomicAdd(gw + (t - offset) * dim + c, gy[e]);
+    }
+}
+
+/* ---- normalization ------------------------------------------------------------- */
+
+__global__ void k_layer_norm_fwd(const float *x, const float *w, const float *b, float *y,
+                                 float *mean, float *rstd, int64_t rows, int64_t cols, float eps)
+{
+    __shared__ double sh[32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *xr = x + r * cols;
+        float *yr = y + r * cols;
+        double s = 0;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            s += (double)xr[c];
+        s = block_sum(s, sh);
+        double mu = cols > 0 ? s / (double)cols : 0.0;
+        /* two-pass variance, as the CPU */
+        double v = 0;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            double d = (double)xr[c] - mu;
+            v += d * d;
+        }
+        v = block_sum(v, sh);
+        double var = cols > 0 ? v / (double)cols : 0.0;
+        float m = (float)mu, rs = (float)(1.0 / sqrt(var + (double)eps));
+        if (threadIdx.x == 0) {
+            mean[r] = m;
+            rstd[r] = rs;
+        }
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            float t = (xr[c] - m) * rs;
+            if (w)
+                t *= w[c];
+            if (b)
+                t += b[c];
+            yr[c] = t;
+        }
+    }
+}
+
+__global__ void k_layer_norm_bwd_x(const float *x, const float *w, const float *mean,
+                                   const float *rstd, const float *gy, float *gx, int64_t rows,
+                                   int64_t cols)
+{
+    __shared__ double sh[32];
+    double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *xr = x + r * cols, *gr = gy + r * cols;
+        float *gxr = gx + r * cols;
+        float m = mean[r], rs = rstd[r];
+        double sa = 0, sb = 0;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            double g = w ? (double)gr[c] * (double)w[c] : (double)gr[c];
+            sa += g;
+            sb += g * (double)((xr[c] - m) * rs);
+        }
+        sa = block_sum(sa, sh);
+        sb = block_sum(sb, sh);
+        float a = (float)(sa * inv_n), bb = (float)(sb * inv_n);
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            float g = w ? gr[c] * w[c] : gr[c];
+            gxr[c] = rs * (g - a - (xr[c] - m) * rs * bb);
+        }
+    }
+}
+
+__global__ void k_rms_norm_fwd(const float *x, const float *w, float *y, float *rstd, int64_t rows,
+                               int64_t cols, float eps)
+{
+    __shared__ double sh[32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *xr = x + r * cols;
+        float *yr = y + r * cols;
+        double s = 0;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            s += (double)xr[c] * (double)xr[c];
+        s = block_sum(s, sh);
+        double ms = cols > 0 ? s / (double)cols : 0.0;
+        float rs = (float)(1.0 / sqrt(ms + (double)eps));
+        if (threadIdx.x == 0)
+            rstd[r] = rs;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            yr[c] = w ? xr[c] * rs * w[c] : xr[c] * rs;
+    }
+}
+
+__global__ void k_rms_norm_bwd_x(const float *x, const float *w, const float *rstd,
+                                 const float *gy, float *gx, int64_t rows, int64_t cols)
+{
+    __shared__ double sh[32];
+    double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *xr = x + r * cols, *gr = gy + r * cols;
+        float *gxr = gx + r * cols;
+        float rs = rstd[r];
+        double sb = 0;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            sb += w ? (double)gr[c] * (double)w[c] * (double)(xr[c] * rs)
+                    : (double)gr[c] * (double)xr[c];
+        sb = block_sum(sb, sh);
+        if (!w)
+            sb *= (double)rs;
+        float bb = (float)(sb * inv_n);
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            float g = w ? gr[c] * w[c] : gr[c];
+            gxr[c] = rs * (g - xr[c] * rs * bb);
+        }
+    }
+}
+
+/* ---- dropout ------------------------------------------------------------------- */
+
+struct DropGeom {
+    int ndim;
+    int64_t shape[TP_MAX_DIMS];
+    uint64_t gstride[TP_MAX_DIMS];
+    uint64_t g0; /* counter of the block's first element */
+};
+
+__global__ void k_dropout_fwd(const float *x, float *y, uint8_t *mask, int64_t n, DropGeom geo,
+                              double p, float scale, uint64_t seed)
+{
+    GRID_STRIDE(i, n)
+    {
+        /* the global counter of local element i: unravel in the block's
+         * shape, ravel in the global one */
+        uint64_t g = geo.g0;
+        int64_t rem = i;
+        for (int d = geo.ndim - 1; d >= 0; d--) {
+            int64_t s = geo.shape[d];
+            g += (uint64_t)(rem % s) * geo.gstride[d];
+            rem /= s;
+        }
+        bool keep = tp__rng_uniform53(seed, g) >= p;
+        y[i] = keep ? x[i] * scale : 0.0f;
+        if (mask)
+            mask[i] = (uint8_t)keep;
+    }
+}
+
+__global__ void k_dropout_bwd(const float *gy, const uint8_t *mask, float *gx, int64_t n,
+                              float scale)
+{
+    GRID_STRIDE(i, n) gx[i] = mask[i] ? gy[i] * scale : 0.0f;
+}
+
+__global__ void k_fill_u8(uint8_t *m, uint8_t v, int64_t n)
+{
+    GRID_STRIDE(i, n) m[i] = v;
+}
+
+/* ---- cross entropy ---------------------------------------------------------------- */
+
+__device__ __forceinline__ bool ce_counted(int64_t t, int64_t classes, int64_t ignore_index)
+{
+    return t != ignore_index && t >= 0 && t < classes;
+}
+
+__global__ void k_ce_fwd(const float *x, const int64_t *target, const float *weight, float *loss,
+                         int64_t rows, int64_t classes, int64_t ignore_index)
+{
+    __shared__ double shd[32];
+    __shared__ float shf[32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        int64_t t = target[r];
+        if (!ce_counted(t, classes, ignore_index)) { /* uniform across the block */
+            if (threadIdx.x == 0)
+                loss[r] = 0.0f;
+            continue;
+        }
+        const float *xr = x + r * classes;
+        float m = -INFINITY;
+        for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
+            m = fmaxf(m, xr[c]);
+        m = block_max(m, shf);
+        double s = 0;
+        for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
+            s += (double)expf(xr[c] - m);
+        s = block_sum(s, shd);
+        if (threadIdx.x == 0) {
+            double lse = log(s) + (double)m;
+            double wt = weight ? (double)weight[t] : 1.0;
+            loss[r] = (float)(wt * (lse - (double)xr[t]));
+        }
+    }
+}
+
+__global__ void k_ce_bwd(const float *x, const int64_t *target, const float *weight,
+                         const float *gloss, float *gx, int64_t rows, int64_t classes,
+                         int64_t ignore_index)
+{
+    __shared__ double shd[32];
+    __shared__ float shf[32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        int64_t t = target[r];
+        float *gxr = gx + r * classes;
+        if (!ce_counted(t, classes, ignore_index)) {
+            for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
+                gxr[c] = 0.0f;
+            continue;
+        }
+        const float *xr = x + r * classes;
+        float m = -INFINITY;
+        for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
+            m = fmaxf(m, xr[c]);
+        m = block_max(m, shf);
+        double s = 0;
+        for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
+            s += (double)expf(xr[c] - m);
+        s = block_sum(s, shd);
+        float g = gloss[r] * (weight ? weight[t] : 1.0f);
+        float k = (float)((double)g / s);
+        for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
+            float v = k * expf(xr[c] - m);
+            gxr[c] = c == t ? v - g : v;
+        }
+    }
+}
+
+__global__ void k_ce_gloss(const float *g, float *gl, int64_t rows, bool broadcast, double div)
+{
+    GRID_STRIDE(r, rows) gl[r] = broadcast ? (float)((double)g[0] / div) : g[r];
+}
+
+__global__ void k_row_max(const float *x, float *mx, int64_t rows, int64_t cols)
+{
+    __shared__ float sh[32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *xr = x + r * cols;
+        float m = -INFINITY;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            m = fmaxf(m, xr[c]);
+        m = block_max(m, sh);
+        if (threadIdx.x == 0)
+            mx[r] = m;
+    }
+}
+
+__global__ void k_row_sumexp(const float *x, const float *mx, float *out, int64_t rows,
+                             int64_t cols)
+{
+    __shared__ double sh[32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *xr = x + r * cols;
+        float m = mx[r];
+        double s = 0;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            s += (double)expf(xr[c] - m);
+        s = block_sum(s, sh);
+        if (threadIdx.x == 0)
+            out[r] = (float)s;
+    }
+}
+
+__global__ void k_pick_target(const float *x, const int64_t *target, float *picked, int64_t rows,
+                              int64_t cols, int64_t offset, int64_t ignore_index)
+{
+    GRID_STRIDE(r, rows)
+    {
+        int64_t t = target[r];
+        bool owned = t != ignore_index && t >= offset && t - offset < cols;
+        picked[r] = owned ? x[r * cols + (t - offset)] : 0.0f;
+    }
+}
+
+__global__ void k_vocab_ce_loss(const int64_t *target, const float *weight, const float *mx,
+                                const float *sumexp, const float *picked, float *loss,
+                                int64_t rows, int64_t ignore_index)
+{
+    GRID_STRIDE(r, rows)
+    {
+        int64_t t = target[r];
+        if (t == ignore_index) {
+            loss[r] = 0.0f;
+        } else {
+            double wt = weight ? (double)weight[t] : 1.0;
+            loss[r] = (float)(wt * (log((double)sumexp[r]) + (double)mx[r] - (double)picked[r]));
+        }
+    }
+}
+
+__global__ void k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weight,
+                               const float *mx, const float *sumexp, const float *gloss,
+                               float *gx, int64_t rows, int64_t cols, int64_t offset,
+                               int64_t ignore_index)
+{
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        int64_t t = target[r];
+        float *gxr = gx + r * cols;
+        if (t == ignore_index || t < 0) {
+            for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+                gxr[c] = 0.0f;
+            continue;
+        }
+        const float *xr = x + r * cols;
+        float g = gloss[r] * (weight ? weight[t] : 1.0f);
+        float k = (float)((double)g / (double)sumexp[r]);
+        float m = mx[r];
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v = k * expf(xr[c] - m);
+            gxr[c] = c + offset == t ? v - g : v;
+        }
+    }
+}
+
+/* ---- optimizers ------------------------------------------------------------------ */
+
+__global__ void k_sgd(float *p, const float *g, int64_t n, double lr)
+{
+    GRID_STRIDE(i, n) p[i] = (float)((double)p[i] - lr * (double)g[i]);
+}
+
+__global__ void k_adam(float *p, float *m, float *v, const float *g, int64_t n, double b1,
+                       double b2, double step_size, double bc2_sqrt, double eps)
+{
+    GRID_STRIDE(i, n)
+    {
+        double gk = g[i];
+        float mi = (float)(b1 * m[i] + (1.0 - b1) * gk);
+        float vi = (float)(b2 * v[i] + (1.0 - b2) * gk * gk);
+        m[i] = mi;
+        v[i] = vi;
+        double denom = sqrt((double)vi) / bc2_sqrt + eps;
+        p[i] = (float)((double)p[i] - step_size * (double)mi / denom);
+    }
+}
+
+/* ---- cuBLAS handles: one per thread and device, bound to the thread's stream -- */
+
+struct Handles {
+    cublasHandle_t h[TP__KC_MAX_DEVICES];
+};
+
+pthread_key_t handle_key;
+pthread_once_t handle_once = PTHREAD_ONCE_INIT;
+
+void handles_destroy(void *p)
+{
+    Handles *hs = (Handles *)p;
+    int prev = 0;
+    bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+    for (int i = 0; i < TP__KC_MAX_DEVICES; i++) {
+        if (!hs->h[i])
+            continue;
+        if (cudaSetDevice(i) == cudaSuccess) {
+            /* the thread's stream may already be gone (key destructors run
+             * in no fixed order): unbind before destroying */
+            (void)cublasSetStream(hs->h[i], 0);
+            (void)cublasDestroy(hs->h[i]);
+        }
+    }
+    if (have_prev)
+        (void)cudaSetDevice(prev);
+    (void)cudaGetLastError();
+    free(hs);
+}
+
+void handle_key_init(void) { (void)pthread_key_create(&handle_key, handles_destroy); }
+
+tp_status cublas_fail(const char *fn, const char *what, cublasStatus_t s)
+{
+    (void)cudaGetLastError();
+    return tp__error(s == CUBLAS_STATUS_ALLOC_FAILED ? TP_ERR_NO_MEMORY : TP_ERR_BACKEND,
+                     "%s: %s failed: %s", fn, what, cublasGetStatusString(s));
+}
+
+/* The calling thread's handle for L->dev (current), on L->s. */
+tp_status get_handle(Launch *L, cublasHandle_t *out)
+{
+    (void)pthread_once(&handle_once, handle_key_init);
+    Handles *hs = (Handles *)pthread_getspecific(handle_key);
+    if (!hs) {
+        hs = (Handles *)calloc(1, sizeof *hs);
+        if (!hs)
+            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the cuBLAS handle table",
+                             L->fn);
+        if (pthread_setspecific(handle_key, hs) != 0) {
+            free(hs);
+            return tp__error(TP_ERR_NO_MEMORY, "%s: pthread_setspecific failed", L->fn);
+        }
+    }
+    if (L->dev < 0 || L->dev >= TP__KC_MAX_DEVICES)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: CUDA device %d outside [0, %d)", L->fn, L->dev,
+                         TP__KC_MAX_DEVICES);
+    if (!hs->h[L->dev]) {
+        cublasHandle_t h = NULL;
+        cublasStatus_t s = cublasCreate(&h);
+        if (s != CUBLAS_STATUS_SUCCESS)
+            return cublas_fail(L->fn, "cublasCreate", s);
+        s = cublasSetStream(h, L->s);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            (void)cublasDestroy(h);
+            return cublas_fail(L->fn, "cublasSetStream", s);
+        }
+        hs->h[L->dev] = h;
+    }
+    *out = hs->h[L->dev];
+    return TP_OK;
+}
+
+cudaDataType_t cuda_type(tp_dtype d)
+{
+    return d == TP_F16 ? CUDA_R_16F : d == TP_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+/* The product on a current device and stream (inside begin/end). */
+tp_status gemm_on(Launch *L, tp_dtype dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                  float alpha, const void *a, int64_t lda, const void *b, int64_t ldb, float beta,
+                  void *c, int64_t ldc)
+{
+    if (dtype != TP_F32 && dtype != TP_F16 && dtype != TP_BF16)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: matrix products take f32, f16 or bf16, not %s",
+                         L->fn, tp_dtype_name(dtype));
+    if (m <= 0 || n <= 0)
+        return TP_OK;
+    if (k <= 0) { /* C = beta C; cuBLAS would reject the leading dims of empty A, B */
+        unsigned g = grid_for(m * n, kThreads);
+        if (dtype == TP_F32)
+            k_scale_mat<float><<<g, kThreads, 0, L->s>>>((float *)c, m, n, ldc, beta);
+        else if (dtype == TP_F16)
+            k_scale_mat<__half><<<g, kThreads, 0, L->s>>>((__half *)c, m, n, ldc, beta);
+        else
+            k_scale_mat<__nv_bfloat16><<<g, kThreads, 0, L->s>>>((__nv_bfloat16 *)c, m, n, ldc,
+                                                                beta);
+        return TP_OK;
+    }
+    if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX ||
+        ldc > INT_MAX)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "%s: matrix product %lld x %lld x %lld exceeds cuBLAS's int sizes", L->fn,
+                         (long long)m, (long long)n, (long long)k);
+    cublasHandle_t h;
+    tp_status st = get_handle(L, &h);
+    if (st != TP_OK)
+        return st;
+    cublasComputeType_t ct = dtype == TP_F32 && tp_cuda_allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                                      : CUBLAS_COMPUTE_32F;
+    cudaDataType_t t = cuda_type(dtype);
+    /* row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the
+     * stored row-major B read column-major is B^T, so B goes first with its
+     * own transpose flag, then A */
+    cublasStatus_t s = cublasGemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    (int)n, (int)m, (int)k, &alpha, b, t, (int)ldb, a, t, (int)lda,
+                                    &beta, c, t, (int)ldc, ct, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return cublas_fail(L->fn, "cublasGemmEx", s);
+    return TP_OK;
+}
+
+template <class T>
+void launch_bcast_row(cudaStream_t s, void *y, const void *b, int64_t rows, int64_t cols)
+{
+    k_bcast_row<T><<<grid_for(rows * cols, kThreads), kThreads, 0, s>>>((T *)y, (const T *)b, rows,
+                                                                        cols);
+}
+
+template <class T>
+void launch_colsum_plain(cudaStream_t s, const void *y, void *g, int64_t rows, int64_t cols,
+                         bool accumulate)
+{
+    launch_colsum<T, COL_PLAIN>(s, (const T *)y, NULL, NULL, NULL, (T *)g, rows, cols, accumulate);
+}
+
+} /* namespace */
+
+/* ---- entry points ------------------------------------------------------------------ */
+
+extern "C" {
+
+tp_status tp__kc_gemm(int dev, tp_dtype dtype, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                      int64_t k, float alpha, const void *a, int64_t lda, const void *b,
+                      int64_t ldb, float beta, void *c, int64_t ldc)
+{
+    KC_BEGIN("gemm (CUDA)");
+    tp_status st = gemm_on(&L, dtype, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                           ldc);
+    return st == TP_OK ? end(&L) : fail(&L, st);
+}
+
+tp_status tp__kc_linear_fwd(int dev, tp_dtype dtype, const void *x, const void *w,
+                            const void *bias, void *y, int64_t rows, int64_t in, int64_t out)
+{
+    KC_BEGIN("linear (CUDA)");
+    float beta = 0.0f;
+    if (bias && rows > 0 && out > 0) {
+        /* the bias first, then y = x W^T + y: one rounding of the sum */
+        if (dtype == TP_F16)
+            launch_bcast_row<__half>(L.s, y, bias, rows, out);
+        else if (dtype == TP_BF16)
+            launch_bcast_row<__nv_bfloat16>(L.s, y, bias, rows, out);
+        else
+            launch_bcast_row<float>(L.s, y, bias, rows, out);
+        beta = 1.0f;
+    }
+    tp_status st = gemm_on(&L, dtype, false, true, rows, out, in, 1.0f, x, in, w, in, beta, y, out);
+    return st == TP_OK ? end(&L) : fail(&L, st);
+}
+
+tp_status tp__kc_linear_bwd(int dev, tp_dtype dtype, const void *x, const void *w,
+                            const void *gy, void *gx, void *gw, void *gb, int64_t rows,
+                            int64_t in, int64_t out, bool accumulate)
+{
+    KC_BEGIN("linear backward (CUDA)");
+    float beta = accumulate ? 1.0f : 0.0f;
+    tp_status st = TP_OK;
+    if (gx) /* gx[rows, in] = gy[rows, out] W[out, in] */
+        st = gemm_on(&L, dtype, false, false, rows, in, out, 1.0f, gy, out, w, in, beta, gx, in);
+    if (st == TP_OK && gw) /* gw[out, in] = gy^T x */
+        st = gemm_on(&L, dtype, true, false, out, in, rows, 1.0f, gy, out, x, in, beta, gw, in);
+    if (st == TP_OK && gb) {
+        if (dtype == TP_F16)
+            launch_colsum_plain<__half>(L.s, gy, gb, rows, out, accumulate);
+        else if (dtype == TP_BF16)
+            launch_colsum_plain<__nv_bfloat16>(L.s, gy, gb, rows, out, accumulate);
+        else
+            launch_colsum_plain<float>(L.s, gy, gb, rows, out, accumulate);
+    }
+    return st == TP_OK ? end(&L) : fail(&L, st);
+}
+
+tp_status tp__kc_copy(int dev, float *dst, const float *src, int64_t n)
+{
+    if (n <= 0 || dst == src)
+        return TP_OK;
+    KC_BEGIN("copy (CUDA)");
+    cudaError_t err = cudaMemcpyAsync(dst, src, (size_t)n * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, L.s);
+    if (err != cudaSuccess)
+        return fail(&L, tp__cuda_fail(L.fn, "cudaMemcpyAsync", err));
+    return end(&L);
+}
+
+#define KC_ELEMENTWISE(name, n, launch)                                         \
+    {                                                                           \
+        if ((n) <= 0)                                                           \
+            return TP_OK;                                                       \
+        KC_BEGIN(name);                                                         \
+        launch;                                                                 \
+        return end(&L);                                                         \
+    }
+#define GRID(n) grid_for((n), kThreads), kThreads, 0, L.s
+
+tp_status tp__kc_fill(int dev, float *y, float value, int64_t n)
+    KC_ELEMENTWISE("fill (CUDA)", n, (k_fill<<<GRID(n)>>>(y, value, n)))
+
+tp_status tp__kc_add(int dev, const float *a, const float *b, float *y, int64_t n)
+    KC_ELEMENTWISE("add (CUDA)", n, (k_add<<<GRID(n)>>>(a, b, y, n)))
+
+tp_status tp__kc_mul(int dev, const float *a, const float *b, float *y, int64_t n)
+    KC_ELEMENTWISE("mul (CUDA)", n, (k_mul<<<GRID(n)>>>(a, b, y, n)))
+
+tp_status tp__kc_scale(int dev, const float *a, float s, float *y, int64_t n)
+    KC_ELEMENTWISE("scale (CUDA)", n, (k_scale<<<GRID(n)>>>(a, s, y, n)))
+
+tp_status tp__kc_accumulate(int dev, float *y, const float *a, int64_t n)
+    KC_ELEMENTWISE("accumulate (CUDA)", n, (k_accumulate<<<GRID(n)>>>(y, a, n)))
+
+tp_status tp__kc_add_row(int dev, float *y, const float *b, int64_t rows, int64_t cols)
+    KC_ELEMENTWISE("add_row (CUDA)", rows * cols,
+                   (k_add_row<<<GRID(rows * cols)>>>(y, b, rows, cols)))
+
+tp_status tp__kc_add_bcast(int dev, const float *a, const float *b, float *y, int64_t rows,
+                           int64_t cols)
+    KC_ELEMENTWISE("add (CUDA)", rows * cols,
+                   (k_add_bcast<<<GRID(rows * cols)>>>(a, b, y, rows, cols)))
+
+tp_status tp__kc_mul_bcast(int dev, const float *a, const float *b, float *y, int64_t rows,
+                           int64_t cols)
+    KC_ELEMENTWISE("mul (CUDA)", rows * cols,
+                   (k_mul_bcast<<<GRID(rows * cols)>>>(a, b, y, rows, cols)))
+
+tp_status tp__kc_gather(int dev, float *y, const float *x, int ndim, const int64_t *shape,
+                        const int64_t *stride)
+{
+    int64_t n = 1;
+    GatherGeom geo;
+    geo.ndim = ndim;
+    for (int d = 0; d < ndim; d++) {
+        geo.shape[d] = shape[d];
+        geo.stride[d] = stride[d];
+        n *= shape[d];
+    }
+    if (n <= 0)
+        return TP_OK;
+    KC_BEGIN("transpose (CUDA)");
+    k_gather<<<GRID(n)>>>(y, x, n, geo);
+    return end(&L);
+}
+
+tp_status tp__kc_relu_fwd(int dev, const float *x, float *y, int64_t n)
+    KC_ELEMENTWISE("relu (CUDA)", n, (k_relu_fwd<<<GRID(n)>>>(x, y, n)))
+
+tp_status tp__kc_relu_bwd(int dev, const float *x, const float *gy, float *gx, int64_t n)
+    KC_ELEMENTWISE("relu backward (CUDA)", n, (k_relu_bwd<<<GRID(n)>>>(x, gy, gx, n)))
+
+tp_status tp__kc_gelu_fwd(int dev, const float *x, float *y, int64_t n, bool tanh_approx)
+    KC_ELEMENTWISE("gelu (CUDA)", n, (k_gelu_fwd<<<GRID(n)>>>(x, y, n, tanh_approx)))
+
+tp_status tp__kc_gelu_bwd(int dev, const float *x, const float *gy, float *gx, int64_t n,
+                          bool tanh_approx)
+    KC_ELEMENTWISE("gelu backward (CUDA)", n,
+                   (k_gelu_bwd<<<GRID(n)>>>(x, gy, gx, n, tanh_approx)))
+
+tp_status tp__kc_sum_dim_bwd(int dev, const float *gy, float *gx, int64_t outer, int64_t size,
+                             int64_t inner, float scale)
+    KC_ELEMENTWISE("sum backward (CUDA)", outer * size * inner,
+                   (k_sum_dim_bwd<<<GRID(outer * size * inner)>>>(gy, gx, outer, size, inner,
+                                                                  scale)))
+
+tp_status tp__kc_causal_mask(int dev, float *s, int64_t batch, int64_t S)
+    KC_ELEMENTWISE("causal mask (CUDA)", batch * S * S,
+                   (k_causal_mask<<<GRID(batch * S * S)>>>(s, batch, S)))
+
+tp_status tp__kc_embedding_fwd(int dev, const int64_t *idx, int64_t n, const float *w,
+                               int64_t rows_local, int64_t dim, int64_t offset, float *y)
+    KC_ELEMENTWISE("embedding (CUDA)", n * dim,
+                   (k_embedding_fwd<<<GRID(n * dim)>>>(idx, n, w, rows_local, dim, offset, y)))
+
+tp_status tp__kc_embedding_bwd(int dev, const int64_t *idx, int64_t n, const float *gy,
+                               int64_t rows_local, int64_t dim, int64_t offset, float *gw)
+    KC_ELEMENTWISE("embedding backward (CUDA)", n * dim,
+                   (k_embedding_bwd<<<GRID(n * dim)>>>(idx, n, gy, rows_local, dim, offset, gw)))
+
+tp_status tp__kc_ce_gloss(int dev, const float *g, float *gl, int64_t rows, bool broadcast,
+                          double div)
+    KC_ELEMENTWISE("cross_entropy backward (CUDA)", rows,
+                   (k_ce_gloss<<<GRID(rows)>>>(g, gl, rows, broadcast, div)))
+
+tp_status tp__kc_pick_target(int dev, const float *x, const int64_t *target, float *picked,
+                             int64_t rows, int64_t cols, int64_t offset, int64_t ignore_index)
+    KC_ELEMENTWISE("cross_entropy (CUDA)", rows,
+                   (k_pick_target<<<GRID(rows)>>>(x, target, picked, rows, cols, offset,
+                                                  ignore_index)))
+
+tp_status tp__kc_vocab_ce_loss(int dev, const int64_t *target, const float *weight,
+                               const float *mx, const float *sumexp, const float *picked,
+                               float *loss, int64_t rows, int64_t ignore_index)
+    KC_ELEMENTWISE("cross_entropy (CUDA)", rows,
+                   (k_vocab_ce_loss<<<GRID(rows)>>>(target, weight, mx, sumexp, picked, loss, rows,
+                                                    ignore_index)))
+
+tp_status tp__kc_sgd_step(int dev, float *p, const float *g, int64_t n, double lr)
+    KC_ELEMENTWISE("tp_sgd_step (CUDA)", n, (k_sgd<<<GRID(n)>>>(p, g, n, lr)))
+
+tp_status tp__kc_adam_step(int dev, float *p, float *m, float *v, const float *g, int64_t n,
+                           double beta1, double beta2, double step_size, double bc2_sqrt,
+                           double eps)
+    KC_ELEMENTWISE("tp_adam_step (CUDA)", n,
+                   (k_adam<<<GRID(n)>>>(p, m, v, g, n, beta1, beta2, step_size, bc2_sqrt, eps)))
+
+/* one block per row; rows beyond the grid are strided */
+#define KC_ROWS(name, rows, kernel, ...)                                        \
+    {                                                                           \
+        if ((rows) <= 0)                                                        \
+            return TP_OK;                                                       \
+        KC_BEGIN(name);                                                         \
+        kernel<<<grid_rows(rows), kThreads, 0, L.s>>>(__VA_ARGS__);             \
+        return end(&L);                                                         \
+    }
+
+tp_status tp__kc_softmax_fwd(int dev, const float *x, float *y, int64_t rows, int64_t cols)
+    KC_ROWS("softmax (CUDA)", rows, k_softmax_fwd, x, y, rows, cols)
+
+tp_status tp__kc_softmax_bwd(int dev, const float *y, const float *gy, float *gx, int64_t rows,
+                             int64_t cols)
+    KC_ROWS("softmax backward (CUDA)", rows, k_softmax_bwd, y, gy, gx, rows, cols)
+
+tp_status tp__kc_layer_norm_fwd(int dev, const float *x, const float *w, const float *b, float *y,
+                                float *mean, float *rstd, int64_t rows, int64_t cols, float eps)
+    KC_ROWS("layer_norm (CUDA)", rows, k_layer_norm_fwd, x, w, b, y, mean, rstd, rows, cols, eps)
+
+tp_status tp__kc_rms_norm_fwd(int dev, const float *x, const float *w, float *y, float *rstd,
+                              int64_t rows, int64_t cols, float eps)
+    KC_ROWS("rms_norm (CUDA)", rows, k_rms_norm_fwd, x, w, y, rstd, rows, cols, eps)
+
+tp_status tp__kc_cross_entropy_fwd(int dev, const float *x, const int64_t *target,
+                                   const float *weight, float *loss, int64_t rows,
+                                   int64_t classes, int64_t ignore_index)
+    KC_ROWS("cross_entropy (CUDA)", rows, k_ce_fwd, x, target, weight, loss, rows, classes,
+            ignore_index)
+
+tp_status tp__kc_cross_entropy_bwd(int dev, const float *x, const int64_t *target,
+                                   const float *weight, const float *gloss, float *gx,
+                                   int64_t rows, int64_t classes, int64_t ignore_index)
+    KC_ROWS("cross_entropy backward (CUDA)", rows, k_ce_bwd, x, target, weight, gloss, gx, rows,
+            classes, ignore_index)
+
+tp_status tp__kc_row_max(int dev, const float *x, float *mx, int64_t rows, int64_t cols)
+    KC_ROWS("cross_entropy (CUDA)", rows, k_row_max, x, mx, rows, cols)
+
+tp_status tp__kc_row_sumexp(int dev, const float *x, const float *mx, float *s, int64_t rows,
+                            int64_t cols)
+    KC_ROWS("cross_entropy (CUDA)", rows, k_row_sumexp, x, mx, s, rows, cols)
+
+tp_status tp__kc_vocab_ce_bwd(int dev, const float *x, const int64_t *target, const float *weight,
+                              const float *mx, const float *sumexp, const float *gloss,
+                              float *gx, int64_t rows, int64_t cols, int64_t offset,
+                              int64_t ignore_index)
+    KC_ROWS("cross_entropy backward (CUDA)", rows, k_vocab_ce_bwd, x, target, weight, mx, sumexp,
+            gloss, gx, rows, cols, offset, ignore_index)
+
+tp_status tp__kc_sum_rows(int dev, const float *y, float *g, int64_t rows, int64_t cols)
+{
+    if (rows <= 0 || cols <= 0)
+        return TP_OK;
+    KC_BEGIN("sum_rows (CUDA)");
+    launch_colsum<float, COL_PLAIN>(L.s, y, NULL, NULL, NULL, g, rows, cols, true);
+    return end(&L);
+}
+
+tp_status tp__kc_sum_dim(int dev, const float *x, float *y, int64_t outer, int64_t size,
+                         int64_t inner, double div)
+{
+    if (outer <= 0 || inner <= 0)
+        return TP_OK;
+    KC_BEGIN("sum (CUDA)");
+    if (inner == 1)
+        k_sum_rowwise<<<grid_rows(outer), kThreads, 0, L.s>>>(x, y, outer, size, div);
+    else
+        k_sum_strided<<<GRID(outer * inner)>>>(x, y, outer, size, inner, div);
+    return end(&L);
+}
+
+tp_status tp__kc_sum_all(int dev, const float *x, int64_t n, float *y, double div)
+{
+    KC_BEGIN("sum (CUDA)");
+    k_sum_all<<<1, 1024, 0, L.s>>>(x, n < 0 ? 0 : n, y, div);
+    return end(&L);
+}
+
+tp_status tp__kc_transpose_last2(int dev, const float *x, float *y, int64_t batch, int64_t r,
+                                 int64_t c)
+{
+    if (batch <= 0 || r <= 0 || c <= 0)
+        return TP_OK;
+    KC_BEGIN("transpose (CUDA)");
+    int64_t gx = (c + 31) / 32, gy = (r + 31) / 32;
+    dim3 grid((unsigned)(gx < kMaxGrid ? gx : kMaxGrid), (unsigned)(gy < kMaxGrid ? gy : kMaxGrid),
+              (unsigned)(batch < kMaxGrid ? batch : kMaxGrid));
+    k_transpose<<<grid, dim3(32, 8), 0, L.s>>>(x, y, batch, r, c);
+    return end(&L);
+}
+
+tp_status tp__kc_layer_norm_bwd(int dev, const float *x, const float *w, const float *mean,
+                                const float *rstd, const float *gy, float *gx, float *gw,
+                                float *gb, int64_t rows, int64_t cols)
+{
+    if (rows <= 0 || cols <= 0)
+        return TP_OK;
+    KC_BEGIN("layer_norm backward (CUDA)");
+    k_layer_norm_bwd_x<<<grid_rows(rows), kThreads, 0, L.s>>>(x, w, mean, rstd, gy, gx, rows, cols);
+    if (gw)
+        launch_colsum<float, COL_NORM>(L.s, gy, x, mean, rstd, gw, rows, cols, true);
+    if (gb)
+        launch_colsum<float, COL_PLAIN>(L.s, gy, NULL, NULL, NULL, gb, rows, cols, true);
+    return end(&L);
+}
+
+tp_status tp__kc_rms_norm_bwd(int dev, const float *x, const float *w, const float *rstd,
+                              const float *gy, float *gx, float *gw, int64_t rows, int64_t cols)
+{
+    if (rows <= 0 || cols <= 0)
+        return TP_OK;
+    KC_BEGIN("rms_norm backward (CUDA)");
+    k_rms_norm_bwd_x<<<grid_rows(rows), kThreads, 0, L.s>>>(x, w, rstd, gy, gx, rows, cols);
+    if (gw)
+        launch_colsum<float, COL_NORM>(L.s, gy, x, NULL, rstd, gw, rows, cols, true);
+    return end(&L);
+}
+
+tp_status tp__kc_dropout_fwd(int dev, const float *x, float *y, uint8_t *mask, int ndim,
+                             const int64_t *shape, const int64_t *global_shape,
+                             const int64_t *offset, float p, uint64_t seed)
+{
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        n *= shape[d];
+    if (n <= 0)
+        return TP_OK;
+    KC_BEGIN("dropout (CUDA)");
+    if (p <= 0.0f) {
+        if (y != x) {
+            cudaError_t err = cudaMemcpyAsync(y, x, (size_t)n * sizeof(float),
+                                              cudaMemcpyDeviceToDevice, L.s);
+            if (err != cudaSuccess)
+                return fail(&L, tp__cuda_fail(L.fn, "cudaMemcpyAsync", err));
+        }
+        if (mask)
+            k_fill_u8<<<GRID(n)>>>(mask, 1, n);
+        return end(&L);
+    }
+    if (p >= 1.0f) {
+        k_fill<<<GRID(n)>>>(y, 0.0f, n);
+        if (mask)
+            k_fill_u8<<<GRID(n)>>>(mask, 0, n);
+        return end(&L);
+    }
+    DropGeom geo;
+    geo.ndim = ndim;
+    geo.g0 = 0;
+    uint64_t s = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+        geo.shape[d] = shape[d];
+        geo.gstride[d] = s;
+        s *= (uint64_t)(global_shape ? global_shape[d] : shape[d]);
+    }
+    for (int d = 0; d < ndim; d++)
+        geo.g0 += (uint64_t)(offset ? offset[d] : 0) * geo.gstride[d];
+    float scale = 1.0f / (1.0f - p);
+    k_dropout_fwd<<<GRID(n)>>>(x, y, mask, n, geo, (double)p, scale, seed);
+    return end(&L);
+}
+
+tp_status tp__kc_dropout_bwd(int dev, const float *gy, const uint8_t *mask, float *gx, int64_t n,
+                             float p)
+{
+    if (n <= 0)
+        return TP_OK;
+    if (p <= 0.0f)
+        return tp__kc_copy(dev, gx, gy, n);
+    if (p >= 1.0f)
+        return tp__kc_fill(dev, gx, 0.0f, n);
+    KC_BEGIN("dropout backward (CUDA)");
+    k_dropout_bwd<<<GRID(n)>>>(gy, mask, gx, n, 1.0f / (1.0f - p));
+    return end(&L);
+}
+
+} /* extern "C" */
