@@ -8,7 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "dtensor/dtensor_internal.h"
+#include "dtensor/ops_internal.h"
 
 static _Thread_local int tp__no_grad_depth;
 
@@ -185,7 +185,28 @@ static tp_status tp__add_plain(tp_tensor *a, tp_tensor *b, tp_tensor **out)
     tp_tensor *bc = NULL;
     tp_status st = tp_tensor_is_contiguous(b) ? TP_OK : tp_tensor_clone(b, &bc);
     const tp_tensor *src = bc ? bc : b;
-    if (st == TP_OK) {
+    if (st == TP_OK)
+        st = tp__same_device("backward", "a gradient", r, "the gradient added to it", src);
+    if (st == TP_OK && tp_tensor_device(r).type == TP_DEVICE_CUDA) {
+        tp_device dev = tp_tensor_device(r);
+        if (r->dtype == TP_F32 && src->dtype == TP_F32) {
+            st = TP__K(dev, accumulate, tp_tensor_data(r), tp_tensor_data(src), n);
+        } else {
+            /* other dtypes: summed on the host, then copied back */
+            tp_tensor *ha = NULL, *hb = NULL;
+            st = tp_tensor_to(r, r->dtype, TP_CPU, &ha);
+            if (st == TP_OK)
+                st = tp_tensor_to(src, src->dtype, TP_CPU, &hb);
+            for (int64_t i = 0; st == TP_OK && i < n; i++)
+                tp__store_f64(tp_tensor_data(ha), ha->dtype, i,
+                              tp__load_f64(tp_tensor_data(ha), ha->dtype, i) +
+                                  tp__load_f64(tp_tensor_data(hb), hb->dtype, i));
+            if (st == TP_OK)
+                st = tp_tensor_copy(r, ha);
+            tp_tensor_release(ha);
+            tp_tensor_release(hb);
+        }
+    } else if (st == TP_OK) {
         if (r->dtype == TP_F32) {
             float *y = tp_tensor_data(r);
             const float *x = tp_tensor_data(src);

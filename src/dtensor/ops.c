@@ -4,10 +4,45 @@
 
 #include "dtensor/ops_internal.h"
 
-tp_status tp__f32(int ndim, const int64_t *shape, bool zero, tp_tensor **out)
+tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_tensor **out)
 {
-    return zero ? tp_tensor_zeros(TP_F32, TP_CPU, ndim, shape, out)
-                : tp_tensor_empty(TP_F32, TP_CPU, ndim, shape, out);
+    return zero ? tp_tensor_zeros(TP_F32, dev, ndim, shape, out)
+                : tp_tensor_empty(TP_F32, dev, ndim, shape, out);
+}
+
+tp_status tp__copy_f32(tp_device dev, float *dst, const float *src, int64_t n)
+{
+    if (n <= 0 || dst == src)
+        return TP_OK;
+#if TP_HAVE_CUDA
+    if (dev.type == TP_DEVICE_CUDA)
+        return tp__kc_copy(dev.index, dst, src, n);
+#endif
+    (void)dev;
+    memcpy(dst, src, (size_t)n * sizeof *dst);
+    return TP_OK;
+}
+
+const char *tp__device_str(tp_device dev, char *buf, size_t len)
+{
+    if (dev.type == TP_DEVICE_CPU)
+        snprintf(buf, len, "cpu");
+    else
+        snprintf(buf, len, "cuda:%d", dev.index);
+    return buf;
+}
+
+tp_status tp__same_device(const char *fn, const char *an, const tp_tensor *a, const char *bn,
+                          const tp_tensor *b)
+{
+    if (!a || !b)
+        return TP_OK;
+    tp_device da = tp_tensor_device(a), db = tp_tensor_device(b);
+    if (da.type == db.type && da.index == db.index)
+        return TP_OK;
+    char b1[32], b2[32];
+    return tp__error(TP_ERR_INVALID_ARG, "%s: %s is on %s but %s is on %s", fn, an,
+                     tp__device_str(da, b1, sizeof b1), bn, tp__device_str(db, b2, sizeof b2));
 }
 
 int64_t tp__rows(const tp_tensor *t)
@@ -21,13 +56,25 @@ int64_t tp__rows(const tp_tensor *t)
 tp_status tp__require_f32(const tp__op *op, int i)
 {
     tp_tensor *t = op->in[i];
-    if (!t)
+    if (!t || (op->def->nondiff_mask & (1u << i)))
         return TP_OK;
     tp_tensor *l = t->dist ? tp_dtensor_local(t) : t;
-    if (l->dtype != TP_F32 && !(op->def->nondiff_mask & (1u << i)))
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is %s; CPU ops take f32", op->def->name,
+    if (l->dtype == TP_F32 && !op->def->half_ok)
+        return TP_OK;
+    if (op->def->half_ok && op->dev.type == TP_DEVICE_CUDA &&
+        (l->dtype == TP_F32 || l->dtype == TP_F16 || l->dtype == TP_BF16)) {
+        tp_tensor *l0 = op->in[0]->dist ? tp_dtensor_local(op->in[0]) : op->in[0];
+        if (l->dtype == l0->dtype)
+            return TP_OK;
+        return tp__error(TP_ERR_INVALID_ARG, "%s: %s is %s but %s is %s; the dtypes must match",
+                         op->def->name, op->def->input_names[0], tp_dtype_name(l0->dtype),
                          op->def->input_names[i], tp_dtype_name(l->dtype));
-    return TP_OK;
+    }
+    if (l->dtype == TP_F32)
+        return TP_OK;
+    return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is %s; ops take f32%s", op->def->name,
+                     op->def->input_names[i], tp_dtype_name(l->dtype),
+                     op->def->half_ok ? " (f16/bf16 too on CUDA devices)" : "");
 }
 
 bool tp__op_partial_leader(const tp__op *op)
@@ -161,7 +208,12 @@ static tp_status tp__op_backward(tp__node *node, tp_tensor *gy, tp_tensor **gin)
         gyr = tp_tensor_retain(gy);
     }
     tp_tensor *gyl = tp__local(gyr), *gyc = NULL;
-    if (!tp_tensor_is_contiguous(gyl)) {
+    tp_device gd = tp_tensor_device(gyl);
+    if (gd.type != op->dev.type || gd.index != op->dev.index) {
+        /* a gradient handed to tp_backward from another device */
+        st = tp_tensor_to(gyl, gyl->dtype, op->dev, &gyc);
+        gyl = gyc;
+    } else if (!tp_tensor_is_contiguous(gyl)) {
         st = tp_tensor_clone(gyl, &gyc);
         gyl = gyc;
     }
@@ -224,7 +276,11 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
         if (op.distributed && tp_dtensor_mesh(args[i]) != op.mesh)
             return tp__error(TP_ERR_INVALID_ARG, "%s: %s and %s are on different meshes", fn,
                              def->input_names[first], def->input_names[i]);
+        TP_CHECK(tp__same_device(fn, def->input_names[first], args[first], def->input_names[i],
+                                 args[i]));
     }
+    if (first >= 0)
+        op.dev = tp_tensor_device(args[first]);
     for (int i = 0; i < def->n_inputs; i++) {
         if (!args[i])
             continue;
@@ -254,9 +310,9 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
         if (locals[i] && !tp_tensor_is_contiguous(locals[i]))
             st = tp__error(TP_ERR_INVALID_ARG, "%s: %s is not contiguous", fn,
                            def->input_names[i]);
-        if (st == TP_OK)
-            st = tp__require_f32(&op, i);
     }
+    for (int i = 0; i < def->n_inputs && st == TP_OK; i++)
+        st = tp__require_f32(&op, i);
     if (st == TP_OK)
         st = def->out_shape(&op, &op.out_ndim, op.out_shape);
     if (st == TP_OK)

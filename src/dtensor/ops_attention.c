@@ -45,6 +45,21 @@ static float sdpa_scale(const tp__op *op, int64_t d)
     return p->scale != 0 ? (float)p->scale : (float)(1.0 / sqrt((double)d));
 }
 
+/* C = alpha op(A) op(B) (beta 0) with the op's engine */
+static tp_status sgemm(const tp__op *op, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                       float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                       float *c, int64_t ldc)
+{
+#if TP_HAVE_CUDA
+    if (op->dev.type == TP_DEVICE_CUDA)
+        return tp__kc_gemm(op->dev.index, TP_F32, ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f,
+                           c, ldc);
+#endif
+    (void)op;
+    tp__k_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
+    return TP_OK;
+}
+
 static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     const sdpa_params *p = TP__OP_PARAMS(op, const sdpa_params);
@@ -56,26 +71,26 @@ static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     float scale = sdpa_scale(op, D);
     int64_t pshape[2] = {B * S, S};
     tp_tensor *probs = NULL;
-    TP_CHECK(tp__f32(nd, q->shape, false, out));
-    tp_status st = tp__f32(2, pshape, false, &probs);
+    TP_CHECK(tp__f32(op->dev, nd, q->shape, false, out));
+    tp_status st = tp__f32(op->dev, 2, pshape, false, &probs);
+    const float *qd = tp_tensor_data(q), *kd = tp_tensor_data(k), *vd = tp_tensor_data(v);
+    float *od = tp_tensor_data(*out), *pd = probs ? tp_tensor_data(probs) : NULL;
+    for (int64_t b = 0; b < B && st == TP_OK; b++) {
+        float *sc = pd + b * S * S;
+        st = sgemm(op, false, true, S, S, D, scale, qd + b * S * D, D, kd + b * S * D, D, sc, S);
+        if (st == TP_OK && p->causal)
+            st = TP__K(op->dev, causal_mask, sc, 1, S);
+        if (st == TP_OK && S > 0)
+            st = TP__K(op->dev, softmax_fwd, sc, sc, S, S);
+        if (st == TP_OK)
+            st = sgemm(op, false, false, S, D, S, 1.0f, sc, S, vd + b * S * D, D, od + b * S * D,
+                       D);
+    }
     if (st != TP_OK) {
+        tp_tensor_release(probs);
         tp_tensor_release(*out);
         *out = NULL;
         return st;
-    }
-    const float *qd = tp_tensor_data(q), *kd = tp_tensor_data(k), *vd = tp_tensor_data(v);
-    float *od = tp_tensor_data(*out), *pd = tp_tensor_data(probs);
-    for (int64_t b = 0; b < B; b++) {
-        float *sc = pd + b * S * S;
-        tp__k_gemm(false, true, S, S, D, scale, qd + b * S * D, D, kd + b * S * D, D, 0.0f, sc,
-                   S);
-        if (p->causal)
-            for (int64_t i = 0; i < S; i++)
-                for (int64_t j = i + 1; j < S; j++)
-                    sc[i * S + j] = -INFINITY;
-        tp__k_softmax_fwd(sc, sc, S, S);
-        tp__k_gemm(false, false, S, D, S, 1.0f, sc, S, vd + b * S * D, D, 0.0f, od + b * S * D,
-                   D);
     }
     op->saved[0] = probs;
     return TP_OK;
@@ -90,24 +105,29 @@ static tp_status sdpa_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
         B *= q->shape[i];
     float scale = sdpa_scale(op, D);
     for (int i = 0; i < 3; i++)
-        TP_CHECK(tp__f32(nd, q->shape, false, &g[i]));
+        TP_CHECK(tp__f32(op->dev, nd, q->shape, false, &g[i]));
     int64_t ss[2] = {S, S};
     tp_tensor *dp = NULL;
-    TP_CHECK(tp__f32(2, ss, false, &dp));
+    TP_CHECK(tp__f32(op->dev, 2, ss, false, &dp));
     const float *qd = tp_tensor_data(q), *kd = tp_tensor_data(k), *vd = tp_tensor_data(v);
     const float *pd = tp_tensor_data(probs), *go = tp_tensor_data(gy);
     float *gq = tp_tensor_data(g[0]), *gk = tp_tensor_data(g[1]), *gv = tp_tensor_data(g[2]);
     float *dpd = tp_tensor_data(dp);
-    for (int64_t b = 0; b < B; b++) {
+    tp_status st = TP_OK;
+    for (int64_t b = 0; b < B && st == TP_OK; b++) {
         const float *pb = pd + b * S * S, *gob = go + b * S * D;
         /* dv = p^T dout; dp = dout v^T; ds = softmax backward; dq, dk */
-        tp__k_gemm(true, false, S, D, S, 1.0f, pb, S, gob, D, 0.0f, gv + b * S * D, D);
-        tp__k_gemm(false, true, S, S, D, 1.0f, gob, D, vd + b * S * D, D, 0.0f, dpd, S);
-        tp__k_softmax_bwd(pb, dpd, dpd, S, S);
-        tp__k_gemm(false, false, S, D, S, scale, dpd, S, kd + b * S * D, D, 0.0f,
-                   gq + b * S * D, D);
-        tp__k_gemm(true, false, S, D, S, scale, dpd, S, qd + b * S * D, D, 0.0f, gk + b * S * D,
-                   D);
+        st = sgemm(op, true, false, S, D, S, 1.0f, pb, S, gob, D, gv + b * S * D, D);
+        if (st == TP_OK)
+            st = sgemm(op, false, true, S, S, D, 1.0f, gob, D, vd + b * S * D, D, dpd, S);
+        if (st == TP_OK && S > 0)
+            st = TP__K(op->dev, softmax_bwd, pb, dpd, dpd, S, S);
+        if (st == TP_OK)
+            st = sgemm(op, false, false, S, D, S, scale, dpd, S, kd + b * S * D, D,
+                       gq + b * S * D, D);
+        if (st == TP_OK)
+            st = sgemm(op, true, false, S, D, S, scale, dpd, S, qd + b * S * D, D,
+                       gk + b * S * D, D);
     }
     tp_tensor_release(dp);
     /* only the inputs that need a gradient keep one */
@@ -116,7 +136,7 @@ static tp_status sdpa_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
             tp_tensor_release(g[i]);
             g[i] = NULL;
         }
-    return TP_OK;
+    return st;
 }
 
 static const tp__op_def sdpa_def = {

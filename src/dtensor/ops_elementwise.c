@@ -29,17 +29,10 @@ static bool contributes(const tp__op *op, int i)
     return true;
 }
 
-/* A new contiguous f32 tensor with t's shape. */
+/* A new contiguous f32 tensor with t's shape, on t's device. */
 static tp_status like(const tp_tensor *t, bool zero, tp_tensor **out)
 {
-    return tp__f32(t->ndim, t->shape, zero, out);
-}
-
-/* dst = src for n floats (n may be 0 with NULL pointers). */
-static void copy_f32(float *dst, const float *src, int64_t n)
-{
-    if (n > 0 && dst != src)
-        memcpy(dst, src, (size_t)n * sizeof *dst);
+    return tp__f32(tp_tensor_device(t), t->ndim, t->shape, zero, out);
 }
 
 /* Strategies of an op that maps every element independently (Shard(d) and
@@ -149,29 +142,24 @@ static tp_status add_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     tp_tensor *a = in[0], *b = in[1];
     bool ca = contributes(op, 0), cb = contributes(op, 1);
-    TP_CHECK(like(a, !ca && !cb, out));
+    TP_CHECK(like(a, !ca, out));
     float *y = tp_tensor_data(*out);
     const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
     int64_t n = tp_tensor_numel(a);
     if (!is_bcast(op)) {
         if (ca && cb)
-            tp__k_add(pa, pb, y, n);
-        else if (ca || cb)
-            copy_f32(y, ca ? pa : pb, n);
+            return TP__K(op->dev, add, pa, pb, y, n);
+        if (ca || cb)
+            return tp__copy_f32(op->dev, y, ca ? pa : pb, n);
         return TP_OK;
     }
     int64_t cols = a->shape[a->ndim - 1], rows = tp__rows(a);
-    if (ca && !cb) {
-        copy_f32(y, pa, n);
-        return TP_OK;
-    }
-    for (int64_t r = 0; cb && r < rows && cols > 0; r++) {
-        if (ca)
-            tp__k_add(pa + r * cols, pb, y + r * cols, cols);
-        else
-            copy_f32(y + r * cols, pb, cols);
-    }
-    return TP_OK;
+    if (ca && !cb)
+        return tp__copy_f32(op->dev, y, pa, n);
+    if (ca)
+        return TP__K(op->dev, add_bcast, pa, pb, y, rows, cols);
+    /* y is zeros: the broadcast b alone */
+    return cb ? TP__K(op->dev, add_row, y, pb, rows, cols) : TP_OK;
 }
 
 static tp_status mul_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -180,14 +168,10 @@ static tp_status mul_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     TP_CHECK(like(a, false, out));
     float *y = tp_tensor_data(*out);
     const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
-    if (!is_bcast(op)) {
-        tp__k_mul(pa, pb, y, tp_tensor_numel(a));
-        return TP_OK;
-    }
+    if (!is_bcast(op))
+        return TP__K(op->dev, mul, pa, pb, y, tp_tensor_numel(a));
     int64_t cols = a->shape[a->ndim - 1], rows = tp__rows(a);
-    for (int64_t r = 0; r < rows && cols > 0; r++)
-        tp__k_mul(pa + r * cols, pb, y + r * cols, cols);
-    return TP_OK;
+    return TP__K(op->dev, mul_bcast, pa, pb, y, rows, cols);
 }
 
 static tp_status binary_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -208,30 +192,31 @@ static tp_status binary_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
         TP_CHECK(like(a, false, &g[0]));
         float *ga = tp_tensor_data(g[0]);
         if (!mul)
-            copy_f32(ga, pg, n);
+            TP_CHECK(tp__copy_f32(op->dev, ga, pg, n));
         else if (!bc)
-            tp__k_mul(pg, pb, ga, n);
+            TP_CHECK(TP__K(op->dev, mul, pg, pb, ga, n));
         else
-            for (int64_t r = 0; r < rows && cols > 0; r++)
-                tp__k_mul(pg + r * cols, pb, ga + r * cols, cols);
+            TP_CHECK(TP__K(op->dev, mul_bcast, pg, pb, ga, rows, cols));
     }
     if (op->need_grad[1]) {
         TP_CHECK(like(b, bc, &g[1]));
         float *gb = tp_tensor_data(g[1]);
         if (!bc) {
             if (mul)
-                tp__k_mul(pg, pa, gb, n);
+                TP_CHECK(TP__K(op->dev, mul, pg, pa, gb, n));
             else
-                copy_f32(gb, pg, n);
+                TP_CHECK(tp__copy_f32(op->dev, gb, pg, n));
         } else if (!mul) {
             if (n > 0)
-                tp__k_sum_rows(pg, gb, rows, cols);
+                TP_CHECK(TP__K(op->dev, sum_rows, pg, gb, rows, cols));
         } else if (n > 0) {
             tp_tensor *t = NULL;
             TP_CHECK(like(a, false, &t));
-            tp__k_mul(pg, pa, tp_tensor_data(t), n);
-            tp__k_sum_rows(tp_tensor_data(t), gb, rows, cols);
+            tp_status st = TP__K(op->dev, mul, pg, pa, tp_tensor_data(t), n);
+            if (st == TP_OK)
+                st = TP__K(op->dev, sum_rows, tp_tensor_data(t), gb, rows, cols);
             tp_tensor_release(t);
+            return st;
         }
     }
     return TP_OK;
@@ -302,9 +287,8 @@ static int scale_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
 static tp_status scale_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     TP_CHECK(like(in[0], false, out));
-    tp__k_scale(tp_tensor_data(in[0]), (float)TP__OP_PARAMS(op, scale_params)->s,
-                tp_tensor_data(*out), tp_tensor_numel(in[0]));
-    return TP_OK;
+    return TP__K(op->dev, scale, tp_tensor_data(in[0]), (float)TP__OP_PARAMS(op, scale_params)->s,
+                 tp_tensor_data(*out), tp_tensor_numel(in[0]));
 }
 
 static tp_status scale_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -312,9 +296,8 @@ static tp_status scale_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_t
     if (!op->need_grad[0])
         return TP_OK;
     TP_CHECK(like(in[0], false, &g[0]));
-    tp__k_scale(tp_tensor_data(gy), (float)TP__OP_PARAMS(op, scale_params)->s,
-                tp_tensor_data(g[0]), tp_tensor_numel(in[0]));
-    return TP_OK;
+    return TP__K(op->dev, scale, tp_tensor_data(gy), (float)TP__OP_PARAMS(op, scale_params)->s,
+                 tp_tensor_data(g[0]), tp_tensor_numel(in[0]));
 }
 
 static const tp__op_def scale_def = {
@@ -345,8 +328,8 @@ static tp_status relu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     (void)op;
     TP_CHECK(like(in[0], false, out));
-    tp__k_relu_fwd(tp_tensor_data(in[0]), tp_tensor_data(*out), tp_tensor_numel(in[0]));
-    return TP_OK;
+    return TP__K(op->dev, relu_fwd, tp_tensor_data(in[0]), tp_tensor_data(*out),
+                 tp_tensor_numel(in[0]));
 }
 
 static tp_status relu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -354,9 +337,8 @@ static tp_status relu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
     if (!op->need_grad[0])
         return TP_OK;
     TP_CHECK(like(in[0], false, &g[0]));
-    tp__k_relu_bwd(tp_tensor_data(in[0]), tp_tensor_data(gy), tp_tensor_data(g[0]),
-                   tp_tensor_numel(in[0]));
-    return TP_OK;
+    return TP__K(op->dev, relu_bwd, tp_tensor_data(in[0]), tp_tensor_data(gy),
+                 tp_tensor_data(g[0]), tp_tensor_numel(in[0]));
 }
 
 static const tp__op_def relu_def = {
@@ -382,9 +364,8 @@ typedef struct {
 static tp_status gelu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     TP_CHECK(like(in[0], false, out));
-    tp__k_gelu_fwd(tp_tensor_data(in[0]), tp_tensor_data(*out), tp_tensor_numel(in[0]),
-                   TP__OP_PARAMS(op, gelu_params)->tanh_approx);
-    return TP_OK;
+    return TP__K(op->dev, gelu_fwd, tp_tensor_data(in[0]), tp_tensor_data(*out),
+                 tp_tensor_numel(in[0]), TP__OP_PARAMS(op, gelu_params)->tanh_approx);
 }
 
 static tp_status gelu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -392,9 +373,9 @@ static tp_status gelu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
     if (!op->need_grad[0])
         return TP_OK;
     TP_CHECK(like(in[0], false, &g[0]));
-    tp__k_gelu_bwd(tp_tensor_data(in[0]), tp_tensor_data(gy), tp_tensor_data(g[0]),
-                   tp_tensor_numel(in[0]), TP__OP_PARAMS(op, gelu_params)->tanh_approx);
-    return TP_OK;
+    return TP__K(op->dev, gelu_bwd, tp_tensor_data(in[0]), tp_tensor_data(gy),
+                 tp_tensor_data(g[0]), tp_tensor_numel(in[0]),
+                 TP__OP_PARAMS(op, gelu_params)->tanh_approx);
 }
 
 static const tp__op_def gelu_def = {
@@ -442,21 +423,18 @@ static tp_status dropout_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     tp_tensor *x = in[0];
     int64_t n = tp_tensor_numel(x);
     TP_CHECK(like(x, false, out));
-    if (prm->p <= 0.0f) {
-        copy_f32(tp_tensor_data(*out), tp_tensor_data(x), n);
-        return TP_OK;
-    }
+    if (prm->p <= 0.0f)
+        return tp__copy_f32(op->dev, tp_tensor_data(*out), tp_tensor_data(x), n);
     uint8_t *mask = NULL;
     if (tp__needs_grad(1, op->in) && n > 0) {
         int64_t words = (n + 3) / 4;
-        TP_CHECK(tp_tensor_empty(TP_I32, TP_CPU, 1, &words, &op->saved[0]));
+        TP_CHECK(tp_tensor_empty(TP_I32, op->dev, 1, &words, &op->saved[0]));
         mask = tp_tensor_data(op->saved[0]);
     }
     int64_t offset[TP_MAX_DIMS];
     tp__op_offset(op, 0, offset);
-    tp__k_dropout_fwd(tp_tensor_data(x), tp_tensor_data(*out), mask, x->ndim, x->shape,
-                      tp__op_gshape(op, 0), offset, prm->p, prm->seed);
-    return TP_OK;
+    return TP__K(op->dev, dropout_fwd, tp_tensor_data(x), tp_tensor_data(*out), mask, x->ndim,
+                 x->shape, tp__op_gshape(op, 0), offset, prm->p, prm->seed);
 }
 
 static tp_status dropout_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -466,14 +444,11 @@ static tp_status dropout_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
     const dropout_params *prm = TP__OP_PARAMS(op, dropout_params);
     int64_t n = tp_tensor_numel(in[0]);
     TP_CHECK(like(in[0], false, &g[0]));
-    if (prm->p <= 0.0f || n == 0) {
-        copy_f32(tp_tensor_data(g[0]), tp_tensor_data(gy), n);
-        return TP_OK;
-    }
+    if (prm->p <= 0.0f || n == 0)
+        return tp__copy_f32(op->dev, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
     TP_ASSERT(op->saved[0]);
-    tp__k_dropout_bwd(tp_tensor_data(gy), tp_tensor_data(op->saved[0]), tp_tensor_data(g[0]), n,
-                      prm->p);
-    return TP_OK;
+    return TP__K(op->dev, dropout_bwd, tp_tensor_data(gy), tp_tensor_data(op->saved[0]),
+                 tp_tensor_data(g[0]), n, prm->p);
 }
 
 static const tp__op_def dropout_def = {
@@ -583,7 +558,8 @@ static tp_status reshape_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
     /* a copy, so that the input's gradient never aliases the caller's gy */
     TP_CHECK(like(in[0], false, &g[0]));
     TP_ASSERT(tp_tensor_numel(gy) == tp_tensor_numel(in[0]));
-    copy_f32(tp_tensor_data(g[0]), tp_tensor_data(gy), tp_tensor_numel(in[0]));
+    TP_CHECK(tp__copy_f32(op->dev, tp_tensor_data(g[0]), tp_tensor_data(gy),
+                          tp_tensor_numel(in[0])));
     return TP_OK;
 }
 
@@ -677,28 +653,38 @@ static tp_status transpose_local(tp_tensor *x, int d0, int d1, tp_tensor **out)
     memcpy(shape, x->shape, sizeof(int64_t) * (size_t)nd);
     shape[d0] = x->shape[d1];
     shape[d1] = x->shape[d0];
-    TP_CHECK(tp__f32(nd, shape, false, out));
+    tp_device dev = tp_tensor_device(x);
+    TP_CHECK(tp__f32(dev, nd, shape, false, out));
     int64_t n = tp_tensor_numel(x);
-    if (d0 == d1 || n == 0) {
-        copy_f32(tp_tensor_data(*out), tp_tensor_data(x), n);
-        return TP_OK;
-    }
+    if (d0 == d1 || n == 0)
+        return tp__copy_f32(dev, tp_tensor_data(*out), tp_tensor_data(x), n);
     int lo = d0 < d1 ? d0 : d1, hi = d0 < d1 ? d1 : d0;
+    tp_status st;
     if (lo == nd - 2 && hi == nd - 1) {
-        tp__k_transpose_last2(tp_tensor_data(x), tp_tensor_data(*out), n / (shape[lo] * shape[hi]),
-                              x->shape[lo], x->shape[hi]);
-        return TP_OK;
+        st = TP__K(dev, transpose_last2, tp_tensor_data(x), tp_tensor_data(*out),
+                   n / (shape[lo] * shape[hi]), x->shape[lo], x->shape[hi]);
+        if (st != TP_OK) {
+            tp_tensor_release(*out);
+            *out = NULL;
+        }
+        return st;
     }
     /* general case: a strided copy from a permuted view of x */
     tp_tensor *v = NULL;
-    tp_status st = tp_tensor_view(x, nd, x->shape, &v);
+    st = tp_tensor_view(x, nd, x->shape, &v);
     if (st == TP_OK) {
         int64_t t = v->stride[d0];
         v->stride[d0] = v->stride[d1];
         v->stride[d1] = t;
         v->shape[d0] = shape[d0];
         v->shape[d1] = shape[d1];
-        st = tp_tensor_copy(*out, v);
+#if TP_HAVE_CUDA
+        if (dev.type == TP_DEVICE_CUDA) /* on the device, not through host staging */
+            st = tp__kc_gather(dev.index, tp_tensor_data(*out), tp_tensor_data(x), nd, v->shape,
+                               v->stride);
+        else
+#endif
+            st = tp_tensor_copy(*out, v);
     }
     tp_tensor_release(v);
     if (st != TP_OK) {

@@ -8,6 +8,7 @@
 
 #include "dtensor/dtensor_internal.h"
 #include "kernels/kernels.h"
+#include "kernels/kernels_cuda.h"
 #include "tp/ops.h"
 
 #define TP__OP_MAX_IN 4
@@ -29,6 +30,7 @@ typedef struct tp__op_def {
     const char *input_names[TP__OP_MAX_IN];
     unsigned optional_mask;   /* bit i: input i may be NULL */
     unsigned nondiff_mask;    /* bit i: input i never gets a gradient (indices) */
+    bool half_ok;             /* f16/bf16 inputs accepted on CUDA devices (matrix products) */
     /* fills up to TP__OP_MAX_STRATS strategies for one mesh dim; returns the
      * count. NULL: the op has no distributed form. */
     int (*strategies)(const tp__op *op, int mesh_dim, tp__strategy *out);
@@ -49,6 +51,7 @@ struct tp__op {
     int64_t arg_shape[TP__OP_MAX_IN][TP_MAX_DIMS];
     bool need_grad[TP__OP_MAX_IN];
     bool distributed;
+    tp_device dev; /* where every local input lives, and where the op runs */
     tp_mesh *mesh;
     int mesh_ndim;
     tp_placement in_pl[TP__OP_MAX_IN][TP_MESH_MAX_DIMS];
@@ -85,11 +88,20 @@ static inline tp_placement tp__R(void) { return tp_replicate(); }
 static inline tp_placement tp__S(int d) { return tp_shard(d); }
 static inline tp_placement tp__P(void) { return tp_partial(TP_SUM); }
 
-/* New contiguous f32 tensor of a shape on the CPU. */
-tp_status tp__f32(int ndim, const int64_t *shape, bool zero, tp_tensor **out);
+/* New contiguous f32 tensor of a shape on a device. */
+tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_tensor **out);
+/* dst = src, n floats on device dev (n may be 0 with NULL pointers). */
+tp_status tp__copy_f32(tp_device dev, float *dst, const float *src, int64_t n);
+/* "cpu" or "cuda:N" into buf; returns buf. */
+const char *tp__device_str(tp_device dev, char *buf, size_t len);
+/* TP_ERR_INVALID_ARG naming both devices unless a and b (either may be NULL)
+ * are on the same device. */
+tp_status tp__same_device(const char *fn, const char *an, const tp_tensor *a, const char *bn,
+                          const tp_tensor *b);
 /* rows = product of all dims but the last, for a contiguous tensor. */
 int64_t tp__rows(const tp_tensor *t);
-/* Checks that plain input i is f32 and contiguous (DTensor locals are). */
+/* Checks that input i is f32 (or, for half_ok ops on CUDA, f16/bf16 like
+ * input 0). */
 tp_status tp__require_f32(const tp__op *op, int i);
 
 #endif /* TP_OPS_INTERNAL_H */

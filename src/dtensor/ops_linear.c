@@ -44,6 +44,30 @@ static tp_status linear_shape(const tp__op *op, int *ndim, int64_t *shape)
     return TP_OK;
 }
 
+/* A new contiguous tensor of t's dtype on the op's device (f16/bf16 only
+ * reach here on CUDA devices, where the products accept them). */
+static tp_status out_like(const tp__op *op, const tp_tensor *t, int ndim, const int64_t *shape,
+                          tp_tensor **out)
+{
+    return tp_tensor_empty(t->dtype, op->dev, ndim, shape, out);
+}
+
+/* C = A B with the op's engine: cuBLAS (any of f32/f16/bf16) or OpenBLAS. */
+static tp_status gemm(const tp__op *op, tp_dtype dtype, bool ta, bool tb, int64_t m, int64_t n,
+                      int64_t k, const void *a, int64_t lda, const void *b, int64_t ldb, void *c,
+                      int64_t ldc)
+{
+#if TP_HAVE_CUDA
+    if (op->dev.type == TP_DEVICE_CUDA)
+        return tp__kc_gemm(op->dev.index, dtype, ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c,
+                           ldc);
+#endif
+    (void)op;
+    (void)dtype;
+    tp__k_gemm(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+    return TP_OK;
+}
+
 static tp_status linear_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     tp_tensor *x = in[0], *w = in[1], *b = in[2];
@@ -51,9 +75,15 @@ static tp_status linear_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int64_t shape[TP_MAX_DIMS];
     memcpy(shape, x->shape, sizeof(int64_t) * (size_t)nd);
     shape[nd - 1] = w->shape[0];
-    TP_CHECK(tp__f32(nd, shape, false, out));
+    TP_CHECK(out_like(op, x, nd, shape, out));
     /* a bias joins a partial sum once, on the leader */
-    const float *bias = b && tp__op_partial_leader(op) ? tp_tensor_data(b) : NULL;
+    const void *bias = b && tp__op_partial_leader(op) ? tp_tensor_data(b) : NULL;
+#if TP_HAVE_CUDA
+    if (op->dev.type == TP_DEVICE_CUDA)
+        return tp__kc_linear_fwd(op->dev.index, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
+                                 bias, tp_tensor_data(*out), tp__rows(x), w->shape[1],
+                                 w->shape[0]);
+#endif
     tp__k_linear_fwd(tp_tensor_data(x), tp_tensor_data(w), bias, tp_tensor_data(*out),
                      tp__rows(x), w->shape[1], w->shape[0]);
     return TP_OK;
@@ -63,15 +93,21 @@ static tp_status linear_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
 {
     tp_tensor *x = in[0], *w = in[1];
     if (op->need_grad[0])
-        TP_CHECK(tp__f32(x->ndim, x->shape, false, &g[0]));
+        TP_CHECK(out_like(op, x, x->ndim, x->shape, &g[0]));
     if (op->need_grad[1])
-        TP_CHECK(tp__f32(2, w->shape, false, &g[1]));
+        TP_CHECK(out_like(op, x, 2, w->shape, &g[1]));
     if (op->need_grad[2])
-        TP_CHECK(tp__f32(1, in[2]->shape, false, &g[2]));
-    tp__k_linear_bwd(tp_tensor_data(x), tp_tensor_data(w), tp_tensor_data(gy),
-                     g[0] ? tp_tensor_data(g[0]) : NULL, g[1] ? tp_tensor_data(g[1]) : NULL,
-                     g[2] ? tp_tensor_data(g[2]) : NULL, tp__rows(x), w->shape[1], w->shape[0],
-                     false);
+        TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
+    void *gx = g[0] ? tp_tensor_data(g[0]) : NULL, *gw = g[1] ? tp_tensor_data(g[1]) : NULL,
+         *gb = g[2] ? tp_tensor_data(g[2]) : NULL;
+#if TP_HAVE_CUDA
+    if (op->dev.type == TP_DEVICE_CUDA)
+        return tp__kc_linear_bwd(op->dev.index, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
+                                 tp_tensor_data(gy), gx, gw, gb, tp__rows(x), w->shape[1],
+                                 w->shape[0], false);
+#endif
+    tp__k_linear_bwd(tp_tensor_data(x), tp_tensor_data(w), tp_tensor_data(gy), gx, gw, gb,
+                     tp__rows(x), w->shape[1], w->shape[0], false);
     return TP_OK;
 }
 
@@ -80,6 +116,7 @@ static const tp__op_def linear_def = {
     .n_inputs = 3,
     .input_names = {"x", "weight", "bias"},
     .optional_mask = 1u << 2,
+    .half_ok = true,
     .strategies = linear_strategies,
     .out_shape = linear_shape,
     .forward = linear_fwd,
@@ -125,16 +162,14 @@ static tp_status matmul_shape(const tp__op *op, int *ndim, int64_t *shape)
 
 static tp_status matmul_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
-    (void)op;
     tp_tensor *a = in[0], *b = in[1];
     int nd = a->ndim;
     int64_t shape[TP_MAX_DIMS], m = tp__rows(a), k = b->shape[0], n = b->shape[1];
     memcpy(shape, a->shape, sizeof(int64_t) * (size_t)nd);
     shape[nd - 1] = n;
-    TP_CHECK(tp__f32(nd, shape, false, out));
-    tp__k_gemm(false, false, m, n, k, 1.0f, tp_tensor_data(a), k, tp_tensor_data(b), n, 0.0f,
-               tp_tensor_data(*out), n);
-    return TP_OK;
+    TP_CHECK(out_like(op, a, nd, shape, out));
+    return gemm(op, a->dtype, false, false, m, n, k, tp_tensor_data(a), k, tp_tensor_data(b), n,
+                tp_tensor_data(*out), n);
 }
 
 static tp_status matmul_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -142,14 +177,14 @@ static tp_status matmul_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
     tp_tensor *a = in[0], *b = in[1];
     int64_t m = tp__rows(a), k = b->shape[0], n = b->shape[1];
     if (op->need_grad[0]) { /* ga = gy b^T */
-        TP_CHECK(tp__f32(a->ndim, a->shape, false, &g[0]));
-        tp__k_gemm(false, true, m, k, n, 1.0f, tp_tensor_data(gy), n, tp_tensor_data(b), n, 0.0f,
-                   tp_tensor_data(g[0]), k);
+        TP_CHECK(out_like(op, a, a->ndim, a->shape, &g[0]));
+        TP_CHECK(gemm(op, a->dtype, false, true, m, k, n, tp_tensor_data(gy), n,
+                      tp_tensor_data(b), n, tp_tensor_data(g[0]), k));
     }
     if (op->need_grad[1]) { /* gb = a^T gy */
-        TP_CHECK(tp__f32(2, b->shape, false, &g[1]));
-        tp__k_gemm(true, false, k, n, m, 1.0f, tp_tensor_data(a), k, tp_tensor_data(gy), n, 0.0f,
-                   tp_tensor_data(g[1]), n);
+        TP_CHECK(out_like(op, a, 2, b->shape, &g[1]));
+        TP_CHECK(gemm(op, a->dtype, true, false, k, n, m, tp_tensor_data(a), k,
+                      tp_tensor_data(gy), n, tp_tensor_data(g[1]), n));
     }
     return TP_OK;
 }
@@ -158,6 +193,7 @@ static const tp__op_def matmul_def = {
     .name = "matmul",
     .n_inputs = 2,
     .input_names = {"a", "b"},
+    .half_ok = true,
     .strategies = matmul_strategies,
     .out_shape = matmul_shape,
     .forward = matmul_fwd,

@@ -21,13 +21,31 @@
 
 /* ---- shared helpers ------------------------------------------------------- */
 
-/* A CPU integer tensor (i64 or i32, plain) as a contiguous i64 tensor without
- * autograd state: a view when it already is one, else a converted copy. */
+/* An integer tensor (i64 or i32, plain, any device) as a contiguous i64 CPU
+ * tensor without autograd state, for validation on the host: a view when it
+ * already is one, else a converted copy. */
 static tp_status tp__as_i64(tp_tensor *t, tp_tensor **out)
 {
-    if (t->dtype == TP_I64 && tp_tensor_is_contiguous(t))
+    if (t->dtype == TP_I64 && tp_tensor_is_contiguous(t) &&
+        tp_tensor_device(t).type == TP_DEVICE_CPU)
         return tp_tensor_view(t, t->ndim, t->shape, out);
     return tp_tensor_to(t, TP_I64, TP_CPU, out);
+}
+
+/* The validated host i64 tensor `host` as the kernels' argument on `dev`:
+ * itself on the CPU; on a CUDA device the caller's original when that is a
+ * contiguous i64 tensor there (no second copy), else an upload. */
+static tp_status tp__i64_on(tp_tensor *host, tp_tensor *orig, tp_device dev, tp_tensor **out)
+{
+    if (dev.type == TP_DEVICE_CPU) {
+        *out = tp_tensor_retain(host);
+        return TP_OK;
+    }
+    tp_device od = tp_tensor_device(orig);
+    if (orig->dtype == TP_I64 && tp_tensor_is_contiguous(orig) && od.type == dev.type &&
+        od.index == dev.index)
+        return tp_tensor_view(orig, orig->ndim, orig->shape, out);
+    return tp_tensor_to(host, TP_I64, dev, out);
 }
 
 /* A plain tensor as a contiguous tensor of the same values without autograd
@@ -56,20 +74,12 @@ static tp_status tp__same_kind(const char *fn, const char *an, const tp_tensor *
     return TP_OK;
 }
 
-static tp_status tp__check_cpu(const char *fn, const char *what, const tp_tensor *t)
-{
-    if (tp_tensor_device(t).type != TP_DEVICE_CPU)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is on a CUDA device; these ops run on the CPU",
-                         fn, what);
-    return TP_OK;
-}
-
 static tp_status tp__check_int(const char *fn, const char *what, const tp_tensor *t)
 {
     if (t->dtype != TP_I64 && t->dtype != TP_I32)
         return tp__error(TP_ERR_INVALID_ARG, "%s: %s must be i64 or i32, got %s", fn, what,
                          tp_dtype_name(t->dtype));
-    return tp__check_cpu(fn, what, t);
+    return TP_OK;
 }
 
 static tp_status tp__no_partial(const char *fn, const char *what, const tp_tensor *t)
@@ -138,11 +148,10 @@ static tp_status emb_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
     memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)nd);
     shape[nd] = w->shape[1];
-    TP_CHECK(tp__f32(nd + 1, shape, false, out));
+    TP_CHECK(tp__f32(op->dev, nd + 1, shape, false, out));
     tp__op_offset(op, 1, off); /* the first global row this rank's table holds */
-    tp__k_embedding_fwd(tp_tensor_data(idx), tp_tensor_numel(idx), tp_tensor_data(w),
-                        w->shape[0], w->shape[1], off[0], tp_tensor_data(*out));
-    return TP_OK;
+    return TP__K(op->dev, embedding_fwd, tp_tensor_data(idx), tp_tensor_numel(idx),
+                 tp_tensor_data(w), w->shape[0], w->shape[1], off[0], tp_tensor_data(*out));
 }
 
 static tp_status emb_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -152,10 +161,9 @@ static tp_status emb_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_ten
         return TP_OK;
     int64_t off[TP_MAX_DIMS];
     tp__op_offset(op, 1, off);
-    TP_CHECK(tp__f32(2, w->shape, true, &g[1]));
-    tp__k_embedding_bwd(tp_tensor_data(idx), tp_tensor_numel(idx), tp_tensor_data(gy),
-                        w->shape[0], w->shape[1], off[0], tp_tensor_data(g[1]));
-    return TP_OK;
+    TP_CHECK(tp__f32(op->dev, 2, w->shape, true, &g[1]));
+    return TP__K(op->dev, embedding_bwd, tp_tensor_data(idx), tp_tensor_numel(idx),
+                 tp_tensor_data(gy), w->shape[0], w->shape[1], off[0], tp_tensor_data(g[1]));
 }
 
 static const tp__op_def emb_def = {
@@ -177,6 +185,7 @@ tp_status tp_embedding(tp_tensor *indices, tp_tensor *weight, tp_tensor **y)
     TP_ARG_CHECK(indices, "%s: indices is NULL", fn);
     TP_ARG_CHECK(weight, "%s: weight is NULL", fn);
     TP_CHECK(tp__same_kind(fn, "indices", indices, "weight", weight));
+    TP_CHECK(tp__same_device(fn, "indices", indices, "weight", weight));
     TP_CHECK(tp__check_int(fn, "indices", indices));
     TP_ARG_CHECK(weight->ndim == 2, "%s: weight must be 2-d [num, dim], got %d dims", fn,
                  weight->ndim);
@@ -214,13 +223,17 @@ tp_status tp_embedding(tp_tensor *indices, tp_tensor *weight, tp_tensor **y)
             return st;
         }
 
-    tp_status st = TP_OK;
+    tp_tensor *idxd = NULL;
+    tp_status st = tp__i64_on(idx64, local, tp_tensor_device(weight), &idxd);
+    tp_tensor_release(idx64);
+    if (st != TP_OK)
+        return st;
     if (dist)
-        st = tp__dtensor_wrap(tp_dtensor_mesh(indices), idx64, tp_dtensor_placements(indices),
+        st = tp__dtensor_wrap(tp_dtensor_mesh(indices), idxd, tp_dtensor_placements(indices),
                               indices->ndim, indices->shape, &arg);
     else
-        arg = tp_tensor_retain(idx64);
-    tp_tensor_release(idx64);
+        arg = tp_tensor_retain(idxd);
+    tp_tensor_release(idxd);
     if (st != TP_OK)
         return st;
     tp_tensor *args[2] = {arg, weight};
@@ -245,13 +258,24 @@ static tp_status ce_reduce(tp_tensor *rows, tp_reduction red, double wsum, tp_te
         *out = rows;
         return TP_OK;
     }
+    tp_device dev = tp_tensor_device(rows);
     tp_tensor *s = NULL;
-    tp_status st = tp__f32(0, NULL, false, &s);
+    tp_status st = tp__f32(dev, 0, NULL, false, &s);
     if (st == TP_OK) {
-        double total = tp__k_sum_all(tp_tensor_data(rows), tp_tensor_numel(rows));
-        *(float *)tp_tensor_data(s) = (float)(red == TP_REDUCTION_MEAN ? total / wsum : total);
-        *out = s;
+        double div = red == TP_REDUCTION_MEAN ? wsum : 1.0;
+#if TP_HAVE_CUDA
+        if (dev.type == TP_DEVICE_CUDA)
+            st = tp__kc_sum_all(dev.index, tp_tensor_data(rows), tp_tensor_numel(rows),
+                                tp_tensor_data(s), div);
+        else
+#endif
+            *(float *)tp_tensor_data(s) =
+                (float)(tp__k_sum_all(tp_tensor_data(rows), tp_tensor_numel(rows)) / div);
     }
+    if (st == TP_OK)
+        *out = s;
+    else
+        tp_tensor_release(s);
     tp_tensor_release(rows);
     return st;
 }
@@ -260,9 +284,15 @@ static tp_status ce_reduce(tp_tensor *rows, tp_reduction red, double wsum, tp_te
 static tp_status ce_gloss(const tp_tensor *gy, int64_t rows, tp_reduction red, double wsum,
                           tp_tensor **out)
 {
-    TP_CHECK(tp__f32(1, &rows, false, out));
+    tp_device dev = tp_tensor_device(gy);
+    TP_CHECK(tp__f32(dev, 1, &rows, false, out));
     float *gl = tp_tensor_data(*out);
     const float *g = tp_tensor_data(gy);
+#if TP_HAVE_CUDA
+    if (dev.type == TP_DEVICE_CUDA)
+        return tp__kc_ce_gloss(dev.index, g, gl, rows, red != TP_REDUCTION_NONE,
+                               red == TP_REDUCTION_MEAN ? wsum : 1.0);
+#endif
     if (red == TP_REDUCTION_NONE) {
         if (rows)
             memcpy(gl, g, sizeof(float) * (size_t)rows);
@@ -301,7 +331,20 @@ static tp_status ce_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     ce_params *p = TP__OP_PARAMS(op, ce_params);
     tp_tensor *x = in[0], *t = in[1], *w = in[2], *rows = NULL;
     int64_t n = x->shape[0], c = x->shape[1];
-    TP_CHECK(tp__f32(1, &n, false, &rows));
+    TP_CHECK(tp__f32(op->dev, 1, &n, false, &rows));
+#if TP_HAVE_CUDA
+    if (op->dev.type == TP_DEVICE_CUDA) {
+        /* p->wsum came with the params, summed from the host copy of the targets */
+        tp_status st = tp__kc_cross_entropy_fwd(op->dev.index, tp_tensor_data(x),
+                                                tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
+                                                tp_tensor_data(rows), n, c, p->ignore_index);
+        if (st != TP_OK) {
+            tp_tensor_release(rows);
+            return st;
+        }
+        return ce_reduce(rows, p->reduction, p->wsum, out);
+    }
+#endif
     tp__k_cross_entropy_fwd(tp_tensor_data(x), tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
                             tp_tensor_data(rows), n, c, p->ignore_index, &p->wsum);
     return ce_reduce(rows, p->reduction, p->wsum, out);
@@ -315,11 +358,11 @@ static tp_status ce_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tens
     tp_tensor *x = in[0], *t = in[1], *w = in[2], *gl = NULL;
     int64_t n = x->shape[0], c = x->shape[1];
     TP_CHECK(ce_gloss(gy, n, p->reduction, p->wsum, &gl));
-    tp_status st = tp__f32(2, x->shape, false, &g[0]);
+    tp_status st = tp__f32(op->dev, 2, x->shape, false, &g[0]);
     if (st == TP_OK)
-        tp__k_cross_entropy_bwd(tp_tensor_data(x), tp_tensor_data(t),
-                                w ? tp_tensor_data(w) : NULL, tp_tensor_data(gl),
-                                tp_tensor_data(g[0]), n, c, p->ignore_index);
+        st = TP__K(op->dev, cross_entropy_bwd, tp_tensor_data(x), tp_tensor_data(t),
+                   w ? tp_tensor_data(w) : NULL, tp_tensor_data(gl), tp_tensor_data(g[0]), n, c,
+                   p->ignore_index);
     tp_tensor_release(gl);
     return st;
 }
@@ -382,7 +425,11 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
         gyr = tp_tensor_retain(gy);
     }
     tp_tensor *gyl = tp__local_of(gyr);
-    if (!tp_tensor_is_contiguous(gyl)) {
+    tp_device xd = tp_tensor_device(sv->x), gd = tp_tensor_device(gyl);
+    if (gd.type != xd.type || gd.index != xd.index) {
+        st = tp_tensor_to(gyl, gyl->dtype, xd, &gyc);
+        gyl = gyc;
+    } else if (!tp_tensor_is_contiguous(gyl)) {
         st = tp_tensor_clone(gyl, &gyc);
         gyl = gyc;
     }
@@ -390,14 +437,14 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
     if (st == TP_OK)
         st = ce_gloss(gyl, rows, sv->reduction, sv->wsum, &gl);
     if (st == TP_OK)
-        st = tp__f32(2, sv->x->shape, false, &gx);
-    if (st == TP_OK) {
-        tp__k_vocab_ce_bwd(tp_tensor_data(sv->x), tp_tensor_data(sv->target),
-                           sv->weight ? tp_tensor_data(sv->weight) : NULL,
-                           tp_tensor_data(sv->mx), tp_tensor_data(sv->sumexp), tp_tensor_data(gl),
-                           tp_tensor_data(gx), rows, cols, sv->offset, sv->ignore_index);
+        st = tp__f32(tp_tensor_device(sv->x), 2, sv->x->shape, false, &gx);
+    if (st == TP_OK)
+        st = TP__K(tp_tensor_device(sv->x), vocab_ce_bwd, tp_tensor_data(sv->x),
+                   tp_tensor_data(sv->target), sv->weight ? tp_tensor_data(sv->weight) : NULL,
+                   tp_tensor_data(sv->mx), tp_tensor_data(sv->sumexp), tp_tensor_data(gl),
+                   tp_tensor_data(gx), rows, cols, sv->offset, sv->ignore_index);
+    if (st == TP_OK)
         st = tp__dtensor_wrap(sv->mesh, gx, sv->pl, 2, sv->gshape, &gin[0]);
-    }
     tp_tensor_release(gx);
     tp_tensor_release(gl);
     tp_tensor_release(gyc);
@@ -406,8 +453,9 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
 }
 
 /* logits: a DTensor sharded on dim 1 by mesh dim cdim only (Replicate
- * elsewhere); target: the full i64 targets (contiguous, validated); weight:
- * the full class weights (contiguous f32) or NULL. */
+ * elsewhere); target: the full i64 targets (contiguous, validated, on the
+ * host); weight: the full class weights (contiguous f32 on the logits'
+ * device) or NULL. */
 static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_tensor *weight,
                           const ce_params *p, tp_tensor **out)
 {
@@ -417,10 +465,12 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     const int m = tp_mesh_ndim(mesh);
     const bool multi = tp_comm_size(comm) > 1;
     tp_tensor *x = NULL, *mx = NULL, *se = NULL, *pk = NULL, *rows = NULL, *lossl = NULL,
-              *res = NULL;
+              *res = NULL, *tdev = NULL, *whost = NULL;
     tp_status st = tp__detached(tp_dtensor_local(logits), &x);
     if (st != TP_OK)
         return st;
+    const tp_device dev = tp_tensor_device(x);
+    const bool cuda = dev.type == TP_DEVICE_CUDA;
     const int64_t n = logits->shape[0];
     const int64_t cols = x->shape[1];
     int64_t lshape[2], off[2];
@@ -428,36 +478,63 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
 
     /* every allocation before the first collective: a rank failing between
      * them would leave its peers waiting */
-    TP_CHECK_GOTO(tp__f32(1, &n, false, &mx), st, done);
-    TP_CHECK_GOTO(tp__f32(1, &n, false, &se), st, done);
-    TP_CHECK_GOTO(tp__f32(1, &n, false, &pk), st, done);
-    TP_CHECK_GOTO(tp__f32(1, &n, false, &rows), st, done);
+    TP_CHECK_GOTO(tp__f32(dev, 1, &n, false, &mx), st, done);
+    TP_CHECK_GOTO(tp__f32(dev, 1, &n, false, &se), st, done);
+    TP_CHECK_GOTO(tp__f32(dev, 1, &n, false, &pk), st, done);
+    TP_CHECK_GOTO(tp__f32(dev, 1, &n, false, &rows), st, done);
+    /* on a GPU the kernels read a device copy of the targets, the weight sum
+     * reads a host copy of the weights */
+    if (cuda)
+        TP_CHECK_GOTO(tp_tensor_to(target, TP_I64, dev, &tdev), st, done);
+    else
+        tdev = tp_tensor_retain(target);
+    if (weight && cuda)
+        TP_CHECK_GOTO(tp_tensor_to(weight, TP_F32, TP_CPU, &whost), st, done);
+    else
+        whost = tp_tensor_retain(weight);
 
     const float *xd = tp_tensor_data(x);
-    const int64_t *t = tp_tensor_data(target);
-    tp__k_row_max(xd, tp_tensor_data(mx), n, cols);
+    const int64_t *t = tp_tensor_data(target), *td = tp_tensor_data(tdev);
+    TP_CHECK_GOTO(TP__K(dev, row_max, xd, tp_tensor_data(mx), n, cols), st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, mx, mx, TP_MAX, NULL), st, done);
-    tp__k_row_sumexp(xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols);
+    TP_CHECK_GOTO(TP__K(dev, row_sumexp, xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols), st,
+                  done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, se, se, TP_SUM, NULL), st, done);
-    tp__k_pick_target(xd, t, tp_tensor_data(pk), n, cols, off[1], p->ignore_index);
+    TP_CHECK_GOTO(TP__K(dev, pick_target, xd, td, tp_tensor_data(pk), n, cols, off[1],
+                        p->ignore_index),
+                  st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, pk, pk, TP_SUM, NULL), st, done);
 
     /* loss[r] = w_t (log(sumexp) + max - x_t), 0 for ignored rows */
-    const float *mxd = tp_tensor_data(mx), *sed = tp_tensor_data(se), *pkd = tp_tensor_data(pk);
-    const float *w = weight ? tp_tensor_data(weight) : NULL;
-    float *rl = tp_tensor_data(rows);
+    const float *w = whost ? tp_tensor_data(whost) : NULL;
     double wsum = 0;
-    for (int64_t r = 0; r < n; r++) {
-        if (t[r] == p->ignore_index) {
-            rl[r] = 0.0f;
-            continue;
+    for (int64_t r = 0; r < n; r++)
+        if (t[r] != p->ignore_index)
+            wsum += w ? (double)w[t[r]] : 1.0;
+#if TP_HAVE_CUDA
+    if (cuda)
+        TP_CHECK_GOTO(tp__kc_vocab_ce_loss(dev.index, td,
+                                           weight ? tp_tensor_data(weight) : NULL,
+                                           tp_tensor_data(mx), tp_tensor_data(se),
+                                           tp_tensor_data(pk), tp_tensor_data(rows), n,
+                                           p->ignore_index),
+                      st, done);
+#endif
+    if (!cuda) {
+        const float *mxd = tp_tensor_data(mx), *sed = tp_tensor_data(se),
+                    *pkd = tp_tensor_data(pk);
+        float *rl = tp_tensor_data(rows);
+        for (int64_t r = 0; r < n; r++) {
+            if (t[r] == p->ignore_index) {
+                rl[r] = 0.0f;
+                continue;
+            }
+            double wt = w ? (double)w[t[r]] : 1.0;
+            rl[r] = (float)(wt * (log((double)sed[r]) + (double)mxd[r] - (double)pkd[r]));
         }
-        double wt = w ? (double)w[t[r]] : 1.0;
-        rl[r] = (float)(wt * (log((double)sed[r]) + (double)mxd[r] - (double)pkd[r]));
-        wsum += wt;
     }
     st = ce_reduce(rows, p->reduction, wsum, &lossl);
     rows = NULL; /* consumed */
@@ -482,7 +559,7 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
         sv->gshape[1] = logits->shape[1];
         memcpy(sv->pl, tp_dtensor_placements(logits), sizeof(tp_placement) * (size_t)m);
         sv->x = tp_tensor_retain(x);
-        sv->target = tp_tensor_retain(target);
+        sv->target = tp_tensor_retain(tdev);
         sv->weight = tp_tensor_retain(weight);
         sv->mx = tp_tensor_retain(mx);
         sv->sumexp = tp_tensor_retain(se);
@@ -496,6 +573,8 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     *out = res;
     res = NULL;
 done:
+    tp_tensor_release(whost);
+    tp_tensor_release(tdev);
     tp_tensor_release(res);
     tp_tensor_release(lossl);
     tp_tensor_release(rows);
@@ -523,12 +602,13 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
                  "%s: invalid reduction %d", fn, (int)o.reduction);
     TP_CHECK(tp__same_kind(fn, "logits", logits, "target", target));
     TP_CHECK(tp__same_kind(fn, "logits", logits, "weight", weight));
+    TP_CHECK(tp__same_device(fn, "logits", logits, "target", target));
+    TP_CHECK(tp__same_device(fn, "logits", logits, "weight", weight));
 
     /* shapes and dtypes */
     if (logits->dtype != TP_F32)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: logits is %s; CPU ops take f32", fn,
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: logits is %s; ops take f32", fn,
                          tp_dtype_name(logits->dtype));
-    TP_CHECK(tp__check_cpu(fn, "logits", logits));
     TP_ARG_CHECK(logits->ndim == 2, "%s: logits must be 2-d [N, C], got %d dims", fn,
                  logits->ndim);
     const int64_t n = logits->shape[0], c = logits->shape[1];
@@ -549,9 +629,8 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
                              tp__shape_str(weight->ndim, weight->shape, buf, sizeof buf));
         }
         if (weight->dtype != TP_F32)
-            return tp__error(TP_ERR_NOT_SUPPORTED, "%s: weight is %s; CPU ops take f32", fn,
+            return tp__error(TP_ERR_NOT_SUPPORTED, "%s: weight is %s; ops take f32", fn,
                              tp_dtype_name(weight->dtype));
-        TP_CHECK(tp__check_cpu(fn, "weight", weight));
     }
 
     /* layouts: which mesh dim (if any) shards the classes */
@@ -626,10 +705,28 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
         lg = tp_tensor_retain(logits);
     }
 
-    const ce_params p = {o.reduction, o.ignore_index, 0.0};
+    ce_params p = {o.reduction, o.ignore_index, 0.0};
     if (cdim >= 0) {
         st = ce_vocab(lg, cdim, t64, w32, &p, loss);
         goto done;
+    }
+    const tp_device dev = tp_tensor_device(logits);
+    if (dev.type == TP_DEVICE_CUDA) {
+        /* the weight sum from the host targets (the CPU kernel computes it in
+         * its forward); the kernels read the targets on the device */
+        tp_tensor *wh = NULL, *td = NULL;
+        if (w32)
+            TP_CHECK_GOTO(tp_tensor_to(w32, TP_F32, TP_CPU, &wh), st, done);
+        const float *wv = wh ? tp_tensor_data(wh) : NULL;
+        for (int64_t r = 0; r < n; r++)
+            if (tv[r] != o.ignore_index && tv[r] >= 0 && tv[r] < c)
+                p.wsum += wv ? (double)wv[tv[r]] : 1.0;
+        tp_tensor_release(wh);
+        st = tp__i64_on(t64, tp__local_of(tr), dev, &td);
+        tp_tensor_release(t64);
+        t64 = td;
+        if (st != TP_OK)
+            goto done;
     }
     if (dist) {
         TP_CHECK_GOTO(tp__dtensor_wrap(mesh, t64, rep, 1, target->shape, &targ), st, done);

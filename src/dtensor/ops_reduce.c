@@ -29,7 +29,7 @@ static tp_status red_check_out(const char *fn, tp_tensor **y)
 static tp_status red_check_f32(const char *fn, const tp_tensor *t, const char *what)
 {
     if (t && tp_tensor_dtype(t) != TP_F32)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is %s; CPU ops take f32", fn, what,
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is %s; ops take f32", fn, what,
                          tp_dtype_name(tp_tensor_dtype(t)));
     return TP_OK;
 }
@@ -137,11 +137,20 @@ static tp_status sum_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int ndim = 0;
     int64_t shape[TP_MAX_DIMS], outer, size, inner;
     sum_shape_of(p, x->ndim, x->shape, &ndim, shape);
-    TP_CHECK(tp__f32(ndim, shape, false, out));
+    TP_CHECK(tp__f32(op->dev, ndim, shape, false, out));
     sum_split(p, x, &outer, &size, &inner);
     float *y = tp_tensor_data(*out);
     const float *xd = tp_tensor_data(x);
     int64_t ny = outer * inner;
+#if TP_HAVE_CUDA
+    if (op->dev.type == TP_DEVICE_CUDA) {
+        /* the mean's division happens in the kernel, before the one rounding */
+        double div = p->mean ? (double)sum_count(op) : 1.0;
+        if (p->dim < 0)
+            return tp__kc_sum_all(op->dev.index, xd, size, y, div);
+        return tp__kc_sum_dim(op->dev.index, xd, y, outer, size, inner, div);
+    }
+#endif
     if (p->dim < 0)
         y[0] = (float)tp__k_sum_all(xd, size);
     else if (size > 0)
@@ -165,11 +174,11 @@ static tp_status sum_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_ten
     if (!op->need_grad[0])
         return TP_OK;
     int64_t outer, size, inner;
-    TP_CHECK(tp__f32(x->ndim, x->shape, false, &g[0]));
+    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, &g[0]));
     sum_split(p, x, &outer, &size, &inner);
     float scale = p->mean ? (float)(1.0 / (double)sum_count(op)) : 1.0f;
-    tp__k_sum_dim_bwd(tp_tensor_data(gy), tp_tensor_data(g[0]), outer, size, inner, scale);
-    return TP_OK;
+    return TP__K(op->dev, sum_dim_bwd, tp_tensor_data(gy), tp_tensor_data(g[0]), outer, size,
+                 inner, scale);
 }
 
 /* sum, sum_all, mean and mean_all share one implementation; only the name
@@ -271,9 +280,9 @@ static tp_status softmax_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     tp_tensor *x = in[0];
     int64_t rows, cols;
     rows_cols(x, &rows, &cols);
-    TP_CHECK(tp__f32(x->ndim, x->shape, false, out));
+    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, out));
     if (rows > 0 && cols > 0)
-        tp__k_softmax_fwd(tp_tensor_data(x), tp_tensor_data(*out), rows, cols);
+        TP_CHECK(TP__K(op->dev, softmax_fwd, tp_tensor_data(x), tp_tensor_data(*out), rows, cols));
     return save_view(*out, &op->saved[0]);
 }
 
@@ -284,10 +293,10 @@ static tp_status softmax_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
         return TP_OK;
     int64_t rows, cols;
     rows_cols(x, &rows, &cols);
-    TP_CHECK(tp__f32(x->ndim, x->shape, false, &g[0]));
+    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, &g[0]));
     if (rows > 0 && cols > 0)
-        tp__k_softmax_bwd(tp_tensor_data(op->saved[0]), tp_tensor_data(gy),
-                          tp_tensor_data(g[0]), rows, cols);
+        return TP__K(op->dev, softmax_bwd, tp_tensor_data(op->saved[0]), tp_tensor_data(gy),
+                     tp_tensor_data(g[0]), rows, cols);
     return TP_OK;
 }
 
@@ -364,13 +373,12 @@ static tp_status layer_norm_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **ou
     tp_tensor *x = in[0];
     int64_t rows, cols;
     rows_cols(x, &rows, &cols);
-    TP_CHECK(tp__f32(1, &rows, false, &op->saved[0])); /* mean */
-    TP_CHECK(tp__f32(1, &rows, false, &op->saved[1])); /* rstd */
-    TP_CHECK(tp__f32(x->ndim, x->shape, false, out));
-    tp__k_layer_norm_fwd(tp_tensor_data(x), data_or_null(in[1]), data_or_null(in[2]),
-                         tp_tensor_data(*out), tp_tensor_data(op->saved[0]),
-                         tp_tensor_data(op->saved[1]), rows, cols, (float)p->eps);
-    return TP_OK;
+    TP_CHECK(tp__f32(op->dev, 1, &rows, false, &op->saved[0])); /* mean */
+    TP_CHECK(tp__f32(op->dev, 1, &rows, false, &op->saved[1])); /* rstd */
+    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, out));
+    return TP__K(op->dev, layer_norm_fwd, tp_tensor_data(x), data_or_null(in[1]),
+                 data_or_null(in[2]), tp_tensor_data(*out), tp_tensor_data(op->saved[0]),
+                 tp_tensor_data(op->saved[1]), rows, cols, (float)p->eps);
 }
 
 /* The gradient buffers of a norm's backward: gx is always written by the
@@ -378,12 +386,12 @@ static tp_status layer_norm_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **ou
 static tp_status norm_grads(tp__op *op, tp_tensor *const *in, tp_tensor **g, tp_tensor **gx)
 {
     tp_tensor *x = in[0];
-    TP_CHECK(tp__f32(x->ndim, x->shape, false, gx));
+    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, gx));
     if (op->need_grad[0])
         g[0] = tp_tensor_retain(*gx);
     for (int i = 1; i < op->def->n_inputs; i++)
         if (in[i] && op->need_grad[i])
-            TP_CHECK(tp__f32(1, in[i]->shape, true, &g[i]));
+            TP_CHECK(tp__f32(op->dev, 1, in[i]->shape, true, &g[i]));
     return TP_OK;
 }
 
@@ -399,10 +407,10 @@ static tp_status layer_norm_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy,
     rows_cols(x, &rows, &cols);
     tp_status st = norm_grads(op, in, g, &gx);
     if (st == TP_OK)
-        tp__k_layer_norm_bwd(tp_tensor_data(x), data_or_null(in[1]),
-                             tp_tensor_data(op->saved[0]), tp_tensor_data(op->saved[1]),
-                             tp_tensor_data(gy), tp_tensor_data(gx), grad_or_null(g, 1),
-                             grad_or_null(g, 2), rows, cols);
+        st = TP__K(op->dev, layer_norm_bwd, tp_tensor_data(x), data_or_null(in[1]),
+                   tp_tensor_data(op->saved[0]), tp_tensor_data(op->saved[1]),
+                   tp_tensor_data(gy), tp_tensor_data(gx), grad_or_null(g, 1),
+                   grad_or_null(g, 2), rows, cols);
     tp_tensor_release(gx);
     return st;
 }
@@ -433,11 +441,10 @@ static tp_status rms_norm_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     tp_tensor *x = in[0];
     int64_t rows, cols;
     rows_cols(x, &rows, &cols);
-    TP_CHECK(tp__f32(1, &rows, false, &op->saved[0])); /* rstd */
-    TP_CHECK(tp__f32(x->ndim, x->shape, false, out));
-    tp__k_rms_norm_fwd(tp_tensor_data(x), data_or_null(in[1]), tp_tensor_data(*out),
-                       tp_tensor_data(op->saved[0]), rows, cols, (float)p->eps);
-    return TP_OK;
+    TP_CHECK(tp__f32(op->dev, 1, &rows, false, &op->saved[0])); /* rstd */
+    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, out));
+    return TP__K(op->dev, rms_norm_fwd, tp_tensor_data(x), data_or_null(in[1]),
+                 tp_tensor_data(*out), tp_tensor_data(op->saved[0]), rows, cols, (float)p->eps);
 }
 
 static tp_status rms_norm_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -447,9 +454,9 @@ static tp_status rms_norm_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, t
     rows_cols(x, &rows, &cols);
     tp_status st = norm_grads(op, in, g, &gx);
     if (st == TP_OK)
-        tp__k_rms_norm_bwd(tp_tensor_data(x), data_or_null(in[1]), tp_tensor_data(op->saved[0]),
-                           tp_tensor_data(gy), tp_tensor_data(gx), grad_or_null(g, 1), rows,
-                           cols);
+        st = TP__K(op->dev, rms_norm_bwd, tp_tensor_data(x), data_or_null(in[1]),
+                   tp_tensor_data(op->saved[0]), tp_tensor_data(gy), tp_tensor_data(gx),
+                   grad_or_null(g, 1), rows, cols);
     tp_tensor_release(gx);
     return st;
 }

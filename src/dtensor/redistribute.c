@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "dtensor/dtensor_internal.h"
+#include "kernels/kernels_cuda.h"
 
 typedef struct {
     int mesh_dim;
@@ -438,6 +439,29 @@ static tp_status tp__run_step(const tp_mesh *mesh, const tp__step *step, const t
         }
         TP_CHECK(tp_tensor_clone(local, out));
         int64_t n = tp_tensor_numel(*out);
+#if TP_HAVE_CUDA
+        if (tp_tensor_device(*out).type == TP_DEVICE_CUDA) {
+            tp_status st = TP_ERR_NOT_SUPPORTED;
+            if ((*out)->dtype == TP_F32) {
+                st = tp__kc_scale(tp_tensor_device(*out).index, tp_tensor_data(*out),
+                                  (float)(1.0 / (double)w), tp_tensor_data(*out), n);
+            } else { /* other dtypes through the host */
+                tp_tensor *h = NULL;
+                st = tp_tensor_to(*out, (*out)->dtype, TP_CPU, &h);
+                for (int64_t e = 0; st == TP_OK && e < n; e++)
+                    tp__store_f64(tp_tensor_data(h), h->dtype, e,
+                                  tp__load_f64(tp_tensor_data(h), h->dtype, e) / (double)w);
+                if (st == TP_OK)
+                    st = tp_tensor_copy(*out, h);
+                tp_tensor_release(h);
+            }
+            if (st != TP_OK) {
+                tp_tensor_release(*out);
+                *out = NULL;
+            }
+            return st;
+        }
+#endif
         for (int64_t e = 0; e < n; e++)
             tp__store_f64(tp_tensor_data(*out), (*out)->dtype, e,
                           tp__load_f64(tp_tensor_data(*out), (*out)->dtype, e) / (double)w);

@@ -173,6 +173,18 @@ void tp__k_add_row(float *y, const float *b, int64_t rows, int64_t cols)
     }
 }
 
+void tp__k_add_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++)
+        tp__k_add(a + r * cols, b, y + r * cols, cols);
+}
+
+void tp__k_mul_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++)
+        tp__k_mul(a + r * cols, b, y + r * cols, cols);
+}
+
 void tp__k_sum_rows(const float *y, float *g, int64_t rows, int64_t cols)
 {
     tp__colsum(y, rows, cols, cols, g, true);
@@ -293,6 +305,16 @@ void tp__k_softmax_bwd(const float *y, const float *gy, float *gx, int64_t rows,
         float dot = (float)tp__ddot(yr, gr, cols);
         for (int64_t c = 0; c < cols; c++)
             gxr[c] = yr[c] * (gr[c] - dot);
+    }
+}
+
+void tp__k_causal_mask(float *s, int64_t batch, int64_t S)
+{
+    for (int64_t b = 0; b < batch; b++) {
+        float *sb = s + b * S * S;
+        for (int64_t i = 0; i < S; i++)
+            for (int64_t j = i + 1; j < S; j++)
+                sb[i * S + j] = -INFINITY;
     }
 }
 

@@ -42,6 +42,10 @@ void tp__k_scale(const float *a, float s, float *y, int64_t n);
 void tp__k_accumulate(float *y, const float *a, int64_t n);
 /* y[r, c] += b[c] for a [rows, cols] y: the row broadcast of a bias-like add */
 void tp__k_add_row(float *y, const float *b, int64_t rows, int64_t cols);
+/* y[r, c] = a[r, c] + b[c] and y[r, c] = a[r, c] * b[c] for a [rows, cols] a:
+ * b broadcast over the rows (y may be a) */
+void tp__k_add_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols);
+void tp__k_mul_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols);
 /* g[c] += sum_r y[r, c] */
 void tp__k_sum_rows(const float *y, float *g, int64_t rows, int64_t cols);
 
@@ -65,6 +69,9 @@ double tp__k_sum_all(const float *x, int64_t n);
 void tp__k_softmax_fwd(const float *x, float *y, int64_t rows, int64_t cols);
 /* gx = y * (gy - sum(gy * y)) per row */
 void tp__k_softmax_bwd(const float *y, const float *gy, float *gx, int64_t rows, int64_t cols);
+
+/* s[b, i, j] = -inf for j > i in `batch` [S, S] score matrices (causal mask) */
+void tp__k_causal_mask(float *s, int64_t batch, int64_t S);
 
 /* Transpose of the last two dims of [batch, r, c] into [batch, c, r]. */
 void tp__k_transpose_last2(const float *x, float *y, int64_t batch, int64_t r, int64_t c);
