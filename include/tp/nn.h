@@ -116,6 +116,17 @@ TP_API tp_status tp_module_named_parameters(tp_module *m,
 /* Sets every parameter's gradient to none. */
 TP_API void tp_module_zero_grad(tp_module *m);
 
+/* Moves every parameter of the subtree to `device` (TP_CPU or TP_CUDA(i)):
+ * each parameter not already there is replaced by a copy on the device (for a
+ * DTensor parameter: a DTensor with the same mesh, placements and global
+ * shape whose local shard is the copy), marked requires_grad and without a
+ * gradient; the module drops the old tensor (with its gradient): references
+ * the caller kept still point at the old one, and an Adam
+ * optimizer created earlier refuses the replaced parameters (create it
+ * after moving). All or nothing: on failure no parameter has moved. A
+ * CUDA device needs a CUDA build (TP_ERR_NOT_SUPPORTED otherwise). */
+TP_API tp_status tp_module_to(tp_module *m, tp_device device);
+
 /* Training mode of m and its subtree (default true); in evaluation mode
  * Dropout is the identity. */
 TP_API void tp_module_set_training(tp_module *m, bool training);

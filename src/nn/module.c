@@ -350,6 +350,98 @@ static tp_status tp__walk_params(tp_module *m, tp__path *path,
     return TP_OK;
 }
 
+/* ---- moving between devices ------------------------------------------------- */
+
+typedef struct {
+    tp_module *m;
+    int i;
+    tp_tensor *t; /* the moved parameter */
+} tp__move;
+
+typedef struct {
+    tp__move *v;
+    int n, cap;
+    tp_device dev;
+} tp__moves;
+
+static bool tp__on(const tp_tensor *t, tp_device dev)
+{
+    tp_device d = tp_tensor_device(t);
+    return d.type == dev.type && d.index == dev.index;
+}
+
+/* A copy of parameter p on dev: a plain copy, or a DTensor over a copy of
+ * its local shard with p's layout. Marked requires_grad. */
+static tp_status tp__moved(tp_tensor *p, tp_device dev, tp_tensor **out)
+{
+    tp_tensor *r = NULL;
+    tp_status st;
+    if (tp_tensor_is_dtensor(p)) {
+        tp_tensor *l = tp_dtensor_local(p), *nl = NULL;
+        st = tp_tensor_to(l, tp_tensor_dtype(l), dev, &nl);
+        if (st == TP_OK) {
+            tp_mesh *mesh = tp_dtensor_mesh(p);
+            tp_from_local_options o = {.global_shape = tp_tensor_shape(p), .check = false};
+            st = tp_dtensor_from_local(mesh, nl, tp_mesh_ndim(mesh), tp_dtensor_placements(p), &o,
+                                       &r);
+        }
+        tp_tensor_release(nl);
+    } else {
+        st = tp_tensor_to(p, tp_tensor_dtype(p), dev, &r);
+    }
+    if (st == TP_OK)
+        st = tp_tensor_set_requires_grad(r, true);
+    if (st != TP_OK) {
+        tp_tensor_release(r);
+        return st;
+    }
+    *out = r;
+    return TP_OK;
+}
+
+static tp_status tp__collect_moves(tp_module *m, tp__moves *mv)
+{
+    for (int i = 0; i < m->n_params; i++) {
+        if (!m->params[i] || tp__on(m->params[i], mv->dev))
+            continue;
+        if (!tp__grow((void **)&mv->v, mv->n, &mv->cap, sizeof *mv->v))
+            return tp__error(TP_ERR_NO_MEMORY, "tp_module_to: out of memory");
+        tp_tensor *t = NULL;
+        tp_status st = tp__moved(m->params[i], mv->dev, &t);
+        if (st != TP_OK) {
+            tp__error_prefix("tp_module_to: parameter '%s' of %s", m->param_names[i],
+                             m->type_name);
+            return st;
+        }
+        mv->v[mv->n++] = (tp__move){m, i, t};
+    }
+    for (int i = 0; i < m->n_children; i++)
+        TP_CHECK(tp__collect_moves(m->children[i], mv));
+    return TP_OK;
+}
+
+tp_status tp_module_to(tp_module *m, tp_device device)
+{
+    TP_ARG_CHECK(m, "tp_module_to: module is NULL");
+    if (device.type == TP_DEVICE_CUDA && tp_cuda_device_count() == 0)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "tp_module_to: CUDA device %d unavailable (%s)",
+                         device.index,
+                         TP_HAVE_CUDA ? "no CUDA device" : "libtp was built without CUDA");
+    tp__moves mv = {.dev = device};
+    tp_status st = tp__collect_moves(m, &mv);
+    for (int k = 0; k < mv.n; k++) {
+        if (st == TP_OK) { /* all copies made: swap them in */
+            tp_tensor *old = mv.v[k].m->params[mv.v[k].i];
+            mv.v[k].m->params[mv.v[k].i] = mv.v[k].t;
+            tp_tensor_release(old);
+        } else {
+            tp_tensor_release(mv.v[k].t);
+        }
+    }
+    tp__free(mv.v);
+    return st;
+}
+
 tp_status tp_module_named_parameters(tp_module *m,
                                      tp_status (*fn)(const char *fqn, tp_tensor *param,
                                                      void *ctx),

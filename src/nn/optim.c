@@ -4,6 +4,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/kernels_cuda.h"
 #include "nn/nn_internal.h"
 
 /* ---- helpers ---------------------------------------------------------------- */
@@ -390,10 +391,12 @@ static tp_status tp__local_grad(const char *fn, const char *fqn, tp_tensor *p, t
         return tp__error(TP_ERR_STATE, "%s: the gradient of '%s' does not match its shape", fn,
                          fqn);
     }
-    if (tp_tensor_dtype(gl) != TP_F32 || tp_tensor_device(gl).type != TP_DEVICE_CPU ||
+    tp_device pd = tp_tensor_device(pl), gd = tp_tensor_device(gl);
+    if (tp_tensor_dtype(gl) != TP_F32 || gd.type != pd.type || gd.index != pd.index ||
         !tp_tensor_is_contiguous(gl)) {
+        /* the update reads the gradient where the parameter lives */
         tp_tensor *c = NULL;
-        st = tp_tensor_to(gl, TP_F32, TP_CPU, &c);
+        st = tp_tensor_to(gl, TP_F32, pd, &c);
         tp_tensor_release(gl);
         if (st != TP_OK)
             return st;
@@ -408,10 +411,9 @@ static tp_status tp__local_grad(const char *fn, const char *fqn, tp_tensor *p, t
 static tp_status tp__param_begin(const char *fn, const char *fqn, tp_tensor *p, tp_tensor **work)
 {
     tp_tensor *pl = tp__storage_of(p);
-    if (tp_tensor_dtype(pl) != TP_F32 || tp_tensor_device(pl).type != TP_DEVICE_CPU)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: parameter '%s' is %s on %s; only f32 CPU "
-                         "parameters are supported", fn, fqn, tp_dtype_name(tp_tensor_dtype(pl)),
-                         tp_tensor_device(pl).type == TP_DEVICE_CPU ? "the CPU" : "CUDA");
+    if (tp_tensor_dtype(pl) != TP_F32)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: parameter '%s' is %s; only f32 parameters "
+                         "are supported", fn, fqn, tp_dtype_name(tp_tensor_dtype(pl)));
     if (tp_tensor_is_contiguous(pl)) {
         *work = tp_tensor_retain(pl);
         return TP_OK;
@@ -445,9 +447,19 @@ tp_status tp_sgd_step(tp_module *m, double lr)
             float *pd = tp_tensor_data(w);
             const float *gd = tp_tensor_data(g);
             int64_t ne = tp_tensor_numel(w);
-            for (int64_t k = 0; k < ne; k++)
-                pd[k] = (float)((double)pd[k] - lr * (double)gd[k]);
-            st = tp__param_end(l.t[i], w);
+            tp_device dev = tp_tensor_device(w);
+#if TP_HAVE_CUDA
+            if (dev.type == TP_DEVICE_CUDA)
+                st = tp__kc_sgd_step(dev.index, pd, gd, ne, lr);
+            else
+#endif
+                for (int64_t k = 0; k < ne; k++)
+                    pd[k] = (float)((double)pd[k] - lr * (double)gd[k]);
+            (void)dev;
+            if (st == TP_OK)
+                st = tp__param_end(l.t[i], w);
+            else
+                tp_tensor_release(w);
         }
         tp_tensor_release(g);
     }
@@ -536,9 +548,11 @@ static tp_status tp__adam_state_of(tp_adam *o, const char *fqn, tp_tensor *p, tp
     st.fqn = tp__strdup(fqn);
     tp_status rc = st.fqn ? TP_OK : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     if (rc == TP_OK)
-        rc = tp_tensor_zeros(TP_F32, TP_CPU, tp_tensor_ndim(work), tp_tensor_shape(work), &st.m);
+        rc = tp_tensor_zeros(TP_F32, tp_tensor_device(work), tp_tensor_ndim(work),
+                             tp_tensor_shape(work), &st.m);
     if (rc == TP_OK)
-        rc = tp_tensor_zeros(TP_F32, TP_CPU, tp_tensor_ndim(work), tp_tensor_shape(work), &st.v);
+        rc = tp_tensor_zeros(TP_F32, tp_tensor_device(work), tp_tensor_ndim(work),
+                             tp_tensor_shape(work), &st.v);
     if (rc != TP_OK) {
         tp__free(st.fqn);
         tp_tensor_release(st.m);
@@ -577,13 +591,21 @@ tp_status tp_adam_step(tp_adam *opt)
             float *pd = tp_tensor_data(w), *md = tp_tensor_data(s->m), *vd = tp_tensor_data(s->v);
             const float *gd = tp_tensor_data(g);
             int64_t ne = tp_tensor_numel(w);
-            for (int64_t k = 0; k < ne; k++) {
-                double gk = gd[k];
-                md[k] = (float)(b1 * md[k] + (1.0 - b1) * gk);
-                vd[k] = (float)(b2 * vd[k] + (1.0 - b2) * gk * gk);
-                double denom = sqrt((double)vd[k]) / bc2_sqrt + opt->eps;
-                pd[k] = (float)((double)pd[k] - step_size * (double)md[k] / denom);
-            }
+            tp_device dev = tp_tensor_device(w); /* m and v live with the parameter */
+#if TP_HAVE_CUDA
+            if (dev.type == TP_DEVICE_CUDA)
+                st = tp__kc_adam_step(dev.index, pd, md, vd, gd, ne, b1, b2, step_size, bc2_sqrt,
+                                      opt->eps);
+            else
+#endif
+                for (int64_t k = 0; k < ne; k++) {
+                    double gk = gd[k];
+                    md[k] = (float)(b1 * md[k] + (1.0 - b1) * gk);
+                    vd[k] = (float)(b2 * vd[k] + (1.0 - b2) * gk * gk);
+                    double denom = sqrt((double)vd[k]) / bc2_sqrt + opt->eps;
+                    pd[k] = (float)((double)pd[k] - step_size * (double)md[k] / denom);
+                }
+            (void)dev;
         }
         if (w && st == TP_OK)
             st = tp__param_end(l.t[i], w);
