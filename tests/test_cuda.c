@@ -1,0 +1,670 @@
+/* The CUDA engine against the CPU one: every op on CUDA tensors gives the CPU
+ * result (forward and gradients) within the tolerances docs/API.md states;
+ * cuBLAS products in f32, f16 and bf16; the TF32 setting; inputs on
+ * different devices; tp_module_to; SGD and Adam steps on a device.
+ *
+ * Every test that needs a GPU skips visibly ("no CUDA device: ...") when
+ * libtp has no CUDA or the machine has no device. The tests run on the main
+ * thread with plain tensors: the ops' device dispatch is what is under test,
+ * not the collectives. */
+#include <math.h>
+
+#include "tp_test.h"
+
+#define DEV TP_CUDA(0)
+
+/* f32 kernels: reductions in double, elementwise math in float; the order
+ * of additions differs from the CPU's (and atomicAdd orders vary), so
+ * results agree to a few float ulps relative to the magnitudes summed. */
+#define RTOL 1e-4
+#define ATOL 1e-5
+
+static void need_cuda(void)
+{
+    if (tp_cuda_device_count() > 0)
+        return;
+    cr_skip_test("no CUDA device: %s",
+                 TP_HAVE_CUDA ? "libtp has CUDA but the machine shows no device"
+                              : "libtp was built without CUDA");
+}
+
+/* A CPU f32 tensor of uniform values in [a, b) from seed. */
+static tp_tensor *rnd(int nd, const int64_t *shape, double a, double b, uint64_t seed)
+{
+    tp_tensor *t = NULL;
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, nd, shape, &t));
+    CHECK_OK(tp_tensor_fill_random(t, TP_RNG_UNIFORM, a, b, seed, NULL, NULL));
+    return t;
+}
+
+static tp_tensor *to_dev(const tp_tensor *t, tp_device dev)
+{
+    tp_tensor *r = NULL;
+    CHECK_OK(tp_tensor_to(t, tp_tensor_dtype(t), dev, &r));
+    return r;
+}
+
+static bool on(const tp_tensor *t, tp_device dev)
+{
+    tp_device d = tp_tensor_device(t);
+    return d.type == dev.type && d.index == dev.index;
+}
+
+static void expect_close(const char *what, const tp_tensor *got, const tp_tensor *want,
+                         double rtol, double atol)
+{
+    bool close = false;
+    double diff = 0;
+    CHECK_OK(tp_tensor_allclose(got, want, rtol, atol, &close));
+    CHECK_OK(tp_tensor_max_abs_diff(got, want, &diff));
+    cr_assert(close, "%s: CUDA differs from CPU by up to %g (rtol %g, atol %g)", what, diff, rtol,
+              atol);
+}
+
+/* ---- the generic op check ----------------------------------------------------- */
+
+typedef tp_status (*op_fn)(tp_tensor *const *in, const void *ctx, tp_tensor **y);
+
+/* Runs op on `dev` with copies of the CPU inputs (diff bit i: input i gets a
+ * gradient); loss = sum(y * r) for a fixed random r, so every gradient
+ * element is exercised. *y and g[i] receive CPU copies of the results. */
+static void run_on(tp_device dev, op_fn op, const void *ctx, int n, tp_tensor *const *cpu,
+                   unsigned diff, tp_tensor **y_out, tp_tensor **g)
+{
+    tp_tensor *in[4] = {0}, *y = NULL, *yr = NULL, *loss = NULL, *r = NULL;
+    for (int i = 0; i < n; i++) {
+        if (!cpu[i])
+            continue;
+        in[i] = to_dev(cpu[i], dev);
+        if (diff & (1u << i))
+            CHECK_OK(tp_tensor_set_requires_grad(in[i], true));
+    }
+    CHECK_OK(op(in, ctx, &y));
+    cr_assert(on(y, dev), "the output is not on the inputs' device");
+    r = rnd(tp_tensor_ndim(y), tp_tensor_shape(y), -1, 1, 777);
+    tp_tensor *rd = to_dev(r, dev);
+    CHECK_OK(tp_mul(y, rd, &yr));
+    CHECK_OK(tp_sum_all(yr, &loss));
+    if (diff)
+        CHECK_OK(tp_backward(loss, NULL));
+    CHECK_OK(tp_tensor_to(y, tp_tensor_dtype(y), TP_CPU, y_out));
+    for (int i = 0; i < n; i++) {
+        g[i] = NULL;
+        if (!(diff & (1u << i)))
+            continue;
+        tp_tensor *gi = tp_tensor_grad(in[i]);
+        cr_assert(gi, "input %d has no gradient", i);
+        cr_assert(on(gi, dev), "the gradient of input %d is not on the input's device", i);
+        CHECK_OK(tp_tensor_to(gi, tp_tensor_dtype(gi), TP_CPU, &g[i]));
+    }
+    tp_tensor_release(rd);
+    tp_tensor_release(r);
+    tp_tensor_release(loss);
+    tp_tensor_release(yr);
+    tp_tensor_release(y);
+    for (int i = 0; i < n; i++)
+        tp_tensor_release(in[i]);
+}
+
+static void check_op(const char *name, op_fn op, const void *ctx, int n, tp_tensor **cpu,
+                     unsigned diff, double rtol, double atol)
+{
+    tp_tensor *yc = NULL, *yg = NULL, *gc[4] = {0}, *gg[4] = {0};
+    run_on(TP_CPU, op, ctx, n, cpu, diff, &yc, gc);
+    run_on(DEV, op, ctx, n, cpu, diff, &yg, gg);
+    char what[96];
+    snprintf(what, sizeof what, "%s forward", name);
+    expect_close(what, yg, yc, rtol, atol);
+    for (int i = 0; i < n; i++) {
+        if (!(diff & (1u << i)))
+            continue;
+        snprintf(what, sizeof what, "%s gradient of input %d", name, i);
+        expect_close(what, gg[i], gc[i], rtol, atol);
+    }
+    tp_tensor_release(yc);
+    tp_tensor_release(yg);
+    for (int i = 0; i < n; i++) {
+        tp_tensor_release(gc[i]);
+        tp_tensor_release(gg[i]);
+        tp_tensor_release(cpu[i]);
+    }
+}
+
+/* ---- op adapters --------------------------------------------------------------- */
+
+static tp_status op_linear(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_linear(in[0], in[1], in[2], y);
+}
+static tp_status op_matmul(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_matmul(in[0], in[1], y);
+}
+static tp_status op_add(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_add(in[0], in[1], y);
+}
+static tp_status op_mul(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_mul(in[0], in[1], y);
+}
+static tp_status op_scale(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_scale(in[0], -2.5, y);
+}
+static tp_status op_relu(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_relu(in[0], y);
+}
+static tp_status op_gelu(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    return tp_gelu(in[0], *(const tp_gelu_approx *)c, y);
+}
+static tp_status op_dropout(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    return tp_dropout(in[0], *(const double *)c, 1234, true, y);
+}
+static tp_status op_reshape(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    const int64_t shape[2] = {-1, 6};
+    return tp_reshape(in[0], 2, shape, y);
+}
+static tp_status op_transpose(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    const int *d = c;
+    return tp_transpose(in[0], d[0], d[1], y);
+}
+typedef struct {
+    int dim;
+    bool keepdim, mean, all;
+} red_ctx;
+static tp_status op_reduce(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    const red_ctx *r = c;
+    if (r->all)
+        return r->mean ? tp_mean_all(in[0], y) : tp_sum_all(in[0], y);
+    return r->mean ? tp_mean(in[0], r->dim, r->keepdim, y) : tp_sum(in[0], r->dim, r->keepdim, y);
+}
+static tp_status op_softmax(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    return tp_softmax(in[0], *(const int *)c, y);
+}
+static tp_status op_layer_norm(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_layer_norm(in[0], in[1], in[2], 1e-5, y);
+}
+static tp_status op_rms_norm(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_rms_norm(in[0], in[1], 1e-6, y);
+}
+static tp_status op_embedding(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_embedding(in[0], in[1], y);
+}
+static tp_status op_ce(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    tp_cross_entropy_options o = *(const tp_cross_entropy_options *)c;
+    o.weight = in[2];
+    return tp_cross_entropy(in[0], in[1], &o, y);
+}
+static tp_status op_sdpa(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    return tp_scaled_dot_product_attention(in[0], in[1], in[2], *(const bool *)c, 0, y);
+}
+
+/* i64 CPU tensor of integers in [a, b) */
+static tp_tensor *rnd_idx(int nd, const int64_t *shape, int64_t a, int64_t b, uint64_t seed)
+{
+    tp_tensor *t = NULL;
+    CHECK_OK(tp_tensor_empty(TP_I64, TP_CPU, nd, shape, &t));
+    CHECK_OK(tp_tensor_fill_random(t, TP_RNG_RANDINT, (double)a, (double)b, seed, NULL, NULL));
+    return t;
+}
+
+/* ---- ops, forward and backward ------------------------------------------------- */
+
+Test(cuda, linear_and_matmul, .timeout = 120)
+{
+    need_cuda();
+    const int64_t xs[3] = {3, 5, 32}, ws[2] = {24, 32}, bs[1] = {24};
+    tp_tensor *in[3] = {rnd(3, xs, -1, 1, 1), rnd(2, ws, -1, 1, 2), rnd(1, bs, -1, 1, 3)};
+    check_op("linear", op_linear, NULL, 3, in, 7u, RTOL, ATOL);
+    tp_tensor *nb[3] = {rnd(3, xs, -1, 1, 1), rnd(2, ws, -1, 1, 2), NULL};
+    check_op("linear without bias", op_linear, NULL, 3, nb, 3u, RTOL, ATOL);
+    const int64_t as[3] = {2, 7, 16}, bm[2] = {16, 9};
+    tp_tensor *mm[2] = {rnd(3, as, -1, 1, 4), rnd(2, bm, -1, 1, 5)};
+    check_op("matmul", op_matmul, NULL, 2, mm, 3u, RTOL, ATOL);
+    /* an empty inner dim: C = 0 (cuBLAS is not called) */
+    const int64_t ze[2] = {4, 0}, zw[2] = {3, 0};
+    tp_tensor *z[3] = {rnd(2, ze, -1, 1, 6), rnd(2, zw, -1, 1, 7), NULL};
+    check_op("linear with 0 features", op_linear, NULL, 3, z, 0u, RTOL, ATOL);
+}
+
+Test(cuda, elementwise, .timeout = 120)
+{
+    need_cuda();
+    const int64_t s[3] = {4, 3, 10}, row[1] = {10};
+    tp_tensor *a[2] = {rnd(3, s, -2, 2, 1), rnd(3, s, -2, 2, 2)};
+    check_op("add", op_add, NULL, 2, a, 3u, RTOL, ATOL);
+    tp_tensor *ab[2] = {rnd(3, s, -2, 2, 1), rnd(1, row, -2, 2, 3)};
+    check_op("add (row broadcast)", op_add, NULL, 2, ab, 3u, RTOL, ATOL);
+    tp_tensor *m[2] = {rnd(3, s, -2, 2, 1), rnd(3, s, -2, 2, 2)};
+    check_op("mul", op_mul, NULL, 2, m, 3u, RTOL, ATOL);
+    tp_tensor *mb[2] = {rnd(3, s, -2, 2, 1), rnd(1, row, -2, 2, 3)};
+    check_op("mul (row broadcast)", op_mul, NULL, 2, mb, 3u, RTOL, ATOL);
+    tp_tensor *sc[1] = {rnd(3, s, -2, 2, 4)};
+    check_op("scale", op_scale, NULL, 1, sc, 1u, RTOL, ATOL);
+    tp_tensor *re[1] = {rnd(3, s, -2, 2, 5)};
+    check_op("relu", op_relu, NULL, 1, re, 1u, RTOL, ATOL);
+    tp_gelu_approx ex = TP_GELU_EXACT, th = TP_GELU_TANH;
+    tp_tensor *ge[1] = {rnd(3, s, -4, 4, 6)};
+    check_op("gelu (exact)", op_gelu, &ex, 1, ge, 1u, RTOL, ATOL);
+    tp_tensor *gt[1] = {rnd(3, s, -4, 4, 7)};
+    check_op("gelu (tanh)", op_gelu, &th, 1, gt, 1u, RTOL, ATOL);
+    tp_tensor *rs[1] = {rnd(3, s, -2, 2, 8)};
+    check_op("reshape", op_reshape, NULL, 1, rs, 1u, RTOL, ATOL);
+    const int last2[2] = {1, 2}, outer[2] = {0, 2};
+    tp_tensor *t1[1] = {rnd(3, s, -2, 2, 9)};
+    check_op("transpose (last two dims)", op_transpose, last2, 1, t1, 1u, RTOL, ATOL);
+    tp_tensor *t2[1] = {rnd(3, s, -2, 2, 10)};
+    check_op("transpose (dims 0 and 2)", op_transpose, outer, 1, t2, 1u, RTOL, ATOL);
+}
+
+Test(cuda, dropout_mask_matches_cpu, .timeout = 120)
+{
+    need_cuda();
+    /* the counter-based mask is the same function on both devices: equal
+     * outputs, element for element */
+    const int64_t s[2] = {37, 53};
+    double p = 0.3, p0 = 0.0, p1 = 0.95;
+    tp_tensor *x[1] = {rnd(2, s, 1, 2, 1)};
+    check_op("dropout p=0.3", op_dropout, &p, 1, x, 1u, 0, 1e-6);
+    tp_tensor *x0[1] = {rnd(2, s, 1, 2, 2)};
+    check_op("dropout p=0", op_dropout, &p0, 1, x0, 1u, 0, 0);
+    tp_tensor *x1[1] = {rnd(2, s, 1, 2, 3)};
+    check_op("dropout p=0.95", op_dropout, &p1, 1, x1, 1u, 0, 1e-5);
+}
+
+Test(cuda, reductions_and_softmax, .timeout = 120)
+{
+    need_cuda();
+    const int64_t s[3] = {5, 6, 7};
+    const red_ctx cases[] = {
+        {.dim = 0}, {.dim = 1, .keepdim = true}, {.dim = -1}, {.dim = 1, .mean = true},
+        {.all = true}, {.all = true, .mean = true},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char name[64];
+        snprintf(name, sizeof name, "reduction case %zu", k);
+        tp_tensor *x[1] = {rnd(3, s, -2, 2, 10 + k)};
+        check_op(name, op_reduce, &cases[k], 1, x, 1u, RTOL, ATOL);
+    }
+    const int last = -1;
+    tp_tensor *x1[1] = {rnd(3, s, -3, 3, 20)};
+    check_op("softmax", op_softmax, &last, 1, x1, 1u, RTOL, ATOL);
+}
+
+Test(cuda, norms, .timeout = 120)
+{
+    need_cuda();
+    const int64_t s[3] = {3, 4, 48}, c[1] = {48};
+    tp_tensor *ln[3] = {rnd(3, s, -2, 3, 1), rnd(1, c, 0.5, 1.5, 2), rnd(1, c, -1, 1, 3)};
+    check_op("layer_norm", op_layer_norm, NULL, 3, ln, 7u, 1e-4, 1e-4);
+    tp_tensor *ln0[3] = {rnd(3, s, -2, 3, 4), NULL, NULL};
+    check_op("layer_norm without affine", op_layer_norm, NULL, 3, ln0, 1u, 1e-4, 1e-4);
+    tp_tensor *rms[2] = {rnd(3, s, -2, 3, 5), rnd(1, c, 0.5, 1.5, 6)};
+    check_op("rms_norm", op_rms_norm, NULL, 2, rms, 3u, 1e-4, 1e-4);
+    tp_tensor *rms0[2] = {rnd(3, s, -2, 3, 7), NULL};
+    check_op("rms_norm without weight", op_rms_norm, NULL, 2, rms0, 1u, 1e-4, 1e-4);
+}
+
+Test(cuda, embedding, .timeout = 120)
+{
+    need_cuda();
+    /* repeated indices: the backward's atomicAdd sums several rows into one */
+    const int64_t is[2] = {6, 9}, ws[2] = {11, 16};
+    tp_tensor *in[2] = {rnd_idx(2, is, 0, 11, 1), rnd(2, ws, -1, 1, 2)};
+    check_op("embedding", op_embedding, NULL, 2, in, 2u, RTOL, ATOL);
+
+    /* an index out of range is found on the host copy, before any kernel */
+    tp_tensor *idx = rnd_idx(2, is, 0, 11, 1), *w = rnd(2, ws, -1, 1, 2), *y = NULL;
+    const int64_t at[2] = {2, 3};
+    CHECK_OK(tp_tensor_set(idx, at, 11));
+    tp_tensor *di = to_dev(idx, DEV), *dw = to_dev(w, DEV);
+    CHECK_ERR(tp_embedding(di, dw, &y), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "out of range"), "%s", tp_last_error());
+    tp_tensor_release(di);
+    tp_tensor_release(dw);
+    tp_tensor_release(idx);
+    tp_tensor_release(w);
+}
+
+Test(cuda, cross_entropy, .timeout = 120)
+{
+    need_cuda();
+    const int64_t ls[2] = {13, 21}, ts[1] = {13}, cs[1] = {21};
+    const tp_reduction reds[3] = {TP_REDUCTION_MEAN, TP_REDUCTION_SUM, TP_REDUCTION_NONE};
+    for (int k = 0; k < 3; k++)
+        for (int weighted = 0; weighted < 2; weighted++) {
+            tp_cross_entropy_options o = {reds[k], NULL, 4};
+            tp_tensor *in[3] = {rnd(2, ls, -3, 3, 1), rnd_idx(1, ts, 0, 21, 2),
+                                weighted ? rnd(1, cs, 0.5, 2, 3) : NULL};
+            /* ignore_index 4: rows whose target is 4 count for nothing */
+            const int64_t r0 = 0;
+            CHECK_OK(tp_tensor_set(in[1], &r0, 4));
+            char name[64];
+            snprintf(name, sizeof name, "cross_entropy (reduction %d, weighted %d)", k, weighted);
+            check_op(name, op_ce, &o, 3, in, 1u, RTOL, ATOL);
+        }
+    /* a target outside [0, C) is refused from the host copy */
+    tp_tensor *x = rnd(2, ls, -3, 3, 1), *t = rnd_idx(1, ts, 0, 21, 2), *loss = NULL;
+    const int64_t r1 = 1;
+    CHECK_OK(tp_tensor_set(t, &r1, 21));
+    tp_tensor *dx = to_dev(x, DEV), *dt = to_dev(t, DEV);
+    CHECK_ERR(tp_cross_entropy(dx, dt, NULL, &loss), TP_ERR_INVALID_ARG);
+    tp_tensor_release(dx);
+    tp_tensor_release(dt);
+    tp_tensor_release(x);
+    tp_tensor_release(t);
+}
+
+Test(cuda, attention, .timeout = 120)
+{
+    need_cuda();
+    const int64_t s[4] = {2, 3, 7, 8};
+    for (int causal = 0; causal < 2; causal++) {
+        bool c = causal;
+        tp_tensor *in[3] = {rnd(4, s, -1, 1, 1), rnd(4, s, -1, 1, 2), rnd(4, s, -1, 1, 3)};
+        check_op(causal ? "attention (causal)" : "attention", op_sdpa, &c, 3, in, 7u, 1e-4, 1e-5);
+    }
+}
+
+Test(cuda, large_sizes_use_grid_stride_loops, .timeout = 300)
+{
+    need_cuda();
+    /* more elements than one capped grid covers (65535 blocks x 256), and
+     * more rows than the row kernels' grid */
+    const int64_t big[1] = {(int64_t)20 << 20};
+    tp_tensor *a[2] = {rnd(1, big, -1, 1, 1), rnd(1, big, -1, 1, 2)};
+    check_op("add, 20M elements", op_add, NULL, 2, a, 3u, RTOL, ATOL);
+    const int64_t rows[2] = {70000, 5};
+    const int last = -1;
+    tp_tensor *x[1] = {rnd(2, rows, -3, 3, 3)};
+    check_op("softmax, 70000 rows", op_softmax, &last, 1, x, 1u, RTOL, ATOL);
+    const red_ctx all = {.all = true};
+    tp_tensor *s[1] = {rnd(1, big, 0, 1, 4)};
+    check_op("sum_all, 20M elements", op_reduce, &all, 1, s, 1u, 1e-5, 1e-3);
+}
+
+/* ---- cuBLAS dtypes and TF32 -------------------------------------------------------- */
+
+Test(cuda, tf32_setting, .timeout = 30)
+{
+    /* the setting itself needs no GPU */
+    cr_assert(!tp_cuda_allow_tf32(), "TF32 must be off by default");
+    CHECK_OK(tp_cuda_set_allow_tf32(true));
+    cr_assert(tp_cuda_allow_tf32());
+    CHECK_OK(tp_cuda_set_allow_tf32(false));
+    cr_assert(!tp_cuda_allow_tf32());
+}
+
+Test(cuda, tf32_products_stay_close, .timeout = 60)
+{
+    need_cuda();
+    const int64_t xs[2] = {64, 128}, ws[2] = {32, 128};
+    CHECK_OK(tp_cuda_set_allow_tf32(true));
+    /* TF32 rounds the inputs to 10 mantissa bits: about 1e-3 relative */
+    tp_tensor *in[3] = {rnd(2, xs, -1, 1, 1), rnd(2, ws, -1, 1, 2), NULL};
+    check_op("linear with TF32", op_linear, NULL, 3, in, 3u, 5e-3, 5e-3);
+    CHECK_OK(tp_cuda_set_allow_tf32(false));
+}
+
+/* linear in dtype on the GPU against the CPU f32 result of the same
+ * (rounded) values; forward and gradients come back in dtype */
+static void check_half_linear(tp_dtype dt, double rtol, double atol)
+{
+    const int64_t xs[2] = {17, 64}, ws[2] = {24, 64}, bs[1] = {24};
+    tp_tensor *x = rnd(2, xs, -1, 1, 1), *w = rnd(2, ws, -1, 1, 2), *b = rnd(1, bs, -1, 1, 3);
+    tp_tensor *cpu[3] = {x, w, b}, *half[3], *ref[3], *dev[3];
+    for (int i = 0; i < 3; i++) {
+        CHECK_OK(tp_tensor_to(cpu[i], dt, TP_CPU, &half[i]));      /* rounded */
+        CHECK_OK(tp_tensor_to(half[i], TP_F32, TP_CPU, &ref[i]));  /* the same values in f32 */
+        CHECK_OK(tp_tensor_to(half[i], dt, DEV, &dev[i]));
+        CHECK_OK(tp_tensor_set_requires_grad(ref[i], true));
+        CHECK_OK(tp_tensor_set_requires_grad(dev[i], true));
+    }
+    tp_tensor *yr = NULL, *yd = NULL, *gr = NULL, *gd = NULL;
+    CHECK_OK(tp_linear(ref[0], ref[1], ref[2], &yr));
+    CHECK_OK(tp_linear(dev[0], dev[1], dev[2], &yd));
+    cr_assert_eq(tp_tensor_dtype(yd), dt, "the output keeps the input dtype");
+    cr_assert(on(yd, DEV));
+    expect_close(tp_dtype_name(dt), yd, yr, rtol, atol);
+    /* the output gradient: ones (the reductions take f32 only) */
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, tp_tensor_shape(yr), &gr));
+    CHECK_OK(tp_tensor_fill(gr, 1.0));
+    CHECK_OK(tp_tensor_to(gr, dt, DEV, &gd));
+    CHECK_OK(tp_backward(yr, gr));
+    CHECK_OK(tp_backward(yd, gd));
+    for (int i = 0; i < 3; i++) {
+        tp_tensor *g = tp_tensor_grad(dev[i]);
+        cr_assert(g && tp_tensor_dtype(g) == dt, "gradient %d in %s", i, tp_dtype_name(dt));
+        /* the bias gradient sums 17 ones: exact; the others sum 24 or 17 terms */
+        expect_close("gradient", g, tp_tensor_grad(ref[i]), rtol, atol * 4);
+    }
+    tp_tensor_release(yr);
+    tp_tensor_release(yd);
+    tp_tensor_release(gr);
+    tp_tensor_release(gd);
+    for (int i = 0; i < 3; i++) {
+        tp_tensor_release(cpu[i]);
+        tp_tensor_release(half[i]);
+        tp_tensor_release(ref[i]);
+        tp_tensor_release(dev[i]);
+    }
+}
+
+Test(cuda, cublas_f16, .timeout = 60)
+{
+    need_cuda();
+    /* f16 output rounding: 2^-11 relative; products accumulate in f32 */
+    check_half_linear(TP_F16, 2e-3, 2e-3);
+}
+
+Test(cuda, cublas_bf16, .timeout = 60)
+{
+    need_cuda();
+    /* bf16 output rounding: 2^-8 relative */
+    check_half_linear(TP_BF16, 1e-2, 1e-2);
+}
+
+Test(cuda, half_inputs_are_refused_on_the_cpu_and_by_other_ops, .timeout = 30)
+{
+    const int64_t s[2] = {2, 4};
+    tp_tensor *x = NULL, *y = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F16, TP_CPU, 2, s, &x));
+    CHECK_ERR(tp_linear(x, x, NULL, &y), TP_ERR_NOT_SUPPORTED);
+    CHECK_ERR(tp_relu(x, &y), TP_ERR_NOT_SUPPORTED);
+    tp_tensor_release(x);
+}
+
+/* ---- devices --------------------------------------------------------------------------- */
+
+Test(cuda, mismatched_devices_are_an_error, .timeout = 30)
+{
+    need_cuda();
+    const int64_t s[2] = {3, 4}, is[1] = {3};
+    tp_tensor *a = rnd(2, s, -1, 1, 1), *b = rnd(2, s, -1, 1, 2), *bd = to_dev(b, DEV),
+              *y = NULL;
+    CHECK_ERR(tp_add(a, bd, &y), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "cpu") && strstr(tp_last_error(), "cuda:0"),
+              "the message names both devices: %s", tp_last_error());
+    CHECK_ERR(tp_linear(bd, a, NULL, &y), TP_ERR_INVALID_ARG);
+    tp_tensor *idx = rnd_idx(1, is, 0, 3, 3);
+    CHECK_ERR(tp_embedding(idx, bd, &y), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_cross_entropy(bd, idx, NULL, &y), TP_ERR_INVALID_ARG);
+    cr_assert(y == NULL);
+    tp_tensor_release(idx);
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    tp_tensor_release(bd);
+}
+
+Test(cuda, fill_copy_compare_on_device, .timeout = 30)
+{
+    need_cuda();
+    const int64_t s[2] = {5, 6};
+    tp_tensor *d = NULL, *h = NULL, *r = NULL;
+    CHECK_OK(tp_tensor_empty(TP_F32, DEV, 2, s, &d));
+    CHECK_OK(tp_tensor_fill(d, 2.5));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, s, &h));
+    CHECK_OK(tp_tensor_fill(h, 2.5));
+    bool eq = false;
+    CHECK_OK(tp_tensor_equal(d, h, &eq));
+    cr_assert(eq, "fill on the device");
+    /* the random fill draws the same values on both devices */
+    CHECK_OK(tp_tensor_fill_random(d, TP_RNG_NORMAL, 0, 1, 9, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(h, TP_RNG_NORMAL, 0, 1, 9, NULL, NULL));
+    CHECK_OK(tp_tensor_equal(d, h, &eq));
+    cr_assert(eq, "fill_random on the device");
+    CHECK_OK(tp_tensor_clone(d, &r));
+    cr_assert(on(r, DEV));
+    CHECK_OK(tp_tensor_equal(r, h, &eq));
+    cr_assert(eq, "clone on the device");
+    tp_tensor_release(d);
+    tp_tensor_release(h);
+    tp_tensor_release(r);
+}
+
+/* ---- modules and optimizers ----------------------------------------------------------- */
+
+static tp_module *mlp(void)
+{
+    tp_module *seq = NULL, *l1 = NULL, *act = NULL, *l2 = NULL, *ln = NULL;
+    CHECK_OK(tp_sequential_create(&seq));
+    CHECK_OK(tp_linear_create(12, 16, true, &l1));
+    CHECK_OK(tp_gelu_create(TP_GELU_TANH, &act));
+    CHECK_OK(tp_layer_norm_create(16, true, 1e-5, &ln));
+    CHECK_OK(tp_linear_create(16, 5, true, &l2));
+    CHECK_OK(tp_module_add_child(seq, "0", l1));
+    CHECK_OK(tp_module_add_child(seq, "1", act));
+    CHECK_OK(tp_module_add_child(seq, "2", ln));
+    CHECK_OK(tp_module_add_child(seq, "3", l2));
+    CHECK_OK(tp_module_init(seq, 42));
+    return seq;
+}
+
+static tp_status all_on(const char *fqn, tp_tensor *p, void *ctx)
+{
+    (void)fqn;
+    const tp_device *d = ctx;
+    return on(p, *d) && tp_tensor_requires_grad(p) ? TP_OK : TP_ERR_STATE;
+}
+
+typedef struct {
+    tp_module *other;
+    double rtol, atol;
+} cmp_ctx;
+
+/* compares every parameter with the same one of another module */
+static tp_status same_params(const char *fqn, tp_tensor *p, void *vctx)
+{
+    cmp_ctx *c = vctx;
+    tp_module *owner = c->other;
+    char buf[64];
+    snprintf(buf, sizeof buf, "%s", fqn);
+    char *dot = strrchr(buf, '.');
+    *dot = '\0';
+    tp_tensor *q = tp_module_parameter(tp_module_find(owner, buf), dot + 1);
+    bool close = false;
+    tp_status st = tp_tensor_allclose(p, q, c->rtol, c->atol, &close);
+    return st != TP_OK ? st : close ? TP_OK : TP_ERR_MISMATCH;
+}
+
+static void train_step(tp_module *m, tp_device dev, tp_adam *adam)
+{
+    const int64_t xs[2] = {7, 12}, ts[1] = {7};
+    tp_tensor *x = rnd(2, xs, -1, 1, 5), *t = rnd_idx(1, ts, 0, 5, 6);
+    tp_tensor *xd = to_dev(x, dev), *td = to_dev(t, dev), *y = NULL, *loss = NULL;
+    CHECK_OK(tp_module_call(m, xd, &y));
+    cr_assert(on(y, dev));
+    CHECK_OK(tp_cross_entropy(y, td, NULL, &loss));
+    CHECK_OK(tp_backward(loss, NULL));
+    if (adam)
+        CHECK_OK(tp_adam_step(adam));
+    else
+        CHECK_OK(tp_sgd_step(m, 0.1));
+    tp_module_zero_grad(m);
+    tp_tensor_release(x);
+    tp_tensor_release(t);
+    tp_tensor_release(xd);
+    tp_tensor_release(td);
+    tp_tensor_release(y);
+    tp_tensor_release(loss);
+}
+
+Test(cuda, module_to_and_back, .timeout = 60)
+{
+    need_cuda();
+    tp_module *m = mlp(), *ref = mlp();
+    tp_device dev = DEV, cpu = TP_CPU;
+    CHECK_OK(tp_module_to(m, DEV));
+    CHECK_OK(tp_module_named_parameters(m, all_on, &dev));
+    cmp_ctx exact = {ref, 0, 0};
+    CHECK_OK(tp_module_named_parameters(m, same_params, &exact));
+    /* initialising on the device gives the CPU values */
+    CHECK_OK(tp_module_init(m, 42));
+    CHECK_OK(tp_module_named_parameters(m, same_params, &exact));
+    CHECK_OK(tp_module_to(m, TP_CPU));
+    CHECK_OK(tp_module_named_parameters(m, all_on, &cpu));
+    tp_module_free(m);
+    tp_module_free(ref);
+}
+
+Test(cuda, sgd_and_adam_steps_on_device, .timeout = 120)
+{
+    need_cuda();
+    for (int use_adam = 0; use_adam < 2; use_adam++) {
+        tp_module *m = mlp(), *ref = mlp();
+        CHECK_OK(tp_module_to(m, DEV));
+        tp_adam *am = NULL, *ar = NULL;
+        if (use_adam) {
+            CHECK_OK(tp_adam_create(m, 1e-2, 0, 0, 0, &am));
+            CHECK_OK(tp_adam_create(ref, 1e-2, 0, 0, 0, &ar));
+        }
+        for (int step = 0; step < 3; step++) {
+            train_step(m, DEV, am);
+            train_step(ref, TP_CPU, ar);
+        }
+        cmp_ctx c = {ref, 1e-4, 1e-5};
+        tp_status st = tp_module_named_parameters(m, same_params, &c);
+        cr_assert_eq(st, TP_OK, "%s: parameters after 3 steps differ from the CPU's",
+                     use_adam ? "Adam" : "SGD");
+        tp_adam_free(am);
+        tp_adam_free(ar);
+        tp_module_free(m);
+        tp_module_free(ref);
+    }
+}
+
+Test(cuda, module_to_without_a_device, .timeout = 30)
+{
+    /* runs where the GPU tests skip: the refusal is the behaviour there */
+    if (tp_cuda_device_count() > 0)
+        cr_skip_test("a CUDA device is present: the refusal cannot be observed");
+    tp_module *m = mlp();
+    CHECK_ERR(tp_module_to(m, DEV), TP_ERR_NOT_SUPPORTED);
+    tp_device cpu = TP_CPU;
+    CHECK_OK(tp_module_named_parameters(m, all_on, &cpu));
+    CHECK_OK(tp_module_to(m, TP_CPU)); /* already there: nothing to do */
+    tp_module_free(m);
+}
