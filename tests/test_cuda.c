@@ -545,6 +545,75 @@ Test(cuda, fill_copy_compare_on_device, .timeout = 30)
     tp_tensor_release(r);
 }
 
+/* DTensors over CUDA locals on a one-rank mesh (no collective runs): the
+ * layout machinery keeps the device, and a rank thread gets its own stream
+ * and cuBLAS handle, released when the thread exits. */
+typedef struct {
+    tp_tensor *x, *w, *want; /* x, w on the device; want = x w^T on the CPU */
+    tp_test_slot slot[1];
+} dt_ctx;
+
+static tp_status dt_rank(tp_comm *world, void *arg)
+{
+    dt_ctx *c = arg;
+    tp_test_slot *s = &c->slot[0];
+    const int64_t one = 1;
+    const tp_device dev = DEV;
+    tp_mesh *mesh = NULL;
+    tp_tensor *x = NULL, *w = NULL, *y = NULL, *full = NULL, *loss = NULL;
+    RANK_OK(s, tp_mesh_create(world, 1, &one, NULL, &mesh));
+    const tp_placement rep = tp_replicate(), sh0 = tp_shard(0);
+    tp_status st = tp_dtensor_from_local(mesh, c->x, 1, &rep, NULL, &x);
+    if (st == TP_OK)
+        st = tp_dtensor_from_local(mesh, c->w, 1, &sh0, NULL, &w);
+    if (st == TP_OK)
+        st = tp_tensor_set_requires_grad(w, true);
+    if (st == TP_OK)
+        st = tp_linear(x, w, NULL, &y);
+    if (st == TP_OK) {
+        RANK_EXPECT(s, on(x, dev) && on(y, dev) && on(tp_dtensor_local(y), dev),
+                    "a DTensor over a CUDA shard is not on the device");
+        st = tp_dtensor_full_tensor(y, &full);
+    }
+    bool close = false;
+    if (st == TP_OK)
+        st = tp_tensor_allclose(full, c->want, RTOL, ATOL, &close);
+    if (st == TP_OK) {
+        RANK_EXPECT(s, close, "linear on DTensors over CUDA shards differs from the CPU");
+        st = tp_sum_all(y, &loss);
+    }
+    if (st == TP_OK)
+        st = tp_backward(loss, NULL);
+    if (st == TP_OK) {
+        tp_tensor *g = tp_tensor_grad(w);
+        RANK_EXPECT(s, g && tp_tensor_is_dtensor(g) && on(tp_dtensor_local(g), dev),
+                    "the weight's gradient is not a DTensor on the device");
+    }
+    RANK_EXPECT(s, st == TP_OK, "%s (%s)", tp_status_name(st), tp_last_error());
+    tp_tensor_release(loss);
+    tp_tensor_release(full);
+    tp_tensor_release(y);
+    tp_tensor_release(w);
+    tp_tensor_release(x);
+    tp_mesh_free(mesh);
+    return st;
+}
+
+Test(cuda, dtensor_on_device, .timeout = 60)
+{
+    need_cuda();
+    const int64_t xs[2] = {6, 10}, ws[2] = {4, 10};
+    tp_tensor *x = rnd(2, xs, -1, 1, 1), *w = rnd(2, ws, -1, 1, 2);
+    dt_ctx c = {.x = to_dev(x, DEV), .w = to_dev(w, DEV)};
+    CHECK_OK(tp_linear(x, w, NULL, &c.want));
+    tp_test_run(1, dt_rank, &c, c.slot);
+    tp_tensor_release(c.x);
+    tp_tensor_release(c.w);
+    tp_tensor_release(c.want);
+    tp_tensor_release(x);
+    tp_tensor_release(w);
+}
+
 /* ---- modules and optimizers ----------------------------------------------------------- */
 
 static tp_module *mlp(void)
