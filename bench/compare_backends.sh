@@ -5,10 +5,10 @@
 # A = ranks as threads of one process (--backend shm, -g N), B = one rank per
 # process (mpirun -np N ... --backend mpi). For every collective and size, and
 # for a few Linear/Embedding layers, it runs A B A B (-r pairs) and writes a
-# Markdown table: the median time and busbw of each side (geometric mean over
-# the repetitions) and shm/mpi, the geometric mean of the speed ratio inside
-# each A B pair (> 1: shm faster). These machines are noisy: only the ratios
-# inside one invocation mean something.
+# Markdown table: the median time and busbw of each side (median over the
+# repetitions) and shm/mpi, the speed ratio inside each A B pair and its median
+# (> 1: shm faster). These machines are noisy: only the ratios inside one
+# invocation mean something, and the median resists a pair hit by another job.
 #
 # usage: bench/compare_backends.sh [options]
 #   -b DIR     meson build directory holding bench/tp-bench-comm and
@@ -218,17 +218,27 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
         echo
     fi
     awk -F, '
-        function gm(s, n) { return n ? exp(s / n) : 0 }
+        # median of a space-separated list (the mean of the middle two for an even count)
+        function med(list,    v, m, i, j, x) {
+            m = split(list, v, " ")
+            if (!m) return 0
+            for (i = 2; i <= m; i++) {
+                x = v[i] + 0
+                for (j = i - 1; j >= 1 && v[j] + 0 > x; j--) v[j + 1] = v[j]
+                v[j + 1] = x
+            }
+            return m % 2 ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2
+        }
         function fmt_t(us) { return us >= 1000 ? sprintf("%.2f ms", us / 1000) : sprintf("%.1f µs", us) }
         NR == 1 { next }
         {
             key = $1 SUBSEP $2 SUBSEP $3 SUBSEP $4 SUBSEP $5
             if (!(key in seen)) { seen[key] = 1; order[++nk] = key; kind[nk] = $1 }
             if ($7 > 0 && $8 > 0) {
-                lts[key] += log($7); ltm[key] += log($8); n[key]++
+                ts[key] = ts[key] " " $7; tm[key] = tm[key] " " $8; n[key]++
                 r = $8 / $7  # speed ratio shm/mpi = time mpi / time shm
-                lr[key] += log(r); pairs[key] = pairs[key] sprintf(" %.2f", r)
-                if ($9 > 0 && $10 > 0) { lbs[key] += log($9); lbm[key] += log($10); nb[key]++ }
+                rr[key] = rr[key] " " r; pairs[key] = pairs[key] sprintf(" %.2f", r)
+                bs[key] = bs[key] " " $9; bm[key] = bm[key] " " $10
             } else {
                 failed[key]++
             }
@@ -247,8 +257,8 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
                 note = (failed[k] ? sprintf(" (%d run(s) failed)", failed[k]) : "") (wrong[k] ? sprintf(" (%d wrong elements)", wrong[k]) : "")
                 if (n[k])
                     printf "| %s | %s | %s | %s | %.2f | %.2f | %.2f |%s%s |\n", f[2], f[3],
-                           fmt_t(gm(lts[k], n[k])), fmt_t(gm(ltm[k], n[k])),
-                           gm(lbs[k], nb[k]), gm(lbm[k], nb[k]), gm(lr[k], n[k]), pairs[k], note
+                           fmt_t(med(ts[k])), fmt_t(med(tm[k])), med(bs[k]), med(bm[k]),
+                           med(rr[k]), pairs[k], note
                 else
                     printf "| %s | %s | - | - | - | - | - |%s |\n", f[2], f[3], note
             }
@@ -263,13 +273,13 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
                 }
                 k = order[i]; split(k, f, SUBSEP)
                 printf "| %s | %s | %s | %s | %.2f | %.2f | %.2f |%s |\n", f[2], f[3], f[4], f[5],
-                       gm(lts[k], n[k]) * 1, gm(ltm[k], n[k]) * 1, gm(lr[k], n[k]), pairs[k]
+                       med(ts[k]), med(tm[k]), med(rr[k]), pairs[k]
             }
             if (hdr) print ""
         }' "$joined"
-    echo "Times are medians over iterations (collectives) or passes (layers), then the geometric mean over"
-    echo "the repetitions; busbw in GB/s (10^9 B/s) from the median time, nccl-tests factors. shm/mpi is"
-    echo "the speed ratio, time(mpi) / time(shm), the geometric mean of the ratios inside each A B pair:"
+    echo "Times are medians over iterations (collectives) or passes (layers), then the median over the"
+    echo "repetitions; busbw in GB/s (10^9 B/s) from the median time, nccl-tests factors. shm/mpi is the"
+    echo "speed ratio time(mpi) / time(shm) inside each A B pair (listed), and its median over the pairs:"
     echo "> 1 means the shm backend was faster. Layer rows with 1 rank run no collective: their ratio"
     echo "shows how far the two launch methods differ without communication (noise, placement)."
     if [ $do_layers = 1 ]; then
