@@ -17,7 +17,8 @@
  *         (--bootstrap shm|mpi); parameters and inputs on TP_CUDA(rank % GPUs)
  *
  * The timing is the same for all: a barrier before every timed pass, rank 0's
- * clock, the median over -n passes after one warm-up pass.
+ * clock, the median over -n passes (default 5) after -w untimed ones (default
+ * 1; the embeddings' backward needs a few more before their buffers are reused).
  *
  *   layers:  colwise   Linear(H -> 4H), ColwiseParallel
  *            rowwise   Linear(4H -> H), RowwiseParallel (input sharded)
@@ -26,7 +27,8 @@
  *            emb-row   Embedding(V, H) RowwiseParallel(input R)
  *
  * Usage: tp-bench-layers [--backend shm|mpi|nccl] [--bootstrap shm|mpi] [-l LAYERS]
- *                        [-t TOKENS,..] [-H HIDDEN,..] [-g RANKS,..] [-n ITERS] [--csv FILE]
+ *                        [-t TOKENS,..] [-H HIDDEN,..] [-g RANKS,..] [-n ITERS] [-w WARMUP]
+ *                        [--csv FILE]
  *        tp-bench-layers --mlp-check   (2048 -> 8192 -> 2048, 2048 tokens)
  */
 #include <cblas.h>
@@ -67,7 +69,7 @@ typedef struct {
     int layer;
     int64_t tokens, hidden, vocab;
     bool backward;
-    int iters;
+    int iters, warmup; /* timed passes; untimed passes before them (>= 1) */
     bool cuda; /* parameters, inputs and collective buffers on this rank's GPU */
     /* out (rank 0) */
     double t_med, t_coll;
@@ -212,7 +214,8 @@ static tp_status run_point(tp_comm *w, point *p)
     }
     TRY(tp_comm_debug_create(&dbg));
     times = calloc((size_t)p->iters + 1, sizeof *times);
-    for (int it = -1; it < p->iters; it++) { /* -1: warm-up, counted collectives */
+    /* it < 0: warm-up; the collectives of the last one (-1) are counted */
+    for (int it = -p->warmup; it < p->iters; it++) {
         tp_tensor *y = NULL, *loss = NULL;
         TRY(tp_barrier(w, NULL));
         if (it == -1)
@@ -246,7 +249,7 @@ static tp_status run_point(tp_comm *w, point *p)
         }
         if (it == -1)
             TRY(tp_comm_debug_end(dbg));
-        else
+        else if (it >= 0)
             times[it] = t1 - t0;
     }
     /* the collectives of one iteration, alone, on buffers of their sizes */
@@ -459,7 +462,7 @@ static int parse_list(const char *s, int64_t *v, int max)
 int main(int argc, char **argv)
 {
     int64_t tokens[8] = {512, 2048}, hidden[8] = {256, 512, 1024}, ranks[8] = {1, 2};
-    int nt = 2, nh = 3, nr = 2, iters = 5, backend = BK_SHM, boot = -1;
+    int nt = 2, nh = 3, nr = 2, iters = 5, warmup = 1, backend = BK_SHM, boot = -1;
     bool layers[L_COUNT] = {true, true, true, true, true}, mlp_check = false, ranks_given = false;
     const char *csv = NULL;
     for (int i = 1; i < argc; i++) {
@@ -474,6 +477,8 @@ int main(int argc, char **argv)
             ranks_given = true;
         } else if (i + 1 < argc && !strcmp(argv[i], "-n")) {
             iters = atoi(argv[++i]);
+        } else if (i + 1 < argc && !strcmp(argv[i], "-w")) {
+            warmup = atoi(argv[++i]);
         } else if (i + 1 < argc && !strcmp(argv[i], "--csv")) {
             csv = argv[++i];
         } else if (i + 1 < argc && !strcmp(argv[i], "-l")) {
@@ -497,13 +502,13 @@ int main(int argc, char **argv)
                 backend = b;
         } else {
             fprintf(stderr, "usage: tp-bench-layers [--backend shm|mpi|nccl] [--bootstrap shm|mpi] "
-                            "[-l LAYERS] [-t T,..] [-H H,..] [-g RANKS,..] [-n ITERS] [--csv FILE]\n"
+                            "[-l LAYERS] [-t T,..] [-H H,..] [-g RANKS,..] [-n ITERS] [-w WARMUP] [--csv FILE]\n"
                             "       tp-bench-layers --mlp-check\n");
             return 64;
         }
     }
-    if (iters < 1 || nr < 1 || nt < 1 || nh < 1) {
-        fprintf(stderr, "tp-bench-layers: -n, -g, -t, -H need at least one positive value\n");
+    if (iters < 1 || warmup < 1 || nr < 1 || nt < 1 || nh < 1) {
+        fprintf(stderr, "tp-bench-layers: -n, -w, -g, -t, -H need at least one positive value\n");
         return 64;
     }
     for (int ri = 0; ri < nr; ri++)
@@ -522,7 +527,7 @@ int main(int argc, char **argv)
     openblas_set_num_threads(1);
     if (mlp_check) {
         /* 2048 -> 8192 -> 2048, 2048 tokens, forward + backward */
-        point p1 = {.layer = L_MLP, .tokens = 2048, .hidden = 2048, .backward = true, .iters = 3};
+        point p1 = {.layer = L_MLP, .tokens = 2048, .hidden = 2048, .backward = true, .iters = 3, .warmup = 1};
         point p2 = p1;
         tp_status st = tp_run_local(1, body, &p1);
         if (st == TP_OK)
@@ -640,14 +645,15 @@ int main(int argc, char **argv)
                       "backend\n");
     if (printer) {
         if (backend == BK_SHM)
-            printf("# tp-bench-layers: ranks as threads, 1 BLAS thread each; median of %d\n", iters);
+            printf("# tp-bench-layers: ranks as threads, 1 BLAS thread each; median of %d after %d warm-up\n", iters, warmup);
         else if (backend == BK_MPI)
             printf("# tp-bench-layers: backend mpi, ranks as processes of a %d-process MPI world (fewer "
                    "ranks run on the first processes, the rest wait asleep), 1 BLAS thread each; "
-                   "median of %d\n", nproc, iters);
+                   "median of %d after %d warm-up\n", nproc, iters, warmup);
         else
             printf("# tp-bench-layers: backend nccl over %s, one GPU per rank (rank %% %d GPUs); "
-                   "median of %d\n", backend_names[boot], tp_cuda_device_count(), iters);
+                   "median of %d after %d warm-up\n", backend_names[boot], tp_cuda_device_count(), iters,
+                   warmup);
         printf("%-8s %-8s %6s %6s %5s %10s %8s %12s %6s %7s\n", "layer", "pass", "tokens", "hidden",
                "ranks", "time(ms)", "GFLOP/s", "tokens/s", "coll%", "speedup");
         fflush(stdout);
@@ -667,7 +673,7 @@ int main(int argc, char **argv)
                     double t1 = 0;
                     for (int ri = 0; ri < nr; ri++) {
                         point p = {.layer = l, .tokens = tokens[ti], .hidden = hidden[hi],
-                                   .vocab = 8192, .backward = bw, .iters = iters,
+                                   .vocab = 8192, .backward = bw, .iters = iters, .warmup = warmup,
                                    .cuda = backend == BK_NCCL};
                         bool emb = l == L_EMB_COL || l == L_EMB_ROW;
                         if (4 * p.hidden % ranks[ri] || (emb && p.vocab % ranks[ri]) ||
