@@ -22,6 +22,8 @@
 #   -r N       A B pairs (default 2)
 #   -T SEC     seconds per collective point (tp-bench-comm --target-s, default 0.2)
 #   -i N       timed passes per layer point (tp-bench-layers -n, default 5)
+#   -w N       untimed passes before them (tp-bench-layers -w, default 6: the
+#              embeddings' backward takes about 5 before its buffers are reused)
 #   -k SEC     time limit of each run (default 300)
 #   -p PARTS   comm, layers or comm,layers (default)
 #   -o FILE    the Markdown table (default bench/results/backends-<date>.md)
@@ -45,6 +47,7 @@ hidden=512
 reps=2
 target=0.2
 layer_iters=5
+layer_warmup=6
 limit=300
 parts=comm,layers
 out=
@@ -52,7 +55,7 @@ out=
 die() { echo "compare_backends.sh: $*" >&2; exit 2; }
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2; exit 64; }
 
-while getopts "b:n:s:c:l:t:H:r:T:i:k:p:o:h" opt; do
+while getopts "b:n:s:c:l:t:H:r:T:i:w:k:p:o:h" opt; do
     case $opt in
     b) build=$OPTARG ;;
     n) np=$OPTARG ;;
@@ -64,6 +67,7 @@ while getopts "b:n:s:c:l:t:H:r:T:i:k:p:o:h" opt; do
     r) reps=$OPTARG ;;
     T) target=$OPTARG ;;
     i) layer_iters=$OPTARG ;;
+    w) layer_warmup=$OPTARG ;;
     k) limit=$OPTARG ;;
     p) parts=$OPTARG ;;
     o) out=$OPTARG ;;
@@ -72,7 +76,7 @@ while getopts "b:n:s:c:l:t:H:r:T:i:k:p:o:h" opt; do
 done
 shift $((OPTIND - 1))
 [ $# -eq 0 ] || usage
-for v in "$np" "$reps" "$layer_iters" "$limit"; do
+for v in "$np" "$reps" "$layer_iters" "$layer_warmup" "$limit"; do
     [[ $v =~ ^[1-9][0-9]*$ ]] || { echo "compare_backends.sh: '$v' is not a positive integer" >&2; exit 64; }
 done
 do_comm=0 do_layers=0
@@ -149,9 +153,10 @@ if [ $do_layers = 1 ]; then
     for layer in "${layer_list[@]}"; do
         for rep in $(seq 1 "$reps"); do
             run "layers-shm-$layer-$rep" "$layers_bin" --backend shm -g "1,$np" -l "$layer" \
-                -t "$tokens" -H "$hidden" -n "$layer_iters" --csv "$raw/layers-shm-$layer-$rep.csv"
+                -t "$tokens" -H "$hidden" -n "$layer_iters" -w "$layer_warmup" \
+                --csv "$raw/layers-shm-$layer-$rep.csv"
             run "layers-mpi-$layer-$rep" "${mpirun[@]}" "$layers_bin" --backend mpi -g "1,$np" \
-                -l "$layer" -t "$tokens" -H "$hidden" -n "$layer_iters" \
+                -l "$layer" -t "$tokens" -H "$hidden" -n "$layer_iters" -w "$layer_warmup" \
                 --csv "$raw/layers-mpi-$layer-$rep.csv"
         done
         echo "# $layer done ($(($(date +%s) - start)) s)" >&2
@@ -283,7 +288,7 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
     echo "> 1 means the shm backend was faster. Layer rows with 1 rank run no collective: their ratio"
     echo "shows how far the two launch methods differ without communication (noise, placement)."
     if [ $do_layers = 1 ]; then
-        echo "Layers: \`tp-bench-layers -g 1,$np -l LAYER -t $tokens -H $hidden -n $layer_iters\`, 1 BLAS thread per rank."
+        echo "Layers: \`tp-bench-layers -g 1,$np -l LAYER -t $tokens -H $hidden -n $layer_iters -w $layer_warmup\`, 1 BLAS thread per rank."
     fi
     if [ ${#failed_runs[@]} -gt 0 ]; then
         echo
