@@ -418,6 +418,16 @@ Test(cuda, tf32_setting, .timeout = 30)
     cr_assert(!tp_cuda_allow_tf32());
 }
 
+Test(cuda, synchronize, .timeout = 30)
+{
+    if (tp_cuda_device_count() == 0) {
+        CHECK_ERR(tp_cuda_synchronize(0), TP_ERR_NOT_SUPPORTED);
+        return;
+    }
+    CHECK_OK(tp_cuda_synchronize(0));
+    CHECK_ERR(tp_cuda_synchronize(tp_cuda_device_count()), TP_ERR_INVALID_ARG);
+}
+
 Test(cuda, tf32_products_stay_close, .timeout = 60)
 {
     need_cuda();

@@ -65,6 +65,15 @@ TP_API int tp_cuda_device_count(void);
 TP_API tp_status tp_cuda_set_allow_tf32(bool allow);
 TP_API bool tp_cuda_allow_tf32(void);
 
+/* Waits until the work libtp issued from the calling thread on CUDA device
+ * `device` (its compute stream: kernels, cuBLAS, copies) is complete. Host
+ * reads of device tensors (tp_tensor_copy/to to the CPU, the comparisons)
+ * already wait; call this before handing a device tensor that this thread
+ * just produced to another thread, whose stream does not wait for this
+ * one. TP_ERR_NOT_SUPPORTED without CUDA or a device; TP_ERR_INVALID_ARG for
+ * an ordinal past the device count. */
+TP_API tp_status tp_cuda_synchronize(int device);
+
 /* ---- creation and lifetime ------------------------------------------------ */
 
 /* New contiguous tensor with uninitialized contents. ndim in [0, 8] (0 is a

@@ -84,6 +84,23 @@ bool tp_cuda_allow_tf32(void)
     return atomic_load_explicit(&tp__allow_tf32, memory_order_relaxed);
 }
 
+static tp_status tp__check_device(const char *fn, tp_device dev);
+
+tp_status tp_cuda_synchronize(int device)
+{
+    const char *fn = "tp_cuda_synchronize";
+    TP_CHECK(tp__check_device(fn, TP_CUDA(device)));
+#if TP_HAVE_CUDA
+    int prev = 0;
+    TP_CHECK(tp__cuda_enter(fn, device, &prev));
+    tp_status st = tp__cuda_stream_sync(fn, device);
+    tp__cuda_leave(prev, device);
+    return st;
+#else
+    return TP_ERR_NOT_SUPPORTED; /* unreachable: tp__check_device refused it */
+#endif
+}
+
 static tp_status tp__check_device(const char *fn, tp_device dev)
 {
     switch (dev.type) {
