@@ -141,12 +141,13 @@ static tp_status binary_shape(const tp__op *op, int *ndim, int64_t *shape)
 static tp_status add_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     tp_tensor *a = in[0], *b = in[1];
-    bool ca = contributes(op, 0), cb = contributes(op, 1);
-    TP_CHECK(like(a, !ca, out));
+    bool ca = contributes(op, 0), cb = contributes(op, 1), bc = is_bcast(op);
+    /* zeros where nothing (or only the broadcast b, added below) is written */
+    TP_CHECK(like(a, !ca && (!cb || bc), out));
     float *y = tp_tensor_data(*out);
     const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
     int64_t n = tp_tensor_numel(a);
-    if (!is_bcast(op)) {
+    if (!bc) {
         if (ca && cb)
             return TP__K(op->dev, add, pa, pb, y, n);
         if (ca || cb)
