@@ -433,9 +433,10 @@ Test(cuda, tf32_products_stay_close, .timeout = 60)
     need_cuda();
     const int64_t xs[2] = {64, 128}, ws[2] = {32, 128};
     CHECK_OK(tp_cuda_set_allow_tf32(true));
-    /* TF32 rounds the inputs to 10 mantissa bits: about 1e-3 relative */
+    /* TF32 rounds the inputs to 10 mantissa bits: each product is off by
+     * up to ~1e-3 relative, and 128 of them add up to a few 1e-3 absolute */
     tp_tensor *in[3] = {rnd(2, xs, -1, 1, 1), rnd(2, ws, -1, 1, 2), NULL};
-    check_op("linear with TF32", op_linear, NULL, 3, in, 3u, 5e-3, 5e-3);
+    check_op("linear with TF32", op_linear, NULL, 3, in, 3u, 1e-2, 2e-2);
     CHECK_OK(tp_cuda_set_allow_tf32(false));
 }
 
