@@ -6,6 +6,19 @@
 
 tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_tensor **out)
 {
+#if TP_HAVE_CUDA
+    if (zero && dev.type == TP_DEVICE_CUDA) {
+        /* zeroed on this thread's stream, in order with the kernels that use
+         * it, rather than by tp_tensor_zeros' memset and device-wide wait */
+        TP_CHECK(tp_tensor_empty(TP_F32, dev, ndim, shape, out));
+        tp_status st = tp__kc_fill(dev.index, tp_tensor_data(*out), 0.0f, tp_tensor_numel(*out));
+        if (st != TP_OK) {
+            tp_tensor_release(*out);
+            *out = NULL;
+        }
+        return st;
+    }
+#endif
     return zero ? tp_tensor_zeros(TP_F32, dev, ndim, shape, out)
                 : tp_tensor_empty(TP_F32, dev, ndim, shape, out);
 }

@@ -285,10 +285,11 @@ enum { COL_PLAIN = 0, COL_NORM = 1 };
 const int kColW = 32, kColH = 8;
 
 /* g[c] (+)= sum_r term(r, c): PLAIN: y[r, c]; NORM: y[r, c] * ((x[r, c] -
- * mean[r]) * rstd[r]) with mean NULL meaning 0 (the norm weight gradients). */
+ * mean[r]) * rstd[r]) with mean NULL meaning 0 (the norm weight gradients).
+ * Overwriting (not accumulate), the sum is divided by div first. */
 template <class T, int MODE>
 __global__ void k_colsum(const T *y, const float *x, const float *mean, const float *rstd, T *g,
-                         int64_t rows, int64_t cols, bool accumulate)
+                         int64_t rows, int64_t cols, bool accumulate, double div)
 {
     __shared__ double sh[kColH][kColW + 1];
     for (int64_t c0 = (int64_t)blockIdx.x * kColW; c0 < cols; c0 += (int64_t)gridDim.x * kColW) {
@@ -310,7 +311,7 @@ __global__ void k_colsum(const T *y, const float *x, const float *mean, const fl
             double s = 0;
             for (int j = 0; j < kColH; j++)
                 s += sh[j][threadIdx.x];
-            g[c] = stf<T>(accumulate ? (float)((double)ldf(g[c]) + s) : (float)s);
+            g[c] = stf<T>(accumulate ? (float)((double)ldf(g[c]) + s) : (float)(s / div));
         }
         __syncthreads();
     }
@@ -318,14 +319,15 @@ __global__ void k_colsum(const T *y, const float *x, const float *mean, const fl
 
 template <class T, int MODE>
 void launch_colsum(cudaStream_t s, const T *y, const float *x, const float *mean,
-                   const float *rstd, T *g, int64_t rows, int64_t cols, bool accumulate)
+                   const float *rstd, T *g, int64_t rows, int64_t cols, bool accumulate,
+                   double div = 1.0)
 {
     if (cols <= 0)
         return;
     int64_t tiles = (cols + kColW - 1) / kColW;
     dim3 block(kColW, kColH);
     k_colsum<T, MODE><<<(unsigned)(tiles < kMaxGrid ? tiles : kMaxGrid), block, 0, s>>>(
-        y, x, mean, rstd, g, rows, cols, accumulate);
+        y, x, mean, rstd, g, rows, cols, accumulate, div);
 }
 
 /* ---- reductions ------------------------------------------------------------------ */
@@ -1196,8 +1198,10 @@ tp_status tp__kc_sum_dim(int dev, const float *x, float *y, int64_t outer, int64
     if (outer <= 0 || inner <= 0)
         return TP_OK;
     KC_BEGIN("sum (CUDA)");
-    if (inner == 1)
+    if (inner == 1) /* rows: a block each */
         k_sum_rowwise<<<grid_rows(outer), kThreads, 0, L.s>>>(x, y, outer, size, div);
+    else if (outer == 1) /* columns of a [size, inner] matrix: 8 row lanes per column */
+        launch_colsum<float, COL_PLAIN>(L.s, x, NULL, NULL, NULL, y, size, inner, false, div);
     else
         k_sum_strided<<<GRID(outer * inner)>>>(x, y, outer, size, inner, div);
     return end(&L);
