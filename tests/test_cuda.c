@@ -556,6 +556,41 @@ Test(cuda, fill_copy_compare_on_device, .timeout = 30)
     tp_tensor_release(r);
 }
 
+Test(cuda, strided_copies_on_device, .timeout = 30)
+{
+    need_cuda();
+    /* shard-like chunks of the last dim, in 2-, 4- and 8-byte dtypes: the
+     * clone of a strided device view, and a copy into one */
+    const tp_dtype dts[3] = {TP_F16, TP_F32, TP_I64};
+    const int64_t s[3] = {3, 4, 10};
+    for (int k = 0; k < 3; k++) {
+        tp_tensor *h = NULL, *d = NULL, *hv = NULL, *dv = NULL, *dc = NULL, *hz = NULL,
+                  *dz = NULL, *dzv = NULL, *hzv = NULL;
+        CHECK_OK(tp_tensor_empty(dts[k], TP_CPU, 3, s, &h));
+        CHECK_OK(tp_tensor_fill_random(h, TP_RNG_RANDINT, -50, 50, 3, NULL, NULL));
+        d = to_dev(h, DEV);
+        CHECK_OK(tp_tensor_chunk(h, 3, 2, 1, &hv));
+        CHECK_OK(tp_tensor_chunk(d, 3, 2, 1, &dv));
+        CHECK_OK(tp_tensor_clone(dv, &dc));
+        cr_assert(on(dc, DEV));
+        bool eq = false;
+        CHECK_OK(tp_tensor_equal(dc, hv, &eq));
+        cr_assert(eq, "clone of a strided %s view on the device", tp_dtype_name(dts[k]));
+        /* into a strided destination: only the view's elements change */
+        CHECK_OK(tp_tensor_zeros(dts[k], TP_CPU, 3, s, &hz));
+        dz = to_dev(hz, DEV);
+        CHECK_OK(tp_tensor_chunk(dz, 3, 2, 1, &dzv));
+        CHECK_OK(tp_tensor_chunk(hz, 3, 2, 1, &hzv));
+        CHECK_OK(tp_tensor_copy(dzv, dv));
+        CHECK_OK(tp_tensor_copy(hzv, hv));
+        CHECK_OK(tp_tensor_equal(dz, hz, &eq));
+        cr_assert(eq, "copy into a strided %s view on the device", tp_dtype_name(dts[k]));
+        tp_tensor *all[] = {h, d, hv, dv, dc, hz, dz, dzv, hzv};
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+            tp_tensor_release(all[i]);
+    }
+}
+
 /* DTensors over CUDA locals on a one-rank mesh (no collective runs): the
  * layout machinery keeps the device, and a rank thread gets its own stream
  * and cuBLAS handle, released when the thread exits. */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/cuda_copy.h"
 #include "core/cuda_rt.h"
 
 #define TP__SHAPE_BUF 200 /* "[" + 8 x (20 digits + ", ") + "]" */
@@ -811,7 +812,8 @@ static tp_status tp__cuda_memcpy(const char *fn, void *dst, tp_device dd, const 
 
 /*
  * Copy with at least one CUDA side. Same dtype and both contiguous is one
- * cudaMemcpy. Anything else goes through host staging: a strided CUDA source is
+ * cudaMemcpy; same dtype on one device is a strided-copy kernel. Anything
+ * else goes through host staging: a strided CUDA source is
  * fetched as the whole window its elements span, converted/gathered on the
  * host, and a strided CUDA destination is read, patched and written back as a
  * window (so elements inside the window but outside the view are rewritten
@@ -823,6 +825,12 @@ static tp_status tp__copy_cuda(const char *fn, tp_tensor *dst, const tp_tensor *
     if (dst->dtype == src->dtype && tp__is_contiguous(dst) && tp__is_contiguous(src))
         return tp__cuda_memcpy(fn, tp_tensor_data(dst), dd, tp_tensor_data(src), sd,
                                tp_tensor_nbytes(src));
+    /* strided, one device, one dtype (shard chunks, padding): on the device */
+    if (dst->dtype == src->dtype && dd.type == TP_DEVICE_CUDA && sd.type == TP_DEVICE_CUDA &&
+        dd.index == sd.index)
+        return tp__cuda_strided_copy(fn, dd.index, tp_dtype_size(dst->dtype), dst->ndim,
+                                     dst->shape, tp_tensor_data(dst), dst->stride,
+                                     tp_tensor_data(src), src->stride);
 
     tp_status st = TP_OK;
     char *sbuf = NULL, *dbuf = NULL;
