@@ -40,12 +40,6 @@
 
 #include <tp.h>
 
-/* tp_module_to(m, device) moves a module's parameters; --backend nccl needs it
- * and stays a clear "not supported" until nn.h declares it. */
-#ifndef TP_BENCH_HAVE_MODULE_TO
-#define TP_BENCH_HAVE_MODULE_TO 0
-#endif
-
 enum { BK_SHM, BK_MPI, BK_NCCL, BK_COUNT };
 static const char *backend_names[BK_COUNT] = {"shm", "mpi", "nccl"};
 
@@ -156,30 +150,12 @@ static tp_device rank_device(const tp_comm *w, bool cuda)
     return n > 0 ? TP_CUDA(tp_comm_rank(w) % n) : TP_CPU;
 }
 
-static tp_status module_to_device(tp_module *m, tp_device dev)
+/* GPU kernels are queued: a timed region ends when this thread's stream has
+ * drained (blocking nccl collectives have completed on return, and the
+ * stream is ordered after them). No-op on the CPU. */
+static tp_status device_sync(tp_device dev)
 {
-    if (dev.type == TP_DEVICE_CPU)
-        return TP_OK;
-#if TP_BENCH_HAVE_MODULE_TO
-    return tp_module_to(m, dev);
-#else
-    (void)m;
-    return TP_ERR_NOT_SUPPORTED;
-#endif
-}
-
-/* GPU work is queued: a timed region ends by reading one element back, which
- * is ordered after everything this rank queued before it. No-op on the CPU. */
-static tp_status device_sync(const tp_tensor *t)
-{
-    if (!t)
-        return TP_OK;
-    const tp_tensor *l = tp_tensor_is_dtensor(t) ? tp_dtensor_local(t) : t;
-    if (!l || tp_tensor_device(l).type == TP_DEVICE_CPU || tp_tensor_numel(l) == 0)
-        return TP_OK;
-    int64_t idx[8] = {0};
-    double v;
-    return tp_tensor_get(l, idx, &v);
+    return dev.type == TP_DEVICE_CPU ? TP_OK : tp_cuda_synchronize(dev.index);
 }
 
 static tp_status run_point(tp_comm *w, point *p)
@@ -196,7 +172,8 @@ static tp_status run_point(tp_comm *w, point *p)
     double *times = NULL;
     TRY(tp_mesh_create(w, 1, &Wl, (const char *[]){"tp"}, &mesh));
     TRY(build(p, mesh, W, &m, styles));
-    TRY(module_to_device(m, dev));
+    if (dev.type != TP_DEVICE_CPU)
+        TRY(tp_module_to(m, dev));
     int64_t T = p->tokens, H = p->hidden;
     if (p->layer == L_EMB_COL || p->layer == L_EMB_ROW) {
         TRY(tp_tensor_zeros(TP_I64, TP_CPU, 1, &T, &x));
@@ -239,7 +216,7 @@ static tp_status run_point(tp_comm *w, point *p)
             tp_module_zero_grad(m);
         }
         if (st == TP_OK)
-            st = device_sync(y);
+            st = device_sync(dev);
         double t1 = now_s();
         tp_tensor_release(y);
         tp_tensor_release(loss);
@@ -281,7 +258,7 @@ static tp_status run_point(tp_comm *w, point *p)
                         break;
                 }
                 if (st == TP_OK)
-                    st = device_sync(k == TP_COLL_BROADCAST ? a : b);
+                    st = device_sync(dev);
                 double dt = now_s() - t0;
                 if (st != TP_OK) {
                     fprintf(stderr, "rank %d: %s x%lld: %s (%s)\n", r, tp_coll_kind_name((tp_coll_kind)k),
@@ -577,11 +554,6 @@ int main(int argc, char **argv)
 #else
         if (tp_cuda_device_count() == 0) {
             fprintf(stderr, "tp-bench-layers: no CUDA device\n");
-            return 2;
-        }
-        if (!TP_BENCH_HAVE_MODULE_TO) {
-            fprintf(stderr, "tp-bench-layers: --backend nccl needs tp_module_to() to move a "
-                            "module's parameters to the GPU; this libtp does not have it\n");
             return 2;
         }
         if (!ranks_given && tp_cuda_device_count() < 2)
