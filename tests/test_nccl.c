@@ -626,3 +626,212 @@ Test(nccl, timeout_aborts, .timeout = 120)
     run_ctx ctx = {0};
     tp_test_run(2, timeout_rank, &ctx, ctx.slots);
 }
+
+/* ---- end to end: a parallelized MLP on GPUs over nccl ----------------------------
+ *
+ * Sequential(net1 = Linear(10, 16), relu, net2 = Linear(16, 10)) with
+ * {"net1": Colwise, "net2": Rowwise} on n GPUs (n = 1 is the world of one):
+ * parameters moved to cuda:rank, parallelized over an nccl mesh, forward,
+ * sum, backward and one SGD step. The output and the updated full parameters
+ * must equal the same steps on the CPU without parallelism, and the
+ * collectives must be those of the DESIGN table (one all_reduce forward when
+ * n > 1, none backward). */
+
+enum { E2E_BATCH = 8, E2E_IN = 10, E2E_HIDDEN = 16, E2E_SEED = 77 };
+#define E2E_LR 0.1
+
+typedef struct e2e_ref {
+    char fqn[32];
+    tp_tensor *value; /* CPU, after the SGD step */
+} e2e_ref;
+
+typedef struct e2e_ctx {
+    tp_test_slot slots[TP_TEST_MAX_RANKS];
+    tp_tensor *x;         /* CPU input [8, 10] */
+    tp_tensor *y_ref;     /* CPU output of the unparallelized MLP */
+    e2e_ref ref[4];       /* net1/net2 weight and bias after one step */
+    int nref;
+} e2e_ctx;
+
+static tp_status e2e_mlp(tp_module **out)
+{
+    tp_module *m = NULL, *a = NULL, *relu = NULL, *b = NULL;
+    TP_TEST_TRY(tp_sequential_create(&m));
+    tp_status st = tp_linear_create(E2E_IN, E2E_HIDDEN, true, &a);
+    if (st == TP_OK && (st = tp_module_add_child(m, "net1", a)) != TP_OK)
+        tp_module_free(a);
+    if (st == TP_OK && (st = tp_relu_create(&relu)) == TP_OK &&
+        (st = tp_module_add_child(m, "relu", relu)) != TP_OK)
+        tp_module_free(relu);
+    if (st == TP_OK && (st = tp_linear_create(E2E_HIDDEN, E2E_IN, true, &b)) == TP_OK &&
+        (st = tp_module_add_child(m, "net2", b)) != TP_OK)
+        tp_module_free(b);
+    if (st != TP_OK) {
+        tp_module_free(m);
+        return st;
+    }
+    *out = m;
+    return TP_OK;
+}
+
+/* forward, sum, backward, one SGD step; *y gets the forward output */
+static tp_status e2e_step(tp_module *m, tp_tensor *x, tp_tensor **y)
+{
+    tp_tensor *out = NULL, *loss = NULL;
+    TP_TEST_TRY(tp_module_call(m, x, &out));
+    tp_status st = tp_sum_all(out, &loss);
+    if (st == TP_OK)
+        st = tp_backward(loss, NULL);
+    if (st == TP_OK)
+        st = tp_sgd_step(m, E2E_LR);
+    tp_tensor_release(loss);
+    if (st != TP_OK) {
+        tp_tensor_release(out);
+        return st;
+    }
+    *y = out;
+    return TP_OK;
+}
+
+static tp_status e2e_keep_ref(const char *fqn, tp_tensor *full, void *arg)
+{
+    e2e_ctx *c = arg;
+    if (c->nref == 4)
+        return TP_ERR_STATE;
+    snprintf(c->ref[c->nref].fqn, sizeof c->ref[c->nref].fqn, "%s", fqn);
+    return tp_tensor_to(full, TP_F32, TP_CPU, &c->ref[c->nref++].value);
+}
+
+typedef struct e2e_check {
+    e2e_ctx *c;
+    tp_test_slot *s;
+    int seen;
+} e2e_check;
+
+static tp_status e2e_compare_param(const char *fqn, tp_tensor *full, void *arg)
+{
+    e2e_check *k = arg;
+    const e2e_ref *want = NULL;
+    for (int i = 0; i < k->c->nref; i++)
+        if (!strcmp(k->c->ref[i].fqn, fqn))
+            want = &k->c->ref[i];
+    RANK_EXPECT(k->s, want != NULL, "parameter %s is not in the CPU reference", fqn);
+    if (!want)
+        return TP_OK;
+    RANK_EXPECT(k->s, tp_tensor_device(full).type == TP_DEVICE_CUDA,
+                "the full value of %s left the GPU", fqn);
+    tp_tensor *h = NULL;
+    TP_TEST_TRY(tp_tensor_to(full, TP_F32, TP_CPU, &h));
+    bool close = false;
+    double d = 0.0;
+    tp_status st = tp_tensor_allclose(h, want->value, 1e-4, 1e-5, &close);
+    if (st == TP_OK)
+        st = tp_tensor_max_abs_diff(h, want->value, &d);
+    RANK_EXPECT(k->s, st != TP_OK || close, "%s after one SGD step differs from the CPU by %g",
+                fqn, d);
+    tp_tensor_release(h);
+    k->seen++;
+    return st;
+}
+
+static tp_status e2e_rank(tp_comm *boot, void *arg)
+{
+    e2e_ctx *c = arg;
+    int rank = tp_comm_rank(boot), n = tp_comm_size(boot);
+    tp_test_slot *s = &c->slots[rank];
+    tp_comm *nc = NULL;
+    tp_mesh *mesh = NULL;
+    tp_module *m = NULL;
+    tp_style *cs = NULL, *rs = NULL;
+    tp_comm_debug *dbg = NULL;
+    tp_tensor *x = NULL, *y = NULL, *yh = NULL;
+    tp_status st;
+
+#define E2E_TRY(expr)                                                           \
+    do {                                                                        \
+        st = (expr);                                                            \
+        if (st != TP_OK) {                                                      \
+            RANK_EXPECT(s, 0, "%s failed: %s (%s)", #expr, tp_status_name(st),  \
+                        tp_last_error());                                       \
+            goto out;                                                           \
+        }                                                                       \
+    } while (0)
+
+    E2E_TRY(nccl_world(boot, &nc));
+    RANK_EXPECT(s, !strcmp(tp_comm_backend(nc), "nccl"), "backend %s", tp_comm_backend(nc));
+    const int64_t size = n;
+    E2E_TRY(tp_mesh_create(nc, 1, &size, (const char *const[]){"tp"}, &mesh));
+    E2E_TRY(e2e_mlp(&m));
+    E2E_TRY(tp_module_to(m, TP_CUDA(rank)));
+    E2E_TRY(tp_colwise_parallel(NULL, &cs));
+    E2E_TRY(tp_rowwise_parallel(NULL, &rs));
+    const tp_plan_entry plan[] = {{"net1", cs}, {"net2", rs}};
+    E2E_TRY(tp_parallelize_module(m, mesh, 2, plan, NULL));
+    E2E_TRY(tp_module_init(m, E2E_SEED));
+    E2E_TRY(tp_tensor_to(c->x, TP_F32, TP_CUDA(rank), &x));
+
+    E2E_TRY(tp_comm_debug_create(&dbg));
+    E2E_TRY(tp_comm_debug_begin(dbg));
+    st = e2e_step(m, x, &y);
+    tp_status end = tp_comm_debug_end(dbg);
+    E2E_TRY(st);
+    E2E_TRY(end);
+    const int64_t ar = n > 1 ? 1 : 0;
+    RANK_EXPECT(s, tp_comm_debug_module_count(dbg, TP_COMM_DEBUG_GLOBAL, TP_PHASE_FORWARD, TP_COLL_ALL_REDUCE) == ar &&
+                       tp_comm_debug_total(dbg) == ar,
+                "%lld collectives (%lld forward all_reduces), expected %lld all_reduce",
+                (long long)tp_comm_debug_total(dbg),
+                (long long)tp_comm_debug_module_count(dbg, TP_COMM_DEBUG_GLOBAL, TP_PHASE_FORWARD, TP_COLL_ALL_REDUCE),
+                (long long)ar);
+
+    RANK_EXPECT(s, tp_tensor_device(y).type == TP_DEVICE_CUDA && tp_tensor_device(y).index == rank,
+                "the output is not on cuda:%d", rank);
+    E2E_TRY(tp_tensor_to(y, TP_F32, TP_CPU, &yh));
+    bool close = false;
+    E2E_TRY(tp_tensor_allclose(yh, c->y_ref, 1e-4, 1e-5, &close));
+    RANK_EXPECT(s, close, "the MLP output on %d GPU%s differs from the CPU", n, n > 1 ? "s" : "");
+
+    e2e_check k = {.c = c, .s = s};
+    E2E_TRY(tp_module_state_dict(m, e2e_compare_param, &k));
+    RANK_EXPECT(s, k.seen == 4, "compared %d parameters, expected 4", k.seen);
+#undef E2E_TRY
+out:
+    tp_tensor_release(yh);
+    tp_tensor_release(y);
+    tp_tensor_release(x);
+    tp_comm_debug_free(dbg);
+    tp_style_free(cs);
+    tp_style_free(rs);
+    tp_module_free(m);
+    tp_mesh_free(mesh);
+    tp_comm_free(nc);
+    return st;
+}
+
+ParameterizedTestParameters(nccl, mlp_end_to_end)
+{
+    static int sizes[] = {1, 2, 4};
+    return cr_make_param_array(int, sizes, 3);
+}
+
+ParameterizedTest(int *n, nccl, mlp_end_to_end, .timeout = 300)
+{
+    need_gpus(*n);
+    e2e_ctx c = {0};
+    tp_module *ref = NULL;
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){E2E_BATCH, E2E_IN}, &c.x));
+    CHECK_OK(tp_tensor_fill_random(c.x, TP_RNG_NORMAL, 0.0, 1.0, 5, NULL, NULL));
+    CHECK_OK(e2e_mlp(&ref));
+    CHECK_OK(tp_module_init(ref, E2E_SEED));
+    CHECK_OK(e2e_step(ref, c.x, &c.y_ref));
+    CHECK_OK(tp_module_state_dict(ref, e2e_keep_ref, &c));
+    cr_assert_eq(c.nref, 4);
+    tp_status st = tp_run_local(*n, e2e_rank, &c);
+    for (int i = 0; i < c.nref; i++)
+        tp_tensor_release(c.ref[i].value);
+    tp_tensor_release(c.y_ref);
+    tp_tensor_release(c.x);
+    tp_module_free(ref);
+    tp_test_assert_slots(c.slots, *n);
+    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+}
