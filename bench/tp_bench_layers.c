@@ -556,14 +556,26 @@ int main(int argc, char **argv)
             fprintf(stderr, "tp-bench-layers: no CUDA device\n");
             return 2;
         }
-        if (!ranks_given && tp_cuda_device_count() < 2)
-            nr = 1; /* one GPU: only the one-rank points (NCCL refuses two ranks on one GPU) */
 #endif
     }
     if (boot < 0)
         boot = backend == BK_MPI || (backend == BK_NCCL && under_mpirun()) ? BK_MPI : BK_SHM;
     if (backend == BK_MPI)
         boot = BK_MPI;
+    if (backend == BK_NCCL && boot == BK_SHM) {
+        /* rank threads take GPUs 0..r-1; NCCL refuses two ranks on one GPU */
+        int k = 0, ndev = tp_cuda_device_count();
+        for (int ri = 0; ri < nr; ri++) {
+            if (ranks[ri] <= ndev)
+                ranks[k++] = ranks[ri];
+            else
+                fprintf(stderr, "tp-bench-layers: -g %lld skipped: %d GPU%s\n", (long long)ranks[ri],
+                        ndev, ndev == 1 ? "" : "s");
+        }
+        nr = k;
+        if (nr == 0)
+            return 2;
+    }
 
     /* one rank per process: every process runs the whole sweep */
     proc_world pw = {0};
