@@ -96,6 +96,9 @@ command -v timeout >/dev/null || die "timeout (coreutils) not found"
 if [ $do_comm = 1 ] && "$comm_bin" --help 2>&1 | grep -q '^  mpi .*not in this libtp'; then
     die "$comm_bin: libtp was built without MPI (meson configure $build -Dmpi=enabled)"
 fi
+if [ $do_layers = 1 ] && ! grep -qa -- '--backend shm|mpi|nccl' "$layers_bin"; then
+    die "$layers_bin predates --backend: rebuild it (ninja -C $build)"
+fi
 
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 read -r -a mpirun_extra <<<"${MPIRUN_ARGS---bind-to none}"
