@@ -625,3 +625,215 @@ ParameterizedTest(int *n, dtensor, backward_scopes, .timeout = 60)
     table_ctx c = {0};
     tp_test_run(*n, scope_body, &c, c.slot);
 }
+
+/* ---- gradient hooks and installed gradients ---------------------------------- */
+
+typedef struct hook_log {
+    int calls;
+    double seen[4]; /* the leaf's gradient when the hook ran */
+    int order[8];   /* ids of the hooks in call order */
+    int n_order;
+    int id;
+    tp_status ret;
+} hook_log;
+
+static tp_status log_hook(tp_tensor *t, void *ctx)
+{
+    hook_log *l = ctx;
+    tp_tensor *g = tp_tensor_grad(t);
+    for (int64_t i = 0; g && i < 4 && i < tp_tensor_numel(g); i++)
+        (void)tp_tensor_get(g, &i, &l->seen[i]);
+    l->calls++;
+    return l->ret;
+}
+
+typedef struct order_ctx {
+    hook_log *log;
+    int id;
+} order_ctx;
+
+static tp_status order_hook(tp_tensor *t, void *ctx)
+{
+    (void)t;
+    order_ctx *o = ctx;
+    if (o->log->n_order < 8)
+        o->log->order[o->log->n_order++] = o->id;
+    return TP_OK;
+}
+
+static tp_tensor *leaf4(const float *v)
+{
+    tp_tensor *t = NULL;
+    cr_assert_eq(tp_tensor_from_data(TP_F32, 1, (int64_t[]){4}, v, &t), TP_OK);
+    cr_assert_eq(tp_tensor_set_requires_grad(t, true), TP_OK);
+    return t;
+}
+
+/* loss = sum(x * x + x): x reaches the loss through three edges; the hook
+ * runs once, after all three, and sees 2x + 1. */
+static void backward_square_plus(tp_tensor *x)
+{
+    tp_tensor *sq = NULL, *y = NULL, *loss = NULL;
+    CHECK_OK(tp_mul(x, x, &sq));
+    CHECK_OK(tp_add(sq, x, &y));
+    CHECK_OK(tp_sum_all(y, &loss));
+    CHECK_OK(tp_backward(loss, NULL));
+    tp_tensor_release(loss);
+    tp_tensor_release(y);
+    tp_tensor_release(sq);
+}
+
+Test(dtensor, grad_hook_runs_once_after_the_last_contribution, .timeout = 30)
+{
+    const float v[4] = {1, -2, 0.5f, 3};
+    tp_tensor *x = leaf4(v);
+    hook_log l = {0};
+    int h = 0;
+    CHECK_OK(tp_tensor_add_grad_hook(x, log_hook, &l, &h));
+    backward_square_plus(x);
+    cr_assert_eq(l.calls, 1, "the hook ran %d times in one backward", l.calls);
+    for (int i = 0; i < 4; i++)
+        cr_assert_float_eq(l.seen[i], 2.0 * v[i] + 1.0, 1e-6, "element %d: %g", i, l.seen[i]);
+    /* a second backward accumulates, and the hook sees the sum */
+    backward_square_plus(x);
+    cr_assert_eq(l.calls, 2);
+    for (int i = 0; i < 4; i++)
+        cr_assert_float_eq(l.seen[i], 2.0 * (2.0 * v[i] + 1.0), 1e-6);
+    /* removed: not called again */
+    tp_tensor_remove_grad_hook(x, h);
+    tp_tensor_remove_grad_hook(x, 12345); /* unknown: no-op */
+    backward_square_plus(x);
+    cr_assert_eq(l.calls, 2);
+    tp_tensor_release(x);
+}
+
+/* Hooks fire as the backward reaches each leaf: the last layer's parameters
+ * before the first's; several hooks on one leaf in registration order. */
+Test(dtensor, grad_hooks_follow_the_backward_order, .timeout = 30)
+{
+    tp_tensor *w1 = NULL, *w2 = NULL, *x = NULL, *h = NULL, *y = NULL, *loss = NULL;
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){3, 4}, &w1));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){2, 3}, &w2));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){5, 4}, &x));
+    CHECK_OK(tp_tensor_fill_random(w1, TP_RNG_NORMAL, 0, 1, 1, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(w2, TP_RNG_NORMAL, 0, 1, 2, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(x, TP_RNG_NORMAL, 0, 1, 3, NULL, NULL));
+    CHECK_OK(tp_tensor_set_requires_grad(w1, true));
+    CHECK_OK(tp_tensor_set_requires_grad(w2, true));
+    hook_log l = {0};
+    order_ctx o1 = {&l, 1}, o2a = {&l, 2}, o2b = {&l, 3};
+    CHECK_OK(tp_tensor_add_grad_hook(w1, order_hook, &o1, NULL));
+    CHECK_OK(tp_tensor_add_grad_hook(w2, order_hook, &o2a, NULL));
+    CHECK_OK(tp_tensor_add_grad_hook(w2, order_hook, &o2b, NULL));
+    CHECK_OK(tp_linear(x, w1, NULL, &h));
+    CHECK_OK(tp_linear(h, w2, NULL, &y));
+    CHECK_OK(tp_sum_all(y, &loss));
+    /* hooks go on leaves only */
+    CHECK_ERR(tp_tensor_add_grad_hook(y, order_hook, &o1, NULL), TP_ERR_STATE);
+    CHECK_OK(tp_backward(loss, NULL));
+    cr_assert_eq(l.n_order, 3);
+    cr_assert(l.order[0] == 2 && l.order[1] == 3 && l.order[2] == 1,
+              "hook order %d %d %d, expected w2's two hooks then w1's", l.order[0], l.order[1],
+              l.order[2]);
+    tp_tensor_release(loss);
+    tp_tensor_release(y);
+    tp_tensor_release(h);
+    tp_tensor_release(x);
+    tp_tensor_release(w2);
+    tp_tensor_release(w1);
+}
+
+Test(dtensor, grad_hook_failure_stops_backward, .timeout = 30)
+{
+    const float v[4] = {1, 2, 3, 4};
+    tp_tensor *x = leaf4(v);
+    hook_log l = {.ret = TP_ERR_BACKEND};
+    CHECK_OK(tp_tensor_add_grad_hook(x, log_hook, &l, NULL));
+    tp_tensor *sq = NULL, *loss = NULL;
+    CHECK_OK(tp_mul(x, x, &sq));
+    CHECK_OK(tp_sum_all(sq, &loss));
+    CHECK_ERR(tp_backward(loss, NULL), TP_ERR_BACKEND);
+    cr_assert_eq(l.calls, 1);
+    tp_tensor_release(loss);
+    tp_tensor_release(sq);
+    CHECK_ERR(tp_tensor_add_grad_hook(NULL, log_hook, &l, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_add_grad_hook(x, NULL, &l, NULL), TP_ERR_INVALID_ARG);
+    tp_tensor *plain = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){4}, &plain));
+    CHECK_ERR(tp_tensor_add_grad_hook(plain, log_hook, &l, NULL), TP_ERR_INVALID_ARG);
+    tp_tensor_release(plain);
+    tp_tensor_release(x);
+}
+
+/* A gradient installed as a view into a larger buffer receives the backward
+ * in place: the buffer holds the gradient without a copy, and a second
+ * backward adds into it. */
+Test(dtensor, set_grad_accumulates_into_a_bucket_view, .timeout = 30)
+{
+    const float v[4] = {1, -2, 0.5f, 3};
+    tp_tensor *x = leaf4(v);
+    tp_tensor *bucket = NULL, *view = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){10}, &bucket));
+    CHECK_OK(tp_tensor_narrow(bucket, 0, 3, 4, &view));
+    CHECK_OK(tp_tensor_set_grad(x, view));
+    cr_assert_eq(tp_tensor_grad(x), view);
+    backward_square_plus(x);
+    cr_assert_eq(tp_tensor_grad(x), view, "the installed gradient was replaced");
+    const float *b = tp_tensor_data(bucket);
+    for (int i = 0; i < 4; i++)
+        cr_assert_float_eq(b[3 + i], 2.0 * v[i] + 1.0, 1e-6, "bucket[%d] = %g", 3 + i, b[3 + i]);
+    cr_assert(b[0] == 0 && b[1] == 0 && b[2] == 0 && b[7] == 0 && b[8] == 0 && b[9] == 0,
+              "the backward wrote outside the view");
+    backward_square_plus(x);
+    for (int i = 0; i < 4; i++)
+        cr_assert_float_eq(b[3 + i], 2.0 * (2.0 * v[i] + 1.0), 1e-6);
+    /* zero_grad drops it; set_grad(NULL) too */
+    tp_tensor_zero_grad(x);
+    cr_assert_null(tp_tensor_grad(x));
+    CHECK_OK(tp_tensor_set_grad(x, view));
+    CHECK_OK(tp_tensor_set_grad(x, NULL));
+    cr_assert_null(tp_tensor_grad(x));
+
+    /* errors */
+    tp_tensor *wrong = NULL, *f64 = NULL, *noreq = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){5}, &wrong));
+    CHECK_OK(tp_tensor_zeros(TP_F64, TP_CPU, 1, (int64_t[]){4}, &f64));
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){4}, &noreq));
+    CHECK_ERR(tp_tensor_set_grad(NULL, view), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_set_grad(x, wrong), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_set_grad(x, f64), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_set_grad(x, x), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_tensor_set_grad(noreq, view), TP_ERR_INVALID_ARG);
+    tp_tensor_release(noreq);
+    tp_tensor_release(f64);
+    tp_tensor_release(wrong);
+    tp_tensor_release(view);
+    tp_tensor_release(bucket);
+    tp_tensor_release(x);
+}
+
+/* The first contribution is kept by reference and may be shared: a leaf
+ * that owns no buffer yet never writes into it. Two leaves get the same
+ * upstream gradient from an add; accumulating into one must not change the
+ * other. */
+Test(dtensor, shared_first_gradients_are_not_written_in_place, .timeout = 30)
+{
+    const float va[4] = {1, 2, 3, 4}, vb[4] = {5, 6, 7, 8};
+    tp_tensor *a = leaf4(va), *b = leaf4(vb);
+    for (int round = 1; round <= 3; round++) {
+        tp_tensor *y = NULL, *loss = NULL;
+        CHECK_OK(tp_add(a, b, &y));
+        CHECK_OK(tp_sum_all(y, &loss));
+        CHECK_OK(tp_backward(loss, NULL));
+        for (int64_t i = 0; i < 4; i++) {
+            double ga = 0, gb = 0;
+            CHECK_OK(tp_tensor_get(tp_tensor_grad(a), &i, &ga));
+            CHECK_OK(tp_tensor_get(tp_tensor_grad(b), &i, &gb));
+            cr_assert(ga == round && gb == round, "round %d: grads %g and %g", round, ga, gb);
+        }
+        tp_tensor_release(loss);
+        tp_tensor_release(y);
+    }
+    tp_tensor_release(b);
+    tp_tensor_release(a);
+}

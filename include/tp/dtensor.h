@@ -156,6 +156,31 @@ TP_API bool tp_tensor_requires_grad(const tp_tensor *t);
 TP_API tp_tensor *tp_tensor_grad(const tp_tensor *t);
 /* Drops the accumulated gradient. */
 TP_API void tp_tensor_zero_grad(tp_tensor *t);
+/*
+ * Installs g as t's gradient (t must require grad; a reference to g is
+ * taken; NULL drops the gradient like tp_tensor_zero_grad). g has t's shape,
+ * dtype and device; for a DTensor t, g is a DTensor on t's mesh (any
+ * placements). Later backward passes add into g in place, as they do into a
+ * gradient libtp allocated, so g may be a view into a larger buffer (a
+ * communication bucket) that then receives the gradient without a copy. If a
+ * contribution cannot be added in place (g not contiguous), the sum is a new
+ * tensor and g is no longer t's gradient.
+ */
+TP_API tp_status tp_tensor_set_grad(tp_tensor *t, tp_tensor *g);
+
+/* Post-accumulate gradient hook: called on backward's thread once per
+ * tp_backward for every leaf that received a gradient, as soon as the last
+ * contribution of that backward was added into tp_tensor_grad(t). Inside a
+ * no-grad scope. A status other than TP_OK stops the backward, which returns
+ * it. */
+typedef tp_status (*tp_grad_hook_fn)(tp_tensor *t, void *ctx);
+/* Registers a hook on a tensor that requires grad (leaves only: a hook on a
+ * non-leaf is TP_ERR_STATE). Hooks run in registration order. *handle (may be
+ * NULL) receives an id for tp_tensor_remove_grad_hook. */
+TP_API tp_status tp_tensor_add_grad_hook(tp_tensor *t, tp_grad_hook_fn fn, void *ctx,
+                                         int *handle);
+/* Removes a hook; an unknown handle is a no-op. */
+TP_API void tp_tensor_remove_grad_hook(tp_tensor *t, int handle);
 /* true when t was produced by a recorded op (has a backward node). */
 TP_API bool tp_tensor_has_grad_fn(const tp_tensor *t);
 

@@ -51,6 +51,82 @@ void tp_tensor_zero_grad(tp_tensor *t)
     tp__autograd *ag = t->autograd;
     tp_tensor_release(ag->grad);
     ag->grad = NULL;
+    ag->grad_owned = false;
+}
+
+tp_status tp_tensor_set_grad(tp_tensor *t, tp_tensor *g)
+{
+    const char *fn = "tp_tensor_set_grad";
+    TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_ARG_CHECK(tp_tensor_requires_grad(t), "%s: t does not require grad", fn);
+    if (!g) {
+        tp_tensor_zero_grad(t);
+        return TP_OK;
+    }
+    TP_ARG_CHECK(g != t, "%s: a tensor cannot be its own gradient", fn);
+    TP_ARG_CHECK(!tp_tensor_has_grad_fn(g), "%s: g is the output of a recorded op", fn);
+    TP_ARG_CHECK(!t->dist == !g->dist, "%s: t is %s but g is %s", fn,
+                 t->dist ? "a DTensor" : "plain", g->dist ? "a DTensor" : "plain");
+    TP_ARG_CHECK(g->dtype == t->dtype, "%s: g is %s, t is %s", fn, tp_dtype_name(g->dtype),
+                 tp_dtype_name(t->dtype));
+    if (g->ndim != t->ndim || memcmp(g->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim)) {
+        char a[200], b[200];
+        return tp__error(TP_ERR_INVALID_ARG, "%s: g has shape %s, t has %s", fn,
+                         tp__shape_str(g->ndim, g->shape, a, sizeof a),
+                         tp__shape_str(t->ndim, t->shape, b, sizeof b));
+    }
+    if (t->dist) {
+        TP_ARG_CHECK(tp__dist_of(g)->mesh == tp__dist_of(t)->mesh,
+                     "%s: g is on another mesh than t", fn);
+    } else {
+        TP_CHECK(tp__same_device(fn, "t", t, "g", g));
+    }
+    tp__autograd *ag = t->autograd;
+    tp_tensor_retain(g);
+    tp_tensor_release(ag->grad);
+    ag->grad = g;
+    ag->grad_owned = true;
+    return TP_OK;
+}
+
+tp_status tp_tensor_add_grad_hook(tp_tensor *t, tp_grad_hook_fn fn_, void *ctx, int *handle)
+{
+    const char *fn = "tp_tensor_add_grad_hook";
+    TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_ARG_CHECK(fn_, "%s: fn is NULL", fn);
+    TP_ARG_CHECK(tp_tensor_requires_grad(t), "%s: t does not require grad", fn);
+    if (tp_tensor_has_grad_fn(t))
+        return tp__error(TP_ERR_STATE, "%s: t is the output of a recorded op; hooks go on leaves",
+                         fn);
+    tp__autograd *ag = t->autograd;
+    tp__grad_hook *h = tp__calloc(1, sizeof *h);
+    if (!h)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    h->fn = fn_;
+    h->ctx = ctx;
+    h->id = ++ag->next_hook_id;
+    tp__grad_hook **tail = &ag->hooks;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = h;
+    if (handle)
+        *handle = h->id;
+    return TP_OK;
+}
+
+void tp_tensor_remove_grad_hook(tp_tensor *t, int handle)
+{
+    if (!t || !t->autograd)
+        return;
+    tp__autograd *ag = t->autograd;
+    for (tp__grad_hook **p = &ag->hooks; *p; p = &(*p)->next) {
+        if ((*p)->id == handle) {
+            tp__grad_hook *h = *p;
+            *p = h->next;
+            tp__free(h);
+            return;
+        }
+    }
 }
 
 tp_status tp_tensor_set_requires_grad(tp_tensor *t, bool requires_grad)
@@ -175,12 +251,11 @@ tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn back
 
 /* ---- gradient sums -------------------------------------------------------- */
 
-static tp_status tp__add_plain(tp_tensor *a, tp_tensor *b, tp_tensor **out)
+/* r += b in place; r is contiguous and has b's shape. */
+static tp_status tp__add_into_plain(tp_tensor *r, const tp_tensor *b)
 {
-    if (a->ndim != b->ndim || memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim))
+    if (r->ndim != b->ndim || memcmp(r->shape, b->shape, sizeof(int64_t) * (size_t)r->ndim))
         return tp__error(TP_ERR_INVALID_ARG, "gradient shapes differ");
-    tp_tensor *r = NULL;
-    TP_CHECK(tp_tensor_to(a, a->dtype, tp_tensor_device(a), &r));
     int64_t n = tp_tensor_numel(r);
     tp_tensor *bc = NULL;
     tp_status st = tp_tensor_is_contiguous(b) ? TP_OK : tp_tensor_clone(b, &bc);
@@ -225,12 +300,48 @@ static tp_status tp__add_plain(tp_tensor *a, tp_tensor *b, tp_tensor **out)
         }
     }
     tp_tensor_release(bc);
+    return st;
+}
+
+static tp_status tp__add_plain(tp_tensor *a, tp_tensor *b, tp_tensor **out)
+{
+    if (a->ndim != b->ndim || memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim))
+        return tp__error(TP_ERR_INVALID_ARG, "gradient shapes differ");
+    tp_tensor *r = NULL;
+    TP_CHECK(tp_tensor_to(a, a->dtype, tp_tensor_device(a), &r));
+    tp_status st = tp__add_into_plain(r, b);
     if (st != TP_OK) {
         tp_tensor_release(r);
         return st;
     }
     *out = r;
     return TP_OK;
+}
+
+/* a += b in place when a's storage can take it (contiguous, a DTensor's
+ * local shard for DTensors, b first brought to a's placements). *done is
+ * false (and nothing changed) when it cannot. */
+static tp_status tp__grad_add_into(tp_tensor *a, tp_tensor *b, bool *done)
+{
+    *done = false;
+    if (!a->dist && !b->dist) {
+        if (!tp_tensor_is_contiguous(a) || a->dtype != b->dtype)
+            return TP_OK;
+        TP_CHECK(tp__add_into_plain(a, b));
+        *done = true;
+        return TP_OK;
+    }
+    if (!a->dist || !b->dist)
+        return tp__error(TP_ERR_INVALID_ARG, "a plain and a distributed gradient meet");
+    tp__dist *da = tp__dist_of(a);
+    if (!tp_tensor_is_contiguous(da->local) || a->dtype != b->dtype)
+        return TP_OK;
+    tp_tensor *bb = NULL;
+    TP_CHECK(tp__redistribute(b, da->placements, false, &bb));
+    tp_status st = tp__add_into_plain(da->local, tp_dtensor_local(bb));
+    tp_tensor_release(bb);
+    *done = st == TP_OK;
+    return st;
 }
 
 tp_status tp__grad_add(tp_tensor *a, tp_tensor *b, tp_tensor **out)
@@ -319,17 +430,45 @@ static tp_status tp__ones_like(tp_tensor *loss, tp_tensor **out)
     return st;
 }
 
+/* The first contribution is kept as is (it may be shared with other leaves
+ * or nodes); later ones are summed into a buffer the leaf owns, in place once
+ * it owns one. */
 static tp_status tp__accumulate_leaf(tp_tensor *leaf, tp_tensor *g)
 {
     tp__autograd *ag = leaf->autograd;
     if (!ag->grad) {
         ag->grad = tp_tensor_retain(g);
+        ag->grad_owned = false;
         return TP_OK;
+    }
+    if (ag->grad_owned) {
+        bool done = false;
+        TP_CHECK(tp__grad_add_into(ag->grad, g, &done));
+        if (done)
+            return TP_OK;
     }
     tp_tensor *sum = NULL;
     TP_CHECK(tp__grad_add(ag->grad, g, &sum));
     tp_tensor_release(ag->grad);
     ag->grad = sum;
+    ag->grad_owned = true;
+    return TP_OK;
+}
+
+/* Runs a leaf's hooks once its last contribution of this backward is in. */
+static tp_status tp__leaf_done(tp_tensor *leaf)
+{
+    tp__autograd *ag = leaf->autograd;
+    if (ag->leaf_pending > 0 && --ag->leaf_pending > 0)
+        return TP_OK;
+    for (tp__grad_hook *h = ag->hooks; h; h = h->next) {
+        tp_status st = h->fn(leaf, h->ctx);
+        if (st != TP_OK) {
+            if (!tp_last_error()[0])
+                tp__error(st, "a gradient hook failed");
+            return st;
+        }
+    }
     return TP_OK;
 }
 
@@ -344,6 +483,29 @@ static tp_status tp__accumulate_node(tp__node *n, tp_tensor *g)
     tp_tensor_release(n->grad_acc);
     n->grad_acc = sum;
     return TP_OK;
+}
+
+typedef struct {
+    tp_tensor **v;
+    size_t n, cap;
+} tp__leaves;
+
+/* Appends a reference to leaf. */
+static bool tp__leaves_push(tp__leaves *s, tp_tensor *leaf)
+{
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? 2 * s->cap : 16;
+        tp_tensor **v = tp__malloc(cap * sizeof *v);
+        if (!v)
+            return false;
+        if (s->n)
+            memcpy(v, s->v, s->n * sizeof *v);
+        tp__free(s->v);
+        s->v = v;
+        s->cap = cap;
+    }
+    s->v[s->n++] = tp_tensor_retain(leaf);
+    return true;
 }
 
 tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
@@ -368,7 +530,12 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
     }
     tp__node *root = tp__grad_fn(loss);
     if (!root) {
+        tp_no_grad_begin();
         tp_status st = tp__accumulate_leaf(loss, g0);
+        ((tp__autograd *)loss->autograd)->leaf_pending = 0;
+        if (st == TP_OK)
+            st = tp__leaf_done(loss);
+        tp_no_grad_end();
         tp_tensor_release(g0);
         return st;
     }
@@ -381,6 +548,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
     /* count, for every reachable node, how many edges lead into it */
     tp_status st = TP_OK;
     tp__nodes all = {0}, stack = {0}, ready = {0};
+    tp__leaves leaves = {0}; /* leaves with hooks, and their pending counts */
     if (!tp__nodes_push(&stack, root) || !tp__nodes_hold(&all, root)) {
         st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
         goto out;
@@ -390,8 +558,19 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
         tp__node *n = stack.v[--stack.n];
         for (int i = 0; i < n->n_inputs; i++) {
             tp__node *p = tp__grad_fn(n->inputs[i]);
-            if (!p)
+            if (!p) {
+                /* a leaf with hooks: count the edges into it, so that its
+                 * hooks run after its last contribution */
+                tp_tensor *leaf = n->inputs[i];
+                tp__autograd *lag = leaf ? leaf->autograd : NULL;
+                if (lag && lag->hooks && lag->leaf_pending++ == 0 &&
+                    !tp__leaves_push(&leaves, leaf)) {
+                    lag->leaf_pending = 0;
+                    st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+                    break;
+                }
                 continue;
+            }
             if (p->released) {
                 st = tp__error(TP_ERR_STATE, "%s: part of the graph (%s) was already freed by an "
                                "earlier backward", fn, p->name);
@@ -442,6 +621,8 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
                         st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
                 } else {
                     st = tp__accumulate_leaf(in, gin[i]);
+                    if (st == TP_OK && ((tp__autograd *)in->autograd)->hooks)
+                        st = tp__leaf_done(in);
                 }
             }
             tp_tensor_release(gin[i]);
@@ -456,6 +637,11 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
     tp_comm_debug_set_phase(saved_phase);
 
 out:
+    for (size_t i = 0; i < leaves.n; i++) {
+        ((tp__autograd *)leaves.v[i]->autograd)->leaf_pending = 0;
+        tp_tensor_release(leaves.v[i]);
+    }
+    tp__free(leaves.v);
     /* whatever was not reached (on failure) is freed too: the graph is spent */
     for (size_t i = 0; i < all.n; i++) {
         all.v[i]->pending = 0;

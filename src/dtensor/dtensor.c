@@ -159,6 +159,11 @@ void tp__node_release(tp__node *n);
 
 static void tp__autograd_free(tp__autograd *ag)
 {
+    while (ag->hooks) {
+        tp__grad_hook *h = ag->hooks;
+        ag->hooks = h->next;
+        tp__free(h);
+    }
     tp_tensor_release(ag->grad);
     if (ag->grad_fn)
         tp__node_release(ag->grad_fn);

@@ -67,10 +67,23 @@ struct tp__node {
     tp_tensor *grad_acc;
 };
 
+typedef struct tp__grad_hook {
+    tp_grad_hook_fn fn;
+    void *ctx;
+    int id;
+    struct tp__grad_hook *next;
+} tp__grad_hook;
+
 typedef struct tp__autograd {
     bool requires_grad;
-    tp_tensor *grad;   /* accumulated (leaves) */
-    tp__node *grad_fn; /* retained */
+    tp_tensor *grad;     /* accumulated (leaves) */
+    bool grad_owned;     /* grad is this leaf's own buffer (a sum libtp made, or
+                          * one installed with tp_tensor_set_grad): later
+                          * contributions are added into it in place */
+    tp__node *grad_fn;   /* retained */
+    tp__grad_hook *hooks; /* post-accumulate hooks, in registration order */
+    int next_hook_id;
+    int leaf_pending;    /* during a backward: contributions still to come */
 } tp__autograd;
 
 /* true when recording is on and any of the tensors requires grad. */
