@@ -1482,6 +1482,53 @@ Test(nn, sgd_step_by_hand, .timeout = 30)
     tp_module_free(lin);
 }
 
+/* Step pre-hooks run before any parameter changes, for the module stepped
+ * and its descendants; a failing one stops the step. */
+typedef struct step_log {
+    int calls;
+    double w_seen; /* weight[0][2] when the hook ran */
+    tp_status ret;
+    int freed;
+} step_log;
+
+static tp_status step_hook(tp_module *m, void *ctx)
+{
+    step_log *l = ctx;
+    l->calls++;
+    l->w_seen = at(tp_module_parameter(m, "weight"), 0, 2);
+    return l->ret;
+}
+
+static void step_log_free(void *ctx) { ((step_log *)ctx)->freed++; }
+
+Test(nn, step_pre_hooks, .timeout = 30)
+{
+    tp_module *lin = hand_linear(), *root = NULL;
+    step_log l = {0};
+    CHECK_OK(tp_module_add_step_pre_hook(lin, step_hook, &l, step_log_free));
+    CHECK_OK(tp_sequential_create(&root));
+    CHECK_OK(tp_module_add_child(root, "lin", lin));
+    hand_backward(lin);
+    tp_adam *adam = NULL;
+    CHECK_OK(tp_adam_create(root, 0.1, 0.9, 0.999, 1e-8, &adam));
+    CHECK_OK(tp_sgd_step(root, 0.5)); /* the child's hook runs for its ancestor's step */
+    cr_assert_eq(l.calls, 1);
+    cr_assert_eq(l.w_seen, 3, "the hook ran after the update (saw %g)", l.w_seen);
+    CHECK_OK(tp_adam_step(adam));
+    cr_assert_eq(l.calls, 2);
+    l.ret = TP_ERR_ABORTED;
+    double before = at(tp_module_parameter(lin, "weight"), 0, 2);
+    cr_assert_eq(tp_sgd_step(root, 0.5), TP_ERR_ABORTED);
+    cr_assert_eq(tp_adam_step(adam), TP_ERR_ABORTED);
+    cr_assert_eq(at(tp_module_parameter(lin, "weight"), 0, 2), before,
+                 "a failing hook must stop the step before any update");
+    CHECK_ERR(tp_module_add_step_pre_hook(NULL, step_hook, &l, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_module_add_step_pre_hook(lin, NULL, &l, NULL), TP_ERR_INVALID_ARG);
+    tp_adam_free(adam);
+    tp_module_free(root);
+    cr_assert_eq(l.freed, 1, "ctx_free ran %d times", l.freed);
+}
+
 /* torch.optim.Adam on a constant gradient, in double. */
 static double adam_ref(double p, double g, int steps, double lr, double b1, double b2,
                        double eps)

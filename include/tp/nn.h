@@ -3,7 +3,8 @@
  * ReLU, GELU, Sequential, containers with named children and custom modules
  * whose forward the user writes with library ops; parameters with dotted
  * fully qualified names (FQNs), forward pre-hooks and hooks, deterministic
- * initialisation, state dicts, SGD and Adam.
+ * initialisation, state dicts, SGD and Adam, and replication onto devices
+ * (torch.nn.parallel.replicate).
  *
  * Modules form a tree; a parent owns its children (tp_module_free frees the
  * subtree). Parameters are tensors (plain, or DTensors once a parallel style
@@ -152,6 +153,14 @@ TP_API tp_status tp_module_add_forward_pre_hook(tp_module *m, tp_forward_pre_hoo
                                                 void (*ctx_free)(void *ctx));
 TP_API tp_status tp_module_add_forward_hook(tp_module *m, tp_forward_hook fn, void *ctx,
                                             void (*ctx_free)(void *ctx));
+/* A step pre-hook runs when tp_sgd_step / tp_adam_step is called on m or an
+ * ancestor, before any parameter changes (data parallelism waits for its
+ * gradient all_reduces there). A failing hook stops the step with its status,
+ * no parameter updated. Hooks of a subtree run depth first, in registration
+ * order per module. */
+typedef tp_status (*tp_step_pre_hook)(tp_module *m, void *ctx);
+TP_API tp_status tp_module_add_step_pre_hook(tp_module *m, tp_step_pre_hook fn, void *ctx,
+                                             void (*ctx_free)(void *ctx));
 
 /* ---- initialisation and state dicts ---------------------------------------- */
 
@@ -176,6 +185,69 @@ TP_API tp_status tp_module_state_dict(tp_module *m,
                                       tp_status (*fn)(const char *fqn, tp_tensor *full,
                                                       void *ctx),
                                       void *ctx);
+
+/* ---- replication ----------------------------------------------------------- */
+
+/*
+ * The device of a module: where its parameters live, or for a replica the
+ * device it was replicated to (a module without parameters reports that).
+ * CUDA: the device of the first parameter of the subtree (depth first).
+ * CPU: a LOGICAL device {TP_DEVICE_CPU, k}, one per shm rank (all of them
+ * host memory; CPU tensors themselves always report index 0): k is 0 for
+ * every module the library creates and the replica's index for the modules
+ * of a replica made by tp_module_replicate. NULL: {TP_DEVICE_CPU, -1}.
+ */
+TP_API tp_device tp_module_device(const tp_module *m);
+
+/*
+ * torch.nn.parallel.replicate: replicas[i] becomes a new root module, a copy
+ * of `module` for devices[i] (n >= 1 entries). Each replica is a full tree of
+ * new modules with the same kinds, type and child names (so the same FQNs),
+ * configuration (Dropout's seed and call count included), training flag,
+ * forward functions and hooks; it computes what `module` computes, given the
+ * same inputs on its device. The caller frees each replica with
+ * tp_module_free, in any order relative to `module`.
+ *
+ * Parameters. A replica on the module's own device (tp_module_device:
+ * logical CPU device k, or CUDA device i holding the parameters) SHARES
+ * storage with the original: each of its parameters is a new tensor viewing
+ * the original's storage (same data pointer; the storage is refcounted, so it
+ * outlives whichever is freed first), and in-place updates of the original
+ * (tp_sgd_step, tp_adam_step, tp_module_load_state_dict) are seen by the
+ * replica, and the other way round. A replica on any other device gets DEEP
+ * COPIES (tp_tensor_to, the copy path of tp_module_to), unaffected by later
+ * updates. A tensor registered in several places of the tree (tied weights)
+ * stays one tensor in each replica. Replica parameters are leaves of their
+ * own: they require grad when the original's do, start without a gradient,
+ * and a backward through a replica accumulates into the replica's
+ * parameters, never into the original's (PyTorch's replicas are non-leaf
+ * views whose gradients flow back to the original; here reducing replica
+ * gradients is the data-parallel wrapper's job). libtp modules have no
+ * buffers: parameters are the whole state.
+ *
+ * Shared, not copied: custom modules' ctx and hooks' ctx are the original's
+ * pointers; replicas never call ctx_free, so those contexts must outlive
+ * every replica (the original's ctx_free runs when the original is freed). A
+ * custom forward must reach its children and parameters through `self`, not
+ * through module pointers kept in ctx, or a replica would run the
+ * original's modules.
+ *
+ * Devices: TP_CUDA(i) (a CUDA build and a device: TP_ERR_NOT_SUPPORTED
+ * otherwise, as for tensors; i past the device count: TP_ERR_INVALID_ARG) or
+ * a logical CPU device {TP_DEVICE_CPU, k}, k >= 0, whose parameters are host
+ * tensors; a list may mix both and repeat a device. Replicating a CPU module
+ * to a CUDA device deep-copies, and the other way round.
+ *
+ * Errors: NULL module, devices or replicas, n <= 0, a negative index or an
+ * unknown device type, and a module that is some module's child are
+ * TP_ERR_INVALID_ARG; a module with DTensor parameters (already
+ * tensor-parallel: replicate before tp_parallelize_module) is
+ * TP_ERR_NOT_SUPPORTED. All or nothing: on any failure every replicas[i] is
+ * NULL and nothing stays allocated. Not collective; call it from one thread
+ * and hand replicas[r] to rank r.
+ */
+TP_API tp_status tp_module_replicate(tp_module *module, const tp_device *devices, int n,
+                                     tp_module **replicas);
 
 /* ---- optimizers ------------------------------------------------------------ */
 

@@ -82,6 +82,7 @@ static void tp__module_destroy(tp_module *m)
     tp__free(m->params);
     tp__hooks_free(m->pre_hooks, m->n_pre);
     tp__hooks_free(m->post_hooks, m->n_post);
+    tp__hooks_free(m->step_hooks, m->n_step);
     if (m->ctx_free)
         m->ctx_free(m->ctx);
     tp__free(m->type_name);
@@ -471,13 +472,20 @@ void tp_module_zero_grad(tp_module *m)
 
 /* On failure the caller keeps ctx: ctx_free is not called (as a blob's
  * deleter is not when wrapping it fails). */
+enum { TP__HOOK_PRE, TP__HOOK_POST, TP__HOOK_STEP };
+
 static tp_status tp__add_hook(const char *fn, tp_module *m, void *hook, void *ctx,
-                              void (*ctx_free)(void *), bool pre)
+                              void (*ctx_free)(void *), int which)
 {
     TP_ARG_CHECK(m, "%s: module is NULL", fn);
     TP_ARG_CHECK(hook, "%s: hook is NULL", fn);
-    tp__hook **v = pre ? &m->pre_hooks : &m->post_hooks;
-    int *n = pre ? &m->n_pre : &m->n_post, *cap = pre ? &m->cap_pre : &m->cap_post;
+    tp__hook **v = which == TP__HOOK_PRE    ? &m->pre_hooks
+                   : which == TP__HOOK_POST ? &m->post_hooks
+                                            : &m->step_hooks;
+    int *n = which == TP__HOOK_PRE ? &m->n_pre : which == TP__HOOK_POST ? &m->n_post : &m->n_step;
+    int *cap = which == TP__HOOK_PRE    ? &m->cap_pre
+               : which == TP__HOOK_POST ? &m->cap_post
+                                        : &m->cap_step;
     if (!tp__grow((void **)v, *n, cap, sizeof **v))
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     (*v)[(*n)++] = (tp__hook){hook, ctx, ctx_free};
@@ -487,13 +495,33 @@ static tp_status tp__add_hook(const char *fn, tp_module *m, void *hook, void *ct
 tp_status tp_module_add_forward_pre_hook(tp_module *m, tp_forward_pre_hook fn, void *ctx,
                                          void (*ctx_free)(void *ctx))
 {
-    return tp__add_hook("tp_module_add_forward_pre_hook", m, (void *)fn, ctx, ctx_free, true);
+    return tp__add_hook("tp_module_add_forward_pre_hook", m, (void *)fn, ctx, ctx_free,
+                        TP__HOOK_PRE);
 }
 
 tp_status tp_module_add_forward_hook(tp_module *m, tp_forward_hook fn, void *ctx,
                                      void (*ctx_free)(void *ctx))
 {
-    return tp__add_hook("tp_module_add_forward_hook", m, (void *)fn, ctx, ctx_free, false);
+    return tp__add_hook("tp_module_add_forward_hook", m, (void *)fn, ctx, ctx_free,
+                        TP__HOOK_POST);
+}
+
+tp_status tp_module_add_step_pre_hook(tp_module *m, tp_step_pre_hook fn, void *ctx,
+                                      void (*ctx_free)(void *ctx))
+{
+    return tp__add_hook("tp_module_add_step_pre_hook", m, (void *)fn, ctx, ctx_free,
+                        TP__HOOK_STEP);
+}
+
+tp_status tp__module_run_step_hooks(tp_module *m)
+{
+    for (int i = 0; i < m->n_step; i++) {
+        tp_step_pre_hook h = (tp_step_pre_hook)m->step_hooks[i].fn;
+        TP_CHECK(h(m, m->step_hooks[i].ctx));
+    }
+    for (int i = 0; i < m->n_children; i++)
+        TP_CHECK(tp__module_run_step_hooks(m->children[i]));
+    return TP_OK;
 }
 
 /* ---- forward ------------------------------------------------------------------ */

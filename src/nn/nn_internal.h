@@ -6,7 +6,7 @@
 #include "tp/nn.h"
 
 typedef struct tp__hook {
-    void *fn; /* tp_forward_pre_hook or tp_forward_hook */
+    void *fn; /* tp_forward_pre_hook, tp_forward_hook or tp_step_pre_hook */
     void *ctx;
     void (*ctx_free)(void *ctx);
 } tp__hook;
@@ -28,6 +28,8 @@ struct tp_module {
     tp__hook *pre_hooks;
     int n_post, cap_post;
     tp__hook *post_hooks;
+    int n_step, cap_step;
+    tp__hook *step_hooks; /* tp_step_pre_hook: before an optimizer step */
 
     union {
         struct {
@@ -58,9 +60,18 @@ struct tp_module {
      * a second one on the same module is an error */
     const char *sharded_by;
     bool training; /* dropout active (default true) */
+    /* The logical device (tp_module_device): {CPU, 0} for every module
+     * created by the library; a replica's modules hold the device they were
+     * replicated to (replicate.c), which for the CPU names a logical device
+     * (one per shm rank) that physical tensors do not record. */
+    tp_device device;
 };
 
 /* The FQN of m relative to root ("" for root itself) into buf. */
 const char *tp__module_fqn(const tp_module *root, const tp_module *m, char *buf, size_t len);
+
+/* Runs the step pre-hooks of m's subtree, depth first (optimizers call it
+ * before updating). */
+tp_status tp__module_run_step_hooks(tp_module *m);
 
 #endif /* TP_NN_INTERNAL_H */

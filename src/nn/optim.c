@@ -434,6 +434,7 @@ tp_status tp_sgd_step(tp_module *m, double lr)
     const char *fn = "tp_sgd_step";
     TP_ARG_CHECK(m, "%s: module is NULL", fn);
     TP_ARG_CHECK(isfinite(lr) && lr >= 0, "%s: lr %g must be finite and >= 0", fn, lr);
+    TP_CHECK(tp__module_run_step_hooks(m));
     tp__plist l;
     TP_CHECK(tp__plist_of(fn, m, &l));
     tp_status st = TP_OK;
@@ -569,6 +570,7 @@ tp_status tp_adam_step(tp_adam *opt)
 {
     const char *fn = "tp_adam_step";
     TP_ARG_CHECK(opt, "%s: optimizer is NULL", fn);
+    TP_CHECK(tp__module_run_step_hooks(opt->module));
     tp__plist l;
     TP_CHECK(tp__plist_of(fn, opt->module, &l));
     tp_status st = TP_OK;
