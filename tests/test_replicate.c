@@ -405,7 +405,8 @@ Test(replicate, original_freed_first, .timeout = 30)
     free_all(r, 2);
 }
 
-/* Each rank of tp_run_local runs replicas[rank] at the same time. */
+/* Each rank of tp_run_local runs replicas[rank] (logical CPU device rank)
+ * at the same time, forward and backward, at every world size. */
 typedef struct {
     tp_module **replicas;
     tp_tensor *x; /* shared, read only */
@@ -435,10 +436,12 @@ static tp_status rank_forward(tp_comm *w, void *arg)
 
 Test(replicate, replicas_on_rank_threads, .timeout = 60)
 {
-    for (int n = 1; n <= 4; n++) {
-        tp_module *module = make_msm(), *r[4];
+    static const int sizes[] = TP_TEST_WORLD_SIZES;
+    for (int si = 0; si < TP_TEST_N_WORLD_SIZES; si++) {
+        int n = sizes[si];
+        tp_module *module = make_msm(), *r[TP_TEST_MAX_RANKS];
         init(module, 10);
-        tp_device dev[4];
+        tp_device dev[TP_TEST_MAX_RANKS];
         for (int i = 0; i < n; i++)
             dev[i] = (tp_device){TP_DEVICE_CPU, i};
         CHECK_OK(tp_module_replicate(module, dev, n, r));
