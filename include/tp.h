@@ -47,5 +47,6 @@
 #include "tp/ops.h"
 #include "tp/nn.h"
 #include "tp/styles.h"
+#include "tp/dp.h"
 
 #endif /* TP_H */

@@ -1,0 +1,158 @@
+/*
+ * tp/dp.h - data parallelism: a module's gradients averaged over a process
+ * group (torch DistributedDataParallel), with gradient buckets whose
+ * all_reduce is launched during backward and waited for before the optimizer
+ * step, and the passes that build that schedule.
+ *
+ *   tp_ddp *ddp;
+ *   tp_ddp_wrap(model, dp_comm, NULL, &ddp);   // collective over dp_comm
+ *   for (...) {
+ *       tp_module_call(model, x, &y);          // x: this rank's part of the batch
+ *       ... loss ...; tp_backward(loss, NULL); // buckets all_reduce as they fill
+ *       tp_sgd_step(model, lr);                // waits for them first
+ *       tp_module_zero_grad(model);
+ *   }
+ *   tp_ddp_free(ddp);
+ *
+ * The comm may be any backend (shm, mpi, nccl, a user's): a world, a mesh
+ * dim (tp_mesh_comm(mesh, "dp")) for data parallel x tensor parallel, or a
+ * split. Parameters may be DTensors (a tensor-parallel module): their local
+ * shards are averaged over the comm.
+ *
+ * The step graph. A DDP executes a schedule of nodes over one training step:
+ * "ready p" (p's gradient is final: a gradient hook fired), "copy in b"
+ * (gradients into bucket b's buffer), "all_reduce b" (launched
+ * asynchronously), "wait b", "copy out b" (averaged values back into the
+ * gradients), and "step" (the optimizer step: tp_sgd_step / tp_adam_step or
+ * tp_ddp_sync run the schedule up to there). Parameters are listed in the
+ * order their gradients became ready in the first backward (before it, the
+ * reverse of registration order, the usual backward order). Passes rewrite
+ * the schedule:
+ *
+ *   bucket_fusion    parameters grouped, in ready order, into buckets of at
+ *                    most bucket_cap_bytes (one parameter alone may exceed
+ *                    it): concatenate -> one all_reduce -> split back
+ *   late_waits       every wait (and copy out) moved just before the step, so
+ *                    the collectives overlap the rest of backward; must be
+ *                    applied after bucket_fusion
+ *   remove_copies    gradients become views into their bucket (tp_tensor_set_grad):
+ *                    backward writes straight into the buffer, no copy in or
+ *                    out; needs bucket_fusion
+ *
+ * Without passes (tp_ddp_options.manual_passes), the schedule is plain data
+ * parallelism: every gradient all_reduced on its own, in place, and waited
+ * for at once. By default the three passes are applied (remove_copies only
+ * with gradient_as_bucket_view), which is PyTorch DDP's behaviour.
+ */
+#ifndef TP_DP_H
+#define TP_DP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include "tp/comm.h"
+#include "tp/nn.h"
+#include "tp/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- step graphs and passes ------------------------------------------------ */
+
+typedef struct tp_step_graph tp_step_graph;
+typedef struct tp_pass tp_pass;
+
+/*
+ * A pass: a named rewrite of a step graph. `prerequisites` (NULL-terminated,
+ * may be NULL) must all have been applied to the graph before this one;
+ * `apply_after` (NULL-terminated, may be NULL) are passes this one must come
+ * after: once this pass was applied, applying one of them is an error (it
+ * would undo or invalidate this one). Passes may be applied again.
+ */
+struct tp_pass {
+    const char *name;
+    const tp_pass *const *prerequisites;
+    const tp_pass *const *apply_after;
+    tp_status (*run)(tp_step_graph *g, void *ctx);
+    void *ctx;
+};
+
+/* Applies a pass: TP_ERR_STATE with "[a, b] are the prerequisites of <pass>"
+ * when prerequisites are missing, or "<other> must be applied after <pass>"
+ * when an applied pass lists this one in its apply_after; the graph is then
+ * unchanged. Otherwise runs it and records it as applied. On a DDP's graph,
+ * only between steps (TP_ERR_STATE during one); the new schedule is used from
+ * the next step on. */
+TP_API tp_status tp_pass_apply(const tp_pass *pass, tp_step_graph *g);
+
+/* The built-in passes (see the top of this file). */
+TP_API const tp_pass *tp_pass_bucket_fusion(void);
+TP_API const tp_pass *tp_pass_late_waits(void);
+TP_API const tp_pass *tp_pass_remove_copies(void);
+
+/* A graph of n parameters of the given sizes (elements) and one dtype, not
+ * attached to any module: for inspecting passes, and for user-written passes
+ * and their ordering. bucket_cap_bytes 0 means the default (25 MiB). */
+TP_API tp_status tp_step_graph_create(int n, const int64_t *numel, tp_dtype dtype,
+                                      size_t bucket_cap_bytes, tp_step_graph **out);
+TP_API void tp_step_graph_free(tp_step_graph *g);
+
+/* Inspection. */
+TP_API int tp_step_graph_num_params(const tp_step_graph *g);
+TP_API int tp_step_graph_num_buckets(const tp_step_graph *g);
+/* The bucket of parameter i (registration index), -1 if out of range. */
+TP_API int tp_step_graph_bucket_of(const tp_step_graph *g, int param);
+/* Number of passes applied so far and the name of the i-th. */
+TP_API int tp_step_graph_num_applied(const tp_step_graph *g);
+TP_API const char *tp_step_graph_applied(const tp_step_graph *g, int i);
+/* The schedule, one node per line ("ready net1.weight", "all_reduce b0",
+ * ...). */
+TP_API tp_status tp_step_graph_write(const tp_step_graph *g, FILE *f);
+
+/* ---- data-parallel wrapper ------------------------------------------------- */
+
+typedef struct tp_ddp tp_ddp;
+
+typedef struct tp_ddp_options {
+    /* bucket size cap in bytes; 0: 25 MiB */
+    size_t bucket_cap_bytes;
+    /* gradients are views into the buckets (the remove_copies pass) */
+    bool gradient_as_bucket_view;
+    /* true: every rank already holds the same parameters, nothing is sent;
+     * false (default): rank 0's are broadcast to the others at wrap */
+    bool params_everywhere;
+    /* true: apply no pass; the caller applies them to tp_ddp_graph() */
+    bool manual_passes;
+} tp_ddp_options;
+
+/*
+ * Collective over comm: wraps `module` (the module stays the caller's; the
+ * DDP adds hooks to it and its parameters and must be freed before it).
+ * Every parameter that requires grad takes part; all must be on one device
+ * type the comm's backend moves. opts NULL: defaults.
+ */
+TP_API tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *opts,
+                             tp_ddp **out);
+/* Removes the hooks and frees the buffers, after waiting for (and discarding)
+ * a step in progress. NULL is a no-op. */
+TP_API void tp_ddp_free(tp_ddp *ddp);
+
+/* Runs the schedule up to the step: launches what is left, waits for every
+ * bucket and leaves the averaged gradients in the parameters. Parameters
+ * that got no gradient this step contribute zeros (and receive the average).
+ * The optimizers call it through a step pre-hook; call it directly to read
+ * the gradients without stepping. Idempotent between steps. */
+TP_API tp_status tp_ddp_sync(tp_ddp *ddp);
+
+/* The DDP's step graph, for tp_pass_apply and inspection (borrowed). */
+TP_API tp_step_graph *tp_ddp_graph(tp_ddp *ddp);
+TP_API tp_comm *tp_ddp_comm(const tp_ddp *ddp);
+TP_API tp_module *tp_ddp_module(const tp_ddp *ddp);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TP_DP_H */

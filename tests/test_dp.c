@@ -1,0 +1,563 @@
+/* Data parallelism (tp/dp.h), after the seeds test_c10d_pypg.py (DDP over a
+ * user-written process group) and test_spmd_transformation.py (bucketed,
+ * overlapped gradient collectives through ordered passes):
+ *
+ *   - DDP over the shm world at every world size, with every valid pass
+ *     sequence, equals the plain module trained on the whole batch, step by
+ *     step, with SGD and Adam; all_reduces per step = buckets;
+ *   - over a user backend of one rank whose work objects count how often
+ *     they are waited on and polled;
+ *   - the pass ordering rules and the built-in passes' schedules;
+ *   - DP x TP on a 2-D mesh;
+ *   - errors. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "tp_test.h"
+
+enum { IN = 8, HID = 16, OUT = 4, BATCH = 24, STEPS = 3, NPARAM = 4 };
+#define LR 0.05
+#define SEED 2024
+
+static const char *const pnames[NPARAM] = {"net1.weight", "net1.bias", "net2.weight",
+                                           "net2.bias"};
+
+/* Sequential(net1 = Linear(8, 16), relu, net2 = Linear(16, 4)) */
+static tp_status make_mlp(tp_module **out)
+{
+    tp_module *m = NULL, *a = NULL, *r = NULL, *b = NULL;
+    TP_TEST_TRY(tp_sequential_create(&m));
+    tp_status st = tp_linear_create(IN, HID, true, &a);
+    if (st == TP_OK && (st = tp_module_add_child(m, "net1", a)) != TP_OK)
+        tp_module_free(a);
+    if (st == TP_OK && (st = tp_relu_create(&r)) == TP_OK &&
+        (st = tp_module_add_child(m, "relu", r)) != TP_OK)
+        tp_module_free(r);
+    if (st == TP_OK && (st = tp_linear_create(HID, OUT, true, &b)) == TP_OK &&
+        (st = tp_module_add_child(m, "net2", b)) != TP_OK)
+        tp_module_free(b);
+    if (st == TP_OK)
+        st = tp_module_init(m, SEED);
+    if (st != TP_OK) {
+        tp_module_free(m);
+        return st;
+    }
+    *out = m;
+    return TP_OK;
+}
+
+/* The global batch of step s: [24, 8]. */
+static tp_status batch(int s, tp_tensor **out)
+{
+    TP_TEST_TRY(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){BATCH, IN}, out));
+    return tp_tensor_fill_random(*out, TP_RNG_NORMAL, 0.0, 1.0, 100 + (uint64_t)s, NULL, NULL);
+}
+
+/* loss = mean(module(x)): the mean over each rank's rows, averaged over the
+ * ranks by DDP, is the mean over the whole batch. */
+static tp_status loss_of(tp_module *m, tp_tensor *x, tp_tensor **loss)
+{
+    tp_tensor *y = NULL;
+    TP_TEST_TRY(tp_module_call(m, x, &y));
+    tp_status st = tp_mean_all(y, loss);
+    tp_tensor_release(y);
+    return st;
+}
+
+static tp_tensor *param(tp_module *m, int i)
+{
+    return tp_module_parameter(tp_module_child(m, i < 2 ? "net1" : "net2"),
+                               i % 2 ? "bias" : "weight");
+}
+
+/* ---- the reference: the plain module on the whole batch ---------------------- */
+
+typedef struct ref_run {
+    tp_tensor *grad0[NPARAM];          /* gradients of step 0 */
+    tp_tensor *after[STEPS][NPARAM];   /* parameters after each step */
+} ref_run;
+
+static void ref_free(ref_run *r)
+{
+    for (int i = 0; i < NPARAM; i++) {
+        tp_tensor_release(r->grad0[i]);
+        for (int s = 0; s < STEPS; s++)
+            tp_tensor_release(r->after[s][i]);
+    }
+}
+
+static void reference(bool adam, ref_run *r)
+{
+    tp_module *m = NULL;
+    tp_adam *opt = NULL;
+    CHECK_OK(make_mlp(&m));
+    if (adam)
+        CHECK_OK(tp_adam_create(m, LR, 0.9, 0.999, 1e-8, &opt));
+    for (int s = 0; s < STEPS; s++) {
+        tp_tensor *x = NULL, *loss = NULL;
+        CHECK_OK(batch(s, &x));
+        CHECK_OK(loss_of(m, x, &loss));
+        CHECK_OK(tp_backward(loss, NULL));
+        for (int i = 0; s == 0 && i < NPARAM; i++)
+            CHECK_OK(tp_tensor_clone(tp_tensor_grad(param(m, i)), &r->grad0[i]));
+        CHECK_OK(adam ? tp_adam_step(opt) : tp_sgd_step(m, LR));
+        tp_module_zero_grad(m);
+        for (int i = 0; i < NPARAM; i++)
+            CHECK_OK(tp_tensor_clone(param(m, i), &r->after[s][i]));
+        tp_tensor_release(loss);
+        tp_tensor_release(x);
+    }
+    tp_adam_free(opt);
+    tp_module_free(m);
+}
+
+/* ---- pass configurations ------------------------------------------------------ */
+
+typedef enum {
+    CFG_PLAIN,        /* manual, no pass: one blocking all_reduce per gradient */
+    CFG_FUSION,       /* bucket_fusion */
+    CFG_LATE,         /* late_waits alone: per gradient, waited at the step */
+    CFG_FUSION_LATE,  /* bucket_fusion, late_waits */
+    CFG_VIEWS,        /* bucket_fusion, remove_copies, late_waits */
+    CFG_DEFAULT,      /* tp_ddp_wrap's defaults (one 25 MiB bucket) */
+    CFG_DEFAULT_VIEWS /* defaults with gradient_as_bucket_view */
+} dp_cfg;
+
+static const char *const cfg_name[] = {"plain", "fusion", "late", "fusion+late", "views",
+                                       "default", "default+views"};
+
+static tp_status configure(tp_module *m, tp_comm *c, dp_cfg cfg, tp_ddp **out)
+{
+    tp_ddp_options o = {.bucket_cap_bytes = 300, .manual_passes = true};
+    if (cfg == CFG_DEFAULT || cfg == CFG_DEFAULT_VIEWS)
+        o = (tp_ddp_options){.gradient_as_bucket_view = cfg == CFG_DEFAULT_VIEWS};
+    TP_TEST_TRY(tp_ddp_wrap(m, c, &o, out));
+    tp_step_graph *g = tp_ddp_graph(*out);
+    tp_status st = TP_OK;
+    if (cfg == CFG_FUSION || cfg == CFG_FUSION_LATE || cfg == CFG_VIEWS)
+        st = tp_pass_apply(tp_pass_bucket_fusion(), g);
+    if (st == TP_OK && cfg == CFG_VIEWS)
+        st = tp_pass_apply(tp_pass_remove_copies(), g);
+    if (st == TP_OK && (cfg == CFG_LATE || cfg == CFG_FUSION_LATE || cfg == CFG_VIEWS))
+        st = tp_pass_apply(tp_pass_late_waits(), g);
+    return st;
+}
+
+/* ---- DDP over the shm world ------------------------------------------------------ */
+
+typedef struct dp_ctx {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+    const ref_run *ref;
+    dp_cfg cfg;
+    bool adam;
+} dp_ctx;
+
+static void expect_close(tp_test_slot *s, const tp_tensor *got, const tp_tensor *want,
+                         const char *what, const char *name, int step)
+{
+    bool close = false;
+    double d = -1;
+    tp_status st = tp_tensor_allclose(got, want, 1e-5, 1e-6, &close);
+    if (st == TP_OK)
+        st = tp_tensor_max_abs_diff(got, want, &d);
+    RANK_EXPECT(s, st == TP_OK && close, "%s of %s at step %d differs from the whole-batch "
+                "run by %g (%s)", what, name, step, d, st == TP_OK ? "" : tp_last_error());
+}
+
+static tp_status dp_body(tp_comm *w, void *arg)
+{
+    dp_ctx *c = arg;
+    int rank = tp_comm_rank(w), n = tp_comm_size(w);
+    tp_test_slot *s = &c->slot[rank];
+    tp_module *m = NULL;
+    tp_ddp *ddp = NULL;
+    tp_adam *opt = NULL;
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, make_mlp(&m));
+    RANK_OK(s, configure(m, w, c->cfg, &ddp));
+    if (c->adam)
+        RANK_OK(s, tp_adam_create(m, LR, 0.9, 0.999, 1e-8, &opt));
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    const int64_t rows = BATCH / n;
+    for (int step = 0; step < STEPS; step++) {
+        tp_tensor *x = NULL, *mine = NULL, *loss = NULL;
+        RANK_OK(s, batch(step, &x));
+        RANK_OK(s, tp_tensor_narrow(x, 0, rank * rows, rows, &mine));
+        RANK_OK(s, tp_comm_debug_begin(dbg));
+        RANK_OK(s, loss_of(m, mine, &loss));
+        RANK_OK(s, tp_backward(loss, NULL));
+        if (step == 0) {
+            RANK_OK(s, tp_ddp_sync(c->adam ? ddp : ddp)); /* read the averaged gradients */
+            for (int i = 0; i < NPARAM; i++)
+                expect_close(s, tp_tensor_grad(param(m, i)), c->ref->grad0[i], "the gradient",
+                             pnames[i], step);
+        }
+        RANK_OK(s, c->adam ? tp_adam_step(opt) : tp_sgd_step(m, LR));
+        RANK_OK(s, tp_comm_debug_end(dbg));
+        /* one all_reduce per bucket of the schedule this step ran (the
+         * schedule is rebuilt in the first step's ready order after it) */
+        if (step > 0) {
+            int64_t want = tp_step_graph_num_buckets(tp_ddp_graph(ddp));
+            int64_t got = tp_comm_debug_count(dbg, TP_COLL_ALL_REDUCE);
+            RANK_EXPECT(s, got == want && tp_comm_debug_total(dbg) == want,
+                        "step %d: %lld all_reduces (%lld collectives), %lld buckets", step,
+                        (long long)got, (long long)tp_comm_debug_total(dbg), (long long)want);
+        }
+        if (step == 1 && (c->cfg == CFG_VIEWS || c->cfg == CFG_DEFAULT_VIEWS)) {
+            /* gradients live in their bucket: net2's two share it */
+            tp_tensor *gw = tp_tensor_grad(param(m, 2)), *gb = tp_tensor_grad(param(m, 3));
+            RANK_EXPECT(s, gw && gb && tp_tensor_shares_storage(gw, gb),
+                        "net2's gradients are not views of one bucket");
+        }
+        tp_module_zero_grad(m);
+        for (int i = 0; i < NPARAM; i++)
+            expect_close(s, param(m, i), c->ref->after[step][i], "the parameter", pnames[i],
+                         step);
+        tp_tensor_release(loss);
+        tp_tensor_release(mine);
+        tp_tensor_release(x);
+    }
+    tp_comm_debug_free(dbg);
+    tp_adam_free(opt);
+    tp_ddp_free(ddp);
+    tp_module_free(m);
+    return TP_OK;
+}
+
+typedef struct dp_param {
+    int world;
+    dp_cfg cfg;
+} dp_param;
+
+ParameterizedTestParameters(dp, equals_whole_batch_training)
+{
+    static dp_param p[5 * 7];
+    static const int worlds[] = TP_TEST_WORLD_SIZES;
+    int k = 0;
+    for (int w = 0; w < TP_TEST_N_WORLD_SIZES; w++)
+        for (int c = CFG_PLAIN; c <= CFG_DEFAULT_VIEWS; c++)
+            p[k++] = (dp_param){worlds[w], (dp_cfg)c};
+    return cr_make_param_array(dp_param, p, (size_t)k);
+}
+
+ParameterizedTest(dp_param *p, dp, equals_whole_batch_training, .timeout = 120)
+{
+    for (int adam = 0; adam <= 1; adam++) {
+        ref_run ref = {0};
+        reference(adam, &ref);
+        dp_ctx c = {.ref = &ref, .cfg = p->cfg, .adam = adam};
+        tp_test_run(p->world, dp_body, &c, c.slot);
+        ref_free(&ref);
+    }
+    (void)cfg_name;
+}
+
+/* ---- a user-written process group of one rank (seed test_c10d_pypg) ------------ */
+
+typedef struct {
+    int collectives, waits, tests;
+} lonely_state;
+
+typedef struct {
+    lonely_state *st;
+    int polls_left;
+} lonely_work;
+
+static tp_status lonely_collective(void *state, const tp_coll_desc *d, void **work)
+{
+    lonely_state *s = state;
+    s->collectives++;
+    if (d->sendbuf != d->recvbuf && d->kind != TP_COLL_BARRIER)
+        memcpy(d->recvbuf, d->sendbuf, d->count * tp_dtype_size(d->dtype));
+    lonely_work *w = calloc(1, sizeof *w);
+    if (!w)
+        return TP_ERR_NO_MEMORY;
+    w->st = s;
+    w->polls_left = 1;
+    *work = w;
+    return TP_OK;
+}
+
+static tp_status lonely_test(void *state, void *work, bool *done)
+{
+    (void)state;
+    lonely_work *w = work;
+    w->st->tests++;
+    *done = w->polls_left-- <= 0;
+    return TP_OK;
+}
+
+static tp_status lonely_wait(void *state, void *work, double timeout_s)
+{
+    (void)state, (void)timeout_s;
+    ((lonely_work *)work)->st->waits++;
+    return TP_OK;
+}
+
+static void lonely_free(void *state, void *work)
+{
+    (void)state;
+    free(work);
+}
+
+static const tp_backend lonely_backend = {
+    .name = "lonely-pg",
+    .device_mask = 1u << TP_DEVICE_CPU,
+    .collective = lonely_collective,
+    .work_test = lonely_test,
+    .work_wait = lonely_wait,
+    .work_free = lonely_free,
+};
+
+Test(dp, user_process_group_counts_waits_and_polls, .timeout = 30)
+{
+    for (int views = 0; views <= 1; views++) {
+        lonely_state ls = {0};
+        tp_comm *pg = NULL;
+        CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
+        tp_module *m = NULL, *plain = NULL;
+        tp_ddp *ddp = NULL;
+        CHECK_OK(make_mlp(&m));
+        CHECK_OK(make_mlp(&plain));
+        tp_ddp_options o = {.gradient_as_bucket_view = views, .bucket_cap_bytes = 300};
+        CHECK_OK(tp_ddp_wrap(m, pg, &o, &ddp));
+        cr_assert_str_eq(tp_comm_backend(tp_ddp_comm(ddp)), "lonely-pg");
+        cr_assert_eq(tp_ddp_module(ddp), m);
+        tp_tensor *x = NULL, *loss = NULL, *loss2 = NULL;
+        CHECK_OK(batch(0, &x));
+        for (int step = 0; step < 2; step++) { /* the second uses the views */
+            tp_module_zero_grad(m);
+            tp_module_zero_grad(plain);
+            CHECK_OK(loss_of(m, x, &loss));
+            int c0 = ls.collectives, w0 = ls.waits;
+            CHECK_OK(tp_backward(loss, NULL));
+            /* every bucket's all_reduce was launched inside backward; none
+             * was waited for yet (late waits): that happens at the sync */
+            int nb = tp_step_graph_num_buckets(tp_ddp_graph(ddp));
+            cr_assert_eq(ls.collectives - c0, nb, "step %d: %d all_reduces launched in "
+                         "backward, %d buckets", step, ls.collectives - c0, nb);
+            cr_assert_eq(ls.waits, w0, "step %d: a bucket was waited for inside backward", step);
+            CHECK_OK(tp_ddp_sync(ddp));
+            /* (buckets the polls during backward found complete need no wait) */
+            cr_assert(ls.waits - w0 >= 1 && ls.waits - w0 <= nb,
+                      "step %d: %d waits at the sync for %d buckets", step, ls.waits - w0, nb);
+            CHECK_OK(loss_of(plain, x, &loss2));
+            CHECK_OK(tp_backward(loss2, NULL));
+            for (int i = 0; i < NPARAM; i++) {
+                bool same = false;
+                CHECK_OK(tp_tensor_allclose(tp_tensor_grad(param(m, i)),
+                                            tp_tensor_grad(param(plain, i)), 0, 0, &same));
+                cr_assert(same, "views %d step %d: %s's gradient differs from the plain "
+                          "module's", views, step, pnames[i]);
+            }
+            tp_tensor_release(loss);
+            tp_tensor_release(loss2);
+        }
+        cr_assert(ls.waits > 0 && ls.tests > 0, "waits %d, polls %d", ls.waits, ls.tests);
+        cr_assert_geq(ls.collectives, 3, "wrap's agreement, broadcasts and the buckets");
+        tp_tensor_release(x);
+        tp_ddp_free(ddp);
+        tp_module_free(plain);
+        tp_module_free(m);
+        tp_comm_free(pg);
+    }
+}
+
+/* ---- passes ---------------------------------------------------------------------- */
+
+static tp_status noop_pass(tp_step_graph *g, void *ctx)
+{
+    (void)g;
+    ++*(int *)ctx;
+    return TP_OK;
+}
+
+static int runs1, runs2, runs3;
+extern const tp_pass my_pass1, my_pass2, my_pass3;
+static const tp_pass *const needs1[] = {&my_pass1, NULL};
+const tp_pass my_pass1 = {"my_pass1", NULL, NULL, noop_pass, &runs1};
+const tp_pass my_pass2 = {"my_pass2", needs1, NULL, noop_pass, &runs2};
+const tp_pass my_pass3 = {"my_pass3", NULL, needs1, noop_pass, &runs3};
+
+static tp_step_graph *graph(void)
+{
+    tp_step_graph *g = NULL;
+    /* sizes in floats: 100, 10, 200, 20, 50 */
+    CHECK_OK(tp_step_graph_create(5, (int64_t[]){100, 10, 200, 20, 50}, TP_F32, 480, &g));
+    return g;
+}
+
+Test(dp, pass_order, .timeout = 10)
+{
+    /* happy: 1, 3, 2 */
+    tp_step_graph *g = graph();
+    CHECK_OK(tp_pass_apply(&my_pass1, g));
+    CHECK_OK(tp_pass_apply(&my_pass3, g));
+    CHECK_OK(tp_pass_apply(&my_pass2, g));
+    cr_assert_eq(runs1 + runs2 + runs3, 3);
+    cr_assert_eq(tp_step_graph_num_applied(g), 3);
+    cr_assert_str_eq(tp_step_graph_applied(g, 1), "my_pass3");
+    tp_step_graph_free(g);
+
+    /* prerequisites missing */
+    g = graph();
+    CHECK_ERR(tp_pass_apply(&my_pass2, g), TP_ERR_STATE);
+    cr_assert(strstr(tp_last_error(), "[my_pass1] are the prerequisites of my_pass2"),
+              "%s", tp_last_error());
+    cr_assert_eq(tp_step_graph_num_applied(g), 0, "a refused pass is not recorded");
+    tp_step_graph_free(g);
+
+    /* run order wrong: 3 then 1 */
+    g = graph();
+    CHECK_OK(tp_pass_apply(&my_pass3, g));
+    CHECK_ERR(tp_pass_apply(&my_pass1, g), TP_ERR_STATE);
+    cr_assert(strstr(tp_last_error(), "my_pass3 must be applied after my_pass1"), "%s",
+              tp_last_error());
+    CHECK_ERR(tp_pass_apply(NULL, g), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_pass_apply(&my_pass1, NULL), TP_ERR_INVALID_ARG);
+    tp_step_graph_free(g);
+
+    /* the built-in ones follow the same rules */
+    g = graph();
+    CHECK_ERR(tp_pass_apply(tp_pass_remove_copies(), g), TP_ERR_STATE);
+    cr_assert(strstr(tp_last_error(), "[bucket_fusion] are the prerequisites of remove_copies"),
+              "%s", tp_last_error());
+    CHECK_OK(tp_pass_apply(tp_pass_late_waits(), g));
+    CHECK_ERR(tp_pass_apply(tp_pass_bucket_fusion(), g), TP_ERR_STATE);
+    cr_assert(strstr(tp_last_error(), "late_waits must be applied after bucket_fusion"), "%s",
+              tp_last_error());
+    tp_step_graph_free(g);
+}
+
+static char *schedule(const tp_step_graph *g)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    cr_assert_not_null(f);
+    CHECK_OK(tp_step_graph_write(g, f));
+    fclose(f);
+    return buf;
+}
+
+Test(dp, builtin_pass_schedules, .timeout = 10)
+{
+    tp_step_graph *g = graph();
+    /* plain: every parameter on its own, in reverse registration order */
+    cr_assert_eq(tp_step_graph_num_buckets(g), 5);
+    char *s = schedule(g);
+    cr_assert_str_eq(s, "ready param4\nall_reduce b0 (1 params, 50 elements)\n"
+                        "wait b0 (1 params, 50 elements)\n"
+                        "ready param3\nall_reduce b1 (1 params, 20 elements)\n"
+                        "wait b1 (1 params, 20 elements)\n"
+                        "ready param2\nall_reduce b2 (1 params, 200 elements)\n"
+                        "wait b2 (1 params, 200 elements)\n"
+                        "ready param1\nall_reduce b3 (1 params, 10 elements)\n"
+                        "wait b3 (1 params, 10 elements)\n"
+                        "ready param0\nall_reduce b4 (1 params, 100 elements)\n"
+                        "wait b4 (1 params, 100 elements)\nstep\n");
+    free(s);
+    /* fusion at 480 bytes = 120 floats: {50, 20}, {200}, {10, 100} */
+    CHECK_OK(tp_pass_apply(tp_pass_bucket_fusion(), g));
+    cr_assert_eq(tp_step_graph_num_buckets(g), 3);
+    cr_assert(tp_step_graph_bucket_of(g, 4) == 0 && tp_step_graph_bucket_of(g, 3) == 0 &&
+              tp_step_graph_bucket_of(g, 2) == 1 && tp_step_graph_bucket_of(g, 1) == 2 &&
+              tp_step_graph_bucket_of(g, 0) == 2);
+    cr_assert_eq(tp_step_graph_bucket_of(g, 5), -1);
+    CHECK_OK(tp_pass_apply(tp_pass_late_waits(), g));
+    CHECK_OK(tp_pass_apply(tp_pass_remove_copies(), g));
+    s = schedule(g);
+    cr_assert_str_eq(s, "ready param4\nready param3\nall_reduce b0 (2 params, 70 elements)\n"
+                        "ready param2\nall_reduce b1 (1 params, 200 elements)\n"
+                        "ready param1\nready param0\nall_reduce b2 (2 params, 110 elements)\n"
+                        "wait b0 (2 params, 70 elements)\nwait b1 (1 params, 200 elements)\n"
+                        "wait b2 (2 params, 110 elements)\nstep\n");
+    free(s);
+    tp_step_graph_free(g);
+
+    /* fusion alone copies in and out around each all_reduce */
+    g = graph();
+    CHECK_OK(tp_pass_apply(tp_pass_bucket_fusion(), g));
+    s = schedule(g);
+    cr_assert(strstr(s, "ready param3\ncopy_in b0 (2 params, 70 elements)\n"
+                        "all_reduce b0 (2 params, 70 elements)\nwait b0 (2 params, 70 elements)\n"
+                        "copy_out b0 (2 params, 70 elements)\n"), "%s", s);
+    free(s);
+    tp_step_graph_free(g);
+
+    CHECK_ERR(tp_step_graph_create(0, (int64_t[]){1}, TP_F32, 0, &g), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_step_graph_create(1, NULL, TP_F32, 0, &g), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_step_graph_create(1, (int64_t[]){-1}, TP_F32, 0, &g), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_step_graph_write(NULL, stdout), TP_ERR_INVALID_ARG);
+}
+
+/* ---- errors ---------------------------------------------------------------------- */
+
+typedef struct err_ctx {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} err_ctx;
+
+static tp_status errors_body(tp_comm *w, void *arg)
+{
+    err_ctx *c = arg;
+    int rank = tp_comm_rank(w);
+    tp_test_slot *s = &c->slot[rank];
+    tp_module *m = NULL, *extra = NULL;
+    tp_ddp *ddp = NULL;
+    RANK_OK(s, make_mlp(&m));
+    /* rank 1 has one more layer: every rank learns the ranks disagree */
+    if (rank == 1) {
+        RANK_OK(s, tp_linear_create(4, 4, true, &extra));
+        RANK_OK(s, tp_module_add_child(m, "extra", extra));
+    }
+    tp_status st = tp_ddp_wrap(m, w, NULL, &ddp);
+    RANK_EXPECT(s, st == TP_ERR_MISMATCH && ddp == NULL, "disagreeing ranks: %s (%s)",
+                tp_status_name(st), tp_last_error());
+    RANK_EXPECT(s, strstr(tp_last_error(), "disagree") != NULL, "message: %s", tp_last_error());
+    tp_module_free(m);
+
+    /* a pass during a step is refused; after the sync it is fine */
+    RANK_OK(s, make_mlp(&m));
+    RANK_OK(s, tp_ddp_wrap(m, w, &(tp_ddp_options){.manual_passes = true}, &ddp));
+    tp_tensor *x = NULL, *loss = NULL;
+    RANK_OK(s, batch(0, &x));
+    RANK_OK(s, loss_of(m, x, &loss));
+    RANK_OK(s, tp_backward(loss, NULL));
+    st = tp_pass_apply(tp_pass_bucket_fusion(), tp_ddp_graph(ddp));
+    RANK_EXPECT(s, st == TP_ERR_STATE && strstr(tp_last_error(), "in progress"),
+                "a pass during a step: %s (%s)", tp_status_name(st), tp_last_error());
+    RANK_OK(s, tp_ddp_sync(ddp));
+    RANK_OK(s, tp_ddp_sync(ddp)); /* idempotent */
+    RANK_OK(s, tp_pass_apply(tp_pass_bucket_fusion(), tp_ddp_graph(ddp)));
+    tp_tensor_release(loss);
+    tp_tensor_release(x);
+    tp_ddp_free(ddp);
+    tp_module_free(m);
+    return TP_OK;
+}
+
+Test(dp, errors, .timeout = 60)
+{
+    err_ctx c = {0};
+    tp_test_run(2, errors_body, &c, c.slot);
+
+    tp_module *m = NULL, *empty = NULL;
+    tp_ddp *ddp = NULL;
+    tp_comm *pg = NULL;
+    lonely_state ls = {0};
+    CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
+    CHECK_OK(make_mlp(&m));
+    CHECK_ERR(tp_ddp_wrap(NULL, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_ddp_wrap(m, NULL, NULL, &ddp), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_ddp_wrap(m, pg, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_OK(tp_relu_create(&empty));
+    CHECK_ERR(tp_ddp_wrap(empty, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "no parameter"), "%s", tp_last_error());
+    cr_assert_null(ddp);
+    CHECK_ERR(tp_ddp_sync(NULL), TP_ERR_INVALID_ARG);
+    cr_assert_null(tp_ddp_graph(NULL));
+    tp_ddp_free(NULL);
+    tp_module_free(empty);
+    tp_module_free(m);
+    tp_comm_free(pg);
+}
