@@ -252,6 +252,121 @@ ParameterizedTest(dp_param *p, dp, equals_whole_batch_training, .timeout = 120)
     (void)cfg_name;
 }
 
+/* ---- DP x TP on a 2-D mesh ----------------------------------------------------- */
+
+/* A ("dp", "tp") mesh: the MLP is Colwise/Rowwise on the "tp" slice, DDP
+ * averages over the "dp" dim, each dp group trains on its share of the batch
+ * (the tp ranks of a group on the same rows). Equals the whole-batch run. */
+typedef struct dptp_ctx {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+    const ref_run *ref;
+    int dp, tp;
+    bool views;
+} dptp_ctx;
+
+typedef struct full_check {
+    tp_test_slot *s;
+    const ref_run *ref;
+    int step, seen;
+} full_check;
+
+static tp_status check_full(const char *fqn, tp_tensor *full, void *arg)
+{
+    full_check *k = arg;
+    for (int i = 0; i < NPARAM; i++) {
+        if (strcmp(fqn, pnames[i]) != 0)
+            continue;
+        expect_close(k->s, full, k->ref->after[k->step][i], "the parameter", fqn, k->step);
+        k->seen++;
+    }
+    return TP_OK;
+}
+
+static tp_status dptp_body(tp_comm *w, void *arg)
+{
+    dptp_ctx *c = arg;
+    int rank = tp_comm_rank(w);
+    tp_test_slot *s = &c->slot[rank];
+    tp_mesh *mesh = NULL, *tpm = NULL;
+    tp_module *m = NULL;
+    tp_style *col = NULL, *row = NULL;
+    tp_ddp *ddp = NULL;
+    tp_comm_debug *dbg = NULL;
+    const char *const names[2] = {"dp", "tp"};
+    RANK_OK(s, tp_mesh_create(w, 2, (int64_t[]){c->dp, c->tp}, names, &mesh));
+    RANK_OK(s, tp_mesh_slice(mesh, 1, (const char *const[]){"tp"}, &tpm));
+    RANK_OK(s, make_mlp(&m));
+    RANK_OK(s, tp_colwise_parallel(NULL, &col));
+    RANK_OK(s, tp_rowwise_parallel(NULL, &row));
+    const tp_plan_entry plan[] = {{"net1", col}, {"net2", row}};
+    RANK_OK(s, tp_parallelize_module(m, tpm, 2, plan, NULL));
+    RANK_OK(s, tp_module_init(m, SEED));
+    tp_comm *dpc = tp_mesh_comm(mesh, tp_mesh_dim_index(mesh, "dp"));
+    tp_ddp_options o = {.bucket_cap_bytes = 300, .gradient_as_bucket_view = c->views};
+    RANK_OK(s, tp_ddp_wrap(m, dpc, &o, &ddp));
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    const int64_t rows = BATCH / c->dp, coord = tp_mesh_coord(mesh, 0);
+    for (int step = 0; step < STEPS; step++) {
+        tp_tensor *x = NULL, *mine = NULL, *loss = NULL;
+        RANK_OK(s, batch(step, &x));
+        RANK_OK(s, tp_tensor_narrow(x, 0, coord * rows, rows, &mine));
+        RANK_OK(s, tp_comm_debug_begin(dbg));
+        RANK_OK(s, loss_of(m, mine, &loss));
+        RANK_OK(s, tp_backward(loss, NULL));
+        RANK_OK(s, tp_sgd_step(m, LR));
+        RANK_OK(s, tp_comm_debug_end(dbg));
+        /* TP: one all_reduce in forward (net2), when tp > 1; DP: one per
+         * bucket, in backward */
+        if (step > 0) {
+            int64_t nb = tp_step_graph_num_buckets(tp_ddp_graph(ddp));
+            int64_t fwd = tp_comm_debug_module_count(dbg, TP_COMM_DEBUG_GLOBAL, TP_PHASE_FORWARD,
+                                                     TP_COLL_ALL_REDUCE);
+            int64_t bwd = tp_comm_debug_module_count(dbg, TP_COMM_DEBUG_GLOBAL, TP_PHASE_BACKWARD,
+                                                     TP_COLL_ALL_REDUCE);
+            RANK_EXPECT(s, fwd == (c->tp > 1 ? 1 : 0) && bwd == nb,
+                        "step %d: all_reduces forward %lld (want %d), backward %lld (want %lld "
+                        "buckets)", step, (long long)fwd, c->tp > 1 ? 1 : 0, (long long)bwd,
+                        (long long)nb);
+        }
+        tp_module_zero_grad(m);
+        full_check k = {.s = s, .ref = c->ref, .step = step};
+        RANK_OK(s, tp_module_state_dict(m, check_full, &k));
+        RANK_EXPECT(s, k.seen == NPARAM, "state dict had %d of the %d parameters", k.seen, NPARAM);
+        tp_tensor_release(loss);
+        tp_tensor_release(mine);
+        tp_tensor_release(x);
+    }
+    tp_comm_debug_free(dbg);
+    tp_ddp_free(ddp);
+    tp_module_free(m);
+    tp_style_free(col);
+    tp_style_free(row);
+    tp_mesh_free(tpm);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+typedef struct dptp_param {
+    int dp, tp;
+    bool views;
+} dptp_param;
+
+ParameterizedTestParameters(dp, dp_x_tp_equals_whole_batch)
+{
+    static dptp_param p[] = {{2, 2, false}, {2, 2, true}, {1, 4, false}, {4, 1, true},
+                             {2, 4, false}, {4, 2, true}, {3, 2, false}, {2, 3, true}};
+    return cr_make_param_array(dptp_param, p, sizeof p / sizeof p[0]);
+}
+
+ParameterizedTest(dptp_param *p, dp, dp_x_tp_equals_whole_batch, .timeout = 120)
+{
+    ref_run ref = {0};
+    reference(false, &ref);
+    dptp_ctx c = {.ref = &ref, .dp = p->dp, .tp = p->tp, .views = p->views};
+    tp_test_run(p->dp * p->tp, dptp_body, &c, c.slot);
+    ref_free(&ref);
+}
+
 /* ---- a user-written process group of one rank (seed test_c10d_pypg) ------------ */
 
 typedef struct {
