@@ -640,6 +640,22 @@ __device__ __forceinline__ bool ce_counted(int64_t t, int64_t classes, int64_t i
     return t != ignore_index && t >= 0 && t < classes;
 }
 
+/* The row's max and sum of exp(x - max), reduced over the block (every
+ * thread gets both). */
+__device__ void row_max_sumexp(const float *xr, int64_t classes, float *shf, double *shd,
+                               float *m_out, double *s_out)
+{
+    float m = -INFINITY;
+    for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
+        m = fmaxf(m, xr[c]);
+    m = block_max(m, shf);
+    double s = 0;
+    for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
+        s += (double)expf(xr[c] - m);
+    *m_out = m;
+    *s_out = block_sum(s, shd);
+}
+
 __global__ void k_ce_fwd(const float *x, const int64_t *target, const float *weight, float *loss,
                          int64_t rows, int64_t classes, int64_t ignore_index)
 {
@@ -653,14 +669,9 @@ __global__ void k_ce_fwd(const float *x, const int64_t *target, const float *wei
             continue;
         }
         const float *xr = x + r * classes;
-        float m = -INFINITY;
-        for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-            m = fmaxf(m, xr[c]);
-        m = block_max(m, shf);
-        double s = 0;
-        for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-            s += (double)expf(xr[c] - m);
-        s = block_sum(s, shd);
+        float m;
+        double s;
+        row_max_sumexp(xr, classes, shf, shd, &m, &s);
         if (threadIdx.x == 0) {
             double lse = log(s) + (double)m;
             double wt = weight ? (double)weight[t] : 1.0;
@@ -684,14 +695,9 @@ __global__ void k_ce_bwd(const float *x, const int64_t *target, const float *wei
             continue;
         }
         const float *xr = x + r * classes;
-        float m = -INFINITY;
-        for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-            m = fmaxf(m, xr[c]);
-        m = block_max(m, shf);
-        double s = 0;
-        for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-            s += (double)expf(xr[c] - m);
-        s = block_sum(s, shd);
+        float m;
+        double s;
+        row_max_sumexp(xr, classes, shf, shd, &m, &s);
         float g = gloss[r] * (weight ? weight[t] : 1.0f);
         float k = (float)((double)g / s);
         for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
