@@ -2,7 +2,7 @@
  * transformer.c - a small decoder-only transformer trained with tensor
  * parallelism and sequence parallelism, checked against one rank.
  *
- * Model (vocab 64, dim 32, 4 heads of 8, ffn 64, 2 layers, seq 8, batch 2):
+ * Model (vocab 64, dim 32, 4 heads of 8, ffn 64, 2 layers, seq 8, batch 4):
  *
  *   Transformer                   custom, forward(tokens [B,S], positions [B,S])
  *     tok_embeddings              Embedding(64, 32)
@@ -40,11 +40,24 @@
  * are the tokens shifted by one) on 1, 2 and 4 ranks; the losses and the final
  * parameters must equal the 1-rank run without TP within rtol 1e-4, atol 1e-5.
  *
- * Usage: tp-example-transformer [-r RANKS] [-s STEPS] [-t] [-b shm|mpi]
+ * Data parallel x tensor parallel (-d DP): the ranks form a ("dp", "tp") mesh
+ * of [DP, ranks / DP]; the plan is applied on this rank's "tp" slice
+ * (tp_mesh_slice) and the model wrapped with tp_ddp_wrap over the "dp" dim's
+ * communicator. Each dp group trains on its share of the batch (rows split by
+ * dp coordinate), its loss the mean over its own tokens; the DDP averages the
+ * gradients over the groups (bucketed all_reduces launched during backward,
+ * waited for in the Adam step's pre-hook), which with equal shares gives the
+ * whole batch's gradient, so the runs again equal the 1-rank run on the whole
+ * batch. The printed losses are the mean over the dp groups.
+ *
+ * Usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi]
  *   -b mpi    run under mpirun: the TP plans use the MPI world, one process
- *             per rank (the process count must divide the 4 heads); the
+ *             per rank (the process count / DP must divide the 4 heads); the
  *             reference runs on each process, the first process prints
- *   -r RANKS  run the TP plans on this many ranks only (default 1, 2 and 4)
+ *   -r RANKS  run the TP plans on this many ranks only (default 1, 2 and 4,
+ *             times DP with -d)
+ *   -d DP     data parallel x tensor parallel on a [DP, RANKS / DP] mesh; DP
+ *             divides the rank count and the batch of 4
  *   -s STEPS  Adam steps (default 3)
  *   -t        also print tp_comm_debug_write_table's full table of every run
  * Exit status 0 when every run matches the reference, 1 otherwise.
@@ -65,7 +78,7 @@ enum {
     FFN = 64,
     LAYERS = 2,
     SEQ = 8,
-    BATCH = 2,
+    BATCH = 4,
 };
 enum { MAX_STEPS = 100, MAX_PARAMS = 64, MAX_RUNS = 32 };
 
@@ -89,11 +102,13 @@ typedef struct param_value {
 typedef struct run {
     run_mode mode;
     int ranks;
+    int dp; /* -d: a ("dp", "tp") mesh [dp, ranks / dp] and a DDP over "dp"; 0: 1-D TP mesh */
     int steps;
     double loss[MAX_STEPS];
     int nparams;
     param_value params[MAX_PARAMS];
     tp_comm_debug *debug; /* the collectives of training step 0 on rank 0 */
+    int dp_buckets;       /* the DDP's buckets in step 0: its all_reduces */
     tp_status status;
     double loss_diff, param_diff; /* max |run - reference| */
     bool ok;
@@ -520,61 +535,134 @@ static tp_status keep_param(const char *fqn, tp_tensor *full, void *ctx)
     return st;
 }
 
+/* This dp group's share of a batch-major tensor: `rows_per_batch` rows per
+ * batch element, share `index` of `shares` (a copy). */
+static tp_status batch_share(tp_tensor *t, int64_t rows_per_batch, int64_t index, int64_t shares,
+                             tp_tensor **out)
+{
+    tp_tensor *view = NULL;
+    const int64_t rows = BATCH / shares * rows_per_batch;
+    tp_status st = tp_tensor_narrow(t, 0, index * rows, rows, &view);
+    if (st == TP_OK)
+        st = tp_tensor_clone(view, out);
+    tp_tensor_release(view);
+    return st;
+}
+
+/* The mean of each step's loss over the dp groups (one all_reduce, after the
+ * counted step): each group's loss is the mean over its own tokens, and the
+ * shares are equal, so this is the whole batch's mean, the reference's loss. */
+static tp_status dp_mean_losses(tp_comm *dp, int64_t steps, double *loss)
+{
+    tp_status st;
+    tp_tensor *t = NULL;
+    CHECK(tp_tensor_from_data(TP_F64, 1, &steps, loss, &t));
+    CHECK(tp_all_reduce(dp, t, t, TP_AVG, NULL));
+    for (int64_t s = 0; s < steps; s++)
+        CHECK(tp_tensor_get(t, &s, &loss[s]));
+out:
+    tp_tensor_release(t);
+    return st;
+}
+
 static tp_status transformer_rank(tp_comm *world, void *arg)
 {
-    run *r = arg;
+    const run *cfg = arg;
     const int rank = tp_comm_rank(world);
+    double loss[MAX_STEPS];
     tp_status st;
-    tp_mesh *mesh = NULL;
+    tp_mesh *mesh = NULL, *tpmesh = NULL;
+    tp_comm *dp_comm = NULL;
+    int64_t dp_coord = 0;
+    int dp_buckets = 0;
     tp_module *model = NULL;
+    tp_ddp *ddp = NULL;
     tp_adam *adam = NULL;
     tp_tensor *tokens = NULL, *targets = NULL, *positions = NULL, *tgt = NULL, *pos = NULL;
     tp_comm_debug *debug = NULL;
 
-    if (r->mode != MODE_NONE) {
+    if (cfg->mode != MODE_NONE && cfg->dp) {
+        /* DP x TP: world rank = dp * (ranks / dp) + tp; the TP plan lives on
+         * this rank's "tp" row, the DDP averages over its "dp" column */
+        const int64_t shape[2] = {cfg->dp, tp_comm_size(world) / cfg->dp};
+        const char *const names[2] = {"dp", "tp"}, *const tp_only[1] = {"tp"};
+        CHECK(tp_mesh_create(world, 2, shape, names, &mesh));
+        CHECK(tp_mesh_slice(mesh, 1, tp_only, &tpmesh));
+        dp_comm = tp_mesh_comm(mesh, tp_mesh_dim_index(mesh, "dp"));
+        dp_coord = tp_mesh_coord(mesh, tp_mesh_dim_index(mesh, "dp"));
+    } else if (cfg->mode != MODE_NONE) {
         const int64_t size = tp_comm_size(world);
         const char *const names[1] = {"tp"};
-        CHECK(tp_mesh_create(world, 1, &size, names, &mesh));
+        CHECK(tp_mesh_create(world, 1, &size, names, &tpmesh));
     }
     CHECK(build_transformer(&model));
-    if (r->mode != MODE_NONE)
-        CHECK(parallelize_transformer(model, mesh, r->mode));
+    if (cfg->mode != MODE_NONE)
+        CHECK(parallelize_transformer(model, tpmesh, cfg->mode));
     CHECK(tp_module_init(model, PARAM_SEED));
+    if (dp_comm) {
+        /* every dp group initialized the same parameters: nothing to send.
+         * Buckets of 16 KiB (PyTorch's 25 MiB default would hold this whole
+         * model): a few all_reduces, launched as they fill during backward */
+        const tp_ddp_options dpo = {.bucket_cap_bytes = 16 << 10, .params_everywhere = true};
+        CHECK(tp_ddp_wrap(model, dp_comm, &dpo, &ddp));
+        /* the buckets of step 0's schedule; each is one all_reduce per step
+         * (tp/dp.h). After step 0 the DDP may regroup them in the order the
+         * gradients became ready */
+        dp_buckets = tp_step_graph_num_buckets(tp_ddp_graph(ddp));
+    }
     CHECK(tp_adam_create(model, LR, 0.0, 0.0, 0.0, &adam));
 
     CHECK(make_data(&tokens, &targets, &positions));
-    if (r->mode == MODE_NONE) {
+    if (dp_comm) {
+        /* this dp group trains on its share of the batch: the loss is the mean
+         * over its tokens, and the DDP's average over the equal shares makes
+         * the gradients those of the whole batch's mean */
+        tp_tensor *full[3] = {tokens, targets, positions};
+        const int64_t per_batch[3] = {1, SEQ, 1};
+        tokens = targets = positions = NULL;
+        st = TP_OK;
+        for (int i = 0; i < 3 && st == TP_OK; i++)
+            st = batch_share(full[i], per_batch[i], dp_coord, cfg->dp,
+                             i == 0 ? &tokens : i == 1 ? &targets : &positions);
+        for (int i = 0; i < 3; i++)
+            tp_tensor_release(full[i]);
+        CHECK(st);
+    }
+    if (cfg->mode == MODE_NONE) {
         tgt = tp_tensor_retain(targets);
         pos = tp_tensor_retain(positions);
     } else {
         /* the vocab-parallel cross entropy takes DTensor logits, so the
          * targets become a Replicate DTensor (every rank holds them all) */
         const tp_placement rep = tp_replicate();
-        CHECK(tp_dtensor_from_local(mesh, targets, 1, &rep, NULL, &tgt));
-        if (r->mode == MODE_SP) {
+        CHECK(tp_dtensor_from_local(tpmesh, targets, 1, &rep, NULL, &tgt));
+        if (cfg->mode == MODE_SP) {
             /* every rank holds all positions: no communication, each keeps its
              * S(1) block, which the SequenceParallel pos_embeddings embeds */
             const tp_placement s1 = tp_shard(1);
-            CHECK(tp_dtensor_distribute(mesh, positions, 1, &s1, -1, &pos));
+            CHECK(tp_dtensor_distribute(tpmesh, positions, 1, &s1, -1, &pos));
         } else {
             pos = tp_tensor_retain(positions);
         }
     }
 
     CHECK(tp_comm_debug_create(&debug));
-    for (int step = 0; step < r->steps; step++) {
-        double loss = 0.0;
+    for (int step = 0; step < cfg->steps; step++) {
         if (step == 0)
             CHECK(tp_comm_debug_begin(debug));
-        CHECK(train_step(model, adam, tokens, pos, tgt, &loss));
+        CHECK(train_step(model, adam, tokens, pos, tgt, &loss[step]));
         if (step == 0)
             CHECK(tp_comm_debug_end(debug));
-        if (rank == 0)
-            r->loss[step] = loss;
     }
-    CHECK(tp_module_state_dict(model, keep_param, rank == 0 ? r : NULL));
-    if (rank == 0) {
-        r->debug = debug; /* main reads it after tp_run_local joined the ranks */
+    if (dp_comm)
+        CHECK(dp_mean_losses(dp_comm, cfg->steps, loss));
+    /* rank 0 records the run; main reads it after the ranks joined */
+    run *r = rank == 0 ? arg : NULL;
+    CHECK(tp_module_state_dict(model, keep_param, r));
+    if (r) {
+        memcpy(r->loss, loss, (size_t)cfg->steps * sizeof loss[0]);
+        r->dp_buckets = dp_buckets;
+        r->debug = debug;
         debug = NULL;
     }
 out:
@@ -585,7 +673,9 @@ out:
     tp_tensor_release(targets);
     tp_tensor_release(tokens);
     tp_adam_free(adam);
-    tp_module_free(model); /* before the mesh its DTensors live on */
+    tp_ddp_free(ddp);      /* before the module it hooks */
+    tp_module_free(model); /* before the meshes its DTensors live on */
+    tp_mesh_free(tpmesh);
     tp_mesh_free(mesh);
     return st;
 }
@@ -637,6 +727,34 @@ static void run_free(run *r)
     r->debug = NULL;
 }
 
+/* A run's ranks: "4", or "2x2" (dp x tp) with -d. */
+static const char *ranks_str(const run *r, char *buf, size_t len)
+{
+    if (r->dp)
+        snprintf(buf, len, "%dx%d", r->dp, r->ranks / r->dp);
+    else
+        snprintf(buf, len, "%d", r->ranks);
+    return buf;
+}
+
+/* The scope of the collectives issued outside the model, loss and optimizer
+ * scopes (for kinds_str): with -d, the DDP's bucket all_reduces, which its
+ * gradient hooks launch during backward. */
+#define UNSCOPED NULL
+
+/* Count of `kind` that scope `fqn` (or UNSCOPED) issued in `phase`. */
+static int64_t scope_count(const tp_comm_debug *d, const char *fqn, tp_phase phase,
+                           tp_coll_kind kind)
+{
+    if (fqn != UNSCOPED)
+        return tp_comm_debug_module_count(d, fqn, phase, kind);
+    int64_t c = tp_comm_debug_module_count(d, TP_COMM_DEBUG_GLOBAL, phase, kind);
+    static const char *const top[] = {"Transformer", "loss", "Adam"};
+    for (size_t i = 0; i < sizeof top / sizeof top[0]; i++)
+        c -= tp_comm_debug_module_count(d, top[i], phase, kind);
+    return c;
+}
+
 /* The collectives scope `fqn` issued in `phase`, as "ar 3, ag 2" (all_reduce,
  * all_gather, reduce_scatter, ...), or "-". */
 static const char *kinds_str(const tp_comm_debug *d, const char *fqn, tp_phase phase, char *buf,
@@ -646,7 +764,7 @@ static const char *kinds_str(const tp_comm_debug *d, const char *fqn, tp_phase p
     size_t n = 0;
     buf[0] = '\0';
     for (int k = 0; k < TP_COLL_KIND_COUNT && n < len; k++) {
-        int64_t c = tp_comm_debug_module_count(d, fqn, phase, (tp_coll_kind)k);
+        int64_t c = scope_count(d, fqn, phase, (tp_coll_kind)k);
         if (c) {
             int w = snprintf(buf + n, len - n, "%s%s %lld", n ? ", " : "", abbrev[k],
                              (long long)c);
@@ -658,10 +776,14 @@ static const char *kinds_str(const tp_comm_debug *d, const char *fqn, tp_phase p
     return buf;
 }
 
+/* Width of the table's forward column: 20, or wider for a longer Global
+ * entry (the longest: it counts everything). */
+static int fwd_width = 20;
+
 static void print_scope(const tp_comm_debug *d, const char *fqn, const char *label, int depth)
 {
     char f[96], b[96];
-    printf("  %*s%-*s %-20s %s\n", 2 * depth, "", 34 - 2 * depth, label,
+    printf("  %*s%-*s %-*s %s\n", 2 * depth, "", 34 - 2 * depth, label, fwd_width,
            kinds_str(d, fqn, TP_PHASE_FORWARD, f, sizeof f),
            kinds_str(d, fqn, TP_PHASE_BACKWARD, b, sizeof b));
 }
@@ -689,20 +811,32 @@ static tp_status print_comm_table(const run *r)
 {
     tp_status st;
     tp_module *model = NULL;
+    char rk[16], g[96];
     CHECK(build_transformer(&model)); /* for the module names only */
-    printf("\nCollectives per module in training step 0, %s on %d rank%s (rank 0;\n"
-           "ar = all_reduce, ag = all_gather, rs = reduce_scatter):\n"
-           "  %-34s %-20s %s\n",
-           mode_name[r->mode], r->ranks, r->ranks > 1 ? "s" : "", "scope", "forward",
-           "backward");
+    const int w = (int)strlen(kinds_str(r->debug, TP_COMM_DEBUG_GLOBAL, TP_PHASE_FORWARD, g,
+                                        sizeof g));
+    fwd_width = w > 20 ? w : 20;
+    printf("\nCollectives per module in training step 0, %s on %s rank%s%s (rank 0;\n"
+           "ar = all_reduce, ag = all_gather, rs = reduce_scatter%s):\n"
+           "  %-34s %-*s %s\n",
+           mode_name[r->mode], ranks_str(r, rk, sizeof rk), r->ranks > 1 ? "s" : "",
+           r->dp ? " (dp x tp)" : "", r->dp ? ", bc = broadcast" : "", "scope", fwd_width,
+           "forward", "backward");
     print_scope(r->debug, TP_COMM_DEBUG_GLOBAL, TP_COMM_DEBUG_GLOBAL, 0);
     print_scope(r->debug, "Transformer", "Transformer", 1);
     print_module_scopes(r->debug, model, "Transformer", 2);
     print_scope(r->debug, "loss", "loss (cross entropy)", 1);
     print_scope(r->debug, "Adam", "Adam (optimizer step)", 1);
-    if (tp_comm_debug_module_count(r->debug, "Adam", TP_PHASE_COUNT, TP_COLL_ANY))
+    if (r->dp)
+        print_scope(r->debug, UNSCOPED, "DDP gradient hooks (dp)", 1);
+    if (tp_comm_debug_module_count(r->debug, "Adam", TP_PHASE_COUNT, TP_COLL_ALL_REDUCE))
         printf("  (the optimizer step counts as forward: it sums the Partial gradients of the\n"
                "  replicated sequence-parallel parameters, the norms and pos_embeddings)\n");
+    if (r->dp)
+        printf("  (dp: the DDP's gradient hooks launch one all_reduce per bucket during\n"
+               "  backward, outside any module scope; the Adam step waits for them in its\n"
+               "  pre-hook. Its broadcast is first-step only: rank 0's gradient-ready order,\n"
+               "  which fixes the buckets for the later steps)\n");
 out:
     tp_module_free(model);
     return st;
@@ -723,17 +857,37 @@ static int parse_int(const char *s, int lo, int hi, const char *what)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: tp-example-transformer [-r RANKS] [-s STEPS] [-t] [-b shm|mpi]\n"
+    fprintf(f, "usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi]\n"
                "  -b mpi    under mpirun: the TP runs use one process per rank\n"
-               "  -r RANKS  rank count of the TP runs, dividing %d heads (default: 1, 2 and 4)\n"
+               "  -r RANKS  rank count of the TP runs; RANKS / DP must divide the %d heads\n"
+               "            (default: 1, 2 and 4 times DP)\n"
+               "  -d DP     data parallel x tensor parallel: a (\"dp\", \"tp\") mesh of\n"
+               "            [DP, RANKS / DP], the batch of %d split over dp (DP divides both)\n"
                "  -s STEPS  Adam steps (default 3)\n"
                "  -t        also print the full comm-debug table of every run\n",
-            HEADS);
+            HEADS, BATCH);
+}
+
+/* The reason `ranks` cannot run as a [dp, ranks / dp] mesh (dp 0: a 1-D TP
+ * mesh), or NULL when it can. */
+static const char *bad_layout(int ranks, int dp, char *buf, size_t len)
+{
+    const int d = dp ? dp : 1;
+    if (ranks % d)
+        snprintf(buf, len, "-d DP (%d) must divide the rank count (%d)", dp, ranks);
+    else if (HEADS % (ranks / d) && !dp)
+        snprintf(buf, len, "the rank count (%d) must divide the %d heads", ranks, HEADS);
+    else if (HEADS % (ranks / d))
+        snprintf(buf, len, "the tp size %d (ranks %d / dp %d) must divide the %d heads",
+                 ranks / d, ranks, d, HEADS);
+    else
+        return NULL;
+    return buf;
 }
 
 int main(int argc, char **argv)
 {
-    int rank_counts[3] = {1, 2, 4}, n_counts = 3, steps = 3;
+    int rank_counts[3] = {1, 2, 4}, n_counts = 3, steps = 3, dp = 0;
     bool use_mpi = false;
     bool all_tables = false;
     for (int i = 1; i < argc; i++) {
@@ -741,12 +895,17 @@ int main(int argc, char **argv)
             usage(stdout);
             return 0;
         } else if (!strcmp(argv[i], "-r")) {
-            rank_counts[0] = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, HEADS, "-r RANKS");
+            rank_counts[0] = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, BATCH * HEADS,
+                                       "-r RANKS");
             n_counts = 1;
             if (rank_counts[0] < 0)
                 return 2;
-            if (HEADS % rank_counts[0]) {
-                fprintf(stderr, "-r RANKS must divide the %d heads\n", HEADS);
+        } else if (!strcmp(argv[i], "-d")) {
+            dp = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, BATCH, "-d DP");
+            if (dp < 0)
+                return 2;
+            if (BATCH % dp) {
+                fprintf(stderr, "-d DP (%d) must divide the batch (%d)\n", dp, BATCH);
                 return 2;
             }
         } else if (!strcmp(argv[i], "-b")) {
@@ -767,6 +926,14 @@ int main(int argc, char **argv)
             return 2;
         }
     }
+    char why[128];
+    if (dp && n_counts == 3) /* default: tp sizes 1, 2 and 4 */
+        for (int c = 0; c < n_counts; c++)
+            rank_counts[c] *= dp;
+    if (!use_mpi && bad_layout(rank_counts[0], dp, why, sizeof why)) {
+        fprintf(stderr, "%s\n", why);
+        return 2;
+    }
 
     /* -b mpi: this process is one rank of the MPI world (under mpirun); the
      * TP runs use every process, the reference runs on one thread of each,
@@ -779,9 +946,8 @@ int main(int argc, char **argv)
             fprintf(stderr, "tp_comm_init(\"mpi\"): %s: %s\n", tp_status_name(st), tp_last_error());
             return 1;
         }
-        if (HEADS % tp_comm_size(world)) {
-            fprintf(stderr, "the MPI world size %d must divide the %d heads\n", tp_comm_size(world),
-                    HEADS);
+        if (bad_layout(tp_comm_size(world), dp, why, sizeof why)) {
+            fprintf(stderr, "MPI world of %d processes: %s\n", tp_comm_size(world), why);
             tp_comm_free(world);
             return 2;
         }
@@ -800,14 +966,15 @@ int main(int argc, char **argv)
     runs[nruns++] = (run){.mode = MODE_NONE, .ranks = 1, .steps = steps};
     for (int c = 0; c < n_counts; c++)
         for (int m = MODE_TP; m <= MODE_SP; m++)
-            runs[nruns++] = (run){.mode = (run_mode)m, .ranks = rank_counts[c], .steps = steps};
+            runs[nruns++] =
+                (run){.mode = (run_mode)m, .ranks = rank_counts[c], .dp = dp, .steps = steps};
 
     printf("libtp example: decoder-only transformer, tensor + sequence parallel\n"
            "vocab %d, dim %d, %d heads x %d, ffn %d, %d layers, seq %d, batch %d; "
            "Adam lr %g, %d steps\n"
            "every run must match the 1-rank run without TP (rtol %g, atol %g)\n\n",
            VOCAB, DIM, HEADS, HEAD_DIM, FFN, LAYERS, SEQ, BATCH, LR, steps, RTOL, ATOL);
-    printf("%-6s %5s ", "plan", "ranks");
+    printf("%-6s %5s ", "plan", dp ? "dpxtp" : "ranks");
     for (int s = 0; s < steps; s++)
         printf(" %6s %-2d", "loss", s);
     printf("  %-10s %-11s collectives in step 0 (rank 0)\n", "max|dloss|", "max|dparam|");
@@ -820,14 +987,16 @@ int main(int argc, char **argv)
         r->status = world && r->mode != MODE_NONE ? transformer_rank(world, r)
                                                     : tp_run_local(r->ranks, transformer_rank, r);
         if (r->status != TP_OK) {
-            fprintf(stderr, "%s on %d ranks failed: %s: %s\n", mode_name[r->mode], r->ranks,
-                    tp_status_name(r->status), tp_last_error());
+            char rk[16];
+            fprintf(stderr, "%s on %s ranks failed: %s: %s\n", mode_name[r->mode],
+                    ranks_str(r, rk, sizeof rk), tp_status_name(r->status), tp_last_error());
             all_ok = false;
             if (i == 0)
                 break; /* nothing to compare with */
             continue;
         }
-        printf("%-6s %5d ", mode_name[r->mode], r->ranks);
+        char rk[16];
+        printf("%-6s %5s ", mode_name[r->mode], ranks_str(r, rk, sizeof rk));
         for (int s = 0; s < steps; s++)
             printf(" %9.6f", r->loss[s]);
         if (i > 0) {
@@ -843,10 +1012,21 @@ int main(int argc, char **argv)
             printf("  %-10s %-11s", "(reference)", "");
         }
         char fwd[96], bwd[96];
-        printf(" fwd %s; bwd %s%s\n", kinds_str(r->debug, TP_COMM_DEBUG_GLOBAL, TP_PHASE_FORWARD,
-                                                fwd, sizeof fwd),
-               kinds_str(r->debug, TP_COMM_DEBUG_GLOBAL, TP_PHASE_BACKWARD, bwd, sizeof bwd),
-               i > 0 && !r->ok ? "  MISMATCH" : "");
+        printf(" fwd %s; bwd %s", kinds_str(r->debug, TP_COMM_DEBUG_GLOBAL, TP_PHASE_FORWARD,
+                                              fwd, sizeof fwd),
+               kinds_str(r->debug, TP_COMM_DEBUG_GLOBAL, TP_PHASE_BACKWARD, bwd, sizeof bwd));
+        if (r->dp) {
+            /* the DDP's all_reduces, as the counter saw them: one per bucket */
+            const int64_t dp_ar =
+                scope_count(r->debug, UNSCOPED, TP_PHASE_BACKWARD, TP_COLL_ALL_REDUCE);
+            printf(" (dp: ar %lld)", (long long)dp_ar);
+            if (dp_ar != r->dp_buckets) {
+                printf(" != the DDP's %d buckets", r->dp_buckets);
+                r->ok = false;
+                all_ok = false;
+            }
+        }
+        printf("%s\n", i > 0 && !r->ok ? "  MISMATCH" : "");
         fflush(stdout);
         table_run = i;
     }
@@ -856,8 +1036,10 @@ int main(int argc, char **argv)
     for (int i = 0; all_tables && i < nruns; i++) {
         if (!runs[i].debug)
             continue;
-        printf("\ntp_comm_debug_write_table of training step 0, %s on %d rank%s (rank 0):\n",
-               mode_name[runs[i].mode], runs[i].ranks, runs[i].ranks > 1 ? "s" : "");
+        char rk[16];
+        printf("\ntp_comm_debug_write_table of training step 0, %s on %s rank%s (rank 0):\n",
+               mode_name[runs[i].mode], ranks_str(&runs[i], rk, sizeof rk),
+               runs[i].ranks > 1 ? "s" : "");
         fflush(stdout);
         if (tp_comm_debug_write_table(runs[i].debug, stdout) != TP_OK) {
             fprintf(stderr, "tp_comm_debug_write_table: %s\n", tp_last_error());
