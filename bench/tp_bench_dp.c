@@ -227,7 +227,7 @@ static tp_status run_bench(tp_comm *w, bench *b)
     tp_comm_debug *dbg = NULL;
     double *times = calloc((size_t)C_COUNT * (size_t)R, sizeof *times);
     plist pl = {.n = 0};
-    int nb = 0;
+    int nb = 0, np = 0; /* buckets, parameters */
     if (!times) {
         fprintf(stderr, "rank %d: out of memory\n", rank);
         return TP_ERR_NO_MEMORY;
@@ -246,8 +246,9 @@ static tp_status run_bench(tp_comm *w, bench *b)
         b->grad_bytes += tp_tensor_numel(pl.t[i]) * 4;
     }
     b->nparams = pl.n;
-    tp_module_free(mref);
+    tp_module_free(mref); /* pl's tensors with it: the clones stand for them from here on */
     mref = NULL;
+    np = pl.n;
 
     for (int c = 0; c < C_COUNT; c++) {
         b->buckets[c] = -1;
@@ -258,9 +259,9 @@ static tp_status run_bench(tp_comm *w, bench *b)
         if (is_ddp(c))
             TRY(wrap(m[c], w, c, b->cap, &ddp[c]));
     }
-    /* one buffer per parameter, shaped like it */
-    for (int i = 0; i < pl.n; i++) {
-        int64_t n = tp_tensor_numel(pl.t[i]);
+    /* one buffer per parameter, of its size */
+    for (int i = 0; i < np; i++) {
+        int64_t n = tp_tensor_numel(ref[i]);
         TRY(tp_tensor_empty(TP_F32, TP_CPU, 1, &n, &pbuf[i]));
         TRY(tp_tensor_fill(pbuf[i], 1.0));
     }
@@ -284,8 +285,8 @@ static tp_status run_bench(tp_comm *w, bench *b)
                     st = TP_ERR_INVALID_ARG;
                     goto out;
                 }
-                for (int i = 0; i < pl.n; i++)
-                    sizes[tp_step_graph_bucket_of(g, i)] += tp_tensor_numel(pl.t[i]);
+                for (int i = 0; i < np; i++)
+                    sizes[tp_step_graph_bucket_of(g, i)] += tp_tensor_numel(ref[i]);
                 for (int j = 0; j < nb; j++) {
                     TRY(tp_tensor_empty(TP_F32, TP_CPU, 1, &sizes[j], &bbuf[j]));
                     TRY(tp_tensor_fill(bbuf[j], 1.0));
@@ -297,7 +298,7 @@ static tp_status run_bench(tp_comm *w, bench *b)
                 TRY(tp_comm_debug_begin(dbg));
             double t0 = now_s();
             if (c == C_COMM_PARAM)
-                st = comm_only(w, pbuf, pl.n);
+                st = comm_only(w, pbuf, np);
             else if (c == C_COMM_BUCKET)
                 st = comm_only(w, bbuf, nb);
             else
@@ -320,7 +321,7 @@ static tp_status run_bench(tp_comm *w, bench *b)
     }
     for (int c = C_PLAIN; c < C_COUNT; c++)
         b->buckets[c] = tp_step_graph_num_buckets(tp_ddp_graph(ddp[c]));
-    b->buckets[C_COMM_PARAM] = pl.n;
+    b->buckets[C_COMM_PARAM] = np;
     b->buckets[C_COMM_BUCKET] = nb;
 
     /* every step counts as its slowest rank's */
