@@ -39,12 +39,16 @@
  * Usage: tp-bench-dp [--backend shm|mpi] [-g RANKS] [-H HIDDEN] [-L LAYERS] [-B ROWS]
  *                    [--bucket-mb MIB] [-r REPS] [-w WARMUP] [--csv FILE]
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* RUSAGE_THREAD */
+#endif
 #include <cblas.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include <tp.h>
@@ -73,6 +77,8 @@ typedef struct bench {
     int nranks, nparams;
     int64_t grad_bytes;
     double t_med[C_COUNT], t_min[C_COUNT], t_max[C_COUNT];
+    double t_opt[C_COUNT];       /* median time in tp_sgd_step */
+    double faults[C_COUNT];      /* median minor page faults per step */
     int buckets[C_COUNT];    /* of the DDP's step graph; -1: none */
     int64_t allreduces[C_COUNT]; /* per step, counted in the last warm-up step */
     double diff[C_COUNT];    /* max |param - reference| after step 1; -1: not checked */
@@ -83,6 +89,14 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Minor page faults of the calling thread so far: a fresh gradient buffer
+ * above malloc's mmap threshold costs one per 4 KiB page on first touch. */
+static double minor_faults(void)
+{
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? (double)ru.ru_minflt : 0;
 }
 
 static int cmp_d(const void *a, const void *b)
@@ -151,7 +165,7 @@ static tp_status collect(const char *fqn, tp_tensor *t, void *ctx)
 /* Forward, loss, backward; then, for the reference only, each gradient
  * all_reduced (avg) by hand; then the SGD step (which, under DDP, waits for
  * the buckets) and zero_grad. */
-static tp_status step(tp_comm *w, tp_module *m, tp_tensor *x, bool by_hand)
+static tp_status step(tp_comm *w, tp_module *m, tp_tensor *x, bool by_hand, double *t_opt)
 {
     tp_tensor *y = NULL, *loss = NULL;
     tp_status st = tp_module_call(m, x, &y);
@@ -167,8 +181,10 @@ static tp_status step(tp_comm *w, tp_module *m, tp_tensor *x, bool by_hand)
             st = tp_all_reduce(w, g, g, TP_AVG, NULL);
         }
     }
+    double t0 = now_s();
     if (st == TP_OK)
         st = tp_sgd_step(m, LR);
+    *t_opt = now_s() - t0;
     tp_module_zero_grad(m);
     tp_tensor_release(loss);
     tp_tensor_release(y);
@@ -225,7 +241,9 @@ static tp_status run_bench(tp_comm *w, bench *b)
     tp_ddp *ddp[C_COUNT] = {0};
     tp_tensor *x = NULL, *ref[256] = {0}, *pbuf[256] = {0}, *bbuf[256] = {0}, *tt = NULL;
     tp_comm_debug *dbg = NULL;
-    double *times = calloc((size_t)C_COUNT * (size_t)R, sizeof *times);
+    /* times, then the time in tp_sgd_step (the late waits and the update) */
+    double *times = calloc(3 * (size_t)C_COUNT * (size_t)R, sizeof *times);
+    double *topt = times + (size_t)C_COUNT * (size_t)R, *flt = topt + (size_t)C_COUNT * (size_t)R;
     plist pl = {.n = 0};
     int nb = 0, np = 0; /* buckets, parameters */
     if (!times) {
@@ -239,7 +257,8 @@ static tp_status run_bench(tp_comm *w, bench *b)
 
     /* the reference step */
     TRY(make_mlp(b->H, b->L, &mref));
-    TRY(step(w, mref, x, true));
+    double t_opt = 0;
+    TRY(step(w, mref, x, true, &t_opt));
     TRY(tp_module_named_parameters(mref, collect, &pl));
     for (int i = 0; i < pl.n; i++) {
         TRY(tp_tensor_clone(pl.t[i], &ref[i]));
@@ -296,14 +315,14 @@ static tp_status run_bench(tp_comm *w, bench *b)
             TRY(tp_barrier(w, NULL));
             if (count)
                 TRY(tp_comm_debug_begin(dbg));
-            double t0 = now_s();
+            double f0 = minor_faults(), t0 = now_s();
             if (c == C_COMM_PARAM)
                 st = comm_only(w, pbuf, np);
             else if (c == C_COMM_BUCKET)
                 st = comm_only(w, bbuf, nb);
             else
-                st = step(w, m[c], x, false);
-            double t1 = now_s();
+                st = step(w, m[c], x, false, &t_opt);
+            double t1 = now_s(), f1 = minor_faults();
             if (st != TP_OK) {
                 fprintf(stderr, "rank %d: %s step: %s (%s)\n", rank, cfg_names[c],
                         tp_status_name(st), tp_last_error());
@@ -313,8 +332,11 @@ static tp_status run_bench(tp_comm *w, bench *b)
                 TRY(tp_comm_debug_end(dbg));
                 b->allreduces[c] = tp_comm_debug_count(dbg, TP_COLL_ALL_REDUCE);
             }
-            if (it >= 0)
+            if (it >= 0) {
                 times[c * R + it] = t1 - t0;
+                topt[c * R + it] = is_ddp(c) || c == C_COMPUTE ? t_opt : 0;
+                flt[c * R + it] = f1 - f0;
+            }
             if (it == -b->warmup && is_ddp(c))
                 TRY(max_diff(w, m[c], ref, &b->diff[c]));
         }
@@ -325,8 +347,8 @@ static tp_status run_bench(tp_comm *w, bench *b)
     b->buckets[C_COMM_BUCKET] = nb;
 
     /* every step counts as its slowest rank's */
-    TRY(tp_tensor_from_blob(TP_F64, TP_CPU, 1, (int64_t[]){(int64_t)C_COUNT * R}, times, NULL,
-                            NULL, &tt));
+    TRY(tp_tensor_from_blob(TP_F64, TP_CPU, 1, (int64_t[]){3 * (int64_t)C_COUNT * R}, times,
+                            NULL, NULL, &tt));
     TRY(tp_all_reduce(w, tt, tt, TP_MAX, NULL));
     for (int c = 0; c < C_COUNT; c++) {
         double *v = &times[c * R];
@@ -334,6 +356,12 @@ static tp_status run_bench(tp_comm *w, bench *b)
         b->t_med[c] = R % 2 ? v[R / 2] : 0.5 * (v[R / 2 - 1] + v[R / 2]);
         b->t_min[c] = v[0];
         b->t_max[c] = v[R - 1];
+        v = &topt[c * R];
+        qsort(v, (size_t)R, sizeof *v, cmp_d);
+        b->t_opt[c] = R % 2 ? v[R / 2] : 0.5 * (v[R / 2 - 1] + v[R / 2]);
+        v = &flt[c * R];
+        qsort(v, (size_t)R, sizeof *v, cmp_d);
+        b->faults[c] = R % 2 ? v[R / 2] : 0.5 * (v[R / 2 - 1] + v[R / 2]);
     }
     b->nranks = tp_comm_size(w);
 out:
@@ -381,10 +409,13 @@ static void report(const bench *b, int backend, FILE *csv)
            (double)b->grad_bytes / 1e6, b->nparams, (double)b->cap / 1048576.0);
     printf("# per step: median of %d after %d warm-up (slowest rank, barrier before each); "
            "configurations interleaved step by step\n", b->reps, b->warmup);
-    printf("%-27s %7s %6s %9s %19s %8s %8s %10s\n", "configuration", "buckets", "allred",
-           "time(ms)", "[min .. max]", "hidden", "speedup", "max|diff|");
+    printf("%-27s %7s %6s %9s %19s %8s %7s %8s %8s %10s\n", "configuration", "buckets", "allred",
+           "time(ms)", "[min .. max]", "sgd(ms)", "faults", "hidden", "speedup", "max|diff|");
     for (int c = 0; c < C_COUNT; c++) {
-        char bk[16] = "-", hid[16] = "-", sp[16] = "-", df[16] = "-";
+        char bk[16] = "-", hid[16] = "-", sp[16] = "-", df[16] = "-", so[16] = "-";
+        bool stepped = c == C_COMPUTE || is_ddp(c);
+        if (stepped)
+            snprintf(so, sizeof so, "%.2f", b->t_opt[c] * 1e3);
         if (b->buckets[c] >= 0)
             snprintf(bk, sizeof bk, "%d", b->buckets[c]);
         double hidden = NAN, speed = NAN;
@@ -396,24 +427,36 @@ static void report(const bench *b, int backend, FILE *csv)
             snprintf(sp, sizeof sp, "%.2fx", speed);
             snprintf(df, sizeof df, "%.3g", b->diff[c]);
         }
-        printf("%-27s %7s %6lld %9.2f %8.2f .. %-8.2f %8s %8s %10s\n", cfg_titles[c], bk,
+        printf("%-27s %7s %6lld %9.2f %8.2f .. %-8.2f %8s %7.0f %8s %8s %10s\n", cfg_titles[c], bk,
                (long long)b->allreduces[c], b->t_med[c] * 1e3, b->t_min[c] * 1e3,
-               b->t_max[c] * 1e3, hid, sp, df);
-        if (csv)
-            fprintf(csv, "%s,%s,%d,%lld,%lld,%lld,%.4f,%lld,%s,%lld,%.4f,%.4f,%.4f,%.4f,%s,%s,%s\n",
+               b->t_max[c] * 1e3, so, b->faults[c], hid, sp, df);
+        if (csv) {
+            /* empty fields where a column does not apply */
+            char cbk[16] = "", cso[32] = "", cm[32] = "", ch[32] = "", csp[32] = "", cdf[32] = "";
+            if (b->buckets[c] >= 0)
+                snprintf(cbk, sizeof cbk, "%d", b->buckets[c]);
+            if (stepped)
+                snprintf(cso, sizeof cso, "%.4f", b->t_opt[c] * 1e3);
+            if (is_ddp(c)) {
+                snprintf(cm, sizeof cm, "%.4f", comm_of(b, c) * 1e3);
+                snprintf(ch, sizeof ch, "%.4f", hidden);
+                snprintf(csp, sizeof csp, "%.4f", speed);
+                snprintf(cdf, sizeof cdf, "%.6g", b->diff[c]);
+            }
+            fprintf(csv, "%s,%s,%d,%lld,%lld,%lld,%.4f,%lld,%s,%lld,%.4f,%.4f,%.4f,%s,%.0f,%s,%s,%s,%s\n",
                     cfg_names[c], backend_names[backend], b->nranks, (long long)b->H,
                     (long long)b->L, (long long)b->B, (double)b->cap / 1048576.0,
-                    (long long)b->grad_bytes, b->buckets[c] >= 0 ? bk : "",
-                    (long long)b->allreduces[c], b->t_med[c] * 1e3, b->t_min[c] * 1e3,
-                    b->t_max[c] * 1e3, is_ddp(c) ? comm_of(b, c) * 1e3 : NAN,
-                    is_ddp(c) ? hid : "", is_ddp(c) ? sp : "", is_ddp(c) ? df : "");
+                    (long long)b->grad_bytes, cbk, (long long)b->allreduces[c],
+                    b->t_med[c] * 1e3, b->t_min[c] * 1e3, b->t_max[c] * 1e3, cso, b->faults[c], cm,
+                    ch, csp, cdf);
+        }
     }
     printf("# T_compute %.2f ms; T_comm %.2f ms per parameter, %.2f ms per bucket\n", tc * 1e3,
            b->t_med[C_COMM_PARAM] * 1e3, b->t_med[C_COMM_BUCKET] * 1e3);
     for (int c = C_PLAIN; c < C_COUNT; c++) {
         double tm = comm_of(b, c), h = (tc + tm - b->t_med[c]) / tm;
         double hc = h < 0 ? 0 : h > 1 ? 1 : h;
-        printf("# %-26s step = compute + %5.2f ms: %3.0f%% of the %.2f ms of communication "
+        printf("# %-26s step = compute %+6.2f ms: %3.0f%% of the %.2f ms of communication "
                "hidden (raw %.2f)\n", cfg_titles[c], (b->t_med[c] - tc) * 1e3, 100 * hc, tm * 1e3,
                h);
     }
@@ -431,7 +474,7 @@ static const char usage[] =
     "                   [--bucket-mb MIB] [-r REPS] [-w WARMUP] [--csv FILE]\n"
     "  --backend   shm: ranks are threads (default); mpi: one rank per process under mpirun\n"
     "  -g          ranks for shm (default 2; ignored with mpi)\n"
-    "  -H -L -B    hidden size, Linear layers, rows per rank (default 1024, 4, 64)\n"
+    "  -H -L -B    hidden size, Linear layers, rows per rank (default 1024, 6, 64)\n"
     "  --bucket-mb bucket cap in MiB (default 5: one Linear's weight and bias per bucket at H=1024)\n"
     "  -r -w       timed and warm-up steps per configuration (default 15, 3; -w >= 1)\n"
     "  --csv FILE  also write the rows as CSV\n";
@@ -453,7 +496,7 @@ static bool parse_int(const char *opt, const char *s, long long lo, long long hi
 
 int main(int argc, char **argv)
 {
-    bench b = {.H = 1024, .L = 4, .B = 64, .cap = 5u << 20, .reps = 15, .warmup = 3};
+    bench b = {.H = 1024, .L = 6, .B = 64, .cap = 5u << 20, .reps = 15, .warmup = 3};
     long long ranks = 2, v = 0;
     int backend = BK_SHM;
     const char *csv = NULL;
@@ -553,7 +596,7 @@ int main(int argc, char **argv)
             return 2; /* the other processes fail in their first collective */
         }
         fprintf(fcsv, "config,backend,ranks,hidden,layers,rows,bucket_mib,grad_bytes,buckets,"
-                      "allreduces,time_ms,time_min_ms,time_max_ms,comm_ms,hidden_share,"
+                      "allreduces,time_ms,time_min_ms,time_max_ms,sgd_ms,minor_faults,comm_ms,hidden_share,"
                       "speedup_vs_plain,max_abs_diff\n");
     }
     if (backend == BK_MPI)
