@@ -11,6 +11,9 @@
  *                 buffers of the parameters' sizes (what plain DP moves)
  *   comm-bucket   one blocking tp_all_reduce per bucket, alone, on buffers of
  *                 the buckets' sizes (what the bucketed configurations move)
+ *   comm-async    the same per-bucket all_reduces launched at once, then
+ *                 waited for in order (what late_waits leaves for the step
+ *                 when nothing progressed during backward)
  *   plain         DDP, manual_passes and no pass: one blocking all_reduce per
  *                 gradient inside backward
  *   bucketed      DDP, bucket_fusion only: each bucket waited right after its
@@ -27,6 +30,11 @@
  * the bucketed configurations: 1 means the step costs no more than its
  * compute, 0 that communication adds its full time, below 0 that it adds
  * more than its own time.
+ *
+ * Also per configuration: the median time inside tp_sgd_step (under DDP the
+ * late waits and copies out, then the update) and the median minor page
+ * faults per step (fresh memory touched: gradients allocated anew every
+ * step fault in page by page; bucket views do not), both the slowest rank's.
  *
  * Check: after the first (untimed) step every DDP configuration's parameters
  * are compared with a reference step that all_reduces each gradient by hand;
@@ -56,11 +64,16 @@
 enum { BK_SHM, BK_MPI, BK_COUNT };
 static const char *const backend_names[BK_COUNT] = {"shm", "mpi"};
 
-enum { C_COMPUTE, C_COMM_PARAM, C_COMM_BUCKET, C_PLAIN, C_FUSION, C_OVERLAP, C_VIEWS, C_COUNT };
-static const char *const cfg_names[C_COUNT] = {"compute", "comm-param", "comm-bucket", "plain",
+enum {
+    C_COMPUTE, C_COMM_PARAM, C_COMM_BUCKET, C_COMM_ASYNC,
+    C_PLAIN, C_FUSION, C_OVERLAP, C_VIEWS, C_COUNT
+};
+static const char *const cfg_names[C_COUNT] = {"compute", "comm-param", "comm-bucket",
+                                               "comm-async", "plain",
                                                "bucketed", "overlap", "overlap-view"};
 static const char *const cfg_titles[C_COUNT] = {
     "compute only (no DDP)",       "comm only, per parameter", "comm only, per bucket",
+    "comm only, buckets at once",
     "plain DP (no pass)",          "bucketed, no overlap",     "bucketed + overlap",
     "bucketed + overlap + views"};
 
@@ -233,6 +246,23 @@ static tp_status comm_only(tp_comm *w, tp_tensor **bufs, int n)
     return st;
 }
 
+/* The per-bucket all_reduces all launched, then waited for in order: what
+ * late_waits leaves for the step when nothing progressed during backward. */
+static tp_status comm_at_once(tp_comm *w, tp_tensor **bufs, int n)
+{
+    tp_work *wk[256] = {0};
+    tp_status st = TP_OK;
+    int launched = 0;
+    for (; launched < n && st == TP_OK; launched++)
+        st = tp_all_reduce(w, bufs[launched], bufs[launched], TP_AVG, &wk[launched]);
+    for (int i = 0; i < launched; i++) {
+        tp_status si = wk[i] ? tp_work_wait(wk[i]) : TP_OK;
+        st = st == TP_OK ? si : st;
+        tp_work_free(wk[i]);
+    }
+    return st;
+}
+
 static tp_status run_bench(tp_comm *w, bench *b)
 {
     tp_status st = TP_OK;
@@ -272,7 +302,7 @@ static tp_status run_bench(tp_comm *w, bench *b)
     for (int c = 0; c < C_COUNT; c++) {
         b->buckets[c] = -1;
         b->diff[c] = -1;
-        if (c == C_COMM_PARAM || c == C_COMM_BUCKET)
+        if (c == C_COMM_PARAM || c == C_COMM_BUCKET || c == C_COMM_ASYNC)
             continue;
         TRY(make_mlp(b->H, b->L, &m[c]));
         if (is_ddp(c))
@@ -289,8 +319,8 @@ static tp_status run_bench(tp_comm *w, bench *b)
     /* it < 0: warm-up; it == -warmup is the checked step. The comm-only
      * configurations run last: the buckets are known once the bucketed DDP
      * took its first step (which records the ready order). */
-    static const int order[C_COUNT] = {C_COMPUTE, C_PLAIN,      C_FUSION,     C_OVERLAP,
-                                       C_VIEWS,   C_COMM_PARAM, C_COMM_BUCKET};
+    static const int order[C_COUNT] = {C_COMPUTE, C_PLAIN,      C_FUSION,      C_OVERLAP,
+                                       C_VIEWS,   C_COMM_PARAM, C_COMM_BUCKET, C_COMM_ASYNC};
     for (int it = -b->warmup; it < R; it++) {
         for (int k = 0; k < C_COUNT; k++) {
             int c = order[k];
@@ -320,6 +350,8 @@ static tp_status run_bench(tp_comm *w, bench *b)
                 st = comm_only(w, pbuf, np);
             else if (c == C_COMM_BUCKET)
                 st = comm_only(w, bbuf, nb);
+            else if (c == C_COMM_ASYNC)
+                st = comm_at_once(w, bbuf, nb);
             else
                 st = step(w, m[c], x, false, &t_opt);
             double t1 = now_s(), f1 = minor_faults();
@@ -344,7 +376,7 @@ static tp_status run_bench(tp_comm *w, bench *b)
     for (int c = C_PLAIN; c < C_COUNT; c++)
         b->buckets[c] = tp_step_graph_num_buckets(tp_ddp_graph(ddp[c]));
     b->buckets[C_COMM_PARAM] = np;
-    b->buckets[C_COMM_BUCKET] = nb;
+    b->buckets[C_COMM_BUCKET] = b->buckets[C_COMM_ASYNC] = nb;
 
     /* every step counts as its slowest rank's */
     TRY(tp_tensor_from_blob(TP_F64, TP_CPU, 1, (int64_t[]){3 * (int64_t)C_COUNT * R}, times,
