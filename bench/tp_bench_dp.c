@@ -436,11 +436,18 @@ static void report(const bench *b, int backend, FILE *csv)
     printf("# tp-bench-dp: backend %s, %d ranks%s, 1 BLAS thread each\n", backend_names[backend],
            b->nranks, backend == BK_SHM ? " (threads)" : " (processes)");
     printf("# MLP %lld x Linear(%lld, %lld) + ReLU, %lld rows per rank, loss = mean, SGD; "
-           "gradients %.1f MB in %d parameters; bucket cap %.2f MiB\n",
+           "gradients %.1f MB in %d parameters; bucket cap %.3g MiB\n",
            (long long)b->L, (long long)b->H, (long long)b->H, (long long)b->B,
            (double)b->grad_bytes / 1e6, b->nparams, (double)b->cap / 1048576.0);
     printf("# per step: median of %d after %d warm-up (slowest rank, barrier before each); "
            "configurations interleaved step by step\n", b->reps, b->warmup);
+    /* the machines are shared: say how busy this one was */
+    FILE *la = fopen("/proc/loadavg", "r");
+    double l1 = 0;
+    if (la && fscanf(la, "%lf", &l1) == 1)
+        printf("# load average (1 min) at the end: %.2f\n", l1);
+    if (la)
+        fclose(la);
     printf("%-27s %7s %6s %9s %19s %8s %7s %8s %8s %10s\n", "configuration", "buckets", "allred",
            "time(ms)", "[min .. max]", "sgd(ms)", "faults", "hidden", "speedup", "max|diff|");
     for (int c = 0; c < C_COUNT; c++) {
@@ -508,7 +515,7 @@ static const char usage[] =
     "  -g          ranks for shm (default 2; ignored with mpi)\n"
     "  -H -L -B    hidden size, Linear layers, rows per rank (default 1024, 6, 64)\n"
     "  --bucket-mb bucket cap in MiB (default 5: one Linear's weight and bias per bucket at H=1024)\n"
-    "  -r -w       timed and warm-up steps per configuration (default 15, 3; -w >= 1)\n"
+    "  -r -w       timed and warm-up steps per configuration (default 21, 3; -w >= 1)\n"
     "  --csv FILE  also write the rows as CSV\n";
 
 /* A whole-string integer in [lo, hi]. */
@@ -528,7 +535,7 @@ static bool parse_int(const char *opt, const char *s, long long lo, long long hi
 
 int main(int argc, char **argv)
 {
-    bench b = {.H = 1024, .L = 6, .B = 64, .cap = 5u << 20, .reps = 15, .warmup = 3};
+    bench b = {.H = 1024, .L = 6, .B = 64, .cap = 5u << 20, .reps = 21, .warmup = 3};
     long long ranks = 2, v = 0;
     int backend = BK_SHM;
     const char *csv = NULL;
