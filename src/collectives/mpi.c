@@ -219,6 +219,10 @@ struct mpi_work {
     bool complete; /* MPI finished the request */
     bool finished; /* post-processing done, status final */
     tp_status status;
+    /* the caller's tensors, kept alive until MPI lets go of the request: a
+     * request MPI never completes (abort, timeout) may still write into them
+     * after the caller freed its handles */
+    tp_tensor *keep[2];
 };
 
 static bool abort_on_failure(void)
@@ -282,6 +286,8 @@ static void list_remove(mpi_work **head, mpi_work *w)
 
 static void work_destroy(mpi_work *w)
 {
+    tp_tensor_release(w->keep[0]);
+    tp_tensor_release(w->keep[1]);
     tp__free(w->tmp);
     tp__free(w);
 }
@@ -470,6 +476,8 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     w->op = d->op;
     w->count = d->count;
     w->result = d->recvbuf;
+    w->keep[0] = tp_tensor_retain((tp_tensor *)d->send);
+    w->keep[1] = d->recv != d->send ? tp_tensor_retain(d->recv) : NULL;
 
     int k = (int)d->count;
     size_t es = tp_dtype_size(d->dtype);
@@ -502,7 +510,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
             w->tmp = tp__malloc(d->count * es);
             if (!w->tmp) {
                 mpi_unlock();
-                tp__free(w);
+                work_destroy(w);
                 tp__error(TP_ERR_NO_MEMORY,
                           "backend 'mpi': out of memory for the in-place reduce_scatter");
                 return state_skip(S, TP_ERR_NO_MEMORY);
