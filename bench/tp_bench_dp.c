@@ -20,6 +20,8 @@
  *                 all_reduce
  *   overlap       DDP defaults: bucket_fusion + late_waits
  *   overlap-view  the defaults with gradient_as_bucket_view (+ remove_copies)
+ *   overlap-view-1  the same with max_in_flight = 1: launching a bucket first
+ *                 waits for the one before
  *
  * Every configuration has its own model (same seed) and runs -w untimed
  * steps, then -r timed ones; the configurations take turns step by step, so
@@ -66,16 +68,17 @@ static const char *const backend_names[BK_COUNT] = {"shm", "mpi"};
 
 enum {
     C_COMPUTE, C_COMM_PARAM, C_COMM_BUCKET, C_COMM_ASYNC,
-    C_PLAIN, C_FUSION, C_OVERLAP, C_VIEWS, C_COUNT
+    C_PLAIN, C_FUSION, C_OVERLAP, C_VIEWS, C_VIEWS1, C_COUNT
 };
 static const char *const cfg_names[C_COUNT] = {"compute", "comm-param", "comm-bucket",
                                                "comm-async", "plain",
-                                               "bucketed", "overlap", "overlap-view"};
+                                               "bucketed", "overlap", "overlap-view",
+                                               "overlap-view-1"};
 static const char *const cfg_titles[C_COUNT] = {
     "compute only (no DDP)",       "comm only, per parameter", "comm only, per bucket",
     "comm only, buckets at once",
     "plain DP (no pass)",          "bucketed, no overlap",     "bucketed + overlap",
-    "bucketed + overlap + views"};
+    "bucketed + overlap + views",  "views, 1 bucket in flight"};
 
 static bool is_ddp(int c) { return c >= C_PLAIN; }
 
@@ -209,7 +212,8 @@ static tp_status wrap(tp_module *m, tp_comm *w, int c, size_t cap, tp_ddp **out)
 {
     tp_ddp_options o = {.bucket_cap_bytes = cap,
                         .manual_passes = c == C_PLAIN || c == C_FUSION,
-                        .gradient_as_bucket_view = c == C_VIEWS};
+                        .gradient_as_bucket_view = c == C_VIEWS || c == C_VIEWS1,
+                        .max_in_flight = c == C_VIEWS1 ? 1 : 0};
     tp_status st = tp_ddp_wrap(m, w, &o, out);
     if (st == TP_OK && c == C_FUSION)
         st = tp_pass_apply(tp_pass_bucket_fusion(), tp_ddp_graph(*out));
@@ -320,7 +324,8 @@ static tp_status run_bench(tp_comm *w, bench *b)
      * configurations run last: the buckets are known once the bucketed DDP
      * took its first step (which records the ready order). */
     static const int order[C_COUNT] = {C_COMPUTE, C_PLAIN,      C_FUSION,      C_OVERLAP,
-                                       C_VIEWS,   C_COMM_PARAM, C_COMM_BUCKET, C_COMM_ASYNC};
+                                       C_VIEWS,   C_VIEWS1,     C_COMM_PARAM,  C_COMM_BUCKET,
+                                       C_COMM_ASYNC};
     for (int it = -b->warmup; it < R; it++) {
         for (int k = 0; k < C_COUNT; k++) {
             int c = order[k];

@@ -120,17 +120,20 @@ typedef enum {
     CFG_FUSION_LATE,  /* bucket_fusion, late_waits */
     CFG_VIEWS,        /* bucket_fusion, remove_copies, late_waits */
     CFG_DEFAULT,      /* tp_ddp_wrap's defaults (one 25 MiB bucket) */
-    CFG_DEFAULT_VIEWS /* defaults with gradient_as_bucket_view */
+    CFG_DEFAULT_VIEWS, /* defaults with gradient_as_bucket_view */
+    CFG_ONE_IN_FLIGHT  /* defaults at 300 bytes, one bucket in flight at a time */
 } dp_cfg;
 
 static const char *const cfg_name[] = {"plain", "fusion", "late", "fusion+late", "views",
-                                       "default", "default+views"};
+                                       "default", "default+views", "one in flight"};
 
 static tp_status configure(tp_module *m, tp_comm *c, dp_cfg cfg, tp_ddp **out)
 {
     tp_ddp_options o = {.bucket_cap_bytes = 300, .manual_passes = true};
     if (cfg == CFG_DEFAULT || cfg == CFG_DEFAULT_VIEWS)
         o = (tp_ddp_options){.gradient_as_bucket_view = cfg == CFG_DEFAULT_VIEWS};
+    if (cfg == CFG_ONE_IN_FLIGHT)
+        o = (tp_ddp_options){.bucket_cap_bytes = 300, .max_in_flight = 1};
     TP_TEST_TRY(tp_ddp_wrap(m, c, &o, out));
     tp_step_graph *g = tp_ddp_graph(*out);
     tp_status st = TP_OK;
@@ -231,11 +234,11 @@ typedef struct dp_param {
 
 ParameterizedTestParameters(dp, equals_whole_batch_training)
 {
-    static dp_param p[5 * 7];
+    static dp_param p[5 * 8];
     static const int worlds[] = TP_TEST_WORLD_SIZES;
     int k = 0;
     for (int w = 0; w < TP_TEST_N_WORLD_SIZES; w++)
-        for (int c = CFG_PLAIN; c <= CFG_DEFAULT_VIEWS; c++)
+        for (int c = CFG_PLAIN; c <= CFG_ONE_IN_FLIGHT; c++)
             p[k++] = (dp_param){worlds[w], (dp_cfg)c};
     return cr_make_param_array(dp_param, p, (size_t)k);
 }
@@ -371,6 +374,7 @@ ParameterizedTest(dptp_param *p, dp, dp_x_tp_equals_whole_batch, .timeout = 120)
 
 typedef struct {
     int collectives, waits, tests;
+    int polls; /* polls before a work reports done (0: 1) */
 } lonely_state;
 
 typedef struct {
@@ -388,7 +392,7 @@ static tp_status lonely_collective(void *state, const tp_coll_desc *d, void **wo
     if (!w)
         return TP_ERR_NO_MEMORY;
     w->st = s;
-    w->polls_left = 1;
+    w->polls_left = s->polls ? s->polls : 1;
     *work = w;
     return TP_OK;
 }
@@ -476,6 +480,41 @@ Test(dp, user_process_group_counts_waits_and_polls, .timeout = 30)
         tp_module_free(m);
         tp_comm_free(pg);
     }
+}
+
+/* max_in_flight = 1: launching a bucket first waits for the one before, so
+ * a backward of nb buckets waits nb - 1 times and the sync once. */
+Test(dp, one_bucket_in_flight, .timeout = 30)
+{
+    lonely_state ls = {.polls = 1 << 30}; /* polling never completes a work */
+    tp_comm *pg = NULL;
+    tp_module *m = NULL;
+    tp_ddp *ddp = NULL;
+    CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
+    CHECK_OK(make_mlp(&m));
+    CHECK_OK(tp_ddp_wrap(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300, .max_in_flight = 1},
+                         &ddp));
+    tp_tensor *x = NULL, *loss = NULL;
+    CHECK_OK(batch(0, &x));
+    for (int step = 0; step < 2; step++) {
+        CHECK_OK(loss_of(m, x, &loss));
+        int w0 = ls.waits;
+        CHECK_OK(tp_backward(loss, NULL));
+        int nb = tp_step_graph_num_buckets(tp_ddp_graph(ddp));
+        cr_assert_geq(nb, 2);
+        cr_assert_eq(ls.waits - w0, nb - 1, "step %d: %d waits in backward for %d buckets", step,
+                     ls.waits - w0, nb);
+        CHECK_OK(tp_sgd_step(m, LR));
+        /* (+1 in the first step: the blocking broadcast of rank 0's ready order) */
+        cr_assert_eq(ls.waits - w0, nb + (step == 0), "step %d: %d waits for %d buckets", step,
+                     ls.waits - w0, nb);
+        tp_module_zero_grad(m);
+        tp_tensor_release(loss);
+    }
+    tp_tensor_release(x);
+    tp_ddp_free(ddp);
+    tp_module_free(m);
+    tp_comm_free(pg);
 }
 
 /* ---- passes ---------------------------------------------------------------------- */
@@ -665,6 +704,8 @@ Test(dp, errors, .timeout = 60)
     CHECK_ERR(tp_ddp_wrap(NULL, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
     CHECK_ERR(tp_ddp_wrap(m, NULL, NULL, &ddp), TP_ERR_INVALID_ARG);
     CHECK_ERR(tp_ddp_wrap(m, pg, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_ddp_wrap(m, pg, &(tp_ddp_options){.max_in_flight = -1}, &ddp),
+              TP_ERR_INVALID_ARG);
     CHECK_OK(tp_relu_create(&empty));
     CHECK_ERR(tp_ddp_wrap(empty, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "no parameter"), "%s", tp_last_error());

@@ -125,6 +125,11 @@ typedef struct tp_ddp_options {
     bool params_everywhere;
     /* true: apply no pass; the caller applies them to tp_ddp_graph() */
     bool manual_passes;
+    /* at most this many bucket all_reduces in flight (0: no limit): before
+     * launching one more, the oldest is waited for. Backends that progress
+     * only inside calls and slow down with many requests outstanding (MPI on
+     * shared memory) do better with 1; NCCL progresses on its own. */
+    int max_in_flight;
 } tp_ddp_options;
 
 /*

@@ -215,9 +215,23 @@ static tp_status tp__prepare(tp_ddp *d)
     return TP_OK;
 }
 
+static tp_status tp__wait(tp_ddp *d, int b);
+
 static tp_status tp__launch(tp_ddp *d, int b)
 {
     const tp_step_graph *g = d->g;
+    if (d->opts.max_in_flight > 0) {
+        /* buckets launch in index order: the oldest pending has the lowest */
+        int pending = 0;
+        for (int k = 0; k < d->nb; k++)
+            pending += d->b[k].work != NULL;
+        for (int k = 0; k < d->nb && pending >= d->opts.max_in_flight; k++) {
+            if (d->b[k].work) {
+                TP_CHECK(tp__wait(d, k));
+                pending--;
+            }
+        }
+    }
     const tp__gbucket *bk = &g->buckets[b];
     tp_tensor *buf = d->b[b].buf;
     if (!g->fused) {
@@ -278,6 +292,8 @@ static tp_status tp__copy_out(tp_ddp *d, int b)
 
 static tp_status tp__wait(tp_ddp *d, int b)
 {
+    if (!d->b[b].work)
+        return TP_OK; /* waited for already, to launch a later bucket */
     tp_status st = tp_work_wait(d->b[b].work);
     tp_work_free(d->b[b].work);
     d->b[b].work = NULL;
@@ -573,6 +589,9 @@ tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *op
     if (st == TP_OK && d->n == 0)
         st = tp__error(TP_ERR_INVALID_ARG, "%s: the module has no parameter that requires grad",
                        fn);
+    if (st == TP_OK && d->opts.max_in_flight < 0)
+        st = tp__error(TP_ERR_INVALID_ARG, "%s: max_in_flight %d is negative", fn,
+                       d->opts.max_in_flight);
     if (st != TP_OK)
         goto fail;
     int64_t *numel = tp__calloc((size_t)d->n, sizeof *numel);
