@@ -1785,31 +1785,7 @@ ParameterizedTest(int *n, nn, adam_distributed, .timeout = 60)
 
 /* ---- allocation failures --------------------------------------------------------- */
 
-typedef struct {
-    long live, count, fail_at;
-} nn_alloc;
-
-static nn_alloc A;
-
-static void *nn_alloc_fn(void *ctx, size_t size, size_t alignment)
-{
-    nn_alloc *c = ctx;
-    if (c->count++ == c->fail_at)
-        return NULL;
-    if (alignment < sizeof(void *))
-        alignment = sizeof(void *);
-    size_t rounded = (size + alignment - 1) / alignment * alignment;
-    void *p = aligned_alloc(alignment, rounded ? rounded : alignment);
-    if (p)
-        c->live++;
-    return p;
-}
-
-static void nn_free_fn(void *ctx, void *ptr)
-{
-    ((nn_alloc *)ctx)->live--;
-    free(ptr);
-}
+static tp_test_alloc A;
 
 static tp_status noop_pre(tp_module *m, int nargs, tp_tensor **args, int nkw, tp_kwarg *kw,
                           void *ctx)
@@ -1906,8 +1882,8 @@ out:
 
 static void nn_alloc_install(void)
 {
-    tp_allocator a = {nn_alloc_fn, nn_free_fn, &A};
-    A = (nn_alloc){0, 0, -1};
+    tp_allocator a = {tp_test_alloc_fn, tp_test_free_fn, &A};
+    A = (tp_test_alloc){0, 0, -1};
     cr_assert_eq(tp_set_allocator(&a), TP_OK);
 }
 

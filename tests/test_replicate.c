@@ -728,37 +728,12 @@ Test(replicate, tensor_parallel_module_refused, .timeout = 30)
 
 /* ---- allocation failures -------------------------------------------------------------- */
 
-typedef struct {
-    long live, count, fail_at;
-} rep_alloc;
-
-static rep_alloc A;
-
-static void *rep_alloc_fn(void *ctx, size_t size, size_t alignment)
-{
-    rep_alloc *c = ctx;
-    if (c->count++ == c->fail_at)
-        return NULL;
-    if (alignment < sizeof(void *))
-        alignment = sizeof(void *);
-    size_t rounded = (size + alignment - 1) / alignment * alignment;
-    void *p = aligned_alloc(alignment, rounded ? rounded : alignment);
-    if (p)
-        c->live++;
-    return p;
-}
-
-static void rep_free_fn(void *ctx, void *ptr)
-{
-    if (ptr)
-        ((rep_alloc *)ctx)->live--;
-    free(ptr);
-}
+static tp_test_alloc A;
 
 static void rep_alloc_install(void)
 {
-    tp_allocator a = {rep_alloc_fn, rep_free_fn, &A};
-    A = (rep_alloc){0, 0, -1};
+    tp_allocator a = {tp_test_alloc_fn, tp_test_free_fn, &A};
+    A = (tp_test_alloc){0, 0, -1};
     cr_assert_eq(tp_set_allocator(&a), TP_OK);
 }
 

@@ -185,6 +185,33 @@ static inline bool tp_test_rank_is_local(int r)
 }
 #endif
 
+/* A counting allocator for allocation-failure tests (tp_set_allocator with
+ * {tp_test_alloc_fn, tp_test_free_fn, &state}): call number fail_at (from 0;
+ * -1: none) fails, `live` counts the blocks not freed yet. */
+typedef struct tp_test_alloc {
+    long live, count, fail_at;
+} tp_test_alloc;
+
+static inline void *tp_test_alloc_fn(void *ctx, size_t size, size_t alignment)
+{
+    tp_test_alloc *c = ctx;
+    if (c->count++ == c->fail_at)
+        return NULL;
+    if (alignment < sizeof(void *))
+        alignment = sizeof(void *);
+    size_t rounded = (size + alignment - 1) / alignment * alignment;
+    void *p = aligned_alloc(alignment, rounded ? rounded : alignment);
+    if (p)
+        c->live++;
+    return p;
+}
+
+static inline void tp_test_free_fn(void *ctx, void *ptr)
+{
+    ((tp_test_alloc *)ctx)->live--;
+    free(ptr);
+}
+
 /* World sizes every distributed test covers. */
 #define TP_TEST_WORLD_SIZES {1, 2, 3, 4, 8}
 #define TP_TEST_N_WORLD_SIZES 5
