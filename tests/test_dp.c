@@ -181,6 +181,11 @@ static tp_status dp_body(tp_comm *w, void *arg)
     if (c->adam)
         RANK_OK(s, tp_adam_create(m, LR, 0.9, 0.999, 1e-8, &opt));
     RANK_OK(s, tp_comm_debug_create(&dbg));
+    char grad_what[64], param_what[64];
+    snprintf(grad_what, sizeof grad_what, "%s, %s: the gradient", cfg_name[c->cfg],
+             c->adam ? "Adam" : "SGD");
+    snprintf(param_what, sizeof param_what, "%s, %s: the parameter", cfg_name[c->cfg],
+             c->adam ? "Adam" : "SGD");
     const int64_t rows = BATCH / n;
     for (int step = 0; step < STEPS; step++) {
         tp_tensor *x = NULL, *mine = NULL, *loss = NULL;
@@ -190,9 +195,9 @@ static tp_status dp_body(tp_comm *w, void *arg)
         RANK_OK(s, loss_of(m, mine, &loss));
         RANK_OK(s, tp_backward(loss, NULL));
         if (step == 0) {
-            RANK_OK(s, tp_ddp_sync(c->adam ? ddp : ddp)); /* read the averaged gradients */
+            RANK_OK(s, tp_ddp_sync(ddp)); /* read the averaged gradients */
             for (int i = 0; i < NPARAM; i++)
-                expect_close(s, tp_tensor_grad(param(m, i)), c->ref->grad0[i], "the gradient",
+                expect_close(s, tp_tensor_grad(param(m, i)), c->ref->grad0[i], grad_what,
                              pnames[i], step);
         }
         RANK_OK(s, c->adam ? tp_adam_step(opt) : tp_sgd_step(m, LR));
@@ -203,18 +208,19 @@ static tp_status dp_body(tp_comm *w, void *arg)
             int64_t want = tp_step_graph_num_buckets(tp_ddp_graph(ddp));
             int64_t got = tp_comm_debug_count(dbg, TP_COLL_ALL_REDUCE);
             RANK_EXPECT(s, got == want && tp_comm_debug_total(dbg) == want,
-                        "step %d: %lld all_reduces (%lld collectives), %lld buckets", step,
+                        "%s: step %d: %lld all_reduces (%lld collectives), %lld buckets",
+                        cfg_name[c->cfg], step,
                         (long long)got, (long long)tp_comm_debug_total(dbg), (long long)want);
         }
         if (step == 1 && (c->cfg == CFG_VIEWS || c->cfg == CFG_DEFAULT_VIEWS)) {
             /* gradients live in their bucket: net2's two share it */
             tp_tensor *gw = tp_tensor_grad(param(m, 2)), *gb = tp_tensor_grad(param(m, 3));
             RANK_EXPECT(s, gw && gb && tp_tensor_shares_storage(gw, gb),
-                        "net2's gradients are not views of one bucket");
+                        "%s: net2's gradients are not views of one bucket", cfg_name[c->cfg]);
         }
         tp_module_zero_grad(m);
         for (int i = 0; i < NPARAM; i++)
-            expect_close(s, param(m, i), c->ref->after[step][i], "the parameter", pnames[i],
+            expect_close(s, param(m, i), c->ref->after[step][i], param_what, pnames[i],
                          step);
         tp_tensor_release(loss);
         tp_tensor_release(mine);
@@ -252,7 +258,6 @@ ParameterizedTest(dp_param *p, dp, equals_whole_batch_training, .timeout = 120)
         tp_test_run(p->world, dp_body, &c, c.slot);
         ref_free(&ref);
     }
-    (void)cfg_name;
 }
 
 /* ---- DP x TP on a 2-D mesh ----------------------------------------------------- */
@@ -374,7 +379,8 @@ ParameterizedTest(dptp_param *p, dp, dp_x_tp_equals_whole_batch, .timeout = 120)
 
 typedef struct {
     int collectives, waits, tests;
-    int polls; /* polls before a work reports done (0: 1) */
+    int polls;     /* polls before a work reports done (0: 1) */
+    int fail_from; /* collectives from this number on fail (0: none) */
 } lonely_state;
 
 typedef struct {
@@ -385,7 +391,8 @@ typedef struct {
 static tp_status lonely_collective(void *state, const tp_coll_desc *d, void **work)
 {
     lonely_state *s = state;
-    s->collectives++;
+    if (++s->collectives >= s->fail_from && s->fail_from > 0)
+        return TP_ERR_BACKEND;
     if (d->sendbuf != d->recvbuf && d->kind != TP_COLL_BARRIER)
         memcpy(d->recvbuf, d->sendbuf, d->count * tp_dtype_size(d->dtype));
     lonely_work *w = calloc(1, sizeof *w);
@@ -515,6 +522,42 @@ Test(dp, one_bucket_in_flight, .timeout = 30)
         tp_module_zero_grad(m);
         tp_tensor_release(loss);
     }
+    tp_tensor_release(x);
+    tp_ddp_free(ddp);
+    tp_module_free(m);
+    tp_comm_free(pg);
+}
+
+/* A collective that fails inside backward fails the backward; the DDP then
+ * refuses every later step (and the optimizer step it guards) naming the
+ * failure, leaves the parameters alone, and still frees cleanly. */
+Test(dp, failed_step_is_sticky, .timeout = 30)
+{
+    lonely_state ls = {0};
+    tp_comm *pg = NULL;
+    tp_module *m = NULL;
+    tp_ddp *ddp = NULL;
+    CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
+    CHECK_OK(make_mlp(&m));
+    CHECK_OK(tp_ddp_wrap(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300}, &ddp));
+    ls.fail_from = ls.collectives + 1; /* the first bucket's all_reduce */
+    tp_tensor *x = NULL, *loss = NULL, *before = NULL;
+    CHECK_OK(tp_tensor_clone(param(m, 0), &before));
+    CHECK_OK(batch(0, &x));
+    CHECK_OK(loss_of(m, x, &loss));
+    CHECK_ERR(tp_backward(loss, NULL), TP_ERR_BACKEND);
+    CHECK_ERR(tp_ddp_sync(ddp), TP_ERR_STATE);
+    cr_assert(strstr(tp_last_error(), "earlier step"), "%s", tp_last_error());
+    CHECK_ERR(tp_sgd_step(m, LR), TP_ERR_STATE);
+    bool same = false;
+    CHECK_OK(tp_tensor_allclose(param(m, 0), before, 0, 0, &same));
+    cr_assert(same, "a refused step changed net1.weight");
+    tp_tensor_release(loss);
+    loss = NULL;
+    CHECK_OK(loss_of(m, x, &loss)); /* forward still works; the DDP stays quiet */
+    CHECK_ERR(tp_backward(loss, NULL), TP_ERR_STATE);
+    tp_tensor_release(loss);
+    tp_tensor_release(before);
     tp_tensor_release(x);
     tp_ddp_free(ddp);
     tp_module_free(m);
