@@ -32,7 +32,7 @@ struct tp_step_graph {
     int *devkey;        /* device type * 65536 + index: buckets never mix devices */
     char **names;       /* per parameter, for tp_step_graph_write */
     int *order;         /* ready order: parameter indices */
-    int *offset;        /* element offset of each parameter in its bucket */
+    int64_t *offset;    /* element offset of each parameter in its bucket */
     int *bucket_of;     /* parameter -> bucket */
     tp__gbucket *buckets;
     int nb;

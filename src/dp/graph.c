@@ -118,7 +118,7 @@ tp_status tp__graph_rebuild(tp_step_graph *g)
             bytes = 0;
         }
         g->bucket_of[p] = g->nb - 1;
-        g->offset[p] = (int)cur->numel;
+        g->offset[p] = cur->numel;
         cur->count++;
         cur->numel += g->numel[p];
         bytes += pb;
