@@ -312,6 +312,25 @@ static tp_status dptp_body(tp_comm *w, void *arg)
     tp_comm *dpc = tp_mesh_comm(mesh, tp_mesh_dim_index(mesh, "dp"));
     tp_ddp_options o = {.bucket_cap_bytes = 300, .gradient_as_bucket_view = c->views};
     RANK_OK(s, tp_ddp_wrap(m, dpc, &o, &ddp));
+    {
+        /* a gradient must be a DTensor on the parameter's own mesh */
+        tp_tensor *w1 = param(m, 0), *full = NULL, *other = NULL;
+        tp_status st = tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){HID, IN}, &full);
+        const tp_placement rep[2] = {tp_replicate(), tp_replicate()};
+        if (st == TP_OK)
+            st = tp_dtensor_distribute(mesh, full, 2, rep, -1, &other);
+        RANK_OK(s, st);
+        st = tp_tensor_set_grad(w1, other);
+        RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && strstr(tp_last_error(), "another mesh"),
+                    "a gradient on the 2-D mesh: %s (%s)", tp_status_name(st), tp_last_error());
+        st = tp_tensor_set_grad(w1, full);
+        RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && strstr(tp_last_error(), "plain"),
+                    "a plain gradient for a DTensor: %s (%s)", tp_status_name(st),
+                    tp_last_error());
+        RANK_EXPECT(s, tp_tensor_grad(w1) == NULL, "a refused gradient was installed");
+        tp_tensor_release(other);
+        tp_tensor_release(full);
+    }
     RANK_OK(s, tp_comm_debug_create(&dbg));
     const int64_t rows = BATCH / c->dp, coord = tp_mesh_coord(mesh, 0);
     for (int step = 0; step < STEPS; step++) {
