@@ -69,3 +69,19 @@ char *tp__strdup(const char *s)
         memcpy(p, s, n);
     return p;
 }
+
+bool tp__grow_array(void **v, size_t n, size_t *cap, size_t elem)
+{
+    if (n < *cap)
+        return true;
+    size_t c = *cap ? 2 * *cap : 16;
+    void *nv = tp__malloc(c * elem);
+    if (!nv)
+        return false;
+    if (n)
+        memcpy(nv, *v, n * elem);
+    tp__free(*v);
+    *v = nv;
+    *cap = c;
+    return true;
+}

@@ -27,6 +27,10 @@ void *tp__calloc(size_t n, size_t size);
 void *tp__aligned_alloc(size_t size, size_t alignment);
 void tp__free(void *ptr);
 char *tp__strdup(const char *s);
+/* Makes room for element n of the growing array *v (n elements used, *cap
+ * allocated, elem bytes each), doubling it through the allocator; false when
+ * out of memory (the array is unchanged). */
+bool tp__grow_array(void **v, size_t n, size_t *cap, size_t elem);
 
 /* Check macros: evaluate a tp_status expression once, propagate failures. */
 #define TP_CHECK(expr)                                                          \

@@ -471,7 +471,7 @@ static tp_status tp__forward_hook(tp_module *m, int nargs, tp_tensor **args, int
 
 typedef struct {
     tp_ddp *d;
-    int cap;
+    size_t cap;
 } tp__collect;
 
 static tp_status tp__collect_param(const char *fqn, tp_tensor *t, void *ctx)
@@ -483,17 +483,8 @@ static tp_status tp__collect_param(const char *fqn, tp_tensor *t, void *ctx)
     for (int i = 0; i < d->n; i++)
         if (d->p[i].t == t)
             return TP_OK; /* tied: one parameter */
-    if (d->n == c->cap) {
-        int cap = c->cap ? 2 * c->cap : 16;
-        tp__dparam *v = tp__calloc((size_t)cap, sizeof *v);
-        if (!v)
-            return tp__error(TP_ERR_NO_MEMORY, "tp_ddp_wrap: out of memory");
-        if (d->n)
-            memcpy(v, d->p, (size_t)d->n * sizeof *v);
-        tp__free(d->p);
-        d->p = v;
-        c->cap = cap;
-    }
+    if (!tp__grow_array((void **)&d->p, (size_t)d->n, &c->cap, sizeof *d->p))
+        return tp__error(TP_ERR_NO_MEMORY, "tp_ddp_wrap: out of memory");
     tp__dparam *p = &d->p[d->n];
     memset(p, 0, sizeof *p);
     p->fqn = tp__strdup(fqn);

@@ -42,7 +42,8 @@ struct tp_step_graph {
     /* the schedule is a function of these and the order */
     bool fused, late, views;
     const tp_pass **applied;
-    int n_applied, cap_applied;
+    int n_applied;
+    size_t cap_applied;
     int version;        /* bumped whenever the schedule changes */
     tp_ddp *owner;      /* NULL for a standalone graph */
 };

@@ -200,17 +200,9 @@ tp_status tp_pass_apply(const tp_pass *pass, tp_step_graph *g)
                 return tp__error(TP_ERR_STATE, "%s: %s must be applied after %s, which was "
                                  "already applied before it", fn, tp__pass_name(g->applied[i]),
                                  tp__pass_name(pass));
-    if (g->n_applied == g->cap_applied) {
-        int cap = g->cap_applied ? 2 * g->cap_applied : 8;
-        const tp_pass **v = tp__malloc((size_t)cap * sizeof *v);
-        if (!v)
-            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-        if (g->n_applied)
-            memcpy(v, g->applied, (size_t)g->n_applied * sizeof *v);
-        tp__free(g->applied);
-        g->applied = v;
-        g->cap_applied = cap;
-    }
+    if (!tp__grow_array((void **)&g->applied, (size_t)g->n_applied, &g->cap_applied,
+                        sizeof *g->applied))
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     tp_status st = pass->run(g, pass->ctx);
     if (st != TP_OK) {
         tp__error_prefix("%s: %s", fn, tp__pass_name(pass));

@@ -374,26 +374,9 @@ typedef struct {
  * waiting in the queue. */
 static bool tp__nodes_hold(tp__nodes *s, tp__node *n);
 
-/* Room for one more element in a growing array of `elem`-sized entries. */
-static bool tp__reserve(void **v, size_t n, size_t *cap, size_t elem)
-{
-    if (n < *cap)
-        return true;
-    size_t c = *cap ? 2 * *cap : 32;
-    void *nv = tp__malloc(c * elem);
-    if (!nv)
-        return false;
-    if (n)
-        memcpy(nv, *v, n * elem);
-    tp__free(*v);
-    *v = nv;
-    *cap = c;
-    return true;
-}
-
 static bool tp__nodes_push(tp__nodes *s, tp__node *n)
 {
-    if (!tp__reserve((void **)&s->v, s->n, &s->cap, sizeof *s->v))
+    if (!tp__grow_array((void **)&s->v, s->n, &s->cap, sizeof *s->v))
         return false;
     s->v[s->n++] = n;
     return true;
@@ -501,7 +484,7 @@ typedef struct {
 /* Appends a reference to leaf. */
 static bool tp__leaves_push(tp__leaves *s, tp_tensor *leaf)
 {
-    if (!tp__reserve((void **)&s->v, s->n, &s->cap, sizeof *s->v))
+    if (!tp__grow_array((void **)&s->v, s->n, &s->cap, sizeof *s->v))
         return false;
     s->v[s->n++] = tp_tensor_retain(leaf);
     return true;
