@@ -15,9 +15,9 @@
  *   tp_ddp_free(ddp);
  *
  * The comm may be any backend (shm, mpi, nccl, a user's): a world, a mesh
- * dim (tp_mesh_comm(mesh, "dp")) for data parallel x tensor parallel, or a
- * split. Parameters may be DTensors (a tensor-parallel module): their local
- * shards are averaged over the comm.
+ * dim (tp_mesh_comm(mesh, tp_mesh_dim_index(mesh, "dp"))) for data parallel
+ * x tensor parallel, or a split. Parameters may be DTensors (a
+ * tensor-parallel module): their local shards are averaged over the comm.
  *
  * The step graph. A DDP executes a schedule of nodes over one training step:
  * "ready p" (p's gradient is final: a gradient hook fired), "copy in b"
