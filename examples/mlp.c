@@ -14,7 +14,8 @@
  * initialised with tp_module_init after parallelizing, so every run starts
  * from the same global values; each run's losses and final parameters must
  * equal the reference's within rtol 1e-5, atol 1e-6. The collectives of one
- * training step are printed per run with tp_comm_debug_write_table.
+ * training step are printed per run with tp_comm_debug_write_table, and
+ * checked per scope (module FQNs as in the plans) against the plan's.
  *
  * Usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi]
  *   -b mpi    run under mpirun: the TP and TP+SP plans use the MPI world, one
@@ -366,6 +367,56 @@ static void compare(run *r, const run *ref)
     }
 }
 
+/* The collectives training step 0 issues on rank 0, per scope (module FQNs
+ * as in the plans, "" the root MLP, and the "loss" and "SGD" scopes), as the
+ * README describes each plan: nothing on one rank; TP: net2's all_reduce;
+ * TP+SP: net1's all_gather, net2's reduce_scatter and, in backward, its
+ * all_gather, and the loss's all_reduce. The checked query makes a scope
+ * that never ran an error rather than a 0. Prints what differs. */
+typedef struct expected_count {
+    const char *scope;
+    tp_phase phase;
+    tp_coll_kind kind;
+    int64_t n;
+} expected_count;
+
+static bool counts_as_described(const run *r)
+{
+    const int64_t c = r->ranks > 1 && r->mode != MODE_NONE;
+    const bool sp = r->mode == MODE_SP;
+    const expected_count want[] = {
+        {TP_COMM_DEBUG_GLOBAL, TP_PHASE_COUNT, TP_COLL_ANY, sp ? 4 * c : c},
+        {TP_COMM_DEBUG_ROOT, TP_PHASE_COUNT, TP_COLL_ANY, sp ? 3 * c : c},
+        {"net1", TP_PHASE_FORWARD, TP_COLL_ALL_GATHER, sp ? c : 0},
+        {"net1", TP_PHASE_COUNT, TP_COLL_ANY, sp ? c : 0},
+        {"relu", TP_PHASE_COUNT, TP_COLL_ANY, 0},
+        {"net2", TP_PHASE_FORWARD, TP_COLL_ALL_REDUCE, sp ? 0 : c},
+        {"net2", TP_PHASE_FORWARD, TP_COLL_REDUCE_SCATTER, sp ? c : 0},
+        {"net2", TP_PHASE_BACKWARD, TP_COLL_ALL_GATHER, sp ? c : 0},
+        {"net2", TP_PHASE_COUNT, TP_COLL_ANY, sp ? 2 * c : c},
+        {"loss", TP_PHASE_FORWARD, TP_COLL_ALL_REDUCE, sp ? c : 0},
+        {"loss", TP_PHASE_COUNT, TP_COLL_ANY, sp ? c : 0},
+        {"SGD", TP_PHASE_COUNT, TP_COLL_ANY, 0},
+    };
+    static const char *const phase[] = {"forward", "backward", "in all"};
+    bool ok = true;
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        const expected_count *w = &want[i];
+        int64_t got = -1;
+        if (tp_comm_debug_scope_count(r->debug, w->scope, w->phase, w->kind, &got) != TP_OK) {
+            fprintf(stderr, "   %s\n", tp_last_error());
+            ok = false;
+        } else if (got != w->n) {
+            fprintf(stderr, "   scope \"%s\": %lld %s %s, the plan issues %lld\n", w->scope,
+                    (long long)got,
+                    w->kind == TP_COLL_ANY ? "collectives" : tp_coll_kind_name(w->kind),
+                    phase[w->phase], (long long)w->n);
+            ok = false;
+        }
+    }
+    return ok;
+}
+
 static void run_free(run *r)
 {
     for (int i = 0; i < r->nparams; i++)
@@ -508,6 +559,12 @@ int main(int argc, char **argv)
         if (reporter && tp_comm_debug_write_table(r->debug, stdout) != TP_OK) {
             fprintf(stderr, "tp_comm_debug_write_table: %s\n", tp_last_error());
             all_ok = false;
+        }
+        if (reporter) {
+            bool as_described = counts_as_described(r);
+            printf("   collectives per scope as the plan describes: %s\n",
+                   as_described ? "yes" : "NO");
+            all_ok = all_ok && as_described;
         }
     }
 

@@ -742,16 +742,32 @@ static const char *ranks_str(const run *r, char *buf, size_t len)
  * gradient hooks launch during backward. */
 #define UNSCOPED NULL
 
-/* Count of `kind` that scope `fqn` (or UNSCOPED) issued in `phase`. */
+/* Set when a scope the table names was never entered during the counted
+ * step: a wrong name, or a module that did not run, instead of a silent 0. */
+static bool scope_missing;
+
+/* Count of `kind` that scope `fqn` (or UNSCOPED) issued in `phase`, through
+ * the checked query; -1 (and a message) for a scope never seen. 0 without a
+ * counter (under mpirun, only rank 0's process keeps one). */
 static int64_t scope_count(const tp_comm_debug *d, const char *fqn, tp_phase phase,
                            tp_coll_kind kind)
 {
-    if (fqn != UNSCOPED)
-        return tp_comm_debug_module_count(d, fqn, phase, kind);
-    int64_t c = tp_comm_debug_module_count(d, TP_COMM_DEBUG_GLOBAL, phase, kind);
-    static const char *const top[] = {"Transformer", "loss", "Adam"};
-    for (size_t i = 0; i < sizeof top / sizeof top[0]; i++)
-        c -= tp_comm_debug_module_count(d, top[i], phase, kind);
+    if (!d)
+        return 0;
+    static const char *const top[] = {TP_COMM_DEBUG_ROOT, "loss", "Adam"};
+    const char *scope = fqn != UNSCOPED ? fqn : TP_COMM_DEBUG_GLOBAL;
+    int64_t c = 0, sub = 0;
+    for (size_t i = 0; i <= (fqn != UNSCOPED ? 0 : sizeof top / sizeof top[0]); i++) {
+        if (i > 0)
+            scope = top[i - 1];
+        if (tp_comm_debug_scope_count(d, scope, phase, kind, &sub) != TP_OK) {
+            if (!scope_missing)
+                fprintf(stderr, "%s\n", tp_last_error());
+            scope_missing = true;
+            return -1;
+        }
+        c += i == 0 ? sub : -sub;
+    }
     return c;
 }
 
@@ -765,6 +781,10 @@ static const char *kinds_str(const tp_comm_debug *d, const char *fqn, tp_phase p
     buf[0] = '\0';
     for (int k = 0; k < TP_COLL_KIND_COUNT && n < len; k++) {
         int64_t c = scope_count(d, fqn, phase, (tp_coll_kind)k);
+        if (c < 0) {
+            snprintf(buf, len, "(not seen)");
+            return buf;
+        }
         if (c) {
             int w = snprintf(buf + n, len - n, "%s%s %lld", n ? ", " : "", abbrev[k],
                              (long long)c);
@@ -788,8 +808,8 @@ static void print_scope(const tp_comm_debug *d, const char *fqn, const char *lab
            kinds_str(d, fqn, TP_PHASE_BACKWARD, b, sizeof b));
 }
 
-/* One line per module below m, depth first; the scope of a module is its FQN
- * under the root's type name ("Transformer.layers.0.attention"). */
+/* One line per module below m, depth first; the scope of a module is its FQN,
+ * as in the plans ("layers.0.attention"; the root's is ""). */
 static void print_module_scopes(const tp_comm_debug *d, const tp_module *m, const char *fqn,
                                 int depth)
 {
@@ -797,7 +817,7 @@ static void print_module_scopes(const tp_comm_debug *d, const tp_module *m, cons
         const char *name = NULL;
         const tp_module *c = tp_module_child_at(m, i, &name);
         char cfqn[256]; /* comm-debug FQNs have at most 255 characters */
-        int n = snprintf(cfqn, sizeof cfqn, "%s.%s", fqn, name);
+        int n = snprintf(cfqn, sizeof cfqn, "%s%s%s", fqn, fqn[0] ? "." : "", name);
         if (n < 0 || (size_t)n >= sizeof cfqn)
             continue;
         print_scope(d, cfqn, name, depth);
@@ -823,13 +843,18 @@ static tp_status print_comm_table(const run *r)
            r->dp ? " (dp x tp)" : "", r->dp ? ", bc = broadcast" : "", "scope", fwd_width,
            "forward", "backward");
     print_scope(r->debug, TP_COMM_DEBUG_GLOBAL, TP_COMM_DEBUG_GLOBAL, 0);
-    print_scope(r->debug, "Transformer", "Transformer", 1);
-    print_module_scopes(r->debug, model, "Transformer", 2);
+    print_scope(r->debug, TP_COMM_DEBUG_ROOT, tp_module_type_name(model), 1);
+    print_module_scopes(r->debug, model, TP_COMM_DEBUG_ROOT, 2);
     print_scope(r->debug, "loss", "loss (cross entropy)", 1);
     print_scope(r->debug, "Adam", "Adam (optimizer step)", 1);
     if (r->dp)
         print_scope(r->debug, UNSCOPED, "DDP gradient hooks (dp)", 1);
-    if (tp_comm_debug_module_count(r->debug, "Adam", TP_PHASE_COUNT, TP_COLL_ALL_REDUCE))
+    if (scope_missing) { /* the query printed which scope and those seen */
+        fprintf(stderr, "the table names a scope training step 0 never entered\n");
+        st = TP_ERR_INVALID_ARG;
+        goto out;
+    }
+    if (scope_count(r->debug, "Adam", TP_PHASE_COUNT, TP_COLL_ALL_REDUCE) > 0)
         printf("  (the optimizer step counts as forward: it sums the Partial gradients of the\n"
                "  replicated sequence-parallel parameters, the norms and pos_embeddings)\n");
     if (r->dp)

@@ -340,6 +340,85 @@ Test(comm_debug, null_arguments, .timeout = CD_TIMEOUT)
     tp_comm_debug_free(d);
 }
 
+/* The checked query: seen (entered while active, or open at begin) with 0
+ * collectives is TP_OK and 0; never seen, and bad arguments, are errors. */
+Test(comm_debug, scope_count_seen_and_never_seen, .timeout = CD_TIMEOUT)
+{
+    tp_comm_debug *d = NULL;
+    int64_t n = -1;
+    CHECK_OK(tp_comm_debug_create(&d));
+    CHECK_OK(tp_comm_debug_scope_count(d, "Global", TP_PHASE_COUNT, TP_COLL_ANY, &n));
+    cr_assert_eq(n, 0, "Global is always seen");
+    CHECK_OK(tp_comm_debug_push_scope("before")); /* open at begin: seen */
+    CHECK_OK(tp_comm_debug_begin(d));
+    CHECK_OK(tp_comm_debug_push_scope("a"));
+    CHECK_OK(tp_comm_debug_pop_scope());
+    CHECK_OK(tp_comm_debug_pop_scope());
+    n = -1;
+    CHECK_OK(tp_comm_debug_scope_count(d, "before.a", TP_PHASE_FORWARD, TP_COLL_ALL_REDUCE,
+                                       &n)); /* also while active, on this thread */
+    cr_assert_eq(n, 0);
+    CHECK_OK(tp_comm_debug_end(d));
+    CHECK_OK(tp_comm_debug_push_scope("after")); /* not active: not seen */
+    CHECK_OK(tp_comm_debug_pop_scope());
+    for (int p = 0; p <= TP_PHASE_COUNT; p++)
+        for (int k = 0; k <= TP_COLL_ANY; k++) {
+            n = -1;
+            CHECK_OK(tp_comm_debug_scope_count(d, "before", (tp_phase)p, (tp_coll_kind)k, &n));
+            cr_assert_eq(n, 0);
+        }
+
+    static const char *const unseen[] = {"after", "a", "Before", "before.a.b", ""};
+    for (size_t i = 0; i < sizeof unseen / sizeof unseen[0]; i++) {
+        n = -1;
+        CHECK_ERR(tp_comm_debug_scope_count(d, unseen[i], TP_PHASE_COUNT, TP_COLL_ANY, &n),
+                  TP_ERR_INVALID_ARG);
+        cr_assert_eq(n, 0, "the count is 0 on error");
+        char want[256];
+        snprintf(want, sizeof want,
+                 "comm_debug_scope_count: scope \"%s\" was never entered while the counter "
+                 "was active; scopes seen: \"Global\", \"before\", \"before.a\"", unseen[i]);
+        cr_assert_str_eq(tp_last_error(), want);
+        cr_assert_eq(tp_comm_debug_module_count(d, unseen[i], TP_PHASE_COUNT, TP_COLL_ANY), 0,
+                     "the unchecked query reads 0");
+    }
+    /* a near miss across the separator gets a hint */
+    CHECK_ERR(tp_comm_debug_scope_count(d, "x.before", TP_PHASE_COUNT, TP_COLL_ANY, &n),
+              TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "did you mean \"before\"?"), "message: %s",
+              tp_last_error());
+
+    CHECK_ERR(tp_comm_debug_scope_count(NULL, "Global", TP_PHASE_COUNT, TP_COLL_ANY, &n),
+              TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_comm_debug_scope_count(d, NULL, TP_PHASE_COUNT, TP_COLL_ANY, &n),
+              TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_comm_debug_scope_count(d, "Global", TP_PHASE_COUNT, TP_COLL_ANY, NULL),
+              TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_comm_debug_scope_count(d, "Global", (tp_phase)3, TP_COLL_ANY, &n),
+              TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "phase 3"), "message: %s", tp_last_error());
+    CHECK_ERR(tp_comm_debug_scope_count(d, "Global", TP_PHASE_COUNT,
+                                        (tp_coll_kind)(TP_COLL_ANY + 1), &n),
+              TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "kind"), "message: %s", tp_last_error());
+
+    /* a long list is cut, saying how many were left out */
+    CHECK_OK(tp_comm_debug_begin(d));
+    for (int i = 0; i < 100; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "scope%d", i);
+        CHECK_OK(tp_comm_debug_push_scope(name));
+        CHECK_OK(tp_comm_debug_pop_scope());
+    }
+    CHECK_OK(tp_comm_debug_end(d));
+    CHECK_ERR(tp_comm_debug_scope_count(d, "nope", TP_PHASE_COUNT, TP_COLL_ANY, &n),
+              TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "\"scope0\", \"scope1\"") &&
+                  strstr(tp_last_error(), " more)"),
+              "message: %s", tp_last_error());
+    tp_comm_debug_free(d);
+}
+
 Test(comm_debug, begin_end_states, .timeout = CD_TIMEOUT)
 {
     tp_comm_debug *a = NULL, *b = NULL;
@@ -497,6 +576,9 @@ Test(comm_debug, active_on_another_thread, .timeout = CD_TIMEOUT)
     tp_status end_here = tp_comm_debug_end(c.d);
     char buf[256];
     tp_status json_here = capture(tp_comm_debug_write_json, c.d, buf, sizeof buf);
+    int64_t count_here = -1;
+    tp_status scope_here = tp_comm_debug_scope_count(c.d, "Global", TP_PHASE_COUNT, TP_COLL_ANY,
+                                                     &count_here);
     tp_clear_error();
     tp_comm_debug_free(c.d); /* must refuse: still active over there */
     char free_msg[256];
@@ -514,6 +596,8 @@ Test(comm_debug, active_on_another_thread, .timeout = CD_TIMEOUT)
     cr_assert(strstr(begin_msg, "another thread") != NULL, "message: %s", begin_msg);
     cr_assert_eq(end_here, TP_ERR_STATE);
     cr_assert_eq(json_here, TP_ERR_STATE);
+    cr_assert_eq(scope_here, TP_ERR_STATE);
+    cr_assert_eq(count_here, 0);
     cr_assert(strstr(free_msg, "not freed") != NULL, "message: %s", free_msg);
     cr_assert_eq(c.end_st, TP_OK);
 
@@ -635,6 +719,10 @@ typedef struct counts_slot {
     int64_t total;
     /* [scope][phase or TP_PHASE_COUNT][kind or TP_COLL_ANY] */
     int64_t module[MQ_COUNT][TP_PHASE_COUNT + 1][TP_COLL_KIND_COUNT + 1];
+    /* the checked query, both phases, every kind */
+    tp_status scope_st[MQ_COUNT];
+    int64_t scope_any[MQ_COUNT];
+    char never_seen_msg[2][512]; /* mlp.net3 and net1 */
     tp_status json_st, table_st, invalid_st;
     int64_t total_after_invalid;
     bool active_after_end;
@@ -722,6 +810,15 @@ static tp_status counts_body(tp_comm *w, counts_slot *s, tp_comm_debug *d, count
             for (int k = 0; k <= TP_COLL_ANY; k++)
                 s->module[m][p][k] =
                     tp_comm_debug_module_count(d, mq_name[m], (tp_phase)p, (tp_coll_kind)k);
+    for (int m = 0; m < MQ_COUNT; m++) {
+        s->scope_any[m] = -1;
+        tp_clear_error();
+        s->scope_st[m] = tp_comm_debug_scope_count(d, mq_name[m], TP_PHASE_COUNT, TP_COLL_ANY,
+                                                   &s->scope_any[m]);
+        if (m >= MQ_NET3)
+            snprintf(s->never_seen_msg[m - MQ_NET3], sizeof s->never_seen_msg[0], "%s",
+                     tp_last_error());
+    }
     s->json_st = capture(tp_comm_debug_write_json, d, s->json, sizeof s->json);
     s->table_st = capture(tp_comm_debug_write_table, d, s->table, sizeof s->table);
 
@@ -850,6 +947,24 @@ ParameterizedTest(int *np, comm_debug, counts, .timeout = CD_COMM_TIMEOUT)
         }
         cr_assert_eq(s->module[MQ_GLOBAL][TP_PHASE_COUNT][TP_COLL_ANY], s->total,
                      "Global holds every record");
+        /* the checked query: the same counts for the scopes seen, an error
+         * naming the others (the unchecked one read 0 for them above) */
+        for (int m = 0; m < MQ_NET3; m++) {
+            cr_assert_eq(s->scope_st[m], TP_OK, "n=%d rank %d: %s: %s", n, r, mq_name[m],
+                         tp_status_name(s->scope_st[m]));
+            cr_assert_eq(s->scope_any[m], s->module[m][TP_PHASE_COUNT][TP_COLL_ANY]);
+        }
+        for (int m = MQ_NET3; m < MQ_COUNT; m++) {
+            cr_assert_eq(s->scope_st[m], TP_ERR_INVALID_ARG, "n=%d rank %d: %s: %s", n, r,
+                         mq_name[m], tp_status_name(s->scope_st[m]));
+            cr_assert_eq(s->scope_any[m], 0);
+            char want[512];
+            snprintf(want, sizeof want,
+                     "comm_debug_scope_count: scope \"%s\" was never entered while the counter "
+                     "was active; scopes seen: \"Global\", \"mlp\", \"mlp.net1\", "
+                     "\"mlp.net2\"", mq_name[m]);
+            cr_assert_str_eq(s->never_seen_msg[m - MQ_NET3], want);
+        }
 
         /* JSON: valid, scopes in first-seen order, same numbers */
         cr_assert_eq(s->json_st, TP_OK);

@@ -354,6 +354,12 @@ static tp_status dptp_body(tp_comm *w, void *arg)
                         "step %d: all_reduces forward %lld (want %d), backward %lld (want %lld "
                         "buckets)", step, (long long)fwd, c->tp > 1 ? 1 : 0, (long long)bwd,
                         (long long)nb);
+            /* the TP all_reduce is net2's; the buckets' run from gradient
+             * hooks, outside any module scope */
+            tp_test_scope_count_is(s, dbg, "net2", TP_PHASE_FORWARD, TP_COLL_ALL_REDUCE,
+                                   c->tp > 1 ? 1 : 0, "dp x tp");
+            tp_test_scope_count_is(s, dbg, TP_COMM_DEBUG_ROOT, TP_PHASE_BACKWARD,
+                                   TP_COLL_ALL_REDUCE, 0, "dp x tp");
         }
         tp_module_zero_grad(m);
         full_check k = {.s = s, .ref = c->ref, .step = step};

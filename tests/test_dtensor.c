@@ -604,12 +604,12 @@ static tp_status scope_body(tp_comm *w, void *arg)
     RANK_OK(s, tp_comm_debug_pop_scope());
     RANK_OK(s, tp_comm_debug_end(dbg));
     int64_t want = n > 1 ? 1 : 0;
-    int64_t got = tp_comm_debug_module_count(dbg, "mlp.net1", TP_PHASE_BACKWARD,
-                                             TP_COLL_ALL_GATHER);
-    RANK_EXPECT(s, got == want, "mlp.net1 backward all_gather: %lld, want %lld", (long long)got,
-                (long long)want);
-    RANK_EXPECT(s, tp_comm_debug_module_count(dbg, "elsewhere", TP_PHASE_COUNT, TP_COLL_ANY) == 0,
-                "the backward was counted for the caller's scope");
+    tp_test_scope_count_is(s, dbg, "mlp.net1", TP_PHASE_BACKWARD, TP_COLL_ALL_GATHER, want,
+                           "the node's scope");
+    tp_test_scope_count_is(s, dbg, "mlp", TP_PHASE_BACKWARD, TP_COLL_ALL_GATHER, want,
+                           "the scope around the node's");
+    tp_test_scope_count_is(s, dbg, "elsewhere", TP_PHASE_COUNT, TP_COLL_ANY, 0,
+                           "the caller's scope (seen, without collectives)");
     tp_comm_debug_free(dbg);
     tp_tensor *all[] = {full, dt, sh, l, g};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)

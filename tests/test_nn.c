@@ -949,13 +949,81 @@ static tp_status allreduce_post(tp_module *m, int nargs, tp_tensor *const *args,
     return tp_all_reduce(ctx, *out, *out, TP_SUM, NULL);
 }
 
+/* Inner, in a user scope "core" of its own (nested in the module's). */
+static tp_status core_allreduce_fwd(tp_module *self, int nargs, tp_tensor *const *args,
+                                    int nkw, const tp_kwarg *kw, tp_tensor **out)
+{
+    TP_TEST_TRY(tp_comm_debug_push_scope("core"));
+    tp_status st = allreduce_fwd(self, nargs, args, nkw, kw, out);
+    tp_status pop = tp_comm_debug_pop_scope();
+    return st != TP_OK ? st : pop;
+}
+
+/* A container: calls its first child. */
+static tp_status first_child_fwd(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                                 const tp_kwarg *kw, tp_tensor **out)
+{
+    (void)nargs, (void)nkw, (void)kw;
+    return tp_module_call(tp_module_child_at(self, 0, NULL), args[0], out);
+}
+
+/* A container calling its first child inside a user scope "heads". */
+static tp_status heads_fwd(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                           const tp_kwarg *kw, tp_tensor **out)
+{
+    TP_TEST_TRY(tp_comm_debug_push_scope("heads"));
+    tp_status st = first_child_fwd(self, nargs, args, nkw, kw, out);
+    tp_status pop = tp_comm_debug_pop_scope();
+    return st != TP_OK ? st : pop;
+}
+
+/* Runs a comm-debug writer into buf (NUL-terminated). */
+static tp_status capture_writer(tp_status (*writer)(const tp_comm_debug *, FILE *),
+                                const tp_comm_debug *d, char *buf, size_t cap)
+{
+    memset(buf, 0, cap);
+    FILE *f = fmemopen(buf, cap - 1, "w");
+    if (!f)
+        return TP_ERR_BACKEND;
+    tp_status st = writer(d, f);
+    fclose(f);
+    return st;
+}
+
+/* The checked query refuses a scope never seen: exact code, the message
+ * names the scope and contains `part`. */
+static void expect_never_seen(tp_test_slot *s, const tp_comm_debug *d, const char *fqn,
+                              const char *part, const char *what)
+{
+    int64_t got = -1;
+    tp_clear_error();
+    tp_status st = tp_comm_debug_scope_count(d, fqn, TP_PHASE_COUNT, TP_COLL_ANY, &got);
+    char quoted[300];
+    snprintf(quoted, sizeof quoted, "scope \"%s\" was never entered", fqn);
+    RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && got == 0,
+                "%s: scope \"%s\": %s, count %lld; expected TP_ERR_INVALID_ARG", what, fqn,
+                tp_status_name(st), (long long)got);
+    RANK_EXPECT(s, strstr(tp_last_error(), quoted) && strstr(tp_last_error(), part),
+                "%s: the message for \"%s\" lacks '%s' or '%s': %s", what, fqn, quoted, part,
+                tp_last_error());
+}
+
+#define SCOPE_IS(s, d, fqn, phase, kind, want, what)                                  \
+    (void)tp_test_scope_count_is(s, d, fqn, TP_PHASE_##phase, TP_COLL_##kind, want, what)
+
+/*
+ * MLP (custom): net1 = Inner (all_reduce inside a user scope "core"),
+ * net2 = Linear with a barrier pre-hook; a root Linear "solo" whose hook
+ * all-reduces. Module scopes are the plan FQNs ("net1"), the root's is "",
+ * whoever calls the module.
+ */
 static tp_status scope_body(tp_comm *w, void *arg)
 {
     rank_ctx *c = arg;
     tp_test_slot *s = &c->slot[tp_comm_rank(w)];
     tp_module *mlp = NULL, *inner = NULL, *lin = NULL, *solo = NULL;
     RANK_OK(s, tp_custom_module_create("MLP", mlp_fwd, NULL, NULL, &mlp));
-    RANK_OK(s, tp_custom_module_create("Inner", allreduce_fwd, w, NULL, &inner));
+    RANK_OK(s, tp_custom_module_create("Inner", core_allreduce_fwd, w, NULL, &inner));
     RANK_OK(s, tp_module_add_child(mlp, "net1", inner));
     RANK_OK(s, tp_linear_create(4, 4, true, &lin));
     RANK_OK(s, tp_module_add_child(mlp, "net2", lin));
@@ -966,28 +1034,119 @@ static tp_status scope_body(tp_comm *w, void *arg)
 
     tp_comm_debug *d = NULL;
     tp_tensor *x = NULL, *y = NULL, *z = NULL;
+    char buf[4096];
     RANK_OK(s, randint(2, (int64_t[]){2, 4}, 3, &x));
     RANK_OK(s, tp_comm_debug_create(&d));
+
+    /* through the root, then a user scope of the training step */
     RANK_OK(s, tp_comm_debug_begin(d));
     RANK_OK(s, tp_module_call(mlp, x, &y));
+    RANK_OK(s, tp_comm_debug_push_scope("loss"));
+    RANK_OK(s, tp_barrier(w, NULL));
+    RANK_OK(s, tp_comm_debug_pop_scope());
+    RANK_OK(s, tp_comm_debug_end(d));
+    SCOPE_IS(s, d, TP_COMM_DEBUG_GLOBAL, COUNT, ANY, 3, "Global");
+    SCOPE_IS(s, d, TP_COMM_DEBUG_ROOT, COUNT, ANY, 2, "the root MLP");
+    SCOPE_IS(s, d, "net1", FORWARD, ALL_REDUCE, 1, "net1");
+    SCOPE_IS(s, d, "net1", COUNT, ANY, 1, "net1");
+    SCOPE_IS(s, d, "net1.core", FORWARD, ALL_REDUCE, 1, "a user scope nests in the module's");
+    SCOPE_IS(s, d, "net2", FORWARD, BARRIER, 1, "net2: the pre-hook's barrier counts there");
+    SCOPE_IS(s, d, "net2", COUNT, ALL_REDUCE, 0, "net2 was seen, without all_reduce");
+    SCOPE_IS(s, d, "loss", FORWARD, BARRIER, 1, "loss");
+    expect_never_seen(s, d, "net3",
+                      "; scopes seen: \"Global\", \"\" (MLP), \"net1\", \"net1.core\", "
+                      "\"net2\", \"loss\"", "a module that does not exist");
+    RANK_EXPECT(s, !strcmp(tp_last_error(),
+                           "comm_debug_scope_count: scope \"net3\" was never entered while the "
+                           "counter was active; scopes seen: \"Global\", \"\" (MLP), \"net1\", "
+                           "\"net1.core\", \"net2\", \"loss\""),
+                "message: %s", tp_last_error());
+    expect_never_seen(s, d, "MLP.net1", "did you mean \"net1\"?", "the type-name prefix");
+    expect_never_seen(s, d, "MLP", "the root module's scope is \"\"", "the root's type name");
+    RANK_EXPECT(s, tp_comm_debug_module_count(d, "net3", TP_PHASE_COUNT, TP_COLL_ANY) == 0,
+                "the unchecked query reads 0 for a scope never seen");
+
+    static const char json[] =
+        "{\n"
+        "  \"Global\": {\"forward\": {\"all_reduce\": 1, \"barrier\": 2}, \"backward\": {}},\n"
+        "  \"\": {\"forward\": {\"all_reduce\": 1, \"barrier\": 1}, \"backward\": {}},\n"
+        "  \"net1\": {\"forward\": {\"all_reduce\": 1}, \"backward\": {}},\n"
+        "  \"net1.core\": {\"forward\": {\"all_reduce\": 1}, \"backward\": {}},\n"
+        "  \"net2\": {\"forward\": {\"barrier\": 1}, \"backward\": {}},\n"
+        "  \"loss\": {\"forward\": {\"barrier\": 1}, \"backward\": {}}\n"
+        "}\n";
+    RANK_OK(s, capture_writer(tp_comm_debug_write_json, d, buf, sizeof buf));
+    RANK_EXPECT(s, !strcmp(buf, json), "JSON:\n%.440s", buf);
+    static const char table[] =
+        "Global\n"
+        "  FORWARD PASS\n"
+        "    all_reduce: 1\n"
+        "    barrier: 2\n"
+        "  MLP\n"
+        "    FORWARD PASS\n"
+        "      all_reduce: 1\n"
+        "      barrier: 1\n"
+        "    net1\n"
+        "      FORWARD PASS\n"
+        "        all_reduce: 1\n"
+        "      net1.core\n"
+        "        FORWARD PASS\n"
+        "          all_reduce: 1\n"
+        "    net2\n"
+        "      FORWARD PASS\n"
+        "        barrier: 1\n"
+        "  loss\n"
+        "    FORWARD PASS\n"
+        "      barrier: 1\n";
+    RANK_OK(s, capture_writer(tp_comm_debug_write_table, d, buf, sizeof buf));
+    RANK_EXPECT(s, !strcmp(buf, table), "table:\n%.440s", buf);
+    tp_tensor_release(y);
+    y = NULL;
+
+    /* net2 called directly: the same scope, and not its root's */
+    RANK_OK(s, tp_comm_debug_begin(d));
+    RANK_OK(s, tp_module_call(tp_module_find(mlp, "net2"), x, &y));
+    RANK_OK(s, tp_comm_debug_end(d));
+    SCOPE_IS(s, d, "net2", FORWARD, BARRIER, 1, "net2 called directly");
+    expect_never_seen(s, d, TP_COMM_DEBUG_ROOT, "scopes seen: \"Global\", \"net2\"",
+                      "the root, which did not run");
+    RANK_OK(s, capture_writer(tp_comm_debug_write_table, d, buf, sizeof buf));
+    RANK_EXPECT(s, !strcmp(buf, "Global\n  FORWARD PASS\n    barrier: 1\n"
+                                "  net2\n    FORWARD PASS\n      barrier: 1\n"),
+                "table of a direct call:\n%.440s", buf);
+    tp_tensor_release(y);
+    y = NULL;
+
+    /* module scopes do not nest in user scopes; two roots share "" */
+    RANK_OK(s, tp_comm_debug_begin(d));
+    RANK_OK(s, tp_comm_debug_push_scope("step"));
+    RANK_OK(s, tp_module_call(mlp, x, &y));
+    RANK_OK(s, tp_comm_debug_pop_scope());
     RANK_OK(s, tp_module_call(solo, x, &z));
     RANK_OK(s, tp_comm_debug_end(d));
+    SCOPE_IS(s, d, "step", COUNT, ANY, 2, "the user scope around the model");
+    SCOPE_IS(s, d, "net1", FORWARD, ALL_REDUCE, 1, "net1 inside a user scope");
+    expect_never_seen(s, d, "step.net1", "\"step\", \"\" (MLP, Linear), \"net1\"",
+                      "a module inside a user scope");
+    SCOPE_IS(s, d, TP_COMM_DEBUG_ROOT, FORWARD, ALL_REDUCE, 2, "both roots");
+    SCOPE_IS(s, d, TP_COMM_DEBUG_ROOT, FORWARD, BARRIER, 1, "both roots");
+    RANK_OK(s, capture_writer(tp_comm_debug_write_table, d, buf, sizeof buf));
+    RANK_EXPECT(s, strstr(buf, "\n  step\n") && strstr(buf, "\n    MLP, Linear\n"),
+                "table with two roots:\n%.440s", buf);
+    SCOPE_IS(s, d, TP_COMM_DEBUG_GLOBAL, COUNT, ANY, 3, "Global");
+    tp_tensor_release(y);
+    y = NULL;
 
-    const tp_phase A = TP_PHASE_COUNT;
-    RANK_EXPECT(s, tp_comm_debug_total(d) == 3, "total %lld", (long long)tp_comm_debug_total(d));
-    RANK_EXPECT(s, tp_comm_debug_module_count(d, "MLP", A, TP_COLL_ANY) == 2, "MLP: %lld",
-                (long long)tp_comm_debug_module_count(d, "MLP", A, TP_COLL_ANY));
-    RANK_EXPECT(s, tp_comm_debug_module_count(d, "MLP.net1", A, TP_COLL_ALL_REDUCE) == 1,
-                "MLP.net1 all_reduce");
-    RANK_EXPECT(s, tp_comm_debug_module_count(d, "MLP.net1", A, TP_COLL_ANY) == 1,
-                "MLP.net1 total");
-    RANK_EXPECT(s, tp_comm_debug_module_count(d, "MLP.net2", A, TP_COLL_BARRIER) == 1,
-                "MLP.net2: the pre-hook's barrier counts for the module");
-    RANK_EXPECT(s, tp_comm_debug_module_count(d, "MLP.net2", A, TP_COLL_ANY) == 1,
-                "MLP.net2 total");
-    RANK_EXPECT(s, tp_comm_debug_module_count(d, "Linear", A, TP_COLL_ALL_REDUCE) == 1,
-                "a root Linear's scope is its type name; the hook's all_reduce counts there");
-    RANK_EXPECT(s, tp_comm_debug_module_count(d, "Global", A, TP_COLL_ANY) == 3, "Global");
+    /* a scope open twice (a user scope named like the module inside it)
+     * counts each collective once */
+    RANK_OK(s, tp_comm_debug_begin(d));
+    RANK_OK(s, tp_comm_debug_push_scope("net1"));
+    RANK_OK(s, tp_module_call(mlp, x, &y));
+    RANK_OK(s, tp_comm_debug_pop_scope());
+    RANK_OK(s, tp_comm_debug_end(d));
+    SCOPE_IS(s, d, "net1", FORWARD, ALL_REDUCE, 1, "net1 open twice");
+    SCOPE_IS(s, d, "net1", FORWARD, BARRIER, 1, "the user scope net1 around net2");
+    SCOPE_IS(s, d, "net1.core", FORWARD, ALL_REDUCE, 1, "net1.core");
     RANK_EXPECT(s, !strcmp(tp_comm_debug_current_scope(), "Global"), "scope left open: %s",
                 tp_comm_debug_current_scope());
     tp_comm_debug_free(d);
@@ -999,10 +1158,121 @@ static tp_status scope_body(tp_comm *w, void *arg)
     return TP_OK;
 }
 
-Test(nn, comm_debug_scopes_follow_the_tree, .timeout = 60)
+TP_TEST_WORLD_SIZE_PARAMS(nn, comm_debug_scopes_are_plan_fqns)
+
+ParameterizedTest(int *n, nn, comm_debug_scopes_are_plan_fqns, .timeout = 60)
 {
     rank_ctx c = {0};
-    tp_test_run(2, scope_body, &c, c.slot);
+    tp_test_run(*n, scope_body, &c, c.slot);
+}
+
+/* Transformer -> layers -> 0 -> attention (calls wq inside a user scope
+ * "heads") -> wq (all_reduce): deep FQNs, and wq called on its own. */
+static tp_status deep_scope_body(tp_comm *w, void *arg)
+{
+    rank_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(w)];
+    static const struct {
+        const char *type, *name;
+    } chain[] = {{"ModuleList", "layers"}, {"Block", "0"}, {"Attention", "attention"}};
+    tp_module *root = NULL, *m = NULL, *wq = NULL;
+    RANK_OK(s, tp_custom_module_create("Transformer", first_child_fwd, NULL, NULL, &root));
+    tp_module *parent = root;
+    for (size_t i = 0; i < sizeof chain / sizeof chain[0]; i++) {
+        RANK_OK(s, tp_custom_module_create(chain[i].type, i == 2 ? heads_fwd : first_child_fwd,
+                                           NULL, NULL, &m));
+        RANK_OK(s, tp_module_add_child(parent, chain[i].name, m));
+        parent = m;
+    }
+    RANK_OK(s, tp_custom_module_create("Inner", allreduce_fwd, w, NULL, &wq));
+    RANK_OK(s, tp_module_add_child(parent, "wq", wq));
+
+    tp_comm_debug *d = NULL;
+    tp_tensor *x = NULL, *y = NULL;
+    char buf[4096];
+    RANK_OK(s, randint(2, (int64_t[]){2, 4}, 3, &x));
+    RANK_OK(s, tp_comm_debug_create(&d));
+    RANK_OK(s, tp_comm_debug_begin(d));
+    RANK_OK(s, tp_module_call(root, x, &y));
+    RANK_OK(s, tp_comm_debug_end(d));
+    static const char *const fqns[] = {TP_COMM_DEBUG_GLOBAL, TP_COMM_DEBUG_ROOT, "layers",
+                                       "layers.0", "layers.0.attention",
+                                       "layers.0.attention.heads", "layers.0.attention.wq"};
+    for (size_t i = 0; i < sizeof fqns / sizeof fqns[0]; i++)
+        SCOPE_IS(s, d, fqns[i], FORWARD, ALL_REDUCE, 1, "through the root");
+    RANK_EXPECT(s, tp_module_find(root, "layers.0.attention.wq") == wq,
+                "tp_module_find resolves the scope's FQN");
+    RANK_OK(s, capture_writer(tp_comm_debug_write_table, d, buf, sizeof buf));
+    RANK_EXPECT(s, strstr(buf, "\n  Transformer\n") &&
+                       strstr(buf, "\n          layers.0.attention.heads\n") &&
+                       strstr(buf, "\n            layers.0.attention.wq\n") &&
+                       strstr(buf, "\n                all_reduce: 1\n"),
+                "table (indented by nesting):\n%.440s", buf);
+    tp_tensor_release(y);
+    y = NULL;
+
+    RANK_OK(s, tp_comm_debug_begin(d));
+    RANK_OK(s, tp_module_call(wq, x, &y));
+    RANK_OK(s, tp_comm_debug_end(d));
+    SCOPE_IS(s, d, "layers.0.attention.wq", FORWARD, ALL_REDUCE, 1, "wq called directly");
+    expect_never_seen(s, d, "layers.0.attention", "scopes seen: \"Global\", "
+                      "\"layers.0.attention.wq\"", "wq's parent did not run");
+    expect_never_seen(s, d, "wq", "scopes seen", "wq's own name is not its FQN");
+    RANK_OK(s, capture_writer(tp_comm_debug_write_table, d, buf, sizeof buf));
+    RANK_EXPECT(s, !strcmp(buf, "Global\n  FORWARD PASS\n    all_reduce: 1\n"
+                                "  layers.0.attention.wq\n    FORWARD PASS\n"
+                                "      all_reduce: 1\n"),
+                "table of a direct call:\n%.440s", buf);
+    tp_comm_debug_free(d);
+    tp_tensor_release(x);
+    tp_tensor_release(y);
+    tp_module_free(root);
+    return TP_OK;
+}
+
+TP_TEST_WORLD_SIZE_PARAMS(nn, comm_debug_deep_fqns)
+
+ParameterizedTest(int *n, nn, comm_debug_deep_fqns, .timeout = 60)
+{
+    rank_ctx c = {0};
+    tp_test_run(*n, deep_scope_body, &c, c.slot);
+}
+
+/* "Global" is the root of all scopes: a child of a root named so cannot have
+ * it as its module scope, deeper it can. */
+Test(nn, comm_debug_child_named_global, .timeout = 10)
+{
+    tp_module *root = NULL, *lin = NULL, *mid = NULL, *deep = NULL;
+    tp_tensor *x = NULL, *y = NULL;
+    CHECK_OK(tp_custom_module_create("Net", first_child_fwd, NULL, NULL, &root));
+    CHECK_OK(tp_linear_create(4, 4, true, &lin));
+    CHECK_OK(tp_module_add_child(root, "Global", lin));
+    CHECK_OK(tp_module_init(root, 1));
+    CHECK_OK(randint(2, (int64_t[]){2, 4}, 3, &x));
+    CHECK_ERR(tp_module_call(root, x, &y), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "\"Global\" is reserved"), "message: %s", tp_last_error());
+    cr_assert_null(y);
+    CHECK_ERR(tp_module_call(lin, x, &y), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "Linear 'Global'"), "message: %s", tp_last_error());
+    cr_assert_str_eq(tp_comm_debug_current_scope(), "Global", "scopes popped on failure");
+
+    CHECK_OK(tp_custom_module_create("Mid", first_child_fwd, NULL, NULL, &mid));
+    CHECK_OK(tp_linear_create(4, 4, true, &deep));
+    CHECK_OK(tp_module_add_child(mid, "Global", deep));
+    CHECK_OK(tp_module_init(mid, 1));
+    CHECK_OK(tp_module_add_child(root, "mid", mid));
+    tp_comm_debug *d = NULL;
+    CHECK_OK(tp_comm_debug_create(&d));
+    CHECK_OK(tp_comm_debug_begin(d));
+    CHECK_OK(tp_module_call(mid, x, &y));
+    CHECK_OK(tp_comm_debug_end(d));
+    int64_t n = -1;
+    CHECK_OK(tp_comm_debug_scope_count(d, "mid.Global", TP_PHASE_COUNT, TP_COLL_ANY, &n));
+    cr_assert_eq(n, 0);
+    tp_comm_debug_free(d);
+    tp_tensor_release(x);
+    tp_tensor_release(y);
+    tp_module_free(root);
 }
 
 /* ---- deterministic initialisation and state dicts at every degree ------------- */
@@ -1913,6 +2183,63 @@ Test(nn, allocation_failures, .init = nn_alloc_install, .fini = nn_alloc_restore
     }
     cr_assert_eq(A.live, 0, "the successful run leaked %ld", A.live);
     cr_assert_gt(k, 50, "the scenario allocates (%ld)", k);
+}
+
+/* The scenario under an active comm-debug counter, plus a second root of
+ * another type (its type name joins the root scope's label). */
+static tp_status counted_scenario(void)
+{
+    tp_comm_debug *d = NULL;
+    tp_module *solo = NULL;
+    tp_tensor *x = NULL, *y = NULL;
+    tp_status st = tp_comm_debug_create(&d);
+    if (st != TP_OK)
+        return st;
+    st = tp_comm_debug_begin(d);
+    if (st == TP_OK)
+        st = nn_scenario();
+    if (st == TP_OK)
+        st = tp_linear_create(3, 3, false, &solo);
+    if (st == TP_OK)
+        st = randint(2, (int64_t[]){2, 3}, 2, &x);
+    if (st == TP_OK)
+        st = tp_module_call(solo, x, &y);
+    if (tp_comm_debug_active() == d)
+        (void)tp_comm_debug_end(d);
+    char buf[4096];
+    if (st == TP_OK && capture_writer(tp_comm_debug_write_table, d, buf, sizeof buf) != TP_OK)
+        st = TP_ERR_BACKEND;
+    tp_comm_debug_free(d);
+    tp_module_free(solo);
+    tp_tensor_release(x);
+    tp_tensor_release(y);
+    return st;
+}
+
+/* Every allocation failing in turn, with the counter registering scopes and
+ * autograd saving them: out of memory or success (a scope the counter could
+ * not register is left out of its lists, not an error), never a leak or a
+ * scope left open. */
+Test(nn, allocation_failures_counted, .init = nn_alloc_install, .fini = nn_alloc_restore,
+     .timeout = 120)
+{
+    tp_status st = counted_scenario();
+    cr_assert_eq(st, TP_OK, "%s (%s)", tp_status_name(st), tp_last_error());
+    cr_assert_eq(A.live, 0, "the successful run leaked %ld", A.live);
+    const long total = A.count;
+    for (long k = 0; k < total; k++) {
+        A.count = 0;
+        A.fail_at = k;
+        tp_clear_error();
+        st = counted_scenario();
+        A.fail_at = -1;
+        cr_assert(st == TP_OK || st == TP_ERR_NO_MEMORY, "allocation %ld failing: %s (%s)", k,
+                  tp_status_name(st), tp_last_error());
+        cr_assert_eq(A.live, 0, "allocation %ld failing leaked %ld (%s)", k, A.live,
+                     tp_last_error());
+        cr_assert_str_eq(tp_comm_debug_current_scope(), "Global");
+        cr_assert_null(tp_comm_debug_active());
+    }
 }
 
 /* Evaluation mode makes Dropout the identity, for the whole subtree. */

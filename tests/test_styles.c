@@ -1165,10 +1165,20 @@ static tp_status mlp_body(tp_comm *world, void *arg)
     RANK_EXPECT(s, tp_comm_debug_count(dbg, TP_COLL_ALL_REDUCE) == (w > 1 ? 1 : 0) &&
                        tp_comm_debug_total(dbg) == (w > 1 ? 1 : 0),
                 "MLP: %lld collectives in all", (long long)tp_comm_debug_total(dbg));
-    /* the per-module scopes: the all_reduce belongs to net2 */
-    RANK_EXPECT(s, tp_comm_debug_module_count(dbg, "Sequential.net2", TP_PHASE_COUNT,
-                                              TP_COLL_ALL_REDUCE) == (w > 1 ? 1 : 0),
-                "MLP: the all_reduce is not attributed to Sequential.net2");
+    /* the per-module scopes, by plan FQN ("" the root): the all_reduce
+     * belongs to net2; every module was seen, also at W = 1 */
+    const int64_t one = w > 1 ? 1 : 0;
+    tp_test_scope_count_is(s, dbg, TP_COMM_DEBUG_ROOT, TP_PHASE_FORWARD, TP_COLL_ALL_REDUCE, one,
+                           "MLP");
+    tp_test_scope_count_is(s, dbg, "net1", TP_PHASE_COUNT, TP_COLL_ANY, 0, "MLP");
+    tp_test_scope_count_is(s, dbg, "relu", TP_PHASE_COUNT, TP_COLL_ANY, 0, "MLP");
+    tp_test_scope_count_is(s, dbg, "net2", TP_PHASE_FORWARD, TP_COLL_ALL_REDUCE, one, "MLP");
+    tp_test_scope_count_is(s, dbg, "net2", TP_PHASE_COUNT, TP_COLL_ANY, one, "MLP");
+    int64_t unseen = -1;
+    RANK_EXPECT(s, tp_comm_debug_scope_count(dbg, "Sequential.net2", TP_PHASE_COUNT, TP_COLL_ANY,
+                                             &unseen) == TP_ERR_INVALID_ARG && unseen == 0 &&
+                       strstr(tp_last_error(), "\"Sequential.net2\" was never entered"),
+                "MLP: \"Sequential.net2\" is not a scope: %s", tp_last_error());
     tp_tensor *w1 = tp_module_parameter(tp_module_child(m, "net1"), "weight");
     RANK_EXPECT(s, w1 && tp_tensor_grad(w1), "MLP: net1.weight got no gradient");
     tp_tensor_release(out);
@@ -1186,6 +1196,36 @@ static tp_status mlp_body(tp_comm *world, void *arg)
                        tp_comm_debug_total(dbg) == (w > 1 ? 3 : 0),
                 "sequence-parallel MLP: %lld collectives in all",
                 (long long)tp_comm_debug_total(dbg));
+    /* net1 gathers its S(0) input, net2 reduce-scatters its output, and the
+     * backward of that reduce_scatter gathers in net2's scope */
+    tp_test_scope_count_is(s, dbg, "net1", TP_PHASE_FORWARD, TP_COLL_ALL_GATHER, one, "SP MLP");
+    tp_test_scope_count_is(s, dbg, "net1", TP_PHASE_BACKWARD, TP_COLL_ANY, 0, "SP MLP");
+    tp_test_scope_count_is(s, dbg, "net2", TP_PHASE_FORWARD, TP_COLL_REDUCE_SCATTER, one,
+                           "SP MLP");
+    tp_test_scope_count_is(s, dbg, "net2", TP_PHASE_BACKWARD, TP_COLL_ALL_GATHER, one, "SP MLP");
+    tp_test_scope_count_is(s, dbg, TP_COMM_DEBUG_ROOT, TP_PHASE_COUNT, TP_COLL_ANY, 3 * one,
+                           "SP MLP");
+    tp_tensor_release(out);
+    out = NULL;
+
+    /* counting the backward only: its nodes re-enter the scopes of the
+     * modules that recorded them, the root's included */
+    tp_tensor *l = NULL;
+    RANK_OK(s, tp_module_call(m, x, &out));
+    RANK_OK(s, tp_sum_all(out, &l));
+    RANK_OK(s, tp_comm_debug_begin(dbg));
+    tp_status bst = tp_backward(l, NULL);
+    RANK_OK(s, tp_comm_debug_end(dbg));
+    tp_tensor_release(l);
+    RANK_OK(s, bst);
+    tp_test_scope_count_is(s, dbg, "net2", TP_PHASE_BACKWARD, TP_COLL_ALL_GATHER, one,
+                           "SP MLP, backward only");
+    tp_test_scope_count_is(s, dbg, TP_COMM_DEBUG_ROOT, TP_PHASE_BACKWARD, TP_COLL_ALL_GATHER, one,
+                           "SP MLP, backward only");
+    tp_test_scope_count_is(s, dbg, "net1", TP_PHASE_COUNT, TP_COLL_ANY, 0,
+                           "SP MLP, backward only");
+    tp_test_scope_count_is(s, dbg, TP_COMM_DEBUG_GLOBAL, TP_PHASE_COUNT, TP_COLL_ANY, one,
+                           "SP MLP, backward only");
     tp_tensor_release(out);
     tp_module_free(m);
 
@@ -1195,7 +1235,7 @@ static tp_status mlp_body(tp_comm *world, void *arg)
     return TP_OK;
 }
 
-SIZES_PARAMS(mlp_counts, 1, 2, 4)
+SIZES_PARAMS(mlp_counts, 1, 2, 3, 4)
 ParameterizedTest(int *n, styles, mlp_counts, .timeout = 60)
 {
     sty_ctx c = {.w = *n};

@@ -212,6 +212,27 @@ static inline void tp_test_free_fn(void *ctx, void *ptr)
     free(ptr);
 }
 
+/* Inside a rank: expects the comm-debug count of `kind` (or TP_COLL_ANY) in
+ * `phase` (or TP_PHASE_COUNT) for scope `fqn` to be `want`, through the
+ * checked query, so that a scope the counter never saw (a misspelled name, a
+ * module that never ran) fails instead of reading 0. Returns whether it
+ * held. */
+static inline bool tp_test_scope_count_is(tp_test_slot *slot, const tp_comm_debug *d,
+                                          const char *fqn, tp_phase phase, tp_coll_kind kind,
+                                          int64_t want, const char *what)
+{
+    static const char *const phases[] = {"forward", "backward", "both phases"};
+    const char *ph = (unsigned)phase <= TP_PHASE_COUNT ? phases[phase] : "?";
+    const char *k = kind == TP_COLL_ANY ? "collectives" : tp_coll_kind_name(kind);
+    int64_t got = -1;
+    tp_status st = tp_comm_debug_scope_count(d, fqn, phase, kind, &got);
+    RANK_EXPECT(slot, st == TP_OK, "%s: scope \"%s\": %s (%s)", what, fqn, tp_status_name(st),
+                tp_last_error());
+    RANK_EXPECT(slot, st != TP_OK || got == want, "%s: scope \"%s\", %s, %s: %lld, expected %lld",
+                what, fqn, ph, k, (long long)got, (long long)want);
+    return st == TP_OK && got == want;
+}
+
 /* World sizes every distributed test covers. */
 #define TP_TEST_WORLD_SIZES {1, 2, 3, 4, 8}
 #define TP_TEST_N_WORLD_SIZES 5

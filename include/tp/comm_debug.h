@@ -4,8 +4,41 @@
  * A counter records every collective issued on the calling thread (one rank)
  * while it is active, including collectives issued inside redistribute and
  * backward. Each record carries the collective kind, its size in bytes, the
- * phase (forward or backward) and the module scope: a count is added to the
- * current scope and to every enclosing scope up to "Global".
+ * phase (forward or backward) and the scopes open on the thread: a count is
+ * added to every open scope (the current one and those that enclose it, each
+ * once) and to "Global".
+ *
+ * Scope names. "Global" is the root of everything: it holds every record,
+ * and collectives outside any scope count only there. tp_module_forward
+ * enters the module's scope, whose name is the module's FQN in its module
+ * tree, spelled as plans, tp_module_find and tp_module_named_parameters spell
+ * it from the root: "net1", "layers.0.attention.wq". The root module's scope
+ * is "" (TP_COMM_DEBUG_ROOT; tp_module_find(root, "") is the root), shown in
+ * the table as the root's type name. The name does not depend on the caller:
+ * a module called directly, not through its root, counts under the same
+ * FQN, and not in its ancestors' scopes, which did not run. Module scopes
+ * do not nest in the current scope: inside a user scope "step", the root's
+ * child is still "net1" (and "step" counts it too). Scopes pushed with
+ * tp_comm_debug_push_scope nest in the current scope: "attn" inside the
+ * module "layers.0" is "layers.0.attn"; inside the root or at the top level
+ * it is "attn". Different module trees with the same FQNs (two models, or a
+ * standalone Linear besides an MLP: both are roots, "") share those scopes;
+ * count them in separate counter sessions to tell them apart.
+ *
+ * How this differs from PyTorch 2.15's CommDebugMode: its module tracker
+ * names the root by its class name and children under it ("MLP.net1"), and
+ * a module reached first without its root by its own class name ("Linear"
+ * for net1 called directly), so one module's name depends on who called it
+ * and different Linears share one. Here a module's scope is the FQN users
+ * write in plans and read in state dicts, whoever calls it, so a count can
+ * be asserted under the name the plan used.
+ *
+ * Seen and never seen: a scope is seen by a counter when it was entered while
+ * the counter was active (or was open when it began), whether or not it
+ * issued a collective. tp_comm_debug_scope_count() tells a seen scope with 0
+ * collectives from a name the counter never saw (an error naming it and the
+ * scopes seen); tp_comm_debug_module_count() returns 0 for both, so an
+ * assertion of 0 with it passes for a misspelled name too.
  *
  * Bytes per record follow nccl-tests' size convention: all_reduce and
  * broadcast the buffer, all_gather the (whole) recv buffer, reduce_scatter and
@@ -44,6 +77,8 @@ typedef enum tp_phase { TP_PHASE_FORWARD = 0, TP_PHASE_BACKWARD = 1, TP_PHASE_CO
 
 /* The root scope every count also goes to. */
 #define TP_COMM_DEBUG_GLOBAL "Global"
+/* The scope of a root module (the top of a module tree): its FQN, "". */
+#define TP_COMM_DEBUG_ROOT ""
 
 TP_API tp_status tp_comm_debug_create(tp_comm_debug **out);
 /* NULL is a no-op. Ends it first if it is active on the calling thread. A
@@ -69,16 +104,17 @@ TP_API tp_phase tp_comm_debug_phase(void);
 
 /* Enters a scope named `name` (copied), nested in the current one: the FQN of
  * the new scope is "<current FQN>.<name>", or just "<name>" at the top level
- * (the root module's name). Names are non-empty and contain no '.'; "Global"
- * is reserved at the top level. At most 32 levels and 255 characters of FQN.
- * Otherwise TP_ERR_INVALID_ARG, and the stack is unchanged. Scopes entered
- * while a counter is active (or open when it begins) are listed by the
- * writers even if they issue no collective. */
+ * and inside a root module (whose FQN is ""). Names are non-empty and contain
+ * no '.'; the FQN "Global" is reserved. At most 32 open scopes (module scopes
+ * included) and 255 characters of FQN. Otherwise TP_ERR_INVALID_ARG, and the
+ * stack is unchanged. Scopes entered while a counter is active (or open when
+ * it begins) are seen: listed by the writers even if they issue no
+ * collective. */
 TP_API tp_status tp_comm_debug_push_scope(const char *name);
 /* Leaves the innermost scope. TP_ERR_STATE when no scope is open. */
 TP_API tp_status tp_comm_debug_pop_scope(void);
-/* FQN of the innermost scope, or "Global" when none is open. Valid until the
- * thread's next push or pop. */
+/* FQN of the innermost scope ("" inside a root module), or "Global" when
+ * none is open. Valid until the thread's next push or pop. */
 TP_API const char *tp_comm_debug_current_scope(void);
 
 /* ---- queries ------------------------------------------------------------- */
@@ -89,20 +125,35 @@ TP_API int64_t tp_comm_debug_count(const tp_comm_debug *debug, tp_coll_kind kind
 TP_API int64_t tp_comm_debug_total(const tp_comm_debug *debug);
 /* Bytes recorded for `kind` (or TP_COLL_ANY). */
 TP_API int64_t tp_comm_debug_bytes(const tp_comm_debug *debug, tp_coll_kind kind);
-/* Count of `kind` (or TP_COLL_ANY) in phase `phase` (or TP_PHASE_COUNT for
- * both) attributed to scope `fqn` ("Global", "mlp", "mlp.net1", ...),
- * including its nested scopes. 0 for a scope never seen. */
+/* The checked query: *count = collectives of `kind` (or TP_COLL_ANY) in
+ * phase `phase` (or TP_PHASE_COUNT for both) counted in scope `fqn`
+ * ("Global", "" for the root module, "net1", "layers.0.attention.wq", ...),
+ * which includes what ran inside it. TP_OK with 0 for a scope seen without
+ * collectives; TP_ERR_INVALID_ARG (*count 0) for a scope the counter never
+ * saw, with a message naming it and listing the scopes seen, and for a NULL
+ * argument or an out-of-range phase or kind; TP_ERR_STATE while the counter
+ * is active on another thread. Use it to assert counts. */
+TP_API tp_status tp_comm_debug_scope_count(const tp_comm_debug *debug, const char *fqn,
+                                           tp_phase phase, tp_coll_kind kind, int64_t *count);
+/* The same count, unchecked: 0 for a scope never seen (or a NULL argument, or
+ * an out-of-range phase or kind), so "module_count(d, name, ...) == 0" also
+ * holds for a misspelled name or a scope that never ran. Prefer
+ * tp_comm_debug_scope_count() for assertions. */
 TP_API int64_t tp_comm_debug_module_count(const tp_comm_debug *debug, const char *fqn,
                                           tp_phase phase, tp_coll_kind kind);
 
 /* Writes the per-scope counts as JSON:
- * {"Global": {"forward": {"all_reduce": 1}, "backward": {...}}, "mlp": ...}
- * in the order scopes were first seen; kinds with a zero count are left out.
- * TP_ERR_BACKEND if writing to f fails. */
+ * {"Global": {"forward": {"all_reduce": 1}, "backward": {...}}, "": ...,
+ * "net1": ...} with scopes by FQN ("" the root module) in the order they
+ * were first seen; kinds with a zero count are left out. TP_ERR_BACKEND if
+ * writing to f fails. */
 TP_API tp_status tp_comm_debug_write_json(const tp_comm_debug *debug, FILE *f);
-/* Writes a readable table in the layout of PyTorch's CommDebugMode: one
- * indented line per scope (depth by FQN), then its non-zero counts per kind
- * under "FORWARD PASS" / "BACKWARD PASS". TP_ERR_BACKEND if writing fails. */
+/* Writes a readable table in the layout of PyTorch's CommDebugMode: one line
+ * per scope in first-seen order, indented by how deeply it was nested when
+ * first entered ("Global" at 0), then its non-zero counts per kind under
+ * "FORWARD PASS" / "BACKWARD PASS". Scopes show their FQN, the root scope ""
+ * the type name of its root module (the names joined by ", " when roots of
+ * several types entered it). TP_ERR_BACKEND if writing fails. */
 TP_API tp_status tp_comm_debug_write_table(const tp_comm_debug *debug, FILE *f);
 
 #ifdef __cplusplus

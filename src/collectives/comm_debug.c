@@ -7,15 +7,23 @@
 #include <string.h>
 
 #include "collectives/coll.h"
+#include "collectives/comm_debug_internal.h"
 
 #define TP__CD_MAX_DEPTH 32
-#define TP__CD_MAX_FQN 255
+/* A root module's type name as the thread keeps it (longer ones are cut),
+ * and the most characters of the list of them a root scope shows. */
+#define TP__CD_MAX_TYPE 63
+#define TP__CD_MAX_LABEL 255
 
 typedef struct tp__cd_scope {
     int64_t counts[TP_PHASE_COUNT][TP_COLL_KIND_COUNT];
     uint32_t hash;
-    int depth; /* levels: "mlp" is 1, "mlp.net1" is 2 */
+    int depth; /* nesting level when first entered: 1 at the top */
     size_t len;
+    /* the root scope "": the type names of the roots that entered it,
+     * ", "-separated, for the table; NULL for other scopes. Points into the
+     * same allocation, after fqn. */
+    char *label;
     char fqn[];
 } tp__cd_scope;
 
@@ -36,18 +44,29 @@ struct tp_comm_debug {
     bool scopes_missing; /* a scope could not be registered (out of memory) */
 };
 
+/* One open scope. Its FQN is at buf + off (NUL-terminated), followed by the
+ * root type name (NUL-terminated, empty unless a root module entered it). */
+typedef struct tp__cd_level {
+    uint16_t off, len, type_len;
+    /* an enclosing level has the same FQN (a user scope named like a
+     * module, a module called again from inside itself): the count goes to
+     * that scope once */
+    bool dup;
+    /* position + 1 of the scope in the active counter, 0 = not resolved
+     * yet. Valid for the active counter only: begin and push refresh the
+     * levels they touch, so a record normally finds every level resolved
+     * and neither hashes nor allocates. */
+    uint32_t slot;
+} tp__cd_level;
+
+#define TP__CD_LEVEL_BYTES (TP__CD_MAX_FQN + 1 + TP__CD_MAX_TYPE + 1)
+
 typedef struct tp__cd_thread {
     tp_comm_debug *active;
     tp_phase phase;
     int depth;
-    /* end[l]: length of the level-l FQN, a prefix of fqn (end[0] = 0) */
-    uint16_t end[TP__CD_MAX_DEPTH + 1];
-    /* slot[l]: position + 1 of the level-l scope in `active`, 0 = not
-     * resolved yet. Valid for the active counter only: begin and push
-     * refresh the levels they touch, so a record normally finds every level
-     * resolved and neither hashes nor allocates. */
-    uint32_t slot[TP__CD_MAX_DEPTH + 1];
-    char fqn[TP__CD_MAX_FQN + 1];
+    tp__cd_level lv[TP__CD_MAX_DEPTH + 1]; /* levels 1..depth */
+    char buf[TP__CD_MAX_DEPTH * TP__CD_LEVEL_BYTES];
 } tp__cd_thread;
 
 static _Thread_local tp__cd_thread tp__cd;
@@ -55,6 +74,12 @@ static _Thread_local tp__cd_thread tp__cd;
 /* The address of a thread-local object is unique among live threads, which is
  * all the owner field needs. */
 static uintptr_t tp__cd_self(void) { return (uintptr_t)&tp__cd; }
+
+static const char *tp__cd_fqn(const tp__cd_thread *t, int l) { return t->buf + t->lv[l].off; }
+static const char *tp__cd_type(const tp__cd_thread *t, int l)
+{
+    return t->buf + t->lv[l].off + t->lv[l].len + 1;
+}
 
 static uint32_t tp__cd_hash(const char *s, size_t len)
 {
@@ -122,28 +147,97 @@ static bool tp__cd_reserve(tp_comm_debug *d)
     return true;
 }
 
+/* A scope record with room for a label of label_len characters (none when
+ * label is NULL), counts zero. */
+static tp__cd_scope *tp__cd_scope_new(const char *fqn, size_t len, uint32_t hash, int depth,
+                                      const char *label, size_t label_len)
+{
+    tp__cd_scope *sc = tp__malloc(sizeof *sc + len + 1 + (label ? label_len + 1 : 0));
+    if (!sc)
+        return NULL;
+    memset(sc->counts, 0, sizeof sc->counts);
+    sc->hash = hash;
+    sc->depth = depth;
+    sc->len = len;
+    memcpy(sc->fqn, fqn, len);
+    sc->fqn[len] = '\0';
+    sc->label = NULL;
+    if (label) {
+        sc->label = sc->fqn + len + 1;
+        memcpy(sc->label, label, label_len);
+        sc->label[label_len] = '\0';
+    }
+    return sc;
+}
+
+/* Adds a root type name to the label of scope v unless it is listed already.
+ * The record is replaced by a larger one (positions stay valid); out of
+ * memory, or past TP__CD_MAX_LABEL characters, the label ends in ", ..."
+ * if it fits, else stays as it is: it is only what the table shows. */
+static void tp__cd_add_type(tp_comm_debug *d, uint32_t v, const char *type, size_t tlen)
+{
+    tp__cd_scope *sc = d->scopes[v - 1];
+    const char *lab = sc->label ? sc->label : "";
+    size_t llen = strlen(lab);
+    for (const char *p = lab; *p;) {
+        const char *sep = strstr(p, ", ");
+        size_t n = sep ? (size_t)(sep - p) : strlen(p);
+        if (n == tlen && memcmp(p, type, tlen) == 0)
+            return;
+        if (!sep)
+            break;
+        p = sep + 2;
+    }
+    static const char more[] = ", ...";
+    bool full = llen >= sizeof more - 1 && strcmp(lab + llen - (sizeof more - 1), more) == 0;
+    if (full)
+        return;
+    char buf[TP__CD_MAX_LABEL + 1];
+    memcpy(buf, lab, llen);
+    size_t n = llen;
+    if (n + (llen ? 2 : 0) + tlen <= TP__CD_MAX_LABEL) {
+        if (llen) {
+            memcpy(buf + n, ", ", 2);
+            n += 2;
+        }
+        memcpy(buf + n, type, tlen);
+        n += tlen;
+    } else if (n + sizeof more - 1 <= TP__CD_MAX_LABEL) {
+        memcpy(buf + n, more, sizeof more - 1);
+        n += sizeof more - 1;
+    } else {
+        return;
+    }
+    tp__cd_scope *ns = tp__cd_scope_new(sc->fqn, sc->len, sc->hash, sc->depth, buf, n);
+    if (!ns)
+        return;
+    memcpy(ns->counts, sc->counts, sizeof sc->counts);
+    d->scopes[v - 1] = ns;
+    tp__free(sc);
+}
+
 /* Position + 1 of the calling thread's level-l scope in d, registering it on
  * first sight; 0 when it cannot be allocated. */
 static uint32_t tp__cd_intern(tp_comm_debug *d, const tp__cd_thread *t, int level)
 {
-    size_t len = t->end[level];
-    uint32_t hash = tp__cd_hash(t->fqn, len);
-    uint32_t v = tp__cd_find(d, t->fqn, len, hash);
-    if (v)
+    const char *fqn = tp__cd_fqn(t, level);
+    size_t len = t->lv[level].len;
+    const char *type = tp__cd_type(t, level);
+    size_t tlen = t->lv[level].type_len;
+    uint32_t hash = tp__cd_hash(fqn, len);
+    uint32_t v = tp__cd_find(d, fqn, len, hash);
+    if (v) {
+        if (tlen)
+            tp__cd_add_type(d, v, type, tlen);
         return v;
+    }
     tp__cd_scope *sc = NULL;
     if (tp__cd_reserve(d))
-        sc = tp__malloc(sizeof *sc + len + 1);
+        sc = tp__cd_scope_new(fqn, len, hash, level, tlen ? type : NULL, tlen);
     if (!sc) {
         d->scopes_missing = true;
         return 0;
     }
-    memset(sc->counts, 0, sizeof sc->counts);
-    sc->hash = hash;
-    sc->depth = level;
-    sc->len = len;
-    memcpy(sc->fqn, t->fqn, len);
-    sc->fqn[len] = '\0';
     d->scopes[d->nscopes++] = sc;
     v = (uint32_t)d->nscopes;
     tp__cd_index_put(d->index, d->index_cap, hash, v);
@@ -177,11 +271,13 @@ void tp__comm_debug_record(tp_coll_kind kind, size_t bytes)
     d->global[ph][kind]++;
     d->bytes[kind] += bytes;
     for (int l = 1; l <= t->depth; l++) {
-        uint32_t v = t->slot[l];
+        if (t->lv[l].dup)
+            continue;
+        uint32_t v = t->lv[l].slot;
         if (!v) {
             /* only after an allocation failure at begin/push: retry, and
              * keep the totals right even if it fails again */
-            v = t->slot[l] = tp__cd_intern(d, t, l);
+            v = t->lv[l].slot = tp__cd_intern(d, t, l);
             if (!v) {
                 d->dropped++;
                 continue;
@@ -245,7 +341,7 @@ tp_status tp_comm_debug_begin(tp_comm_debug *debug)
     /* Scopes already open count as seen, outermost first, as the table
      * expects; a failure here is retried by the next record. */
     for (int l = 1; l <= t->depth; l++)
-        t->slot[l] = tp__cd_intern(debug, t, l);
+        t->lv[l].slot = t->lv[l].dup ? 0 : tp__cd_intern(debug, t, l);
     return TP_OK;
 }
 
@@ -273,37 +369,84 @@ void tp_comm_debug_set_phase(tp_phase phase)
 
 tp_phase tp_comm_debug_phase(void) { return tp__cd.phase; }
 
-tp_status tp_comm_debug_push_scope(const char *name)
+/* Pushes the scope fqn[0..len) as it is (type: a root module's type name,
+ * or NULL); fn names the caller in errors. */
+static tp_status tp__cd_push(const char *fn, const char *fqn, size_t len, const char *type)
 {
-    TP_ARG_CHECK(name, "comm_debug_push_scope: name is NULL");
     tp__cd_thread *t = &tp__cd;
-    size_t n = strlen(name);
-    TP_ARG_CHECK(n > 0, "comm_debug_push_scope: empty scope name");
-    TP_ARG_CHECK(!memchr(name, '.', n),
-                 "comm_debug_push_scope: scope name \"%s\" contains '.' (push one level at "
-                 "a time)", name);
-    TP_ARG_CHECK(t->depth > 0 || strcmp(name, TP_COMM_DEBUG_GLOBAL) != 0,
-                 "comm_debug_push_scope: \"%s\" is reserved for the root scope",
-                 TP_COMM_DEBUG_GLOBAL);
     TP_ARG_CHECK(t->depth < TP__CD_MAX_DEPTH,
-                 "comm_debug_push_scope: cannot push \"%s\" under \"%s\": at most %d nested "
-                 "scopes", name, t->fqn, TP__CD_MAX_DEPTH);
-    size_t start = t->depth ? (size_t)t->end[t->depth] + 1 : 0;
-    TP_ARG_CHECK(start + n <= TP__CD_MAX_FQN,
-                 "comm_debug_push_scope: cannot push \"%s\" under \"%s\": the FQN would have "
-                 "%zu characters, at most %d allowed", name, t->depth ? t->fqn : "",
-                 start + n, TP__CD_MAX_FQN);
-    if (t->depth)
-        t->fqn[start - 1] = '.';
-    memcpy(t->fqn + start, name, n);
-    t->fqn[start + n] = '\0';
-    t->depth++;
-    t->end[t->depth] = (uint16_t)(start + n);
+                 "%s: cannot enter scope \"%.*s\" under \"%s\": at most %d nested scopes", fn,
+                 (int)len, fqn, tp_comm_debug_current_scope(), TP__CD_MAX_DEPTH);
+    TP_ARG_CHECK(len <= TP__CD_MAX_FQN,
+                 "%s: scope FQN \"%.*s...\" has %zu characters, at most %d allowed", fn, 64,
+                 fqn, len, TP__CD_MAX_FQN);
+    TP_ARG_CHECK(len != sizeof TP_COMM_DEBUG_GLOBAL - 1 || memcmp(fqn, TP_COMM_DEBUG_GLOBAL, len),
+                 "%s: scope FQN \"%s\" is reserved for the root of all scopes", fn,
+                 TP_COMM_DEBUG_GLOBAL);
+    size_t tlen = type ? strlen(type) : 0;
+    if (tlen > TP__CD_MAX_TYPE)
+        tlen = TP__CD_MAX_TYPE;
+    int l = t->depth + 1;
+    const tp__cd_level *up = l > 1 ? &t->lv[l - 1] : NULL;
+    size_t off = up ? (size_t)up->off + up->len + 1 + up->type_len + 1 : 0;
+    char *dst = t->buf + off;
+    memcpy(dst, fqn, len);
+    dst[len] = '\0';
+    memcpy(dst + len + 1, type ? type : "", tlen);
+    dst[len + 1 + tlen] = '\0';
+    tp__cd_level *lv = &t->lv[l];
+    lv->off = (uint16_t)off;
+    lv->len = (uint16_t)len;
+    lv->type_len = (uint16_t)tlen;
+    lv->dup = false;
+    for (int e = 1; e < l && !lv->dup; e++)
+        lv->dup = t->lv[e].len == len && memcmp(tp__cd_fqn(t, e), dst, len) == 0;
+    t->depth = l;
     /* Registering now, not at the first record, lists scopes that issue no
      * collective too (as PyTorch's CommDebugMode does) and keeps the record
-     * path free of lookups. */
-    t->slot[t->depth] = t->active ? tp__cd_intern(t->active, t, t->depth) : 0;
+     * path free of lookups. A repeated FQN still adds its type name. */
+    lv->slot = 0;
+    if (t->active && (!lv->dup || tlen)) {
+        uint32_t v = tp__cd_intern(t->active, t, l);
+        lv->slot = lv->dup ? 0 : v;
+    }
     return TP_OK;
+}
+
+tp_status tp_comm_debug_push_scope(const char *name)
+{
+    const char *fn = "comm_debug_push_scope";
+    TP_ARG_CHECK(name, "%s: name is NULL", fn);
+    tp__cd_thread *t = &tp__cd;
+    size_t n = strlen(name);
+    TP_ARG_CHECK(n > 0, "%s: empty scope name", fn);
+    TP_ARG_CHECK(!memchr(name, '.', n),
+                 "%s: scope name \"%s\" contains '.' (push one level at a time)", fn, name);
+    /* nested in the current scope; the root module's scope "" adds no
+     * prefix, like the top level */
+    size_t cur = t->depth ? t->lv[t->depth].len : 0;
+    size_t start = cur ? cur + 1 : 0;
+    TP_ARG_CHECK(start + n <= TP__CD_MAX_FQN,
+                 "%s: cannot push \"%s\" under \"%s\": the FQN would have %zu characters, "
+                 "at most %d allowed", fn, name, tp_comm_debug_current_scope(), start + n,
+                 TP__CD_MAX_FQN);
+    TP_ARG_CHECK(start || strcmp(name, TP_COMM_DEBUG_GLOBAL) != 0,
+                 "%s: \"%s\" is reserved for the root of all scopes", fn,
+                 TP_COMM_DEBUG_GLOBAL);
+    char fqn[TP__CD_MAX_FQN + 1];
+    if (cur) {
+        memcpy(fqn, tp__cd_fqn(t, t->depth), cur);
+        fqn[cur] = '.';
+    }
+    memcpy(fqn + start, name, n);
+    return tp__cd_push(fn, fqn, start + n, NULL);
+}
+
+tp_status tp__comm_debug_push_module(const char *fqn, const char *root_type)
+{
+    if (!fqn)
+        return tp__error(TP_ERR_INVALID_ARG, "module scope: fqn is NULL");
+    return tp__cd_push("module scope", fqn, strlen(fqn), root_type);
 }
 
 tp_status tp_comm_debug_pop_scope(void)
@@ -312,13 +455,71 @@ tp_status tp_comm_debug_pop_scope(void)
     if (t->depth == 0)
         return tp__error(TP_ERR_STATE, "comm_debug_pop_scope: no scope is open");
     t->depth--;
-    t->fqn[t->end[t->depth]] = '\0';
     return TP_OK;
 }
 
 const char *tp_comm_debug_current_scope(void)
 {
-    return tp__cd.depth ? tp__cd.fqn : TP_COMM_DEBUG_GLOBAL;
+    const tp__cd_thread *t = &tp__cd;
+    return t->depth ? tp__cd_fqn(t, t->depth) : TP_COMM_DEBUG_GLOBAL;
+}
+
+/* ---- saving and re-entering scopes (autograd) ------------------------------ */
+
+/* depth levels in lv[0..depth), then the bytes they point into. */
+struct tp__cd_saved {
+    int depth;
+    tp__cd_level lv[];
+};
+
+static const char *tp__cd_saved_buf(const tp__cd_saved *s)
+{
+    return (const char *)(s->lv + s->depth);
+}
+
+tp_status tp__comm_debug_save(tp__cd_saved **out)
+{
+    const tp__cd_thread *t = &tp__cd;
+    *out = NULL;
+    if (!t->depth)
+        return TP_OK;
+    const tp__cd_level *top = &t->lv[t->depth];
+    size_t used = (size_t)top->off + top->len + 1 + top->type_len + 1;
+    size_t lv_bytes = (size_t)t->depth * sizeof(tp__cd_level);
+    tp__cd_saved *s = tp__malloc(sizeof *s + lv_bytes + used);
+    if (!s)
+        return tp__error(TP_ERR_NO_MEMORY, "comm-debug scopes: out of memory");
+    s->depth = t->depth;
+    memcpy(s->lv, &t->lv[1], lv_bytes);
+    memcpy((char *)(s->lv + s->depth), t->buf, used);
+    *out = s;
+    return TP_OK;
+}
+
+void tp__comm_debug_saved_free(tp__cd_saved *saved) { tp__free(saved); }
+
+int tp__comm_debug_enter(const tp__cd_saved *saved)
+{
+    if (!saved)
+        return 0;
+    int pushed = 0;
+    for (int l = 0; l < saved->depth; l++) {
+        const tp__cd_level *lv = &saved->lv[l];
+        const char *fqn = tp__cd_saved_buf(saved) + lv->off;
+        if (tp__cd_push("comm-debug scopes", fqn, lv->len,
+                        lv->type_len ? fqn + lv->len + 1 : NULL) != TP_OK)
+            break;
+        pushed++;
+    }
+    return pushed;
+}
+
+int tp__comm_debug_depth(void) { return tp__cd.depth; }
+
+void tp__comm_debug_leave(int n)
+{
+    while (n-- > 0 && tp__cd.depth > 0)
+        tp__cd.depth--;
 }
 
 /* ---- queries ------------------------------------------------------------- */
@@ -360,16 +561,86 @@ int64_t tp_comm_debug_bytes(const tp_comm_debug *debug, tp_coll_kind kind)
     return sum > INT64_MAX ? INT64_MAX : (int64_t)sum;
 }
 
+typedef int64_t tp__cd_counts[TP_PHASE_COUNT][TP_COLL_KIND_COUNT];
+
+/* The counts of scope fqn, or NULL for a scope the counter never saw. */
+static const tp__cd_counts *tp__cd_lookup(const tp_comm_debug *debug, const char *fqn)
+{
+    if (strcmp(fqn, TP_COMM_DEBUG_GLOBAL) == 0)
+        return (const tp__cd_counts *)&debug->global;
+    size_t len = strlen(fqn);
+    uint32_t v = tp__cd_find(debug, fqn, len, tp__cd_hash(fqn, len));
+    return v ? (const tp__cd_counts *)&debug->scopes[v - 1]->counts : NULL;
+}
+
 int64_t tp_comm_debug_module_count(const tp_comm_debug *debug, const char *fqn,
                                    tp_phase phase, tp_coll_kind kind)
 {
     if (!debug || !fqn)
         return 0;
-    if (strcmp(fqn, TP_COMM_DEBUG_GLOBAL) == 0)
-        return tp__cd_sum(debug->global, phase, kind);
-    size_t len = strlen(fqn);
-    uint32_t v = tp__cd_find(debug, fqn, len, tp__cd_hash(fqn, len));
-    return v ? tp__cd_sum(debug->scopes[v - 1]->counts, phase, kind) : 0;
+    const tp__cd_counts *c = tp__cd_lookup(debug, fqn);
+    return c ? tp__cd_sum(*c, phase, kind) : 0;
+}
+
+/* The error for a scope the counter never saw: names it, lists the scopes it
+ * saw, and points at the likely mistake. */
+static tp_status tp__cd_not_seen(const tp_comm_debug *d, const char *fn, const char *fqn)
+{
+    char list[640];
+    size_t n = (size_t)snprintf(list, sizeof list, "\"%s\"", TP_COMM_DEBUG_GLOBAL);
+    size_t i = 0;
+    for (; i < d->nscopes; i++) {
+        const tp__cd_scope *sc = d->scopes[i];
+        char item[TP__CD_MAX_FQN + TP__CD_MAX_LABEL + 8];
+        int w = sc->label ? snprintf(item, sizeof item, ", \"%s\" (%s)", sc->fqn, sc->label)
+                          : snprintf(item, sizeof item, ", \"%s\"", sc->fqn);
+        if (w < 0 || n + (size_t)w + 24 >= sizeof list)
+            break;
+        memcpy(list + n, item, (size_t)w + 1);
+        n += (size_t)w;
+    }
+    if (i < d->nscopes)
+        snprintf(list + n, sizeof list - n, ", ... (%zu more)", d->nscopes - i);
+
+    /* "MLP.net1" for "net1", "MLP" for "": the names of other naming rules */
+    char hint[TP__CD_MAX_FQN + 96] = "";
+    const char *dot = strchr(fqn, '.');
+    if (dot && tp__cd_lookup(d, dot + 1))
+        snprintf(hint, sizeof hint, "; module scopes do not start with the root's type name: "
+                                    "did you mean \"%s\"?", dot + 1);
+    for (size_t k = 0; k < d->nscopes && !hint[0]; k++)
+        if (d->scopes[k]->label && d->scopes[k]->len == 0 &&
+            strcmp(d->scopes[k]->label, fqn) == 0)
+            snprintf(hint, sizeof hint, "; the root module's scope is \"\" "
+                                        "(TP_COMM_DEBUG_ROOT), not its type name");
+    return tp__error(TP_ERR_INVALID_ARG,
+                     "%s: scope \"%s\" was never entered while the counter was active%s; "
+                     "scopes seen: %s%s", fn, fqn, hint, list,
+                     d->scopes_missing ? " (some could not be recorded: out of memory)" : "");
+}
+
+tp_status tp_comm_debug_scope_count(const tp_comm_debug *debug, const char *fqn, tp_phase phase,
+                                    tp_coll_kind kind, int64_t *count)
+{
+    const char *fn = "comm_debug_scope_count";
+    TP_ARG_CHECK(count, "%s: count is NULL", fn);
+    *count = 0;
+    TP_ARG_CHECK(debug, "%s: debug is NULL", fn);
+    TP_ARG_CHECK(fqn, "%s: fqn is NULL", fn);
+    TP_ARG_CHECK((unsigned)phase <= TP_PHASE_COUNT,
+                 "%s: phase %d is not TP_PHASE_FORWARD, TP_PHASE_BACKWARD or TP_PHASE_COUNT "
+                 "(both)", fn, (int)phase);
+    TP_ARG_CHECK((unsigned)kind <= TP_COLL_ANY,
+                 "%s: kind %d is not a tp_coll_kind or TP_COLL_ANY", fn, (int)kind);
+    uintptr_t owner = atomic_load_explicit(&((tp_comm_debug *)debug)->owner,
+                                           memory_order_acquire);
+    if (owner != 0 && owner != tp__cd_self())
+        return tp__error(TP_ERR_STATE, "%s: the counter is active on another thread", fn);
+    const tp__cd_counts *c = tp__cd_lookup(debug, fqn);
+    if (!c)
+        return tp__cd_not_seen(debug, fn, fqn);
+    *count = tp__cd_sum(*c, phase, kind);
+    return TP_OK;
 }
 
 /* ---- writers ------------------------------------------------------------- */
@@ -494,8 +765,9 @@ tp_status tp_comm_debug_write_table(const tp_comm_debug *debug, FILE *f)
     tp__cd_out o = {f, false};
     tp__cd_table_scope(&o, TP_COMM_DEBUG_GLOBAL, 0, debug->global);
     for (size_t i = 0; i < debug->nscopes; i++)
-        tp__cd_table_scope(&o, debug->scopes[i]->fqn, debug->scopes[i]->depth,
-                           debug->scopes[i]->counts);
+        tp__cd_table_scope(&o, debug->scopes[i]->label ? debug->scopes[i]->label
+                                                       : debug->scopes[i]->fqn,
+                           debug->scopes[i]->depth, debug->scopes[i]->counts);
     if (debug->dropped)
         tp__cd_printf(&o, "note: %lld per-scope count(s) dropped (out of memory); the totals "
                           "are complete\n", (long long)debug->dropped);

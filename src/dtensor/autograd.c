@@ -187,36 +187,16 @@ void tp__node_release(tp__node *n)
     if (!n || atomic_fetch_sub(&n->refcount, 1) != 1)
         return;
     tp__node_drop_graph(n);
-    tp__free(n->scope);
+    tp__comm_debug_saved_free(n->scope);
     tp__free(n);
 }
 
-/* Re-enters the scope a node was created in, so that collectives of its
- * backward are counted for the module that ran its forward. Returns the
- * number of scopes pushed. */
-static int tp__enter_scope(const tp__node *n)
-{
-    if (!n->scope)
-        return 0;
-    int pushed = 0;
-    char buf[256];
-    snprintf(buf, sizeof buf, "%s", n->scope);
-    for (char *tok = buf, *next; tok && *tok; tok = next) {
-        next = strchr(tok, '.');
-        if (next)
-            *next++ = '\0';
-        if (tp_comm_debug_push_scope(tok) != TP_OK)
-            break;
-        pushed++;
-    }
-    return pushed;
-}
+/* Re-enters the scopes a node was created in, so that collectives of its
+ * backward are counted for the module that ran its forward (and the scopes
+ * around it). Returns the number of scopes pushed. */
+static int tp__enter_scope(const tp__node *n) { return tp__comm_debug_enter(n->scope); }
 
-static void tp__leave_scope(int pushed)
-{
-    while (pushed-- > 0)
-        (void)tp_comm_debug_pop_scope();
-}
+static void tp__leave_scope(int pushed) { tp__comm_debug_leave(pushed); }
 
 tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn backward, int n,
                           tp_tensor *const *inputs, tp__node **node_out)
@@ -229,13 +209,9 @@ tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn back
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the autograd node", name);
     }
     atomic_init(&node->refcount, 1);
-    const char *scope = tp_comm_debug_current_scope();
-    if (scope && strcmp(scope, TP_COMM_DEBUG_GLOBAL) != 0) {
-        node->scope = tp__strdup(scope);
-        if (!node->scope) {
-            tp__free(node);
-            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the autograd node", name);
-        }
+    if (tp__comm_debug_save(&node->scope) != TP_OK) {
+        tp__free(node);
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the autograd node", name);
     }
     node->name = name;
     node->backward = backward;
@@ -569,16 +545,9 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
     tp_comm_debug_set_phase(TP_PHASE_BACKWARD);
     /* nodes re-enter their own scopes from the top: leave the caller's */
     tp__node outer = {0};
-    const char *cur = tp_comm_debug_current_scope();
     int outer_depth = 0;
-    if (cur && strcmp(cur, TP_COMM_DEBUG_GLOBAL) != 0) {
-        outer.scope = tp__strdup(cur);
-        for (const char *p = cur; *p; p++)
-            outer_depth += *p == '.';
-        outer_depth++;
-        if (!outer.scope)
-            outer_depth = 0; /* keep the caller's scope; attribution nests */
-    }
+    if (tp__comm_debug_save(&outer.scope) == TP_OK)
+        outer_depth = tp__comm_debug_depth(); /* else keep them: attribution nests */
     tp__leave_scope(outer_depth);
     tp_no_grad_begin(); /* the backward itself records nothing */
     root->grad_acc = g0;
@@ -614,7 +583,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
     tp_no_grad_end();
     if (outer.scope) {
         tp__enter_scope(&outer);
-        tp__free(outer.scope);
+        tp__comm_debug_saved_free(outer.scope);
     }
     tp_comm_debug_set_phase(saved_phase);
 

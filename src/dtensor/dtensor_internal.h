@@ -5,6 +5,7 @@
 
 #include <stdatomic.h>
 
+#include "collectives/comm_debug_internal.h"
 #include "core/core.h"
 #include "tp/comm_debug.h"
 #include "tp/dtensor.h"
@@ -61,7 +62,7 @@ struct tp__node {
     void *saved;
     tp_tensor *saved_t[4]; /* retained tensors for the backward, released with the graph */
     bool released;
-    char *scope; /* comm-debug scope at creation (NULL: Global), re-entered in backward */
+    tp__cd_saved *scope; /* comm-debug scopes at creation (NULL: none), re-entered in backward */
     /* backward bookkeeping */
     int pending;
     tp_tensor *grad_acc;

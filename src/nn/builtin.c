@@ -289,8 +289,8 @@ tp_status tp_container_create(tp_module **out)
                              tp__container_forward, out);
 }
 
-/* The type name is the root's comm-debug scope, so it follows the scope
- * rules: non-empty, no '.', not "Global". */
+/* The type name labels a root's comm-debug scope in tables, so it follows
+ * the scope-name rules: non-empty, no '.', not "Global". */
 tp_status tp_custom_module_create(const char *type_name, tp_forward_fn forward, void *ctx,
                                   void (*ctx_free)(void *ctx), tp_module **out)
 {

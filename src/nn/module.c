@@ -3,8 +3,8 @@
  * does, so dispatch here is the same for every kind. */
 #include <string.h>
 
+#include "collectives/comm_debug_internal.h"
 #include "nn/nn_internal.h"
-#include "tp/comm_debug.h"
 
 /* ---- growable arrays ------------------------------------------------------ */
 
@@ -562,11 +562,15 @@ tp_status tp_module_forward(tp_module *m, int nargs, tp_tensor *const *args, int
     }
 
     /* Hooks run inside the scope: the collectives styles issue there count
-     * for this module. */
+     * for this module. The scope is the module's FQN in its tree ("" for a
+     * root), whoever calls it; one character past the limit is enough for
+     * the push to refuse a longer one. */
     tp_tensor *res = NULL;
-    tp_status st = tp_comm_debug_push_scope(m->parent ? m->name : m->type_name);
+    char scope[TP__CD_MAX_FQN + 2];
+    tp__module_fqn(NULL, m, scope, sizeof scope);
+    tp_status st = tp__comm_debug_push_module(scope, m->parent ? NULL : m->type_name);
     if (st != TP_OK) {
-        tp__error_prefix("%s: %s", fn, m->parent ? m->name : m->type_name);
+        tp__error_prefix("%s: %s '%s'", fn, m->type_name, scope);
         goto done;
     }
     for (int i = 0; i < m->n_pre && st == TP_OK; i++) {

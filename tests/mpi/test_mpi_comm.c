@@ -1033,9 +1033,13 @@ static void test_styles(tp_comm *world)
            "MLP comm counts: %lld all_reduce of %lld collectives",
            (long long)tp_comm_debug_count(dbg, TP_COLL_ALL_REDUCE),
            (long long)tp_comm_debug_total(dbg));
-    EXPECT(tp_comm_debug_module_count(dbg, "Sequential.net2", TP_PHASE_COUNT,
-                                      TP_COLL_ALL_REDUCE) == (w > 1),
-           "MLP: the all_reduce is not attributed to Sequential.net2");
+    /* by plan FQN, checked: a scope never seen would be an error, not 0 */
+    int64_t net2_ar = -1;
+    tp_status net2_st = tp_comm_debug_scope_count(dbg, "net2", TP_PHASE_COUNT,
+                                                  TP_COLL_ALL_REDUCE, &net2_ar);
+    EXPECT(net2_st == TP_OK && net2_ar == (w > 1),
+           "MLP: net2's all_reduce count is %lld (%s: %s), expected %d", (long long)net2_ar,
+           tp_status_name(net2_st), tp_last_error(), (int)(w > 1));
     static const char *const mods[] = {"net1", "net2"}, *const params[] = {"weight", "bias"};
     for (int i = 0; i < 2; i++) {
         for (int j = 0; j < 2; j++) {

@@ -1,0 +1,35 @@
+/* Internal comm-debug scope entry points for modules (src/nn) and autograd
+ * (src/dtensor). Not installed. */
+#ifndef TP_COMM_DEBUG_INTERNAL_H
+#define TP_COMM_DEBUG_INTERNAL_H
+
+#include "core/core.h"
+#include "tp/comm_debug.h"
+
+/* Longest scope FQN, in characters. */
+#define TP__CD_MAX_FQN 255
+
+/* Enters the scope of a module: `fqn` is its FQN in its module tree (""
+ * for a root), taken as it is rather than nested in the current scope, so a
+ * module has one scope whoever calls it. `root_type` is the type name the
+ * table shows for the root scope "" (NULL for other modules). The limits of
+ * tp_comm_debug_push_scope apply, and "Global" is refused: TP_ERR_INVALID_ARG,
+ * stack unchanged. */
+tp_status tp__comm_debug_push_module(const char *fqn, const char *root_type);
+
+/* The calling thread's open scopes, saved to re-enter later (a backward
+ * re-enters the scopes its node was created in). */
+typedef struct tp__cd_saved tp__cd_saved;
+
+/* *out is NULL when no scope is open (the backward then counts in "Global"
+ * only). TP_ERR_NO_MEMORY when the copy cannot be allocated. */
+tp_status tp__comm_debug_save(tp__cd_saved **out);
+void tp__comm_debug_saved_free(tp__cd_saved *saved);
+/* Pushes the saved scopes, outermost first, on top of the current ones;
+ * returns how many it pushed (all of them unless the stack is full). */
+int tp__comm_debug_enter(const tp__cd_saved *saved);
+/* Number of open scopes, and popping n of them. */
+int tp__comm_debug_depth(void);
+void tp__comm_debug_leave(int n);
+
+#endif /* TP_COMM_DEBUG_INTERNAL_H */
