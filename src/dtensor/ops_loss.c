@@ -337,7 +337,7 @@ static tp_status ce_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
         /* p->wsum came with the params, summed from the host copy of the targets */
         tp_status st = tp__kc_cross_entropy_fwd(op->dev.index, tp_tensor_data(x),
                                                 tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
-                                                tp_tensor_data(rows), n, c, p->ignore_index);
+                                                tp_tensor_data(rows), n, c, 1, p->ignore_index);
         if (st != TP_OK) {
             tp_tensor_release(rows);
             return st;
@@ -346,7 +346,7 @@ static tp_status ce_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     }
 #endif
     tp__k_cross_entropy_fwd(tp_tensor_data(x), tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
-                            tp_tensor_data(rows), n, c, p->ignore_index, &p->wsum);
+                            tp_tensor_data(rows), n, c, 1, p->ignore_index, &p->wsum);
     return ce_reduce(rows, p->reduction, p->wsum, out);
 }
 
@@ -361,7 +361,7 @@ static tp_status ce_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tens
     tp_status st = tp__f32(op->dev, 2, x->shape, false, &g[0]);
     if (st == TP_OK)
         st = TP__K(op->dev, cross_entropy_bwd, tp_tensor_data(x), tp_tensor_data(t),
-                   w ? tp_tensor_data(w) : NULL, tp_tensor_data(gl), tp_tensor_data(g[0]), n, c,
+                   w ? tp_tensor_data(w) : NULL, tp_tensor_data(gl), tp_tensor_data(g[0]), n, c, 1,
                    p->ignore_index);
     tp_tensor_release(gl);
     return st;
@@ -442,7 +442,7 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
         st = TP__K(tp_tensor_device(sv->x), vocab_ce_bwd, tp_tensor_data(sv->x),
                    tp_tensor_data(sv->target), sv->weight ? tp_tensor_data(sv->weight) : NULL,
                    tp_tensor_data(sv->mx), tp_tensor_data(sv->sumexp), tp_tensor_data(gl),
-                   tp_tensor_data(gx), rows, cols, sv->offset, sv->ignore_index);
+                   tp_tensor_data(gx), rows, cols, 1, sv->offset, sv->ignore_index);
     if (st == TP_OK)
         st = tp__dtensor_wrap(sv->mesh, gx, sv->pl, 2, sv->gshape, &gin[0]);
     tp_tensor_release(gx);
@@ -495,14 +495,14 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
 
     const float *xd = tp_tensor_data(x);
     const int64_t *t = tp_tensor_data(target), *td = tp_tensor_data(tdev);
-    TP_CHECK_GOTO(TP__K(dev, row_max, xd, tp_tensor_data(mx), n, cols), st, done);
+    TP_CHECK_GOTO(TP__K(dev, row_max, xd, tp_tensor_data(mx), n, cols, 1), st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, mx, mx, TP_MAX, NULL), st, done);
-    TP_CHECK_GOTO(TP__K(dev, row_sumexp, xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols), st,
+    TP_CHECK_GOTO(TP__K(dev, row_sumexp, xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols, 1), st,
                   done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, se, se, TP_SUM, NULL), st, done);
-    TP_CHECK_GOTO(TP__K(dev, pick_target, xd, td, tp_tensor_data(pk), n, cols, off[1],
+    TP_CHECK_GOTO(TP__K(dev, pick_target, xd, td, tp_tensor_data(pk), n, cols, 1, off[1],
                         p->ignore_index),
                   st, done);
     if (multi)
