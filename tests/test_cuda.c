@@ -366,6 +366,29 @@ Test(cuda, cross_entropy, .timeout = 120)
             snprintf(name, sizeof name, "cross_entropy (reduction %d, weighted %d)", k, weighted);
             check_op(name, op_ce, &o, 3, in, 1u, RTOL, ATOL);
         }
+    /* N-D logits (N, C, d1[, d2]): the class dim strided; unbatched (C) with a
+     * 0-d target; targets equal to ignore_index 4 at a few positions */
+    const int64_t l3[3] = {5, 21, 7}, t3[2] = {5, 7}, l4[4] = {2, 21, 3, 4}, t4[3] = {2, 3, 4};
+    const int64_t l1[1] = {21};
+    struct {
+        int nd;
+        const int64_t *ls, *ts;
+    } nds[3] = {{3, l3, t3}, {4, l4, t4}, {1, l1, NULL}};
+    for (int s = 0; s < 3; s++)
+        for (int k = 0; k < 3; k++)
+            for (int weighted = 0; weighted < 2; weighted++) {
+                tp_cross_entropy_options o = {reds[k], NULL, 4};
+                tp_tensor *in[3] = {rnd(nds[s].nd, nds[s].ls, -3, 3, 10 + (uint64_t)s),
+                                    rnd_idx(nds[s].nd - 1, nds[s].ts, 0, 21, 11),
+                                    weighted ? rnd(1, cs, 0.5, 2, 3) : NULL};
+                int64_t *tv = tp_tensor_data(in[1]);
+                for (int64_t i = 0; s < 2 && i < tp_tensor_numel(in[1]); i += 5)
+                    tv[i] = 4;
+                char name[80];
+                snprintf(name, sizeof name, "cross_entropy %d-d (reduction %d, weighted %d)",
+                         nds[s].nd, k, weighted);
+                check_op(name, op_ce, &o, 3, in, 1u, RTOL, ATOL);
+            }
     /* a target outside [0, C) is refused from the host copy */
     tp_tensor *x = rnd(2, ls, -3, 3, 1), *t = rnd_idx(1, ts, 0, 21, 2), *loss = NULL;
     const int64_t r1 = 1;

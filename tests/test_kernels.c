@@ -1320,15 +1320,15 @@ Test(kernels, cross_entropy_fwd_bwd_weights_and_ignore, .timeout = 60)
 
                     double wsum = -1;
                     fill_const(loss, rows, NAN);
-                    tp__k_cross_entropy_fwd(x, t, wp, loss, rows, classes, IGNORE, &wsum);
+                    tp__k_cross_entropy_fwd(x, t, wp, loss, rows, classes, 1, IGNORE, &wsum);
                     double wsum_ref = ref_ce(xd, t, wdp, ld, rows, classes);
                     check_close(what, loss, ld, rows, 1e-5, 1e-5);
                     cr_assert(fabs(wsum - wsum_ref) <= 1e-9 * wsum_ref, "%s: wsum %.17g vs %.17g",
                               what, wsum, wsum_ref);
-                    tp__k_cross_entropy_fwd(x, t, wp, loss, rows, classes, IGNORE, NULL);
+                    tp__k_cross_entropy_fwd(x, t, wp, loss, rows, classes, 1, IGNORE, NULL);
 
                     fill_const(gx, n, NAN);
-                    tp__k_cross_entropy_bwd(x, t, wp, gl, gx, rows, classes, IGNORE);
+                    tp__k_cross_entropy_bwd(x, t, wp, gl, gx, rows, classes, 1, IGNORE);
                     ref_ce_bwd(xd, t, wdp, gld, gxd, rows, classes);
                     check_grad(what, gx, gxd, n, 1e-5);
                     if (n <= 17 * 17) {
@@ -1347,15 +1347,15 @@ Test(kernels, cross_entropy_out_of_range_targets_count_as_ignored, .timeout = 30
     const int64_t t[R] = {1, C, -5, 7};
     fill(x, R * C, 410, -1, 1);
     double wsum = -1;
-    tp__k_cross_entropy_fwd(x, t, w, loss, R, C, 7, &wsum);
+    tp__k_cross_entropy_fwd(x, t, w, loss, R, C, 1, 7, &wsum);
     cr_assert(loss[0] > 0.0f && loss[1] == 0.0f && loss[2] == 0.0f && loss[3] == 0.0f);
     cr_assert_eq(wsum, 2.0); /* only row 0, weight[1] */
-    tp__k_cross_entropy_bwd(x, t, w, gl, gx, R, C, 7);
+    tp__k_cross_entropy_bwd(x, t, w, gl, gx, R, C, 1, 7);
     for (int i = C; i < R * C; i++)
         cr_assert_eq(gx[i], 0.0f, "row %d", i / C);
     /* all rows ignored: wsum is 0 */
     const int64_t ti[R] = {7, 7, 7, 7};
-    tp__k_cross_entropy_fwd(x, ti, NULL, loss, R, C, 7, &wsum);
+    tp__k_cross_entropy_fwd(x, ti, NULL, loss, R, C, 1, 7, &wsum);
     cr_assert_eq(wsum, 0.0);
 }
 
@@ -1366,7 +1366,7 @@ Test(kernels, vocab_parallel_pieces_individually, .timeout = 30)
     enum { R = 3, C = 17 };
     float x[R * C], mx[R], s[R], picked[R];
     fill_logits(x, R * C, 500, false);
-    tp__k_row_max(x, mx, R, C);
+    tp__k_row_max(x, mx, R, C, 1);
     for (int r = 0; r < R; r++) {
         float m = -INFINITY;
         for (int c = 0; c < C; c++)
@@ -1374,7 +1374,7 @@ Test(kernels, vocab_parallel_pieces_individually, .timeout = 30)
         cr_assert_eq(mx[r], m);
     }
     const float gmx[R] = {5.0f, 4.0f, 10.0f}; /* a max from elsewhere */
-    tp__k_row_sumexp(x, gmx, s, R, C);
+    tp__k_row_sumexp(x, gmx, s, R, C, 1);
     for (int r = 0; r < R; r++) {
         double want = 0;
         for (int c = 0; c < C; c++)
@@ -1383,12 +1383,12 @@ Test(kernels, vocab_parallel_pieces_individually, .timeout = 30)
     }
     /* this shard owns classes [20, 37) */
     const int64_t t[R] = {25, 19, IGNORE};
-    tp__k_pick_target(x, t, picked, R, C, 20, IGNORE);
+    tp__k_pick_target(x, t, picked, R, C, 1, 20, IGNORE);
     cr_assert_eq(picked[0], x[0 * C + 5]);
     cr_assert_eq(picked[1], 0.0f);
     cr_assert_eq(picked[2], 0.0f);
     const int64_t t2[R] = {37, 20, 36};
-    tp__k_pick_target(x, t2, picked, R, C, 20, IGNORE);
+    tp__k_pick_target(x, t2, picked, R, C, 1, 20, IGNORE);
     cr_assert(picked[0] == 0.0f && picked[1] == x[1 * C + 0] && picked[2] == x[2 * C + 16]);
 }
 
@@ -1428,8 +1428,8 @@ Test(kernels, vocab_parallel_matches_whole, .timeout = 30)
             fill(gl, R, 512, 0.1, 1.0);
             const float *wp = weighted ? w : NULL;
             double wsum;
-            tp__k_cross_entropy_fwd(x, t, wp, loss, R, C, IGNORE, &wsum);
-            tp__k_cross_entropy_bwd(x, t, wp, gl, gx, R, C, IGNORE);
+            tp__k_cross_entropy_fwd(x, t, wp, loss, R, C, 1, IGNORE, &wsum);
+            tp__k_cross_entropy_bwd(x, t, wp, gl, gx, R, C, 1, IGNORE);
 
             float xs[NS][R * C], M[R], S[R] = {0}, P[R] = {0}, piece[R];
             for (int s = 0; s < NS; s++)
@@ -1439,17 +1439,17 @@ Test(kernels, vocab_parallel_matches_whole, .timeout = 30)
             for (int r = 0; r < R; r++)
                 M[r] = -INFINITY;
             for (int s = 0; s < NS; s++) { /* all_reduce(max) */
-                tp__k_row_max(xs[s], piece, R, width[s]);
+                tp__k_row_max(xs[s], piece, R, width[s], 1);
                 for (int r = 0; r < R; r++)
                     M[r] = fmaxf(M[r], piece[r]);
             }
             for (int s = 0; s < NS; s++) { /* all_reduce(sum) */
-                tp__k_row_sumexp(xs[s], M, piece, R, width[s]);
+                tp__k_row_sumexp(xs[s], M, piece, R, width[s], 1);
                 for (int r = 0; r < R; r++)
                     S[r] += piece[r];
             }
             for (int s = 0; s < NS; s++) { /* all_reduce(sum) */
-                tp__k_pick_target(xs[s], t, piece, R, width[s], off[s], IGNORE);
+                tp__k_pick_target(xs[s], t, piece, R, width[s], 1, off[s], IGNORE);
                 for (int r = 0; r < R; r++)
                     P[r] += piece[r];
             }
@@ -1475,11 +1475,75 @@ Test(kernels, vocab_parallel_matches_whole, .timeout = 30)
                     for (int64_t c = 0; c < width[s]; c++)
                         want[r * width[s] + c] = gx[r * C + off[s] + c];
                 fill_const(gs, R * width[s], NAN);
-                tp__k_vocab_ce_bwd(xs[s], t, wp, M, S, gl, gs, R, width[s], off[s], IGNORE);
+                tp__k_vocab_ce_bwd(xs[s], t, wp, M, S, gl, gs, R, width[s], 1, off[s], IGNORE);
                 snprintf(what, sizeof what, "vocab_ce_bwd shard %d big=%d weighted=%d", s, big,
                          weighted);
                 check_close(what, gs, want, R * width[s], 1e-5, 1e-6);
                 check_fd(what, vocab_loss, &vc, xsd[s], R * width[s], gs, 1e-4);
             }
         }
+}
+
+/* Logits laid out [outer, classes, inner] (the class dim of (N, C, d1, ...))
+ * give, row by row, what the same rows laid out contiguously [rows, classes]
+ * give: every cross-entropy kernel, the vocab pieces on a class shard too. */
+Test(kernels, cross_entropy_strided_classes_match_contiguous, .timeout = 30)
+{
+    enum { O = 3, C = 7, IN = 5, R = O * IN, N = O * C * IN };
+    float x[N], xt[R * C], w[C], gl[R], l1[R], l2[R], g1[N], g2[R * C], back[N];
+    double want[N];
+    int64_t t[R];
+    fill_logits(x, N, 520, false);
+    fill(w, C, 521, 0.5, 2.0);
+    fill(gl, R, 522, 0.1, 1.0);
+    for (int r = 0; r < R; r++) /* row r = o * IN + i holds x[o, :, i] */
+        for (int c = 0; c < C; c++)
+            xt[r * C + c] = x[(r / IN * C + c) * IN + r % IN];
+    for (int r = 0; r < R; r++)
+        t[r] = r % 4 == 3 ? IGNORE : (int64_t)(tp_rng_uniform(523, (uint64_t)r) * C);
+    double ws1 = -1, ws2 = -2;
+    tp__k_cross_entropy_fwd(x, t, w, l1, R, C, IN, IGNORE, &ws1);
+    tp__k_cross_entropy_fwd(xt, t, w, l2, R, C, 1, IGNORE, &ws2);
+    to_double(l2, want, R);
+    check_close("strided cross_entropy loss", l1, want, R, 1e-6, 0);
+    cr_assert_eq(ws1, ws2);
+    fill_const(g1, N, NAN);
+    tp__k_cross_entropy_bwd(x, t, w, gl, g1, R, C, IN, IGNORE);
+    tp__k_cross_entropy_bwd(xt, t, w, gl, g2, R, C, 1, IGNORE);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            back[(r / IN * C + c) * IN + r % IN] = g2[r * C + c];
+    to_double(back, want, N);
+    check_close("strided cross_entropy gradient", g1, want, N, 1e-6, 0);
+
+    /* a class shard holding global classes [2, 6), its local logits the first 4 of x */
+    enum { W = 4, OFF = 2 };
+    float xs[O * W * IN], xst[R * W], m1[R], m2[R], s1[R], s2[R], p1[R], p2[R];
+    float v1[O * W * IN], v2[R * W];
+    for (int o = 0; o < O; o++)
+        for (int c = 0; c < W; c++)
+            for (int i = 0; i < IN; i++)
+                xs[(o * W + c) * IN + i] = x[(o * C + c) * IN + i];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < W; c++)
+            xst[r * W + c] = xs[(r / IN * W + c) * IN + r % IN];
+    tp__k_row_max(xs, m1, R, W, IN);
+    tp__k_row_max(xst, m2, R, W, 1);
+    tp__k_row_sumexp(xs, m2, s1, R, W, IN);
+    tp__k_row_sumexp(xst, m2, s2, R, W, 1);
+    tp__k_pick_target(xs, t, p1, R, W, IN, OFF, IGNORE);
+    tp__k_pick_target(xst, t, p2, R, W, 1, OFF, IGNORE);
+    for (int r = 0; r < R; r++)
+        cr_assert(m1[r] == m2[r] && p1[r] == p2[r], "row %d: max %g vs %g, picked %g vs %g", r,
+                  m1[r], m2[r], p1[r], p2[r]);
+    to_double(s2, want, R);
+    check_close("strided row_sumexp", s1, want, R, 1e-6, 0);
+    fill_const(v1, O * W * IN, NAN);
+    tp__k_vocab_ce_bwd(xs, t, w, m2, s2, gl, v1, R, W, IN, OFF, IGNORE);
+    tp__k_vocab_ce_bwd(xst, t, w, m2, s2, gl, v2, R, W, 1, OFF, IGNORE);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < W; c++)
+            back[(r / IN * W + c) * IN + r % IN] = v2[r * W + c];
+    to_double(back, want, O * W * IN);
+    check_close("strided vocab_ce_bwd", v1, want, O * W * IN, 1e-6, 0);
 }

@@ -111,13 +111,29 @@ typedef struct tp_cross_entropy_options {
 #define TP_CROSS_ENTROPY_DEFAULTS ((tp_cross_entropy_options){TP_REDUCTION_MEAN, NULL, -100})
 
 /*
- * Cross entropy of logits [N, C] against integer targets [N] (options NULL:
- * the defaults). Logits sharded on the class dim take the vocab-parallel form:
- * 3 all_reduces forward (row max, sum of exp, target logit) on that mesh dim,
- * none backward; the loss is Replicate. Logits sharded on another dim are
- * TP_ERR_NOT_SUPPORTED (the message says to shard the class dim or
- * replicate). Replicated logits compute locally. Targets and class weights
- * never get gradients.
+ * Cross entropy as torch.nn.functional.cross_entropy with class-index
+ * targets (options NULL: the defaults): logits (N, C, d1, ..., dk), k >= 0,
+ * against i64 or i32 targets (N, d1, ..., dk), or unbatched logits (C)
+ * against a 0-d target; the class dim is 1 (0 for 1-D logits). The loss is
+ * the targets' shape for reduction none, else 0-d. Targets equal to
+ * ignore_index count for nothing; any other outside [0, C) is
+ * TP_ERR_INVALID_ARG naming its position.
+ *
+ * Loss parallel: logits sharded on the class dim by one mesh dim compute
+ * there with 3 all_reduces forward (row max, sum of exp, target logit) on
+ * that mesh dim and none backward; the logits' gradient keeps their
+ * placements. Other dims may be sharded on the other mesh dims: the targets
+ * are taken in the logits' placements less the class dim (redistributed to
+ * them if passed otherwise); the loss is Replicate on the class mesh dim and
+ * for none keeps the targets' shards, for sum is Partial(sum) on the mesh
+ * dims that shard other dims; mean there is TP_ERR_NOT_SUPPORTED (each rank
+ * would divide by its own count; PyTorch 2.15's loss_parallel refuses it
+ * too): use sum and divide. Logits sharded on other dims but not on the
+ * class dim, or on the class dim by two mesh dims, are TP_ERR_NOT_SUPPORTED
+ * (the message says to shard the class dim, dim 1, or replicate). Partial
+ * logits are reduced first; Replicate logits compute locally. [B, S, V]
+ * logits go in as [B, V, S] (tp_transpose), as in PyTorch. Targets and class
+ * weights (Replicate, [C]) never get gradients.
  */
 TP_API tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
                                   const tp_cross_entropy_options *options, tp_tensor **loss);

@@ -3,14 +3,18 @@
  * embedding runs through the strategy dispatcher (ops.c): its indices are
  * validated against the global table and converted to contiguous i64 first.
  *
- * cross_entropy has two forms:
+ * cross_entropy takes logits (N, C, d1, ..., dk) or (C), class dim 1 (0 for
+ * 1-D); the kernels see them as [outer, C, inner] with the classes at stride
+ * inner, one row per target element. Two forms:
  *  - plain tensors and Replicate logits: a dispatcher op with one all-R
  *    strategy that computes locally (tp__k_cross_entropy_fwd/bwd);
- *  - logits sharded on the class dim on one mesh dim (vocab parallel): its own
- *    path below, because its forward issues collectives. Three all_reduces on
- *    that mesh dim's communicator (row max, sum of exp rescaled to the global
- *    max, picked target logit); a Replicate loss; a backward node of its own
- *    that issues no collective and hands back the logits' placements.
+ *  - logits sharded on the class dim on one mesh dim (loss parallel), other
+ *    dims possibly sharded on other mesh dims: its own path below, because
+ *    its forward issues collectives. Three all_reduces on the class mesh
+ *    dim's communicator (row max, sum of exp rescaled to the global max,
+ *    picked target logit) over this rank's rows; the targets in the logits'
+ *    placements less the class dim; a backward node of its own that issues
+ *    no collective and hands back the logits' placements.
  *
  * Targets and class weights never get gradients. */
 #include <math.h>
@@ -250,8 +254,26 @@ typedef struct {
     double wsum; /* set by the forward: the weights of the counted rows, summed */
 } ce_params;
 
-/* The loss tensor from the per-row losses (consumed): [N] for none, else a
- * 0-d sum, or sum / wsum for mean (NaN when wsum is 0, as PyTorch). */
+/* The class dim: 1, or 0 for unbatched [C] logits (as PyTorch). */
+static int ce_class_dim(int ndim) { return ndim == 1 ? 0 : 1; }
+
+/* Contiguous logits (C), (N, C) or (N, C, d1, ..., dk) as the kernels'
+ * [outer, classes, inner]; a row is one (n, d1, ..., dk) position, and the
+ * rows are the targets' elements in order. */
+static void ce_dims(const tp_tensor *x, int64_t *outer, int64_t *classes, int64_t *inner)
+{
+    const int cd = ce_class_dim(x->ndim);
+    int64_t in = 1;
+    for (int d = cd + 1; d < x->ndim; d++)
+        in *= x->shape[d];
+    *outer = cd ? x->shape[0] : 1;
+    *classes = x->shape[cd];
+    *inner = in;
+}
+
+/* The loss tensor from the per-row losses (consumed; shaped like the
+ * targets): themselves for none, else a 0-d sum, or sum / wsum for mean (NaN
+ * when wsum is 0, as PyTorch). */
 static tp_status ce_reduce(tp_tensor *rows, tp_reduction red, double wsum, tp_tensor **out)
 {
     if (red == TP_REDUCTION_NONE) {
@@ -280,7 +302,8 @@ static tp_status ce_reduce(tp_tensor *rows, tp_reduction red, double wsum, tp_te
     return st;
 }
 
-/* The gradient of every row's loss from the loss gradient gy (contiguous). */
+/* The gradient of every row's loss from the loss gradient gy (contiguous;
+ * `rows` elements for none, one otherwise). */
 static tp_status ce_gloss(const tp_tensor *gy, int64_t rows, tp_reduction red, double wsum,
                           tp_tensor **out)
 {
@@ -314,14 +337,14 @@ static int ce_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
     return 1;
 }
 
+/* none: the targets' shape; else 0-d */
 static tp_status ce_shape(const tp__op *op, int *ndim, int64_t *shape)
 {
     const ce_params *p = (const ce_params *)(const void *)op->params;
+    *ndim = 0;
     if (p->reduction == TP_REDUCTION_NONE) {
-        *ndim = 1;
-        shape[0] = tp__op_gshape(op, 0)[0];
-    } else {
-        *ndim = 0;
+        *ndim = tp__op_gndim(op, 1);
+        memcpy(shape, tp__op_gshape(op, 1), sizeof(int64_t) * (size_t)*ndim);
     }
     return TP_OK;
 }
@@ -330,14 +353,16 @@ static tp_status ce_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     ce_params *p = TP__OP_PARAMS(op, ce_params);
     tp_tensor *x = in[0], *t = in[1], *w = in[2], *rows = NULL;
-    int64_t n = x->shape[0], c = x->shape[1];
-    TP_CHECK(tp__f32(op->dev, 1, &n, false, &rows));
+    int64_t outer, c, inner;
+    ce_dims(x, &outer, &c, &inner);
+    const int64_t n = outer * inner;
+    TP_CHECK(tp__f32(op->dev, t->ndim, t->shape, false, &rows));
 #if TP_HAVE_CUDA
     if (op->dev.type == TP_DEVICE_CUDA) {
         /* p->wsum came with the params, summed from the host copy of the targets */
-        tp_status st = tp__kc_cross_entropy_fwd(op->dev.index, tp_tensor_data(x),
-                                                tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
-                                                tp_tensor_data(rows), n, c, p->ignore_index);
+        tp_status st = tp__kc_cross_entropy_fwd(
+            op->dev.index, tp_tensor_data(x), tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
+            tp_tensor_data(rows), n, c, inner, p->ignore_index);
         if (st != TP_OK) {
             tp_tensor_release(rows);
             return st;
@@ -346,7 +371,7 @@ static tp_status ce_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     }
 #endif
     tp__k_cross_entropy_fwd(tp_tensor_data(x), tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
-                            tp_tensor_data(rows), n, c, p->ignore_index, &p->wsum);
+                            tp_tensor_data(rows), n, c, inner, p->ignore_index, &p->wsum);
     return ce_reduce(rows, p->reduction, p->wsum, out);
 }
 
@@ -356,13 +381,15 @@ static tp_status ce_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tens
     if (!op->need_grad[0])
         return TP_OK;
     tp_tensor *x = in[0], *t = in[1], *w = in[2], *gl = NULL;
-    int64_t n = x->shape[0], c = x->shape[1];
+    int64_t outer, c, inner;
+    ce_dims(x, &outer, &c, &inner);
+    const int64_t n = outer * inner;
     TP_CHECK(ce_gloss(gy, n, p->reduction, p->wsum, &gl));
-    tp_status st = tp__f32(op->dev, 2, x->shape, false, &g[0]);
+    tp_status st = tp__f32(op->dev, x->ndim, x->shape, false, &g[0]);
     if (st == TP_OK)
         st = TP__K(op->dev, cross_entropy_bwd, tp_tensor_data(x), tp_tensor_data(t),
                    w ? tp_tensor_data(w) : NULL, tp_tensor_data(gl), tp_tensor_data(g[0]), n, c,
-                   p->ignore_index);
+                   inner, p->ignore_index);
     tp_tensor_release(gl);
     return st;
 }
@@ -383,9 +410,11 @@ static const tp__op_def ce_def = {
 
 typedef struct {
     tp_mesh *mesh;
-    int64_t gshape[2];                   /* the logits' global shape */
+    int ndim;                            /* the logits' dims */
+    int64_t gshape[TP_MAX_DIMS];         /* the logits' global shape */
     tp_placement pl[TP_MESH_MAX_DIMS];   /* the logits' placements */
-    tp_tensor *x, *target, *weight;      /* local logits, full i64 target, full weight */
+    tp_placement gy_pl[TP_MESH_MAX_DIMS]; /* what the loss gradient is turned into */
+    tp_tensor *x, *target, *weight;      /* local logits and targets, full weight */
     tp_tensor *mx, *sumexp;              /* global row max and sum of exp(x - max) */
     int64_t offset;                      /* first class this rank holds */
     int64_t ignore_index;
@@ -406,8 +435,9 @@ static void ce_vocab_free(tp__node *node)
     tp__free(sv);
 }
 
-/* No collective: the loss gradient is Replicate, the logits gradient is
- * computed on the local shard and keeps the logits' placements. */
+/* No collective for the usual gradient (Replicate for a scalar loss, the
+ * loss's own placements for none): the logits gradient is computed on the
+ * local block and keeps the logits' placements. */
 static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
 {
     ce_vocab_saved *sv = node->saved;
@@ -415,15 +445,10 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
         return TP_OK;
     tp_tensor *gyr = NULL, *gyc = NULL, *gl = NULL, *gx = NULL;
     tp_status st = TP_OK;
-    if (gy->dist) {
-        tp_placement rep[TP_MESH_MAX_DIMS];
-        for (int d = 0; d < TP_MESH_MAX_DIMS; d++)
-            rep[d] = tp_replicate();
-        /* nothing to do (and no collective) for the usual Replicate gradient */
-        TP_CHECK(tp__redistribute(gy, rep, false, &gyr));
-    } else {
+    if (gy->dist)
+        TP_CHECK(tp__redistribute(gy, sv->gy_pl, false, &gyr));
+    else
         gyr = tp_tensor_retain(gy);
-    }
     tp_tensor *gyl = tp__local_of(gyr);
     tp_device xd = tp_tensor_device(sv->x), gd = tp_tensor_device(gyl);
     if (gd.type != xd.type || gd.index != xd.index) {
@@ -433,18 +458,20 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
         st = tp_tensor_clone(gyl, &gyc);
         gyl = gyc;
     }
-    int64_t rows = sv->x->shape[0], cols = sv->x->shape[1];
+    int64_t outer, cols, inner;
+    ce_dims(sv->x, &outer, &cols, &inner);
+    const int64_t rows = outer * inner;
     if (st == TP_OK)
         st = ce_gloss(gyl, rows, sv->reduction, sv->wsum, &gl);
     if (st == TP_OK)
-        st = tp__f32(tp_tensor_device(sv->x), 2, sv->x->shape, false, &gx);
+        st = tp__f32(xd, sv->x->ndim, sv->x->shape, false, &gx);
     if (st == TP_OK)
-        st = TP__K(tp_tensor_device(sv->x), vocab_ce_bwd, tp_tensor_data(sv->x),
-                   tp_tensor_data(sv->target), sv->weight ? tp_tensor_data(sv->weight) : NULL,
-                   tp_tensor_data(sv->mx), tp_tensor_data(sv->sumexp), tp_tensor_data(gl),
-                   tp_tensor_data(gx), rows, cols, sv->offset, sv->ignore_index);
+        st = TP__K(xd, vocab_ce_bwd, tp_tensor_data(sv->x), tp_tensor_data(sv->target),
+                   sv->weight ? tp_tensor_data(sv->weight) : NULL, tp_tensor_data(sv->mx),
+                   tp_tensor_data(sv->sumexp), tp_tensor_data(gl), tp_tensor_data(gx), rows,
+                   cols, inner, sv->offset, sv->ignore_index);
     if (st == TP_OK)
-        st = tp__dtensor_wrap(sv->mesh, gx, sv->pl, 2, sv->gshape, &gin[0]);
+        st = tp__dtensor_wrap(sv->mesh, gx, sv->pl, sv->ndim, sv->gshape, &gin[0]);
     tp_tensor_release(gx);
     tp_tensor_release(gl);
     tp_tensor_release(gyc);
@@ -452,17 +479,19 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
     return st;
 }
 
-/* logits: a DTensor sharded on dim 1 by mesh dim cdim only (Replicate
- * elsewhere); target: the full i64 targets (contiguous, validated, on the
- * host); weight: the full class weights (contiguous f32 on the logits'
- * device) or NULL. */
-static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_tensor *weight,
-                          const ce_params *p, tp_tensor **out)
+/* logits: a DTensor sharded on the class dim by mesh dim cdim only, Shard on
+ * other dims or Replicate on the other mesh dims (no Partial); target: the
+ * targets' DTensor in tpl (the logits' placements less the class dim), with
+ * t64 its local block as contiguous host i64 (validated); weight: the full
+ * class weights (contiguous f32 on the logits' device) or NULL. */
+static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_tensor *t64,
+                          tp_tensor *weight, const ce_params *p, tp_tensor **out)
 {
     const char *fn = "cross_entropy";
     tp_mesh *mesh = tp_dtensor_mesh(logits);
     tp_comm *comm = tp_mesh_comm(mesh, cdim);
-    const int m = tp_mesh_ndim(mesh);
+    const int m = tp_mesh_ndim(mesh), nd = logits->ndim, cd = ce_class_dim(nd);
+    const tp_placement *lpl = tp_dtensor_placements(logits), *tpl = tp_dtensor_placements(target);
     const bool multi = tp_comm_size(comm) > 1;
     tp_tensor *x = NULL, *mx = NULL, *se = NULL, *pk = NULL, *rows = NULL, *lossl = NULL,
               *res = NULL, *tdev = NULL, *whost = NULL;
@@ -471,44 +500,61 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
         return st;
     const tp_device dev = tp_tensor_device(x);
     const bool cuda = dev.type == TP_DEVICE_CUDA;
-    const int64_t n = logits->shape[0];
-    const int64_t cols = x->shape[1];
-    int64_t lshape[2], off[2];
-    tp__shard_extent(mesh, 2, logits->shape, tp_dtensor_placements(logits), NULL, lshape, off);
+    int64_t outer, cols, inner;
+    ce_dims(x, &outer, &cols, &inner);
+    const int64_t n = outer * inner;
+    int64_t lshape[TP_MAX_DIMS], off[TP_MAX_DIMS];
+    tp__shard_extent(mesh, nd, logits->shape, lpl, NULL, lshape, off);
+
+    /* the loss's placements: none keeps the targets' (Shard on the other
+     * sharded dims, Replicate on the class mesh dim); a scalar is Replicate
+     * on the class mesh dim and a partial sum on the mesh dims that shard
+     * other dims (as PyTorch's loss_parallel) */
+    tp_placement out_pl[TP_MESH_MAX_DIMS], rep[TP_MESH_MAX_DIMS];
+    for (int d = 0; d < m; d++) {
+        rep[d] = tp_replicate();
+        if (p->reduction == TP_REDUCTION_NONE)
+            out_pl[d] = tpl[d];
+        else
+            out_pl[d] = d != cdim && lpl[d].kind == TP_PLACEMENT_SHARD ? tp_partial(TP_SUM)
+                                                                      : tp_replicate();
+    }
 
     /* every allocation before the first collective: a rank failing between
      * them would leave its peers waiting */
     TP_CHECK_GOTO(tp__f32(dev, 1, &n, false, &mx), st, done);
     TP_CHECK_GOTO(tp__f32(dev, 1, &n, false, &se), st, done);
     TP_CHECK_GOTO(tp__f32(dev, 1, &n, false, &pk), st, done);
-    TP_CHECK_GOTO(tp__f32(dev, 1, &n, false, &rows), st, done);
+    TP_CHECK_GOTO(tp__f32(dev, t64->ndim, t64->shape, false, &rows), st, done);
     /* on a GPU the kernels read a device copy of the targets, the weight sum
      * reads a host copy of the weights */
     if (cuda)
-        TP_CHECK_GOTO(tp_tensor_to(target, TP_I64, dev, &tdev), st, done);
+        TP_CHECK_GOTO(tp_tensor_to(t64, TP_I64, dev, &tdev), st, done);
     else
-        tdev = tp_tensor_retain(target);
+        tdev = tp_tensor_retain(t64);
     if (weight && cuda)
         TP_CHECK_GOTO(tp_tensor_to(weight, TP_F32, TP_CPU, &whost), st, done);
     else
         whost = tp_tensor_retain(weight);
 
     const float *xd = tp_tensor_data(x);
-    const int64_t *t = tp_tensor_data(target), *td = tp_tensor_data(tdev);
-    TP_CHECK_GOTO(TP__K(dev, row_max, xd, tp_tensor_data(mx), n, cols), st, done);
+    const int64_t *t = tp_tensor_data(t64), *td = tp_tensor_data(tdev);
+    TP_CHECK_GOTO(TP__K(dev, row_max, xd, tp_tensor_data(mx), n, cols, inner), st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, mx, mx, TP_MAX, NULL), st, done);
-    TP_CHECK_GOTO(TP__K(dev, row_sumexp, xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols), st,
-                  done);
+    TP_CHECK_GOTO(
+        TP__K(dev, row_sumexp, xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols, inner), st,
+        done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, se, se, TP_SUM, NULL), st, done);
-    TP_CHECK_GOTO(TP__K(dev, pick_target, xd, td, tp_tensor_data(pk), n, cols, off[1],
+    TP_CHECK_GOTO(TP__K(dev, pick_target, xd, td, tp_tensor_data(pk), n, cols, inner, off[cd],
                         p->ignore_index),
                   st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, pk, pk, TP_SUM, NULL), st, done);
 
-    /* loss[r] = w_t (log(sumexp) + max - x_t), 0 for ignored rows */
+    /* loss[r] = w_t (log(sumexp) + max - x_t), 0 for ignored rows; the weight
+     * sum is over this rank's rows, all of them when mean is allowed */
     const float *w = whost ? tp_tensor_data(whost) : NULL;
     double wsum = 0;
     for (int64_t r = 0; r < n; r++)
@@ -540,10 +586,12 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     rows = NULL; /* consumed */
     if (st != TP_OK)
         goto done;
-    tp_placement rep[TP_MESH_MAX_DIMS];
-    for (int d = 0; d < m; d++)
-        rep[d] = tp_replicate();
-    TP_CHECK_GOTO(tp__dtensor_wrap(mesh, lossl, rep, lossl->ndim, lossl->shape, &res), st, done);
+    if (p->reduction == TP_REDUCTION_NONE)
+        st = tp__dtensor_wrap(mesh, lossl, out_pl, target->ndim, target->shape, &res);
+    else
+        st = tp__dtensor_wrap(mesh, lossl, out_pl, 0, NULL, &res);
+    if (st != TP_OK)
+        goto done;
 
     if (tp__needs_grad(1, &logits)) {
         ce_vocab_saved *sv = tp__calloc(1, sizeof *sv);
@@ -555,15 +603,17 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
             goto done;
         }
         sv->mesh = mesh;
-        sv->gshape[0] = logits->shape[0];
-        sv->gshape[1] = logits->shape[1];
-        memcpy(sv->pl, tp_dtensor_placements(logits), sizeof(tp_placement) * (size_t)m);
+        sv->ndim = nd;
+        memcpy(sv->gshape, logits->shape, sizeof(int64_t) * (size_t)nd);
+        memcpy(sv->pl, lpl, sizeof(tp_placement) * (size_t)m);
+        memcpy(sv->gy_pl, p->reduction == TP_REDUCTION_NONE ? tpl : rep,
+               sizeof(tp_placement) * (size_t)m);
         sv->x = tp_tensor_retain(x);
         sv->target = tp_tensor_retain(tdev);
         sv->weight = tp_tensor_retain(weight);
         sv->mx = tp_tensor_retain(mx);
         sv->sumexp = tp_tensor_retain(se);
-        sv->offset = off[1];
+        sv->offset = off[cd];
         sv->ignore_index = p->ignore_index;
         sv->reduction = p->reduction;
         sv->wsum = wsum;
@@ -587,6 +637,24 @@ done:
 
 /* ---- cross entropy: the entry point ----------------------------------------- */
 
+/* TP_ERR_INVALID_ARG for target value v at local element k (of a block of
+ * shape lshape at offset off in the global targets of tnd dims). */
+static tp_status ce_bad_target(const char *fn, int64_t v, int tnd, const int64_t *lshape,
+                               const int64_t *off, int64_t k, int64_t classes, int64_t ignore)
+{
+    char pos[128] = "";
+    if (tnd == 1)
+        snprintf(pos, sizeof pos, " at row %lld", (long long)(k + off[0]));
+    else if (tnd > 1) {
+        char idx[112];
+        snprintf(pos, sizeof pos, " at position %s",
+                 tp__position(tnd, lshape, off, k, idx, sizeof idx));
+    }
+    return tp__error(TP_ERR_INVALID_ARG,
+                     "%s: target %lld%s is outside [0, %lld) and is not ignore_index (%lld)", fn,
+                     (long long)v, pos, (long long)classes, (long long)ignore);
+}
+
 tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
                            const tp_cross_entropy_options *options, tp_tensor **loss)
 {
@@ -605,20 +673,29 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
     TP_CHECK(tp__same_device(fn, "logits", logits, "target", target));
     TP_CHECK(tp__same_device(fn, "logits", logits, "weight", weight));
 
-    /* shapes and dtypes */
+    /* shapes and dtypes: logits (C), (N, C) or (N, C, d1, ..., dk); targets
+     * the logits' shape without the class dim */
     if (logits->dtype != TP_F32)
         return tp__error(TP_ERR_NOT_SUPPORTED, "%s: logits is %s; ops take f32", fn,
                          tp_dtype_name(logits->dtype));
-    TP_ARG_CHECK(logits->ndim == 2, "%s: logits must be 2-d [N, C], got %d dims", fn,
-                 logits->ndim);
-    const int64_t n = logits->shape[0], c = logits->shape[1];
+    TP_ARG_CHECK(logits->ndim >= 1,
+                 "%s: logits must be [C], [N, C] or [N, C, d1, ..., dk], got a 0-d tensor", fn);
+    const int nd = logits->ndim, cd = ce_class_dim(nd), tnd = nd - 1;
+    const int64_t c = logits->shape[cd];
+    int64_t tshape[TP_MAX_DIMS];
+    for (int d = 0, k = 0; d < nd; d++)
+        if (d != cd)
+            tshape[k++] = logits->shape[d];
     TP_CHECK(tp__check_int(fn, "target", target));
-    if (target->ndim != 1 || target->shape[0] != n) {
-        char buf[96];
-        return tp__error(TP_ERR_INVALID_ARG, "%s: target must be [%lld] (one class per row of "
-                         "logits [%lld, %lld]), got shape %s",
-                         fn, (long long)n, (long long)n, (long long)c,
-                         tp__shape_str(target->ndim, target->shape, buf, sizeof buf));
+    if (target->ndim != tnd ||
+        memcmp(target->shape, tshape, sizeof(int64_t) * (size_t)tnd) != 0) {
+        char want[96], have[96], lg[96];
+        return tp__error(TP_ERR_INVALID_ARG,
+                         "%s: target must be %s (the logits' shape %s without the class dim "
+                         "%d), got shape %s",
+                         fn, tp__shape_str(tnd, tshape, want, sizeof want),
+                         tp__shape_str(nd, logits->shape, lg, sizeof lg), cd,
+                         tp__shape_str(target->ndim, target->shape, have, sizeof have));
     }
     if (weight) {
         if (weight->ndim != 1 || weight->shape[0] != c) {
@@ -633,12 +710,17 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
                              tp_dtype_name(weight->dtype));
     }
 
-    /* layouts: which mesh dim (if any) shards the classes */
+    /* layouts: which mesh dim (if any) shards the classes (loss parallel),
+     * which shard other dims; the targets' placements follow the logits'
+     * (the class dim removed), as PyTorch's loss_parallel */
     const bool dist = logits->dist != NULL;
     tp_mesh *mesh = dist ? tp_dtensor_mesh(logits) : NULL;
     const int m = dist ? tp_mesh_ndim(mesh) : 0;
-    int cdim = -1;
+    int cdim = -1, bdim = -1;
     bool partial = false;
+    tp_placement rep[TP_MESH_MAX_DIMS], tpl[TP_MESH_MAX_DIMS];
+    for (int d = 0; d < TP_MESH_MAX_DIMS; d++)
+        rep[d] = tpl[d] = tp_replicate();
     if (dist) {
         const tp_placement *pl = tp_dtensor_placements(logits);
         char buf[128];
@@ -647,33 +729,44 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
                 partial = true;
             if (pl[d].kind != TP_PLACEMENT_SHARD)
                 continue;
-            if (pl[d].dim != 1)
-                return tp__error(TP_ERR_NOT_SUPPORTED,
-                                 "%s: logits are sharded on dim %d by mesh dim %d (placements "
-                                 "%s); shard the class dim (dim 1, vocab parallel) or replicate "
-                                 "the logits",
-                                 fn, pl[d].dim, d, tp_placements_str(m, pl, buf, sizeof buf));
+            if (pl[d].dim != cd) {
+                tpl[d] = tp_shard(pl[d].dim > cd ? pl[d].dim - 1 : pl[d].dim);
+                if (bdim < 0)
+                    bdim = d;
+                continue;
+            }
             if (cdim >= 0)
                 return tp__error(TP_ERR_NOT_SUPPORTED,
                                  "%s: logits are sharded on the class dim by mesh dims %d and %d "
-                                 "(placements %s); the vocab-parallel form shards it on one "
-                                 "mesh dim and needs Replicate on the others",
+                                 "(placements %s); loss parallel shards it on one mesh dim",
                                  fn, cdim, d, tp_placements_str(m, pl, buf, sizeof buf));
             cdim = d;
         }
+        if (bdim >= 0 && cdim < 0)
+            return tp__error(TP_ERR_NOT_SUPPORTED,
+                             "%s: logits are sharded on dim %d by mesh dim %d (placements %s) "
+                             "but not on the class dim; shard the class dim (dim 1) for loss "
+                             "parallel, or replicate the logits",
+                             fn, pl[bdim].dim, bdim, tp_placements_str(m, pl, buf, sizeof buf));
+        if (bdim >= 0 && o.reduction == TP_REDUCTION_MEAN)
+            return tp__error(TP_ERR_NOT_SUPPORTED,
+                             "%s: reduction mean with logits sharded on dim %d by mesh dim %d "
+                             "(placements %s): each rank would divide by its own count; use "
+                             "reduction sum or none and divide by the global count (as "
+                             "PyTorch's loss_parallel)",
+                             fn, pl[bdim].dim, bdim, tp_placements_str(m, pl, buf, sizeof buf));
         TP_CHECK(tp__no_partial(fn, "target", target));
     }
 
-    /* the full targets and class weights on every rank (no communication
-     * when they are Replicate already); then the target values */
-    tp_placement rep[TP_MESH_MAX_DIMS];
-    for (int d = 0; d < TP_MESH_MAX_DIMS; d++)
-        rep[d] = tp_replicate();
+    /* the targets in their placements and the full class weights on every
+     * rank (no communication when they are so already); then this rank's
+     * target values. Ranks that communicate below (along the class mesh dim
+     * or a Partial one) hold the same targets, so they agree on an error. */
     tp_tensor *tr = NULL, *wr = NULL, *t64 = NULL, *w32 = NULL, *lg = NULL, *targ = NULL,
               *warg = NULL;
     tp_status st = TP_OK;
     if (dist) {
-        TP_CHECK_GOTO(tp__redistribute(target, rep, false, &tr), st, done);
+        TP_CHECK_GOTO(tp__redistribute(target, tpl, false, &tr), st, done);
         if (weight)
             TP_CHECK_GOTO(tp__redistribute(weight, rep, false, &wr), st, done);
     } else {
@@ -683,14 +776,17 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
     TP_CHECK_GOTO(tp__as_i64(tp__local_of(tr), &t64), st, done);
     if (wr)
         TP_CHECK_GOTO(tp__detached(tp__local_of(wr), &w32), st, done);
-    const int64_t *tv = tp_tensor_data(t64);
-    for (int64_t r = 0; r < n; r++)
+    int64_t lshape[TP_MAX_DIMS], off[TP_MAX_DIMS];
+    for (int d = 0; d < tnd; d++) {
+        lshape[d] = t64->shape[d];
+        off[d] = 0;
+    }
+    if (dist)
+        tp__shard_extent(mesh, tnd, tshape, tpl, NULL, lshape, off);
+    const int64_t *tv = tp_tensor_data(t64), nt = tp_tensor_numel(t64);
+    for (int64_t r = 0; r < nt; r++)
         if (tv[r] != o.ignore_index && (tv[r] < 0 || tv[r] >= c)) {
-            st = tp__error(TP_ERR_INVALID_ARG,
-                           "%s: target %lld at row %lld is outside [0, %lld) and is not "
-                           "ignore_index (%lld)",
-                           fn, (long long)tv[r], (long long)r, (long long)c,
-                           (long long)o.ignore_index);
+            st = ce_bad_target(fn, tv[r], tnd, lshape, off, r, c, o.ignore_index);
             goto done;
         }
 
@@ -707,7 +803,7 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
 
     ce_params p = {o.reduction, o.ignore_index, 0.0};
     if (cdim >= 0) {
-        st = ce_vocab(lg, cdim, t64, w32, &p, loss);
+        st = ce_vocab(lg, cdim, tr, t64, w32, &p, loss);
         goto done;
     }
     const tp_device dev = tp_tensor_device(logits);
@@ -718,7 +814,7 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
         if (w32)
             TP_CHECK_GOTO(tp_tensor_to(w32, TP_F32, TP_CPU, &wh), st, done);
         const float *wv = wh ? tp_tensor_data(wh) : NULL;
-        for (int64_t r = 0; r < n; r++)
+        for (int64_t r = 0; r < nt; r++)
             if (tv[r] != o.ignore_index && tv[r] >= 0 && tv[r] < c)
                 p.wsum += wv ? (double)wv[tv[r]] : 1.0;
         tp_tensor_release(wh);
@@ -729,7 +825,7 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
             goto done;
     }
     if (dist) {
-        TP_CHECK_GOTO(tp__dtensor_wrap(mesh, t64, rep, 1, target->shape, &targ), st, done);
+        TP_CHECK_GOTO(tp__dtensor_wrap(mesh, t64, rep, tnd, tshape, &targ), st, done);
         if (w32)
             TP_CHECK_GOTO(tp__dtensor_wrap(mesh, w32, rep, 1, weight->shape, &warg), st, done);
     } else {

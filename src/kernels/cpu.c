@@ -606,9 +606,56 @@ static inline bool tp__ce_counted(int64_t t, int64_t classes, int64_t ignore_ind
     return t != ignore_index && t >= 0 && t < classes;
 }
 
+/* The first element of row r of logits laid out [outer, classes, inner]; the
+ * row's classes follow at stride inner. */
+static inline int64_t tp__ce_row(int64_t r, int64_t classes, int64_t inner)
+{
+    return inner == 1 ? r * classes : (r / inner) * classes * inner + r % inner;
+}
+
+/* Max of n floats at stride st (the contiguous helper when st is 1). */
+static float tp__ce_max(const float *restrict x, int64_t n, int64_t st)
+{
+    if (st == 1)
+        return tp__rowmax(x, n);
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++)
+        m = x[i * st] > m ? x[i * st] : m;
+    return m;
+}
+
+/* Sum of exp(x[i * st] - mx) in double. */
+static double tp__ce_sumexp(const float *restrict x, float mx, int64_t n, int64_t st)
+{
+    if (st == 1)
+        return tp__sumexp(x, mx, n);
+    double s = 0;
+    for (int64_t i = 0; i < n; i++)
+        s += (double)expf(x[i * st] - mx);
+    return s;
+}
+
+/* gx[i * st] = k * exp(x[i * st] - mx) for n classes at stride st; x NULL:
+ * zeros. */
+static void tp__ce_grad_row(const float *restrict x, float *restrict gx, int64_t n, int64_t st,
+                            float k, float mx)
+{
+    if (st == 1) {
+        if (!x) {
+            memset(gx, 0, (size_t)n * sizeof *gx);
+            return;
+        }
+        for (int64_t i = 0; i < n; i++)
+            gx[i] = k * expf(x[i] - mx);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        gx[i * st] = x ? k * expf(x[i * st] - mx) : 0.0f;
+}
+
 void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float *weight,
-                             float *loss, int64_t rows, int64_t classes, int64_t ignore_index,
-                             double *wsum)
+                             float *loss, int64_t rows, int64_t classes, int64_t inner,
+                             int64_t ignore_index, double *wsum)
 {
     double ws = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -617,11 +664,11 @@ void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float 
             loss[r] = 0.0f;
             continue;
         }
-        const float *xr = x + r * classes;
-        float mx = tp__rowmax(xr, classes);
-        double lse = log(tp__sumexp(xr, mx, classes)) + (double)mx;
+        const float *xr = x + tp__ce_row(r, classes, inner);
+        float mx = tp__ce_max(xr, classes, inner);
+        double lse = log(tp__ce_sumexp(xr, mx, classes, inner)) + (double)mx;
         double wt = weight ? (double)weight[t] : 1.0;
-        loss[r] = (float)(wt * (lse - (double)xr[t]));
+        loss[r] = (float)(wt * (lse - (double)xr[t * inner]));
         ws += wt;
     }
     if (wsum)
@@ -630,68 +677,68 @@ void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float 
 
 void tp__k_cross_entropy_bwd(const float *x, const int64_t *target, const float *weight,
                              const float *gloss, float *gx, int64_t rows, int64_t classes,
-                             int64_t ignore_index)
+                             int64_t inner, int64_t ignore_index)
 {
     for (int64_t r = 0; r < rows; r++) {
-        int64_t t = target[r];
-        float *restrict gxr = gx + r * classes;
+        int64_t t = target[r], base = tp__ce_row(r, classes, inner);
+        float *restrict gxr = gx + base;
         if (!tp__ce_counted(t, classes, ignore_index)) {
-            memset(gxr, 0, (size_t)classes * sizeof *gxr);
+            tp__ce_grad_row(NULL, gxr, classes, inner, 0.0f, 0.0f);
             continue;
         }
-        const float *restrict xr = x + r * classes;
-        float mx = tp__rowmax(xr, classes);
-        double s = tp__sumexp(xr, mx, classes);
+        const float *restrict xr = x + base;
+        float mx = tp__ce_max(xr, classes, inner);
+        double s = tp__ce_sumexp(xr, mx, classes, inner);
         float g = gloss[r] * (weight ? weight[t] : 1.0f);
         float k = (float)((double)g / s);
-        for (int64_t c = 0; c < classes; c++)
-            gxr[c] = k * expf(xr[c] - mx);
-        gxr[t] -= g;
+        tp__ce_grad_row(xr, gxr, classes, inner, k, mx);
+        gxr[t * inner] -= g;
     }
 }
 
-void tp__k_row_max(const float *x, float *mx, int64_t rows, int64_t cols)
+void tp__k_row_max(const float *x, float *mx, int64_t rows, int64_t cols, int64_t inner)
 {
     for (int64_t r = 0; r < rows; r++)
-        mx[r] = tp__rowmax(x + r * cols, cols);
+        mx[r] = tp__ce_max(x + tp__ce_row(r, cols, inner), cols, inner);
 }
 
-void tp__k_row_sumexp(const float *x, const float *mx, float *s, int64_t rows, int64_t cols)
+void tp__k_row_sumexp(const float *x, const float *mx, float *s, int64_t rows, int64_t cols,
+                      int64_t inner)
 {
     for (int64_t r = 0; r < rows; r++)
-        s[r] = (float)tp__sumexp(x + r * cols, mx[r], cols);
+        s[r] = (float)tp__ce_sumexp(x + tp__ce_row(r, cols, inner), mx[r], cols, inner);
 }
 
 void tp__k_pick_target(const float *x, const int64_t *target, float *picked, int64_t rows,
-                       int64_t cols, int64_t offset, int64_t ignore_index)
+                       int64_t cols, int64_t inner, int64_t offset, int64_t ignore_index)
 {
     for (int64_t r = 0; r < rows; r++) {
         int64_t t = target[r];
         bool owned = t != ignore_index && t >= offset && t - offset < cols;
-        picked[r] = owned ? x[r * cols + (t - offset)] : 0.0f;
+        picked[r] = owned ? x[tp__ce_row(r, cols, inner) + (t - offset) * inner] : 0.0f;
     }
 }
 
 void tp__k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weight,
                         const float *mx, const float *sumexp, const float *gloss, float *gx,
-                        int64_t rows, int64_t cols, int64_t offset, int64_t ignore_index)
+                        int64_t rows, int64_t cols, int64_t inner, int64_t offset,
+                        int64_t ignore_index)
 {
     for (int64_t r = 0; r < rows; r++) {
-        int64_t t = target[r];
-        float *restrict gxr = gx + r * cols;
+        int64_t t = target[r], base = tp__ce_row(r, cols, inner);
+        float *restrict gxr = gx + base;
         /* the global class count is not known here: negative targets other
          * than ignore_index are skipped, the op layer rejects the rest */
         if (t == ignore_index || t < 0) {
-            memset(gxr, 0, (size_t)cols * sizeof *gxr);
+            tp__ce_grad_row(NULL, gxr, cols, inner, 0.0f, 0.0f);
             continue;
         }
-        const float *restrict xr = x + r * cols;
+        const float *restrict xr = x + base;
         float g = gloss[r] * (weight ? weight[t] : 1.0f);
         float k = (float)((double)g / (double)sumexp[r]);
         float m = mx[r];
-        for (int64_t c = 0; c < cols; c++)
-            gxr[c] = k * expf(xr[c] - m);
+        tp__ce_grad_row(xr, gxr, cols, inner, k, m);
         if (t >= offset && t - offset < cols)
-            gxr[t - offset] -= g;
+            gxr[(t - offset) * inner] -= g;
     }
 }

@@ -640,24 +640,31 @@ __device__ __forceinline__ bool ce_counted(int64_t t, int64_t classes, int64_t i
     return t != ignore_index && t >= 0 && t < classes;
 }
 
-/* The row's max and sum of exp(x - max), reduced over the block (every
- * thread gets both). */
-__device__ void row_max_sumexp(const float *xr, int64_t classes, float *shf, double *shd,
-                               float *m_out, double *s_out)
+/* The first element of row r of logits laid out [outer, classes, inner]; the
+ * row's classes follow at stride inner. */
+__device__ __forceinline__ int64_t ce_row(int64_t r, int64_t classes, int64_t inner)
+{
+    return inner == 1 ? r * classes : (r / inner) * classes * inner + r % inner;
+}
+
+/* The row's max and sum of exp(x - max) over classes at stride st, reduced
+ * over the block (every thread gets both). */
+__device__ void row_max_sumexp(const float *xr, int64_t classes, int64_t st, float *shf,
+                               double *shd, float *m_out, double *s_out)
 {
     float m = -INFINITY;
     for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-        m = fmaxf(m, xr[c]);
+        m = fmaxf(m, xr[c * st]);
     m = block_max(m, shf);
     double s = 0;
     for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-        s += (double)expf(xr[c] - m);
+        s += (double)expf(xr[c * st] - m);
     *m_out = m;
     *s_out = block_sum(s, shd);
 }
 
 __global__ void k_ce_fwd(const float *x, const int64_t *target, const float *weight, float *loss,
-                         int64_t rows, int64_t classes, int64_t ignore_index)
+                         int64_t rows, int64_t classes, int64_t inner, int64_t ignore_index)
 {
     __shared__ double shd[32];
     __shared__ float shf[32];
@@ -668,41 +675,41 @@ __global__ void k_ce_fwd(const float *x, const int64_t *target, const float *wei
                 loss[r] = 0.0f;
             continue;
         }
-        const float *xr = x + r * classes;
+        const float *xr = x + ce_row(r, classes, inner);
         float m;
         double s;
-        row_max_sumexp(xr, classes, shf, shd, &m, &s);
+        row_max_sumexp(xr, classes, inner, shf, shd, &m, &s);
         if (threadIdx.x == 0) {
             double lse = log(s) + (double)m;
             double wt = weight ? (double)weight[t] : 1.0;
-            loss[r] = (float)(wt * (lse - (double)xr[t]));
+            loss[r] = (float)(wt * (lse - (double)xr[t * inner]));
         }
     }
 }
 
 __global__ void k_ce_bwd(const float *x, const int64_t *target, const float *weight,
                          const float *gloss, float *gx, int64_t rows, int64_t classes,
-                         int64_t ignore_index)
+                         int64_t inner, int64_t ignore_index)
 {
     __shared__ double shd[32];
     __shared__ float shf[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        int64_t t = target[r];
-        float *gxr = gx + r * classes;
+        int64_t t = target[r], base = ce_row(r, classes, inner);
+        float *gxr = gx + base;
         if (!ce_counted(t, classes, ignore_index)) {
             for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-                gxr[c] = 0.0f;
+                gxr[c * inner] = 0.0f;
             continue;
         }
-        const float *xr = x + r * classes;
+        const float *xr = x + base;
         float m;
         double s;
-        row_max_sumexp(xr, classes, shf, shd, &m, &s);
+        row_max_sumexp(xr, classes, inner, shf, shd, &m, &s);
         float g = gloss[r] * (weight ? weight[t] : 1.0f);
         float k = (float)((double)g / s);
         for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
-            float v = k * expf(xr[c] - m);
-            gxr[c] = c == t ? v - g : v;
+            float v = k * expf(xr[c * inner] - m);
+            gxr[c * inner] = c == t ? v - g : v;
         }
     }
 }
@@ -712,14 +719,14 @@ __global__ void k_ce_gloss(const float *g, float *gl, int64_t rows, bool broadca
     GRID_STRIDE(r, rows) gl[r] = broadcast ? (float)((double)g[0] / div) : g[r];
 }
 
-__global__ void k_row_max(const float *x, float *mx, int64_t rows, int64_t cols)
+__global__ void k_row_max(const float *x, float *mx, int64_t rows, int64_t cols, int64_t inner)
 {
     __shared__ float sh[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *xr = x + r * cols;
+        const float *xr = x + ce_row(r, cols, inner);
         float m = -INFINITY;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            m = fmaxf(m, xr[c]);
+            m = fmaxf(m, xr[c * inner]);
         m = block_max(m, sh);
         if (threadIdx.x == 0)
             mx[r] = m;
@@ -727,15 +734,15 @@ __global__ void k_row_max(const float *x, float *mx, int64_t rows, int64_t cols)
 }
 
 __global__ void k_row_sumexp(const float *x, const float *mx, float *out, int64_t rows,
-                             int64_t cols)
+                             int64_t cols, int64_t inner)
 {
     __shared__ double sh[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *xr = x + r * cols;
+        const float *xr = x + ce_row(r, cols, inner);
         float m = mx[r];
         double s = 0;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            s += (double)expf(xr[c] - m);
+            s += (double)expf(xr[c * inner] - m);
         s = block_sum(s, sh);
         if (threadIdx.x == 0)
             out[r] = (float)s;
@@ -743,13 +750,13 @@ __global__ void k_row_sumexp(const float *x, const float *mx, float *out, int64_
 }
 
 __global__ void k_pick_target(const float *x, const int64_t *target, float *picked, int64_t rows,
-                              int64_t cols, int64_t offset, int64_t ignore_index)
+                              int64_t cols, int64_t inner, int64_t offset, int64_t ignore_index)
 {
     GRID_STRIDE(r, rows)
     {
         int64_t t = target[r];
         bool owned = t != ignore_index && t >= offset && t - offset < cols;
-        picked[r] = owned ? x[r * cols + (t - offset)] : 0.0f;
+        picked[r] = owned ? x[ce_row(r, cols, inner) + (t - offset) * inner] : 0.0f;
     }
 }
 
@@ -771,24 +778,24 @@ __global__ void k_vocab_ce_loss(const int64_t *target, const float *weight, cons
 
 __global__ void k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weight,
                                const float *mx, const float *sumexp, const float *gloss,
-                               float *gx, int64_t rows, int64_t cols, int64_t offset,
-                               int64_t ignore_index)
+                               float *gx, int64_t rows, int64_t cols, int64_t inner,
+                               int64_t offset, int64_t ignore_index)
 {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        int64_t t = target[r];
-        float *gxr = gx + r * cols;
+        int64_t t = target[r], base = ce_row(r, cols, inner);
+        float *gxr = gx + base;
         if (t == ignore_index || t < 0) {
             for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-                gxr[c] = 0.0f;
+                gxr[c * inner] = 0.0f;
             continue;
         }
-        const float *xr = x + r * cols;
+        const float *xr = x + base;
         float g = gloss[r] * (weight ? weight[t] : 1.0f);
         float k = (float)((double)g / (double)sumexp[r]);
         float m = mx[r];
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-            float v = k * expf(xr[c] - m);
-            gxr[c] = c + offset == t ? v - g : v;
+            float v = k * expf(xr[c * inner] - m);
+            gxr[c * inner] = c + offset == t ? v - g : v;
         }
     }
 }
@@ -1117,9 +1124,10 @@ tp_status tp__kc_ce_gloss(int dev, const float *g, float *gl, int64_t rows, bool
                    (k_ce_gloss<<<GRID(rows)>>>(g, gl, rows, broadcast, div)))
 
 tp_status tp__kc_pick_target(int dev, const float *x, const int64_t *target, float *picked,
-                             int64_t rows, int64_t cols, int64_t offset, int64_t ignore_index)
+                             int64_t rows, int64_t cols, int64_t inner, int64_t offset,
+                             int64_t ignore_index)
     KC_ELEMENTWISE("cross_entropy (CUDA)", rows,
-                   (k_pick_target<<<GRID(rows)>>>(x, target, picked, rows, cols, offset,
+                   (k_pick_target<<<GRID(rows)>>>(x, target, picked, rows, cols, inner, offset,
                                                   ignore_index)))
 
 tp_status tp__kc_vocab_ce_loss(int dev, const int64_t *target, const float *weight,
@@ -1165,29 +1173,31 @@ tp_status tp__kc_rms_norm_fwd(int dev, const float *x, const float *w, float *y,
 
 tp_status tp__kc_cross_entropy_fwd(int dev, const float *x, const int64_t *target,
                                    const float *weight, float *loss, int64_t rows,
-                                   int64_t classes, int64_t ignore_index)
-    KC_ROWS("cross_entropy (CUDA)", rows, k_ce_fwd, x, target, weight, loss, rows, classes,
+                                   int64_t classes, int64_t inner, int64_t ignore_index)
+    KC_ROWS("cross_entropy (CUDA)", rows, k_ce_fwd, x, target, weight, loss, rows, classes, inner,
             ignore_index)
 
 tp_status tp__kc_cross_entropy_bwd(int dev, const float *x, const int64_t *target,
                                    const float *weight, const float *gloss, float *gx,
-                                   int64_t rows, int64_t classes, int64_t ignore_index)
+                                   int64_t rows, int64_t classes, int64_t inner,
+                                   int64_t ignore_index)
     KC_ROWS("cross_entropy backward (CUDA)", rows, k_ce_bwd, x, target, weight, gloss, gx, rows,
-            classes, ignore_index)
+            classes, inner, ignore_index)
 
-tp_status tp__kc_row_max(int dev, const float *x, float *mx, int64_t rows, int64_t cols)
-    KC_ROWS("cross_entropy (CUDA)", rows, k_row_max, x, mx, rows, cols)
+tp_status tp__kc_row_max(int dev, const float *x, float *mx, int64_t rows, int64_t cols,
+                         int64_t inner)
+    KC_ROWS("cross_entropy (CUDA)", rows, k_row_max, x, mx, rows, cols, inner)
 
 tp_status tp__kc_row_sumexp(int dev, const float *x, const float *mx, float *s, int64_t rows,
-                            int64_t cols)
-    KC_ROWS("cross_entropy (CUDA)", rows, k_row_sumexp, x, mx, s, rows, cols)
+                            int64_t cols, int64_t inner)
+    KC_ROWS("cross_entropy (CUDA)", rows, k_row_sumexp, x, mx, s, rows, cols, inner)
 
 tp_status tp__kc_vocab_ce_bwd(int dev, const float *x, const int64_t *target, const float *weight,
                               const float *mx, const float *sumexp, const float *gloss,
-                              float *gx, int64_t rows, int64_t cols, int64_t offset,
-                              int64_t ignore_index)
+                              float *gx, int64_t rows, int64_t cols, int64_t inner,
+                              int64_t offset, int64_t ignore_index)
     KC_ROWS("cross_entropy backward (CUDA)", rows, k_vocab_ce_bwd, x, target, weight, mx, sumexp,
-            gloss, gx, rows, cols, offset, ignore_index)
+            gloss, gx, rows, cols, inner, offset, ignore_index)
 
 tp_status tp__kc_sum_rows(int dev, const float *y, float *g, int64_t rows, int64_t cols)
 {

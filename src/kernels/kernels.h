@@ -113,7 +113,11 @@ void tp__k_dropout_fwd(const float *x, float *y, uint8_t *mask, int ndim, const 
                        uint64_t seed);
 void tp__k_dropout_bwd(const float *gy, const uint8_t *mask, float *gx, int64_t n, float p);
 
-/* Cross entropy on logits [rows, classes] and int64 targets [rows]:
+/* Cross entropy on logits laid out [outer, classes, inner] (row-major; inner
+ * = 1 is [rows, classes]) and int64 targets [outer, inner]: row
+ * r = o * inner + i holds the classes x[o, :, i] (stride inner), so logits
+ * (N, C, d1, ..., dk) are outer = N, inner = d1 * ... * dk and the targets
+ * (N, d1, ..., dk) are their rows in order. rows = outer * inner; inner >= 1.
  * loss[r] = weight[t] * (logsumexp(x[r]) - x[r, t]); rows whose target equals
  * ignore_index get 0 loss and 0 weight. weight may be NULL (all 1).
  * wsum (optional) receives (overwrites) the sum of the weights of counted
@@ -121,15 +125,17 @@ void tp__k_dropout_bwd(const float *gy, const uint8_t *mask, float *gx, int64_t 
  * treat them like ignore_index (0 loss, 0 gradient) rather than read out of
  * bounds. */
 void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float *weight,
-                             float *loss, int64_t rows, int64_t classes, int64_t ignore_index,
-                             double *wsum);
-/* gx[r, c] = gloss[r] * weight[t] * (softmax(x[r])[c] - (c == t)). */
+                             float *loss, int64_t rows, int64_t classes, int64_t inner,
+                             int64_t ignore_index, double *wsum);
+/* gx[r, c] = gloss[r] * weight[t] * (softmax(x[r])[c] - (c == t)), gx laid out
+ * as x. */
 void tp__k_cross_entropy_bwd(const float *x, const int64_t *target, const float *weight,
                              const float *gloss, float *gx, int64_t rows, int64_t classes,
-                             int64_t ignore_index);
+                             int64_t inner, int64_t ignore_index);
 
 /* The vocab-parallel pieces (logits sharded on the class dim, this rank owns
- * classes [offset, offset + classes_local)):
+ * classes [offset, offset + cols); the local logits laid out [outer, cols,
+ * inner] as above, rows = outer * inner):
  *   1. row max of the local logits           -> all_reduce(max)
  *   2. row sum of exp(x - max)               -> all_reduce(sum)
  *   3. the target logit where owned, else 0  -> all_reduce(sum)
@@ -138,13 +144,15 @@ void tp__k_cross_entropy_bwd(const float *x, const int64_t *target, const float 
  * [classes_global] class-weight vector, indexed by the global target.
  * row_sumexp takes the all-reduced (global) max; vocab_ce_bwd the global max
  * and sumexp. Rows with target == ignore_index (or negative) get 0 gradient. */
-void tp__k_row_max(const float *x, float *mx, int64_t rows, int64_t cols);
-void tp__k_row_sumexp(const float *x, const float *mx, float *s, int64_t rows, int64_t cols);
+void tp__k_row_max(const float *x, float *mx, int64_t rows, int64_t cols, int64_t inner);
+void tp__k_row_sumexp(const float *x, const float *mx, float *s, int64_t rows, int64_t cols,
+                      int64_t inner);
 void tp__k_pick_target(const float *x, const int64_t *target, float *picked, int64_t rows,
-                       int64_t cols, int64_t offset, int64_t ignore_index);
+                       int64_t cols, int64_t inner, int64_t offset, int64_t ignore_index);
 /* gx[r, c] = gloss[r] * w_r * (exp(x[r,c] - max[r]) / sumexp[r] - (c + offset == t)). */
 void tp__k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weight,
                         const float *mx, const float *sumexp, const float *gloss, float *gx,
-                        int64_t rows, int64_t cols, int64_t offset, int64_t ignore_index);
+                        int64_t rows, int64_t cols, int64_t inner, int64_t offset,
+                        int64_t ignore_index);
 
 #endif /* TP_KERNELS_H */

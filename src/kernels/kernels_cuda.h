@@ -121,28 +121,33 @@ tp_status tp__kc_dropout_bwd(int dev, const float *gy, const uint8_t *mask, floa
 
 /* ---- cross entropy ---------------------------------------------------------- */
 
+/* Logits laid out [outer, classes, inner], rows = outer * inner, as the CPU
+ * kernels in kernels.h. */
 tp_status tp__kc_cross_entropy_fwd(int dev, const float *x, const int64_t *target,
                                    const float *weight, float *loss, int64_t rows,
-                                   int64_t classes, int64_t ignore_index);
+                                   int64_t classes, int64_t inner, int64_t ignore_index);
 tp_status tp__kc_cross_entropy_bwd(int dev, const float *x, const int64_t *target,
                                    const float *weight, const float *gloss, float *gx,
-                                   int64_t rows, int64_t classes, int64_t ignore_index);
+                                   int64_t rows, int64_t classes, int64_t inner,
+                                   int64_t ignore_index);
 /* gl[r] = broadcast ? g[0] / div : g[r] (the per-row loss gradient) */
 tp_status tp__kc_ce_gloss(int dev, const float *g, float *gl, int64_t rows, bool broadcast,
                           double div);
-tp_status tp__kc_row_max(int dev, const float *x, float *mx, int64_t rows, int64_t cols);
+tp_status tp__kc_row_max(int dev, const float *x, float *mx, int64_t rows, int64_t cols,
+                         int64_t inner);
 tp_status tp__kc_row_sumexp(int dev, const float *x, const float *mx, float *s, int64_t rows,
-                            int64_t cols);
+                            int64_t cols, int64_t inner);
 tp_status tp__kc_pick_target(int dev, const float *x, const int64_t *target, float *picked,
-                             int64_t rows, int64_t cols, int64_t offset, int64_t ignore_index);
+                             int64_t rows, int64_t cols, int64_t inner, int64_t offset,
+                             int64_t ignore_index);
 /* loss[r] = w_t (log(sumexp[r]) + mx[r] - picked[r]), 0 where t == ignore_index */
 tp_status tp__kc_vocab_ce_loss(int dev, const int64_t *target, const float *weight,
                                const float *mx, const float *sumexp, const float *picked,
                                float *loss, int64_t rows, int64_t ignore_index);
 tp_status tp__kc_vocab_ce_bwd(int dev, const float *x, const int64_t *target, const float *weight,
                               const float *mx, const float *sumexp, const float *gloss,
-                              float *gx, int64_t rows, int64_t cols, int64_t offset,
-                              int64_t ignore_index);
+                              float *gx, int64_t rows, int64_t cols, int64_t inner,
+                              int64_t offset, int64_t ignore_index);
 
 /* ---- optimizers (the CPU loops of src/nn/optim.c, in double) ---------------- */
 
