@@ -80,7 +80,8 @@ TP_API tp_status tp_dropout(tp_tensor *x, double p, uint64_t seed, bool training
  * redistribution, tp_reshape redistributes as PyTorch's reshape does. */
 
 /* Same elements, new shape (one size may be -1, inferred). The local output
- * shares the local input's storage (no copy). */
+ * is a view of the local input (of the gathered one where a shard had to be
+ * replicated first): no copy. */
 TP_API tp_status tp_reshape(tp_tensor *x, int ndim, const int64_t *shape, tp_tensor **y);
 /* Merges dims start_dim..end_dim (inclusive) into one (a 0-d x gives [1]). */
 TP_API tp_status tp_flatten(tp_tensor *x, int start_dim, int end_dim, tp_tensor **y);
