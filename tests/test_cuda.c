@@ -181,6 +181,20 @@ static tp_status op_transpose(tp_tensor *const *in, const void *c, tp_tensor **y
     const int *d = c;
     return tp_transpose(in[0], d[0], d[1], y);
 }
+static tp_status op_permute(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    return tp_permute(in[0], 3, c, y);
+}
+static tp_status op_flatten_unflatten(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    tp_tensor *f = NULL;
+    tp_status st = tp_flatten(in[0], 1, 2, &f);
+    if (st == TP_OK)
+        st = tp_unflatten(f, -1, 2, (const int64_t[]){-1, 3}, y);
+    tp_tensor_release(f);
+    return st;
+}
 typedef struct {
     int dim;
     bool keepdim, mean, all;
@@ -278,6 +292,11 @@ Test(cuda, elementwise, .timeout = 120)
     check_op("transpose (last two dims)", op_transpose, last2, 1, t1, 1u, RTOL, ATOL);
     tp_tensor *t2[1] = {rnd(3, s, -2, 2, 10)};
     check_op("transpose (dims 0 and 2)", op_transpose, outer, 1, t2, 1u, RTOL, ATOL);
+    const int perm[3] = {2, 0, 1};
+    tp_tensor *t3[1] = {rnd(3, s, -2, 2, 11)};
+    check_op("permute (2, 0, 1)", op_permute, perm, 1, t3, 1u, RTOL, ATOL);
+    tp_tensor *t4[1] = {rnd(3, s, -2, 2, 12)};
+    check_op("flatten, unflatten", op_flatten_unflatten, NULL, 1, t4, 1u, RTOL, ATOL);
 }
 
 Test(cuda, dropout_mask_matches_cpu, .timeout = 120)

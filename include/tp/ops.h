@@ -56,13 +56,43 @@ TP_API tp_status tp_gelu(tp_tensor *x, tp_gelu_approx approx, tp_tensor **y);
  * every parallel degree. training false (or p == 0): y = x. */
 TP_API tp_status tp_dropout(tp_tensor *x, double p, uint64_t seed, bool training, tp_tensor **y);
 
-/* Same elements, new shape (one size may be -1). On DTensors a shard of dim d
- * survives when d keeps its size and the dims before it hold as many elements
- * as the new dims before it (merged or split); it then moves to its new index
- * (S(2) of [B, S, V] is S(1) of [B*S, V]). Other shards are replicated first. */
+/* ---- views (ops_view.c) ----------------------------------------------------
+ * Sharding follows PyTorch's view rules, in the form of its reshape (which
+ * redistributes where its view would refuse). Reshape, flatten and unflatten
+ * group the dims into consecutive runs of input and output dims holding as
+ * many elements (size-1 dims appear or vanish on their own):
+ *  - a dim that maps to one dim of its size keeps its shard, even or uneven,
+ *    renumbered (S(2) of [B, S, V] is S(1) of [B*S, V]);
+ *  - a dim split into several keeps its shard on the outermost piece, and
+ *    dims merged into one keep a shard of the outermost of them, when the
+ *    shard boundaries fall on whole rows: the outermost input and output
+ *    sizes are divisible by the mesh dim's size (times the sizes of the
+ *    earlier mesh dims kept sharding the same dim). [B, S, H*Dh] S(2) ->
+ *    [B, S, H, Dh] S(2) when the mesh size divides H, and back.
+ *  - any other shard is replicated first on its mesh dim (an all_gather);
+ *    Replicate and Partial pass through untouched.
+ * transpose and permute move shards with their dims and never communicate.
+ * All are differentiable; the backward is the inverse view of the gradient,
+ * with the input's placements (Partial read as Replicate), no communication.
+ * Negative dims count from the end. There is no separate view op: reshape's
+ * local result is always a view of the (contiguous) local input, and where
+ * PyTorch's DTensor view would raise because the layout needs
+ * redistribution, tp_reshape redistributes as PyTorch's reshape does. */
+
+/* Same elements, new shape (one size may be -1, inferred). The local output
+ * is a view of the local input (of the gathered one where a shard had to be
+ * replicated first): no copy. */
 TP_API tp_status tp_reshape(tp_tensor *x, int ndim, const int64_t *shape, tp_tensor **y);
-/* Swaps dims d0 and d1 (a copy); Shard dims follow. */
+/* Merges dims start_dim..end_dim (inclusive) into one (a 0-d x gives [1]). */
+TP_API tp_status tp_flatten(tp_tensor *x, int start_dim, int end_dim, tp_tensor **y);
+/* Splits dim into n dims of the given sizes (one may be -1, inferred); their
+ * product must be dim's size. */
+TP_API tp_status tp_unflatten(tp_tensor *x, int dim, int n, const int64_t *sizes, tp_tensor **y);
+/* Swaps dims d0 and d1 (a contiguous copy). */
 TP_API tp_status tp_transpose(tp_tensor *x, int d0, int d1, tp_tensor **y);
+/* Reorders the dims: dim k of y is dim dims[k] of x (ndim entries, each dim
+ * once; a contiguous copy). */
+TP_API tp_status tp_permute(tp_tensor *x, int ndim, const int *dims, tp_tensor **y);
 
 /* ---- reductions and normalizations (ops_reduce.c) --------------------------
  * sum/mean over dim (keepdim keeps it with size 1) or over everything (a 0-d
