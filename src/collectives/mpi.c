@@ -209,7 +209,8 @@ typedef struct mpi_state {
     int rank, size;
     int world_rank; /* in MPI_COMM_WORLD, for messages */
     _Atomic int aborted;
-    pthread_mutex_t mu; /* reason, the work lists */
+    pthread_mutex_t mu; /* reason, the work lists, timeout_s */
+    double timeout_s;   /* the communicator's, as its latest collective passed it */
     char reason[300];
     mpi_work *active;  /* work handed out and not yet freed */
     mpi_work *zombies; /* freed before MPI completed it (after a timeout or abort) */
@@ -553,6 +554,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     pthread_mutex_lock(&S->mu);
     w->next = S->active;
     S->active = w;
+    S->timeout_s = d->timeout_s;
     pthread_mutex_unlock(&S->mu);
     *work = w;
     return TP_OK;
@@ -657,9 +659,11 @@ static void mpi_free(void *state)
         return;
     int fin = 0;
     MPI_Finalized(&fin);
-    /* pending work is waited for first (comm.h), unless the communicator is
-     * unusable anyway */
-    double timeout = tp__default_timeout();
+    /* pending work is waited for first (comm.h), up to the communicator's
+     * timeout, unless the communicator is unusable anyway */
+    pthread_mutex_lock(&S->mu);
+    double timeout = S->timeout_s > 0 ? S->timeout_s : tp__default_timeout();
+    pthread_mutex_unlock(&S->mu);
     for (mpi_work *w = S->active; w && !fin && !atomic_load(&S->aborted); w = w->next) {
         if (w->complete)
             continue;

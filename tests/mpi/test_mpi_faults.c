@@ -132,7 +132,8 @@ static void check_world(tp_comm *world, const char *label)
 /* Rank 0 times out on a split communicator; the others join only once it
  * has freed it and waits in a world collective (whose waiting progresses the
  * stale request: the late data arrives, and MPI sends the next round on the
- * freed communicator's behalf). Then a split nobody else joins. */
+ * freed communicator's behalf). Then a split nobody else joins, and one
+ * freed with its work still pending. */
 static void split_faults(tp_comm *world)
 {
     int n = tp_comm_size(world), r = tp_comm_rank(world);
@@ -162,6 +163,26 @@ static void split_faults(tp_comm *world)
         tp_comm_free(b);
     }
     check_world(world, "after a split with absent peers");
+
+    /* work still pending when its communicator is freed is waited for up to
+     * the communicator's timeout (0.3 s here), not the default */
+    tp_comm *c = NULL;
+    EXPECT(tp_comm_split(world, 0, r, &c) == TP_OK, "split: %s", tp_last_error());
+    if (!c)
+        return;
+    if (r == 0) {
+        tp_tensor *x = scalar(1);
+        tp_work *w = NULL;
+        EXPECT(tp_comm_set_timeout(c, 0.3) == TP_OK, "set_timeout");
+        EXPECT(tp_all_reduce(c, x, x, TP_SUM, &w) == TP_OK, "async all_reduce: %s",
+               tp_last_error());
+        tp_tensor_release(x);
+        free_promptly(c, "pending work, absent peers");
+        (void)w; /* its communicator is gone: the handle cannot be used (nor freed) now */
+    } else {
+        tp_comm_free(c);
+    }
+    check_world(world, "after freeing pending work");
 }
 
 int main(int argc, char **argv)
