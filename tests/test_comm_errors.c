@@ -281,6 +281,66 @@ Test(comm_errors, rank_returns_without_joining, .timeout = 30)
     }
 }
 
+/* ---- the first failure by time ------------------------------------------------------ */
+
+/* The last rank stays alive but skips the barrier (a rank that returned would
+ * be noticed as gone), until every other rank gave up; the others wait on it.
+ * `same`: every waiter has the 0.05 s timeout, so whichever times out first
+ * aborts the group for the rest. Otherwise only rank 0 has it and the others
+ * learn of the failure only through the abort. */
+typedef struct {
+    bool same;
+    atomic_int gave_up;
+} first_ctx;
+
+static tp_status first_failure_body(tp_comm *w, void *arg)
+{
+    first_ctx *c = arg;
+    int r = tp_comm_rank(w), n = tp_comm_size(w);
+    if (r == n - 1) {
+        for (int i = 0; i < 4000 && atomic_load(&c->gave_up) < n - 1; i++)
+            sleep_s(0.002);
+        return TP_OK;
+    }
+    tp_status st = tp_comm_set_timeout(w, c->same || r == 0 ? 0.05 : 60);
+    if (st == TP_OK)
+        st = tp_barrier(w, NULL);
+    atomic_fetch_add(&c->gave_up, 1);
+    return st;
+}
+
+/* tp_run_local returns the failure that happened first (comm.h), not the
+ * one whose rank function returned first: the timeout, never the abort it
+ * caused on the peers, however the threads are scheduled. The race shows in
+ * a few of every ten runs, so many runs make a wrong order certain to show. */
+Test(comm_errors, run_reports_the_first_failure, .timeout = 120)
+{
+    static const int sizes[] = {3, 4, 8};
+    for (int si = 0; si < 3; si++) {
+        int n = sizes[si];
+        for (int run = 0; run < 24; run++) {
+            first_ctx c = {.same = run % 4 == 3};
+            tp_status ranks[8];
+            tp_run_options o = {.rank_status = ranks};
+            tp_status st = tp_run_local_opts(n, first_failure_body, &c, &o);
+            cr_assert_eq(st, TP_ERR_TIMEOUT, "%d ranks, run %d%s: %s (%s)", n, run,
+                         c.same ? " (one timeout)" : "", tp_status_name(st), tp_last_error());
+            cr_assert(strstr(tp_last_error(), "timed out after 0.05 s waiting for collective #1"),
+                      "%d ranks, run %d: %s", n, run, tp_last_error());
+            cr_assert_eq(ranks[n - 1], TP_OK);
+            if (c.same)
+                continue;
+            cr_assert(strncmp(tp_last_error(), "rank 0: ", 8) == 0 &&
+                          strstr(tp_last_error(), "rank 0 (world rank 0) timed out"),
+                      "%d ranks, run %d: %s", n, run, tp_last_error());
+            cr_assert_eq(ranks[0], TP_ERR_TIMEOUT);
+            for (int r = 1; r < n - 1; r++)
+                cr_assert_eq(ranks[r], TP_ERR_ABORTED, "%d ranks, run %d, rank %d: %s", n, run,
+                             r, tp_status_name(ranks[r]));
+        }
+    }
+}
+
 /* ---- mismatched collectives ----------------------------------------------------- */
 
 typedef struct {

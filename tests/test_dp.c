@@ -717,6 +717,45 @@ Test(dp, builtin_pass_schedules, .timeout = 10)
     CHECK_ERR(tp_step_graph_write(NULL, stdout), TP_ERR_INVALID_ARG);
 }
 
+/* Sizes whose byte counts overflow, alone or summed over the parameters (a
+ * fused bucket may hold them all): refused, naming the parameter, rather than
+ * wrapping into small buckets. */
+Test(dp, graph_sizes_that_overflow, .timeout = 10)
+{
+    tp_step_graph *g = NULL;
+    const int64_t big = INT64_MAX / 4; /* f32: INT64_MAX - 3 bytes, the most that fits */
+#define EXPECT_SIZE_ERR(n, numel, dtype, needle)                                \
+    do {                                                                        \
+        CHECK_ERR(tp_step_graph_create((n), (numel), (dtype), 0, &g), TP_ERR_INVALID_ARG); \
+        cr_assert_null(g);                                                      \
+        cr_assert(strstr(tp_last_error(), "tp_step_graph_create: ") &&          \
+                      strstr(tp_last_error(), (needle)),                        \
+                  "%s", tp_last_error());                                       \
+    } while (0)
+    EXPECT_SIZE_ERR(1, ((int64_t[]){INT64_MAX}), TP_F32,
+                    "parameter 0 (param0): 9223372036854775807 elements of f32 (4 bytes each) "
+                    "overflow a byte count");
+    /* 2^62 f32 elements are 2^64 bytes, 0 in a 64-bit size_t */
+    EXPECT_SIZE_ERR(2, ((int64_t[]){10, INT64_C(1) << 62}), TP_F32,
+                    "parameter 1 (param1): 4611686018427387904 elements of f32");
+    EXPECT_SIZE_ERR(1, ((int64_t[]){big + 1}), TP_F32, "parameter 0 (param0)");
+    EXPECT_SIZE_ERR(1, ((int64_t[]){INT64_MAX / 8 + 1}), TP_F64, "elements of f64 (8 bytes each)");
+    /* each fits, the sum does not */
+    EXPECT_SIZE_ERR(3, ((int64_t[]){big / 2, big / 2, 2}), TP_F32,
+                    "parameter 2 (param2): its 8 bytes take the parameters' total past "
+                    "9223372036854775807 bytes");
+    EXPECT_SIZE_ERR(3, ((int64_t[]){big, big, big}), TP_BF16, "parameter 2 (param2)");
+    EXPECT_SIZE_ERR(2, ((int64_t[]){3, -5}), TP_F32, "parameter 1 (param1): numel -5 is negative");
+#undef EXPECT_SIZE_ERR
+    /* the largest sizes that fit are accepted, in one bucket when fused */
+    CHECK_OK(tp_step_graph_create(1, (int64_t[]){big}, TP_F32, 0, &g));
+    tp_step_graph_free(g);
+    CHECK_OK(tp_step_graph_create(3, (int64_t[]){big / 2, big / 2, 1}, TP_F32, SIZE_MAX, &g));
+    CHECK_OK(tp_pass_apply(tp_pass_bucket_fusion(), g));
+    cr_assert_eq(tp_step_graph_num_buckets(g), 1);
+    tp_step_graph_free(g);
+}
+
 /* ---- errors ---------------------------------------------------------------------- */
 
 typedef struct err_ctx {
@@ -762,6 +801,13 @@ static tp_status errors_body(tp_comm *w, void *arg)
     return TP_OK;
 }
 
+static tp_status huge_forward(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                              const tp_kwarg *kw, tp_tensor **out)
+{
+    (void)self, (void)nargs, (void)args, (void)nkw, (void)kw, (void)out;
+    return TP_ERR_NOT_SUPPORTED;
+}
+
 Test(dp, errors, .timeout = 60)
 {
     err_ctx c = {0};
@@ -782,6 +828,25 @@ Test(dp, errors, .timeout = 60)
     CHECK_ERR(tp_ddp_wrap(empty, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "no parameter"), "%s", tp_last_error());
     cr_assert_null(ddp);
+    /* parameters whose bytes add up past a 64-bit count (tensors wrapping
+     * memory they only claim: the sizes are refused before any is touched) */
+    tp_module *huge = NULL;
+    tp_tensor *ha = NULL, *hb = NULL;
+    static float cell[1];
+    int64_t half = INT64_MAX / 4; /* 2^63 - 4 bytes of f32 each: the most a tensor holds */
+    CHECK_OK(tp_custom_module_create("Huge", huge_forward, NULL, NULL, &huge));
+    CHECK_OK(tp_tensor_from_blob(TP_F32, TP_CPU, 1, &half, cell, NULL, NULL, &ha));
+    CHECK_OK(tp_tensor_from_blob(TP_F32, TP_CPU, 1, &half, cell, NULL, NULL, &hb));
+    CHECK_OK(tp_module_register_parameter(huge, "a", ha));
+    CHECK_OK(tp_module_register_parameter(huge, "b", hb));
+    CHECK_ERR(tp_ddp_wrap(huge, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "tp_ddp_wrap: parameter 1 (b): its 9223372036854775804 "
+                                      "bytes take the parameters' total past"),
+              "%s", tp_last_error());
+    cr_assert_null(ddp);
+    tp_tensor_release(ha);
+    tp_tensor_release(hb);
+    tp_module_free(huge);
     CHECK_ERR(tp_ddp_sync(NULL), TP_ERR_INVALID_ARG);
     cr_assert_null(tp_ddp_graph(NULL));
     tp_ddp_free(NULL);

@@ -842,6 +842,146 @@ Test(tensor, strided_copy, .timeout = 30)
     tp_tensor_release(base);
 }
 
+/* Copies between views of one storage: refused when the views share a byte
+ * (memcpy on overlapping memory), allowed when they only interleave. */
+#define EXPECT_OVERLAP(dst, src)                                                \
+    do {                                                                        \
+        CHECK_ERR(tp_tensor_copy((dst), (src)), TP_ERR_INVALID_ARG);            \
+        cr_assert(strstr(tp_last_error(), "tp_tensor_copy: dst and src overlap in memory"), \
+                  "copy(%s, %s): %s", #dst, #src, tp_last_error());             \
+    } while (0)
+
+Test(tensor, copy_between_overlapping_views, .timeout = 30)
+{
+    /* 1-D: [0, 6) and [1, 7) share five elements, either direction */
+    int64_t ten = 10;
+    tp_tensor *x = NULL, *a = NULL, *b = NULL, *c = NULL, *whole = NULL;
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 1, &ten, &x));
+    fill_seq(x, 0);
+    CHECK_OK(tp_tensor_narrow(x, 0, 0, 6, &a));
+    CHECK_OK(tp_tensor_narrow(x, 0, 1, 6, &b));
+    EXPECT_OVERLAP(b, a);
+    EXPECT_OVERLAP(a, b);
+    expect_seq(x, 0); /* nothing was written */
+    /* adjacent halves touch no common byte */
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    CHECK_OK(tp_tensor_narrow(x, 0, 0, 5, &a));
+    CHECK_OK(tp_tensor_narrow(x, 0, 5, 5, &b));
+    CHECK_OK(tp_tensor_copy(b, a));
+    for (int64_t i = 0; i < 10; i++)
+        cr_assert_eq(get1(x, i), (double)(i % 5));
+    /* a second handle on the same view is the same view */
+    CHECK_OK(tp_tensor_narrow(x, 0, 0, 10, &whole));
+    CHECK_OK(tp_tensor_copy(whole, x));
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    tp_tensor_release(whole);
+    tp_tensor_release(x);
+    a = b = x = NULL;
+
+    /* 2-D, m is 4 x 6 */
+    int64_t shape[2] = {4, 6};
+    tp_tensor *m = NULL, *v = NULL, *even = NULL, *odd = NULL;
+    CHECK_OK(tp_tensor_empty(TP_I32, TP_CPU, 2, shape, &m));
+    fill_seq(m, 0);
+    /* rows [0, 2) and [1, 3) share row 1 */
+    CHECK_OK(tp_tensor_narrow(m, 0, 0, 2, &a));
+    CHECK_OK(tp_tensor_narrow(m, 0, 1, 2, &b));
+    EXPECT_OVERLAP(a, b);
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    /* even columns {0, 2, 4} and columns [2, 5) share columns 2 and 4,
+     * though neither view is contiguous */
+    CHECK_OK(tp_tensor_view(m, 3, (int64_t[]){4, 3, 2}, &v));
+    CHECK_OK(tp_tensor_select(v, 2, 0, &even));
+    CHECK_OK(tp_tensor_select(v, 2, 1, &odd));
+    CHECK_OK(tp_tensor_narrow(m, 1, 2, 3, &c));
+    EXPECT_OVERLAP(c, even);
+    EXPECT_OVERLAP(even, c);
+    /* a row and a column share their crossing element */
+    tp_tensor *col = NULL;
+    CHECK_OK(tp_tensor_select(m, 0, 1, &a));   /* row 1, 6 elements */
+    CHECK_OK(tp_tensor_select(m, 1, 3, &col)); /* column 3, 4 elements */
+    CHECK_OK(tp_tensor_narrow(a, 0, 1, 4, &b));   /* row 1, columns [1, 5): holds (1, 3) */
+    EXPECT_OVERLAP(col, b);
+    tp_tensor_release(b);
+    CHECK_OK(tp_tensor_narrow(a, 0, 0, 4, &b)); /* row 1, columns [0, 4): holds (1, 3) too */
+    EXPECT_OVERLAP(b, col);
+    expect_seq(m, 0);
+    /* even and odd columns interleave without sharing a byte: allowed */
+    CHECK_OK(tp_tensor_copy(odd, even));
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 6; j++)
+            cr_assert_eq(get2(m, i, j), (double)(i * 6 + j - j % 2), "m[%d][%d]", i, j);
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    tp_tensor_release(c);
+    tp_tensor_release(col);
+    tp_tensor_release(v);
+    tp_tensor_release(even);
+    tp_tensor_release(odd);
+    tp_tensor_release(m);
+
+    /* even and odd rows of a large matrix interleave too; the check stays
+     * quick */
+    int64_t big[2] = {1000, 1002};
+    tp_tensor *g = NULL, *gv = NULL, *r0 = NULL, *r1 = NULL, *c0 = NULL, *c1 = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F64, TP_CPU, 2, big, &g));
+    CHECK_OK(tp_tensor_view(g, 3, (int64_t[]){500, 2, 1002}, &gv));
+    CHECK_OK(tp_tensor_select(gv, 1, 0, &r0));
+    CHECK_OK(tp_tensor_select(gv, 1, 1, &r1));
+    CHECK_OK(tp_tensor_fill(r0, 1.0));
+    CHECK_OK(tp_tensor_copy(r1, r0));
+    tp_tensor_release(gv);
+    CHECK_OK(tp_tensor_view(g, 3, (int64_t[]){1000, 501, 2}, &gv));
+    CHECK_OK(tp_tensor_select(gv, 2, 0, &c0));
+    CHECK_OK(tp_tensor_select(gv, 2, 1, &c1));
+    CHECK_OK(tp_tensor_fill(c0, 2.0));
+    CHECK_OK(tp_tensor_copy(c1, c0));
+    double diff = -1;
+    tp_tensor *twos = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F64, TP_CPU, 2, big, &twos));
+    CHECK_OK(tp_tensor_fill(twos, 2.0));
+    CHECK_OK(tp_tensor_max_abs_diff(g, twos, &diff));
+    cr_assert_eq(diff, 0.0);
+    /* rows 0, 2, ... against rows 2, 4, ...: shared */
+    tp_tensor *r0n = NULL, *r0s = NULL;
+    CHECK_OK(tp_tensor_narrow(r0, 0, 0, 499, &r0n));
+    CHECK_OK(tp_tensor_narrow(r0, 0, 1, 499, &r0s));
+    EXPECT_OVERLAP(r0s, r0n);
+    tp_tensor_release(r0n);
+    tp_tensor_release(r0s);
+
+    /* tensors wrapping one buffer (tp_tensor_from_blob) are compared by
+     * address, dtypes of different sizes included: f32 bytes [0, 16) against
+     * f16 bytes [16, 24) are apart, against f16 bytes [14, 22) not */
+    float buf[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    int64_t four = 4;
+    tp_tensor *t32 = NULL, *t16 = NULL, *t16b = NULL, *t32b = NULL;
+    CHECK_OK(tp_tensor_from_blob(TP_F32, TP_CPU, 1, &four, buf, NULL, NULL, &t32));
+    CHECK_OK(tp_tensor_from_blob(TP_F16, TP_CPU, 1, &four, (char *)buf + 16, NULL, NULL, &t16));
+    CHECK_OK(tp_tensor_from_blob(TP_F16, TP_CPU, 1, &four, (char *)buf + 14, NULL, NULL, &t16b));
+    CHECK_OK(tp_tensor_from_blob(TP_F32, TP_CPU, 1, &four, buf, NULL, NULL, &t32b));
+    CHECK_OK(tp_tensor_copy(t16, t32));
+    for (int64_t i = 0; i < 4; i++)
+        cr_assert_eq(get1(t16, i), (double)(i + 1));
+    EXPECT_OVERLAP(t16b, t32);
+    EXPECT_OVERLAP(t32, t16b);
+    CHECK_OK(tp_tensor_copy(t32b, t32)); /* the same view through another blob */
+    tp_tensor_release(t32);
+    tp_tensor_release(t16);
+    tp_tensor_release(t16b);
+    tp_tensor_release(t32b);
+    tp_tensor_release(twos);
+    tp_tensor_release(c0);
+    tp_tensor_release(c1);
+    tp_tensor_release(r0);
+    tp_tensor_release(r1);
+    tp_tensor_release(gv);
+    tp_tensor_release(g);
+}
+
 Test(tensor, large_contiguous_copy_and_convert, .timeout = 30)
 {
     int64_t shape[2] = {1024, 4096};

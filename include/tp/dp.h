@@ -94,7 +94,10 @@ TP_API const tp_pass *tp_pass_remove_copies(void);
 
 /* A graph of n parameters of the given sizes (elements) and one dtype, not
  * attached to any module: for inspecting passes, and for user-written passes
- * and their ordering. bucket_cap_bytes 0 means the default (25 MiB). */
+ * and their ordering. bucket_cap_bytes 0 means the default (25 MiB). Sizes
+ * must be >= 0 and their byte counts (numel * dtype size), each and summed
+ * over the parameters, at most INT64_MAX (and SIZE_MAX): otherwise
+ * TP_ERR_INVALID_ARG naming the parameter ("parameter i (param<i>): ..."). */
 TP_API tp_status tp_step_graph_create(int n, const int64_t *numel, tp_dtype dtype,
                                       size_t bucket_cap_bytes, tp_step_graph **out);
 TP_API void tp_step_graph_free(tp_step_graph *g);

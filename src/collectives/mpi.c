@@ -36,7 +36,14 @@
  *    returns TP_ERR_TIMEOUT and the communicator is aborted (unusable): the
  *    request stays posted inside MPI, which may still write the receive
  *    buffer should the peers join later, so do not reuse the buffers of a
- *    collective that did not complete.
+ *    collective that did not complete. Freeing a communicator with such a
+ *    request (or an aborted one) does not wait and does not call
+ *    MPI_Comm_free: MPI progresses the request whenever a late peer's data
+ *    arrives, at any later MPI call (MPI_Finalize included), and then sends
+ *    on its communicator, so the communicator, the request and its buffers
+ *    (libtp keeps the tensors alive) are left to MPI until MPI_Finalize, or
+ *    for good when the program finalizes MPI itself. MPI_Finalize accepts
+ *    the pending request; a peer that joins late may even complete.
  *  - tp_comm_abort is local. Later calls on this rank return TP_ERR_ABORTED
  *    at once (pending work too), but the peers learn of it only through
  *    their own timeouts: MPI has no cross-process abort short of MPI_Abort,
@@ -74,6 +81,7 @@ static pthread_mutex_t mpi_call_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static MPI_Datatype mpi_half = MPI_DATATYPE_NULL; /* 2 bytes: f16 and bf16 */
 static struct mpi_work *mpi_orphans; /* work MPI never completed, of freed communicators */
+static int mpi_faulted; /* communicators left to MPI unfreed, their requests still posted */
 enum { HALF_F16 = 0, HALF_BF16 = 1 };
 static MPI_Op mpi_half_ops[2][TP_REDUCE_OP_COUNT];
 
@@ -201,7 +209,8 @@ typedef struct mpi_state {
     int rank, size;
     int world_rank; /* in MPI_COMM_WORLD, for messages */
     _Atomic int aborted;
-    pthread_mutex_t mu; /* reason, the work lists */
+    pthread_mutex_t mu; /* reason, the work lists, timeout_s */
+    double timeout_s;   /* the communicator's, as its latest collective passed it */
     char reason[300];
     mpi_work *active;  /* work handed out and not yet freed */
     mpi_work *zombies; /* freed before MPI completed it (after a timeout or abort) */
@@ -300,7 +309,9 @@ static void mpi_teardown_locked(void)
     MPI_Finalized(&fin);
     if (fin)
         return;
-    if (mpi_types_ready) {
+    /* a request MPI never completed may still reduce with the half ops once a
+     * late peer's data arrives (MPI_Finalize progresses it too): keep them */
+    if (mpi_types_ready && !mpi_faulted && !mpi_orphans) {
         for (int h = 0; h < 2; h++)
             for (int op = 0; op < TP_REDUCE_OP_COUNT; op++)
                 if (op != TP_AVG)
@@ -543,6 +554,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     pthread_mutex_lock(&S->mu);
     w->next = S->active;
     S->active = w;
+    S->timeout_s = d->timeout_s;
     pthread_mutex_unlock(&S->mu);
     *work = w;
     return TP_OK;
@@ -647,9 +659,11 @@ static void mpi_free(void *state)
         return;
     int fin = 0;
     MPI_Finalized(&fin);
-    /* pending work is waited for first (comm.h), unless the communicator is
-     * unusable anyway */
-    double timeout = tp__default_timeout();
+    /* pending work is waited for first (comm.h), up to the communicator's
+     * timeout, unless the communicator is unusable anyway */
+    pthread_mutex_lock(&S->mu);
+    double timeout = S->timeout_s > 0 ? S->timeout_s : tp__default_timeout();
+    pthread_mutex_unlock(&S->mu);
     for (mpi_work *w = S->active; w && !fin && !atomic_load(&S->aborted); w = w->next) {
         if (w->complete)
             continue;
@@ -663,8 +677,14 @@ static void mpi_free(void *state)
     }
     pthread_mutex_lock(&mpi_mu);
     mpi_lock();
-    /* zombies MPI finished since can go; the rest stay with MPI until it
-     * is finalized */
+    /* A communicator with a request MPI may never complete is faulted: an
+     * abort or timeout (including a split's barrier, whose request is not
+     * kept), or work still pending. */
+    bool faulted = atomic_load(&S->aborted);
+    for (mpi_work *w = S->active; w; w = w->next)
+        faulted = faulted || !w->complete;
+    /* zombies MPI finished since can go; the rest stay with MPI, buffers and
+     * all, until it is finalized */
     for (mpi_work *w = S->zombies, *next = NULL; w; w = next) {
         next = w->next;
         int flag = 0;
@@ -673,10 +693,20 @@ static void mpi_free(void *state)
         } else {
             w->next = mpi_orphans;
             mpi_orphans = w;
+            faulted = true;
         }
     }
-    if (!fin)
+    /* MPI cannot cancel a collective request (MPI_Cancel is for point-to-point
+     * only), and a peer that joins late makes MPI progress it at any later
+     * MPI call, MPI_Finalize's own progress loop included: the next round's
+     * sends go out on this communicator. Freeing it under the request crashes
+     * OpenMPI there (mca_pml_ob1_isend on a freed communicator), so a faulted
+     * communicator is left to MPI, deliberately unfreed; MPI_Finalize tolerates
+     * the pending request, and a late peer's collective may even complete. */
+    if (!fin && !faulted)
         MPI_Comm_free(&S->comm);
+    else if (!fin)
+        mpi_faulted++;
     pthread_mutex_destroy(&S->mu);
     tp__free(S);
     if (--mpi_live == 0)

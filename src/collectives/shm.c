@@ -59,6 +59,14 @@ typedef struct shm_slot {
     _Alignas(64) shm_op ring[SHM_RING];
 } shm_slot;
 
+/* The kinds of failure a rank's wait or abort can record (see run_fail). */
+enum {
+    FAIL_TIMEOUT, /* one of its waits timed out */
+    FAIL_ABORTED, /* it saw a group or the run aborted */
+    FAIL_GAVE_UP, /* it aborted a group itself */
+    FAIL_KINDS
+};
+
 typedef struct shm_run {
     _Atomic uint32_t epoch; /* futex word: bumped when a waiter may need waking */
     _Atomic int sleepers;
@@ -68,8 +76,14 @@ typedef struct shm_run {
     char reason[512];
     int n;
     _Atomic int *exited; /* per world rank */
-    /* first failure */
+    /* When each world rank last failed, by kind: tickets of `clock` (0:
+     * never) taken at the moment itself, so that the failure that came first
+     * is known however late its rank function returns. n * FAIL_KINDS. */
+    _Atomic uint64_t clock;
+    _Atomic uint64_t *fail_at;
+    /* first failure, by ticket */
     int fail_rank;
+    uint64_t fail_ticket;
     tp_status fail_status;
     char fail_msg[1024];
 } shm_run;
@@ -155,6 +169,20 @@ static void run_sleep(shm_run *run, uint32_t seen, double seconds)
 
 /* ---- aborts --------------------------------------------------------------- */
 
+/* Records that world rank `wr` failed now, in the given kind's slot. Taken
+ * before the failure becomes visible to any peer (before the abort it
+ * causes), so a failure that follows from it always gets a later ticket. */
+static void run_note_failure(shm_run *run, int wr, int kind)
+{
+    uint64_t t = atomic_fetch_add(&run->clock, 1) + 1;
+    atomic_store(&run->fail_at[(size_t)wr * FAIL_KINDS + (size_t)kind], t);
+}
+
+static void rank_note_failure(shm_rank *R, int kind)
+{
+    run_note_failure(R->g->run, R->g->world[R->rank], kind);
+}
+
 static void run_release(shm_run *run);
 
 static void group_abort(shm_group *g, const char *reason)
@@ -187,10 +215,9 @@ static bool group_is_aborted(const shm_group *g)
     return atomic_load(&g->aborted) || atomic_load(&g->run->aborted);
 }
 
-/* Returns TP_ERR_ABORTED with the reason, after making sure no peer is still
- * inside a data phase that touches this rank's outstanding buffers: data
- * phases never block, so this wait is short. */
-static tp_status rank_aborted(shm_rank *R)
+/* Makes sure no peer is still inside a data phase that touches this rank's
+ * outstanding buffers: data phases never block, so this wait is short. */
+static void rank_quiesce(shm_rank *R)
 {
     shm_group *g = R->g;
     for (int q = 0; q < g->n; q++) {
@@ -201,6 +228,14 @@ static tp_status rank_aborted(shm_rank *R)
             sched_yield();
         }
     }
+}
+
+/* Returns TP_ERR_ABORTED with the reason once rank_quiesce is done. */
+static tp_status rank_aborted(shm_rank *R)
+{
+    shm_group *g = R->g;
+    rank_note_failure(R, FAIL_ABORTED);
+    rank_quiesce(R);
     pthread_mutex_lock(&g->run->mu);
     const char *why = atomic_load(&g->aborted) ? g->reason : g->run->reason;
     tp_status st = tp__error(TP_ERR_ABORTED, "communicator aborted: %s", why);
@@ -442,8 +477,9 @@ static tp_status rank_wait(shm_rank *R, uint64_t s, double timeout, bool block)
                      "rank %d (world rank %d) timed out after %.3g s waiting for collective "
                      "#%llu",
                      R->rank, g->world[R->rank], timeout, (unsigned long long)s);
+            rank_note_failure(R, FAIL_TIMEOUT); /* before any peer can see the abort */
             group_abort(g, why);
-            rank_aborted(R);
+            rank_quiesce(R);
             return tp__error(TP_ERR_TIMEOUT, "%s", why);
         }
         if (waited < spin_s) {
@@ -633,6 +669,7 @@ static void shm_abort(void *state, const char *reason)
     shm_rank *R = state;
     char why[512];
     snprintf(why, sizeof why, "rank %d aborted: %s", R->rank, reason);
+    rank_note_failure(R, FAIL_GAVE_UP);
     group_abort(R->g, why);
 }
 
@@ -665,6 +702,7 @@ static tp_status shm_split(void *state, int color, int key, void **new_state, in
     members = tp__malloc(sizeof(int) * (size_t)n);
     world = tp__malloc(sizeof(int) * (size_t)n);
     if (!R->split_colors || !R->split_keys || !members || !world) {
+        rank_note_failure(R, FAIL_GAVE_UP);
         group_abort(g, "a rank ran out of memory in tp_comm_split");
         st = tp__error(TP_ERR_NO_MEMORY, "out of memory");
         goto out;
@@ -714,6 +752,7 @@ static tp_status shm_split(void *state, int color, int key, void **new_state, in
     }
     shm_rank *NR = rank_create(ng, me);
     if (!NR) {
+        rank_note_failure(R, FAIL_GAVE_UP);
         group_abort(ng, "a rank ran out of memory joining the group in tp_comm_split");
         group_release(ng);
         st = tp__error(TP_ERR_NO_MEMORY, "out of memory");
@@ -750,6 +789,7 @@ static void run_release(shm_run *run)
         return;
     pthread_mutex_destroy(&run->mu);
     tp__free((void *)run->exited);
+    tp__free((void *)run->fail_at);
     tp__free(run);
 }
 
@@ -764,13 +804,32 @@ typedef struct shm_thread {
     pthread_t tid;
 } shm_thread;
 
+/* World rank `rank` returned st != TP_OK. Its failure happened when its
+ * wait timed out (TP_ERR_TIMEOUT) or it saw the abort (TP_ERR_ABORTED), or
+ * else at its latest recorded failure of any kind, or else now; the run keeps
+ * the earliest. The first rank to return aborts the run, so no peer waits for
+ * a rank that is gone. */
 static void run_fail(shm_run *run, int rank, tp_status st, const char *msg)
 {
     char why[1200];
+    const _Atomic uint64_t *at = &run->fail_at[(size_t)rank * FAIL_KINDS];
+    uint64_t t = st == TP_ERR_TIMEOUT   ? atomic_load(&at[FAIL_TIMEOUT])
+                 : st == TP_ERR_ABORTED ? atomic_load(&at[FAIL_ABORTED])
+                                        : 0;
+    if (!t) {
+        for (int k = 0; k < FAIL_KINDS; k++) {
+            uint64_t tk = atomic_load(&at[k]);
+            if (tk > t)
+                t = tk;
+        }
+    }
+    if (!t)
+        t = atomic_fetch_add(&run->clock, 1) + 1;
     pthread_mutex_lock(&run->mu);
     bool first = run->fail_status == TP_OK;
-    if (first) {
+    if (first || t < run->fail_ticket) {
         run->fail_rank = rank;
+        run->fail_ticket = t;
         run->fail_status = st;
         snprintf(run->fail_msg, sizeof run->fail_msg, "%s", msg);
     }
@@ -833,7 +892,8 @@ tp_status tp_run_local_opts(int n, tp_rank_fn fn, void *arg, const tp_run_option
     if (!run || !th || !ids)
         goto oom;
     run->exited = tp__calloc((size_t)n, sizeof *run->exited);
-    if (!run->exited)
+    run->fail_at = tp__calloc((size_t)n * FAIL_KINDS, sizeof *run->fail_at);
+    if (!run->exited || !run->fail_at)
         goto oom;
     run->n = n;
     atomic_init(&run->refs, 1);
@@ -879,6 +939,7 @@ tp_status tp_run_local_opts(int n, tp_rank_fn fn, void *arg, const tp_run_option
 oom:
     if (run) {
         tp__free((void *)run->exited);
+        tp__free((void *)run->fail_at);
         tp__free(run);
     }
     tp__free(th);

@@ -877,6 +877,109 @@ done:
 }
 #endif
 
+/* ---- overlap of two views of one storage ---------------------------------- */
+
+/* One term of the byte distance between an element of a and one of b:
+ * c * s with s > 0 and c in [lo, hi]. */
+typedef struct tp__ov_dim {
+    int64_t s, lo, hi;
+} tp__ov_dim;
+
+enum { TP__OV_DISJOINT = 0, TP__OV_OVERLAP = 1, TP__OV_UNKNOWN = 2 };
+
+/* Whether sum over j >= i of c_j * d[j].s can land in [lo, hi]: dims in
+ * decreasing stride, rmin/rmax[i] the least and greatest such sum. Each step
+ * tries the few values of c_i that leave the rest within reach, so views cut
+ * from one row-major layout (narrow, select, view) take a handful of steps
+ * per dim; *budget bounds the work for any other stride pattern. */
+static int tp__ov_search(const tp__ov_dim *d, int n, int i, int64_t lo, int64_t hi,
+                         const int64_t *rmin, const int64_t *rmax, long *budget)
+{
+    if (rmax[i] < lo || rmin[i] > hi)
+        return TP__OV_DISJOINT;
+    if (i == n)
+        return TP__OV_OVERLAP; /* the empty sum 0 is in [lo, hi] */
+    if (--*budget < 0)
+        return TP__OV_UNKNOWN;
+    int64_t s = d[i].s;
+    /* c * s + r in [lo, hi] for some r in [rmin[i+1], rmax[i+1]] */
+    int64_t a = lo - rmax[i + 1], b = hi - rmin[i + 1];
+    int64_t cmin = a >= 0 ? (a + s - 1) / s : -(-a / s);
+    int64_t cmax = b >= 0 ? b / s : -((-b + s - 1) / s);
+    if (cmin < d[i].lo)
+        cmin = d[i].lo;
+    if (cmax > d[i].hi)
+        cmax = d[i].hi;
+    for (int64_t c = cmin; c <= cmax; c++) {
+        int r = tp__ov_search(d, n, i + 1, lo - c * s, hi - c * s, rmin, rmax, budget);
+        if (r != TP__OV_DISJOINT)
+            return r;
+    }
+    return TP__OV_DISJOINT;
+}
+
+/* Whether some byte of an element of view a is also a byte of an element of
+ * view b (both nonempty, on one device). Exact: an element at byte x of a
+ * and one at byte y of b share a byte iff x - y lies in [1 - es_a, es_b - 1],
+ * and x - y is a sum of stride terms searched above (dims of equal stride
+ * merged), so views that interleave without touching (even and odd columns,
+ * even and odd rows) are told apart from views that share elements.
+ * TP__OV_UNKNOWN only when the search runs out of budget. */
+static int tp__views_overlap(const tp_tensor *a, const tp_tensor *b)
+{
+    tp__ov_dim d[2 * TP_MAX_DIMS];
+    int n = 0;
+    int64_t ea = (int64_t)tp_dtype_size(a->dtype), eb = (int64_t)tp_dtype_size(b->dtype);
+    for (int side = 0; side < 2; side++) {
+        const tp_tensor *t = side ? b : a;
+        int64_t es = side ? eb : ea;
+        for (int k = 0; k < t->ndim; k++) {
+            int64_t s = t->stride[k] * es * (side ? -1 : 1), m = t->shape[k] - 1;
+            if (s == 0 || m == 0)
+                continue;
+            d[n++] = s > 0 ? (tp__ov_dim){s, 0, m} : (tp__ov_dim){-s, -m, 0};
+        }
+    }
+    /* decreasing stride (insertion sort: at most 16 dims), equal strides merged */
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && d[j - 1].s < d[j].s; j--) {
+            tp__ov_dim x = d[j];
+            d[j] = d[j - 1];
+            d[j - 1] = x;
+        }
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (m > 0 && d[m - 1].s == d[i].s) {
+            d[m - 1].lo += d[i].lo;
+            d[m - 1].hi += d[i].hi;
+        } else {
+            d[m++] = d[i];
+        }
+    }
+    int64_t rmin[2 * TP_MAX_DIMS + 1], rmax[2 * TP_MAX_DIMS + 1];
+    rmin[m] = rmax[m] = 0;
+    for (int i = m - 1; i >= 0; i--) {
+        rmin[i] = rmin[i + 1] + d[i].lo * d[i].s;
+        rmax[i] = rmax[i + 1] + d[i].hi * d[i].s;
+    }
+    /* x - y = (a's first byte - b's first byte) + the sum of the terms */
+    int64_t base = (int64_t)((uintptr_t)tp_tensor_data(a) - (uintptr_t)tp_tensor_data(b));
+    long budget = 100000;
+    return tp__ov_search(d, m, 0, 1 - ea - base, eb - 1 - base, rmin, rmax, &budget);
+}
+
+/* One storage, or two whose memory intersects (tp_tensor_from_blob on the
+ * same buffer) on one device. */
+static bool tp__storages_alias(const tp_storage *a, const tp_storage *b)
+{
+    if (a == b)
+        return true;
+    if (a->device.type != b->device.type || a->device.index != b->device.index)
+        return false;
+    uintptr_t x = (uintptr_t)a->data, y = (uintptr_t)b->data;
+    return a->nbytes && b->nbytes && x < y + b->nbytes && y < x + a->nbytes;
+}
+
 static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
 {
     TP_PLAIN_CHECK(fn, dst, "dst");
@@ -889,9 +992,24 @@ static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
     }
     if (tp__numel(src) == 0)
         return TP_OK;
-    if (dst->storage == src->storage && dst->offset == src->offset && dst->dtype == src->dtype &&
-        memcmp(dst->stride, src->stride, sizeof dst->stride) == 0)
-        return TP_OK; /* the same view: copying onto itself changes nothing */
+    if (tp__storages_alias(dst->storage, src->storage)) {
+        bool same = tp_tensor_data(dst) == tp_tensor_data(src) && dst->dtype == src->dtype;
+        for (int d = 0; d < dst->ndim && same; d++)
+            same = dst->shape[d] == 1 || dst->stride[d] == src->stride[d];
+        if (same)
+            return TP_OK; /* the same view: copying onto itself changes nothing */
+        int ov = tp__views_overlap(dst, src);
+        if (ov == TP__OV_OVERLAP)
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: dst and src overlap in memory (they share bytes but are "
+                             "not the same view)",
+                             fn);
+        if (ov == TP__OV_UNKNOWN)
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: dst and src may overlap in memory (views of the same "
+                             "memory whose strides are too irregular to prove them disjoint)",
+                             fn);
+    }
     if (dst->storage->device.type == TP_DEVICE_CPU && src->storage->device.type == TP_DEVICE_CPU) {
         tp__cpu_copy(dst->ndim, dst->shape, tp_tensor_data(dst), dst->dtype, dst->stride,
                      tp_tensor_data(src), src->dtype, src->stride);

@@ -601,7 +601,8 @@ tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *op
             devkey[i] = (int)dev.type * 65536 + dev.index;
             names[i] = d->p[i].fqn;
         }
-        st = tp__graph_new(d->n, numel, dt, devkey, names, d->opts.bucket_cap_bytes, &d->g);
+        st = tp__graph_new(fn, d->n, numel, dt, devkey, names, d->opts.bucket_cap_bytes,
+                           &d->g);
     }
     tp__free(numel);
     tp__free(dt);

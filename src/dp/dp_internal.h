@@ -48,9 +48,13 @@ struct tp_step_graph {
     tp_ddp *owner;      /* NULL for a standalone graph */
 };
 
-/* A graph over n parameters (all arrays copied), plain schedule. */
-tp_status tp__graph_new(int n, const int64_t *numel, const tp_dtype *dtype, const int *devkey,
-                        const char *const *names, size_t cap_bytes, tp_step_graph **out);
+/* A graph over n parameters (all arrays copied), plain schedule. Refuses
+ * (TP_ERR_INVALID_ARG, errors prefixed with fn) sizes that are negative or
+ * whose byte counts, alone or summed over the parameters, exceed a 64-bit
+ * (and size_t) byte count, so that no bucket size or offset can overflow. */
+tp_status tp__graph_new(const char *fn, int n, const int64_t *numel, const tp_dtype *dtype,
+                        const int *devkey, const char *const *names, size_t cap_bytes,
+                        tp_step_graph **out);
 /* Rebuilds buckets and nodes from the order and the flags. */
 tp_status tp__graph_rebuild(tp_step_graph *g);
 /* Installs a new ready order (a permutation) and rebuilds. */

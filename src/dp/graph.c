@@ -1,6 +1,7 @@
 /* The step graph of data parallelism and the passes over it: bucket fusion,
  * late waits, removal of the bucket copies, and the ordering rules between
  * passes (prerequisites, apply-after). */
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -29,10 +30,46 @@ void tp_step_graph_free(tp_step_graph *g)
     tp__free(g);
 }
 
-tp_status tp__graph_new(int n, const int64_t *numel, const tp_dtype *dtype, const int *devkey,
-                        const char *const *names, size_t cap_bytes, tp_step_graph **out)
+/* The largest byte count a bucket may reach: its offsets and sizes are
+ * int64_t elements and its capacity arithmetic size_t bytes. */
+#define TP__MAX_BYTES ((uint64_t)SIZE_MAX < (uint64_t)INT64_MAX ? (uint64_t)SIZE_MAX \
+                                                                : (uint64_t)INT64_MAX)
+
+static tp_status tp__check_sizes(const char *fn, int n, const int64_t *numel,
+                                 const tp_dtype *dtype, const char *const *names)
 {
-    const char *fn = "tp_step_graph_create";
+    uint64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        char buf[24];
+        snprintf(buf, sizeof buf, "param%d", i);
+        const char *name = names && names[i] ? names[i] : buf;
+        if (numel[i] < 0)
+            return tp__error(TP_ERR_INVALID_ARG, "%s: parameter %d (%s): numel %lld is negative",
+                             fn, i, name, (long long)numel[i]);
+        uint64_t es = tp_dtype_size(dtype[i]);
+        if ((uint64_t)numel[i] > TP__MAX_BYTES / es)
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: parameter %d (%s): %lld elements of %s (%llu bytes each) "
+                             "overflow a byte count (at most %llu bytes)",
+                             fn, i, name, (long long)numel[i], tp_dtype_name(dtype[i]),
+                             (unsigned long long)es, (unsigned long long)TP__MAX_BYTES);
+        uint64_t bytes = (uint64_t)numel[i] * es;
+        if (bytes > TP__MAX_BYTES - total)
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: parameter %d (%s): its %llu bytes take the parameters' total "
+                             "past %llu bytes (a bucket holding them all would overflow)",
+                             fn, i, name, (unsigned long long)bytes,
+                             (unsigned long long)TP__MAX_BYTES);
+        total += bytes;
+    }
+    return TP_OK;
+}
+
+tp_status tp__graph_new(const char *fn, int n, const int64_t *numel, const tp_dtype *dtype,
+                        const int *devkey, const char *const *names, size_t cap_bytes,
+                        tp_step_graph **out)
+{
+    TP_CHECK(tp__check_sizes(fn, n, numel, dtype, names));
     tp_step_graph *g = tp__calloc(1, sizeof *g);
     if (!g)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
@@ -85,15 +122,12 @@ tp_status tp_step_graph_create(int n, const int64_t *numel, tp_dtype dtype,
     TP_ARG_CHECK(n >= 1, "%s: n %d must be at least 1", fn, n);
     TP_ARG_CHECK(numel, "%s: numel is NULL", fn);
     TP_ARG_CHECK((unsigned)dtype < TP_DTYPE_COUNT, "%s: invalid dtype %d", fn, (int)dtype);
-    for (int i = 0; i < n; i++)
-        TP_ARG_CHECK(numel[i] >= 0, "%s: numel[%d] = %lld is negative", fn, i,
-                     (long long)numel[i]);
     tp_dtype *dt = tp__calloc((size_t)n, sizeof *dt);
     if (!dt)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     for (int i = 0; i < n; i++)
         dt[i] = dtype;
-    tp_status st = tp__graph_new(n, numel, dt, NULL, NULL, bucket_cap_bytes, out);
+    tp_status st = tp__graph_new(fn, n, numel, dt, NULL, NULL, bucket_cap_bytes, out);
     tp__free(dt);
     return st;
 }
