@@ -760,7 +760,8 @@ static int64_t scope_count(const tp_comm_debug *d, const char *fqn, tp_phase pha
 static const char *kinds_str(const tp_comm_debug *d, const char *fqn, tp_phase phase, char *buf,
                              size_t len)
 {
-    static const char *const abbrev[TP_COLL_KIND_COUNT] = {"ar", "ag", "rs", "a2a", "bc", "bar"};
+    static const char *const abbrev[TP_COLL_KIND_COUNT] = {"ar", "ag", "rs",  "a2a",
+                                                           "bc", "bar", "sc"};
     size_t n = 0;
     buf[0] = '\0';
     for (int k = 0; k < TP_COLL_KIND_COUNT && n < len; k++) {

@@ -22,9 +22,6 @@ typedef struct {
 
 #define SLOT(c, world) (&(c)->slot[tp_comm_rank(world)])
 
-static const char *const kind_names[] = {"all_reduce", "all_gather", "reduce_scatter",
-                                         "all_to_all", "broadcast",  "barrier"};
-
 /* ---- helpers ---------------------------------------------------------------- */
 
 static tp_status mesh1d(tp_comm *world, tp_mesh **mesh)
@@ -115,7 +112,7 @@ static void expect_phase(tp_test_slot *s, const tp_comm_debug *d, tp_phase ph, i
         int64_t got = tp_comm_debug_module_count(d, TP_COMM_DEBUG_GLOBAL, ph, (tp_coll_kind)k);
         RANK_EXPECT(s, got == want[k], "%s (%s, W=%d): %lld %s, expected %lld", label,
                     ph == TP_PHASE_FORWARD ? "forward" : "backward", w, (long long)got,
-                    kind_names[k], (long long)want[k]);
+                    tp_coll_kind_name((tp_coll_kind)k), (long long)want[k]);
     }
 }
 
