@@ -443,6 +443,17 @@ static tp_status errors_body(tp_comm *w, void *arg)
     ERR(tp_dtensor_plan_collectives(mesh, 2, 2, (tp_placement[]){tp_shard(0), tp_shard(1)},
                                     (tp_placement[]){tp_partial(TP_SUM), tp_shard(1)}, counts),
         TP_ERR_NOT_SUPPORTED, "S(0) -> P(sum) on mesh dim 0 is not supported");
+    /* arguments that used to pass silently */
+    ERR(tp_dtensor_plan_collectives(mesh, TP_MAX_DIMS + 1, 2, rr, rr, counts), TP_ERR_INVALID_ARG,
+        "ndim 9 out of range [0, 8]");
+    ERR(tp_dtensor_plan_collectives(mesh, -1, 2, rr, rr, counts), TP_ERR_INVALID_ARG,
+        "ndim -1 out of range");
+    int64_t neg[2] = {4, -3}, ls[2], lo[2];
+    ERR(tp_dtensor_shard_extent(mesh, 2, neg, 2, (tp_placement[]){tp_shard(0), tp_shard(1)}, NULL,
+                                ls, lo),
+        TP_ERR_INVALID_ARG, "global size -3 of dim 1 is negative");
+    ERR(tp_dtensor_shard_extent(mesh, 2, neg, 2, rr, NULL, ls, lo), TP_ERR_INVALID_ARG,
+        "global size -3 of dim 1 is negative");
     /* core refuses DTensors where it needs memory */
     ERR(tp_tensor_narrow(dt, 0, 0, 1, &pt), TP_ERR_INVALID_ARG, "is a DTensor");
     ERR(tp_tensor_fill(dt, 1), TP_ERR_INVALID_ARG, "is a DTensor");
@@ -454,9 +465,13 @@ static tp_status errors_body(tp_comm *w, void *arg)
                 "DTensor shape accessors");
     /* from_local with a global shape this rank's shard does not fit */
     int64_t bad[2] = {5, 6};
+    char want_msg[128];
+    snprintf(want_msg, sizeof want_msg,
+             "local shape [4, 6] is not this rank's shard [%d, 6] of global [5, 6]",
+             tp_mesh_coord(mesh, 0) == 0 ? 3 : 2);
     ERR(tp_dtensor_from_local(mesh, full, 2, (tp_placement[]){tp_shard(0), tp_replicate()},
                               &(tp_from_local_options){.global_shape = bad}, &out),
-        TP_ERR_INVALID_ARG, "is not this rank's shard");
+        TP_ERR_INVALID_ARG, want_msg);
     /* the check option catches replicas that differ */
     tp_tensor *mine = NULL;
     RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, sh, &mine));

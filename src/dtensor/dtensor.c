@@ -120,6 +120,9 @@ tp_status tp_dtensor_shard_extent(const tp_mesh *mesh, int ndim, const int64_t *
     TP_ARG_CHECK(ndim >= 0 && ndim <= TP_MAX_DIMS, "%s: ndim %d out of range", fn, ndim);
     TP_ARG_CHECK(global_shape || ndim == 0, "%s: global_shape is NULL", fn);
     TP_ARG_CHECK(local_shape || ndim == 0, "%s: local_shape is NULL", fn);
+    for (int d = 0; d < ndim; d++)
+        TP_ARG_CHECK(global_shape[d] >= 0, "%s: global size %lld of dim %d is negative", fn,
+                     (long long)global_shape[d], d);
     tp_placement p[TP_MESH_MAX_DIMS];
     TP_CHECK(tp__placements_check(fn, mesh, ndim, nplacements, placements, true, p));
     if (coord)
@@ -323,12 +326,12 @@ tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements
         tp__shard_extent(mesh, nd, options->global_shape, p, NULL, want, NULL);
         for (int d = 0; d < nd; d++)
             if (want[d] != local->shape[d]) {
-                char b1[96], b2[96];
+                char b1[96], b2[96], b3[96];
                 return tp__error(TP_ERR_INVALID_ARG,
                                  "%s: local shape %s is not this rank's shard %s of global %s", fn,
                                  tp__shape_str(nd, local->shape, b1, sizeof b1),
                                  tp__shape_str(nd, want, b2, sizeof b2),
-                                 tp__shape_str(nd, options->global_shape, b1, sizeof b1));
+                                 tp__shape_str(nd, options->global_shape, b3, sizeof b3));
             }
         memcpy(global, options->global_shape, sizeof(int64_t) * (size_t)nd);
     } else {

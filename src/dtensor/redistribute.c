@@ -148,6 +148,8 @@ tp_status tp_dtensor_plan_collectives(const tp_mesh *mesh, int ndim, int nplacem
 {
     const char *fn = "tp_dtensor_plan_collectives";
     TP_ARG_CHECK(counts, "%s: counts is NULL", fn);
+    TP_ARG_CHECK(ndim >= 0 && ndim <= TP_MAX_DIMS, "%s: ndim %d out of range [0, %d]", fn, ndim,
+                 TP_MAX_DIMS);
     tp_placement src[TP_MESH_MAX_DIMS], dst[TP_MESH_MAX_DIMS];
     TP_CHECK(tp__placements_check(fn, mesh, ndim, nplacements, src_in, true, src));
     TP_CHECK(tp__placements_check(fn, mesh, ndim, nplacements, dst_in, true, dst));
