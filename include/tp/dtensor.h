@@ -112,17 +112,25 @@ TP_API tp_status tp_dtensor_to_local(tp_tensor *dt, int ngrad,
  * (redistributes to all-Replicate; differentiable). */
 TP_API tp_status tp_dtensor_full_tensor(tp_tensor *dt, tp_tensor **out);
 
-/* Collective: the same global value with new placements. A Partial target is
- * refused unless that mesh dim already has the same Partial placement
- * ("redistributing to Partial is for internal use"); Shard -> Partial is not
- * supported. Differentiable. */
+/* Collective: the same global value with new placements. Differentiable.
+ *
+ * Of the conversions to Partial only Shard -> Partial(sum) is public (as in
+ * PyTorch 2.15): it costs no collective; this rank's local tensor becomes the
+ * full extent along the shard dim (of the level that mesh dim splits, with
+ * nested sharding) holding its shard in place and zeros elsewhere, so the
+ * terms sum to the value. Its backward chunks a Replicate gradient locally.
+ * Replicate -> Partial is TP_ERR_INVALID_ARG ("for internal use"); Shard ->
+ * Partial(avg/max/min) and Partial(a) -> Partial(b), a != b, are
+ * TP_ERR_NOT_SUPPORTED. */
 TP_API tp_status tp_dtensor_redistribute(tp_tensor *dt, int nplacements,
                                          const tp_placement *placements, tp_tensor **out);
 
 /* The collectives redistributing src -> dst issues on this mesh, per kind
  * (counts[TP_COLL_KIND_COUNT]); the same planner tp_dtensor_redistribute
- * runs, so tests and cost models can compare against it. Errors as for
- * tp_dtensor_redistribute (Partial targets allowed here). */
+ * runs, so tests and cost models can compare against it (Shard ->
+ * Partial(sum) counts none). ndim is the tensor's, in [0, TP_MAX_DIMS].
+ * Errors as for tp_dtensor_redistribute, except that Replicate -> Partial
+ * (internal) is planned too. */
 TP_API tp_status tp_dtensor_plan_collectives(const tp_mesh *mesh, int ndim, int nplacements,
                                              const tp_placement *src, const tp_placement *dst,
                                              int64_t *counts);
