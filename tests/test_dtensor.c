@@ -576,6 +576,140 @@ ParameterizedTest(const mesh_spec *ms, dtensor, shard_to_partial_sum, .timeout =
     tp_test_run(n, sp_body, &c, c.slot);
 }
 
+/* ---- distribute: scatter Shard dims, broadcast Replicate dims ------------- */
+
+/* The collectives rank `me` (mesh coordinates) issues distributing from
+ * `src` with placements pl of a [global] f32 tensor: mesh dim by mesh dim,
+ * by the ranks whose coordinates equal src's on every later dim, a scatter
+ * of the padded level block for a Shard dim, a broadcast of it for
+ * Replicate. */
+static void dist_expected(const tp_mesh *mesh, int nd, const int64_t *global,
+                          const tp_placement *pl, int src, int64_t count[TP_COLL_KIND_COUNT],
+                          int64_t bytes[TP_COLL_KIND_COUNT])
+{
+    int m = tp_mesh_ndim(mesh);
+    int64_t sc[TP_MESH_MAX_DIMS], rest = src, shape[TP_MAX_DIMS];
+    for (int i = m - 1; i >= 0; i--) {
+        sc[i] = rest % tp_mesh_size(mesh, i);
+        rest /= tp_mesh_size(mesh, i);
+    }
+    memset(count, 0, sizeof(int64_t) * TP_COLL_KIND_COUNT);
+    memset(bytes, 0, sizeof(int64_t) * TP_COLL_KIND_COUNT);
+    memcpy(shape, global, sizeof(int64_t) * (size_t)nd);
+    for (int i = 0; i < m; i++) {
+        bool part = true;
+        for (int j = i + 1; j < m; j++)
+            part = part && tp_mesh_coord(mesh, j) == sc[j];
+        int64_t w = tp_mesh_size(mesh, i), numel = 1;
+        int d = pl[i].kind == TP_PLACEMENT_SHARD ? pl[i].dim : -1;
+        for (int e = 0; e < nd; e++)
+            numel *= e == d ? (shape[e] + w - 1) / w * w : shape[e];
+        if (part) {
+            tp_coll_kind kind = d >= 0 ? TP_COLL_SCATTER : TP_COLL_BROADCAST;
+            count[kind]++;
+            bytes[kind] += numel * 4;
+        }
+        if (d >= 0) {
+            int64_t start = 0, len = 0;
+            tp_chunk_range(shape[d], w, tp_mesh_coord(mesh, i), &start, &len);
+            shape[d] = len;
+        }
+    }
+}
+
+static tp_status dist_body(tp_comm *w, void *arg)
+{
+    rt_ctx *c = arg;
+    int me = tp_comm_rank(w);
+    tp_test_slot *s = &c->slot[me];
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(w, c->mesh.ndim, c->mesh.shape, NULL, &mesh));
+    int m = c->mesh.ndim, n = (int)tp_mesh_numel(mesh);
+    static const int64_t shapes[][2] = {{8, 6}, {5, 3}, {1, 7}, {0, 4}, {9, 2}};
+    tp_placement opts[] = {tp_replicate(), tp_shard(0), tp_shard(1)};
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    for (int src = 0; src < n; src++) {
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+            for (int combo = 0; combo < 9; combo++) {
+                tp_placement pl[2];
+                int x = combo;
+                for (int i = 0; i < m; i++, x /= 3)
+                    pl[i] = opts[x % 3];
+                if (x)
+                    break;
+                /* every rank holds different values: only src's may arrive */
+                tp_tensor *full = NULL, *dt = NULL;
+                RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, shapes[k], &full));
+                RANK_OK(s, fill_block(full, shapes[k], NULL, SEED + (uint64_t)me));
+                RANK_OK(s, tp_comm_debug_begin(dbg));
+                RANK_OK(s, tp_dtensor_distribute(mesh, full, m, pl, src, &dt));
+                RANK_OK(s, tp_comm_debug_end(dbg));
+                char why[128] = "", ps[64];
+                tp_placements_str(m, pl, ps, sizeof ps);
+                RANK_EXPECT(s, shard_is_right(dt, SEED + (uint64_t)src, why, sizeof why),
+                            "distribute %s of [%lld, %lld] from %d: %s", ps,
+                            (long long)shapes[k][0], (long long)shapes[k][1], src, why);
+                int64_t count[TP_COLL_KIND_COUNT], bytes[TP_COLL_KIND_COUNT];
+                dist_expected(mesh, 2, shapes[k], pl, src, count, bytes);
+                for (int kk = 0; kk < TP_COLL_KIND_COUNT; kk++)
+                    RANK_EXPECT(s, tp_comm_debug_count(dbg, (tp_coll_kind)kk) == count[kk] &&
+                                       tp_comm_debug_bytes(dbg, (tp_coll_kind)kk) == bytes[kk],
+                                "distribute %s of [%lld, %lld] from %d: %lld %s of %lld bytes, "
+                                "want %lld of %lld", ps, (long long)shapes[k][0],
+                                (long long)shapes[k][1], src,
+                                (long long)tp_comm_debug_count(dbg, (tp_coll_kind)kk),
+                                tp_coll_kind_name((tp_coll_kind)kk),
+                                (long long)tp_comm_debug_bytes(dbg, (tp_coll_kind)kk),
+                                (long long)count[kk], (long long)bytes[kk]);
+                /* the caller's tensor is neither changed nor shared */
+                RANK_EXPECT(s, full_is_right(full, 2, shapes[k], SEED + (uint64_t)me) &&
+                                   tp_dtensor_local(dt) != full,
+                            "distribute %s from %d changed or kept the caller's tensor", ps, src);
+                tp_tensor_release(full);
+                tp_tensor_release(dt);
+            }
+        }
+    }
+    /* src_rank < 0: every rank's own values, nothing sent */
+    tp_tensor *full = NULL, *dt = NULL;
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, shapes[0], &full));
+    RANK_OK(s, fill_block(full, shapes[0], NULL, SEED + (uint64_t)me));
+    RANK_OK(s, tp_comm_debug_begin(dbg));
+    RANK_OK(s, tp_dtensor_distribute(mesh, full, m, (tp_placement[]){opts[1], opts[2]}, -1, &dt));
+    RANK_OK(s, tp_comm_debug_end(dbg));
+    char why[128] = "";
+    RANK_EXPECT(s, shard_is_right(dt, SEED + (uint64_t)me, why, sizeof why) &&
+                       tp_comm_debug_total(dbg) == 0,
+                "distribute from no rank: %s, %lld collectives", why,
+                (long long)tp_comm_debug_total(dbg));
+    tp_tensor_release(full);
+    tp_tensor_release(dt);
+    tp_comm_debug_free(dbg);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+static const mesh_spec dist_meshes[] = {
+    {1, {1}, {0}},    {1, {2}, {0}},    {1, {3}, {0}},    {1, {4}, {0}},
+    {1, {8}, {0}},    {2, {2, 2}, {0}}, {2, {2, 3}, {0}}, {2, {4, 2}, {0}},
+};
+
+ParameterizedTestParameters(dtensor, distribute_scatters)
+{
+    return cr_make_param_array(mesh_spec, (void *)dist_meshes,
+                               sizeof dist_meshes / sizeof dist_meshes[0]);
+}
+
+ParameterizedTest(const mesh_spec *ms, dtensor, distribute_scatters, .timeout = 120)
+{
+    rt_ctx c = {.mesh = *ms};
+    int n = 1;
+    for (int i = 0; i < ms->ndim; i++)
+        n *= (int)ms->shape[i];
+    tp_test_run(n, dist_body, &c, c.slot);
+}
+
 /* ---- errors ----------------------------------------------------------------- */
 
 static tp_status errors_body(tp_comm *w, void *arg)

@@ -1336,19 +1336,20 @@ static tp_status plan_body(tp_comm *world, void *arg)
     tp_tensor *wq0 = tp_module_parameter(tp_module_find(root, "layers.0.attention.wq"), "weight");
     RANK_EXPECT(s, wq0 && !tp_tensor_is_dtensor(wq0), "a failed plan changed layers.0.attention.wq");
 
-    /* allow_unmatched: the rest applies; one broadcast per distributed
-     * parameter (wq weight + bias, wk weight, twice), none for the norms */
+    /* allow_unmatched: the rest applies; one scatter per distributed
+     * parameter (wq weight + bias, wk weight, twice: all sharded), none for
+     * the norms */
     opts.allow_unmatched = true;
     RANK_OK(s, tp_comm_debug_begin(dbg));
     e = tp_parallelize_module(root, mesh, 5, plan, &opts);
     RANK_OK(s, tp_comm_debug_end(dbg));
     RANK_EXPECT(s, e == TP_OK, "allow_unmatched: %s (%s)", tp_status_name(e), tp_last_error());
     RANK_EXPECT(s, n_unmatched == 2, "allow_unmatched: n_unmatched %d", n_unmatched);
-    int64_t bc = tp_comm_debug_count(dbg, TP_COLL_BROADCAST);
-    /* (tp_dtensor_distribute broadcasts from src_rank 0 even on one rank) */
-    RANK_EXPECT(s, bc == 6 && tp_comm_debug_total(dbg) == bc,
-                "parallelize issued %lld broadcasts (%lld collectives), expected 6",
-                (long long)bc, (long long)tp_comm_debug_total(dbg));
+    int64_t sc = tp_comm_debug_count(dbg, TP_COLL_SCATTER);
+    /* (tp_dtensor_distribute scatters from src_data_rank 0 even on one rank) */
+    RANK_EXPECT(s, sc == 6 && tp_comm_debug_total(dbg) == sc,
+                "parallelize issued %lld scatters (%lld collectives), expected 6",
+                (long long)sc, (long long)tp_comm_debug_total(dbg));
     for (int i = 0; i < 2; i++) {
         char f[64];
         snprintf(f, sizeof f, "layers.%d.attention.wq", i);
