@@ -417,7 +417,7 @@ static tp_status parallelize_transformer(tp_module *m, tp_mesh *mesh, run_mode m
             {"output", s[ST_OUT]},
         };
         /* tp_module_init sets every parameter right after: nothing to send */
-        const tp_parallelize_options po = {.params_everywhere = true};
+        const tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
         CHECK(tp_parallelize_module(m, mesh, (int)(sizeof plan / sizeof plan[0]), plan, &po));
         goto out;
     }
@@ -447,7 +447,7 @@ static tp_status parallelize_transformer(tp_module *m, tp_mesh *mesh, run_mode m
         {"norm", s[ST_SEQ]},
         {"output", s[ST_OUT]},
     };
-    const tp_parallelize_options po = {.params_everywhere = true};
+    const tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
     CHECK(tp_parallelize_module(m, mesh, (int)(sizeof plan / sizeof plan[0]), plan, &po));
 out:
     for (int i = 0; i < N_STYLES; i++)
