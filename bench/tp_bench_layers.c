@@ -129,7 +129,7 @@ static tp_status build(point *p, tp_mesh *mesh, int W, tp_module **root, tp_styl
             plan[n++] = (tp_plan_entry){"2", styles[1]};
             break;
         }
-        tp_parallelize_options po = {.params_everywhere = true};
+        tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
         if (st == TP_OK)
             st = tp_parallelize_module(m, mesh, n, plan, &po);
     }

@@ -164,7 +164,7 @@ static tp_status parallelize_mlp(tp_module *m, tp_mesh *mesh, run_mode mode)
     const tp_plan_entry plan[] = {{"net1", col}, {"net2", row}};
     /* tp_module_init overwrites every parameter right after, so nothing needs
      * to be sent from rank 0 */
-    tp_parallelize_options po = {.params_everywhere = true};
+    tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
     CHECK(tp_parallelize_module(m, mesh, 2, plan, &po));
 out:
     tp_style_free(col);

@@ -417,7 +417,7 @@ static tp_status parallelize_transformer(tp_module *m, tp_mesh *mesh, run_mode m
             {"output", s[ST_OUT]},
         };
         /* tp_module_init sets every parameter right after: nothing to send */
-        const tp_parallelize_options po = {.params_everywhere = true};
+        const tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
         CHECK(tp_parallelize_module(m, mesh, (int)(sizeof plan / sizeof plan[0]), plan, &po));
         goto out;
     }
@@ -447,7 +447,7 @@ static tp_status parallelize_transformer(tp_module *m, tp_mesh *mesh, run_mode m
         {"norm", s[ST_SEQ]},
         {"output", s[ST_OUT]},
     };
-    const tp_parallelize_options po = {.params_everywhere = true};
+    const tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
     CHECK(tp_parallelize_module(m, mesh, (int)(sizeof plan / sizeof plan[0]), plan, &po));
 out:
     for (int i = 0; i < N_STYLES; i++)
@@ -776,7 +776,8 @@ static int64_t scope_count(const tp_comm_debug *d, const char *fqn, tp_phase pha
 static const char *kinds_str(const tp_comm_debug *d, const char *fqn, tp_phase phase, char *buf,
                              size_t len)
 {
-    static const char *const abbrev[TP_COLL_KIND_COUNT] = {"ar", "ag", "rs", "a2a", "bc", "bar"};
+    static const char *const abbrev[TP_COLL_KIND_COUNT] = {"ar", "ag", "rs",  "a2a",
+                                                           "bc", "bar", "sc"};
     size_t n = 0;
     buf[0] = '\0';
     for (int k = 0; k < TP_COLL_KIND_COUNT && n < len; k++) {

@@ -4,6 +4,7 @@
  * that every reduction is exact and each rank can compute the expected value
  * of every element itself. */
 #include <math.h>
+#include <sched.h>
 #include <stdlib.h>
 
 #include "tp_test.h"
@@ -242,14 +243,83 @@ static tp_status bc_body(tp_comm *w, void *arg)
     return TP_OK;
 }
 
+/* at most 82: exact in every dtype */
+static double sc_val(int root, int64_t g) { return (double)((root * 11 + g) % 83); }
+
+/* Every root, every dtype; blocking, async wait and async test. Root's send
+ * holds block j for rank j; non-root ranks pass no send (NULL), in place root
+ * receives into its own block. */
+static tp_status sc_body(tp_comm *w, void *arg)
+{
+    coll_ctx *c = arg;
+    int r = tp_comm_rank(w), n = tp_comm_size(w);
+    tp_test_slot *s = &c->slot[r];
+    for (int d = 0; d < N_DTYPES; d++) {
+        tp_dtype dt = all_dtypes[d];
+        for (int root = 0; root < n; root++) {
+            for (int mode = 0; mode < 3; mode++) {
+                tp_tensor *x = NULL, *y = NULL;
+                if (r == root) {
+                    RANK_OK(s, make(dt, c->k * n, &x));
+                    for (int64_t g = 0; g < c->k * n; g++)
+                        RANK_OK(s, tp_tensor_set(x, &g, sc_val(root, g)));
+                }
+                if (c->in_place && r == root) {
+                    RANK_OK(s, tp_tensor_narrow(x, 0, r * c->k, c->k, &y));
+                } else {
+                    RANK_OK(s, make(dt, c->k, &y));
+                    RANK_OK(s, tp_tensor_fill(y, -1));
+                }
+                tp_work *wk = NULL;
+                RANK_OK(s, tp_scatter(w, x, y, root, mode ? &wk : NULL));
+                RANK_EXPECT(s, (mode != 0) == (wk != NULL), "scatter mode %d: work handle %p",
+                            mode, (void *)wk);
+                if (mode == 1) {
+                    RANK_OK(s, tp_work_wait(wk));
+                } else if (mode == 2) {
+                    bool done = false;
+                    /* yield between polls: 8 ranks share 2 cores here, and the
+                     * root may still be filling its buffer */
+                    for (long spin = 0; !done && spin < 100000000; spin++) {
+                        RANK_OK(s, tp_work_test(wk, &done));
+                        if (!done)
+                            sched_yield();
+                    }
+                    RANK_EXPECT(s, done, "scatter: tp_work_test never reported completion");
+                }
+                tp_work_free(wk);
+                int64_t bad = 0;
+                for (int64_t i = 0; i < c->k; i++) {
+                    double v = 0;
+                    tp_tensor_get(y, &i, &v);
+                    bad += v != sc_val(root, r * c->k + i);
+                }
+                RANK_EXPECT(s, bad == 0, "scatter %s k=%lld root %d mode %d in_place=%d: %lld "
+                            "wrong", tp_dtype_name(dt), (long long)c->k, root, mode, c->in_place,
+                            (long long)bad);
+                for (int64_t g = 0; r == root && g < c->k * n; g++) {
+                    double v = 0;
+                    tp_tensor_get(x, &g, &v);
+                    bad += v != sc_val(root, g);
+                }
+                RANK_EXPECT(s, bad == 0, "scatter %s root %d: the send buffer changed",
+                            tp_dtype_name(dt), root);
+                tp_tensor_release(x);
+                tp_tensor_release(y);
+            }
+        }
+    }
+    return TP_OK;
+}
+
 TP_TEST_WORLD_SIZE_PARAMS(comm, gather_scatter_bcast)
 
 ParameterizedTest(int *n, comm, gather_scatter_bcast, .timeout = 120)
 {
     static const int64_t ks[] = {1, 5, 64, 1001};
-    tp_rank_fn bodies[] = {ag_body, rs_body, a2a_body, bc_body};
-    const char *names[] = {"all_gather", "reduce_scatter", "all_to_all", "broadcast"};
-    for (int b = 0; b < 4; b++)
+    tp_rank_fn bodies[] = {ag_body, rs_body, a2a_body, bc_body, sc_body};
+    const char *names[] = {"all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter"};
+    for (int b = 0; b < 5; b++)
         for (size_t k = 0; k < sizeof ks / sizeof ks[0]; k++)
             for (int ip = 0; ip < 2; ip++) {
                 coll_ctx c = {.k = ks[k], .in_place = ip};
@@ -288,6 +358,16 @@ static tp_status big_body(tp_comm *w, void *arg)
     for (int64_t i = 0; i < count * n; i++)
         bad += pg[i] != p[i % count];
     RANK_EXPECT(s, bad == 0, "large all_gather: %lld wrong", (long long)bad);
+    /* scatter the gathered blocks back from the last rank, into a fresh x */
+    tp_tensor *y = NULL;
+    RANK_OK(s, make(TP_F32, count, &y));
+    RANK_OK(s, tp_scatter(w, r == n - 1 ? g : NULL, y, n - 1, NULL));
+    const float *py = tp_tensor_data(y);
+    bad = 0;
+    for (int64_t i = 0; i < count; i++)
+        bad += py[i] != p[i];
+    RANK_EXPECT(s, bad == 0, "large scatter: %lld wrong", (long long)bad);
+    tp_tensor_release(y);
     tp_tensor_release(x);
     tp_tensor_release(g);
     return TP_OK;
@@ -464,6 +544,11 @@ Test(comm, properties, .timeout = 30)
 {
     split_ctx c = {0};
     cr_assert_str_eq(tp_coll_kind_name(TP_COLL_REDUCE_SCATTER), "reduce_scatter");
+    cr_assert_str_eq(tp_coll_kind_name(TP_COLL_SCATTER), "scatter");
+    /* appended: the earlier kinds keep their values */
+    cr_assert_eq(TP_COLL_BARRIER, 5);
+    cr_assert_eq(TP_COLL_SCATTER, 6);
+    cr_assert_str_eq(tp_coll_kind_name(TP_COLL_KIND_COUNT), "invalid");
     cr_assert_str_eq(tp_coll_kind_name((tp_coll_kind)99), "invalid");
     cr_assert_str_eq(tp_reduce_op_name(TP_PRODUCT), "product");
     tp_status st = tp_run_local(3, props_body, &c);

@@ -221,6 +221,8 @@ typedef struct {
     int odd_count; /* the last rank issues a different element count */
     tp_status got;
     char msg[512];
+    tp_status got_scatter, got_scatter_root; /* unimplemented kind; roots differ */
+    char msg_scatter[512], msg_scatter_root[512];
     tp_test_slot slot;
 } toy_arg;
 
@@ -243,6 +245,18 @@ static void *toy_rank(void *p)
     tp_tensor_zeros(TP_F32, TP_CPU, 1, &k2, &x2);
     tp_tensor_zeros(TP_F32, TP_CPU, 1, &k2, &y2);
     tp_tensor_fill(x, a->rank + 1);
+    /* a kind the backend does not implement: its bare TP_ERR_NOT_SUPPORTED gets
+     * a message naming backend and kind; the communicator stays usable */
+    int64_t kn = k * n;
+    tp_tensor *xs = NULL;
+    tp_tensor_zeros(TP_F32, TP_CPU, 1, &kn, &xs);
+    a->got_scatter = tp_scatter(c, a->rank == 0 ? xs : NULL, y, 0, NULL);
+    snprintf(a->msg_scatter, sizeof a->msg_scatter, "%s", tp_last_error());
+    /* the descriptor check compares scatter roots (send is read on root only,
+     * so every rank may pass one) */
+    a->got_scatter_root = tp_scatter(c, xs, y, a->rank == n - 1 ? 1 : 0, NULL);
+    snprintf(a->msg_scatter_root, sizeof a->msg_scatter_root, "%s", tp_last_error());
+    tp_tensor_release(xs);
     /* matching calls pass the check and compute */
     tp_status r = tp_all_reduce(c, x, y, TP_SUM, NULL);
     RANK_EXPECT(s, r == TP_OK, "checked all_reduce: %s %s", tp_status_name(r), tp_last_error());
@@ -286,6 +300,20 @@ Test(comm_backend, descriptor_check_on_a_user_backend, .timeout = 30)
             cr_assert_eq(args[r].got, TP_ERR_MISMATCH, "rank %d: %s", r,
                          tp_status_name(args[r].got));
             cr_assert(strstr(args[r].msg, needle) != NULL, "'%s'", args[r].msg);
+            cr_assert_eq(args[r].got_scatter, TP_ERR_NOT_SUPPORTED, "rank %d: %s", r,
+                         tp_status_name(args[r].got_scatter));
+            cr_assert(strstr(args[r].msg_scatter, "tp_scatter: backend 'toy' does not implement "
+                                                  "scatter") != NULL,
+                      "'%s'", args[r].msg_scatter);
+            char sneedle[200];
+            snprintf(sneedle, sizeof sneedle,
+                     "rank 0 issued scatter(f32, 8 elements, root 0), rank %d issued "
+                     "scatter(f32, 8 elements, root 1)",
+                     n - 1);
+            cr_assert_eq(args[r].got_scatter_root, TP_ERR_MISMATCH, "rank %d: %s", r,
+                         tp_status_name(args[r].got_scatter_root));
+            cr_assert(strstr(args[r].msg_scatter_root, sneedle) != NULL, "'%s'",
+                      args[r].msg_scatter_root);
         }
     }
 }

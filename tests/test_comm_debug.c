@@ -741,6 +741,7 @@ typedef struct counts_bufs {
     tp_tensor *ag_send, *ag_recv; /* f32[2] -> f32[2n] */
     tp_tensor *rs_send, *rs_recv; /* f32[3n] -> f32[3] */
     tp_tensor *a2a_send, *a2a_recv; /* f32[n] -> f32[n] */
+    tp_tensor *sc_send, *sc_recv;   /* f32[2n] (on the root) -> f32[2] */
 } counts_bufs;
 
 static tp_status make_vec(tp_dtype dtype, int64_t n, tp_tensor **out)
@@ -753,6 +754,7 @@ static tp_status make_vec(tp_dtype dtype, int64_t n, tp_tensor **out)
  *
  *   before begin:  all_reduce, barrier                     not counted
  *   Global  fwd:   broadcast f64[3]                        24
+ *                  scatter f32[2n] -> f32[2], root n - 1   8n
  *   mlp     fwd:   all_reduce f32[4] (async)               16
  *   mlp.net1 fwd:  all_gather f32[2] -> f32[2n]            8n
  *   mlp.net1 bwd:  all_gather x2                           16n
@@ -774,6 +776,7 @@ static tp_status counts_body(tp_comm *w, counts_slot *s, tp_comm_debug *d, count
     RANK_OK(t, tp_comm_debug_begin(d));
     tp_comm_debug_set_phase(TP_PHASE_FORWARD);
     RANK_OK(t, tp_broadcast(w, b->bc, 0, NULL));
+    RANK_OK(t, tp_scatter(w, b->sc_send, b->sc_recv, tp_comm_size(w) - 1, NULL));
     RANK_OK(t, tp_comm_debug_push_scope("mlp"));
     RANK_OK(t, tp_all_reduce(w, b->ar4, b->ar4, TP_SUM, &work));
     RANK_OK(t, tp_work_wait(work));
@@ -849,14 +852,16 @@ static tp_status counts_rank(tp_comm *w, void *arg)
     if (st == TP_OK) st = make_vec(TP_F32, 3, &b.rs_recv);
     if (st == TP_OK) st = make_vec(TP_F32, n, &b.a2a_send);
     if (st == TP_OK) st = make_vec(TP_F32, n, &b.a2a_recv);
+    if (st == TP_OK && r == n - 1) st = make_vec(TP_F32, 2 * (int64_t)n, &b.sc_send);
+    if (st == TP_OK) st = make_vec(TP_F32, 2, &b.sc_recv);
     if (st == TP_OK) st = tp_comm_debug_create(&d);
     if (st != TP_OK)
         RANK_EXPECT(&s->t, 0, "setup: %s (%s)", tp_status_name(st), tp_last_error());
     else
         st = counts_body(w, s, d, &b);
     tp_comm_debug_free(d);
-    tp_tensor *all[] = {b.ar4, b.ar_i64, b.bc, b.ag_send, b.ag_recv,
-                        b.rs_send, b.rs_recv, b.a2a_send, b.a2a_recv};
+    tp_tensor *all[] = {b.ar4,     b.ar_i64,   b.bc,       b.ag_send, b.ag_recv, b.rs_send,
+                        b.rs_recv, b.a2a_send, b.a2a_recv, b.sc_send, b.sc_recv};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         tp_tensor_release(all[i]);
     return st;
@@ -879,6 +884,7 @@ static void counts_expected(int64_t e[MQ_COUNT][TP_PHASE_COUNT][TP_COLL_KIND_COU
     e[MQ_MLP][F][TP_COLL_ALL_REDUCE] = 2;
     memcpy(e[MQ_GLOBAL], e[MQ_MLP], sizeof e[MQ_GLOBAL]);
     e[MQ_GLOBAL][F][TP_COLL_BROADCAST] = 1;
+    e[MQ_GLOBAL][F][TP_COLL_SCATTER] = 1;
     e[MQ_GLOBAL][B][TP_COLL_BARRIER] += 1;
 }
 
@@ -898,11 +904,12 @@ ParameterizedTest(int *np, comm_debug, counts, .timeout = CD_COMM_TIMEOUT)
     counts_expected(e);
     const int64_t count[TP_COLL_KIND_COUNT] = {
         [TP_COLL_ALL_REDUCE] = 2, [TP_COLL_ALL_GATHER] = 3, [TP_COLL_REDUCE_SCATTER] = 1,
-        [TP_COLL_ALL_TO_ALL] = 1, [TP_COLL_BROADCAST] = 1, [TP_COLL_BARRIER] = 2};
+        [TP_COLL_ALL_TO_ALL] = 1, [TP_COLL_BROADCAST] = 1, [TP_COLL_BARRIER] = 2,
+        [TP_COLL_SCATTER] = 1};
     const int64_t bytes[TP_COLL_KIND_COUNT] = {
         [TP_COLL_ALL_REDUCE] = 16 + 16, [TP_COLL_ALL_GATHER] = 3 * 8 * n,
         [TP_COLL_REDUCE_SCATTER] = 12 * n, [TP_COLL_ALL_TO_ALL] = 4 * n,
-        [TP_COLL_BROADCAST] = 24, [TP_COLL_BARRIER] = 0};
+        [TP_COLL_BROADCAST] = 24, [TP_COLL_BARRIER] = 0, [TP_COLL_SCATTER] = 8 * n};
 
     for (int r = 0; r < n; r++) {
         const counts_slot *s = &c->slot[r];
@@ -919,8 +926,8 @@ ParameterizedTest(int *np, comm_debug, counts, .timeout = CD_COMM_TIMEOUT)
         }
         cr_assert_eq(s->count[TP_COLL_ANY], sum_count);
         cr_assert_eq(s->bytes[TP_COLL_ANY], sum_bytes);
-        cr_assert_eq(s->total, 10, "n=%d rank %d: total %lld", n, r, (long long)s->total);
-        cr_assert_eq(sum_count, 10);
+        cr_assert_eq(s->total, 11, "n=%d rank %d: total %lld", n, r, (long long)s->total);
+        cr_assert_eq(sum_count, 11);
         cr_assert(!s->active_after_end);
 
         for (int m = 0; m < MQ_COUNT; m++) {
@@ -983,7 +990,7 @@ ParameterizedTest(int *np, comm_debug, counts, .timeout = CD_COMM_TIMEOUT)
         int64_t leaves = 0;
         for (int i = 0; i < doc.nleaves; i++)
             leaves += doc.leaf[i].value;
-        cr_assert_eq(leaves, 10 + 8 + 4 + 2, "no other entries in JSON:\n%s", s->json);
+        cr_assert_eq(leaves, 11 + 8 + 4 + 2, "no other entries in JSON:\n%s", s->json);
 
         /* table: the PyTorch CommDebugMode layout */
         cr_assert_eq(s->table_st, TP_OK);
@@ -993,6 +1000,7 @@ ParameterizedTest(int *np, comm_debug, counts, .timeout = CD_COMM_TIMEOUT)
             "    all_reduce: 2\n"
             "    all_gather: 1\n"
             "    broadcast: 1\n"
+            "    scatter: 1\n"
             "  BACKWARD PASS\n"
             "    all_gather: 2\n"
             "    reduce_scatter: 1\n"

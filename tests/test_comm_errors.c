@@ -12,12 +12,28 @@ typedef struct {
     tp_test_slot slot[TP_TEST_MAX_RANKS];
     tp_status got[TP_TEST_MAX_RANKS];
     char msg[TP_TEST_MAX_RANKS][512];
+    bool scatter; /* abort and timeout: a scatter from rank 0 instead of an all_reduce */
 } err_ctx;
 
 static void record(err_ctx *c, int r, tp_status st)
 {
     c->got[r] = st;
     snprintf(c->msg[r], sizeof c->msg[r], "%s", tp_last_error());
+}
+
+/* The collective of the abort and timeout tests: an all_reduce of x, or a
+ * scatter from rank 0 into x. */
+static tp_status one_collective(tp_comm *w, tp_tensor *x, bool scatter)
+{
+    if (!scatter)
+        return tp_all_reduce(w, x, x, TP_SUM, NULL);
+    int64_t kn = tp_tensor_numel(x) * tp_comm_size(w);
+    tp_tensor *send = NULL;
+    tp_status st = tp_comm_rank(w) == 0 ? tp_tensor_zeros(TP_F32, TP_CPU, 1, &kn, &send) : TP_OK;
+    if (st == TP_OK)
+        st = tp_scatter(w, send, x, 0, NULL);
+    tp_tensor_release(send);
+    return st;
 }
 
 static void sleep_s(double s)
@@ -71,6 +87,31 @@ static tp_status args_body(tp_comm *w, void *arg)
     EXPECT_ERR(tp_broadcast(w, a, tp_comm_size(w), NULL), TP_ERR_INVALID_ARG,
                "root");
     EXPECT_ERR(tp_broadcast(w, a, -1, NULL), TP_ERR_INVALID_ARG, "out of range");
+    /* scatter: the root is checked on every rank, send on root only; with
+     * root = this rank every rank is root in its own view, so every rank
+     * fails alike */
+    EXPECT_ERR(tp_scatter(w, b, a, tp_comm_size(w), &wk), TP_ERR_INVALID_ARG,
+               "root");
+    RANK_EXPECT(s, wk == NULL, "scatter: work not reset to NULL on failure");
+    EXPECT_ERR(tp_scatter(w, b, a, -1, NULL), TP_ERR_INVALID_ARG, "out of range");
+    EXPECT_ERR(tp_scatter(w, b, NULL, 0, NULL), TP_ERR_INVALID_ARG, "recv is NULL");
+    EXPECT_ERR(tp_scatter(w, NULL, a, r, NULL), TP_ERR_INVALID_ARG, "send is NULL on root");
+    EXPECT_ERR(tp_scatter(w, nc, a, r, NULL), TP_ERR_INVALID_ARG, "not contiguous");
+    if (tp_comm_size(w) > 1) {
+        char want[96];
+        snprintf(want, sizeof want, "send has 4 elements, expected %d (recv 4 x %d ranks)",
+                 4 * tp_comm_size(w), tp_comm_size(w));
+        EXPECT_ERR(tp_scatter(w, a, d, r, NULL), TP_ERR_INVALID_ARG, want);
+    }
+    if (tp_comm_size(w) == 2) {
+        EXPECT_ERR(tp_scatter(w, b, i32, r, NULL), TP_ERR_INVALID_ARG,
+                   "send is f32 but recv is i32");
+        /* recv inside send but not at root's block */
+        tp_tensor *shifted = NULL;
+        RANK_OK(s, tp_tensor_narrow(b, 0, 1, 4, &shifted));
+        EXPECT_ERR(tp_scatter(w, b, shifted, r, NULL), TP_ERR_INVALID_ARG, "overlap");
+        tp_tensor_release(shifted);
+    }
     if (tp_comm_size(w) == 2) {
         EXPECT_ERR(tp_all_to_all(w, odd, odd, NULL), TP_ERR_INVALID_ARG,
                    "do not split into 2 equal blocks");
@@ -183,13 +224,13 @@ static tp_status abort_body(tp_comm *w, void *arg)
     tp_tensor *x = NULL;
     tp_status st = tp_tensor_zeros(TP_F32, TP_CPU, 1, &n, &x);
     if (st == TP_OK)
-        st = tp_all_reduce(w, x, x, TP_SUM, NULL); /* one good collective first */
+        st = one_collective(w, x, c->scatter); /* one good collective first */
     if (st == TP_OK && r == 0) {
         tp_comm_abort(w, "giving up on purpose");
         RANK_EXPECT(&c->slot[r], tp_comm_is_aborted(w), "abort not visible to the aborter");
     }
     if (st == TP_OK)
-        st = tp_all_reduce(w, x, x, TP_SUM, NULL);
+        st = one_collective(w, x, c->scatter);
     record(c, r, st);
     tp_tensor_release(x);
     return TP_OK; /* the test reads c->got */
@@ -198,13 +239,16 @@ static tp_status abort_body(tp_comm *w, void *arg)
 Test(comm_errors, abort, .timeout = 30)
 {
     for (int n = 2; n <= 4; n++) {
-        err_ctx c = {0};
-        tp_status st = tp_run_local(n, abort_body, &c);
-        tp_test_assert_slots(c.slot, n);
-        cr_assert_eq(st, TP_OK, "%s", tp_last_error());
-        for (int r = 0; r < n; r++) {
-            cr_assert_eq(c.got[r], TP_ERR_ABORTED, "rank %d: %s", r, tp_status_name(c.got[r]));
-            cr_assert(strstr(c.msg[r], "giving up on purpose") != NULL, "%s", c.msg[r]);
+        for (int sc = 0; sc < 2; sc++) {
+            err_ctx c = {.scatter = sc};
+            tp_status st = tp_run_local(n, abort_body, &c);
+            tp_test_assert_slots(c.slot, n);
+            cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+            for (int r = 0; r < n; r++) {
+                cr_assert_eq(c.got[r], TP_ERR_ABORTED, "%s n=%d rank %d: %s",
+                             sc ? "scatter" : "all_reduce", n, r, tp_status_name(c.got[r]));
+                cr_assert(strstr(c.msg[r], "giving up on purpose") != NULL, "%s", c.msg[r]);
+            }
         }
     }
 }
@@ -227,7 +271,7 @@ static tp_status timeout_body(tp_comm *w, void *arg)
     clock_gettime(CLOCK_MONOTONIC, &ts);
     t0 = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
     if (st == TP_OK)
-        st = tp_all_reduce(w, x, x, TP_SUM, NULL);
+        st = one_collective(w, x, c->scatter);
     clock_gettime(CLOCK_MONOTONIC, &ts);
     double waited = (double)ts.tv_sec + ts.tv_nsec * 1e-9 - t0;
     if (r == 0)
@@ -239,15 +283,18 @@ static tp_status timeout_body(tp_comm *w, void *arg)
 
 Test(comm_errors, timeout, .timeout = 30)
 {
-    err_ctx c = {0};
-    tp_status st = tp_run_local(3, timeout_body, &c);
-    tp_test_assert_slots(c.slot, 3);
-    cr_assert_eq(st, TP_OK, "%s", tp_last_error());
-    cr_assert_eq(c.got[0], TP_ERR_TIMEOUT, "%s", tp_status_name(c.got[0]));
-    cr_assert(strstr(c.msg[0], "timed out after 0.2 s") != NULL, "%s", c.msg[0]);
-    for (int r = 1; r < 3; r++) {
-        cr_assert_eq(c.got[r], TP_ERR_ABORTED, "rank %d: %s", r, tp_status_name(c.got[r]));
-        cr_assert(strstr(c.msg[r], "timed out") != NULL, "%s", c.msg[r]);
+    for (int sc = 0; sc < 2; sc++) {
+        err_ctx c = {.scatter = sc};
+        tp_status st = tp_run_local(3, timeout_body, &c);
+        tp_test_assert_slots(c.slot, 3);
+        cr_assert_eq(st, TP_OK, "%s", tp_last_error());
+        cr_assert_eq(c.got[0], TP_ERR_TIMEOUT, "%s", tp_status_name(c.got[0]));
+        cr_assert(strstr(c.msg[0], "timed out after 0.2 s") != NULL, "%s", c.msg[0]);
+        for (int r = 1; r < 3; r++) {
+            cr_assert_eq(c.got[r], TP_ERR_ABORTED, "%s rank %d: %s",
+                         sc ? "scatter" : "all_reduce", r, tp_status_name(c.got[r]));
+            cr_assert(strstr(c.msg[r], "timed out") != NULL, "%s", c.msg[r]);
+        }
     }
 }
 
@@ -378,6 +425,15 @@ static tp_status mismatch_body(tp_comm *w, void *arg)
     case 4: /* barrier against a collective */
         st = odd ? tp_barrier(w, NULL) : tp_all_reduce(w, x, x, TP_SUM, NULL);
         break;
+    case 5: /* scatter roots differ (send is read on root only) */
+        st = tp_scatter(w, g, x, odd ? 1 : 0, NULL);
+        break;
+    case 6: /* scatter counts differ: the last rank expects 16 elements */
+        st = tp_scatter(w, r == 0 ? g : NULL, odd ? y : x, 0, NULL);
+        break;
+    case 7: /* scatter against a broadcast */
+        st = odd ? tp_broadcast(w, x, 0, NULL) : tp_scatter(w, g, x, 0, NULL);
+        break;
     }
     record(&c->e, r, st);
     /* a mismatch moves no data and keeps the ranks in step */
@@ -407,8 +463,19 @@ static void expected_mismatch(int scenario, int odd, char *buf, size_t len)
     case 3:
         snprintf(buf, len, "rank %d issued broadcast(f32, 8 elements, root 1)", odd);
         break;
-    default:
+    case 4:
         snprintf(buf, len, "rank %d issued barrier", odd);
+        break;
+    case 5:
+        snprintf(buf, len, "rank 0 issued scatter(f32, 8 elements, root 0), rank %d issued "
+                           "scatter(f32, 8 elements, root 1)", odd);
+        break;
+    case 6:
+        snprintf(buf, len, "rank %d issued scatter(f32, 16 elements, root 0)", odd);
+        break;
+    default:
+        snprintf(buf, len, "rank 0 issued scatter(f32, 8 elements, root 0), rank %d issued "
+                           "broadcast(f32, 8 elements, root 0)", odd);
         break;
     }
 }
@@ -416,7 +483,7 @@ static void expected_mismatch(int scenario, int odd, char *buf, size_t len)
 Test(comm_errors, mismatch, .timeout = 60)
 {
     for (int n = 2; n <= 4; n++) {
-        for (int sc = 0; sc < 5; sc++) {
+        for (int sc = 0; sc < 8; sc++) {
             mm_ctx c = {.scenario = sc};
             tp_status st = tp_run_local(n, mismatch_body, &c);
             tp_test_assert_slots(c.e.slot, n);

@@ -239,9 +239,12 @@ static tp_status prop_body(tp_comm *w, void *arg)
             src[i] = random_placement(&rs, nd, pop);
         for (int i = 0; i < m; i++) {
             dst[i] = random_placement(&rs, nd, -1);
-            /* a Partial target is only allowed where the source already is */
+            /* a Partial target is allowed where the source already is, and
+             * Partial(sum) where it is a Shard (not mixed with max) */
             if (src[i].kind == TP_PLACEMENT_PARTIAL && lcg(&rs) % 3 == 0)
                 dst[i] = src[i];
+            else if (src[i].kind == TP_PLACEMENT_SHARD && pop != TP_MAX && lcg(&rs) % 4 == 0)
+                dst[i] = tp_partial(TP_SUM);
         }
         uint64_t seed = 1000 + (uint64_t)t;
         tp_tensor *dt = NULL, *out = NULL, *full = NULL;
@@ -307,6 +310,7 @@ Test(dtensor, random_redistributions, .timeout = 300)
 typedef struct {
     tp_placement src, dst;
     int64_t fwd[TP_COLL_KIND_COUNT], bwd[TP_COLL_KIND_COUNT];
+    bool grad_r; /* the gradient of the local output is Replicate (not dst) */
 } table_row;
 
 #define AG TP_COLL_ALL_GATHER
@@ -327,14 +331,17 @@ static tp_status table_body(tp_comm *w, void *arg)
     tp_mesh *mesh = NULL;
     RANK_OK(s, tp_mesh_create(w, 1, &W, NULL, &mesh));
     table_row rows[] = {
-        {tp_shard(0), tp_replicate(), {[AG] = 1}, {0}},             /* grad R: local chunk */
-        {tp_replicate(), tp_shard(0), {0}, {[AG] = 1}},             /* grad S(0) -> R */
-        {tp_partial(TP_SUM), tp_replicate(), {[AR] = 1}, {0}},      /* grad stays R */
-        {tp_partial(TP_SUM), tp_shard(0), {[RS] = 1}, {[AG] = 1}},  /* grad S(0) -> R */
-        {tp_shard(0), tp_shard(1), {[A2A] = 1}, {[A2A] = 1}},
-        {tp_shard(1), tp_replicate(), {[AG] = 1}, {0}},
-        {tp_shard(0), tp_shard(0), {0}, {0}},
-        {tp_replicate(), tp_replicate(), {0}, {0}},
+        {tp_shard(0), tp_replicate(), {[AG] = 1}, {0}, false},       /* grad R: local chunk */
+        {tp_replicate(), tp_shard(0), {0}, {[AG] = 1}, false},       /* grad S(0) -> R */
+        {tp_partial(TP_SUM), tp_replicate(), {[AR] = 1}, {0}, false}, /* grad stays R */
+        {tp_partial(TP_SUM), tp_shard(0), {[RS] = 1}, {[AG] = 1}, false}, /* grad S(0) -> R */
+        {tp_shard(0), tp_shard(1), {[A2A] = 1}, {[A2A] = 1}, false},
+        {tp_shard(1), tp_replicate(), {[AG] = 1}, {0}, false},
+        {tp_shard(0), tp_shard(0), {0}, {0}, false},
+        {tp_replicate(), tp_replicate(), {0}, {0}, false},
+        /* S -> P(sum): zero-filled locally; a Replicate gradient is chunked */
+        {tp_shard(0), tp_partial(TP_SUM), {0}, {0}, true},
+        {tp_shard(1), tp_partial(TP_SUM), {0}, {0}, true},
     };
     int64_t shape[2] = {4 * W + 1, 3 * W};
     tp_comm_debug *dbg = NULL;
@@ -351,7 +358,8 @@ static tp_status table_body(tp_comm *w, void *arg)
                                          &(tp_from_local_options){.global_shape = shape}, &dt));
         RANK_OK(s, tp_comm_debug_begin(dbg));
         RANK_OK(s, tp_dtensor_redistribute(dt, 1, &row->dst, &out));
-        RANK_OK(s, tp_dtensor_to_local(out, 0, NULL, &ol));
+        tp_placement rep = tp_replicate();
+        RANK_OK(s, tp_dtensor_to_local(out, row->grad_r ? 1 : 0, row->grad_r ? &rep : NULL, &ol));
         RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, tp_tensor_ndim(ol), tp_tensor_shape(ol), &g));
         RANK_OK(s, tp_tensor_fill(g, 1));
         RANK_OK(s, tp_backward(ol, g));
@@ -403,6 +411,305 @@ ParameterizedTest(int *n, dtensor, design_table_counts, .timeout = 60)
     tp_test_run(*n, table_body, &c, c.slot);
 }
 
+/* ---- Shard -> Partial(sum) on 1-D and 2-D meshes ------------------------ */
+
+typedef struct {
+    int m;
+    tp_placement src[2], dst[2];
+    bool exact_local; /* the local is src's block in place in dst's extent, zeros elsewhere */
+    bool ag_dim1;     /* the plan all_gathers on mesh dim 1 first (nested sharding undone),
+                       * and so does the backward that nests it again */
+} sp_case;
+
+typedef struct {
+    mesh_spec mesh;
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} sp_ctx;
+
+static bool same_placement(tp_placement a, tp_placement b)
+{
+    return a.kind == b.kind && (a.kind != TP_PLACEMENT_SHARD || a.dim == b.dim) &&
+           (a.kind != TP_PLACEMENT_PARTIAL || a.op == b.op);
+}
+
+/* Expected local of `dst` when each rank keeps exactly its `src` block: zeros
+ * of dst's extent with the global values at src's block. */
+static tp_status sp_expected(tp_mesh *mesh, int nd, const int64_t *global, const tp_placement *src,
+                             const tp_placement *dst, uint64_t seed, tp_tensor **out)
+{
+    int m = tp_mesh_ndim(mesh);
+    int64_t ss[TP_MAX_DIMS], so[TP_MAX_DIMS], ds[TP_MAX_DIMS], dof[TP_MAX_DIMS];
+    TP_TEST_TRY(tp_dtensor_shard_extent(mesh, nd, global, m, src, NULL, ss, so));
+    TP_TEST_TRY(tp_dtensor_shard_extent(mesh, nd, global, m, dst, NULL, ds, dof));
+    TP_TEST_TRY(tp_tensor_zeros(TP_F32, TP_CPU, nd, ds, out));
+    tp_tensor *v = tp_tensor_retain(*out), *next = NULL;
+    tp_status st = TP_OK;
+    for (int d = 0; d < nd && st == TP_OK; d++) {
+        st = tp_tensor_narrow(v, d, so[d] - dof[d], ss[d], &next);
+        tp_tensor_release(v);
+        v = next;
+    }
+    if (st == TP_OK)
+        st = fill_block(v, global, so, seed);
+    tp_tensor_release(v);
+    return st;
+}
+
+static tp_status sp_body(tp_comm *w, void *arg)
+{
+    sp_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(w)];
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(w, c->mesh.ndim, c->mesh.shape, NULL, &mesh));
+    int m = c->mesh.ndim;
+    tp_placement R = tp_replicate(), S0 = tp_shard(0), S1 = tp_shard(1), P = tp_partial(TP_SUM);
+    const sp_case cases[] = {
+        {1, {S0}, {P}, true, false},
+        {1, {S1}, {P}, true, false},
+        {2, {S0, S0}, {P, P}, true, false},
+        {2, {S0, S0}, {S0, P}, true, false},
+        {2, {S0, S1}, {P, S1}, true, false},
+        {2, {S0, S1}, {S0, P}, true, false},
+        {2, {S1, R}, {P, R}, true, false},
+        {2, {R, S0}, {R, P}, true, false},
+        {2, {S0, S0}, {P, S0}, false, true},
+    };
+    static const int64_t shapes[][2] = {{7, 5}, {8, 6}, {2, 9}, {0, 3}, {13, 1}};
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const sp_case *k = &cases[ci];
+        if (k->m != m)
+            continue;
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            const int64_t *global = shapes[si];
+            uint64_t seed = 77 + si;
+            char a[64], b[64];
+            tp_placements_str(m, k->src, a, sizeof a);
+            tp_placements_str(m, k->dst, b, sizeof b);
+            tp_tensor *dt = NULL, *out = NULL, *full = NULL, *want = NULL, *ones = NULL;
+            int64_t ls[2], lo[2];
+            RANK_OK(s, tp_dtensor_shard_extent(mesh, 2, global, m, k->src, NULL, ls, lo));
+            tp_tensor *local = NULL;
+            RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, ls, &local));
+            RANK_OK(s, fill_block(local, global, lo, seed));
+            RANK_OK(s, tp_tensor_set_requires_grad(local, true));
+            RANK_OK(s, tp_dtensor_from_local(mesh, local, m, k->src,
+                                             &(tp_from_local_options){.global_shape = global},
+                                             &dt));
+            int64_t planned[TP_COLL_KIND_COUNT];
+            RANK_OK(s, tp_dtensor_plan_collectives(mesh, 2, m, k->src, k->dst, planned));
+            RANK_OK(s, tp_comm_debug_begin(dbg));
+            RANK_OK(s, tp_dtensor_redistribute(dt, m, k->dst, &out));
+            RANK_OK(s, tp_comm_debug_end(dbg));
+            int64_t want_ag = k->ag_dim1 && tp_mesh_size(mesh, 1) > 1 ? 1 : 0;
+            for (int kk = 0; kk < TP_COLL_KIND_COUNT; kk++) {
+                int64_t got = tp_comm_debug_count(dbg, (tp_coll_kind)kk);
+                int64_t e = kk == TP_COLL_ALL_GATHER ? want_ag : 0;
+                RANK_EXPECT(s, got == e && planned[kk] == e,
+                            "%s -> %s of [%lld, %lld]: %lld %s (planned %lld, want %lld)", a, b,
+                            (long long)global[0], (long long)global[1], (long long)got,
+                            tp_coll_kind_name((tp_coll_kind)kk), (long long)planned[kk],
+                            (long long)e);
+            }
+            for (int i = 0; i < m; i++)
+                RANK_EXPECT(s, same_placement(tp_dtensor_placements(out)[i], k->dst[i]),
+                            "%s -> %s: placement %d differs", a, b, i);
+            if (k->exact_local) {
+                RANK_OK(s, sp_expected(mesh, 2, global, k->src, k->dst, seed, &want));
+                bool eq = false;
+                RANK_OK(s, tp_tensor_equal(tp_dtensor_local(out), want, &eq));
+                RANK_EXPECT(s, eq, "%s -> %s of [%lld, %lld]: the local is not this rank's "
+                            "shard in place with zeros elsewhere", a, b, (long long)global[0],
+                            (long long)global[1]);
+            }
+            /* the terms sum to the value; the Replicate gradient is chunked back
+             * (when the forward undid nested sharding, re-nesting the gradient
+             * all_gathers once on mesh dim 1) */
+            RANK_OK(s, tp_dtensor_full_tensor(out, &full));
+            RANK_EXPECT(s, full_is_right(full, 2, global, seed), "%s -> %s of [%lld, %lld]: "
+                        "full tensor wrong", a, b, (long long)global[0], (long long)global[1]);
+            RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, global, &ones));
+            RANK_OK(s, tp_tensor_fill(ones, 1));
+            RANK_OK(s, tp_comm_debug_begin(dbg));
+            RANK_OK(s, tp_backward(full, ones));
+            RANK_OK(s, tp_comm_debug_end(dbg));
+            RANK_EXPECT(s, tp_comm_debug_total(dbg) == want_ag &&
+                               tp_comm_debug_count(dbg, TP_COLL_ALL_GATHER) == want_ag,
+                        "%s -> %s: backward issued %lld collectives, want %lld all_gathers", a, b,
+                        (long long)tp_comm_debug_total(dbg), (long long)want_ag);
+            tp_tensor *gl = tp_tensor_grad(local);
+            bool ones_ok = gl && tp_tensor_numel(gl) == ls[0] * ls[1];
+            for (int64_t e = 0; ones_ok && e < ls[0] * ls[1]; e++) {
+                double v = 0;
+                tp_tensor_get(gl, (int64_t[]){e / ls[1], e % ls[1]}, &v);
+                ones_ok = v == 1.0;
+            }
+            RANK_EXPECT(s, ones_ok || ls[0] * ls[1] == 0, "%s -> %s: the source gradient is "
+                        "not all ones", a, b);
+            tp_tensor *all[] = {local, dt, out, full, want, ones};
+            for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+                tp_tensor_release(all[i]);
+        }
+    }
+    tp_comm_debug_free(dbg);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+static const mesh_spec sp_meshes[] = {
+    {1, {1}, {0}},    {1, {2}, {0}},    {1, {3}, {0}},    {1, {4}, {0}},
+    {1, {8}, {0}},    {2, {2, 2}, {0}}, {2, {2, 3}, {0}}, {2, {4, 2}, {0}},
+};
+
+ParameterizedTestParameters(dtensor, shard_to_partial_sum)
+{
+    return cr_make_param_array(mesh_spec, (void *)sp_meshes, sizeof sp_meshes / sizeof sp_meshes[0]);
+}
+
+ParameterizedTest(const mesh_spec *ms, dtensor, shard_to_partial_sum, .timeout = 120)
+{
+    sp_ctx c = {.mesh = *ms};
+    int n = 1;
+    for (int i = 0; i < ms->ndim; i++)
+        n *= (int)ms->shape[i];
+    tp_test_run(n, sp_body, &c, c.slot);
+}
+
+/* ---- distribute: scatter Shard dims, broadcast Replicate dims ------------- */
+
+/* The collectives rank `me` (mesh coordinates) issues distributing from
+ * `src` with placements pl of a [global] f32 tensor: mesh dim by mesh dim,
+ * by the ranks whose coordinates equal src's on every later dim, a scatter
+ * of the padded level block for a Shard dim, a broadcast of it for
+ * Replicate. */
+static void dist_expected(const tp_mesh *mesh, int nd, const int64_t *global,
+                          const tp_placement *pl, int src, int64_t count[TP_COLL_KIND_COUNT],
+                          int64_t bytes[TP_COLL_KIND_COUNT])
+{
+    int m = tp_mesh_ndim(mesh);
+    int64_t sc[TP_MESH_MAX_DIMS], rest = src, shape[TP_MAX_DIMS];
+    for (int i = m - 1; i >= 0; i--) {
+        sc[i] = rest % tp_mesh_size(mesh, i);
+        rest /= tp_mesh_size(mesh, i);
+    }
+    memset(count, 0, sizeof(int64_t) * TP_COLL_KIND_COUNT);
+    memset(bytes, 0, sizeof(int64_t) * TP_COLL_KIND_COUNT);
+    memcpy(shape, global, sizeof(int64_t) * (size_t)nd);
+    for (int i = 0; i < m; i++) {
+        bool part = true;
+        for (int j = i + 1; j < m; j++)
+            part = part && tp_mesh_coord(mesh, j) == sc[j];
+        int64_t w = tp_mesh_size(mesh, i), numel = 1;
+        int d = pl[i].kind == TP_PLACEMENT_SHARD ? pl[i].dim : -1;
+        for (int e = 0; e < nd; e++)
+            numel *= e == d ? (shape[e] + w - 1) / w * w : shape[e];
+        if (part) {
+            tp_coll_kind kind = d >= 0 ? TP_COLL_SCATTER : TP_COLL_BROADCAST;
+            count[kind]++;
+            bytes[kind] += numel * 4;
+        }
+        if (d >= 0) {
+            int64_t start = 0, len = 0;
+            tp_chunk_range(shape[d], w, tp_mesh_coord(mesh, i), &start, &len);
+            shape[d] = len;
+        }
+    }
+}
+
+static tp_status dist_body(tp_comm *w, void *arg)
+{
+    rt_ctx *c = arg;
+    int me = tp_comm_rank(w);
+    tp_test_slot *s = &c->slot[me];
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(w, c->mesh.ndim, c->mesh.shape, NULL, &mesh));
+    int m = c->mesh.ndim, n = (int)tp_mesh_numel(mesh);
+    static const int64_t shapes[][2] = {{8, 6}, {5, 3}, {1, 7}, {0, 4}, {9, 2}};
+    tp_placement opts[] = {tp_replicate(), tp_shard(0), tp_shard(1)};
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    for (int src = 0; src < n; src++) {
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+            for (int combo = 0; combo < 9; combo++) {
+                tp_placement pl[2];
+                int x = combo;
+                for (int i = 0; i < m; i++, x /= 3)
+                    pl[i] = opts[x % 3];
+                if (x)
+                    break;
+                /* every rank holds different values: only src's may arrive */
+                tp_tensor *full = NULL, *dt = NULL;
+                RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, shapes[k], &full));
+                RANK_OK(s, fill_block(full, shapes[k], NULL, SEED + (uint64_t)me));
+                RANK_OK(s, tp_comm_debug_begin(dbg));
+                RANK_OK(s, tp_dtensor_distribute(mesh, full, m, pl, src, &dt));
+                RANK_OK(s, tp_comm_debug_end(dbg));
+                char why[128] = "", ps[64];
+                tp_placements_str(m, pl, ps, sizeof ps);
+                RANK_EXPECT(s, shard_is_right(dt, SEED + (uint64_t)src, why, sizeof why),
+                            "distribute %s of [%lld, %lld] from %d: %s", ps,
+                            (long long)shapes[k][0], (long long)shapes[k][1], src, why);
+                int64_t count[TP_COLL_KIND_COUNT], bytes[TP_COLL_KIND_COUNT];
+                dist_expected(mesh, 2, shapes[k], pl, src, count, bytes);
+                for (int kk = 0; kk < TP_COLL_KIND_COUNT; kk++)
+                    RANK_EXPECT(s, tp_comm_debug_count(dbg, (tp_coll_kind)kk) == count[kk] &&
+                                       tp_comm_debug_bytes(dbg, (tp_coll_kind)kk) == bytes[kk],
+                                "distribute %s of [%lld, %lld] from %d: %lld %s of %lld bytes, "
+                                "want %lld of %lld", ps, (long long)shapes[k][0],
+                                (long long)shapes[k][1], src,
+                                (long long)tp_comm_debug_count(dbg, (tp_coll_kind)kk),
+                                tp_coll_kind_name((tp_coll_kind)kk),
+                                (long long)tp_comm_debug_bytes(dbg, (tp_coll_kind)kk),
+                                (long long)count[kk], (long long)bytes[kk]);
+                /* the caller's tensor is neither changed nor shared */
+                RANK_EXPECT(s, full_is_right(full, 2, shapes[k], SEED + (uint64_t)me) &&
+                                   tp_dtensor_local(dt) != full,
+                            "distribute %s from %d changed or kept the caller's tensor", ps, src);
+                tp_tensor_release(full);
+                tp_tensor_release(dt);
+            }
+        }
+    }
+    /* src_rank < 0: every rank's own values, nothing sent */
+    tp_tensor *full = NULL, *dt = NULL;
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, shapes[0], &full));
+    RANK_OK(s, fill_block(full, shapes[0], NULL, SEED + (uint64_t)me));
+    RANK_OK(s, tp_comm_debug_begin(dbg));
+    RANK_OK(s, tp_dtensor_distribute(mesh, full, m, (tp_placement[]){opts[1], opts[2]}, -1, &dt));
+    RANK_OK(s, tp_comm_debug_end(dbg));
+    char why[128] = "";
+    RANK_EXPECT(s, shard_is_right(dt, SEED + (uint64_t)me, why, sizeof why) &&
+                       tp_comm_debug_total(dbg) == 0,
+                "distribute from no rank: %s, %lld collectives", why,
+                (long long)tp_comm_debug_total(dbg));
+    tp_tensor_release(full);
+    tp_tensor_release(dt);
+    tp_comm_debug_free(dbg);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+static const mesh_spec dist_meshes[] = {
+    {1, {1}, {0}},    {1, {2}, {0}},    {1, {3}, {0}},    {1, {4}, {0}},
+    {1, {8}, {0}},    {2, {2, 2}, {0}}, {2, {2, 3}, {0}}, {2, {4, 2}, {0}},
+};
+
+ParameterizedTestParameters(dtensor, distribute_scatters)
+{
+    return cr_make_param_array(mesh_spec, (void *)dist_meshes,
+                               sizeof dist_meshes / sizeof dist_meshes[0]);
+}
+
+ParameterizedTest(const mesh_spec *ms, dtensor, distribute_scatters, .timeout = 120)
+{
+    rt_ctx c = {.mesh = *ms};
+    int n = 1;
+    for (int i = 0; i < ms->ndim; i++)
+        n *= (int)ms->shape[i];
+    tp_test_run(n, dist_body, &c, c.slot);
+}
+
 /* ---- errors ----------------------------------------------------------------- */
 
 static tp_status errors_body(tp_comm *w, void *arg)
@@ -434,15 +741,56 @@ static tp_status errors_body(tp_comm *w, void *arg)
     ERR(tp_dtensor_distribute(NULL, full, 2, rr, 0, &out), TP_ERR_INVALID_ARG, "mesh is NULL");
     RANK_OK(s, tp_dtensor_distribute(mesh, full, 2, (tp_placement[]){tp_shard(0), tp_shard(1)}, -1,
                                      &dt));
-    ERR(tp_dtensor_redistribute(dt, 2, (tp_placement[]){tp_partial(TP_SUM), tp_shard(1)}, &out),
-        TP_ERR_INVALID_ARG, "redistributing to Partial is for internal use");
+    /* of the conversions to Partial only Shard -> Partial(sum) is public */
+    tp_tensor *pd = NULL, *rd = NULL, *mx = NULL;
+    RANK_OK(s, tp_dtensor_redistribute(dt, 2, (tp_placement[]){tp_partial(TP_SUM), tp_shard(1)},
+                                       &pd));
+    RANK_EXPECT(s, tp_dtensor_placements(pd)[0].kind == TP_PLACEMENT_PARTIAL,
+                "S(0) -> P(sum) is not Partial");
+    ERR(tp_dtensor_redistribute(dt, 2, (tp_placement[]){tp_partial(TP_AVG), tp_shard(1)}, &out),
+        TP_ERR_NOT_SUPPORTED, "mesh dim 0: S(0) -> P(avg) is not supported; only Shard -> "
+                              "Partial(sum) is");
+    RANK_OK(s, tp_dtensor_distribute(mesh, full, 2, rr, -1, &rd));
+    ERR(tp_dtensor_redistribute(rd, 2, (tp_placement[]){tp_replicate(), tp_partial(TP_SUM)}, &out),
+        TP_ERR_INVALID_ARG, "mesh dim 1: R -> P(sum): redistributing Replicate to Partial is for "
+                            "internal use");
+    RANK_OK(s, tp_dtensor_from_local(mesh, full, 2,
+                                     (tp_placement[]){tp_partial(TP_MAX), tp_replicate()}, NULL,
+                                     &mx));
+    ERR(tp_dtensor_redistribute(mx, 2, (tp_placement[]){tp_partial(TP_SUM), tp_replicate()}, &out),
+        TP_ERR_NOT_SUPPORTED, "mesh dim 0: P(max) -> P(sum) is not supported");
+    RANK_EXPECT(s, out == NULL, "out not reset on failure");
+    tp_tensor_release(pd);
+    tp_tensor_release(rd);
+    tp_tensor_release(mx);
     ERR(tp_dtensor_redistribute(dt, 3, rr, &out), TP_ERR_INVALID_ARG, "3 placements");
     ERR(tp_dtensor_redistribute(full, 2, rr, &out), TP_ERR_INVALID_ARG, "not a DTensor");
     ERR(tp_dtensor_to_local(full, 0, NULL, &out), TP_ERR_INVALID_ARG, "not a DTensor");
     int64_t counts[TP_COLL_KIND_COUNT];
+    RANK_OK(s, tp_dtensor_plan_collectives(mesh, 2, 2, (tp_placement[]){tp_shard(0), tp_shard(1)},
+                                           (tp_placement[]){tp_partial(TP_SUM), tp_shard(1)},
+                                           counts));
+    for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
+        RANK_EXPECT(s, counts[k] == 0, "planner: S(0) -> P(sum) issues %lld %s", (long long)counts[k],
+                    tp_coll_kind_name((tp_coll_kind)k));
     ERR(tp_dtensor_plan_collectives(mesh, 2, 2, (tp_placement[]){tp_shard(0), tp_shard(1)},
-                                    (tp_placement[]){tp_partial(TP_SUM), tp_shard(1)}, counts),
-        TP_ERR_NOT_SUPPORTED, "S(0) -> P(sum) on mesh dim 0 is not supported");
+                                    (tp_placement[]){tp_partial(TP_MAX), tp_shard(1)}, counts),
+        TP_ERR_NOT_SUPPORTED, "S(0) -> P(max) on mesh dim 0 is not supported (Shard -> Partial "
+                              "is for sum only)");
+    ERR(tp_dtensor_plan_collectives(mesh, 2, 2, (tp_placement[]){tp_partial(TP_MAX), rr[1]},
+                                    (tp_placement[]){tp_partial(TP_MIN), rr[1]}, counts),
+        TP_ERR_NOT_SUPPORTED, "P(max) -> P(min) on mesh dim 0 is not supported");
+    /* arguments that used to pass silently */
+    ERR(tp_dtensor_plan_collectives(mesh, TP_MAX_DIMS + 1, 2, rr, rr, counts), TP_ERR_INVALID_ARG,
+        "ndim 9 out of range [0, 8]");
+    ERR(tp_dtensor_plan_collectives(mesh, -1, 2, rr, rr, counts), TP_ERR_INVALID_ARG,
+        "ndim -1 out of range");
+    int64_t neg[2] = {4, -3}, ls[2], lo[2];
+    ERR(tp_dtensor_shard_extent(mesh, 2, neg, 2, (tp_placement[]){tp_shard(0), tp_shard(1)}, NULL,
+                                ls, lo),
+        TP_ERR_INVALID_ARG, "global size -3 of dim 1 is negative");
+    ERR(tp_dtensor_shard_extent(mesh, 2, neg, 2, rr, NULL, ls, lo), TP_ERR_INVALID_ARG,
+        "global size -3 of dim 1 is negative");
     /* core refuses DTensors where it needs memory */
     ERR(tp_tensor_narrow(dt, 0, 0, 1, &pt), TP_ERR_INVALID_ARG, "is a DTensor");
     ERR(tp_tensor_fill(dt, 1), TP_ERR_INVALID_ARG, "is a DTensor");
@@ -454,9 +802,13 @@ static tp_status errors_body(tp_comm *w, void *arg)
                 "DTensor shape accessors");
     /* from_local with a global shape this rank's shard does not fit */
     int64_t bad[2] = {5, 6};
+    char want_msg[128];
+    snprintf(want_msg, sizeof want_msg,
+             "local shape [4, 6] is not this rank's shard [%d, 6] of global [5, 6]",
+             tp_mesh_coord(mesh, 0) == 0 ? 3 : 2);
     ERR(tp_dtensor_from_local(mesh, full, 2, (tp_placement[]){tp_shard(0), tp_replicate()},
                               &(tp_from_local_options){.global_shape = bad}, &out),
-        TP_ERR_INVALID_ARG, "is not this rank's shard");
+        TP_ERR_INVALID_ARG, want_msg);
     /* the check option catches replicas that differ */
     tp_tensor *mine = NULL;
     RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, sh, &mine));

@@ -343,6 +343,52 @@ static tp_status check_all_to_all_broadcast(tp_comm *c, tp_test_slot *s, int dev
     return TP_OK;
 }
 
+/* Every root, in and out of place, blocking and async: block j of root's
+ * send reaches rank j; the other ranks pass no send. */
+static tp_status check_scatter(tp_comm *c, tp_test_slot *s, int dev, tp_dtype dt)
+{
+    int r = tp_comm_rank(c), n = tp_comm_size(c);
+    int64_t nk = (int64_t)n * K;
+    double *buf = calloc((size_t)nk, sizeof(double));
+    if (!buf)
+        return TP_ERR_NO_MEMORY;
+    tp_status st = TP_OK;
+    for (int root = 0; root < n && st == TP_OK; root++) {
+        for (int mode = 0; mode < 4 && st == TP_OK; mode++) {
+            bool in_place = mode & 1, async = mode & 2;
+            tp_tensor *x = NULL, *y = NULL;
+            for (int64_t g = 0; g < nk; g++)
+                buf[g] = (double)((root * 7 + g) % 240);
+            if (r == root)
+                st = dev_tensor(dt, dev, nk, buf, &x);
+            if (st == TP_OK && in_place && r == root)
+                st = tp_tensor_narrow(x, 0, (int64_t)r * K, K, &y);
+            else if (st == TP_OK)
+                st = tp_tensor_zeros(dt, TP_CUDA(dev), 1, &(int64_t){K}, &y);
+            tp_work *w = NULL;
+            if (st == TP_OK)
+                st = tp_scatter(c, x, y, root, async ? &w : NULL);
+            if (st == TP_OK && w)
+                st = tp_work_wait(w);
+            tp_work_free(w);
+            if (st == TP_OK)
+                st = dev_read(y, K, buf);
+            for (int64_t i = 0; st == TP_OK && i < K; i++) {
+                double want = (double)((root * 7 + r * K + i) % 240);
+                RANK_EXPECT(s, buf[i] == want, "scatter(%s, root %d, %s, %s) at %d ranks: "
+                            "element %lld is %g, expected %g", tp_dtype_name(dt), root,
+                            in_place ? "in place" : "out of place", async ? "async" : "blocking",
+                            n, (long long)i, buf[i], want);
+            }
+            tp_tensor_release(x);
+            tp_tensor_release(y);
+        }
+    }
+    free(buf);
+    RANK_OK(s, st);
+    return TP_OK;
+}
+
 /* Async: a handle, polled with tp_work_test, then waited on (twice). */
 static tp_status check_async(tp_comm *c, tp_test_slot *s, int dev)
 {
@@ -401,6 +447,8 @@ static tp_status collectives_rank(tp_comm *boot, void *arg)
             st = check_gather_scatter(c, s, r, all_dtypes[d], true);
         if (st == TP_OK)
             st = check_all_to_all_broadcast(c, s, r, all_dtypes[d]);
+        if (st == TP_OK)
+            st = check_scatter(c, s, r, all_dtypes[d]);
     }
     if (st == TP_OK && !s->failed)
         st = check_async(c, s, r);
@@ -507,6 +555,11 @@ static tp_status errors_rank(tp_comm *boot, void *arg)
         RANK_EXPECT(s, e == TP_ERR_INVALID_ARG, "NULL send: %s", tp_status_name(e));
         e = tp_broadcast(c, gpu, 99, NULL);
         RANK_EXPECT(s, e == TP_ERR_INVALID_ARG, "bad root: %s", tp_status_name(e));
+        e = tp_scatter(c, NULL, gpu, -1, NULL);
+        RANK_EXPECT(s, e == TP_ERR_INVALID_ARG, "scatter bad root: %s", tp_status_name(e));
+        e = tp_scatter(c, NULL, cpu, 0, NULL);
+        RANK_EXPECT(s, e == TP_ERR_NOT_SUPPORTED, "scatter into CPU buffers: %s",
+                    tp_status_name(e));
         /* argument errors leave the communicator usable */
         RANK_EXPECT(s, !tp_comm_is_aborted(c), "an argument error aborted the communicator");
         st = tp_all_reduce(c, gpu, gpu, TP_SUM, NULL);
@@ -525,6 +578,19 @@ static tp_status errors_rank(tp_comm *boot, void *arg)
                         tp_status_name(e), tp_last_error());
         }
         tp_tensor_release(half);
+        /* the last rank names another scatter root */
+        int n = tp_comm_size(c);
+        int64_t kn = (int64_t)n * K;
+        tp_tensor *xs = NULL;
+        if (st == TP_OK)
+            st = tp_tensor_zeros(TP_F32, TP_CUDA(r), 1, &kn, &xs);
+        if (st == TP_OK) {
+            tp_status e = tp_scatter(c, xs, gpu, r == n - 1 ? n - 1 : 0, NULL);
+            RANK_EXPECT(s, e == TP_ERR_MISMATCH && strstr(tp_last_error(), "scatter"),
+                        "mismatched scatter roots under the check: %s (%s)", tp_status_name(e),
+                        tp_last_error());
+        }
+        tp_tensor_release(xs);
     }
     if (st == TP_OK)
         st = tp_comm_set_check(c, false);

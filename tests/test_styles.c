@@ -22,9 +22,6 @@ typedef struct {
 
 #define SLOT(c, world) (&(c)->slot[tp_comm_rank(world)])
 
-static const char *const kind_names[] = {"all_reduce", "all_gather", "reduce_scatter",
-                                         "all_to_all", "broadcast",  "barrier"};
-
 /* ---- helpers ---------------------------------------------------------------- */
 
 static tp_status mesh1d(tp_comm *world, tp_mesh **mesh)
@@ -115,7 +112,7 @@ static void expect_phase(tp_test_slot *s, const tp_comm_debug *d, tp_phase ph, i
         int64_t got = tp_comm_debug_module_count(d, TP_COMM_DEBUG_GLOBAL, ph, (tp_coll_kind)k);
         RANK_EXPECT(s, got == want[k], "%s (%s, W=%d): %lld %s, expected %lld", label,
                     ph == TP_PHASE_FORWARD ? "forward" : "backward", w, (long long)got,
-                    kind_names[k], (long long)want[k]);
+                    tp_coll_kind_name((tp_coll_kind)k), (long long)want[k]);
     }
 }
 
@@ -830,7 +827,7 @@ static tp_status sequence_parallel_body(tp_comm *world, void *arg)
     RANK_OK(s, tp_tensor_set_requires_grad(x, true));
 
     /* parameters become Replicate without any communication, even though
-     * params_everywhere is false */
+     * src_data_rank is rank 0 (the default) */
     RANK_OK(s, tp_layer_norm_create(12, true, 1e-5, &m));
     RANK_OK(s, tp_module_init(m, 1));
     RANK_OK(s, tp_sequence_parallel(NULL, &st));
@@ -1379,19 +1376,20 @@ static tp_status plan_body(tp_comm *world, void *arg)
     tp_tensor *wq0 = tp_module_parameter(tp_module_find(root, "layers.0.attention.wq"), "weight");
     RANK_EXPECT(s, wq0 && !tp_tensor_is_dtensor(wq0), "a failed plan changed layers.0.attention.wq");
 
-    /* allow_unmatched: the rest applies; one broadcast per distributed
-     * parameter (wq weight + bias, wk weight, twice), none for the norms */
+    /* allow_unmatched: the rest applies; one scatter per distributed
+     * parameter (wq weight + bias, wk weight, twice: all sharded), none for
+     * the norms */
     opts.allow_unmatched = true;
     RANK_OK(s, tp_comm_debug_begin(dbg));
     e = tp_parallelize_module(root, mesh, 5, plan, &opts);
     RANK_OK(s, tp_comm_debug_end(dbg));
     RANK_EXPECT(s, e == TP_OK, "allow_unmatched: %s (%s)", tp_status_name(e), tp_last_error());
     RANK_EXPECT(s, n_unmatched == 2, "allow_unmatched: n_unmatched %d", n_unmatched);
-    int64_t bc = tp_comm_debug_count(dbg, TP_COLL_BROADCAST);
-    /* (tp_dtensor_distribute broadcasts from src_rank 0 even on one rank) */
-    RANK_EXPECT(s, bc == 6 && tp_comm_debug_total(dbg) == bc,
-                "parallelize issued %lld broadcasts (%lld collectives), expected 6",
-                (long long)bc, (long long)tp_comm_debug_total(dbg));
+    int64_t sc = tp_comm_debug_count(dbg, TP_COLL_SCATTER);
+    /* (tp_dtensor_distribute scatters from src_data_rank 0 even on one rank) */
+    RANK_EXPECT(s, sc == 6 && tp_comm_debug_total(dbg) == sc,
+                "parallelize issued %lld scatters (%lld collectives), expected 6",
+                (long long)sc, (long long)tp_comm_debug_total(dbg));
     for (int i = 0; i < 2; i++) {
         char f[64];
         snprintf(f, sizeof f, "layers.%d.attention.wq", i);
@@ -1678,16 +1676,34 @@ static tp_status args_body(tp_comm *world, void *arg)
     tp_status e = tp_parallelize_module(m, mesh, 1, &star, NULL);
     RANK_EXPECT(s, e == TP_ERR_INVALID_ARG && msg_has("'*'"), "\"*\" on a leaf: %s (%s)",
                 tp_status_name(e), tp_last_error());
-    /* params_everywhere: nothing is sent */
+    /* src_data_rank: a mesh rank or TP_SRC_DATA_RANK_NONE, checked before
+     * anything is sent or changed */
     tp_comm_debug *dbg = NULL;
     RANK_OK(s, tp_comm_debug_create(&dbg));
-    tp_parallelize_options po = {.params_everywhere = true};
     RANK_OK(s, tp_module_init(m, 2));
+    for (int bad = 0; bad < 2; bad++) {
+        tp_parallelize_options pb = {.src_data_rank = bad ? -2 : 2};
+        RANK_OK(s, tp_comm_debug_begin(dbg));
+        tp_clear_error();
+        e = tp_parallelize_module(m, mesh, 1, &ok, &pb);
+        RANK_OK(s, tp_comm_debug_end(dbg));
+        char want[96];
+        snprintf(want, sizeof want, "src_data_rank %d is not a rank of the 2-rank mesh",
+                 pb.src_data_rank);
+        RANK_EXPECT(s, e == TP_ERR_INVALID_ARG && msg_has(want), "src_data_rank %d: %s (%s)",
+                    pb.src_data_rank, tp_status_name(e), tp_last_error());
+        RANK_EXPECT(s, tp_comm_debug_total(dbg) == 0 &&
+                           !tp_tensor_is_dtensor(tp_module_parameter(m, "weight")),
+                    "src_data_rank %d: %lld collectives, or the module changed",
+                    pb.src_data_rank, (long long)tp_comm_debug_total(dbg));
+    }
+    /* TP_SRC_DATA_RANK_NONE: nothing is sent */
+    tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
     RANK_OK(s, tp_comm_debug_begin(dbg));
     e = tp_parallelize_module(m, mesh, 1, &ok, &po);
     RANK_OK(s, tp_comm_debug_end(dbg));
     RANK_OK(s, e);
-    RANK_EXPECT(s, tp_comm_debug_total(dbg) == 0, "params_everywhere: %lld collectives",
+    RANK_EXPECT(s, tp_comm_debug_total(dbg) == 0, "TP_SRC_DATA_RANK_NONE: %lld collectives",
                 (long long)tp_comm_debug_total(dbg));
     tp_comm_debug_free(dbg);
     tp_style_free(st);
@@ -1772,4 +1788,145 @@ Test(styles, uneven_feature_shards, .timeout = 60)
         uneven_ctx c = {0};
         tp_test_run(n, uneven_body, &c, c.slot);
     }
+}
+
+/* ---- src_data_rank: whose values the parameters get ------------------------ */
+/* Every rank initializes the module with its own seed; parallelized from
+ * src_data_rank 1, every rank ends with rank 1's values: one scatter per
+ * sharded parameter, one broadcast per replicated one, with exactly their
+ * bytes (a broadcast of every parameter fails the counts); with
+ * TP_SRC_DATA_RANK_NONE every rank keeps its own values and nothing is sent. */
+
+#define SRC_SEED 100
+
+/* emb: Embedding(11, 6) Colwise; net1: Linear(10, 16) Colwise; net2:
+ * Linear(16, 10) Rowwise; emb2: Embedding(9, 5) Rowwise; norm: LayerNorm(10)
+ * SequenceParallel. */
+static tp_status make_src_model(tp_module **out)
+{
+    tp_module *root = NULL;
+    TP_TEST_TRY(tp_container_create(&root));
+    const char *names[] = {"emb", "net1", "net2", "emb2", "norm"};
+    tp_status st = TP_OK;
+    for (int i = 0; i < 5 && st == TP_OK; i++) {
+        tp_module *c = NULL;
+        switch (i) {
+        case 0: st = tp_embedding_create(11, 6, &c); break;
+        case 1: st = tp_linear_create(10, 16, true, &c); break;
+        case 2: st = tp_linear_create(16, 10, true, &c); break;
+        case 3: st = tp_embedding_create(9, 5, &c); break;
+        default: st = tp_layer_norm_create(10, true, 1e-5, &c); break;
+        }
+        if (st == TP_OK && (st = tp_module_add_child(root, names[i], c)) != TP_OK)
+            tp_module_free(c);
+    }
+    if (st != TP_OK) {
+        tp_module_free(root);
+        return st;
+    }
+    *out = root;
+    return TP_OK;
+}
+
+typedef struct {
+    tp_module *ref; /* plain, initialized with the seed whose values are expected */
+    int checked, wrong;
+    char first[128];
+} src_cmp;
+
+/* The local shard of param equals the block of the same parameter of ref. */
+static tp_status src_compare(const char *fqn, tp_tensor *param, void *arg)
+{
+    src_cmp *c = arg;
+    char mod[64];
+    const char *dot = strrchr(fqn, '.');
+    snprintf(mod, sizeof mod, "%.*s", dot ? (int)(dot - fqn) : 0, fqn);
+    tp_tensor *full = tp_module_parameter(tp_module_find(c->ref, mod), dot ? dot + 1 : fqn);
+    bool eq = false;
+    if (full && tp_tensor_is_dtensor(param)) {
+        tp_mesh *mesh = tp_dtensor_mesh(param);
+        int nd = tp_tensor_ndim(param);
+        int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
+        TP_TEST_TRY(tp_dtensor_shard_extent(mesh, nd, tp_tensor_shape(param), tp_mesh_ndim(mesh),
+                                            tp_dtensor_placements(param), NULL, shape, off));
+        tp_tensor *v = tp_tensor_retain(full), *next = NULL;
+        for (int d = 0; d < nd; d++) {
+            TP_TEST_TRY(tp_tensor_narrow(v, d, off[d], shape[d], &next));
+            tp_tensor_release(v);
+            v = next;
+        }
+        TP_TEST_TRY(tp_tensor_equal(tp_dtensor_local(param), v, &eq));
+        tp_tensor_release(v);
+    }
+    c->checked++;
+    if (!eq && c->wrong++ == 0)
+        snprintf(c->first, sizeof c->first, "%s", fqn);
+    return TP_OK;
+}
+
+static tp_status src_body(tp_comm *world, void *arg)
+{
+    sty_ctx *c = arg;
+    tp_test_slot *s = SLOT(c, world);
+    int w = c->w, r = tp_comm_rank(world);
+    tp_mesh *mesh = NULL;
+    tp_style *col = NULL, *row = NULL, *seq = NULL;
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, mesh1d(world, &mesh));
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    RANK_OK(s, tp_colwise_parallel(NULL, &col));
+    RANK_OK(s, tp_rowwise_parallel(NULL, &row));
+    RANK_OK(s, tp_sequence_parallel(NULL, &seq));
+    const tp_plan_entry plan[] = {{"emb", col}, {"net1", col}, {"net2", row}, {"emb2", row},
+                                  {"norm", seq}};
+    /* scatter bytes: nccl-tests' size, the padded send buffer */
+    int64_t W = w, ch6 = (6 + W - 1) / W, ch16 = (16 + W - 1) / W, ch9 = (9 + W - 1) / W;
+    int64_t scatter_bytes = 4 * W * (11 * ch6 + 10 * ch16 + ch16 + 10 * ch16 + 5 * ch9);
+    for (int mode = 0; mode < 2; mode++) {
+        int src = mode == 0 ? 1 : TP_SRC_DATA_RANK_NONE;
+        tp_module *m = NULL, *ref = NULL;
+        RANK_OK(s, make_src_model(&m));
+        RANK_OK(s, make_src_model(&ref));
+        RANK_OK(s, tp_module_init(m, SRC_SEED + (uint64_t)r));
+        RANK_OK(s, tp_module_init(ref, SRC_SEED + (uint64_t)(src >= 0 ? src : r)));
+        tp_parallelize_options po = {.src_data_rank = src};
+        RANK_OK(s, tp_comm_debug_begin(dbg));
+        tp_status e = tp_parallelize_module(m, mesh, 5, plan, &po);
+        RANK_OK(s, tp_comm_debug_end(dbg));
+        RANK_OK(s, e);
+        int64_t sc = tp_comm_debug_count(dbg, TP_COLL_SCATTER);
+        int64_t bc = tp_comm_debug_count(dbg, TP_COLL_BROADCAST);
+        int64_t want_sc = src >= 0 ? 5 : 0, want_bc = src >= 0 ? 1 : 0;
+        RANK_EXPECT(s, sc == want_sc && bc == want_bc && tp_comm_debug_total(dbg) == sc + bc,
+                    "src_data_rank %d at W=%d: %lld scatters, %lld broadcasts, %lld in all; want "
+                    "%lld and %lld", src, w, (long long)sc, (long long)bc,
+                    (long long)tp_comm_debug_total(dbg), (long long)want_sc, (long long)want_bc);
+        int64_t sb = tp_comm_debug_bytes(dbg, TP_COLL_SCATTER);
+        int64_t bb = tp_comm_debug_bytes(dbg, TP_COLL_BROADCAST);
+        RANK_EXPECT(s, sb == (src >= 0 ? scatter_bytes : 0) && bb == (src >= 0 ? 40 : 0),
+                    "src_data_rank %d at W=%d: scatter bytes %lld (want %lld), broadcast bytes "
+                    "%lld (want 40)", src, w, (long long)sb,
+                    (long long)(src >= 0 ? scatter_bytes : 0), (long long)bb);
+        src_cmp cmp = {.ref = ref};
+        RANK_OK(s, tp_module_named_parameters(m, src_compare, &cmp));
+        RANK_EXPECT(s, cmp.checked == 8 && cmp.wrong == 0,
+                    "src_data_rank %d at W=%d, rank %d: %d of %d parameters differ from rank "
+                    "%d's values (first: %s)", src, w, r, cmp.wrong, cmp.checked,
+                    src >= 0 ? src : r, cmp.first);
+        tp_module_free(m);
+        tp_module_free(ref);
+    }
+    tp_style_free(col);
+    tp_style_free(row);
+    tp_style_free(seq);
+    tp_comm_debug_free(dbg);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+SIZES_PARAMS(src_data_rank, 2, 3, 4)
+ParameterizedTest(int *n, styles, src_data_rank, .timeout = 60)
+{
+    sty_ctx c = {.w = *n};
+    tp_test_run(*n, src_body, &c, c.slot);
 }

@@ -18,6 +18,9 @@
  *   reduce_scatter  send n*k,  recv k      in place: recv is send's rank-th block
  *   all_to_all      send n*k,  recv n*k    never in place; block j of send goes to rank j
  *   broadcast       buffer k               root's buffer is copied to every rank
+ *   scatter         send n*k (root only),  block j of root's send goes to rank j;
+ *                   recv k                 other ranks pass send NULL; in place:
+ *                                          root's recv is its own block of send
  *
  * Any other overlap between send and recv is TP_ERR_INVALID_ARG. Blocks are in
  * rank order, so gathering k-element blocks is concatenation along dim 0 of the
@@ -62,10 +65,11 @@ typedef enum tp_coll_kind {
     TP_COLL_ALL_TO_ALL,
     TP_COLL_BROADCAST,
     TP_COLL_BARRIER,
+    TP_COLL_SCATTER, /* appended: the kinds above keep their values */
     TP_COLL_KIND_COUNT
 } tp_coll_kind;
 
-/* "all_reduce", "all_gather", ...; "invalid" otherwise. */
+/* "all_reduce", "all_gather", ..., "scatter"; "invalid" otherwise. */
 TP_API const char *tp_coll_kind_name(tp_coll_kind kind);
 /* "sum", "avg", "max", "min", "product"; "invalid" otherwise. */
 TP_API const char *tp_reduce_op_name(tp_reduce_op op);
@@ -126,6 +130,12 @@ TP_API tp_status tp_all_to_all(tp_comm *comm, const tp_tensor *send, tp_tensor *
                                tp_work **work);
 TP_API tp_status tp_broadcast(tp_comm *comm, tp_tensor *buffer, int root, tp_work **work);
 TP_API tp_status tp_barrier(tp_comm *comm, tp_work **work);
+/* Block j of root's `send` (n*k elements) to rank j's `recv` (k elements).
+ * `send` is read on root only: the other ranks pass NULL (a tensor there is
+ * ignored). Every rank passes the same root and k; root's recv may be its own
+ * block of send (in place: nothing is copied for root). */
+TP_API tp_status tp_scatter(tp_comm *comm, const tp_tensor *send, tp_tensor *recv, int root,
+                            tp_work **work);
 
 /* ---- async work ---------------------------------------------------------- */
 
@@ -179,8 +189,9 @@ typedef struct tp_coll_desc {
     tp_device device;
     size_t count;         /* k in the table above; 0 for barrier */
     tp_reduce_op op;      /* reductions only */
-    int root;             /* broadcast only */
-    const void *sendbuf;  /* NULL for barrier; broadcast: == recvbuf */
+    int root;             /* broadcast and scatter only */
+    const void *sendbuf;  /* NULL for barrier, and for scatter on ranks other than
+                           * root; broadcast: == recvbuf */
     void *recvbuf;        /* NULL for barrier */
     const tp_tensor *send;
     tp_tensor *recv;
@@ -192,8 +203,11 @@ typedef struct tp_coll_desc {
  * collective; if it completes before returning it sets *work = NULL, otherwise
  * it returns a backend work object that libtp drives through work_test /
  * work_wait / work_free. A slot left NULL makes the matching calls return
- * TP_ERR_NOT_SUPPORTED. User-written backends are first-class: register one
- * and create communicators on it with tp_comm_create().
+ * TP_ERR_NOT_SUPPORTED. A backend returns TP_ERR_NOT_SUPPORTED from
+ * `collective` for a kind it does not implement (kinds may be added to
+ * tp_coll_kind over time, e.g. TP_COLL_SCATTER). User-written backends are
+ * first-class: register one and create communicators on it with
+ * tp_comm_create().
  */
 typedef struct tp_backend {
     const char *name;

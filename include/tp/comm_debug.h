@@ -41,8 +41,9 @@
  * assertion of 0 with it passes for a misspelled name too.
  *
  * Bytes per record follow nccl-tests' size convention: all_reduce and
- * broadcast the buffer, all_gather the (whole) recv buffer, reduce_scatter and
- * all_to_all the (whole) send buffer, barrier 0.
+ * broadcast the buffer, all_gather the (whole) recv buffer, reduce_scatter,
+ * all_to_all and scatter the (whole) send buffer (for scatter: n times recv,
+ * on every rank), barrier 0.
  *
  * Phase and scope are per-thread state kept whether or not a counter is
  * active, so modules and autograd can set them unconditionally.

@@ -76,10 +76,23 @@ TP_API const char *tp_placements_str(int n, const tp_placement *p, char *buf, si
 /*
  * Collective: the DTensor with `placements` (one per mesh dim) whose global
  * value is `full` (every rank passes a tensor of the same global shape and
- * dtype). src_rank >= 0: the value of mesh rank src_rank is used and sent
- * to the others (one broadcast over the mesh, counted); src_rank < 0: every
- * rank already holds the same value and nothing is sent. Partial placements
- * are refused. The result is a leaf (requires_grad false).
+ * dtype). The result is a leaf (requires_grad false) that owns its shard
+ * (never `full`'s storage). Partial placements are refused.
+ *
+ * src_rank >= 0: the value of mesh rank src_rank is used (the others' values
+ * are ignored). It travels mesh dim by mesh dim (dim 0 first) over the
+ * per-dim communicators, from the rank whose coordinate on that dim is
+ * src's: a Shard dim is a scatter (each rank receives only its chunk,
+ * torch.chunk rule, padded to the chunk size for the collective), a
+ * Replicate dim a broadcast. Step i involves the ranks whose coordinates
+ * equal src's on every dim after i (they hold their block by then); each of
+ * them issues one collective for it, so src issues one per mesh dim (also on
+ * a dim of size 1) and a rank whose last differing coordinate is on dim h
+ * issues one per dim from h on. On a 1-D mesh: one scatter (Shard) or one
+ * broadcast (Replicate) on every rank.
+ *
+ * src_rank < 0: every rank already holds the same value; each takes its own
+ * block and nothing is sent.
  */
 TP_API tp_status tp_dtensor_distribute(tp_mesh *mesh, const tp_tensor *full, int nplacements,
                                        const tp_placement *placements, int src_rank,
@@ -112,17 +125,25 @@ TP_API tp_status tp_dtensor_to_local(tp_tensor *dt, int ngrad,
  * (redistributes to all-Replicate; differentiable). */
 TP_API tp_status tp_dtensor_full_tensor(tp_tensor *dt, tp_tensor **out);
 
-/* Collective: the same global value with new placements. A Partial target is
- * refused unless that mesh dim already has the same Partial placement
- * ("redistributing to Partial is for internal use"); Shard -> Partial is not
- * supported. Differentiable. */
+/* Collective: the same global value with new placements. Differentiable.
+ *
+ * Of the conversions to Partial only Shard -> Partial(sum) is public (as in
+ * PyTorch 2.15): it costs no collective; this rank's local tensor becomes the
+ * full extent along the shard dim (of the level that mesh dim splits, with
+ * nested sharding) holding its shard in place and zeros elsewhere, so the
+ * terms sum to the value. Its backward chunks a Replicate gradient locally.
+ * Replicate -> Partial is TP_ERR_INVALID_ARG ("for internal use"); Shard ->
+ * Partial(avg/max/min) and Partial(a) -> Partial(b), a != b, are
+ * TP_ERR_NOT_SUPPORTED. */
 TP_API tp_status tp_dtensor_redistribute(tp_tensor *dt, int nplacements,
                                          const tp_placement *placements, tp_tensor **out);
 
 /* The collectives redistributing src -> dst issues on this mesh, per kind
  * (counts[TP_COLL_KIND_COUNT]); the same planner tp_dtensor_redistribute
- * runs, so tests and cost models can compare against it. Errors as for
- * tp_dtensor_redistribute (Partial targets allowed here). */
+ * runs, so tests and cost models can compare against it (Shard ->
+ * Partial(sum) counts none). ndim is the tensor's, in [0, TP_MAX_DIMS].
+ * Errors as for tp_dtensor_redistribute, except that Replicate -> Partial
+ * (internal) is planned too. */
 TP_API tp_status tp_dtensor_plan_collectives(const tp_mesh *mesh, int ndim, int nplacements,
                                              const tp_placement *src, const tp_placement *dst,
                                              int64_t *counts);

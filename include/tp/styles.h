@@ -115,12 +115,20 @@ typedef struct tp_plan_entry {
     const tp_style *style;
 } tp_plan_entry;
 
-/* What src data rank the parameters are distributed from. */
+/* src_data_rank: every rank already holds the parameters' values; nothing is
+ * sent. */
+#define TP_SRC_DATA_RANK_NONE (-1)
+
 typedef struct tp_parallelize_options {
-    /* false (default): every parameter is sent from mesh rank 0 (one
-     * broadcast per parameter); true: every rank already holds the same
-     * values and nothing is sent */
-    bool params_everywhere;
+    /* The mesh rank whose parameter values are used (PyTorch's
+     * src_data_rank; 0, the zero value, by default): each parameter a style
+     * shards is scattered from it (one scatter: each rank receives only its
+     * shard), each one it replicates broadcast from it (one broadcast),
+     * through tp_dtensor_distribute. SequenceParallel sends nothing (its
+     * parameters are taken to be equal everywhere, as in PyTorch). Or
+     * TP_SRC_DATA_RANK_NONE: every rank's own values are used and nothing is
+     * sent. Another value is TP_ERR_INVALID_ARG before any communication. */
+    int src_data_rank;
     /* receives the indices of plan entries that matched no module (may be
      * NULL); *n_unmatched is their count. Unmatched entries are an error
      * unless allow_unmatched. */

@@ -11,6 +11,7 @@ static const char *const tp__kind_names[TP_COLL_KIND_COUNT] = {
     [TP_COLL_ALL_REDUCE] = "all_reduce",         [TP_COLL_ALL_GATHER] = "all_gather",
     [TP_COLL_REDUCE_SCATTER] = "reduce_scatter", [TP_COLL_ALL_TO_ALL] = "all_to_all",
     [TP_COLL_BROADCAST] = "broadcast",           [TP_COLL_BARRIER] = "barrier",
+    [TP_COLL_SCATTER] = "scatter",
 };
 
 static const char *const tp__op_names[TP_REDUCE_OP_COUNT] = {
@@ -217,6 +218,42 @@ static tp_status tp__check_pair(const char *fn, const tp_tensor *send, const tp_
     return TP_OK;
 }
 
+/* scatter: recv on every rank, send on root only (ignored elsewhere). */
+static tp_status tp__prepare_scatter(tp_comm *comm, const char *fn, const tp_tensor *send,
+                                     tp_tensor *recv, int root, tp_coll_desc *d)
+{
+    TP_CHECK(tp__check_buf(fn, "recv", recv, comm));
+    if (root < 0 || root >= comm->size)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: root %d out of range for %d ranks", fn, root,
+                         comm->size);
+    size_t es = tp_dtype_size(recv->dtype), n = (size_t)comm->size;
+    size_t nr = (size_t)tp_tensor_numel(recv);
+    char *pr = tp_tensor_data(recv);
+    d->dtype = recv->dtype;
+    d->device = tp_tensor_device(recv);
+    d->count = nr;
+    d->recvbuf = pr;
+    d->recv = recv;
+    if (comm->rank != root)
+        return TP_OK;
+    TP_ARG_CHECK(send, "%s: send is NULL on root %d", fn, root);
+    TP_CHECK(tp__check_buf(fn, "send", send, comm));
+    TP_CHECK(tp__check_pair(fn, send, recv));
+    size_t ns = (size_t)tp_tensor_numel(send);
+    const char *ps = tp_tensor_data(send);
+    if (ns != nr * n)
+        return tp__error(TP_ERR_INVALID_ARG,
+                         "%s: send has %zu elements, expected %zu (recv %zu x %zu ranks)", fn, ns,
+                         nr * n, nr, n);
+    d->sendbuf = ps;
+    d->send = send;
+    bool in_place = pr == ps + (size_t)root * nr * es;
+    if (!in_place && tp__overlap(ps, ns * es, pr, nr * es))
+        return tp__error(TP_ERR_INVALID_ARG,
+                         "%s: send and recv overlap in a way that is not the in-place form", fn);
+    return TP_OK;
+}
+
 /* Fills the descriptor from the arguments, applying the count and in-place
  * rules of comm.h. */
 static tp_status tp__prepare(tp_comm *comm, tp_coll_kind kind, const char *fn,
@@ -231,6 +268,8 @@ static tp_status tp__prepare(tp_comm *comm, tp_coll_kind kind, const char *fn,
         d->device = TP_CPU;
         return TP_OK;
     }
+    if (kind == TP_COLL_SCATTER)
+        return tp__prepare_scatter(comm, fn, send, recv, root, d);
     if (kind == TP_COLL_ALL_REDUCE || kind == TP_COLL_REDUCE_SCATTER)
         TP_ARG_CHECK((unsigned)op < TP_REDUCE_OP_COUNT, "%s: invalid reduce op %d", fn, (int)op);
     TP_CHECK(tp__check_buf(fn, kind == TP_COLL_BROADCAST ? "buffer" : "send", send, comm));
@@ -307,6 +346,7 @@ static size_t tp__debug_bytes(const tp_coll_desc *d, int size)
     case TP_COLL_ALL_GATHER:
     case TP_COLL_REDUCE_SCATTER:
     case TP_COLL_ALL_TO_ALL:
+    case TP_COLL_SCATTER:
         return d->count * (size_t)size * es;
     case TP_COLL_BARRIER:
         return 0;
@@ -327,7 +367,7 @@ static void tp__desc_pack(const tp_coll_desc *d, uint64_t seq, int64_t w[TP__DES
     w[2] = d->kind == TP_COLL_BARRIER ? -1 : (int64_t)d->dtype;
     w[3] = (int64_t)d->count;
     w[4] = red ? (int64_t)d->op : -1;
-    w[5] = d->kind == TP_COLL_BROADCAST ? d->root : -1;
+    w[5] = d->kind == TP_COLL_BROADCAST || d->kind == TP_COLL_SCATTER ? d->root : -1;
     w[6] = d->kind == TP_COLL_BARRIER ? -1 : (int64_t)d->device.type;
 }
 
@@ -447,8 +487,15 @@ static tp_status tp__dispatch(tp_comm *comm, tp_coll_kind kind, const char *fn,
     if (comm->check && !comm->ops.checks_descriptors && comm->size > 1)
         st = tp__check_descriptors(comm, fn, &d);
     void *impl = NULL;
-    if (st == TP_OK)
+    if (st == TP_OK) {
+        tp_clear_error();
         st = comm->ops.collective(comm->state, &d, &impl);
+        if (st != TP_OK && !tp_last_error()[0]) /* a user backend's bare status */
+            tp__error(st, "backend '%s' %s %s", comm->ops.name,
+                      st == TP_ERR_NOT_SUPPORTED ? "does not implement"
+                                                 : "returned an error without a message for",
+                      tp_coll_kind_name(kind));
+    }
     if (st != TP_OK) {
         tp__free(w);
         return tp__finish(comm, fn, st);
@@ -504,6 +551,12 @@ tp_status tp_broadcast(tp_comm *comm, tp_tensor *buffer, int root, tp_work **wor
 tp_status tp_barrier(tp_comm *comm, tp_work **work)
 {
     return tp__dispatch(comm, TP_COLL_BARRIER, "tp_barrier", NULL, NULL, TP_SUM, 0, work);
+}
+
+tp_status tp_scatter(tp_comm *comm, const tp_tensor *send, tp_tensor *recv, int root,
+                     tp_work **work)
+{
+    return tp__dispatch(comm, TP_COLL_SCATTER, "tp_scatter", send, recv, TP_SUM, root, work);
 }
 
 /* ---- work ----------------------------------------------------------------- */

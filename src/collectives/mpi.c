@@ -461,6 +461,7 @@ static const char *const mpi_call_names[TP_COLL_KIND_COUNT] = {
     [TP_COLL_ALL_TO_ALL] = "MPI_Ialltoall",
     [TP_COLL_BROADCAST] = "MPI_Ibcast",
     [TP_COLL_BARRIER] = "MPI_Ibarrier",
+    [TP_COLL_SCATTER] = "MPI_Iscatter",
 };
 
 static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
@@ -540,6 +541,14 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
         break;
     case TP_COLL_BARRIER:
         rc = MPI_Ibarrier(S->comm, &w->req);
+        break;
+    case TP_COLL_SCATTER:
+        /* the send arguments matter on root only */
+        if (S->rank == d->root && rbuf == sbuf + (size_t)d->root * d->count * es)
+            rc = MPI_Iscatter(d->sendbuf, k, dt, MPI_IN_PLACE, k, dt, d->root, S->comm,
+                              &w->req);
+        else
+            rc = MPI_Iscatter(d->sendbuf, k, dt, d->recvbuf, k, dt, d->root, S->comm, &w->req);
         break;
     default:
         mpi_unlock();

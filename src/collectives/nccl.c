@@ -74,6 +74,7 @@ static const char *const nccl_call_names[TP_COLL_KIND_COUNT] = {
     [TP_COLL_ALL_TO_ALL] = "ncclSend/ncclRecv (all_to_all)",
     [TP_COLL_BROADCAST] = "ncclBroadcast",
     [TP_COLL_BARRIER] = "ncclAllReduce (barrier)",
+    [TP_COLL_SCATTER] = "ncclSend/ncclRecv (scatter)",
 };
 
 /* Between two polls: spin for the first stretch (small collectives finish in
@@ -327,6 +328,23 @@ static ncclResult_t nccl_enqueue(nccl_state *S, const tp_coll_desc *d)
         ncclResult_t end = ncclGroupEnd();
         return res != ncclSuccess ? res : end;
     }
+    case TP_COLL_SCATTER: {
+        /* root sends block p to rank p (to itself too unless in place) */
+        size_t bytes = k * tp_dtype_size(d->dtype);
+        const char *sb = d->sendbuf;
+        char *rb = d->recvbuf;
+        bool root = S->rank == d->root;
+        ncclResult_t res = ncclGroupStart();
+        if (res != ncclSuccess)
+            return res;
+        for (int p = 0; root && p < S->size && res == ncclSuccess; p++)
+            if (p != S->rank || rb != sb + (size_t)p * bytes)
+                res = ncclSend(sb + (size_t)p * bytes, k, dt, p, S->comm, S->stream);
+        if (res == ncclSuccess && (!root || rb != sb + (size_t)S->rank * bytes))
+            res = ncclRecv(rb, k, dt, d->root, S->comm, S->stream);
+        ncclResult_t end = ncclGroupEnd();
+        return res != ncclSuccess ? res : end;
+    }
     default:
         return ncclInvalidArgument;
     }
@@ -387,6 +405,8 @@ static tp_status stage_reserve(nccl_state *S, size_t bytes)
  */
 static tp_status nccl_host_collective(nccl_state *S, const tp_coll_desc *d)
 {
+    if (d->kind == TP_COLL_SCATTER)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "backend 'nccl' moves CUDA tensors only");
     size_t es = tp_dtype_size(d->dtype), n = (size_t)S->size, k = d->count, sb, rb;
     switch (d->kind) {
     case TP_COLL_ALL_GATHER: sb = k * es; rb = n * k * es; break;

@@ -254,7 +254,7 @@ static void op_pack(const shm_op *o, int64_t w[7])
     w[2] = bar ? -1 : (int64_t)o->dtype;
     w[3] = bar ? 0 : (int64_t)o->count;
     w[4] = red ? (int64_t)o->op : -1;
-    w[5] = o->kind == TP_COLL_BROADCAST ? o->root : -1;
+    w[5] = o->kind == TP_COLL_BROADCAST || o->kind == TP_COLL_SCATTER ? o->root : -1;
     w[6] = 0;
 }
 
@@ -360,6 +360,13 @@ static void data_phase(shm_rank *R, uint64_t s, shm_work *wk)
         if (r != me->root && me->recv != PEER(me->root)->send)
             tp__shm_copy(me->recv, PEER(me->root)->send, k * es, k * es >= limit);
         break;
+    case TP_COLL_SCATTER: {
+        /* pull: this rank's block straight from root's send buffer */
+        const char *src = (const char *)PEER(me->root)->send + (size_t)r * k * es;
+        if (me->recv != src)
+            tp__shm_copy(me->recv, src, k * es, k * es >= limit);
+        break;
+    }
     case TP_COLL_BARRIER:
         break;
     case SHM_SPLIT_EXCHANGE:
@@ -553,8 +560,9 @@ static tp_status shm_collective(void *state, const tp_coll_desc *d, void **work)
             const void *src[1] = {d->sendbuf};
             void *dst[1] = {d->recvbuf};
             tp__shm_reduce(d->dtype, d->op, 1, 1, src, 0, 1, dst, 0, d->count, false);
-        } else if (d->kind == TP_COLL_ALL_GATHER || d->kind == TP_COLL_ALL_TO_ALL) {
-            if (d->sendbuf != d->recvbuf)
+        } else if (d->kind == TP_COLL_ALL_GATHER || d->kind == TP_COLL_ALL_TO_ALL ||
+                   d->kind == TP_COLL_SCATTER) {
+            if (d->sendbuf != d->recvbuf && d->count)
                 memcpy(d->recvbuf, d->sendbuf, d->count * es);
         }
         *work = NULL;

@@ -120,6 +120,9 @@ tp_status tp_dtensor_shard_extent(const tp_mesh *mesh, int ndim, const int64_t *
     TP_ARG_CHECK(ndim >= 0 && ndim <= TP_MAX_DIMS, "%s: ndim %d out of range", fn, ndim);
     TP_ARG_CHECK(global_shape || ndim == 0, "%s: global_shape is NULL", fn);
     TP_ARG_CHECK(local_shape || ndim == 0, "%s: local_shape is NULL", fn);
+    for (int d = 0; d < ndim; d++)
+        TP_ARG_CHECK(global_shape[d] >= 0, "%s: global size %lld of dim %d is negative", fn,
+                     (long long)global_shape[d], d);
     tp_placement p[TP_MESH_MAX_DIMS];
     TP_CHECK(tp__placements_check(fn, mesh, ndim, nplacements, placements, true, p));
     if (coord)
@@ -235,6 +238,130 @@ static tp_status tp__block(tp_tensor *t, const int64_t *shape, const int64_t *of
     return st;
 }
 
+/* The scatter of one mesh dim's step: root splits `cur` along k into w
+ * chunks (torch.chunk rule, padded to the chunk size) and every rank of
+ * `comm` receives its own, trimmed. Non-root ranks pass cur NULL and the
+ * level shape. */
+static tp_status tp__scatter_dim(tp_comm *comm, tp_tensor *cur, const int64_t *shape, int ndim,
+                                 tp_dtype dtype, tp_device dev, int k, int root, tp_tensor **out)
+{
+    int64_t w = tp_comm_size(comm), c = tp_comm_rank(comm), L = shape[k];
+    int64_t cs = (L + w - 1) / w, start = 0, len = 0;
+    tp_chunk_range(L, w, c, &start, &len);
+    int64_t pshape[TP_MAX_DIMS + 1];
+    memcpy(pshape + 1, shape, sizeof(int64_t) * (size_t)ndim);
+    pshape[0] = w;
+    pshape[1 + k] = cs;
+    tp_tensor *send = NULL, *recv = NULL;
+    tp_status st = TP_OK;
+    if (cur && k == 0 && L == cs * w) {
+        send = tp_tensor_retain(cur); /* the blocks are cur's rows already */
+    } else if (cur) {
+        st = tp_tensor_zeros(dtype, dev, ndim + 1, pshape, &send);
+        for (int64_t r = 0; r < w && st == TP_OK; r++) {
+            int64_t s0 = 0, l0 = 0;
+            tp_chunk_range(L, w, r, &s0, &l0);
+            if (l0 == 0)
+                continue;
+            tp_tensor *blk = NULL, *dst = NULL, *src = NULL;
+            st = tp_tensor_select(send, 0, r, &blk);
+            if (st == TP_OK)
+                st = tp_tensor_narrow(blk, k, 0, l0, &dst);
+            if (st == TP_OK)
+                st = tp_tensor_narrow(cur, k, s0, l0, &src);
+            if (st == TP_OK)
+                st = tp_tensor_copy(dst, src);
+            tp_tensor_release(blk);
+            tp_tensor_release(dst);
+            tp_tensor_release(src);
+        }
+    }
+    if (st == TP_OK)
+        st = tp_tensor_empty(dtype, dev, ndim, pshape + 1, &recv);
+    if (st == TP_OK)
+        st = tp_scatter(comm, send, recv, root, NULL);
+    tp_tensor_release(send);
+    if (st == TP_OK && len == cs) {
+        *out = recv;
+        return TP_OK;
+    }
+    tp_tensor *v = NULL;
+    if (st == TP_OK)
+        st = tp_tensor_narrow(recv, k, 0, len, &v);
+    if (st == TP_OK && !tp_tensor_is_contiguous(v))
+        st = tp_tensor_clone(v, out);
+    else if (st == TP_OK)
+        *out = tp_tensor_retain(v);
+    tp_tensor_release(v);
+    tp_tensor_release(recv);
+    return st;
+}
+
+/*
+ * src_rank's value, sent mesh dim by mesh dim (0 first) over the per-dim
+ * communicators from the rank whose coordinate on that dim is src's: a Shard
+ * dim scatters (each rank receives its chunk only), a Replicate dim
+ * broadcasts. After step i the ranks whose coordinates equal src's on every
+ * dim after i hold their right block, so only their groups take part in
+ * step i; the others have nothing to send yet.
+ */
+static tp_status tp__distribute_from(tp_mesh *mesh, const tp_tensor *full, const tp_placement *p,
+                                     int src_rank, tp_tensor **out)
+{
+    int m = tp_mesh_ndim(mesh), nd = full->ndim;
+    int64_t sc[TP_MESH_MAX_DIMS], rest = src_rank;
+    for (int i = m - 1; i >= 0; i--) {
+        sc[i] = rest % tp_mesh_size(mesh, i);
+        rest /= tp_mesh_size(mesh, i);
+    }
+    int64_t shape[TP_MAX_DIMS];
+    memcpy(shape, full->shape, sizeof(int64_t) * (size_t)nd);
+    tp_status st = TP_OK;
+    tp_tensor *cur = NULL; /* this rank's block before step i, once it holds it */
+    if (tp_mesh_rank(mesh) == src_rank)
+        st = tp_tensor_is_contiguous(full) ? (cur = tp_tensor_retain((tp_tensor *)full), TP_OK)
+                                           : tp_tensor_clone(full, &cur);
+    for (int i = 0; i < m && st == TP_OK; i++) {
+        bool part = true;
+        for (int j = i + 1; j < m; j++)
+            part = part && tp_mesh_coord(mesh, j) == sc[j];
+        int64_t w = tp_mesh_size(mesh, i), c = tp_mesh_coord(mesh, i);
+        int k = p[i].kind == TP_PLACEMENT_SHARD ? p[i].dim : -1;
+        tp_tensor *next = NULL;
+        if (part && k >= 0) {
+            st = tp__scatter_dim(tp_mesh_comm(mesh, i), cur, shape, nd, full->dtype,
+                                 tp_tensor_device(full), k, (int)sc[i], &next);
+        } else if (part) {
+            /* the root's buffer is only read: the caller's full may be it */
+            next = cur ? tp_tensor_retain(cur) : NULL;
+            if (!next)
+                st = tp_tensor_empty(full->dtype, tp_tensor_device(full), nd, shape, &next);
+            if (st == TP_OK)
+                st = tp_broadcast(tp_mesh_comm(mesh, i), next, (int)sc[i], NULL);
+        }
+        tp_tensor_release(cur);
+        cur = next;
+        if (k >= 0) {
+            int64_t start = 0, len = 0;
+            tp_chunk_range(shape[k], w, c, &start, &len);
+            shape[k] = len;
+        }
+    }
+    if (st == TP_OK && cur == full) {
+        /* never alias the caller's tensor: a DTensor owns its shard */
+        tp_tensor *copy = NULL;
+        st = tp_tensor_clone(cur, &copy);
+        tp_tensor_release(cur);
+        cur = copy;
+    }
+    if (st != TP_OK) {
+        tp_tensor_release(cur);
+        return st;
+    }
+    *out = cur;
+    return TP_OK;
+}
+
 tp_status tp_dtensor_distribute(tp_mesh *mesh, const tp_tensor *full, int nplacements,
                                 const tp_placement *placements, int src_rank, tp_tensor **out)
 {
@@ -250,34 +377,29 @@ tp_status tp_dtensor_distribute(tp_mesh *mesh, const tp_tensor *full, int nplace
                  "%s: src_rank %d out of range for a mesh of %lld ranks", fn, src_rank,
                  (long long)tp_mesh_numel(mesh));
     tp_status st = TP_OK;
-    tp_tensor *src = NULL, *local = NULL;
+    tp_tensor *local = NULL;
     if (src_rank >= 0) {
-        /* every rank takes src_rank's value: one broadcast over the mesh */
-        st = tp_tensor_clone(full, &src);
-        if (st == TP_OK)
-            st = tp_broadcast(tp_mesh_group(mesh), src, src_rank, NULL);
+        st = tp__distribute_from(mesh, full, p, src_rank, &local);
         if (st != TP_OK) {
-            tp_tensor_release(src);
             tp__error_prefix("%s", fn);
             return st;
         }
     } else {
-        src = tp_tensor_retain((tp_tensor *)full);
-    }
-    int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
-    tp__shard_extent(mesh, full->ndim, full->shape, p, NULL, shape, off);
-    st = tp__block(src, shape, off, &local);
-    if (st == TP_OK && local == full) {
-        /* never alias the caller's tensor: a DTensor owns its shard */
-        tp_tensor *copy = NULL;
-        st = tp_tensor_clone(local, &copy);
-        tp_tensor_release(local);
-        local = copy;
+        /* every rank holds the value: its own block, no communication */
+        int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
+        tp__shard_extent(mesh, full->ndim, full->shape, p, NULL, shape, off);
+        st = tp__block((tp_tensor *)full, shape, off, &local);
+        if (st == TP_OK && local == full) {
+            /* never alias the caller's tensor: a DTensor owns its shard */
+            tp_tensor *copy = NULL;
+            st = tp_tensor_clone(local, &copy);
+            tp_tensor_release(local);
+            local = copy;
+        }
     }
     if (st == TP_OK)
         st = tp__dtensor_wrap(mesh, local, p, full->ndim, full->shape, out);
     tp_tensor_release(local);
-    tp_tensor_release(src);
     return st;
 }
 
@@ -323,12 +445,12 @@ tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements
         tp__shard_extent(mesh, nd, options->global_shape, p, NULL, want, NULL);
         for (int d = 0; d < nd; d++)
             if (want[d] != local->shape[d]) {
-                char b1[96], b2[96];
+                char b1[96], b2[96], b3[96];
                 return tp__error(TP_ERR_INVALID_ARG,
                                  "%s: local shape %s is not this rank's shard %s of global %s", fn,
                                  tp__shape_str(nd, local->shape, b1, sizeof b1),
                                  tp__shape_str(nd, want, b2, sizeof b2),
-                                 tp__shape_str(nd, options->global_shape, b1, sizeof b1));
+                                 tp__shape_str(nd, options->global_shape, b3, sizeof b3));
             }
         memcpy(global, options->global_shape, sizeof(int64_t) * (size_t)nd);
     } else {

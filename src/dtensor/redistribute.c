@@ -7,6 +7,8 @@
  *   S(i) -> R     all_gather along i       R -> S(i)  local chunk
  *   P -> R        all_reduce               P -> S(i)  reduce_scatter along i
  *   S(i) -> S(j)  all_to_all               R -> P     local (sum: / W)
+ *   S(i) -> P(sum)  local: the level's full extent along i, zeros but for
+ *                   this rank's rows (public, as in PyTorch 2.15)
  *
  * On N-D meshes the plan first walks the mesh dims from last to first,
  * turning a dim to Replicate where the sharding of the same tensor dim by
@@ -111,18 +113,24 @@ static const tp__plan *tp__get_plan(int m, const tp_placement *src, const tp_pla
 
 /* ---- validation of a step ------------------------------------------------ */
 
-static tp_status tp__step_check(const char *fn, const tp__step *st, int64_t w)
+/* Shard -> Partial exists for sum only (PyTorch 2.15); a Partial never
+ * changes its reduce op. */
+static tp_status tp__step_check(const char *fn, const tp__step *st)
 {
     char a[32], b[32];
-    if (st->to.kind == TP_PLACEMENT_PARTIAL && st->from.kind == TP_PLACEMENT_SHARD)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s -> %s on mesh dim %d is not supported", fn,
-                         tp_placement_str(st->from, a, sizeof a),
+    if (st->to.kind == TP_PLACEMENT_PARTIAL && st->from.kind == TP_PLACEMENT_SHARD &&
+        st->to.op != TP_SUM)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "%s: %s -> %s on mesh dim %d is not supported (Shard -> Partial is "
+                         "for sum only)",
+                         fn, tp_placement_str(st->from, a, sizeof a),
                          tp_placement_str(st->to, b, sizeof b), st->mesh_dim);
     if (st->to.kind == TP_PLACEMENT_PARTIAL && st->from.kind == TP_PLACEMENT_PARTIAL)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s -> %s on mesh dim %d is not supported", fn,
-                         tp_placement_str(st->from, a, sizeof a),
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "%s: %s -> %s on mesh dim %d is not supported (a Partial keeps its "
+                         "reduce op)",
+                         fn, tp_placement_str(st->from, a, sizeof a),
                          tp_placement_str(st->to, b, sizeof b), st->mesh_dim);
-    (void)w;
     return TP_OK;
 }
 
@@ -148,6 +156,8 @@ tp_status tp_dtensor_plan_collectives(const tp_mesh *mesh, int ndim, int nplacem
 {
     const char *fn = "tp_dtensor_plan_collectives";
     TP_ARG_CHECK(counts, "%s: counts is NULL", fn);
+    TP_ARG_CHECK(ndim >= 0 && ndim <= TP_MAX_DIMS, "%s: ndim %d out of range [0, %d]", fn, ndim,
+                 TP_MAX_DIMS);
     tp_placement src[TP_MESH_MAX_DIMS], dst[TP_MESH_MAX_DIMS];
     TP_CHECK(tp__placements_check(fn, mesh, ndim, nplacements, src_in, true, src));
     TP_CHECK(tp__placements_check(fn, mesh, ndim, nplacements, dst_in, true, dst));
@@ -157,7 +167,7 @@ tp_status tp_dtensor_plan_collectives(const tp_mesh *mesh, int ndim, int nplacem
     for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
         counts[k] = 0;
     for (int i = 0; i < plan.n; i++) {
-        TP_CHECK(tp__step_check("tp_dtensor_redistribute", &plan.s[i], 0));
+        TP_CHECK(tp__step_check("tp_dtensor_redistribute", &plan.s[i]));
         tp_coll_kind k = tp__step_kind(&plan.s[i], tp_mesh_size(mesh, plan.s[i].mesh_dim));
         if (k != TP_COLL_KIND_COUNT)
             counts[k]++;
@@ -467,7 +477,24 @@ static tp_status tp__run_step(const tp_mesh *mesh, const tp__step *step, const t
                           tp__load_f64(tp_tensor_data(*out), (*out)->dtype, e) / (double)w);
         return TP_OK;
     }
-    return tp__step_check("tp_dtensor_redistribute", step, w);
+    if (f == TP_PLACEMENT_SHARD && t == TP_PLACEMENT_PARTIAL && step->to.op == TP_SUM) {
+        /* the level's full extent along k, zeros but for this rank's rows:
+         * the terms sum to the value */
+        int k = step->from.dim;
+        int64_t L = tp__level_size(mesh, cur, d, k, global[k]), start = 0, len = 0;
+        tp_chunk_range(L, w, c, &start, &len);
+        int64_t shape[TP_MAX_DIMS];
+        memcpy(shape, local->shape, sizeof shape);
+        shape[k] = L;
+        TP_CHECK(tp__new_like(local, shape, true, out));
+        tp_status st = len ? tp__copy_block(*out, k, start, len, local, k, 0, len) : TP_OK;
+        if (st != TP_OK) {
+            tp_tensor_release(*out);
+            *out = NULL;
+        }
+        return st;
+    }
+    return tp__step_check("tp_dtensor_redistribute", step);
 }
 
 typedef struct {
@@ -495,7 +522,7 @@ tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool r
     tp_placement cur[TP_MESH_MAX_DIMS];
     memcpy(cur, d->placements, sizeof cur);
     for (int i = 0; i < plan.n; i++)
-        TP_CHECK(tp__step_check(fn, &plan.s[i], 0));
+        TP_CHECK(tp__step_check(fn, &plan.s[i]));
     tp_tensor *local = tp_tensor_retain(d->local);
     tp_status st = TP_OK;
     for (int i = 0; i < plan.n && st == TP_OK; i++) {
@@ -542,15 +569,27 @@ tp_status tp_dtensor_redistribute(tp_tensor *dt, int nplacements, const tp_place
     tp__dist *d = tp__dist_of(dt);
     tp_placement p[TP_MESH_MAX_DIMS];
     TP_CHECK(tp__placements_check(fn, d->mesh, dt->ndim, nplacements, placements, true, p));
-    for (int i = 0; i < d->mesh_ndim; i++)
-        if (p[i].kind == TP_PLACEMENT_PARTIAL && !tp__placement_eq(p[i], d->placements[i])) {
-            char a[32], b[32];
+    /* of the conversions to Partial only Shard -> Partial(sum) is public (as
+     * in PyTorch 2.15) */
+    for (int i = 0; i < d->mesh_ndim; i++) {
+        tp_placement from = d->placements[i];
+        if (p[i].kind != TP_PLACEMENT_PARTIAL || tp__placement_eq(p[i], from))
+            continue;
+        if (from.kind == TP_PLACEMENT_SHARD && p[i].op == TP_SUM)
+            continue;
+        char a[32], b[32];
+        tp_placement_str(from, a, sizeof a);
+        tp_placement_str(p[i], b, sizeof b);
+        if (from.kind == TP_PLACEMENT_REPLICATE)
             return tp__error(TP_ERR_INVALID_ARG,
-                             "%s: mesh dim %d: %s -> %s: redistributing to Partial is for "
-                             "internal use",
-                             fn, i, tp_placement_str(d->placements[i], a, sizeof a),
-                             tp_placement_str(p[i], b, sizeof b));
-        }
+                             "%s: mesh dim %d: %s -> %s: redistributing Replicate to Partial is "
+                             "for internal use; only Shard -> Partial(sum) is public",
+                             fn, i, a, b);
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "%s: mesh dim %d: %s -> %s is not supported; only Shard -> "
+                         "Partial(sum) is",
+                         fn, i, a, b);
+    }
     tp_status st = tp__redistribute(dt, p, true, out);
     if (st != TP_OK && st != TP_ERR_NOT_SUPPORTED && st != TP_ERR_INVALID_ARG)
         tp__error_prefix("%s", fn);

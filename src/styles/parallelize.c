@@ -131,6 +131,11 @@ tp_status tp_parallelize_module(tp_module *module, tp_mesh *mesh, int n,
     TP_ARG_CHECK(n == 0 || plan, "%s: plan is NULL", fn);
     int md = tp_mesh_ndim(mesh);
     TP_ARG_CHECK(md == 1, "%s: mesh is %d-d; pass a 1-d slice (tp_mesh_slice)", fn, md);
+    int src = opts ? opts->src_data_rank : 0;
+    TP_ARG_CHECK(src == TP_SRC_DATA_RANK_NONE || (src >= 0 && src < tp_mesh_numel(mesh)),
+                 "%s: src_data_rank %d is not a rank of the %lld-rank mesh (nor "
+                 "TP_SRC_DATA_RANK_NONE)",
+                 fn, src, (long long)tp_mesh_numel(mesh));
     for (int e = 0; e < n; e++) {
         TP_ARG_CHECK(plan[e].fqn, "%s: plan[%d].fqn is NULL", fn, e);
         TP_ARG_CHECK(plan[e].style, "%s: plan[%d] ('%s') has no style", fn, e, plan[e].fqn);
@@ -185,11 +190,10 @@ tp_status tp_parallelize_module(tp_module *module, tp_mesh *mesh, int n,
                        n_unmatched > 1 ? " (and other entries too)" : "");
 
     /* 2. apply, entry by entry, modules in tree order */
-    bool everywhere = opts && opts->params_everywhere;
     for (int e = 0; e < n && st == TP_OK; e++)
         for (int i = 0; i < l.n && st == TP_OK; i++)
             if (tp_fqn_match(plan[e].fqn, l.v[i].fqn))
-                st = tp__style_apply(plan[e].style, l.v[i].m, l.v[i].fqn, mesh, everywhere);
+                st = tp__style_apply(plan[e].style, l.v[i].m, l.v[i].fqn, mesh, src);
 
     tp__free(hits);
     tp__mod_list_free(&l);

@@ -680,7 +680,7 @@ static tp_status tp__apply_io(const tp_style *s, tp_module *m, const char *fqn, 
 }
 
 tp_status tp__style_apply(const tp_style *s, tp_module *m, const char *fqn, tp_mesh *mesh,
-                          bool params_everywhere)
+                          int src_data_rank)
 {
     char wb[300];
     TP_CHECK(tp__style_check(s, m, fqn));
@@ -689,7 +689,7 @@ tp_status tp__style_apply(const tp_style *s, tp_module *m, const char *fqn, tp_m
                          "tp_parallelize_module: module %s is already sharded by %s; cannot "
                          "also apply %s",
                          tp__where(fqn, wb, sizeof wb), m->sharded_by, tp__style_name(s));
-    int src = params_everywhere ? -1 : 0;
+    int src = src_data_rank < 0 ? -1 : src_data_rank;
     bool emb = m->kind == TP_MODULE_EMBEDDING;
     switch (s->kind) {
     case TP__STY_COLWISE: {

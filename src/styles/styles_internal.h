@@ -21,9 +21,10 @@ bool tp__style_shards_params(const tp_style *s);
  * a Linear or an Embedding. */
 tp_status tp__style_check(const tp_style *s, const tp_module *m, const char *fqn);
 
-/* Applies the style to m: distributes its parameters (collective over the
- * mesh when src_rank >= 0) and installs the hooks. */
+/* Applies the style to m: distributes its parameters from mesh rank
+ * src_data_rank (collective over the mesh when it is >= 0;
+ * TP_SRC_DATA_RANK_NONE sends nothing) and installs the hooks. */
 tp_status tp__style_apply(const tp_style *s, tp_module *m, const char *fqn, tp_mesh *mesh,
-                          bool params_everywhere);
+                          int src_data_rank);
 
 #endif /* TP_STYLES_INTERNAL_H */

@@ -402,6 +402,46 @@ static void check_broadcast(tp_comm *c, tp_dtype dt, int64_t k, int root, int mo
     free(want);
 }
 
+/* Root's send holds block j for rank j; the other ranks pass NULL; in place
+ * root receives into its own block. */
+static void check_scatter(tp_comm *c, tp_dtype dt, int64_t k, int root, bool in_place, int mode)
+{
+    int r = tp_comm_rank(c), n = tp_comm_size(c);
+    char label[160];
+    snprintf(label, sizeof label, "scatter(%s, k=%lld, root %d, %s, %s)", tp_dtype_name(dt),
+             (long long)k, root, in_place ? "in place" : "out of place", mode_names[mode]);
+    int64_t nk = k * n;
+    double *v = malloc(sizeof(double) * (size_t)(nk ? nk : 1));
+    double *want = malloc(sizeof(double) * (size_t)(k ? k : 1));
+    for (int64_t g = 0; g < nk; g++)
+        v[g] = (double)((root * 29 + g) % 251);
+    for (int64_t i = 0; i < k; i++)
+        want[i] = v[r * k + i];
+    tp_tensor *send = NULL, *recv = NULL;
+    tp_work *w = NULL;
+    tp_status st = r == root ? from_doubles(dt, nk, v, &send) : TP_OK;
+    if (st == TP_OK && in_place && r == root) {
+        st = tp_tensor_narrow(send, 0, r * k, k, &recv);
+    } else if (st == TP_OK) {
+        for (int64_t i = 0; i < k; i++)
+            v[i] = -1;
+        st = from_doubles(dt, k, v, &recv);
+    }
+    if (st == TP_OK) {
+        st = tp_scatter(c, send, recv, root, mode ? &w : NULL);
+        st = complete(st, w, mode, label);
+        EXPECT(st == TP_OK, "%s -> %s (%s)", label, tp_status_name(st), tp_last_error());
+        if (st == TP_OK)
+            expect_values(recv, want, k, label);
+    } else {
+        EXPECT(0, "%s: could not build the buffers (%s)", label, tp_last_error());
+    }
+    tp_tensor_release(send);
+    tp_tensor_release(recv);
+    free(v);
+    free(want);
+}
+
 static void test_collectives(tp_comm *world)
 {
     static const int64_t ks[] = {1, 37, 1000};
@@ -417,8 +457,11 @@ static void test_collectives(tp_comm *world)
                     check_all_gather(world, dt, ks[ki], ip, mode);
                 }
                 check_all_to_all(world, dt, ks[ki], mode);
-                for (int root = 0; root < tp_comm_size(world); root++)
+                for (int root = 0; root < tp_comm_size(world); root++) {
                     check_broadcast(world, dt, ks[ki], root, mode);
+                    for (int ip = 0; ip < 2; ip++)
+                        check_scatter(world, dt, ks[ki], root, ip, mode);
+                }
             }
         }
     }
@@ -433,6 +476,8 @@ static void test_collectives(tp_comm *world)
     }
     check_all_to_all(world, TP_F64, big / tp_comm_size(world), 1);
     check_broadcast(world, TP_I32, big, tp_comm_size(world) - 1, 0);
+    check_scatter(world, TP_F32, big / tp_comm_size(world), tp_comm_size(world) - 1, false, 1);
+    check_scatter(world, TP_BF16, big / tp_comm_size(world), 0, true, 0);
 }
 
 /* Barriers, zero-element collectives, argument errors, many in flight. */
@@ -479,6 +524,20 @@ static void test_misc(tp_comm *world)
     EXPECT_STATUS(tp_all_reduce(world, a, b, TP_SUM, NULL), TP_ERR_INVALID_ARG,
                   "all_reduce of 4 into 5 elements");
     EXPECT_STATUS(tp_broadcast(world, a, n, NULL), TP_ERR_INVALID_ARG, "broadcast root n");
+    EXPECT_STATUS(tp_scatter(world, NULL, a, n, NULL), TP_ERR_INVALID_ARG, "scatter root n");
+    /* every rank root in its own view: the send checks fail everywhere */
+    EXPECT_STATUS(tp_scatter(world, NULL, a, r, NULL), TP_ERR_INVALID_ARG,
+                  "scatter without send on root");
+    if (n > 1)
+        EXPECT_STATUS(tp_scatter(world, a, a, r, NULL), TP_ERR_INVALID_ARG,
+                      "scatter of 4 elements to 4 per rank");
+    /* zero elements per rank */
+    tp_tensor *z0 = NULL, *zs = NULL;
+    REQUIRE(tp_tensor_zeros(TP_F32, TP_CPU, 1, &zero, &z0));
+    REQUIRE(tp_tensor_zeros(TP_F32, TP_CPU, 1, &zero, &zs));
+    EXPECT_STATUS(tp_scatter(world, r == 0 ? zs : NULL, z0, 0, NULL), TP_OK, "empty scatter");
+    tp_tensor_release(z0);
+    tp_tensor_release(zs);
     tp_tensor_release(a);
     tp_tensor_release(b);
 
@@ -715,6 +774,32 @@ static void test_abort(tp_comm *world)
     }
     tp_comm_free(a);
 
+    /* a scatter whose root aborted and never posts: the others time out */
+    REQUIRE(tp_comm_split(world, 0, r, &a));
+    if (n > 1) {
+        if (r == 0) {
+            int64_t kn = k * n;
+            tp_tensor *xs = NULL;
+            REQUIRE(tp_tensor_zeros(TP_F32, TP_CPU, 1, &kn, &xs));
+            tp_comm_abort(a, "the root gave up");
+            EXPECT_STATUS(tp_scatter(a, xs, x, 0, NULL), TP_ERR_ABORTED,
+                          "scatter on the aborting root");
+            EXPECT(strstr(tp_last_error(), "the root gave up") != NULL,
+                   "the abort reason is not in the message: %s", tp_last_error());
+            tp_tensor_release(xs);
+        } else {
+            REQUIRE(tp_comm_set_timeout(a, 1.0));
+            double t0 = now_s();
+            EXPECT_STATUS(tp_scatter(a, NULL, x, 0, NULL), TP_ERR_TIMEOUT,
+                          "scatter without its root");
+            double waited = now_s() - t0;
+            EXPECT(waited >= 0.9 && waited < 30, "scatter timed out after %.2f s, limit 1 s",
+                   waited);
+            EXPECT(tp_comm_is_aborted(a), "a timed-out communicator is not aborted");
+        }
+    }
+    tp_comm_free(a);
+
     /* a rank that runs out of memory skips the collective: its communicator
      * is out of step and aborted (every rank fails here, so none waits) */
     REQUIRE(tp_comm_split(world, 0, r, &a));
@@ -762,6 +847,21 @@ static void test_check(tp_comm *world)
     EXPECT(st == want, "mismatched op -> %s, expected %s (%s)", tp_status_name(st),
            tp_status_name(want), tp_last_error());
     EXPECT(!tp_comm_is_aborted(world), "a mismatch aborted the communicator");
+    /* the last rank names another scatter root (send is read on root only) */
+    int64_t kn = k * n;
+    tp_tensor *xs = NULL;
+    REQUIRE(tp_tensor_zeros(TP_F32, TP_CPU, 1, &kn, &xs));
+    st = tp_scatter(world, xs, x, r == n - 1 ? n - 1 : 0, NULL);
+    tp_status want_root = n > 1 ? TP_ERR_MISMATCH : TP_OK;
+    EXPECT(st == want_root, "mismatched scatter root -> %s, expected %s (%s)",
+           tp_status_name(st), tp_status_name(want_root), tp_last_error());
+    if (n > 1) {
+        char root_needle[64];
+        snprintf(root_needle, sizeof root_needle, "scatter(f32, 8 elements, root %d)", n - 1);
+        EXPECT(strstr(tp_last_error(), root_needle), "scatter mismatch message: %s",
+               tp_last_error());
+    }
+    tp_tensor_release(xs);
     /* still usable */
     check_reduce_scatter(world, TP_I32, TP_MIN, 4, false, 2);
     REQUIRE(tp_comm_set_check(world, false));
