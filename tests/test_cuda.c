@@ -299,6 +299,68 @@ Test(cuda, elementwise, .timeout = 120)
     check_op("flatten, unflatten", op_flatten_unflatten, NULL, 1, t4, 1u, RTOL, ATOL);
 }
 
+/* add and mul with broadcasting: each layout class of the kernels (the flat
+ * and row-broadcast fast paths, the general strided kernel) and of the
+ * gradient's sum (one block of summed dims through sum_dim, several through
+ * the general kernel, nothing summed, empty dims). */
+Test(cuda, broadcasting, .timeout = 120)
+{
+    need_cuda();
+    static const struct {
+        const char *name;
+        int na, nb;
+        int64_t a[4], b[4];
+    } cases[] = {
+        {"[4,3,10] + [10] (row)", 3, 1, {4, 3, 10}, {10}},
+        {"[10] + [4,3,10] (a smaller)", 1, 3, {10}, {4, 3, 10}},
+        {"[4,3,10] + [3,10]", 3, 2, {4, 3, 10}, {3, 10}},
+        {"[4,3,10] + [4,3,1] (column)", 3, 3, {4, 3, 10}, {4, 3, 1}},
+        {"[4,1,10] + [1,3,1] (size-1 dims both sides)", 3, 3, {4, 1, 10}, {1, 3, 1}},
+        {"[4,3,10] + [1,3,1] (two summed blocks)", 3, 3, {4, 3, 10}, {1, 3, 1}},
+        {"[2,3,5,7] + [2,1,5,1]", 4, 4, {2, 3, 5, 7}, {2, 1, 5, 1}},
+        {"[4,3,10] + scalar", 3, 0, {4, 3, 10}, {0}},
+        {"scalar + scalar", 0, 0, {0}, {0}},
+        {"[0,3] + [3] (empty output)", 2, 1, {0, 3}, {3}},
+        {"[1,3] + [0,3] (a summed over an empty dim)", 2, 2, {1, 3}, {0, 3}},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        for (int mul = 0; mul < 2; mul++) {
+            tp_tensor *in[2] = {rnd(cases[k].na, cases[k].a, -2, 2, 10 + k),
+                                rnd(cases[k].nb, cases[k].b, -2, 2, 40 + k)};
+            char name[96];
+            snprintf(name, sizeof name, "%s %s", mul ? "mul" : "add", cases[k].name);
+            check_op(name, mul ? op_mul : op_add, NULL, 2, in, 3u, RTOL, ATOL);
+        }
+    /* non-contiguous views on the device: [3, 4] strides (8, 1) with a [4]
+     * row of stride 6 */
+    tp_tensor *ba = rnd(2, (int64_t[]){3, 8}, -2, 2, 90), *bb = rnd(2, (int64_t[]){4, 6}, -2, 2, 91);
+    tp_tensor *da = to_dev(ba, DEV), *db = to_dev(bb, DEV);
+    for (int mul = 0; mul < 2; mul++) {
+        tp_tensor *va = NULL, *vb = NULL, *vda = NULL, *vdb = NULL, *yc = NULL, *yd = NULL,
+                  *yh = NULL;
+        CHECK_OK(tp_tensor_narrow(ba, 1, 2, 4, &va));
+        CHECK_OK(tp_tensor_select(bb, 1, 2, &vb));
+        CHECK_OK(tp_tensor_narrow(da, 1, 2, 4, &vda));
+        CHECK_OK(tp_tensor_select(db, 1, 2, &vdb));
+        CHECK_OK(mul ? tp_mul(va, vb, &yc) : tp_add(va, vb, &yc));
+        CHECK_OK(mul ? tp_mul(vda, vdb, &yd) : tp_add(vda, vdb, &yd));
+        cr_assert(on(yd, DEV));
+        CHECK_OK(tp_tensor_to(yd, TP_F32, TP_CPU, &yh));
+        expect_close(mul ? "mul of strided views" : "add of strided views", yh, yc, RTOL, ATOL);
+        tp_tensor_release(va);
+        tp_tensor_release(vb);
+        tp_tensor_release(vda);
+        tp_tensor_release(vdb);
+        tp_tensor_release(yc);
+        tp_tensor_release(yd);
+        tp_tensor_release(yh);
+    }
+    tp_tensor_release(ba);
+    tp_tensor_release(bb);
+    tp_tensor_release(da);
+    tp_tensor_release(db);
+}
+
 Test(cuda, dropout_mask_matches_cpu, .timeout = 120)
 {
     need_cuda();

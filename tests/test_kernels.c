@@ -424,14 +424,13 @@ Test(kernels, elementwise_add_mul_scale_accumulate, .timeout = 30)
     tp__k_add(NULL, NULL, NULL, 0); /* n == 0 touches nothing */
 }
 
-Test(kernels, add_row_and_sum_rows, .timeout = 30)
+Test(kernels, add_row, .timeout = 30)
 {
     for (int ri = 0; ri < N_ODD; ri++)
         for (int ci = 0; ci < N_ODD; ci++) {
             int64_t rows = odd_sizes[ri], cols = odd_sizes[ci];
             float *y = falloc(rows * cols), *b = falloc(cols), *y0 = falloc(rows * cols);
-            float *g = falloc(cols), *want = falloc(rows * cols);
-            double *gd = dalloc(cols);
+            float *want = falloc(rows * cols);
             fill(y0, rows * cols, 40, -1, 1);
             fill(b, cols, 41, -1, 1);
             memcpy(y, y0, (size_t)(rows * cols) * sizeof *y);
@@ -440,29 +439,157 @@ Test(kernels, add_row_and_sum_rows, .timeout = 30)
                 for (int64_t c = 0; c < cols; c++)
                     want[r * cols + c] = y0[r * cols + c] + b[c];
             check_same("add_row", y, want, rows * cols);
-
-            /* sum_rows accumulates onto g */
-            fill(g, cols, 42, -1, 1);
-            for (int64_t c = 0; c < cols; c++) {
-                gd[c] = g[c];
-                for (int64_t r = 0; r < rows; r++)
-                    gd[c] += y0[r * cols + c];
-            }
-            tp__k_sum_rows(y0, g, rows, cols);
-            check_close("sum_rows", g, gd, cols, 1e-6, 1e-6);
-            free(y), free(b), free(y0), free(g), free(want), free(gd);
+            free(y), free(b), free(y0), free(want);
         }
-    /* wider than one accumulator block */
-    int64_t rows = 3, cols = 1300;
-    float *y = falloc(rows * cols), *g = falloc(cols);
-    double *gd = dalloc(cols);
-    fill(y, rows * cols, 43, -1, 1);
-    fill_const(g, cols, 1.0f);
-    for (int64_t c = 0; c < cols; c++)
-        gd[c] = 1.0 + (double)y[c] + (double)y[cols + c] + (double)y[2 * cols + c];
-    tp__k_sum_rows(y, g, rows, cols);
-    check_close("sum_rows wide", g, gd, cols, 1e-6, 1e-6);
-    free(y), free(g), free(gd);
+}
+
+/* ---- broadcasting ------------------------------------------------------------------ */
+
+/* One layout of the broadcast kernels: y's shape and the operands' element
+ * strides (0: broadcast), as the op layer passes them (merged or not). */
+typedef struct bcast_layout {
+    const char *name;
+    int ndim;
+    int64_t shape[4], as[4], bs[4];
+} bcast_layout;
+
+/* The largest offset + 1 a layout reads through strides st. */
+static int64_t span(const bcast_layout *l, const int64_t *st)
+{
+    int64_t m = 0;
+    for (int d = 0; d < l->ndim; d++)
+        if (l->shape[d] > 0)
+            m += (l->shape[d] - 1) * st[d];
+    return m + 1;
+}
+
+Test(kernels, add_mul_bcast_every_layout, .timeout = 30)
+{
+    static const bcast_layout layouts[] = {
+        {"same shape, merged", 1, {129}, {1}, {1}},
+        {"same shape, unmerged", 3, {3, 5, 17}, {85, 17, 1}, {85, 17, 1}},
+        {"row broadcast [17,129] + [129]", 2, {17, 129}, {129, 1}, {0, 1}},
+        {"row broadcast, a the row", 2, {17, 3}, {0, 1}, {3, 1}},
+        {"column broadcast [17,129] + [17,1]", 2, {17, 129}, {129, 1}, {1, 0}},
+        {"scalar b", 1, {129}, {1}, {0}},
+        {"scalar a", 1, {17}, {0}, {1}},
+        {"outer broadcast [3,85] + [85]", 2, {3, 85}, {85, 1}, {0, 1}},
+        {"[3,1,17] * [1,5,1]", 3, {3, 5, 17}, {17, 0, 1}, {0, 1, 0}},
+        {"[3,5,1] + [1,1,17] unmerged", 3, {3, 5, 17}, {5, 1, 0}, {0, 0, 1}},
+        {"a transposed (strided)", 2, {5, 17}, {1, 5}, {17, 1}},
+        {"every other element, b strided", 2, {3, 17}, {34, 2}, {0, 3}},
+        {"4 dims, mixed", 4, {2, 3, 1, 5}, {15, 5, 5, 1}, {0, 1, 0, 3}},
+        {"one element (0 dims)", 0, {0}, {0}, {0}},
+        {"size-1 dims", 3, {1, 1, 7}, {7, 7, 1}, {0, 0, 1}},
+    };
+    for (size_t k = 0; k < sizeof layouts / sizeof layouts[0]; k++) {
+        const bcast_layout *l = &layouts[k];
+        int64_t n = 1;
+        for (int d = 0; d < l->ndim; d++)
+            n *= l->shape[d];
+        int64_t na = span(l, l->as), nb = span(l, l->bs);
+        float *a = falloc(na), *b = falloc(nb), *y = falloc(n), *want = falloc(n);
+        fill(a, na, 50 + k, -3, 3);
+        fill(b, nb, 60 + k, -3, 3);
+        for (int mul = 0; mul < 2; mul++) {
+            for (int64_t i = 0; i < n; i++) {
+                int64_t rem = i, oa = 0, ob = 0;
+                for (int d = l->ndim - 1; d >= 0; d--) {
+                    oa += (rem % l->shape[d]) * l->as[d];
+                    ob += (rem % l->shape[d]) * l->bs[d];
+                    rem /= l->shape[d];
+                }
+                want[i] = mul ? a[oa] * b[ob] : a[oa] + b[ob];
+            }
+            fill_const(y, n, NAN);
+            if (mul)
+                tp__k_mul_bcast(a, b, y, l->ndim, l->shape, l->as, l->bs);
+            else
+                tp__k_add_bcast(a, b, y, l->ndim, l->shape, l->as, l->bs);
+            char what[96];
+            snprintf(what, sizeof what, "%s %s", mul ? "mul" : "add", l->name);
+            check_same(what, y, want, n); /* one float operation: exact */
+        }
+        free(a), free(b), free(y), free(want);
+    }
+    /* in place: y is a (same shape, contiguous), b a broadcast row */
+    int64_t shape[2] = {17, 129}, as[2] = {129, 1}, bs[2] = {0, 1}, n = 17 * 129;
+    float *a = falloc(n), *b = falloc(129), *want = falloc(n);
+    fill(a, n, 80, -3, 3);
+    fill(b, 129, 81, -3, 3);
+    for (int64_t i = 0; i < n; i++)
+        want[i] = a[i] + b[i % 129];
+    tp__k_add_bcast(a, b, a, 2, shape, as, bs);
+    check_same("add_bcast in place", a, want, n);
+    free(a), free(b), free(want);
+    /* an empty dim writes nothing */
+    float sentinel = 42.0f, one = 1.0f;
+    int64_t zshape[3] = {3, 0, 2}, zs[3] = {0, 0, 0};
+    tp__k_mul_bcast(&one, &one, &sentinel, 3, zshape, zs, zs);
+    cr_assert_eq(sentinel, 42.0f, "an empty broadcast wrote an element");
+}
+
+Test(kernels, sum_bcast_every_pattern, .timeout = 30)
+{
+    /* x's shape and y's (1 where summed) */
+    static const struct {
+        int ndim;
+        int64_t shape[4], yshape[4];
+    } cases[] = {
+        {2, {129, 17}, {1, 17}},         /* bias: column sums */
+        {2, {17, 129}, {17, 1}},         /* row sums */
+        {2, {17, 129}, {1, 1}},          /* everything */
+        {1, {129}, {1}},                 /* everything, 1 dim */
+        {3, {3, 5, 17}, {1, 5, 1}},      /* two summed blocks */
+        {3, {3, 5, 17}, {3, 1, 17}},     /* the middle dim */
+        {3, {3, 5, 17}, {1, 1, 17}},     /* the two outer dims */
+        {3, {3, 5, 17}, {3, 5, 1}},      /* the inner dim */
+        {3, {3, 5, 17}, {1, 5, 17}},     /* the outer dim */
+        {3, {3, 5, 17}, {3, 5, 17}},     /* nothing: a copy */
+        {3, {3, 1, 17}, {1, 1, 17}},     /* a size-1 dim between */
+        {4, {2, 3, 5, 7}, {2, 1, 5, 1}}, /* kept, summed, kept, summed */
+        {4, {2, 3, 5, 7}, {1, 3, 1, 7}}, /* summed, kept, summed, kept */
+        {2, {3, 1300}, {1, 1300}},       /* wider than one accumulator block */
+        {3, {2, 3, 1300}, {2, 1, 1300}},
+        {0, {0}, {0}},                   /* one element */
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int nd = cases[k].ndim;
+        const int64_t *sh = cases[k].shape, *ys = cases[k].yshape;
+        int64_t n = 1, ny = 1;
+        for (int d = 0; d < nd; d++) {
+            n *= sh[d];
+            ny *= ys[d];
+        }
+        float *x = falloc(n), *y = falloc(ny);
+        double *want = dalloc(ny);
+        fill(x, n, 90 + k, -1, 1);
+        for (int64_t i = 0; i < n; i++) {
+            int64_t rem = i, j = 0, st = 1;
+            for (int d = nd - 1; d >= 0; d--) {
+                int64_t id = rem % sh[d];
+                rem /= sh[d];
+                j += (ys[d] == 1 ? 0 : id) * st;
+                st *= ys[d];
+            }
+            want[j] += x[i];
+        }
+        fill_const(y, ny, NAN); /* overwritten */
+        tp__k_sum_bcast(x, y, nd, sh, ys);
+        char what[64];
+        snprintf(what, sizeof what, "sum_bcast case %zu", k);
+        check_close(what, y, want, ny, 1e-6, 1e-6);
+        free(x), free(y), free(want);
+    }
+    /* a summed dim of size 0 gives zeros; an empty y is not written */
+    float y[12], x0 = 0.0f;
+    fill_const(y, 12, NAN);
+    tp__k_sum_bcast(&x0, y, 3, (int64_t[]){3, 0, 4}, (int64_t[]){3, 1, 4});
+    for (int i = 0; i < 12; i++)
+        cr_assert_eq(y[i], 0.0f, "sum over an empty dim: y[%d] = %g", i, (double)y[i]);
+    y[0] = 42.0f;
+    tp__k_sum_bcast(&x0, y, 2, (int64_t[]){0, 4}, (int64_t[]){0, 1});
+    cr_assert_eq(y[0], 42.0f, "an empty sum_bcast wrote an element");
 }
 
 typedef struct act_ctx {

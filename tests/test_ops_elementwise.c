@@ -104,6 +104,16 @@ typedef struct ew_case {
     bool check_out;      /* the output placements must be `out` */
     tp_placement out[2]; /* same indexing as pl */
     bool no_comm;        /* the forward issues no collective */
+    /* exact collective counts on meshes of more than one rank (same indexing
+     * as pl: 2-D meshes the first, 1-D the second): forward, and backward
+     * from the DTensor output (needs bwd_direct) */
+    bool check_coll;
+    int coll[2], bwd_coll[2];
+    /* backward from the DTensor output with a gradient of its placements
+     * (not through full_tensor); the output must not be Partial */
+    bool bwd_direct;
+    bool check_grad;        /* the gradients' placements must be `grad` */
+    tp_placement grad[2][2]; /* [input][mesh dim], indexed as pl */
     double tol;          /* 0: exact; else allclose(tol, tol / 10) */
     /* op parameters */
     double s;                /* scale */
@@ -175,6 +185,10 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const ew_case *cs)
     tp_comm_debug_free(dbg);
     RANK_EXPECT(s, !c->no_comm || ncoll == 0, "%s: the forward issued %lld collectives, expected 0",
                 c->label, (long long)ncoll);
+    bool several = tp_mesh_size(mesh, 0) * (m > 1 ? tp_mesh_size(mesh, 1) : 1) > 1;
+    RANK_EXPECT(s, !c->check_coll || !several || ncoll == c->coll[first],
+                "%s: the forward issued %lld collectives, expected %d", c->label,
+                (long long)ncoll, c->coll[first]);
     if (c->check_out) {
         const tp_placement *got = tp_dtensor_placements(yd);
         /* a mesh dim of size 1 moves nothing whatever its placement: the
@@ -190,7 +204,23 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const ew_case *cs)
         }
     }
     RANK_OK(s, tp_dtensor_full_tensor(yd, &yfull));
-    RANK_OK(s, tp_backward(yfull, g));
+    if (c->bwd_direct) {
+        tp_tensor *gd = NULL;
+        RANK_OK(s, tp_dtensor_distribute(mesh, g, m, tp_dtensor_placements(yd), -1, &gd));
+        RANK_OK(s, tp_comm_debug_create(&dbg));
+        RANK_OK(s, tp_comm_debug_begin(dbg));
+        st = tp_backward(yd, gd);
+        RANK_OK(s, tp_comm_debug_end(dbg));
+        RANK_OK(s, st);
+        ncoll = tp_comm_debug_total(dbg);
+        tp_comm_debug_free(dbg);
+        tp_tensor_release(gd);
+        RANK_EXPECT(s, !c->check_coll || !several || ncoll == c->bwd_coll[first],
+                    "%s: the backward issued %lld collectives, expected %d", c->label,
+                    (long long)ncoll, c->bwd_coll[first]);
+    } else {
+        RANK_OK(s, tp_backward(yfull, g));
+    }
     bool ok = false;
     RANK_OK(s, same_values(c, yfull, yp, &ok));
     RANK_EXPECT(s, ok, "%s: output differs from the single-rank result", c->label);
@@ -199,6 +229,16 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const ew_case *cs)
         RANK_EXPECT(s, gd != NULL, "%s: input %d got no gradient", c->label, i);
         if (!gd)
             continue;
+        for (int d = 0; c->check_grad && d < m; d++) {
+            if (tp_mesh_size(mesh, d) == 1)
+                continue;
+            char b1[32], b2[32];
+            tp_placement got = tp_dtensor_placements(gd)[d], want = c->grad[i][first + d];
+            RANK_EXPECT(s, placement_eq(got, want),
+                        "%s: gradient of input %d on mesh dim %d is %s, expected %s", c->label,
+                        i, d, tp_placement_str(got, b1, sizeof b1),
+                        tp_placement_str(want, b2, sizeof b2));
+        }
         RANK_OK(s, tp_dtensor_full_tensor(gd, &gf));
         RANK_OK(s, same_values(c, gf, tp_tensor_grad(full[i]), &ok));
         RANK_EXPECT(s, ok, "%s: gradient of input %d differs", c->label, i);
@@ -332,6 +372,110 @@ static tp_status mul_body(tp_test_slot *s, tp_mesh *mesh, ew_ctx *c)
 {
     (void)c;
     return binary_cases(s, mesh, OP_MUL);
+}
+
+/* ---- broadcasting ----------------------------------------------------------------
+ * B, S, D = 5, 3, 7 (uneven on every mesh). The output sharded on a dim takes
+ * the operands that have it sharded alike and the ones broadcast along it
+ * replicated, with no collective; the gradient of an operand broadcast along a
+ * sharded dim is a partial sum (Partial(sum)), as in PyTorch 2.15.
+ *
+ * PyTorch 2.15 (CommDebugMode, gloo, 4 ranks and a 2x2 mesh) gives the same
+ * output and gradient placements and 0 collectives forward and backward for
+ * every "no comm" case below, for add and mul. Where it redistributes:
+ * [5,1,7] S(0) + [1,3,1] S(1): 1 all_gather forward, as here; backward it
+ * keeps b's gradient Partial (0 for add, 1 all_gather for mul) where libtp
+ * returns it to b's S(1) with 1 reduce_scatter. [5,3,7] S(1) + [3,7] S(1):
+ * 1 collective forward both; PyTorch moves a to S(2) (gloo has no all_to_all:
+ * an all_gather), libtp the smaller b to S(0) with 1 all_to_all, and 1 all_to_all
+ * back in the backward, where PyTorch leaves b's gradient S(0). */
+
+#define BSD_SD .n_in = 2, .nd = {3, 2}, .shape = {{5, 3, 7}, {3, 7}}
+#define SD_BSD .n_in = 2, .nd = {2, 3}, .shape = {{3, 7}, {5, 3, 7}}
+#define B1D_1S1 .n_in = 2, .nd = {3, 3}, .shape = {{5, 1, 7}, {1, 3, 1}}
+#define BSD_SCALAR .n_in = 2, .nd = {3, 0}, .shape = {{5, 3, 7}, {0}}
+#define SCALAR_BSD .n_in = 2, .nd = {0, 3}, .shape = {{0}, {5, 3, 7}}
+#define SCALARS .n_in = 2, .nd = {0, 0}, .shape = {{0}, {0}}
+/* the output [0, 3, 7]: a broadcast along the empty dim */
+#define EMPTY_OUT .n_in = 2, .nd = {3, 3}, .shape = {{1, 3, 7}, {0, 1, 7}}
+/* an empty dim in the sharded operand */
+#define EMPTY_IN .n_in = 2, .nd = {3, 2}, .shape = {{4, 0, 7}, {1, 7}}
+/* a [2, 1] column (dim 0 smaller than most meshes) times a [1, 9] row */
+#define COL_ROW .n_in = 2, .nd = {2, 2}, .shape = {{2, 1}, {1, 9}}
+
+/* no collective forward or backward */
+#define QUIET .no_comm = true, .check_coll = true, .bwd_direct = true
+
+static tp_status bcast_cases(tp_test_slot *s, tp_mesh *mesh, op_kind k)
+{
+    ew_case cases[] = {
+        {"[B,S,D] S(1) + [S,D] S(0)", k, BSD_SD, .pl = {{S_(0), S_(1)}, {R_, S_(0)}},
+         .check_out = true, .out = {S_(0), S_(1)}, QUIET, .check_grad = true,
+         .grad = {{S_(0), S_(1)}, {P_, S_(0)}}},
+        {"[S,D] S(0) + [B,S,D] S(1)", k, SD_BSD, .pl = {{R_, S_(0)}, {S_(0), S_(1)}},
+         .check_out = true, .out = {S_(0), S_(1)}, QUIET, .check_grad = true,
+         .grad = {{P_, S_(0)}, {S_(0), S_(1)}}},
+        {"[B,S,D] S(2) + [D] S(0)", k, BCAST2, .pl = {{S_(1), S_(2)}, {R_, S_(0)}},
+         .check_out = true, .out = {S_(1), S_(2)}, QUIET, .check_grad = true,
+         .grad = {{S_(1), S_(2)}, {P_, S_(0)}}},
+        {"[B,S,D] S(0) + [S,D] R", k, BSD_SD, .pl = {{S_(2), S_(0)}, {S_(1), R_}},
+         .check_out = true, .out = {S_(2), S_(0)}, QUIET, .check_grad = true,
+         .grad = {{S_(2), S_(0)}, {S_(1), P_}}},
+        {"[S,D] R + [B,S,D] S(0)", k, SD_BSD, .pl = {{S_(0), R_}, {S_(1), S_(0)}},
+         .check_out = true, .out = {S_(1), S_(0)}, QUIET, .check_grad = true,
+         .grad = {{S_(0), P_}, {S_(1), S_(0)}}},
+        {"[B,1,D] S(0) + [1,S,1] R", k, B1D_1S1, .pl = {{S_(2), S_(0)}, {R_, R_}},
+         .check_out = true, .out = {S_(2), S_(0)}, QUIET, .check_grad = true,
+         .grad = {{S_(2), S_(0)}, {P_, P_}}},
+        {"[B,1,D] R + nested [1,S,1] S(1)", k, B1D_1S1, .pl = {{R_, R_}, {S_(1), S_(1)}},
+         .check_out = true, .out = {S_(1), S_(1)}, QUIET, .check_grad = true,
+         .grad = {{P_, P_}, {S_(1), S_(1)}}},
+        {"[B,S,D] S(1) + scalar R", k, BSD_SCALAR, .pl = {{S_(0), S_(1)}, {R_, R_}},
+         .check_out = true, .out = {S_(0), S_(1)}, QUIET, .check_grad = true,
+         .grad = {{S_(0), S_(1)}, {P_, P_}}},
+        {"scalar R + [B,S,D] S(2)", k, SCALAR_BSD, .pl = {{R_, R_}, {S_(2), S_(2)}},
+         .check_out = true, .out = {S_(2), S_(2)}, QUIET, .check_grad = true,
+         .grad = {{P_, P_}, {S_(2), S_(2)}}},
+        {"[2,1] S(0) * [1,9] R (dim 0 smaller than the mesh)", k, COL_ROW,
+         .pl = {{S_(0), S_(0)}, {R_, R_}}, .check_out = true, .out = {S_(0), S_(0)}, QUIET,
+         .check_grad = true, .grad = {{S_(0), S_(0)}, {P_, P_}}},
+        {"[2,1] R * [1,9] S(1)", k, COL_ROW, .pl = {{R_, R_}, {S_(1), S_(1)}},
+         .check_out = true, .out = {S_(1), S_(1)}, QUIET, .check_grad = true,
+         .grad = {{P_, P_}, {S_(1), S_(1)}}},
+        /* empty dims: the gradient of the operand broadcast over the empty
+         * dim is zeros */
+        {"[1,S,D] S(1) + [0,1,D] R", k, EMPTY_OUT, .pl = {{S_(2), S_(1)}, {S_(2), R_}},
+         .check_out = true, .out = {S_(2), S_(1)}, QUIET, .check_grad = true,
+         .grad = {{S_(2), S_(1)}, {S_(2), P_}}},
+        {"[4,0,D] S(0) + [1,D] R", k, EMPTY_IN, .pl = {{S_(2), S_(0)}, {S_(1), R_}},
+         .check_out = true, .out = {S_(2), S_(0)}, QUIET, .check_grad = true,
+         .grad = {{S_(2), S_(0)}, {S_(1), P_}}},
+        /* Partial operands with broadcasting */
+        {"[B,S,D] P + [D] R", k, BCAST2, .pl = {{S_(1), P_}, {R_, R_}}, .check_out = true,
+         .out = {S_(1), P_}, .no_comm = true},
+        {"scalar P + [B,S,D] R", k, SCALAR_BSD, .pl = {{R_, P_}, {S_(0), R_}},
+         .check_out = true, .out = {S_(0), P_}, .no_comm = true},
+        {"scalar R + scalar P", k, SCALARS, .pl = {{P_, R_}, {R_, P_}}, .check_out = true,
+         .out = {P_, P_}, .no_comm = true},
+        {"[S,D] P + [B,S,D] P", k, SD_BSD, .pl = {{R_, P_}, {R_, P_}}},
+        /* redistribution: the smaller operand moves */
+        {"[B,1,D] S(0) + [1,S,1] S(1) (b gathered)", k, B1D_1S1,
+         .pl = {{R_, S_(0)}, {R_, S_(1)}}, .check_out = true, .out = {R_, S_(0)},
+         .check_coll = true, .coll = {1, 1}, .bwd_coll = {1, 1}, .bwd_direct = true,
+         .check_grad = true, .grad = {{R_, S_(0)}, {R_, S_(1)}}},
+        {"[B,S,D] S(1) + [S,D] S(1) (b to S(0))", k, BSD_SD,
+         .pl = {{R_, S_(1)}, {R_, S_(1)}}, .check_out = true, .out = {R_, S_(1)},
+         .check_coll = true, .coll = {1, 1}, .bwd_coll = {1, 1}, .bwd_direct = true,
+         .check_grad = true, .grad = {{R_, S_(1)}, {R_, S_(1)}}},
+    };
+    return run_cases(s, mesh, cases, NCASES(cases));
+}
+
+static tp_status bcast_body(tp_test_slot *s, tp_mesh *mesh, ew_ctx *c)
+{
+    (void)c;
+    TP_TEST_TRY(bcast_cases(s, mesh, OP_ADD));
+    return bcast_cases(s, mesh, OP_MUL);
 }
 
 /* ---- scale, relu, gelu ---------------------------------------------------------- */
@@ -483,7 +627,8 @@ static tp_status errors_body(tp_test_slot *s, tp_mesh *mesh, ew_ctx *c)
     st = tp_add(da, db, &y);
     RANK_OK(s, tp_comm_debug_end(dbg));
     RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && y == NULL &&
-                       strstr(tp_last_error(), "add: b has shape [5] but a's last dim is 6"),
+                       strstr(tp_last_error(), "add: a of shape [4, 6] and b of shape [5] do "
+                                               "not broadcast: dim -1 is 6 in a but 5 in b"),
                 "add shapes: %s %s", tp_status_name(st), tp_last_error());
     RANK_EXPECT(s, tp_comm_debug_total(dbg) == 0, "a failed add issued %lld collectives",
                 (long long)tp_comm_debug_total(dbg));
@@ -528,6 +673,16 @@ ParameterizedTestParameters(ops_elementwise, mul)
 ParameterizedTest(ew_mesh *em, ops_elementwise, mul, .timeout = 120)
 {
     run_on_mesh(em, mul_body);
+}
+
+ParameterizedTestParameters(ops_elementwise, broadcast)
+{
+    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {1, {8}}, {2, {2, 2}}, {2, {4, 2}}, {2, {2, 3}}};
+    return cr_make_param_array(ew_mesh, meshes, NCASES(meshes));
+}
+ParameterizedTest(ew_mesh *em, ops_elementwise, broadcast, .timeout = 120)
+{
+    run_on_mesh(em, bcast_body);
 }
 
 ParameterizedTestParameters(ops_elementwise, scale_relu_gelu)
@@ -625,6 +780,138 @@ Test(ops_elementwise, plain_add_mul, .timeout = 30)
             tp_tensor_release(y);
         }
     }
+}
+
+/* y = a op b and both gradients against loops over the broadcast index space
+ * that read every tensor through tp_tensor_get (so any strides). Integer
+ * inputs: exact. */
+static void check_bcast_plain(bool mul, tp_tensor *a, tp_tensor *b)
+{
+    const char *op = mul ? "mul" : "add";
+    int na = tp_tensor_ndim(a), nb = tp_tensor_ndim(b), nd = na > nb ? na : nb;
+    const int64_t *sa = tp_tensor_shape(a), *sb = tp_tensor_shape(b);
+    int64_t shape[TP_MAX_DIMS], n = 1;
+    for (int d = 0; d < nd; d++) {
+        int ka = d - (nd - na), kb = d - (nd - nb);
+        int64_t x = ka >= 0 ? sa[ka] : 1, z = kb >= 0 ? sb[kb] : 1;
+        shape[d] = x == 1 ? z : x;
+        n *= shape[d];
+    }
+    tp_tensor *y = NULL, *g = NULL;
+    CHECK_OK(tp_tensor_set_requires_grad(a, true));
+    CHECK_OK(tp_tensor_set_requires_grad(b, true));
+    tp_tensor_zero_grad(a);
+    tp_tensor_zero_grad(b);
+    CHECK_OK(mul ? tp_mul(a, b, &y) : tp_add(a, b, &y));
+    cr_assert_eq(tp_tensor_ndim(y), nd, "%s: the output has %d dims, want %d", op,
+                 tp_tensor_ndim(y), nd);
+    cr_assert(!memcmp(tp_tensor_shape(y), shape, sizeof(int64_t) * (size_t)nd),
+              "%s: wrong output shape", op);
+    g = rand_t(nd, shape, 33);
+    CHECK_OK(tp_backward(y, g));
+    tp_tensor *ga = tp_tensor_grad(a), *gb = tp_tensor_grad(b);
+    cr_assert(ga && gb, "%s: a gradient is missing", op);
+    cr_assert_eq(tp_tensor_ndim(ga), na);
+    cr_assert_eq(tp_tensor_ndim(gb), nb);
+    int64_t n_a = tp_tensor_numel(a), n_b = tp_tensor_numel(b);
+    double *wa = calloc((size_t)(n_a + 1), sizeof *wa), *wb = calloc((size_t)(n_b + 1), sizeof *wb);
+    cr_assert(wa && wb);
+    int64_t i[TP_MAX_DIMS] = {0}, ia[TP_MAX_DIMS], ib[TP_MAX_DIMS];
+    for (int64_t e = 0; e < n; e++) {
+        int64_t rem = e, la = 0, lb = 0;
+        for (int d = nd - 1; d >= 0; d--) {
+            i[d] = rem % shape[d];
+            rem /= shape[d];
+        }
+        for (int k = 0; k < na; k++) {
+            ia[k] = sa[k] == 1 ? 0 : i[k + nd - na];
+            la = la * sa[k] + ia[k];
+        }
+        for (int k = 0; k < nb; k++) {
+            ib[k] = sb[k] == 1 ? 0 : i[k + nd - nb];
+            lb = lb * sb[k] + ib[k];
+        }
+        double va, vb, vg, vy;
+        CHECK_OK(tp_tensor_get(a, ia, &va));
+        CHECK_OK(tp_tensor_get(b, ib, &vb));
+        CHECK_OK(tp_tensor_get(g, i, &vg));
+        CHECK_OK(tp_tensor_get(y, i, &vy));
+        double want = mul ? va * vb : va + vb;
+        cr_assert_eq(vy, want, "%s: y[%lld] = %g, want %g", op, (long long)e, vy, want);
+        wa[la] += mul ? vg * vb : vg;
+        wb[lb] += mul ? vg * va : vg;
+    }
+    /* the gradients are contiguous, in their operand's shape */
+    const float *pa = tp_tensor_data(ga), *pb = tp_tensor_data(gb);
+    cr_assert(tp_tensor_is_contiguous(ga) && tp_tensor_is_contiguous(gb));
+    for (int64_t k = 0; k < n_a; k++)
+        cr_assert_eq((double)pa[k], wa[k], "%s: grad a[%lld] = %g, want %g", op, (long long)k,
+                     (double)pa[k], wa[k]);
+    for (int64_t k = 0; k < n_b; k++)
+        cr_assert_eq((double)pb[k], wb[k], "%s: grad b[%lld] = %g, want %g", op, (long long)k,
+                     (double)pb[k], wb[k]);
+    free(wa);
+    free(wb);
+    tp_tensor_release(y);
+    tp_tensor_release(g);
+}
+
+Test(ops_elementwise, plain_broadcast_shapes, .timeout = 30)
+{
+    static const struct {
+        int na, nb;
+        int64_t a[8], b[8];
+    } cases[] = {
+        {3, 1, {2, 3, 4}, {4}},                      /* rank mismatch, b smaller */
+        {1, 3, {4}, {2, 3, 4}},                      /* a smaller */
+        {2, 3, {3, 4}, {2, 3, 4}},
+        {3, 3, {2, 1, 4}, {1, 3, 1}},                /* size-1 dims on both sides */
+        {2, 2, {3, 1}, {1, 4}},                      /* column times row */
+        {2, 2, {3, 4}, {3, 1}},                      /* column broadcast */
+        {3, 3, {2, 3, 4}, {2, 3, 4}},                /* same shape */
+        {2, 0, {2, 3}, {0}},                         /* scalar b */
+        {0, 2, {0}, {2, 3}},                         /* scalar a */
+        {0, 0, {0}, {0}},                            /* two scalars */
+        {1, 1, {1}, {5}},
+        {2, 1, {0, 3}, {3}},                         /* empty output */
+        {2, 2, {1, 3}, {0, 3}},                      /* a broadcast over an empty dim */
+        {2, 2, {2, 0}, {2, 1}},
+        {8, 8, {2, 1, 2, 1, 2, 1, 2, 1}, {1, 2, 1, 2, 1, 2, 1, 2}}, /* TP_MAX_DIMS dims */
+    };
+    for (int mul = 0; mul < 2; mul++)
+        for (size_t k = 0; k < NCASES(cases); k++) {
+            tp_tensor *a = rand_t(cases[k].na, cases[k].a, 1 + k),
+                      *b = rand_t(cases[k].nb, cases[k].b, 50 + k);
+            check_bcast_plain(mul, a, b);
+            tp_tensor_release(a);
+            tp_tensor_release(b);
+        }
+}
+
+/* add and mul read non-contiguous views through their strides. */
+Test(ops_elementwise, plain_broadcast_strided_inputs, .timeout = 30)
+{
+    tp_tensor *base_a = rand_t(2, (int64_t[]){3, 8}, 1), *base_b = rand_t(2, (int64_t[]){4, 6}, 2),
+              *base_c = rand_t(2, (int64_t[]){3, 9}, 3);
+    for (int mul = 0; mul < 2; mul++) {
+        tp_tensor *a = NULL, *b = NULL, *c = NULL, *col = NULL;
+        CHECK_OK(tp_tensor_narrow(base_a, 1, 2, 4, &a)); /* [3, 4], strides (8, 1) */
+        CHECK_OK(tp_tensor_select(base_b, 1, 2, &b));    /* [4], stride 6 */
+        CHECK_OK(tp_tensor_narrow(base_c, 1, 5, 4, &c)); /* [3, 4], strides (9, 1) */
+        CHECK_OK(tp_tensor_narrow(base_c, 1, 7, 1, &col)); /* [3, 1], strides (9, 1) */
+        cr_assert(!tp_tensor_is_contiguous(a) && !tp_tensor_is_contiguous(b) &&
+                  !tp_tensor_is_contiguous(c) && !tp_tensor_is_contiguous(col));
+        check_bcast_plain(mul, a, b);   /* strided row broadcast */
+        check_bcast_plain(mul, a, c);   /* same shape, both strided */
+        check_bcast_plain(mul, b, col); /* a strided row against a strided column */
+        tp_tensor_release(a);
+        tp_tensor_release(b);
+        tp_tensor_release(c);
+        tp_tensor_release(col);
+    }
+    tp_tensor_release(base_a);
+    tp_tensor_release(base_b);
+    tp_tensor_release(base_c);
 }
 
 Test(ops_elementwise, plain_scale_relu, .timeout = 30)
@@ -874,14 +1161,31 @@ Test(ops_elementwise, errors, .timeout = 30)
 {
     tp_tensor *a = rand_t(2, (int64_t[]){3, 4}, 1), *b3 = rand_t(1, (int64_t[]){3}, 2),
               *b32 = rand_t(2, (int64_t[]){3, 2}, 3), *y = (tp_tensor *)&y;
-    /* shapes */
+    /* shapes that do not broadcast: both named, and the first clashing dim
+     * counted from the right */
     CHECK_ERR(tp_add(a, b3, &y), TP_ERR_INVALID_ARG);
-    CHECK_MSG("add: b has shape [3] but a's last dim is 4");
+    CHECK_MSG("add: a of shape [3, 4] and b of shape [3] do not broadcast: dim -1 is 4 in a "
+              "but 3 in b");
     cr_assert_null(y);
     CHECK_ERR(tp_mul(a, b32, &y), TP_ERR_INVALID_ARG);
-    CHECK_MSG("mul: a has shape [3, 4] but b has shape [3, 2]");
+    CHECK_MSG("mul: a of shape [3, 4] and b of shape [3, 2] do not broadcast: dim -1 is 4 in a "
+              "but 2 in b");
     CHECK_ERR(tp_add(b3, a, &y), TP_ERR_INVALID_ARG);
-    CHECK_MSG("add: a has shape [3] but b has shape [3, 4]");
+    CHECK_MSG("add: a of shape [3] and b of shape [3, 4] do not broadcast: dim -1 is 3 in a "
+              "but 4 in b");
+    tp_tensor *a234 = rand_t(3, (int64_t[]){2, 3, 4}, 4), *b51 = rand_t(2, (int64_t[]){5, 1}, 5),
+              *e04 = rand_t(2, (int64_t[]){0, 4}, 6), *b24 = rand_t(2, (int64_t[]){2, 4}, 7);
+    CHECK_ERR(tp_mul(a234, b51, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("mul: a of shape [2, 3, 4] and b of shape [5, 1] do not broadcast: dim -2 is 3 in "
+              "a but 5 in b");
+    CHECK_ERR(tp_add(b24, e04, &y), TP_ERR_INVALID_ARG); /* 0 is not 1: no stretching */
+    CHECK_MSG("add: a of shape [2, 4] and b of shape [0, 4] do not broadcast: dim -2 is 2 in a "
+              "but 0 in b");
+    cr_assert_null(y);
+    tp_tensor_release(a234);
+    tp_tensor_release(b51);
+    tp_tensor_release(e04);
+    tp_tensor_release(b24);
     /* NULLs */
     CHECK_ERR(tp_add(a, NULL, &y), TP_ERR_INVALID_ARG);
     CHECK_MSG("add: b is NULL");

@@ -36,12 +36,23 @@ TP_API tp_status tp_linear(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_tensor *
 TP_API tp_status tp_matmul(tp_tensor *a, tp_tensor *b, tp_tensor **y);
 
 /* ---- elementwise (ops_elementwise.c) --------------------------------------
- * add/mul: b has a's shape, or is 1-D with a's last dim (broadcast over the
- * rows). Strategies: equal placements (Shard/Replicate) pass through; for add
- * a Partial(sum) pairs with a Partial(sum) (a Replicate operand becomes Partial
- * locally, added once); for mul one Partial operand with a Replicate one gives
- * Partial. relu, gelu, dropout: Shard and Replicate pass through, Partial is
- * reduced first. */
+ * add/mul broadcast by NumPy rules: the shapes align on the right and a dim
+ * that one operand lacks or has with size 1 stretches to the other's size
+ * (either operand, any ranks, 0-d scalars; y has the broadcast shape). Shapes
+ * that do not broadcast are TP_ERR_INVALID_ARG naming both shapes and the
+ * clashing dim (counted from the right, -1 the last), before any
+ * communication. a and b may be non-contiguous views. The gradient of an
+ * operand is y's gradient summed over the dims it was broadcast along.
+ * Strategies per mesh dim: y Shard(d) takes each operand that has dim d with
+ * y's size sharded on its matching dim and each operand broadcast along d
+ * Replicate, with no communication ([B,S,D] S(1) + [S,D] S(0), [B,S,D] S(2) +
+ * [D] S(0), [B,S,D] S(0) + [S,D] R); the gradient of an operand broadcast
+ * along the sharded dim is then Partial(sum), as in PyTorch (an optimizer
+ * step reduces it to the parameter's layout). All Replicate -> Replicate; for
+ * add a Partial(sum) pairs with a Partial(sum) (a Replicate operand becomes
+ * Partial locally, added once); for mul one Partial operand with a Replicate
+ * one gives Partial. relu, gelu, dropout: Shard and Replicate pass through,
+ * Partial is reduced first. */
 TP_API tp_status tp_add(tp_tensor *a, tp_tensor *b, tp_tensor **y);
 TP_API tp_status tp_mul(tp_tensor *a, tp_tensor *b, tp_tensor **y);
 /* y = s * x (any placement passes through; Partial stays Partial). */

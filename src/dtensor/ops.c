@@ -320,7 +320,7 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
     tp_tensor *locals[TP__OP_MAX_IN] = {0}, *y = NULL, *res = NULL;
     for (int i = 0; i < def->n_inputs && st == TP_OK; i++) {
         locals[i] = tp__local(op.in[i]);
-        if (locals[i] && !tp_tensor_is_contiguous(locals[i]))
+        if (locals[i] && !def->strided_ok && !tp_tensor_is_contiguous(locals[i]))
             st = tp__error(TP_ERR_INVALID_ARG, "%s: %s is not contiguous", fn,
                            def->input_names[i]);
     }

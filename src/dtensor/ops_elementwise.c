@@ -64,57 +64,68 @@ static tp_status same_shape(const tp__op *op, int *ndim, int64_t *shape)
 }
 
 /* ---- add and mul ------------------------------------------------------------
- * b has a's shape, or is 1-D with a's last dim (broadcast over a's rows). */
+ * NumPy broadcasting: the shapes align on the right, and a dim an operand
+ * lacks or has with size 1 stretches to the other's size. Sharding follows
+ * PyTorch's pointwise rule: the output sharded on dim d takes every operand
+ * that has d (with the output's size) sharded on its matching dim and every
+ * operand broadcast along d replicated; that operand's gradient, a sum over
+ * the sharded dim, is then a partial sum. */
 
 typedef struct {
     bool mul;
 } binary_params;
 
-/* Validates the shapes of a binary op; *bcast tells whether b broadcasts. */
-static tp_status binary_shapes(const char *fn, int nda, const int64_t *a, int ndb,
-                               const int64_t *b, bool *bcast)
+/* The broadcast of shapes a and b into y (*ndy dims), or TP_ERR_INVALID_ARG
+ * naming both shapes and the first dim (from the right) where they clash. */
+static tp_status broadcast_shapes(const char *fn, int nda, const int64_t *a, int ndb,
+                                  const int64_t *b, int *ndy, int64_t *y)
 {
-    *bcast = false;
-    if (nda == ndb && !memcmp(a, b, sizeof(int64_t) * (size_t)nda))
-        return TP_OK;
-    char sa[128], sb[128];
-    if (ndb == 1 && nda >= 1) {
-        TP_ARG_CHECK(b[0] == a[nda - 1], "%s: b has shape %s but a's last dim is %lld", fn,
-                     tp__shape_str(ndb, b, sb, sizeof sb), (long long)a[nda - 1]);
-        *bcast = true;
-        return TP_OK;
+    int nd = nda > ndb ? nda : ndb;
+    for (int k = 1; k <= nd; k++) {
+        int64_t sa = k <= nda ? a[nda - k] : 1, sb = k <= ndb ? b[ndb - k] : 1;
+        if (sa != sb && sa != 1 && sb != 1) {
+            char s1[128], s2[128];
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: a of shape %s and b of shape %s do not broadcast: dim %d is "
+                             "%lld in a but %lld in b",
+                             fn, tp__shape_str(nda, a, s1, sizeof s1),
+                             tp__shape_str(ndb, b, s2, sizeof s2), -k, (long long)sa,
+                             (long long)sb);
+        }
+        y[nd - k] = sa == 1 ? sb : sa;
     }
-    return tp__error(TP_ERR_INVALID_ARG,
-                     "%s: a has shape %s but b has shape %s; b must have a's shape or be 1-d "
-                     "with a's last dim",
-                     fn, tp__shape_str(nda, a, sa, sizeof sa),
-                     tp__shape_str(ndb, b, sb, sizeof sb));
+    *ndy = nd;
+    return TP_OK;
 }
 
-static bool is_bcast(const tp__op *op)
+/* The dim of an operand (nd dims of shape) that output dim d (of ndy dims of
+ * y) reads along, or -1 where the operand is broadcast (lacks d, or has size
+ * 1 where the output does not). */
+static int operand_dim(int ndy, const int64_t *y, int nd, const int64_t *shape, int d)
 {
-    bool bc = false;
-    (void)binary_shapes(op->def->name, tp__op_gndim(op, 0), tp__op_gshape(op, 0),
-                        tp__op_gndim(op, 1), tp__op_gshape(op, 1), &bc);
-    return bc;
+    int k = d - (ndy - nd);
+    return k >= 0 && shape[k] == y[d] ? k : -1;
 }
 
 static int binary_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
 {
     (void)mesh_dim;
     bool mul = TP__OP_PARAMS(op, binary_params)->mul;
-    int nd = tp__op_gndim(op, 0), n = 0;
+    int ndy = 0, n = 0;
+    int64_t y[TP_MAX_DIMS];
+    if (broadcast_shapes(op->def->name, tp__op_gndim(op, 0), tp__op_gshape(op, 0),
+                         tp__op_gndim(op, 1), tp__op_gshape(op, 1), &ndy, y) != TP_OK)
+        return 0; /* binary_run checked the shapes already */
     const tp_placement R = tp__R(), P = tp__P();
-    if (is_bcast(op)) {
-        int last = nd - 1;
-        /* rows split: b replicated, its gradient (a column sum) a partial sum */
-        for (int d = 0; d < last && n + 5 < TP__OP_MAX_STRATS; d++)
-            s[n++] = (tp__strategy){{tp__S(d), R}, tp__S(d), {tp__S(d), P}};
-        /* columns split: b split alike */
-        s[n++] = (tp__strategy){{tp__S(last), tp__S(0)}, tp__S(last), {tp__S(last), tp__S(0)}};
-    } else {
-        for (int d = 0; d < nd && n + 4 < TP__OP_MAX_STRATS; d++)
-            s[n++] = (tp__strategy){{tp__S(d), tp__S(d)}, tp__S(d), {tp__S(d), tp__S(d)}};
+    for (int d = 0; d < ndy; d++) {
+        tp__strategy t = {.out = tp__S(d)};
+        for (int i = 0; i < 2; i++) {
+            int k = operand_dim(ndy, y, tp__op_gndim(op, i), tp__op_gshape(op, i), d);
+            t.in[i] = k >= 0 ? tp__S(k) : R;
+            /* a broadcast operand's gradient sums gy over the sharded dim */
+            t.grad[i] = k >= 0 ? tp__S(k) : P;
+        }
+        s[n++] = t;
     }
     s[n++] = (tp__strategy){{R, R}, R, {R, R}};
     if (mul) {
@@ -127,98 +138,166 @@ static int binary_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
         s[n++] = (tp__strategy){{P, R}, P, {R, R}};
         s[n++] = (tp__strategy){{R, P}, P, {R, R}};
     }
+    TP_ASSERT(n <= TP__OP_MAX_STRATS);
     return n;
 }
 
 static tp_status binary_shape(const tp__op *op, int *ndim, int64_t *shape)
 {
-    bool bc;
-    TP_CHECK(binary_shapes(op->def->name, tp__op_gndim(op, 0), tp__op_gshape(op, 0),
-                           tp__op_gndim(op, 1), tp__op_gshape(op, 1), &bc));
-    return same_shape(op, ndim, shape);
+    return broadcast_shapes(op->def->name, tp__op_gndim(op, 0), tp__op_gshape(op, 0),
+                            tp__op_gndim(op, 1), tp__op_gshape(op, 1), ndim, shape);
 }
 
-static tp_status add_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+/* The local output shape: the broadcast of the local operands (a dim the
+ * output is sharded on has the same local size in every operand that has
+ * it; the others are broadcast there). */
+static tp_status local_shape(const tp__op *op, const tp_tensor *a, const tp_tensor *b, int *nd,
+                             int64_t *shape)
 {
-    tp_tensor *a = in[0], *b = in[1];
-    bool ca = contributes(op, 0), cb = contributes(op, 1), bc = is_bcast(op);
-    /* zeros where nothing (or only the broadcast b, added below) is written */
-    TP_CHECK(like(a, !ca && (!cb || bc), out));
-    float *y = tp_tensor_data(*out);
-    const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
-    int64_t n = tp_tensor_numel(a);
-    if (!bc) {
-        if (ca && cb)
-            return TP__K(op->dev, add, pa, pb, y, n);
-        if (ca || cb)
-            return tp__copy_f32(op->dev, y, ca ? pa : pb, n);
-        return TP_OK;
+    return broadcast_shapes(op->def->name, a->ndim, a->shape, b->ndim, b->shape, nd, shape);
+}
+
+static bool has_shape(const tp_tensor *t, int nd, const int64_t *shape)
+{
+    return t->ndim == nd && !memcmp(t->shape, shape, sizeof(int64_t) * (size_t)nd);
+}
+
+/* Element strides of t read over an output of nd dims of `shape`: t's own
+ * strides, 0 along the dims t is broadcast over. */
+static void bcast_strides(const tp_tensor *t, int nd, const int64_t *shape, int64_t *st)
+{
+    for (int d = 0; d < nd; d++) {
+        int k = operand_dim(nd, shape, t->ndim, t->shape, d);
+        st[d] = k >= 0 && shape[d] != 1 ? t->stride[k] : 0;
     }
-    int64_t cols = a->shape[a->ndim - 1], rows = tp__rows(a);
-    if (ca && !cb)
-        return tp__copy_f32(op->dev, y, pa, n);
-    if (ca)
-        return TP__K(op->dev, add_bcast, pa, pb, y, rows, cols);
-    /* y is zeros: the broadcast b alone */
-    return cb ? TP__K(op->dev, add_row, y, pb, rows, cols) : TP_OK;
 }
 
-static tp_status mul_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+/* Drops size-1 dims and merges each dim into the one before it where both
+ * stride arrays step across them as one dim (contiguous, or both
+ * broadcast), so that the kernels see as few and as long runs as possible.
+ * Returns the new dim count. */
+static int collapse_dims(int nd, int64_t *shape, int64_t *s0, int64_t *s1)
 {
-    tp_tensor *a = in[0], *b = in[1];
-    TP_CHECK(like(a, false, out));
-    float *y = tp_tensor_data(*out);
+    int m = 0;
+    for (int d = 0; d < nd; d++) {
+        if (shape[d] == 1)
+            continue;
+        if (m > 0 && s0[m - 1] == s0[d] * shape[d] && s1[m - 1] == s1[d] * shape[d]) {
+            shape[m - 1] *= shape[d];
+            s0[m - 1] = s0[d];
+            s1[m - 1] = s1[d];
+            continue;
+        }
+        shape[m] = shape[d];
+        s0[m] = s0[d];
+        s1[m] = s1[d];
+        m++;
+    }
+    return m;
+}
+
+/* y (contiguous, nd dims of shape) = a + b or a * b with broadcasting; a and
+ * b may be strided views. */
+static tp_status bcast_apply(tp_device dev, bool mul, const tp_tensor *a, const tp_tensor *b,
+                             int nd, const int64_t *shape, float *y)
+{
     const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
-    if (!is_bcast(op))
-        return TP__K(op->dev, mul, pa, pb, y, tp_tensor_numel(a));
-    int64_t cols = a->shape[a->ndim - 1], rows = tp__rows(a);
-    return TP__K(op->dev, mul_bcast, pa, pb, y, rows, cols);
+    if (has_shape(a, nd, shape) && has_shape(b, nd, shape) && tp_tensor_is_contiguous(a) &&
+        tp_tensor_is_contiguous(b)) {
+        int64_t n = tp_tensor_numel(a);
+        return mul ? TP__K(dev, mul, pa, pb, y, n) : TP__K(dev, add, pa, pb, y, n);
+    }
+    int64_t sh[TP_MAX_DIMS], sa[TP_MAX_DIMS], sb[TP_MAX_DIMS];
+    memcpy(sh, shape, sizeof(int64_t) * (size_t)nd);
+    bcast_strides(a, nd, shape, sa);
+    bcast_strides(b, nd, shape, sb);
+    int m = collapse_dims(nd, sh, sa, sb);
+    return mul ? TP__K(dev, mul_bcast, pa, pb, y, m, sh, sa, sb)
+               : TP__K(dev, add_bcast, pa, pb, y, m, sh, sa, sb);
+}
+
+/* g (contiguous, t's shape) = x (contiguous, nd dims of shape) summed over
+ * the dims t is broadcast along. */
+static tp_status sum_to(tp_device dev, const tp_tensor *x, int nd, const int64_t *shape,
+                        const tp_tensor *t, float *g)
+{
+    const float *px = tp_tensor_data(x);
+    if (has_shape(t, nd, shape))
+        return tp__copy_f32(dev, g, px, tp_tensor_numel(x));
+    /* strides of x and of a contiguous g (0 where summed), merged as in the
+     * forward; the merged g shape is 1 where the strides say summed */
+    int64_t sh[TP_MAX_DIMS], sx[TP_MAX_DIMS], sg[TP_MAX_DIMS], gshape[TP_MAX_DIMS];
+    int64_t stx = 1, stg = 1;
+    for (int d = nd - 1; d >= 0; d--) {
+        int k = operand_dim(nd, shape, t->ndim, t->shape, d);
+        sh[d] = shape[d];
+        sx[d] = stx;
+        stx *= shape[d];
+        sg[d] = k >= 0 ? stg : 0;
+        stg *= k >= 0 ? shape[d] : 1;
+    }
+    int m = collapse_dims(nd, sh, sx, sg);
+    for (int d = 0; d < m; d++)
+        gshape[d] = sg[d] == 0 ? 1 : sh[d];
+    return TP__K(dev, sum_bcast, px, g, m, sh, gshape);
 }
 
 static tp_status binary_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
-    return TP__OP_PARAMS(op, binary_params)->mul ? mul_fwd(op, in, out) : add_fwd(op, in, out);
+    bool mul = TP__OP_PARAMS(op, binary_params)->mul;
+    tp_tensor *a = in[0], *b = in[1];
+    int nd;
+    int64_t shape[TP_MAX_DIMS];
+    TP_CHECK(local_shape(op, a, b, &nd, shape));
+    bool ca = mul || contributes(op, 0), cb = mul || contributes(op, 1);
+    /* add on a rank where one operand (or none) joins the partial sum: that
+     * operand alone, broadcast onto zeros unless it has the output's shape */
+    tp_tensor *only = ca == cb ? NULL : ca ? a : b;
+    bool copy = only && has_shape(only, nd, shape) && tp_tensor_is_contiguous(only);
+    TP_CHECK(tp__f32(op->dev, nd, shape, !(ca && cb) && !copy, out));
+    float *y = tp_tensor_data(*out);
+    if (ca && cb)
+        return bcast_apply(op->dev, mul, a, b, nd, shape, y);
+    if (copy)
+        return tp__copy_f32(op->dev, y, tp_tensor_data(only), tp_tensor_numel(only));
+    if (only)
+        return bcast_apply(op->dev, false, *out, only, nd, shape, y);
+    return TP_OK;
 }
 
-/* add: ga = gy, gb = gy (or its column sums when b broadcasts).
- * mul: ga = gy * b, gb = gy * a (column sums when b broadcasts). */
+/* gy * other broadcast, summed to t's shape, into g. */
+static tp_status mul_grad(tp__op *op, tp_tensor *gy, tp_tensor *other, const tp_tensor *t,
+                          int nd, const int64_t *shape, float *g)
+{
+    if (has_shape(t, nd, shape))
+        return bcast_apply(op->dev, true, gy, other, nd, shape, g);
+    tp_tensor *prod = NULL;
+    TP_CHECK(like(gy, false, &prod));
+    tp_status st = bcast_apply(op->dev, true, gy, other, nd, shape, tp_tensor_data(prod));
+    if (st == TP_OK)
+        st = sum_to(op->dev, prod, nd, shape, t, g);
+    tp_tensor_release(prod);
+    return st;
+}
+
+/* add: g_a = gy, g_b = gy; mul: g_a = gy * b, g_b = gy * a; each summed over
+ * the dims its operand was broadcast along. */
 static tp_status binary_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
 {
-    bool mul = TP__OP_PARAMS(op, binary_params)->mul, bc = is_bcast(op);
-    tp_tensor *a = in[0], *b = in[1];
-    const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b), *pg = tp_tensor_data(gy);
-    int64_t n = tp_tensor_numel(a);
-    int64_t cols = bc ? a->shape[a->ndim - 1] : 0, rows = bc ? tp__rows(a) : 0;
-    if (op->need_grad[0]) {
-        TP_CHECK(like(a, false, &g[0]));
-        float *ga = tp_tensor_data(g[0]);
-        if (!mul)
-            TP_CHECK(tp__copy_f32(op->dev, ga, pg, n));
-        else if (!bc)
-            TP_CHECK(TP__K(op->dev, mul, pg, pb, ga, n));
+    bool mul = TP__OP_PARAMS(op, binary_params)->mul;
+    int nd;
+    int64_t shape[TP_MAX_DIMS];
+    TP_CHECK(local_shape(op, in[0], in[1], &nd, shape));
+    TP_ASSERT(has_shape(gy, nd, shape));
+    for (int i = 0; i < 2; i++) {
+        if (!op->need_grad[i])
+            continue;
+        TP_CHECK(like(in[i], false, &g[i]));
+        float *gi = tp_tensor_data(g[i]);
+        if (mul)
+            TP_CHECK(mul_grad(op, gy, in[1 - i], in[i], nd, shape, gi));
         else
-            TP_CHECK(TP__K(op->dev, mul_bcast, pg, pb, ga, rows, cols));
-    }
-    if (op->need_grad[1]) {
-        TP_CHECK(like(b, bc, &g[1]));
-        float *gb = tp_tensor_data(g[1]);
-        if (!bc) {
-            if (mul)
-                TP_CHECK(TP__K(op->dev, mul, pg, pa, gb, n));
-            else
-                TP_CHECK(tp__copy_f32(op->dev, gb, pg, n));
-        } else if (!mul) {
-            if (n > 0)
-                TP_CHECK(TP__K(op->dev, sum_rows, pg, gb, rows, cols));
-        } else if (n > 0) {
-            tp_tensor *t = NULL;
-            TP_CHECK(like(a, false, &t));
-            tp_status st = TP__K(op->dev, mul, pg, pa, tp_tensor_data(t), n);
-            if (st == TP_OK)
-                st = TP__K(op->dev, sum_rows, tp_tensor_data(t), gb, rows, cols);
-            tp_tensor_release(t);
-            return st;
-        }
+            TP_CHECK(sum_to(op->dev, gy, nd, shape, in[i], gi));
     }
     return TP_OK;
 }
@@ -227,6 +306,7 @@ static const tp__op_def add_def = {
     .name = "add",
     .n_inputs = 2,
     .input_names = {"a", "b"},
+    .strided_ok = true,
     .strategies = binary_strategies,
     .out_shape = binary_shape,
     .forward = binary_fwd,
@@ -237,6 +317,7 @@ static const tp__op_def mul_def = {
     .name = "mul",
     .n_inputs = 2,
     .input_names = {"a", "b"},
+    .strided_ok = true,
     .strategies = binary_strategies,
     .out_shape = binary_shape,
     .forward = binary_fwd,
@@ -250,9 +331,10 @@ static tp_status binary_run(const tp__op_def *def, bool mul, tp_tensor *a, tp_te
     *y = NULL;
     /* shapes first, so that a mismatch fails before any redistribution */
     if (a && b) {
-        bool bc;
-        TP_CHECK(binary_shapes(def->name, tp_tensor_ndim(a), tp_tensor_shape(a),
-                               tp_tensor_ndim(b), tp_tensor_shape(b), &bc));
+        int nd;
+        int64_t shape[TP_MAX_DIMS];
+        TP_CHECK(broadcast_shapes(def->name, tp_tensor_ndim(a), tp_tensor_shape(a),
+                                  tp_tensor_ndim(b), tp_tensor_shape(b), &nd, shape));
     }
     tp_tensor *args[2] = {a, b};
     binary_params p = {mul};

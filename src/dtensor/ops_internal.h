@@ -31,6 +31,7 @@ typedef struct tp__op_def {
     unsigned optional_mask;   /* bit i: input i may be NULL */
     unsigned nondiff_mask;    /* bit i: input i never gets a gradient (indices) */
     bool half_ok;             /* f16/bf16 inputs accepted on CUDA devices (matrix products) */
+    bool strided_ok;          /* local inputs may be non-contiguous views (read by strides) */
     /* fills up to TP__OP_MAX_STRATS strategies for one mesh dim; returns the
      * count. NULL: the op has no distributed form. */
     int (*strategies)(const tp__op *op, int mesh_dim, tp__strategy *out);

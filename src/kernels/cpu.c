@@ -173,21 +173,142 @@ void tp__k_add_row(float *y, const float *b, int64_t rows, int64_t cols)
     }
 }
 
-void tp__k_add_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols)
+/* ---- broadcasting ------------------------------------------------------------ */
+
+/* Steps an odometer over the n dims of shape (idx starts at zeros), moving two
+ * offsets by their strides; false once it wraps around. */
+static inline bool tp__odo_next(int n, const int64_t *shape, int64_t *idx, const int64_t *s0,
+                                int64_t *o0, const int64_t *s1, int64_t *o1)
 {
-    for (int64_t r = 0; r < rows; r++)
-        tp__k_add(a + r * cols, b, y + r * cols, cols);
+    for (int d = n - 1; d >= 0; d--) {
+        *o0 += s0[d];
+        *o1 += s1[d];
+        if (++idx[d] < shape[d])
+            return true;
+        *o0 -= s0[d] * shape[d];
+        *o1 -= s1[d] * shape[d];
+        idx[d] = 0;
+    }
+    return false;
 }
 
-void tp__k_mul_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols)
-{
-    for (int64_t r = 0; r < rows; r++)
-        tp__k_mul(a + r * cols, b, y + r * cols, cols);
-}
+/* y = a OP b over rows of the innermost dim, in y's (contiguous) order. The
+ * unit/zero-stride rows are the ones the op layer's dim merging leaves, and
+ * vectorize (contiguous rows through the flat kernel); one function per
+ * operator keeps the row loops inline. */
+#define TP__BCAST_KERNEL(name, OP, flat)                                        \
+    void name(const float *a, const float *b, float *y, int ndim, const int64_t *shape,    \
+              const int64_t *as, const int64_t *bs)                            \
+    {                                                                           \
+        int64_t total = 1;                                                      \
+        for (int d = 0; d < ndim; d++)                                          \
+            total *= shape[d];                                                  \
+        if (total <= 0)                                                         \
+            return;                                                             \
+        if (ndim == 0) {                                                        \
+            y[0] = a[0] OP b[0];                                                \
+            return;                                                             \
+        }                                                                       \
+        int outer = ndim - 1;                                                   \
+        int64_t n = shape[outer], sa = as[outer], sb = bs[outer];              \
+        int64_t idx[TP_MAX_DIMS] = {0}, oa = 0, ob = 0;                         \
+        do {                                                                    \
+            const float *ar = a + oa, *br = b + ob;                             \
+            if (sa == 1 && sb == 1) {                                           \
+                flat(ar, br, y, n);                                             \
+            } else if (sa == 1 && sb == 0) {                                    \
+                const float v = *br;                                            \
+                for (int64_t i = 0; i < n; i++)                                 \
+                    y[i] = ar[i] OP v;                                          \
+            } else if (sa == 0 && sb == 1) {                                    \
+                const float v = *ar;                                            \
+                for (int64_t i = 0; i < n; i++)                                 \
+                    y[i] = v OP br[i];                                          \
+            } else {                                                            \
+                for (int64_t i = 0; i < n; i++)                                 \
+                    y[i] = ar[i * sa] OP br[i * sb];                            \
+            }                                                                   \
+            y += n;                                                             \
+        } while (tp__odo_next(outer, shape, idx, as, &oa, bs, &ob));            \
+    }
+TP__BCAST_KERNEL(tp__k_add_bcast, +, tp__k_add)
+TP__BCAST_KERNEL(tp__k_mul_bcast, *, tp__k_mul)
+#undef TP__BCAST_KERNEL
 
-void tp__k_sum_rows(const float *y, float *g, int64_t rows, int64_t cols)
+void tp__k_sum_bcast(const float *x, float *y, int ndim, const int64_t *shape,
+                     const int64_t *yshape)
 {
-    tp__colsum(y, rows, cols, cols, g, true);
+    int64_t yn = 1, xn = 1;
+    for (int d = 0; d < ndim; d++) {
+        yn *= yshape[d];
+        xn *= shape[d];
+    }
+    if (yn <= 0)
+        return;
+    if (xn <= 0) { /* a summed dim is empty */
+        memset(y, 0, (size_t)yn * sizeof *y);
+        return;
+    }
+    /* the kept and the summed dims, in order, with their strides in x; size-1
+     * dims index nothing and are left out */
+    int64_t xs[TP_MAX_DIMS], ksh[TP_MAX_DIMS], kst[TP_MAX_DIMS], rsh[TP_MAX_DIMS],
+        rst[TP_MAX_DIMS];
+    int nk = 0, nr = 0;
+    bool inner_kept = true;
+    int64_t stride = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+        xs[d] = stride;
+        stride *= shape[d];
+    }
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] == 1)
+            continue;
+        inner_kept = yshape[d] == shape[d];
+        if (inner_kept) {
+            ksh[nk] = shape[d];
+            kst[nk++] = xs[d];
+        } else {
+            rsh[nr] = shape[d];
+            rst[nr++] = xs[d];
+        }
+    }
+    if (nr == 0) { /* nothing summed: the same elements */
+        memcpy(y, x, (size_t)yn * sizeof *y);
+        return;
+    }
+    int64_t ki[TP_MAX_DIMS] = {0}, ri[TP_MAX_DIMS] = {0}, xo = 0, ro = 0, unused = 0;
+    if (inner_kept) {
+        /* y's rows are contiguous runs of x: column sums over the summed
+         * dims, through a block of double accumulators */
+        int64_t len = ksh[nk - 1];
+        double acc[TP__KCOLS];
+        do {
+            for (int64_t c0 = 0; c0 < len; c0 += TP__KCOLS) {
+                int64_t nc = len - c0 < TP__KCOLS ? len - c0 : TP__KCOLS;
+                for (int64_t j = 0; j < nc; j++)
+                    acc[j] = 0;
+                do {
+                    const float *restrict xr = x + xo + ro + c0;
+                    for (int64_t j = 0; j < nc; j++)
+                        acc[j] += (double)xr[j];
+                } while (tp__odo_next(nr, rsh, ri, rst, &ro, rst, &unused));
+                for (int64_t j = 0; j < nc; j++)
+                    y[c0 + j] = (float)acc[j];
+            }
+            y += len;
+        } while (tp__odo_next(nk - 1, ksh, ki, kst, &xo, kst, &unused));
+        return;
+    }
+    /* the innermost summed dim is a contiguous run of x: one double sum per
+     * element of y, over runs */
+    int64_t len = rsh[nr - 1];
+    do {
+        double s = 0;
+        do {
+            s += tp__dsum(x + xo + ro, len);
+        } while (tp__odo_next(nr - 1, rsh, ri, rst, &ro, rst, &unused));
+        *y++ = (float)s;
+    } while (tp__odo_next(nk, ksh, ki, kst, &xo, kst, &unused));
 }
 
 void tp__k_relu_fwd(const float *x, float *y, int64_t n)

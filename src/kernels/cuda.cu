@@ -182,19 +182,74 @@ __global__ void k_accumulate(float *y, const float *a, int64_t n)
     GRID_STRIDE(i, n) y[i] += a[i];
 }
 
-__global__ void k_add_row(float *y, const float *b, int64_t rows, int64_t cols)
-{
-    GRID_STRIDE(i, rows * cols) y[i] += b[i % cols];
-}
-
-__global__ void k_add_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols)
+__global__ void k_add_row_bcast(const float *a, const float *b, float *y, int64_t rows,
+                                int64_t cols)
 {
     GRID_STRIDE(i, rows * cols) y[i] = a[i] + b[i % cols];
 }
 
-__global__ void k_mul_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols)
+__global__ void k_mul_row_bcast(const float *a, const float *b, float *y, int64_t rows,
+                                int64_t cols)
 {
     GRID_STRIDE(i, rows * cols) y[i] = a[i] * b[i % cols];
+}
+
+/* Broadcasting in general: element strides of a and b per dim of y (0 along
+ * broadcast dims), y contiguous. */
+struct BcastGeom {
+    int ndim;
+    int64_t shape[TP_MAX_DIMS];
+    int64_t sa[TP_MAX_DIMS];
+    int64_t sb[TP_MAX_DIMS];
+};
+
+template <bool MUL>
+__global__ void k_binary_bcast(const float *a, const float *b, float *y, int64_t n, BcastGeom g)
+{
+    GRID_STRIDE(i, n)
+    {
+        int64_t rem = i, oa = 0, ob = 0;
+        for (int d = g.ndim - 1; d >= 0; d--) {
+            int64_t k = rem % g.shape[d];
+            rem /= g.shape[d];
+            oa += k * g.sa[d];
+            ob += k * g.sb[d];
+        }
+        y[i] = MUL ? a[oa] * b[ob] : a[oa] + b[ob];
+    }
+}
+
+/* The backward of a broadcast when the summed dims are not one block: one
+ * thread per element of y, walking the summed dims with an odometer. */
+struct SumGeom {
+    int nk, nr;
+    int64_t kshape[TP_MAX_DIMS], kst[TP_MAX_DIMS]; /* kept dims, strides in x */
+    int64_t rshape[TP_MAX_DIMS], rst[TP_MAX_DIMS]; /* summed dims */
+};
+
+__global__ void k_sum_bcast(const float *x, float *y, int64_t yn, int64_t rn, SumGeom g)
+{
+    GRID_STRIDE(e, yn)
+    {
+        int64_t rem = e, base = 0;
+        for (int d = g.nk - 1; d >= 0; d--) {
+            base += (rem % g.kshape[d]) * g.kst[d];
+            rem /= g.kshape[d];
+        }
+        int64_t idx[TP_MAX_DIMS] = {0}, off = 0;
+        double acc = 0;
+        for (int64_t r = 0; r < rn; r++) {
+            acc += (double)x[base + off];
+            for (int d = g.nr - 1; d >= 0; d--) {
+                off += g.rst[d];
+                if (++idx[d] < g.rshape[d])
+                    break;
+                off -= g.rst[d] * g.rshape[d];
+                idx[d] = 0;
+            }
+        }
+        y[e] = (float)acc;
+    }
 }
 
 struct GatherGeom {
@@ -958,6 +1013,42 @@ void launch_colsum_plain(cudaStream_t s, const void *y, void *g, int64_t rows, i
     launch_colsum<T, COL_PLAIN>(s, (const T *)y, NULL, NULL, NULL, (T *)g, rows, cols, accumulate);
 }
 
+/* Same-shape operands and the row broadcast (b a contiguous row repeated
+ * over a's rows) take the flat kernels; the rest the general one. */
+template <bool MUL>
+tp_status binary_bcast(int dev, const char *name, const float *a, const float *b, float *y,
+                       int ndim, const int64_t *shape, const int64_t *as, const int64_t *bs)
+{
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        n *= shape[d];
+    if (n <= 0)
+        return TP_OK;
+    KC_BEGIN(name);
+    unsigned grid = grid_for(n, kThreads);
+    if (ndim == 1 && as[0] == 1 && bs[0] == 1) {
+        if (MUL)
+            k_mul<<<grid, kThreads, 0, L.s>>>(a, b, y, n);
+        else
+            k_add<<<grid, kThreads, 0, L.s>>>(a, b, y, n);
+    } else if (ndim == 2 && as[0] == shape[1] && as[1] == 1 && bs[0] == 0 && bs[1] == 1) {
+        if (MUL)
+            k_mul_row_bcast<<<grid, kThreads, 0, L.s>>>(a, b, y, shape[0], shape[1]);
+        else
+            k_add_row_bcast<<<grid, kThreads, 0, L.s>>>(a, b, y, shape[0], shape[1]);
+    } else {
+        BcastGeom g;
+        g.ndim = ndim;
+        for (int d = 0; d < ndim; d++) {
+            g.shape[d] = shape[d];
+            g.sa[d] = as[d];
+            g.sb[d] = bs[d];
+        }
+        k_binary_bcast<MUL><<<grid, kThreads, 0, L.s>>>(a, b, y, n, g);
+    }
+    return end(&L);
+}
+
 } /* namespace */
 
 /* ---- entry points ------------------------------------------------------------------ */
@@ -1052,19 +1143,17 @@ tp_status tp__kc_scale(int dev, const float *a, float s, float *y, int64_t n)
 tp_status tp__kc_accumulate(int dev, float *y, const float *a, int64_t n)
     KC_ELEMENTWISE("accumulate (CUDA)", n, (k_accumulate<<<GRID(n)>>>(y, a, n)))
 
-tp_status tp__kc_add_row(int dev, float *y, const float *b, int64_t rows, int64_t cols)
-    KC_ELEMENTWISE("add_row (CUDA)", rows * cols,
-                   (k_add_row<<<GRID(rows * cols)>>>(y, b, rows, cols)))
+tp_status tp__kc_add_bcast(int dev, const float *a, const float *b, float *y, int ndim,
+                           const int64_t *shape, const int64_t *astride, const int64_t *bstride)
+{
+    return binary_bcast<false>(dev, "add (CUDA)", a, b, y, ndim, shape, astride, bstride);
+}
 
-tp_status tp__kc_add_bcast(int dev, const float *a, const float *b, float *y, int64_t rows,
-                           int64_t cols)
-    KC_ELEMENTWISE("add (CUDA)", rows * cols,
-                   (k_add_bcast<<<GRID(rows * cols)>>>(a, b, y, rows, cols)))
-
-tp_status tp__kc_mul_bcast(int dev, const float *a, const float *b, float *y, int64_t rows,
-                           int64_t cols)
-    KC_ELEMENTWISE("mul (CUDA)", rows * cols,
-                   (k_mul_bcast<<<GRID(rows * cols)>>>(a, b, y, rows, cols)))
+tp_status tp__kc_mul_bcast(int dev, const float *a, const float *b, float *y, int ndim,
+                           const int64_t *shape, const int64_t *astride, const int64_t *bstride)
+{
+    return binary_bcast<true>(dev, "mul (CUDA)", a, b, y, ndim, shape, astride, bstride);
+}
 
 tp_status tp__kc_gather(int dev, float *y, const float *x, int ndim, const int64_t *shape,
                         const int64_t *stride)
@@ -1199,15 +1288,6 @@ tp_status tp__kc_vocab_ce_bwd(int dev, const float *x, const int64_t *target, co
     KC_ROWS("cross_entropy backward (CUDA)", rows, k_vocab_ce_bwd, x, target, weight, mx, sumexp,
             gloss, gx, rows, cols, inner, offset, ignore_index)
 
-tp_status tp__kc_sum_rows(int dev, const float *y, float *g, int64_t rows, int64_t cols)
-{
-    if (rows <= 0 || cols <= 0)
-        return TP_OK;
-    KC_BEGIN("sum_rows (CUDA)");
-    launch_colsum<float, COL_PLAIN>(L.s, y, NULL, NULL, NULL, g, rows, cols, true);
-    return end(&L);
-}
-
 tp_status tp__kc_sum_dim(int dev, const float *x, float *y, int64_t outer, int64_t size,
                          int64_t inner, double div)
 {
@@ -1220,6 +1300,56 @@ tp_status tp__kc_sum_dim(int dev, const float *x, float *y, int64_t outer, int64
         launch_colsum<float, COL_PLAIN>(L.s, x, NULL, NULL, NULL, y, size, inner, false, div);
     else
         k_sum_strided<<<GRID(outer * inner)>>>(x, y, outer, size, inner, div);
+    return end(&L);
+}
+
+tp_status tp__kc_sum_bcast(int dev, const float *x, float *y, int ndim, const int64_t *shape,
+                           const int64_t *yshape)
+{
+    int64_t yn = 1, rn = 1, xs[TP_MAX_DIMS], stride = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+        xs[d] = stride;
+        stride *= shape[d];
+        yn *= yshape[d];
+    }
+    if (yn <= 0)
+        return TP_OK;
+    /* kept and summed dims in order (size-1 dims index nothing); `runs`
+     * counts the blocks of consecutive summed dims */
+    SumGeom g;
+    g.nk = g.nr = 0;
+    int runs = 0, first = -1, last = -1;
+    bool prev_summed = false;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] == 1)
+            continue;
+        bool summed = yshape[d] != shape[d];
+        if (summed) {
+            g.rshape[g.nr] = shape[d];
+            g.rst[g.nr++] = xs[d];
+            rn *= shape[d];
+            runs += !prev_summed;
+            first = first < 0 ? d : first;
+            last = d;
+        } else {
+            g.kshape[g.nk] = shape[d];
+            g.kst[g.nk++] = xs[d];
+        }
+        prev_summed = summed;
+    }
+    if (g.nr == 0)
+        return tp__kc_copy(dev, y, x, yn);
+    if (runs == 1) {
+        /* x viewed as [outer, size, inner] around the one summed block */
+        int64_t outer = 1, inner = 1;
+        for (int d = 0; d < first; d++)
+            outer *= shape[d];
+        for (int d = last + 1; d < ndim; d++)
+            inner *= shape[d];
+        return tp__kc_sum_dim(dev, x, y, outer, rn, inner, 1.0);
+    }
+    KC_BEGIN("sum (CUDA)");
+    k_sum_bcast<<<GRID(yn)>>>(x, y, yn, rn, g);
     return end(&L);
 }
 

@@ -1,7 +1,8 @@
 /* Local compute kernels on contiguous row-major f32 buffers (the CPU engine:
  * OpenBLAS sgemm and plain loops). Not installed.
  *
- * Shapes are passed explicitly; every buffer is contiguous. "rows" is the
+ * Shapes are passed explicitly; every buffer is contiguous (the broadcast
+ * kernels read their operands through explicit strides). "rows" is the
  * product of all leading dims, "cols" the last dim. Kernels never allocate
  * unless their comment says so, and never fail: argument checking is the
  * caller's job (the op layer). Accumulating kernels (`beta`/`accumulate`)
@@ -34,7 +35,7 @@ void tp__k_linear_fwd(const float *x, const float *w, const float *bias, float *
 void tp__k_linear_bwd(const float *x, const float *w, const float *gy, float *gx, float *gw,
                       float *gb, int64_t rows, int64_t in, int64_t out, bool accumulate);
 
-/* Elementwise on n elements. Broadcasting is done by the op layer. */
+/* Elementwise on n elements. */
 void tp__k_add(const float *a, const float *b, float *y, int64_t n);
 void tp__k_mul(const float *a, const float *b, float *y, int64_t n);
 void tp__k_scale(const float *a, float s, float *y, int64_t n);
@@ -42,12 +43,27 @@ void tp__k_scale(const float *a, float s, float *y, int64_t n);
 void tp__k_accumulate(float *y, const float *a, int64_t n);
 /* y[r, c] += b[c] for a [rows, cols] y: the row broadcast of a bias-like add */
 void tp__k_add_row(float *y, const float *b, int64_t rows, int64_t cols);
-/* y[r, c] = a[r, c] + b[c] and y[r, c] = a[r, c] * b[c] for a [rows, cols] a:
- * b broadcast over the rows (y may be a) */
-void tp__k_add_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols);
-void tp__k_mul_bcast(const float *a, const float *b, float *y, int64_t rows, int64_t cols);
-/* g[c] += sum_r y[r, c] */
-void tp__k_sum_rows(const float *y, float *g, int64_t rows, int64_t cols);
+
+/* Elementwise with broadcasting: y (contiguous, ndim dims of `shape`) =
+ * a + b or a * b, where element i reads a at sum_d i_d astride[d] and b at
+ * sum_d i_d bstride[d] (element strides; 0 along the dims an operand is
+ * broadcast over; any other strides too, so non-contiguous views work).
+ * ndim 0 is one element. The op layer drops size-1 dims and merges dims that
+ * are contiguous in both operands first (same-shape operands collapse to one
+ * dim); the fast paths key on that form: a contiguous run per innermost row
+ * for both (same shape, row broadcast) or for one with the other fixed along
+ * the row (column broadcast, scalars). y may be a or b when that operand has
+ * y's shape and contiguous strides. */
+void tp__k_add_bcast(const float *a, const float *b, float *y, int ndim, const int64_t *shape,
+                     const int64_t *astride, const int64_t *bstride);
+void tp__k_mul_bcast(const float *a, const float *b, float *y, int ndim, const int64_t *shape,
+                     const int64_t *astride, const int64_t *bstride);
+/* The backward of a broadcast: y (contiguous, yshape) = x (contiguous, shape)
+ * summed over the dims d where yshape[d] is 1 and shape[d] is not (double
+ * accumulation; a sum over an empty dim is 0). yshape[d] is shape[d] or 1; y
+ * is overwritten. */
+void tp__k_sum_bcast(const float *x, float *y, int ndim, const int64_t *shape,
+                     const int64_t *yshape);
 
 void tp__k_relu_fwd(const float *x, float *y, int64_t n);
 /* gx = gy * (x > 0) */

@@ -57,12 +57,12 @@ tp_status tp__kc_add(int dev, const float *a, const float *b, float *y, int64_t 
 tp_status tp__kc_mul(int dev, const float *a, const float *b, float *y, int64_t n);
 tp_status tp__kc_scale(int dev, const float *a, float s, float *y, int64_t n);
 tp_status tp__kc_accumulate(int dev, float *y, const float *a, int64_t n);
-tp_status tp__kc_add_row(int dev, float *y, const float *b, int64_t rows, int64_t cols);
-tp_status tp__kc_add_bcast(int dev, const float *a, const float *b, float *y, int64_t rows,
-                           int64_t cols);
-tp_status tp__kc_mul_bcast(int dev, const float *a, const float *b, float *y, int64_t rows,
-                           int64_t cols);
-tp_status tp__kc_sum_rows(int dev, const float *y, float *g, int64_t rows, int64_t cols);
+/* As tp__k_add_bcast / _mul_bcast (y contiguous, operands through element
+ * strides, 0 along broadcast dims). */
+tp_status tp__kc_add_bcast(int dev, const float *a, const float *b, float *y, int ndim,
+                           const int64_t *shape, const int64_t *astride, const int64_t *bstride);
+tp_status tp__kc_mul_bcast(int dev, const float *a, const float *b, float *y, int ndim,
+                           const int64_t *shape, const int64_t *astride, const int64_t *bstride);
 tp_status tp__kc_relu_fwd(int dev, const float *x, float *y, int64_t n);
 tp_status tp__kc_relu_bwd(int dev, const float *x, const float *gy, float *gx, int64_t n);
 tp_status tp__kc_gelu_fwd(int dev, const float *x, float *y, int64_t n, bool tanh_approx);
@@ -77,6 +77,10 @@ tp_status tp__kc_sum_dim(int dev, const float *x, float *y, int64_t outer, int64
                          int64_t inner, double div);
 tp_status tp__kc_sum_dim_bwd(int dev, const float *gy, float *gx, int64_t outer, int64_t size,
                              int64_t inner, float scale);
+/* As tp__k_sum_bcast: x summed over the dims where yshape is 1 (one block of
+ * summed dims goes through sum_dim's kernels). */
+tp_status tp__kc_sum_bcast(int dev, const float *x, float *y, int ndim, const int64_t *shape,
+                           const int64_t *yshape);
 /* y[0] = (float)(sum of n elements / div), y a device pointer. */
 tp_status tp__kc_sum_all(int dev, const float *x, int64_t n, float *y, double div);
 
