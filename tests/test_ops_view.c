@@ -936,7 +936,7 @@ static tp_status attn_rank(tp_comm *world, void *arg)
     RANK_OK(s, tp_colwise_parallel(&co, &col));
     RANK_OK(s, tp_rowwise_parallel(NULL, &row));
     tp_plan_entry plan[2] = {{"w[qkv]", col}, {"wo", row}};
-    tp_parallelize_options po = {.params_everywhere = true};
+    tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
     tp_status st = tp_parallelize_module(par, mesh, 2, plan, &po);
     tp_style_free(col);
     tp_style_free(row);
