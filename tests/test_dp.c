@@ -394,6 +394,200 @@ ParameterizedTest(dptp_param *p, dp, dp_x_tp_equals_whole_batch, .timeout = 120)
     ref_free(&ref);
 }
 
+/* ---- tied weights ------------------------------------------------------------ */
+
+/* logits = head(emb(idx)) with head.weight = emb.weight (GPT-style tying);
+ * TIE_ONE is the same model written with one parameter (no head: the
+ * forward applies emb.weight with tp_linear); TIE_VIEW ties through a second
+ * handle over the same storage. */
+enum { TV = 6, TD = 4, TN = 24 };
+typedef enum { TIE_ONE, TIE_SAME, TIE_VIEW } tie_kind;
+
+static tp_status tied_fwd(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                          const tp_kwarg *kw, tp_tensor **out)
+{
+    (void)nargs, (void)nkw, (void)kw;
+    tp_module *emb = tp_module_child(self, "emb"), *head = tp_module_child(self, "head");
+    tp_tensor *h = NULL;
+    TP_TEST_TRY(tp_module_call(emb, args[0], &h));
+    tp_status st = head ? tp_module_call(head, h, out)
+                        : tp_linear(h, tp_module_parameter(emb, "weight"), NULL, out);
+    tp_tensor_release(h);
+    return st;
+}
+
+static tp_status tied_model(tie_kind kind, tp_module **out)
+{
+    tp_module *m = NULL, *emb = NULL, *head = NULL;
+    TP_TEST_TRY(tp_custom_module_create("Tied", tied_fwd, NULL, NULL, &m));
+    tp_status st = tp_embedding_create(TV, TD, &emb);
+    if (st == TP_OK && (st = tp_module_add_child(m, "emb", emb)) != TP_OK)
+        tp_module_free(emb);
+    if (st == TP_OK && kind != TIE_ONE && (st = tp_linear_create(TD, TV, false, &head)) == TP_OK &&
+        (st = tp_module_add_child(m, "head", head)) != TP_OK)
+        tp_module_free(head);
+    if (st == TP_OK && kind != TIE_ONE) {
+        tp_tensor *w = tp_module_parameter(emb, "weight"), *v = NULL;
+        if (kind == TIE_VIEW)
+            st = tp_tensor_view(w, 2, (int64_t[]){TV, TD}, &v);
+        if (st == TP_OK)
+            st = tp_module_set_parameter(head, "weight", v ? v : w);
+        tp_tensor_release(v);
+    }
+    if (st == TP_OK)
+        st = tp_module_init(m, SEED);
+    if (st != TP_OK) {
+        tp_module_free(m);
+        return st;
+    }
+    *out = m;
+    return TP_OK;
+}
+
+/* The tokens of step s, rows [first, first + n) of TN. */
+static tp_status tied_tokens(int s, int64_t first, int64_t n, tp_tensor **out)
+{
+    tp_tensor *all = NULL;
+    TP_TEST_TRY(tp_tensor_zeros(TP_I64, TP_CPU, 1, (int64_t[]){TN}, &all));
+    tp_status st = tp_tensor_fill_random(all, TP_RNG_RANDINT, 0, TV, 300 + (uint64_t)s, NULL, NULL);
+    tp_tensor *v = NULL;
+    if (st == TP_OK)
+        st = tp_tensor_narrow(all, 0, first, n, &v);
+    if (st == TP_OK)
+        st = tp_tensor_clone(v, out);
+    tp_tensor_release(v);
+    tp_tensor_release(all);
+    return st;
+}
+
+/* loss = mean(logits * logits) over this rank's tokens */
+static tp_status tied_loss(tp_module *m, tp_tensor *idx, tp_tensor **loss)
+{
+    tp_tensor *y = NULL, *sq = NULL;
+    TP_TEST_TRY(tp_module_call(m, idx, &y));
+    tp_status st = tp_mul(y, y, &sq);
+    if (st == TP_OK)
+        st = tp_mean_all(sq, loss);
+    tp_tensor_release(sq);
+    tp_tensor_release(y);
+    return st;
+}
+
+typedef struct tied_ctx {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+    tp_tensor *after[STEPS][2]; /* the one-parameter model on the whole batch: SGD, Adam */
+    tie_kind kind;
+    dp_cfg cfg;
+} tied_ctx;
+
+static tp_status tied_body(tp_comm *w, void *arg)
+{
+    tied_ctx *c = arg;
+    int rank = tp_comm_rank(w), n = tp_comm_size(w);
+    tp_test_slot *s = &c->slot[rank];
+    for (int adam = 0; adam <= 1; adam++) {
+        tp_module *m = NULL;
+        tp_ddp *ddp = NULL;
+        tp_adam *opt = NULL;
+        tp_comm_debug *dbg = NULL;
+        RANK_OK(s, tied_model(c->kind, &m));
+        RANK_OK(s, configure(m, w, c->cfg, &ddp));
+        if (adam)
+            RANK_OK(s, tp_adam_create(m, LR, 0.9, 0.999, 1e-8, &opt));
+        RANK_OK(s, tp_comm_debug_create(&dbg));
+        /* a tied tensor is one parameter of the step graph; two handles over
+         * one storage are two (each holds its own gradient) */
+        int want_params = c->kind == TIE_SAME ? 1 : 2;
+        RANK_EXPECT(s, tp_step_graph_num_params(tp_ddp_graph(ddp)) == want_params,
+                    "%s: the step graph has %d parameters, want %d", cfg_name[c->cfg],
+                    tp_step_graph_num_params(tp_ddp_graph(ddp)), want_params);
+        tp_tensor *we = tp_module_parameter(tp_module_child(m, "emb"), "weight");
+        tp_tensor *wh = tp_module_parameter(tp_module_child(m, "head"), "weight");
+        for (int step = 0; step < STEPS; step++) {
+            tp_tensor *idx = NULL, *loss = NULL;
+            RANK_OK(s, tied_tokens(step, rank * (TN / n), TN / n, &idx));
+            RANK_OK(s, tp_comm_debug_begin(dbg));
+            RANK_OK(s, tied_loss(m, idx, &loss));
+            RANK_OK(s, tp_backward(loss, NULL));
+            RANK_OK(s, adam ? tp_adam_step(opt) : tp_sgd_step(m, LR));
+            RANK_OK(s, tp_comm_debug_end(dbg));
+            /* the tied weight is bucketed and all_reduced once: one
+             * all_reduce per bucket, its bytes those of one [TV, TD] weight */
+            int64_t nb = tp_step_graph_num_buckets(tp_ddp_graph(ddp));
+            int64_t got = tp_comm_debug_count(dbg, TP_COLL_ALL_REDUCE);
+            int64_t bytes = tp_comm_debug_bytes(dbg, TP_COLL_ALL_REDUCE);
+            int64_t want_bytes = n > 1 ? (int64_t)want_params * TV * TD * 4 : bytes;
+            if (step > 0)
+                RANK_EXPECT(s, got == nb && bytes == want_bytes,
+                            "%s, step %d: %lld all_reduces of %lld bytes, want %lld of %lld",
+                            cfg_name[c->cfg], step, (long long)got, (long long)bytes,
+                            (long long)nb, (long long)want_bytes);
+            tp_module_zero_grad(m);
+            const char *what = adam ? "Adam: the tied weight" : "SGD: the tied weight";
+            expect_close(s, we, c->after[step][adam], what, "emb.weight", step);
+            expect_close(s, wh, c->after[step][adam], what, "head.weight", step);
+            tp_tensor_release(loss);
+            tp_tensor_release(idx);
+        }
+        tp_comm_debug_free(dbg);
+        tp_adam_free(opt);
+        tp_ddp_free(ddp);
+        tp_module_free(m);
+    }
+    return TP_OK;
+}
+
+typedef struct tied_param {
+    int world;
+    tie_kind kind;
+    dp_cfg cfg;
+} tied_param;
+
+ParameterizedTestParameters(dp, tied_weights_equal_one_parameter)
+{
+    static tied_param p[5 * 2 * 3];
+    static const int worlds[] = TP_TEST_WORLD_SIZES;
+    static const dp_cfg cfgs[] = {CFG_PLAIN, CFG_DEFAULT, CFG_DEFAULT_VIEWS};
+    int k = 0;
+    for (int w = 0; w < TP_TEST_N_WORLD_SIZES; w++)
+        for (int t = TIE_SAME; t <= TIE_VIEW; t++)
+            for (int c = 0; c < 3; c++)
+                p[k++] = (tied_param){worlds[w], (tie_kind)t, cfgs[c]};
+    return cr_make_param_array(tied_param, p, (size_t)k);
+}
+
+/* DDP over a tied model equals the one-parameter model trained on the whole
+ * batch, with SGD and Adam, step by step. */
+ParameterizedTest(tied_param *p, dp, tied_weights_equal_one_parameter, .timeout = 120)
+{
+    tied_ctx c = {.kind = p->kind, .cfg = p->cfg};
+    for (int adam = 0; adam <= 1; adam++) {
+        tp_module *one = NULL;
+        tp_adam *opt = NULL;
+        CHECK_OK(tied_model(TIE_ONE, &one));
+        if (adam)
+            CHECK_OK(tp_adam_create(one, LR, 0.9, 0.999, 1e-8, &opt));
+        for (int step = 0; step < STEPS; step++) {
+            tp_tensor *idx = NULL, *loss = NULL;
+            CHECK_OK(tied_tokens(step, 0, TN, &idx));
+            CHECK_OK(tied_loss(one, idx, &loss));
+            CHECK_OK(tp_backward(loss, NULL));
+            CHECK_OK(adam ? tp_adam_step(opt) : tp_sgd_step(one, LR));
+            tp_module_zero_grad(one);
+            CHECK_OK(tp_tensor_clone(tp_module_parameter(tp_module_child(one, "emb"), "weight"),
+                                     &c.after[step][adam]));
+            tp_tensor_release(loss);
+            tp_tensor_release(idx);
+        }
+        tp_adam_free(opt);
+        tp_module_free(one);
+    }
+    tp_test_run(p->world, tied_body, &c, c.slot);
+    for (int step = 0; step < STEPS; step++)
+        for (int a = 0; a < 2; a++)
+            tp_tensor_release(c.after[step][a]);
+}
+
 /* ---- a user-written process group of one rank (seed test_c10d_pypg) ------------ */
 
 typedef struct {
