@@ -87,7 +87,13 @@ TP_API tp_status tp_dtensor_distribute(tp_mesh *mesh, const tp_tensor *full, int
 
 typedef struct tp_from_local_options {
     /* global shape (ndim of local), or NULL: inferred as if every shard were
-     * as large as this rank's (even sharding) */
+     * as large as this rank's (even sharding, as PyTorch's from_local does).
+     * Uneven shards (a dim the ranks do not divide) need it: inferred from
+     * uneven shards, the ranks' global shapes differ, and the first
+     * collective over that dim returns TP_ERR_MISMATCH on every rank, naming
+     * the fix (the shm backend compares every collective; other backends do
+     * with tp_comm_set_check / TP_COMM_CHECK=1, else such a collective
+     * times out like any mismatched one) */
     const int64_t *global_shape;
     /* verify with collectives that Replicate mesh dims hold equal values and
      * the shard sizes add up (TP_ERR_MISMATCH otherwise); default off */
