@@ -1868,7 +1868,10 @@ static tp_status uneven_seq_body(tp_comm *world, void *arg)
             tp_tensor_release(gf);
         }
 
-    /* a plain input: every rank fails at the first collective, naming the fix */
+    /* a plain input: every rank fails at the first collective, naming the
+     * fix (backends other than shm compare the ranks' collectives with the
+     * descriptor check; without it the mismatched all_gather would time out) */
+    RANK_OK(s, tp_comm_set_check(tp_mesh_comm(mesh, 0), true));
     tp_tensor *yp = NULL;
     tp_clear_error();
     tp_status st = tp_module_call(par, xl, &yp);
