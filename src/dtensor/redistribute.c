@@ -483,12 +483,12 @@ static void tp__shape_hint(const tp_mesh *mesh, const tp__step *step, const tp_t
     char msg[1024], shape[128];
     snprintf(msg, sizeof msg, "%s", tp_last_error());
     tp__error(TP_ERR_MISMATCH,
-              "%s. The ranks hold different global shapes for this DTensor (%s here, dim %d "
-              "sharded over %lld ranks): one built from local shards without its global shape "
-              "(tp_dtensor_from_local with no global_shape, as the styles do with a plain "
-              "input) takes every shard to be as large as this rank's; for uneven shards (a "
-              "sequence length not divisible by the ranks) pass a DTensor built with its "
-              "global_shape, or make dim %d divisible by %lld",
+              "%s. The ranks likely hold different global shapes for this DTensor (%s here, "
+              "dim %d sharded over %lld ranks): for uneven shards (a sequence length the ranks "
+              "do not divide) pass a DTensor built with its global_shape, or make dim %d "
+              "divisible by %lld; built from local shards without it (tp_dtensor_from_local "
+              "with no global_shape, as the styles do with a plain input), a DTensor takes "
+              "every shard to be as large as this rank's",
               msg, tp__shape_str(dt->ndim, dt->shape, shape, sizeof shape), k, w, k, w);
 }
 
