@@ -878,6 +878,50 @@ Test(cuda, sgd_and_adam_steps_on_device, .timeout = 120)
     }
 }
 
+/* Moving keeps ties: a tensor under two names is copied once and both names
+ * get the copy; two handles over one storage region stay over one (new)
+ * storage; moving back keeps them too. */
+Test(cuda, module_to_keeps_tied_weights, .timeout = 60)
+{
+    need_cuda();
+    for (int view = 0; view <= 1; view++) {
+        tp_module *root = NULL, *a = NULL, *b = NULL;
+        CHECK_OK(tp_container_create(&root));
+        CHECK_OK(tp_linear_create(4, 4, false, &a));
+        CHECK_OK(tp_linear_create(4, 4, false, &b));
+        CHECK_OK(tp_module_add_child(root, "a", a));
+        CHECK_OK(tp_module_add_child(root, "b", b));
+        CHECK_OK(tp_module_init(root, 3));
+        tp_tensor *w = tp_module_parameter(a, "weight"), *v = NULL;
+        if (view)
+            CHECK_OK(tp_tensor_view(w, 2, (int64_t[]){4, 4}, &v));
+        CHECK_OK(tp_module_set_parameter(b, "weight", v ? v : w));
+        tp_tensor_release(v);
+        tp_tensor *before = NULL;
+        CHECK_OK(tp_tensor_clone(w, &before));
+        tp_device devs[2] = {DEV, TP_CPU};
+        for (int k = 0; k < 2; k++) {
+            CHECK_OK(tp_module_to(root, devs[k]));
+            tp_tensor *wa = tp_module_parameter(a, "weight"), *wb = tp_module_parameter(b, "weight");
+            cr_assert(on(wa, devs[k]) && on(wb, devs[k]));
+            if (view)
+                cr_assert(wa != wb && tp_tensor_shares_storage(wa, wb) &&
+                              tp_tensor_data(wa) == tp_tensor_data(wb),
+                          "to %s: the two handles no longer share one storage",
+                          k ? "the CPU" : "the device");
+            else
+                cr_assert_eq(wa, wb, "to %s: the tied weight became two tensors",
+                             k ? "the CPU" : "the device");
+            cr_assert(tp_tensor_requires_grad(wa) && tp_tensor_requires_grad(wb));
+        }
+        bool same = false;
+        CHECK_OK(tp_tensor_equal(tp_module_parameter(b, "weight"), before, &same));
+        cr_assert(same, "the values changed on the way");
+        tp_tensor_release(before);
+        tp_module_free(root);
+    }
+}
+
 Test(cuda, module_to_without_a_device, .timeout = 30)
 {
     /* runs where the GPU tests skip: the refusal is the behaviour there */

@@ -73,16 +73,17 @@ static tp_tensor *param(tp_module *m, int i)
 /* ---- the reference: the plain module on the whole batch ---------------------- */
 
 typedef struct ref_run {
-    tp_tensor *grad0[NPARAM];          /* gradients of step 0 */
+    tp_tensor *grad[STEPS][NPARAM];    /* gradients of each step */
     tp_tensor *after[STEPS][NPARAM];   /* parameters after each step */
 } ref_run;
 
 static void ref_free(ref_run *r)
 {
     for (int i = 0; i < NPARAM; i++) {
-        tp_tensor_release(r->grad0[i]);
-        for (int s = 0; s < STEPS; s++)
+        for (int s = 0; s < STEPS; s++) {
+            tp_tensor_release(r->grad[s][i]);
             tp_tensor_release(r->after[s][i]);
+        }
     }
 }
 
@@ -98,8 +99,8 @@ static void reference(bool adam, ref_run *r)
         CHECK_OK(batch(s, &x));
         CHECK_OK(loss_of(m, x, &loss));
         CHECK_OK(tp_backward(loss, NULL));
-        for (int i = 0; s == 0 && i < NPARAM; i++)
-            CHECK_OK(tp_tensor_clone(tp_tensor_grad(param(m, i)), &r->grad0[i]));
+        for (int i = 0; i < NPARAM; i++)
+            CHECK_OK(tp_tensor_clone(tp_tensor_grad(param(m, i)), &r->grad[s][i]));
         CHECK_OK(adam ? tp_adam_step(opt) : tp_sgd_step(m, LR));
         tp_module_zero_grad(m);
         for (int i = 0; i < NPARAM; i++)
@@ -194,12 +195,14 @@ static tp_status dp_body(tp_comm *w, void *arg)
         RANK_OK(s, tp_comm_debug_begin(dbg));
         RANK_OK(s, loss_of(m, mine, &loss));
         RANK_OK(s, tp_backward(loss, NULL));
-        if (step == 0) {
-            RANK_OK(s, tp_ddp_sync(ddp)); /* read the averaged gradients */
-            for (int i = 0; i < NPARAM; i++)
-                expect_close(s, tp_tensor_grad(param(m, i)), c->ref->grad0[i], grad_what,
-                             pnames[i], step);
-        }
+        /* the averaged gradients, read right after backward: a read waits
+         * for its bucket's all_reduce (and copy out) first; step 1 reads
+         * them after an explicit sync */
+        if (step == 1)
+            RANK_OK(s, tp_ddp_sync(ddp));
+        for (int i = 0; i < NPARAM; i++)
+            expect_close(s, tp_tensor_grad(param(m, i)), c->ref->grad[step][i], grad_what,
+                         pnames[i], step);
         RANK_OK(s, c->adam ? tp_adam_step(opt) : tp_sgd_step(m, LR));
         RANK_OK(s, tp_comm_debug_end(dbg));
         /* one all_reduce per bucket of the schedule this step ran (the
@@ -258,6 +261,80 @@ ParameterizedTest(dp_param *p, dp, equals_whole_batch_training, .timeout = 120)
         tp_test_run(p->world, dp_body, &c, c.slot);
         ref_free(&ref);
     }
+}
+
+/* Dropping the gradients while the step's all_reduces are in flight
+ * (tp_module_zero_grad right after backward) waits for them first and drops
+ * the gradients for good: the step that follows has nothing to apply (the
+ * schedule's late copy out does not bring them back), and the next step
+ * trains as the first would have. */
+static tp_status zero_pending_body(tp_comm *w, void *arg)
+{
+    dp_ctx *c = arg;
+    int rank = tp_comm_rank(w), n = tp_comm_size(w);
+    tp_test_slot *s = &c->slot[rank];
+    tp_module *m = NULL;
+    tp_ddp *ddp = NULL;
+    tp_tensor *init[NPARAM] = {0};
+    RANK_OK(s, make_mlp(&m));
+    RANK_OK(s, configure(m, w, c->cfg, &ddp));
+    for (int i = 0; i < NPARAM; i++)
+        RANK_OK(s, tp_tensor_clone(param(m, i), &init[i]));
+    const int64_t rows = BATCH / n;
+    for (int step = 0; step < 2; step++) {
+        tp_tensor *x = NULL, *mine = NULL, *loss = NULL;
+        RANK_OK(s, batch(0, &x));
+        RANK_OK(s, tp_tensor_narrow(x, 0, rank * rows, rows, &mine));
+        RANK_OK(s, loss_of(m, mine, &loss));
+        RANK_OK(s, tp_backward(loss, NULL));
+        if (step == 0) {
+            tp_module_zero_grad(m);
+            for (int i = 0; i < NPARAM; i++)
+                RANK_EXPECT(s, tp_tensor_grad(param(m, i)) == NULL,
+                            "%s: %s has a gradient after zero_grad", cfg_name[c->cfg], pnames[i]);
+        }
+        RANK_OK(s, tp_sgd_step(m, LR));
+        for (int i = 0; i < NPARAM; i++) {
+            if (step == 0) {
+                bool same = false;
+                RANK_OK(s, tp_tensor_equal(param(m, i), init[i], &same));
+                RANK_EXPECT(s, same && tp_tensor_grad(param(m, i)) == NULL,
+                            "%s: the step after zero_grad changed %s or gave it a gradient",
+                            cfg_name[c->cfg], pnames[i]);
+            } else {
+                expect_close(s, param(m, i), c->ref->after[0][i], "after a dropped step",
+                             pnames[i], step);
+            }
+        }
+        tp_module_zero_grad(m);
+        tp_tensor_release(loss);
+        tp_tensor_release(mine);
+        tp_tensor_release(x);
+    }
+    for (int i = 0; i < NPARAM; i++)
+        tp_tensor_release(init[i]);
+    tp_ddp_free(ddp);
+    tp_module_free(m);
+    return TP_OK;
+}
+
+ParameterizedTestParameters(dp, zero_grad_during_a_pending_step)
+{
+    static dp_param p[3 * 8];
+    int k = 0;
+    for (int w = 2; w <= 4; w++)
+        for (int c = CFG_PLAIN; c <= CFG_ONE_IN_FLIGHT; c++)
+            p[k++] = (dp_param){w, (dp_cfg)c};
+    return cr_make_param_array(dp_param, p, (size_t)k);
+}
+
+ParameterizedTest(dp_param *p, dp, zero_grad_during_a_pending_step, .timeout = 60)
+{
+    ref_run ref = {0};
+    reference(false, &ref);
+    dp_ctx c = {.ref = &ref, .cfg = p->cfg};
+    tp_test_run(p->world, zero_pending_body, &c, c.slot);
+    ref_free(&ref);
 }
 
 /* ---- DP x TP on a 2-D mesh ----------------------------------------------------- */
@@ -400,12 +477,207 @@ ParameterizedTest(dptp_param *p, dp, dp_x_tp_equals_whole_batch, .timeout = 120)
     ref_free(&ref);
 }
 
+/* ---- tied weights ------------------------------------------------------------ */
+
+/* logits = head(emb(idx)) with head.weight = emb.weight (GPT-style tying);
+ * TIE_ONE is the same model written with one parameter (no head: the
+ * forward applies emb.weight with tp_linear); TIE_VIEW ties through a second
+ * handle over the same storage. */
+enum { TV = 6, TD = 4, TN = 24 };
+typedef enum { TIE_ONE, TIE_SAME, TIE_VIEW } tie_kind;
+
+static tp_status tied_fwd(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                          const tp_kwarg *kw, tp_tensor **out)
+{
+    (void)nargs, (void)nkw, (void)kw;
+    tp_module *emb = tp_module_child(self, "emb"), *head = tp_module_child(self, "head");
+    tp_tensor *h = NULL;
+    TP_TEST_TRY(tp_module_call(emb, args[0], &h));
+    tp_status st = head ? tp_module_call(head, h, out)
+                        : tp_linear(h, tp_module_parameter(emb, "weight"), NULL, out);
+    tp_tensor_release(h);
+    return st;
+}
+
+static tp_status tied_model(tie_kind kind, tp_module **out)
+{
+    tp_module *m = NULL, *emb = NULL, *head = NULL;
+    TP_TEST_TRY(tp_custom_module_create("Tied", tied_fwd, NULL, NULL, &m));
+    tp_status st = tp_embedding_create(TV, TD, &emb);
+    if (st == TP_OK && (st = tp_module_add_child(m, "emb", emb)) != TP_OK)
+        tp_module_free(emb);
+    if (st == TP_OK && kind != TIE_ONE && (st = tp_linear_create(TD, TV, false, &head)) == TP_OK &&
+        (st = tp_module_add_child(m, "head", head)) != TP_OK)
+        tp_module_free(head);
+    if (st == TP_OK && kind != TIE_ONE) {
+        tp_tensor *w = tp_module_parameter(emb, "weight"), *v = NULL;
+        if (kind == TIE_VIEW)
+            st = tp_tensor_view(w, 2, (int64_t[]){TV, TD}, &v);
+        if (st == TP_OK)
+            st = tp_module_set_parameter(head, "weight", v ? v : w);
+        tp_tensor_release(v);
+    }
+    if (st == TP_OK)
+        st = tp_module_init(m, SEED);
+    if (st != TP_OK) {
+        tp_module_free(m);
+        return st;
+    }
+    *out = m;
+    return TP_OK;
+}
+
+/* The tokens of step s, rows [first, first + n) of TN. */
+static tp_status tied_tokens(int s, int64_t first, int64_t n, tp_tensor **out)
+{
+    tp_tensor *all = NULL;
+    TP_TEST_TRY(tp_tensor_zeros(TP_I64, TP_CPU, 1, (int64_t[]){TN}, &all));
+    tp_status st = tp_tensor_fill_random(all, TP_RNG_RANDINT, 0, TV, 300 + (uint64_t)s, NULL, NULL);
+    tp_tensor *v = NULL;
+    if (st == TP_OK)
+        st = tp_tensor_narrow(all, 0, first, n, &v);
+    if (st == TP_OK)
+        st = tp_tensor_clone(v, out);
+    tp_tensor_release(v);
+    tp_tensor_release(all);
+    return st;
+}
+
+/* loss = mean(logits * logits) over this rank's tokens */
+static tp_status tied_loss(tp_module *m, tp_tensor *idx, tp_tensor **loss)
+{
+    tp_tensor *y = NULL, *sq = NULL;
+    TP_TEST_TRY(tp_module_call(m, idx, &y));
+    tp_status st = tp_mul(y, y, &sq);
+    if (st == TP_OK)
+        st = tp_mean_all(sq, loss);
+    tp_tensor_release(sq);
+    tp_tensor_release(y);
+    return st;
+}
+
+typedef struct tied_ctx {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+    tp_tensor *after[STEPS][2]; /* the one-parameter model on the whole batch: SGD, Adam */
+    tie_kind kind;
+    dp_cfg cfg;
+} tied_ctx;
+
+static tp_status tied_body(tp_comm *w, void *arg)
+{
+    tied_ctx *c = arg;
+    int rank = tp_comm_rank(w), n = tp_comm_size(w);
+    tp_test_slot *s = &c->slot[rank];
+    for (int adam = 0; adam <= 1; adam++) {
+        tp_module *m = NULL;
+        tp_ddp *ddp = NULL;
+        tp_adam *opt = NULL;
+        tp_comm_debug *dbg = NULL;
+        RANK_OK(s, tied_model(c->kind, &m));
+        RANK_OK(s, configure(m, w, c->cfg, &ddp));
+        if (adam)
+            RANK_OK(s, tp_adam_create(m, LR, 0.9, 0.999, 1e-8, &opt));
+        RANK_OK(s, tp_comm_debug_create(&dbg));
+        /* a tied tensor is one parameter of the step graph; two handles over
+         * one storage are two (each holds its own gradient) */
+        int want_params = c->kind == TIE_SAME ? 1 : 2;
+        RANK_EXPECT(s, tp_step_graph_num_params(tp_ddp_graph(ddp)) == want_params,
+                    "%s: the step graph has %d parameters, want %d", cfg_name[c->cfg],
+                    tp_step_graph_num_params(tp_ddp_graph(ddp)), want_params);
+        tp_tensor *we = tp_module_parameter(tp_module_child(m, "emb"), "weight");
+        tp_tensor *wh = tp_module_parameter(tp_module_child(m, "head"), "weight");
+        for (int step = 0; step < STEPS; step++) {
+            tp_tensor *idx = NULL, *loss = NULL;
+            RANK_OK(s, tied_tokens(step, rank * (TN / n), TN / n, &idx));
+            RANK_OK(s, tp_comm_debug_begin(dbg));
+            RANK_OK(s, tied_loss(m, idx, &loss));
+            RANK_OK(s, tp_backward(loss, NULL));
+            RANK_OK(s, adam ? tp_adam_step(opt) : tp_sgd_step(m, LR));
+            RANK_OK(s, tp_comm_debug_end(dbg));
+            /* the tied weight is bucketed and all_reduced once: one
+             * all_reduce per bucket, its bytes those of one [TV, TD] weight */
+            int64_t nb = tp_step_graph_num_buckets(tp_ddp_graph(ddp));
+            int64_t got = tp_comm_debug_count(dbg, TP_COLL_ALL_REDUCE);
+            int64_t bytes = tp_comm_debug_bytes(dbg, TP_COLL_ALL_REDUCE);
+            int64_t want_bytes = n > 1 ? (int64_t)want_params * TV * TD * 4 : bytes;
+            if (step > 0)
+                RANK_EXPECT(s, got == nb && bytes == want_bytes,
+                            "%s, step %d: %lld all_reduces of %lld bytes, want %lld of %lld",
+                            cfg_name[c->cfg], step, (long long)got, (long long)bytes,
+                            (long long)nb, (long long)want_bytes);
+            tp_module_zero_grad(m);
+            const char *what = adam ? "Adam: the tied weight" : "SGD: the tied weight";
+            expect_close(s, we, c->after[step][adam], what, "emb.weight", step);
+            expect_close(s, wh, c->after[step][adam], what, "head.weight", step);
+            tp_tensor_release(loss);
+            tp_tensor_release(idx);
+        }
+        tp_comm_debug_free(dbg);
+        tp_adam_free(opt);
+        tp_ddp_free(ddp);
+        tp_module_free(m);
+    }
+    return TP_OK;
+}
+
+typedef struct tied_param {
+    int world;
+    tie_kind kind;
+    dp_cfg cfg;
+} tied_param;
+
+ParameterizedTestParameters(dp, tied_weights_equal_one_parameter)
+{
+    static tied_param p[5 * 2 * 3];
+    static const int worlds[] = TP_TEST_WORLD_SIZES;
+    static const dp_cfg cfgs[] = {CFG_PLAIN, CFG_DEFAULT, CFG_DEFAULT_VIEWS};
+    int k = 0;
+    for (int w = 0; w < TP_TEST_N_WORLD_SIZES; w++)
+        for (int t = TIE_SAME; t <= TIE_VIEW; t++)
+            for (int c = 0; c < 3; c++)
+                p[k++] = (tied_param){worlds[w], (tie_kind)t, cfgs[c]};
+    return cr_make_param_array(tied_param, p, (size_t)k);
+}
+
+/* DDP over a tied model equals the one-parameter model trained on the whole
+ * batch, with SGD and Adam, step by step. */
+ParameterizedTest(tied_param *p, dp, tied_weights_equal_one_parameter, .timeout = 120)
+{
+    tied_ctx c = {.kind = p->kind, .cfg = p->cfg};
+    for (int adam = 0; adam <= 1; adam++) {
+        tp_module *one = NULL;
+        tp_adam *opt = NULL;
+        CHECK_OK(tied_model(TIE_ONE, &one));
+        if (adam)
+            CHECK_OK(tp_adam_create(one, LR, 0.9, 0.999, 1e-8, &opt));
+        for (int step = 0; step < STEPS; step++) {
+            tp_tensor *idx = NULL, *loss = NULL;
+            CHECK_OK(tied_tokens(step, 0, TN, &idx));
+            CHECK_OK(tied_loss(one, idx, &loss));
+            CHECK_OK(tp_backward(loss, NULL));
+            CHECK_OK(adam ? tp_adam_step(opt) : tp_sgd_step(one, LR));
+            tp_module_zero_grad(one);
+            CHECK_OK(tp_tensor_clone(tp_module_parameter(tp_module_child(one, "emb"), "weight"),
+                                     &c.after[step][adam]));
+            tp_tensor_release(loss);
+            tp_tensor_release(idx);
+        }
+        tp_adam_free(opt);
+        tp_module_free(one);
+    }
+    tp_test_run(p->world, tied_body, &c, c.slot);
+    for (int step = 0; step < STEPS; step++)
+        for (int a = 0; a < 2; a++)
+            tp_tensor_release(c.after[step][a]);
+}
+
 /* ---- a user-written process group of one rank (seed test_c10d_pypg) ------------ */
 
 typedef struct {
     int collectives, waits, tests;
     int polls;     /* polls before a work reports done (0: 1) */
     int fail_from; /* collectives from this number on fail (0: none) */
+    bool fail_waits; /* waits fail */
 } lonely_state;
 
 typedef struct {
@@ -441,8 +713,9 @@ static tp_status lonely_test(void *state, void *work, bool *done)
 static tp_status lonely_wait(void *state, void *work, double timeout_s)
 {
     (void)state, (void)timeout_s;
-    ((lonely_work *)work)->st->waits++;
-    return TP_OK;
+    lonely_state *s = ((lonely_work *)work)->st;
+    s->waits++;
+    return s->fail_waits ? TP_ERR_BACKEND : TP_OK;
 }
 
 static void lonely_free(void *state, void *work)
@@ -553,6 +826,77 @@ Test(dp, one_bucket_in_flight, .timeout = 30)
     tp_comm_free(pg);
 }
 
+/* Late waits stay late when gradients are read before the step: reading one
+ * waits for its own bucket only (once), the step waits for the rest, and no
+ * collective is issued again. */
+Test(dp, gradient_read_waits_for_its_bucket_only, .timeout = 60)
+{
+    static const dp_cfg cfgs[] = {CFG_LATE, CFG_FUSION_LATE, CFG_VIEWS};
+    for (size_t k = 0; k < sizeof cfgs / sizeof cfgs[0]; k++) {
+        lonely_state ls = {.polls = 1 << 30}; /* polling never completes a work */
+        tp_comm *pg = NULL;
+        tp_module *m = NULL, *plain = NULL;
+        tp_ddp *ddp = NULL;
+        CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
+        CHECK_OK(make_mlp(&m));
+        CHECK_OK(make_mlp(&plain));
+        CHECK_OK(configure(m, pg, cfgs[k], &ddp));
+        tp_tensor *x = NULL;
+        CHECK_OK(batch(0, &x));
+        for (int step = 0; step < 2; step++) {
+            tp_tensor *loss = NULL, *loss2 = NULL;
+            CHECK_OK(loss_of(m, x, &loss));
+            int w0 = ls.waits;
+            CHECK_OK(tp_backward(loss, NULL));
+            const tp_step_graph *g = tp_ddp_graph(ddp);
+            int nb = tp_step_graph_num_buckets(g), c0 = ls.collectives;
+            cr_assert_eq(ls.waits, w0, "%s, step %d: a bucket was waited for inside backward",
+                         cfg_name[cfgs[k]], step);
+            CHECK_OK(loss_of(plain, x, &loss2));
+            CHECK_OK(tp_backward(loss2, NULL));
+            bool seen[NPARAM] = {false};
+            int waited = 0;
+            for (int i = NPARAM - 1; i >= 0; i--) {
+                int b = tp_step_graph_bucket_of(g, i), before = ls.waits;
+                tp_tensor *gr = tp_tensor_grad(param(m, i));
+                cr_assert_not_null(gr, "%s: %s: %s", cfg_name[cfgs[k]], pnames[i],
+                                   tp_last_error());
+                cr_assert_eq(ls.waits - before, seen[b] ? 0 : 1,
+                             "%s, step %d: reading %s (bucket %d) waited %d times",
+                             cfg_name[cfgs[k]], step, pnames[i], b, ls.waits - before);
+                cr_assert_eq(tp_tensor_grad(param(m, i)), gr);
+                cr_assert_eq(ls.waits - before, seen[b] ? 0 : 1, "a second read waited again");
+                waited += !seen[b];
+                seen[b] = true;
+                bool same = false;
+                CHECK_OK(tp_tensor_allclose(gr, tp_tensor_grad(param(plain, i)), 0, 0, &same));
+                cr_assert(same, "%s: %s's gradient differs from the plain module's",
+                          cfg_name[cfgs[k]], pnames[i]);
+            }
+            cr_assert_eq(waited, nb, "%s: %d buckets waited for by the reads, %d buckets",
+                         cfg_name[cfgs[k]], waited, nb);
+            int before = ls.waits;
+            CHECK_OK(tp_sgd_step(m, LR));
+            /* (step 0: the blocking broadcast of rank 0's ready order) */
+            cr_assert_eq(ls.waits - before, step == 0, "%s, step %d: the step waited %d times "
+                         "after every bucket was read", cfg_name[cfgs[k]], step,
+                         ls.waits - before);
+            cr_assert_eq(ls.collectives - c0, step == 0, "%s, step %d: %d collectives issued "
+                         "after backward", cfg_name[cfgs[k]], step, ls.collectives - c0);
+            CHECK_OK(tp_sgd_step(plain, LR));
+            tp_module_zero_grad(m);
+            tp_module_zero_grad(plain);
+            tp_tensor_release(loss);
+            tp_tensor_release(loss2);
+        }
+        tp_tensor_release(x);
+        tp_ddp_free(ddp);
+        tp_module_free(plain);
+        tp_module_free(m);
+        tp_comm_free(pg);
+    }
+}
+
 /* A collective that fails inside backward fails the backward; the DDP then
  * refuses every later step (and the optimizer step it guards) naming the
  * failure, leaves the parameters alone, and still frees cleanly. */
@@ -585,6 +929,51 @@ Test(dp, failed_step_is_sticky, .timeout = 30)
     tp_tensor_release(before);
     tp_tensor_release(x);
     tp_ddp_free(ddp);
+    tp_module_free(m);
+    tp_comm_free(pg);
+}
+
+/* A read of a gradient whose bucket's wait fails returns NULL with the
+ * failure in tp_last_error and fails the DDP (sticky): the sync, the step
+ * and later reads say so; dropping the gradients still works, and once the
+ * DDP is freed the parameters' gradients are plain again. */
+Test(dp, failed_gradient_read_is_sticky, .timeout = 30)
+{
+    lonely_state ls = {.polls = 1 << 30};
+    tp_comm *pg = NULL;
+    tp_module *m = NULL;
+    tp_ddp *ddp = NULL;
+    CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
+    CHECK_OK(make_mlp(&m));
+    CHECK_OK(tp_ddp_wrap(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300}, &ddp));
+    tp_tensor *x = NULL, *loss = NULL, *before = NULL;
+    CHECK_OK(tp_tensor_clone(param(m, 3), &before));
+    CHECK_OK(batch(0, &x));
+    CHECK_OK(loss_of(m, x, &loss));
+    CHECK_OK(tp_backward(loss, NULL));
+    ls.fail_waits = true;
+    tp_clear_error();
+    cr_assert_null(tp_tensor_grad(param(m, 3)), "a failed wait returned a gradient");
+    cr_assert(strstr(tp_last_error(), "waiting for the data-parallel all_reduce of the gradient "
+                                      "of 'net2.bias'"), "%s", tp_last_error());
+    tp_clear_error();
+    cr_assert_null(tp_tensor_grad(param(m, 0)), "a read after the failure returned a gradient");
+    cr_assert(strstr(tp_last_error(), "an earlier step of this DDP failed"), "%s",
+              tp_last_error());
+    CHECK_ERR(tp_ddp_sync(ddp), TP_ERR_STATE);
+    CHECK_ERR(tp_sgd_step(m, LR), TP_ERR_STATE);
+    bool same = false;
+    CHECK_OK(tp_tensor_allclose(param(m, 3), before, 0, 0, &same));
+    cr_assert(same, "a refused step changed net2.bias");
+    CHECK_ERR(tp_tensor_set_grad(param(m, 3), before), TP_ERR_STATE);
+    tp_module_zero_grad(m);
+    tp_ddp_free(ddp);
+    cr_assert_null(tp_tensor_grad(param(m, 3)));
+    CHECK_OK(tp_tensor_set_grad(param(m, 3), before));
+    cr_assert_eq(tp_tensor_grad(param(m, 3)), before);
+    tp_tensor_release(loss);
+    tp_tensor_release(before);
+    tp_tensor_release(x);
     tp_module_free(m);
     tp_comm_free(pg);
 }

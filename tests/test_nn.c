@@ -2269,3 +2269,157 @@ Test(nn, training_mode, .timeout = 10)
     tp_module_free(seq);
     cr_assert(!tp_module_is_training(NULL));
 }
+
+/* ---- tied weights ------------------------------------------------------------ */
+
+/* logits = head(emb(idx)), the output Linear's weight being the Embedding's
+ * (GPT-style tying). TIE_ONE has no head: the forward applies emb.weight
+ * with tp_linear, the same model written with one parameter. TIE_SAME
+ * registers the Embedding's tensor as head.weight; TIE_VIEW a second handle
+ * over the same storage (tp_tensor_view). */
+enum { TV = 6, TD = 4, TN = 5 };
+typedef enum { TIE_ONE, TIE_SAME, TIE_VIEW } tie_kind;
+
+static tp_status tied_fwd(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                          const tp_kwarg *kw, tp_tensor **out)
+{
+    (void)nargs, (void)nkw, (void)kw;
+    tp_module *emb = tp_module_child(self, "emb"), *head = tp_module_child(self, "head");
+    tp_tensor *h = NULL;
+    TP_TEST_TRY(tp_module_call(emb, args[0], &h));
+    tp_status st = head ? tp_module_call(head, h, out)
+                        : tp_linear(h, tp_module_parameter(emb, "weight"), NULL, out);
+    tp_tensor_release(h);
+    return st;
+}
+
+static tp_module *tied_model(tie_kind kind)
+{
+    tp_module *m = NULL, *emb = NULL, *head = NULL;
+    CHECK_OK(tp_custom_module_create("Tied", tied_fwd, NULL, NULL, &m));
+    CHECK_OK(tp_embedding_create(TV, TD, &emb));
+    CHECK_OK(tp_module_add_child(m, "emb", emb));
+    if (kind != TIE_ONE) {
+        CHECK_OK(tp_linear_create(TD, TV, false, &head));
+        CHECK_OK(tp_module_add_child(m, "head", head));
+        tp_tensor *w = tp_module_parameter(emb, "weight"), *v = NULL;
+        if (kind == TIE_VIEW)
+            CHECK_OK(tp_tensor_view(w, 2, (int64_t[]){TV, TD}, &v));
+        CHECK_OK(tp_module_set_parameter(head, "weight", v ? v : w));
+        tp_tensor_release(v);
+    }
+    CHECK_OK(tp_module_init(m, 31));
+    return m;
+}
+
+/* loss = mean(logits * logits) over fixed tokens */
+static void tied_backward(tp_module *m, uint64_t seed)
+{
+    tp_tensor *idx = NULL, *y = NULL, *sq = NULL, *loss = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_I64, TP_CPU, 1, (int64_t[]){TN}, &idx));
+    CHECK_OK(tp_tensor_fill_random(idx, TP_RNG_RANDINT, 0, TV, seed, NULL, NULL));
+    CHECK_OK(tp_module_call(m, idx, &y));
+    CHECK_OK(tp_mul(y, y, &sq));
+    CHECK_OK(tp_mean_all(sq, &loss));
+    CHECK_OK(tp_backward(loss, NULL));
+    tp_tensor_release(loss);
+    tp_tensor_release(sq);
+    tp_tensor_release(y);
+    tp_tensor_release(idx);
+}
+
+static void assert_close_t(const tp_tensor *a, const tp_tensor *b, const char *what, int step)
+{
+    bool ok = false;
+    double d = -1;
+    CHECK_OK(tp_tensor_allclose(a, b, 1e-6, 1e-7, &ok));
+    CHECK_OK(tp_tensor_max_abs_diff(a, b, &d));
+    cr_assert(ok, "%s, step %d: the tied model's weight differs from the one-parameter "
+              "model's by %g", what, step, d);
+}
+
+static tp_status count_names(const char *fqn, tp_tensor *full, void *ctx)
+{
+    (void)full;
+    plist *l = ctx;
+    return collect(fqn, NULL, l);
+}
+
+/* SGD and Adam step a tied weight once per step, with the sum of both uses'
+ * gradients: the tied model trains exactly like the one-parameter model,
+ * whether the tie is one tensor or two handles over one storage region. */
+Test(nn, tied_weights_step_once, .timeout = 60)
+{
+    for (int kind = TIE_SAME; kind <= TIE_VIEW; kind++) {
+        for (int adam = 0; adam <= 1; adam++) {
+            const char *what = kind == TIE_SAME ? (adam ? "one tensor, Adam" : "one tensor, SGD")
+                                                : (adam ? "one storage region, Adam"
+                                                        : "one storage region, SGD");
+            tp_module *one = tied_model(TIE_ONE), *tied = tied_model(kind);
+            tp_tensor *w1 = tp_module_parameter(tp_module_child(one, "emb"), "weight");
+            tp_tensor *wt = tp_module_parameter(tp_module_child(tied, "emb"), "weight");
+            tp_tensor *wh = tp_module_parameter(tp_module_child(tied, "head"), "weight");
+            cr_assert_eq(wt == wh, kind == TIE_SAME);
+            /* initialised once, as the Embedding it first belongs to */
+            assert_close_t(wt, w1, what, -1);
+            tp_adam *o1 = NULL, *ot = NULL;
+            if (adam) {
+                CHECK_OK(tp_adam_create(one, 0.05, 0.9, 0.999, 1e-8, &o1));
+                CHECK_OK(tp_adam_create(tied, 0.05, 0.9, 0.999, 1e-8, &ot));
+            }
+            for (int step = 0; step < 3; step++) {
+                tied_backward(one, 40 + (uint64_t)step);
+                tied_backward(tied, 40 + (uint64_t)step);
+                CHECK_OK(adam ? tp_adam_step(o1) : tp_sgd_step(one, 0.1));
+                CHECK_OK(adam ? tp_adam_step(ot) : tp_sgd_step(tied, 0.1));
+                assert_close_t(wt, w1, what, step);
+                assert_close_t(wh, w1, what, step);
+                tp_module_zero_grad(one);
+                tp_module_zero_grad(tied);
+                cr_assert_null(tp_tensor_grad(wt));
+                cr_assert_null(tp_tensor_grad(wh));
+            }
+            tp_adam_free(o1);
+            tp_adam_free(ot);
+            tp_module_free(one);
+            tp_module_free(tied);
+        }
+    }
+}
+
+/* named_parameters lists a tied tensor once, under its first name (PyTorch's
+ * default); state dicts list every name, and loading goes through each. Two
+ * handles over one storage are two entries of named_parameters (two
+ * tensors), as two Parameters sharing storage are in PyTorch. */
+Test(nn, tied_weights_names, .timeout = 30)
+{
+    tp_module *tied = tied_model(TIE_SAME), *view = tied_model(TIE_VIEW);
+    plist l = {0};
+    CHECK_OK(tp_module_named_parameters(tied, collect, &l));
+    cr_assert_eq(l.n, 1, "named_parameters listed %d entries", l.n);
+    cr_assert_str_eq(l.fqn[0], "emb.weight");
+    l = (plist){0};
+    CHECK_OK(tp_module_state_dict(tied, count_names, &l));
+    cr_assert_eq(l.n, 2, "the state dict listed %d entries", l.n);
+    cr_assert_str_eq(l.fqn[0], "emb.weight");
+    cr_assert_str_eq(l.fqn[1], "head.weight");
+    l = (plist){0};
+    CHECK_OK(tp_module_named_parameters(view, collect, &l));
+    cr_assert_eq(l.n, 2, "two handles: named_parameters listed %d entries", l.n);
+
+    /* strict loading wants both names; the last value wins */
+    tp_tensor *a = mk(2, (int64_t[]){TV, TD}, 3), *b = mk(2, (int64_t[]){TV, TD}, 4);
+    const char *names[2] = {"emb.weight", "head.weight"};
+    tp_tensor *vals[2] = {a, b};
+    CHECK_OK(tp_module_load_state_dict(tied, 2, names, vals, true));
+    assert_equal(tp_module_parameter(tp_module_child(tied, "head"), "weight"), b,
+                 "head.weight after loading");
+    assert_equal(tp_module_parameter(tp_module_child(tied, "emb"), "weight"), b,
+                 "emb.weight after loading");
+    CHECK_ERR(tp_module_load_state_dict(tied, 1, names, vals, true), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "missing parameters: head.weight"), "%s", tp_last_error());
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    tp_module_free(tied);
+    tp_module_free(view);
+}

@@ -1079,6 +1079,190 @@ ParameterizedTest(int *n, styles, equals_unparallelized, .timeout = 120)
     tp_test_run(*n, equality_body, &c, c.slot);
 }
 
+/* ==== uneven sequence shards ================================================= */
+
+/* A sequence-parallel block (DESIGN.md, PyTorch's TP tutorial): norm
+ * SequenceParallel, w1 Colwise(input S(1)), w2 Rowwise(output S(1), DTensor
+ * output), on a sequence length the ranks do not divide (4 and 5 on 3 ranks,
+ * 4 and 12 on 8: some ranks hold one token or none).
+ *   - A DTensor input carrying the global shape works as in PyTorch 2.15:
+ *     forward all_gather 1 + reduce_scatter 1, backward the same; output,
+ *     input gradient and parameter gradients equal the unparallelized block.
+ *   - A plain input is taken to be evenly sharded (its global shape inferred
+ *     from this rank's shard, as PyTorch's from_local does, which cannot
+ *     know better): the ranks then disagree, and every rank returns
+ *     TP_ERR_MISMATCH from the first collective, saying what to change. */
+typedef struct seq_ctx {
+    int w;
+    int64_t seq;
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} seq_ctx;
+
+static tp_status seq_block(tp_module **out)
+{
+    tp_module *m = NULL, *c = NULL;
+    TP_TEST_TRY(tp_sequential_create(&m));
+    tp_status st = tp_layer_norm_create(8, true, 1e-5, &c);
+    if (st == TP_OK && (st = tp_module_add_child(m, "norm", c)) != TP_OK)
+        tp_module_free(c);
+    if (st == TP_OK && (st = tp_linear_create(8, 24, true, &c)) == TP_OK &&
+        (st = tp_module_add_child(m, "w1", c)) != TP_OK)
+        tp_module_free(c);
+    if (st == TP_OK && (st = tp_relu_create(&c)) == TP_OK &&
+        (st = tp_module_add_child(m, "relu", c)) != TP_OK)
+        tp_module_free(c);
+    if (st == TP_OK && (st = tp_linear_create(24, 8, true, &c)) == TP_OK &&
+        (st = tp_module_add_child(m, "w2", c)) != TP_OK)
+        tp_module_free(c);
+    if (st == TP_OK)
+        st = tp_module_init(m, 91);
+    if (st != TP_OK) {
+        tp_module_free(m);
+        return st;
+    }
+    *out = m;
+    return TP_OK;
+}
+
+static tp_status seq_parallelize(tp_module *m, tp_mesh *mesh)
+{
+    tp_style *sp = NULL, *col = NULL, *row = NULL;
+    const tp_colwise_options co = {.input_layouts = tp_layout_of(tp_shard(1))};
+    const tp_rowwise_options ro = {.output_layouts = tp_layout_of(tp_shard(1)),
+                                   .keep_dtensor_output = true};
+    tp_status st = tp_sequence_parallel(NULL, &sp);
+    if (st == TP_OK)
+        st = tp_colwise_parallel(&co, &col);
+    if (st == TP_OK)
+        st = tp_rowwise_parallel(&ro, &row);
+    if (st == TP_OK) {
+        const tp_plan_entry plan[] = {{"norm", sp}, {"w1", col}, {"w2", row}};
+        st = tp_parallelize_module(m, mesh, 3, plan, NULL);
+    }
+    tp_style_free(sp);
+    tp_style_free(col);
+    tp_style_free(row);
+    return st;
+}
+
+static tp_status uneven_seq_body(tp_comm *world, void *arg)
+{
+    seq_ctx *c = arg;
+    tp_test_slot *s = SLOT(c, world);
+    int w = c->w, r = tp_comm_rank(world);
+    char label[64];
+    snprintf(label, sizeof label, "sequence %lld on %d ranks", (long long)c->seq, w);
+    tp_mesh *mesh = NULL;
+    tp_module *ref = NULL, *par = NULL;
+    tp_comm_debug *dbg = NULL;
+    tp_tensor *x = NULL, *xr = NULL, *ch = NULL, *xl = NULL, *xd = NULL, *g = NULL, *gd = NULL;
+    tp_tensor *yr = NULL, *y = NULL, *yf = NULL;
+    const int64_t shape[3] = {2, c->seq, 8};
+    RANK_OK(s, mesh1d(world, &mesh));
+    RANK_OK(s, seq_block(&ref));
+    RANK_OK(s, seq_block(&par));
+    RANK_OK(s, seq_parallelize(par, mesh));
+    RANK_OK(s, rand_t(3, shape, 5, &x));
+    RANK_OK(s, rand_t(3, shape, 6, &g));
+    RANK_OK(s, tp_tensor_clone(x, &xr));
+    RANK_OK(s, tp_tensor_set_requires_grad(xr, true));
+    RANK_OK(s, tp_tensor_chunk(x, w, 1, r, &ch));
+    RANK_OK(s, tp_tensor_clone(ch, &xl));
+    RANK_OK(s, tp_tensor_set_requires_grad(xl, true));
+
+    /* the reference */
+    RANK_OK(s, tp_module_call(ref, xr, &yr));
+    RANK_OK(s, tp_backward(yr, g));
+
+    /* a DTensor input with its global shape */
+    const tp_placement s1 = tp_shard(1);
+    const tp_from_local_options fo = {.global_shape = shape};
+    RANK_OK(s, tp_dtensor_from_local(mesh, xl, 1, &s1, &fo, &xd));
+    RANK_OK(s, tp_dtensor_distribute(mesh, g, 1, &s1, -1, &gd));
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    RANK_OK(s, tp_comm_debug_begin(dbg));
+    RANK_OK(s, tp_module_call(par, xd, &y));
+    RANK_OK(s, tp_backward(y, gd));
+    RANK_OK(s, tp_comm_debug_end(dbg));
+    expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 1, 1, label);
+    expect_phase(s, dbg, TP_PHASE_BACKWARD, w, 0, 1, 1, label);
+    expect_shape(s, y, 3, shape, label);
+    RANK_OK(s, tp_dtensor_full_tensor(y, &yf));
+    TP_TEST_TRY(close_to(s, yf, yr, label, "forward output"));
+    tp_tensor *gx = NULL;
+    RANK_OK(s, tp_tensor_chunk(tp_tensor_grad(xr), w, 1, r, &gx));
+    TP_TEST_TRY(close_to(s, tp_tensor_grad(xl), gx, label, "input gradient"));
+    tp_tensor_release(gx);
+    static const char *const mods[3] = {"norm", "w1", "w2"};
+    for (int i = 0; i < 3; i++)
+        for (int k = 0; k < 2; k++) {
+            const char *pn = k ? "bias" : "weight";
+            tp_tensor *gp = tp_tensor_grad(tp_module_parameter(tp_module_child(par, mods[i]), pn));
+            tp_tensor *gf = NULL;
+            RANK_EXPECT(s, gp && tp_tensor_is_dtensor(gp), "%s: %s.%s has no DTensor gradient",
+                        label, mods[i], pn);
+            if (!gp || !tp_tensor_is_dtensor(gp))
+                continue;
+            RANK_OK(s, tp_dtensor_full_tensor(gp, &gf));
+            char what[48];
+            snprintf(what, sizeof what, "%s.%s gradient", mods[i], pn);
+            TP_TEST_TRY(close_to(s, gf,
+                                 tp_tensor_grad(tp_module_parameter(tp_module_child(ref, mods[i]),
+                                                                    pn)),
+                                 label, what));
+            tp_tensor_release(gf);
+        }
+
+    /* a plain input: every rank fails at the first collective, naming the
+     * fix (backends other than shm compare the ranks' collectives with the
+     * descriptor check; without it the mismatched all_gather would time out) */
+    RANK_OK(s, tp_comm_set_check(tp_mesh_comm(mesh, 0), true));
+    tp_tensor *yp = NULL;
+    tp_clear_error();
+    tp_status st = tp_module_call(par, xl, &yp);
+    char fix[96];
+    snprintf(fix, sizeof fix, "pass a DTensor built with its global_shape, or make dim 1 "
+             "divisible by %d", w);
+    RANK_EXPECT(s, st == TP_ERR_MISMATCH && yp == NULL && strstr(tp_last_error(), "ranks disagree") &&
+                       strstr(tp_last_error(), "ColwiseParallel at 'w1'") &&
+                       strstr(tp_last_error(), fix),
+                "%s, plain input: %s (%s)", label, tp_status_name(st), tp_last_error());
+    tp_tensor_release(yp);
+
+    tp_tensor_release(x);
+    tp_tensor_release(xr);
+    tp_tensor_release(ch);
+    tp_tensor_release(xl);
+    tp_tensor_release(xd);
+    tp_tensor_release(g);
+    tp_tensor_release(gd);
+    tp_tensor_release(yr);
+    tp_tensor_release(y);
+    tp_tensor_release(yf);
+    tp_comm_debug_free(dbg);
+    tp_module_free(ref);
+    tp_module_free(par);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+typedef struct seq_param {
+    int w;
+    int64_t seq;
+} seq_param;
+
+ParameterizedTestParameters(styles, uneven_sequence_shards)
+{
+    static seq_param p[] = {{3, 4}, {3, 5}, {8, 4}, {8, 12}};
+    return cr_make_param_array(seq_param, p, sizeof p / sizeof p[0]);
+}
+
+ParameterizedTest(seq_param *p, styles, uneven_sequence_shards, .timeout = 60)
+{
+    seq_ctx c = {.w = p->w, .seq = p->seq};
+    tp_test_run(p->w, uneven_seq_body, &c, c.slot);
+}
+
 /* ==== the MLP of DESIGN.md ==================================================== */
 
 static tp_status make_mlp(tp_mesh *mesh, bool seq, tp_module **out)

@@ -43,6 +43,20 @@
  * parallelism: every gradient all_reduced on its own, in place, and waited
  * for at once. By default the three passes are applied (remove_copies only
  * with gradient_as_bucket_view), which is PyTorch DDP's behaviour.
+ *
+ * Gradients read before the step. With late waits, a bucket's all_reduce is
+ * in flight from its launch (during backward) until the step. Reading one
+ * of its parameters' gradients meanwhile (tp_tensor_grad), replacing it
+ * (tp_tensor_set_grad), dropping it (tp_tensor_zero_grad,
+ * tp_module_zero_grad) or adding a second backward into it first waits for
+ * that bucket and copies its average out: what is read is the averaged
+ * gradient, and the other buckets stay in flight until the step. Gradients
+ * dropped that way stay dropped: the step applies nothing to them. A bucket
+ * not launched yet (its parameters did not all get a gradient in this
+ * backward) is launched at the step, and its gradients read before that are
+ * this rank's own. If the wait fails, tp_tensor_grad returns NULL with
+ * tp_last_error() naming the failure, and the DDP is failed (sticky, as for
+ * any failed step).
  */
 #ifndef TP_DP_H
 #define TP_DP_H
@@ -139,7 +153,11 @@ typedef struct tp_ddp_options {
  * Collective over comm: wraps `module` (the module stays the caller's; the
  * DDP adds hooks to it and its parameters and must be freed before it).
  * Every parameter that requires grad takes part; all must be on one device
- * type the comm's backend moves. opts NULL: defaults.
+ * type the comm's backend moves. opts NULL: defaults. A tensor registered
+ * under several names (tied weights) is one parameter: one gradient hook,
+ * one slot in one bucket, all_reduced once per step. Distinct handles over
+ * one storage region (one parameter for the optimizers, tp/nn.h) each hold
+ * their own gradient and are reduced separately; the step sums them.
  */
 TP_API tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *opts,
                              tp_ddp **out);
@@ -150,8 +168,9 @@ TP_API void tp_ddp_free(tp_ddp *ddp);
 /* Runs the schedule up to the step: launches what is left, waits for every
  * bucket and leaves the averaged gradients in the parameters. Parameters
  * that got no gradient this step contribute zeros (and receive the average).
- * The optimizers call it through a step pre-hook; call it directly to read
- * the gradients without stepping. Idempotent between steps. */
+ * The optimizers call it through a step pre-hook; reading a gradient waits
+ * for its own bucket (see above), and tp_ddp_sync for all of them, as the
+ * step does. Idempotent between steps. */
 TP_API tp_status tp_ddp_sync(tp_ddp *ddp);
 
 /* The DDP's step graph, for tp_pass_apply and inspection (borrowed). */

@@ -100,7 +100,13 @@ TP_API tp_status tp_dtensor_distribute(tp_mesh *mesh, const tp_tensor *full, int
 
 typedef struct tp_from_local_options {
     /* global shape (ndim of local), or NULL: inferred as if every shard were
-     * as large as this rank's (even sharding) */
+     * as large as this rank's (even sharding, as PyTorch's from_local does).
+     * Uneven shards (a dim the ranks do not divide) need it: inferred from
+     * uneven shards, the ranks' global shapes differ, and the first
+     * collective over that dim returns TP_ERR_MISMATCH on every rank, naming
+     * the fix (the shm backend compares every collective; other backends do
+     * with tp_comm_set_check / TP_COMM_CHECK=1, else such a collective
+     * times out like any mismatched one) */
     const int64_t *global_shape;
     /* verify with collectives that Replicate mesh dims hold equal values and
      * the shard sizes add up (TP_ERR_MISMATCH otherwise); default off */
@@ -173,9 +179,25 @@ TP_API tp_status tp_dtensor_shard_extent(const tp_mesh *mesh, int ndim,
 TP_API tp_status tp_tensor_set_requires_grad(tp_tensor *t, bool requires_grad);
 TP_API bool tp_tensor_requires_grad(const tp_tensor *t);
 /* The accumulated gradient (borrowed; same layout as t for DTensors), or NULL
- * if none was computed yet. */
+ * if none was computed yet.
+ *
+ * A gradient whose final value is still in flight (a parameter of a data
+ * parallel module, tp/dp.h, between backward and the step: its bucket's
+ * all_reduce was launched and is waited for late) is finished first: the
+ * call waits for that bucket's all_reduce (and copies the average into the
+ * gradient), so the value returned is the averaged gradient, never a
+ * half-reduced or local one; the other buckets stay in flight. If that wait
+ * fails, the result is NULL with tp_last_error() naming the failure (clear
+ * it first to tell this from "no gradient"), and the data-parallel wrapper
+ * is failed for good: every later read returns NULL the same way, and
+ * tp_ddp_sync and the optimizer steps return TP_ERR_STATE, until
+ * tp_ddp_free. */
 TP_API tp_tensor *tp_tensor_grad(const tp_tensor *t);
-/* Drops the accumulated gradient. */
+/* Drops the accumulated gradient. A gradient in flight (see tp_tensor_grad)
+ * is waited for first, so nothing writes into it afterwards, then dropped:
+ * the step that follows applies nothing to t. If the wait fails, the
+ * gradient is dropped anyway and the failure stays with the data-parallel
+ * wrapper. */
 TP_API void tp_tensor_zero_grad(tp_tensor *t);
 /*
  * Installs g as t's gradient (t must require grad; a reference to g is
@@ -185,7 +207,9 @@ TP_API void tp_tensor_zero_grad(tp_tensor *t);
  * gradient libtp allocated, so g may be a view into a larger buffer (a
  * communication bucket) that then receives the gradient without a copy. If a
  * contribution cannot be added in place (g not contiguous), the sum is a new
- * tensor and g is no longer t's gradient.
+ * tensor and g is no longer t's gradient. A gradient in flight (see
+ * tp_tensor_grad) is waited for first; if that fails, so does this call,
+ * with t unchanged.
  */
 TP_API tp_status tp_tensor_set_grad(tp_tensor *t, tp_tensor *g);
 

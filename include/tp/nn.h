@@ -109,7 +109,11 @@ TP_API tp_tensor *tp_module_parameter(const tp_module *m, const char *name);
  * and marked requires_grad, the old one released. */
 TP_API tp_status tp_module_set_parameter(tp_module *m, const char *name, tp_tensor *t);
 /* Calls fn(fqn, param, ctx) for every parameter of the subtree, in
- * registration order, depth first; stops at the first non-OK return. */
+ * registration order, depth first; stops at the first non-OK return. A
+ * tensor registered under several names (tied weights: one tp_tensor given
+ * to tp_module_register_parameter / tp_module_set_parameter in several
+ * places) is reported once, under the first name reached, as PyTorch's
+ * named_parameters() does; state dicts list every name. */
 TP_API tp_status tp_module_named_parameters(tp_module *m,
                                             tp_status (*fn)(const char *fqn, tp_tensor *param,
                                                             void *ctx),
@@ -122,7 +126,10 @@ TP_API void tp_module_zero_grad(tp_module *m);
  * DTensor parameter: a DTensor with the same mesh, placements and global
  * shape whose local shard is the copy), marked requires_grad and without a
  * gradient; the module drops the old tensor (with its gradient): references
- * the caller kept still point at the old one, and an Adam
+ * the caller kept still point at the old one. Ties are kept: a tensor
+ * registered under several names is copied once and every name gets the
+ * copy, and handles over one storage region (one parameter for the
+ * optimizers, see below) become handles over one new storage. An Adam
  * optimizer created earlier refuses the replaced parameters (create it
  * after moving). All or nothing: on failure no parameter has moved. A
  * CUDA device needs a CUDA build (TP_ERR_NOT_SUPPORTED otherwise). */
@@ -169,18 +176,24 @@ TP_API tp_status tp_module_add_step_pre_hook(tp_module *m, tp_step_pre_hook fn, 
  * global value of each parameter is the same at every parallel degree, each
  * rank generating only its shard (counter-based RNG). Linear weight and bias:
  * uniform(-1/sqrt(in), 1/sqrt(in)); Embedding: normal(0, 1); norm weights 1,
- * biases 0. No communication.
+ * biases 0. No communication. A tied parameter is initialised once, from its
+ * first FQN (named_parameters order) and the module that registered it there
+ * (an Embedding tied to a later output Linear: normal(0, 1)); PyTorch, which
+ * initialises per module, leaves the last module's values instead.
  */
 TP_API tp_status tp_module_init(tp_module *m, uint64_t seed);
 
 /* Loads full (unsharded) values: for each FQN in names, this rank's shard of
  * values[i] (global shape) goes into the parameter, whatever its layout. Names
  * that match no parameter and parameters not named are TP_ERR_INVALID_ARG
- * (listing them) unless `strict` is false. No communication. */
+ * (listing them) unless `strict` is false. A tied parameter has every one of
+ * its names (strict wants them all) and receives each value in turn: the
+ * last one named wins, as in PyTorch. No communication. */
 TP_API tp_status tp_module_load_state_dict(tp_module *m, int n, const char *const *names,
                                            tp_tensor *const *values, bool strict);
 /* Collective: calls fn(fqn, full_value, ctx) for every parameter with its full
- * (gathered) value, a plain tensor. */
+ * (gathered) value, a plain tensor; a tied parameter once per name, as
+ * PyTorch's state_dict() lists it. */
 TP_API tp_status tp_module_state_dict(tp_module *m,
                                       tp_status (*fn)(const char *fqn, tp_tensor *full,
                                                       void *ctx),
@@ -250,6 +263,19 @@ TP_API tp_status tp_module_replicate(tp_module *module, const tp_device *devices
                                      tp_module **replicas);
 
 /* ---- optimizers ------------------------------------------------------------ */
+
+/*
+ * The optimizers see each parameter once. A tensor registered under several
+ * names (tied weights) is one parameter: its gradient already sums every use,
+ * it is updated once per step and has one Adam state. Distinct handles over
+ * the same storage region (same storage, offset, shape, strides and dtype,
+ * and for DTensors the same mesh, placements and global shape: a second
+ * tp_tensor_view of a weight, say) are one parameter too: each handle
+ * accumulates its own gradient, and the step applies their sum once, so the
+ * result equals the model written with one parameter (for SGD that is also
+ * what PyTorch gives, stepping each; for Adam PyTorch would keep two states).
+ * Handles over overlapping but different regions are different parameters.
+ */
 
 /* p -= lr * grad for every parameter with a gradient (a Partial gradient is
  * reduced to the parameter's layout first: collective). */

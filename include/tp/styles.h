@@ -16,7 +16,13 @@
  *
  * Plain tensors reaching a styled module are taken to have the style's input
  * layouts (tp_dtensor_from_local, no communication); with use_local_output
- * the output is returned as this rank's local tensor.
+ * the output is returned as this rank's local tensor. As in PyTorch, a plain
+ * tensor's global shape is inferred from this rank's shard (even sharding):
+ * for uneven shards (a sequence length the ranks do not divide) pass
+ * DTensors built with their global shape (tp_dtensor_from_local's
+ * global_shape), or keep the outputs DTensors between styled modules;
+ * otherwise the ranks disagree and every rank gets TP_ERR_MISMATCH from the
+ * first collective, saying so (see tp_from_local_options).
  */
 #ifndef TP_STYLES_H
 #define TP_STYLES_H

@@ -1,12 +1,21 @@
 /* The data-parallel wrapper: gradient hooks drive the step graph's schedule
  * during backward (launching each bucket's all_reduce once its gradients are
  * final), the optimizers' step pre-hook finishes it, and a forward pre-hook
- * installs the bucket views of gradient_as_bucket_view. */
+ * installs the bucket views of gradient_as_bucket_view.
+ *
+ * From a bucket's launch until it is settled (waited for and, for fused
+ * buckets without views, copied out) its parameters carry a pending-gradient
+ * callback (dtensor/grad_pending.h): a user reading, replacing or dropping
+ * one of their gradients, or a second backward adding into one, first
+ * settles that bucket, so nobody sees a half-reduced or unreduced gradient
+ * while the waits stay late. The DDP's own accesses go through tp__grad_peek
+ * and never trigger it. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "dp/dp_internal.h"
+#include "dtensor/grad_pending.h"
 
 typedef struct tp__dparam {
     struct tp_ddp *ddp;
@@ -25,6 +34,7 @@ typedef struct tp__dbucket {
     tp_tensor *buf;  /* fused buckets: the buffer; NULL for a lone in-place one */
     tp_work *work;
     bool launched;
+    bool settled;    /* this step: waited for and copied out (its gradients final) */
 } tp__dbucket;
 
 /* The module's hooks cannot be removed: they hold this, which outlives the
@@ -100,7 +110,7 @@ static tp_status tp__as_grad(tp__dparam *p, tp_tensor *local, tp_tensor **out)
     tp_mesh *mesh = tp_dtensor_mesh(p->t);
     /* the layout the backward produces (Partial for a Replicate parameter
      * fed sharded rows), else the parameter's */
-    tp_tensor *cur = tp_tensor_grad(p->t);
+    tp_tensor *cur = tp__grad_peek(p->t);
     const tp_placement *pl = cur && tp_tensor_is_dtensor(cur) ? tp_dtensor_placements(cur)
                              : p->have_layout              ? p->layout
                                                            : tp_dtensor_placements(p->t);
@@ -111,7 +121,7 @@ static tp_status tp__as_grad(tp__dparam *p, tp_tensor *local, tp_tensor **out)
 /* Gives p a zero gradient when it has none. */
 static tp_status tp__ensure_grad(tp__dparam *p)
 {
-    if (tp_tensor_grad(p->t))
+    if (tp__grad_peek(p->t))
         return TP_OK;
     tp_tensor *l = tp__local(p->t), *z = NULL, *g = NULL;
     TP_CHECK(tp_tensor_zeros(tp_tensor_dtype(l), tp_tensor_device(l), tp_tensor_ndim(l),
@@ -139,7 +149,7 @@ static tp_status tp__slice(tp_ddp *d, int i, tp_tensor **out)
 static tp_status tp__install_view(tp_ddp *d, int i)
 {
     tp__dparam *p = &d->p[i];
-    tp_tensor *cur = tp_tensor_grad(p->t);
+    tp_tensor *cur = tp__grad_peek(p->t);
     if (p->view && cur == p->view)
         return TP_OK;
     tp_tensor *s = NULL;
@@ -217,6 +227,19 @@ static tp_status tp__prepare(tp_ddp *d)
 
 static tp_status tp__wait(tp_ddp *d, int b);
 
+static tp_status tp__grad_pending(tp_tensor *t, void *ctx);
+
+/* Installs (or removes) the pending-gradient callback on bucket b's
+ * parameters. */
+static void tp__mark_pending(tp_ddp *d, int b, bool on)
+{
+    const tp__gbucket *bk = &d->g->buckets[b];
+    for (int k = bk->first; k < bk->first + bk->count; k++) {
+        tp__dparam *p = &d->p[d->g->order[k]];
+        tp__grad_pending_set(p->t, on ? tp__grad_pending : NULL, p);
+    }
+}
+
 static tp_status tp__launch(tp_ddp *d, int b)
 {
     const tp_step_graph *g = d->g;
@@ -238,7 +261,7 @@ static tp_status tp__launch(tp_ddp *d, int b)
         /* a lone gradient, reduced in place */
         tp__dparam *p = &d->p[g->order[bk->first]];
         TP_CHECK(tp__ensure_grad(p));
-        tp_tensor *l = tp__local(tp_tensor_grad(p->t));
+        tp_tensor *l = tp__local(tp__grad_peek(p->t));
         if (!tp_tensor_is_contiguous(l)) {
             tp_tensor *c = NULL, *gc = NULL;
             TP_CHECK(tp_tensor_clone(l, &c));
@@ -248,7 +271,7 @@ static tp_status tp__launch(tp_ddp *d, int b)
             tp_tensor_release(gc);
             tp_tensor_release(c);
             TP_CHECK(st);
-            l = tp__local(tp_tensor_grad(p->t));
+            l = tp__local(tp__grad_peek(p->t));
         }
         buf = l;
     } else if (g->views) {
@@ -258,6 +281,8 @@ static tp_status tp__launch(tp_ddp *d, int b)
     }
     TP_CHECK(tp_all_reduce(d->comm, buf, buf, TP_AVG, &d->b[b].work));
     d->b[b].launched = true;
+    d->b[b].settled = false;
+    tp__mark_pending(d, b, true);
     return TP_OK;
 }
 
@@ -266,7 +291,7 @@ static tp_status tp__copy_in(tp_ddp *d, int b)
     const tp__gbucket *bk = &d->g->buckets[b];
     for (int k = bk->first; k < bk->first + bk->count; k++) {
         int i = d->g->order[k];
-        tp_tensor *s = NULL, *gr = tp_tensor_grad(d->p[i].t);
+        tp_tensor *s = NULL, *gr = tp__grad_peek(d->p[i].t);
         TP_CHECK(tp__slice(d, i, &s));
         tp_status st = gr ? tp_tensor_copy(s, tp__local(gr)) : tp_tensor_fill(s, 0.0);
         tp_tensor_release(s);
@@ -283,7 +308,7 @@ static tp_status tp__copy_out(tp_ddp *d, int b)
         TP_CHECK(tp__ensure_grad(&d->p[i]));
         tp_tensor *s = NULL;
         TP_CHECK(tp__slice(d, i, &s));
-        tp_status st = tp_tensor_copy(tp__local(tp_tensor_grad(d->p[i].t)), s);
+        tp_status st = tp_tensor_copy(tp__local(tp__grad_peek(d->p[i].t)), s);
         tp_tensor_release(s);
         TP_CHECK(st);
     }
@@ -298,6 +323,48 @@ static tp_status tp__wait(tp_ddp *d, int b)
     tp_work_free(d->b[b].work);
     d->b[b].work = NULL;
     return st;
+}
+
+/* Whether the schedule copies fused buckets back into the gradients. */
+static bool tp__copies_out(const tp_step_graph *g) { return g->fused && !g->views; }
+
+/* Bucket b's gradients final: waited for, copied out where the schedule
+ * does, its parameters' callbacks removed. Once per step: the schedule's
+ * own wait / copy out and an earlier read of one of its gradients meet
+ * here. On failure the callbacks stay (the DDP then fails: they return its
+ * sticky error). */
+static tp_status tp__settle(tp_ddp *d, int b)
+{
+    if (d->b[b].settled)
+        return TP_OK;
+    TP_CHECK(tp__wait(d, b));
+    tp__mark_pending(d, b, false); /* copy out installs gradients: not a user's access */
+    if (tp__copies_out(d->g)) {
+        tp_status st = tp__copy_out(d, b);
+        if (st != TP_OK) {
+            tp__mark_pending(d, b, true);
+            return st;
+        }
+    }
+    d->b[b].settled = true;
+    return TP_OK;
+}
+
+/* The callback of a parameter whose bucket is in flight: a read (or
+ * replacement, or accumulation) of its gradient settles the bucket first. */
+static tp_status tp__grad_pending(tp_tensor *t, void *ctx)
+{
+    (void)t;
+    tp__dparam *p = ctx;
+    tp_ddp *d = p->ddp;
+    TP_CHECK(tp__ddp_check(d, "tp_tensor_grad"));
+    tp_status st = tp__settle(d, d->g->bucket_of[p->index]);
+    if (st != TP_OK) {
+        tp__error_prefix("tp_tensor_grad: waiting for the data-parallel all_reduce of the "
+                         "gradient of '%s'", p->fqn);
+        return tp__ddp_fail(d, st);
+    }
+    return TP_OK;
 }
 
 /* Polls the collectives in flight: backends without a progress engine of
@@ -343,7 +410,9 @@ static tp_status tp__run(tp_ddp *d, bool finish)
             /* late waits belong to the step: backward goes on meanwhile */
             if (g->late && !finish)
                 return TP_OK;
-            TP_CHECK(nd->kind == TP__G_WAIT ? tp__wait(d, nd->arg) : tp__copy_out(d, nd->arg));
+            /* a wait followed by a copy out settles at the copy out */
+            TP_CHECK(nd->kind == TP__G_WAIT && tp__copies_out(g) ? tp__wait(d, nd->arg)
+                                                                 : tp__settle(d, nd->arg));
             break;
         case TP__G_STEP:
             if (!finish)
@@ -401,7 +470,7 @@ tp_status tp_ddp_sync(tp_ddp *d)
     /* gradient layouts of DTensor parameters, for the views of later steps */
     for (int i = 0; i < d->n; i++) {
         tp__dparam *p = &d->p[i];
-        tp_tensor *gr = tp_tensor_grad(p->t);
+        tp_tensor *gr = tp__grad_peek(p->t);
         if (gr && tp_tensor_is_dtensor(gr) && !p->have_layout) {
             memcpy(p->layout, tp_dtensor_placements(gr),
                    (size_t)tp_mesh_ndim(tp_dtensor_mesh(gr)) * sizeof(tp_placement));
@@ -504,6 +573,9 @@ void tp_ddp_free(tp_ddp *d)
         (void)tp__run(d, true); /* wait for what is in flight; results dropped */
     tp__free_buckets(d);
     for (int i = 0; i < d->n; i++) {
+        /* after a failure some gradients were never settled: they become
+         * plain gradients again (their values undefined) */
+        tp__grad_pending_set(d->p[i].t, NULL, NULL);
         if (d->p[i].hook >= 0)
             tp_tensor_remove_grad_hook(d->p[i].t, d->p[i].hook);
         tp_tensor_release(d->p[i].t);

@@ -39,9 +39,44 @@ bool tp_tensor_has_grad_fn(const tp_tensor *t)
     return t && t->autograd && ((tp__autograd *)t->autograd)->grad_fn;
 }
 
-tp_tensor *tp_tensor_grad(const tp_tensor *t)
+/* ---- pending gradients (grad_pending.h) ------------------------------------- */
+
+void tp__grad_pending_set(tp_tensor *t, tp__grad_pending_fn fn, void *ctx)
+{
+    tp__autograd *ag = t ? t->autograd : NULL;
+    if (!ag)
+        return;
+    ag->pending = fn;
+    ag->pending_ctx = fn ? ctx : NULL;
+}
+
+tp_tensor *tp__grad_peek(const tp_tensor *t)
 {
     return t && t->autograd ? ((tp__autograd *)t->autograd)->grad : NULL;
+}
+
+/* Finishes the work that owns t's gradient before anyone touches it. */
+static tp_status tp__grad_settle(tp_tensor *t)
+{
+    tp__autograd *ag = t->autograd;
+    if (!ag || !ag->pending)
+        return TP_OK;
+    tp_status st = ag->pending(t, ag->pending_ctx);
+    if (st != TP_OK && !tp_last_error()[0])
+        tp__error(st, "finishing the pending gradient failed");
+    return st;
+}
+
+/* ---- gradients ---------------------------------------------------------------- */
+
+tp_tensor *tp_tensor_grad(const tp_tensor *t)
+{
+    if (!t || !t->autograd)
+        return NULL;
+    /* the tensor is the caller's; only its autograd state changes */
+    if (tp__grad_settle((tp_tensor *)t) != TP_OK)
+        return NULL;
+    return ((tp__autograd *)t->autograd)->grad;
 }
 
 void tp_tensor_zero_grad(tp_tensor *t)
@@ -49,6 +84,10 @@ void tp_tensor_zero_grad(tp_tensor *t)
     if (!t || !t->autograd)
         return;
     tp__autograd *ag = t->autograd;
+    /* a gradient in flight is finished first, so that nothing still writes
+     * into it; if that fails, the owner has recorded the failure (the DDP's
+     * is sticky) and the gradient is dropped all the same */
+    (void)tp__grad_settle(t);
     tp_tensor_release(ag->grad);
     ag->grad = NULL;
     ag->grad_owned = false;
@@ -80,6 +119,11 @@ tp_status tp_tensor_set_grad(tp_tensor *t, tp_tensor *g)
                      "%s: g is on another mesh than t", fn);
     } else {
         TP_CHECK(tp__same_device(fn, "t", t, "g", g));
+    }
+    tp_status st = tp__grad_settle(t);
+    if (st != TP_OK) {
+        tp__error_prefix("%s", fn);
+        return st;
     }
     tp__autograd *ag = t->autograd;
     tp_tensor_retain(g);
@@ -403,6 +447,9 @@ static tp_status tp__ones_like(tp_tensor *loss, tp_tensor **out)
 static tp_status tp__accumulate_leaf(tp_tensor *leaf, tp_tensor *g)
 {
     tp__autograd *ag = leaf->autograd;
+    /* a second backward before the step: the first one's gradient, in
+     * flight, is finished before anything is added into it */
+    TP_CHECK(tp__grad_settle(leaf));
     if (!ag->grad) {
         ag->grad = tp_tensor_retain(g);
         ag->grad_owned = false;

@@ -7,6 +7,7 @@
 
 #include "collectives/comm_debug_internal.h"
 #include "core/core.h"
+#include "dtensor/grad_pending.h"
 #include "tp/comm_debug.h"
 #include "tp/dtensor.h"
 
@@ -85,6 +86,9 @@ typedef struct tp__autograd {
     tp__grad_hook *hooks; /* post-accumulate hooks, in registration order */
     int next_hook_id;
     int leaf_pending;    /* during a backward: contributions still to come */
+    /* the gradient's final value is in flight (grad_pending.h) */
+    tp__grad_pending_fn pending;
+    void *pending_ctx;
 } tp__autograd;
 
 /* true when recording is on and any of the tensors requires grad. */

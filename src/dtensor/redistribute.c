@@ -497,6 +497,28 @@ static tp_status tp__run_step(const tp_mesh *mesh, const tp__step *step, const t
     return tp__step_check("tp_dtensor_redistribute", step);
 }
 
+/* A collective over a sharded dim that the ranks issued with different sizes
+ * (TP_ERR_MISMATCH: shm compares every call, other backends with
+ * tp_comm_set_check) means they disagree on the DTensor's global shape: the
+ * usual cause is a DTensor built from uneven local shards without its
+ * global shape, which is then inferred from each rank's own shard (PyTorch's
+ * from_local does the same, and cannot know better). Says what to change. */
+static void tp__shape_hint(const tp_mesh *mesh, const tp__step *step, const tp_tensor *dt)
+{
+    int k = step->from.kind == TP_PLACEMENT_SHARD ? step->from.dim : step->to.dim;
+    long long w = (long long)tp_mesh_size(mesh, step->mesh_dim);
+    char msg[1024], shape[128];
+    snprintf(msg, sizeof msg, "%s", tp_last_error());
+    tp__error(TP_ERR_MISMATCH,
+              "%s. The ranks likely hold different global shapes for this DTensor (%s here, "
+              "dim %d sharded over %lld ranks): for uneven shards (a sequence length the ranks "
+              "do not divide) pass a DTensor built with its global_shape, or make dim %d "
+              "divisible by %lld; built from local shards without it (tp_dtensor_from_local "
+              "with no global_shape, as the styles do with a plain input), a DTensor takes "
+              "every shard to be as large as this rank's",
+              msg, tp__shape_str(dt->ndim, dt->shape, shape, sizeof shape), k, w, k, w);
+}
+
 typedef struct {
     tp_placement src[TP_MESH_MAX_DIMS];
 } tp__redist_saved;
@@ -528,6 +550,9 @@ tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool r
     for (int i = 0; i < plan.n && st == TP_OK; i++) {
         tp_tensor *next = NULL;
         st = tp__run_step(d->mesh, &plan.s[i], cur, dt->shape, local, &next);
+        if (st == TP_ERR_MISMATCH && (plan.s[i].from.kind == TP_PLACEMENT_SHARD ||
+                                      plan.s[i].to.kind == TP_PLACEMENT_SHARD))
+            tp__shape_hint(d->mesh, &plan.s[i], dt);
         if (st == TP_OK) {
             tp_tensor_release(local);
             local = next;

@@ -326,13 +326,32 @@ static void tp__path_pop(tp__path *p, size_t len)
     p->s[len] = '\0';
 }
 
-static tp_status tp__walk_params(tp_module *m, tp__path *path,
+/* The tensors already reported by a deduplicating walk. */
+typedef struct {
+    const tp_tensor **v;
+    size_t n, cap;
+} tp__seen;
+
+/* seen NULL: every name is reported. Otherwise a tensor reached under a
+ * second name (a tied weight) is skipped, as PyTorch's named_parameters()
+ * does by default. */
+static tp_status tp__walk_params(tp_module *m, tp__path *path, tp__seen *seen,
                                  tp_status (*fn)(const char *, tp_tensor *, void *), void *ctx)
 {
     size_t base = path->len;
     for (int i = 0; i < m->n_params; i++) {
         if (!m->params[i])
             continue;
+        if (seen) {
+            bool again = false;
+            for (size_t k = 0; k < seen->n && !again; k++)
+                again = seen->v[k] == m->params[i];
+            if (again)
+                continue;
+            if (!tp__grow_array((void **)&seen->v, seen->n, &seen->cap, sizeof *seen->v))
+                return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
+            seen->v[seen->n++] = m->params[i];
+        }
         if (!tp__path_push(path, m->param_names[i]))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
         tp_status st = fn(path->s, m->params[i], ctx);
@@ -343,7 +362,7 @@ static tp_status tp__walk_params(tp_module *m, tp__path *path,
     for (int i = 0; i < m->n_children; i++) {
         if (!tp__path_push(path, m->children[i]->name))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
-        tp_status st = tp__walk_params(m->children[i], path, fn, ctx);
+        tp_status st = tp__walk_params(m->children[i], path, seen, fn, ctx);
         tp__path_pop(path, base);
         if (st != TP_OK)
             return st;
@@ -356,7 +375,8 @@ static tp_status tp__walk_params(tp_module *m, tp__path *path,
 typedef struct {
     tp_module *m;
     int i;
-    tp_tensor *t; /* the moved parameter */
+    tp_tensor *old; /* borrowed: the module holds it until the swap */
+    tp_tensor *t;   /* the moved parameter (a reference) */
 } tp__move;
 
 typedef struct {
@@ -400,21 +420,62 @@ static tp_status tp__moved(tp_tensor *p, tp_device dev, tp_tensor **out)
     return TP_OK;
 }
 
+/* A second handle over the storage of `moved` with the layout of `like` (a
+ * handle over the same region as the parameter `moved` was copied from):
+ * handles that were one parameter before the move stay one. */
+static tp_status tp__moved_alias(tp_tensor *moved, tp_tensor *like, tp_tensor **out)
+{
+    tp_tensor *r = NULL;
+    tp_status st;
+    if (tp_tensor_is_dtensor(moved)) {
+        tp_tensor *l = tp_dtensor_local(moved), *v = NULL;
+        st = tp_tensor_view(l, tp_tensor_ndim(l), tp_tensor_shape(l), &v);
+        if (st == TP_OK) {
+            tp_mesh *mesh = tp_dtensor_mesh(like);
+            tp_from_local_options o = {.global_shape = tp_tensor_shape(like), .check = false};
+            st = tp_dtensor_from_local(mesh, v, tp_mesh_ndim(mesh), tp_dtensor_placements(like),
+                                       &o, &r);
+        }
+        tp_tensor_release(v);
+    } else {
+        st = tp_tensor_view(moved, tp_tensor_ndim(moved), tp_tensor_shape(moved), &r);
+    }
+    if (st == TP_OK)
+        st = tp_tensor_set_requires_grad(r, true);
+    if (st != TP_OK) {
+        tp_tensor_release(r);
+        return st;
+    }
+    *out = r;
+    return TP_OK;
+}
+
+/* A tied parameter (one tensor under several names, or handles over one
+ * storage region: tp__param_same) is copied once; every name gets the copy. */
 static tp_status tp__collect_moves(tp_module *m, tp__moves *mv)
 {
     for (int i = 0; i < m->n_params; i++) {
-        if (!m->params[i] || tp__on(m->params[i], mv->dev))
+        tp_tensor *old = m->params[i];
+        if (!old || tp__on(old, mv->dev))
             continue;
         if (!tp__grow((void **)&mv->v, mv->n, &mv->cap, sizeof *mv->v))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_to: out of memory");
         tp_tensor *t = NULL;
-        tp_status st = tp__moved(m->params[i], mv->dev, &t);
+        tp_status st = TP_OK;
+        for (int k = 0; k < mv->n && !t; k++)
+            if (mv->v[k].old == old)
+                t = tp_tensor_retain(mv->v[k].t);
+        for (int k = 0; k < mv->n && !t && st == TP_OK; k++)
+            if (tp__param_same(mv->v[k].old, old))
+                st = tp__moved_alias(mv->v[k].t, old, &t);
+        if (!t && st == TP_OK)
+            st = tp__moved(old, mv->dev, &t);
         if (st != TP_OK) {
             tp__error_prefix("tp_module_to: parameter '%s' of %s", m->param_names[i],
                              m->type_name);
             return st;
         }
-        mv->v[mv->n++] = (tp__move){m, i, t};
+        mv->v[mv->n++] = (tp__move){m, i, old, t};
     }
     for (int i = 0; i < m->n_children; i++)
         TP_CHECK(tp__collect_moves(m->children[i], mv));
@@ -451,9 +512,18 @@ tp_status tp_module_named_parameters(tp_module *m,
     const char *f = "tp_module_named_parameters";
     TP_ARG_CHECK(m, "%s: module is NULL", f);
     TP_ARG_CHECK(fn, "%s: fn is NULL", f);
+    return tp__module_walk_params(m, true, fn, ctx);
+}
+
+tp_status tp__module_walk_params(tp_module *m, bool unique,
+                                 tp_status (*fn)(const char *fqn, tp_tensor *param, void *ctx),
+                                 void *ctx)
+{
     tp__path path = {0};
-    tp_status st = tp__walk_params(m, &path, fn, ctx);
+    tp__seen seen = {0};
+    tp_status st = tp__walk_params(m, &path, unique ? &seen : NULL, fn, ctx);
     tp__free(path.s);
+    tp__free(seen.v);
     return st;
 }
 

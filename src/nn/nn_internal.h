@@ -74,4 +74,19 @@ const char *tp__module_fqn(const tp_module *root, const tp_module *m, char *buf,
  * before updating). */
 tp_status tp__module_run_step_hooks(tp_module *m);
 
+/* Calls fn(fqn, param, ctx) for the parameters of m's subtree, depth first
+ * in registration order. unique: a tensor registered under several names
+ * (a tied weight) is reported once, under the first (what
+ * tp_module_named_parameters shows); otherwise every name is (state dicts). */
+tp_status tp__module_walk_params(tp_module *m, bool unique,
+                                 tp_status (*fn)(const char *fqn, tp_tensor *param, void *ctx),
+                                 void *ctx);
+
+/* Whether a and b are one parameter (optim.c): the same tensor, or two
+ * handles over the same storage region (storage, offset, shape, strides,
+ * dtype) with the same layout (both plain, or DTensors on one mesh with the
+ * same placements and global shape). Handles over overlapping but different
+ * regions are different parameters. */
+bool tp__param_same(const tp_tensor *a, const tp_tensor *b);
+
 #endif /* TP_NN_INTERNAL_H */

@@ -1,6 +1,15 @@
 /* Deterministic initialisation, state dicts, SGD and Adam. Parameters are
- * reached through tp_module_named_parameters, so the FQNs here are the ones
- * users see. */
+ * reached through the module's parameter walk, so the FQNs here are the ones
+ * users see.
+ *
+ * Tied parameters. A tensor registered under several names (an Embedding's
+ * weight reused by the output Linear) is one parameter: the optimizers and
+ * the initialisation see it once, under its first name (what
+ * tp_module_named_parameters reports), while state dicts list every name.
+ * Handles over the same storage region with the same layout (tp__param_same)
+ * are one parameter too: each holds its own gradient, and the step applies
+ * their sum once (for SGD that is what stepping each would give; for Adam it
+ * is the only result equal to the single-parameter model). */
 #include <math.h>
 #include <string.h>
 
@@ -9,10 +18,12 @@
 
 /* ---- helpers ---------------------------------------------------------------- */
 
-/* A parameter list: (FQN, tensor) pairs in named_parameters order. */
+/* A parameter list: (FQN, tensor) pairs in named_parameters order, and for a
+ * unique list the first entry that is the same parameter as each. */
 typedef struct {
     char **fqn;
     tp_tensor **t;
+    int *rep; /* unique lists: rep[i] <= i, == i for the first handle */
     int n, cap;
 } tp__plist;
 
@@ -50,13 +61,68 @@ static void tp__plist_free(tp__plist *l)
         tp__free(l->fqn[i]);
     tp__free(l->fqn);
     tp__free(l->t);
+    tp__free(l->rep);
     *l = (tp__plist){0};
 }
 
-static tp_status tp__plist_of(const char *fn, tp_module *m, tp__plist *l)
+static bool tp__same_placements(const tp_tensor *a, const tp_tensor *b)
+{
+    int md = tp_mesh_ndim(tp_dtensor_mesh(a));
+    if (tp_dtensor_mesh(a) != tp_dtensor_mesh(b))
+        return false;
+    const tp_placement *pa = tp_dtensor_placements(a), *pb = tp_dtensor_placements(b);
+    for (int d = 0; d < md; d++) {
+        if (pa[d].kind != pb[d].kind)
+            return false;
+        if (pa[d].kind == TP_PLACEMENT_SHARD && pa[d].dim != pb[d].dim)
+            return false;
+        if (pa[d].kind == TP_PLACEMENT_PARTIAL && pa[d].op != pb[d].op)
+            return false;
+    }
+    return true;
+}
+
+static bool tp__same_shape(const tp_tensor *a, const tp_tensor *b)
+{
+    return a->ndim == b->ndim && !memcmp(a->shape, b->shape, (size_t)a->ndim * sizeof *a->shape);
+}
+
+bool tp__param_same(const tp_tensor *a, const tp_tensor *b)
+{
+    if (a == b)
+        return true;
+    if (!a || !b || !a->dist != !b->dist || a->dtype != b->dtype || !tp__same_shape(a, b))
+        return false;
+    if (a->dist) {
+        if (!tp__same_placements(a, b))
+            return false;
+        a = tp_dtensor_local(a);
+        b = tp_dtensor_local(b);
+        if (!tp__same_shape(a, b))
+            return false;
+    }
+    /* meta tensors have no storage: only the same handle is the same */
+    return a->storage && a->storage == b->storage && a->offset == b->offset &&
+           !memcmp(a->stride, b->stride, (size_t)a->ndim * sizeof *a->stride);
+}
+
+/* unique: each tensor once, with rep[] grouping the handles that are one
+ * parameter; otherwise every name (state dicts). */
+static tp_status tp__plist_of(const char *fn, tp_module *m, bool unique, tp__plist *l)
 {
     *l = (tp__plist){0};
-    tp_status st = tp_module_named_parameters(m, tp__plist_add, l);
+    tp_status st = tp__module_walk_params(m, unique, tp__plist_add, l);
+    if (st == TP_OK && unique) {
+        l->rep = tp__malloc((size_t)(l->n ? l->n : 1) * sizeof *l->rep);
+        if (!l->rep)
+            st = tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
+        for (int i = 0; st == TP_OK && i < l->n; i++) {
+            l->rep[i] = i;
+            for (int j = 0; j < i && l->rep[i] == i; j++)
+                if (l->rep[j] == j && tp__param_same(l->t[j], l->t[i]))
+                    l->rep[i] = j;
+        }
+    }
     if (st != TP_OK) {
         tp__error_prefix("%s", fn);
         tp__plist_free(l);
@@ -183,11 +249,21 @@ static tp_status tp__init_one(const char *fqn, tp_tensor *p, void *vctx)
     return st;
 }
 
+/* A tied parameter is initialised once, from its first FQN and the module
+ * that registered it there. */
 tp_status tp_module_init(tp_module *m, uint64_t seed)
 {
-    TP_ARG_CHECK(m, "tp_module_init: module is NULL");
+    const char *fn = "tp_module_init";
+    TP_ARG_CHECK(m, "%s: module is NULL", fn);
     tp__init_ctx c = {m, seed};
-    return tp_module_named_parameters(m, tp__init_one, &c);
+    tp__plist l;
+    TP_CHECK(tp__plist_of(fn, m, true, &l));
+    tp_status st = TP_OK;
+    for (int i = 0; i < l.n && st == TP_OK; i++)
+        if (l.rep[i] == i)
+            st = tp__init_one(l.fqn[i], l.t[i], &c);
+    tp__plist_free(&l);
+    return st;
 }
 
 /* ---- state dicts ----------------------------------------------------------- */
@@ -220,8 +296,8 @@ tp_status tp_module_load_state_dict(tp_module *m, int n, const char *const *name
                      "(tp_dtensor_full_tensor)", fn, names[i]);
     }
 
-    tp__plist l;
-    TP_CHECK(tp__plist_of(fn, m, &l));
+    tp__plist l; /* every name: a tied weight is loaded under each (the last wins) */
+    TP_CHECK(tp__plist_of(fn, m, false, &l));
     tp_status st = TP_OK;
     int *match = tp__malloc((size_t)(n ? n : 1) * sizeof *match);
     bool *named = tp__calloc((size_t)(l.n ? l.n : 1), sizeof *named);
@@ -312,9 +388,10 @@ tp_status tp_module_state_dict(tp_module *m,
     const char *f = "tp_module_state_dict";
     TP_ARG_CHECK(m, "%s: module is NULL", f);
     TP_ARG_CHECK(fn, "%s: fn is NULL", f);
-    /* listed first: fn may be anything, the walk stays out of its way */
+    /* listed first: fn may be anything, the walk stays out of its way; a
+     * tied weight is listed under each of its names, as PyTorch does */
     tp__plist l;
-    TP_CHECK(tp__plist_of(f, m, &l));
+    TP_CHECK(tp__plist_of(f, m, false, &l));
     tp_status st = TP_OK;
     for (int i = 0; i < l.n && st == TP_OK; i++) {
         tp_tensor *full = NULL;
@@ -334,23 +411,6 @@ tp_status tp_module_state_dict(tp_module *m,
 }
 
 /* ---- optimizers ------------------------------------------------------------ */
-
-static bool tp__same_placements(const tp_tensor *a, const tp_tensor *b)
-{
-    int md = tp_mesh_ndim(tp_dtensor_mesh(a));
-    if (tp_dtensor_mesh(a) != tp_dtensor_mesh(b))
-        return false;
-    const tp_placement *pa = tp_dtensor_placements(a), *pb = tp_dtensor_placements(b);
-    for (int d = 0; d < md; d++) {
-        if (pa[d].kind != pb[d].kind)
-            return false;
-        if (pa[d].kind == TP_PLACEMENT_SHARD && pa[d].dim != pb[d].dim)
-            return false;
-        if (pa[d].kind == TP_PLACEMENT_PARTIAL && pa[d].op != pb[d].op)
-            return false;
-    }
-    return true;
-}
 
 /* This rank's gradient block of p as a contiguous f32 CPU tensor (a new
  * reference), or NULL when p has no gradient. A gradient whose layout
@@ -406,6 +466,42 @@ static tp_status tp__local_grad(const char *fn, const char *fqn, tp_tensor *p, t
     return TP_OK;
 }
 
+/* The gradient of parameter i of a unique list: the sum of the local
+ * gradients of its handles (tp__local_grad each), NULL when none has one. */
+static tp_status tp__param_grad(const char *fn, const tp__plist *l, int i, tp_tensor **out)
+{
+    *out = NULL;
+    tp_tensor *sum = NULL;
+    for (int k = i; k < l->n; k++) {
+        if (l->rep[k] != i)
+            continue;
+        tp_tensor *g = NULL;
+        tp_status st = tp__local_grad(fn, l->fqn[k], l->t[k], &g);
+        if (st == TP_OK && g && sum) {
+            tp_tensor *s = NULL;
+            tp_no_grad_begin();
+            st = tp_add(sum, g, &s);
+            tp_no_grad_end();
+            if (st != TP_OK)
+                tp__error_prefix("%s: adding the gradients of '%s' and '%s'", fn, l->fqn[i],
+                                 l->fqn[k]);
+            tp_tensor_release(g);
+            g = s;
+        }
+        if (st != TP_OK) {
+            tp_tensor_release(g);
+            tp_tensor_release(sum);
+            return st;
+        }
+        if (g) {
+            tp_tensor_release(sum);
+            sum = g;
+        }
+    }
+    *out = sum;
+    return TP_OK;
+}
+
 /* Updates run on a contiguous f32 view of the parameter's local storage: the
  * storage itself when it is one, else a copy written back afterwards. */
 static tp_status tp__param_begin(const char *fn, const char *fqn, tp_tensor *p, tp_tensor **work)
@@ -436,11 +532,13 @@ tp_status tp_sgd_step(tp_module *m, double lr)
     TP_ARG_CHECK(isfinite(lr) && lr >= 0, "%s: lr %g must be finite and >= 0", fn, lr);
     TP_CHECK(tp__module_run_step_hooks(m));
     tp__plist l;
-    TP_CHECK(tp__plist_of(fn, m, &l));
+    TP_CHECK(tp__plist_of(fn, m, true, &l));
     tp_status st = TP_OK;
     for (int i = 0; i < l.n && st == TP_OK; i++) {
+        if (l.rep[i] != i)
+            continue; /* another handle of parameter rep[i]: stepped with it */
         tp_tensor *g = NULL, *w = NULL;
-        st = tp__local_grad(fn, l.fqn[i], l.t[i], &g);
+        st = tp__param_grad(fn, &l, i, &g);
         if (st != TP_OK || !g)
             continue;
         st = tp__param_begin(fn, l.fqn[i], l.t[i], &w);
@@ -468,8 +566,8 @@ tp_status tp_sgd_step(tp_module *m, double lr)
     return st;
 }
 
-/* Per-parameter state, keyed by FQN and created at the parameter's first
- * step with a gradient (as torch.optim.Adam's lazy state). */
+/* Per-parameter state, keyed by the parameter's (first) FQN and created at
+ * its first step with a gradient (as torch.optim.Adam's lazy state). */
 typedef struct {
     char *fqn;
     tp_tensor *param; /* retained: a replaced parameter is detected, not updated */
@@ -572,12 +670,14 @@ tp_status tp_adam_step(tp_adam *opt)
     TP_ARG_CHECK(opt, "%s: optimizer is NULL", fn);
     TP_CHECK(tp__module_run_step_hooks(opt->module));
     tp__plist l;
-    TP_CHECK(tp__plist_of(fn, opt->module, &l));
+    TP_CHECK(tp__plist_of(fn, opt->module, true, &l));
     tp_status st = TP_OK;
     const double b1 = opt->beta1, b2 = opt->beta2;
     for (int i = 0; i < l.n && st == TP_OK; i++) {
+        if (l.rep[i] != i)
+            continue; /* one state and one update per parameter */
         tp_tensor *g = NULL, *w = NULL;
-        st = tp__local_grad(fn, l.fqn[i], l.t[i], &g);
+        st = tp__param_grad(fn, &l, i, &g);
         if (st != TP_OK || !g)
             continue;
         st = tp__param_begin(fn, l.fqn[i], l.t[i], &w);
