@@ -27,8 +27,10 @@ typedef struct tp__dbucket {
     bool launched;
 } tp__dbucket;
 
-/* The module's hooks cannot be removed: they hold this, which outlives the
- * DDP and goes quiet when it is freed. */
+/* The module's hooks stay when the DDP is freed (the module may be freed
+ * first, or replicated, so the DDP cannot tell whether removing them is
+ * safe): they hold this, which outlives the DDP and goes quiet when it is
+ * freed. */
 typedef struct tp__shim {
     atomic_int refs;
     struct tp_ddp *ddp;
@@ -651,13 +653,14 @@ tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *op
     d->shim->ddp = d;
     /* each hook holds a reference on the shim (released by the module) */
     atomic_fetch_add(&d->shim->refs, 1);
-    st = tp_module_add_step_pre_hook(module, tp__step_hook, d->shim, tp__shim_release);
+    st = tp_module_add_step_pre_hook(module, tp__step_hook, d->shim, tp__shim_release, NULL);
     if (st != TP_OK) {
         atomic_fetch_sub(&d->shim->refs, 1);
         goto fail;
     }
     atomic_fetch_add(&d->shim->refs, 1);
-    st = tp_module_add_forward_pre_hook(module, tp__forward_hook, d->shim, tp__shim_release);
+    st = tp_module_add_forward_pre_hook(module, tp__forward_hook, d->shim, tp__shim_release,
+                                        NULL);
     if (st != TP_OK) {
         atomic_fetch_sub(&d->shim->refs, 1);
         goto fail;

@@ -595,7 +595,7 @@ static tp_status tp__replicate_params(tp_module *m, tp_mesh *mesh, const char *f
 
 static tp_status tp__add_pre(tp_module *m, tp__hook_ctx *c)
 {
-    tp_status st = tp_module_add_forward_pre_hook(m, tp__pre_hook, c, tp__hook_ctx_free);
+    tp_status st = tp_module_add_forward_pre_hook(m, tp__pre_hook, c, tp__hook_ctx_free, NULL);
     if (st != TP_OK)
         tp__hook_ctx_free(c);
     return st;
@@ -603,7 +603,7 @@ static tp_status tp__add_pre(tp_module *m, tp__hook_ctx *c)
 
 static tp_status tp__add_post(tp_module *m, tp__hook_ctx *c)
 {
-    tp_status st = tp_module_add_forward_hook(m, tp__post_hook, c, tp__hook_ctx_free);
+    tp_status st = tp_module_add_forward_hook(m, tp__post_hook, c, tp__hook_ctx_free, NULL);
     if (st != TP_OK)
         tp__hook_ctx_free(c);
     return st;
