@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "collectives/comm_ref.h"
 #include "dp/dp_internal.h"
 
 typedef struct tp__dparam {
@@ -38,7 +39,7 @@ typedef struct tp__shim {
 
 struct tp_ddp {
     tp_module *module;
-    tp_comm *comm;
+    tp_comm *comm; /* holds a reference */
     tp_ddp_options opts;
     tp_step_graph *g;
     int built_version;
@@ -514,6 +515,7 @@ void tp_ddp_free(tp_ddp *d)
     tp__free(d->p);
     tp__free(d->seen);
     tp_step_graph_free(d->g);
+    tp__comm_release(d->comm);
     if (d->shim) {
         d->shim->ddp = NULL;
         tp__shim_release(d->shim);
@@ -574,7 +576,7 @@ tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *op
     if (!d)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     d->module = module;
-    d->comm = comm;
+    d->comm = tp__comm_retain(comm); /* the caller may free comm first */
     if (opts)
         d->opts = *opts;
     tp__collect c = {d, 0};
