@@ -810,7 +810,8 @@ Test(nn, custom_module_errors, .timeout = 30)
     cr_assert_null(out);
     cr_assert_str_eq(tp_comm_debug_current_scope(), "Global");
     /* hooks: NULL arguments */
-    CHECK_ERR(tp_module_add_forward_pre_hook(NULL, pre_a, NULL, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_module_add_forward_pre_hook(NULL, pre_a, NULL, NULL, NULL),
+              TP_ERR_INVALID_ARG);
     CHECK_ERR(tp_module_add_forward_pre_hook(m, NULL, NULL, NULL, NULL), TP_ERR_INVALID_ARG);
     CHECK_ERR(tp_module_add_forward_hook(NULL, post_c, NULL, NULL, NULL), TP_ERR_INVALID_ARG);
     CHECK_ERR(tp_module_add_forward_hook(m, NULL, NULL, NULL, NULL), TP_ERR_INVALID_ARG);
@@ -1997,7 +1998,8 @@ static tp_status nn_scenario(void)
     TRY(randint(1, (int64_t[]){2}, 1, &w));
     TRY(tp_module_register_parameter(m, "p", w));
     for (int i = 0; i < 6; i++) {
-        TRY(tp_module_add_forward_pre_hook(tp_module_child(root, "net1"), noop_pre, NULL, NULL, NULL));
+        TRY(tp_module_add_forward_pre_hook(tp_module_child(root, "net1"), noop_pre, NULL, NULL,
+                                           NULL));
         TRY(tp_module_add_forward_hook(tp_module_child(root, "net2"), post_d, &scenario_log,
                                        NULL, NULL));
     }

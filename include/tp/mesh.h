@@ -6,13 +6,14 @@
  * sub-communicator grouping the ranks that differ only in that coordinate.
  *
  * Lifetime: a mesh is reference-counted. Everything that keeps a mesh holds a
- * reference of its own: DTensors on it, the hooks a parallel style installs on
- * modules, autograd nodes. (A slice needs nothing of its parent and holds no
- * reference on it.) tp_mesh_free drops the caller's reference, so the caller
- * may free its mesh right after tp_parallelize_module or after making DTensors
- * on it; the mesh goes when the last of them goes. The counting is thread-safe: a
- * DTensor may be released on another thread than the one that made its mesh,
- * and the last release frees the mesh's communicators on that thread.
+ * reference of its own: DTensors on it (and so the parameters and autograd
+ * nodes that hold those), the hooks a parallel style installs on modules. (A
+ * slice needs nothing of its parent and holds no reference on it.)
+ * tp_mesh_free drops the caller's reference, so the caller may free its mesh
+ * right after tp_parallelize_module or after making DTensors on it; the mesh
+ * goes when the last of them goes. The counting is thread-safe: a DTensor may
+ * be released on another thread than the one that made its mesh, and the
+ * last release frees the mesh's communicators on that thread.
  */
 #ifndef TP_MESH_H
 #define TP_MESH_H
@@ -90,8 +91,9 @@ TP_API tp_comm *tp_mesh_group(const tp_mesh *mesh);
  * ("dp", "tp") mesh. Unknown or repeated names, or nnames outside
  * [1, ndim], are TP_ERR_INVALID_ARG. The slice is a mesh of its own (free it
  * with tp_mesh_free) that owns a new group communicator and borrows nothing
- * from the parent: the two may be freed in any order. Validation and failures behave as in tp_mesh_create (a failure
- * after validation aborts the communicator the rank was splitting).
+ * from the parent: the two may be freed in any order. Validation and
+ * failures behave as in tp_mesh_create (a failure after validation aborts the
+ * communicator the rank was splitting).
  */
 TP_API tp_status tp_mesh_slice(tp_mesh *mesh, int nnames, const char *const *names,
                                tp_mesh **out);

@@ -9,10 +9,10 @@
 #include "core/core.h"
 #include "tp/mesh.h"
 
-/* A mesh is shared by whatever uses it (DTensors, style hooks, autograd
- * nodes): each holds a reference, the caller's goes with tp_mesh_free, and
- * the last one frees it, on whichever thread drops it. It holds a reference on
- * every communicator it uses, so nothing it points to can go first. */
+/* A mesh is shared by whatever uses it (DTensors, style hooks): each holds a
+ * reference, the caller's goes with tp_mesh_free, and the last one frees it,
+ * on whichever thread drops it. It holds a reference on every communicator
+ * it uses, so nothing it points to can go first. */
 struct tp_mesh {
     atomic_int refs;
     int ndim;
