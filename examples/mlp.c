@@ -324,8 +324,8 @@ out:
     tp_tensor_release(x_rows);
     tp_tensor_release(t);
     tp_tensor_release(x);
-    tp_module_free(model); /* before the mesh its DTensors live on */
-    tp_mesh_free(mesh);
+    tp_mesh_free(mesh); /* any order: the model's DTensors and hooks hold the mesh */
+    tp_module_free(model);
     return st;
 }
 

@@ -673,8 +673,9 @@ out:
     tp_tensor_release(targets);
     tp_tensor_release(tokens);
     tp_adam_free(adam);
-    tp_ddp_free(ddp);      /* before the module it hooks */
-    tp_module_free(model); /* before the meshes its DTensors live on */
+    /* any order: each holds what it uses */
+    tp_ddp_free(ddp);
+    tp_module_free(model);
     tp_mesh_free(tpmesh);
     tp_mesh_free(mesh);
     return st;

@@ -810,10 +810,11 @@ Test(nn, custom_module_errors, .timeout = 30)
     cr_assert_null(out);
     cr_assert_str_eq(tp_comm_debug_current_scope(), "Global");
     /* hooks: NULL arguments */
-    CHECK_ERR(tp_module_add_forward_pre_hook(NULL, pre_a, NULL, NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_module_add_forward_pre_hook(m, NULL, NULL, NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_module_add_forward_hook(NULL, post_c, NULL, NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_module_add_forward_hook(m, NULL, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_module_add_forward_pre_hook(NULL, pre_a, NULL, NULL, NULL),
+              TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_module_add_forward_pre_hook(m, NULL, NULL, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_module_add_forward_hook(NULL, post_c, NULL, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_module_add_forward_hook(m, NULL, NULL, NULL, NULL), TP_ERR_INVALID_ARG);
     tp_module_free(m);
     tp_tensor_release(x);
 }
@@ -823,10 +824,10 @@ Test(nn, hooks_replace_inputs_and_outputs_in_order, .timeout = 30)
     hook_log hl = {0};
     tp_module *m = NULL;
     CHECK_OK(tp_custom_module_create("Adder", custom_fwd, &hl, NULL, &m));
-    CHECK_OK(tp_module_add_forward_pre_hook(m, pre_a, &hl, count_free));
-    CHECK_OK(tp_module_add_forward_pre_hook(m, pre_b, &hl, count_free));
-    CHECK_OK(tp_module_add_forward_hook(m, post_c, &hl, count_free));
-    CHECK_OK(tp_module_add_forward_hook(m, post_d, &hl, count_free));
+    CHECK_OK(tp_module_add_forward_pre_hook(m, pre_a, &hl, count_free, NULL));
+    CHECK_OK(tp_module_add_forward_pre_hook(m, pre_b, &hl, count_free, NULL));
+    CHECK_OK(tp_module_add_forward_hook(m, post_c, &hl, count_free, NULL));
+    CHECK_OK(tp_module_add_forward_hook(m, post_d, &hl, count_free, NULL));
     tp_tensor *x = mk(2, (int64_t[]){2, 3}, 1), *y = mk(2, (int64_t[]){2, 3}, 2),
               *s = mk(2, (int64_t[]){2, 3}, 3), *x0 = NULL, *out = NULL;
     CHECK_OK(tp_tensor_clone(x, &x0));
@@ -849,7 +850,7 @@ Test(nn, hooks_replace_inputs_and_outputs_in_order, .timeout = 30)
     hook_log fl = {0};
     tp_module *f = NULL;
     CHECK_OK(tp_custom_module_create("Adder", custom_fwd, &fl, NULL, &f));
-    CHECK_OK(tp_module_add_forward_pre_hook(f, pre_fail, &fl, NULL));
+    CHECK_OK(tp_module_add_forward_pre_hook(f, pre_fail, &fl, NULL, NULL));
     tp_tensor *o = (tp_tensor *)0x1;
     cr_assert_eq(run_adder(f, x, y, s, &o), TP_ERR_MISMATCH);
     cr_assert_null(o);
@@ -858,8 +859,8 @@ Test(nn, hooks_replace_inputs_and_outputs_in_order, .timeout = 30)
     tp_module_free(f);
     fl = (hook_log){0};
     CHECK_OK(tp_custom_module_create("Adder", custom_fwd, &fl, NULL, &f));
-    CHECK_OK(tp_module_add_forward_hook(f, post_fail, &fl, NULL));
-    CHECK_OK(tp_module_add_forward_hook(f, post_d, &fl, NULL));
+    CHECK_OK(tp_module_add_forward_hook(f, post_fail, &fl, NULL, NULL));
+    CHECK_OK(tp_module_add_forward_hook(f, post_d, &fl, NULL, NULL));
     o = (tp_tensor *)0x1;
     cr_assert_eq(run_adder(f, x, y, s, &o), TP_ERR_MISMATCH);
     cr_assert_null(o);
@@ -886,8 +887,8 @@ Test(nn, hooks_on_builtin_modules, .timeout = 30)
     CHECK_OK(tp_module_add_child(seq, "0", id));
     CHECK_OK(tp_module_add_child(seq, "1", lin));
     CHECK_OK(tp_module_init(seq, 4));
-    CHECK_OK(tp_module_add_forward_pre_hook(lin, pre_a, &hl, NULL));
-    CHECK_OK(tp_module_add_forward_hook(id, post_c, &hl, NULL));
+    CHECK_OK(tp_module_add_forward_pre_hook(lin, pre_a, &hl, NULL, NULL));
+    CHECK_OK(tp_module_add_forward_hook(id, post_c, &hl, NULL, NULL));
     tp_tensor *x = mk(2, (int64_t[]){2, 3}, 1), *y = call1(seq, x), *x6 = NULL, *ref = NULL;
     cr_assert_str_eq(hl.log, "ca");
     CHECK_OK(tp_scale(x, 6.0, &x6));
@@ -898,6 +899,167 @@ Test(nn, hooks_on_builtin_modules, .timeout = 30)
     tp_tensor_release(x6);
     tp_tensor_release(ref);
     tp_module_free(seq);
+}
+
+/* ---- removing hooks ------------------------------------------------------------- */
+
+static tp_status step_logger(tp_module *m, void *ctx)
+{
+    (void)m;
+    logc(ctx, 'S');
+    return TP_OK;
+}
+
+Test(nn, hooks_removed_by_handle, .timeout = 30)
+{
+    hook_log hl = {0}, sl = {0};
+    tp_module *m = NULL;
+    int ha = -1, hb = -1, hc = -1, hd = -1, hs = -1, bad = -1;
+    CHECK_OK(tp_custom_module_create("Adder", custom_fwd, &hl, NULL, &m));
+    CHECK_OK(tp_module_add_forward_pre_hook(m, pre_a, &hl, count_free, &ha));
+    CHECK_OK(tp_module_add_forward_pre_hook(m, pre_b, &hl, count_free, &hb));
+    CHECK_OK(tp_module_add_forward_hook(m, post_c, &hl, count_free, &hc));
+    CHECK_OK(tp_module_add_forward_hook(m, post_d, &hl, count_free, &hd));
+    CHECK_OK(tp_module_add_step_pre_hook(m, step_logger, &sl, count_free, &hs));
+    int hs_all[] = {ha, hb, hc, hd, hs};
+    for (int i = 0; i < 5; i++) {
+        cr_assert_gt(hs_all[i], 0, "handle %d is %d", i, hs_all[i]);
+        for (int j = 0; j < i; j++)
+            cr_assert_neq(hs_all[i], hs_all[j], "handles %d and %d are equal", j, i);
+    }
+    CHECK_ERR(tp_module_add_forward_hook(NULL, post_c, &hl, count_free, &bad),
+              TP_ERR_INVALID_ARG);
+    cr_assert_eq(bad, 0, "a failed add sets the handle to 0");
+    cr_assert_eq(hl.freed, 0, "a failed add leaves ctx to the caller");
+
+    tp_tensor *x = mk(2, (int64_t[]){2, 3}, 1), *y = mk(2, (int64_t[]){2, 3}, 2),
+              *s = mk(2, (int64_t[]){2, 3}, 3), *out = NULL;
+    CHECK_OK(run_adder(m, x, y, s, &out));
+    tp_tensor_release(out);
+    cr_assert_str_eq(hl.log, "abFcd");
+
+    tp_module_remove_hook(m, hb);
+    cr_assert_eq(hl.freed, 1, "ctx_free runs when the hook is removed");
+    tp_module_remove_hook(m, hc);
+    cr_assert_eq(hl.freed, 2);
+    hl.log[0] = '\0';
+    CHECK_OK(run_adder(m, x, y, s, &out));
+    cr_assert_str_eq(hl.log, "aFd", "removed hooks do not run");
+    /* (2x + y) * s: neither the negation of b nor the tripling of c */
+    tp_tensor *x2 = NULL, *sum = NULL, *ref = NULL;
+    CHECK_OK(tp_scale(x, 2.0, &x2));
+    CHECK_OK(tp_add(x2, y, &sum));
+    CHECK_OK(tp_mul(sum, s, &ref));
+    assert_equal(out, ref, "forward without the removed hooks");
+    tp_tensor_release(out);
+
+    /* unknown handles, a second removal, NULL: no-ops */
+    tp_module_remove_hook(m, hb);
+    tp_module_remove_hook(m, 0);
+    tp_module_remove_hook(m, -1);
+    tp_module_remove_hook(m, 1000);
+    tp_module_remove_hook(NULL, ha);
+    cr_assert_eq(hl.freed, 2, "a no-op removal freed something");
+    hl.log[0] = '\0';
+    CHECK_OK(run_adder(m, x, y, s, &out));
+    tp_tensor_release(out);
+    cr_assert_str_eq(hl.log, "aFd");
+
+    /* a step pre-hook */
+    CHECK_OK(tp_sgd_step(m, 0.1));
+    cr_assert_str_eq(sl.log, "S");
+    tp_module_remove_hook(m, hs);
+    cr_assert_eq(sl.freed, 1);
+    CHECK_OK(tp_sgd_step(m, 0.1));
+    cr_assert_str_eq(sl.log, "S", "a removed step pre-hook ran");
+
+    /* a handle given out after removals is new */
+    int he = -1;
+    CHECK_OK(tp_module_add_forward_hook(m, post_c, &hl, count_free, &he));
+    for (int i = 0; i < 5; i++)
+        cr_assert_neq(he, hs_all[i], "handle %d reused", he);
+    tp_module_remove_hook(m, ha);
+    tp_module_remove_hook(m, hd);
+    cr_assert_eq(hl.freed, 4);
+    tp_module_free(m);
+    cr_assert_eq(hl.freed, 5, "every ctx_free ran once (%d)", hl.freed);
+    cr_assert_eq(sl.freed, 1);
+    tp_tensor *tps[] = {x, y, s, x2, sum, ref};
+    for (size_t i = 0; i < sizeof tps / sizeof tps[0]; i++)
+        tp_tensor_release(tps[i]);
+}
+
+/* A pre-hook that removes itself and another hook while the forward runs;
+ * its ctx must stay valid until the module returns. */
+typedef struct remover {
+    tp_module *m; /* where the handles live */
+    int self, other;
+    int runs, post_runs, freed, freed_inside;
+} remover;
+
+static tp_status pre_remover(tp_module *m, int nargs, tp_tensor **args, int nkw, tp_kwarg *kw,
+                             void *ctx)
+{
+    (void)m, (void)nargs, (void)args, (void)nkw, (void)kw;
+    remover *r = ctx;
+    r->runs++;
+    tp_module_remove_hook(r->m, r->self);
+    tp_module_remove_hook(r->m, r->other);
+    r->freed_inside = r->freed; /* ctx is still ours */
+    return TP_OK;
+}
+
+static tp_status post_count(tp_module *m, int nargs, tp_tensor *const *args, tp_tensor **out,
+                            void *ctx)
+{
+    (void)m, (void)nargs, (void)args, (void)out;
+    ((remover *)ctx)->post_runs++;
+    return TP_OK;
+}
+
+static void remover_free(void *ctx) { ((remover *)ctx)->freed++; }
+
+Test(nn, hooks_removed_while_running, .timeout = 30)
+{
+    /* on the running module itself */
+    remover r = {0};
+    tp_module *lin = NULL;
+    CHECK_OK(tp_linear_create(3, 3, false, &lin));
+    CHECK_OK(tp_module_init(lin, 4));
+    r.m = lin;
+    CHECK_OK(tp_module_add_forward_pre_hook(lin, pre_remover, &r, remover_free, &r.self));
+    CHECK_OK(tp_module_add_forward_hook(lin, post_count, &r, remover_free, &r.other));
+    tp_tensor *x = mk(2, (int64_t[]){2, 3}, 1), *y = call1(lin, x);
+    cr_assert_eq(r.runs, 1);
+    cr_assert_eq(r.post_runs, 0, "a hook removed earlier in the forward ran");
+    cr_assert_eq(r.freed_inside, 0, "ctx_free ran while the hook was running");
+    cr_assert_eq(r.freed, 2, "ctx_free runs once the module returns (%d)", r.freed);
+    tp_tensor *y2 = call1(lin, x);
+    cr_assert_eq(r.runs, 1);
+    cr_assert_eq(r.post_runs, 0);
+    assert_equal(y2, y, "the plain Linear");
+    tp_module_free(lin);
+    cr_assert_eq(r.freed, 2, "ctx_free ran again at tp_module_free");
+    tp_tensor_release(y);
+    tp_tensor_release(y2);
+
+    /* a child's hook removes a hook of its running parent */
+    remover q = {0};
+    tp_module *seq = NULL, *id = NULL;
+    CHECK_OK(tp_sequential_create(&seq));
+    CHECK_OK(tp_identity_create(&id));
+    CHECK_OK(tp_module_add_child(seq, "0", id));
+    q.m = seq;
+    CHECK_OK(tp_module_add_forward_hook(seq, post_count, &q, remover_free, &q.other));
+    CHECK_OK(tp_module_add_forward_pre_hook(id, pre_remover, &q, NULL, NULL));
+    y = call1(seq, x);
+    cr_assert_eq(q.runs, 1);
+    cr_assert_eq(q.post_runs, 0, "the parent's hook ran after its removal");
+    cr_assert_eq(q.freed, 1);
+    tp_tensor_release(y);
+    tp_module_free(seq);
+    cr_assert_eq(q.freed, 1);
+    tp_tensor_release(x);
 }
 
 /* ---- comm-debug scopes ---------------------------------------------------------- */
@@ -1027,10 +1189,10 @@ static tp_status scope_body(tp_comm *w, void *arg)
     RANK_OK(s, tp_module_add_child(mlp, "net1", inner));
     RANK_OK(s, tp_linear_create(4, 4, true, &lin));
     RANK_OK(s, tp_module_add_child(mlp, "net2", lin));
-    RANK_OK(s, tp_module_add_forward_pre_hook(lin, barrier_pre, w, NULL));
+    RANK_OK(s, tp_module_add_forward_pre_hook(lin, barrier_pre, w, NULL, NULL));
     RANK_OK(s, tp_module_init(mlp, 5));
     RANK_OK(s, tp_linear_create(4, 2, true, &solo));
-    RANK_OK(s, tp_module_add_forward_hook(solo, allreduce_post, w, NULL));
+    RANK_OK(s, tp_module_add_forward_hook(solo, allreduce_post, w, NULL, NULL));
 
     tp_comm_debug *d = NULL;
     tp_tensor *x = NULL, *y = NULL, *z = NULL;
@@ -1775,7 +1937,7 @@ Test(nn, step_pre_hooks, .timeout = 30)
 {
     tp_module *lin = hand_linear(), *root = NULL;
     step_log l = {0};
-    CHECK_OK(tp_module_add_step_pre_hook(lin, step_hook, &l, step_log_free));
+    CHECK_OK(tp_module_add_step_pre_hook(lin, step_hook, &l, step_log_free, NULL));
     CHECK_OK(tp_sequential_create(&root));
     CHECK_OK(tp_module_add_child(root, "lin", lin));
     hand_backward(lin);
@@ -1792,8 +1954,8 @@ Test(nn, step_pre_hooks, .timeout = 30)
     cr_assert_eq(tp_adam_step(adam), TP_ERR_ABORTED);
     cr_assert_eq(at(tp_module_parameter(lin, "weight"), 0, 2), before,
                  "a failing hook must stop the step before any update");
-    CHECK_ERR(tp_module_add_step_pre_hook(NULL, step_hook, &l, NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_module_add_step_pre_hook(lin, NULL, &l, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_module_add_step_pre_hook(NULL, step_hook, &l, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_module_add_step_pre_hook(lin, NULL, &l, NULL, NULL), TP_ERR_INVALID_ARG);
     tp_adam_free(adam);
     tp_module_free(root);
     cr_assert_eq(l.freed, 1, "ctx_free ran %d times", l.freed);
@@ -2106,9 +2268,10 @@ static tp_status nn_scenario(void)
     TRY(randint(1, (int64_t[]){2}, 1, &w));
     TRY(tp_module_register_parameter(m, "p", w));
     for (int i = 0; i < 6; i++) {
-        TRY(tp_module_add_forward_pre_hook(tp_module_child(root, "net1"), noop_pre, NULL, NULL));
+        TRY(tp_module_add_forward_pre_hook(tp_module_child(root, "net1"), noop_pre, NULL, NULL,
+                                           NULL));
         TRY(tp_module_add_forward_hook(tp_module_child(root, "net2"), post_d, &scenario_log,
-                                       NULL));
+                                       NULL, NULL));
     }
     TRY(tp_module_init(root, 3));
     TRY(randint(2, (int64_t[]){2, 3}, 2, &x));

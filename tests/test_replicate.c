@@ -465,7 +465,7 @@ Test(replicate, replicas_on_rank_threads, .timeout = 60)
 
 /* Names, kinds, configuration, training flag, hooks and custom ctx: hooks
  * run on the replica (with the replica as `m`) sharing the original's ctx,
- * which replicas never free; tied weights stay tied. */
+ * freed once after the last holder; tied weights stay tied. */
 typedef struct {
     int calls;
     const tp_module *last;
@@ -538,7 +538,7 @@ Test(replicate, tree_hooks_ctx_and_tied_weights, .timeout = 30)
     CHECK_OK(tp_module_register_parameter(module, "absent", NULL));
     CHECK_OK(tp_module_register_parameter(inner, "w2", w)); /* tied */
     hook_ctx h = {0};
-    CHECK_OK(tp_module_add_forward_hook(drop, count_hook, &h, NULL));
+    CHECK_OK(tp_module_add_forward_hook(drop, count_hook, &h, NULL, NULL));
     /* advance Dropout's call count: replicas continue from it */
     tp_tensor *x = random_input(14, TP_CPU), *y = NULL;
     CHECK_OK(tp_module_call(drop, x, &y));
@@ -580,7 +580,7 @@ Test(replicate, tree_hooks_ctx_and_tied_weights, .timeout = 30)
         tp_tensor_release(xr);
     }
     free_all(r, 3);
-    cr_assert_eq(ctx_frees, 0, "replicas do not free the shared ctx");
+    cr_assert_eq(ctx_frees, 0, "the original still holds the shared ctx");
     tp_module_free(module);
     cr_assert_eq(ctx_frees, 1);
     tp_tensor_release(w);
@@ -590,6 +590,86 @@ Test(replicate, tree_hooks_ctx_and_tied_weights, .timeout = 30)
 }
 
 /* tp_module_device: NULL, fresh modules, parameterless replicas. */
+/* The original and its replicas share the custom ctx and the hooks' ctx:
+ * each ctx_free runs once, after the last of them is freed, in any order;
+ * a replica removes its own copy of a hook by the original's handle. */
+typedef struct {
+    int tag; /* 42 while alive */
+    int calls;
+} heap_ctx;
+
+static int heap_frees;
+static void heap_ctx_free(void *ctx)
+{
+    ((heap_ctx *)ctx)->tag = 0;
+    free(ctx);
+    heap_frees++;
+}
+
+static tp_status fwd_heap(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                          const tp_kwarg *kw, tp_tensor **out)
+{
+    (void)nargs, (void)nkw, (void)kw;
+    heap_ctx *c = tp_module_ctx(self);
+    if (!c || c->tag != 42)
+        return TP_ERR_STATE;
+    c->calls++;
+    *out = tp_tensor_retain(args[0]);
+    return TP_OK;
+}
+
+static tp_status heap_hook(tp_module *m, int nargs, tp_tensor *const *args, tp_tensor **out,
+                           void *ctx)
+{
+    (void)m, (void)nargs, (void)args, (void)out;
+    heap_ctx *c = ctx;
+    if (c->tag != 42)
+        return TP_ERR_STATE;
+    c->calls++;
+    return TP_OK;
+}
+
+static heap_ctx *heap_new(void)
+{
+    heap_ctx *c = calloc(1, sizeof *c);
+    cr_assert_not_null(c);
+    c->tag = 42;
+    return c;
+}
+
+Test(replicate, shared_ctx_freed_after_the_last_holder, .timeout = 30)
+{
+    heap_frees = 0;
+    heap_ctx *mc = heap_new(), *hc = heap_new();
+    tp_module *module = NULL, *r[2];
+    int h = 0;
+    CHECK_OK(tp_custom_module_create("Heap", fwd_heap, mc, heap_ctx_free, &module));
+    CHECK_OK(tp_module_add_forward_hook(module, heap_hook, hc, heap_ctx_free, &h));
+    CHECK_OK(tp_module_replicate(module, CPU01, 2, r));
+    tp_module_free(module);
+    cr_assert_eq(heap_frees, 0, "the original's free took the replicas' ctx");
+    tp_tensor *x = random_input(3, TP_CPU), *y = NULL;
+    for (int i = 0; i < 2; i++) {
+        CHECK_OK(tp_module_call(r[i], x, &y));
+        tp_tensor_release(y);
+    }
+    cr_assert_eq(mc->calls, 2);
+    cr_assert_eq(hc->calls, 2);
+    tp_module_remove_hook(r[0], h); /* r[1] still holds the hook */
+    cr_assert_eq(heap_frees, 0);
+    CHECK_OK(tp_module_call(r[0], x, &y));
+    tp_tensor_release(y);
+    cr_assert_eq(hc->calls, 2, "the hook removed from r[0] ran");
+    CHECK_OK(tp_module_call(r[1], x, &y));
+    tp_tensor_release(y);
+    cr_assert_eq(hc->calls, 3);
+    tp_module_free(r[1]);
+    cr_assert_eq(heap_frees, 1, "the hook's ctx goes with its last holder");
+    tp_module_free(r[0]);
+    cr_assert_eq(heap_frees, 2, "the module's ctx goes with the last replica");
+    tp_tensor_release(x);
+}
+
 Test(replicate, module_device, .timeout = 10)
 {
     tp_device d = tp_module_device(NULL);
@@ -754,8 +834,8 @@ Test(replicate, allocation_failures, .init = rep_alloc_install, .fini = rep_allo
     CHECK_OK(tp_module_register_parameter(tied, "w", w));
     CHECK_OK(tp_module_add_child(module, "tied", tied));
     static hook_ctx h;
-    CHECK_OK(tp_module_add_forward_hook(tied, count_hook, &h, NULL));
-    CHECK_OK(tp_module_add_forward_pre_hook(module, noop_pre, NULL, NULL));
+    CHECK_OK(tp_module_add_forward_hook(tied, count_hook, &h, NULL, NULL));
+    CHECK_OK(tp_module_add_forward_pre_hook(module, noop_pre, NULL, NULL, NULL));
     tp_device dev[3] = {{TP_DEVICE_CPU, 0}, {TP_DEVICE_CPU, 1}, {TP_DEVICE_CPU, 0}};
     long base = A.live, k = 0;
     for (;; k++) {

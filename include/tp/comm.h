@@ -113,10 +113,20 @@ TP_API void tp_comm_abort(tp_comm *comm, const char *reason);
 /* true once comm (or, for shm, its run) was aborted. */
 TP_API bool tp_comm_is_aborted(const tp_comm *comm);
 
-/* Frees this rank's handle. Pending work is waited for first (up to the
- * timeout). NULL is a no-op. The world communicator handed to a
- * tp_run_local() rank function belongs to tp_run_local: do not free it. */
-TP_API void tp_comm_free(tp_comm *comm);
+/*
+ * Releases the caller's handle. Refused with TP_ERR_STATE (the message says
+ * how many) while work handles of this communicator are not freed yet: the
+ * communicator stays usable, and may be freed once they are. Otherwise
+ * returns TP_OK; the communicator itself goes once nothing uses it any more:
+ * a mesh built on it (tp_mesh_create) or a DDP over it keeps it alive until
+ * that is freed too, so these may be freed in any order. The last release
+ * waits for this rank's part of posted collectives (up to the timeout; nccl:
+ * also for the peers to release theirs) and frees the backend state, on the
+ * thread that makes it. NULL is a no-op (TP_OK). The world communicator
+ * handed to a tp_run_local() rank function belongs to tp_run_local: freeing
+ * it is a no-op (TP_OK).
+ */
+TP_API tp_status tp_comm_free(tp_comm *comm);
 
 /* ---- collectives --------------------------------------------------------- */
 
@@ -146,7 +156,9 @@ TP_API tp_status tp_work_wait(tp_work *work);
 /* Makes progress without blocking; *done tells whether the work completed.
  * Returns the collective's status once done, TP_OK while pending. */
 TP_API tp_status tp_work_test(tp_work *work, bool *done);
-/* Frees the handle, waiting for pending work first. NULL is a no-op. */
+/* Frees the handle, waiting for pending work first. NULL is a no-op. A work
+ * handle keeps its communicator alive: it may be freed after the mesh that
+ * owned the communicator. */
 TP_API void tp_work_free(tp_work *work);
 
 /* ---- ranks as threads (the shm backend) ---------------------------------- */

@@ -151,13 +151,15 @@ typedef struct tp_ddp_options {
 
 /*
  * Collective over comm: wraps `module` (the module stays the caller's; the
- * DDP adds hooks to it and its parameters and must be freed before it).
- * Every parameter that requires grad takes part; all must be on one device
- * type the comm's backend moves. opts NULL: defaults. A tensor registered
- * under several names (tied weights) is one parameter: one gradient hook,
- * one slot in one bucket, all_reduced once per step. Distinct handles over
- * one storage region (one parameter for the optimizers, tp/nn.h) each hold
- * their own gradient and are reduced separately; the step sums them.
+ * DDP adds hooks to it and its parameters). The DDP holds a reference on
+ * comm, so module, comm and DDP may be freed in any order (the module's hooks
+ * go quiet once the DDP is freed). Every parameter that requires grad takes
+ * part; all must be on one device type the comm's backend moves. opts NULL:
+ * defaults. A tensor registered under several names (tied weights) is one
+ * parameter: one gradient hook, one slot in one bucket, all_reduced once per
+ * step. Distinct handles over one storage region (one parameter for the
+ * optimizers, tp/nn.h) each hold their own gradient and are reduced
+ * separately; the step sums them.
  */
 TP_API tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *opts,
                              tp_ddp **out);

@@ -12,7 +12,8 @@
  * global (logical) tensor; its data lives in the local shard,
  * tp_dtensor_local(). Views and element access of core (narrow, get, copy,
  * data, ...) refuse DTensors: convert with tp_dtensor_to_local or
- * tp_dtensor_full_tensor first. A mesh must outlive the DTensors on it.
+ * tp_dtensor_full_tensor first. A DTensor holds a reference on its mesh
+ * (tp_mesh_retain), so the mesh may be freed first.
  *
  * Collective calls here are collective over the mesh: every rank of the mesh
  * calls them in the same order with the same layouts.

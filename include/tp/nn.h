@@ -69,8 +69,9 @@ TP_API tp_status tp_relu_create(tp_module **out);
 TP_API tp_status tp_gelu_create(tp_gelu_approx approx, tp_module **out);
 TP_API tp_status tp_sequential_create(tp_module **out);
 TP_API tp_status tp_container_create(tp_module **out);
-/* ctx is passed back through tp_module_ctx; ctx_free (may be NULL) runs at
- * tp_module_free. */
+/* ctx is passed back through tp_module_ctx; ctx_free (may be NULL) runs once,
+ * when the module and every replica of it (tp_module_replicate) are freed. On
+ * failure the caller keeps ctx (ctx_free is not called). */
 TP_API tp_status tp_custom_module_create(const char *type_name, tp_forward_fn forward,
                                          void *ctx, void (*ctx_free)(void *ctx),
                                          tp_module **out);
@@ -156,10 +157,18 @@ typedef tp_status (*tp_forward_pre_hook)(tp_module *m, int nargs, tp_tensor **ar
 /* A hook may replace the output (*out: release the old, store a new one). */
 typedef tp_status (*tp_forward_hook)(tp_module *m, int nargs, tp_tensor *const *args,
                                      tp_tensor **out, void *ctx);
+/*
+ * Hooks run in registration order. ctx_free (may be NULL) runs once, when the
+ * hook is removed or the module is freed (with replicas: when the last module
+ * holding the hook lets go). On failure the caller keeps ctx (ctx_free is not
+ * called). *handle (may be NULL) receives a handle for tp_module_remove_hook:
+ * > 0, unique among the hooks of every kind on m (a replica's copy of a hook
+ * has the original's handle); 0 on failure.
+ */
 TP_API tp_status tp_module_add_forward_pre_hook(tp_module *m, tp_forward_pre_hook fn, void *ctx,
-                                                void (*ctx_free)(void *ctx));
+                                                void (*ctx_free)(void *ctx), int *handle);
 TP_API tp_status tp_module_add_forward_hook(tp_module *m, tp_forward_hook fn, void *ctx,
-                                            void (*ctx_free)(void *ctx));
+                                            void (*ctx_free)(void *ctx), int *handle);
 /* A step pre-hook runs when tp_sgd_step / tp_adam_step is called on m or an
  * ancestor, before any parameter changes (data parallelism waits for its
  * gradient all_reduces there). A failing hook stops the step with its status,
@@ -167,7 +176,17 @@ TP_API tp_status tp_module_add_forward_hook(tp_module *m, tp_forward_hook fn, vo
  * order per module. */
 typedef tp_status (*tp_step_pre_hook)(tp_module *m, void *ctx);
 TP_API tp_status tp_module_add_step_pre_hook(tp_module *m, tp_step_pre_hook fn, void *ctx,
-                                             void (*ctx_free)(void *ctx));
+                                             void (*ctx_free)(void *ctx), int *handle);
+/*
+ * Removes the hook (of any kind) with this handle from m: it does not run
+ * again, and its ctx_free runs once (at once, or, when the hook is removed
+ * while m is running its forward or its step hooks, e.g. by the hook itself,
+ * as soon as m returns; it does not run again in that forward either). A
+ * handle that m does not hold (unknown, 0, already removed) and a NULL m are
+ * no-ops. Hooks a parallel style or a DDP installed have no handle given out:
+ * they stay for the module's life.
+ */
+TP_API void tp_module_remove_hook(tp_module *m, int handle);
 
 /* ---- initialisation and state dicts ---------------------------------------- */
 
@@ -239,11 +258,10 @@ TP_API tp_device tp_module_device(const tp_module *m);
  * buffers: parameters are the whole state.
  *
  * Shared, not copied: custom modules' ctx and hooks' ctx are the original's
- * pointers; replicas never call ctx_free, so those contexts must outlive
- * every replica (the original's ctx_free runs when the original is freed). A
- * custom forward must reach its children and parameters through `self`, not
- * through module pointers kept in ctx, or a replica would run the
- * original's modules.
+ * pointers, and each ctx_free runs once, when the original and every replica
+ * holding it are freed (in any order). A custom forward must reach its
+ * children and parameters through `self`, not through module pointers kept in
+ * ctx, or a replica would run the original's modules.
  *
  * Devices: TP_CUDA(i) (a CUDA build and a device: TP_ERR_NOT_SUPPORTED
  * otherwise, as for tensors; i past the device count: TP_ERR_INVALID_ARG) or

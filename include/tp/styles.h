@@ -149,7 +149,9 @@ typedef struct tp_parallelize_options {
  * token with fnmatch ("layers.*.attention.wq", "net[12]"). `mesh` must be
  * 1-D (pass tp_mesh_slice of a larger mesh). Colwise/Rowwise on a module that
  * is not Linear or Embedding, or a second parameter-sharding style on the same
- * module, are TP_ERR_INVALID_ARG naming the module.
+ * module, are TP_ERR_INVALID_ARG naming the module. The module's hooks and
+ * DTensor parameters hold references on `mesh`: the caller may free its mesh
+ * right after this call.
  */
 TP_API tp_status tp_parallelize_module(tp_module *module, tp_mesh *mesh, int n,
                                        const tp_plan_entry *plan,

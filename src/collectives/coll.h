@@ -5,6 +5,7 @@
 
 #include <stdatomic.h>
 
+#include "collectives/comm_ref.h"
 #include "core/core.h"
 #include "tp/comm.h"
 #include "tp/comm_debug.h"
@@ -20,11 +21,15 @@ struct tp_comm {
     uint64_t check_seq;
     bool aborted; /* known to this rank: abort called or a collective reported it */
     char abort_reason[256];
-    int pending; /* async work handed out and not yet freed */
+    /* References: the creator's (dropped by tp_comm_free), one per mesh that
+     * uses the communicator, one per work handle, one per DDP. The backend
+     * state is freed with the last one. */
+    atomic_int refs;
+    atomic_int pending; /* async work handed out and not yet freed */
 };
 
 struct tp_work {
-    tp_comm *comm;
+    tp_comm *comm; /* holds a reference */
     void *impl; /* backend work; NULL once completed */
     tp_status status;
     bool done;

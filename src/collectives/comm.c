@@ -90,6 +90,8 @@ tp_status tp_comm_create(const tp_backend *backend, void *state, int rank, int s
     c->size = size;
     c->timeout_s = tp__default_timeout();
     c->check = tp__default_check();
+    atomic_init(&c->refs, 1);
+    atomic_init(&c->pending, 0);
     *out = c;
     return TP_OK;
 }
@@ -142,13 +144,39 @@ void tp_comm_abort(tp_comm *comm, const char *reason)
 
 bool tp_comm_is_aborted(const tp_comm *comm) { return comm && comm->aborted; }
 
-void tp_comm_free(tp_comm *comm)
+tp_comm *tp__comm_retain(tp_comm *comm)
 {
-    if (!comm || comm->owned_by_run)
+    if (comm)
+        atomic_fetch_add(&comm->refs, 1);
+    return comm;
+}
+
+void tp__comm_release(tp_comm *comm)
+{
+    if (!comm || atomic_fetch_sub(&comm->refs, 1) != 1)
         return;
     if (comm->ops.free)
         comm->ops.free(comm->state);
     tp__free(comm);
+}
+
+tp_status tp_comm_free(tp_comm *comm)
+{
+    if (!comm || comm->owned_by_run)
+        return TP_OK;
+    /* Work handles point at the communicator and the caller still has to
+     * wait on or free them: refuse rather than pull the handle from under
+     * them (they keep it alive anyway, so nothing dangles either way). */
+    int pending = atomic_load(&comm->pending);
+    if (pending > 0)
+        return tp__error(TP_ERR_STATE,
+                         "tp_comm_free: %d work handle%s of this communicator (rank %d of %d, "
+                         "backend '%s') %s not freed yet; free %s with tp_work_free first",
+                         pending, pending == 1 ? "" : "s", comm->rank, comm->size,
+                         comm->ops.name, pending == 1 ? "is" : "are",
+                         pending == 1 ? "it" : "them");
+    tp__comm_release(comm);
+    return TP_OK;
 }
 
 tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out)
@@ -501,11 +529,11 @@ static tp_status tp__dispatch(tp_comm *comm, tp_coll_kind kind, const char *fn,
         return tp__finish(comm, fn, st);
     }
     if (w) {
-        w->comm = comm;
         w->impl = impl;
         w->kind = kind;
         w->done = impl == NULL;
-        comm->pending++;
+        w->comm = tp__comm_retain(comm);
+        atomic_fetch_add(&comm->pending, 1);
         *work = w;
         return TP_OK;
     }
@@ -617,6 +645,8 @@ void tp_work_free(tp_work *work)
         return;
     if (!work->done)
         (void)tp_work_wait(work);
-    work->comm->pending--;
+    tp_comm *c = work->comm;
+    atomic_fetch_sub(&c->pending, 1);
     tp__free(work);
+    tp__comm_release(c);
 }

@@ -278,7 +278,7 @@ static void state_delete(nccl_state *S)
     tp_comm *boot = S->mpi_world;
     pthread_mutex_destroy(&S->mu);
     tp__free(S);
-    tp_comm_free(boot);
+    tp__comm_release(boot);
 }
 
 static ncclConfig_t *nccl_config(ncclConfig_t *c)
@@ -951,7 +951,7 @@ static tp_status nccl_init_world(void *options, void **state, int *rank, int *si
     *size = bsize;
     return TP_OK;
 fail:
-    tp_comm_free(owned);
+    tp__comm_release(owned);
     return st;
 }
 

@@ -868,7 +868,10 @@ static void *shm_thread_main(void *p)
         if (st != TP_OK)
             run_fail(run, t->rank, st, tp_last_error());
         comm->owned_by_run = false;
-        tp_comm_free(comm); /* waits for this rank's outstanding work */
+        /* the run's reference: a mesh or work handle the rank left behind
+         * keeps the world alive (and the run's groups with it) until freed;
+         * the last release waits for this rank's outstanding work */
+        tp__comm_release(comm);
     } else {
         run_fail(run, t->rank, st, tp_last_error());
         if (R)

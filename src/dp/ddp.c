@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "collectives/comm_ref.h"
 #include "dp/dp_internal.h"
 #include "dtensor/grad_pending.h"
 
@@ -37,8 +38,10 @@ typedef struct tp__dbucket {
     bool settled;    /* this step: waited for and copied out (its gradients final) */
 } tp__dbucket;
 
-/* The module's hooks cannot be removed: they hold this, which outlives the
- * DDP and goes quiet when it is freed. */
+/* The module's hooks stay when the DDP is freed (the module may be freed
+ * first, or replicated, so the DDP cannot tell whether removing them is
+ * safe): they hold this, which outlives the DDP and goes quiet when it is
+ * freed. */
 typedef struct tp__shim {
     atomic_int refs;
     struct tp_ddp *ddp;
@@ -46,7 +49,7 @@ typedef struct tp__shim {
 
 struct tp_ddp {
     tp_module *module;
-    tp_comm *comm;
+    tp_comm *comm; /* holds a reference */
     tp_ddp_options opts;
     tp_step_graph *g;
     int built_version;
@@ -584,6 +587,7 @@ void tp_ddp_free(tp_ddp *d)
     tp__free(d->p);
     tp__free(d->seen);
     tp_step_graph_free(d->g);
+    tp__comm_release(d->comm);
     if (d->shim) {
         d->shim->ddp = NULL;
         tp__shim_release(d->shim);
@@ -644,7 +648,7 @@ tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *op
     if (!d)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     d->module = module;
-    d->comm = comm;
+    d->comm = tp__comm_retain(comm); /* the caller may free comm first */
     if (opts)
         d->opts = *opts;
     tp__collect c = {d, 0};
@@ -724,13 +728,14 @@ tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *op
     d->shim->ddp = d;
     /* each hook holds a reference on the shim (released by the module) */
     atomic_fetch_add(&d->shim->refs, 1);
-    st = tp_module_add_step_pre_hook(module, tp__step_hook, d->shim, tp__shim_release);
+    st = tp_module_add_step_pre_hook(module, tp__step_hook, d->shim, tp__shim_release, NULL);
     if (st != TP_OK) {
         atomic_fetch_sub(&d->shim->refs, 1);
         goto fail;
     }
     atomic_fetch_add(&d->shim->refs, 1);
-    st = tp_module_add_forward_pre_hook(module, tp__forward_hook, d->shim, tp__shim_release);
+    st = tp_module_add_forward_pre_hook(module, tp__forward_hook, d->shim, tp__shim_release,
+                                        NULL);
     if (st != TP_OK) {
         atomic_fetch_sub(&d->shim->refs, 1);
         goto fail;

@@ -143,6 +143,7 @@ static void tp__finalize(tp_tensor *t)
     if (t->dist) {
         tp__dist *d = (tp__dist *)t->dist;
         tp_tensor_release(d->local);
+        tp_mesh_free(d->mesh); /* may be the last reference */
         tp__free(d);
         t->dist = NULL;
     }
@@ -193,7 +194,7 @@ tp_status tp__dtensor_wrap(tp_mesh *mesh, tp_tensor *local, const tp_placement *
     for (int i = 0; i < ndim; i++)
         t->shape[i] = global_shape[i];
     d->local = tp_tensor_retain(local);
-    d->mesh = mesh;
+    d->mesh = tp_mesh_retain(mesh);
     d->mesh_ndim = tp_mesh_ndim(mesh);
     memcpy(d->placements, placements, sizeof(tp_placement) * (size_t)d->mesh_ndim);
     t->dist = (struct tp__dist_head *)d;

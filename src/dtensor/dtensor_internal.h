@@ -14,7 +14,7 @@
 /* struct tp__dist_head (core.h) is its first member. */
 typedef struct tp__dist {
     tp_tensor *local; /* retained; plain */
-    tp_mesh *mesh;    /* borrowed: outlives the DTensor */
+    tp_mesh *mesh;    /* holds a reference (tp_mesh_retain) */
     int mesh_ndim;
     tp_placement placements[TP_MESH_MAX_DIMS]; /* normalized shard dims */
 } tp__dist;
@@ -25,7 +25,7 @@ static inline tp__dist *tp__dist_of(const tp_tensor *t)
 }
 
 /* New DTensor header over `local` (retained) with this layout; global shape
- * given. No checks, no autograd. */
+ * given; holds a reference on mesh. No checks, no autograd. */
 tp_status tp__dtensor_wrap(tp_mesh *mesh, tp_tensor *local, const tp_placement *placements,
                            int ndim, const int64_t *global_shape, tp_tensor **out);
 
@@ -53,6 +53,10 @@ typedef struct tp__node tp__node;
  * requires grad. */
 typedef tp_status (*tp__backward_fn)(tp__node *node, tp_tensor *grad_out, tp_tensor **grad_in);
 
+/* Saved state that points at a mesh (an op's, to_local's, the vocab-parallel
+ * cross entropy's) takes no reference of its own: the node retains a DTensor
+ * on that mesh (an input that requires grad, or the op's redistributed
+ * inputs) until free_saved has run, and the DTensor holds the mesh. */
 struct tp__node {
     atomic_long refcount;
     const char *name;

@@ -1,13 +1,20 @@
 /* N-D device meshes: named dims over a group communicator, one
  * sub-communicator per dim, and slicing into lower-dimensional meshes. */
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "collectives/comm_ref.h"
 #include "core/core.h"
 #include "tp/mesh.h"
 
+/* A mesh is shared by whatever uses it (DTensors, style hooks): each holds a
+ * reference, the caller's goes with tp_mesh_free, and the last one frees it,
+ * on whichever thread drops it. It holds a reference on every communicator
+ * it uses, so nothing it points to can go first. */
 struct tp_mesh {
+    atomic_int refs;
     int ndim;
     int rank;      /* index in `group`, == row-major index of `coord` */
     int64_t numel; /* product of shape == size of `group` */
@@ -15,7 +22,9 @@ struct tp_mesh {
     int64_t coord[TP_MESH_MAX_DIMS];
     char *names[TP_MESH_MAX_DIMS];
     tp_comm *group;
-    bool owns_group; /* slices own their group; tp_mesh_create borrows world */
+    /* holds a reference on group: a slice's own split, or tp_mesh_create's
+     * world (false only while a mesh is being built) */
+    bool owns_group;
     tp_comm *comms[TP_MESH_MAX_DIMS];
     /* false where comms[d] aliases `group` (a dim spanning the whole mesh):
      * splitting would only build an identical communicator, which is costly
@@ -40,11 +49,11 @@ static void mesh_release(tp_mesh *m)
 {
     for (int d = 0; d < m->ndim; d++) {
         if (m->owns_comm[d])
-            tp_comm_free(m->comms[d]);
+            tp__comm_release(m->comms[d]);
         tp__free(m->names[d]);
     }
     if (m->owns_group)
-        tp_comm_free(m->group);
+        tp__comm_release(m->group);
     tp__free(m);
 }
 
@@ -85,6 +94,7 @@ static tp_status mesh_build(tp_comm *group, int ndim, const int64_t *shape,
         st = tp__error(TP_ERR_NO_MEMORY, "out of memory allocating a %d-D mesh", ndim);
         goto fail;
     }
+    atomic_init(&m->refs, 1);
     m->ndim = ndim;
     m->group = group;
     m->rank = tp_comm_rank(group);
@@ -192,14 +202,27 @@ tp_status tp_mesh_create(tp_comm *world, int ndim, const int64_t *shape,
     TP_CHECK(mesh_check_names(fn, ndim, names));
 
     tp_status st = mesh_build(world, ndim, shape, names, out);
-    if (st != TP_OK)
+    if (st != TP_OK) {
         tp__error_prefix("%s", fn);
-    return st;
+        return st;
+    }
+    /* the mesh uses world as its group (and as the communicator of a dim
+     * spanning it): the caller may free world first */
+    tp__comm_retain(world);
+    (*out)->owns_group = true;
+    return TP_OK;
+}
+
+tp_mesh *tp_mesh_retain(tp_mesh *mesh)
+{
+    if (mesh)
+        atomic_fetch_add(&mesh->refs, 1);
+    return mesh;
 }
 
 void tp_mesh_free(tp_mesh *mesh)
 {
-    if (mesh)
+    if (mesh && atomic_fetch_sub(&mesh->refs, 1) == 1)
         mesh_release(mesh);
 }
 
@@ -254,12 +277,12 @@ tp_status tp_mesh_slice(tp_mesh *mesh, int nnames, const char *const *names, tp_
                        fn, tp_comm_rank(group), tp_comm_size(group), key, (long long)numel);
         if (group && numel > 1)
             tp_comm_abort(group, tp_last_error());
-        tp_comm_free(group);
+        tp__comm_release(group);
         return st;
     }
     st = mesh_build(group, nnames, shape, sel_names, out);
     if (st != TP_OK) {
-        tp_comm_free(group);
+        tp__comm_release(group);
         tp__error_prefix("%s", fn);
         return st;
     }

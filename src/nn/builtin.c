@@ -301,8 +301,15 @@ tp_status tp_custom_module_create(const char *type_name, tp_forward_fn forward, 
     TP_ARG_CHECK(!strchr(type_name, '.'), "%s: type_name '%s' contains '.'", fn, type_name);
     TP_ARG_CHECK(strcmp(type_name, "Global") != 0, "%s: type_name 'Global' is reserved", fn);
     TP_ARG_CHECK(forward, "%s: forward is NULL", fn);
-    TP_CHECK(tp__module_new(fn, TP_MODULE_CUSTOM, type_name, forward, out));
+    tp__ctx_ref *ref = NULL;
+    if (ctx_free && !(ref = tp__ctx_ref_new(ctx, ctx_free)))
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    tp_status st = tp__module_new(fn, TP_MODULE_CUSTOM, type_name, forward, out);
+    if (st != TP_OK) {
+        tp__free(ref); /* the caller keeps ctx */
+        return st;
+    }
     (*out)->ctx = ctx;
-    (*out)->ctx_free = ctx_free;
+    (*out)->ctx_ref = ref;
     return TP_OK;
 }

@@ -1,6 +1,7 @@
 /* The module tree: children, parameters, FQNs, hooks, forward dispatch and
  * freeing. The built-in kinds (builtin.c) set `forward` like a custom module
  * does, so dispatch here is the same for every kind. */
+#include <limits.h>
 #include <string.h>
 
 #include "collectives/comm_debug_internal.h"
@@ -61,11 +62,37 @@ static tp_status tp__check_name(const char *fn, const tp_module *m, const char *
 
 /* ---- lifetime ------------------------------------------------------------- */
 
+tp__ctx_ref *tp__ctx_ref_new(void *ctx, void (*ctx_free)(void *ctx))
+{
+    tp__ctx_ref *r = tp__malloc(sizeof *r);
+    if (!r)
+        return NULL;
+    atomic_init(&r->refs, 1);
+    r->ctx = ctx;
+    r->ctx_free = ctx_free;
+    return r;
+}
+
+tp__ctx_ref *tp__ctx_ref_retain(tp__ctx_ref *r)
+{
+    if (r)
+        atomic_fetch_add(&r->refs, 1);
+    return r;
+}
+
+void tp__ctx_ref_release(tp__ctx_ref *r)
+{
+    if (!r || atomic_fetch_sub(&r->refs, 1) != 1)
+        return;
+    if (r->ctx_free)
+        r->ctx_free(r->ctx);
+    tp__free(r);
+}
+
 static void tp__hooks_free(tp__hook *h, int n)
 {
     for (int i = 0; i < n; i++)
-        if (h[i].ctx_free)
-            h[i].ctx_free(h[i].ctx);
+        tp__ctx_ref_release(h[i].ref);
     tp__free(h);
 }
 
@@ -83,8 +110,7 @@ static void tp__module_destroy(tp_module *m)
     tp__hooks_free(m->pre_hooks, m->n_pre);
     tp__hooks_free(m->post_hooks, m->n_post);
     tp__hooks_free(m->step_hooks, m->n_step);
-    if (m->ctx_free)
-        m->ctx_free(m->ctx);
+    tp__ctx_ref_release(m->ctx_ref);
     tp__free(m->type_name);
     tp__free(m->name);
     tp__free(m);
@@ -542,56 +568,131 @@ void tp_module_zero_grad(tp_module *m)
 
 /* On failure the caller keeps ctx: ctx_free is not called (as a blob's
  * deleter is not when wrapping it fails). */
-enum { TP__HOOK_PRE, TP__HOOK_POST, TP__HOOK_STEP };
+enum { TP__HOOK_PRE, TP__HOOK_POST, TP__HOOK_STEP, TP__HOOK_KINDS };
+
+static tp__hook **tp__hook_list(tp_module *m, int which, int **n, int **cap)
+{
+    switch (which) {
+    case TP__HOOK_PRE:
+        *n = &m->n_pre, *cap = &m->cap_pre;
+        return &m->pre_hooks;
+    case TP__HOOK_POST:
+        *n = &m->n_post, *cap = &m->cap_post;
+        return &m->post_hooks;
+    default:
+        *n = &m->n_step, *cap = &m->cap_step;
+        return &m->step_hooks;
+    }
+}
 
 static tp_status tp__add_hook(const char *fn, tp_module *m, void *hook, void *ctx,
-                              void (*ctx_free)(void *), int which)
+                              void (*ctx_free)(void *), int which, int *handle)
 {
+    if (handle)
+        *handle = 0;
     TP_ARG_CHECK(m, "%s: module is NULL", fn);
     TP_ARG_CHECK(hook, "%s: hook is NULL", fn);
-    tp__hook **v = which == TP__HOOK_PRE    ? &m->pre_hooks
-                   : which == TP__HOOK_POST ? &m->post_hooks
-                                            : &m->step_hooks;
-    int *n = which == TP__HOOK_PRE ? &m->n_pre : which == TP__HOOK_POST ? &m->n_post : &m->n_step;
-    int *cap = which == TP__HOOK_PRE    ? &m->cap_pre
-               : which == TP__HOOK_POST ? &m->cap_post
-                                        : &m->cap_step;
+    TP_ARG_CHECK(m->next_hook_id < INT_MAX, "%s: %s has run out of hook handles", fn,
+                 m->type_name);
+    int *n = NULL, *cap = NULL;
+    tp__hook **v = tp__hook_list(m, which, &n, &cap);
     if (!tp__grow((void **)v, *n, cap, sizeof **v))
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    (*v)[(*n)++] = (tp__hook){hook, ctx, ctx_free};
+    tp__ctx_ref *ref = NULL;
+    if (ctx_free && !(ref = tp__ctx_ref_new(ctx, ctx_free)))
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    int id = ++m->next_hook_id;
+    (*v)[(*n)++] = (tp__hook){hook, ctx, ref, id};
+    if (handle)
+        *handle = id;
     return TP_OK;
 }
 
 tp_status tp_module_add_forward_pre_hook(tp_module *m, tp_forward_pre_hook fn, void *ctx,
-                                         void (*ctx_free)(void *ctx))
+                                         void (*ctx_free)(void *ctx), int *handle)
 {
     return tp__add_hook("tp_module_add_forward_pre_hook", m, (void *)fn, ctx, ctx_free,
-                        TP__HOOK_PRE);
+                        TP__HOOK_PRE, handle);
 }
 
 tp_status tp_module_add_forward_hook(tp_module *m, tp_forward_hook fn, void *ctx,
-                                     void (*ctx_free)(void *ctx))
+                                     void (*ctx_free)(void *ctx), int *handle)
 {
     return tp__add_hook("tp_module_add_forward_hook", m, (void *)fn, ctx, ctx_free,
-                        TP__HOOK_POST);
+                        TP__HOOK_POST, handle);
 }
 
 tp_status tp_module_add_step_pre_hook(tp_module *m, tp_step_pre_hook fn, void *ctx,
-                                      void (*ctx_free)(void *ctx))
+                                      void (*ctx_free)(void *ctx), int *handle)
 {
     return tp__add_hook("tp_module_add_step_pre_hook", m, (void *)fn, ctx, ctx_free,
-                        TP__HOOK_STEP);
+                        TP__HOOK_STEP, handle);
+}
+
+/* Drops the entries removed while m was busy. */
+static void tp__hooks_compact(tp_module *m)
+{
+    for (int which = 0; which < TP__HOOK_KINDS; which++) {
+        int *n = NULL, *cap = NULL;
+        tp__hook *v = *tp__hook_list(m, which, &n, &cap);
+        int k = 0;
+        for (int i = 0; i < *n; i++) {
+            if (v[i].fn)
+                v[k++] = v[i];
+            else
+                tp__ctx_ref_release(v[i].ref);
+        }
+        *n = k;
+    }
+    m->hooks_removed = false;
+}
+
+static void tp__module_enter(tp_module *m) { m->busy++; }
+
+static void tp__module_leave(tp_module *m)
+{
+    if (--m->busy == 0 && m->hooks_removed)
+        tp__hooks_compact(m);
+}
+
+void tp_module_remove_hook(tp_module *m, int handle)
+{
+    if (!m || handle <= 0)
+        return;
+    for (int which = 0; which < TP__HOOK_KINDS; which++) {
+        int *n = NULL, *cap = NULL;
+        tp__hook *v = *tp__hook_list(m, which, &n, &cap);
+        for (int i = 0; i < *n; i++) {
+            if (v[i].id != handle || !v[i].fn)
+                continue;
+            v[i].fn = NULL; /* skipped from now on, in a running forward too */
+            if (m->busy) {
+                /* the hook itself may be running: keep its ctx until the
+                 * module returns */
+                m->hooks_removed = true;
+            } else {
+                tp__ctx_ref_release(v[i].ref);
+                memmove(&v[i], &v[i + 1], (size_t)(*n - i - 1) * sizeof *v);
+                (*n)--;
+            }
+            return;
+        }
+    }
 }
 
 tp_status tp__module_run_step_hooks(tp_module *m)
 {
-    for (int i = 0; i < m->n_step; i++) {
+    tp_status st = TP_OK;
+    tp__module_enter(m);
+    for (int i = 0; i < m->n_step && st == TP_OK; i++) {
         tp_step_pre_hook h = (tp_step_pre_hook)m->step_hooks[i].fn;
-        TP_CHECK(h(m, m->step_hooks[i].ctx));
+        if (h)
+            st = h(m, m->step_hooks[i].ctx);
     }
-    for (int i = 0; i < m->n_children; i++)
-        TP_CHECK(tp__module_run_step_hooks(m->children[i]));
-    return TP_OK;
+    tp__module_leave(m);
+    for (int i = 0; i < m->n_children && st == TP_OK; i++)
+        st = tp__module_run_step_hooks(m->children[i]);
+    return st;
 }
 
 /* ---- forward ------------------------------------------------------------------ */
@@ -643,9 +744,13 @@ tp_status tp_module_forward(tp_module *m, int nargs, tp_tensor *const *args, int
         tp__error_prefix("%s: %s '%s'", fn, m->type_name, scope);
         goto done;
     }
+    /* Entries stay in place while busy (removals only mark them), so the
+     * indices hold; a hook added meanwhile is appended and runs too. */
+    tp__module_enter(m);
     for (int i = 0; i < m->n_pre && st == TP_OK; i++) {
         tp_forward_pre_hook h = (tp_forward_pre_hook)m->pre_hooks[i].fn;
-        st = h(m, nargs, a, nkw, k, m->pre_hooks[i].ctx);
+        if (h)
+            st = h(m, nargs, a, nkw, k, m->pre_hooks[i].ctx);
     }
     if (st == TP_OK) {
         st = m->forward(m, nargs, a, nkw, k, &res);
@@ -655,8 +760,10 @@ tp_status tp_module_forward(tp_module *m, int nargs, tp_tensor *const *args, int
     }
     for (int i = 0; i < m->n_post && st == TP_OK; i++) {
         tp_forward_hook h = (tp_forward_hook)m->post_hooks[i].fn;
-        st = h(m, nargs, a, &res, m->post_hooks[i].ctx);
+        if (h)
+            st = h(m, nargs, a, &res, m->post_hooks[i].ctx);
     }
+    tp__module_leave(m);
     (void)tp_comm_debug_pop_scope();
 
 done:

@@ -2,13 +2,35 @@
 #ifndef TP_NN_INTERNAL_H
 #define TP_NN_INTERNAL_H
 
+#include <stdatomic.h>
+
 #include "core/core.h"
 #include "tp/nn.h"
 
-typedef struct tp__hook {
-    void *fn; /* tp_forward_pre_hook, tp_forward_hook or tp_step_pre_hook */
+/* A user context with its destructor, shared by a module and its replicas
+ * (tp_module_replicate): ctx_free runs once, when the last of them lets go
+ * (the module freed, the hook removed), whatever the order. Thread-safe:
+ * replicas may live on other threads. */
+typedef struct tp__ctx_ref {
+    atomic_int refs;
     void *ctx;
     void (*ctx_free)(void *ctx);
+} tp__ctx_ref;
+
+/* A new reference holding ctx (refs 1); NULL when out of memory. */
+tp__ctx_ref *tp__ctx_ref_new(void *ctx, void (*ctx_free)(void *ctx));
+/* Returns r; NULL is a no-op. */
+tp__ctx_ref *tp__ctx_ref_retain(tp__ctx_ref *r);
+/* The last release calls ctx_free(ctx). NULL is a no-op. */
+void tp__ctx_ref_release(tp__ctx_ref *r);
+
+typedef struct tp__hook {
+    void *fn; /* tp_forward_pre_hook, tp_forward_hook or tp_step_pre_hook;
+               * NULL once removed while the module was running (dropped
+               * when it returns) */
+    void *ctx;
+    tp__ctx_ref *ref; /* owns ctx; NULL when there is no ctx_free */
+    int id;           /* the handle: > 0, unique within the module */
 } tp__hook;
 
 struct tp_module {
@@ -30,6 +52,11 @@ struct tp_module {
     tp__hook *post_hooks;
     int n_step, cap_step;
     tp__hook *step_hooks; /* tp_step_pre_hook: before an optimizer step */
+    int next_hook_id;
+    /* > 0 while this module's hooks may be iterating (its forward, its step
+     * hooks): removals only mark entries, compacted when it drops to 0 */
+    int busy;
+    bool hooks_removed;
 
     union {
         struct {
@@ -54,7 +81,7 @@ struct tp_module {
 
     tp_forward_fn forward; /* every kind: built-ins set their own */
     void *ctx;
-    void (*ctx_free)(void *ctx);
+    tp__ctx_ref *ctx_ref; /* owns ctx (shared with replicas); NULL: no ctx_free */
 
     /* set by a parameter-sharding style (Colwise, Rowwise, SequenceParallel):
      * a second one on the same module is an error */

@@ -134,14 +134,20 @@ static tp_status tp__param_replica(tp__rep *r, const char *owner, const char *na
     return TP_OK;
 }
 
-/* Hooks keep the original's ctx and never free it. */
-static tp__hook *tp__hooks_dup(const tp__hook *h, int n)
+/* Hooks share the original's ctx: each copy holds a reference, so ctx_free
+ * runs once, after the original and every replica have let go. Handles stay
+ * the same (each module removes its own copy). Entries already removed but
+ * not yet dropped (the original is running) are not copied. */
+static tp__hook *tp__hooks_dup(const tp__hook *h, int n, int *nout)
 {
-    tp__hook *c = tp__malloc((size_t)n * sizeof *c);
+    tp__hook *c = tp__malloc((size_t)(n ? n : 1) * sizeof *c);
     if (!c)
         return NULL;
+    int k = 0;
     for (int i = 0; i < n; i++)
-        c[i] = (tp__hook){h[i].fn, h[i].ctx, NULL};
+        if (h[i].fn)
+            c[k++] = (tp__hook){h[i].fn, h[i].ctx, tp__ctx_ref_retain(h[i].ref), h[i].id};
+    *nout = k;
     return c;
 }
 
@@ -157,7 +163,9 @@ static tp_status tp__replicate_tree(tp__rep *r, const tp_module *src, tp_module 
     m->kind = src->kind;
     m->cfg = src->cfg;
     m->forward = src->forward;
-    m->ctx = src->ctx; /* shared; ctx_free stays NULL */
+    m->ctx = src->ctx; /* shared: ctx_free runs after the last module lets go */
+    m->ctx_ref = tp__ctx_ref_retain(src->ctx_ref);
+    m->next_hook_id = src->next_hook_id;
     m->sharded_by = src->sharded_by;
     m->training = src->training;
     m->device = r->dev;
@@ -167,14 +175,14 @@ static tp_status tp__replicate_tree(tp__rep *r, const tp_module *src, tp_module 
     if (!m->type_name || !m->name)
         goto oom;
     if (src->n_pre) {
-        if (!(m->pre_hooks = tp__hooks_dup(src->pre_hooks, src->n_pre)))
+        if (!(m->pre_hooks = tp__hooks_dup(src->pre_hooks, src->n_pre, &m->n_pre)))
             goto oom;
-        m->n_pre = m->cap_pre = src->n_pre;
+        m->cap_pre = src->n_pre;
     }
     if (src->n_post) {
-        if (!(m->post_hooks = tp__hooks_dup(src->post_hooks, src->n_post)))
+        if (!(m->post_hooks = tp__hooks_dup(src->post_hooks, src->n_post, &m->n_post)))
             goto oom;
-        m->n_post = m->cap_post = src->n_post;
+        m->cap_post = src->n_post;
     }
     if (src->n_params) {
         m->param_names = tp__calloc((size_t)src->n_params, sizeof *m->param_names);

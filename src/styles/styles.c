@@ -337,7 +337,7 @@ typedef enum tp__out_mode {
 
 typedef struct tp__hook_ctx {
     const char *style; /* static name */
-    tp_mesh *mesh;     /* borrowed: outlives the module's forwards */
+    tp_mesh *mesh;     /* holds a reference: the caller may free the mesh first */
     char *fqn;         /* owned */
     /* inputs */
     int n_in; /* -1: positional inputs are not checked */
@@ -361,6 +361,7 @@ static void tp__hook_ctx_free(void *p)
     tp__free(c->fqn);
     for (int i = 0; i < TP_STYLE_MAX_LAYOUTS; i++)
         tp__free(c->kwname[i]);
+    tp_mesh_free(c->mesh);
     tp__free(c);
 }
 
@@ -370,10 +371,10 @@ static tp__hook_ctx *tp__hook_ctx_new(const tp_style *s, tp_mesh *mesh, const ch
     if (!c)
         return NULL;
     c->style = tp__style_name(s);
-    c->mesh = mesh;
+    c->mesh = tp_mesh_retain(mesh);
     c->fqn = tp__strdup(fqn ? fqn : "");
     if (!c->fqn) {
-        tp__free(c);
+        tp__hook_ctx_free(c);
         return NULL;
     }
     c->n_in = -1;
@@ -594,7 +595,7 @@ static tp_status tp__replicate_params(tp_module *m, tp_mesh *mesh, const char *f
 
 static tp_status tp__add_pre(tp_module *m, tp__hook_ctx *c)
 {
-    tp_status st = tp_module_add_forward_pre_hook(m, tp__pre_hook, c, tp__hook_ctx_free);
+    tp_status st = tp_module_add_forward_pre_hook(m, tp__pre_hook, c, tp__hook_ctx_free, NULL);
     if (st != TP_OK)
         tp__hook_ctx_free(c);
     return st;
@@ -602,7 +603,7 @@ static tp_status tp__add_pre(tp_module *m, tp__hook_ctx *c)
 
 static tp_status tp__add_post(tp_module *m, tp__hook_ctx *c)
 {
-    tp_status st = tp_module_add_forward_hook(m, tp__post_hook, c, tp__hook_ctx_free);
+    tp_status st = tp_module_add_forward_hook(m, tp__post_hook, c, tp__hook_ctx_free, NULL);
     if (st != TP_OK)
         tp__hook_ctx_free(c);
     return st;
