@@ -396,13 +396,13 @@ static tp_status parallelize_transformer(tp_module *m, tp_mesh *mesh, run_mode m
     tp_rowwise_options emb = {.input_layouts = R};
     if (sp) {
         emb.output_layouts = S1;
-        emb.keep_dtensor_output = true;
+        emb.use_local_output = TP_FLAG_FALSE;
     }
     CHECK(tp_rowwise_parallel(&emb, &s[ST_EMB]));
     /* output: the logits stay a DTensor sharded on the vocab dim, for the
      * vocab-parallel cross entropy */
     tp_colwise_options out_opts = {.output_layouts = tp_layout_of(tp_shard(-1)),
-                                   .keep_dtensor_output = true};
+                                   .use_local_output = TP_FLAG_FALSE};
     if (sp)
         out_opts.input_layouts = S1;
     CHECK(tp_colwise_parallel(&out_opts, &s[ST_OUT]));
@@ -430,7 +430,7 @@ static tp_status parallelize_transformer(tp_module *m, tp_mesh *mesh, run_mode m
     CHECK(tp_prepare_module_input(&gather, &s[ST_GATHER]));
     /* wo, w2: reduce-scatter back onto the sequence dim, kept a DTensor so
      * that the residual adds take two S(1) DTensors */
-    const tp_rowwise_options row_sp = {.output_layouts = S1, .keep_dtensor_output = true};
+    const tp_rowwise_options row_sp = {.output_layouts = S1, .use_local_output = TP_FLAG_FALSE};
     CHECK(tp_rowwise_parallel(&row_sp, &s[ST_ROW_SP]));
     const tp_plan_entry plan[] = {
         {"tok_embeddings", s[ST_EMB]},

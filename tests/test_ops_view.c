@@ -932,7 +932,7 @@ static tp_status attn_rank(tp_comm *world, void *arg)
     /* the parallel one */
     RANK_OK(s, attn_build(&heads, &par));
     tp_style *col = NULL, *row = NULL;
-    tp_colwise_options co = {.keep_dtensor_output = true};
+    tp_colwise_options co = {.use_local_output = TP_FLAG_FALSE};
     RANK_OK(s, tp_colwise_parallel(&co, &col));
     RANK_OK(s, tp_rowwise_parallel(NULL, &row));
     tp_plan_entry plan[2] = {{"w[qkv]", col}, {"wo", row}};

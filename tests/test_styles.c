@@ -200,21 +200,21 @@ static tp_status colwise_linear_body(tp_comm *world, void *arg)
     out = NULL;
     tp_module_free(m);
 
-    /* keep_dtensor_output: the output stays a DTensor S(-1) */
+    /* use_local_output false: the output stays a DTensor S(-1) */
     RANK_OK(s, tp_linear_create(16, 16, true, &m));
     RANK_OK(s, tp_module_init(m, 42));
-    tp_colwise_options k = {.keep_dtensor_output = true};
+    tp_colwise_options k = {.use_local_output = TP_FLAG_FALSE};
     RANK_OK(s, colwise(&k, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, x, false, dbg, &out));
-    RANK_EXPECT(s, tp_tensor_is_dtensor(out), "keep_dtensor_output: output is not a DTensor");
+    RANK_EXPECT(s, tp_tensor_is_dtensor(out), "use_local_output false: output is not a DTensor");
     if (tp_tensor_is_dtensor(out)) {
-        expect_shape(s, out, 2, (int64_t[]){8, 16}, "keep_dtensor_output global shape");
+        expect_shape(s, out, 2, (int64_t[]){8, 16}, "use_local_output false: global shape");
         RANK_EXPECT(s, tp_dtensor_placements(out)[0].kind == TP_PLACEMENT_SHARD &&
                            tp_dtensor_placements(out)[0].dim == 1,
-                    "keep_dtensor_output: output is not S(1)");
+                    "use_local_output false: output is not S(1)");
     }
-    expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 0, 0, "colwise keep_dtensor_output");
+    expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 0, 0, "colwise use_local_output false");
     tp_tensor_release(out);
     out = NULL;
     tp_module_free(m);
@@ -481,6 +481,28 @@ static tp_status prepare_identity_body(tp_comm *world, void *arg)
     RANK_OK(s, tp_tensor_equal(out, want, &eq));
     RANK_EXPECT(s, eq, "PrepareModuleOutput: output is not ones(8/W, 16)");
     tp_tensor_release(out);
+    out = NULL;
+    tp_module_free(m);
+
+    /* the same with use_local_output TP_FLAG_FALSE: the output stays a DTensor
+     * S(0) whose local shard is ones(8/W, 16) */
+    RANK_OK(s, tp_identity_create(&m));
+    tp_prepare_output_options pk = po;
+    pk.use_local_output = TP_FLAG_FALSE;
+    RANK_OK(s, tp_prepare_module_output(&pk, &st));
+    RANK_OK(s, par_self(m, mesh, st));
+    RANK_OK(s, run_counted(m, x, false, dbg, &out));
+    expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 0, 0, "PrepareModuleOutput DTensor output");
+    RANK_EXPECT(s, tp_tensor_is_dtensor(out), "PrepareModuleOutput use_local_output false: "
+                "output is not a DTensor");
+    if (tp_tensor_is_dtensor(out)) {
+        RANK_EXPECT(s, tp_dtensor_placements(out)[0].kind == TP_PLACEMENT_SHARD &&
+                           tp_dtensor_placements(out)[0].dim == 0,
+                    "PrepareModuleOutput use_local_output false: output is not S(0)");
+        RANK_OK(s, tp_tensor_equal(tp_dtensor_local(out), want, &eq));
+        RANK_EXPECT(s, eq, "PrepareModuleOutput use_local_output false: local is not ones");
+    }
+    tp_tensor_release(out);
     tp_tensor_release(want);
     out = want = NULL;
     tp_module_free(m);
@@ -488,7 +510,7 @@ static tp_status prepare_identity_body(tp_comm *world, void *arg)
     /* PrepareModuleInputOutput: S(0) -> R in, R -> S(0) out gives x back */
     RANK_OK(s, rand_t(2, (int64_t[]){2, 16}, 100 + (uint64_t)tp_comm_rank(world), &want));
     RANK_OK(s, tp_identity_create(&m));
-    pi.use_local_output = false;
+    pi.use_local_output = TP_FLAG_FALSE;
     RANK_OK(s, tp_prepare_module_input_output(&pi, &po, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, want, false, dbg, &out));
@@ -692,7 +714,7 @@ static tp_status make_kw_module(const char *type, tp_forward_fn f, tp_mesh *mesh
     }
     /* ColwiseParallel(use_local_output=False) on the linear, then the input
      * preparation on the module: one plan */
-    tp_colwise_options co = {.keep_dtensor_output = true};
+    tp_colwise_options co = {.use_local_output = TP_FLAG_FALSE};
     tp_style *pstyle = NULL;
     e = tp_module_init(m, 4);
     if (e == TP_OK)
@@ -1129,7 +1151,7 @@ static tp_status seq_parallelize(tp_module *m, tp_mesh *mesh)
     tp_style *sp = NULL, *col = NULL, *row = NULL;
     const tp_colwise_options co = {.input_layouts = tp_layout_of(tp_shard(1))};
     const tp_rowwise_options ro = {.output_layouts = tp_layout_of(tp_shard(1)),
-                                   .keep_dtensor_output = true};
+                                   .use_local_output = TP_FLAG_FALSE};
     tp_status st = tp_sequence_parallel(NULL, &sp);
     if (st == TP_OK)
         st = tp_colwise_parallel(&co, &col);
@@ -1774,6 +1796,29 @@ Test(styles, option_validation, .timeout = 10)
     tp_rowwise_options ro = {.output_layouts = P};
     CHECK_ERR(tp_rowwise_parallel(&ro, &s), TP_ERR_INVALID_ARG);
     CHECK_ERR(tp_colwise_parallel(NULL, NULL), TP_ERR_INVALID_ARG);
+
+    /* use_local_output is a tp_flag: anything but its three values is refused
+     * by every style, naming the option */
+    const tp_flag bad = (tp_flag)7;
+    CHECK_ERR(tp_colwise_parallel(&(tp_colwise_options){.use_local_output = bad}, &s),
+              TP_ERR_INVALID_ARG);
+    cr_assert(msg_has("ColwiseParallel: use_local_output is 7; use TP_FLAG_DEFAULT, "
+                      "TP_FLAG_TRUE or TP_FLAG_FALSE"),
+              "%s", tp_last_error());
+    CHECK_ERR(tp_rowwise_parallel(&(tp_rowwise_options){.use_local_output = bad}, &s),
+              TP_ERR_INVALID_ARG);
+    cr_assert(msg_has("RowwiseParallel: use_local_output is 7"), "%s", tp_last_error());
+    CHECK_ERR(tp_sequence_parallel(&(tp_sequence_parallel_options){.use_local_output = bad}, &s),
+              TP_ERR_INVALID_ARG);
+    cr_assert(msg_has("SequenceParallel: use_local_output is 7"), "%s", tp_last_error());
+    CHECK_ERR(tp_prepare_module_input(&(tp_prepare_input_options){.use_local_output = bad}, &s),
+              TP_ERR_INVALID_ARG);
+    cr_assert(msg_has("PrepareModuleInput: use_local_output is 7"), "%s", tp_last_error());
+    tp_prepare_output_options ob = {.n_outputs = 1, .output_layouts = {R}, .n_desired = 1,
+                                    .desired_output_layouts = {S0}, .use_local_output = bad};
+    CHECK_ERR(tp_prepare_module_output(&ob, &s), TP_ERR_INVALID_ARG);
+    cr_assert(msg_has("PrepareModuleOutput: use_local_output is 7"), "%s", tp_last_error());
+    cr_assert_null(s);
 
     /* valid ones */
     CHECK_OK(tp_prepare_module_input(&(tp_prepare_input_options){.n_inputs = 2,

@@ -57,23 +57,40 @@ static inline tp_layout tp_layout_none(void)
     return l;
 }
 
-/* Options: zero-initialized means every default of the table above. */
+/*
+ * A boolean option whose zero value means "the style's default", so that a
+ * zero-initialized options struct is every default of the table above:
+ * TP_FLAG_DEFAULT (0), TP_FLAG_TRUE (1, so `true` also reads as TP_FLAG_TRUE)
+ * or TP_FLAG_FALSE. Note that `false` is 0, the default: write TP_FLAG_FALSE
+ * to turn off an option whose default is on. Other values are
+ * TP_ERR_INVALID_ARG.
+ */
+typedef enum tp_flag { TP_FLAG_DEFAULT = 0, TP_FLAG_TRUE = 1, TP_FLAG_FALSE = 2 } tp_flag;
+
+/*
+ * Options: zero-initialized means every default of the table above.
+ * use_local_output (PyTorch's name, in every style): the module's output (or,
+ * for PrepareModuleInput, each prepared input) is handed on as this rank's
+ * local tensor (tp_dtensor_to_local) instead of as a DTensor. Defaults as
+ * PyTorch's: true for Colwise, Rowwise and PrepareModuleOutput, false for
+ * SequenceParallel and PrepareModuleInput.
+ */
 typedef struct tp_colwise_options {
     tp_layout input_layouts;  /* default R */
     tp_layout output_layouts; /* default S(-1) */
-    bool keep_dtensor_output; /* use_local_output = !keep_dtensor_output (default true) */
+    tp_flag use_local_output; /* default true */
 } tp_colwise_options;
 
 typedef struct tp_rowwise_options {
     tp_layout input_layouts;  /* default S(-1) (Embedding: R) */
     tp_layout output_layouts; /* default R */
-    bool keep_dtensor_output;
+    tp_flag use_local_output; /* default true */
 } tp_rowwise_options;
 
 typedef struct tp_sequence_parallel_options {
     int sequence_dim; /* default 1; set sequence_dim_set to use 0 */
     bool sequence_dim_set;
-    bool use_local_output; /* default false */
+    tp_flag use_local_output; /* default false */
 } tp_sequence_parallel_options;
 
 #define TP_STYLE_MAX_LAYOUTS 8
@@ -91,7 +108,7 @@ typedef struct tp_prepare_input_options {
     tp_layout desired_input_layouts[TP_STYLE_MAX_LAYOUTS];
     int n_kwargs;
     tp_kwarg_layout kwargs[TP_STYLE_MAX_LAYOUTS];
-    bool use_local_output; /* default false */
+    tp_flag use_local_output; /* default false */
 } tp_prepare_input_options;
 
 typedef struct tp_prepare_output_options {
@@ -99,7 +116,7 @@ typedef struct tp_prepare_output_options {
     tp_layout output_layouts[TP_STYLE_MAX_LAYOUTS];
     int n_desired;
     tp_layout desired_output_layouts[TP_STYLE_MAX_LAYOUTS];
-    bool keep_dtensor_output; /* use_local_output = !keep (default true) */
+    tp_flag use_local_output; /* default true */
 } tp_prepare_output_options;
 
 /* Styles are values shared by reference between plan entries; free them after

@@ -110,6 +110,18 @@ void tp_style_free(tp_style *s)
 
 /* ---- creation --------------------------------------------------------------- */
 
+/* Resolves a tp_flag option to its value, or refuses a value that is none of
+ * the three. */
+static tp_status tp__flag(const char *fn, const char *what, tp_flag *f, bool dflt)
+{
+    TP_ARG_CHECK(*f == TP_FLAG_DEFAULT || *f == TP_FLAG_TRUE || *f == TP_FLAG_FALSE,
+                 "%s: %s is %d; use TP_FLAG_DEFAULT, TP_FLAG_TRUE or TP_FLAG_FALSE", fn, what,
+                 (int)*f);
+    if (*f == TP_FLAG_DEFAULT)
+        *f = dflt ? TP_FLAG_TRUE : TP_FLAG_FALSE;
+    return TP_OK;
+}
+
 tp_status tp_colwise_parallel(const tp_colwise_options *opts, tp_style **out)
 {
     const char *fn = "ColwiseParallel";
@@ -124,6 +136,7 @@ tp_status tp_colwise_parallel(const tp_colwise_options *opts, tp_style **out)
         o.output_layouts = tp_layout_of(tp_shard(-1));
     TP_CHECK(tp__layout_valid(fn, "input_layouts", o.input_layouts, false));
     TP_CHECK(tp__layout_valid(fn, "output_layouts", o.output_layouts, true));
+    TP_CHECK(tp__flag(fn, "use_local_output", &o.use_local_output, true));
     tp_style *s = tp__style_new(TP__STY_COLWISE);
     if (!s)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
@@ -146,6 +159,7 @@ tp_status tp_rowwise_parallel(const tp_rowwise_options *opts, tp_style **out)
         o.output_layouts = tp_layout_of(tp_replicate());
     TP_CHECK(tp__layout_valid(fn, "input_layouts", o.input_layouts, false));
     TP_CHECK(tp__layout_valid(fn, "output_layouts", o.output_layouts, true));
+    TP_CHECK(tp__flag(fn, "use_local_output", &o.use_local_output, true));
     tp_style *s = tp__style_new(TP__STY_ROWWISE);
     if (!s)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
@@ -167,6 +181,7 @@ tp_status tp_sequence_parallel(const tp_sequence_parallel_options *opts, tp_styl
     o.sequence_dim_set = true;
     TP_ARG_CHECK(o.sequence_dim > -TP_MAX_DIMS && o.sequence_dim < TP_MAX_DIMS,
                  "%s: sequence_dim %d is out of range", fn, o.sequence_dim);
+    TP_CHECK(tp__flag(fn, "use_local_output", &o.use_local_output, false));
     tp_style *s = tp__style_new(TP__STY_SEQUENCE);
     if (!s)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
@@ -177,6 +192,8 @@ tp_status tp_sequence_parallel(const tp_sequence_parallel_options *opts, tp_styl
 
 static tp_status tp__check_input_opts(const char *fn, const tp_prepare_input_options *o)
 {
+    tp_flag local = o->use_local_output;
+    TP_CHECK(tp__flag(fn, "use_local_output", &local, false));
     TP_ARG_CHECK(o->n_inputs >= 0 && o->n_inputs <= TP_STYLE_MAX_LAYOUTS,
                  "%s: n_inputs %d outside [0, %d]", fn, o->n_inputs, TP_STYLE_MAX_LAYOUTS);
     TP_ARG_CHECK(o->n_desired >= 0 && o->n_desired <= TP_STYLE_MAX_LAYOUTS,
@@ -221,6 +238,8 @@ static tp_status tp__check_input_opts(const char *fn, const tp_prepare_input_opt
 
 static tp_status tp__check_output_opts(const char *fn, const tp_prepare_output_options *o)
 {
+    tp_flag local = o->use_local_output;
+    TP_CHECK(tp__flag(fn, "use_local_output", &local, true));
     TP_ARG_CHECK(o->n_outputs >= 0 && o->n_outputs <= TP_STYLE_MAX_LAYOUTS,
                  "%s: n_outputs %d outside [0, %d]", fn, o->n_outputs, TP_STYLE_MAX_LAYOUTS);
     TP_ARG_CHECK(o->n_desired >= 0 && o->n_desired <= TP_STYLE_MAX_LAYOUTS,
@@ -624,7 +643,7 @@ static tp_status tp__copy_input_ctx(tp__hook_ctx *c, const tp_prepare_input_opti
         c->kwin[k] = o->kwargs[k].layout;
         c->kwwant[k] = o->kwargs[k].desired;
     }
-    c->in_local = o->use_local_output;
+    c->in_local = o->use_local_output == TP_FLAG_TRUE; /* default false */
     return TP_OK;
 }
 
@@ -651,7 +670,7 @@ static tp_status tp__apply_prepare_output(const tp_style *s, tp_module *m, const
     c->out_mode = TP__OUT_PREPARE;
     c->out_from = s->out.output_layouts[0];
     c->out_to = s->out.desired_output_layouts[0];
-    c->out_local = !s->out.keep_dtensor_output;
+    c->out_local = s->out.use_local_output != TP_FLAG_FALSE; /* default true */
     return tp__add_post(m, c);
 }
 
@@ -705,7 +724,7 @@ tp_status tp__style_apply(const tp_style *s, tp_module *m, const char *fqn, tp_m
         return tp__apply_io(s, m, fqn, mesh, s->col.input_layouts,
                             tp_layout_of(tp_replicate()), TP__OUT_STYLE,
                             tp_layout_of(tp_shard(-1)), s->col.output_layouts,
-                            !s->col.keep_dtensor_output);
+                            s->col.use_local_output == TP_FLAG_TRUE);
     }
     case TP__STY_ROWWISE: {
         const char *name = tp__style_name(s);
@@ -722,14 +741,14 @@ tp_status tp__style_apply(const tp_style *s, tp_module *m, const char *fqn, tp_m
         tp_layout in = s->row.input_layouts.set ? s->row.input_layouts : want;
         return tp__apply_io(s, m, fqn, mesh, in, want, TP__OUT_STYLE,
                             tp_layout_of(tp_partial(TP_SUM)), s->row.output_layouts,
-                            !s->row.keep_dtensor_output);
+                            s->row.use_local_output == TP_FLAG_TRUE);
     }
     case TP__STY_SEQUENCE: {
         TP_CHECK(tp__replicate_params(m, mesh, fqn));
         m->sharded_by = tp__style_name(s);
         tp_layout l = tp_layout_of(tp_shard(s->sp.sequence_dim));
         return tp__apply_io(s, m, fqn, mesh, l, l,
-                            s->sp.use_local_output ? TP__OUT_LOCAL_ONLY : TP__OUT_NONE,
+                            s->sp.use_local_output == TP_FLAG_TRUE ? TP__OUT_LOCAL_ONLY : TP__OUT_NONE,
                             tp_layout_none(), tp_layout_none(), true);
     }
     case TP__STY_PREP_IN:
