@@ -12,73 +12,9 @@
  * formulas (rtol 1e-5, atol 1e-6). */
 #include <math.h>
 
-#include "tp_test.h"
+#include "tp_test_dtensor.h"
 
 /* ---- building inputs ---------------------------------------------------------- */
-
-/* A global integer-valued f32 tensor (RANDINT in [-4, 5) of seed). */
-static tp_status global_tensor(int nd, const int64_t *shape, uint64_t seed, tp_tensor **t)
-{
-    TP_TEST_TRY(tp_tensor_zeros(TP_F32, TP_CPU, nd, shape, t));
-    return tp_tensor_fill_random(*t, TP_RNG_RANDINT, -4, 5, seed, NULL, NULL);
-}
-
-/*
- * The DTensor holding `full` with placements pl (mesh ndim entries). At most
- * one mesh dim may be Partial: the value is then split into integer terms,
- * Partial(sum): coordinate 0 holds x - (W-1) n and the others n (n another
- * random integer tensor), Partial(max): coordinate 0 holds x and the others
- * x - 1 - coordinate. The result is a leaf.
- */
-static tp_status make_dt(tp_mesh *mesh, tp_tensor *full, const tp_placement *pl, uint64_t seed,
-                         tp_tensor **out)
-{
-    int m = tp_mesh_ndim(mesh), pd = -1;
-    tp_placement pr[2];
-    for (int d = 0; d < m; d++) {
-        pr[d] = pl[d];
-        if (pl[d].kind == TP_PLACEMENT_PARTIAL) {
-            pd = d;
-            pr[d] = tp_replicate();
-        }
-    }
-    if (pd < 0)
-        return tp_dtensor_distribute(mesh, full, m, pl, -1, out);
-    tp_tensor *dx = NULL, *noise = NULL, *dn = NULL, *local = NULL;
-    int nd = tp_tensor_ndim(full);
-    TP_TEST_TRY(tp_dtensor_distribute(mesh, full, m, pr, -1, &dx));
-    TP_TEST_TRY(global_tensor(nd, tp_tensor_shape(full), seed, &noise));
-    TP_TEST_TRY(tp_dtensor_distribute(mesh, noise, m, pr, -1, &dn));
-    TP_TEST_TRY(tp_tensor_clone(tp_dtensor_local(dx), &local));
-    float *v = tp_tensor_data(local);
-    const float *nv = tp_tensor_data(tp_dtensor_local(dn));
-    int64_t n = tp_tensor_numel(local), coord = tp_mesh_coord(mesh, pd),
-            w = tp_mesh_size(mesh, pd);
-    for (int64_t i = 0; i < n; i++) {
-        if (pl[pd].op == TP_MAX)
-            v[i] = coord == 0 ? v[i] : v[i] - 1.0f - (float)coord;
-        else
-            v[i] = coord == 0 ? v[i] - (float)(w - 1) * nv[i] : nv[i];
-    }
-    tp_from_local_options opt = {.global_shape = tp_tensor_shape(full)};
-    tp_status st = tp_dtensor_from_local(mesh, local, m, pl, &opt, out);
-    tp_tensor_release(local);
-    tp_tensor_release(dn);
-    tp_tensor_release(noise);
-    tp_tensor_release(dx);
-    return st;
-}
-
-static bool placement_eq(tp_placement a, tp_placement b)
-{
-    if (a.kind != b.kind)
-        return false;
-    if (a.kind == TP_PLACEMENT_SHARD)
-        return a.dim == b.dim;
-    if (a.kind == TP_PLACEMENT_PARTIAL)
-        return a.op == b.op;
-    return true;
-}
 
 /* ---- one comparison case -------------------------------------------------------- */
 
@@ -165,14 +101,14 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const ew_case *cs)
     lc.label = label;
     tp_tensor *full[2] = {0}, *dt[2] = {0}, *yp = NULL, *yd = NULL, *yfull = NULL, *g = NULL;
     for (int i = 0; i < c->n_in; i++) {
-        RANK_OK(s, global_tensor(c->nd[i], c->shape[i], 100 + (uint64_t)i, &full[i]));
-        RANK_OK(s, make_dt(mesh, full[i], &c->pl[i][first], 200 + (uint64_t)i, &dt[i]));
+        RANK_OK(s, tp_test_global_tensor(c->nd[i], c->shape[i], 100 + (uint64_t)i, &full[i]));
+        RANK_OK(s, tp_test_make_dtensor(mesh, full[i], &c->pl[i][first], 200 + (uint64_t)i, &dt[i]));
         RANK_OK(s, tp_tensor_set_requires_grad(full[i], true));
         RANK_OK(s, tp_tensor_set_requires_grad(dt[i], true));
     }
     /* reference */
     RANK_OK(s, apply(c, full[0], full[1], &yp));
-    RANK_OK(s, global_tensor(tp_tensor_ndim(yp), tp_tensor_shape(yp), 7, &g));
+    RANK_OK(s, tp_test_global_tensor(tp_tensor_ndim(yp), tp_tensor_shape(yp), 7, &g));
     RANK_OK(s, tp_backward(yp, g));
     /* distributed */
     tp_comm_debug *dbg = NULL;
@@ -197,7 +133,7 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const ew_case *cs)
             if (tp_mesh_size(mesh, d) == 1)
                 continue;
             char b1[32], b2[32];
-            RANK_EXPECT(s, placement_eq(got[d], c->out[first + d]),
+            RANK_EXPECT(s, tp_test_placement_eq(got[d], c->out[first + d]),
                         "%s: output placement on mesh dim %d is %s, expected %s", c->label, d,
                         tp_placement_str(got[d], b1, sizeof b1),
                         tp_placement_str(c->out[first + d], b2, sizeof b2));
@@ -234,7 +170,7 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const ew_case *cs)
                 continue;
             char b1[32], b2[32];
             tp_placement got = tp_dtensor_placements(gd)[d], want = c->grad[i][first + d];
-            RANK_EXPECT(s, placement_eq(got, want),
+            RANK_EXPECT(s, tp_test_placement_eq(got, want),
                         "%s: gradient of input %d on mesh dim %d is %s, expected %s", c->label,
                         i, d, tp_placement_str(got, b1, sizeof b1),
                         tp_placement_str(want, b2, sizeof b2));
@@ -607,8 +543,8 @@ static tp_status errors_body(tp_test_slot *s, tp_mesh *mesh, ew_ctx *c)
     int m = tp_mesh_ndim(mesh);
     tp_placement rr[2] = {R_, R_}, ss[2] = {S_(0), S_(0)};
     tp_tensor *a = NULL, *b = NULL, *da = NULL, *db = NULL, *y = NULL;
-    RANK_OK(s, global_tensor(2, (int64_t[]){4, 6}, 1, &a));
-    RANK_OK(s, global_tensor(1, (int64_t[]){5}, 2, &b));
+    RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){4, 6}, 1, &a));
+    RANK_OK(s, tp_test_global_tensor(1, (int64_t[]){5}, 2, &b));
     RANK_OK(s, tp_dtensor_distribute(mesh, a, m, ss, -1, &da));
     RANK_OK(s, tp_dtensor_distribute(mesh, b, m, rr, -1, &db));
     /* mixing plain and distributed names the arguments */
@@ -730,7 +666,7 @@ ParameterizedTest(ew_mesh *em, ops_elementwise, distributed_errors, .timeout = 6
 static tp_tensor *rand_t(int nd, const int64_t *shape, uint64_t seed)
 {
     tp_tensor *t = NULL;
-    CHECK_OK(global_tensor(nd, shape, seed, &t));
+    CHECK_OK(tp_test_global_tensor(nd, shape, seed, &t));
     return t;
 }
 

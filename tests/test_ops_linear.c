@@ -2,20 +2,13 @@
  * gradients, for every strategy and for layouts that need redistribution, on
  * 1-D and 2-D meshes with uneven shapes. Inputs are small integers, so every
  * sum is exact in f32 and the comparison is exact. */
-#include "tp_test.h"
+#include "tp_test_dtensor.h"
 
 typedef struct {
     int mesh_ndim;
     int64_t mesh_shape[3];
     tp_test_slot slot[TP_TEST_MAX_RANKS];
 } lin_ctx;
-
-/* A global integer tensor (RANDINT of seed) distributed with placements. */
-static tp_status global_tensor(int nd, const int64_t *shape, uint64_t seed, tp_tensor **t)
-{
-    TP_TEST_TRY(tp_tensor_zeros(TP_F32, TP_CPU, nd, shape, t));
-    return tp_tensor_fill_random(*t, TP_RNG_RANDINT, -4, 5, seed, NULL, NULL);
-}
 
 /* Runs op on plain tensors and on DTensors, compares y and every gradient. */
 typedef tp_status (*op3_fn)(tp_tensor *, tp_tensor *, tp_tensor *, tp_tensor **);
@@ -37,14 +30,14 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, op3_fn op, int n_in,
     int m = tp_mesh_ndim(mesh);
     tp_tensor *full[3] = {0}, *dt[3] = {0}, *yp = NULL, *yd = NULL, *yfull = NULL, *g = NULL;
     for (int i = 0; i < n_in; i++) {
-        RANK_OK(s, global_tensor(nds[i], shapes[i], 100 + (uint64_t)i, &full[i]));
+        RANK_OK(s, tp_test_global_tensor(nds[i], shapes[i], 100 + (uint64_t)i, &full[i]));
         RANK_OK(s, tp_dtensor_distribute(mesh, full[i], m, pl[i], -1, &dt[i]));
         RANK_OK(s, tp_tensor_set_requires_grad(full[i], true));
         RANK_OK(s, tp_tensor_set_requires_grad(dt[i], true));
     }
     /* reference */
     RANK_OK(s, op(full[0], full[1], n_in > 2 ? full[2] : NULL, &yp));
-    RANK_OK(s, global_tensor(tp_tensor_ndim(yp), tp_tensor_shape(yp), 7, &g));
+    RANK_OK(s, tp_test_global_tensor(tp_tensor_ndim(yp), tp_tensor_shape(yp), 7, &g));
     RANK_OK(s, tp_backward(yp, g));
     /* distributed */
     RANK_OK(s, op(dt[0], dt[1], n_in > 2 ? dt[2] : NULL, &yd));
@@ -132,8 +125,8 @@ static tp_status lin_body(tp_comm *w, void *arg)
     }
     /* mixing plain and distributed tensors names the argument */
     tp_tensor *x = NULL, *wp = NULL, *y = NULL, *wd = NULL;
-    RANK_OK(s, global_tensor(2, (int64_t[]){4, 7}, 1, &x));
-    RANK_OK(s, global_tensor(2, (int64_t[]){6, 7}, 2, &wp));
+    RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){4, 7}, 1, &x));
+    RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){6, 7}, 2, &wp));
     tp_placement rr[3] = {R, R, R};
     RANK_OK(s, tp_dtensor_distribute(mesh, wp, c->mesh_ndim, rr, -1, &wd));
     tp_status st = tp_linear(x, wd, NULL, &y);
@@ -144,7 +137,7 @@ static tp_status lin_body(tp_comm *w, void *arg)
     RANK_EXPECT(s, st == TP_OK, "plain linear failed: %s", tp_last_error());
     tp_tensor_release(y);
     tp_tensor *x5 = NULL;
-    RANK_OK(s, global_tensor(2, (int64_t[]){4, 5}, 1, &x5));
+    RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){4, 5}, 1, &x5));
     st = tp_linear(x5, wp, NULL, &y);
     RANK_EXPECT(s, st == TP_ERR_INVALID_ARG &&
                        strstr(tp_last_error(), "linear: input has 5 features, weight expects 7"),

@@ -22,73 +22,9 @@
  * equals the single-rank run. */
 #include <math.h>
 
-#include "tp_test.h"
+#include "tp_test_dtensor.h"
 
 #define NCASES(a) (sizeof(a) / sizeof((a)[0]))
-
-/* A global integer-valued f32 tensor (RANDINT in [-4, 5) of seed). */
-static tp_status global_tensor(int nd, const int64_t *shape, uint64_t seed, tp_tensor **t)
-{
-    TP_TEST_TRY(tp_tensor_zeros(TP_F32, TP_CPU, nd, shape, t));
-    return tp_tensor_fill_random(*t, TP_RNG_RANDINT, -4, 5, seed, NULL, NULL);
-}
-
-/*
- * The DTensor holding `full` with placements pl (mesh ndim entries). At most
- * one mesh dim may be Partial: the value is then split into integer terms,
- * Partial(sum): coordinate 0 holds x - (W-1) n and the others n (n another
- * random integer tensor), Partial(max): coordinate 0 holds x and the others
- * x - 1 - coordinate. The result is a leaf.
- */
-static tp_status make_dt(tp_mesh *mesh, tp_tensor *full, const tp_placement *pl, uint64_t seed,
-                         tp_tensor **out)
-{
-    int m = tp_mesh_ndim(mesh), pd = -1;
-    tp_placement pr[2];
-    for (int d = 0; d < m; d++) {
-        pr[d] = pl[d];
-        if (pl[d].kind == TP_PLACEMENT_PARTIAL) {
-            pd = d;
-            pr[d] = tp_replicate();
-        }
-    }
-    if (pd < 0)
-        return tp_dtensor_distribute(mesh, full, m, pl, -1, out);
-    tp_tensor *dx = NULL, *noise = NULL, *dn = NULL, *local = NULL;
-    int nd = tp_tensor_ndim(full);
-    TP_TEST_TRY(tp_dtensor_distribute(mesh, full, m, pr, -1, &dx));
-    TP_TEST_TRY(global_tensor(nd, tp_tensor_shape(full), seed, &noise));
-    TP_TEST_TRY(tp_dtensor_distribute(mesh, noise, m, pr, -1, &dn));
-    TP_TEST_TRY(tp_tensor_clone(tp_dtensor_local(dx), &local));
-    float *v = tp_tensor_data(local);
-    const float *nv = tp_tensor_data(tp_dtensor_local(dn));
-    int64_t n = tp_tensor_numel(local), coord = tp_mesh_coord(mesh, pd),
-            w = tp_mesh_size(mesh, pd);
-    for (int64_t i = 0; i < n; i++) {
-        if (pl[pd].op == TP_MAX)
-            v[i] = coord == 0 ? v[i] : v[i] - 1.0f - (float)coord;
-        else
-            v[i] = coord == 0 ? v[i] - (float)(w - 1) * nv[i] : nv[i];
-    }
-    tp_from_local_options opt = {.global_shape = tp_tensor_shape(full)};
-    tp_status st = tp_dtensor_from_local(mesh, local, m, pl, &opt, out);
-    tp_tensor_release(local);
-    tp_tensor_release(dn);
-    tp_tensor_release(noise);
-    tp_tensor_release(dx);
-    return st;
-}
-
-static bool placement_eq(tp_placement a, tp_placement b)
-{
-    if (a.kind != b.kind)
-        return false;
-    if (a.kind == TP_PLACEMENT_SHARD)
-        return a.dim == b.dim;
-    if (a.kind == TP_PLACEMENT_PARTIAL)
-        return a.op == b.op;
-    return true;
-}
 
 /* ---- one case ----------------------------------------------------------------------- */
 
@@ -179,13 +115,13 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const view_case *c)
                  (long long)tp_mesh_size(mesh, 0), (long long)tp_mesh_size(mesh, 1));
     tp_tensor *full = NULL, *dt = NULL, *yp = NULL, *yd = NULL, *yfull = NULL, *g = NULL,
               *gd = NULL, *gf = NULL;
-    RANK_OK(s, global_tensor(c->nd, c->shape, 100, &full));
-    RANK_OK(s, make_dt(mesh, full, &c->pl[first], 200, &dt));
+    RANK_OK(s, tp_test_global_tensor(c->nd, c->shape, 100, &full));
+    RANK_OK(s, tp_test_make_dtensor(mesh, full, &c->pl[first], 200, &dt));
     RANK_OK(s, tp_tensor_set_requires_grad(full, true));
     RANK_OK(s, tp_tensor_set_requires_grad(dt, true));
     /* reference */
     RANK_OK(s, apply(c, full, &yp));
-    RANK_OK(s, global_tensor(tp_tensor_ndim(yp), tp_tensor_shape(yp), 7, &g));
+    RANK_OK(s, tp_test_global_tensor(tp_tensor_ndim(yp), tp_tensor_shape(yp), 7, &g));
     RANK_OK(s, tp_backward(yp, g));
     /* distributed forward */
     tp_placement want[2];
@@ -205,7 +141,7 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const view_case *c)
     const tp_placement *got = tp_dtensor_placements(yd);
     for (int d = 0; d < m; d++) {
         char b1[32], b2[32];
-        RANK_EXPECT(s, placement_eq(got[d], want[d]),
+        RANK_EXPECT(s, tp_test_placement_eq(got[d], want[d]),
                     "%s: output placement on mesh dim %d is %s, expected %s", label, d,
                     tp_placement_str(got[d], b1, sizeof b1),
                     tp_placement_str(want[d], b2, sizeof b2));
@@ -247,7 +183,7 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const view_case *c)
         for (int d = 0; d < m; d++) {
             tp_placement w = xp[d].kind == TP_PLACEMENT_PARTIAL ? tp_replicate() : xp[d];
             char b1[32], b2[32];
-            RANK_EXPECT(s, placement_eq(gp[d], w),
+            RANK_EXPECT(s, tp_test_placement_eq(gp[d], w),
                         "%s: gradient placement on mesh dim %d is %s, expected %s", label, d,
                         tp_placement_str(gp[d], b1, sizeof b1), tp_placement_str(w, b2, sizeof b2));
         }
@@ -498,7 +434,7 @@ static tp_status errors_body(tp_test_slot *s, tp_mesh *mesh)
     int m = tp_mesh_ndim(mesh);
     tp_placement ss[2] = {S_(0), S_(1)};
     tp_tensor *a = NULL, *da = NULL, *y = NULL;
-    RANK_OK(s, global_tensor(2, (int64_t[]){4, 6}, 1, &a));
+    RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){4, 6}, 1, &a));
     RANK_OK(s, tp_dtensor_distribute(mesh, a, m, ss + (2 - m), -1, &da));
     tp_comm_debug *dbg = NULL;
     RANK_OK(s, tp_comm_debug_create(&dbg));
@@ -566,7 +502,7 @@ ParameterizedTest(view_mesh *vm, ops_view, distributed_errors, .timeout = 60)
 static tp_tensor *rand_t(int nd, const int64_t *shape, uint64_t seed)
 {
     tp_tensor *t = NULL;
-    CHECK_OK(global_tensor(nd, shape, seed, &t));
+    CHECK_OK(tp_test_global_tensor(nd, shape, seed, &t));
     return t;
 }
 
@@ -923,9 +859,9 @@ static tp_status attn_rank(tp_comm *world, void *arg)
     /* the single-rank block */
     RANK_OK(s, attn_build(&heads, &ref));
     RANK_OK(s, tp_module_init(ref, 5));
-    RANK_OK(s, global_tensor(3, xs, 1, &x));
+    RANK_OK(s, tp_test_global_tensor(3, xs, 1, &x));
     RANK_OK(s, tp_tensor_clone(x, &xr));
-    RANK_OK(s, global_tensor(3, xs, 2, &g));
+    RANK_OK(s, tp_test_global_tensor(3, xs, 2, &g));
     RANK_OK(s, tp_tensor_set_requires_grad(xr, true));
     RANK_OK(s, tp_module_call(ref, xr, &yr));
     RANK_OK(s, tp_backward(yr, g));
