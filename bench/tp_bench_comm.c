@@ -1280,7 +1280,8 @@ static void csv_row(const rank_ctx *rc, const point_row *row, bench_op op, int f
     fprintf(csv, "%s,%s,%d,%d,%d,%s,%s,%d,%zu,%zu,%d,%d,%.3f,%.3f,%.3f,%.3f,%.4f,%.4f,",
             op_info[op].name, cfg->backend->name, rc->n, form == FORM_IP,
             (form == FORM_IP) != f->substitute, row->dt->name,
-            op_info[op].reduces ? redop_name(row->redop) : "none", row->root, row->bytes,
+            op_info[op].reduces ? redop_name(row->redop) : "none",
+            op_info[op].rooted ? row->root : -1, row->bytes,
             row->count, f->iters, cfg->reps, f->time_s * 1e6, f->min_s * 1e6, f->max_s * 1e6,
             f->iter_med_s * 1e6, f->algbw, f->busbw);
     if (f->checked)

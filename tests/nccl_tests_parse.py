@@ -561,6 +561,8 @@ def run_bench(binary):
                 if not (float(rec["time_min_us"]) <= float(rec["time_us"]) <= float(rec["time_max_us"])):
                     problems.append(f"CSV: median {rec['time_us']} outside "
                                     f"{rec['time_min_us']}..{rec['time_max_us']}")
+                if rec["collective"] not in ROOTED and rec["root"] != "-1":
+                    problems.append(f"CSV: root {rec['root']} for {rec['collective']}, expected -1")
                 if len(reps) != int(rec["reps"]):
                     problems.append(f"CSV: {len(reps)} repetition times for reps={rec['reps']}")
             if problems:
