@@ -136,14 +136,15 @@ load_before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 echo "# compare_backends: $np ranks, shm (threads) vs mpi (mpirun -np $np ${MPIRUN_ARGS---bind-to none}), $reps A B pairs; raw output in $raw" >&2
 
 # ---- collectives: one (collective, size) point per run, A B A B ---------------
-comm_opts=(-n 0 --target-s "$target" --roof-bytes 0 -c 1)
+# -R 1: the A B pairs are the repetitions here
+comm_opts=(-n 0 -R 1 --target-s "$target" --roof-bytes 0 -c 1)
 if [ $do_comm = 1 ]; then
     for coll in "${coll_list[@]}"; do
         for size in "${size_list[@]}"; do
             for rep in $(seq 1 "$reps"); do
-                run "comm-shm-$coll-$size-$rep" "$comm_bin" --backend shm -g "$np" -o "$coll" \
+                run "comm-shm-$coll-$size-$rep" "$comm_bin" --backend shm -g "$np" --collective "$coll" \
                     -b "$size" -e "$size" "${comm_opts[@]}" --csv "$raw/comm-shm-$coll-$size-$rep.csv"
-                run "comm-mpi-$coll-$size-$rep" "${mpirun[@]}" "$comm_bin" --backend mpi -o "$coll" \
+                run "comm-mpi-$coll-$size-$rep" "${mpirun[@]}" "$comm_bin" --backend mpi --collective "$coll" \
                     -b "$size" -e "$size" "${comm_opts[@]}" --csv "$raw/comm-mpi-$coll-$size-$rep.csv"
             done
         done
@@ -168,8 +169,10 @@ fi
 load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 
 # ---- join: one row per repetition ------------------------------------------------
-# tp-bench-comm CSV: op,backend,nranks,inplace,dtype,redop,root,size_bytes,count,iters,
-#   time_us,time_med_us,time_min_us,algbw_GBps,busbw_GBps,busbw_med_GBps,wrong,...
+# tp-bench-comm CSV: collective,backend,nranks,inplace,call_inplace,dtype,redop,root,
+#   size_bytes,count,iters,reps,time_us,time_min_us,time_max_us,iter_med_us,algbw_GBps,
+#   busbw_GBps,wrong,...; the out-of-place record (inplace 0) is compared, on the median
+#   per call (iter_med_us) and the busbw of that time
 # tp-bench-layers CSV: layer,pass,tokens,hidden,ranks,time_ms,gflops,tokens_per_s,
 #   coll_share,speedup,backend
 joined=$raw/joined.csv
@@ -186,8 +189,10 @@ if [ $do_comm = 1 ]; then
                 fi
                 awk -F, -v coll="$coll" -v size="$size" -v rep="$rep" -v np="$np" '
                     FNR == 1 { next }
-                    FILENAME == ARGV[1] { t = $12; bw = $16; w = $17; next }
-                    { printf "comm,%s,%s,,%s,%s,%s,%s,%s,%s,%d\n", coll, size, np, rep, t, $12, bw, $16, w + $17 }
+                    $4 != 0 { next }
+                    FILENAME == ARGV[1] { t = $16; bw = ($16 > 0) ? $18 * $13 / $16 : 0; w = $19; next }
+                    { printf "comm,%s,%s,,%s,%s,%s,%s,%s,%s,%d\n", coll, size, np, rep, t, $16,
+                             bw, ($16 > 0) ? $18 * $13 / $16 : 0, w + $19 }
                 ' "$a" "$b" >>"$joined"
             done
         done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compare_mpi.sh - libtp's shm collectives against OpenMPI's on this machine.
 #
-# Runs tp-bench-comm (2 rank threads) and the peer baseline mpi_coll
+# Runs tp-bench-comm (2 rank threads, -R 1) and the peer baseline mpi_coll
 # (mpirun -np 2) interleaved, A B A B, one collective at a time, sizes
 # 4 KiB .. 256 MiB (x4, the peer's steps), and prints per collective and size:
 # libtp busbw, OpenMPI busbw, their ratio, libtp roof%, and the 4 KiB
@@ -84,8 +84,9 @@ start=$(date +%s)
 for coll in $colls; do
     for rep in $(seq 1 "$reps"); do
         a=$raw/tp-$coll-$rep
-        if ! "$bench" -g "$np" -o "$coll" -b 4K -e "${max_mib}M" -f 4 --target-s "$target" \
-                --csv "$a.csv" >"$a.log" 2>&1; then
+        # -R 1: the A B pairs are the repetitions here
+        if ! "$bench" -g "$np" --collective "$coll" -b 4K -e "${max_mib}M" -f 4 -R 1 \
+                --target-s "$target" --csv "$a.csv" >"$a.log" 2>&1; then
             echo "# libtp $coll rep $rep: tp-bench-comm failed (exit $?), see $a.log" >&2
             status=1
         fi
@@ -101,12 +102,14 @@ done
 fi
 
 # ---- join -----------------------------------------------------------------------
-# tp CSV: op,backend,nranks,inplace,dtype,redop,root,size_bytes,count,iters,time_us,
-#         time_med_us,time_min_us,algbw_GBps,busbw_GBps,busbw_med_GBps,wrong,
-#         model_bytes_per_rank,roof_GBps_per_thread,roof_frac
+# tp CSV: collective,backend,nranks,inplace,call_inplace,dtype,redop,root,size_bytes,
+#         count,iters,reps,time_us,time_min_us,time_max_us,iter_med_us,algbw_GBps,
+#         busbw_GBps,wrong,average,blocking,rep_times_us,model_bytes_per_rank,
+#         roof_GBps_per_thread,roof_frac (two records per size: out-of-place, in-place)
 # mpi CSV: np,coll,bytes,iters,median_s,min_s,algbw_GBps,busbw_GBps,verify
-# Both sides are compared on the median over iterations (mpi_coll reports the
-# median; tp-bench-comm's table shows the mean, its CSV both).
+# Both sides are compared out of place on the median over iterations (mpi_coll
+# reports the median; tp-bench-comm's CSV has it as iter_med_us, the median per
+# call of the slowest rank, next to the table's mean per call, time_us).
 echo "rep,coll,bytes,tp_busbw_GBps,tp_time_us,tp_busbw_mean_GBps,tp_roof_frac,tp_roof_GBps_per_thread,tp_wrong,mpi_busbw_GBps,mpi_time_us,mpi_verify,ratio" >"$csv"
 for coll in $colls; do
     for rep in $(seq 1 "$reps"); do
@@ -116,9 +119,11 @@ for coll in $colls; do
         awk -F, -v rep="$rep" -v coll="$coll" '
             FNR == 1 { next }
             FILENAME == ARGV[1] {
-                # roof fraction from the median time, like the busbw compared here
-                rf = ($19 > 0 && $12 > 0) ? sprintf("%.4f", $18 / ($12 * 1e-6) / 1e9 / $19) : ""
-                tp[$8] = $16 "," $12 "," $15 "," rf "," $19 "," $17
+                if ($4 != 0) next # the in-place columns
+                # busbw and roof fraction from the median time, as mpi_coll reports
+                bm = ($16 > 0) ? sprintf("%.4f", $18 * $13 / $16) : ""
+                rf = ($24 > 0 && $16 > 0) ? sprintf("%.4f", $23 / ($16 * 1e-6) / 1e9 / $24) : ""
+                tp[$9] = bm "," $16 "," $18 "," rf "," $24 "," $19
                 next
             }
             ($3 in tp) {

@@ -1,41 +1,73 @@
 /*
- * tp-bench-comm - sweep of libtp's collectives in the manner of nccl-tests,
- * with the machine's memory-copy bandwidth measured in the same run as a roof.
+ * tp-bench-comm - libtp's collectives swept the way nccl-tests sweeps NCCL's:
+ * nccl-tests' flags, nccl-tests' table (so scripts written for all_reduce_perf
+ * and friends read it), the spread of repeated measurements, and the
+ * machine's memory-copy bandwidth measured in the same run as a roof.
  *
- * For each collective and each size S (bytes, nccl-tests conventions):
+ * Every collective is a section that reads like the output of the nccl-tests
+ * binary of that collective:
  *
- *   all_reduce      send S,   recv S            busbw = algbw * 2(n-1)/n
- *   all_gather      send S/n, recv S (total)    busbw = algbw * (n-1)/n
- *   reduce_scatter  send S,   recv S/n          busbw = algbw * (n-1)/n
- *   all_to_all      send S,   recv S            busbw = algbw * (n-1)/n
- *   broadcast       buffer S (root's, in place) busbw = algbw
+ *   # Collective test starting: all_reduce_perf
+ *   #                     ...   out-of-place                       in-place
+ *   #       size         count      type   redop    root     time   algbw   busbw #wrong     time ...
+ *   #        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us) ...
+ *           4096          1024     float     sum      -1     1.02    4.02    4.02      0     0.98 ...
+ *   # Out of bounds values : 0 OK
+ *   # Avg bus bandwidth    : 4.1
+ *   #   ... the spread of every row, roof%, notes: '#' lines only ...
+ *   # Collective test concluded: all_reduce_perf
  *
- * algbw = S / t with GB = 1e9 B. S is rounded down to a multiple of n element
- * blocks where the collective splits it (so 4096 B of f32 over 3 ranks is
- * 4092 B); the size column shows the size actually moved.
+ * Nothing but data rows sits between the header rows and the two closing
+ * lines, so a parser that reads the rows by position, stopping at the first
+ * '#', sees exactly nccl-tests' columns. What nccl-tests does not print (the
+ * spread over repetitions, roof%, the load average) is in '#' lines after the
+ * closing lines and in the CSV (--csv).
  *
- * Timing: warm-up, then timed iterations. Every iteration is preceded by a
- * barrier that is not timed; each rank times its own call, the iteration's
- * time is the maximum over ranks, and the row reports the mean over
- * iterations (median and minimum go to the CSV). With -n 0 the iteration count
- * is chosen so a point takes about --target-s seconds, at least 5.
+ * Sizes and columns, as nccl-tests (S is the size column; count is
+ * nccl-tests' "count", the per-rank block of the split collectives):
  *
- * Checking (-c 1): inputs are small integers whose reductions are exact in
- * the chosen dtype (rank + 1 + g % 13 for sum/avg/max/min, 1 or 2 for
- * product); every element of every rank's output is compared after the first
- * warm-up call and again after the timed loop, and the wrong elements are
- * counted (#wrong). avg on floating dtypes allows about two ulps, because a
- * backend may divide as x * (1/n). In-place sum/avg/product change their own
- * input every call, so for those the after-the-loop check refills the inputs
- * and makes one more (untimed) call; during the timed loop the values grow
- * (floats reach inf, integers wrap), as in nccl-tests.
+ *   collective      S                          count       busbw = algbw x
+ *   all_reduce      send = recv                S / elt     2(n-1)/n
+ *   all_gather      recv (all blocks)          S / elt / n (n-1)/n
+ *   reduce_scatter  send (all blocks)          S / elt / n (n-1)/n
+ *   all_to_all      send = recv (all blocks)   S / elt / n (n-1)/n
+ *   broadcast       the buffer                 S / elt     1
+ *   scatter         root's send (all blocks)   S / elt / n (n-1)/n
+ *
+ * algbw = S / time, GB = 1e9 B. Where a collective splits S into n blocks, S
+ * is rounded down to whole elements per block (4096 B of f32 over 3 ranks is
+ * 4092 B); the size column shows the size moved.
+ *
+ * Timing of one row, each form (out-of-place, in-place) in turn: -w warm-up
+ * calls, then -R repetitions of a timed loop of -n calls (-n 0: as many as fill
+ * about --target-s). Every call is preceded by a barrier that is not timed and
+ * every rank times its own call; a rank's time for a repetition is its mean
+ * per call, and the repetition's time combines the ranks as -a says (0 rank
+ * 0's, 1 the mean over ranks, 2 the fastest rank, 3 the slowest; nccl-tests'
+ * -a). The table's time is the median of the repetitions; their range is in
+ * the spread lines. -z 1 makes every call blocking (work = NULL), -z 0 starts
+ * it with a work handle and waits for it (tp_work_wait).
+ *
+ * Forms libtp lacks: tp_broadcast has one buffer (in place) and tp_all_to_all
+ * refuses overlapping buffers. The missing form's columns time the form libtp
+ * has once more and are not checked (#wrong N/A), as nccl-tests' alltoall_perf
+ * leaves its in-place results unchecked; a note line says so.
+ *
+ * Checking (-c N, N > 0): inputs are small integers whose reductions are
+ * exact in the dtype (rank + 1 + g % 13 for sum/avg/max/min, 1 or 2 for prod);
+ * every element of every rank's output is compared after the first warm-up
+ * call, after every repetition (the outputs are reset to a sentinel before
+ * it, so a loop that stops copying is caught), and in N more calls on fresh
+ * inputs; #wrong counts the wrong elements over ranks. avg on floating dtypes
+ * allows about two ulps, because a backend may divide as x * (1/n). In-place
+ * sum/avg/prod feed their output back in, so their repetitions are not checked
+ * (the values grow, floats reach inf, as in nccl-tests); the fresh calls are.
  *
  * Roof: before the sweep every rank copies a buffer of its own (--roof-bytes,
- * default 256 MiB) with memcpy, all ranks at once, timed like a collective,
- * as one call and as 64 KiB calls; the faster median is the roof.
- * roof% compares a collective with that copy bandwidth through a model of the
- * least memory traffic a shared-memory implementation must do; see
- * model_bytes() and bench/README.md.
+ * default 256 MiB), all ranks at once, timed like a collective, in three ways;
+ * the fastest median is the roof. roof% compares a collective with that copy
+ * bandwidth through a model of the least memory traffic a shared-memory
+ * implementation must do; see model_bytes() and bench/README.md.
  *
  * Exit status: 0 when every point ran and every check passed, 1 when a check
  * counted wrong elements, 2 when a libtp call failed, 64 on a usage error.
@@ -43,11 +75,13 @@
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
+#include <sched.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -63,8 +97,13 @@
 
 #define MIN_ITERS 5
 #define MAX_ITERS 20000
+#define MAX_REPS 100
 #define ROOF_REPS 7   /* timed copies of the roof buffer, after one warm-up copy */
 #define PAT_MAX 13    /* longest pattern period */
+#define HOST_MAX 64   /* host name bytes shown per rank */
+
+enum { FORM_OOP = 0, FORM_IP = 1, N_FORMS = 2 };
+static const char *const form_name[N_FORMS] = {"out-of-place", "in-place"};
 
 /* ---- static tables ------------------------------------------------------- */
 
@@ -74,23 +113,31 @@ typedef enum bench_op {
     OP_REDUCE_SCATTER,
     OP_ALL_TO_ALL,
     OP_BROADCAST,
+    OP_SCATTER,
     OP_COUNT
 } bench_op;
 
 static const struct op_info {
-    const char *name;
-    const char *alias; /* the spelling of mpi_coll.c and MPI */
+    const char *name;  /* libtp's spelling */
+    const char *alias; /* MPI's and mpi_coll.c's */
+    const char *perf;  /* the nccl-tests binary */
     bool reduces;
+    bool rooted;
+    bool split;           /* S is n blocks */
+    bool has[N_FORMS];    /* the forms libtp has */
 } op_info[OP_COUNT] = {
-    [OP_ALL_REDUCE] = {"all_reduce", "allreduce", true},
-    [OP_ALL_GATHER] = {"all_gather", "allgather", false},
-    [OP_REDUCE_SCATTER] = {"reduce_scatter", "reducescatter", true},
-    [OP_ALL_TO_ALL] = {"all_to_all", "alltoall", false},
-    [OP_BROADCAST] = {"broadcast", "bcast", false},
+    [OP_ALL_REDUCE] = {"all_reduce", "allreduce", "all_reduce_perf", true, false, false, {true, true}},
+    [OP_ALL_GATHER] = {"all_gather", "allgather", "all_gather_perf", false, false, true, {true, true}},
+    [OP_REDUCE_SCATTER] = {"reduce_scatter", "reducescatter", "reduce_scatter_perf", true, false,
+                           true, {true, true}},
+    [OP_ALL_TO_ALL] = {"all_to_all", "alltoall", "alltoall_perf", false, false, true, {true, false}},
+    [OP_BROADCAST] = {"broadcast", "bcast", "broadcast_perf", false, true, false, {false, true}},
+    [OP_SCATTER] = {"scatter", "scatter", "scatter_perf", false, true, true, {true, true}},
 };
 
 typedef struct dtype_info {
-    const char *name;
+    const char *name;  /* nccl-tests' */
+    const char *alias; /* libtp's */
     tp_dtype dtype;
     size_t size;
     bool is_float;
@@ -98,23 +145,32 @@ typedef struct dtype_info {
     double avg_rtol;    /* tolerance of the avg check (about two ulps) */
 } dtype_info;
 
+/* nccl-tests' types that libtp has, in nccl-tests' order (-d all) */
 static const dtype_info dtypes[] = {
-    {"f32", TP_F32, 4, true, 16777216.0, 0x1p-22},
-    {"f64", TP_F64, 8, true, 9007199254740992.0, 0x1p-51},
-    {"f16", TP_F16, 2, true, 2048.0, 0x1p-9},
-    {"bf16", TP_BF16, 2, true, 256.0, 0x1p-6},
-    {"i32", TP_I32, 4, false, 2147483647.0, 0.0},
-    {"i64", TP_I64, 8, false, 9007199254740992.0, 0.0},
+    {"int32", "i32", TP_I32, 4, false, 2147483647.0, 0.0},
+    {"int64", "i64", TP_I64, 8, false, 9007199254740992.0, 0.0},
+    {"half", "f16", TP_F16, 2, true, 2048.0, 0x1p-9},
+    {"float", "f32", TP_F32, 4, true, 16777216.0, 0x1p-22},
+    {"double", "f64", TP_F64, 8, true, 9007199254740992.0, 0x1p-51},
+    {"bfloat16", "bf16", TP_BF16, 2, true, 256.0, 0x1p-6},
 };
 #define N_DTYPES (sizeof(dtypes) / sizeof(dtypes[0]))
 
+/* nccl-tests' types that libtp has no dtype for */
+static const char *const unsupported_dtypes[] = {"int8", "uint8", "uint32", "uint64"};
+#define DTYPE_NAMES "int32|int64|half|float|double|bfloat16|all"
+
+/* nccl-tests' reduction names and order (-o all) */
 static const struct redop_info {
     const char *name;
+    const char *alias;
     tp_reduce_op op;
 } redops[] = {
-    {"sum", TP_SUM}, {"avg", TP_AVG}, {"max", TP_MAX}, {"min", TP_MIN}, {"product", TP_PRODUCT},
+    {"sum", NULL, TP_SUM}, {"prod", "product", TP_PRODUCT}, {"max", NULL, TP_MAX},
+    {"min", NULL, TP_MIN}, {"avg", NULL, TP_AVG},
 };
 #define N_REDOPS (sizeof(redops) / sizeof(redops[0]))
+#define REDOP_NAMES "sum|prod|max|min|avg|all"
 
 static const char *redop_name(tp_reduce_op op)
 {
@@ -124,6 +180,9 @@ static const char *redop_name(tp_reduce_op op)
     return "?";
 }
 
+static const char *const average_name[4] = {"rank 0's time", "mean over ranks", "fastest rank",
+                                            "slowest rank"};
+
 /* ---- configuration and backends ------------------------------------------ */
 
 struct bench_run;
@@ -131,9 +190,7 @@ struct bench_run;
 /*
  * How the ranks of a backend come to exist. Adding a backend is one entry:
  *  - "mpi": one process per rank started by mpirun; the world communicator
- *    comes from tp_comm_init("mpi", NULL, &world) (launch_world below). The
- *    entry is already here and becomes available as soon as libtp registers a
- *    backend of that name.
+ *    comes from tp_comm_init("mpi", NULL, &world) (launch_world below).
  *  - "nccl": one GPU per rank, buffers on the device (launch_nccl). Under
  *    mpirun (one process per rank) the NCCL communicator is bootstrapped over
  *    the MPI world and each process takes GPU (local rank % GPUs); in a
@@ -172,30 +229,53 @@ static bool backend_available(const bench_backend *b)
 
 typedef struct bench_cfg {
     size_t min_bytes, max_bytes;
-    size_t factor;
+    size_t factor;     /* > 1: multiply the size; 1: add step_bytes (-i) */
+    size_t step_bytes;
     int iters;  /* 0: automatic */
     int warmup;
-    bool check;
+    int check;  /* -c: 0 no checks; N: N checked calls on fresh inputs, and the others */
+    int reps;   /* -R */
+    int average; /* -a: 0 rank 0, 1 mean, 2 min, 3 max over ranks */
+    bool blocking; /* -z */
     bool ops[OP_COUNT];
-    const dtype_info *dt;
-    tp_reduce_op redop;
+    bool types[N_DTYPES];
+    bool redops[N_REDOPS];
+    int root;   /* -r; -1: every rank in turn */
     int nranks;
     bool nranks_given;
     const bench_backend *backend;
-    bool inplace;
     const char *csv_path;
-    int root;
     size_t roof_bytes; /* 0: no roof */
-    double target_s;
+    double target_s;   /* seconds per timed loop with -n 0 */
 } bench_cfg;
+
+/* One form of one row, as rank 0 records it. */
+typedef struct form_result {
+    bool substitute; /* the other form's call, timed again (no such form in libtp) */
+    bool checked;
+    int iters;
+    double wrong;
+    double time_s, min_s, max_s; /* median, minimum, maximum over repetitions */
+    double iter_med_s;           /* median over reps of the median per call of the slowest rank */
+    double rep_s[MAX_REPS];
+    double algbw, busbw;
+    double model;    /* bytes per rank of the traffic model */
+    double roof;     /* fraction of the roof; NAN: none */
+} form_result;
+
+typedef struct point_row {
+    size_t bytes, count;
+    const dtype_info *dt;
+    tp_reduce_op redop;
+    int root;
+    form_result f[N_FORMS];
+} point_row;
 
 /* Per-op outcome, seen from rank 0. */
 typedef struct op_summary {
     bool ran;
     int points;
-    double busbw_sum;
     double wrong;
-    bool check_skipped;
     tp_status status;
 } op_summary;
 
@@ -206,6 +286,13 @@ typedef struct bench_run {
     double roof_GBps; /* memcpy traffic per thread; 0 when not measured */
     double wrong_total;
     bool printer; /* this process prints (false on MPI ranks other than 0) */
+    int threads;  /* ranks in this process */
+    double load_before[3];
+    bool have_load;
+    int cores;
+    /* rows of the current section (rank 0) */
+    point_row *rows;
+    size_t nrows, cap;
 } bench_run;
 
 /* ---- small helpers -------------------------------------------------------- */
@@ -499,9 +586,13 @@ static size_t pattern_count_wrong(const void *src, size_t count, const epattern 
  *   all_to_all      read S   + write S       = 2S       (never in place)
  *   broadcast       (always in place)                   read S/n + write S(n-1)/n = S
  *                   (root's S is read once, in n slices, and written n-1 times)
+ *   scatter         (read S + write S) / n   = 2S/n     2S(n-1)/n^2
+ *                   (root's S is read once and each block written once; in
+ *                    place root's own block stays)
  *
  * With n = 1 the in-place forms move nothing (model 0, roof% not shown) and
- * the out-of-place forms are a copy (2S).
+ * the out-of-place forms are a copy (2S). The model is that of the call made:
+ * a form libtp lacks is modelled as the form timed in its place.
  *
  * roof% = (model_bytes / t) / roof, where roof is the memcpy traffic
  * bandwidth of one thread (2 x bytes copied / time) measured with n threads
@@ -523,11 +614,12 @@ static double model_bytes(bench_op op, bool inplace, double S, int n)
     case OP_REDUCE_SCATTER: return S + S / nn;
     case OP_ALL_TO_ALL: return 2.0 * S;
     case OP_BROADCAST: return n == 1 ? 0.0 : S;
+    case OP_SCATTER: return inplace ? 2.0 * S * (nn - 1.0) / (nn * nn) : 2.0 * S / nn;
     default: return 0.0;
     }
 }
 
-/* nccl-tests' bus bandwidth factors (PERFORMANCE.md) */
+/* nccl-tests' bus bandwidth factors (doc/PERFORMANCE.md and the *_perf sources) */
 static double bus_factor(bench_op op, int n)
 {
     double nn = (double)n;
@@ -535,7 +627,8 @@ static double bus_factor(bench_op op, int n)
     case OP_ALL_REDUCE: return 2.0 * (nn - 1.0) / nn;
     case OP_ALL_GATHER:
     case OP_REDUCE_SCATTER:
-    case OP_ALL_TO_ALL: return (nn - 1.0) / nn;
+    case OP_ALL_TO_ALL:
+    case OP_SCATTER: return (nn - 1.0) / nn;
     case OP_BROADCAST: return 1.0;
     default: return 0.0;
     }
@@ -549,21 +642,29 @@ typedef struct rank_ctx {
     tp_comm *comm; /* the collectives under test */
     tp_comm *ctl;  /* statistics on host tensors: comm, or nccl's bootstrap */
     int rank, n;
-    int device;                   /* CUDA ordinal of the buffers, or -1: CPU */
-    tp_tensor *sendbuf, *recvbuf; /* max_bytes each, on the device under test */
-    tp_tensor *hsendbuf, *hrecvbuf; /* host mirrors when device >= 0, else NULL */
-    unsigned char *scratch;       /* PAT_MAX * 1024 elements */
-    double *times;                /* MAX_ITERS */
+    int device;                     /* CUDA ordinal of the buffers, or -1: CPU */
+    tp_tensor *sendraw, *recvraw;   /* max_bytes each (f64), on the device under test */
+    tp_tensor *hsendraw, *hrecvraw; /* host mirrors when device >= 0, else NULL */
+    /* the same memory typed as the dtype being run */
+    tp_tensor *sendbuf, *recvbuf, *hsendbuf, *hrecvbuf;
+    unsigned char *scratch;         /* PAT_MAX * 1024 elements */
+    double *times;                  /* MAX_ITERS */
 } rank_ctx;
 
-/* One point of the sweep on this rank. */
+/* One form of one point of the sweep on this rank. */
 typedef struct point {
     bench_op op;
-    bool inplace;
+    const dtype_info *dt;
+    tp_reduce_op redop; /* reductions only */
+    int root;           /* rooted collectives only */
+    int form;           /* the columns: FORM_OOP or FORM_IP */
+    bool inplace;       /* the call made: differs from form for a substitute */
+    bool substitute;
     size_t bytes; /* S actually moved */
     size_t count; /* S / element size */
-    size_t k;     /* block elements: per-rank slice of split collectives */
-    tp_tensor *send, *recv; /* views; broadcast uses send as its buffer */
+    size_t k;     /* block elements: per-rank slice of split collectives, else count */
+    tp_tensor *send, *recv;   /* views; broadcast uses send as its buffer; scatter's send
+                               * is NULL on ranks other than root */
     tp_tensor *hsend, *hrecv; /* the same views of the host mirrors (== send, recv on CPU) */
     red_plan plan;
     bool check;
@@ -571,13 +672,17 @@ typedef struct point {
 
 static void report(const rank_ctx *rc, const point *pt, const char *what, tp_status st)
 {
-    fprintf(stderr, "tp-bench-comm: rank %d: %s, %zu B: %s: %s: %s\n", rc->rank,
-            pt ? op_info[pt->op].name : "setup", pt ? pt->bytes : (size_t)0, what,
-            tp_status_name(st), tp_last_error());
+    if (pt)
+        fprintf(stderr, "tp-bench-comm: rank %d: %s %s, %s, %zu B: %s: %s: %s\n", rc->rank,
+                op_info[pt->op].name, form_name[pt->form], pt->dt->name, pt->bytes, what,
+                tp_status_name(st), tp_last_error());
+    else
+        fprintf(stderr, "tp-bench-comm: rank %d: setup: %s: %s: %s\n", rc->rank, what,
+                tp_status_name(st), tp_last_error());
 }
 
-/* Elementwise max (or sum) of vals over ranks, through libtp itself so that it
- * works for every backend. */
+/* Elementwise max (or sum, min) of vals over ranks, through libtp itself so
+ * that it works for every backend. */
 static tp_status reduce_f64(const rank_ctx *rc, double *vals, size_t count, tp_reduce_op op)
 {
     int64_t shape = (int64_t)count;
@@ -764,6 +869,14 @@ static tp_status make_views(const point *pt, int rank, tp_tensor *sendbuf, tp_te
         st = tp_tensor_narrow(sendbuf, 0, 0, cnt, send);
         *recv = *send;
         break;
+    case OP_SCATTER:
+        /* as nccl-tests: in place, root's send is the recv buffer and every
+         * rank's recv is its own block of it */
+        st = pt->inplace ? tp_tensor_narrow(recvbuf, 0, rk, k, recv)
+                         : tp_tensor_narrow(recvbuf, 0, 0, k, recv);
+        if (st == TP_OK && rank == pt->root)
+            st = tp_tensor_narrow(pt->inplace ? recvbuf : sendbuf, 0, 0, cnt, send);
+        break;
     default: break;
     }
     if (st != TP_OK) {
@@ -776,19 +889,18 @@ static tp_status make_views(const point *pt, int rank, tp_tensor *sendbuf, tp_te
     return st;
 }
 
-/* Picks the element counts for size S and makes the views. Returns TP_OK with
- * pt->count == 0 when S is too small for one element per block. */
-static tp_status setup_point(const rank_ctx *rc, bench_op op, size_t S, point *pt)
+/* Picks the element counts for size S and the call a form makes, and makes
+ * the views. Returns TP_OK with pt->k == 0 when S is too small for one element
+ * per block. */
+static tp_status setup_point(const rank_ctx *rc, point *pt, size_t S)
 {
-    const bench_cfg *cfg = rc->cfg;
-    size_t es = cfg->dt->size, n = (size_t)rc->n;
+    const struct op_info *oi = &op_info[pt->op];
+    size_t es = pt->dt->size, n = (size_t)rc->n;
     tp_status st = TP_OK;
-    memset(pt, 0, sizeof *pt);
-    pt->op = op;
-    pt->inplace = op == OP_BROADCAST ? true : cfg->inplace;
-    bool split = op == OP_ALL_GATHER || op == OP_REDUCE_SCATTER || op == OP_ALL_TO_ALL;
-    pt->k = split ? S / es / n : S / es;
-    pt->count = split ? pt->k * n : pt->k;
+    pt->substitute = !oi->has[pt->form];
+    pt->inplace = pt->substitute ? pt->form != FORM_IP : pt->form == FORM_IP;
+    pt->k = oi->split ? S / es / n : S / es;
+    pt->count = oi->split ? pt->k * n : pt->k;
     pt->bytes = pt->count * es;
     if (pt->k == 0)
         return TP_OK;
@@ -813,7 +925,7 @@ static tp_status upload(const rank_ctx *rc, const point *pt)
     if (rc->device < 0)
         return TP_OK;
     tp_status st = tp_tensor_copy(pt->recv, pt->hrecv);
-    if (st == TP_OK && pt->send != pt->recv)
+    if (st == TP_OK && pt->send && pt->send != pt->recv)
         st = tp_tensor_copy(pt->send, pt->hsend);
     if (st != TP_OK)
         report(rc, pt, "tp_tensor_copy (host to device)", st);
@@ -830,24 +942,33 @@ static tp_status download(const rank_ctx *rc, const point *pt)
     return st;
 }
 
+/* One call: blocking (-z 1), or started with a work handle and waited for. */
 static tp_status run_coll(const rank_ctx *rc, const point *pt)
 {
+    tp_work *w = NULL, **wp = rc->cfg->blocking ? NULL : &w;
+    tp_status st;
     switch (pt->op) {
-    case OP_ALL_REDUCE: return tp_all_reduce(rc->comm, pt->send, pt->recv, rc->cfg->redop, NULL);
-    case OP_ALL_GATHER: return tp_all_gather(rc->comm, pt->send, pt->recv, NULL);
+    case OP_ALL_REDUCE: st = tp_all_reduce(rc->comm, pt->send, pt->recv, pt->redop, wp); break;
+    case OP_ALL_GATHER: st = tp_all_gather(rc->comm, pt->send, pt->recv, wp); break;
     case OP_REDUCE_SCATTER:
-        return tp_reduce_scatter(rc->comm, pt->send, pt->recv, rc->cfg->redop, NULL);
-    case OP_ALL_TO_ALL: return tp_all_to_all(rc->comm, pt->send, pt->recv, NULL);
-    case OP_BROADCAST: return tp_broadcast(rc->comm, pt->send, rc->cfg->root, NULL);
-    default: return TP_ERR_INVALID_ARG;
+        st = tp_reduce_scatter(rc->comm, pt->send, pt->recv, pt->redop, wp);
+        break;
+    case OP_ALL_TO_ALL: st = tp_all_to_all(rc->comm, pt->send, pt->recv, wp); break;
+    case OP_BROADCAST: st = tp_broadcast(rc->comm, pt->send, pt->root, wp); break;
+    case OP_SCATTER: st = tp_scatter(rc->comm, pt->send, pt->recv, pt->root, wp); break;
+    default: st = TP_ERR_INVALID_ARG; break;
     }
+    if (st == TP_OK && w)
+        st = tp_work_wait(w);
+    tp_work_free(w);
+    return st;
 }
 
 /* Writes the sentinel into everything the collective must overwrite. */
 static void reset_outputs(const rank_ctx *rc, const point *pt)
 {
-    epattern s = encode_pattern(&sentinel_pattern, rc->cfg->dt);
-    size_t es = rc->cfg->dt->size, k = pt->k, r = (size_t)rc->rank, n = (size_t)rc->n;
+    epattern s = encode_pattern(&sentinel_pattern, pt->dt);
+    size_t es = pt->dt->size, k = pt->k, r = (size_t)rc->rank, n = (size_t)rc->n;
     switch (pt->op) {
     case OP_ALL_REDUCE:
     case OP_REDUCE_SCATTER:
@@ -861,8 +982,12 @@ static void reset_outputs(const rank_ctx *rc, const point *pt)
         break;
     case OP_ALL_TO_ALL: pattern_fill(tdata(pt->hrecv), pt->count, &s, 0); break;
     case OP_BROADCAST:
-        if (rc->rank != rc->cfg->root)
+        if (rc->rank != pt->root)
             pattern_fill(tdata(pt->hsend), pt->count, &s, 0);
+        break;
+    case OP_SCATTER:
+        if (!pt->inplace || rc->rank != pt->root)
+            pattern_fill(tdata(pt->hrecv), k, &s, 0);
         break;
     default: break;
     }
@@ -871,14 +996,13 @@ static void reset_outputs(const rank_ctx *rc, const point *pt)
 /* Writes the inputs, and the sentinel into the outputs. */
 static void fill_point(const rank_ctx *rc, const point *pt)
 {
-    const bench_cfg *cfg = rc->cfg;
-    const dtype_info *dt = cfg->dt;
+    const dtype_info *dt = pt->dt;
     size_t es = dt->size, k = pt->k, r = (size_t)rc->rank, n = (size_t)rc->n;
     reset_outputs(rc, pt);
     switch (pt->op) {
     case OP_ALL_REDUCE:
     case OP_REDUCE_SCATTER: {
-        pattern p = red_in_pattern(&pt->plan, cfg->redop, rc->rank);
+        pattern p = red_in_pattern(&pt->plan, pt->redop, rc->rank);
         epattern ep = encode_pattern(&p, dt);
         pattern_fill(tdata(pt->hsend), pt->count, &ep, 0);
         break;
@@ -897,11 +1021,19 @@ static void fill_point(const rank_ctx *rc, const point *pt)
         }
         break;
     case OP_BROADCAST:
-        if (rc->rank == cfg->root) {
-            pattern p = block_pattern((size_t)cfg->root);
+        if (rc->rank == pt->root) {
+            pattern p = block_pattern((size_t)pt->root);
             epattern ep = encode_pattern(&p, dt);
             pattern_fill(tdata(pt->hsend), pt->count, &ep, 0);
         }
+        break;
+    case OP_SCATTER:
+        if (rc->rank == pt->root)
+            for (size_t j = 0; j < n; j++) {
+                pattern p = block_pattern(j);
+                epattern ep = encode_pattern(&p, dt);
+                pattern_fill(tdata(pt->hsend) + j * k * es, k, &ep, 0);
+            }
         break;
     default: break;
     }
@@ -910,15 +1042,14 @@ static void fill_point(const rank_ctx *rc, const point *pt)
 /* Wrong elements of this rank's output. */
 static size_t check_point(const rank_ctx *rc, const point *pt)
 {
-    const bench_cfg *cfg = rc->cfg;
-    const dtype_info *dt = cfg->dt;
+    const dtype_info *dt = pt->dt;
     size_t es = dt->size, k = pt->k, r = (size_t)rc->rank, n = (size_t)rc->n, wrong = 0;
     switch (pt->op) {
     case OP_ALL_REDUCE:
     case OP_REDUCE_SCATTER: {
-        pattern p = red_out_pattern(&pt->plan, cfg->redop, rc->n, dt);
+        pattern p = red_out_pattern(&pt->plan, pt->redop, rc->n, dt);
         epattern ep = encode_pattern(&p, dt);
-        double rtol = (cfg->redop == TP_AVG && dt->is_float) ? dt->avg_rtol : 0.0;
+        double rtol = (pt->redop == TP_AVG && dt->is_float) ? dt->avg_rtol : 0.0;
         if (pt->op == OP_ALL_REDUCE)
             wrong = pattern_count_wrong(tdata(pt->hrecv), pt->count, &ep, 0, dt, rtol, rc->scratch);
         else
@@ -943,9 +1074,15 @@ static size_t check_point(const rank_ctx *rc, const point *pt)
         }
         break;
     case OP_BROADCAST: {
-        pattern p = block_pattern((size_t)cfg->root);
+        pattern p = block_pattern((size_t)pt->root);
         epattern ep = encode_pattern(&p, dt);
         wrong = pattern_count_wrong(tdata(pt->hsend), pt->count, &ep, 0, dt, 0.0, rc->scratch);
+        break;
+    }
+    case OP_SCATTER: {
+        pattern p = block_pattern(r);
+        epattern ep = encode_pattern(&p, dt);
+        wrong = pattern_count_wrong(tdata(pt->hrecv), k, &ep, 0, dt, 0.0, rc->scratch);
         break;
     }
     default: break;
@@ -953,191 +1090,531 @@ static size_t check_point(const rank_ctx *rc, const point *pt)
     return wrong;
 }
 
-/* true if a call changes its own input (in-place sum/avg/product), so the
- * outputs after the timed loop cannot be checked without a refill */
-static bool compounds(const rank_ctx *rc, const point *pt)
+/* true if a call changes its own input (in-place sum/avg/prod), so the
+ * outputs after a timed loop cannot be checked */
+static bool compounds(const point *pt)
 {
-    tp_reduce_op op = rc->cfg->redop;
-    return pt->inplace && op_info[pt->op].reduces && (op == TP_SUM || op == TP_AVG || op == TP_PRODUCT);
+    return pt->inplace && op_info[pt->op].reduces &&
+           (pt->redop == TP_SUM || pt->redop == TP_AVG || pt->redop == TP_PRODUCT);
 }
 
-static void print_header(const bench_cfg *cfg, bench_op op, int n)
+/* false when the check of a reduction is skipped: no inputs found whose
+ * result is exact in the dtype at n ranks */
+static bool reduction_checkable(bench_op op, tp_reduce_op redop, const dtype_info *dt, int n)
 {
-    printf("#\n# %s, %d rank%s, %s\n", op_info[op].name, n, n == 1 ? "" : "s",
-           op == OP_BROADCAST ? "in place (its only form)"
-                              : (cfg->inplace ? "in-place" : "out-of-place"));
-    printf("# %12s %12s %6s %7s %5s %6s %10s %8s %8s %7s %6s\n", "size", "count", "type", "redop",
-           "root", "iters", "time", "algbw", "busbw", "#wrong", "roof%");
-    printf("# %12s %12s %6s %7s %5s %6s %10s %8s %8s %7s %6s\n", "(B)", "(elements)", "", "", "",
-           "", "(us)", "(GB/s)", "(GB/s)", "", "");
+    if (!op_info[op].reduces)
+        return true;
+    red_plan plan = make_red_plan(redop, dt, n);
+    pattern out = red_out_pattern(&plan, redop, n, dt);
+    return plan.exact && pattern_exact(&out, dt);
 }
 
-/* Runs one point on this rank; rank 0 prints and records it. */
-static tp_status bench_point(rank_ctx *rc, bench_op op, size_t S)
+static double median_of(double *v, int count)
+{
+    qsort(v, (size_t)count, sizeof(double), cmp_double);
+    return count % 2 ? v[count / 2] : 0.5 * (v[count / 2 - 1] + v[count / 2]);
+}
+
+/* A barrier and one call; `what` names the failing one. */
+static tp_status barrier_call(const rank_ctx *rc, const point *pt, const char **what)
+{
+    tp_status st = tp_barrier(rc->comm, NULL);
+    if (st != TP_OK) {
+        *what = "tp_barrier";
+        return st;
+    }
+    *what = op_info[pt->op].name;
+    return run_coll(rc, pt);
+}
+
+/* Runs one form of one point on this rank: warm-up, -R timed loops, checks.
+ * Rank 0 fills `res`. */
+static tp_status bench_form(rank_ctx *rc, point *pt, form_result *res)
 {
     const bench_cfg *cfg = rc->cfg;
-    bench_run *run = rc->run;
-    point pt;
-    tp_status st = setup_point(rc, op, S, &pt);
-    if (st != TP_OK || pt.k == 0)
-        return st;
-    pt.plan = make_red_plan(cfg->redop, cfg->dt, rc->n);
-    pt.check = cfg->check;
-    if (pt.check && op_info[op].reduces) {
-        pattern out = red_out_pattern(&pt.plan, cfg->redop, rc->n, cfg->dt);
-        if (!pt.plan.exact || !pattern_exact(&out, cfg->dt)) {
-            pt.check = false;
-            if (rc->rank == 0 && !run->ops[op].check_skipped)
-                printf("# %s: no exact %s inputs for %s at %d ranks; results not checked\n",
-                       op_info[op].name, cfg->dt->name, redop_name(cfg->redop), rc->n);
-            if (rc->rank == 0)
-                run->ops[op].check_skipped = true;
-        }
-    }
-    fill_point(rc, &pt);
-    if ((st = upload(rc, &pt)) != TP_OK)
-        goto done;
-
+    const char *what = op_info[pt->op].name;
+    bool compound = compounds(pt);
     double wrong = 0.0, t0, t1;
-    const char *what = op_info[op].name;
+    double rep_mean[MAX_REPS], iter_med[MAX_REPS];
+    tp_status st;
+
+    fill_point(rc, pt);
+    if ((st = upload(rc, pt)) != TP_OK)
+        return st;
     /* first warm-up call: checked, and timed to size the rest */
-    if ((st = tp_barrier(rc->comm, NULL)) != TP_OK) {
-        what = "tp_barrier";
-        goto fail;
-    }
     t0 = now_s();
-    if ((st = run_coll(rc, &pt)) != TP_OK)
+    if ((st = barrier_call(rc, pt, &what)) != TP_OK)
         goto fail;
     double tw[2] = {now_s() - t0, 0.0};
-    if (pt.check) {
-        if ((st = download(rc, &pt)) != TP_OK)
-            goto done;
-        wrong += (double)check_point(rc, &pt);
+    if (pt->check) {
+        if ((st = download(rc, pt)) != TP_OK)
+            return st;
+        wrong += (double)check_point(rc, pt);
     }
     if ((st = reduce_f64(rc, tw, 1, TP_MAX)) != TP_OK)
-        goto done;
+        return st;
     int warm_rest = cfg->warmup - 1;
     if (cfg->iters == 0 && warm_rest > 0 && tw[0] > 0.0 && (double)warm_rest * tw[0] > cfg->target_s / 2)
         warm_rest = (int)(cfg->target_s / 2 / tw[0]);
     t0 = now_s();
-    for (int i = 0; i < warm_rest; i++) {
-        if ((st = tp_barrier(rc->comm, NULL)) != TP_OK) {
-            what = "tp_barrier";
+    for (int i = 0; i < warm_rest; i++)
+        if ((st = barrier_call(rc, pt, &what)) != TP_OK)
             goto fail;
-        }
-        if ((st = run_coll(rc, &pt)) != TP_OK)
-            goto fail;
-    }
-    /* barriers included: the count bounds the wall time of the point */
+    /* barriers included: the count bounds the wall time of a loop */
     tw[1] = warm_rest > 0 ? (now_s() - t0) / warm_rest : tw[0];
     if ((st = reduce_f64(rc, tw + 1, 1, TP_MAX)) != TP_OK)
-        goto done;
+        return st;
     int iters = cfg->iters;
     if (iters == 0) {
         double want = tw[1] > 0.0 ? cfg->target_s / tw[1] : MAX_ITERS;
         iters = want < MIN_ITERS ? MIN_ITERS : want > MAX_ITERS ? MAX_ITERS : (int)want;
     }
-    if (pt.check) {
-        reset_outputs(rc, &pt);
-        if ((st = upload(rc, &pt)) != TP_OK)
-            goto done;
-    }
 
-    for (int i = 0; i < iters; i++) {
-        if ((st = tp_barrier(rc->comm, NULL)) != TP_OK) {
-            what = "tp_barrier";
-            goto fail;
+    for (int rep = 0; rep < cfg->reps; rep++) {
+        bool check_rep = pt->check && !compound;
+        if (check_rep) {
+            reset_outputs(rc, pt);
+            if ((st = upload(rc, pt)) != TP_OK)
+                return st;
         }
-        t0 = now_s();
-        st = run_coll(rc, &pt);
-        t1 = now_s();
-        if (st != TP_OK)
-            goto fail;
-        rc->times[i] = t1 - t0;
-    }
-    if (pt.check) {
-        if (compounds(rc, &pt)) {
-            fill_point(rc, &pt);
-            if ((st = upload(rc, &pt)) != TP_OK)
-                goto done;
+        double sum = 0.0;
+        for (int i = 0; i < iters; i++) {
             if ((st = tp_barrier(rc->comm, NULL)) != TP_OK) {
                 what = "tp_barrier";
                 goto fail;
             }
-            if ((st = run_coll(rc, &pt)) != TP_OK)
+            t0 = now_s();
+            st = run_coll(rc, pt);
+            t1 = now_s();
+            if (st != TP_OK)
                 goto fail;
+            rc->times[i] = t1 - t0;
+            sum += t1 - t0;
         }
-        if ((st = download(rc, &pt)) != TP_OK)
-            goto done;
-        wrong += (double)check_point(rc, &pt);
+        rep_mean[rep] = sum / iters;
+        if (check_rep) {
+            if ((st = download(rc, pt)) != TP_OK)
+                return st;
+            wrong += (double)check_point(rc, pt);
+        }
+        /* the slowest rank per call, for the median per call in the CSV */
+        if ((st = reduce_f64(rc, rc->times, (size_t)iters, TP_MAX)) != TP_OK)
+            return st;
+        if (rc->rank == 0)
+            iter_med[rep] = median_of(rc->times, iters);
     }
-    if ((st = reduce_f64(rc, rc->times, (size_t)iters, TP_MAX)) != TP_OK)
-        goto done;
+    /* -c N: N more calls on fresh inputs, each checked */
+    for (int c = 0; pt->check && c < cfg->check; c++) {
+        fill_point(rc, pt);
+        if ((st = upload(rc, pt)) != TP_OK)
+            return st;
+        if ((st = barrier_call(rc, pt, &what)) != TP_OK)
+            goto fail;
+        if ((st = download(rc, pt)) != TP_OK)
+            return st;
+        wrong += (double)check_point(rc, pt);
+    }
+
+    /* -a: how the ranks' times of a repetition combine */
+    switch (cfg->average) {
+    case 1:
+        if ((st = reduce_f64(rc, rep_mean, (size_t)cfg->reps, TP_SUM)) != TP_OK)
+            return st;
+        for (int r = 0; r < cfg->reps; r++)
+            rep_mean[r] /= rc->n;
+        break;
+    case 2: st = reduce_f64(rc, rep_mean, (size_t)cfg->reps, TP_MIN); break;
+    case 3: st = reduce_f64(rc, rep_mean, (size_t)cfg->reps, TP_MAX); break;
+    default: break; /* 0: rank 0's own */
+    }
+    if (st != TP_OK)
+        return st;
     if ((st = reduce_f64(rc, &wrong, 1, TP_SUM)) != TP_OK)
-        goto done;
+        return st;
 
     if (rc->rank == 0) {
-        double sum = 0.0;
-        for (int i = 0; i < iters; i++)
-            sum += rc->times[i];
-        double mean = sum / iters;
-        qsort(rc->times, (size_t)iters, sizeof(double), cmp_double);
-        double med = rc->times[iters / 2], mn = rc->times[0];
-        double Sd = (double)pt.bytes, algbw = Sd / mean / 1e9;
-        double busbw = algbw * bus_factor(op, rc->n);
-        double busbw_med = Sd / med / 1e9 * bus_factor(op, rc->n);
-        double model = model_bytes(op, pt.inplace, Sd, rc->n);
-        double roof = (run->roof_GBps > 0.0 && model > 0.0) ? model / mean / 1e9 / run->roof_GBps
-                                                             : NAN;
-        char roofs[16], roots[8];
-        if (isnan(roof))
-            snprintf(roofs, sizeof roofs, "-");
-        else
-            snprintf(roofs, sizeof roofs, "%.1f", 100.0 * roof);
-        if (op == OP_BROADCAST)
-            snprintf(roots, sizeof roots, "%d", cfg->root);
-        else
-            snprintf(roots, sizeof roots, "-");
-        const char *redop = op_info[op].reduces ? redop_name(cfg->redop) : "none";
-        char wrongs[24];
-        if (pt.check)
-            snprintf(wrongs, sizeof wrongs, "%.0f", wrong);
-        else
-            snprintf(wrongs, sizeof wrongs, "N/A");
-        printf("  %12zu %12zu %6s %7s %5s %6d %10.2f %8.2f %8.2f %7s %6s\n", pt.bytes, pt.count,
-               cfg->dt->name, redop, roots, iters, mean * 1e6, algbw, busbw, wrongs, roofs);
-        fflush(stdout);
-        if (run->csv) {
-            fprintf(run->csv,
-                    "%s,%s,%d,%d,%s,%s,%s,%zu,%zu,%d,%.3f,%.3f,%.3f,%.4f,%.4f,%.4f,%s,%.0f,%.3f,",
-                    op_info[op].name, cfg->backend->name, rc->n, pt.inplace ? 1 : 0,
-                    cfg->dt->name, redop, op == OP_BROADCAST ? roots : "", pt.bytes, pt.count,
-                    iters, mean * 1e6, med * 1e6, mn * 1e6, algbw, busbw, busbw_med,
-                    pt.check ? wrongs : "", model, run->roof_GBps);
-            if (isnan(roof))
-                fprintf(run->csv, "\n");
-            else
-                fprintf(run->csv, "%.4f\n", roof);
-            fflush(run->csv);
-        }
-        op_summary *os = &run->ops[op];
-        os->points++;
-        os->busbw_sum += busbw;
-        os->wrong += wrong;
-        run->wrong_total += wrong;
+        double sorted[MAX_REPS];
+        memset(res, 0, sizeof *res);
+        res->substitute = pt->substitute;
+        res->checked = pt->check;
+        res->iters = iters;
+        res->wrong = wrong;
+        memcpy(res->rep_s, rep_mean, sizeof(double) * (size_t)cfg->reps);
+        memcpy(sorted, rep_mean, sizeof(double) * (size_t)cfg->reps);
+        res->time_s = median_of(sorted, cfg->reps);
+        res->min_s = sorted[0];
+        res->max_s = sorted[cfg->reps - 1];
+        res->iter_med_s = median_of(iter_med, cfg->reps);
+        double Sd = (double)pt->bytes;
+        res->algbw = res->time_s > 0.0 ? Sd / res->time_s / 1e9 : 0.0;
+        res->busbw = res->algbw * bus_factor(pt->op, rc->n);
+        res->model = model_bytes(pt->op, pt->inplace, Sd, rc->n);
+        res->roof = (rc->run->roof_GBps > 0.0 && res->model > 0.0 && res->time_s > 0.0)
+                        ? res->model / res->time_s / 1e9 / rc->run->roof_GBps
+                        : NAN;
     }
-    goto done;
+    return TP_OK;
 
 fail:
-    report(rc, &pt, what, st);
-    if (rc->rank == 0)
-        run->ops[op].status = st;
-done:
-    release_views(&pt);
+    report(rc, pt, what, st);
+    return st;
+}
+
+/* nccl-tests' time column: 2 decimals below 100 us, 1 below 10 ms, then none */
+static const char *fmt_time(char *buf, size_t len, double us)
+{
+    if (us >= 10000.0)
+        snprintf(buf, len, "%7.0f", us);
+    else if (us >= 100.0)
+        snprintf(buf, len, "%7.1f", us);
+    else
+        snprintf(buf, len, "%7.2f", us);
+    return buf;
+}
+
+static void csv_row(const rank_ctx *rc, const point_row *row, bench_op op, int form)
+{
+    const form_result *f = &row->f[form];
+    FILE *csv = rc->run->csv;
+    const bench_cfg *cfg = rc->cfg;
+    fprintf(csv, "%s,%s,%d,%d,%d,%s,%s,%d,%zu,%zu,%d,%d,%.3f,%.3f,%.3f,%.3f,%.4f,%.4f,",
+            op_info[op].name, cfg->backend->name, rc->n, form == FORM_IP,
+            (form == FORM_IP) != f->substitute, row->dt->name,
+            op_info[op].reduces ? redop_name(row->redop) : "none",
+            op_info[op].rooted ? row->root : -1, row->bytes,
+            row->count, f->iters, cfg->reps, f->time_s * 1e6, f->min_s * 1e6, f->max_s * 1e6,
+            f->iter_med_s * 1e6, f->algbw, f->busbw);
+    if (f->checked)
+        fprintf(csv, "%.0f", f->wrong);
+    fprintf(csv, ",%d,%d,", cfg->average, cfg->blocking ? 1 : 0);
+    for (int r = 0; r < cfg->reps; r++)
+        fprintf(csv, "%s%.3f", r ? " " : "", f->rep_s[r] * 1e6);
+    fprintf(csv, ",%.0f,%.3f,", f->model, rc->run->roof_GBps);
+    if (!isnan(f->roof))
+        fprintf(csv, "%.4f", f->roof);
+    fprintf(csv, "\n");
+}
+
+/* Runs one point (both forms) on this rank; rank 0 prints its row. */
+static tp_status bench_point(rank_ctx *rc, bench_op op, const dtype_info *dt,
+                             tp_reduce_op redop, int root, size_t S)
+{
+    bench_run *run = rc->run;
+    point_row row = {.dt = dt, .redop = redop, .root = root};
+    tp_status st = TP_OK;
+    for (int form = 0; form < N_FORMS; form++) {
+        point pt = {.op = op, .dt = dt, .redop = redop, .root = root, .form = form};
+        if ((st = setup_point(rc, &pt, S)) != TP_OK)
+            break;
+        if (pt.k == 0)
+            return TP_OK; /* too small for one element per block */
+        pt.plan = make_red_plan(redop, dt, rc->n);
+        pt.check = rc->cfg->check > 0 && !pt.substitute &&
+                   reduction_checkable(op, redop, dt, rc->n);
+        row.bytes = pt.bytes;
+        row.count = pt.k;
+        st = bench_form(rc, &pt, &row.f[form]);
+        release_views(&pt);
+        if (st != TP_OK)
+            break;
+    }
+    if (st != TP_OK) {
+        if (rc->rank == 0)
+            run->ops[op].status = st;
+        return st;
+    }
+    if (rc->rank != 0)
+        return TP_OK;
+
+    printf("%12zu  %12zu  %8s  %6s  %6d", row.bytes, row.count, dt->name,
+           op_info[op].reduces ? redop_name(redop) : "none", op_info[op].rooted ? root : -1);
+    for (int form = 0; form < N_FORMS; form++) {
+        const form_result *f = &row.f[form];
+        char ts[32], ws[32];
+        if (f->checked)
+            snprintf(ws, sizeof ws, "%g", f->wrong);
+        else
+            snprintf(ws, sizeof ws, "N/A");
+        printf("  %7s  %6.2f  %6.2f  %5s", fmt_time(ts, sizeof ts, f->time_s * 1e6), f->algbw,
+               f->busbw, ws);
+    }
+    printf("\n");
+    fflush(stdout);
+    if (run->csv) {
+        for (int form = 0; form < N_FORMS; form++)
+            csv_row(rc, &row, op, form);
+        fflush(run->csv);
+    }
+    op_summary *os = &run->ops[op];
+    os->points++;
+    for (int form = 0; form < N_FORMS; form++) {
+        os->wrong += row.f[form].wrong;
+        run->wrong_total += row.f[form].wrong;
+    }
+    if (run->nrows == run->cap) {
+        size_t cap = run->cap ? 2 * run->cap : 64;
+        point_row *rows = realloc(run->rows, cap * sizeof *rows);
+        if (!rows) {
+            fprintf(stderr, "tp-bench-comm: out of memory for the spread table\n");
+            return TP_OK; /* the row is printed; only its spread line is lost */
+        }
+        run->rows = rows;
+        run->cap = cap;
+    }
+    run->rows[run->nrows++] = row;
+    return TP_OK;
+}
+
+/* ---- sections: one per collective, each like one nccl-tests binary's output ---- */
+
+static void print_section_header(const rank_ctx *rc, bench_op op)
+{
+    const struct op_info *oi = &op_info[op];
+    printf("#\n# Collective test starting: %s\n", oi->perf);
+    printf("# %s: libtp tp_%s, %d rank%s\n", oi->name, oi->name, rc->n, rc->n == 1 ? "" : "s");
+    printf("#\n");
+    printf("# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          \n",
+           "", "", "", "", "");
+    printf("# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s %6s  %7s  %6s  %6s %6s\n", "size", "count",
+           "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw",
+           "#wrong");
+    printf("# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %5s  %7s  %6s  %6s  %5s\n", "(B)",
+           "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+    fflush(stdout);
+}
+
+/* The closing lines of nccl-tests, then what its table has no room for. */
+static void print_section_footer(const rank_ctx *rc, bench_op op)
+{
+    const bench_cfg *cfg = rc->cfg;
+    const bench_run *run = rc->run;
+    const struct op_info *oi = &op_info[op];
+    int errors = 0, bw_count = 0;
+    double bw_sum = 0.0;
+    for (size_t i = 0; i < run->nrows; i++)
+        for (int form = 0; form < N_FORMS; form++) {
+            errors += run->rows[i].f[form].wrong > 0;
+            bw_sum += run->rows[i].f[form].busbw;
+            bw_count++;
+        }
+    printf("# Out of bounds values : %d %s\n", errors, errors ? "FAILED" : "OK");
+    printf("# Avg bus bandwidth    : %g \n", bw_count ? bw_sum / bw_count : 0.0);
+    printf("#\n");
+
+    /* the spread of every row */
+    printf("# %s: spread over -R %d repetition%s of each timed loop; time = their median (the "
+           "table's),\n# min..max their range, spread = (max - min) / median; each repetition's "
+           "time: -a %d, %s\n",
+           oi->name, cfg->reps, cfg->reps == 1 ? "" : "s", cfg->average,
+           average_name[cfg->average]);
+    printf("# roof%% = model traffic per rank / time / memcpy roof per thread (bench/README.md)\n");
+    /* the first word is not nccl-tests' "size" nor "(B)": parsers that look
+     * for the header rows must not take these for them */
+    printf("# spread %12s  %8s  %6s  %6s  | %6s  %7s  %7s  %7s  %6s  %6s  | %6s  %7s  %7s  %7s  %6s  %6s\n",
+           "size", "type", "redop", "root", "iters", "time", "min", "max", "spread", "roof%",
+           "iters", "time", "min", "max", "spread", "roof%");
+    printf("# spread %12s  %8s  %6s  %6s  | %6s  %7s  %7s  %7s  %6s  %6s  | %6s  %7s  %7s  %7s  %6s  %6s\n",
+           "(B)", "", "", "", "", "(us)", "(us)", "(us)", "(%)", "", "", "(us)", "(us)", "(us)",
+           "(%)", "");
+    for (size_t i = 0; i < run->nrows; i++) {
+        const point_row *row = &run->rows[i];
+        printf("# spread %12zu  %8s  %6s  %6d", row->bytes, row->dt->name,
+               oi->reduces ? redop_name(row->redop) : "none", oi->rooted ? row->root : -1);
+        for (int form = 0; form < N_FORMS; form++) {
+            const form_result *f = &row->f[form];
+            char t[3][32], roof[16];
+            if (isnan(f->roof))
+                snprintf(roof, sizeof roof, "-");
+            else
+                snprintf(roof, sizeof roof, "%.1f", 100.0 * f->roof);
+            printf("  | %6d  %7s  %7s  %7s  %6.1f  %6s", f->iters,
+                   fmt_time(t[0], sizeof t[0], f->time_s * 1e6),
+                   fmt_time(t[1], sizeof t[1], f->min_s * 1e6),
+                   fmt_time(t[2], sizeof t[2], f->max_s * 1e6),
+                   f->time_s > 0.0 ? 100.0 * (f->max_s - f->min_s) / f->time_s : 0.0, roof);
+        }
+        printf("\n");
+    }
+
+    /* notes */
+    if (!oi->has[FORM_IP])
+        printf("# note: tp_%s has no in-place form (it refuses overlapping buffers): the in-place "
+               "columns\n#   time the out-of-place call again and are not checked (#wrong N/A), "
+               "as nccl-tests'\n#   %s leaves its in-place results unchecked\n",
+               oi->name, oi->perf);
+    if (!oi->has[FORM_OOP])
+        printf("# note: tp_%s has one buffer (in place): the out-of-place columns time that call "
+               "again\n#   and are not checked (#wrong N/A)\n", oi->name);
+    if (cfg->check > 0 && oi->reduces)
+        for (size_t d = 0; d < N_DTYPES; d++)
+            for (size_t r = 0; r < N_REDOPS; r++)
+                if (cfg->types[d] && cfg->redops[r] &&
+                    !reduction_checkable(op, redops[r].op, &dtypes[d], rc->n))
+                    printf("# note: no exact %s inputs for %s at %d ranks: those rows are not "
+                           "checked (#wrong N/A)\n", dtypes[d].name, redops[r].name, rc->n);
+    printf("# Collective test concluded: %s\n", oi->perf);
+    fflush(stdout);
+}
+
+/* The ranks, nccl-tests' "Using devices" lines: pid and device gathered
+ * through libtp, host names as bytes in an i32 all_gather. */
+static tp_status print_devices(const rank_ctx *rc)
+{
+    int n = rc->n;
+    double *ids = calloc((size_t)(2 * n), sizeof(double));
+    int32_t *hosts = calloc((size_t)(HOST_MAX * (n + 1)), sizeof(int32_t));
+    tp_tensor *mine = NULL, *all = NULL;
+    tp_status st = TP_ERR_NO_MEMORY;
+    if (!ids || !hosts)
+        goto out;
+    ids[2 * rc->rank] = (double)getpid();
+    ids[2 * rc->rank + 1] = (double)rc->device;
+    if ((st = reduce_f64(rc, ids, (size_t)(2 * n), TP_SUM)) != TP_OK)
+        goto out;
+    char name[HOST_MAX] = "?";
+    gethostname(name, sizeof name - 1);
+    name[HOST_MAX - 1] = '\0';
+    for (int i = 0; i < HOST_MAX; i++)
+        hosts[i] = (unsigned char)name[i];
+    int64_t one = HOST_MAX, every = (int64_t)HOST_MAX * n;
+    if ((st = tp_tensor_from_blob(TP_I32, TP_CPU, 1, &one, hosts, NULL, NULL, &mine)) != TP_OK ||
+        (st = tp_tensor_from_blob(TP_I32, TP_CPU, 1, &every, hosts + HOST_MAX, NULL, NULL, &all)) !=
+            TP_OK ||
+        (st = tp_all_gather(rc->ctl, mine, all, NULL)) != TP_OK) {
+        report(rc, NULL, "tp_all_gather (host names)", st);
+        goto out;
+    }
+    if (rc->rank == 0) {
+        printf("# Using devices\n");
+        for (int r = 0; r < n; r++) {
+            char host[HOST_MAX];
+            for (int i = 0; i < HOST_MAX; i++)
+                host[i] = (char)hosts[HOST_MAX * (r + 1) + i];
+            host[HOST_MAX - 1] = '\0';
+            int dev = (int)ids[2 * r + 1];
+            if (dev >= 0)
+                printf("#  Rank %2d Group  0 Pid %6.0f on %10s device %2d [cuda] %s\n", r,
+                       ids[2 * r], host, dev, rc->cfg->backend->name);
+            else
+                printf("#  Rank %2d Group  0 Pid %6.0f on %10s device cpu [%s]\n", r, ids[2 * r],
+                       host, rc->cfg->backend->name);
+        }
+    }
+out:
+    tp_tensor_release(mine);
+    tp_tensor_release(all);
+    free(ids);
+    free(hosts);
     return st;
 }
 
 /* ---- the rank body ------------------------------------------------------------ */
+
+/* The run's parameters, nccl-tests' first line among them. */
+static void print_run_header(const rank_ctx *rc, int threads)
+{
+    const bench_cfg *cfg = rc->cfg;
+    const bench_run *run = rc->run;
+    printf("# tp-bench-comm: libtp %s, backend %s, %d rank%s\n", tp_version(), cfg->backend->name,
+           rc->n, rc->n == 1 ? "" : "s");
+    printf("# nThread %d nGpus 1 minBytes %zu maxBytes %zu step: %zu(%s) warmup iters: %d iters: %d "
+           "agg iters: 1 validation: %d graph: 0\n",
+           threads, cfg->min_bytes, cfg->max_bytes, cfg->factor > 1 ? cfg->factor : cfg->step_bytes,
+           cfg->factor > 1 ? "factor" : "bytes", cfg->warmup, cfg->iters, cfg->check);
+    if (cfg->blocking)
+        printf("# Blocking Enabled: every call blocks (work = NULL); -z 0 would start it with a "
+               "work handle and wait\n");
+    if (cfg->iters)
+        printf("# timed loop: %d calls", cfg->iters);
+    else
+        printf("# timed loop: about %.2f s of calls (%d..%d; -n 0)", cfg->target_s, MIN_ITERS,
+               MAX_ITERS);
+    printf(", -R %d repetitions, time = median of the repetitions; -a %d: a repetition's time is "
+           "the %s\n#   of the ranks' mean per call; a barrier, not timed, before every call\n",
+           cfg->reps, cfg->average, average_name[cfg->average]);
+    if (run->have_load) {
+        printf("# load average (/proc/loadavg) before the run: %.2f %.2f %.2f (1, 5, 15 min); "
+               "%d cores, %d ranks\n",
+               run->load_before[0], run->load_before[1], run->load_before[2], run->cores, rc->n);
+        if (run->load_before[0] > (double)(run->cores - rc->n)) {
+            char why[160];
+            if (rc->n >= run->cores)
+                snprintf(why, sizeof why, "load %.2f with %d ranks on %d cores: the ranks share "
+                         "their cores with it", run->load_before[0], rc->n, run->cores);
+            else
+                snprintf(why, sizeof why, "load %.2f is above %d cores - %d ranks",
+                         run->load_before[0], run->cores, rc->n);
+            printf("# warning: the machine is busy: %s; the times will be slower and noisier\n",
+                   why);
+            fprintf(stderr, "tp-bench-comm: warning: the machine is busy: %s\n", why);
+        }
+    }
+    printf("#\n");
+    fflush(stdout);
+}
+
+/* Types the whole buffers as dt (the same memory, no copy). */
+static tp_status type_buffers(rank_ctx *rc, const dtype_info *dt)
+{
+    tp_tensor **typed[4] = {&rc->sendbuf, &rc->recvbuf, &rc->hsendbuf, &rc->hrecvbuf};
+    tp_tensor *raw[4] = {rc->sendraw, rc->recvraw, rc->hsendraw, rc->hrecvraw};
+    int64_t count = (int64_t)(rc->cfg->max_bytes / dt->size);
+    for (int i = 0; i < 4; i++) {
+        tp_tensor_release(*typed[i]);
+        *typed[i] = NULL;
+        if (!raw[i])
+            continue;
+        tp_device where = i < 2 && rc->device >= 0 ? TP_CUDA(rc->device) : TP_CPU;
+        tp_status st = tp_tensor_from_blob(dt->dtype, where, 1, &count, tp_tensor_data(raw[i]),
+                                           NULL, NULL, typed[i]);
+        if (st != TP_OK) {
+            report(rc, NULL, "tp_tensor_from_blob (typed buffers)", st);
+            return st;
+        }
+    }
+    return TP_OK;
+}
+
+/* One collective's sweep: every dtype, reduction and root asked for. */
+static tp_status run_section(rank_ctx *rc, bench_op op)
+{
+    const bench_cfg *cfg = rc->cfg;
+    const struct op_info *oi = &op_info[op];
+    bench_run *run = rc->run;
+    tp_status st = TP_OK;
+    if (rc->rank == 0) {
+        run->ops[op].ran = true;
+        run->nrows = 0;
+        print_section_header(rc, op);
+    }
+    for (size_t d = 0; d < N_DTYPES && st == TP_OK; d++) {
+        if (!cfg->types[d])
+            continue;
+        if ((st = type_buffers(rc, &dtypes[d])) != TP_OK)
+            break;
+        for (size_t r = 0; r < N_REDOPS && st == TP_OK; r++) {
+            if (oi->reduces ? !cfg->redops[r] : r > 0)
+                continue;
+            int root_lo = 0, root_hi = 0;
+            if (oi->rooted) {
+                root_lo = cfg->root < 0 ? 0 : cfg->root;
+                root_hi = cfg->root < 0 ? rc->n - 1 : cfg->root;
+            }
+            for (int root = root_lo; root <= root_hi && st == TP_OK; root++) {
+                for (size_t S = cfg->min_bytes; S <= cfg->max_bytes && st == TP_OK;) {
+                    st = bench_point(rc, op, &dtypes[d], redops[r].op, root, S);
+                    size_t next = cfg->factor > 1 ? S * cfg->factor : S + cfg->step_bytes;
+                    if (next <= S || (cfg->factor > 1 && S > SIZE_MAX / cfg->factor))
+                        break;
+                    S = next;
+                }
+            }
+        }
+    }
+    if (rc->rank == 0 && st == TP_OK)
+        print_section_footer(rc, op);
+    return st;
+}
 
 /* One rank's sweep over `comm`; `ctl` carries the statistics (host
  * tensors); device >= 0 puts the buffers on that CUDA device. */
@@ -1154,34 +1631,20 @@ static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int devi
         .device = device,
     };
     tp_status st = TP_OK;
-    if (rc.rank == 0) {
-        printf("# tp-bench-comm: libtp %s, backend %s, %d rank%s, dtype %s, redop %s, %s, check %s\n",
-               tp_version(), cfg->backend->name, rc.n, rc.n == 1 ? "" : "s", cfg->dt->name,
-               redop_name(cfg->redop), cfg->inplace ? "in-place" : "out-of-place",
-               cfg->check ? "on" : "off");
-        if (cfg->iters)
-            printf("# iterations %d, warm-up %d, sizes %zu..%zu B x%zu\n", cfg->iters, cfg->warmup,
-                   cfg->min_bytes, cfg->max_bytes, cfg->factor);
-        else
-            printf("# iterations auto (%.2f s per point, %d..%d), warm-up up to %d, sizes %zu..%zu B "
-                   "x%zu\n", cfg->target_s, MIN_ITERS, MAX_ITERS, cfg->warmup, cfg->min_bytes,
-                   cfg->max_bytes, cfg->factor);
-        printf("# time = mean over iterations of the slowest rank's call; barrier between "
-               "iterations not timed\n");
-        fflush(stdout);
-    }
+    if (rc.rank == 0)
+        print_run_header(&rc, run->threads);
     if (cfg->root >= rc.n) {
         if (rc.rank == 0)
-            fprintf(stderr, "tp-bench-comm: --root %d is not a rank of %d\n", cfg->root, rc.n);
+            fprintf(stderr, "tp-bench-comm: -r %d is not a rank of %d\n", cfg->root, rc.n);
         return TP_ERR_INVALID_ARG;
     }
     if (rc.rank == 0 && cfg->csv_path) {
         run->csv = fopen(cfg->csv_path, "w");
         if (run->csv)
-            fprintf(run->csv, "op,backend,nranks,inplace,dtype,redop,root,size_bytes,count,iters,"
-                              "time_us,time_med_us,time_min_us,algbw_GBps,busbw_GBps,"
-                              "busbw_med_GBps,wrong,model_bytes_per_rank,roof_GBps_per_thread,"
-                              "roof_frac\n");
+            fprintf(run->csv, "collective,backend,nranks,inplace,call_inplace,dtype,redop,root,"
+                              "size_bytes,count,iters,reps,time_us,time_min_us,time_max_us,"
+                              "iter_med_us,algbw_GBps,busbw_GBps,wrong,average,blocking,"
+                              "rep_times_us,model_bytes_per_rank,roof_GBps_per_thread,roof_frac\n");
         else
             fprintf(stderr, "tp-bench-comm: cannot write %s: %s\n", cfg->csv_path, strerror(errno));
     }
@@ -1190,15 +1653,17 @@ static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int devi
         return st;
     if (csv_failed != 0.0)
         return TP_ERR_INVALID_ARG;
+    if ((st = print_devices(&rc)) != TP_OK)
+        return st;
     if (device >= 0) {
         if (rc.rank == 0)
-            printf("# buffers on the GPU (cuda:%d on rank 0); no memcpy roof: roof%% not shown\n",
-                   device);
+            printf("# buffers on the GPU; no memcpy roof: roof%% not shown\n");
     } else if ((st = measure_roof(&rc)) != TP_OK) {
         return st;
     }
 
-    int64_t maxcount = (int64_t)(cfg->max_bytes / cfg->dt->size);
+    /* f64 elements: whole max_bytes, aligned for every dtype */
+    int64_t raw = (int64_t)((cfg->max_bytes + 7) / 8);
     rc.times = malloc(sizeof(double) * MAX_ITERS);
     rc.scratch = malloc(PAT_MAX * 1024 * 8);
     if (!rc.times || !rc.scratch) {
@@ -1207,47 +1672,30 @@ static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int devi
         goto out;
     }
     tp_device where = device >= 0 ? TP_CUDA(device) : TP_CPU;
-    if ((st = tp_tensor_empty(cfg->dt->dtype, where, 1, &maxcount, &rc.sendbuf)) != TP_OK ||
-        (st = tp_tensor_empty(cfg->dt->dtype, where, 1, &maxcount, &rc.recvbuf)) != TP_OK) {
+    if ((st = tp_tensor_empty(TP_F64, where, 1, &raw, &rc.sendraw)) != TP_OK ||
+        (st = tp_tensor_empty(TP_F64, where, 1, &raw, &rc.recvraw)) != TP_OK) {
         report(&rc, NULL, "tp_tensor_empty (2 buffers of max size)", st);
         goto out;
     }
     if (device >= 0 &&
-        ((st = tp_tensor_empty(cfg->dt->dtype, TP_CPU, 1, &maxcount, &rc.hsendbuf)) != TP_OK ||
-         (st = tp_tensor_empty(cfg->dt->dtype, TP_CPU, 1, &maxcount, &rc.hrecvbuf)) != TP_OK)) {
+        ((st = tp_tensor_empty(TP_F64, TP_CPU, 1, &raw, &rc.hsendraw)) != TP_OK ||
+         (st = tp_tensor_empty(TP_F64, TP_CPU, 1, &raw, &rc.hrecvraw)) != TP_OK)) {
         report(&rc, NULL, "tp_tensor_empty (2 host mirrors of max size)", st);
         goto out;
     }
 
-    for (int op = 0; op < OP_COUNT && st == TP_OK; op++) {
-        if (!cfg->ops[op])
-            continue;
-        if (op == OP_ALL_TO_ALL && cfg->inplace) {
-            if (rc.rank == 0)
-                printf("#\n# all_to_all: skipped, it is never in place\n");
-            continue;
-        }
-        if (rc.rank == 0) {
-            run->ops[op].ran = true;
-            print_header(cfg, (bench_op)op, rc.n);
-        }
-        for (size_t S = cfg->min_bytes; S <= cfg->max_bytes && st == TP_OK; S *= cfg->factor) {
-            st = bench_point(&rc, (bench_op)op, S);
-            if (S > SIZE_MAX / cfg->factor)
-                break;
-        }
-        if (rc.rank == 0 && st == TP_OK) {
-            op_summary *os = &run->ops[op];
-            printf("# %s: average busbw %.2f GB/s over %d sizes, #wrong %.0f\n", op_info[op].name,
-                   os->points ? os->busbw_sum / os->points : 0.0, os->points, os->wrong);
-            fflush(stdout);
-        }
-    }
+    for (int op = 0; op < OP_COUNT && st == TP_OK; op++)
+        if (cfg->ops[op])
+            st = run_section(&rc, (bench_op)op);
 out:
     tp_tensor_release(rc.sendbuf);
     tp_tensor_release(rc.recvbuf);
     tp_tensor_release(rc.hsendbuf);
     tp_tensor_release(rc.hrecvbuf);
+    tp_tensor_release(rc.sendraw);
+    tp_tensor_release(rc.recvraw);
+    tp_tensor_release(rc.hsendraw);
+    tp_tensor_release(rc.hrecvraw);
     free(rc.times);
     free(rc.scratch);
     return st;
@@ -1260,6 +1708,7 @@ static tp_status rank_main(tp_comm *world, void *arg)
 
 static tp_status launch_threads(bench_run *run)
 {
+    run->threads = run->cfg->nranks;
     return tp_run_local(run->cfg->nranks, rank_main, run);
 }
 
@@ -1271,6 +1720,7 @@ static tp_status launch_world(bench_run *run)
     if (st != TP_OK)
         return st;
     run->printer = tp_comm_rank(world) == 0;
+    run->threads = 1;
     if (run->cfg->nranks_given && tp_comm_size(world) != run->cfg->nranks && tp_comm_rank(world) == 0)
         fprintf(stderr, "tp-bench-comm: -g %d ignored: backend %s has %d ranks\n",
                 run->cfg->nranks, run->cfg->backend->name, tp_comm_size(world));
@@ -1336,6 +1786,7 @@ static tp_status launch_nccl(bench_run *run)
         if (st != TP_OK)
             return st;
         run->printer = tp_comm_rank(world) == 0;
+        run->threads = 1;
         if (run->cfg->nranks_given && tp_comm_size(world) != run->cfg->nranks &&
             tp_comm_rank(world) == 0)
             fprintf(stderr, "tp-bench-comm: -g %d ignored: mpirun started %d processes\n",
@@ -1350,6 +1801,7 @@ static tp_status launch_nccl(bench_run *run)
                 run->cfg->nranks, run->cfg->nranks, gpus);
         return TP_ERR_INVALID_ARG;
     }
+    run->threads = run->cfg->nranks;
     return tp_run_local(run->cfg->nranks, nccl_thread_main, run);
 }
 
@@ -1358,26 +1810,32 @@ static tp_status launch_nccl(bench_run *run)
 static void usage(FILE *f)
 {
     fprintf(f,
-        "usage: tp-bench-comm [options]\n"
-        "  -b, --minbytes SIZE   smallest size (default 4K); suffixes K, M, G (powers of 1024)\n"
-        "  -e, --maxbytes SIZE   largest size (default 256M)\n"
-        "  -f, --stepfactor N    multiply the size by N between points (default 2)\n"
-        "  -n, --iters N         timed iterations per point; 0 = auto (default 0)\n"
-        "  -w, --warmup N        warm-up iterations (default 5; with -n 0 capped to ~half\n"
-        "                        the target time; at least one call always runs)\n"
-        "  -c, --check 0|1       check results (default 1)\n"
-        "  -o, --op OP           all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|all\n"
-        "                        (default all; a comma-separated list works too)\n"
-        "  -d, --datatype T      f32|f64|f16|bf16|i32|i64 (default f32)\n"
-        "  -r, --redop OP        sum|avg|max|min|product (default sum)\n"
-        "  -g, --nranks N        ranks (default 2; thread backends only)\n"
-        "      --backend NAME    how ranks run (default shm); see below\n"
-        "      --inplace 0|1     in-place collectives (default 0)\n"
-        "      --root R          broadcast root (default 0)\n"
-        "      --csv FILE        also write the rows as CSV\n"
-        "      --target-s SEC    seconds per point with -n 0 (default 0.2)\n"
-        "      --roof-bytes SIZE memcpy roof buffer per rank (default 256M; 0 = no roof)\n"
-        "  -h, --help            this text\n"
+        "usage: tp-bench-comm [options]      (nccl-tests' letters and meanings)\n"
+        "  -b, --minbytes SIZE     smallest size (default 4K); suffixes K, M, G (powers of 1024)\n"
+        "  -e, --maxbytes SIZE     largest size (default 256M)\n"
+        "  -f, --stepfactor N      multiply the size by N between points (default 2); 1: add -i\n"
+        "  -i, --stepbytes SIZE    add SIZE between points instead (default 1M, with -f 1 or alone)\n"
+        "  -n, --iters N           calls per timed loop; 0 = about --target-s (default 0)\n"
+        "  -w, --warmup_iters N    warm-up calls per point and form (default 5; with -n 0 cut\n"
+        "                          to about half the target time; at least one always runs)\n"
+        "  -c, --check N           0: no checks; N: check the results, N fresh calls too (default 1)\n"
+        "  -o, --op OP             reduction: " REDOP_NAMES " (default sum)\n"
+        "  -d, --datatype T        " DTYPE_NAMES " (default float)\n"
+        "  -r, --root R            root of broadcast and scatter, or all (default 0)\n"
+        "  -a, --average 0|1|2|3   a repetition's time: 0 rank 0's, 1 mean over ranks,\n"
+        "                          2 fastest rank, 3 slowest rank (default 1)\n"
+        "  -z, --blocking 0|1      1: blocking calls; 0: work handle + tp_work_wait (default 0)\n"
+        "  -g, --ngpus N           ranks (default 2; thread backends only)\n"
+        "  -R, --repeat N          repetitions of each timed loop; the table shows their\n"
+        "                          median, the spread lines their range (default 3)\n"
+        "      --collective LIST   all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|\n"
+        "                          scatter|all, comma-separated (MPI spellings allreduce,\n"
+        "                          allgather, reducescatter, alltoall, bcast work too; default all)\n"
+        "      --backend NAME      how ranks run (default shm); see below\n"
+        "      --csv FILE          also write every point and form as CSV\n"
+        "      --target-s SEC      seconds per timed loop with -n 0 (default 0.1)\n"
+        "      --roof-bytes SIZE   memcpy roof buffer per rank (default 256M; 0 = no roof)\n"
+        "  -h, --help              this text\n"
         "backends:\n");
     for (size_t i = 0; i < N_BACKENDS; i++)
         fprintf(f, "  %-6s %s%s\n", backends[i].name, backends[i].how,
@@ -1394,29 +1852,32 @@ static void list_available(FILE *f)
         }
 }
 
+/* A size as nccl-tests reads one: a number, possibly with a fraction, and an
+ * optional K, M or G (powers of 1024; "KiB", "KB" also read). */
 static bool parse_size(const char *s, size_t *out)
 {
     char *end;
     errno = 0;
-    if (*s == '-')
+    if (*s == '-' || *s == '\0')
         return false;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s)
+    double v = strtod(s, &end);
+    if (errno || end == s || !(v >= 0.0))
         return false;
-    unsigned shift = 0;
+    double unit = 1.0;
     switch (*end) {
-    case 'k': case 'K': shift = 10; end++; break;
-    case 'm': case 'M': shift = 20; end++; break;
-    case 'g': case 'G': shift = 30; end++; break;
+    case 'k': case 'K': unit = 1024.0; end++; break;
+    case 'm': case 'M': unit = 1048576.0; end++; break;
+    case 'g': case 'G': unit = 1073741824.0; end++; break;
     default: break;
     }
-    if (shift && (*end == 'i' || *end == 'I'))
+    if (unit > 1.0 && (*end == 'i' || *end == 'I'))
         end++;
-    if (shift && (*end == 'b' || *end == 'B'))
+    if (unit > 1.0 && (*end == 'b' || *end == 'B'))
         end++;
-    if (*end != '\0' || (shift && v > (SIZE_MAX >> shift)))
+    double bytes = floor(v * unit);
+    if (*end != '\0' || bytes > (double)(SIZE_MAX / 4))
         return false;
-    *out = (size_t)(v << shift);
+    *out = (size_t)bytes;
     return true;
 }
 
@@ -1439,21 +1900,24 @@ static bool parse_ops(const char *s, bool ops[OP_COUNT])
     strcpy(buf, s);
     memset(ops, 0, sizeof(bool) * OP_COUNT);
     char *save = NULL;
+    bool any = false;
     for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         bool found = false;
         if (strcmp(tok, "all") == 0) {
             for (int i = 0; i < OP_COUNT; i++)
                 ops[i] = true;
+            any = true;
             continue;
         }
         for (int i = 0; i < OP_COUNT; i++)
-            if (strcmp(tok, op_info[i].name) == 0 || strcmp(tok, op_info[i].alias) == 0) {
-                ops[i] = found = true;
+            if (strcmp(tok, op_info[i].name) == 0 || strcmp(tok, op_info[i].alias) == 0 ||
+                strcmp(tok, op_info[i].perf) == 0) {
+                ops[i] = found = any = true;
             }
         if (!found)
             return false;
     }
-    return true;
+    return any;
 }
 
 static int bad_arg(const char *opt, const char *val, const char *want)
@@ -1462,7 +1926,76 @@ static int bad_arg(const char *opt, const char *val, const char *want)
     return EXIT_USAGE;
 }
 
-enum { OPT_BACKEND = 256, OPT_INPLACE, OPT_CSV, OPT_ROOT, OPT_TARGET, OPT_ROOF };
+/* -d: nccl-tests' type names, libtp's as aliases; the types libtp lacks are
+ * named as such */
+static int parse_dtype(const char *s, bool types[N_DTYPES])
+{
+    memset(types, 0, sizeof(bool) * N_DTYPES);
+    if (strcmp(s, "all") == 0) {
+        for (size_t i = 0; i < N_DTYPES; i++)
+            types[i] = true;
+        return 0;
+    }
+    for (size_t i = 0; i < N_DTYPES; i++)
+        if (strcmp(s, dtypes[i].name) == 0 || strcmp(s, dtypes[i].alias) == 0) {
+            types[i] = true;
+            return 0;
+        }
+    for (size_t i = 0; i < sizeof unsupported_dtypes / sizeof unsupported_dtypes[0]; i++)
+        if (strcmp(s, unsupported_dtypes[i]) == 0) {
+            fprintf(stderr, "tp-bench-comm: -d %s: libtp has no %s dtype (tp_dtype has f32, f64, "
+                            "f16, bf16, i32, i64); use one of " DTYPE_NAMES "\n",
+                    s, s);
+            return EXIT_USAGE;
+        }
+    return bad_arg("-d", s, DTYPE_NAMES);
+}
+
+static int parse_redop(const char *s, bool ops[N_REDOPS])
+{
+    memset(ops, 0, sizeof(bool) * N_REDOPS);
+    if (strcmp(s, "all") == 0) {
+        for (size_t i = 0; i < N_REDOPS; i++)
+            ops[i] = true;
+        return 0;
+    }
+    for (size_t i = 0; i < N_REDOPS; i++)
+        if (strcmp(s, redops[i].name) == 0 || (redops[i].alias && strcmp(s, redops[i].alias) == 0)) {
+            ops[i] = true;
+            return 0;
+        }
+    if (strcmp(s, "mulsum") == 0 || strcmp(s, "premulsum") == 0) {
+        fprintf(stderr, "tp-bench-comm: -o %s: libtp has no pre-multiplied sum; use one of "
+                        REDOP_NAMES "\n", s);
+        return EXIT_USAGE;
+    }
+    if (strcmp(s, "all_reduce") == 0 || strcmp(s, "allreduce") == 0 || strcmp(s, "broadcast") == 0 ||
+        strcmp(s, "all_gather") == 0 || strcmp(s, "reduce_scatter") == 0 ||
+        strcmp(s, "all_to_all") == 0 || strcmp(s, "alltoall") == 0 || strcmp(s, "bcast") == 0) {
+        fprintf(stderr, "tp-bench-comm: -o is the reduction (sum, prod, ...) as in nccl-tests; "
+                        "the collective is --collective %s\n", s);
+        return EXIT_USAGE;
+    }
+    return bad_arg("-o", s, REDOP_NAMES);
+}
+
+enum { OPT_BACKEND = 256, OPT_CSV, OPT_TARGET, OPT_ROOF, OPT_COLLECTIVE };
+
+/* nccl-tests' options this program does not have */
+static const struct {
+    int letter;
+    const char *what; /* nccl-tests' meaning */
+    const char *hint;
+} unsupported_opts[] = {
+    {'t', "threads per process", "the shm backend's ranks are threads already: -g counts them"},
+    {'m', "aggregated iterations", NULL},
+    {'p', "parallel init", NULL},
+    {'y', "stream_null", NULL},
+    {'T', "timeout", "set TP_COMM_TIMEOUT (seconds) in the environment"},
+    {'G', "CUDA graph launches", NULL},
+    {'C', "report_cputime", NULL},
+    {'F', "CSV output", "use --csv, whose columns are tp-bench-comm's own"},
+};
 
 static int parse_args(int argc, char **argv, bench_cfg *cfg)
 {
@@ -1470,39 +2003,53 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"minbytes", required_argument, NULL, 'b'},
         {"maxbytes", required_argument, NULL, 'e'},
         {"stepfactor", required_argument, NULL, 'f'},
+        {"stepbytes", required_argument, NULL, 'i'},
         {"iters", required_argument, NULL, 'n'},
-        {"warmup", required_argument, NULL, 'w'},
         {"warmup_iters", required_argument, NULL, 'w'},
+        {"warmup", required_argument, NULL, 'w'},
         {"check", required_argument, NULL, 'c'},
         {"op", required_argument, NULL, 'o'},
         {"datatype", required_argument, NULL, 'd'},
-        {"redop", required_argument, NULL, 'r'},
+        {"root", required_argument, NULL, 'r'},
+        {"average", required_argument, NULL, 'a'},
+        {"blocking", required_argument, NULL, 'z'},
+        {"ngpus", required_argument, NULL, 'g'},
         {"nranks", required_argument, NULL, 'g'},
+        {"repeat", required_argument, NULL, 'R'},
+        {"collective", required_argument, NULL, OPT_COLLECTIVE},
         {"backend", required_argument, NULL, OPT_BACKEND},
-        {"inplace", required_argument, NULL, OPT_INPLACE},
         {"csv", required_argument, NULL, OPT_CSV},
-        {"root", required_argument, NULL, OPT_ROOT},
         {"target-s", required_argument, NULL, OPT_TARGET},
         {"roof-bytes", required_argument, NULL, OPT_ROOF},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
     long v;
-    int c;
+    int c, rc;
+    bool factor_given = false, step_given = false;
     const char *backend = "shm";
-    while ((c = getopt_long(argc, argv, "b:e:f:n:w:c:o:d:r:g:h", longopts, NULL)) != -1) {
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, ":b:e:f:i:n:w:c:o:d:r:a:z:g:R:ht:m:p:y:T:G:C:F:", longopts,
+                            NULL)) != -1) {
         switch (c) {
         case 'b':
             if (!parse_size(optarg, &cfg->min_bytes) || cfg->min_bytes == 0)
-                return bad_arg("-b", optarg, "a size > 0 such as 4096, 4K, 1M");
+                return bad_arg("-b", optarg, "a size > 0 such as 4096, 4K, 1.5M");
             break;
         case 'e':
             if (!parse_size(optarg, &cfg->max_bytes) || cfg->max_bytes == 0)
                 return bad_arg("-e", optarg, "a size > 0 such as 256M, 1G");
             break;
         case 'f':
-            if (!parse_size(optarg, &cfg->factor) || cfg->factor < 2)
-                return bad_arg("-f", optarg, "an integer factor >= 2");
+            if (!parse_int(optarg, 1, 1L << 20, &v))
+                return bad_arg("-f", optarg, "an integer factor >= 1 (1: step by -i)");
+            cfg->factor = (size_t)v;
+            factor_given = true;
+            break;
+        case 'i':
+            if (!parse_size(optarg, &cfg->step_bytes) || cfg->step_bytes == 0)
+                return bad_arg("-i", optarg, "a size > 0 such as 1M");
+            step_given = true;
             break;
         case 'n':
             if (!parse_int(optarg, 0, MAX_ITERS, &v))
@@ -1515,53 +2062,54 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             cfg->warmup = (int)v;
             break;
         case 'c':
-            if (!parse_int(optarg, 0, 1, &v))
-                return bad_arg("-c", optarg, "0 or 1");
-            cfg->check = v != 0;
+            if (!parse_int(optarg, 0, 1000, &v))
+                return bad_arg("-c", optarg, "0 (no checks) or a count of checked calls");
+            cfg->check = (int)v;
             break;
         case 'o':
-            if (!parse_ops(optarg, cfg->ops))
-                return bad_arg("-o", optarg,
-                               "all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|all");
+            if ((rc = parse_redop(optarg, cfg->redops)) != 0)
+                return rc;
             break;
-        case 'd': {
-            cfg->dt = NULL;
-            for (size_t i = 0; i < N_DTYPES; i++)
-                if (strcmp(optarg, dtypes[i].name) == 0)
-                    cfg->dt = &dtypes[i];
-            if (!cfg->dt)
-                return bad_arg("-d", optarg, "f32|f64|f16|bf16|i32|i64");
+        case 'd':
+            if ((rc = parse_dtype(optarg, cfg->types)) != 0)
+                return rc;
             break;
-        }
-        case 'r': {
-            bool found = false;
-            for (size_t i = 0; i < N_REDOPS; i++)
-                if (strcmp(optarg, redops[i].name) == 0) {
-                    cfg->redop = redops[i].op;
-                    found = true;
-                }
-            if (!found)
-                return bad_arg("-r", optarg, "sum|avg|max|min|product");
+        case 'r':
+            if (strcmp(optarg, "all") == 0)
+                cfg->root = -1;
+            else if (parse_int(optarg, 0, 4095, &v))
+                cfg->root = (int)v;
+            else
+                return bad_arg("-r", optarg, "a rank >= 0, or all");
             break;
-        }
+        case 'a':
+            if (!parse_int(optarg, 0, 3, &v))
+                return bad_arg("-a", optarg, "0 (rank 0), 1 (mean), 2 (min) or 3 (max)");
+            cfg->average = (int)v;
+            break;
+        case 'z':
+            if (!parse_int(optarg, 0, 1, &v))
+                return bad_arg("-z", optarg, "0 or 1");
+            cfg->blocking = v != 0;
+            break;
         case 'g':
             if (!parse_int(optarg, 1, 4096, &v))
                 return bad_arg("-g", optarg, "a rank count >= 1");
             cfg->nranks = (int)v;
             cfg->nranks_given = true;
             break;
+        case 'R':
+            if (!parse_int(optarg, 1, MAX_REPS, &v))
+                return bad_arg("-R", optarg, "1 .. 100 repetitions");
+            cfg->reps = (int)v;
+            break;
+        case OPT_COLLECTIVE:
+            if (!parse_ops(optarg, cfg->ops))
+                return bad_arg("--collective", optarg,
+                               "all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|scatter|all");
+            break;
         case OPT_BACKEND: backend = optarg; break;
-        case OPT_INPLACE:
-            if (!parse_int(optarg, 0, 1, &v))
-                return bad_arg("--inplace", optarg, "0 or 1");
-            cfg->inplace = v != 0;
-            break;
         case OPT_CSV: cfg->csv_path = optarg; break;
-        case OPT_ROOT:
-            if (!parse_int(optarg, 0, 4095, &v))
-                return bad_arg("--root", optarg, "a rank >= 0");
-            cfg->root = (int)v;
-            break;
         case OPT_TARGET: {
             char *end;
             cfg->target_s = strtod(optarg, &end);
@@ -1574,13 +2122,34 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
                 return bad_arg("--roof-bytes", optarg, "a size such as 256M, or 0");
             break;
         case 'h': usage(stdout); return -1;
-        default: usage(stderr); return EXIT_USAGE;
+        case ':':
+            fprintf(stderr, "tp-bench-comm: option %s needs a value\n", argv[optind - 1]);
+            return EXIT_USAGE;
+        default:
+            for (size_t i = 0; i < sizeof unsupported_opts / sizeof unsupported_opts[0]; i++)
+                if (c == unsupported_opts[i].letter) {
+                    fprintf(stderr, "tp-bench-comm: -%c (nccl-tests' %s) is not supported%s%s\n",
+                            c, unsupported_opts[i].what, unsupported_opts[i].hint ? ": " : "",
+                            unsupported_opts[i].hint ? unsupported_opts[i].hint : "");
+                    return EXIT_USAGE;
+                }
+            fprintf(stderr, "tp-bench-comm: unknown option %s\n", argv[optind - 1]);
+            usage(stderr);
+            return EXIT_USAGE;
         }
     }
     if (optind < argc) {
         fprintf(stderr, "tp-bench-comm: unexpected argument '%s'\n", argv[optind]);
         return EXIT_USAGE;
     }
+    if (step_given && factor_given && cfg->factor > 1) {
+        fprintf(stderr, "tp-bench-comm: -i %zu and -f %zu both given: the sizes grow by one or "
+                        "the other (-f 1 -i SIZE, or -f N alone)\n",
+                cfg->step_bytes, cfg->factor);
+        return EXIT_USAGE;
+    }
+    if (step_given)
+        cfg->factor = 1;
     if (cfg->min_bytes > cfg->max_bytes) {
         fprintf(stderr, "tp-bench-comm: -b %zu is larger than -e %zu\n", cfg->min_bytes,
                 cfg->max_bytes);
@@ -1602,10 +2171,31 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
     }
     if (cfg->backend->threads && !(strcmp(cfg->backend->name, "nccl") == 0 && under_mpirun()) &&
         cfg->root >= cfg->nranks) {
-        fprintf(stderr, "tp-bench-comm: --root %d is not a rank of %d\n", cfg->root, cfg->nranks);
+        fprintf(stderr, "tp-bench-comm: -r %d is not a rank of %d\n", cfg->root, cfg->nranks);
         return EXIT_USAGE;
     }
     return 0;
+}
+
+/* /proc/loadavg's three averages; false where there is none */
+static bool read_loadavg(double out[3])
+{
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (!f)
+        return false;
+    bool ok = fscanf(f, "%lf %lf %lf", &out[0], &out[1], &out[2]) == 3;
+    fclose(f);
+    return ok;
+}
+
+/* cores this process may run on */
+static int count_cores(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
 }
 
 int main(int argc, char **argv)
@@ -1614,29 +2204,35 @@ int main(int argc, char **argv)
         .min_bytes = 4096,
         .max_bytes = (size_t)256 << 20,
         .factor = 2,
+        .step_bytes = (size_t)1 << 20,
         .iters = 0,
         .warmup = 5,
-        .check = true,
-        .ops = {true, true, true, true, true},
-        .dt = &dtypes[0],
-        .redop = TP_SUM,
-        .nranks = 2,
+        .check = 1,
+        .reps = 3,
+        .average = 1,
+        .blocking = false,
+        .ops = {true, true, true, true, true, true},
+        .types = {false, false, false, true, false, false}, /* float */
+        .redops = {true, false, false, false, false},       /* sum */
         .root = 0,
+        .nranks = 2,
         .roof_bytes = (size_t)256 << 20,
-        .target_s = 0.2,
+        .target_s = 0.1,
     };
     int rc = parse_args(argc, argv, &cfg);
     if (rc != 0)
         return rc < 0 ? 0 : rc;
 
-    bench_run run = {.cfg = &cfg, .printer = true};
+    bench_run run = {.cfg = &cfg, .printer = true, .cores = count_cores()};
     for (int i = 0; i < OP_COUNT; i++)
         run.ops[i].status = TP_OK;
+    run.have_load = read_loadavg(run.load_before);
 
     tp_status st = cfg.backend->launch(&run);
     const char *err = st != TP_OK ? tp_last_error() : "";
     if (run.csv)
         fclose(run.csv);
+    free(run.rows);
 
     int status = 0;
     if (st != TP_OK) {
@@ -1652,17 +2248,27 @@ int main(int argc, char **argv)
         const op_summary *os = &run.ops[i];
         if (!os->ran)
             continue;
-        if (os->status != TP_OK) {
+        if (os->status != TP_OK)
             printf("#   %-15s ERROR %s\n", op_info[i].name, tp_status_name(os->status));
-        } else if (os->wrong > 0) {
+        else if (os->wrong > 0)
             printf("#   %-15s FAILED: %.0f wrong elements\n", op_info[i].name, os->wrong);
-        } else {
-            printf("#   %-15s OK (%d sizes%s)\n", op_info[i].name, os->points,
-                   !cfg.check ? ", not checked" : os->check_skipped ? ", check skipped" : "");
-        }
+        else
+            printf("#   %-15s OK (%d rows%s)\n", op_info[i].name, os->points,
+                   !cfg.check ? ", not checked" : "");
     }
     if (st != TP_OK)
         printf("#   run stopped: %s: %s\n", tp_status_name(st), err);
-    printf("# Out of bounds values : %.0f %s\n", run.wrong_total, run.wrong_total > 0 ? "FAILED" : "OK");
+    double load_after[3];
+    if (read_loadavg(load_after)) {
+        printf("# load average (/proc/loadavg) after the run: %.2f %.2f %.2f (1, 5, 15 min); "
+               "%d cores\n", load_after[0], load_after[1], load_after[2], run.cores);
+        /* the run's own ranks count in it: busy when the rest passes cores - ranks */
+        if (load_after[0] > (double)run.cores) {
+            printf("# warning: the machine was busy: load %.2f is above %d cores (the run's own "
+                   "ranks count in it)\n", load_after[0], run.cores);
+            fprintf(stderr, "tp-bench-comm: warning: the machine was busy: load average %.2f after "
+                            "the run is above %d cores\n", load_after[0], run.cores);
+        }
+    }
     return status;
 }
