@@ -887,21 +887,24 @@ static double hand_pass(hand_block *b)
  * `iters`, with 2 BLAS threads. */
 static double hand_run(hand_block *b, int warm, int iters, bool verbose)
 {
-    double t[64];
+    double *t = calloc((size_t)iters + 1, sizeof *t);
+    if (!t)
+        return 0;
     openblas_set_num_threads(2);
     for (int i = 0; i < warm; i++) {
         double dt = hand_pass(b);
         if (verbose)
             printf("#   by hand warm-up pass %d: %.3f ms\n", i + 1, dt * 1e3);
     }
-    int n = iters < 64 ? iters : 64;
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < iters; i++) {
         t[i] = hand_pass(b);
         if (verbose)
             printf("#   by hand timed pass %d: %.3f ms\n", i + 1, t[i] * 1e3);
     }
     openblas_set_num_threads(1);
-    return median(t, n);
+    double m = median(t, iters);
+    free(t);
+    return m;
 }
 
 static void min_max(const double *v, int n, double *lo, double *hi)
@@ -958,6 +961,10 @@ static int mlp_check(const opts *o)
         if (st != TP_OK)
             break;
         th[r] = hand_run(&hb, warm, iters, o->verbose);
+        if (th[r] <= 0) {
+            st = TP_ERR_NO_MEMORY;
+            break;
+        }
         t1[r] = a.t_med, t2[r] = b.t_med, f1[r] = a.faults, f2[r] = b.faults;
         sp[r] = t1[r] / t2[r], rh[r] = t2[r] / th[r];
         printf("# turn %d: 1 rank %.1f ms, 2 ranks %.1f ms, by hand %.1f ms: speedup %.3f, libtp/hand %.3f\n",
