@@ -4,7 +4,7 @@
 #   bench/make_figures.sh [-b BUILD] OUT_DIR        # e.g. bench/results/figures
 #   bench/make_figures.sh [-b BUILD] --docs         # docs/img/, the README's
 #
-# Runs, on this machine, one after the other (about 15 minutes on 2 cores;
+# Runs, on this machine, one after the other (about 7 minutes on 2 cores;
 # run it on a quiet machine: the load average is printed before and after):
 #   1. tp-bench-layers -g 1,2 -R 3 --csv OUT/layers.csv (the default layers)
 #   2. tp-bench-comm -g 2 -b 4K -e 256M -f 4 --csv OUT/comm.csv
