@@ -26,6 +26,7 @@
 #               the raw CSV and logs of every run
 # environment: TORCH_PYTHON  a python with torch (default: python3 if it
 #               imports torch). Without torch the script says so and exits 0.
+#              TP_BENCH_COMM  this tp-bench-comm binary instead of BUILD's
 # Exit status: 0 done (or skipped: no torch); 1 a run failed or a result was
 # wrong; 64 bad usage.
 set -euo pipefail
@@ -58,7 +59,7 @@ if ! "$py" -c "import torch, torch.distributed as d; assert d.is_available() and
 fi
 torch_version=$("$py" -c "import torch; print(torch.__version__)")
 
-bench=$build/bench/tp-bench-comm
+bench=${TP_BENCH_COMM:-$build/bench/tp-bench-comm}
 if [ ! -x "$bench" ]; then
     ninja -C "$build" bench/tp-bench-comm >/dev/null || { echo "compare_gloo: cannot build $bench" >&2; exit 1; }
 fi
