@@ -96,8 +96,8 @@ command -v timeout >/dev/null || die "timeout (coreutils) not found"
 if [ $do_comm = 1 ] && "$comm_bin" --help 2>&1 | grep -q '^  mpi .*not in this libtp'; then
     die "$comm_bin: libtp was built without MPI (meson configure $build -Dmpi=enabled)"
 fi
-if [ $do_layers = 1 ] && ! grep -qa -- '--backend shm|mpi|nccl' "$layers_bin"; then
-    die "$layers_bin predates --backend: rebuild it (ninja -C $build)"
+if [ $do_layers = 1 ] && ! "$layers_bin" --help 2>&1 | grep -q -- '^  -R N'; then
+    die "$layers_bin predates --backend and -R: rebuild it (ninja -C $build)"
 fi
 
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
@@ -156,10 +156,11 @@ fi
 if [ $do_layers = 1 ]; then
     for layer in "${layer_list[@]}"; do
         for rep in $(seq 1 "$reps"); do
-            run "layers-shm-$layer-$rep" "$layers_bin" --backend shm -g "1,$np" -l "$layer" \
+            # -R 1: the A B pairs are this script's repetitions
+            run "layers-shm-$layer-$rep" "$layers_bin" --backend shm -g "1,$np" -R 1 -l "$layer" \
                 -t "$tokens" -H "$hidden" -n "$layer_iters" -w "$layer_warmup" \
                 --csv "$raw/layers-shm-$layer-$rep.csv"
-            run "layers-mpi-$layer-$rep" "${mpirun[@]}" "$layers_bin" --backend mpi -g "1,$np" \
+            run "layers-mpi-$layer-$rep" "${mpirun[@]}" "$layers_bin" --backend mpi -g "1,$np" -R 1 \
                 -l "$layer" -t "$tokens" -H "$hidden" -n "$layer_iters" -w "$layer_warmup" \
                 --csv "$raw/layers-mpi-$layer-$rep.csv"
         done
@@ -296,7 +297,7 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
     echo "> 1 means the shm backend was faster. Layer rows with 1 rank run no collective: their ratio"
     echo "shows how far the two launch methods differ without communication (noise, placement)."
     if [ $do_layers = 1 ]; then
-        echo "Layers: \`tp-bench-layers -g 1,$np -l LAYER -t $tokens -H $hidden -n $layer_iters -w $layer_warmup\`, 1 BLAS thread per rank."
+        echo "Layers: \`tp-bench-layers -g 1,$np -R 1 -l LAYER -t $tokens -H $hidden -n $layer_iters -w $layer_warmup\`, 1 BLAS thread per rank."
     fi
     if [ ${#failed_runs[@]} -gt 0 ]; then
         echo

@@ -1,12 +1,13 @@
 /*
  * tp-bench-layers: throughput of tensor-parallel Linear and Embedding layers.
  *
- * Sweeps style x tokens x hidden size x rank count, forward and
- * forward+backward, and reports per point: time, GFLOP/s (of the layer's
- * matrix products), tokens/s, the share of the time spent in collectives
- * (the collectives the comm-debug counter saw, re-issued alone on buffers of
- * the same sizes and timed), and the speedup over one rank running the whole
- * layer. Every rank runs one BLAS thread. --backend picks how ranks exist:
+ * Sweeps layer x pass x tokens x hidden size x rank count and reports per
+ * point: time, GFLOP/s (of the layer's matrix products), tokens/s, the share
+ * of the time spent in collectives (the collectives the comm-debug counter
+ * saw, re-issued alone on buffers of the same sizes and timed), the speedup
+ * over one rank running the whole layer, rank 0's minor page faults per pass
+ * and how many cores other processes took meanwhile. Every rank runs one BLAS
+ * thread. --backend picks how ranks exist:
  *
  *   shm   threads of this process (tp_run_local), -g of them (default 1,2)
  *   mpi   one process per rank under mpirun (tp_comm_init("mpi")); a rank
@@ -16,9 +17,14 @@
  *         threads, or over the mpi world when run under mpirun
  *         (--bootstrap shm|mpi); parameters and inputs on TP_CUDA(rank % GPUs)
  *
- * The timing is the same for all: a barrier before every timed pass, rank 0's
- * clock, the median over -n passes (default 5) after -w untimed ones (default
- * 1; the embeddings' backward needs a few more before their buffers are reused).
+ * One run of a point builds the layer, makes -w untimed passes, then -n timed
+ * ones (a barrier before each; a pass lasts as long as its slowest rank) and
+ * keeps their median. Every
+ * point is run -R times (default 3); the rank counts of a point take turns run
+ * by run (1 2 1 2 ...), after one untimed run of the 1-rank baseline, so a
+ * change in the machine's load hits the baseline and the measured point
+ * alike. A row shows the median over the runs with the min-max range; the
+ * speedup is the median of the ratios inside each turn.
  *
  *   layers:  colwise   Linear(H -> 4H), ColwiseParallel
  *            rowwise   Linear(4H -> H), RowwiseParallel (input sharded)
@@ -26,17 +32,18 @@
  *            emb-col   Embedding(V, H) ColwiseParallel
  *            emb-row   Embedding(V, H) RowwiseParallel(input R)
  *
- * Usage: tp-bench-layers [--backend shm|mpi|nccl] [--bootstrap shm|mpi] [-l LAYERS]
- *                        [-t TOKENS,..] [-H HIDDEN,..] [-g RANKS,..] [-n ITERS] [-w WARMUP]
- *                        [--csv FILE]
- *        tp-bench-layers --mlp-check   (2048 -> 8192 -> 2048, 2048 tokens)
+ * tp-bench-layers --help lists the options and their defaults;
+ * tp-bench-layers --mlp-check times the MLP block 2048 -> 8192 -> 2048 on
+ * 2048 tokens against its targets and exits 1 when one is missed.
  */
 #include <cblas.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <tp.h>
 
@@ -56,6 +63,23 @@ static int cmp_d(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* Median of v[0..n) (the mean of the middle two for an even n); sorts v. */
+static double median(double *v, int n)
+{
+    if (n <= 0)
+        return 0;
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* Minor page faults of the calling thread so far. A buffer that malloc maps
+ * afresh (above its mmap threshold) costs one per 4 KiB page on first touch. */
+static double minor_faults(void)
+{
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? (double)ru.ru_minflt : 0;
+}
+
 enum { L_COLWISE, L_ROWWISE, L_MLP, L_EMB_COL, L_EMB_ROW, L_COUNT };
 static const char *layer_names[L_COUNT] = {"colwise", "rowwise", "mlp", "emb-col", "emb-row"};
 
@@ -63,10 +87,11 @@ typedef struct {
     int layer;
     int64_t tokens, hidden, vocab;
     bool backward;
-    int iters, warmup; /* timed passes; untimed passes before them (>= 1) */
+    int iters, warmup; /* timed passes (0: a warm-up run only); untimed passes before them */
     bool cuda; /* parameters, inputs and collective buffers on this rank's GPU */
+    bool verbose; /* rank 0 prints every pass */
     /* out (rank 0) */
-    double t_med, t_coll;
+    double t_med, t_coll, faults; /* median pass, collectives alone, median faults per pass */
 } point;
 
 #define TRY(expr)                                                               \
@@ -158,6 +183,28 @@ static tp_status device_sync(tp_device dev)
     return dev.type == TP_DEVICE_CPU ? TP_OK : tp_cuda_synchronize(dev.index);
 }
 
+/* v[i] = the largest v[i] over the ranks of w (through dev for nccl). */
+static tp_status max_over_ranks(tp_comm *w, tp_device dev, double *v, int64_t n)
+{
+    tp_tensor *h = NULL, *d = NULL, *back = NULL;
+    tp_status st = tp_tensor_from_blob(TP_F64, TP_CPU, 1, &n, v, NULL, NULL, &h);
+    if (st == TP_OK && dev.type == TP_DEVICE_CPU) {
+        st = tp_all_reduce(w, h, h, TP_MAX, NULL);
+    } else if (st == TP_OK) {
+        st = tp_tensor_to(h, TP_F64, dev, &d);
+        if (st == TP_OK)
+            st = tp_all_reduce(w, d, d, TP_MAX, NULL);
+        if (st == TP_OK)
+            st = tp_tensor_to(d, TP_F64, TP_CPU, &back);
+        for (int64_t i = 0; st == TP_OK && i < n; i++)
+            st = tp_tensor_get(back, &i, &v[i]);
+    }
+    tp_tensor_release(back);
+    tp_tensor_release(d);
+    tp_tensor_release(h);
+    return st;
+}
+
 static tp_status run_point(tp_comm *w, point *p)
 {
     tp_status st = TP_OK;
@@ -190,13 +237,25 @@ static tp_status run_point(tp_comm *w, point *p)
         x = xd;
     }
     TRY(tp_comm_debug_create(&dbg));
-    times = calloc((size_t)p->iters + 1, sizeof *times);
-    /* it < 0: warm-up; the collectives of the last one (-1) are counted */
+    times = calloc(2 * ((size_t)p->iters + 1), sizeof *times);
+    if (!times) {
+        st = TP_ERR_NO_MEMORY;
+        goto out;
+    }
+    double *faults = times + p->iters + 1;
+    /* it < 0: warm-up; the collectives of the last one (-1) are counted. A
+     * pass lies between two barriers; every rank times it from its exit of the
+     * first to its exit of the second, and the pass counts as the longest of
+     * these (a rank's own work alone would undercount whenever ranks do not
+     * run at once: a colwise forward ends with no collective, and 4 rank
+     * threads on 2 cores take turns). The second barrier is timed (about a
+     * microsecond on shm). */
     for (int it = -p->warmup; it < p->iters; it++) {
         tp_tensor *y = NULL, *loss = NULL;
         TRY(tp_barrier(w, NULL));
         if (it == -1)
             TRY(tp_comm_debug_begin(dbg));
+        double f0 = minor_faults();
         double t0 = now_s();
         if (!p->backward)
             tp_no_grad_begin();
@@ -217,6 +276,9 @@ static tp_status run_point(tp_comm *w, point *p)
         }
         if (st == TP_OK)
             st = device_sync(dev);
+        double f1 = minor_faults();
+        if (st == TP_OK)
+            st = tp_barrier(w, NULL);
         double t1 = now_s();
         tp_tensor_release(y);
         tp_tensor_release(loss);
@@ -224,11 +286,19 @@ static tp_status run_point(tp_comm *w, point *p)
             fprintf(stderr, "rank %d: %s %s\n", r, tp_status_name(st), tp_last_error());
             goto out;
         }
+        if (p->verbose && r == 0)
+            printf("#   %s pass %d: %.3f ms on rank 0, %.0f minor faults\n", it < 0 ? "warm-up" : "timed",
+                   it < 0 ? it + p->warmup + 1 : it + 1, (t1 - t0) * 1e3, f1 - f0);
         if (it == -1)
             TRY(tp_comm_debug_end(dbg));
-        else if (it >= 0)
+        else if (it >= 0) {
             times[it] = t1 - t0;
+            faults[it] = f1 - f0;
+        }
     }
+    if (p->iters == 0) /* a warm-up run: nothing to report */
+        goto out;
+    TRY(max_over_ranks(w, dev, times, p->iters));
     /* the collectives of one iteration, alone, on buffers of their sizes */
     double t_coll = 0;
     if (W > 1) {
@@ -275,8 +345,8 @@ static tp_status run_point(tp_comm *w, point *p)
         }
     }
     if (r == 0) {
-        qsort(times, (size_t)p->iters, sizeof *times, cmp_d);
-        p->t_med = times[p->iters / 2];
+        p->t_med = median(times, p->iters);
+        p->faults = median(faults, p->iters);
         p->t_coll = t_coll;
     }
 out:
@@ -425,129 +495,544 @@ static double flops(const point *p)
     }
 }
 
+/* ---- machine state: load, other processes' CPU time --------------------- */
+
+static long cores_online(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? n : 1;
+}
+
+/* "AMD EPYC (2 cores)": /proc/cpuinfo's model name, no commas (it goes in a
+ * CSV column). */
+static void machine_name(char *buf, size_t len)
+{
+    char line[256], model[128] = "unknown CPU";
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    while (f && fgets(line, sizeof line, f)) {
+        char *c = strchr(line, ':');
+        if (strncmp(line, "model name", 10) || !c)
+            continue;
+        c++;
+        while (*c == ' ' || *c == '\t')
+            c++;
+        snprintf(model, sizeof model, "%s", c);
+        model[strcspn(model, "\n")] = 0;
+        break;
+    }
+    if (f)
+        fclose(f);
+    for (char *c = model; *c; c++)
+        if (*c == ',' || *c == '"')
+            *c = ' ';
+    snprintf(buf, len, "%s (%ld cores)", model, cores_online());
+}
+
+static double load1(void)
+{
+    double l[3] = {0};
+    return getloadavg(l, 3) >= 1 ? l[0] : -1;
+}
+
+static void print_load(const char *when)
+{
+    double l[3] = {0};
+    if (getloadavg(l, 3) == 3)
+        printf("# load average %s: %.2f %.2f %.2f (1, 5, 15 min)\n", when, l[0], l[1], l[2]);
+}
+
+/* CPU time so far: busy and stolen seconds of the whole machine (/proc/stat,
+ * all CPUs) and this run's own (all its processes under mpi). */
+typedef struct cpu_mark {
+    double wall, busy, steal, ours;
+} cpu_mark;
+
+static double sum_over(tp_comm *world, double v)
+{
+    tp_tensor *t = NULL;
+    int64_t one = 1, zero = 0;
+    double out = v;
+    if (!world)
+        return v;
+    if (tp_tensor_zeros(TP_F64, TP_CPU, 1, &one, &t) == TP_OK && tp_tensor_fill(t, v) == TP_OK &&
+        tp_all_reduce(world, t, t, TP_SUM, NULL) == TP_OK)
+        tp_tensor_get(t, &zero, &out);
+    tp_tensor_release(t);
+    return out;
+}
+
+static cpu_mark cpu_now(tp_comm *world)
+{
+    cpu_mark m = {.wall = now_s()};
+    struct rusage ru;
+    double mine = 0;
+    if (getrusage(RUSAGE_SELF, &ru) == 0)
+        mine = (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
+               (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+    m.ours = sum_over(world, mine);
+    FILE *f = fopen("/proc/stat", "r");
+    unsigned long long v[8] = {0};
+    if (f && fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
+                    &v[4], &v[5], &v[6], &v[7]) == 8) {
+        double hz = (double)sysconf(_SC_CLK_TCK);
+        /* user nice system idle iowait irq softirq steal */
+        m.busy = (double)(v[0] + v[1] + v[2] + v[5] + v[6]) / hz;
+        m.steal = (double)v[7] / hz;
+    } else {
+        m.busy = m.steal = -1;
+    }
+    if (f)
+        fclose(f);
+    return m;
+}
+
+/* Cores other processes kept busy between a and b, and cores the hypervisor
+ * took (steal); -1 where /proc/stat is not readable. /proc/stat counts in
+ * clock ticks (10 ms), so for short intervals these are coarse. */
+static void cpu_between(cpu_mark a, cpu_mark b, double *other, double *steal)
+{
+    double dt = b.wall - a.wall;
+    if (a.busy < 0 || b.busy < 0 || dt <= 0) {
+        *other = *steal = -1;
+        return;
+    }
+    double o = (b.busy - a.busy - (b.ours - a.ours)) / dt;
+    *other = o > 0 ? o : 0;
+    *steal = (b.steal - a.steal) / dt;
+}
+
+/* The warnings: the ranks want `ranks` of the cores; anything else running
+ * takes from them. */
+static void warn_before(int64_t ranks)
+{
+    long cores = cores_online();
+    double l = load1();
+    if (l > (double)(cores - ranks))
+        printf("# WARNING: busy machine: load %.2f > %ld cores - %lld ranks; other work competes "
+               "with the ranks, so times move between runs: compare rows within one run, or wait "
+               "for a quiet machine\n", l, cores, (long long)ranks);
+}
+
+static void warn_after(int64_t ranks, cpu_mark start, cpu_mark end)
+{
+    long cores = cores_online();
+    double l = load1(), other, steal;
+    cpu_between(start, end, &other, &steal);
+    if (other >= 0)
+        printf("# during the run other processes kept %.2f cores busy on average and the "
+               "hypervisor took %.2f (/proc/stat minus this run's own CPU time)\n", other, steal);
+    /* the 1-minute load now includes this run's own ranks */
+    if (l - (double)ranks > (double)(cores - ranks) || other + steal > 0.25)
+        printf("# WARNING: the machine was busy during the run (load %.2f with %lld ranks of our "
+               "own on %ld cores; others %.2f cores): treat the figures as noisy\n", l,
+               (long long)ranks, cores, other + steal);
+}
+
+/* ---- command line ------------------------------------------------------- */
+
+enum { P_FWD, P_BWD, P_COUNT };
+static const char *pass_names[P_COUNT] = {"fwd", "fwd+bwd"};
+
+/* Untimed passes per run unless -w says otherwise. A Linear's first pass
+ * faults in its fresh activations and warms BLAS; the embeddings' backward
+ * runs several times slower for its first few passes (malloc's mmap threshold
+ * rises only as large blocks are freed, so until then every pass maps and
+ * faults in fresh pages): see bench/README.md. */
+static const int default_warmup[L_COUNT] = {2, 2, 2, 8, 8};
+
+#define MAX_LIST 8
+#define MAX_REPS 100
+
+typedef struct opts {
+    int backend, boot;
+    bool layers[L_COUNT], passes[P_COUNT];
+    int64_t tokens[MAX_LIST], hidden[MAX_LIST], ranks[MAX_LIST], vocab;
+    int nt, nh, nr;
+    int iters, warmup, reps; /* iters, warmup: -1 = default */
+    bool ranks_given, tokens_given, hidden_given, mlp_check, verbose;
+    const char *csv;
+} opts;
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+        "usage: tp-bench-layers [options]\n"
+        "       tp-bench-layers --mlp-check [-R N] [-n N] [-w N] [-t T] [-H H] [-v]\n"
+        "\n"
+        "Times tensor-parallel Linear and Embedding layers for every layer, pass, token\n"
+        "count, hidden size and rank count: -R runs of -w untimed and -n timed passes,\n"
+        "the rank counts taking turns run by run after one untimed run of the 1-rank\n"
+        "baseline. Rows show the median over runs and the min-max range. One BLAS thread\n"
+        "per rank.\n"
+        "\n"
+        "option          meaning                                               default\n"
+        "  -l LIST       layers: colwise (Linear H->4H), rowwise (4H->H),      all five\n"
+        "                mlp (colwise, GELU, rowwise), emb-col, emb-row\n"
+        "  -p LIST       passes: fwd, fwd+bwd                                  fwd,fwd+bwd\n"
+        "  -t LIST       tokens                                                512,2048\n"
+        "  -H LIST       hidden sizes H                                        256,512,1024\n"
+        "  -V N          embedding vocabulary                                  8192\n"
+        "  -g LIST       rank counts                                           1,2 (mpi: 1,N)\n"
+        "  -n N          timed passes per run; a run is their median           5 (--mlp-check 3)\n"
+        "  -w N          untimed passes before them                            Linear layers %d,\n"
+        "                                                                      embeddings %d\n"
+        "  -R N          runs per point (1-%d)                                 3\n"
+        "  --backend B   shm (ranks as threads), mpi (one rank per process    shm\n"
+        "                under mpirun), nccl (one GPU per rank)\n"
+        "  --bootstrap B nccl communicators over shm threads or the mpi world  mpi under mpirun,\n"
+        "                                                                      else shm\n"
+        "  --csv FILE    also write the rows as CSV (one header row)           none\n"
+        "  -v, --verbose print every pass of every run: time, page faults      off\n"
+        "  --mlp-check   the Megatron MLP block 2048 -> 8192 -> 2048 on 2048 tokens, fwd+bwd,\n"
+        "                f32: 1 rank against 2 (target: speedup >= 1.80) and 2 ranks against\n"
+        "                the unsharded block by hand with 2-thread OpenBLAS (target: within\n"
+        "                10%%); PASS or FAIL per target; -t and -H (first value) change the\n"
+        "                shape, for quick runs (the targets are set for the default one)\n"
+        "  -h, --help    this text\n"
+        "\n"
+        "LIST is comma-separated. Exit status: 0 done (all --mlp-check targets met); 1 an\n"
+        "--mlp-check target missed; 2 a libtp call failed; 64 bad command line.\n",
+        default_warmup[L_COLWISE], default_warmup[L_EMB_COL], MAX_REPS);
+}
+
+static bool parse_int(const char *s, long lo, long hi, int *out)
+{
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end || v < lo || v > hi)
+        return false;
+    *out = (int)v;
+    return true;
+}
+
+/* Positive integers separated by commas; -1 on anything else. */
 static int parse_list(const char *s, int64_t *v, int max)
 {
     int n = 0;
-    while (*s && n < max) {
-        v[n++] = strtoll(s, (char **)&s, 10);
-        if (*s == ',')
-            s++;
+    while (*s) {
+        char *end;
+        long long x = strtoll(s, &end, 10);
+        if (end == s || x < 1 || n == max || (*end && *end != ','))
+            return -1;
+        v[n++] = x;
+        s = *end ? end + 1 : end;
     }
     return n;
 }
 
-int main(int argc, char **argv)
+/* Names from `names` separated by commas into flags; false on an unknown one. */
+static bool parse_names(const char *s, const char *const *names, int count, bool *on)
 {
-    int64_t tokens[8] = {512, 2048}, hidden[8] = {256, 512, 1024}, ranks[8] = {1, 2};
-    int nt = 2, nh = 3, nr = 2, iters = 5, warmup = 1, backend = BK_SHM, boot = -1;
-    bool layers[L_COUNT] = {true, true, true, true, true}, mlp_check = false, ranks_given = false;
-    const char *csv = NULL;
+    for (int i = 0; i < count; i++)
+        on[i] = false;
+    while (*s) {
+        size_t len = strcspn(s, ",");
+        int i = 0;
+        while (i < count && (strlen(names[i]) != len || strncmp(s, names[i], len)))
+            i++;
+        if (i == count)
+            return false;
+        on[i] = true;
+        s += len;
+        if (*s)
+            s++;
+    }
+    return true;
+}
+
+static int parse_args(int argc, char **argv, opts *o)
+{
+    *o = (opts){.backend = BK_SHM, .boot = -1, .tokens = {512, 2048}, .hidden = {256, 512, 1024},
+                .ranks = {1, 2}, .vocab = 8192, .nt = 2, .nh = 3, .nr = 2, .iters = -1,
+                .warmup = -1, .reps = 3};
+    for (int l = 0; l < L_COUNT; l++)
+        o->layers[l] = true;
+    o->passes[P_FWD] = o->passes[P_BWD] = true;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--mlp-check")) {
-            mlp_check = true;
-        } else if (i + 1 < argc && !strcmp(argv[i], "-t")) {
-            nt = parse_list(argv[++i], tokens, 8);
-        } else if (i + 1 < argc && !strcmp(argv[i], "-H")) {
-            nh = parse_list(argv[++i], hidden, 8);
-        } else if (i + 1 < argc && !strcmp(argv[i], "-g")) {
-            nr = parse_list(argv[++i], ranks, 8);
-            ranks_given = true;
-        } else if (i + 1 < argc && !strcmp(argv[i], "-n")) {
-            iters = atoi(argv[++i]);
-        } else if (i + 1 < argc && !strcmp(argv[i], "-w")) {
-            warmup = atoi(argv[++i]);
-        } else if (i + 1 < argc && !strcmp(argv[i], "--csv")) {
-            csv = argv[++i];
-        } else if (i + 1 < argc && !strcmp(argv[i], "-l")) {
-            const char *s = argv[++i];
-            for (int l = 0; l < L_COUNT; l++)
-                layers[l] = strstr(s, layer_names[l]) != NULL;
-        } else if (i + 1 < argc && (!strcmp(argv[i], "--backend") || !strcmp(argv[i], "--bootstrap"))) {
-            bool is_boot = !strcmp(argv[i], "--bootstrap");
-            const char *name = argv[++i];
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        bool ok = true, takes = true;
+        int vocab = 0;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--mlp-check")) {
+            o->mlp_check = true, takes = false;
+        } else if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) {
+            o->verbose = true, takes = false;
+        } else if (!v) {
+            fprintf(stderr, "tp-bench-layers: %s: unknown option, or its value is missing\n", a);
+            usage(stderr);
+            return 64;
+        } else if (!strcmp(a, "-t")) {
+            ok = (o->nt = parse_list(v, o->tokens, MAX_LIST)) > 0, o->tokens_given = true;
+        } else if (!strcmp(a, "-H")) {
+            ok = (o->nh = parse_list(v, o->hidden, MAX_LIST)) > 0, o->hidden_given = true;
+        } else if (!strcmp(a, "-g")) {
+            ok = (o->nr = parse_list(v, o->ranks, MAX_LIST)) > 0, o->ranks_given = true;
+        } else if (!strcmp(a, "-n")) {
+            ok = parse_int(v, 1, 1000000, &o->iters);
+        } else if (!strcmp(a, "-w")) {
+            ok = parse_int(v, 0, 1000000, &o->warmup);
+        } else if (!strcmp(a, "-R")) {
+            ok = parse_int(v, 1, MAX_REPS, &o->reps);
+        } else if (!strcmp(a, "-V")) {
+            ok = parse_int(v, 1, 1 << 30, &vocab);
+            o->vocab = vocab;
+        } else if (!strcmp(a, "--csv")) {
+            o->csv = v;
+        } else if (!strcmp(a, "-l")) {
+            ok = parse_names(v, layer_names, L_COUNT, o->layers);
+        } else if (!strcmp(a, "-p")) {
+            ok = parse_names(v, pass_names, P_COUNT, o->passes);
+        } else if (!strcmp(a, "--backend") || !strcmp(a, "--bootstrap")) {
+            bool is_boot = !strcmp(a, "--bootstrap");
             int b = 0;
-            while (b < BK_COUNT && strcmp(name, backend_names[b]))
+            while (b < BK_COUNT && strcmp(v, backend_names[b]))
                 b++;
             if (b == BK_COUNT || (is_boot && b == BK_NCCL)) {
-                fprintf(stderr, "tp-bench-layers: unknown %s '%s' (%s)\n", argv[i - 1], name,
+                fprintf(stderr, "tp-bench-layers: unknown %s '%s' (%s)\n", a, v,
                         is_boot ? "shm|mpi" : "shm|mpi|nccl");
                 return 64;
             }
             if (is_boot)
-                boot = b;
+                o->boot = b;
             else
-                backend = b;
+                o->backend = b;
         } else {
-            fprintf(stderr, "usage: tp-bench-layers [--backend shm|mpi|nccl] [--bootstrap shm|mpi] "
-                            "[-l LAYERS] [-t T,..] [-H H,..] [-g RANKS,..] [-n ITERS] [-w WARMUP] [--csv FILE]\n"
-                            "       tp-bench-layers --mlp-check\n");
+            fprintf(stderr, "tp-bench-layers: %s: unknown option\n", a);
+            usage(stderr);
             return 64;
         }
-    }
-    if (iters < 1 || warmup < 1 || nr < 1 || nt < 1 || nh < 1) {
-        fprintf(stderr, "tp-bench-layers: -n, -w, -g, -t, -H need at least one positive value\n");
-        return 64;
-    }
-    for (int ri = 0; ri < nr; ri++)
-        if (ranks[ri] < 1) {
-            fprintf(stderr, "tp-bench-layers: -g: rank counts must be >= 1\n");
+        if (!ok) {
+            fprintf(stderr, "tp-bench-layers: %s '%s': %s\n", a, v,
+                    !strcmp(a, "-l")   ? "layers are colwise, rowwise, mlp, emb-col, emb-row"
+                    : !strcmp(a, "-p") ? "passes are fwd, fwd+bwd"
+                    : !strcmp(a, "-R") ? "runs per point are 1 to 100"
+                    : !strcmp(a, "-w") ? "needs a count >= 0"
+                                       : "needs positive integers (at most 8, comma-separated)");
             return 64;
         }
-    if (boot >= 0 && backend != BK_NCCL) {
+        i += takes;
+    }
+    if (o->boot >= 0 && o->backend != BK_NCCL) {
         fprintf(stderr, "tp-bench-layers: --bootstrap goes with --backend nccl\n");
         return 64;
     }
-    if (mlp_check && backend != BK_SHM) {
+    if (o->mlp_check && o->backend != BK_SHM) {
         fprintf(stderr, "tp-bench-layers: --mlp-check runs its ranks as threads (--backend shm)\n");
         return 64;
     }
-    openblas_set_num_threads(1);
-    if (mlp_check) {
-        /* 2048 -> 8192 -> 2048, 2048 tokens, forward + backward */
-        point p1 = {.layer = L_MLP, .tokens = 2048, .hidden = 2048, .backward = true, .iters = 3, .warmup = 1};
-        point p2 = p1;
-        tp_status st = tp_run_local(1, body, &p1);
-        if (st == TP_OK)
-            st = tp_run_local(2, body, &p2);
-        if (st != TP_OK) {
-            fprintf(stderr, "tp-bench-layers: %s\n", tp_last_error());
-            return 2;
-        }
-        /* the unsharded block by hand, 2 BLAS threads */
-        openblas_set_num_threads(2);
-        int64_t T = 2048, H = 2048, F = 8192;
-        float *x = calloc((size_t)(T * H), 4), *w1 = calloc((size_t)(F * H), 4),
-              *w2 = calloc((size_t)(H * F), 4), *h = calloc((size_t)(T * F), 4),
-              *y = calloc((size_t)(T * H), 4), *gh = calloc((size_t)(T * F), 4),
-              *gw1 = calloc((size_t)(F * H), 4), *gw2 = calloc((size_t)(H * F), 4),
-              *gx = calloc((size_t)(T * H), 4);
-        double best = 1e30;
-        for (int it = 0; it < 4; it++) {
-            double t0 = now_s();
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)F, (int)H, 1, x, (int)H, w1, (int)H, 0, h, (int)F);
-            for (int64_t i = 0; i < T * F; i++) /* gelu stand-in: same memory traffic */
-                h[i] = h[i] > 0 ? h[i] : 0.01f * h[i];
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)H, (int)F, 1, h, (int)F, w2, (int)F, 0, y, (int)H);
-            /* backward with gy = ones: gw2 = gy^T h, gh = gy w2, gw1 = gh^T x, gx = gh w1 */
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)H, (int)F, (int)T, 1, y, (int)H, h, (int)F, 0, gw2, (int)F);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)T, (int)F, (int)H, 1, y, (int)H, w2, (int)F, 0, gh, (int)F);
-            for (int64_t i = 0; i < T * F; i++)
-                gh[i] *= h[i] > 0 ? 1.0f : 0.01f;
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)F, (int)H, (int)T, 1, gh, (int)F, x, (int)H, 0, gw1, (int)H);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)T, (int)H, (int)F, 1, gh, (int)F, w1, (int)H, 0, gx, (int)H);
-            double dt = now_s() - t0;
-            best = dt < best ? dt : best;
-        }
-        printf("# MLP block Linear(2048->8192) colwise -> GELU -> Linear(8192->2048) rowwise, 2048 tokens, fwd+bwd\n");
-        printf("1 rank, 1 BLAS thread:        %8.1f ms\n", p1.t_med * 1e3);
-        printf("2 ranks, 1 BLAS thread each:  %8.1f ms  speedup %.2fx (target >= 1.8x)\n",
-               p2.t_med * 1e3, p1.t_med / p2.t_med);
-        printf("unsharded by hand, 2 threads: %8.1f ms  libtp/hand %.3f (target <= 1.10)\n",
-               best * 1e3, p2.t_med / best);
-        free(x), free(w1), free(w2), free(h), free(y), free(gh), free(gw1), free(gw2), free(gx);
-        return 0;
+    return -1;
+}
+
+/* ---- --mlp-check ---------------------------------------------------------- */
+
+/* The unsharded block by hand: x[T,H] -> h = x w1^T [T,F] -> act -> y = h w2^T
+ * [T,H], then the backward with gy = y: gw2 = gy^T h, gh = gy w2, act', gw1 =
+ * gh^T x. The same five GEMMs as libtp's pass (the input needs no gradient,
+ * so neither computes gx); a leaky ReLU stands in for GELU (the same memory
+ * traffic, less arithmetic: it favours the hand-written side). No biases. */
+typedef struct hand_block {
+    int T, H, F;
+    float *x, *w1, *w2, *h, *y, *gh, *gw1, *gw2;
+} hand_block;
+
+static void hand_free(hand_block *b)
+{
+    free(b->x), free(b->w1), free(b->w2), free(b->h), free(b->y), free(b->gh), free(b->gw1), free(b->gw2);
+}
+
+static bool hand_init(hand_block *b, int64_t T, int64_t H, int64_t F)
+{
+    *b = (hand_block){.T = (int)T, .H = (int)H, .F = (int)F};
+    size_t th = (size_t)(T * H), fh = (size_t)(F * H), tf = (size_t)(T * F);
+    b->x = malloc(th * 4), b->w1 = malloc(fh * 4), b->w2 = malloc(fh * 4), b->h = malloc(tf * 4);
+    b->y = malloc(th * 4), b->gh = malloc(tf * 4), b->gw1 = malloc(fh * 4), b->gw2 = malloc(fh * 4);
+    if (!b->x || !b->w1 || !b->w2 || !b->h || !b->y || !b->gh || !b->gw1 || !b->gw2) {
+        hand_free(b);
+        return false;
     }
-    if (backend == BK_NCCL) {
+    /* small values, every page touched once here */
+    uint32_t s = 7;
+    float *fill[] = {b->x, b->w1, b->w2};
+    size_t n[] = {th, fh, fh};
+    for (int k = 0; k < 3; k++)
+        for (size_t i = 0; i < n[k]; i++) {
+            s = s * 1664525u + 1013904223u;
+            fill[k][i] = ((float)(s >> 8) / 16777216.0f - 0.5f) * 0.05f;
+        }
+    memset(b->h, 0, tf * 4), memset(b->gh, 0, tf * 4), memset(b->y, 0, th * 4);
+    memset(b->gw1, 0, fh * 4), memset(b->gw2, 0, fh * 4);
+    return true;
+}
+
+static double hand_pass(hand_block *b)
+{
+    int T = b->T, H = b->H, F = b->F;
+    size_t tf = (size_t)T * (size_t)F;
+    double t0 = now_s();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, F, H, 1, b->x, H, b->w1, H, 0, b->h, F);
+    for (size_t i = 0; i < tf; i++)
+        b->h[i] = b->h[i] > 0 ? b->h[i] : 0.01f * b->h[i];
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, H, F, 1, b->h, F, b->w2, F, 0, b->y, H);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, F, T, 1, b->y, H, b->h, F, 0, b->gw2, F);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, F, H, 1, b->y, H, b->w2, F, 0, b->gh, F);
+    for (size_t i = 0; i < tf; i++)
+        b->gh[i] *= b->h[i] > 0 ? 1.0f : 0.01f;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, F, H, T, 1, b->gh, F, b->x, H, 0, b->gw1, H);
+    return now_s() - t0;
+}
+
+/* One run of the hand block: `warm` untimed passes, then the median of
+ * `iters`, with 2 BLAS threads. */
+static double hand_run(hand_block *b, int warm, int iters, bool verbose)
+{
+    double *t = calloc((size_t)iters + 1, sizeof *t);
+    if (!t)
+        return 0;
+    openblas_set_num_threads(2);
+    for (int i = 0; i < warm; i++) {
+        double dt = hand_pass(b);
+        if (verbose)
+            printf("#   by hand warm-up pass %d: %.3f ms\n", i + 1, dt * 1e3);
+    }
+    for (int i = 0; i < iters; i++) {
+        t[i] = hand_pass(b);
+        if (verbose)
+            printf("#   by hand timed pass %d: %.3f ms\n", i + 1, t[i] * 1e3);
+    }
+    openblas_set_num_threads(1);
+    double m = median(t, iters);
+    free(t);
+    return m;
+}
+
+static void min_max(const double *v, int n, double *lo, double *hi)
+{
+    *lo = *hi = n ? v[0] : 0;
+    for (int i = 1; i < n; i++) {
+        *lo = v[i] < *lo ? v[i] : *lo;
+        *hi = v[i] > *hi ? v[i] : *hi;
+    }
+}
+
+static int mlp_check(const opts *o)
+{
+    int64_t T = o->tokens_given ? o->tokens[0] : 2048, H = o->hidden_given ? o->hidden[0] : 2048;
+    int iters = o->iters > 0 ? o->iters : 3, R = o->reps;
+    int warm = o->warmup >= 0 ? o->warmup : default_warmup[L_MLP];
+    const double target_speedup = 1.8, target_hand = 1.10;
+    if (H % 2 || T > (1 << 20) || H > (1 << 16)) {
+        fprintf(stderr, "tp-bench-layers: --mlp-check needs an even -H up to 65536 and -t up to 2^20\n");
+        return 64;
+    }
+    hand_block hb;
+    if (!hand_init(&hb, T, H, 4 * H)) {
+        fprintf(stderr, "tp-bench-layers: --mlp-check: out of memory for the hand-written block\n");
+        return 2;
+    }
+    char machine[192];
+    machine_name(machine, sizeof machine);
+    printf("# MLP block Linear(%lld->%lld) colwise -> GELU(tanh) -> Linear(%lld->%lld) rowwise, %lld "
+           "tokens, fwd+bwd, f32; %s\n", (long long)H, (long long)(4 * H), (long long)(4 * H),
+           (long long)H, (long long)T, machine);
+    printf("# %d runs of each configuration, taking turns (1 rank, 2 ranks, by hand) after a warm-up "
+           "run of the 1-rank baseline and of the hand block; a run = median of %d timed passes "
+           "after %d untimed\n", R, iters, warm);
+    if (T != 2048 || H != 2048)
+        printf("# NOTE: not the default shape (2048 tokens, H 2048): the targets were set for that one\n");
+    print_load("before");
+    warn_before(2);
+    fflush(stdout);
+    cpu_mark c0 = cpu_now(NULL);
+    openblas_set_num_threads(1);
+    point p1 = {.layer = L_MLP, .tokens = T, .hidden = H, .backward = true, .iters = 0,
+                .warmup = warm, .verbose = o->verbose};
+    tp_status st = tp_run_local(1, body, &p1); /* warm the baseline */
+    if (st == TP_OK)
+        hand_run(&hb, warm, 0, o->verbose);
+    double t1[MAX_REPS], t2[MAX_REPS], th[MAX_REPS], sp[MAX_REPS], rh[MAX_REPS], f1[MAX_REPS], f2[MAX_REPS];
+    for (int r = 0; r < R && st == TP_OK; r++) {
+        point a = p1, b = p1;
+        a.iters = b.iters = iters;
+        st = tp_run_local(1, body, &a);
+        if (st == TP_OK)
+            st = tp_run_local(2, body, &b);
+        if (st != TP_OK)
+            break;
+        th[r] = hand_run(&hb, warm, iters, o->verbose);
+        if (th[r] <= 0) {
+            st = TP_ERR_NO_MEMORY;
+            break;
+        }
+        t1[r] = a.t_med, t2[r] = b.t_med, f1[r] = a.faults, f2[r] = b.faults;
+        sp[r] = t1[r] / t2[r], rh[r] = t2[r] / th[r];
+        printf("# turn %d: 1 rank %.1f ms, 2 ranks %.1f ms, by hand %.1f ms: speedup %.3f, libtp/hand %.3f\n",
+               r + 1, t1[r] * 1e3, t2[r] * 1e3, th[r] * 1e3, sp[r], rh[r]);
+        fflush(stdout);
+    }
+    hand_free(&hb);
+    if (st != TP_OK) {
+        fprintf(stderr, "tp-bench-layers: --mlp-check: %s (%s)\n", tp_status_name(st), tp_last_error());
+        return 2;
+    }
+    cpu_mark c1 = cpu_now(NULL);
+    double lo, hi, m;
+    struct {
+        const char *what;
+        double *v;
+        double *faults;
+    } rows[] = {{"1 rank, 1 BLAS thread:", t1, f1}, {"2 ranks, 1 BLAS thread each:", t2, f2},
+                {"unsharded by hand, 2 threads:", th, NULL}};
+    for (int i = 0; i < 3; i++) {
+        min_max(rows[i].v, R, &lo, &hi);
+        double tmp[MAX_REPS];
+        memcpy(tmp, rows[i].v, sizeof(double) * (size_t)R);
+        m = median(tmp, R);
+        printf("%-30s %9.1f ms  [%.1f .. %.1f]", rows[i].what, m * 1e3, lo * 1e3, hi * 1e3);
+        if (rows[i].faults) {
+            memcpy(tmp, rows[i].faults, sizeof(double) * (size_t)R);
+            printf("  %.0f page faults per pass on rank 0", median(tmp, R));
+        }
+        printf("\n");
+    }
+    int fails = 0;
+    min_max(sp, R, &lo, &hi);
+    m = median(sp, R);
+    bool ok = m >= target_speedup;
+    fails += !ok;
+    printf("%s  speedup, 2 ranks over 1: %.2fx (median of %d turns, range %.2f .. %.2f); target >= %.2fx\n",
+           ok ? "PASS" : "FAIL", m, R, lo, hi, target_speedup);
+    min_max(rh, R, &lo, &hi);
+    m = median(rh, R);
+    ok = m <= target_hand;
+    fails += !ok;
+    printf("%s  2 ranks against the unsharded block by hand (2 BLAS threads): libtp/hand %.3f (median "
+           "of %d turns, range %.3f .. %.3f); target <= %.2f (within %.0f%%)\n",
+           ok ? "PASS" : "FAIL", m, R, lo, hi, target_hand, (target_hand - 1) * 100);
+    print_load("after");
+    warn_after(2, c0, c1);
+    return fails ? 1 : 0;
+}
+
+/* ---- the sweep ------------------------------------------------------------ */
+
+static tp_status run_on(const opts *o, proc_world *pw, tp_rank_fn fn, int ri, point *p)
+{
+    return o->boot == BK_MPI ? proc_point(pw, ri, p) : tp_run_local((int)o->ranks[ri], fn, p);
+}
+
+int main(int argc, char **argv)
+{
+    opts o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc >= 0)
+        return rc;
+    rc = 0;
+    openblas_set_num_threads(1);
+    if (o.mlp_check)
+        return mlp_check(&o);
+    if (o.backend == BK_NCCL) {
 #if !TP_HAVE_NCCL
         fprintf(stderr, "tp-bench-layers: libtp built without NCCL support\n");
         return 2;
@@ -558,22 +1043,22 @@ int main(int argc, char **argv)
         }
 #endif
     }
-    if (boot < 0)
-        boot = backend == BK_MPI || (backend == BK_NCCL && under_mpirun()) ? BK_MPI : BK_SHM;
-    if (backend == BK_MPI)
-        boot = BK_MPI;
-    if (backend == BK_NCCL && boot == BK_SHM) {
+    if (o.boot < 0)
+        o.boot = o.backend == BK_MPI || (o.backend == BK_NCCL && under_mpirun()) ? BK_MPI : BK_SHM;
+    if (o.backend == BK_MPI)
+        o.boot = BK_MPI;
+    if (o.backend == BK_NCCL && o.boot == BK_SHM) {
         /* rank threads take GPUs 0..r-1; NCCL refuses two ranks on one GPU */
         int k = 0, ndev = tp_cuda_device_count();
-        for (int ri = 0; ri < nr; ri++) {
-            if (ranks[ri] <= ndev)
-                ranks[k++] = ranks[ri];
+        for (int ri = 0; ri < o.nr; ri++) {
+            if (o.ranks[ri] <= ndev)
+                o.ranks[k++] = o.ranks[ri];
             else
-                fprintf(stderr, "tp-bench-layers: -g %lld skipped: %d GPU%s\n", (long long)ranks[ri],
+                fprintf(stderr, "tp-bench-layers: -g %lld skipped: %d GPU%s\n", (long long)o.ranks[ri],
                         ndev, ndev == 1 ? "" : "s");
         }
-        nr = k;
-        if (nr == 0)
+        o.nr = k;
+        if (o.nr == 0)
             return 2;
     }
 
@@ -581,7 +1066,7 @@ int main(int argc, char **argv)
     proc_world pw = {0};
     bool printer = true;
     int nproc = 0;
-    if (boot == BK_MPI) {
+    if (o.boot == BK_MPI) {
         if (!tp_backend_find("mpi")) {
             fprintf(stderr, "tp-bench-layers: libtp built without MPI support\n");
             return 2;
@@ -594,111 +1079,218 @@ int main(int argc, char **argv)
         }
         nproc = tp_comm_size(pw.world);
         printer = tp_comm_rank(pw.world) == 0;
-        if (!ranks_given) {
-            nr = nproc > 1 ? 2 : 1;
-            ranks[0] = 1;
-            ranks[1] = nproc;
+        if (!o.ranks_given) {
+            o.nr = nproc > 1 ? 2 : 1;
+            o.ranks[0] = 1;
+            o.ranks[1] = nproc;
         }
         int k = 0;
-        for (int ri = 0; ri < nr; ri++) {
-            if (ranks[ri] <= nproc)
-                ranks[k++] = ranks[ri];
+        for (int ri = 0; ri < o.nr; ri++) {
+            if (o.ranks[ri] <= nproc)
+                o.ranks[k++] = o.ranks[ri];
             else if (printer)
                 fprintf(stderr, "tp-bench-layers: -g %lld skipped: the MPI world has %d processes\n",
-                        (long long)ranks[ri], nproc);
+                        (long long)o.ranks[ri], nproc);
         }
-        nr = k;
-        st = proc_setup(&pw, ranks, nr, backend == BK_NCCL);
-        if (st != TP_OK || nr == 0) {
+        o.nr = k;
+        st = proc_setup(&pw, o.ranks, o.nr, o.backend == BK_NCCL);
+        if (st != TP_OK || o.nr == 0) {
             proc_free(&pw);
             return 2;
         }
     }
 
-    FILE *fcsv = csv && printer ? fopen(csv, "w") : NULL;
-    if (csv && printer && !fcsv)
-        perror(csv);
-    if (boot == BK_MPI && agree(pw.world, csv && printer && !fcsv ? TP_ERR_INVALID_ARG : TP_OK) != TP_OK) {
+    FILE *fcsv = o.csv && printer ? fopen(o.csv, "w") : NULL;
+    if (o.csv && printer && !fcsv)
+        perror(o.csv);
+    if (o.boot == BK_MPI && agree(pw.world, o.csv && printer && !fcsv ? TP_ERR_INVALID_ARG : TP_OK) != TP_OK) {
         proc_free(&pw);
         return 2;
     }
-    if (csv && printer && !fcsv)
+    if (o.csv && printer && !fcsv)
         return 2;
+
+    int64_t maxr = 1;
+    for (int ri = 0; ri < o.nr; ri++)
+        maxr = o.ranks[ri] > maxr ? o.ranks[ri] : maxr;
+    char machine[192], warm_desc[64];
+    machine_name(machine, sizeof machine);
+    if (o.warmup >= 0)
+        snprintf(warm_desc, sizeof warm_desc, "%d", o.warmup);
+    else
+        snprintf(warm_desc, sizeof warm_desc, "%d (Linear layers) or %d (embeddings)",
+                 default_warmup[L_COLWISE], default_warmup[L_EMB_COL]);
+    int iters = o.iters > 0 ? o.iters : 5;
     if (fcsv)
         fprintf(fcsv, "layer,pass,tokens,hidden,ranks,time_ms,gflops,tokens_per_s,coll_share,speedup,"
-                      "backend\n");
+                      "backend,time_min_ms,time_max_ms,gflops_min,gflops_max,speedup_min,speedup_max,"
+                      "runs,iters,warmup,blas_threads,vocab,faults_per_pass,other_cores,steal_cores,"
+                      "load_before,machine\n");
+    double load_before = load1();
     if (printer) {
-        if (backend == BK_SHM)
-            printf("# tp-bench-layers: ranks as threads, 1 BLAS thread each; median of %d after %d warm-up\n", iters, warmup);
-        else if (backend == BK_MPI)
+        if (o.backend == BK_SHM)
+            printf("# tp-bench-layers: backend shm, ranks as threads, 1 BLAS thread each; %s\n", machine);
+        else if (o.backend == BK_MPI)
             printf("# tp-bench-layers: backend mpi, ranks as processes of a %d-process MPI world (fewer "
-                   "ranks run on the first processes, the rest wait asleep), 1 BLAS thread each; "
-                   "median of %d after %d warm-up\n", nproc, iters, warmup);
+                   "ranks run on the first processes, the rest wait asleep), 1 BLAS thread each; %s\n",
+                   nproc, machine);
         else
-            printf("# tp-bench-layers: backend nccl over %s, one GPU per rank (rank %% %d GPUs); "
-                   "median of %d after %d warm-up\n", backend_names[boot], tp_cuda_device_count(), iters,
-                   warmup);
-        printf("%-8s %-8s %6s %6s %5s %10s %8s %12s %6s %7s\n", "layer", "pass", "tokens", "hidden",
-               "ranks", "time(ms)", "GFLOP/s", "tokens/s", "coll%", "speedup");
+            printf("# tp-bench-layers: backend nccl over %s, one GPU per rank (rank %% %d GPUs); %s\n",
+                   backend_names[o.boot], tp_cuda_device_count(), machine);
+        printf("# per point: %d runs, the rank counts taking turns after an untimed run of the 1-rank "
+               "baseline; a run = median of %d timed passes after %s untimed; rows: median over runs "
+               "[min .. max]; speedup = median of the ratios inside each turn\n", o.reps, iters, warm_desc);
+        printf("# faults: rank 0's minor page faults per pass; other: cores that other processes (and "
+               "the hypervisor) took during the point\n");
+        print_load("before");
+        warn_before(maxr);
+        printf("%-8s %-8s %6s %6s %5s %10s %21s %8s %7s %14s %6s %7s %5s\n", "layer", "pass", "tokens",
+               "hidden", "ranks", "time(ms)", "[min .. max]", "GFLOP/s", "speedup", "[min .. max]",
+               "coll%", "faults", "other");
         fflush(stdout);
     }
     tp_rank_fn fn = body;
 #if TP_HAVE_NCCL
-    if (backend == BK_NCCL)
+    if (o.backend == BK_NCCL)
         fn = body_nccl;
 #endif
-    int rc = 0;
+    int R = o.reps;
+    cpu_mark sweep0 = cpu_now(pw.world);
     for (int l = 0; l < L_COUNT; l++) {
-        if (!layers[l])
+        if (!o.layers[l])
             continue;
-        for (int bw = 0; bw < 2; bw++)
-            for (int ti = 0; ti < nt; ti++)
-                for (int hi = 0; hi < nh; hi++) {
-                    double t1 = 0;
-                    for (int ri = 0; ri < nr; ri++) {
-                        point p = {.layer = l, .tokens = tokens[ti], .hidden = hidden[hi],
-                                   .vocab = 8192, .backward = bw, .iters = iters, .warmup = warmup,
-                                   .cuda = backend == BK_NCCL};
-                        bool emb = l == L_EMB_COL || l == L_EMB_ROW;
-                        if (4 * p.hidden % ranks[ri] || (emb && p.vocab % ranks[ri]) ||
-                            p.hidden % ranks[ri])
+        bool emb = l == L_EMB_COL || l == L_EMB_ROW;
+        for (int bw = 0; bw < P_COUNT; bw++) {
+            if (!o.passes[bw])
+                continue;
+            for (int ti = 0; ti < o.nt; ti++)
+                for (int hi = 0; hi < o.nh; hi++) {
+                    point p0 = {.layer = l, .tokens = o.tokens[ti], .hidden = o.hidden[hi],
+                                .vocab = o.vocab, .backward = bw, .iters = iters,
+                                .warmup = o.warmup >= 0 ? o.warmup : default_warmup[l],
+                                .cuda = o.backend == BK_NCCL, .verbose = o.verbose && printer};
+                    int idx[MAX_LIST], k = 0, base = -1;
+                    for (int ri = 0; ri < o.nr; ri++) {
+                        int64_t W = o.ranks[ri];
+                        if (4 * p0.hidden % W || p0.hidden % W || (emb && p0.vocab % W))
                             continue;
-                        tp_status st = boot == BK_MPI ? proc_point(&pw, ri, &p)
-                                                      : tp_run_local((int)ranks[ri], fn, &p);
-                        if (st != TP_OK) {
-                            if (boot != BK_MPI)
-                                fprintf(stderr, "tp-bench-layers: %s\n", tp_last_error());
-                            else if (printer)
-                                fprintf(stderr, "tp-bench-layers: %s %s T=%lld H=%lld on %lld ranks "
-                                                "failed: %s\n", layer_names[l], bw ? "fwd+bwd" : "fwd",
-                                        (long long)p.tokens, (long long)p.hidden,
-                                        (long long)ranks[ri], tp_status_name(st));
-                            rc = 2;
-                            continue;
+                        if (W == 1)
+                            base = k;
+                        idx[k++] = ri;
+                    }
+                    if (!k)
+                        continue;
+                    double t[MAX_LIST][MAX_REPS], share[MAX_LIST][MAX_REPS], flt[MAX_LIST][MAX_REPS];
+                    bool failed[MAX_LIST] = {0};
+                    cpu_mark c0 = cpu_now(pw.world);
+                    if (base >= 0 && k > 1) { /* warm the baseline */
+                        point pw0 = p0;
+                        pw0.iters = 0;
+                        if (pw0.verbose)
+                            printf("# %s %s T=%lld H=%lld: warm-up run of the 1-rank baseline\n",
+                                   layer_names[l], pass_names[bw], (long long)p0.tokens,
+                                   (long long)p0.hidden);
+                        failed[base] = run_on(&o, &pw, fn, idx[base], &pw0) != TP_OK;
+                    }
+                    for (int r = 0; r < R; r++)
+                        for (int j = 0; j < k; j++) {
+                            if (failed[j])
+                                continue;
+                            point p = p0;
+                            if (p.verbose)
+                                printf("# %s %s T=%lld H=%lld ranks %lld, run %d\n", layer_names[l],
+                                       pass_names[bw], (long long)p.tokens, (long long)p.hidden,
+                                       (long long)o.ranks[idx[j]], r + 1);
+                            tp_status st = run_on(&o, &pw, fn, idx[j], &p);
+                            if (st != TP_OK) {
+                                failed[j] = true;
+                                if (o.boot != BK_MPI)
+                                    fprintf(stderr, "tp-bench-layers: %s\n", tp_last_error());
+                                else if (printer)
+                                    fprintf(stderr, "tp-bench-layers: %s %s T=%lld H=%lld on %lld ranks "
+                                                    "failed: %s\n", layer_names[l], pass_names[bw],
+                                            (long long)p.tokens, (long long)p.hidden,
+                                            (long long)o.ranks[idx[j]], tp_status_name(st));
+                                rc = 2;
+                                continue;
+                            }
+                            t[j][r] = p.t_med;
+                            share[j][r] = p.t_coll / p.t_med;
+                            flt[j][r] = p.faults;
                         }
-                        if (!printer)
+                    cpu_mark c1 = cpu_now(pw.world);
+                    if (!printer)
+                        continue;
+                    double other, steal;
+                    cpu_between(c0, c1, &other, &steal);
+                    for (int j = 0; j < k; j++) {
+                        if (failed[j])
                             continue;
-                        if (ranks[ri] == 1)
-                            t1 = p.t_med;
-                        double gf = flops(&p) / p.t_med / 1e9;
-                        double share = p.t_coll / p.t_med;
-                        double sp = t1 > 0 ? t1 / p.t_med : 0;
-                        printf("%-8s %-8s %6lld %6lld %5lld %10.3f %8.1f %12.0f %5.1f%% %7.2f\n",
-                               layer_names[l], bw ? "fwd+bwd" : "fwd", (long long)p.tokens,
-                               (long long)p.hidden, (long long)ranks[ri], p.t_med * 1e3, gf,
-                               (double)p.tokens / p.t_med, 100 * share, sp);
+                        int64_t W = o.ranks[idx[j]];
+                        double v[MAX_REPS], tmin, tmax, smin = 0, smax = 0, sp = 0;
+                        min_max(t[j], R, &tmin, &tmax);
+                        memcpy(v, t[j], sizeof(double) * (size_t)R);
+                        double tmed = median(v, R);
+                        bool has_sp = base >= 0 && !failed[base];
+                        if (has_sp) {
+                            for (int r = 0; r < R; r++)
+                                v[r] = t[base][r] / t[j][r];
+                            min_max(v, R, &smin, &smax);
+                            sp = median(v, R);
+                        }
+                        memcpy(v, share[j], sizeof(double) * (size_t)R);
+                        double sh = median(v, R);
+                        memcpy(v, flt[j], sizeof(double) * (size_t)R);
+                        double fl = median(v, R);
+                        double fp = flops(&p0);
+                        char gf[16] = "-", spb[16] = "-", spr[32] = "", oth[16] = "?";
+                        if (fp > 0)
+                            snprintf(gf, sizeof gf, "%.1f", fp / tmed / 1e9);
+                        if (has_sp) {
+                            snprintf(spb, sizeof spb, "%.2f", sp);
+                            snprintf(spr, sizeof spr, "[%.2f .. %.2f]", smin, smax);
+                        }
+                        if (other >= 0)
+                            snprintf(oth, sizeof oth, "%.2f", other + steal);
+                        printf("%-8s %-8s %6lld %6lld %5lld %10.3f [%8.3f .. %8.3f] %8s %7s %14s %5.1f%% "
+                               "%7.0f %5s\n", layer_names[l], pass_names[bw], (long long)p0.tokens,
+                               (long long)p0.hidden, (long long)W, tmed * 1e3, tmin * 1e3, tmax * 1e3, gf,
+                               spb, spr, 100 * sh, fl, oth);
                         fflush(stdout);
-                        if (fcsv)
-                            fprintf(fcsv, "%s,%s,%lld,%lld,%lld,%.4f,%.2f,%.0f,%.4f,%.3f,%s\n",
-                                    layer_names[l], bw ? "fwd+bwd" : "fwd", (long long)p.tokens,
-                                    (long long)p.hidden, (long long)ranks[ri], p.t_med * 1e3, gf,
-                                    (double)p.tokens / p.t_med, share, sp, backend_names[backend]);
+                        if (fcsv) {
+                            fprintf(fcsv, "%s,%s,%lld,%lld,%lld,%.4f,%.2f,%.0f,%.4f,", layer_names[l],
+                                    pass_names[bw], (long long)p0.tokens, (long long)p0.hidden,
+                                    (long long)W, tmed * 1e3, fp / tmed / 1e9,
+                                    (double)p0.tokens / tmed, sh);
+                            if (has_sp)
+                                fprintf(fcsv, "%.3f", sp);
+                            fprintf(fcsv, ",%s,%.4f,%.4f,%.2f,%.2f,", backend_names[o.backend],
+                                    tmin * 1e3, tmax * 1e3, fp / tmax / 1e9, fp / tmin / 1e9);
+                            if (has_sp)
+                                fprintf(fcsv, "%.3f,%.3f", smin, smax);
+                            else
+                                fprintf(fcsv, ",");
+                            fprintf(fcsv, ",%d,%d,%d,1,%lld,%.0f,", R, p0.iters, p0.warmup,
+                                    (long long)p0.vocab, fl);
+                            if (other >= 0)
+                                fprintf(fcsv, "%.3f,%.3f", other, steal);
+                            else
+                                fprintf(fcsv, ",");
+                            fprintf(fcsv, ",%.2f,%s\n", load_before, machine);
+                            fflush(fcsv);
+                        }
                     }
                 }
+        }
+    }
+    cpu_mark sweep1 = cpu_now(pw.world);
+    if (printer) {
+        print_load("after");
+        warn_after(maxr, sweep0, sweep1);
     }
     if (fcsv)
         fclose(fcsv);
-    if (boot == BK_MPI)
+    if (o.boot == BK_MPI)
         proc_free(&pw);
     return rc;
 }
