@@ -190,7 +190,7 @@ struct bench_run;
 /*
  * How the ranks of a backend come to exist. Adding a backend is one entry:
  *  - "mpi": one process per rank started by mpirun; the world communicator
- *    comes from tp_comm_init("mpi", NULL, &world) (launch_world below).
+ *    comes from tp_comm_create_world("mpi", NULL, &world) (launch_world below).
  *  - "nccl": one GPU per rank, buffers on the device (launch_nccl). Under
  *    mpirun (one process per rank) the NCCL communicator is bootstrapped over
  *    the MPI world and each process takes GPU (local rank % GPUs); in a
@@ -214,7 +214,7 @@ static tp_status launch_nccl(struct bench_run *run);
 
 static const bench_backend backends[] = {
     {"shm", "ranks are threads of this process (tp_run_local), -g of them", true, launch_threads},
-    {"mpi", "one process per rank under mpirun (tp_comm_init(\"mpi\")); -g is ignored", false,
+    {"mpi", "one process per rank under mpirun (tp_comm_create_world(\"mpi\")); -g is ignored", false,
      launch_world},
     {"nccl", "one GPU per rank: -g threads of this process on GPUs 0..g-1, or under mpirun\n"
              "         one process per rank on GPU (local rank % GPUs), -g ignored",
@@ -1716,7 +1716,7 @@ static tp_status launch_threads(bench_run *run)
 static tp_status launch_world(bench_run *run)
 {
     tp_comm *world = NULL;
-    tp_status st = tp_comm_init(run->cfg->backend->name, NULL, &world);
+    tp_status st = tp_comm_create_world(run->cfg->backend->name, NULL, &world);
     if (st != TP_OK)
         return st;
     run->printer = tp_comm_rank(world) == 0;
@@ -1755,9 +1755,9 @@ static tp_status nccl_rank_on(bench_run *run, tp_comm *boot, int device)
 {
     tp_nccl_options o = {.bootstrap = boot, .device = device};
     tp_comm *comm = NULL;
-    tp_status st = tp_comm_init("nccl", &o, &comm);
+    tp_status st = tp_comm_create_world("nccl", &o, &comm);
     if (st != TP_OK) {
-        fprintf(stderr, "tp-bench-comm: rank %d: tp_comm_init(\"nccl\") on cuda:%d: %s: %s\n",
+        fprintf(stderr, "tp-bench-comm: rank %d: tp_comm_create_world(\"nccl\") on cuda:%d: %s: %s\n",
                 tp_comm_rank(boot), device, tp_status_name(st), tp_last_error());
         return st;
     }
@@ -1782,7 +1782,7 @@ static tp_status launch_nccl(bench_run *run)
     }
     if (under_mpirun() && tp_backend_find("mpi")) {
         tp_comm *world = NULL;
-        tp_status st = tp_comm_init("mpi", NULL, &world);
+        tp_status st = tp_comm_create_world("mpi", NULL, &world);
         if (st != TP_OK)
             return st;
         run->printer = tp_comm_rank(world) == 0;

@@ -43,7 +43,7 @@
  * the largest absolute difference over parameters and ranks is printed.
  *
  *   --backend shm   ranks are -g threads of this process (tp_run_local)
- *   --backend mpi   one rank per process under mpirun (tp_comm_init("mpi"));
+ *   --backend mpi   one rank per process under mpirun (tp_comm_create_world("mpi"));
  *                   -g is ignored; rank 0 prints and writes the CSV
  *
  * Usage: tp-bench-dp [--backend shm|mpi] [-g RANKS] [-H HIDDEN] [-L LAYERS] [-B ROWS]
@@ -136,19 +136,19 @@ static int cmp_d(const void *a, const void *b)
 static tp_status make_mlp(int64_t H, int64_t L, tp_module **out)
 {
     tp_module *m = NULL;
-    tp_status st = tp_sequential_create(&m);
+    tp_status st = tp_nn_sequential_create(&m);
     for (int64_t l = 0; st == TP_OK && l < L; l++) {
         char name[32];
         tp_module *c = NULL;
         snprintf(name, sizeof name, "fc%lld", (long long)l);
-        st = tp_linear_create(H, H, true, &c);
+        st = tp_nn_linear_create(H, H, true, &c);
         if (st == TP_OK && (st = tp_module_add_child(m, name, c)) != TP_OK)
             tp_module_free(c);
         if (st != TP_OK || l == L - 1)
             break;
         c = NULL;
         snprintf(name, sizeof name, "relu%lld", (long long)l);
-        st = tp_relu_create(&c);
+        st = tp_nn_relu_create(&c);
         if (st == TP_OK && (st = tp_module_add_child(m, name, c)) != TP_OK)
             tp_module_free(c);
     }
@@ -214,7 +214,7 @@ static tp_status wrap(tp_module *m, tp_comm *w, int c, size_t cap, tp_ddp **out)
                         .manual_passes = c == C_PLAIN || c == C_FUSION,
                         .gradient_as_bucket_view = c == C_VIEWS || c == C_VIEWS1,
                         .max_in_flight = c == C_VIEWS1 ? 1 : 0};
-    tp_status st = tp_ddp_wrap(m, w, &o, out);
+    tp_status st = tp_ddp_create(m, w, &o, out);
     if (st == TP_OK && c == C_FUSION)
         st = tp_pass_apply(tp_pass_bucket_fusion(), tp_ddp_graph(*out));
     return st;
@@ -623,9 +623,9 @@ int main(int argc, char **argv)
             fprintf(stderr, "tp-bench-dp: libtp built without MPI support\n");
             return 2;
         }
-        st = tp_comm_init("mpi", NULL, &world);
+        st = tp_comm_create_world("mpi", NULL, &world);
         if (st != TP_OK) {
-            fprintf(stderr, "tp-bench-dp: tp_comm_init(\"mpi\"): %s (%s)\n", tp_status_name(st),
+            fprintf(stderr, "tp-bench-dp: tp_comm_create_world(\"mpi\"): %s (%s)\n", tp_status_name(st),
                     tp_last_error());
             return 2;
         }

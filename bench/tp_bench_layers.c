@@ -10,7 +10,7 @@
  * thread. --backend picks how ranks exist:
  *
  *   shm   threads of this process (tp_run_local), -g of them (default 1,2)
- *   mpi   one process per rank under mpirun (tp_comm_init("mpi")); a rank
+ *   mpi   one process per rank under mpirun (tp_comm_create_world("mpi")); a rank
  *         count below the process count runs on the first ranks while the
  *         others wait asleep; default -g 1,N for N processes; rank 0 prints
  *   nccl  one GPU per rank, the nccl communicator bootstrapped over the shm
@@ -113,23 +113,23 @@ static tp_status build(point *p, tp_mesh *mesh, int W, tp_module **root, tp_styl
     tp_rowwise_options ro = {0};
     switch (p->layer) {
     case L_COLWISE:
-        st = tp_linear_create(H, 4 * H, true, &m);
+        st = tp_nn_linear_create(H, 4 * H, true, &m);
         break;
     case L_ROWWISE:
-        st = tp_linear_create(4 * H, H, true, &m);
+        st = tp_nn_linear_create(4 * H, H, true, &m);
         break;
     case L_MLP:
-        st = tp_sequential_create(&m);
-        if (st == TP_OK) st = tp_linear_create(H, 4 * H, true, &a);
+        st = tp_nn_sequential_create(&m);
+        if (st == TP_OK) st = tp_nn_linear_create(H, 4 * H, true, &a);
         if (st == TP_OK) st = tp_module_add_child(m, "0", a);
-        if (st == TP_OK) st = tp_gelu_create(TP_GELU_TANH, &g);
+        if (st == TP_OK) st = tp_nn_gelu_create(TP_GELU_TANH, &g);
         if (st == TP_OK) st = tp_module_add_child(m, "1", g);
-        if (st == TP_OK) st = tp_linear_create(4 * H, H, true, &b);
+        if (st == TP_OK) st = tp_nn_linear_create(4 * H, H, true, &b);
         if (st == TP_OK) st = tp_module_add_child(m, "2", b);
         break;
     case L_EMB_COL:
     case L_EMB_ROW:
-        st = tp_embedding_create(p->vocab, H, &m);
+        st = tp_nn_embedding_create(p->vocab, H, &m);
         break;
     }
     if (st != TP_OK) {
@@ -139,9 +139,9 @@ static tp_status build(point *p, tp_mesh *mesh, int W, tp_module **root, tp_styl
     if (W > 1) {
         if (p->layer == L_EMB_ROW)
             ro.input_layouts = tp_layout_of(tp_replicate());
-        st = tp_colwise_parallel(&co, &styles[0]);
+        st = tp_colwise_parallel_create(&co, &styles[0]);
         if (st == TP_OK)
-            st = tp_rowwise_parallel(&ro, &styles[1]);
+            st = tp_rowwise_parallel_create(&ro, &styles[1]);
         tp_plan_entry plan[2];
         int n = 0;
         switch (p->layer) {
@@ -370,9 +370,9 @@ static tp_status body(tp_comm *w, void *arg)
 /* A nccl communicator over the ranks of `boot` (collective over boot). */
 static tp_status nccl_over(tp_comm *boot, tp_comm **out)
 {
-    tp_status st = tp_comm_init("nccl", &(tp_nccl_options){.bootstrap = boot, .device = -1}, out);
+    tp_status st = tp_comm_create_world("nccl", &(tp_nccl_options){.bootstrap = boot, .device = -1}, out);
     if (st != TP_OK)
-        fprintf(stderr, "rank %d: tp_comm_init(\"nccl\"): %s (%s)\n", tp_comm_rank(boot),
+        fprintf(stderr, "rank %d: tp_comm_create_world(\"nccl\"): %s (%s)\n", tp_comm_rank(boot),
                 tp_status_name(st), tp_last_error());
     return st;
 }
@@ -1071,9 +1071,9 @@ int main(int argc, char **argv)
             fprintf(stderr, "tp-bench-layers: libtp built without MPI support\n");
             return 2;
         }
-        tp_status st = tp_comm_init("mpi", NULL, &pw.world);
+        tp_status st = tp_comm_create_world("mpi", NULL, &pw.world);
         if (st != TP_OK) {
-            fprintf(stderr, "tp-bench-layers: tp_comm_init(\"mpi\"): %s (%s)\n", tp_status_name(st),
+            fprintf(stderr, "tp-bench-layers: tp_comm_create_world(\"mpi\"): %s (%s)\n", tp_status_name(st),
                     tp_last_error());
             return 2;
         }

@@ -134,12 +134,12 @@ static tp_status build_mlp(tp_module **out)
     tp_status st;
     tp_module *m = NULL, *c = NULL;
     *out = NULL;
-    CHECK(tp_custom_module_create("MLP", mlp_forward, NULL, NULL, &m));
-    CHECK(tp_linear_create(IN, HIDDEN, true, &c));
+    CHECK(tp_nn_custom_create("MLP", mlp_forward, NULL, NULL, &m));
+    CHECK(tp_nn_linear_create(IN, HIDDEN, true, &c));
     CHECK(adopt(m, "net1", c));
-    CHECK(tp_relu_create(&c));
+    CHECK(tp_nn_relu_create(&c));
     CHECK(adopt(m, "relu", c));
-    CHECK(tp_linear_create(HIDDEN, OUT, true, &c));
+    CHECK(tp_nn_linear_create(HIDDEN, OUT, true, &c));
     CHECK(adopt(m, "net2", c));
     *out = m;
     m = NULL;
@@ -159,8 +159,8 @@ static tp_status parallelize_mlp(tp_module *m, tp_mesh *mesh, run_mode mode)
         co.input_layouts = tp_layout_of(tp_shard(0));
         ro.output_layouts = tp_layout_of(tp_shard(0));
     }
-    CHECK(tp_colwise_parallel(&co, &col));
-    CHECK(tp_rowwise_parallel(&ro, &row));
+    CHECK(tp_colwise_parallel_create(&co, &col));
+    CHECK(tp_rowwise_parallel_create(&ro, &row));
     const tp_plan_entry plan[] = {{"net1", col}, {"net2", row}};
     /* tp_module_init overwrites every parameter right after, so nothing needs
      * to be sent from rank 0 */
@@ -490,9 +490,10 @@ int main(int argc, char **argv)
     tp_comm *world = NULL;
     bool reporter = true;
     if (use_mpi) {
-        tp_status st = tp_comm_init("mpi", NULL, &world);
+        tp_status st = tp_comm_create_world("mpi", NULL, &world);
         if (st != TP_OK) {
-            fprintf(stderr, "tp_comm_init(\"mpi\"): %s: %s\n", tp_status_name(st), tp_last_error());
+            fprintf(stderr, "tp_comm_create_world(\"mpi\"): %s: %s\n", tp_status_name(st),
+                    tp_last_error());
             return 1;
         }
         if (HIDDEN % tp_comm_size(world)) {

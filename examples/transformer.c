@@ -42,7 +42,7 @@
  *
  * Data parallel x tensor parallel (-d DP): the ranks form a ("dp", "tp") mesh
  * of [DP, ranks / DP]; the plan is applied on this rank's "tp" slice
- * (tp_mesh_slice) and the model wrapped with tp_ddp_wrap over the "dp" dim's
+ * (tp_mesh_slice) and the model wrapped with tp_ddp_create over the "dp" dim's
  * communicator. Each dp group trains on its share of the batch (rows split by
  * dp coordinate), its loss the mean over its own tokens; the DDP averages the
  * gradients over the groups (bucketed all_reduces launched during backward,
@@ -295,21 +295,21 @@ static tp_status add_linear(tp_module *parent, const char *name, int64_t in, int
                             bool bias)
 {
     tp_module *m = NULL;
-    tp_status st = tp_linear_create(in, out, bias, &m);
+    tp_status st = tp_nn_linear_create(in, out, bias, &m);
     return st == TP_OK ? adopt(parent, name, m) : st;
 }
 
 static tp_status add_norm(tp_module *parent, const char *name)
 {
     tp_module *m = NULL;
-    tp_status st = tp_layer_norm_create(DIM, true, NORM_EPS, &m);
+    tp_status st = tp_nn_layer_norm_create(DIM, true, NORM_EPS, &m);
     return st == TP_OK ? adopt(parent, name, m) : st;
 }
 
 static tp_status add_embedding(tp_module *parent, const char *name, int64_t num)
 {
     tp_module *m = NULL;
-    tp_status st = tp_embedding_create(num, DIM, &m);
+    tp_status st = tp_nn_embedding_create(num, DIM, &m);
     return st == TP_OK ? adopt(parent, name, m) : st;
 }
 
@@ -318,9 +318,9 @@ static tp_status build_block(tp_module **out)
     tp_status st;
     tp_module *b = NULL, *attn = NULL, *ff = NULL, *gelu = NULL;
     *out = NULL;
-    CHECK(tp_custom_module_create("TransformerBlock", block_forward, NULL, NULL, &b));
+    CHECK(tp_nn_custom_create("TransformerBlock", block_forward, NULL, NULL, &b));
     CHECK(add_norm(b, "attention_norm"));
-    CHECK(tp_custom_module_create("Attention", attention_forward, NULL, NULL, &attn));
+    CHECK(tp_nn_custom_create("Attention", attention_forward, NULL, NULL, &attn));
     CHECK(add_linear(attn, "wq", DIM, HEADS * HEAD_DIM, false));
     CHECK(add_linear(attn, "wk", DIM, HEADS * HEAD_DIM, false));
     CHECK(add_linear(attn, "wv", DIM, HEADS * HEAD_DIM, false));
@@ -329,9 +329,9 @@ static tp_status build_block(tp_module **out)
     attn = NULL;
     CHECK(st);
     CHECK(add_norm(b, "ffn_norm"));
-    CHECK(tp_custom_module_create("FeedForward", feed_forward_forward, NULL, NULL, &ff));
+    CHECK(tp_nn_custom_create("FeedForward", feed_forward_forward, NULL, NULL, &ff));
     CHECK(add_linear(ff, "w1", DIM, FFN, true));
-    CHECK(tp_gelu_create(TP_GELU_EXACT, &gelu));
+    CHECK(tp_nn_gelu_create(TP_GELU_EXACT, &gelu));
     st = adopt(ff, "gelu", gelu);
     CHECK(st);
     CHECK(add_linear(ff, "w2", FFN, DIM, true));
@@ -352,10 +352,10 @@ static tp_status build_transformer(tp_module **out)
     tp_status st;
     tp_module *m = NULL, *layers = NULL, *block = NULL;
     *out = NULL;
-    CHECK(tp_custom_module_create("Transformer", transformer_forward, NULL, NULL, &m));
+    CHECK(tp_nn_custom_create("Transformer", transformer_forward, NULL, NULL, &m));
     CHECK(add_embedding(m, "tok_embeddings", VOCAB));
     CHECK(add_embedding(m, "pos_embeddings", SEQ));
-    CHECK(tp_sequential_create(&layers));
+    CHECK(tp_nn_sequential_create(&layers));
     for (int i = 0; i < LAYERS; i++) {
         char name[16];
         snprintf(name, sizeof name, "%d", i);
@@ -389,8 +389,8 @@ static tp_status parallelize_transformer(tp_module *m, tp_mesh *mesh, run_mode m
     const bool sp = mode == MODE_SP;
     const tp_layout R = tp_layout_of(tp_replicate()), S1 = tp_layout_of(tp_shard(1));
 
-    CHECK(tp_colwise_parallel(NULL, &s[ST_COL]));
-    CHECK(tp_rowwise_parallel(NULL, &s[ST_ROW]));
+    CHECK(tp_colwise_parallel_create(NULL, &s[ST_COL]));
+    CHECK(tp_rowwise_parallel_create(NULL, &s[ST_ROW]));
     /* tok_embeddings: the token ids arrive replicated; with SP the sum leaves
      * reduce-scattered on the sequence dim, as a DTensor for the residual adds */
     tp_rowwise_options emb = {.input_layouts = R};
@@ -398,14 +398,14 @@ static tp_status parallelize_transformer(tp_module *m, tp_mesh *mesh, run_mode m
         emb.output_layouts = S1;
         emb.use_local_output = TP_FLAG_FALSE;
     }
-    CHECK(tp_rowwise_parallel(&emb, &s[ST_EMB]));
+    CHECK(tp_rowwise_parallel_create(&emb, &s[ST_EMB]));
     /* output: the logits stay a DTensor sharded on the vocab dim, for the
      * vocab-parallel cross entropy */
     tp_colwise_options out_opts = {.output_layouts = tp_layout_of(tp_shard(-1)),
                                    .use_local_output = TP_FLAG_FALSE};
     if (sp)
         out_opts.input_layouts = S1;
-    CHECK(tp_colwise_parallel(&out_opts, &s[ST_OUT]));
+    CHECK(tp_colwise_parallel_create(&out_opts, &s[ST_OUT]));
 
     if (!sp) {
         const tp_plan_entry plan[] = {
@@ -422,16 +422,16 @@ static tp_status parallelize_transformer(tp_module *m, tp_mesh *mesh, run_mode m
         goto out;
     }
 
-    CHECK(tp_sequence_parallel(NULL, &s[ST_SEQ]));
+    CHECK(tp_sequence_parallel_create(NULL, &s[ST_SEQ]));
     /* attention and feed_forward: gather the sequence-sharded input */
     tp_prepare_input_options gather = {.n_inputs = 1, .n_desired = 1};
     gather.input_layouts[0] = S1;
     gather.desired_input_layouts[0] = R;
-    CHECK(tp_prepare_module_input(&gather, &s[ST_GATHER]));
+    CHECK(tp_prepare_module_input_create(&gather, &s[ST_GATHER]));
     /* wo, w2: reduce-scatter back onto the sequence dim, kept a DTensor so
      * that the residual adds take two S(1) DTensors */
     const tp_rowwise_options row_sp = {.output_layouts = S1, .use_local_output = TP_FLAG_FALSE};
-    CHECK(tp_rowwise_parallel(&row_sp, &s[ST_ROW_SP]));
+    CHECK(tp_rowwise_parallel_create(&row_sp, &s[ST_ROW_SP]));
     const tp_plan_entry plan[] = {
         {"tok_embeddings", s[ST_EMB]},
         /* replicated weight; the positions come in as an S(1) DTensor */
@@ -604,7 +604,7 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
          * Buckets of 16 KiB (PyTorch's 25 MiB default would hold this whole
          * model): a few all_reduces, launched as they fill during backward */
         const tp_ddp_options dpo = {.bucket_cap_bytes = 16 << 10, .params_everywhere = true};
-        CHECK(tp_ddp_wrap(model, dp_comm, &dpo, &ddp));
+        CHECK(tp_ddp_create(model, dp_comm, &dpo, &ddp));
         /* the buckets of step 0's schedule; each is one all_reduce per step
          * (tp/dp.h). After step 0 the DDP may regroup them in the order the
          * gradients became ready */
@@ -968,9 +968,10 @@ int main(int argc, char **argv)
     tp_comm *world = NULL;
     bool reporter = true;
     if (use_mpi) {
-        tp_status st = tp_comm_init("mpi", NULL, &world);
+        tp_status st = tp_comm_create_world("mpi", NULL, &world);
         if (st != TP_OK) {
-            fprintf(stderr, "tp_comm_init(\"mpi\"): %s: %s\n", tp_status_name(st), tp_last_error());
+            fprintf(stderr, "tp_comm_create_world(\"mpi\"): %s: %s\n", tp_status_name(st),
+                    tp_last_error());
             return 1;
         }
         if (bad_layout(tp_comm_size(world), dp, why, sizeof why)) {

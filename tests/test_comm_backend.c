@@ -134,11 +134,11 @@ Test(comm_backend, registry, .timeout = 10)
     cr_assert_eq(tp_backend_register(&nocoll), TP_ERR_INVALID_ARG);
 
     tp_comm *c = (tp_comm *)&b;
-    cr_assert_eq(tp_comm_init("no-such-backend", NULL, &c), TP_ERR_NOT_SUPPORTED);
+    cr_assert_eq(tp_comm_create_world("no-such-backend", NULL, &c), TP_ERR_NOT_SUPPORTED);
     cr_assert_null(c);
-    cr_assert_eq(tp_comm_init("shm", NULL, &c), TP_ERR_NOT_SUPPORTED);
+    cr_assert_eq(tp_comm_create_world("shm", NULL, &c), TP_ERR_NOT_SUPPORTED);
     cr_assert(strstr(tp_last_error(), "tp_run_local") != NULL, "%s", tp_last_error());
-    cr_assert_eq(tp_comm_init("counting-registered", NULL, &c), TP_ERR_NOT_SUPPORTED);
+    cr_assert_eq(tp_comm_create_world("counting-registered", NULL, &c), TP_ERR_NOT_SUPPORTED);
 
     cr_assert_eq(tp_comm_create(NULL, NULL, 0, 1, &c), TP_ERR_INVALID_ARG);
     cr_assert_eq(tp_comm_create(&counting_backend, NULL, 1, 1, &c), TP_ERR_INVALID_ARG);

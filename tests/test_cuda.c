@@ -769,11 +769,11 @@ Test(cuda, dtensor_on_device, .timeout = 60)
 static tp_module *mlp(void)
 {
     tp_module *seq = NULL, *l1 = NULL, *act = NULL, *l2 = NULL, *ln = NULL;
-    CHECK_OK(tp_sequential_create(&seq));
-    CHECK_OK(tp_linear_create(12, 16, true, &l1));
-    CHECK_OK(tp_gelu_create(TP_GELU_TANH, &act));
-    CHECK_OK(tp_layer_norm_create(16, true, 1e-5, &ln));
-    CHECK_OK(tp_linear_create(16, 5, true, &l2));
+    CHECK_OK(tp_nn_sequential_create(&seq));
+    CHECK_OK(tp_nn_linear_create(12, 16, true, &l1));
+    CHECK_OK(tp_nn_gelu_create(TP_GELU_TANH, &act));
+    CHECK_OK(tp_nn_layer_norm_create(16, true, 1e-5, &ln));
+    CHECK_OK(tp_nn_linear_create(16, 5, true, &l2));
     CHECK_OK(tp_module_add_child(seq, "0", l1));
     CHECK_OK(tp_module_add_child(seq, "1", act));
     CHECK_OK(tp_module_add_child(seq, "2", ln));
@@ -886,9 +886,9 @@ Test(cuda, module_to_keeps_tied_weights, .timeout = 60)
     need_cuda();
     for (int view = 0; view <= 1; view++) {
         tp_module *root = NULL, *a = NULL, *b = NULL;
-        CHECK_OK(tp_container_create(&root));
-        CHECK_OK(tp_linear_create(4, 4, false, &a));
-        CHECK_OK(tp_linear_create(4, 4, false, &b));
+        CHECK_OK(tp_nn_container_create(&root));
+        CHECK_OK(tp_nn_linear_create(4, 4, false, &a));
+        CHECK_OK(tp_nn_linear_create(4, 4, false, &b));
         CHECK_OK(tp_module_add_child(root, "a", a));
         CHECK_OK(tp_module_add_child(root, "b", b));
         CHECK_OK(tp_module_init(root, 3));

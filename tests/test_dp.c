@@ -26,14 +26,14 @@ static const char *const pnames[NPARAM] = {"net1.weight", "net1.bias", "net2.wei
 static tp_status make_mlp(tp_module **out)
 {
     tp_module *m = NULL, *a = NULL, *r = NULL, *b = NULL;
-    TP_TEST_TRY(tp_sequential_create(&m));
-    tp_status st = tp_linear_create(IN, HID, true, &a);
+    TP_TEST_TRY(tp_nn_sequential_create(&m));
+    tp_status st = tp_nn_linear_create(IN, HID, true, &a);
     if (st == TP_OK && (st = tp_module_add_child(m, "net1", a)) != TP_OK)
         tp_module_free(a);
-    if (st == TP_OK && (st = tp_relu_create(&r)) == TP_OK &&
+    if (st == TP_OK && (st = tp_nn_relu_create(&r)) == TP_OK &&
         (st = tp_module_add_child(m, "relu", r)) != TP_OK)
         tp_module_free(r);
-    if (st == TP_OK && (st = tp_linear_create(HID, OUT, true, &b)) == TP_OK &&
+    if (st == TP_OK && (st = tp_nn_linear_create(HID, OUT, true, &b)) == TP_OK &&
         (st = tp_module_add_child(m, "net2", b)) != TP_OK)
         tp_module_free(b);
     if (st == TP_OK)
@@ -115,12 +115,12 @@ static void reference(bool adam, ref_run *r)
 /* ---- pass configurations ------------------------------------------------------ */
 
 typedef enum {
-    CFG_PLAIN,        /* manual, no pass: one blocking all_reduce per gradient */
-    CFG_FUSION,       /* bucket_fusion */
-    CFG_LATE,         /* late_waits alone: per gradient, waited at the step */
-    CFG_FUSION_LATE,  /* bucket_fusion, late_waits */
-    CFG_VIEWS,        /* bucket_fusion, remove_copies, late_waits */
-    CFG_DEFAULT,      /* tp_ddp_wrap's defaults (one 25 MiB bucket) */
+    CFG_PLAIN,         /* manual, no pass: one blocking all_reduce per gradient */
+    CFG_FUSION,        /* bucket_fusion */
+    CFG_LATE,          /* late_waits alone: per gradient, waited at the step */
+    CFG_FUSION_LATE,   /* bucket_fusion, late_waits */
+    CFG_VIEWS,         /* bucket_fusion, remove_copies, late_waits */
+    CFG_DEFAULT,       /* tp_ddp_create's defaults (one 25 MiB bucket) */
     CFG_DEFAULT_VIEWS, /* defaults with gradient_as_bucket_view */
     CFG_ONE_IN_FLIGHT  /* defaults at 300 bytes, one bucket in flight at a time */
 } dp_cfg;
@@ -135,7 +135,7 @@ static tp_status configure(tp_module *m, tp_comm *c, dp_cfg cfg, tp_ddp **out)
         o = (tp_ddp_options){.gradient_as_bucket_view = cfg == CFG_DEFAULT_VIEWS};
     if (cfg == CFG_ONE_IN_FLIGHT)
         o = (tp_ddp_options){.bucket_cap_bytes = 300, .max_in_flight = 1};
-    TP_TEST_TRY(tp_ddp_wrap(m, c, &o, out));
+    TP_TEST_TRY(tp_ddp_create(m, c, &o, out));
     tp_step_graph *g = tp_ddp_graph(*out);
     tp_status st = TP_OK;
     if (cfg == CFG_FUSION || cfg == CFG_FUSION_LATE || cfg == CFG_VIEWS)
@@ -381,14 +381,14 @@ static tp_status dptp_body(tp_comm *w, void *arg)
     RANK_OK(s, tp_mesh_create(w, 2, (int64_t[]){c->dp, c->tp}, names, &mesh));
     RANK_OK(s, tp_mesh_slice(mesh, 1, (const char *const[]){"tp"}, &tpm));
     RANK_OK(s, make_mlp(&m));
-    RANK_OK(s, tp_colwise_parallel(NULL, &col));
-    RANK_OK(s, tp_rowwise_parallel(NULL, &row));
+    RANK_OK(s, tp_colwise_parallel_create(NULL, &col));
+    RANK_OK(s, tp_rowwise_parallel_create(NULL, &row));
     const tp_plan_entry plan[] = {{"net1", col}, {"net2", row}};
     RANK_OK(s, tp_parallelize_module(m, tpm, 2, plan, NULL));
     RANK_OK(s, tp_module_init(m, SEED));
     tp_comm *dpc = tp_mesh_comm(mesh, tp_mesh_dim_index(mesh, "dp"));
     tp_ddp_options o = {.bucket_cap_bytes = 300, .gradient_as_bucket_view = c->views};
-    RANK_OK(s, tp_ddp_wrap(m, dpc, &o, &ddp));
+    RANK_OK(s, tp_ddp_create(m, dpc, &o, &ddp));
     {
         /* a gradient must be a DTensor on the parameter's own mesh */
         tp_tensor *w1 = param(m, 0), *full = NULL, *other = NULL;
@@ -502,11 +502,12 @@ static tp_status tied_fwd(tp_module *self, int nargs, tp_tensor *const *args, in
 static tp_status tied_model(tie_kind kind, tp_module **out)
 {
     tp_module *m = NULL, *emb = NULL, *head = NULL;
-    TP_TEST_TRY(tp_custom_module_create("Tied", tied_fwd, NULL, NULL, &m));
-    tp_status st = tp_embedding_create(TV, TD, &emb);
+    TP_TEST_TRY(tp_nn_custom_create("Tied", tied_fwd, NULL, NULL, &m));
+    tp_status st = tp_nn_embedding_create(TV, TD, &emb);
     if (st == TP_OK && (st = tp_module_add_child(m, "emb", emb)) != TP_OK)
         tp_module_free(emb);
-    if (st == TP_OK && kind != TIE_ONE && (st = tp_linear_create(TD, TV, false, &head)) == TP_OK &&
+    if (st == TP_OK && kind != TIE_ONE &&
+        (st = tp_nn_linear_create(TD, TV, false, &head)) == TP_OK &&
         (st = tp_module_add_child(m, "head", head)) != TP_OK)
         tp_module_free(head);
     if (st == TP_OK && kind != TIE_ONE) {
@@ -748,7 +749,7 @@ Test(dp, user_process_group_counts_waits_and_polls, .timeout = 30)
         CHECK_OK(make_mlp(&m));
         CHECK_OK(make_mlp(&plain));
         tp_ddp_options o = {.gradient_as_bucket_view = views, .bucket_cap_bytes = 300};
-        CHECK_OK(tp_ddp_wrap(m, pg, &o, &ddp));
+        CHECK_OK(tp_ddp_create(m, pg, &o, &ddp));
         cr_assert_str_eq(tp_comm_backend(tp_ddp_comm(ddp)), "lonely-pg");
         cr_assert_eq(tp_ddp_module(ddp), m);
         tp_tensor *x = NULL, *loss = NULL, *loss2 = NULL;
@@ -801,8 +802,8 @@ Test(dp, one_bucket_in_flight, .timeout = 30)
     tp_ddp *ddp = NULL;
     CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
     CHECK_OK(make_mlp(&m));
-    CHECK_OK(tp_ddp_wrap(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300, .max_in_flight = 1},
-                         &ddp));
+    CHECK_OK(
+        tp_ddp_create(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300, .max_in_flight = 1}, &ddp));
     tp_tensor *x = NULL, *loss = NULL;
     CHECK_OK(batch(0, &x));
     for (int step = 0; step < 2; step++) {
@@ -908,7 +909,7 @@ Test(dp, failed_step_is_sticky, .timeout = 30)
     tp_ddp *ddp = NULL;
     CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
     CHECK_OK(make_mlp(&m));
-    CHECK_OK(tp_ddp_wrap(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300}, &ddp));
+    CHECK_OK(tp_ddp_create(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300}, &ddp));
     ls.fail_from = ls.collectives + 1; /* the first bucket's all_reduce */
     tp_tensor *x = NULL, *loss = NULL, *before = NULL;
     CHECK_OK(tp_tensor_clone(param(m, 0), &before));
@@ -945,7 +946,7 @@ Test(dp, failed_gradient_read_is_sticky, .timeout = 30)
     tp_ddp *ddp = NULL;
     CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
     CHECK_OK(make_mlp(&m));
-    CHECK_OK(tp_ddp_wrap(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300}, &ddp));
+    CHECK_OK(tp_ddp_create(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300}, &ddp));
     tp_tensor *x = NULL, *loss = NULL, *before = NULL;
     CHECK_OK(tp_tensor_clone(param(m, 3), &before));
     CHECK_OK(batch(0, &x));
@@ -1161,10 +1162,10 @@ static tp_status errors_body(tp_comm *w, void *arg)
     RANK_OK(s, make_mlp(&m));
     /* rank 1 has one more layer: every rank learns the ranks disagree */
     if (rank == 1) {
-        RANK_OK(s, tp_linear_create(4, 4, true, &extra));
+        RANK_OK(s, tp_nn_linear_create(4, 4, true, &extra));
         RANK_OK(s, tp_module_add_child(m, "extra", extra));
     }
-    tp_status st = tp_ddp_wrap(m, w, NULL, &ddp);
+    tp_status st = tp_ddp_create(m, w, NULL, &ddp);
     RANK_EXPECT(s, st == TP_ERR_MISMATCH && ddp == NULL, "disagreeing ranks: %s (%s)",
                 tp_status_name(st), tp_last_error());
     RANK_EXPECT(s, strstr(tp_last_error(), "disagree") != NULL, "message: %s", tp_last_error());
@@ -1172,7 +1173,7 @@ static tp_status errors_body(tp_comm *w, void *arg)
 
     /* a pass during a step is refused; after the sync it is fine */
     RANK_OK(s, make_mlp(&m));
-    RANK_OK(s, tp_ddp_wrap(m, w, &(tp_ddp_options){.manual_passes = true}, &ddp));
+    RANK_OK(s, tp_ddp_create(m, w, &(tp_ddp_options){.manual_passes = true}, &ddp));
     tp_tensor *x = NULL, *loss = NULL;
     RANK_OK(s, batch(0, &x));
     RANK_OK(s, loss_of(m, x, &loss));
@@ -1208,13 +1209,13 @@ Test(dp, errors, .timeout = 60)
     lonely_state ls = {0};
     CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
     CHECK_OK(make_mlp(&m));
-    CHECK_ERR(tp_ddp_wrap(NULL, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_ddp_wrap(m, NULL, NULL, &ddp), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_ddp_wrap(m, pg, NULL, NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_ddp_wrap(m, pg, &(tp_ddp_options){.max_in_flight = -1}, &ddp),
+    CHECK_ERR(tp_ddp_create(NULL, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_ddp_create(m, NULL, NULL, &ddp), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_ddp_create(m, pg, NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_ddp_create(m, pg, &(tp_ddp_options){.max_in_flight = -1}, &ddp),
               TP_ERR_INVALID_ARG);
-    CHECK_OK(tp_relu_create(&empty));
-    CHECK_ERR(tp_ddp_wrap(empty, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
+    CHECK_OK(tp_nn_relu_create(&empty));
+    CHECK_ERR(tp_ddp_create(empty, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "no parameter"), "%s", tp_last_error());
     cr_assert_null(ddp);
     /* parameters whose bytes add up past a 64-bit count (tensors wrapping
@@ -1223,13 +1224,13 @@ Test(dp, errors, .timeout = 60)
     tp_tensor *ha = NULL, *hb = NULL;
     static float cell[1];
     int64_t half = INT64_MAX / 4; /* 2^63 - 4 bytes of f32 each: the most a tensor holds */
-    CHECK_OK(tp_custom_module_create("Huge", huge_forward, NULL, NULL, &huge));
+    CHECK_OK(tp_nn_custom_create("Huge", huge_forward, NULL, NULL, &huge));
     CHECK_OK(tp_tensor_from_blob(TP_F32, TP_CPU, 1, &half, cell, NULL, NULL, &ha));
     CHECK_OK(tp_tensor_from_blob(TP_F32, TP_CPU, 1, &half, cell, NULL, NULL, &hb));
     CHECK_OK(tp_module_register_parameter(huge, "a", ha));
     CHECK_OK(tp_module_register_parameter(huge, "b", hb));
-    CHECK_ERR(tp_ddp_wrap(huge, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
-    cr_assert(strstr(tp_last_error(), "tp_ddp_wrap: parameter 1 (b): its 9223372036854775804 "
+    CHECK_ERR(tp_ddp_create(huge, pg, NULL, &ddp), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "tp_ddp_create: parameter 1 (b): its 9223372036854775804 "
                                       "bytes take the parameters' total past"),
               "%s", tp_last_error());
     cr_assert_null(ddp);

@@ -100,24 +100,24 @@ static tp_status add_child(tp_module *parent, const char *name, tp_status made,
 static tp_status mlp_new(tp_mesh *mesh, tp_module **out)
 {
     tp_module *m = NULL, *c = NULL;
-    TP_TEST_TRY(tp_sequential_create(&m));
-    tp_status st = tp_linear_create(10, 16, true, &c);
+    TP_TEST_TRY(tp_nn_sequential_create(&m));
+    tp_status st = tp_nn_linear_create(10, 16, true, &c);
     st = add_child(m, "net1", st, c);
     if (st == TP_OK) {
-        st = tp_relu_create(&c);
+        st = tp_nn_relu_create(&c);
         st = add_child(m, "relu", st, c);
     }
     if (st == TP_OK) {
-        st = tp_linear_create(16, 10, true, &c);
+        st = tp_nn_linear_create(16, 10, true, &c);
         st = add_child(m, "net2", st, c);
     }
     if (st == TP_OK)
         st = tp_module_init(m, 5);
     if (st == TP_OK && mesh) {
         tp_style *cs = NULL, *rs = NULL;
-        st = tp_colwise_parallel(NULL, &cs);
+        st = tp_colwise_parallel_create(NULL, &cs);
         if (st == TP_OK)
-            st = tp_rowwise_parallel(NULL, &rs);
+            st = tp_rowwise_parallel_create(NULL, &rs);
         if (st == TP_OK) {
             tp_plan_entry plan[2] = {{"net1", cs}, {"net2", rs}};
             st = tp_parallelize_module(m, mesh, 2, plan, NULL);
@@ -655,7 +655,7 @@ static tp_status ddp_body(tp_comm *world, void *arg)
         tp_tensor *x = NULL, *y0 = NULL, *y1 = NULL, *r0 = NULL, *r1 = NULL;
         RANK_OK(s, tp_comm_split(world, 0, tp_comm_rank(world), &sub));
         RANK_OK(s, mlp_new(NULL, &m));
-        RANK_OK(s, tp_ddp_wrap(m, sub, NULL, &ddp));
+        RANK_OK(s, tp_ddp_create(m, sub, NULL, &ddp));
         RANK_OK(s, tp_comm_free(sub)); /* the DDP holds it */
         /* the same batch everywhere: the averaged gradient is the local one */
         RANK_OK(s, rand_t(2, (int64_t[]){8, 10}, 7, &x));

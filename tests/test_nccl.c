@@ -39,7 +39,7 @@ static double now_s(void)
 static tp_status nccl_world(tp_comm *boot, tp_comm **out)
 {
     tp_nccl_options o = {.bootstrap = boot, .device = tp_comm_rank(boot)};
-    return tp_comm_init("nccl", &o, out);
+    return tp_comm_create_world("nccl", &o, out);
 }
 
 /* A 1-D tensor on cuda:dev holding vals (converted to dt). */
@@ -122,21 +122,21 @@ Test(nccl, null_options_and_build, .timeout = 30)
     cr_assert_not_null(b, "built with NCCL but no 'nccl' backend is registered");
     cr_assert_eq(b->device_mask, 1u << TP_DEVICE_CUDA);
     cr_assert_not_null(b->init_world);
-    CHECK_ERR(tp_comm_init("nccl", NULL, &c), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_comm_create_world("nccl", NULL, &c), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "options are NULL") != NULL, "%s", tp_last_error());
     cr_assert_null(c);
     tp_nccl_options bad = {.bootstrap = NULL, .device = -2};
-    CHECK_ERR(tp_comm_init("nccl", &bad, &c), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_comm_create_world("nccl", &bad, &c), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "device -2") != NULL, "%s", tp_last_error());
     cr_assert_null(c);
 #else
     tp_nccl_options o = {.bootstrap = NULL, .device = -1};
-    CHECK_ERR(tp_comm_init("nccl", &o, &c), TP_ERR_NOT_SUPPORTED);
+    CHECK_ERR(tp_comm_create_world("nccl", &o, &c), TP_ERR_NOT_SUPPORTED);
     cr_assert(strstr(tp_last_error(), "built without NCCL") != NULL, "%s", tp_last_error());
     cr_assert_null(c);
     cr_assert_null(tp_backend_find("nccl"));
 #endif
-    CHECK_ERR(tp_comm_init("nccl", NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_comm_create_world("nccl", NULL, NULL), TP_ERR_INVALID_ARG);
 }
 
 #if TP_HAVE_NCCL && !TP_HAVE_MPI
@@ -144,7 +144,7 @@ Test(nccl, null_bootstrap_needs_mpi, .timeout = 30)
 {
     tp_nccl_options o = {.bootstrap = NULL, .device = -1};
     tp_comm *c = NULL;
-    CHECK_ERR(tp_comm_init("nccl", &o, &c), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_comm_create_world("nccl", &o, &c), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "without MPI") != NULL, "%s", tp_last_error());
 }
 #endif
@@ -161,7 +161,7 @@ static tp_status bad_device_rank(tp_comm *boot, void *arg)
     tp_nccl_options o = {.bootstrap = boot, .device = r == 1 ? 999 : -1};
     tp_comm *c = NULL;
     tp_clear_error();
-    tp_status st = tp_comm_init("nccl", &o, &c);
+    tp_status st = tp_comm_create_world("nccl", &o, &c);
     RANK_EXPECT(s, c == NULL, "rank %d got a communicator", r);
     tp_comm_free(c);
     if (!TP_HAVE_NCCL) {
@@ -627,7 +627,7 @@ static tp_status wrong_device_rank(tp_comm *boot, void *arg)
     tp_test_slot *s = &ctx->slots[r];
     tp_nccl_options o = {.bootstrap = boot, .device = 0};
     tp_comm *c = NULL;
-    RANK_OK(s, tp_comm_init("nccl", &o, &c));
+    RANK_OK(s, tp_comm_create_world("nccl", &o, &c));
     int64_t k = K;
     tp_tensor *other = NULL;
     tp_status st = tp_tensor_zeros(TP_F32, TP_CUDA(1), 1, &k, &other);
@@ -722,14 +722,14 @@ typedef struct e2e_ctx {
 static tp_status e2e_mlp(tp_module **out)
 {
     tp_module *m = NULL, *a = NULL, *relu = NULL, *b = NULL;
-    TP_TEST_TRY(tp_sequential_create(&m));
-    tp_status st = tp_linear_create(E2E_IN, E2E_HIDDEN, true, &a);
+    TP_TEST_TRY(tp_nn_sequential_create(&m));
+    tp_status st = tp_nn_linear_create(E2E_IN, E2E_HIDDEN, true, &a);
     if (st == TP_OK && (st = tp_module_add_child(m, "net1", a)) != TP_OK)
         tp_module_free(a);
-    if (st == TP_OK && (st = tp_relu_create(&relu)) == TP_OK &&
+    if (st == TP_OK && (st = tp_nn_relu_create(&relu)) == TP_OK &&
         (st = tp_module_add_child(m, "relu", relu)) != TP_OK)
         tp_module_free(relu);
-    if (st == TP_OK && (st = tp_linear_create(E2E_HIDDEN, E2E_IN, true, &b)) == TP_OK &&
+    if (st == TP_OK && (st = tp_nn_linear_create(E2E_HIDDEN, E2E_IN, true, &b)) == TP_OK &&
         (st = tp_module_add_child(m, "net2", b)) != TP_OK)
         tp_module_free(b);
     if (st != TP_OK) {
@@ -829,8 +829,8 @@ static tp_status e2e_rank(tp_comm *boot, void *arg)
     E2E_TRY(tp_mesh_create(nc, 1, &size, (const char *const[]){"tp"}, &mesh));
     E2E_TRY(e2e_mlp(&m));
     E2E_TRY(tp_module_to(m, TP_CUDA(rank)));
-    E2E_TRY(tp_colwise_parallel(NULL, &cs));
-    E2E_TRY(tp_rowwise_parallel(NULL, &rs));
+    E2E_TRY(tp_colwise_parallel_create(NULL, &cs));
+    E2E_TRY(tp_rowwise_parallel_create(NULL, &rs));
     const tp_plan_entry plan[] = {{"net1", cs}, {"net2", rs}};
     E2E_TRY(tp_parallelize_module(m, mesh, 2, plan, NULL));
     E2E_TRY(tp_module_init(m, E2E_SEED));

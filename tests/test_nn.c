@@ -71,12 +71,12 @@ static tp_status collect(const char *fqn, tp_tensor *t, void *ctx)
 static tp_status make_mlp(int64_t in, int64_t hid, int64_t out, tp_module **root)
 {
     tp_module *c = NULL, *a = NULL, *b = NULL;
-    TP_TEST_TRY(tp_container_create(&c));
-    tp_status st = tp_linear_create(in, hid, true, &a);
+    TP_TEST_TRY(tp_nn_container_create(&c));
+    tp_status st = tp_nn_linear_create(in, hid, true, &a);
     if (st == TP_OK)
         st = tp_module_add_child(c, "net1", a);
     if (st == TP_OK)
-        st = tp_linear_create(hid, out, true, &b);
+        st = tp_nn_linear_create(hid, out, true, &b);
     if (st == TP_OK)
         st = tp_module_add_child(c, "net2", b);
     if (st != TP_OK) {
@@ -96,12 +96,12 @@ static tp_status make_mlp(int64_t in, int64_t hid, int64_t out, tp_module **root
 Test(nn, tree_names_and_find, .timeout = 30)
 {
     tp_module *root = NULL, *l1 = NULL, *l2 = NULL, *seq = NULL, *r = NULL, *l3 = NULL;
-    CHECK_OK(tp_container_create(&root));
-    CHECK_OK(tp_linear_create(4, 3, true, &l1));
-    CHECK_OK(tp_linear_create(3, 2, false, &l2));
-    CHECK_OK(tp_sequential_create(&seq));
-    CHECK_OK(tp_relu_create(&r));
-    CHECK_OK(tp_linear_create(2, 2, true, &l3));
+    CHECK_OK(tp_nn_container_create(&root));
+    CHECK_OK(tp_nn_linear_create(4, 3, true, &l1));
+    CHECK_OK(tp_nn_linear_create(3, 2, false, &l2));
+    CHECK_OK(tp_nn_sequential_create(&seq));
+    CHECK_OK(tp_nn_relu_create(&r));
+    CHECK_OK(tp_nn_linear_create(2, 2, true, &l3));
     CHECK_OK(tp_module_add_child(root, "net1", l1));
     CHECK_OK(tp_module_add_child(root, "net2", l2));
     CHECK_OK(tp_module_add_child(root, "layers", seq));
@@ -145,7 +145,7 @@ Test(nn, tree_names_and_find, .timeout = 30)
 
     /* names: unique, non-empty, no '.'; one parent; no cycles */
     tp_module *x = NULL;
-    CHECK_OK(tp_identity_create(&x));
+    CHECK_OK(tp_nn_identity_create(&x));
     CHECK_ERR(tp_module_add_child(root, "net1", x), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "already has a child named 'net1'"), "%s",
               tp_last_error());
@@ -237,12 +237,12 @@ Test(nn, named_parameters_order_and_fqns, .timeout = 30)
     /* a Sequential's children are named "0", "1", ... by the caller; a module's
      * own parameters come before its children's; absent ones are skipped */
     tp_module *seq = NULL, *a = NULL, *relu = NULL, *b = NULL, *norm = NULL, *rms = NULL;
-    CHECK_OK(tp_sequential_create(&seq));
-    CHECK_OK(tp_linear_create(3, 3, false, &a));
-    CHECK_OK(tp_relu_create(&relu));
-    CHECK_OK(tp_linear_create(3, 2, true, &b));
-    CHECK_OK(tp_layer_norm_create(2, true, 1e-5, &norm));
-    CHECK_OK(tp_rms_norm_create(2, false, 1e-6, &rms));
+    CHECK_OK(tp_nn_sequential_create(&seq));
+    CHECK_OK(tp_nn_linear_create(3, 3, false, &a));
+    CHECK_OK(tp_nn_relu_create(&relu));
+    CHECK_OK(tp_nn_linear_create(3, 2, true, &b));
+    CHECK_OK(tp_nn_layer_norm_create(2, true, 1e-5, &norm));
+    CHECK_OK(tp_nn_rms_norm_create(2, false, 1e-6, &rms));
     CHECK_OK(tp_module_add_child(seq, "0", a));
     CHECK_OK(tp_module_add_child(seq, "1", relu));
     CHECK_OK(tp_module_add_child(seq, "2", b));
@@ -267,7 +267,7 @@ Test(nn, named_parameters_order_and_fqns, .timeout = 30)
 Test(nn, register_and_set_parameter, .timeout = 30)
 {
     tp_module *lin = NULL;
-    CHECK_OK(tp_linear_create(4, 3, true, &lin));
+    CHECK_OK(tp_nn_linear_create(4, 3, true, &lin));
     tp_tensor *w = mk(2, (int64_t[]){3, 4}, 5);
     cr_assert(!tp_tensor_requires_grad(w));
     CHECK_OK(tp_module_set_parameter(lin, "weight", w));
@@ -283,7 +283,7 @@ Test(nn, register_and_set_parameter, .timeout = 30)
 
     /* the absent bias of a bias-free Linear can be installed */
     tp_module *nb = NULL;
-    CHECK_OK(tp_linear_create(4, 3, false, &nb));
+    CHECK_OK(tp_nn_linear_create(4, 3, false, &nb));
     tp_tensor *b = mk(1, (int64_t[]){3}, 6);
     CHECK_OK(tp_module_set_parameter(nb, "bias", b));
     cr_assert_eq(tp_module_parameter(nb, "bias"), b);
@@ -311,8 +311,8 @@ Test(nn, register_and_set_parameter, .timeout = 30)
     cr_assert_null(tp_module_parameter(lin, "idx"));
     /* a parameter name cannot shadow a child */
     tp_module *c = NULL, *id = NULL;
-    CHECK_OK(tp_container_create(&c));
-    CHECK_OK(tp_identity_create(&id));
+    CHECK_OK(tp_nn_container_create(&c));
+    CHECK_OK(tp_nn_identity_create(&id));
     CHECK_OK(tp_module_add_child(c, "sub", id));
     CHECK_ERR(tp_module_register_parameter(c, "sub", t), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "already has a child named 'sub'"), "%s", tp_last_error());
@@ -363,7 +363,7 @@ Test(nn, builtin_forwards_equal_the_ops, .timeout = 30)
 
     /* Linear */
     tp_module *lin = NULL;
-    CHECK_OK(tp_linear_create(4, 5, true, &lin));
+    CHECK_OK(tp_nn_linear_create(4, 5, true, &lin));
     CHECK_OK(tp_module_init(lin, 1));
     y = call1(lin, x);
     CHECK_OK(tp_linear(x, tp_module_parameter(lin, "weight"), tp_module_parameter(lin, "bias"),
@@ -373,7 +373,7 @@ Test(nn, builtin_forwards_equal_the_ops, .timeout = 30)
     tp_tensor_release(y);
     tp_tensor_release(r);
     tp_module *lnb = NULL;
-    CHECK_OK(tp_linear_create(4, 5, false, &lnb));
+    CHECK_OK(tp_nn_linear_create(4, 5, false, &lnb));
     CHECK_OK(tp_module_init(lnb, 1));
     y = call1(lnb, x);
     CHECK_OK(tp_linear(x, tp_module_parameter(lnb, "weight"), NULL, &r));
@@ -383,7 +383,7 @@ Test(nn, builtin_forwards_equal_the_ops, .timeout = 30)
 
     /* Embedding */
     tp_module *emb = NULL;
-    CHECK_OK(tp_embedding_create(6, 4, &emb));
+    CHECK_OK(tp_nn_embedding_create(6, 4, &emb));
     CHECK_OK(tp_module_init(emb, 2));
     tp_tensor *idx = NULL;
     CHECK_OK(tp_tensor_zeros(TP_I64, TP_CPU, 2, (int64_t[]){2, 3}, &idx));
@@ -397,10 +397,10 @@ Test(nn, builtin_forwards_equal_the_ops, .timeout = 30)
 
     /* norms, affine and not */
     tp_module *ln = NULL, *ln0 = NULL, *rms = NULL, *rms0 = NULL;
-    CHECK_OK(tp_layer_norm_create(4, true, 1e-5, &ln));
-    CHECK_OK(tp_layer_norm_create(4, false, 1e-3, &ln0));
-    CHECK_OK(tp_rms_norm_create(4, true, 1e-6, &rms));
-    CHECK_OK(tp_rms_norm_create(4, false, 1e-2, &rms0));
+    CHECK_OK(tp_nn_layer_norm_create(4, true, 1e-5, &ln));
+    CHECK_OK(tp_nn_layer_norm_create(4, false, 1e-3, &ln0));
+    CHECK_OK(tp_nn_rms_norm_create(4, true, 1e-6, &rms));
+    CHECK_OK(tp_nn_rms_norm_create(4, false, 1e-2, &rms0));
     /* non-trivial affine values */
     tp_tensor *g = mk(1, (int64_t[]){4}, 21), *b = mk(1, (int64_t[]){4}, 22);
     CHECK_OK(tp_module_set_parameter(ln, "weight", g));
@@ -429,10 +429,10 @@ Test(nn, builtin_forwards_equal_the_ops, .timeout = 30)
 
     /* activations */
     tp_module *relu = NULL, *gelu = NULL, *gelut = NULL, *id = NULL;
-    CHECK_OK(tp_relu_create(&relu));
-    CHECK_OK(tp_gelu_create(TP_GELU_EXACT, &gelu));
-    CHECK_OK(tp_gelu_create(TP_GELU_TANH, &gelut));
-    CHECK_OK(tp_identity_create(&id));
+    CHECK_OK(tp_nn_relu_create(&relu));
+    CHECK_OK(tp_nn_gelu_create(TP_GELU_EXACT, &gelu));
+    CHECK_OK(tp_nn_gelu_create(TP_GELU_TANH, &gelut));
+    CHECK_OK(tp_nn_identity_create(&id));
     y = call1(relu, x);
     CHECK_OK(tp_relu(x, &r));
     assert_equal(y, r, "ReLU");
@@ -466,8 +466,8 @@ Test(nn, builtin_forwards_equal_the_ops, .timeout = 30)
 Test(nn, dropout_masks_advance_per_call, .timeout = 30)
 {
     tp_module *d = NULL, *d0 = NULL;
-    CHECK_OK(tp_dropout_create(0.5, 77, &d));
-    CHECK_OK(tp_dropout_create(0.0, 77, &d0));
+    CHECK_OK(tp_nn_dropout_create(0.5, 77, &d));
+    CHECK_OK(tp_nn_dropout_create(0.0, 77, &d0));
     cr_assert_str_eq(tp_module_type_name(d), "Dropout");
     tp_tensor *x = NULL, *y1, *y2, *r1 = NULL, *r2 = NULL;
     CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){8, 16}, &x));
@@ -483,7 +483,7 @@ Test(nn, dropout_masks_advance_per_call, .timeout = 30)
     cr_assert(!eq, "successive calls draw different masks");
     /* a fresh module with the same seed repeats the sequence */
     tp_module *d2 = NULL;
-    CHECK_OK(tp_dropout_create(0.5, 77, &d2));
+    CHECK_OK(tp_nn_dropout_create(0.5, 77, &d2));
     tp_tensor *z = call1(d2, x);
     assert_equal(z, r1, "same seed, same first mask");
     tp_tensor *w = call1(d0, x);
@@ -499,14 +499,14 @@ Test(nn, dropout_masks_advance_per_call, .timeout = 30)
 Test(nn, sequential_chains_its_children, .timeout = 30)
 {
     tp_module *seq = NULL, *a = NULL, *relu = NULL, *b = NULL;
-    CHECK_OK(tp_sequential_create(&seq));
+    CHECK_OK(tp_nn_sequential_create(&seq));
     tp_tensor *x = mk(2, (int64_t[]){3, 4}, 1);
     tp_tensor *y = call1(seq, x);
     cr_assert_eq(y, x, "an empty Sequential returns its input");
     tp_tensor_release(y);
-    CHECK_OK(tp_linear_create(4, 6, true, &a));
-    CHECK_OK(tp_relu_create(&relu));
-    CHECK_OK(tp_linear_create(6, 2, true, &b));
+    CHECK_OK(tp_nn_linear_create(4, 6, true, &a));
+    CHECK_OK(tp_nn_relu_create(&relu));
+    CHECK_OK(tp_nn_linear_create(6, 2, true, &b));
     CHECK_OK(tp_module_add_child(seq, "0", a));
     CHECK_OK(tp_module_add_child(seq, "1", relu));
     CHECK_OK(tp_module_add_child(seq, "2", b));
@@ -534,8 +534,8 @@ Test(nn, sequential_chains_its_children, .timeout = 30)
 Test(nn, builtin_input_errors, .timeout = 30)
 {
     tp_module *lin = NULL, *c = NULL;
-    CHECK_OK(tp_linear_create(4, 3, true, &lin));
-    CHECK_OK(tp_container_create(&c));
+    CHECK_OK(tp_nn_linear_create(4, 3, true, &lin));
+    CHECK_OK(tp_nn_container_create(&c));
     tp_tensor *x = mk(2, (int64_t[]){2, 4}, 1), *y = (tp_tensor *)0x1;
     tp_tensor *two[2] = {x, x};
     CHECK_ERR(tp_module_forward(lin, 2, two, 0, NULL, &y), TP_ERR_INVALID_ARG);
@@ -572,30 +572,30 @@ Test(nn, builtin_input_errors, .timeout = 30)
 Test(nn, create_errors, .timeout = 30)
 {
     tp_module *m = (tp_module *)0x1;
-    CHECK_ERR(tp_linear_create(-1, 3, true, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_linear_create(-1, 3, true, &m), TP_ERR_INVALID_ARG);
     cr_assert_null(m);
-    CHECK_ERR(tp_linear_create(3, -2, true, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_linear_create(3, 2, true, NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_embedding_create(-1, 3, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_embedding_create(3, -1, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_embedding_create(3, 3, NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_layer_norm_create(-1, true, 1e-5, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_layer_norm_create(4, true, -1, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_rms_norm_create(4, true, NAN, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_rms_norm_create(4, true, 1e-5, NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_dropout_create(1.0, 0, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_linear_create(3, -2, true, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_linear_create(3, 2, true, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_embedding_create(-1, 3, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_embedding_create(3, -1, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_embedding_create(3, 3, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_layer_norm_create(-1, true, 1e-5, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_layer_norm_create(4, true, -1, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_rms_norm_create(4, true, NAN, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_rms_norm_create(4, true, 1e-5, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_dropout_create(1.0, 0, &m), TP_ERR_INVALID_ARG);
     cr_assert(strstr(tp_last_error(), "[0, 1)"), "%s", tp_last_error());
-    CHECK_ERR(tp_dropout_create(-0.1, 0, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_dropout_create(NAN, 0, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_gelu_create((tp_gelu_approx)7, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_identity_create(NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_relu_create(NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_gelu_create(TP_GELU_EXACT, NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_sequential_create(NULL), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_container_create(NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_dropout_create(-0.1, 0, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_dropout_create(NAN, 0, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_gelu_create((tp_gelu_approx)7, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_identity_create(NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_relu_create(NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_gelu_create(TP_GELU_EXACT, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_sequential_create(NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_container_create(NULL), TP_ERR_INVALID_ARG);
     cr_assert_null(m);
     /* zero-sized modules are fine */
-    CHECK_OK(tp_linear_create(0, 0, true, &m));
+    CHECK_OK(tp_nn_linear_create(0, 0, true, &m));
     CHECK_OK(tp_module_init(m, 1));
     tp_module_free(m);
 }
@@ -732,7 +732,7 @@ Test(nn, custom_module_positional_keyword_and_none_inputs, .timeout = 30)
 {
     hook_log hl = {0};
     tp_module *m = NULL;
-    CHECK_OK(tp_custom_module_create("Adder", custom_fwd, &hl, count_free, &m));
+    CHECK_OK(tp_nn_custom_create("Adder", custom_fwd, &hl, count_free, &m));
     cr_assert_eq(tp_module_kind_of(m), TP_MODULE_CUSTOM);
     cr_assert_str_eq(tp_module_type_name(m), "Adder");
     cr_assert_eq(tp_module_ctx(m), &hl);
@@ -759,7 +759,7 @@ Test(nn, custom_module_positional_keyword_and_none_inputs, .timeout = 30)
     cr_assert_eq(hl.freed, 1, "ctx_free runs at tp_module_free");
 
     /* NULL ctx_free is fine */
-    CHECK_OK(tp_custom_module_create("Plain", custom_fwd, &hl, NULL, &m));
+    CHECK_OK(tp_nn_custom_create("Plain", custom_fwd, &hl, NULL, &m));
     tp_module_free(m);
     cr_assert_eq(hl.freed, 1);
 }
@@ -786,25 +786,23 @@ Test(nn, custom_module_errors, .timeout = 30)
 {
     tp_module *m = (tp_module *)0x1;
     hook_log hl = {0};
-    CHECK_ERR(tp_custom_module_create(NULL, custom_fwd, NULL, NULL, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_custom_create(NULL, custom_fwd, NULL, NULL, &m), TP_ERR_INVALID_ARG);
     cr_assert_null(m);
-    CHECK_ERR(tp_custom_module_create("", custom_fwd, NULL, NULL, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_custom_module_create("a.b", custom_fwd, NULL, NULL, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_custom_module_create("Global", custom_fwd, NULL, NULL, &m),
-              TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_custom_module_create("T", NULL, NULL, NULL, &m), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_custom_module_create("T", custom_fwd, &hl, count_free, NULL),
-              TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_custom_create("", custom_fwd, NULL, NULL, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_custom_create("a.b", custom_fwd, NULL, NULL, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_custom_create("Global", custom_fwd, NULL, NULL, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_custom_create("T", NULL, NULL, NULL, &m), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_nn_custom_create("T", custom_fwd, &hl, count_free, NULL), TP_ERR_INVALID_ARG);
     cr_assert_eq(hl.freed, 0, "a failed create leaves ctx to the caller");
 
     tp_tensor *x = mk(1, (int64_t[]){3}, 1), *out = (tp_tensor *)0x1;
-    CHECK_OK(tp_custom_module_create("Empty", no_output_fwd, NULL, NULL, &m));
+    CHECK_OK(tp_nn_custom_create("Empty", no_output_fwd, NULL, NULL, &m));
     CHECK_ERR(tp_module_call(m, x, &out), TP_ERR_STATE);
     cr_assert(strstr(tp_last_error(), "the forward of Empty returned no output"), "%s",
               tp_last_error());
     cr_assert_null(out);
     tp_module_free(m);
-    CHECK_OK(tp_custom_module_create("Failing", failing_fwd, NULL, NULL, &m));
+    CHECK_OK(tp_nn_custom_create("Failing", failing_fwd, NULL, NULL, &m));
     out = (tp_tensor *)0x1;
     CHECK_ERR(tp_module_call(m, x, &out), TP_ERR_INVALID_ARG);
     cr_assert_null(out);
@@ -823,7 +821,7 @@ Test(nn, hooks_replace_inputs_and_outputs_in_order, .timeout = 30)
 {
     hook_log hl = {0};
     tp_module *m = NULL;
-    CHECK_OK(tp_custom_module_create("Adder", custom_fwd, &hl, NULL, &m));
+    CHECK_OK(tp_nn_custom_create("Adder", custom_fwd, &hl, NULL, &m));
     CHECK_OK(tp_module_add_forward_pre_hook(m, pre_a, &hl, count_free, NULL));
     CHECK_OK(tp_module_add_forward_pre_hook(m, pre_b, &hl, count_free, NULL));
     CHECK_OK(tp_module_add_forward_hook(m, post_c, &hl, count_free, NULL));
@@ -849,7 +847,7 @@ Test(nn, hooks_replace_inputs_and_outputs_in_order, .timeout = 30)
      * output; both leave the scope stack as it was */
     hook_log fl = {0};
     tp_module *f = NULL;
-    CHECK_OK(tp_custom_module_create("Adder", custom_fwd, &fl, NULL, &f));
+    CHECK_OK(tp_nn_custom_create("Adder", custom_fwd, &fl, NULL, &f));
     CHECK_OK(tp_module_add_forward_pre_hook(f, pre_fail, &fl, NULL, NULL));
     tp_tensor *o = (tp_tensor *)0x1;
     cr_assert_eq(run_adder(f, x, y, s, &o), TP_ERR_MISMATCH);
@@ -858,7 +856,7 @@ Test(nn, hooks_replace_inputs_and_outputs_in_order, .timeout = 30)
     cr_assert_str_eq(tp_comm_debug_current_scope(), "Global");
     tp_module_free(f);
     fl = (hook_log){0};
-    CHECK_OK(tp_custom_module_create("Adder", custom_fwd, &fl, NULL, &f));
+    CHECK_OK(tp_nn_custom_create("Adder", custom_fwd, &fl, NULL, &f));
     CHECK_OK(tp_module_add_forward_hook(f, post_fail, &fl, NULL, NULL));
     CHECK_OK(tp_module_add_forward_hook(f, post_d, &fl, NULL, NULL));
     o = (tp_tensor *)0x1;
@@ -881,9 +879,9 @@ Test(nn, hooks_on_builtin_modules, .timeout = 30)
     /* a pre-hook replacing the input of a Linear, a hook on a Sequential child */
     hook_log hl = {0};
     tp_module *seq = NULL, *lin = NULL, *id = NULL;
-    CHECK_OK(tp_sequential_create(&seq));
-    CHECK_OK(tp_linear_create(3, 3, false, &lin));
-    CHECK_OK(tp_identity_create(&id));
+    CHECK_OK(tp_nn_sequential_create(&seq));
+    CHECK_OK(tp_nn_linear_create(3, 3, false, &lin));
+    CHECK_OK(tp_nn_identity_create(&id));
     CHECK_OK(tp_module_add_child(seq, "0", id));
     CHECK_OK(tp_module_add_child(seq, "1", lin));
     CHECK_OK(tp_module_init(seq, 4));
@@ -915,7 +913,7 @@ Test(nn, hooks_removed_by_handle, .timeout = 30)
     hook_log hl = {0}, sl = {0};
     tp_module *m = NULL;
     int ha = -1, hb = -1, hc = -1, hd = -1, hs = -1, bad = -1;
-    CHECK_OK(tp_custom_module_create("Adder", custom_fwd, &hl, NULL, &m));
+    CHECK_OK(tp_nn_custom_create("Adder", custom_fwd, &hl, NULL, &m));
     CHECK_OK(tp_module_add_forward_pre_hook(m, pre_a, &hl, count_free, &ha));
     CHECK_OK(tp_module_add_forward_pre_hook(m, pre_b, &hl, count_free, &hb));
     CHECK_OK(tp_module_add_forward_hook(m, post_c, &hl, count_free, &hc));
@@ -1024,7 +1022,7 @@ Test(nn, hooks_removed_while_running, .timeout = 30)
     /* on the running module itself */
     remover r = {0};
     tp_module *lin = NULL;
-    CHECK_OK(tp_linear_create(3, 3, false, &lin));
+    CHECK_OK(tp_nn_linear_create(3, 3, false, &lin));
     CHECK_OK(tp_module_init(lin, 4));
     r.m = lin;
     CHECK_OK(tp_module_add_forward_pre_hook(lin, pre_remover, &r, remover_free, &r.self));
@@ -1046,8 +1044,8 @@ Test(nn, hooks_removed_while_running, .timeout = 30)
     /* a child's hook removes a hook of its running parent */
     remover q = {0};
     tp_module *seq = NULL, *id = NULL;
-    CHECK_OK(tp_sequential_create(&seq));
-    CHECK_OK(tp_identity_create(&id));
+    CHECK_OK(tp_nn_sequential_create(&seq));
+    CHECK_OK(tp_nn_identity_create(&id));
     CHECK_OK(tp_module_add_child(seq, "0", id));
     q.m = seq;
     CHECK_OK(tp_module_add_forward_hook(seq, post_count, &q, remover_free, &q.other));
@@ -1184,14 +1182,14 @@ static tp_status scope_body(tp_comm *w, void *arg)
     rank_ctx *c = arg;
     tp_test_slot *s = &c->slot[tp_comm_rank(w)];
     tp_module *mlp = NULL, *inner = NULL, *lin = NULL, *solo = NULL;
-    RANK_OK(s, tp_custom_module_create("MLP", mlp_fwd, NULL, NULL, &mlp));
-    RANK_OK(s, tp_custom_module_create("Inner", core_allreduce_fwd, w, NULL, &inner));
+    RANK_OK(s, tp_nn_custom_create("MLP", mlp_fwd, NULL, NULL, &mlp));
+    RANK_OK(s, tp_nn_custom_create("Inner", core_allreduce_fwd, w, NULL, &inner));
     RANK_OK(s, tp_module_add_child(mlp, "net1", inner));
-    RANK_OK(s, tp_linear_create(4, 4, true, &lin));
+    RANK_OK(s, tp_nn_linear_create(4, 4, true, &lin));
     RANK_OK(s, tp_module_add_child(mlp, "net2", lin));
     RANK_OK(s, tp_module_add_forward_pre_hook(lin, barrier_pre, w, NULL, NULL));
     RANK_OK(s, tp_module_init(mlp, 5));
-    RANK_OK(s, tp_linear_create(4, 2, true, &solo));
+    RANK_OK(s, tp_nn_linear_create(4, 2, true, &solo));
     RANK_OK(s, tp_module_add_forward_hook(solo, allreduce_post, w, NULL, NULL));
 
     tp_comm_debug *d = NULL;
@@ -1338,15 +1336,15 @@ static tp_status deep_scope_body(tp_comm *w, void *arg)
         const char *type, *name;
     } chain[] = {{"ModuleList", "layers"}, {"Block", "0"}, {"Attention", "attention"}};
     tp_module *root = NULL, *m = NULL, *wq = NULL;
-    RANK_OK(s, tp_custom_module_create("Transformer", first_child_fwd, NULL, NULL, &root));
+    RANK_OK(s, tp_nn_custom_create("Transformer", first_child_fwd, NULL, NULL, &root));
     tp_module *parent = root;
     for (size_t i = 0; i < sizeof chain / sizeof chain[0]; i++) {
-        RANK_OK(s, tp_custom_module_create(chain[i].type, i == 2 ? heads_fwd : first_child_fwd,
-                                           NULL, NULL, &m));
+        RANK_OK(s, tp_nn_custom_create(chain[i].type, i == 2 ? heads_fwd : first_child_fwd, NULL,
+                                       NULL, &m));
         RANK_OK(s, tp_module_add_child(parent, chain[i].name, m));
         parent = m;
     }
-    RANK_OK(s, tp_custom_module_create("Inner", allreduce_fwd, w, NULL, &wq));
+    RANK_OK(s, tp_nn_custom_create("Inner", allreduce_fwd, w, NULL, &wq));
     RANK_OK(s, tp_module_add_child(parent, "wq", wq));
 
     tp_comm_debug *d = NULL;
@@ -1406,8 +1404,8 @@ Test(nn, comm_debug_child_named_global, .timeout = 10)
 {
     tp_module *root = NULL, *lin = NULL, *mid = NULL, *deep = NULL;
     tp_tensor *x = NULL, *y = NULL;
-    CHECK_OK(tp_custom_module_create("Net", first_child_fwd, NULL, NULL, &root));
-    CHECK_OK(tp_linear_create(4, 4, true, &lin));
+    CHECK_OK(tp_nn_custom_create("Net", first_child_fwd, NULL, NULL, &root));
+    CHECK_OK(tp_nn_linear_create(4, 4, true, &lin));
     CHECK_OK(tp_module_add_child(root, "Global", lin));
     CHECK_OK(tp_module_init(root, 1));
     CHECK_OK(randint(2, (int64_t[]){2, 4}, 3, &x));
@@ -1418,8 +1416,8 @@ Test(nn, comm_debug_child_named_global, .timeout = 10)
     cr_assert(strstr(tp_last_error(), "Linear 'Global'"), "message: %s", tp_last_error());
     cr_assert_str_eq(tp_comm_debug_current_scope(), "Global", "scopes popped on failure");
 
-    CHECK_OK(tp_custom_module_create("Mid", first_child_fwd, NULL, NULL, &mid));
-    CHECK_OK(tp_linear_create(4, 4, true, &deep));
+    CHECK_OK(tp_nn_custom_create("Mid", first_child_fwd, NULL, NULL, &mid));
+    CHECK_OK(tp_nn_linear_create(4, 4, true, &deep));
     CHECK_OK(tp_module_add_child(mid, "Global", deep));
     CHECK_OK(tp_module_init(mid, 1));
     CHECK_OK(tp_module_add_child(root, "mid", mid));
@@ -1445,15 +1443,15 @@ static tp_status make_net(tp_module **out)
 {
     tp_module *root = NULL, *m = NULL;
     TP_TEST_TRY(make_mlp(7, 5, 3, &root));
-    tp_status st = tp_embedding_create(6, 5, &m);
+    tp_status st = tp_nn_embedding_create(6, 5, &m);
     if (st == TP_OK && (st = tp_module_add_child(root, "emb", m)) == TP_OK)
         m = NULL;
     if (st == TP_OK)
-        st = tp_layer_norm_create(5, true, 1e-5, &m);
+        st = tp_nn_layer_norm_create(5, true, 1e-5, &m);
     if (st == TP_OK && (st = tp_module_add_child(root, "norm", m)) == TP_OK)
         m = NULL;
     if (st == TP_OK)
-        st = tp_custom_module_create("Scale", custom_fwd, NULL, NULL, &m);
+        st = tp_nn_custom_create("Scale", custom_fwd, NULL, NULL, &m);
     if (st == TP_OK && (st = tp_module_add_child(root, "cust", m)) == TP_OK) {
         tp_tensor *t = NULL;
         st = tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){5, 3}, &t);
@@ -1794,7 +1792,7 @@ Test(nn, load_state_dict_errors, .timeout = 30)
     CHECK_OK(tp_module_load_state_dict(root, 4, all, good, true));
     assert_equal(tp_module_parameter(tp_module_child(root, "net2"), "bias"), b2, "loaded");
     tp_module *relu = NULL;
-    CHECK_OK(tp_relu_create(&relu));
+    CHECK_OK(tp_nn_relu_create(&relu));
     CHECK_OK(tp_module_load_state_dict(relu, 0, NULL, NULL, true));
     /* other dtypes convert */
     tp_tensor *w1d = NULL;
@@ -1823,7 +1821,7 @@ static tp_status partial_param_body(tp_comm *w, void *arg)
     tp_mesh *mesh = NULL;
     tp_module *lin = NULL;
     RANK_OK(s, tp_mesh_create(w, 1, (int64_t[]){tp_comm_size(w)}, NULL, &mesh));
-    RANK_OK(s, tp_linear_create(3, 2, true, &lin));
+    RANK_OK(s, tp_nn_linear_create(3, 2, true, &lin));
     tp_tensor *local = NULL, *dt = NULL;
     RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){2}, &local));
     tp_placement P = tp_partial(TP_SUM);
@@ -1863,7 +1861,7 @@ Test(nn, partial_parameters_are_refused, .timeout = 30)
 static tp_module *hand_linear(void)
 {
     tp_module *lin = NULL;
-    CHECK_OK(tp_linear_create(3, 2, true, &lin));
+    CHECK_OK(tp_nn_linear_create(3, 2, true, &lin));
     tp_tensor *w = mk_data(2, (int64_t[]){2, 3}, (float[]){1, 2, 3, 4, 5, 6});
     tp_tensor *b = mk_data(1, (int64_t[]){2}, (float[]){1, -1});
     const char *names[2] = {"weight", "bias"};
@@ -1938,7 +1936,7 @@ Test(nn, step_pre_hooks, .timeout = 30)
     tp_module *lin = hand_linear(), *root = NULL;
     step_log l = {0};
     CHECK_OK(tp_module_add_step_pre_hook(lin, step_hook, &l, step_log_free, NULL));
-    CHECK_OK(tp_sequential_create(&root));
+    CHECK_OK(tp_nn_sequential_create(&root));
     CHECK_OK(tp_module_add_child(root, "lin", lin));
     hand_backward(lin);
     tp_adam *adam = NULL;
@@ -2113,8 +2111,8 @@ static tp_status opt_body(tp_comm *w, void *arg)
     tp_mesh *mesh = NULL;
     tp_module *ref = NULL, *dist = NULL;
     RANK_OK(s, tp_mesh_create(w, 1, (int64_t[]){n}, NULL, &mesh));
-    RANK_OK(s, tp_linear_create(5, 7, true, &ref));
-    RANK_OK(s, tp_linear_create(5, 7, true, &dist));
+    RANK_OK(s, tp_nn_linear_create(5, 7, true, &ref));
+    RANK_OK(s, tp_nn_linear_create(5, 7, true, &dist));
     tp_tensor *wv = NULL, *bv = NULL, *x = NULL, *xd = NULL;
     RANK_OK(s, randint(2, (int64_t[]){7, 5}, 1, &wv));
     RANK_OK(s, randint(1, (int64_t[]){7}, 2, &bv));
@@ -2250,17 +2248,17 @@ static tp_status nn_scenario(void)
         if ((st = (e)) != TP_OK)                                                \
             goto out;                                                           \
     } while (0)
-    TRY(tp_sequential_create(&seq));
+    TRY(tp_nn_sequential_create(&seq));
     if ((st = tp_module_add_child(root, longname, seq)) != TP_OK) {
         tp_module_free(seq);
         goto out;
     }
-    TRY(tp_embedding_create(4, 3, &m));
+    TRY(tp_nn_embedding_create(4, 3, &m));
     if ((st = tp_module_add_child(seq, "0", m)) != TP_OK) {
         tp_module_free(m);
         goto out;
     }
-    TRY(tp_custom_module_create("Custom", custom_fwd, NULL, NULL, &m));
+    TRY(tp_nn_custom_create("Custom", custom_fwd, NULL, NULL, &m));
     if ((st = tp_module_add_child(seq, "1", m)) != TP_OK) {
         tp_module_free(m);
         goto out;
@@ -2362,7 +2360,7 @@ static tp_status counted_scenario(void)
     if (st == TP_OK)
         st = nn_scenario();
     if (st == TP_OK)
-        st = tp_linear_create(3, 3, false, &solo);
+        st = tp_nn_linear_create(3, 3, false, &solo);
     if (st == TP_OK)
         st = randint(2, (int64_t[]){2, 3}, 2, &x);
     if (st == TP_OK)
@@ -2409,8 +2407,8 @@ Test(nn, allocation_failures_counted, .init = nn_alloc_install, .fini = nn_alloc
 Test(nn, training_mode, .timeout = 10)
 {
     tp_module *seq = NULL, *drop = NULL;
-    CHECK_OK(tp_sequential_create(&seq));
-    CHECK_OK(tp_dropout_create(0.5, 7, &drop));
+    CHECK_OK(tp_nn_sequential_create(&seq));
+    CHECK_OK(tp_nn_dropout_create(0.5, 7, &drop));
     CHECK_OK(tp_module_add_child(seq, "0", drop));
     cr_assert(tp_module_is_training(seq) && tp_module_is_training(drop));
     int64_t n = 64;
@@ -2459,11 +2457,11 @@ static tp_status tied_fwd(tp_module *self, int nargs, tp_tensor *const *args, in
 static tp_module *tied_model(tie_kind kind)
 {
     tp_module *m = NULL, *emb = NULL, *head = NULL;
-    CHECK_OK(tp_custom_module_create("Tied", tied_fwd, NULL, NULL, &m));
-    CHECK_OK(tp_embedding_create(TV, TD, &emb));
+    CHECK_OK(tp_nn_custom_create("Tied", tied_fwd, NULL, NULL, &m));
+    CHECK_OK(tp_nn_embedding_create(TV, TD, &emb));
     CHECK_OK(tp_module_add_child(m, "emb", emb));
     if (kind != TIE_ONE) {
-        CHECK_OK(tp_linear_create(TD, TV, false, &head));
+        CHECK_OK(tp_nn_linear_create(TD, TV, false, &head));
         CHECK_OK(tp_module_add_child(m, "head", head));
         tp_tensor *w = tp_module_parameter(emb, "weight"), *v = NULL;
         if (kind == TIE_VIEW)

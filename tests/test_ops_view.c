@@ -814,12 +814,12 @@ static tp_status attn_forward(tp_module *self, int nargs, tp_tensor *const *args
 static tp_status attn_build(int *heads, tp_module **out)
 {
     tp_module *m = NULL;
-    TP_TEST_TRY(tp_custom_module_create("Attention", attn_forward, heads, NULL, &m));
+    TP_TEST_TRY(tp_nn_custom_create("Attention", attn_forward, heads, NULL, &m));
     const char *const names[4] = {"wq", "wk", "wv", "wo"};
     int64_t d = *heads * ADH;
     for (int i = 0; i < 4; i++) {
         tp_module *l = NULL;
-        tp_status st = tp_linear_create(d, d, false, &l);
+        tp_status st = tp_nn_linear_create(d, d, false, &l);
         if (st == TP_OK) {
             st = tp_module_add_child(m, names[i], l);
             if (st != TP_OK)
@@ -869,8 +869,8 @@ static tp_status attn_rank(tp_comm *world, void *arg)
     RANK_OK(s, attn_build(&heads, &par));
     tp_style *col = NULL, *row = NULL;
     tp_colwise_options co = {.use_local_output = TP_FLAG_FALSE};
-    RANK_OK(s, tp_colwise_parallel(&co, &col));
-    RANK_OK(s, tp_rowwise_parallel(NULL, &row));
+    RANK_OK(s, tp_colwise_parallel_create(&co, &col));
+    RANK_OK(s, tp_rowwise_parallel_create(NULL, &row));
     tp_plan_entry plan[2] = {{"w[qkv]", col}, {"wo", row}};
     tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
     tp_status st = tp_parallelize_module(par, mesh, 2, plan, &po);

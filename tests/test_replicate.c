@@ -40,7 +40,7 @@ static tp_status wrap(const char *type, tp_forward_fn fwd, const char *name, tp_
                       tp_module **out)
 {
     tp_module *m = NULL;
-    tp_status st = tp_custom_module_create(type, fwd, NULL, NULL, &m);
+    tp_status st = tp_nn_custom_create(type, fwd, NULL, NULL, &m);
     if (st == TP_OK)
         st = tp_module_add_child(m, name, child);
     if (st != TP_OK) {
@@ -56,15 +56,21 @@ static tp_status wrap(const char *type, tp_forward_fn fwd, const char *name, tp_
 static tp_status make_seq(tp_module **out)
 {
     tp_module *seq = NULL, *c = NULL;
-    TP_TEST_TRY(tp_sequential_create(&seq));
+    TP_TEST_TRY(tp_nn_sequential_create(&seq));
     tp_status st = TP_OK;
     for (int i = 0; i < 4 && st == TP_OK; i++) {
         c = NULL;
         switch (i) {
         case 0:
-        case 3: st = tp_linear_create(2, 2, true, &c); break;
-        case 1: st = tp_layer_norm_create(2, true, 1e-5, &c); break;
-        default: st = tp_relu_create(&c); break;
+        case 3:
+            st = tp_nn_linear_create(2, 2, true, &c);
+            break;
+        case 1:
+            st = tp_nn_layer_norm_create(2, true, 1e-5, &c);
+            break;
+        default:
+            st = tp_nn_relu_create(&c);
+            break;
         }
         char name[4];
         snprintf(name, sizeof name, "%d", i);
@@ -245,7 +251,7 @@ static void shared_module(bool cuda)
     CHECK_OK(wrap("Mpy1", fwd_child, "m", s, &p1));
     CHECK_OK(wrap("Mpy2", fwd_mpy2, "m1", p1, &module));
     /* a module has one parent: s cannot hang in the tree twice */
-    CHECK_OK(tp_container_create(&other));
+    CHECK_OK(tp_nn_container_create(&other));
     CHECK_ERR(tp_module_add_child(other, "m2", s), TP_ERR_INVALID_ARG);
     tp_module_free(other);
     init(module, 2);
@@ -528,10 +534,10 @@ Test(replicate, tree_hooks_ctx_and_tied_weights, .timeout = 30)
     static int tag = 42;
     ctx_frees = 0;
     tp_module *module = NULL, *drop = NULL, *inner = NULL, *r[3];
-    CHECK_OK(tp_custom_module_create("Tied", fwd_tied, &tag, ctx_free_count, &module));
-    CHECK_OK(tp_dropout_create(0.5, 77, &drop));
+    CHECK_OK(tp_nn_custom_create("Tied", fwd_tied, &tag, ctx_free_count, &module));
+    CHECK_OK(tp_nn_dropout_create(0.5, 77, &drop));
     CHECK_OK(tp_module_add_child(module, "drop", drop));
-    CHECK_OK(tp_custom_module_create("Inner", fwd_child, NULL, NULL, &inner));
+    CHECK_OK(tp_nn_custom_create("Inner", fwd_child, NULL, NULL, &inner));
     CHECK_OK(tp_module_add_child(module, "inner", inner));
     tp_tensor *w = random_input(13, TP_CPU);
     CHECK_OK(tp_module_register_parameter(module, "w", w));
@@ -643,7 +649,7 @@ Test(replicate, shared_ctx_freed_after_the_last_holder, .timeout = 30)
     heap_ctx *mc = heap_new(), *hc = heap_new();
     tp_module *module = NULL, *r[2];
     int h = 0;
-    CHECK_OK(tp_custom_module_create("Heap", fwd_heap, mc, heap_ctx_free, &module));
+    CHECK_OK(tp_nn_custom_create("Heap", fwd_heap, mc, heap_ctx_free, &module));
     CHECK_OK(tp_module_add_forward_hook(module, heap_hook, hc, heap_ctx_free, &h));
     CHECK_OK(tp_module_replicate(module, CPU01, 2, r));
     tp_module_free(module);
@@ -675,8 +681,8 @@ Test(replicate, module_device, .timeout = 10)
     tp_device d = tp_module_device(NULL);
     cr_assert(d.type == TP_DEVICE_CPU && d.index == -1);
     tp_module *relu = NULL, *lin = NULL, *r[2];
-    CHECK_OK(tp_relu_create(&relu));
-    CHECK_OK(tp_linear_create(2, 3, true, &lin));
+    CHECK_OK(tp_nn_relu_create(&relu));
+    CHECK_OK(tp_nn_linear_create(2, 3, true, &lin));
     cr_assert(same_dev(tp_module_device(relu), TP_CPU));
     cr_assert(same_dev(tp_module_device(lin), TP_CPU));
     tp_device dev[2] = {{TP_DEVICE_CPU, 5}, {TP_DEVICE_CPU, 2}};
@@ -785,7 +791,7 @@ static tp_status rank_dtensor(tp_comm *w, void *arg)
     tp_module *lin = NULL, *r[2] = {POISON, POISON};
     tp_tensor *dt = NULL;
     RANK_OK(s, tp_mesh_create(w, 1, (int64_t[]){1}, NULL, &mesh));
-    RANK_OK(s, tp_linear_create(2, 2, true, &lin));
+    RANK_OK(s, tp_nn_linear_create(2, 2, true, &lin));
     tp_placement p = tp_shard(0);
     RANK_OK(s, tp_dtensor_from_local(mesh, tp_module_parameter(lin, "bias"), 1, &p, NULL, &dt));
     RANK_OK(s, tp_module_set_parameter(lin, "bias", dt));
@@ -830,7 +836,7 @@ Test(replicate, allocation_failures, .init = rep_alloc_install, .fini = rep_allo
     /* a tied weight exercises the memo */
     tp_tensor *w = tp_module_parameter(tp_module_find(module, "m.m.0"), "weight");
     tp_module *tied = NULL;
-    CHECK_OK(tp_custom_module_create("Tied", fwd_child, NULL, NULL, &tied));
+    CHECK_OK(tp_nn_custom_create("Tied", fwd_child, NULL, NULL, &tied));
     CHECK_OK(tp_module_register_parameter(tied, "w", w));
     CHECK_OK(tp_module_add_child(module, "tied", tied));
     static hook_ctx h;

@@ -64,7 +64,7 @@ static tp_status par_self(tp_module *m, tp_mesh *mesh, tp_style *style)
 
 static tp_status colwise(const tp_colwise_options *o, tp_style **s)
 {
-    return tp_colwise_parallel(o, s);
+    return tp_colwise_parallel_create(o, s);
 }
 
 static bool shape_is(const tp_tensor *t, int nd, const int64_t *shape)
@@ -170,7 +170,7 @@ static tp_status colwise_linear_body(tp_comm *world, void *arg)
     RANK_OK(s, tp_tensor_set_requires_grad(x, true));
 
     /* default: no communication forward, one all_reduce backward */
-    RANK_OK(s, tp_linear_create(16, 16, true, &m));
+    RANK_OK(s, tp_nn_linear_create(16, 16, true, &m));
     RANK_OK(s, tp_module_init(m, 42));
     RANK_OK(s, colwise(NULL, &st));
     RANK_OK(s, par_self(m, mesh, st));
@@ -186,7 +186,7 @@ static tp_status colwise_linear_body(tp_comm *world, void *arg)
     tp_tensor_zero_grad(x);
 
     /* input_layouts = Shard(0): all_gather forward, reduce_scatter backward */
-    RANK_OK(s, tp_linear_create(16, 16, true, &m));
+    RANK_OK(s, tp_nn_linear_create(16, 16, true, &m));
     RANK_OK(s, tp_module_init(m, 42));
     tp_colwise_options o = {.input_layouts = tp_layout_of(tp_shard(0))};
     RANK_OK(s, colwise(&o, &st));
@@ -201,7 +201,7 @@ static tp_status colwise_linear_body(tp_comm *world, void *arg)
     tp_module_free(m);
 
     /* use_local_output false: the output stays a DTensor S(-1) */
-    RANK_OK(s, tp_linear_create(16, 16, true, &m));
+    RANK_OK(s, tp_nn_linear_create(16, 16, true, &m));
     RANK_OK(s, tp_module_init(m, 42));
     tp_colwise_options k = {.use_local_output = TP_FLAG_FALSE};
     RANK_OK(s, colwise(&k, &st));
@@ -221,7 +221,7 @@ static tp_status colwise_linear_body(tp_comm *world, void *arg)
 
     /* a DTensor input whose layout differs from input_layouts (R) is
      * redistributed to it first: S(0) -> R is one all_gather */
-    RANK_OK(s, tp_linear_create(16, 16, true, &m));
+    RANK_OK(s, tp_nn_linear_create(16, 16, true, &m));
     RANK_OK(s, tp_module_init(m, 42));
     RANK_OK(s, colwise(NULL, &st));
     RANK_OK(s, par_self(m, mesh, st));
@@ -263,7 +263,7 @@ static tp_status colwise_embedding_body(tp_comm *world, void *arg)
     RANK_OK(s, mesh1d(world, &mesh));
     RANK_OK(s, tp_comm_debug_create(&dbg));
     RANK_OK(s, arange_i64(2, (int64_t[]){4, 2}, &idx));
-    RANK_OK(s, tp_embedding_create(16, 16, &m));
+    RANK_OK(s, tp_nn_embedding_create(16, 16, &m));
     RANK_OK(s, tp_module_init(m, 7));
     RANK_OK(s, colwise(NULL, &st));
     RANK_OK(s, par_self(m, mesh, st));
@@ -306,9 +306,9 @@ static tp_status rowwise_linear_body(tp_comm *world, void *arg)
     RANK_OK(s, tp_tensor_set_requires_grad(x, true));
 
     /* default: all_reduce forward, nothing backward */
-    RANK_OK(s, tp_linear_create(16, 16, true, &m));
+    RANK_OK(s, tp_nn_linear_create(16, 16, true, &m));
     RANK_OK(s, tp_module_init(m, 42));
-    RANK_OK(s, tp_rowwise_parallel(NULL, &st));
+    RANK_OK(s, tp_rowwise_parallel_create(NULL, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, x, true, dbg, &out));
     expect_shape(s, out, 2, (int64_t[]){8, 16}, "rowwise default output");
@@ -321,10 +321,10 @@ static tp_status rowwise_linear_body(tp_comm *world, void *arg)
     tp_module_free(m);
 
     /* output_layouts = Shard(0): reduce_scatter forward, all_gather backward */
-    RANK_OK(s, tp_linear_create(16, 16, true, &m));
+    RANK_OK(s, tp_nn_linear_create(16, 16, true, &m));
     RANK_OK(s, tp_module_init(m, 42));
     tp_rowwise_options o = {.output_layouts = tp_layout_of(tp_shard(0))};
-    RANK_OK(s, tp_rowwise_parallel(&o, &st));
+    RANK_OK(s, tp_rowwise_parallel_create(&o, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, x, true, dbg, &out));
     expect_shape(s, out, 2, (int64_t[]){8 / w, 16}, "rowwise S(0) output");
@@ -366,12 +366,12 @@ static tp_status rowwise_embedding_body(tp_comm *world, void *arg)
     /* input_layouts = Replicate (and the Embedding default, also R) */
     for (int explicit_r = 1; explicit_r >= 0; explicit_r--) {
         const char *label = explicit_r ? "embedding rowwise input R" : "embedding rowwise default";
-        RANK_OK(s, tp_embedding_create(16, 16, &m));
+        RANK_OK(s, tp_nn_embedding_create(16, 16, &m));
         RANK_OK(s, tp_module_init(m, 7));
         tp_rowwise_options o = {0};
         if (explicit_r)
             o.input_layouts = tp_layout_of(tp_replicate());
-        RANK_OK(s, tp_rowwise_parallel(&o, &st));
+        RANK_OK(s, tp_rowwise_parallel_create(&o, &st));
         RANK_OK(s, par_self(m, mesh, st));
         RANK_OK(s, run_counted(m, idx, true, dbg, &out));
         expect_shape(s, out, 3, (int64_t[]){4, 2, 16}, label);
@@ -383,11 +383,11 @@ static tp_status rowwise_embedding_body(tp_comm *world, void *arg)
     }
 
     /* input R, output Shard(1), indices [8] */
-    RANK_OK(s, tp_embedding_create(16, 16, &m));
+    RANK_OK(s, tp_nn_embedding_create(16, 16, &m));
     RANK_OK(s, tp_module_init(m, 7));
     tp_rowwise_options o = {.input_layouts = tp_layout_of(tp_replicate()),
                             .output_layouts = tp_layout_of(tp_shard(1))};
-    RANK_OK(s, tp_rowwise_parallel(&o, &st));
+    RANK_OK(s, tp_rowwise_parallel_create(&o, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, idx8, true, dbg, &out));
     expect_shape(s, out, 2, (int64_t[]){8, chunk_len(16, w, r)}, "embedding rowwise S(1)");
@@ -429,12 +429,12 @@ static tp_status prepare_identity_body(tp_comm *world, void *arg)
     /* PrepareModuleInput S(0) -> R: the full tensor is ones(2W, 16) */
     RANK_OK(s, ones_t(2, (int64_t[]){2, 16}, &x));
     RANK_OK(s, ones_t(2, (int64_t[]){2 * w, 16}, &want));
-    RANK_OK(s, tp_identity_create(&m));
+    RANK_OK(s, tp_nn_identity_create(&m));
     tp_prepare_input_options pi = {.n_inputs = 1,
                                    .input_layouts = {tp_layout_of(tp_shard(0))},
                                    .n_desired = 1,
                                    .desired_input_layouts = {tp_layout_of(tp_replicate())}};
-    RANK_OK(s, tp_prepare_module_input(&pi, &st));
+    RANK_OK(s, tp_prepare_module_input_create(&pi, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, x, false, dbg, &out));
     expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 1, 0, "PrepareModuleInput S(0)->R");
@@ -453,9 +453,9 @@ static tp_status prepare_identity_body(tp_comm *world, void *arg)
 
     /* PrepareModuleInput with use_local_output: the module sees a local tensor */
     RANK_OK(s, ones_t(2, (int64_t[]){2, 16}, &x));
-    RANK_OK(s, tp_identity_create(&m));
+    RANK_OK(s, tp_nn_identity_create(&m));
     pi.use_local_output = true;
-    RANK_OK(s, tp_prepare_module_input(&pi, &st));
+    RANK_OK(s, tp_prepare_module_input_create(&pi, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, x, false, dbg, &out));
     RANK_EXPECT(s, !tp_tensor_is_dtensor(out), "PrepareModuleInput use_local_output: DTensor");
@@ -468,12 +468,12 @@ static tp_status prepare_identity_body(tp_comm *world, void *arg)
     /* PrepareModuleOutput R -> S(0): this rank's ones(8/W, 16), no collective */
     RANK_OK(s, ones_t(2, (int64_t[]){8, 16}, &x));
     RANK_OK(s, ones_t(2, (int64_t[]){8 / w, 16}, &want));
-    RANK_OK(s, tp_identity_create(&m));
+    RANK_OK(s, tp_nn_identity_create(&m));
     tp_prepare_output_options po = {.n_outputs = 1,
                                     .output_layouts = {tp_layout_of(tp_replicate())},
                                     .n_desired = 1,
                                     .desired_output_layouts = {tp_layout_of(tp_shard(0))}};
-    RANK_OK(s, tp_prepare_module_output(&po, &st));
+    RANK_OK(s, tp_prepare_module_output_create(&po, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, x, false, dbg, &out));
     expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 0, 0, "PrepareModuleOutput R->S(0)");
@@ -486,10 +486,10 @@ static tp_status prepare_identity_body(tp_comm *world, void *arg)
 
     /* the same with use_local_output TP_FLAG_FALSE: the output stays a DTensor
      * S(0) whose local shard is ones(8/W, 16) */
-    RANK_OK(s, tp_identity_create(&m));
+    RANK_OK(s, tp_nn_identity_create(&m));
     tp_prepare_output_options pk = po;
     pk.use_local_output = TP_FLAG_FALSE;
-    RANK_OK(s, tp_prepare_module_output(&pk, &st));
+    RANK_OK(s, tp_prepare_module_output_create(&pk, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, x, false, dbg, &out));
     expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 0, 0, "PrepareModuleOutput DTensor output");
@@ -509,9 +509,9 @@ static tp_status prepare_identity_body(tp_comm *world, void *arg)
 
     /* PrepareModuleInputOutput: S(0) -> R in, R -> S(0) out gives x back */
     RANK_OK(s, rand_t(2, (int64_t[]){2, 16}, 100 + (uint64_t)tp_comm_rank(world), &want));
-    RANK_OK(s, tp_identity_create(&m));
+    RANK_OK(s, tp_nn_identity_create(&m));
     pi.use_local_output = TP_FLAG_FALSE;
-    RANK_OK(s, tp_prepare_module_input_output(&pi, &po, &st));
+    RANK_OK(s, tp_prepare_module_input_output_create(&pi, &po, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, want, false, dbg, &out));
     expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 1, 0, "PrepareModuleInputOutput");
@@ -554,8 +554,8 @@ static tp_status two_input_forward(tp_module *self, int nargs, tp_tensor *const 
 static tp_status make_two_input(tp_module **out)
 {
     tp_module *m = NULL, *lin = NULL;
-    TP_TEST_TRY(tp_custom_module_create("TestModule", two_input_forward, NULL, NULL, &m));
-    tp_status st = tp_linear_create(8, 8, true, &lin);
+    TP_TEST_TRY(tp_nn_custom_create("TestModule", two_input_forward, NULL, NULL, &m));
+    tp_status st = tp_nn_linear_create(8, 8, true, &lin);
     if (st == TP_OK)
         st = tp_module_add_child(m, "linear", lin);
     else
@@ -595,7 +595,7 @@ static tp_status multiple_inputs_body(tp_comm *world, void *arg)
                                        .input_layouts = {tp_layout_of(tp_shard(0))},
                                        .n_desired = 1,
                                        .desired_input_layouts = {tp_layout_of(tp_replicate())}};
-    RANK_OK(s, tp_prepare_module_input(&shortp, &st));
+    RANK_OK(s, tp_prepare_module_input_create(&shortp, &st));
     RANK_OK(s, par_self(m, mesh, st));
     tp_tensor *args[2] = {x, y};
     tp_clear_error();
@@ -615,7 +615,7 @@ static tp_status multiple_inputs_body(tp_comm *world, void *arg)
         .input_layouts = {tp_layout_of(tp_shard(0)), tp_layout_none()},
         .n_desired = 2,
         .desired_input_layouts = {tp_layout_of(tp_replicate()), tp_layout_none()}};
-    RANK_OK(s, tp_prepare_module_input(&p2, &st));
+    RANK_OK(s, tp_prepare_module_input_create(&p2, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, tp_module_forward(m, 2, args, 0, NULL, &out));
     expect_shape(s, out, 2, (int64_t[]){2 * w, 8 / w}, "(S(0), None) -> (R, None) output");
@@ -630,7 +630,7 @@ static tp_status multiple_inputs_body(tp_comm *world, void *arg)
         .input_layouts = {tp_layout_of(tp_shard(0)), tp_layout_of(tp_shard(0))},
         .n_desired = 2,
         .desired_input_layouts = {tp_layout_of(tp_replicate()), tp_layout_of(tp_replicate())}};
-    RANK_OK(s, tp_prepare_module_input(&p3, &st));
+    RANK_OK(s, tp_prepare_module_input_create(&p3, &st));
     RANK_OK(s, par_self(m, mesh, st));
     tp_tensor *args2[2] = {x, NULL};
     tp_clear_error();
@@ -701,8 +701,8 @@ static tp_status make_kw_module(const char *type, tp_forward_fn f, tp_mesh *mesh
 {
     tp_module *m = NULL, *lin = NULL;
     tp_style *st = NULL;
-    TP_TEST_TRY(tp_custom_module_create(type, f, NULL, NULL, &m));
-    tp_status e = tp_linear_create(8, 8, true, &lin);
+    TP_TEST_TRY(tp_nn_custom_create(type, f, NULL, NULL, &m));
+    tp_status e = tp_nn_linear_create(8, 8, true, &lin);
     if (e == TP_OK)
         e = tp_module_add_child(m, "linear", lin);
     else
@@ -718,9 +718,9 @@ static tp_status make_kw_module(const char *type, tp_forward_fn f, tp_mesh *mesh
     tp_style *pstyle = NULL;
     e = tp_module_init(m, 4);
     if (e == TP_OK)
-        e = tp_colwise_parallel(&co, &st);
+        e = tp_colwise_parallel_create(&co, &st);
     if (e == TP_OK)
-        e = tp_prepare_module_input(pi, &pstyle);
+        e = tp_prepare_module_input_create(pi, &pstyle);
     if (e == TP_OK) {
         tp_plan_entry plan[2] = {{"linear", st}, {"", pstyle}};
         e = tp_parallelize_module(m, mesh, 2, plan, NULL);
@@ -850,9 +850,9 @@ static tp_status sequence_parallel_body(tp_comm *world, void *arg)
 
     /* parameters become Replicate without any communication, even though
      * src_data_rank is rank 0 (the default) */
-    RANK_OK(s, tp_layer_norm_create(12, true, 1e-5, &m));
+    RANK_OK(s, tp_nn_layer_norm_create(12, true, 1e-5, &m));
     RANK_OK(s, tp_module_init(m, 1));
-    RANK_OK(s, tp_sequence_parallel(NULL, &st));
+    RANK_OK(s, tp_sequence_parallel_create(NULL, &st));
     RANK_OK(s, tp_comm_debug_begin(dbg));
     tp_status e = par_self(m, mesh, st);
     RANK_OK(s, tp_comm_debug_end(dbg));
@@ -878,11 +878,11 @@ static tp_status sequence_parallel_body(tp_comm *world, void *arg)
     tp_module_free(m);
 
     /* use_local_output; sequence_dim 0 */
-    RANK_OK(s, tp_layer_norm_create(12, true, 1e-5, &m));
+    RANK_OK(s, tp_nn_layer_norm_create(12, true, 1e-5, &m));
     RANK_OK(s, tp_module_init(m, 1));
     tp_sequence_parallel_options so = {.sequence_dim = 0, .sequence_dim_set = true,
                                        .use_local_output = true};
-    RANK_OK(s, tp_sequence_parallel(&so, &st));
+    RANK_OK(s, tp_sequence_parallel_create(&so, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, run_counted(m, x, true, dbg, &out));
     expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 0, 0, "SequenceParallel(dim 0, local)");
@@ -923,13 +923,13 @@ static tp_status make_module(int which, tp_module **m)
 {
     switch (which) {
     case 0:
-        TP_TEST_TRY(tp_linear_create(12, 24, true, m));
+        TP_TEST_TRY(tp_nn_linear_create(12, 24, true, m));
         break;
     case 1:
-        TP_TEST_TRY(tp_embedding_create(16, 12, m));
+        TP_TEST_TRY(tp_nn_embedding_create(16, 12, m));
         break;
     default:
-        TP_TEST_TRY(tp_layer_norm_create(12, true, 1e-5, m));
+        TP_TEST_TRY(tp_nn_layer_norm_create(12, true, 1e-5, m));
         break;
     }
     return tp_module_init(*m, 1234);
@@ -939,13 +939,13 @@ static tp_status make_style(const eq_case *k, tp_style **s)
 {
     if (k->style == 0) {
         tp_colwise_options o = {.input_layouts = k->in, .output_layouts = k->outl};
-        return tp_colwise_parallel(&o, s);
+        return tp_colwise_parallel_create(&o, s);
     }
     if (k->style == 1) {
         tp_rowwise_options o = {.input_layouts = k->in, .output_layouts = k->outl};
-        return tp_rowwise_parallel(&o, s);
+        return tp_rowwise_parallel_create(&o, s);
     }
-    return tp_sequence_parallel(NULL, s);
+    return tp_sequence_parallel_create(NULL, s);
 }
 
 static tp_status gather_out(tp_mesh *mesh, tp_tensor *y, const tp_tensor *ref, const eq_case *k,
@@ -1123,17 +1123,17 @@ typedef struct seq_ctx {
 static tp_status seq_block(tp_module **out)
 {
     tp_module *m = NULL, *c = NULL;
-    TP_TEST_TRY(tp_sequential_create(&m));
-    tp_status st = tp_layer_norm_create(8, true, 1e-5, &c);
+    TP_TEST_TRY(tp_nn_sequential_create(&m));
+    tp_status st = tp_nn_layer_norm_create(8, true, 1e-5, &c);
     if (st == TP_OK && (st = tp_module_add_child(m, "norm", c)) != TP_OK)
         tp_module_free(c);
-    if (st == TP_OK && (st = tp_linear_create(8, 24, true, &c)) == TP_OK &&
+    if (st == TP_OK && (st = tp_nn_linear_create(8, 24, true, &c)) == TP_OK &&
         (st = tp_module_add_child(m, "w1", c)) != TP_OK)
         tp_module_free(c);
-    if (st == TP_OK && (st = tp_relu_create(&c)) == TP_OK &&
+    if (st == TP_OK && (st = tp_nn_relu_create(&c)) == TP_OK &&
         (st = tp_module_add_child(m, "relu", c)) != TP_OK)
         tp_module_free(c);
-    if (st == TP_OK && (st = tp_linear_create(24, 8, true, &c)) == TP_OK &&
+    if (st == TP_OK && (st = tp_nn_linear_create(24, 8, true, &c)) == TP_OK &&
         (st = tp_module_add_child(m, "w2", c)) != TP_OK)
         tp_module_free(c);
     if (st == TP_OK)
@@ -1152,11 +1152,11 @@ static tp_status seq_parallelize(tp_module *m, tp_mesh *mesh)
     const tp_colwise_options co = {.input_layouts = tp_layout_of(tp_shard(1))};
     const tp_rowwise_options ro = {.output_layouts = tp_layout_of(tp_shard(1)),
                                    .use_local_output = TP_FLAG_FALSE};
-    tp_status st = tp_sequence_parallel(NULL, &sp);
+    tp_status st = tp_sequence_parallel_create(NULL, &sp);
     if (st == TP_OK)
-        st = tp_colwise_parallel(&co, &col);
+        st = tp_colwise_parallel_create(&co, &col);
     if (st == TP_OK)
-        st = tp_rowwise_parallel(&ro, &row);
+        st = tp_rowwise_parallel_create(&ro, &row);
     if (st == TP_OK) {
         const tp_plan_entry plan[] = {{"norm", sp}, {"w1", col}, {"w2", row}};
         st = tp_parallelize_module(m, mesh, 3, plan, NULL);
@@ -1290,8 +1290,8 @@ ParameterizedTest(seq_param *p, styles, uneven_sequence_shards, .timeout = 60)
 static tp_status make_mlp(tp_mesh *mesh, bool seq, tp_module **out)
 {
     tp_module *m = NULL, *a = NULL, *relu = NULL, *b = NULL;
-    TP_TEST_TRY(tp_sequential_create(&m));
-    tp_status st = tp_linear_create(10, 16, true, &a);
+    TP_TEST_TRY(tp_nn_sequential_create(&m));
+    tp_status st = tp_nn_linear_create(10, 16, true, &a);
     if (st == TP_OK)
         st = tp_module_add_child(m, "net1", a);
     else
@@ -1301,7 +1301,7 @@ static tp_status make_mlp(tp_mesh *mesh, bool seq, tp_module **out)
         tp_module_free(m);
         return st;
     }
-    st = tp_relu_create(&relu);
+    st = tp_nn_relu_create(&relu);
     if (st == TP_OK)
         st = tp_module_add_child(m, "relu", relu);
     else
@@ -1311,7 +1311,7 @@ static tp_status make_mlp(tp_mesh *mesh, bool seq, tp_module **out)
         tp_module_free(m);
         return st;
     }
-    st = tp_linear_create(16, 10, true, &b);
+    st = tp_nn_linear_create(16, 10, true, &b);
     if (st == TP_OK)
         st = tp_module_add_child(m, "net2", b);
     else
@@ -1330,9 +1330,9 @@ static tp_status make_mlp(tp_mesh *mesh, bool seq, tp_module **out)
     }
     st = tp_module_init(m, 5);
     if (st == TP_OK)
-        st = tp_colwise_parallel(&co, &cs);
+        st = tp_colwise_parallel_create(&co, &cs);
     if (st == TP_OK)
-        st = tp_rowwise_parallel(&ro, &rs);
+        st = tp_rowwise_parallel_create(&ro, &rs);
     if (st == TP_OK) {
         tp_plan_entry plan[2] = {{"net1", cs}, {"net2", rs}};
         st = tp_parallelize_module(m, mesh, 2, plan, NULL);
@@ -1483,39 +1483,39 @@ Test(styles, fqn_match, .timeout = 10)
 static tp_status make_tree(tp_module **out)
 {
     tp_module *root = NULL, *layers = NULL;
-    TP_TEST_TRY(tp_container_create(&root));
-    tp_status st = tp_container_create(&layers);
+    TP_TEST_TRY(tp_nn_container_create(&root));
+    tp_status st = tp_nn_container_create(&layers);
     if (st == TP_OK && (st = tp_module_add_child(root, "layers", layers)) != TP_OK)
         tp_module_free(layers);
     for (int i = 0; i < 2 && st == TP_OK; i++) {
         tp_module *layer = NULL, *att = NULL, *q = NULL, *k = NULL, *norm = NULL;
         char name[8];
         snprintf(name, sizeof name, "%d", i);
-        if ((st = tp_container_create(&layer)) != TP_OK)
+        if ((st = tp_nn_container_create(&layer)) != TP_OK)
             break;
         if ((st = tp_module_add_child(layers, name, layer)) != TP_OK) {
             tp_module_free(layer);
             break;
         }
-        if ((st = tp_container_create(&att)) != TP_OK)
+        if ((st = tp_nn_container_create(&att)) != TP_OK)
             break;
         if ((st = tp_module_add_child(layer, "attention", att)) != TP_OK) {
             tp_module_free(att);
             break;
         }
-        if ((st = tp_linear_create(8, 8, true, &q)) != TP_OK)
+        if ((st = tp_nn_linear_create(8, 8, true, &q)) != TP_OK)
             break;
         if ((st = tp_module_add_child(att, "wq", q)) != TP_OK) {
             tp_module_free(q);
             break;
         }
-        if ((st = tp_linear_create(8, 8, false, &k)) != TP_OK)
+        if ((st = tp_nn_linear_create(8, 8, false, &k)) != TP_OK)
             break;
         if ((st = tp_module_add_child(att, "wk", k)) != TP_OK) {
             tp_module_free(k);
             break;
         }
-        if ((st = tp_layer_norm_create(8, true, 1e-5, &norm)) != TP_OK)
+        if ((st = tp_nn_layer_norm_create(8, true, 1e-5, &norm)) != TP_OK)
             break;
         if ((st = tp_module_add_child(layer, "norm", norm)) != TP_OK) {
             tp_module_free(norm);
@@ -1526,7 +1526,7 @@ static tp_status make_tree(tp_module **out)
         tp_module *n = NULL;
         char name[8];
         snprintf(name, sizeof name, "net%d", i);
-        if ((st = tp_linear_create(8, 8, true, &n)) != TP_OK)
+        if ((st = tp_nn_linear_create(8, 8, true, &n)) != TP_OK)
             break;
         if ((st = tp_module_add_child(root, name, n)) != TP_OK)
             tp_module_free(n);
@@ -1559,9 +1559,9 @@ static tp_status plan_body(tp_comm *world, void *arg)
     tp_comm_debug *dbg = NULL;
     RANK_OK(s, mesh1d(world, &mesh));
     RANK_OK(s, tp_comm_debug_create(&dbg));
-    RANK_OK(s, tp_colwise_parallel(NULL, &col));
-    RANK_OK(s, tp_rowwise_parallel(NULL, &row));
-    RANK_OK(s, tp_sequence_parallel(NULL, &seq));
+    RANK_OK(s, tp_colwise_parallel_create(NULL, &col));
+    RANK_OK(s, tp_rowwise_parallel_create(NULL, &row));
+    RANK_OK(s, tp_sequence_parallel_create(NULL, &seq));
     RANK_OK(s, make_tree(&root));
 
     /* an unmatched entry: an error naming it, and nothing applied */
@@ -1689,9 +1689,9 @@ static tp_status mesh2d_body(tp_comm *world, void *arg)
     const char *names[2] = {"dp", "tp"};
     RANK_OK(s, tp_mesh_create(world, 2, (int64_t[]){2, 2}, names, &mesh));
     RANK_OK(s, tp_comm_debug_create(&dbg));
-    RANK_OK(s, tp_linear_create(16, 16, true, &m));
+    RANK_OK(s, tp_nn_linear_create(16, 16, true, &m));
     RANK_OK(s, tp_module_init(m, 42));
-    RANK_OK(s, tp_colwise_parallel(NULL, &st));
+    RANK_OK(s, tp_colwise_parallel_create(NULL, &st));
     tp_plan_entry e1 = {"", st};
     tp_clear_error();
     tp_status e = tp_parallelize_module(m, mesh, 1, &e1, NULL);
@@ -1743,97 +1743,100 @@ Test(styles, option_validation, .timeout = 10)
     /* the seed: input_layouts=Shard(0), desired_input_layouts=(Replicate(), None) */
     tp_prepare_input_options a = {.n_inputs = 1, .input_layouts = {S0}, .n_desired = 2,
                                   .desired_input_layouts = {R, N}};
-    CHECK_ERR(tp_prepare_module_input(&a, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_input_create(&a, &s), TP_ERR_INVALID_ARG);
     cr_assert(msg_has("input_layouts and desired_input_layouts should have same length"), "%s",
               tp_last_error());
     cr_assert_null(s);
 
     tp_prepare_input_options b = {.n_inputs = 2, .input_layouts = {S0, S0}, .n_desired = 2,
                                   .desired_input_layouts = {R, N}};
-    CHECK_ERR(tp_prepare_module_input(&b, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_input_create(&b, &s), TP_ERR_INVALID_ARG);
     cr_assert(msg_has("input_layouts[1]"), "%s", tp_last_error());
     tp_prepare_input_options b2 = {.n_inputs = 1, .input_layouts = {N}, .n_desired = 1,
                                    .desired_input_layouts = {R}};
-    CHECK_ERR(tp_prepare_module_input(&b2, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_input_create(&b2, &s), TP_ERR_INVALID_ARG);
 
     tp_prepare_input_options p = {.n_inputs = 1, .input_layouts = {S0}, .n_desired = 1,
                                   .desired_input_layouts = {P}};
-    CHECK_ERR(tp_prepare_module_input(&p, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_input_create(&p, &s), TP_ERR_INVALID_ARG);
     cr_assert(msg_has("Partial"), "%s", tp_last_error());
 
     tp_prepare_input_options kw = {.n_kwargs = 2, .kwargs = {{"y", S0, R}, {"y", S0, R}}};
-    CHECK_ERR(tp_prepare_module_input(&kw, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_input_create(&kw, &s), TP_ERR_INVALID_ARG);
     cr_assert(msg_has("'y'"), "%s", tp_last_error());
     tp_prepare_input_options kw2 = {.n_kwargs = 1, .kwargs = {{"y", S0, N}}};
-    CHECK_ERR(tp_prepare_module_input(&kw2, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_input_create(&kw2, &s), TP_ERR_INVALID_ARG);
     cr_assert(msg_has("input_kwarg_layouts and desired_input_kwarg_layouts should have same "
                       "length"),
               "%s", tp_last_error());
     tp_prepare_input_options kw3 = {.n_kwargs = 1, .kwargs = {{NULL, S0, R}}};
-    CHECK_ERR(tp_prepare_module_input(&kw3, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_input_create(&kw3, &s), TP_ERR_INVALID_ARG);
     tp_prepare_input_options big = {.n_inputs = TP_STYLE_MAX_LAYOUTS + 1,
                                     .n_desired = TP_STYLE_MAX_LAYOUTS + 1};
-    CHECK_ERR(tp_prepare_module_input(&big, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_input_create(&big, &s), TP_ERR_INVALID_ARG);
 
     tp_prepare_output_options o1 = {.n_outputs = 1, .output_layouts = {R}, .n_desired = 0};
-    CHECK_ERR(tp_prepare_module_output(&o1, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_output_create(&o1, &s), TP_ERR_INVALID_ARG);
     cr_assert(msg_has("output_layouts and desired_output_layouts should have same length"), "%s",
               tp_last_error());
     tp_prepare_output_options o2 = {.n_outputs = 1, .output_layouts = {R}, .n_desired = 1,
                                     .desired_output_layouts = {N}};
-    CHECK_ERR(tp_prepare_module_output(&o2, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_output_create(&o2, &s), TP_ERR_INVALID_ARG);
     tp_prepare_output_options o3 = {.n_outputs = 1, .output_layouts = {R}, .n_desired = 1,
                                     .desired_output_layouts = {P}};
-    CHECK_ERR(tp_prepare_module_output(&o3, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_output_create(&o3, &s), TP_ERR_INVALID_ARG);
     tp_prepare_output_options o4 = {.n_outputs = 2, .output_layouts = {R, R}, .n_desired = 2,
                                     .desired_output_layouts = {S0, S0}};
-    CHECK_ERR(tp_prepare_module_output(&o4, &s), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_prepare_module_output(NULL, &s), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_prepare_module_input_output(&a, &o1, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_output_create(&o4, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_output_create(NULL, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_input_output_create(&a, &o1, &s), TP_ERR_INVALID_ARG);
 
     tp_colwise_options co = {.output_layouts = P};
-    CHECK_ERR(tp_colwise_parallel(&co, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_colwise_parallel_create(&co, &s), TP_ERR_INVALID_ARG);
     tp_rowwise_options ro = {.output_layouts = P};
-    CHECK_ERR(tp_rowwise_parallel(&ro, &s), TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_colwise_parallel(NULL, NULL), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_rowwise_parallel_create(&ro, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_colwise_parallel_create(NULL, NULL), TP_ERR_INVALID_ARG);
 
     /* use_local_output is a tp_flag: anything but its three values is refused
      * by every style, naming the option */
     const tp_flag bad = (tp_flag)7;
-    CHECK_ERR(tp_colwise_parallel(&(tp_colwise_options){.use_local_output = bad}, &s),
+    CHECK_ERR(tp_colwise_parallel_create(&(tp_colwise_options){.use_local_output = bad}, &s),
               TP_ERR_INVALID_ARG);
     cr_assert(msg_has("ColwiseParallel: use_local_output is 7; use TP_FLAG_DEFAULT, "
                       "TP_FLAG_TRUE or TP_FLAG_FALSE"),
               "%s", tp_last_error());
-    CHECK_ERR(tp_rowwise_parallel(&(tp_rowwise_options){.use_local_output = bad}, &s),
+    CHECK_ERR(tp_rowwise_parallel_create(&(tp_rowwise_options){.use_local_output = bad}, &s),
               TP_ERR_INVALID_ARG);
     cr_assert(msg_has("RowwiseParallel: use_local_output is 7"), "%s", tp_last_error());
-    CHECK_ERR(tp_sequence_parallel(&(tp_sequence_parallel_options){.use_local_output = bad}, &s),
-              TP_ERR_INVALID_ARG);
+    CHECK_ERR(
+        tp_sequence_parallel_create(&(tp_sequence_parallel_options){.use_local_output = bad}, &s),
+        TP_ERR_INVALID_ARG);
     cr_assert(msg_has("SequenceParallel: use_local_output is 7"), "%s", tp_last_error());
-    CHECK_ERR(tp_prepare_module_input(&(tp_prepare_input_options){.use_local_output = bad}, &s),
-              TP_ERR_INVALID_ARG);
+    CHECK_ERR(
+        tp_prepare_module_input_create(&(tp_prepare_input_options){.use_local_output = bad}, &s),
+        TP_ERR_INVALID_ARG);
     cr_assert(msg_has("PrepareModuleInput: use_local_output is 7"), "%s", tp_last_error());
     tp_prepare_output_options ob = {.n_outputs = 1, .output_layouts = {R}, .n_desired = 1,
                                     .desired_output_layouts = {S0}, .use_local_output = bad};
-    CHECK_ERR(tp_prepare_module_output(&ob, &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_prepare_module_output_create(&ob, &s), TP_ERR_INVALID_ARG);
     cr_assert(msg_has("PrepareModuleOutput: use_local_output is 7"), "%s", tp_last_error());
     cr_assert_null(s);
 
     /* valid ones */
-    CHECK_OK(tp_prepare_module_input(&(tp_prepare_input_options){.n_inputs = 2,
-                                                                 .input_layouts = {S0, N},
-                                                                 .n_desired = 2,
-                                                                 .desired_input_layouts = {R, N}},
-                                     &s));
+    CHECK_OK(
+        tp_prepare_module_input_create(&(tp_prepare_input_options){.n_inputs = 2,
+                                                                   .input_layouts = {S0, N},
+                                                                   .n_desired = 2,
+                                                                   .desired_input_layouts = {R, N}},
+                                       &s));
     tp_style_free(s);
-    CHECK_OK(tp_prepare_module_input(NULL, &s));
+    CHECK_OK(tp_prepare_module_input_create(NULL, &s));
     tp_style_free(s);
-    CHECK_OK(tp_colwise_parallel(NULL, &s));
+    CHECK_OK(tp_colwise_parallel_create(NULL, &s));
     tp_style_free(s);
-    CHECK_OK(tp_rowwise_parallel(NULL, &s));
+    CHECK_OK(tp_rowwise_parallel_create(NULL, &s));
     tp_style_free(s);
-    CHECK_OK(tp_sequence_parallel(NULL, &s));
+    CHECK_OK(tp_sequence_parallel_create(NULL, &s));
     tp_style_free(s);
     tp_style_free(NULL);
 }
@@ -1848,9 +1851,9 @@ static tp_status wrong_arity_body(tp_comm *world, void *arg)
     tp_style *st = NULL;
     tp_tensor *x = NULL, *out = NULL;
     RANK_OK(s, mesh1d(world, &mesh));
-    RANK_OK(s, tp_linear_create(8, 8, true, &m));
+    RANK_OK(s, tp_nn_linear_create(8, 8, true, &m));
     RANK_OK(s, tp_module_init(m, 1));
-    RANK_OK(s, tp_colwise_parallel(NULL, &st));
+    RANK_OK(s, tp_colwise_parallel_create(NULL, &st));
     RANK_OK(s, par_self(m, mesh, st));
     RANK_OK(s, rand_t(2, (int64_t[]){2, 8}, 1, &x));
     tp_tensor *args[2] = {x, x};
@@ -1885,8 +1888,8 @@ static tp_status args_body(tp_comm *world, void *arg)
     tp_module *m = NULL;
     tp_style *st = NULL;
     RANK_OK(s, mesh1d(world, &mesh));
-    RANK_OK(s, tp_linear_create(8, 8, true, &m));
-    RANK_OK(s, tp_colwise_parallel(NULL, &st));
+    RANK_OK(s, tp_nn_linear_create(8, 8, true, &m));
+    RANK_OK(s, tp_colwise_parallel_create(NULL, &st));
     tp_plan_entry ok = {"", st}, nostyle = {"", NULL}, nofqn = {NULL, st};
     RANK_EXPECT(s, tp_parallelize_module(NULL, mesh, 1, &ok, NULL) == TP_ERR_INVALID_ARG,
                 "NULL module accepted");
@@ -1959,12 +1962,12 @@ typedef struct {
 static tp_status uneven_build(tp_module **out)
 {
     tp_module *seq = NULL, *a = NULL, *b = NULL;
-    TP_TEST_TRY(tp_sequential_create(&seq));
-    tp_status st = tp_linear_create(16, 22, true, &a);
+    TP_TEST_TRY(tp_nn_sequential_create(&seq));
+    tp_status st = tp_nn_linear_create(16, 22, true, &a);
     if (st == TP_OK)
         st = tp_module_add_child(seq, "net1", a);
     if (st == TP_OK)
-        st = tp_linear_create(22, 16, true, &b);
+        st = tp_nn_linear_create(22, 16, true, &b);
     if (st == TP_OK)
         st = tp_module_add_child(seq, "net2", b);
     if (st != TP_OK) {
@@ -1987,8 +1990,8 @@ static tp_status uneven_body(tp_comm *w, void *arg)
     RANK_OK(s, tp_mesh_create(w, 1, &n, NULL, &mesh));
     RANK_OK(s, uneven_build(&ref));
     RANK_OK(s, uneven_build(&par));
-    RANK_OK(s, tp_colwise_parallel(NULL, &col));
-    RANK_OK(s, tp_rowwise_parallel(NULL, &row));
+    RANK_OK(s, tp_colwise_parallel_create(NULL, &col));
+    RANK_OK(s, tp_rowwise_parallel_create(NULL, &row));
     tp_plan_entry plan[2] = {{"net1", col}, {"net2", row}};
     RANK_OK(s, tp_parallelize_module(par, mesh, 2, plan, NULL));
     RANK_OK(s, tp_module_init(ref, 9));
@@ -2034,17 +2037,27 @@ Test(styles, uneven_feature_shards, .timeout = 60)
 static tp_status make_src_model(tp_module **out)
 {
     tp_module *root = NULL;
-    TP_TEST_TRY(tp_container_create(&root));
+    TP_TEST_TRY(tp_nn_container_create(&root));
     const char *names[] = {"emb", "net1", "net2", "emb2", "norm"};
     tp_status st = TP_OK;
     for (int i = 0; i < 5 && st == TP_OK; i++) {
         tp_module *c = NULL;
         switch (i) {
-        case 0: st = tp_embedding_create(11, 6, &c); break;
-        case 1: st = tp_linear_create(10, 16, true, &c); break;
-        case 2: st = tp_linear_create(16, 10, true, &c); break;
-        case 3: st = tp_embedding_create(9, 5, &c); break;
-        default: st = tp_layer_norm_create(10, true, 1e-5, &c); break;
+        case 0:
+            st = tp_nn_embedding_create(11, 6, &c);
+            break;
+        case 1:
+            st = tp_nn_linear_create(10, 16, true, &c);
+            break;
+        case 2:
+            st = tp_nn_linear_create(16, 10, true, &c);
+            break;
+        case 3:
+            st = tp_nn_embedding_create(9, 5, &c);
+            break;
+        default:
+            st = tp_nn_layer_norm_create(10, true, 1e-5, &c);
+            break;
         }
         if (st == TP_OK && (st = tp_module_add_child(root, names[i], c)) != TP_OK)
             tp_module_free(c);
@@ -2103,9 +2116,9 @@ static tp_status src_body(tp_comm *world, void *arg)
     tp_comm_debug *dbg = NULL;
     RANK_OK(s, mesh1d(world, &mesh));
     RANK_OK(s, tp_comm_debug_create(&dbg));
-    RANK_OK(s, tp_colwise_parallel(NULL, &col));
-    RANK_OK(s, tp_rowwise_parallel(NULL, &row));
-    RANK_OK(s, tp_sequence_parallel(NULL, &seq));
+    RANK_OK(s, tp_colwise_parallel_create(NULL, &col));
+    RANK_OK(s, tp_rowwise_parallel_create(NULL, &row));
+    RANK_OK(s, tp_sequence_parallel_create(NULL, &seq));
     const tp_plan_entry plan[] = {{"emb", col}, {"net1", col}, {"net2", row}, {"emb2", row},
                                   {"norm", seq}};
     /* scatter bytes: nccl-tests' size, the padded send buffer */

@@ -118,8 +118,8 @@ static inline void tp_test_mpi_fini_(void)
 static inline tp_comm *tp_test_mpi_world(void)
 {
     if (!tp_test_mpi_world_) {
-        tp_status st = tp_comm_init("mpi", NULL, &tp_test_mpi_world_);
-        cr_assert_eq(st, TP_OK, "tp_comm_init(\"mpi\") -> %s (%s)", tp_status_name(st),
+        tp_status st = tp_comm_create_world("mpi", NULL, &tp_test_mpi_world_);
+        cr_assert_eq(st, TP_OK, "tp_comm_create_world(\"mpi\") -> %s (%s)", tp_status_name(st),
                      tp_last_error());
         atexit(tp_test_mpi_fini_);
     }

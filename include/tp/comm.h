@@ -255,12 +255,12 @@ TP_API const tp_backend *tp_backend_find(const char *name);
 TP_API tp_status tp_comm_create(const tp_backend *backend, void *state, int rank, int size,
                                 tp_comm **out);
 /* World communicator of a registered backend that implements init_world. */
-TP_API tp_status tp_comm_init(const char *backend_name, void *options, tp_comm **out);
+TP_API tp_status tp_comm_create_world(const char *backend_name, void *options, tp_comm **out);
 
 /* ---- the nccl backend ---------------------------------------------------- */
 
 /*
- * Options of tp_comm_init("nccl", &opts, &comm): one GPU per rank.
+ * Options of tp_comm_create_world("nccl", &opts, &comm): one GPU per rank.
  *
  * Collective over `bootstrap`: every rank of it must call. `bootstrap` is any
  * existing communicator of the same ranks (the shm world of tp_run_local
@@ -269,7 +269,7 @@ TP_API tp_status tp_comm_init(const char *backend_name, void *options, tp_comm *
  * The new communicator has the bootstrap's rank and size, and its own timeout
  * (default, as every new communicator); the bootstrap stays the caller's and
  * may be freed afterwards. A NULL `bootstrap` means the MPI world when libtp
- * is built with MPI: a temporary tp_comm_init("mpi", NULL, ...) world is
+ * is built with MPI: a temporary tp_comm_create_world("mpi", NULL, ...) world is
  * created and freed around the exchange (MPI stays initialized while the
  * nccl communicator lives).
  *
@@ -277,7 +277,7 @@ TP_API tp_status tp_comm_init(const char *backend_name, void *options, tp_comm *
  * visible devices). Buffers of every collective on the communicator must be
  * CUDA tensors on that device.
  *
- * Declared in every build; without NCCL, tp_comm_init("nccl", ...) returns
+ * Declared in every build; without NCCL, tp_comm_create_world("nccl", ...) returns
  * TP_ERR_NOT_SUPPORTED saying libtp was built without NCCL.
  */
 typedef struct tp_nccl_options {

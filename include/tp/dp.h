@@ -5,7 +5,7 @@
  * step, and the passes that build that schedule.
  *
  *   tp_ddp *ddp;
- *   tp_ddp_wrap(model, dp_comm, NULL, &ddp);   // collective over dp_comm
+ *   tp_ddp_create(model, dp_comm, NULL, &ddp);   // collective over dp_comm
  *   for (...) {
  *       tp_module_call(model, x, &y);          // x: this rank's part of the batch
  *       ... loss ...; tp_backward(loss, NULL); // buckets all_reduce as they fill
@@ -161,8 +161,8 @@ typedef struct tp_ddp_options {
  * optimizers, tp/nn.h) each hold their own gradient and are reduced
  * separately; the step sums them.
  */
-TP_API tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *opts,
-                             tp_ddp **out);
+TP_API tp_status tp_ddp_create(tp_module *module, tp_comm *comm, const tp_ddp_options *opts,
+                               tp_ddp **out);
 /* Removes the hooks and frees the buffers, after waiting for (and discarding)
  * a step in progress. NULL is a no-op. */
 TP_API void tp_ddp_free(tp_ddp *ddp);

@@ -57,24 +57,23 @@ typedef tp_status (*tp_forward_fn)(tp_module *self, int nargs, tp_tensor *const 
 /* ---- creation ------------------------------------------------------------ */
 
 /* Parameters are allocated and zero until tp_module_init (or a state dict). */
-TP_API tp_status tp_linear_create(int64_t in_features, int64_t out_features, bool bias,
-                                  tp_module **out);
-TP_API tp_status tp_embedding_create(int64_t num, int64_t dim, tp_module **out);
-TP_API tp_status tp_layer_norm_create(int64_t dim, bool affine, double eps, tp_module **out);
-TP_API tp_status tp_rms_norm_create(int64_t dim, bool affine, double eps, tp_module **out);
+TP_API tp_status tp_nn_linear_create(int64_t in_features, int64_t out_features, bool bias,
+                                     tp_module **out);
+TP_API tp_status tp_nn_embedding_create(int64_t num, int64_t dim, tp_module **out);
+TP_API tp_status tp_nn_layer_norm_create(int64_t dim, bool affine, double eps, tp_module **out);
+TP_API tp_status tp_nn_rms_norm_create(int64_t dim, bool affine, double eps, tp_module **out);
 /* Dropout: the mask depends on (seed + call count, global element index). */
-TP_API tp_status tp_dropout_create(double p, uint64_t seed, tp_module **out);
-TP_API tp_status tp_identity_create(tp_module **out);
-TP_API tp_status tp_relu_create(tp_module **out);
-TP_API tp_status tp_gelu_create(tp_gelu_approx approx, tp_module **out);
-TP_API tp_status tp_sequential_create(tp_module **out);
-TP_API tp_status tp_container_create(tp_module **out);
+TP_API tp_status tp_nn_dropout_create(double p, uint64_t seed, tp_module **out);
+TP_API tp_status tp_nn_identity_create(tp_module **out);
+TP_API tp_status tp_nn_relu_create(tp_module **out);
+TP_API tp_status tp_nn_gelu_create(tp_gelu_approx approx, tp_module **out);
+TP_API tp_status tp_nn_sequential_create(tp_module **out);
+TP_API tp_status tp_nn_container_create(tp_module **out);
 /* ctx is passed back through tp_module_ctx; ctx_free (may be NULL) runs once,
  * when the module and every replica of it (tp_module_replicate) are freed. On
  * failure the caller keeps ctx (ctx_free is not called). */
-TP_API tp_status tp_custom_module_create(const char *type_name, tp_forward_fn forward,
-                                         void *ctx, void (*ctx_free)(void *ctx),
-                                         tp_module **out);
+TP_API tp_status tp_nn_custom_create(const char *type_name, tp_forward_fn forward, void *ctx,
+                                     void (*ctx_free)(void *ctx), tp_module **out);
 /* Frees the module and its subtree. NULL is a no-op. Only a root (a module
  * that is nobody's child) may be freed. */
 TP_API void tp_module_free(tp_module *m);

@@ -123,14 +123,17 @@ typedef struct tp_prepare_output_options {
  * parallelizing. opts NULL: defaults. Length mismatches (n_inputs !=
  * n_desired, ...) are TP_ERR_INVALID_ARG ("input_layouts and
  * desired_input_layouts should have same length"). */
-TP_API tp_status tp_colwise_parallel(const tp_colwise_options *opts, tp_style **out);
-TP_API tp_status tp_rowwise_parallel(const tp_rowwise_options *opts, tp_style **out);
-TP_API tp_status tp_sequence_parallel(const tp_sequence_parallel_options *opts, tp_style **out);
-TP_API tp_status tp_prepare_module_input(const tp_prepare_input_options *opts, tp_style **out);
-TP_API tp_status tp_prepare_module_output(const tp_prepare_output_options *opts, tp_style **out);
-TP_API tp_status tp_prepare_module_input_output(const tp_prepare_input_options *in,
-                                                const tp_prepare_output_options *out_opts,
+TP_API tp_status tp_colwise_parallel_create(const tp_colwise_options *opts, tp_style **out);
+TP_API tp_status tp_rowwise_parallel_create(const tp_rowwise_options *opts, tp_style **out);
+TP_API tp_status tp_sequence_parallel_create(const tp_sequence_parallel_options *opts,
+                                             tp_style **out);
+TP_API tp_status tp_prepare_module_input_create(const tp_prepare_input_options *opts,
                                                 tp_style **out);
+TP_API tp_status tp_prepare_module_output_create(const tp_prepare_output_options *opts,
+                                                 tp_style **out);
+TP_API tp_status tp_prepare_module_input_output_create(const tp_prepare_input_options *in,
+                                                       const tp_prepare_output_options *out_opts,
+                                                       tp_style **out);
 TP_API void tp_style_free(tp_style *s);
 
 typedef struct tp_plan_entry {

@@ -96,29 +96,31 @@ tp_status tp_comm_create(const tp_backend *backend, void *state, int rank, int s
     return TP_OK;
 }
 
-tp_status tp_comm_init(const char *backend_name, void *options, tp_comm **out)
+tp_status tp_comm_create_world(const char *backend_name, void *options, tp_comm **out)
 {
-    TP_ARG_CHECK(out, "tp_comm_init: out is NULL");
+    TP_ARG_CHECK(out, "tp_comm_create_world: out is NULL");
     *out = NULL;
-    TP_ARG_CHECK(backend_name, "tp_comm_init: backend name is NULL");
+    TP_ARG_CHECK(backend_name, "tp_comm_create_world: backend name is NULL");
     const tp_backend *b = tp_backend_find(backend_name);
     if (!b && strcmp(backend_name, "nccl") == 0)
-        return tp__error(TP_ERR_NOT_SUPPORTED,
-                         "tp_comm_init: libtp was built without NCCL, so backend 'nccl' is not "
-                         "available (rebuild with CUDA and NCCL found: meson setup "
-                         "-Dnccl=enabled)");
+        return tp__error(
+            TP_ERR_NOT_SUPPORTED,
+            "tp_comm_create_world: libtp was built without NCCL, so backend 'nccl' is not "
+            "available (rebuild with CUDA and NCCL found: meson setup "
+            "-Dnccl=enabled)");
     if (!b && strcmp(backend_name, "mpi") == 0)
-        return tp__error(TP_ERR_NOT_SUPPORTED,
-                         "tp_comm_init: libtp was built without MPI, so backend 'mpi' is not "
-                         "available (rebuild with MPI found: meson setup -Dmpi=enabled)");
+        return tp__error(
+            TP_ERR_NOT_SUPPORTED,
+            "tp_comm_create_world: libtp was built without MPI, so backend 'mpi' is not "
+            "available (rebuild with MPI found: meson setup -Dmpi=enabled)");
     if (!b)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "tp_comm_init: no backend named '%s' is registered%s",
-                         backend_name,
-                         strcmp(backend_name, "shm") == 0 ? "" : " (is libtp built with it?)");
+        return tp__error(
+            TP_ERR_NOT_SUPPORTED, "tp_comm_create_world: no backend named '%s' is registered%s",
+            backend_name, strcmp(backend_name, "shm") == 0 ? "" : " (is libtp built with it?)");
     if (!b->init_world)
-        return tp__error(TP_ERR_NOT_SUPPORTED,
-                         "tp_comm_init: backend '%s' has no world of its own%s", backend_name,
-                         strcmp(backend_name, "shm") == 0 ? "; use tp_run_local" : "");
+        return tp__error(
+            TP_ERR_NOT_SUPPORTED, "tp_comm_create_world: backend '%s' has no world of its own%s",
+            backend_name, strcmp(backend_name, "shm") == 0 ? "; use tp_run_local" : "");
     void *state = NULL;
     int rank = 0, size = 0;
     TP_CHECK(b->init_world(options, &state, &rank, &size));

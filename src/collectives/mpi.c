@@ -2,7 +2,7 @@
  * The mpi backend: one rank per process, started by mpirun; every collective
  * is one of MPI's non-blocking collectives behind a tp_work.
  *
- * World. tp_comm_init("mpi", options, &world) initializes MPI with
+ * World. tp_comm_create_world("mpi", options, &world) initializes MPI with
  * MPI_THREAD_MULTIPLE unless the program already did; libtp then finalizes
  * MPI itself, once, when the last communicator of this backend is freed
  * (normally the world, after the meshes built on it). If the program
@@ -796,7 +796,7 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
     MPI_Finalized(&fin);
     if (fin) {
         st = tp__error(TP_ERR_STATE,
-                       "tp_comm_init: MPI was finalized already (libtp finalizes MPI when "
+                       "tp_comm_create_world: MPI was finalized already (libtp finalizes MPI when "
                        "the last 'mpi' communicator is freed if it initialized MPI) and "
                        "cannot be initialized again");
         goto out;
@@ -816,7 +816,7 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
     if ((st = mpi_types_create()) != TP_OK)
         goto fail;
     if (parent == MPI_COMM_NULL) {
-        st = tp__error(TP_ERR_INVALID_ARG, "tp_comm_init: options point to MPI_COMM_NULL");
+        st = tp__error(TP_ERR_INVALID_ARG, "tp_comm_create_world: options point to MPI_COMM_NULL");
         goto fail;
     }
     rc = MPI_Comm_dup(parent, &comm);

@@ -3,7 +3,7 @@
  * on a communication stream of the communicator, completed through a CUDA
  * event.
  *
- * World. tp_comm_init("nccl", &opts, &comm) (tp_nccl_options in comm.h) is
+ * World. tp_comm_create_world("nccl", &opts, &comm) (tp_nccl_options in comm.h) is
  * collective over the bootstrap communicator: rank 0 creates the
  * ncclUniqueId, tp_broadcast carries it to the others, and an all_reduce of
  * a "ready" flag makes every rank agree that all of them found their device
@@ -849,27 +849,29 @@ static tp_status bootstrap_exchange(tp_comm *boot, ncclUniqueId *id, bool ready,
 static tp_status nccl_init_world(void *options, void **state, int *rank, int *size)
 {
     const tp_nccl_options *o = options;
-    TP_ARG_CHECK(o, "tp_comm_init(\"nccl\"): options are NULL; pass a tp_nccl_options "
+    TP_ARG_CHECK(o, "tp_comm_create_world(\"nccl\"): options are NULL; pass a tp_nccl_options "
                     "(bootstrap communicator or NULL for the MPI world, device or -1)");
     TP_ARG_CHECK(o->device >= -1,
-                 "tp_comm_init(\"nccl\"): device %d is invalid (a CUDA ordinal, or -1 for "
+                 "tp_comm_create_world(\"nccl\"): device %d is invalid (a CUDA ordinal, or -1 for "
                  "bootstrap rank %% device count)",
                  o->device);
     tp_comm *boot = o->bootstrap, *owned = NULL;
     if (!boot) {
 #if TP_HAVE_MPI
-        tp_status st = tp_comm_init("mpi", NULL, &owned);
+        tp_status st = tp_comm_create_world("mpi", NULL, &owned);
         if (st != TP_OK) {
-            tp__error_prefix("tp_comm_init(\"nccl\"): no bootstrap given, and the MPI world "
-                             "could not be created");
+            tp__error_prefix(
+                "tp_comm_create_world(\"nccl\"): no bootstrap given, and the MPI world "
+                "could not be created");
             return st;
         }
         boot = owned;
 #else
-        return tp__error(TP_ERR_INVALID_ARG,
-                         "tp_comm_init(\"nccl\"): bootstrap is NULL and libtp was built without "
-                         "MPI; pass an existing communicator of the same ranks (such as the "
-                         "tp_run_local world)");
+        return tp__error(
+            TP_ERR_INVALID_ARG,
+            "tp_comm_create_world(\"nccl\"): bootstrap is NULL and libtp was built without "
+            "MPI; pass an existing communicator of the same ranks (such as the "
+            "tp_run_local world)");
 #endif
     }
     int brank = tp_comm_rank(boot), bsize = tp_comm_size(boot);
@@ -880,10 +882,10 @@ static tp_status nccl_init_world(void *options, void **state, int *rank, int *si
     int device = o->device, count = tp_cuda_device_count();
     if (count <= 0)
         local = tp__error(TP_ERR_NOT_SUPPORTED,
-                          "tp_comm_init(\"nccl\"): rank %d sees no CUDA device", brank);
+                          "tp_comm_create_world(\"nccl\"): rank %d sees no CUDA device", brank);
     else if (device >= count)
         local = tp__error(TP_ERR_INVALID_ARG,
-                          "tp_comm_init(\"nccl\"): rank %d asked for cuda:%d but sees %d "
+                          "tp_comm_create_world(\"nccl\"): rank %d asked for cuda:%d but sees %d "
                           "device%s",
                           brank, device, count, count == 1 ? "" : "s");
     if (local == TP_OK && device < 0)
@@ -892,7 +894,7 @@ static tp_status nccl_init_world(void *options, void **state, int *rank, int *si
     memset(&id, 0, sizeof id);
     if (local == TP_OK && brank == 0) {
         int prev = 0;
-        local = tp__cuda_enter("tp_comm_init(\"nccl\")", device, &prev);
+        local = tp__cuda_enter("tp_comm_create_world(\"nccl\")", device, &prev);
         if (local == TP_OK) {
             ncclResult_t res = ncclGetUniqueId(&id);
             if (res != ncclSuccess)
@@ -906,8 +908,9 @@ static tp_status nccl_init_world(void *options, void **state, int *rank, int *si
     int first_bad = INT_MAX;
     tp_status st = bootstrap_exchange(boot, &id, local == TP_OK, &first_bad);
     if (st != TP_OK) {
-        tp__error_prefix("tp_comm_init(\"nccl\"): exchanging the NCCL id over the bootstrap "
-                         "communicator");
+        tp__error_prefix(
+            "tp_comm_create_world(\"nccl\"): exchanging the NCCL id over the bootstrap "
+            "communicator");
         goto fail;
     }
     if (local != TP_OK) {
@@ -916,31 +919,32 @@ static tp_status nccl_init_world(void *options, void **state, int *rank, int *si
         goto fail;
     }
     if (first_bad != INT_MAX) {
-        st = tp__error(TP_ERR_STATE,
-                       "tp_comm_init(\"nccl\"): rank %d of the bootstrap communicator could not "
-                       "prepare (see its error); no NCCL communicator was created",
-                       first_bad);
+        st = tp__error(
+            TP_ERR_STATE,
+            "tp_comm_create_world(\"nccl\"): rank %d of the bootstrap communicator could not "
+            "prepare (see its error); no NCCL communicator was created",
+            first_bad);
         goto fail;
     }
 
     nccl_state *S = state_new(device);
     if (!S) {
-        st = tp__error(TP_ERR_NO_MEMORY, "tp_comm_init(\"nccl\"): out of memory");
+        st = tp__error(TP_ERR_NO_MEMORY, "tp_comm_create_world(\"nccl\"): out of memory");
         goto fail;
     }
     S->rank = brank;
     S->size = bsize;
     int prev = 0;
-    if ((st = tp__cuda_enter("tp_comm_init(\"nccl\")", device, &prev)) != TP_OK) {
+    if ((st = tp__cuda_enter("tp_comm_create_world(\"nccl\")", device, &prev)) != TP_OK) {
         state_delete(S);
         goto fail;
     }
-    st = state_cuda_create(S, "tp_comm_init(\"nccl\")");
+    st = state_cuda_create(S, "tp_comm_create_world(\"nccl\")");
     if (st == TP_OK)
         st = state_comm_init(S, &id, tp_comm_timeout(boot));
     tp__cuda_leave(prev, device);
     if (st != TP_OK) {
-        tp__error_prefix("tp_comm_init(\"nccl\") on cuda:%d, rank %d of %d", device, brank,
+        tp__error_prefix("tp_comm_create_world(\"nccl\") on cuda:%d, rank %d of %d", device, brank,
                          bsize);
         state_delete(S);
         goto fail;

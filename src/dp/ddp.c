@@ -556,12 +556,12 @@ static tp_status tp__collect_param(const char *fqn, tp_tensor *t, void *ctx)
         if (d->p[i].t == t)
             return TP_OK; /* tied: one parameter */
     if (!tp__grow_array((void **)&d->p, (size_t)d->n, &c->cap, sizeof *d->p))
-        return tp__error(TP_ERR_NO_MEMORY, "tp_ddp_wrap: out of memory");
+        return tp__error(TP_ERR_NO_MEMORY, "tp_ddp_create: out of memory");
     tp__dparam *p = &d->p[d->n];
     memset(p, 0, sizeof *p);
     p->fqn = tp__strdup(fqn);
     if (!p->fqn)
-        return tp__error(TP_ERR_NO_MEMORY, "tp_ddp_wrap: out of memory");
+        return tp__error(TP_ERR_NO_MEMORY, "tp_ddp_create: out of memory");
     p->t = tp_tensor_retain(t);
     p->index = d->n++;
     p->hook = -1;
@@ -636,10 +636,9 @@ static tp_status tp__agree(tp_ddp *d, const char *fn)
     return TP_OK;
 }
 
-tp_status tp_ddp_wrap(tp_module *module, tp_comm *comm, const tp_ddp_options *opts,
-                      tp_ddp **out)
+tp_status tp_ddp_create(tp_module *module, tp_comm *comm, const tp_ddp_options *opts, tp_ddp **out)
 {
-    const char *fn = "tp_ddp_wrap";
+    const char *fn = "tp_ddp_create";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(module, "%s: module is NULL", fn);

@@ -152,10 +152,9 @@ static tp_status tp__container_forward(tp_module *self, int nargs, tp_tensor *co
 
 /* ---- creation ------------------------------------------------------------------ */
 
-tp_status tp_linear_create(int64_t in_features, int64_t out_features, bool bias,
-                           tp_module **out)
+tp_status tp_nn_linear_create(int64_t in_features, int64_t out_features, bool bias, tp_module **out)
 {
-    const char *fn = "tp_linear_create";
+    const char *fn = "tp_nn_linear_create";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(in_features >= 0 && out_features >= 0,
@@ -177,9 +176,9 @@ tp_status tp_linear_create(int64_t in_features, int64_t out_features, bool bias,
     return TP_OK;
 }
 
-tp_status tp_embedding_create(int64_t num, int64_t dim, tp_module **out)
+tp_status tp_nn_embedding_create(int64_t num, int64_t dim, tp_module **out)
 {
-    const char *fn = "tp_embedding_create";
+    const char *fn = "tp_nn_embedding_create";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(num >= 0 && dim >= 0, "%s: num %lld and dim %lld must be >= 0", fn,
@@ -222,19 +221,19 @@ static tp_status tp__norm_create(const char *fn, tp_module_kind kind, int64_t di
     return TP_OK;
 }
 
-tp_status tp_layer_norm_create(int64_t dim, bool affine, double eps, tp_module **out)
+tp_status tp_nn_layer_norm_create(int64_t dim, bool affine, double eps, tp_module **out)
 {
-    return tp__norm_create("tp_layer_norm_create", TP_MODULE_LAYER_NORM, dim, affine, eps, out);
+    return tp__norm_create("tp_nn_layer_norm_create", TP_MODULE_LAYER_NORM, dim, affine, eps, out);
 }
 
-tp_status tp_rms_norm_create(int64_t dim, bool affine, double eps, tp_module **out)
+tp_status tp_nn_rms_norm_create(int64_t dim, bool affine, double eps, tp_module **out)
 {
-    return tp__norm_create("tp_rms_norm_create", TP_MODULE_RMS_NORM, dim, affine, eps, out);
+    return tp__norm_create("tp_nn_rms_norm_create", TP_MODULE_RMS_NORM, dim, affine, eps, out);
 }
 
-tp_status tp_dropout_create(double p, uint64_t seed, tp_module **out)
+tp_status tp_nn_dropout_create(double p, uint64_t seed, tp_module **out)
 {
-    const char *fn = "tp_dropout_create";
+    const char *fn = "tp_nn_dropout_create";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(p >= 0 && p < 1, "%s: p %g must be in [0, 1)", fn, p);
@@ -254,20 +253,20 @@ static tp_status tp__simple_create(const char *fn, tp_module_kind kind, const ch
     return tp__module_new(fn, kind, type_name, forward, out);
 }
 
-tp_status tp_identity_create(tp_module **out)
+tp_status tp_nn_identity_create(tp_module **out)
 {
-    return tp__simple_create("tp_identity_create", TP_MODULE_IDENTITY, "Identity",
+    return tp__simple_create("tp_nn_identity_create", TP_MODULE_IDENTITY, "Identity",
                              tp__identity_forward, out);
 }
 
-tp_status tp_relu_create(tp_module **out)
+tp_status tp_nn_relu_create(tp_module **out)
 {
-    return tp__simple_create("tp_relu_create", TP_MODULE_RELU, "ReLU", tp__relu_forward, out);
+    return tp__simple_create("tp_nn_relu_create", TP_MODULE_RELU, "ReLU", tp__relu_forward, out);
 }
 
-tp_status tp_gelu_create(tp_gelu_approx approx, tp_module **out)
+tp_status tp_nn_gelu_create(tp_gelu_approx approx, tp_module **out)
 {
-    const char *fn = "tp_gelu_create";
+    const char *fn = "tp_nn_gelu_create";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(approx == TP_GELU_EXACT || approx == TP_GELU_TANH,
@@ -277,24 +276,24 @@ tp_status tp_gelu_create(tp_gelu_approx approx, tp_module **out)
     return TP_OK;
 }
 
-tp_status tp_sequential_create(tp_module **out)
+tp_status tp_nn_sequential_create(tp_module **out)
 {
-    return tp__simple_create("tp_sequential_create", TP_MODULE_SEQUENTIAL, "Sequential",
+    return tp__simple_create("tp_nn_sequential_create", TP_MODULE_SEQUENTIAL, "Sequential",
                              tp__sequential_forward, out);
 }
 
-tp_status tp_container_create(tp_module **out)
+tp_status tp_nn_container_create(tp_module **out)
 {
-    return tp__simple_create("tp_container_create", TP_MODULE_CONTAINER, "Container",
+    return tp__simple_create("tp_nn_container_create", TP_MODULE_CONTAINER, "Container",
                              tp__container_forward, out);
 }
 
 /* The type name labels a root's comm-debug scope in tables, so it follows
  * the scope-name rules: non-empty, no '.', not "Global". */
-tp_status tp_custom_module_create(const char *type_name, tp_forward_fn forward, void *ctx,
-                                  void (*ctx_free)(void *ctx), tp_module **out)
+tp_status tp_nn_custom_create(const char *type_name, tp_forward_fn forward, void *ctx,
+                              void (*ctx_free)(void *ctx), tp_module **out)
 {
-    const char *fn = "tp_custom_module_create";
+    const char *fn = "tp_nn_custom_create";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(type_name && type_name[0], "%s: type_name is NULL or empty", fn);

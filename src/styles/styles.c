@@ -122,7 +122,7 @@ static tp_status tp__flag(const char *fn, const char *what, tp_flag *f, bool dfl
     return TP_OK;
 }
 
-tp_status tp_colwise_parallel(const tp_colwise_options *opts, tp_style **out)
+tp_status tp_colwise_parallel_create(const tp_colwise_options *opts, tp_style **out)
 {
     const char *fn = "ColwiseParallel";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
@@ -145,7 +145,7 @@ tp_status tp_colwise_parallel(const tp_colwise_options *opts, tp_style **out)
     return TP_OK;
 }
 
-tp_status tp_rowwise_parallel(const tp_rowwise_options *opts, tp_style **out)
+tp_status tp_rowwise_parallel_create(const tp_rowwise_options *opts, tp_style **out)
 {
     const char *fn = "RowwiseParallel";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
@@ -168,7 +168,7 @@ tp_status tp_rowwise_parallel(const tp_rowwise_options *opts, tp_style **out)
     return TP_OK;
 }
 
-tp_status tp_sequence_parallel(const tp_sequence_parallel_options *opts, tp_style **out)
+tp_status tp_sequence_parallel_create(const tp_sequence_parallel_options *opts, tp_style **out)
 {
     const char *fn = "SequenceParallel";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
@@ -283,7 +283,7 @@ static tp_status tp__style_set_input(tp_style *s, const char *fn,
     return TP_OK;
 }
 
-tp_status tp_prepare_module_input(const tp_prepare_input_options *opts, tp_style **out)
+tp_status tp_prepare_module_input_create(const tp_prepare_input_options *opts, tp_style **out)
 {
     const char *fn = "PrepareModuleInput";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
@@ -304,7 +304,7 @@ tp_status tp_prepare_module_input(const tp_prepare_input_options *opts, tp_style
     return TP_OK;
 }
 
-tp_status tp_prepare_module_output(const tp_prepare_output_options *opts, tp_style **out)
+tp_status tp_prepare_module_output_create(const tp_prepare_output_options *opts, tp_style **out)
 {
     const char *fn = "PrepareModuleOutput";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
@@ -319,9 +319,9 @@ tp_status tp_prepare_module_output(const tp_prepare_output_options *opts, tp_sty
     return TP_OK;
 }
 
-tp_status tp_prepare_module_input_output(const tp_prepare_input_options *in,
-                                         const tp_prepare_output_options *out_opts,
-                                         tp_style **out)
+tp_status tp_prepare_module_input_output_create(const tp_prepare_input_options *in,
+                                                const tp_prepare_output_options *out_opts,
+                                                tp_style **out)
 {
     const char *fn = "PrepareModuleInputOutput";
     TP_ARG_CHECK(out, "%s: out is NULL", fn);

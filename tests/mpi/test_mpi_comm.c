@@ -1047,16 +1047,16 @@ static void test_dtensor(tp_comm *world)
 static tp_status make_mlp(tp_mesh *mesh, bool seq, tp_module **out)
 {
     tp_module *m = NULL, *a = NULL, *relu = NULL, *b = NULL;
-    tp_status st = tp_sequential_create(&m);
+    tp_status st = tp_nn_sequential_create(&m);
     if (st != TP_OK)
         return st;
-    if ((st = tp_linear_create(10, 16, true, &a)) == TP_OK &&
+    if ((st = tp_nn_linear_create(10, 16, true, &a)) == TP_OK &&
         (st = tp_module_add_child(m, "net1", a)) != TP_OK)
         tp_module_free(a);
-    if (st == TP_OK && (st = tp_relu_create(&relu)) == TP_OK &&
+    if (st == TP_OK && (st = tp_nn_relu_create(&relu)) == TP_OK &&
         (st = tp_module_add_child(m, "relu", relu)) != TP_OK)
         tp_module_free(relu);
-    if (st == TP_OK && (st = tp_linear_create(16, 10, true, &b)) == TP_OK &&
+    if (st == TP_OK && (st = tp_nn_linear_create(16, 10, true, &b)) == TP_OK &&
         (st = tp_module_add_child(m, "net2", b)) != TP_OK)
         tp_module_free(b);
     if (st == TP_OK)
@@ -1069,9 +1069,9 @@ static tp_status make_mlp(tp_mesh *mesh, bool seq, tp_module **out)
             co.input_layouts = tp_layout_of(tp_shard(0));
             ro.output_layouts = tp_layout_of(tp_shard(0));
         }
-        st = tp_colwise_parallel(&co, &cs);
+        st = tp_colwise_parallel_create(&co, &cs);
         if (st == TP_OK)
-            st = tp_rowwise_parallel(&ro, &rs);
+            st = tp_rowwise_parallel_create(&ro, &rs);
         if (st == TP_OK) {
             tp_plan_entry plan[2] = {{"net1", cs}, {"net2", rs}};
             st = tp_parallelize_module(m, mesh, 2, plan, NULL);
@@ -1215,16 +1215,17 @@ int main(int argc, char **argv)
         MPI_Irecv(&probe_buf, 1, MPI_INT, MPI_ANY_SOURCE, MPI_ANY_TAG, mine, &probe);
     }
     tp_comm *world = NULL;
-    tp_status st = tp_comm_init("mpi", user_init ? &mine : NULL, &world);
+    tp_status st = tp_comm_create_world("mpi", user_init ? &mine : NULL, &world);
     if (st != TP_OK) {
-        fprintf(stderr, "tp_comm_init(\"mpi\") -> %s (%s)\n", tp_status_name(st), tp_last_error());
+        fprintf(stderr, "tp_comm_create_world(\"mpi\") -> %s (%s)\n", tp_status_name(st),
+                tp_last_error());
         return 1;
     }
     g_rank = tp_comm_rank(world);
     g_size = tp_comm_size(world);
     int inited = 0;
     MPI_Initialized(&inited);
-    EXPECT(inited, "MPI is not initialized after tp_comm_init");
+    EXPECT(inited, "MPI is not initialized after tp_comm_create_world");
     if (!user_init) {
         MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
         MPI_Comm_size(MPI_COMM_WORLD, &mpi_size);

@@ -197,8 +197,8 @@ int main(int argc, char **argv)
 {
     bool never = argc > 1 && strcmp(argv[1], "--never") == 0;
     tp_comm *world = NULL;
-    if (tp_comm_init("mpi", NULL, &world) != TP_OK) {
-        fprintf(stderr, "tp_comm_init(\"mpi\"): %s\n", tp_last_error());
+    if (tp_comm_create_world("mpi", NULL, &world) != TP_OK) {
+        fprintf(stderr, "tp_comm_create_world(\"mpi\"): %s\n", tp_last_error());
         return 1;
     }
     g_rank = tp_comm_rank(world);
