@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Runs libtp's suite, examples and GPU benchmarks from a build (or an
+unpacked scripts/gpu-bundle.sh archive) and writes a report. Called by
+scripts/gpu-check.sh, which prepares the build and the library path.
+
+    gpu_check.py --root DIR --tests-json FILE --out DIR [--gpu-only] [--skip-bench]
+
+Exit status: 0 when no test failed and no GPU test skipped; 1 otherwise.
+"""
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+
+SYNTH = re.compile(r"Synthesis: Tested: (\d+) \| Passing: (\d+) \| Failing: (\d+) \| Crashing: (\d+)")
+SKIP = re.compile(r"^\[SKIP\] (\S+): (.*)$", re.M)
+GPU_SKIP = re.compile(r"no CUDA device|without CUDA|without NCCL")
+MPI_LINE = re.compile(r"^mpi: (\d+) passed, (\d+) failed", re.M)
+GPU_SUITES = {"cuda", "nccl", "replicate"}
+
+
+def run(cmd, log, env=None, timeout=600, cwd=None):
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        try:
+            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                               timeout=timeout, cwd=cwd)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\n[gpu-check] timed out after {timeout} s\n")
+            rc = 124
+        except OSError as e:
+            f.write(f"\n[gpu-check] could not start: {e}\n")
+            rc = 127
+    with open(log) as f:
+        return rc, time.time() - t0, f.read()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True, help="build dir or unpacked bundle")
+    ap.add_argument("--tests-json", required=True, help="meson introspect --tests output")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--gpu-only", action="store_true", help="only the GPU suites")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--device", default="", help="the GPU, in words, for the report")
+    a = ap.parse_args()
+
+    os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
+    logs = os.path.join(a.out, "logs")
+    with open(a.tests_json) as f:
+        tests = json.load(f)
+    env = dict(os.environ)
+    env.setdefault("TP_COMM_TIMEOUT", "60")
+
+    rows = []
+    failed_any = False
+    gpu_skipped_total = 0
+    # the build recorded its own paths: map them onto this root (the build
+    # dir, or the unpacked bundle) and onto this checkout (the sources)
+    build_dir = next((os.path.dirname(os.path.dirname(os.path.normpath(t["cmd"][0])))
+                      for t in tests if os.path.basename(t["cmd"][0]).startswith("test_")), "")
+    src_dir = os.path.dirname(build_dir)
+
+    def remap(c):
+        if not c.startswith("/") or not build_dir:
+            return c
+        n = os.path.normpath(c)
+        if n.startswith(build_dir + "/"):
+            return os.path.join(a.root, n[len(build_dir) + 1:])
+        if n.startswith(src_dir + "/") and not os.path.exists(n):
+            return os.path.join(os.getcwd(), n[len(src_dir) + 1:])
+        return c
+
+    for t in tests:
+        name = t["name"]
+        cmd = [remap(c) for c in t["cmd"]]
+        missing = [c for c in cmd if c.startswith("/") and not os.path.exists(c)]
+        if missing:
+            # mpirun (or a file) that this machine does not have
+            rows.append(dict(suite=name, status="not run", passed=0, failed=0, skipped=0,
+                             gpu_skipped=0, seconds=0.0,
+                             note=f"{os.path.basename(missing[0])} not on this machine"))
+            continue
+        if a.gpu_only and name not in GPU_SUITES:
+            continue
+        tenv = dict(env)
+        tenv.update(t.get("env") or {})
+        rc, secs, out = run(cmd, os.path.join(logs, f"test-{name}.log"), tenv,
+                            timeout=t.get("timeout") or 600, cwd=t.get("workdir") or a.root)
+        m = SYNTH.search(out)
+        skips = SKIP.findall(out)
+        gskips = sum(1 for _, why in skips if GPU_SKIP.search(why))
+        mp = MPI_LINE.findall(out)
+        if m:
+            tested, passing, failing, crashing = map(int, m.groups())
+            passed, failed = passing, failing + crashing
+        elif mp:
+            passed = sum(int(x) for x, _ in mp)
+            failed = sum(int(y) for _, y in mp)
+        else:
+            passed, failed = (1, 0) if rc == 0 else (0, 1)
+        if rc != 0 and failed == 0:
+            failed = 1
+        status = "ok" if failed == 0 and rc == 0 else f"FAIL (rc {rc})"
+        if failed or rc:
+            failed_any = True
+        if name in GPU_SUITES:
+            gpu_skipped_total += gskips
+        rows.append(dict(suite=name, status=status, passed=passed, failed=failed,
+                         skipped=len(skips), gpu_skipped=gskips, seconds=round(secs, 1),
+                         note=""))
+        print(f"[gpu-check] {name}: {status}, {passed} passed, {failed} failed, "
+              f"{len(skips)} skipped ({gskips} for want of a GPU), {secs:.1f} s", flush=True)
+
+    # examples: on the GPU where they take a device option
+    ex_rows = []
+    for ex in ("tp-example-mlp", "tp-example-transformer"):
+        path = os.path.join(a.root, "examples", ex)
+        if not os.path.exists(path):
+            continue
+        _, _, helptext = run([path, "--help"], os.path.join(logs, f"{ex}-help.log"), env, 30)
+        args = ["-d", "cuda"] if re.search(r"-d (cpu\|cuda|cuda)", helptext) else []
+        rc, secs, out = run([path] + args, os.path.join(logs, f"example-{ex}.log"), env, 300)
+        ex_rows.append((ex, " ".join(args) or "(cpu: no device option)", rc, secs,
+                        out.strip().splitlines()[-1] if out.strip() else ""))
+        if rc:
+            failed_any = True
+        print(f"[gpu-check] {ex} {' '.join(args)}: rc {rc}, {secs:.1f} s", flush=True)
+
+    benches = []
+    if not a.skip_bench:
+        b = lambda n: os.path.join(a.root, "bench", n)
+        plan = [
+            ("nccl world of one: all_reduce, all_gather",
+             [b("tp-bench-comm"), "--backend", "nccl", "-g", "1", "--collective",
+              "all_reduce,all_gather", "-b", "1M", "-e", "256M", "-f", "4", "-R", "3",
+              "--csv", os.path.join(a.out, "bench-comm-nccl.csv")]),
+            ("TP layers on one GPU (nccl, 1 rank)",
+             [b("tp-bench-layers"), "--backend", "nccl", "-g", "1", "-t", "2048,8192",
+              "-H", "1024,2048", "-l", "colwise,rowwise,mlp", "-R", "3",
+              "--csv", os.path.join(a.out, "bench-layers-nccl.csv")]),
+            ("per-op host overhead (CPU tensors)", [b("tp-bench-ops")]),
+        ]
+        for title, cmd in plan:
+            if not os.path.exists(cmd[0]):
+                continue
+            slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40]
+            rc, secs, out = run(cmd, os.path.join(logs, f"bench-{slug}.log"), env, 480)
+            benches.append((title, " ".join([os.path.basename(cmd[0])] + cmd[1:]), rc, secs, out))
+            if rc:
+                failed_any = True
+            print(f"[gpu-check] bench {title}: rc {rc}, {secs:.1f} s", flush=True)
+
+    with open(os.path.join(a.out, "gpu-results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["suite", "status", "passed", "failed", "skipped",
+                                          "gpu_skipped", "seconds", "note"])
+        w.writeheader()
+        w.writerows(rows)
+
+    tp = sum(r["passed"] for r in rows)
+    tf = sum(r["failed"] for r in rows)
+    ok = not failed_any and gpu_skipped_total == 0
+    with open(os.path.join(a.out, "gpu-report.md"), "w") as f:
+        f.write(f"# libtp GPU check: {'PASS' if ok else 'FAIL'}\n\n")
+        f.write(f"- device: {a.device or 'unknown'}\n")
+        info = os.path.join(a.root, "BUILD_INFO")
+        if os.path.exists(info):
+            for line in open(info):
+                f.write(f"- {line.strip()}\n")
+        f.write(f"- tests: {tp} passed, {tf} failed; GPU tests skipped: {gpu_skipped_total}\n\n")
+        f.write("| suite | status | passed | failed | skipped | of them for want of a GPU | s |\n")
+        f.write("| --- | --- | ---: | ---: | ---: | ---: | ---: |\n")
+        for r in rows:
+            f.write(f"| {r['suite']} | {r['status']}{' ' + r['note'] if r['note'] else ''} | "
+                    f"{r['passed']} | {r['failed']} | {r['skipped']} | {r['gpu_skipped']} | "
+                    f"{r['seconds']} |\n")
+        if ex_rows:
+            f.write("\n## Examples\n\n| example | arguments | rc | s | last line |\n"
+                    "| --- | --- | ---: | ---: | --- |\n")
+            for ex, args, rc, secs, last in ex_rows:
+                f.write(f"| {ex} | {args} | {rc} | {secs:.1f} | {last} |\n")
+        for title, cmd, rc, secs, out in benches:
+            f.write(f"\n## {title}\n\n`{cmd}` (rc {rc}, {secs:.1f} s)\n\n```\n")
+            lines = out.splitlines()
+            f.write("\n".join(lines[-60:]) + "\n```\n")
+
+    with tarfile.open(os.path.join(a.out, "gpu-logs.tar.xz"), "w:xz") as tar:
+        tar.add(logs, arcname="logs")
+    print(f"[gpu-check] {'PASS' if ok else 'FAIL'}: {tp} passed, {tf} failed, "
+          f"{gpu_skipped_total} GPU tests skipped; report: {a.out}/gpu-report.md", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
