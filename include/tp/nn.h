@@ -248,7 +248,9 @@ TP_API tp_device tp_module_device(const tp_module *m);
  * replica, and the other way round. A replica on any other device gets DEEP
  * COPIES (tp_tensor_to, the copy path of tp_module_to), unaffected by later
  * updates. A tensor registered in several places of the tree (tied weights)
- * stays one tensor in each replica. Replica parameters are leaves of their
+ * stays one tensor in each replica, and handles over one storage region (one
+ * parameter for the optimizers, below) stay handles over one storage, as
+ * with tp_module_to. Replica parameters are leaves of their
  * own: they require grad when the original's do, start without a gradient,
  * and a backward through a replica accumulates into the replica's
  * parameters, never into the original's (PyTorch's replicas are non-leaf

@@ -7,26 +7,6 @@
 #include "collectives/comm_debug_internal.h"
 #include "nn/nn_internal.h"
 
-/* ---- growable arrays ------------------------------------------------------ */
-
-/* Makes room for one more element in *v (n used, *cap allocated). The old
- * block is kept on failure. */
-static bool tp__grow(void **v, int n, int *cap, size_t elem)
-{
-    if (n < *cap)
-        return true;
-    int ncap = *cap ? *cap * 2 : 4;
-    void *nv = tp__malloc((size_t)ncap * elem);
-    if (!nv)
-        return false;
-    if (n)
-        memcpy(nv, *v, (size_t)n * elem);
-    tp__free(*v);
-    *v = nv;
-    *cap = ncap;
-    return true;
-}
-
 /* ---- names ---------------------------------------------------------------- */
 
 static int tp__param_index(const tp_module *m, const char *name)
@@ -110,6 +90,9 @@ static void tp__module_destroy(tp_module *m)
     tp__hooks_free(m->pre_hooks, m->n_pre);
     tp__hooks_free(m->post_hooks, m->n_post);
     tp__hooks_free(m->step_hooks, m->n_step);
+    for (int i = 0; i < m->n_attached; i++)
+        tp__ctx_ref_release(m->attached[i].ref);
+    tp__free(m->attached);
     tp__ctx_ref_release(m->ctx_ref);
     tp__free(m->type_name);
     tp__free(m->name);
@@ -142,7 +125,7 @@ tp_status tp_module_add_child(tp_module *parent, const char *name, tp_module *ch
     char *copy = tp__strdup(name);
     if (!copy)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    if (!tp__grow((void **)&parent->children, parent->n_children, &parent->cap_children,
+    if (!tp__grow_array((void **)&parent->children, parent->n_children, &parent->cap_children,
                   sizeof *parent->children)) {
         tp__free(copy);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
@@ -216,6 +199,70 @@ const char *tp_module_name(const tp_module *m) { return m ? m->name : NULL; }
 
 void *tp_module_ctx(const tp_module *m) { return m ? m->ctx : NULL; }
 
+/* ---- what upper layers see (nn_ext.h) ------------------------------------------ */
+
+int64_t tp__module_linear_in(const tp_module *m)
+{
+    return m && m->kind == TP_MODULE_LINEAR ? m->cfg.linear.in : -1;
+}
+
+int tp__module_num_params(const tp_module *m) { return m ? m->n_params : 0; }
+
+tp_tensor *tp__module_param_at(const tp_module *m, int i, const char **name)
+{
+    if (name)
+        *name = NULL;
+    if (!m || i < 0 || i >= m->n_params)
+        return NULL;
+    if (name)
+        *name = m->param_names[i];
+    return m->params[i];
+}
+
+static int tp__attachment_index(const tp_module *m, const void *key)
+{
+    for (int i = 0; i < m->n_attached; i++)
+        if (m->attached[i].key == key)
+            return i;
+    return -1;
+}
+
+tp_status tp__module_attach(tp_module *m, const void *key, void *ptr, void (*free_fn)(void *))
+{
+    const char *fn = "tp__module_attach";
+    TP_ARG_CHECK(m && key, "%s: module or key is NULL", fn);
+    int i = tp__attachment_index(m, key);
+    tp__ctx_ref *ref = NULL;
+    if (ptr && !(ref = tp__ctx_ref_new(ptr, free_fn)))
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    if (i < 0 && ref &&
+        !tp__grow_array((void **)&m->attached, (size_t)m->n_attached, &m->cap_attached,
+                        sizeof *m->attached)) {
+        ref->ctx_free = NULL; /* the caller keeps ptr */
+        tp__ctx_ref_release(ref);
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    }
+    if (i >= 0) {
+        tp__ctx_ref_release(m->attached[i].ref);
+        if (ref) {
+            m->attached[i].ref = ref;
+        } else {
+            memmove(&m->attached[i], &m->attached[i + 1],
+                    (size_t)(m->n_attached - i - 1) * sizeof *m->attached);
+            m->n_attached--;
+        }
+    } else if (ref) {
+        m->attached[m->n_attached++] = (tp__attachment){key, ref};
+    }
+    return TP_OK;
+}
+
+void *tp__module_attached(const tp_module *m, const void *key)
+{
+    int i = m ? tp__attachment_index(m, key) : -1;
+    return i < 0 ? NULL : m->attached[i].ref->ctx;
+}
+
 /* Writes the path of m below root at logical position pos (characters past
  * the buffer are dropped); returns the new logical position. */
 static size_t tp__fqn_put(const tp_module *root, const tp_module *m, char *buf, size_t len,
@@ -283,9 +330,9 @@ tp_status tp_module_register_parameter(tp_module *m, const char *name, tp_tensor
     /* the two arrays share cap_params: grow names against a copy of it, so a
      * failure growing params leaves cap_params true for both (a names array
      * larger than recorded is harmless) */
-    int cap_names = m->cap_params;
-    if (!tp__grow((void **)&m->param_names, m->n_params, &cap_names, sizeof *m->param_names) ||
-        !tp__grow((void **)&m->params, m->n_params, &m->cap_params, sizeof *m->params)) {
+    size_t cap_names = m->cap_params;
+    if (!tp__grow_array((void **)&m->param_names, m->n_params, &cap_names, sizeof *m->param_names) ||
+        !tp__grow_array((void **)&m->params, m->n_params, &m->cap_params, sizeof *m->params)) {
         tp__free(copy);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     }
@@ -398,16 +445,18 @@ static tp_status tp__walk_params(tp_module *m, tp__path *path, tp__seen *seen,
 
 /* ---- moving between devices ------------------------------------------------- */
 
+/* Where each moved parameter goes: slot i of module m; its copy is entry k of
+ * the map (k the index of the slot here). */
 typedef struct {
     tp_module *m;
     int i;
-    tp_tensor *old; /* borrowed: the module holds it until the swap */
-    tp_tensor *t;   /* the moved parameter (a reference) */
-} tp__move;
+} tp__slot;
 
 typedef struct {
-    tp__move *v;
-    int n, cap;
+    tp__slot *slot;
+    size_t cap;
+    tp__param_map map; /* old (borrowed: the module holds it until the swap)
+                        * -> moved (a reference) */
     tp_device dev;
 } tp__moves;
 
@@ -446,16 +495,28 @@ static tp_status tp__moved(tp_tensor *p, tp_device dev, tp_tensor **out)
     return TP_OK;
 }
 
-/* A second handle over the storage of `moved` with the layout of `like` (a
- * handle over the same region as the parameter `moved` was copied from):
- * handles that were one parameter before the move stay one. */
-static tp_status tp__moved_alias(tp_tensor *moved, tp_tensor *like, tp_tensor **out)
+/* A new plain header over t's storage region: same shape, strides and
+ * offset, no autograd state. A 0-d tensor is contiguous, so a view of its
+ * own shape does it; others narrow dim 0 to its full size, which keeps any
+ * strides. */
+tp_status tp__alias(tp_tensor *t, tp_tensor **out)
+{
+    if (tp_tensor_ndim(t) == 0)
+        return tp_tensor_view(t, 0, NULL, out);
+    return tp_tensor_narrow(t, 0, 0, tp_tensor_size(t, 0), out);
+}
+
+/* A second handle over the storage of `copy` with the layout of `like` (a
+ * handle over the same region as the parameter `copy` was made from):
+ * handles that were one parameter before the copy stay one. Requires grad
+ * as `copy` does. */
+static tp_status tp__copy_alias(tp_tensor *copy, const tp_tensor *like, tp_tensor **out)
 {
     tp_tensor *r = NULL;
     tp_status st;
-    if (tp_tensor_is_dtensor(moved)) {
-        tp_tensor *l = tp_dtensor_local(moved), *v = NULL;
-        st = tp_tensor_view(l, tp_tensor_ndim(l), tp_tensor_shape(l), &v);
+    if (tp_tensor_is_dtensor(copy)) {
+        tp_tensor *v = NULL;
+        st = tp__alias(tp_dtensor_local(copy), &v);
         if (st == TP_OK) {
             tp_mesh *mesh = tp_dtensor_mesh(like);
             tp_from_local_options o = {.global_shape = tp_tensor_shape(like), .check = false};
@@ -464,15 +525,38 @@ static tp_status tp__moved_alias(tp_tensor *moved, tp_tensor *like, tp_tensor **
         }
         tp_tensor_release(v);
     } else {
-        st = tp_tensor_view(moved, tp_tensor_ndim(moved), tp_tensor_shape(moved), &r);
+        st = tp__alias(copy, &r);
     }
-    if (st == TP_OK)
+    if (st == TP_OK && tp_tensor_requires_grad(copy))
         st = tp_tensor_set_requires_grad(r, true);
     if (st != TP_OK) {
         tp_tensor_release(r);
         return st;
     }
     *out = r;
+    return TP_OK;
+}
+
+bool tp__param_map_add(tp__param_map *mm, const tp_tensor *from, tp_tensor *to)
+{
+    if (!tp__grow_array((void **)&mm->v, mm->n, &mm->cap, sizeof *mm->v))
+        return false;
+    mm->v[mm->n].from = from;
+    mm->v[mm->n++].to = to;
+    return true;
+}
+
+tp_status tp__param_map_find(const tp__param_map *mm, tp_tensor *p, tp_tensor **out)
+{
+    *out = NULL;
+    for (size_t k = 0; k < mm->n; k++)
+        if (mm->v[k].from == p) {
+            *out = tp_tensor_retain(mm->v[k].to);
+            return TP_OK;
+        }
+    for (size_t k = 0; k < mm->n; k++)
+        if (tp__param_same(mm->v[k].from, p))
+            return tp__copy_alias(mm->v[k].to, p, out);
     return TP_OK;
 }
 
@@ -484,24 +568,21 @@ static tp_status tp__collect_moves(tp_module *m, tp__moves *mv)
         tp_tensor *old = m->params[i];
         if (!old || tp__on(old, mv->dev))
             continue;
-        if (!tp__grow((void **)&mv->v, mv->n, &mv->cap, sizeof *mv->v))
+        if (!tp__grow_array((void **)&mv->slot, mv->map.n, &mv->cap, sizeof *mv->slot))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_to: out of memory");
         tp_tensor *t = NULL;
-        tp_status st = TP_OK;
-        for (int k = 0; k < mv->n && !t; k++)
-            if (mv->v[k].old == old)
-                t = tp_tensor_retain(mv->v[k].t);
-        for (int k = 0; k < mv->n && !t && st == TP_OK; k++)
-            if (tp__param_same(mv->v[k].old, old))
-                st = tp__moved_alias(mv->v[k].t, old, &t);
+        tp_status st = tp__param_map_find(&mv->map, old, &t);
         if (!t && st == TP_OK)
             st = tp__moved(old, mv->dev, &t);
+        if (st == TP_OK && !tp__param_map_add(&mv->map, old, t))
+            st = tp__error(TP_ERR_NO_MEMORY, "out of memory");
         if (st != TP_OK) {
+            tp_tensor_release(t);
             tp__error_prefix("tp_module_to: parameter '%s' of %s", m->param_names[i],
                              m->type_name);
             return st;
         }
-        mv->v[mv->n++] = (tp__move){m, i, old, t};
+        mv->slot[mv->map.n - 1] = (tp__slot){m, i};
     }
     for (int i = 0; i < m->n_children; i++)
         TP_CHECK(tp__collect_moves(m->children[i], mv));
@@ -517,16 +598,18 @@ tp_status tp_module_to(tp_module *m, tp_device device)
                          TP_HAVE_CUDA ? "no CUDA device" : "libtp was built without CUDA");
     tp__moves mv = {.dev = device};
     tp_status st = tp__collect_moves(m, &mv);
-    for (int k = 0; k < mv.n; k++) {
+    for (size_t k = 0; k < mv.map.n; k++) {
         if (st == TP_OK) { /* all copies made: swap them in */
-            tp_tensor *old = mv.v[k].m->params[mv.v[k].i];
-            mv.v[k].m->params[mv.v[k].i] = mv.v[k].t;
+            tp_module *o = mv.slot[k].m;
+            tp_tensor *old = o->params[mv.slot[k].i];
+            o->params[mv.slot[k].i] = mv.map.v[k].to;
             tp_tensor_release(old);
         } else {
-            tp_tensor_release(mv.v[k].t);
+            tp_tensor_release(mv.map.v[k].to);
         }
     }
-    tp__free(mv.v);
+    tp__free(mv.slot);
+    tp__free(mv.map.v);
     return st;
 }
 
@@ -570,7 +653,7 @@ void tp_module_zero_grad(tp_module *m)
  * deleter is not when wrapping it fails). */
 enum { TP__HOOK_PRE, TP__HOOK_POST, TP__HOOK_STEP, TP__HOOK_KINDS };
 
-static tp__hook **tp__hook_list(tp_module *m, int which, int **n, int **cap)
+static tp__hook **tp__hook_list(tp_module *m, int which, int **n, size_t **cap)
 {
     switch (which) {
     case TP__HOOK_PRE:
@@ -594,9 +677,10 @@ static tp_status tp__add_hook(const char *fn, tp_module *m, void *hook, void *ct
     TP_ARG_CHECK(hook, "%s: hook is NULL", fn);
     TP_ARG_CHECK(m->next_hook_id < INT_MAX, "%s: %s has run out of hook handles", fn,
                  m->type_name);
-    int *n = NULL, *cap = NULL;
+    int *n = NULL;
+    size_t *cap = NULL;
     tp__hook **v = tp__hook_list(m, which, &n, &cap);
-    if (!tp__grow((void **)v, *n, cap, sizeof **v))
+    if (!tp__grow_array((void **)v, *n, cap, sizeof **v))
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     tp__ctx_ref *ref = NULL;
     if (ctx_free && !(ref = tp__ctx_ref_new(ctx, ctx_free)))
@@ -633,7 +717,8 @@ tp_status tp_module_add_step_pre_hook(tp_module *m, tp_step_pre_hook fn, void *c
 static void tp__hooks_compact(tp_module *m)
 {
     for (int which = 0; which < TP__HOOK_KINDS; which++) {
-        int *n = NULL, *cap = NULL;
+        int *n = NULL;
+    size_t *cap = NULL;
         tp__hook *v = *tp__hook_list(m, which, &n, &cap);
         int k = 0;
         for (int i = 0; i < *n; i++) {
@@ -660,7 +745,8 @@ void tp_module_remove_hook(tp_module *m, int handle)
     if (!m || handle <= 0)
         return;
     for (int which = 0; which < TP__HOOK_KINDS; which++) {
-        int *n = NULL, *cap = NULL;
+        int *n = NULL;
+    size_t *cap = NULL;
         tp__hook *v = *tp__hook_list(m, which, &n, &cap);
         for (int i = 0; i < *n; i++) {
             if (v[i].id != handle || !v[i].fn)
