@@ -2,6 +2,7 @@
  * freeing. The built-in kinds (builtin.c) set `forward` like a custom module
  * does, so dispatch here is the same for every kind. */
 #include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "collectives/comm_debug_internal.h"
@@ -399,32 +400,86 @@ static void tp__path_pop(tp__path *p, size_t len)
     p->s[len] = '\0';
 }
 
-/* The tensors already reported by a deduplicating walk. */
-typedef struct {
-    const tp_tensor **v;
-    size_t n, cap;
-} tp__seen;
+/* The present parameters of m's subtree in walk order (depth first, in
+ * registration order) into v[*n...]; v NULL only counts them. */
+static void tp__walk_tensors(const tp_module *m, const tp_tensor **v, size_t *n)
+{
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params[i]) {
+            if (v)
+                v[*n] = m->params[i];
+            (*n)++;
+        }
+    for (int i = 0; i < m->n_children; i++)
+        tp__walk_tensors(m->children[i], v, n);
+}
 
-/* seen NULL: every name is reported. Otherwise a tensor reached under a
- * second name (a tied weight) is skipped, as PyTorch's named_parameters()
- * does by default. */
-static tp_status tp__walk_params(tp_module *m, tp__path *path, tp__seen *seen,
+typedef struct {
+    const tp_tensor *t;
+    size_t k; /* walk position */
+} tp__walk_key;
+
+static int tp__walk_key_cmp(const void *pa, const void *pb)
+{
+    const tp__walk_key *a = pa, *b = pb;
+    uintptr_t ta = (uintptr_t)a->t, tb = (uintptr_t)b->t;
+    if (ta != tb)
+        return ta < tb ? -1 : 1;
+    return a->k < b->k ? -1 : a->k > b->k;
+}
+
+/* Which parameters of a walk repeat an earlier one. */
+typedef struct {
+    bool *again; /* again[k]: the k-th parameter of the walk was reached before */
+    size_t n;    /* entries of again */
+    size_t k;    /* the walk's position */
+} tp__repeats;
+
+/* Fills r (zeroed by the caller). A sort, not a pairwise scan: optimizers
+ * walk every step. */
+static tp_status tp__walk_repeats(const tp_module *m, tp__repeats *r)
+{
+    size_t n = 0;
+    tp__walk_tensors(m, NULL, &n);
+    if (!n)
+        return TP_OK;
+    const tp_tensor **v = tp__malloc(n * sizeof *v);
+    tp__walk_key *key = tp__malloc(n * sizeof *key);
+    bool *again = tp__calloc(n, sizeof *again);
+    if (!v || !key || !again) {
+        tp__free(v);
+        tp__free(key);
+        tp__free(again);
+        return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
+    }
+    size_t k = 0;
+    tp__walk_tensors(m, v, &k);
+    for (k = 0; k < n; k++)
+        key[k] = (tp__walk_key){v[k], k};
+    qsort(key, n, sizeof *key, tp__walk_key_cmp);
+    for (k = 1; k < n; k++)
+        if (key[k].t == key[k - 1].t)
+            again[key[k].k] = true;
+    tp__free(v);
+    tp__free(key);
+    r->again = again;
+    r->n = n;
+    return TP_OK;
+}
+
+/* r NULL: every name is reported. Otherwise a tensor reached under a second
+ * name (a tied weight) is skipped, as PyTorch's named_parameters() does by
+ * default. (Parameters fn registers meanwhile are past r's entries: they are
+ * reported.) */
+static tp_status tp__walk_params(tp_module *m, tp__path *path, tp__repeats *r,
                                  tp_status (*fn)(const char *, tp_tensor *, void *), void *ctx)
 {
     size_t base = path->len;
     for (int i = 0; i < m->n_params; i++) {
         if (!m->params[i])
             continue;
-        if (seen) {
-            bool again = false;
-            for (size_t k = 0; k < seen->n && !again; k++)
-                again = seen->v[k] == m->params[i];
-            if (again)
-                continue;
-            if (!tp__grow_array((void **)&seen->v, seen->n, &seen->cap, sizeof *seen->v))
-                return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
-            seen->v[seen->n++] = m->params[i];
-        }
+        if (r && r->k++ < r->n && r->again[r->k - 1])
+            continue;
         if (!tp__path_push(path, m->param_names[i]))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
         tp_status st = fn(path->s, m->params[i], ctx);
@@ -435,7 +490,7 @@ static tp_status tp__walk_params(tp_module *m, tp__path *path, tp__seen *seen,
     for (int i = 0; i < m->n_children; i++) {
         if (!tp__path_push(path, m->children[i]->name))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
-        tp_status st = tp__walk_params(m->children[i], path, seen, fn, ctx);
+        tp_status st = tp__walk_params(m->children[i], path, r, fn, ctx);
         tp__path_pop(path, base);
         if (st != TP_OK)
             return st;
@@ -629,10 +684,12 @@ tp_status tp__module_walk_params(tp_module *m, bool unique,
                                  void *ctx)
 {
     tp__path path = {0};
-    tp__seen seen = {0};
-    tp_status st = tp__walk_params(m, &path, unique ? &seen : NULL, fn, ctx);
+    tp__repeats r = {0};
+    tp_status st = unique ? tp__walk_repeats(m, &r) : TP_OK;
+    if (st == TP_OK)
+        st = tp__walk_params(m, &path, unique ? &r : NULL, fn, ctx);
     tp__free(path.s);
-    tp__free(seen.v);
+    tp__free(r.again);
     return st;
 }
 
