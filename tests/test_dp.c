@@ -979,6 +979,49 @@ Test(dp, failed_gradient_read_is_sticky, .timeout = 30)
     tp_comm_free(pg);
 }
 
+/* A failed settle names the function that reached the gradient: a
+ * replacement (tp_tensor_set_grad) whose wait fails says so, not
+ * tp_tensor_grad, and so do the refusals after it. */
+Test(dp, failed_settle_names_its_caller, .timeout = 30)
+{
+    lonely_state ls = {.polls = 1 << 30};
+    tp_comm *pg = NULL;
+    tp_module *m = NULL;
+    tp_ddp *ddp = NULL;
+    CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
+    CHECK_OK(make_mlp(&m));
+    CHECK_OK(tp_ddp_create(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300}, &ddp));
+    tp_tensor *x = NULL, *loss = NULL, *g = NULL;
+    CHECK_OK(tp_tensor_clone(param(m, 3), &g));
+    CHECK_OK(batch(0, &x));
+    CHECK_OK(loss_of(m, x, &loss));
+    CHECK_OK(tp_backward(loss, NULL));
+    ls.fail_waits = true;
+    tp_clear_error();
+    CHECK_ERR(tp_tensor_set_grad(param(m, 3), g), TP_ERR_BACKEND);
+    const char *e = tp_last_error();
+    cr_assert(strstr(e, "tp_tensor_set_grad: waiting for the data-parallel all_reduce of the "
+                        "gradient of 'net2.bias'") == e && !strstr(e, "tp_tensor_grad"),
+              "%s", e);
+    tp_clear_error();
+    cr_assert_null(tp_tensor_grad(param(m, 0)));
+    e = tp_last_error();
+    cr_assert(strstr(e, "tp_tensor_grad: an earlier step of this DDP failed") == e, "%s", e);
+    tp_clear_error();
+    CHECK_ERR(tp_tensor_set_grad(param(m, 3), g), TP_ERR_STATE);
+    e = tp_last_error();
+    cr_assert(strstr(e, "tp_tensor_set_grad: an earlier step of this DDP failed") == e &&
+                  !strstr(e, "tp_tensor_grad"),
+              "%s", e);
+    tp_module_zero_grad(m);
+    tp_ddp_free(ddp);
+    tp_tensor_release(loss);
+    tp_tensor_release(g);
+    tp_tensor_release(x);
+    tp_module_free(m);
+    tp_comm_free(pg);
+}
+
 /* ---- passes ---------------------------------------------------------------------- */
 
 static tp_status noop_pass(tp_step_graph *g, void *ctx)
