@@ -162,7 +162,8 @@ typedef tp_status (*tp_forward_hook)(tp_module *m, int nargs, tp_tensor *const *
  * holding the hook lets go). On failure the caller keeps ctx (ctx_free is not
  * called). *handle (may be NULL) receives a handle for tp_module_remove_hook:
  * > 0, unique among the hooks of every kind on m (a replica's copy of a hook
- * has the original's handle); 0 on failure.
+ * has the original's handle); 0 on failure. Handles are never reused: a
+ * module that has been given INT_MAX hooks refuses more (TP_ERR_STATE).
  */
 TP_API tp_status tp_module_add_forward_pre_hook(tp_module *m, tp_forward_pre_hook fn, void *ctx,
                                                 void (*ctx_free)(void *ctx), int *handle);

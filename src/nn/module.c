@@ -732,8 +732,10 @@ static tp_status tp__add_hook(const char *fn, tp_module *m, void *hook, void *ct
         *handle = 0;
     TP_ARG_CHECK(m, "%s: module is NULL", fn);
     TP_ARG_CHECK(hook, "%s: hook is NULL", fn);
-    TP_ARG_CHECK(m->next_hook_id < INT_MAX, "%s: %s has run out of hook handles", fn,
-                 m->type_name);
+    /* the module's state, not the arguments, refuses: handles are never
+     * reused, so after INT_MAX hooks the module takes no more */
+    if (m->next_hook_id == INT_MAX)
+        return tp__error(TP_ERR_STATE, "%s: %s has run out of hook handles", fn, m->type_name);
     int *n = NULL;
     size_t *cap = NULL;
     tp__hook **v = tp__hook_list(m, which, &n, &cap);
