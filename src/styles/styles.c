@@ -193,6 +193,23 @@ tp_status tp_sequence_parallel_create(const tp_sequence_parallel_options *opts, 
     return TP_OK;
 }
 
+/* n (<what>_layouts[i], desired_<what>_layouts[i]) pairs: both set or both
+ * None, and valid. */
+static tp_status tp__check_layout_pairs(const char *fn, const char *what, int n,
+                                        const tp_layout *l, const tp_layout *want)
+{
+    for (int i = 0; i < n; i++) {
+        char a[64], b[64];
+        snprintf(a, sizeof a, "%s_layouts[%d]", what, i);
+        snprintf(b, sizeof b, "desired_%s_layouts[%d]", what, i);
+        TP_ARG_CHECK(l[i].set == want[i].set, "%s: %s is %s but %s is %s", fn, a,
+                     l[i].set ? "set" : "None", b, want[i].set ? "set" : "None");
+        TP_CHECK(tp__layout_valid(fn, a, l[i], false));
+        TP_CHECK(tp__layout_valid(fn, b, want[i], true));
+    }
+    return TP_OK;
+}
+
 /* Checks *o and resolves its use_local_output. */
 static tp_status tp__check_input_opts(const char *fn, tp_prepare_input_options *o)
 {
@@ -207,17 +224,8 @@ static tp_status tp__check_input_opts(const char *fn, tp_prepare_input_options *
                  "%s: input_layouts and desired_input_layouts should have same length "
                  "(%d input_layouts, %d desired_input_layouts)",
                  fn, o->n_inputs, o->n_desired);
-    for (int i = 0; i < o->n_inputs; i++) {
-        char what[64];
-        TP_ARG_CHECK(o->input_layouts[i].set == o->desired_input_layouts[i].set,
-                     "%s: input_layouts[%d] is %s but desired_input_layouts[%d] is %s", fn, i,
-                     o->input_layouts[i].set ? "set" : "None", i,
-                     o->desired_input_layouts[i].set ? "set" : "None");
-        snprintf(what, sizeof what, "input_layouts[%d]", i);
-        TP_CHECK(tp__layout_valid(fn, what, o->input_layouts[i], false));
-        snprintf(what, sizeof what, "desired_input_layouts[%d]", i);
-        TP_CHECK(tp__layout_valid(fn, what, o->desired_input_layouts[i], true));
-    }
+    TP_CHECK(tp__check_layout_pairs(fn, "input", o->n_inputs, o->input_layouts,
+                                    o->desired_input_layouts));
     for (int i = 0; i < o->n_kwargs; i++) {
         const tp_kwarg_layout *k = &o->kwargs[i];
         TP_ARG_CHECK(k->name && k->name[0], "%s: kwargs[%d] has no name", fn, i);
@@ -256,18 +264,8 @@ static tp_status tp__check_output_opts(const char *fn, tp_prepare_output_options
                  "%s: module outputs and output_layouts should have same length (a module "
                  "returns one tensor; got %d output_layouts)",
                  fn, o->n_outputs);
-    for (int i = 0; i < o->n_outputs; i++) {
-        char what[64];
-        TP_ARG_CHECK(o->output_layouts[i].set == o->desired_output_layouts[i].set,
-                     "%s: output_layouts[%d] is %s but desired_output_layouts[%d] is %s", fn, i,
-                     o->output_layouts[i].set ? "set" : "None", i,
-                     o->desired_output_layouts[i].set ? "set" : "None");
-        snprintf(what, sizeof what, "output_layouts[%d]", i);
-        TP_CHECK(tp__layout_valid(fn, what, o->output_layouts[i], false));
-        snprintf(what, sizeof what, "desired_output_layouts[%d]", i);
-        TP_CHECK(tp__layout_valid(fn, what, o->desired_output_layouts[i], true));
-    }
-    return TP_OK;
+    return tp__check_layout_pairs(fn, "output", o->n_outputs, o->output_layouts,
+                                  o->desired_output_layouts);
 }
 
 /* Copies input options (kwarg names included) into s. */
