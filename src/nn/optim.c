@@ -77,11 +77,11 @@ static bool tp__same_shape(const tp_tensor *a, const tp_tensor *b)
     return a->ndim == b->ndim && !memcmp(a->shape, b->shape, (size_t)a->ndim * sizeof *a->shape);
 }
 
-/* The tensor holding t's elements on this rank: t, or a DTensor's local
- * shard. */
-static const tp_tensor *tp__local_of(const tp_tensor *t)
+/* The tensor that holds this rank's values: the local shard of a DTensor,
+ * the tensor itself otherwise. */
+static tp_tensor *tp__storage_of(const tp_tensor *t)
 {
-    return tp_tensor_is_dtensor(t) ? tp_dtensor_local(t) : t;
+    return tp_tensor_is_dtensor(t) ? tp_dtensor_local(t) : (tp_tensor *)t;
 }
 
 bool tp__param_same(const tp_tensor *a, const tp_tensor *b)
@@ -90,7 +90,7 @@ bool tp__param_same(const tp_tensor *a, const tp_tensor *b)
         return true;
     if (!a || !b || tp_tensor_is_dtensor(a) != tp_tensor_is_dtensor(b))
         return false;
-    const tp_tensor *la = tp__local_of(a), *lb = tp__local_of(b);
+    const tp_tensor *la = tp__storage_of(a), *lb = tp__storage_of(b);
     /* the cheap test first: most pairs are apart. Meta tensors have no
      * storage: only the same handle is the same */
     if (!la->storage || la->storage != lb->storage || la->offset != lb->offset)
@@ -137,7 +137,7 @@ static tp_status tp__plist_group(tp__plist *l)
         goto done;
     }
     for (int i = 0; i < l->n; i++) {
-        const tp_tensor *loc = tp__local_of(l->e[i].t);
+        const tp_tensor *loc = tp__storage_of(l->e[i].t);
         key[i] = loc->storage ? (tp__pkey){(uintptr_t)loc->storage, loc->offset, i}
                               : (tp__pkey){(uintptr_t)l->e[i].t, 0, i};
         l->rep[i] = i;
@@ -184,13 +184,6 @@ static tp_status tp__plist_of(const char *fn, tp_module *m, bool unique, tp__pli
         tp__plist_free(l);
     }
     return st;
-}
-
-/* The tensor that holds this rank's values: the local shard of a DTensor,
- * the tensor itself otherwise. */
-static tp_tensor *tp__storage_of(tp_tensor *t)
-{
-    return tp_tensor_is_dtensor(t) ? tp_dtensor_local(t) : t;
 }
 
 /* This rank's block of a parameter: local shape and offset in the global
