@@ -26,6 +26,16 @@
 extern "C" {
 #endif
 
+/*
+ * A module. Owner: its creator (tp_nn_*_create, tp_module_replicate) until
+ * tp_module_add_child hands it to a parent; from then on the parent owns it
+ * and tp_module_free of the root frees the subtree (tp_module_free of a child
+ * is a no-op). A module holds a reference on each parameter and owns its
+ * hooks' and custom ctx (ctx_free; shared with its replicas, the last holder
+ * frees them); what its getters return is borrowed, valid until the module is
+ * freed or the entry replaced. One thread uses a module at a time (a replica
+ * is another module).
+ */
 typedef struct tp_module tp_module;
 
 typedef enum tp_module_kind {
@@ -301,6 +311,9 @@ TP_API tp_status tp_module_replicate(tp_module *module, const tp_device *devices
  * reduced to the parameter's layout first: collective). */
 TP_API tp_status tp_sgd_step(tp_module *m, double lr);
 
+/* Owner: the caller (tp_adam_create, tp_adam_free). It borrows the module,
+ * which must outlive it, and holds a reference on every parameter it keeps
+ * state for, and its moment tensors. */
 typedef struct tp_adam tp_adam;
 /* Adam (PyTorch defaults when zero: lr 1e-3, betas 0.9/0.999, eps 1e-8). */
 TP_API tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, double eps,

@@ -584,6 +584,8 @@ void tp_ddp_free(tp_ddp *d)
     }
     tp__free(d->p);
     tp__free(d->seen);
+    if (d->g)
+        d->g->owner = NULL; /* the DDP's own: free it */
     tp_step_graph_free(d->g);
     tp__comm_release(d->comm);
     if (d->shim) {
