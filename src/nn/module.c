@@ -127,7 +127,7 @@ tp_status tp_module_add_child(tp_module *parent, const char *name, tp_module *ch
     if (!copy)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     if (!tp__grow_array((void **)&parent->children, parent->n_children, &parent->cap_children,
-                  sizeof *parent->children)) {
+                        sizeof *parent->children)) {
         tp__free(copy);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     }
@@ -400,24 +400,24 @@ static void tp__path_pop(tp__path *p, size_t len)
     p->s[len] = '\0';
 }
 
-/* The present parameters of m's subtree in walk order (depth first, in
- * registration order) into v[*n...]; v NULL only counts them. */
-static void tp__walk_tensors(const tp_module *m, const tp_tensor **v, size_t *n)
-{
-    for (int i = 0; i < m->n_params; i++)
-        if (m->params[i]) {
-            if (v)
-                v[*n] = m->params[i];
-            (*n)++;
-        }
-    for (int i = 0; i < m->n_children; i++)
-        tp__walk_tensors(m->children[i], v, n);
-}
-
 typedef struct {
     const tp_tensor *t;
     size_t k; /* walk position */
 } tp__walk_key;
+
+/* The present parameters of m's subtree in walk order (depth first, in
+ * registration order) into key[*n...]; key NULL only counts them. */
+static void tp__walk_tensors(const tp_module *m, tp__walk_key *key, size_t *n)
+{
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params[i]) {
+            if (key)
+                key[*n] = (tp__walk_key){m->params[i], *n};
+            (*n)++;
+        }
+    for (int i = 0; i < m->n_children; i++)
+        tp__walk_tensors(m->children[i], key, n);
+}
 
 static int tp__walk_key_cmp(const void *pa, const void *pb)
 {
@@ -443,24 +443,19 @@ static tp_status tp__walk_repeats(const tp_module *m, tp__repeats *r)
     tp__walk_tensors(m, NULL, &n);
     if (!n)
         return TP_OK;
-    const tp_tensor **v = tp__malloc(n * sizeof *v);
     tp__walk_key *key = tp__malloc(n * sizeof *key);
     bool *again = tp__calloc(n, sizeof *again);
-    if (!v || !key || !again) {
-        tp__free(v);
+    if (!key || !again) {
         tp__free(key);
         tp__free(again);
         return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
     }
     size_t k = 0;
-    tp__walk_tensors(m, v, &k);
-    for (k = 0; k < n; k++)
-        key[k] = (tp__walk_key){v[k], k};
+    tp__walk_tensors(m, key, &k);
     qsort(key, n, sizeof *key, tp__walk_key_cmp);
     for (k = 1; k < n; k++)
         if (key[k].t == key[k - 1].t)
             again[key[k].k] = true;
-    tp__free(v);
     tp__free(key);
     r->again = again;
     r->n = n;
