@@ -146,10 +146,9 @@ static tp_status tp__plist_group(tp__plist *l)
     }
     qsort(key, (size_t)l->n, sizeof *key, tp__pkey_cmp);
     for (int a = 0, b; a < l->n; a = b) {
-        for (b = a + 1; b < l->n && key[b].storage == key[a].storage &&
-                        key[b].offset == key[a].offset;
-             b++) {
-        }
+        b = a + 1;
+        while (b < l->n && key[b].storage == key[a].storage && key[b].offset == key[a].offset)
+            b++;
         /* one start, entries in list order: each joins the first earlier
          * parameter it is (tp__param_same is an equivalence) */
         for (int p = a + 1; p < b; p++) {
