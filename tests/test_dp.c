@@ -979,6 +979,89 @@ Test(dp, failed_gradient_read_is_sticky, .timeout = 30)
     tp_comm_free(pg);
 }
 
+/* A failed settle names the function that reached the gradient: a
+ * replacement (tp_tensor_set_grad) whose wait fails says so, not
+ * tp_tensor_grad, and so do the refusals after it. */
+Test(dp, failed_settle_names_its_caller, .timeout = 30)
+{
+    lonely_state ls = {.polls = 1 << 30};
+    tp_comm *pg = NULL;
+    tp_module *m = NULL;
+    tp_ddp *ddp = NULL;
+    CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
+    CHECK_OK(make_mlp(&m));
+    CHECK_OK(tp_ddp_create(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300}, &ddp));
+    tp_tensor *x = NULL, *loss = NULL, *g = NULL;
+    CHECK_OK(tp_tensor_clone(param(m, 3), &g));
+    CHECK_OK(batch(0, &x));
+    CHECK_OK(loss_of(m, x, &loss));
+    CHECK_OK(tp_backward(loss, NULL));
+    ls.fail_waits = true;
+    tp_clear_error();
+    CHECK_ERR(tp_tensor_set_grad(param(m, 3), g), TP_ERR_BACKEND);
+    const char *e = tp_last_error();
+    cr_assert(strstr(e, "tp_tensor_set_grad: waiting for the data-parallel all_reduce of the "
+                        "gradient of 'net2.bias'") == e && !strstr(e, "tp_tensor_grad"),
+              "%s", e);
+    tp_clear_error();
+    cr_assert_null(tp_tensor_grad(param(m, 0)));
+    e = tp_last_error();
+    cr_assert(strstr(e, "tp_tensor_grad: an earlier step of this DDP failed") == e, "%s", e);
+    tp_clear_error();
+    CHECK_ERR(tp_tensor_set_grad(param(m, 3), g), TP_ERR_STATE);
+    e = tp_last_error();
+    cr_assert(strstr(e, "tp_tensor_set_grad: an earlier step of this DDP failed") == e &&
+                  !strstr(e, "tp_tensor_grad"),
+              "%s", e);
+    tp_module_zero_grad(m);
+    tp_ddp_free(ddp);
+    tp_tensor_release(loss);
+    tp_tensor_release(g);
+    tp_tensor_release(x);
+    tp_module_free(m);
+    tp_comm_free(pg);
+}
+
+/* A DDP's step graph belongs to the DDP: tp_step_graph_free on it is a no-op
+ * (as tp_module_free on a child), the DDP keeps working, and tp_ddp_free
+ * frees it. */
+static tp_test_alloc graph_alloc;
+
+Test(dp, ddp_graph_is_the_ddps, .timeout = 30)
+{
+    tp_allocator a = {tp_test_alloc_fn, tp_test_free_fn, &graph_alloc};
+    graph_alloc = (tp_test_alloc){0, 0, -1};
+    CHECK_OK(tp_set_allocator(&a));
+    lonely_state ls = {0};
+    tp_comm *pg = NULL;
+    tp_module *m = NULL;
+    tp_ddp *ddp = NULL;
+    CHECK_OK(tp_comm_create(&lonely_backend, &ls, 0, 1, &pg));
+    long before = graph_alloc.live;
+    CHECK_OK(make_mlp(&m));
+    CHECK_OK(tp_ddp_create(m, pg, &(tp_ddp_options){.bucket_cap_bytes = 300}, &ddp));
+    long with = graph_alloc.live;
+    tp_step_graph *g = tp_ddp_graph(ddp);
+    int nb = tp_step_graph_num_buckets(g);
+    tp_step_graph_free(g);
+    cr_assert_eq(graph_alloc.live, with, "freeing the DDP's graph freed %ld blocks",
+                 with - graph_alloc.live);
+    cr_assert_eq(tp_ddp_graph(ddp), g);
+    cr_assert_eq(tp_step_graph_num_buckets(g), nb);
+    tp_tensor *x = NULL, *loss = NULL;
+    CHECK_OK(batch(0, &x));
+    CHECK_OK(loss_of(m, x, &loss));
+    CHECK_OK(tp_backward(loss, NULL));
+    CHECK_OK(tp_sgd_step(m, LR));
+    tp_tensor_release(loss);
+    tp_tensor_release(x);
+    tp_ddp_free(ddp);
+    tp_module_free(m); /* with the hooks the DDP left on it */
+    cr_assert_eq(graph_alloc.live, before, "%ld blocks left", graph_alloc.live - before);
+    tp_comm_free(pg);
+    tp_set_allocator(NULL);
+}
+
 /* ---- passes ---------------------------------------------------------------------- */
 
 static tp_status noop_pass(tp_step_graph *g, void *ctx)

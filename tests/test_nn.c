@@ -2552,6 +2552,52 @@ Test(nn, tied_weights_step_once, .timeout = 60)
  * default); state dicts list every name, and loading goes through each. Two
  * handles over one storage are two entries of named_parameters (two
  * tensors), as two Parameters sharing storage are in PyTorch. */
+/* One step over handles of two tensors in every arrangement: handles over one
+ * region (c, h over a's; d over b's) are stepped once with their gradients
+ * summed, the same tensor under a second name (e) once, and handles over
+ * other regions of the same storage (f starts where a does but is shorter;
+ * g starts elsewhere) on their own. */
+Test(nn, tied_handles_grouped_by_region, .timeout = 30)
+{
+    const int64_t six = 6;
+    tp_module *m = NULL;
+    CHECK_OK(tp_nn_custom_create("Handles", custom_fwd, NULL, NULL, &m));
+    tp_tensor *a = mk(1, &six, 1), *b = mk(1, &six, 2), *a0 = NULL, *b0 = NULL;
+    CHECK_OK(tp_tensor_clone(a, &a0));
+    CHECK_OK(tp_tensor_clone(b, &b0));
+    tp_tensor *c = NULL, *d = NULL, *f = NULL, *g = NULL, *h = NULL;
+    CHECK_OK(tp_tensor_view(a, 1, &six, &c));
+    CHECK_OK(tp_tensor_view(b, 1, &six, &d));
+    CHECK_OK(tp_tensor_narrow(a, 0, 0, 3, &f));
+    CHECK_OK(tp_tensor_narrow(a, 0, 3, 3, &g));
+    CHECK_OK(tp_tensor_view(a, 1, &six, &h));
+    const char *names[] = {"f", "a", "b", "c", "e", "d", "g", "h"};
+    tp_tensor *handles[] = {f, a, b, c, a, d, g, h};
+    tp_tensor *grads[8] = {NULL};
+    for (int i = 0; i < 8; i++) {
+        CHECK_OK(tp_module_register_parameter(m, names[i], handles[i]));
+        if (handles[i] == a && grads[1]) /* e: a's gradient */
+            continue;
+        grads[i] = mk(1, (int64_t[]){tp_tensor_size(handles[i], 0)}, 10 + (uint64_t)i);
+        CHECK_OK(tp_tensor_set_grad(handles[i], grads[i]));
+    }
+    CHECK_OK(tp_sgd_step(m, 1.0));
+    for (int k = 0; k < 6; k++) {
+        /* a: a, c, h once; f on [0, 3), g on [3, 6) */
+        double ga = at(grads[1], 0, k) + at(grads[3], 0, k) + at(grads[7], 0, k);
+        double part = k < 3 ? at(grads[0], 0, k) : at(grads[6], 0, k - 3);
+        cr_assert_eq(at(a, 0, k), at(a0, 0, k) - ga - part, "a[%d]", k);
+        double gb = at(grads[2], 0, k) + at(grads[5], 0, k);
+        cr_assert_eq(at(b, 0, k), at(b0, 0, k) - gb, "b[%d]", k);
+    }
+    for (int i = 0; i < 8; i++)
+        tp_tensor_release(grads[i]);
+    tp_tensor *all[] = {a, b, c, d, f, g, h, a0, b0};
+    for (int i = 0; i < 9; i++)
+        tp_tensor_release(all[i]);
+    tp_module_free(m);
+}
+
 Test(nn, tied_weights_names, .timeout = 30)
 {
     tp_module *tied = tied_model(TIE_SAME), *view = tied_model(TIE_VIEW);

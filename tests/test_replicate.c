@@ -595,6 +595,39 @@ Test(replicate, tree_hooks_ctx_and_tied_weights, .timeout = 30)
     tp_tensor_release(xd);
 }
 
+/* Handles over one storage region are one parameter (tp/nn.h), as for
+ * tp_module_to: a replica keeps them handles over one storage (its copy's on
+ * another device), and a handle registered twice stays one tensor. */
+Test(replicate, aliasing_handles_stay_one_parameter, .timeout = 30)
+{
+    tp_module *module = NULL, *inner = NULL, *r[2];
+    CHECK_OK(tp_nn_custom_create("Tied", fwd_tied, NULL, NULL, &module));
+    CHECK_OK(tp_nn_custom_create("Inner", fwd_child, NULL, NULL, &inner));
+    CHECK_OK(tp_module_add_child(module, "inner", inner));
+    tp_tensor *w = random_input(21, TP_CPU), *v = NULL;
+    CHECK_OK(tp_tensor_view(w, 2, (int64_t[]){2, 2}, &v)); /* a second handle */
+    CHECK_OK(tp_module_register_parameter(module, "w", w));
+    CHECK_OK(tp_module_register_parameter(module, "v", v));
+    CHECK_OK(tp_module_register_parameter(inner, "v2", v)); /* v tied */
+    tp_device dev[2] = {{TP_DEVICE_CPU, 0}, {TP_DEVICE_CPU, 1}};
+    CHECK_OK(tp_module_replicate(module, dev, 2, r));
+    for (int i = 0; i < 2; i++) {
+        tp_tensor *rw = tp_module_parameter(r[i], "w"), *rv = tp_module_parameter(r[i], "v");
+        cr_assert(rw && rv && rw != rv, "replica %d: two handles", i);
+        cr_assert_eq(rv, tp_module_parameter(tp_module_child(r[i], "inner"), "v2"),
+                     "replica %d: the tied handle is one tensor", i);
+        cr_assert(tp_tensor_shares_storage(rw, rv), "replica %d: the handles of one parameter "
+                  "were copied apart", i);
+        cr_assert_eq(tp_tensor_data(rw), tp_tensor_data(rv), "replica %d", i);
+        cr_assert_eq(tp_tensor_shares_storage(rw, w), i == 0, "replica %d", i);
+        cr_assert(tp_tensor_requires_grad(rv), "replica %d", i);
+    }
+    free_all(r, 2);
+    tp_module_free(module);
+    tp_tensor_release(v);
+    tp_tensor_release(w);
+}
+
 /* tp_module_device: NULL, fresh modules, parameterless replicas. */
 /* The original and its replicas share the custom ctx and the hooks' ctx:
  * each ctx_free runs once, after the last of them is freed, in any order;

@@ -1950,6 +1950,44 @@ Test(styles, parallelize_arguments, .timeout = 30)
     tp_test_run(2, args_body, &c, c.slot);
 }
 
+/* The parameter-sharding style a module got stays with it: a replica
+ * (tp_module_replicate, which takes a module without DTensor parameters, such
+ * as a parameterless one under SequenceParallel) refuses a second one too,
+ * whichever of the two is freed first. */
+static tp_status sharded_replica_body(tp_comm *world, void *arg)
+{
+    sty_ctx *c = arg;
+    tp_test_slot *s = SLOT(c, world);
+    tp_mesh *mesh = NULL;
+    tp_module *m = NULL, *r[2] = {NULL, NULL};
+    tp_style *seq = NULL;
+    RANK_OK(s, mesh1d(world, &mesh));
+    RANK_OK(s, tp_sequence_parallel_create(NULL, &seq));
+    RANK_OK(s, tp_nn_relu_create(&m));
+    tp_plan_entry e = {"", seq};
+    RANK_OK(s, tp_parallelize_module(m, mesh, 1, &e, NULL));
+    tp_device dev[2] = {{TP_DEVICE_CPU, 0}, {TP_DEVICE_CPU, 1}};
+    RANK_OK(s, tp_module_replicate(m, dev, 2, r));
+    tp_module_free(m);
+    for (int i = 0; i < 2; i++) {
+        tp_clear_error();
+        tp_status st = tp_parallelize_module(r[i], mesh, 1, &e, NULL);
+        RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && msg_has("the root module") &&
+                           msg_has("already sharded by SequenceParallel"),
+                    "replica %d: %s (%s)", i, tp_status_name(st), tp_last_error());
+        tp_module_free(r[i]);
+    }
+    tp_style_free(seq);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+Test(styles, sharded_by_follows_replicas, .timeout = 30)
+{
+    sty_ctx c = {.w = 2};
+    tp_test_run(2, sharded_replica_body, &c, c.slot);
+}
+
 /* ---- uneven feature shards through Colwise -> Rowwise ---------------------- */
 /* 22 hidden features over 3 ranks (8, 7, 7): the plain local output of the
  * colwise layer enters the rowwise one, which knows its in_features and so

@@ -75,7 +75,12 @@ extern "C" {
 
 /* ---- step graphs and passes ------------------------------------------------ */
 
+/* Owner: the caller for a graph from tp_step_graph_create
+ * (tp_step_graph_free); a DDP's graph (tp_ddp_graph) is the DDP's, borrowed
+ * until tp_ddp_free, and tp_step_graph_free on it is a no-op. */
 typedef struct tp_step_graph tp_step_graph;
+/* A pass is the caller's (usually a static const object), borrowed by every
+ * graph it was applied to: it must outlive them. */
 typedef struct tp_pass tp_pass;
 
 /*
@@ -130,6 +135,11 @@ TP_API tp_status tp_step_graph_write(const tp_step_graph *g, FILE *f);
 
 /* ---- data-parallel wrapper ------------------------------------------------- */
 
+/* Owner: the caller (tp_ddp_create, tp_ddp_free). It holds a reference on
+ * its comm and on every parameter it wraps, owns its step graph and bucket
+ * buffers, and borrows the module: the hooks it adds to the module hold a
+ * small shared handle that outlives the DDP and goes quiet when it is freed,
+ * so module, comm and DDP may be freed in any order. */
 typedef struct tp_ddp tp_ddp;
 
 typedef struct tp_ddp_options {

@@ -26,6 +26,16 @@
 extern "C" {
 #endif
 
+/*
+ * A module. Owner: its creator (tp_nn_*_create, tp_module_replicate) until
+ * tp_module_add_child hands it to a parent; from then on the parent owns it
+ * and tp_module_free of the root frees the subtree (tp_module_free of a child
+ * is a no-op). A module holds a reference on each parameter and owns its
+ * hooks' and custom ctx (ctx_free; shared with its replicas, the last holder
+ * frees them); what its getters return is borrowed, valid until the module is
+ * freed or the entry replaced. One thread uses a module at a time (a replica
+ * is another module).
+ */
 typedef struct tp_module tp_module;
 
 typedef enum tp_module_kind {
@@ -162,7 +172,8 @@ typedef tp_status (*tp_forward_hook)(tp_module *m, int nargs, tp_tensor *const *
  * holding the hook lets go). On failure the caller keeps ctx (ctx_free is not
  * called). *handle (may be NULL) receives a handle for tp_module_remove_hook:
  * > 0, unique among the hooks of every kind on m (a replica's copy of a hook
- * has the original's handle); 0 on failure.
+ * has the original's handle); 0 on failure. Handles are never reused: a
+ * module that has been given INT_MAX hooks refuses more (TP_ERR_STATE).
  */
 TP_API tp_status tp_module_add_forward_pre_hook(tp_module *m, tp_forward_pre_hook fn, void *ctx,
                                                 void (*ctx_free)(void *ctx), int *handle);
@@ -248,7 +259,9 @@ TP_API tp_device tp_module_device(const tp_module *m);
  * replica, and the other way round. A replica on any other device gets DEEP
  * COPIES (tp_tensor_to, the copy path of tp_module_to), unaffected by later
  * updates. A tensor registered in several places of the tree (tied weights)
- * stays one tensor in each replica. Replica parameters are leaves of their
+ * stays one tensor in each replica, and handles over one storage region (one
+ * parameter for the optimizers, below) stay handles over one storage, as
+ * with tp_module_to. Replica parameters are leaves of their
  * own: they require grad when the original's do, start without a gradient,
  * and a backward through a replica accumulates into the replica's
  * parameters, never into the original's (PyTorch's replicas are non-leaf
@@ -298,6 +311,9 @@ TP_API tp_status tp_module_replicate(tp_module *module, const tp_device *devices
  * reduced to the parameter's layout first: collective). */
 TP_API tp_status tp_sgd_step(tp_module *m, double lr);
 
+/* Owner: the caller (tp_adam_create, tp_adam_free). It borrows the module,
+ * which must outlive it, and holds a reference on every parameter it keeps
+ * state for, and its moment tensors. */
 typedef struct tp_adam tp_adam;
 /* Adam (PyTorch defaults when zero: lr 1e-3, betas 0.9/0.999, eps 1e-8). */
 TP_API tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, double eps,

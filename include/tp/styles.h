@@ -38,6 +38,10 @@
 extern "C" {
 #endif
 
+/* An immutable value. Owner: the caller (tp_*_create, tp_style_free). Plan
+ * entries borrow it; tp_parallelize_module copies what it needs into the
+ * hooks it installs (owned by the module), so a style may be freed as soon as
+ * the call returns. */
 typedef struct tp_style tp_style;
 
 /* An optional placement: set = false is None (the input passes untouched). */

@@ -230,7 +230,7 @@ static tp_status tp__prepare(tp_ddp *d)
 
 static tp_status tp__wait(tp_ddp *d, int b);
 
-static tp_status tp__grad_pending(tp_tensor *t, void *ctx);
+static tp_status tp__grad_pending(tp_tensor *t, const char *fn, void *ctx);
 
 /* Installs (or removes) the pending-gradient callback on bucket b's
  * parameters. */
@@ -354,17 +354,18 @@ static tp_status tp__settle(tp_ddp *d, int b)
 }
 
 /* The callback of a parameter whose bucket is in flight: a read (or
- * replacement, or accumulation) of its gradient settles the bucket first. */
-static tp_status tp__grad_pending(tp_tensor *t, void *ctx)
+ * replacement, or accumulation) of its gradient by fn settles the bucket
+ * first. */
+static tp_status tp__grad_pending(tp_tensor *t, const char *fn, void *ctx)
 {
     (void)t;
     tp__dparam *p = ctx;
     tp_ddp *d = p->ddp;
-    TP_CHECK(tp__ddp_check(d, "tp_tensor_grad"));
+    TP_CHECK(tp__ddp_check(d, fn));
     tp_status st = tp__settle(d, d->g->bucket_of[p->index]);
     if (st != TP_OK) {
-        tp__error_prefix("tp_tensor_grad: waiting for the data-parallel all_reduce of the "
-                         "gradient of '%s'", p->fqn);
+        tp__error_prefix("%s: waiting for the data-parallel all_reduce of the gradient of '%s'",
+                         fn, p->fqn);
         return tp__ddp_fail(d, st);
     }
     return TP_OK;
@@ -551,10 +552,7 @@ static tp_status tp__collect_param(const char *fqn, tp_tensor *t, void *ctx)
     tp__collect *c = ctx;
     tp_ddp *d = c->d;
     if (!tp_tensor_requires_grad(t))
-        return TP_OK;
-    for (int i = 0; i < d->n; i++)
-        if (d->p[i].t == t)
-            return TP_OK; /* tied: one parameter */
+        return TP_OK; /* a tied tensor comes once: named_parameters reports it once */
     if (!tp__grow_array((void **)&d->p, (size_t)d->n, &c->cap, sizeof *d->p))
         return tp__error(TP_ERR_NO_MEMORY, "tp_ddp_create: out of memory");
     tp__dparam *p = &d->p[d->n];
@@ -586,6 +584,8 @@ void tp_ddp_free(tp_ddp *d)
     }
     tp__free(d->p);
     tp__free(d->seen);
+    if (d->g)
+        d->g->owner = NULL; /* the DDP's own: free it */
     tp_step_graph_free(d->g);
     tp__comm_release(d->comm);
     if (d->shim) {

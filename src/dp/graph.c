@@ -11,9 +11,12 @@
 
 /* ---- construction ---------------------------------------------------------- */
 
+/* A DDP's graph belongs to the DDP (tp_ddp_free clears owner first):
+ * freeing it here would leave the DDP with a dangling graph, so the call is
+ * a no-op, as tp_module_free is on a child. */
 void tp_step_graph_free(tp_step_graph *g)
 {
-    if (!g)
+    if (!g || g->owner)
         return;
     for (int i = 0; g->names && i < g->n; i++)
         tp__free(g->names[i]);

@@ -55,15 +55,15 @@ tp_tensor *tp__grad_peek(const tp_tensor *t)
     return t && t->autograd ? ((tp__autograd *)t->autograd)->grad : NULL;
 }
 
-/* Finishes the work that owns t's gradient before anyone touches it. */
-static tp_status tp__grad_settle(tp_tensor *t)
+/* Finishes the work that owns t's gradient before fn touches it. */
+static tp_status tp__grad_settle(tp_tensor *t, const char *fn)
 {
     tp__autograd *ag = t->autograd;
     if (!ag || !ag->pending)
         return TP_OK;
-    tp_status st = ag->pending(t, ag->pending_ctx);
+    tp_status st = ag->pending(t, fn, ag->pending_ctx);
     if (st != TP_OK && !tp_last_error()[0])
-        tp__error(st, "finishing the pending gradient failed");
+        tp__error(st, "%s: finishing the pending gradient failed", fn);
     return st;
 }
 
@@ -74,7 +74,7 @@ tp_tensor *tp_tensor_grad(const tp_tensor *t)
     if (!t || !t->autograd)
         return NULL;
     /* the tensor is the caller's; only its autograd state changes */
-    if (tp__grad_settle((tp_tensor *)t) != TP_OK)
+    if (tp__grad_settle((tp_tensor *)t, "tp_tensor_grad") != TP_OK)
         return NULL;
     return ((tp__autograd *)t->autograd)->grad;
 }
@@ -87,7 +87,7 @@ void tp_tensor_zero_grad(tp_tensor *t)
     /* a gradient in flight is finished first, so that nothing still writes
      * into it; if that fails, the owner has recorded the failure (the DDP's
      * is sticky) and the gradient is dropped all the same */
-    (void)tp__grad_settle(t);
+    (void)tp__grad_settle(t, "tp_tensor_zero_grad");
     tp_tensor_release(ag->grad);
     ag->grad = NULL;
     ag->grad_owned = false;
@@ -120,11 +120,7 @@ tp_status tp_tensor_set_grad(tp_tensor *t, tp_tensor *g)
     } else {
         TP_CHECK(tp__same_device(fn, "t", t, "g", g));
     }
-    tp_status st = tp__grad_settle(t);
-    if (st != TP_OK) {
-        tp__error_prefix("%s", fn);
-        return st;
-    }
+    TP_CHECK(tp__grad_settle(t, fn));
     tp__autograd *ag = t->autograd;
     tp_tensor_retain(g);
     tp_tensor_release(ag->grad);
@@ -449,7 +445,7 @@ static tp_status tp__accumulate_leaf(tp_tensor *leaf, tp_tensor *g)
     tp__autograd *ag = leaf->autograd;
     /* a second backward before the step: the first one's gradient, in
      * flight, is finished before anything is added into it */
-    TP_CHECK(tp__grad_settle(leaf));
+    TP_CHECK(tp__grad_settle(leaf, "tp_backward"));
     if (!ag->grad) {
         ag->grad = tp_tensor_retain(g);
         ag->grad_owned = false;

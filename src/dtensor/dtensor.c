@@ -239,65 +239,6 @@ static tp_status tp__block(tp_tensor *t, const int64_t *shape, const int64_t *of
     return st;
 }
 
-/* The scatter of one mesh dim's step: root splits `cur` along k into w
- * chunks (torch.chunk rule, padded to the chunk size) and every rank of
- * `comm` receives its own, trimmed. Non-root ranks pass cur NULL and the
- * level shape. */
-static tp_status tp__scatter_dim(tp_comm *comm, tp_tensor *cur, const int64_t *shape, int ndim,
-                                 tp_dtype dtype, tp_device dev, int k, int root, tp_tensor **out)
-{
-    int64_t w = tp_comm_size(comm), c = tp_comm_rank(comm), L = shape[k];
-    int64_t cs = (L + w - 1) / w, start = 0, len = 0;
-    tp_chunk_range(L, w, c, &start, &len);
-    int64_t pshape[TP_MAX_DIMS + 1];
-    memcpy(pshape + 1, shape, sizeof(int64_t) * (size_t)ndim);
-    pshape[0] = w;
-    pshape[1 + k] = cs;
-    tp_tensor *send = NULL, *recv = NULL;
-    tp_status st = TP_OK;
-    if (cur && k == 0 && L == cs * w) {
-        send = tp_tensor_retain(cur); /* the blocks are cur's rows already */
-    } else if (cur) {
-        st = tp_tensor_zeros(dtype, dev, ndim + 1, pshape, &send);
-        for (int64_t r = 0; r < w && st == TP_OK; r++) {
-            int64_t s0 = 0, l0 = 0;
-            tp_chunk_range(L, w, r, &s0, &l0);
-            if (l0 == 0)
-                continue;
-            tp_tensor *blk = NULL, *dst = NULL, *src = NULL;
-            st = tp_tensor_select(send, 0, r, &blk);
-            if (st == TP_OK)
-                st = tp_tensor_narrow(blk, k, 0, l0, &dst);
-            if (st == TP_OK)
-                st = tp_tensor_narrow(cur, k, s0, l0, &src);
-            if (st == TP_OK)
-                st = tp_tensor_copy(dst, src);
-            tp_tensor_release(blk);
-            tp_tensor_release(dst);
-            tp_tensor_release(src);
-        }
-    }
-    if (st == TP_OK)
-        st = tp_tensor_empty(dtype, dev, ndim, pshape + 1, &recv);
-    if (st == TP_OK)
-        st = tp_scatter(comm, send, recv, root, NULL);
-    tp_tensor_release(send);
-    if (st == TP_OK && len == cs) {
-        *out = recv;
-        return TP_OK;
-    }
-    tp_tensor *v = NULL;
-    if (st == TP_OK)
-        st = tp_tensor_narrow(recv, k, 0, len, &v);
-    if (st == TP_OK && !tp_tensor_is_contiguous(v))
-        st = tp_tensor_clone(v, out);
-    else if (st == TP_OK)
-        *out = tp_tensor_retain(v);
-    tp_tensor_release(v);
-    tp_tensor_release(recv);
-    return st;
-}
-
 /*
  * src_rank's value, sent mesh dim by mesh dim (0 first) over the per-dim
  * communicators from the rank whose coordinate on that dim is src's: a Shard

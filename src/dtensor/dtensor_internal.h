@@ -123,4 +123,11 @@ tp_status tp__grad_add(tp_tensor *a, tp_tensor *b, tp_tensor **out);
 tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool record,
                            tp_tensor **out);
 
+/* One mesh dim's step of tp_dtensor_distribute: root splits `cur` along k
+ * into chunks (torch.chunk rule) and every rank of `comm` receives its own,
+ * contiguous. Non-root ranks pass cur NULL; every rank passes the level's
+ * shape, dtype and device. */
+tp_status tp__scatter_dim(tp_comm *comm, tp_tensor *cur, const int64_t *shape, int ndim,
+                          tp_dtype dtype, tp_device dev, int k, int root, tp_tensor **out);
+
 #endif /* TP_DTENSOR_INTERNAL_H */

@@ -15,7 +15,10 @@
 
 #include "core/core.h"
 
-typedef tp_status (*tp__grad_pending_fn)(tp_tensor *t, void *ctx);
+/* fn: the public function reaching the gradient ("tp_tensor_grad",
+ * "tp_tensor_set_grad", "tp_tensor_zero_grad", "tp_backward"), which the
+ * callback's messages name. */
+typedef tp_status (*tp__grad_pending_fn)(tp_tensor *t, const char *fn, void *ctx);
 
 /* Installs fn (ctx passed back) as t's callback, replacing any; fn NULL
  * removes it. t requires grad (it has autograd state); otherwise a no-op. */

@@ -228,6 +228,47 @@ static tp_status tp__chunk_of(tp_tensor *t, int k, int64_t start, int64_t len, t
     return st;
 }
 
+/* Copies between t and `packed`, t's chunks along k for w ranks (torch.chunk
+ * rule) each padded to the chunk size ([w, ...t's shape with dim k the chunk
+ * size...]): into packed (pack) or out of it. */
+static tp_status tp__chunks_copy(tp_tensor *packed, tp_tensor *t, int k, int64_t w, bool pack)
+{
+    tp_status st = TP_OK;
+    for (int64_t r = 0; r < w && st == TP_OK; r++) {
+        int64_t s0 = 0, l0 = 0;
+        tp_chunk_range(t->shape[k], w, r, &s0, &l0);
+        if (l0 == 0)
+            continue;
+        tp_tensor *blk = NULL;
+        st = tp_tensor_select(packed, 0, r, &blk);
+        if (st == TP_OK)
+            st = pack ? tp__copy_block(blk, k, 0, l0, t, k, s0, l0)
+                      : tp__copy_block(t, k, s0, l0, blk, k, 0, l0);
+        tp_tensor_release(blk);
+    }
+    return st;
+}
+
+/* t packed for the collectives that move one block per rank: a new tensor,
+ * zero past each chunk's end. */
+static tp_status tp__pack_chunks(tp_tensor *t, int k, int64_t w, tp_tensor **out)
+{
+    int64_t L = t->shape[k], pshape[TP_MAX_DIMS + 1];
+    memcpy(pshape + 1, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+    pshape[0] = w;
+    pshape[1 + k] = (L + w - 1) / w;
+    tp_tensor *send = NULL;
+    tp_status st = tp_tensor_zeros(t->dtype, tp_tensor_device(t), t->ndim + 1, pshape, &send);
+    if (st == TP_OK)
+        st = tp__chunks_copy(send, t, k, w, true);
+    if (st != TP_OK) {
+        tp_tensor_release(send);
+        return st;
+    }
+    *out = send;
+    return TP_OK;
+}
+
 static tp_status tp__all_gather_dim(tp_comm *comm, tp_tensor *local, int k, int64_t L,
                                     tp_tensor **out)
 {
@@ -260,17 +301,8 @@ static tp_status tp__all_gather_dim(tp_comm *comm, tp_tensor *local, int k, int6
         st = tp_all_gather(comm, send, recv, NULL);
     if (st == TP_OK)
         st = tp__new_like(local, shape, false, &res);
-    for (int64_t r = 0; r < w && st == TP_OK; r++) {
-        int64_t start = 0, len = 0;
-        tp_chunk_range(L, w, r, &start, &len);
-        if (len == 0)
-            continue;
-        tp_tensor *blk = NULL;
-        st = tp_tensor_select(recv, 0, r, &blk);
-        if (st == TP_OK)
-            st = tp__copy_block(res, k, start, len, blk, k, 0, len);
-        tp_tensor_release(blk);
-    }
+    if (st == TP_OK)
+        st = tp__chunks_copy(recv, res, k, w, false);
     tp_tensor_release(send);
     tp_tensor_release(recv);
     if (st != TP_OK) {
@@ -299,28 +331,41 @@ static tp_status tp__reduce_scatter_dim(tp_comm *comm, tp_tensor *local, int k, 
         }
         return st;
     }
-    int64_t pshape[TP_MAX_DIMS + 1];
-    memcpy(pshape + 1, local->shape, sizeof(int64_t) * (size_t)local->ndim);
-    pshape[0] = w;
-    pshape[1 + k] = cs;
+    int64_t shape[TP_MAX_DIMS];
+    memcpy(shape, local->shape, sizeof shape);
+    shape[k] = cs;
     tp_tensor *send = NULL, *recv = NULL;
-    tp_status st = tp_tensor_zeros(local->dtype, tp_tensor_device(local), local->ndim + 1, pshape,
-                                   &send);
-    for (int64_t r = 0; r < w && st == TP_OK; r++) {
-        int64_t s0 = 0, l0 = 0;
-        tp_chunk_range(L, w, r, &s0, &l0);
-        if (l0 == 0)
-            continue;
-        tp_tensor *blk = NULL;
-        st = tp_tensor_select(send, 0, r, &blk);
-        if (st == TP_OK)
-            st = tp__copy_block(blk, k, 0, l0, local, k, s0, l0);
-        tp_tensor_release(blk);
-    }
+    tp_status st = tp__pack_chunks(local, k, w, &send);
     if (st == TP_OK)
-        st = tp__new_like(local, pshape + 1, false, &recv);
+        st = tp__new_like(local, shape, false, &recv);
     if (st == TP_OK)
         st = tp_reduce_scatter(comm, send, recv, op, NULL);
+    if (st == TP_OK)
+        st = tp__chunk_of(recv, k, 0, len, out);
+    tp_tensor_release(send);
+    tp_tensor_release(recv);
+    return st;
+}
+
+tp_status tp__scatter_dim(tp_comm *comm, tp_tensor *cur, const int64_t *shape, int ndim,
+                          tp_dtype dtype, tp_device dev, int k, int root, tp_tensor **out)
+{
+    int64_t w = tp_comm_size(comm), c = tp_comm_rank(comm), L = shape[k];
+    int64_t cs = (L + w - 1) / w, start = 0, len = 0;
+    tp_chunk_range(L, w, c, &start, &len);
+    int64_t rshape[TP_MAX_DIMS];
+    memcpy(rshape, shape, sizeof(int64_t) * (size_t)ndim);
+    rshape[k] = cs;
+    tp_tensor *send = NULL, *recv = NULL;
+    tp_status st = TP_OK;
+    if (cur && k == 0 && L == cs * w)
+        send = tp_tensor_retain(cur); /* the blocks are cur's rows already */
+    else if (cur)
+        st = tp__pack_chunks(cur, k, w, &send);
+    if (st == TP_OK)
+        st = tp_tensor_empty(dtype, dev, ndim, rshape, &recv);
+    if (st == TP_OK)
+        st = tp_scatter(comm, send, recv, root, NULL);
     if (st == TP_OK)
         st = tp__chunk_of(recv, k, 0, len, out);
     tp_tensor_release(send);

@@ -2,30 +2,11 @@
  * freeing. The built-in kinds (builtin.c) set `forward` like a custom module
  * does, so dispatch here is the same for every kind. */
 #include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "collectives/comm_debug_internal.h"
 #include "nn/nn_internal.h"
-
-/* ---- growable arrays ------------------------------------------------------ */
-
-/* Makes room for one more element in *v (n used, *cap allocated). The old
- * block is kept on failure. */
-static bool tp__grow(void **v, int n, int *cap, size_t elem)
-{
-    if (n < *cap)
-        return true;
-    int ncap = *cap ? *cap * 2 : 4;
-    void *nv = tp__malloc((size_t)ncap * elem);
-    if (!nv)
-        return false;
-    if (n)
-        memcpy(nv, *v, (size_t)n * elem);
-    tp__free(*v);
-    *v = nv;
-    *cap = ncap;
-    return true;
-}
 
 /* ---- names ---------------------------------------------------------------- */
 
@@ -110,6 +91,9 @@ static void tp__module_destroy(tp_module *m)
     tp__hooks_free(m->pre_hooks, m->n_pre);
     tp__hooks_free(m->post_hooks, m->n_post);
     tp__hooks_free(m->step_hooks, m->n_step);
+    for (int i = 0; i < m->n_attached; i++)
+        tp__ctx_ref_release(m->attached[i].ref);
+    tp__free(m->attached);
     tp__ctx_ref_release(m->ctx_ref);
     tp__free(m->type_name);
     tp__free(m->name);
@@ -142,8 +126,8 @@ tp_status tp_module_add_child(tp_module *parent, const char *name, tp_module *ch
     char *copy = tp__strdup(name);
     if (!copy)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    if (!tp__grow((void **)&parent->children, parent->n_children, &parent->cap_children,
-                  sizeof *parent->children)) {
+    if (!tp__grow_array((void **)&parent->children, parent->n_children, &parent->cap_children,
+                        sizeof *parent->children)) {
         tp__free(copy);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     }
@@ -216,6 +200,70 @@ const char *tp_module_name(const tp_module *m) { return m ? m->name : NULL; }
 
 void *tp_module_ctx(const tp_module *m) { return m ? m->ctx : NULL; }
 
+/* ---- what upper layers see (nn_ext.h) ------------------------------------------ */
+
+int64_t tp__module_linear_in(const tp_module *m)
+{
+    return m && m->kind == TP_MODULE_LINEAR ? m->cfg.linear.in : -1;
+}
+
+int tp__module_num_params(const tp_module *m) { return m ? m->n_params : 0; }
+
+tp_tensor *tp__module_param_at(const tp_module *m, int i, const char **name)
+{
+    if (name)
+        *name = NULL;
+    if (!m || i < 0 || i >= m->n_params)
+        return NULL;
+    if (name)
+        *name = m->param_names[i];
+    return m->params[i];
+}
+
+static int tp__attachment_index(const tp_module *m, const void *key)
+{
+    for (int i = 0; i < m->n_attached; i++)
+        if (m->attached[i].key == key)
+            return i;
+    return -1;
+}
+
+tp_status tp__module_attach(tp_module *m, const void *key, void *ptr, void (*free_fn)(void *))
+{
+    const char *fn = "tp__module_attach";
+    TP_ARG_CHECK(m && key, "%s: module or key is NULL", fn);
+    int i = tp__attachment_index(m, key);
+    tp__ctx_ref *ref = NULL;
+    if (ptr && !(ref = tp__ctx_ref_new(ptr, free_fn)))
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    if (i < 0 && ref &&
+        !tp__grow_array((void **)&m->attached, (size_t)m->n_attached, &m->cap_attached,
+                        sizeof *m->attached)) {
+        ref->ctx_free = NULL; /* the caller keeps ptr */
+        tp__ctx_ref_release(ref);
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    }
+    if (i >= 0) {
+        tp__ctx_ref_release(m->attached[i].ref);
+        if (ref) {
+            m->attached[i].ref = ref;
+        } else {
+            memmove(&m->attached[i], &m->attached[i + 1],
+                    (size_t)(m->n_attached - i - 1) * sizeof *m->attached);
+            m->n_attached--;
+        }
+    } else if (ref) {
+        m->attached[m->n_attached++] = (tp__attachment){key, ref};
+    }
+    return TP_OK;
+}
+
+void *tp__module_attached(const tp_module *m, const void *key)
+{
+    int i = m ? tp__attachment_index(m, key) : -1;
+    return i < 0 ? NULL : m->attached[i].ref->ctx;
+}
+
 /* Writes the path of m below root at logical position pos (characters past
  * the buffer are dropped); returns the new logical position. */
 static size_t tp__fqn_put(const tp_module *root, const tp_module *m, char *buf, size_t len,
@@ -283,9 +331,9 @@ tp_status tp_module_register_parameter(tp_module *m, const char *name, tp_tensor
     /* the two arrays share cap_params: grow names against a copy of it, so a
      * failure growing params leaves cap_params true for both (a names array
      * larger than recorded is harmless) */
-    int cap_names = m->cap_params;
-    if (!tp__grow((void **)&m->param_names, m->n_params, &cap_names, sizeof *m->param_names) ||
-        !tp__grow((void **)&m->params, m->n_params, &m->cap_params, sizeof *m->params)) {
+    size_t cap_names = m->cap_params;
+    if (!tp__grow_array((void **)&m->param_names, m->n_params, &cap_names, sizeof *m->param_names) ||
+        !tp__grow_array((void **)&m->params, m->n_params, &m->cap_params, sizeof *m->params)) {
         tp__free(copy);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     }
@@ -352,32 +400,81 @@ static void tp__path_pop(tp__path *p, size_t len)
     p->s[len] = '\0';
 }
 
-/* The tensors already reported by a deduplicating walk. */
 typedef struct {
-    const tp_tensor **v;
-    size_t n, cap;
-} tp__seen;
+    const tp_tensor *t;
+    size_t k; /* walk position */
+} tp__walk_key;
 
-/* seen NULL: every name is reported. Otherwise a tensor reached under a
- * second name (a tied weight) is skipped, as PyTorch's named_parameters()
- * does by default. */
-static tp_status tp__walk_params(tp_module *m, tp__path *path, tp__seen *seen,
+/* The present parameters of m's subtree in walk order (depth first, in
+ * registration order) into key[*n...]; key NULL only counts them. */
+static void tp__walk_tensors(const tp_module *m, tp__walk_key *key, size_t *n)
+{
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params[i]) {
+            if (key)
+                key[*n] = (tp__walk_key){m->params[i], *n};
+            (*n)++;
+        }
+    for (int i = 0; i < m->n_children; i++)
+        tp__walk_tensors(m->children[i], key, n);
+}
+
+static int tp__walk_key_cmp(const void *pa, const void *pb)
+{
+    const tp__walk_key *a = pa, *b = pb;
+    uintptr_t ta = (uintptr_t)a->t, tb = (uintptr_t)b->t;
+    if (ta != tb)
+        return ta < tb ? -1 : 1;
+    return a->k < b->k ? -1 : a->k > b->k;
+}
+
+/* Which parameters of a walk repeat an earlier one. */
+typedef struct {
+    bool *again; /* again[k]: the k-th parameter of the walk was reached before */
+    size_t n;    /* entries of again */
+    size_t k;    /* the walk's position */
+} tp__repeats;
+
+/* Fills r (zeroed by the caller). A sort, not a pairwise scan: optimizers
+ * walk every step. */
+static tp_status tp__walk_repeats(const tp_module *m, tp__repeats *r)
+{
+    size_t n = 0;
+    tp__walk_tensors(m, NULL, &n);
+    if (!n)
+        return TP_OK;
+    tp__walk_key *key = tp__malloc(n * sizeof *key);
+    bool *again = tp__calloc(n, sizeof *again);
+    if (!key || !again) {
+        tp__free(key);
+        tp__free(again);
+        return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
+    }
+    size_t k = 0;
+    tp__walk_tensors(m, key, &k);
+    qsort(key, n, sizeof *key, tp__walk_key_cmp);
+    for (k = 1; k < n; k++)
+        if (key[k].t == key[k - 1].t)
+            again[key[k].k] = true;
+    tp__free(key);
+    r->again = again;
+    r->n = n;
+    return TP_OK;
+}
+
+/* r NULL: every name is reported. Otherwise a tensor reached under a second
+ * name (a tied weight) is skipped, as PyTorch's named_parameters() does by
+ * default. (Parameters fn registers meanwhile are past r's entries: they are
+ * reported.) */
+static tp_status tp__walk_params(tp_module *m, tp__path *path, tp__repeats *r,
                                  tp_status (*fn)(const char *, tp_tensor *, void *), void *ctx)
 {
     size_t base = path->len;
     for (int i = 0; i < m->n_params; i++) {
         if (!m->params[i])
             continue;
-        if (seen) {
-            bool again = false;
-            for (size_t k = 0; k < seen->n && !again; k++)
-                again = seen->v[k] == m->params[i];
-            if (again)
-                continue;
-            if (!tp__grow_array((void **)&seen->v, seen->n, &seen->cap, sizeof *seen->v))
-                return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
-            seen->v[seen->n++] = m->params[i];
-        }
+        if (r && r->k++ < r->n && r->again[r->k - 1])
+            continue;
         if (!tp__path_push(path, m->param_names[i]))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
         tp_status st = fn(path->s, m->params[i], ctx);
@@ -388,7 +485,7 @@ static tp_status tp__walk_params(tp_module *m, tp__path *path, tp__seen *seen,
     for (int i = 0; i < m->n_children; i++) {
         if (!tp__path_push(path, m->children[i]->name))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_named_parameters: out of memory");
-        tp_status st = tp__walk_params(m->children[i], path, seen, fn, ctx);
+        tp_status st = tp__walk_params(m->children[i], path, r, fn, ctx);
         tp__path_pop(path, base);
         if (st != TP_OK)
             return st;
@@ -398,16 +495,18 @@ static tp_status tp__walk_params(tp_module *m, tp__path *path, tp__seen *seen,
 
 /* ---- moving between devices ------------------------------------------------- */
 
+/* Where each moved parameter goes: slot i of module m; its copy is entry k of
+ * the map (k the index of the slot here). */
 typedef struct {
     tp_module *m;
     int i;
-    tp_tensor *old; /* borrowed: the module holds it until the swap */
-    tp_tensor *t;   /* the moved parameter (a reference) */
-} tp__move;
+} tp__slot;
 
 typedef struct {
-    tp__move *v;
-    int n, cap;
+    tp__slot *slot;
+    size_t cap;
+    tp__param_map map; /* old (borrowed: the module holds it until the swap)
+                        * -> moved (a reference) */
     tp_device dev;
 } tp__moves;
 
@@ -446,16 +545,28 @@ static tp_status tp__moved(tp_tensor *p, tp_device dev, tp_tensor **out)
     return TP_OK;
 }
 
-/* A second handle over the storage of `moved` with the layout of `like` (a
- * handle over the same region as the parameter `moved` was copied from):
- * handles that were one parameter before the move stay one. */
-static tp_status tp__moved_alias(tp_tensor *moved, tp_tensor *like, tp_tensor **out)
+/* A new plain header over t's storage region: same shape, strides and
+ * offset, no autograd state. A 0-d tensor is contiguous, so a view of its
+ * own shape does it; others narrow dim 0 to its full size, which keeps any
+ * strides. */
+tp_status tp__alias(tp_tensor *t, tp_tensor **out)
+{
+    if (tp_tensor_ndim(t) == 0)
+        return tp_tensor_view(t, 0, NULL, out);
+    return tp_tensor_narrow(t, 0, 0, tp_tensor_size(t, 0), out);
+}
+
+/* A second handle over the storage of `copy` with the layout of `like` (a
+ * handle over the same region as the parameter `copy` was made from):
+ * handles that were one parameter before the copy stay one. Requires grad
+ * as `copy` does. */
+static tp_status tp__copy_alias(tp_tensor *copy, const tp_tensor *like, tp_tensor **out)
 {
     tp_tensor *r = NULL;
     tp_status st;
-    if (tp_tensor_is_dtensor(moved)) {
-        tp_tensor *l = tp_dtensor_local(moved), *v = NULL;
-        st = tp_tensor_view(l, tp_tensor_ndim(l), tp_tensor_shape(l), &v);
+    if (tp_tensor_is_dtensor(copy)) {
+        tp_tensor *v = NULL;
+        st = tp__alias(tp_dtensor_local(copy), &v);
         if (st == TP_OK) {
             tp_mesh *mesh = tp_dtensor_mesh(like);
             tp_from_local_options o = {.global_shape = tp_tensor_shape(like), .check = false};
@@ -464,15 +575,38 @@ static tp_status tp__moved_alias(tp_tensor *moved, tp_tensor *like, tp_tensor **
         }
         tp_tensor_release(v);
     } else {
-        st = tp_tensor_view(moved, tp_tensor_ndim(moved), tp_tensor_shape(moved), &r);
+        st = tp__alias(copy, &r);
     }
-    if (st == TP_OK)
+    if (st == TP_OK && tp_tensor_requires_grad(copy))
         st = tp_tensor_set_requires_grad(r, true);
     if (st != TP_OK) {
         tp_tensor_release(r);
         return st;
     }
     *out = r;
+    return TP_OK;
+}
+
+bool tp__param_map_add(tp__param_map *mm, const tp_tensor *from, tp_tensor *to)
+{
+    if (!tp__grow_array((void **)&mm->v, mm->n, &mm->cap, sizeof *mm->v))
+        return false;
+    mm->v[mm->n].from = from;
+    mm->v[mm->n++].to = to;
+    return true;
+}
+
+tp_status tp__param_map_find(const tp__param_map *mm, tp_tensor *p, tp_tensor **out)
+{
+    *out = NULL;
+    for (size_t k = 0; k < mm->n; k++)
+        if (mm->v[k].from == p) {
+            *out = tp_tensor_retain(mm->v[k].to);
+            return TP_OK;
+        }
+    for (size_t k = 0; k < mm->n; k++)
+        if (tp__param_same(mm->v[k].from, p))
+            return tp__copy_alias(mm->v[k].to, p, out);
     return TP_OK;
 }
 
@@ -484,24 +618,21 @@ static tp_status tp__collect_moves(tp_module *m, tp__moves *mv)
         tp_tensor *old = m->params[i];
         if (!old || tp__on(old, mv->dev))
             continue;
-        if (!tp__grow((void **)&mv->v, mv->n, &mv->cap, sizeof *mv->v))
+        if (!tp__grow_array((void **)&mv->slot, mv->map.n, &mv->cap, sizeof *mv->slot))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_to: out of memory");
         tp_tensor *t = NULL;
-        tp_status st = TP_OK;
-        for (int k = 0; k < mv->n && !t; k++)
-            if (mv->v[k].old == old)
-                t = tp_tensor_retain(mv->v[k].t);
-        for (int k = 0; k < mv->n && !t && st == TP_OK; k++)
-            if (tp__param_same(mv->v[k].old, old))
-                st = tp__moved_alias(mv->v[k].t, old, &t);
+        tp_status st = tp__param_map_find(&mv->map, old, &t);
         if (!t && st == TP_OK)
             st = tp__moved(old, mv->dev, &t);
+        if (st == TP_OK && !tp__param_map_add(&mv->map, old, t))
+            st = tp__error(TP_ERR_NO_MEMORY, "out of memory");
         if (st != TP_OK) {
+            tp_tensor_release(t);
             tp__error_prefix("tp_module_to: parameter '%s' of %s", m->param_names[i],
                              m->type_name);
             return st;
         }
-        mv->v[mv->n++] = (tp__move){m, i, old, t};
+        mv->slot[mv->map.n - 1] = (tp__slot){m, i};
     }
     for (int i = 0; i < m->n_children; i++)
         TP_CHECK(tp__collect_moves(m->children[i], mv));
@@ -517,16 +648,18 @@ tp_status tp_module_to(tp_module *m, tp_device device)
                          TP_HAVE_CUDA ? "no CUDA device" : "libtp was built without CUDA");
     tp__moves mv = {.dev = device};
     tp_status st = tp__collect_moves(m, &mv);
-    for (int k = 0; k < mv.n; k++) {
+    for (size_t k = 0; k < mv.map.n; k++) {
         if (st == TP_OK) { /* all copies made: swap them in */
-            tp_tensor *old = mv.v[k].m->params[mv.v[k].i];
-            mv.v[k].m->params[mv.v[k].i] = mv.v[k].t;
+            tp_module *o = mv.slot[k].m;
+            tp_tensor *old = o->params[mv.slot[k].i];
+            o->params[mv.slot[k].i] = mv.map.v[k].to;
             tp_tensor_release(old);
         } else {
-            tp_tensor_release(mv.v[k].t);
+            tp_tensor_release(mv.map.v[k].to);
         }
     }
-    tp__free(mv.v);
+    tp__free(mv.slot);
+    tp__free(mv.map.v);
     return st;
 }
 
@@ -546,10 +679,12 @@ tp_status tp__module_walk_params(tp_module *m, bool unique,
                                  void *ctx)
 {
     tp__path path = {0};
-    tp__seen seen = {0};
-    tp_status st = tp__walk_params(m, &path, unique ? &seen : NULL, fn, ctx);
+    tp__repeats r = {0};
+    tp_status st = unique ? tp__walk_repeats(m, &r) : TP_OK;
+    if (st == TP_OK)
+        st = tp__walk_params(m, &path, unique ? &r : NULL, fn, ctx);
     tp__free(path.s);
-    tp__free(seen.v);
+    tp__free(r.again);
     return st;
 }
 
@@ -570,7 +705,7 @@ void tp_module_zero_grad(tp_module *m)
  * deleter is not when wrapping it fails). */
 enum { TP__HOOK_PRE, TP__HOOK_POST, TP__HOOK_STEP, TP__HOOK_KINDS };
 
-static tp__hook **tp__hook_list(tp_module *m, int which, int **n, int **cap)
+static tp__hook **tp__hook_list(tp_module *m, int which, int **n, size_t **cap)
 {
     switch (which) {
     case TP__HOOK_PRE:
@@ -592,11 +727,14 @@ static tp_status tp__add_hook(const char *fn, tp_module *m, void *hook, void *ct
         *handle = 0;
     TP_ARG_CHECK(m, "%s: module is NULL", fn);
     TP_ARG_CHECK(hook, "%s: hook is NULL", fn);
-    TP_ARG_CHECK(m->next_hook_id < INT_MAX, "%s: %s has run out of hook handles", fn,
-                 m->type_name);
-    int *n = NULL, *cap = NULL;
+    /* the module's state, not the arguments, refuses: handles are never
+     * reused, so after INT_MAX hooks the module takes no more */
+    if (m->next_hook_id == INT_MAX)
+        return tp__error(TP_ERR_STATE, "%s: %s has run out of hook handles", fn, m->type_name);
+    int *n = NULL;
+    size_t *cap = NULL;
     tp__hook **v = tp__hook_list(m, which, &n, &cap);
-    if (!tp__grow((void **)v, *n, cap, sizeof **v))
+    if (!tp__grow_array((void **)v, *n, cap, sizeof **v))
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     tp__ctx_ref *ref = NULL;
     if (ctx_free && !(ref = tp__ctx_ref_new(ctx, ctx_free)))
@@ -633,7 +771,8 @@ tp_status tp_module_add_step_pre_hook(tp_module *m, tp_step_pre_hook fn, void *c
 static void tp__hooks_compact(tp_module *m)
 {
     for (int which = 0; which < TP__HOOK_KINDS; which++) {
-        int *n = NULL, *cap = NULL;
+        int *n = NULL;
+    size_t *cap = NULL;
         tp__hook *v = *tp__hook_list(m, which, &n, &cap);
         int k = 0;
         for (int i = 0; i < *n; i++) {
@@ -660,7 +799,8 @@ void tp_module_remove_hook(tp_module *m, int handle)
     if (!m || handle <= 0)
         return;
     for (int which = 0; which < TP__HOOK_KINDS; which++) {
-        int *n = NULL, *cap = NULL;
+        int *n = NULL;
+    size_t *cap = NULL;
         tp__hook *v = *tp__hook_list(m, which, &n, &cap);
         for (int i = 0; i < *n; i++) {
             if (v[i].id != handle || !v[i].fn)

@@ -1,10 +1,12 @@
-/* Internal layout of modules, shared by src/nn and src/styles. Not installed. */
+/* Internal layout of modules, private to src/nn: layers above reach modules
+ * through nn_ext.h and the public API. Not installed. */
 #ifndef TP_NN_INTERNAL_H
 #define TP_NN_INTERNAL_H
 
 #include <stdatomic.h>
 
 #include "core/core.h"
+#include "nn/nn_ext.h"
 #include "tp/nn.h"
 
 /* A user context with its destructor, shared by a module and its replicas
@@ -33,24 +35,35 @@ typedef struct tp__hook {
     int id;           /* the handle: > 0, unique within the module */
 } tp__hook;
 
+/* An upper layer's state on a module (tp__module_attach). */
+typedef struct tp__attachment {
+    const void *key;
+    tp__ctx_ref *ref; /* owns the pointer; shared with replicas */
+} tp__attachment;
+
 struct tp_module {
     tp_module_kind kind;
     char *type_name; /* owned */
     char *name;      /* owned; "" for a root */
     tp_module *parent;
 
-    int n_children, cap_children;
+    int n_children;
+    size_t cap_children;
     tp_module **children; /* owned, insertion order */
 
-    int n_params, cap_params;
+    int n_params;
+    size_t cap_params;
     char **param_names;  /* owned */
     tp_tensor **params;  /* retained; NULL for an absent optional one (bias=false) */
 
-    int n_pre, cap_pre;
+    int n_pre;
+    size_t cap_pre;
     tp__hook *pre_hooks;
-    int n_post, cap_post;
+    int n_post;
+    size_t cap_post;
     tp__hook *post_hooks;
-    int n_step, cap_step;
+    int n_step;
+    size_t cap_step;
     tp__hook *step_hooks; /* tp_step_pre_hook: before an optimizer step */
     int next_hook_id;
     /* > 0 while this module's hooks may be iterating (its forward, its step
@@ -83,9 +96,9 @@ struct tp_module {
     void *ctx;
     tp__ctx_ref *ctx_ref; /* owns ctx (shared with replicas); NULL: no ctx_free */
 
-    /* set by a parameter-sharding style (Colwise, Rowwise, SequenceParallel):
-     * a second one on the same module is an error */
-    const char *sharded_by;
+    int n_attached;
+    size_t cap_attached;
+    tp__attachment *attached; /* owned: upper layers' state (nn_ext.h) */
     bool training; /* dropout active (default true) */
     /* The logical device (tp_module_device): {CPU, 0} for every module
      * created by the library; a replica's modules hold the device they were
@@ -115,5 +128,29 @@ tp_status tp__module_walk_params(tp_module *m, bool unique,
  * same placements and global shape). Handles over overlapping but different
  * regions are different parameters. */
 bool tp__param_same(const tp_tensor *a, const tp_tensor *b);
+
+/* A new plain header over t's storage region (same shape, strides and
+ * offset), without autograd state. */
+tp_status tp__alias(tp_tensor *t, tp_tensor **out);
+
+/* Original parameters -> their copies (tp_module_to, tp_module_replicate),
+ * so that a tied parameter stays tied in the copy: the same tensor maps to
+ * the same copy, another handle over the same parameter (tp__param_same) to
+ * a handle over the copy's storage with its own layout. Holds no
+ * references; zero-initialize, free v. */
+typedef struct tp__param_map {
+    struct tp__param_pair {
+        const tp_tensor *from;
+        tp_tensor *to;
+    } *v;
+    size_t n, cap;
+} tp__param_map;
+
+/* Records from -> to; false when out of memory (nothing recorded). */
+bool tp__param_map_add(tp__param_map *mm, const tp_tensor *from, tp_tensor *to);
+/* The copy of p as a new reference in *out (a new handle when p is another
+ * handle of a mapped parameter; it requires grad as the copy does), or NULL
+ * when p's parameter was not copied yet. */
+tp_status tp__param_map_find(const tp__param_map *mm, tp_tensor *p, tp_tensor **out);
 
 #endif /* TP_NN_INTERNAL_H */

@@ -11,6 +11,7 @@
  * their sum once (for SGD that is what stepping each would give; for Adam it
  * is the only result equal to the single-parameter model). */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/kernels_cuda.h"
@@ -19,49 +20,38 @@
 /* ---- helpers ---------------------------------------------------------------- */
 
 /* A parameter list: (FQN, tensor) pairs in named_parameters order, and for a
- * unique list the first entry that is the same parameter as each. */
+ * unique list which entries are one parameter. */
 typedef struct {
-    char **fqn;
-    tp_tensor **t;
-    int *rep; /* unique lists: rep[i] <= i, == i for the first handle */
-    int n, cap;
+    char *fqn;
+    tp_tensor *t; /* borrowed: the module holds it */
+} tp__pentry;
+
+typedef struct {
+    tp__pentry *e;
+    int n;
+    size_t cap;
+    int *rep;  /* unique lists: the first entry of i's parameter (rep[i] <= i) */
+    int *next; /* unique lists: the next entry of i's parameter, -1 after the last */
 } tp__plist;
 
 static tp_status tp__plist_add(const char *fqn, tp_tensor *t, void *ctx)
 {
     tp__plist *l = ctx;
-    if (l->n == l->cap) {
-        int cap = l->cap ? 2 * l->cap : 16;
-        char **f = tp__malloc((size_t)cap * sizeof *f);
-        tp_tensor **v = tp__malloc((size_t)cap * sizeof *v);
-        if (!f || !v) {
-            tp__free(f);
-            tp__free(v);
-            return tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
-        }
-        if (l->n) {
-            memcpy(f, l->fqn, (size_t)l->n * sizeof *f);
-            memcpy(v, l->t, (size_t)l->n * sizeof *v);
-        }
-        tp__free(l->fqn);
-        tp__free(l->t);
-        l->fqn = f;
-        l->t = v;
-        l->cap = cap;
-    }
-    if (!(l->fqn[l->n] = tp__strdup(fqn)))
+    if (!tp__grow_array((void **)&l->e, (size_t)l->n, &l->cap, sizeof *l->e))
         return tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
-    l->t[l->n++] = t; /* borrowed: the module holds it */
+    if (!(l->e[l->n].fqn = tp__strdup(fqn)))
+        return tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
+    l->e[l->n++].t = t;
     return TP_OK;
 }
 
 static void tp__plist_free(tp__plist *l)
 {
     for (int i = 0; i < l->n; i++)
-        tp__free(l->fqn[i]);
-    tp__free(l->fqn);
-    tp__free(l->t);
+        tp__free(l->e[i].fqn);
+    tp__free(l->e);
     tp__free(l->rep);
+    tp__free(l->next);
     *l = (tp__plist){0};
 }
 
@@ -87,54 +77,112 @@ static bool tp__same_shape(const tp_tensor *a, const tp_tensor *b)
     return a->ndim == b->ndim && !memcmp(a->shape, b->shape, (size_t)a->ndim * sizeof *a->shape);
 }
 
+/* The tensor that holds this rank's values: the local shard of a DTensor,
+ * the tensor itself otherwise. */
+static tp_tensor *tp__storage_of(const tp_tensor *t)
+{
+    return tp_tensor_is_dtensor(t) ? tp_dtensor_local(t) : (tp_tensor *)t;
+}
+
 bool tp__param_same(const tp_tensor *a, const tp_tensor *b)
 {
     if (a == b)
         return true;
-    if (!a || !b || !a->dist != !b->dist || a->dtype != b->dtype || !tp__same_shape(a, b))
+    if (!a || !b || tp_tensor_is_dtensor(a) != tp_tensor_is_dtensor(b))
         return false;
-    if (a->dist) {
-        if (!tp__same_placements(a, b))
-            return false;
-        a = tp_dtensor_local(a);
-        b = tp_dtensor_local(b);
-        if (!tp__same_shape(a, b))
-            return false;
-    }
-    /* meta tensors have no storage: only the same handle is the same */
-    return a->storage && a->storage == b->storage && a->offset == b->offset &&
-           !memcmp(a->stride, b->stride, (size_t)a->ndim * sizeof *a->stride);
+    const tp_tensor *la = tp__storage_of(a), *lb = tp__storage_of(b);
+    /* the cheap test first: most pairs are apart. Meta tensors have no
+     * storage: only the same handle is the same */
+    if (!la->storage || la->storage != lb->storage || la->offset != lb->offset)
+        return false;
+    if (a->dtype != b->dtype || !tp__same_shape(a, b))
+        return false;
+    if (a != la && (!tp__same_placements(a, b) || !tp__same_shape(la, lb)))
+        return false;
+    return !memcmp(la->stride, lb->stride, (size_t)la->ndim * sizeof *la->stride);
 }
 
-/* unique: each tensor once, with rep[] grouping the handles that are one
- * parameter; otherwise every name (state dicts). */
+/* Where a parameter's elements start: handles that are one parameter
+ * (tp__param_same) have the same key. */
+typedef struct {
+    uintptr_t storage; /* a meta tensor, without storage: the handle itself */
+    int64_t offset;
+    int i; /* the entry */
+} tp__pkey;
+
+static int tp__pkey_cmp(const void *pa, const void *pb)
+{
+    const tp__pkey *a = pa, *b = pb;
+    if (a->storage != b->storage)
+        return a->storage < b->storage ? -1 : 1;
+    if (a->offset != b->offset)
+        return a->offset < b->offset ? -1 : 1;
+    return (a->i > b->i) - (a->i < b->i);
+}
+
+/* rep[] and next[] of a unique list: entries sorted by where their elements
+ * start, so that only the few handles starting at one place are compared
+ * (a pairwise scan of every entry costs milliseconds per step at thousands
+ * of parameters). */
+static tp_status tp__plist_group(tp__plist *l)
+{
+    size_t n = l->n ? (size_t)l->n : 1;
+    tp__pkey *key = tp__malloc(n * sizeof *key);
+    int *last = tp__malloc(n * sizeof *last);
+    l->rep = tp__malloc(n * sizeof *l->rep);
+    l->next = tp__malloc(n * sizeof *l->next);
+    tp_status st = TP_OK;
+    if (!key || !last || !l->rep || !l->next) {
+        st = tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
+        goto done;
+    }
+    for (int i = 0; i < l->n; i++) {
+        const tp_tensor *loc = tp__storage_of(l->e[i].t);
+        key[i] = loc->storage ? (tp__pkey){(uintptr_t)loc->storage, loc->offset, i}
+                              : (tp__pkey){(uintptr_t)l->e[i].t, 0, i};
+        l->rep[i] = i;
+        l->next[i] = -1;
+        last[i] = i;
+    }
+    qsort(key, (size_t)l->n, sizeof *key, tp__pkey_cmp);
+    for (int a = 0, b; a < l->n; a = b) {
+        b = a + 1;
+        while (b < l->n && key[b].storage == key[a].storage && key[b].offset == key[a].offset)
+            b++;
+        /* one start, entries in list order: each joins the first earlier
+         * parameter it is (tp__param_same is an equivalence) */
+        for (int p = a + 1; p < b; p++) {
+            int i = key[p].i;
+            for (int q = a; q < p; q++) {
+                int j = key[q].i;
+                if (l->rep[j] == j && tp__param_same(l->e[j].t, l->e[i].t)) {
+                    l->rep[i] = j;
+                    l->next[last[j]] = i;
+                    last[j] = i;
+                    break;
+                }
+            }
+        }
+    }
+done:
+    tp__free(key);
+    tp__free(last);
+    return st;
+}
+
+/* unique: each tensor once, with rep[] and next[] grouping the handles that
+ * are one parameter; otherwise every name (state dicts). */
 static tp_status tp__plist_of(const char *fn, tp_module *m, bool unique, tp__plist *l)
 {
     *l = (tp__plist){0};
     tp_status st = tp__module_walk_params(m, unique, tp__plist_add, l);
-    if (st == TP_OK && unique) {
-        l->rep = tp__malloc((size_t)(l->n ? l->n : 1) * sizeof *l->rep);
-        if (!l->rep)
-            st = tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
-        for (int i = 0; st == TP_OK && i < l->n; i++) {
-            l->rep[i] = i;
-            for (int j = 0; j < i && l->rep[i] == i; j++)
-                if (l->rep[j] == j && tp__param_same(l->t[j], l->t[i]))
-                    l->rep[i] = j;
-        }
-    }
+    if (st == TP_OK && unique)
+        st = tp__plist_group(l);
     if (st != TP_OK) {
         tp__error_prefix("%s", fn);
         tp__plist_free(l);
     }
     return st;
-}
-
-/* The tensor that holds this rank's values: the local shard of a DTensor,
- * the tensor itself otherwise. */
-static tp_tensor *tp__storage_of(tp_tensor *t)
-{
-    return tp_tensor_is_dtensor(t) ? tp_dtensor_local(t) : t;
 }
 
 /* This rank's block of a parameter: local shape and offset in the global
@@ -261,7 +309,7 @@ tp_status tp_module_init(tp_module *m, uint64_t seed)
     tp_status st = TP_OK;
     for (int i = 0; i < l.n && st == TP_OK; i++)
         if (l.rep[i] == i)
-            st = tp__init_one(l.fqn[i], l.t[i], &c);
+            st = tp__init_one(l.e[i].fqn, l.e[i].t, &c);
     tp__plist_free(&l);
     return st;
 }
@@ -312,7 +360,7 @@ tp_status tp_module_load_state_dict(tp_module *m, int n, const char *const *name
     for (int i = 0; i < n; i++) {
         match[i] = -1;
         for (int j = 0; j < l.n; j++)
-            if (!strcmp(names[i], l.fqn[j])) {
+            if (!strcmp(names[i], l.e[j].fqn)) {
                 match[i] = j;
                 break;
             }
@@ -323,7 +371,7 @@ tp_status tp_module_load_state_dict(tp_module *m, int n, const char *const *name
             continue;
         }
         named[match[i]] = true;
-        tp_tensor *p = l.t[match[i]];
+        tp_tensor *p = l.e[match[i]].t;
         int nd = tp_tensor_ndim(p);
         if (tp_tensor_ndim(values[i]) != nd ||
             memcmp(tp_tensor_shape(values[i]), tp_tensor_shape(p), (size_t)nd * sizeof(int64_t))) {
@@ -343,7 +391,7 @@ tp_status tp_module_load_state_dict(tp_module *m, int n, const char *const *name
         if (!named[j]) {
             if (missing[0])
                 tp__msg_add(missing, sizeof missing, ", ");
-            tp__msg_add(missing, sizeof missing, l.fqn[j]);
+            tp__msg_add(missing, sizeof missing, l.e[j].fqn);
         }
     if (strict && (unknown[0] || missing[0])) {
         st = tp__error(TP_ERR_INVALID_ARG, "%s: %s%s%s%s%s", fn,
@@ -356,7 +404,7 @@ tp_status tp_module_load_state_dict(tp_module *m, int n, const char *const *name
     for (int i = 0; i < n && st == TP_OK; i++) {
         if (match[i] < 0)
             continue;
-        tp_tensor *p = l.t[match[i]];
+        tp_tensor *p = l.e[match[i]].t;
         int64_t shape[TP_MAX_DIMS], offset[TP_MAX_DIMS];
         TP_CHECK_GOTO(tp__block_of(fn, names[i], p, shape, offset), st, done);
         /* this rank's block of the full value: narrow every dim */
@@ -396,14 +444,14 @@ tp_status tp_module_state_dict(tp_module *m,
     for (int i = 0; i < l.n && st == TP_OK; i++) {
         tp_tensor *full = NULL;
         tp_no_grad_begin();
-        st = tp_tensor_is_dtensor(l.t[i]) ? tp_dtensor_full_tensor(l.t[i], &full)
-                                          : tp_tensor_clone(l.t[i], &full);
+        st = tp_tensor_is_dtensor(l.e[i].t) ? tp_dtensor_full_tensor(l.e[i].t, &full)
+                                          : tp_tensor_clone(l.e[i].t, &full);
         tp_no_grad_end();
         if (st != TP_OK) {
-            tp__error_prefix("%s: '%s'", f, l.fqn[i]);
+            tp__error_prefix("%s: '%s'", f, l.e[i].fqn);
             break;
         }
-        st = fn(l.fqn[i], full, ctx);
+        st = fn(l.e[i].fqn, full, ctx);
         tp_tensor_release(full);
     }
     tp__plist_free(&l);
@@ -472,19 +520,17 @@ static tp_status tp__param_grad(const char *fn, const tp__plist *l, int i, tp_te
 {
     *out = NULL;
     tp_tensor *sum = NULL;
-    for (int k = i; k < l->n; k++) {
-        if (l->rep[k] != i)
-            continue;
+    for (int k = i; k >= 0; k = l->next[k]) {
         tp_tensor *g = NULL;
-        tp_status st = tp__local_grad(fn, l->fqn[k], l->t[k], &g);
+        tp_status st = tp__local_grad(fn, l->e[k].fqn, l->e[k].t, &g);
         if (st == TP_OK && g && sum) {
             tp_tensor *s = NULL;
             tp_no_grad_begin();
             st = tp_add(sum, g, &s);
             tp_no_grad_end();
             if (st != TP_OK)
-                tp__error_prefix("%s: adding the gradients of '%s' and '%s'", fn, l->fqn[i],
-                                 l->fqn[k]);
+                tp__error_prefix("%s: adding the gradients of '%s' and '%s'", fn, l->e[i].fqn,
+                                 l->e[k].fqn);
             tp_tensor_release(g);
             g = s;
         }
@@ -541,7 +587,7 @@ tp_status tp_sgd_step(tp_module *m, double lr)
         st = tp__param_grad(fn, &l, i, &g);
         if (st != TP_OK || !g)
             continue;
-        st = tp__param_begin(fn, l.fqn[i], l.t[i], &w);
+        st = tp__param_begin(fn, l.e[i].fqn, l.e[i].t, &w);
         if (st == TP_OK) {
             float *pd = tp_tensor_data(w);
             const float *gd = tp_tensor_data(g);
@@ -556,7 +602,7 @@ tp_status tp_sgd_step(tp_module *m, double lr)
                     pd[k] = (float)((double)pd[k] - lr * (double)gd[k]);
             (void)dev;
             if (st == TP_OK)
-                st = tp__param_end(l.t[i], w);
+                st = tp__param_end(l.e[i].t, w);
             else
                 tp_tensor_release(w);
         }
@@ -567,7 +613,9 @@ tp_status tp_sgd_step(tp_module *m, double lr)
 }
 
 /* Per-parameter state, keyed by the parameter's (first) FQN and created at
- * its first step with a gradient (as torch.optim.Adam's lazy state). */
+ * its first step with a gradient (as torch.optim.Adam's lazy state). Found
+ * by the parameter's tensor (the list's first handle), checked against the
+ * FQN: a step finds every state in O(log n). */
 typedef struct {
     char *fqn;
     tp_tensor *param; /* retained: a replaced parameter is detected, not updated */
@@ -575,11 +623,20 @@ typedef struct {
     int64_t step;
 } tp__adam_state;
 
+/* Sorted views of the states made before this step. */
+typedef struct {
+    const void *key; /* the state's param, or its fqn */
+    int i;           /* the state */
+} tp__adam_index;
+
 struct tp_adam {
     tp_module *module;
     double lr, beta1, beta2, eps;
-    int n, cap;
+    int n;
+    size_t cap;
     tp__adam_state *s;
+    int n_indexed; /* states [0, n_indexed) are in the views */
+    tp__adam_index *by_param, *by_fqn;
 };
 
 tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, double eps,
@@ -616,33 +673,75 @@ void tp_adam_free(tp_adam *opt)
         tp_tensor_release(opt->s[i].v);
     }
     tp__free(opt->s);
+    tp__free(opt->by_param);
+    tp__free(opt->by_fqn);
     tp__free(opt);
+}
+
+static int tp__adam_param_cmp(const void *pa, const void *pb)
+{
+    uintptr_t a = (uintptr_t)((const tp__adam_index *)pa)->key;
+    uintptr_t b = (uintptr_t)((const tp__adam_index *)pb)->key;
+    return (a > b) - (a < b);
+}
+
+static int tp__adam_fqn_cmp(const void *pa, const void *pb)
+{
+    return strcmp(((const tp__adam_index *)pa)->key, ((const tp__adam_index *)pb)->key);
+}
+
+/* Brings the views up to the states made by earlier steps. */
+static tp_status tp__adam_index_states(tp_adam *o)
+{
+    if (o->n_indexed == o->n)
+        return TP_OK;
+    size_t n = (size_t)o->n;
+    tp__adam_index *p = tp__malloc(n * sizeof *p), *f = tp__malloc(n * sizeof *f);
+    if (!p || !f) {
+        tp__free(p);
+        tp__free(f);
+        return tp__error(TP_ERR_NO_MEMORY, "tp_adam_step: out of memory");
+    }
+    for (int i = 0; i < o->n; i++) {
+        p[i] = (tp__adam_index){o->s[i].param, i};
+        f[i] = (tp__adam_index){o->s[i].fqn, i};
+    }
+    qsort(p, n, sizeof *p, tp__adam_param_cmp);
+    qsort(f, n, sizeof *f, tp__adam_fqn_cmp);
+    tp__free(o->by_param);
+    tp__free(o->by_fqn);
+    o->by_param = p;
+    o->by_fqn = f;
+    o->n_indexed = o->n;
+    return TP_OK;
+}
+
+/* The entry of a view whose key is key, or NULL. */
+static const tp__adam_index *tp__adam_find(const tp__adam_index *v, int n, const void *key,
+                                           int (*cmp)(const void *, const void *))
+{
+    tp__adam_index k = {key, -1};
+    return n ? bsearch(&k, v, (size_t)n, sizeof *v, cmp) : NULL;
 }
 
 static tp_status tp__adam_state_of(tp_adam *o, const char *fqn, tp_tensor *p, tp_tensor *work,
                                    tp__adam_state **out)
 {
     const char *fn = "tp_adam_step";
-    for (int i = 0; i < o->n; i++)
-        if (!strcmp(o->s[i].fqn, fqn)) {
-            if (o->s[i].param != p)
-                return tp__error(TP_ERR_STATE,
-                                 "%s: parameter '%s' was replaced after its first step; create "
-                                 "the optimizer after parallelizing the module", fn, fqn);
-            *out = &o->s[i];
-            return TP_OK;
-        }
-    if (o->n == o->cap) {
-        int cap = o->cap ? 2 * o->cap : 16;
-        tp__adam_state *s = tp__malloc((size_t)cap * sizeof *s);
-        if (!s)
-            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-        if (o->n)
-            memcpy(s, o->s, (size_t)o->n * sizeof *s);
-        tp__free(o->s);
-        o->s = s;
-        o->cap = cap;
+    /* the parameter's own state, unless the tree changed its first FQN */
+    const tp__adam_index *e = tp__adam_find(o->by_param, o->n_indexed, p, tp__adam_param_cmp);
+    if (!e || strcmp(o->s[e->i].fqn, fqn) != 0)
+        e = tp__adam_find(o->by_fqn, o->n_indexed, fqn, tp__adam_fqn_cmp);
+    if (e) {
+        if (o->s[e->i].param != p)
+            return tp__error(TP_ERR_STATE,
+                             "%s: parameter '%s' was replaced after its first step; create "
+                             "the optimizer after parallelizing the module", fn, fqn);
+        *out = &o->s[e->i];
+        return TP_OK;
     }
+    if (!tp__grow_array((void **)&o->s, (size_t)o->n, &o->cap, sizeof *o->s))
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     tp__adam_state st = {0};
     st.fqn = tp__strdup(fqn);
     tp_status rc = st.fqn ? TP_OK : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
@@ -669,6 +768,7 @@ tp_status tp_adam_step(tp_adam *opt)
     const char *fn = "tp_adam_step";
     TP_ARG_CHECK(opt, "%s: optimizer is NULL", fn);
     TP_CHECK(tp__module_run_step_hooks(opt->module));
+    TP_CHECK(tp__adam_index_states(opt));
     tp__plist l;
     TP_CHECK(tp__plist_of(fn, opt->module, true, &l));
     tp_status st = TP_OK;
@@ -680,10 +780,10 @@ tp_status tp_adam_step(tp_adam *opt)
         st = tp__param_grad(fn, &l, i, &g);
         if (st != TP_OK || !g)
             continue;
-        st = tp__param_begin(fn, l.fqn[i], l.t[i], &w);
+        st = tp__param_begin(fn, l.e[i].fqn, l.e[i].t, &w);
         tp__adam_state *s = NULL;
         if (st == TP_OK)
-            st = tp__adam_state_of(opt, l.fqn[i], l.t[i], w, &s);
+            st = tp__adam_state_of(opt, l.e[i].fqn, l.e[i].t, w, &s);
         if (st == TP_OK) {
             /* torch.optim.Adam (foreach=False, amsgrad=False, no weight decay):
              * p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps) */
@@ -710,7 +810,7 @@ tp_status tp_adam_step(tp_adam *opt)
             (void)dev;
         }
         if (w && st == TP_OK)
-            st = tp__param_end(l.t[i], w);
+            st = tp__param_end(l.e[i].t, w);
         else
             tp_tensor_release(w);
         tp_tensor_release(g);

@@ -50,87 +50,38 @@ tp_device tp_module_device(const tp_module *m)
 
 /* ---- the copy ------------------------------------------------------------------ */
 
-/* Original parameter -> its replica, so that a tensor registered twice (tied
- * weights) stays one tensor in the replica. Holds no references: the replica
- * modules do. */
 typedef struct {
-    const tp_tensor **from;
-    tp_tensor **to;
-    int n, cap;
-} tp__memo;
-
-typedef struct {
-    tp_device src;  /* the original's logical device */
-    tp_device dev;  /* this replica's logical device */
-    tp_device phys; /* where its tensors live */
-    tp__memo memo;
+    tp_device src;      /* the original's logical device */
+    tp_device dev;      /* this replica's logical device */
+    tp_device phys;     /* where its tensors live */
+    tp__param_map memo; /* original parameter -> its replica: ties stay ties */
 } tp__rep;
-
-static bool tp__memo_add(tp__memo *mm, const tp_tensor *from, tp_tensor *to)
-{
-    if (mm->n == mm->cap) {
-        int cap = mm->cap ? mm->cap * 2 : 16;
-        const tp_tensor **f = tp__malloc((size_t)cap * sizeof *f);
-        tp_tensor **t = tp__malloc((size_t)cap * sizeof *t);
-        if (!f || !t) {
-            tp__free(f);
-            tp__free(t);
-            return false;
-        }
-        if (mm->n) {
-            memcpy(f, mm->from, (size_t)mm->n * sizeof *f);
-            memcpy(t, mm->to, (size_t)mm->n * sizeof *t);
-        }
-        tp__free(mm->from);
-        tp__free(mm->to);
-        mm->from = f;
-        mm->to = t;
-        mm->cap = cap;
-    }
-    mm->from[mm->n] = from;
-    mm->to[mm->n++] = to;
-    return true;
-}
-
-/* A new header over p's storage: same shape, strides and offset, no autograd
- * state (so it is a leaf of its own). A 0-d parameter is contiguous, so a
- * view of its own shape does it; others narrow dim 0 to its full size,
- * which keeps any strides. */
-static tp_status tp__alias(tp_tensor *p, tp_tensor **out)
-{
-    if (tp_tensor_ndim(p) == 0)
-        return tp_tensor_view(p, 0, NULL, out);
-    return tp_tensor_narrow(p, 0, 0, tp_tensor_size(p, 0), out);
-}
 
 /* The replica of parameter p (new reference): an alias when the replica is
  * on the original's device and p is where that device keeps its tensors, a
- * copy otherwise. */
+ * copy otherwise; for a parameter met before (a tied one: the same tensor,
+ * or a handle over the same region), that replica or a handle over it. */
 static tp_status tp__param_replica(tp__rep *r, const char *owner, const char *name,
                                    tp_tensor *p, tp_tensor **out)
 {
-    for (int i = 0; i < r->memo.n; i++)
-        if (r->memo.from[i] == p) {
-            *out = tp_tensor_retain(r->memo.to[i]);
-            return TP_OK;
-        }
     tp_tensor *t = NULL;
-    tp_status st;
-    if (tp__same_device(r->dev, r->src) && tp__same_device(tp_tensor_device(p), r->phys))
-        st = tp__alias(p, &t);
-    else
-        st = tp_tensor_to(p, tp_tensor_dtype(p), r->phys, &t);
-    if (st == TP_OK && tp_tensor_requires_grad(p))
-        st = tp_tensor_set_requires_grad(t, true);
-    if (st == TP_OK && !tp__memo_add(&r->memo, p, t))
+    tp_status st = tp__param_map_find(&r->memo, p, &t);
+    if (st == TP_OK && !t) {
+        if (tp__same_device(r->dev, r->src) && tp__same_device(tp_tensor_device(p), r->phys))
+            st = tp__alias(p, &t);
+        else
+            st = tp_tensor_to(p, tp_tensor_dtype(p), r->phys, &t);
+        if (st == TP_OK && tp_tensor_requires_grad(p))
+            st = tp_tensor_set_requires_grad(t, true);
+    }
+    if (st == TP_OK && !tp__param_map_add(&r->memo, p, t))
         st = tp__error(TP_ERR_NO_MEMORY, "out of memory");
     if (st != TP_OK) {
         tp_tensor_release(t);
         tp__error_prefix("parameter '%s' of %s", name, owner);
         return st;
     }
-    *out = tp_tensor_retain(t);
-    tp_tensor_release(t); /* the memo's entry lives as long as the module's reference */
+    *out = t; /* the memo's entry lives as long as the module's reference */
     return TP_OK;
 }
 
@@ -166,7 +117,6 @@ static tp_status tp__replicate_tree(tp__rep *r, const tp_module *src, tp_module 
     m->ctx = src->ctx; /* shared: ctx_free runs after the last module lets go */
     m->ctx_ref = tp__ctx_ref_retain(src->ctx_ref);
     m->next_hook_id = src->next_hook_id;
-    m->sharded_by = src->sharded_by;
     m->training = src->training;
     m->device = r->dev;
     m->type_name = tp__strdup(src->type_name);
@@ -183,6 +133,16 @@ static tp_status tp__replicate_tree(tp__rep *r, const tp_module *src, tp_module 
         if (!(m->post_hooks = tp__hooks_dup(src->post_hooks, src->n_post, &m->n_post)))
             goto oom;
         m->cap_post = src->n_post;
+    }
+    if (src->n_attached) {
+        /* shared, as hook contexts are */
+        m->attached = tp__malloc((size_t)src->n_attached * sizeof *m->attached);
+        if (!m->attached)
+            goto oom;
+        m->cap_attached = (size_t)src->n_attached;
+        for (int i = 0; i < src->n_attached; i++)
+            m->attached[m->n_attached++] =
+                (tp__attachment){src->attached[i].key, tp__ctx_ref_retain(src->attached[i].ref)};
     }
     if (src->n_params) {
         m->param_names = tp__calloc((size_t)src->n_params, sizeof *m->param_names);
@@ -313,8 +273,7 @@ tp_status tp_module_replicate(tp_module *module, const tp_device *devices, int n
                              devices[i].type == TP_DEVICE_CPU ? "cpu" : "cuda",
                              devices[i].index);
     }
-    tp__free(r.memo.from);
-    tp__free(r.memo.to);
+    tp__free(r.memo.v);
     if (st != TP_OK)
         for (int i = 0; i < n; i++) {
             tp_module_free(replicas[i]);

@@ -60,7 +60,8 @@ typedef struct tp__mod_entry {
 
 typedef struct tp__mod_list {
     tp__mod_entry *v;
-    int n, cap;
+    int n;
+    size_t cap;
 } tp__mod_list;
 
 static void tp__mod_list_free(tp__mod_list *l)
@@ -73,17 +74,8 @@ static void tp__mod_list_free(tp__mod_list *l)
 /* Depth first, parents before children, children in insertion order. */
 static tp_status tp__collect(tp__mod_list *l, tp_module *m, const char *fqn)
 {
-    if (l->n == l->cap) {
-        int cap = l->cap ? 2 * l->cap : 16;
-        tp__mod_entry *v = tp__malloc(sizeof *v * (size_t)cap);
-        if (!v)
-            return tp__error(TP_ERR_NO_MEMORY, "tp_parallelize_module: out of memory");
-        if (l->n)
-            memcpy(v, l->v, sizeof *v * (size_t)l->n);
-        tp__free(l->v);
-        l->v = v;
-        l->cap = cap;
-    }
+    if (!tp__grow_array((void **)&l->v, l->n, &l->cap, sizeof *l->v))
+        return tp__error(TP_ERR_NO_MEMORY, "tp_parallelize_module: out of memory");
     char *own = tp__strdup(fqn);
     if (!own)
         return tp__error(TP_ERR_NO_MEMORY, "tp_parallelize_module: out of memory");
@@ -91,9 +83,9 @@ static tp_status tp__collect(tp__mod_list *l, tp_module *m, const char *fqn)
     l->v[l->n].fqn = own;
     l->v[l->n].sharder = NULL;
     l->n++;
-    for (int i = 0; i < m->n_children; i++) {
-        tp_module *c = m->children[i];
-        const char *name = c->name ? c->name : "";
+    for (int i = 0; i < tp_module_num_children(m); i++) {
+        const char *name = NULL;
+        tp_module *c = tp_module_child_at(m, i, &name);
         size_t len = strlen(fqn) + strlen(name) + 2;
         char *cf = tp__malloc(len);
         if (!cf)
@@ -108,15 +100,6 @@ static tp_status tp__collect(tp__mod_list *l, tp_module *m, const char *fqn)
             return st;
     }
     return TP_OK;
-}
-
-static const char *tp__where(const char *fqn, char *buf, size_t len)
-{
-    if (!fqn || !fqn[0])
-        snprintf(buf, len, "the root module");
-    else
-        snprintf(buf, len, "'%s'", fqn);
-    return buf;
 }
 
 tp_status tp_parallelize_module(tp_module *module, tp_mesh *mesh, int n,
@@ -162,13 +145,13 @@ tp_status tp_parallelize_module(tp_module *module, tp_mesh *mesh, int n,
             st = tp__style_check(s, me->m, me->fqn);
             if (st != TP_OK || !tp__style_shards_params(s))
                 continue;
-            const char *prev = me->sharder ? tp__style_name(me->sharder) : me->m->sharded_by;
+            const char *prev = me->sharder ? tp__style_name(me->sharder) : tp__style_sharded_by(me->m);
             if (prev) {
                 char wb[300];
                 st = tp__error(TP_ERR_INVALID_ARG,
                                "%s: module %s is already sharded by %s; cannot also apply %s "
                                "(plan entry %d, '%s')",
-                               fn, tp__where(me->fqn, wb, sizeof wb), prev, tp__style_name(s), e,
+                               fn, tp__style_where(me->fqn, wb, sizeof wb), prev, tp__style_name(s), e,
                                plan[e].fqn);
             }
             me->sharder = s;

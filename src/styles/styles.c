@@ -20,10 +20,17 @@ typedef enum tp__style_kind {
     TP__STY_PREP_INOUT
 } tp__style_kind;
 
+/* Colwise and Rowwise options (the same fields), defaults resolved; Rowwise's
+ * input layout stays None when not given (its default depends on the
+ * module). */
+typedef struct tp__io_options {
+    tp_layout in, out;
+    tp_flag use_local_output;
+} tp__io_options;
+
 struct tp_style {
     tp__style_kind kind;
-    tp_colwise_options col;
-    tp_rowwise_options row;
+    tp__io_options io; /* Colwise, Rowwise */
     tp_sequence_parallel_options sp;
     tp_prepare_input_options in; /* kwargs[i].name point into kwnames */
     char *kwnames[TP_STYLE_MAX_LAYOUTS];
@@ -48,8 +55,7 @@ bool tp__style_shards_params(const tp_style *s)
 
 /* ---- small helpers ---------------------------------------------------------- */
 
-/* "'net1'" or "the root module" into buf. */
-static const char *tp__where(const char *fqn, char *buf, size_t len)
+const char *tp__style_where(const char *fqn, char *buf, size_t len)
 {
     if (!fqn || !fqn[0])
         snprintf(buf, len, "the root module");
@@ -122,50 +128,47 @@ static tp_status tp__flag(const char *fn, const char *what, tp_flag *f, bool dfl
     return TP_OK;
 }
 
-tp_status tp_colwise_parallel_create(const tp_colwise_options *opts, tp_style **out)
+/* Colwise and Rowwise: the options (the style's defaults for unset
+ * layouts) checked, resolved and stored in a new style. */
+static tp_status tp__io_style_create(tp__style_kind kind, tp__io_options o, tp_layout in_default,
+                                     tp_layout out_default, tp_style **out)
 {
-    const char *fn = "ColwiseParallel";
+    const char *fn = tp__style_names[kind];
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
-    tp_colwise_options o = {0};
-    if (opts)
-        o = *opts;
-    if (!o.input_layouts.set)
-        o.input_layouts = tp_layout_of(tp_replicate());
-    if (!o.output_layouts.set)
-        o.output_layouts = tp_layout_of(tp_shard(-1));
-    TP_CHECK(tp__layout_valid(fn, "input_layouts", o.input_layouts, false));
-    TP_CHECK(tp__layout_valid(fn, "output_layouts", o.output_layouts, true));
+    if (!o.in.set)
+        o.in = in_default;
+    if (!o.out.set)
+        o.out = out_default;
+    TP_CHECK(tp__layout_valid(fn, "input_layouts", o.in, false));
+    TP_CHECK(tp__layout_valid(fn, "output_layouts", o.out, true));
     TP_CHECK(tp__flag(fn, "use_local_output", &o.use_local_output, true));
-    tp_style *s = tp__style_new(TP__STY_COLWISE);
+    tp_style *s = tp__style_new(kind);
     if (!s)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    s->col = o;
+    s->io = o;
     *out = s;
     return TP_OK;
 }
 
+tp_status tp_colwise_parallel_create(const tp_colwise_options *opts, tp_style **out)
+{
+    tp__io_options o = {0};
+    if (opts)
+        o = (tp__io_options){opts->input_layouts, opts->output_layouts, opts->use_local_output};
+    return tp__io_style_create(TP__STY_COLWISE, o, tp_layout_of(tp_replicate()),
+                               tp_layout_of(tp_shard(-1)), out);
+}
+
 tp_status tp_rowwise_parallel_create(const tp_rowwise_options *opts, tp_style **out)
 {
-    const char *fn = "RowwiseParallel";
-    TP_ARG_CHECK(out, "%s: out is NULL", fn);
-    *out = NULL;
-    tp_rowwise_options o = {0};
+    tp__io_options o = {0};
     if (opts)
-        o = *opts;
+        o = (tp__io_options){opts->input_layouts, opts->output_layouts, opts->use_local_output};
     /* input_layouts stays unset when not given: the default depends on the
      * module (Linear S(-1), Embedding R) */
-    if (!o.output_layouts.set)
-        o.output_layouts = tp_layout_of(tp_replicate());
-    TP_CHECK(tp__layout_valid(fn, "input_layouts", o.input_layouts, false));
-    TP_CHECK(tp__layout_valid(fn, "output_layouts", o.output_layouts, true));
-    TP_CHECK(tp__flag(fn, "use_local_output", &o.use_local_output, true));
-    tp_style *s = tp__style_new(TP__STY_ROWWISE);
-    if (!s)
-        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    s->row = o;
-    *out = s;
-    return TP_OK;
+    return tp__io_style_create(TP__STY_ROWWISE, o, tp_layout_none(),
+                               tp_layout_of(tp_replicate()), out);
 }
 
 tp_status tp_sequence_parallel_create(const tp_sequence_parallel_options *opts, tp_style **out)
@@ -190,10 +193,27 @@ tp_status tp_sequence_parallel_create(const tp_sequence_parallel_options *opts, 
     return TP_OK;
 }
 
-static tp_status tp__check_input_opts(const char *fn, const tp_prepare_input_options *o)
+/* n (<what>_layouts[i], desired_<what>_layouts[i]) pairs: both set or both
+ * None, and valid. */
+static tp_status tp__check_layout_pairs(const char *fn, const char *what, int n,
+                                        const tp_layout *l, const tp_layout *want)
 {
-    tp_flag local = o->use_local_output;
-    TP_CHECK(tp__flag(fn, "use_local_output", &local, false));
+    for (int i = 0; i < n; i++) {
+        char a[64], b[64];
+        snprintf(a, sizeof a, "%s_layouts[%d]", what, i);
+        snprintf(b, sizeof b, "desired_%s_layouts[%d]", what, i);
+        TP_ARG_CHECK(l[i].set == want[i].set, "%s: %s is %s but %s is %s", fn, a,
+                     l[i].set ? "set" : "None", b, want[i].set ? "set" : "None");
+        TP_CHECK(tp__layout_valid(fn, a, l[i], false));
+        TP_CHECK(tp__layout_valid(fn, b, want[i], true));
+    }
+    return TP_OK;
+}
+
+/* Checks *o and resolves its use_local_output. */
+static tp_status tp__check_input_opts(const char *fn, tp_prepare_input_options *o)
+{
+    TP_CHECK(tp__flag(fn, "use_local_output", &o->use_local_output, false));
     TP_ARG_CHECK(o->n_inputs >= 0 && o->n_inputs <= TP_STYLE_MAX_LAYOUTS,
                  "%s: n_inputs %d outside [0, %d]", fn, o->n_inputs, TP_STYLE_MAX_LAYOUTS);
     TP_ARG_CHECK(o->n_desired >= 0 && o->n_desired <= TP_STYLE_MAX_LAYOUTS,
@@ -204,17 +224,8 @@ static tp_status tp__check_input_opts(const char *fn, const tp_prepare_input_opt
                  "%s: input_layouts and desired_input_layouts should have same length "
                  "(%d input_layouts, %d desired_input_layouts)",
                  fn, o->n_inputs, o->n_desired);
-    for (int i = 0; i < o->n_inputs; i++) {
-        char what[64];
-        TP_ARG_CHECK(o->input_layouts[i].set == o->desired_input_layouts[i].set,
-                     "%s: input_layouts[%d] is %s but desired_input_layouts[%d] is %s", fn, i,
-                     o->input_layouts[i].set ? "set" : "None", i,
-                     o->desired_input_layouts[i].set ? "set" : "None");
-        snprintf(what, sizeof what, "input_layouts[%d]", i);
-        TP_CHECK(tp__layout_valid(fn, what, o->input_layouts[i], false));
-        snprintf(what, sizeof what, "desired_input_layouts[%d]", i);
-        TP_CHECK(tp__layout_valid(fn, what, o->desired_input_layouts[i], true));
-    }
+    TP_CHECK(tp__check_layout_pairs(fn, "input", o->n_inputs, o->input_layouts,
+                                    o->desired_input_layouts));
     for (int i = 0; i < o->n_kwargs; i++) {
         const tp_kwarg_layout *k = &o->kwargs[i];
         TP_ARG_CHECK(k->name && k->name[0], "%s: kwargs[%d] has no name", fn, i);
@@ -236,10 +247,10 @@ static tp_status tp__check_input_opts(const char *fn, const tp_prepare_input_opt
     return TP_OK;
 }
 
-static tp_status tp__check_output_opts(const char *fn, const tp_prepare_output_options *o)
+/* Checks *o and resolves its use_local_output. */
+static tp_status tp__check_output_opts(const char *fn, tp_prepare_output_options *o)
 {
-    tp_flag local = o->use_local_output;
-    TP_CHECK(tp__flag(fn, "use_local_output", &local, true));
+    TP_CHECK(tp__flag(fn, "use_local_output", &o->use_local_output, true));
     TP_ARG_CHECK(o->n_outputs >= 0 && o->n_outputs <= TP_STYLE_MAX_LAYOUTS,
                  "%s: n_outputs %d outside [0, %d]", fn, o->n_outputs, TP_STYLE_MAX_LAYOUTS);
     TP_ARG_CHECK(o->n_desired >= 0 && o->n_desired <= TP_STYLE_MAX_LAYOUTS,
@@ -253,18 +264,8 @@ static tp_status tp__check_output_opts(const char *fn, const tp_prepare_output_o
                  "%s: module outputs and output_layouts should have same length (a module "
                  "returns one tensor; got %d output_layouts)",
                  fn, o->n_outputs);
-    for (int i = 0; i < o->n_outputs; i++) {
-        char what[64];
-        TP_ARG_CHECK(o->output_layouts[i].set == o->desired_output_layouts[i].set,
-                     "%s: output_layouts[%d] is %s but desired_output_layouts[%d] is %s", fn, i,
-                     o->output_layouts[i].set ? "set" : "None", i,
-                     o->desired_output_layouts[i].set ? "set" : "None");
-        snprintf(what, sizeof what, "output_layouts[%d]", i);
-        TP_CHECK(tp__layout_valid(fn, what, o->output_layouts[i], false));
-        snprintf(what, sizeof what, "desired_output_layouts[%d]", i);
-        TP_CHECK(tp__layout_valid(fn, what, o->desired_output_layouts[i], true));
-    }
-    return TP_OK;
+    return tp__check_layout_pairs(fn, "output", o->n_outputs, o->output_layouts,
+                                  o->desired_output_layouts);
 }
 
 /* Copies input options (kwarg names included) into s. */
@@ -310,11 +311,12 @@ tp_status tp_prepare_module_output_create(const tp_prepare_output_options *opts,
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(opts, "%s: options are required (output_layouts, desired_output_layouts)", fn);
-    TP_CHECK(tp__check_output_opts(fn, opts));
+    tp_prepare_output_options o = *opts;
+    TP_CHECK(tp__check_output_opts(fn, &o));
     tp_style *s = tp__style_new(TP__STY_PREP_OUT);
     if (!s)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    s->out = *opts;
+    s->out = o;
     *out = s;
     return TP_OK;
 }
@@ -330,8 +332,9 @@ tp_status tp_prepare_module_input_output_create(const tp_prepare_input_options *
     if (in)
         i = *in;
     TP_ARG_CHECK(out_opts, "%s: output options are required", fn);
+    tp_prepare_output_options o = *out_opts;
     TP_CHECK(tp__check_input_opts(fn, &i));
-    TP_CHECK(tp__check_output_opts(fn, out_opts));
+    TP_CHECK(tp__check_output_opts(fn, &o));
     tp_style *s = tp__style_new(TP__STY_PREP_INOUT);
     if (!s)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
@@ -340,7 +343,7 @@ tp_status tp_prepare_module_input_output_create(const tp_prepare_input_options *
         tp_style_free(s);
         return st;
     }
-    s->out = *out_opts;
+    s->out = o;
     *out = s;
     return TP_OK;
 }
@@ -428,17 +431,17 @@ static tp_status tp__prepare_input(const tp__hook_ctx *c, tp_module *m, tp_tenso
             return tp__error(TP_ERR_INVALID_ARG,
                              "%s at %s: expecting the input of %s to be a tensor or DTensor, "
                              "got None",
-                             c->style, tp__where(c->fqn, wb, sizeof wb),
+                             c->style, tp__style_where(c->fqn, wb, sizeof wb),
                              tp_module_type_name(m));
         return tp__error(TP_ERR_INVALID_ARG, "%s at %s: %s is set but the input is None",
-                         c->style, tp__where(c->fqn, wb, sizeof wb), what);
+                         c->style, tp__style_where(c->fqn, wb, sizeof wb), what);
     }
     tp_tensor *dt = NULL;
     tp_status st;
     if (tp_tensor_is_dtensor(x)) {
         TP_ARG_CHECK(tp_mesh_ndim(tp_dtensor_mesh(x)) == 1,
                      "%s at %s: input is a DTensor on a %d-d mesh; styles work on 1-d meshes",
-                     c->style, tp__where(c->fqn, wb, sizeof wb),
+                     c->style, tp__style_where(c->fqn, wb, sizeof wb),
                      tp_mesh_ndim(tp_dtensor_mesh(x)));
         dt = tp_tensor_retain(x);
         /* a DTensor whose layout differs from the declared one is first
@@ -451,10 +454,10 @@ static tp_status tp__prepare_input(const tp__hook_ctx *c, tp_module *m, tp_tenso
         tp_from_local_options fo = {0};
         int64_t global[TP_MAX_DIMS];
         int nd = tp_tensor_ndim(x);
-        if (m->kind == TP_MODULE_LINEAR && in.p.kind == TP_PLACEMENT_SHARD && nd >= 1 &&
-            (in.p.dim == -1 || in.p.dim == nd - 1)) {
+        if (tp_module_kind_of(m) == TP_MODULE_LINEAR && in.p.kind == TP_PLACEMENT_SHARD &&
+            nd >= 1 && (in.p.dim == -1 || in.p.dim == nd - 1)) {
             memcpy(global, tp_tensor_shape(x), sizeof(int64_t) * (size_t)nd);
-            global[nd - 1] = m->cfg.linear.in;
+            global[nd - 1] = tp__module_linear_in(m);
             fo.global_shape = global;
         }
         st = tp_dtensor_from_local(c->mesh, x, 1, &in.p, &fo, &dt);
@@ -471,7 +474,7 @@ static tp_status tp__prepare_input(const tp__hook_ctx *c, tp_module *m, tp_tenso
     }
     if (st != TP_OK) {
         tp_tensor_release(dt);
-        tp__error_prefix("%s at %s: %s", c->style, tp__where(c->fqn, wb, sizeof wb), what);
+        tp__error_prefix("%s at %s: %s", c->style, tp__style_where(c->fqn, wb, sizeof wb), what);
         return st;
     }
     tp_tensor_release(*slot);
@@ -488,7 +491,7 @@ static tp_status tp__pre_hook(tp_module *m, int nargs, tp_tensor **args, int nkw
         return tp__error(TP_ERR_INVALID_ARG,
                          "%s at %s: module inputs and input_layouts should have same length "
                          "(got %d inputs, %d input_layouts)",
-                         c->style, tp__where(c->fqn, wb, sizeof wb), nargs, c->n_in);
+                         c->style, tp__style_where(c->fqn, wb, sizeof wb), nargs, c->n_in);
     if (c->n_in > 0)
         for (int i = 0; i < nargs; i++) {
             char what[48];
@@ -535,7 +538,7 @@ static tp_status tp__post_hook(tp_module *m, int nargs, tp_tensor *const *args, 
     if (!y)
         return tp__error(TP_ERR_INVALID_ARG, "%s at %s: output_layouts[0] is set but the output "
                                              "is None",
-                         c->style, tp__where(c->fqn, wb, sizeof wb));
+                         c->style, tp__style_where(c->fqn, wb, sizeof wb));
     tp_tensor *dt = NULL;
     tp_status st = TP_OK;
     if (tp_tensor_is_dtensor(y)) {
@@ -557,7 +560,7 @@ static tp_status tp__post_hook(tp_module *m, int nargs, tp_tensor *const *args, 
     }
     if (st != TP_OK) {
         tp_tensor_release(dt);
-        tp__error_prefix("%s at %s: output", c->style, tp__where(c->fqn, wb, sizeof wb));
+        tp__error_prefix("%s at %s: output", c->style, tp__style_where(c->fqn, wb, sizeof wb));
         return st;
     }
     tp_tensor_release(*out);
@@ -567,15 +570,31 @@ static tp_status tp__post_hook(tp_module *m, int nargs, tp_tensor *const *args, 
 
 /* ---- applying ---------------------------------------------------------------- */
 
+/* The key of the name of the parameter-sharding style applied to a module:
+ * a second one on the same module is an error. */
+static const char tp__sharded_by_key;
+
+const char *tp__style_sharded_by(const tp_module *m)
+{
+    return tp__module_attached(m, &tp__sharded_by_key);
+}
+
+static tp_status tp__set_sharded_by(tp_module *m, const tp_style *s)
+{
+    /* a static name: nothing to free */
+    return tp__module_attach(m, &tp__sharded_by_key, (void *)tp__style_name(s), NULL);
+}
+
 tp_status tp__style_check(const tp_style *s, const tp_module *m, const char *fqn)
 {
     char wb[300];
     if (s->kind != TP__STY_COLWISE && s->kind != TP__STY_ROWWISE)
         return TP_OK;
-    if (m->kind == TP_MODULE_LINEAR || m->kind == TP_MODULE_EMBEDDING)
+    tp_module_kind k = tp_module_kind_of(m);
+    if (k == TP_MODULE_LINEAR || k == TP_MODULE_EMBEDDING)
         return TP_OK;
     return tp__error(TP_ERR_INVALID_ARG, "%s only supports Linear and Embedding, got %s at %s",
-                     tp__style_name(s), tp_module_type_name(m), tp__where(fqn, wb, sizeof wb));
+                     tp__style_name(s), tp_module_type_name(m), tp__style_where(fqn, wb, sizeof wb));
 }
 
 static tp_status tp__distribute_param(tp_module *m, const char *name, tp_placement p,
@@ -592,7 +611,7 @@ static tp_status tp__distribute_param(tp_module *m, const char *name, tp_placeme
         st = tp_module_set_parameter(m, name, dt);
     tp_tensor_release(dt);
     if (st != TP_OK)
-        tp__error_prefix("%s at %s: parameter '%s'", style, tp__where(fqn, wb, sizeof wb), name);
+        tp__error_prefix("%s at %s: parameter '%s'", style, tp__style_where(fqn, wb, sizeof wb), name);
     return st;
 }
 
@@ -600,15 +619,15 @@ static tp_status tp__distribute_param(tp_module *m, const char *name, tp_placeme
  * Replicate DTensor, without communication. */
 static tp_status tp__replicate_params(tp_module *m, tp_mesh *mesh, const char *fqn)
 {
-    for (int i = 0; i < m->n_params; i++) {
-        tp_tensor *p = m->params[i];
+    for (int i = 0; i < tp__module_num_params(m); i++) {
+        const char *name = NULL;
+        tp_tensor *p = tp__module_param_at(m, i, &name);
         if (!p || tp_tensor_is_dtensor(p))
             continue;
-        TP_CHECK(tp__distribute_param(m, m->param_names[i], tp_replicate(), mesh, -1,
-                                      "SequenceParallel", fqn));
+        TP_CHECK(tp__distribute_param(m, name, tp_replicate(), mesh, -1, "SequenceParallel", fqn));
     }
-    for (int i = 0; i < m->n_children; i++)
-        TP_CHECK(tp__replicate_params(m->children[i], mesh, fqn));
+    for (int i = 0; i < tp_module_num_children(m); i++)
+        TP_CHECK(tp__replicate_params(tp_module_child_at(m, i, NULL), mesh, fqn));
     return TP_OK;
 }
 
@@ -643,7 +662,7 @@ static tp_status tp__copy_input_ctx(tp__hook_ctx *c, const tp_prepare_input_opti
         c->kwin[k] = o->kwargs[k].layout;
         c->kwwant[k] = o->kwargs[k].desired;
     }
-    c->in_local = o->use_local_output == TP_FLAG_TRUE; /* default false */
+    c->in_local = o->use_local_output == TP_FLAG_TRUE;
     return TP_OK;
 }
 
@@ -670,7 +689,7 @@ static tp_status tp__apply_prepare_output(const tp_style *s, tp_module *m, const
     c->out_mode = TP__OUT_PREPARE;
     c->out_from = s->out.output_layouts[0];
     c->out_to = s->out.desired_output_layouts[0];
-    c->out_local = s->out.use_local_output != TP_FLAG_FALSE; /* default true */
+    c->out_local = s->out.use_local_output == TP_FLAG_TRUE;
     return tp__add_post(m, c);
 }
 
@@ -704,13 +723,14 @@ tp_status tp__style_apply(const tp_style *s, tp_module *m, const char *fqn, tp_m
 {
     char wb[300];
     TP_CHECK(tp__style_check(s, m, fqn));
-    if (tp__style_shards_params(s) && m->sharded_by)
+    const char *prev = tp__style_sharded_by(m);
+    if (tp__style_shards_params(s) && prev)
         return tp__error(TP_ERR_INVALID_ARG,
                          "tp_parallelize_module: module %s is already sharded by %s; cannot "
                          "also apply %s",
-                         tp__where(fqn, wb, sizeof wb), m->sharded_by, tp__style_name(s));
+                         tp__style_where(fqn, wb, sizeof wb), prev, tp__style_name(s));
     int src = src_data_rank < 0 ? -1 : src_data_rank;
-    bool emb = m->kind == TP_MODULE_EMBEDDING;
+    bool emb = tp_module_kind_of(m) == TP_MODULE_EMBEDDING;
     switch (s->kind) {
     case TP__STY_COLWISE: {
         const char *name = tp__style_name(s);
@@ -720,11 +740,10 @@ tp_status tp__style_apply(const tp_style *s, tp_module *m, const char *fqn, tp_m
             TP_CHECK(tp__distribute_param(m, "weight", tp_shard(0), mesh, src, name, fqn));
             TP_CHECK(tp__distribute_param(m, "bias", tp_shard(0), mesh, src, name, fqn));
         }
-        m->sharded_by = name;
-        return tp__apply_io(s, m, fqn, mesh, s->col.input_layouts,
-                            tp_layout_of(tp_replicate()), TP__OUT_STYLE,
-                            tp_layout_of(tp_shard(-1)), s->col.output_layouts,
-                            s->col.use_local_output == TP_FLAG_TRUE);
+        TP_CHECK(tp__set_sharded_by(m, s));
+        return tp__apply_io(s, m, fqn, mesh, s->io.in, tp_layout_of(tp_replicate()),
+                            TP__OUT_STYLE, tp_layout_of(tp_shard(-1)), s->io.out,
+                            s->io.use_local_output == TP_FLAG_TRUE);
     }
     case TP__STY_ROWWISE: {
         const char *name = tp__style_name(s);
@@ -737,15 +756,15 @@ tp_status tp__style_apply(const tp_style *s, tp_module *m, const char *fqn, tp_m
             TP_CHECK(tp__distribute_param(m, "bias", tp_replicate(), mesh, src, name, fqn));
             want = tp_layout_of(tp_shard(-1));
         }
-        m->sharded_by = name;
-        tp_layout in = s->row.input_layouts.set ? s->row.input_layouts : want;
+        TP_CHECK(tp__set_sharded_by(m, s));
+        tp_layout in = s->io.in.set ? s->io.in : want;
         return tp__apply_io(s, m, fqn, mesh, in, want, TP__OUT_STYLE,
-                            tp_layout_of(tp_partial(TP_SUM)), s->row.output_layouts,
-                            s->row.use_local_output == TP_FLAG_TRUE);
+                            tp_layout_of(tp_partial(TP_SUM)), s->io.out,
+                            s->io.use_local_output == TP_FLAG_TRUE);
     }
     case TP__STY_SEQUENCE: {
         TP_CHECK(tp__replicate_params(m, mesh, fqn));
-        m->sharded_by = tp__style_name(s);
+        TP_CHECK(tp__set_sharded_by(m, s));
         tp_layout l = tp_layout_of(tp_shard(s->sp.sequence_dim));
         return tp__apply_io(s, m, fqn, mesh, l, l,
                             s->sp.use_local_output == TP_FLAG_TRUE ? TP__OUT_LOCAL_ONLY : TP__OUT_NONE,

@@ -4,8 +4,9 @@
 #define TP_STYLES_INTERNAL_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
-#include "nn/nn_internal.h"
+#include "nn/nn_ext.h"
 #include "tp/styles.h"
 
 /* "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
@@ -15,6 +16,13 @@ const char *tp__style_name(const tp_style *s);
 /* true for the styles that distribute parameters (Colwise, Rowwise,
  * SequenceParallel): at most one of them per module. */
 bool tp__style_shards_params(const tp_style *s);
+
+/* The parameter-sharding style applied to m ("ColwiseParallel", ...), or
+ * NULL. */
+const char *tp__style_sharded_by(const tp_module *m);
+
+/* "'net1'" or "the root module" (fqn NULL or "") into buf; returns buf. */
+const char *tp__style_where(const char *fqn, char *buf, size_t len);
 
 /* Local check (no communication, nothing changed) that the style can apply to
  * m, whose FQN relative to the parallelized root is fqn: Colwise/Rowwise need
