@@ -1022,6 +1022,22 @@ static tp_status run_on(const opts *o, proc_world *pw, tp_rank_fn fn, int ri, po
     return o->boot == BK_MPI ? proc_point(pw, ri, p) : tp_run_local((int)o->ranks[ri], fn, p);
 }
 
+/* A failed run of point p on W ranks, on stderr. Under mpi rank 0 speaks for
+ * every process (each printed its own error); on threads, tp_run_local has
+ * copied the failing rank's message into this thread's tp_last_error(). */
+static void run_failed(const opts *o, bool printer, const point *p, int64_t W, const char *what,
+                       tp_status st)
+{
+    if (!printer)
+        return;
+    fprintf(stderr, "tp-bench-layers: %s %s T=%lld H=%lld, %s on %lld rank%s failed: %s",
+            layer_names[p->layer], pass_names[p->backward], (long long)p->tokens,
+            (long long)p->hidden, what, (long long)W, W == 1 ? "" : "s", tp_status_name(st));
+    if (o->boot != BK_MPI)
+        fprintf(stderr, " (%s)", tp_last_error());
+    fprintf(stderr, "\n");
+}
+
 int main(int argc, char **argv)
 {
     opts o;
@@ -1190,7 +1206,12 @@ int main(int argc, char **argv)
                             printf("# %s %s T=%lld H=%lld: warm-up run of the 1-rank baseline\n",
                                    layer_names[l], pass_names[bw], (long long)p0.tokens,
                                    (long long)p0.hidden);
-                        failed[base] = run_on(&o, &pw, fn, idx[base], &pw0) != TP_OK;
+                        tp_status st = run_on(&o, &pw, fn, idx[base], &pw0);
+                        if (st != TP_OK) {
+                            failed[base] = true;
+                            run_failed(&o, printer, &pw0, 1, "warm-up run", st);
+                            rc = 2;
+                        }
                     }
                     for (int r = 0; r < R; r++)
                         for (int j = 0; j < k; j++) {
@@ -1204,13 +1225,7 @@ int main(int argc, char **argv)
                             tp_status st = run_on(&o, &pw, fn, idx[j], &p);
                             if (st != TP_OK) {
                                 failed[j] = true;
-                                if (o.boot != BK_MPI)
-                                    fprintf(stderr, "tp-bench-layers: %s\n", tp_last_error());
-                                else if (printer)
-                                    fprintf(stderr, "tp-bench-layers: %s %s T=%lld H=%lld on %lld ranks "
-                                                    "failed: %s\n", layer_names[l], pass_names[bw],
-                                            (long long)p.tokens, (long long)p.hidden,
-                                            (long long)o.ranks[idx[j]], tp_status_name(st));
+                                run_failed(&o, printer, &p, o.ranks[idx[j]], "run", st);
                                 rc = 2;
                                 continue;
                             }
