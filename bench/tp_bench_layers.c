@@ -621,8 +621,10 @@ static void warn_after(int64_t ranks, cpu_mark start, cpu_mark end)
     if (other >= 0)
         printf("# during the run other processes kept %.2f cores busy on average and the "
                "hypervisor took %.2f (/proc/stat minus this run's own CPU time)\n", other, steal);
-    /* the 1-minute load now includes this run's own ranks */
-    if (l - (double)ranks > (double)(cores - ranks) || other + steal > 0.25)
+    /* the 1-minute load now includes this run's own ranks: the others' share
+     * (l - ranks) outgrew the cores the ranks left free (cores - ranks), so
+     * the machine was oversubscribed, exactly when l > cores */
+    if (l > (double)cores || other + steal > 0.25)
         printf("# WARNING: the machine was busy during the run (load %.2f with %lld ranks of our "
                "own on %ld cores; others %.2f cores): treat the figures as noisy\n", l,
                (long long)ranks, cores, other + steal);
