@@ -70,6 +70,14 @@ awk -F, '
 awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) ix[$i] = i; next } { w[$ix["layer"]] = $ix["warmup"] }
          END { exit !(w["colwise"] == 2 && w["emb-col"] == 8) }' "$tmp/w.csv" || fail "default warm-up is not 2 (Linear) / 8 (embedding)"
 
+# ---- cores: the ones this process may run on, as nproc and tp-bench-comm count
+if command -v taskset >/dev/null && [ "$(nproc)" -gt 1 ]; then
+    cpu=$(taskset -pc $$ | sed 's/.*: *//; s/[,-].*//')
+    taskset -c "$cpu" "$bench" -l colwise -p fwd -t 16 -H 8 -g 1 -n 1 -w 0 -R 1 --csv "$tmp/c.csv" >/dev/null 2>&1 ||
+        fail "the sweep on one CPU exits $?"
+    grep -q '(1 cores)$' "$tmp/c.csv" || fail "on one CPU (taskset -c $cpu) the machine column is not '(1 cores)': $(tail -n 1 "$tmp/c.csv")"
+fi
+
 # ---- a failed run: named, exit 2 ----------------------------------------------
 # the first run of the sweep is the untimed warm-up of the 1-rank baseline; it
 # fails, the 2-rank runs still succeed
