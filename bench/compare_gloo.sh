@@ -63,9 +63,6 @@ bench=${TP_BENCH_COMM:-$build/bench/tp-bench-comm}
 if [ ! -x "$bench" ]; then
     ninja -C "$build" bench/tp-bench-comm >/dev/null || { echo "compare_gloo: cannot build $bench" >&2; exit 1; }
 fi
-# tp-bench-comm names the collective with -o and takes --inplace, or (its
-# nccl-tests interface) names it with --collective and records both forms
-if "$bench" --help 2>&1 | grep -q -- '--collective'; then nccl_style=1; else nccl_style=0; fi
 
 stamp=$(date +%Y%m%d-%H%M%S)
 [ -n "$out" ] || out=$repo/bench/results/compare_gloo-$stamp
@@ -92,16 +89,14 @@ start=$(date +%s)
 status=0
 echo "# compare_gloo: $np ranks, sizes $sizes, $reps A B pairs, ${target} s per point; load before $load_before" >&2
 for coll in "${coll_list[@]}"; do
-    inplace=0
-    [ "$coll" = all_reduce ] || [ "$coll" = broadcast ] && inplace=1
-    if [ $nccl_style = 1 ]; then form=(--collective "$coll"); else form=(-o "$coll" --inplace "$inplace"); fi
     for rep in $(seq 1 "$reps"); do
-        # A: one tp-bench-comm run per size (its -b -e -f sweep cannot take a list)
+        # A: one tp-bench-comm run per size (its -b -e -f sweep cannot take a
+        # list); it records both forms, the join below picks one
         a=$raw/tp-$coll-$rep
         : >"$a.log"
         rm -f "$a.csv"
         for b in "${bytes_list[@]}"; do
-            if ! "$bench" -g "$np" "${form[@]}" -b "$b" -e "$b" --target-s "$target" \
+            if ! "$bench" -g "$np" --collective "$coll" -b "$b" -e "$b" --target-s "$target" \
                     --roof-bytes 0 --csv "$a.part.csv" >>"$a.log" 2>&1; then
                 echo "# libtp $coll $b B rep $rep failed, see $a.log" >&2
                 status=1
@@ -122,6 +117,20 @@ done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 
 # ---- join by column name: one row per pair, collective and size -----------------
+# Every CSV is read by column name (its header row), so a column added or moved
+# changes nothing here, and one renamed or gone stops the script naming it.
+# awk: header(NAMES) maps the header row's names to column numbers in c[]
+awk_header='
+function header(need,    i, n, k, a) {
+    delete c
+    for (i = 1; i <= NF; i++) { gsub(/^[ \r]+|[ \r]+$/, "", $i); c[$i] = i }
+    n = split(need, a, " ")
+    for (k = 1; k <= n; k++)
+        if (!(a[k] in c)) {
+            printf "compare_gloo.sh: %s has no column %s\n", FILENAME, a[k] > "/dev/stderr"
+            exit 2
+        }
+}'
 echo "rep,op,size_bytes,tp_time_us,gloo_time_us,tp_busbw_GBps,gloo_busbw_GBps,ratio,tp_wrong,gloo_wrong" >"$csv"
 for coll in "${coll_list[@]}"; do
     for rep in $(seq 1 "$reps"); do
@@ -129,28 +138,26 @@ for coll in "${coll_list[@]}"; do
         [ -s "$a" ] && [ -s "$b" ] || continue
         inplace=0
         [ "$coll" = all_reduce ] || [ "$coll" = broadcast ] && inplace=1
-        awk -F, -v rep="$rep" -v coll="$coll" -v want="$inplace" -v n="$np" '
+        awk -F, -v rep="$rep" -v coll="$coll" -v want="$inplace" -v n="$np" "$awk_header"'
             # busbw from the size and the median time, nccl-tests factors
             function busbw(size, us,    f) {
                 f = coll == "broadcast" ? 1 : n < 2 ? 0 : coll == "all_reduce" ? 2 * (n - 1) / n : (n - 1) / n
                 return us > 0 ? sprintf("%.4f", size * f / us / 1e3) : ""
             }
+            # the median per call of the slowest rank: iter_med_us in the
+            # tp-bench-comm CSV, time_med_us in the gloo_coll.py one
             FNR == 1 {
-                delete ix
-                for (i = 1; i <= NF; i++) { gsub(/[ \r]/, "", $i); ix[$i] = i }
-                # the median per call of the slowest rank, as gloo_coll.py times
-                t = ("iter_med_us" in ix) ? ix["iter_med_us"] : ("time_med_us" in ix) ? ix["time_med_us"] : ix["time_us"]
-                ip = ("inplace" in ix) ? ix["inplace"] : 0
-                sz = ("size_bytes" in ix) ? ix["size_bytes"] : ix["bytes"]
-                w = ("wrong" in ix) ? ix["wrong"] : 0
+                if (FILENAME == ARGV[1]) header("size_bytes inplace iter_med_us wrong")
+                else header("size_bytes time_med_us wrong")
+                sz = c["size_bytes"]; w = c["wrong"]; t = FILENAME == ARGV[1] ? c["iter_med_us"] : c["time_med_us"]
                 next
             }
-            FILENAME == ARGV[1] && ip && $ip + 0 != want { next }
-            FILENAME == ARGV[1] { tt[$sz] = $t; tw[$sz] = w ? $w : 0; next }
+            FILENAME == ARGV[1] && $c["inplace"] != want { next }
+            FILENAME == ARGV[1] { tt[$sz] = $t; tw[$sz] = $w; next }
             ($sz in tt) {
-                r = (tt[$sz] > 0) ? sprintf("%.4f", $t / tt[$sz]) : ""
+                r = (tt[$sz] + 0 > 0) ? sprintf("%.4f", $t / tt[$sz]) : ""
                 printf "%s,%s,%s,%s,%s,%s,%s,%s,%s,%s\n", rep, coll, $sz, tt[$sz], $t, busbw($sz, tt[$sz]),
-                       busbw($sz, $t), r, tw[$sz], w ? $w : 0
+                       busbw($sz, $t), r, tw[$sz], $w
             }' "$a" "$b" >>"$csv"
     done
 done
