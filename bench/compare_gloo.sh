@@ -169,23 +169,24 @@ rev=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo "?")
     echo "# load average (1, 5, 15 min) before: $load_before, after: $load_after; $reps A B pairs; $(($(date +%s) - start)) s"
     echo "# A = tp-bench-comm -g $np (threads), B = gloo_coll.py --np $np (processes); time = median over calls (slowest rank),"
     echo "# then the median over the pairs; ratio = gloo time / libtp time inside each pair: median [min .. max]"
-    awk -F, '
+    awk -F, "$awk_header"'
         function sortv(a, n,    i, j, x) { for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j >= 1 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x } }
         function med(list,    v, n, j) { n = split(list, v, " "); if (!n) return 0; for (j = 1; j <= n; j++) v[j] += 0; sortv(v, n); return n % 2 ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2 }
         function lo(list,    v, n, i, m) { n = split(list, v, " "); m = v[1] + 0; for (i = 2; i <= n; i++) if (v[i] + 0 < m) m = v[i] + 0; return m }
         function hi(list,    v, n, i, m) { n = split(list, v, " "); m = v[1] + 0; for (i = 2; i <= n; i++) if (v[i] + 0 > m) m = v[i] + 0; return m }
         function fmt_t(us) { return us >= 1000 ? sprintf("%.2f ms", us / 1000) : sprintf("%.1f us", us) }
         function fmt_s(b) { return b >= 1048576 ? sprintf("%dM", b / 1048576) : b >= 1024 ? sprintf("%dK", b / 1024) : b }
-        NR == 1 { next }
+        NR == 1 { header("op size_bytes tp_time_us gloo_time_us tp_busbw_GBps gloo_busbw_GBps ratio tp_wrong gloo_wrong"); next }
         {
-            k = $2 SUBSEP $3
+            k = $c["op"] SUBSEP $c["size_bytes"]
             if (!(k in seen)) { seen[k] = 1; order[++nk] = k }
-            tpt[k] = tpt[k] " " $4; glt[k] = glt[k] " " $5
+            ttp = $c["tp_time_us"]; tgl = $c["gloo_time_us"]
+            tpt[k] = tpt[k] " " ttp; glt[k] = glt[k] " " tgl
             # busbw x time is the same in every pair (size x the busbw factor)
-            if ($4 > 0) tpbt[k] = $6 * $4
-            if ($5 > 0) glbt[k] = $7 * $5
-            if ($8 != "") rat[k] = rat[k] " " $8
-            bad[k] += $9 + $10
+            if (ttp + 0 > 0) tpbt[k] = $c["tp_busbw_GBps"] * ttp
+            if (tgl + 0 > 0) glbt[k] = $c["gloo_busbw_GBps"] * tgl
+            if ($c["ratio"] != "") rat[k] = rat[k] " " $c["ratio"]
+            bad[k] += $c["tp_wrong"] + $c["gloo_wrong"]
         }
         END {
             printf "%-15s %6s %11s %11s %8s %8s %7s %17s %s\n", "collective", "size", "libtp time", "gloo time",
@@ -202,5 +203,8 @@ rev=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo "?")
         }' "$csv"
     echo "# csv: $csv; raw runs: $raw/"
 } | tee "$txt"
-if awk -F, 'NR > 1 && ($9 + $10) > 0 { bad = 1 } END { exit !bad }' "$csv"; then status=1; fi
+if awk -F, "$awk_header"'
+        NR == 1 { header("tp_wrong gloo_wrong"); next }
+        $c["tp_wrong"] + $c["gloo_wrong"] > 0 { bad = 1 }
+        END { exit !bad }' "$csv"; then status=1; fi
 exit $status
