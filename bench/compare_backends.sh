@@ -27,6 +27,7 @@
 #   -k SEC     time limit of each run (default 300)
 #   -p PARTS   comm, layers or comm,layers (default)
 #   -o FILE    the Markdown table (default bench/results/backends-<date>.md)
+#   -h, --help this text
 # environment: MPIRUN_ARGS (default "--bind-to none": rank threads are not
 # bound either, so neither side is pinned to a core another job is using)
 # Raw CSV and logs: next to the table, in <FILE without .md>/.
@@ -53,9 +54,14 @@ parts=comm,layers
 out=
 
 die() { echo "compare_backends.sh: $*" >&2; exit 2; }
-usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2; exit 64; }
+help() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0; }
+bad() {
+    echo "compare_backends.sh: $*" >&2
+    echo "usage: bench/compare_backends.sh [-b DIR] [-n N] [-s LIST] [-c LIST] [-l LIST] [-t LIST] [-H LIST] [-r N] [-T SEC] [-i N] [-w N] [-k SEC] [-p PARTS] [-o FILE] (-h: help)" >&2
+    exit 64
+}
 
-while getopts "b:n:s:c:l:t:H:r:T:i:w:k:p:o:h" opt; do
+while getopts ":b:n:s:c:l:t:H:r:T:i:w:k:p:o:h-:" opt; do
     case $opt in
     b) build=$OPTARG ;;
     n) np=$OPTARG ;;
@@ -71,18 +77,21 @@ while getopts "b:n:s:c:l:t:H:r:T:i:w:k:p:o:h" opt; do
     k) limit=$OPTARG ;;
     p) parts=$OPTARG ;;
     o) out=$OPTARG ;;
-    *) usage ;;
+    h) help ;;
+    -) [ "$OPTARG" = help ] && help; bad "unknown option --$OPTARG" ;;
+    :) bad "option -$OPTARG needs a value" ;;
+    *) bad "unknown option -$OPTARG" ;;
     esac
 done
 shift $((OPTIND - 1))
-[ $# -eq 0 ] || usage
+[ $# -eq 0 ] || bad "unexpected argument '$1'"
 for v in "$np" "$reps" "$layer_iters" "$layer_warmup" "$limit"; do
-    [[ $v =~ ^[1-9][0-9]*$ ]] || { echo "compare_backends.sh: '$v' is not a positive integer" >&2; exit 64; }
+    [[ $v =~ ^[1-9][0-9]*$ ]] || bad "'$v' is not a positive integer"
 done
 do_comm=0 do_layers=0
 case ",$parts," in *,comm,*) do_comm=1 ;; esac
 case ",$parts," in *,layers,*) do_layers=1 ;; esac
-[ $do_comm = 1 ] || [ $do_layers = 1 ] || { echo "compare_backends.sh: -p takes comm, layers or both" >&2; exit 64; }
+[ $do_comm = 1 ] || [ $do_layers = 1 ] || bad "-p takes comm, layers or both"
 
 comm_bin=$build/bench/tp-bench-comm
 layers_bin=$build/bench/tp-bench-layers

@@ -24,6 +24,7 @@
 #   -o OUT      output stem (default bench/results/compare_gloo-<date>): OUT.txt
 #               the table, OUT.csv one row per pair, collective and size, OUT/
 #               the raw CSV and logs of every run
+#   -h, --help  this text
 # environment: TORCH_PYTHON  a python with torch (default: python3 if it
 #               imports torch). Without torch the script says so and exits 0.
 #              TP_BENCH_COMM  this tp-bench-comm binary instead of BUILD's
@@ -35,8 +36,13 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=build np=2 sizes=4K,64K,1M,16M,64M reps=3 target=0.2 out=""
 colls=all_reduce,all_gather,reduce_scatter,all_to_all,broadcast
-usage() { sed -n '15,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 64; }
-while getopts "b:n:s:c:r:t:o:h" opt; do
+help() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; }
+bad() {
+    echo "compare_gloo: $*" >&2
+    echo "usage: bench/compare_gloo.sh [-b BUILD] [-n RANKS] [-s SIZES] [-c COLLS] [-r PAIRS] [-t SECONDS] [-o OUT] (-h: help)" >&2
+    exit 64
+}
+while getopts ":b:n:s:c:r:t:o:h-:" opt; do
     case $opt in
     b) build=$OPTARG ;;
     n) np=$OPTARG ;;
@@ -45,10 +51,15 @@ while getopts "b:n:s:c:r:t:o:h" opt; do
     r) reps=$OPTARG ;;
     t) target=$OPTARG ;;
     o) out=$OPTARG ;;
-    *) usage ;;
+    h) help ;;
+    -) [ "$OPTARG" = help ] && help; bad "unknown option --$OPTARG" ;;
+    :) bad "option -$OPTARG needs a value" ;;
+    *) bad "unknown option -$OPTARG" ;;
     esac
 done
-[[ $np =~ ^[1-9][0-9]*$ && $reps =~ ^[1-9][0-9]*$ ]] || usage
+shift $((OPTIND - 1))
+[ $# -eq 0 ] || bad "unexpected argument '$1'"
+for v in "$np" "$reps"; do [[ $v =~ ^[1-9][0-9]*$ ]] || bad "'$v' is not a positive integer"; done
 case $build in /*) ;; *) build=$repo/$build ;; esac
 
 # ---- torch ---------------------------------------------------------------------

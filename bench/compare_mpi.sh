@@ -11,6 +11,7 @@
 # usage: bench/compare_mpi.sh [PEERS_DIR]
 #   PEERS_DIR        where mpi_coll.c lives (default: $TP_PEERS_DIR, else
 #                    ../shared/peers relative to the repository root)
+#   -h, --help       this text
 # environment:
 #   TP_BUILD_DIR     meson build directory (default <repo>/build-bench; set up
 #                    if missing, then `ninja` builds tp-bench-comm)
@@ -26,9 +27,15 @@
 #   compare_mpi-<stamp>.csv  one row per repetition, collective and size
 #   compare_mpi-<stamp>.txt  the table
 #   compare_mpi-<stamp>/     the raw CSV and logs of every run
-# Exit status: nonzero if a run failed or a result check failed.
+# Exit status: 0 done; 1 a run failed or a result check failed; 2 setup
+# error (or a CSV without a column the join needs); 64 bad usage.
 set -euo pipefail
 
+case ${1:-} in
+-h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+-*) echo "compare_mpi.sh: unknown option $1" >&2; echo "usage: bench/compare_mpi.sh [PEERS_DIR] (-h: help)" >&2; exit 64 ;;
+esac
+[ $# -le 1 ] || { echo "compare_mpi.sh: one PEERS_DIR, not $#" >&2; echo "usage: bench/compare_mpi.sh [PEERS_DIR] (-h: help)" >&2; exit 64; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 peers=${1:-${TP_PEERS_DIR:-$repo/../shared/peers}}
@@ -61,7 +68,8 @@ csv=$raw.csv
 txt=$raw.txt
 
 # ---- build both programs ------------------------------------------------------
-mpicc -O2 -o "$raw/mpi_coll" "$peers/mpi_coll.c"
+mpicc -O2 -o "$raw/mpi_coll" "$peers/mpi_coll.c" >"$raw/mpicc.log" 2>&1 ||
+    die "mpicc failed on $peers/mpi_coll.c, see $raw/mpicc.log"
 if [ -n "${TP_BENCH_COMM:-}" ]; then
     bench=$TP_BENCH_COMM
 else

@@ -3,6 +3,7 @@
 #
 #   bench/make_figures.sh [-b BUILD] OUT_DIR        # e.g. bench/results/figures
 #   bench/make_figures.sh [-b BUILD] --docs         # docs/img/, the README's
+#   -b BUILD  meson build directory (default build); -h, --help this text
 #
 # Runs, on this machine, one after the other (about 7 minutes on 2 cores;
 # run it on a quiet machine: the load average is printed before and after):
@@ -22,21 +23,28 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=$repo/build docs=0 out=""
+help() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; }
+bad() {
+    echo "make_figures: $*" >&2
+    echo "usage: bench/make_figures.sh [-b BUILD] OUT_DIR | --docs  (-h: help)" >&2
+    exit 64
+}
 while [ $# -gt 0 ]; do
     case $1 in
-    -b) build=$2; shift ;;
+    -b) [ $# -ge 2 ] || bad "option -b needs a value"; build=$2; shift ;;
     --docs) docs=1 ;;
-    -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    -*) echo "usage: bench/make_figures.sh [-b BUILD] OUT_DIR | --docs" >&2; exit 64 ;;
-    *) out=$1 ;;
+    -h | --help) help ;;
+    -*) bad "unknown option $1" ;;
+    *) [ -z "$out" ] || bad "one OUT_DIR, not '$out' and '$1'"; out=$1 ;;
     esac
     shift
 done
+[ $docs = 0 ] || [ -z "$out" ] || bad "--docs writes into docs/img and takes no OUT_DIR"
+[ $docs = 1 ] || [ -n "$out" ] || bad "OUT_DIR or --docs is needed"
 if [ $docs = 1 ]; then
     img=$repo/docs/img
     out=$repo/bench/results/figures-$(date +%Y%m%d-%H%M%S)
 else
-    [ -n "$out" ] || { echo "usage: bench/make_figures.sh [-b BUILD] OUT_DIR | --docs" >&2; exit 64; }
     img=$out
 fi
 mkdir -p "$out"

@@ -40,8 +40,8 @@ while [ $# -gt 0 ]; do
     --inplace) inplace=1 ;;
     --mpi) [ $# -ge 2 ] || usage; mpi+=("$2"); shift ;;
     --gloo) [ $# -ge 2 ] || usage; gloo+=("$2"); shift ;;
-    -h | --help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    -*) usage ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "plot_comm: unknown option $1" >&2; usage ;;
     *) tp+=("$1") ;;
     esac
     shift

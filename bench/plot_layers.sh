@@ -26,8 +26,8 @@ args=()
 for a in "$@"; do
     case $a in
     --docs) docs=1 ;;
-    -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    -*) usage ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "plot_layers: unknown option $a" >&2; usage ;;
     *) args+=("$a") ;;
     esac
 done
