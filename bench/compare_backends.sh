@@ -54,12 +54,9 @@ parts=comm,layers
 out=
 
 die() { echo "compare_backends.sh: $*" >&2; exit 2; }
-help() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0; }
-bad() {
-    echo "compare_backends.sh: $*" >&2
-    echo "usage: bench/compare_backends.sh [-b DIR] [-n N] [-s LIST] [-c LIST] [-l LIST] [-t LIST] [-H LIST] [-r N] [-T SEC] [-i N] [-w N] [-k SEC] [-p PARTS] [-o FILE] (-h: help)" >&2
-    exit 64
-}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=compare_backends.sh
+bench_usage="bench/compare_backends.sh [-b DIR] [-n N] [-s LIST] [-c LIST] [-l LIST] [-t LIST] [-H LIST] [-r N] [-T SEC] [-i N] [-w N] [-k SEC] [-p PARTS] [-o FILE]"
 
 while getopts ":b:n:s:c:l:t:H:r:T:i:w:k:p:o:h-:" opt; do
     case $opt in
@@ -77,21 +74,18 @@ while getopts ":b:n:s:c:l:t:H:r:T:i:w:k:p:o:h-:" opt; do
     k) limit=$OPTARG ;;
     p) parts=$OPTARG ;;
     o) out=$OPTARG ;;
-    h) help ;;
-    -) [ "$OPTARG" = help ] && help; bad "unknown option --$OPTARG" ;;
-    :) bad "option -$OPTARG needs a value" ;;
-    *) bad "unknown option -$OPTARG" ;;
+    *) bench_getopt "$opt" ;;
     esac
 done
 shift $((OPTIND - 1))
-[ $# -eq 0 ] || bad "unexpected argument '$1'"
+[ $# -eq 0 ] || bench_bad "unexpected argument '$1'"
 for v in "$np" "$reps" "$layer_iters" "$layer_warmup" "$limit"; do
-    [[ $v =~ ^[1-9][0-9]*$ ]] || bad "'$v' is not a positive integer"
+    [[ $v =~ ^[1-9][0-9]*$ ]] || bench_bad "'$v' is not a positive integer"
 done
 do_comm=0 do_layers=0
 case ",$parts," in *,comm,*) do_comm=1 ;; esac
 case ",$parts," in *,layers,*) do_layers=1 ;; esac
-[ $do_comm = 1 ] || [ $do_layers = 1 ] || bad "-p takes comm, layers or both"
+[ $do_comm = 1 ] || [ $do_layers = 1 ] || bench_bad "-p takes comm, layers or both"
 
 comm_bin=$build/bench/tp-bench-comm
 layers_bin=$build/bench/tp-bench-layers
@@ -185,18 +179,7 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 #   median per call (iter_med_us) and the busbw of that time (busbw_GBps is
 #   from the mean, time_us); wrong
 # tp-bench-layers CSV: rows keyed by layer, pass, tokens, hidden, ranks; time_ms
-# awk: header(NAMES) maps the header row's names to column numbers in c[]
-awk_header='
-function header(need,    i, n, k, a) {
-    delete c
-    for (i = 1; i <= NF; i++) { gsub(/^[ \r]+|[ \r]+$/, "", $i); c[$i] = i }
-    n = split(need, a, " ")
-    for (k = 1; k <= n; k++)
-        if (!(a[k] in c)) {
-            printf "compare_backends.sh: %s has no column %s\n", FILENAME, a[k] > "/dev/stderr"
-            exit 2
-        }
-}'
+# header(NAMES): bench_awk_header in lib.sh
 joined=$raw/joined.csv
 echo "kind,name,size,pass,ranks,rep,shm_time,mpi_time,shm_busbw,mpi_busbw,wrong" >"$joined"
 if [ $do_comm = 1 ]; then
@@ -209,7 +192,7 @@ if [ $do_comm = 1 ]; then
                     echo "comm,$coll,$size,,$np,$rep,,,,," >>"$joined"
                     continue
                 fi
-                awk -F, -v coll="$coll" -v size="$size" -v rep="$rep" -v np="$np" "$awk_header"'
+                awk -F, -v coll="$coll" -v size="$size" -v rep="$rep" -v np="$np" "$bench_awk_header"'
                     function bw(    med) { med = $c["iter_med_us"]; return med + 0 > 0 ? $c["busbw_GBps"] * $c["time_us"] / med : 0 }
                     FNR == 1 { header("inplace time_us iter_med_us busbw_GBps wrong"); next }
                     $c["inplace"] != 0 { next }
@@ -227,7 +210,7 @@ if [ $do_layers = 1 ]; then
             a=$raw/layers-shm-$layer-$rep.csv
             b=$raw/layers-mpi-$layer-$rep.csv
             if [ ! -s "$a" ] || [ ! -s "$b" ]; then continue; fi
-            awk -F, -v rep="$rep" "$awk_header"'
+            awk -F, -v rep="$rep" "$bench_awk_header"'
                 function key() { return $c["layer"] SUBSEP $c["pass"] SUBSEP $c["tokens"] SUBSEP $c["hidden"] SUBSEP $c["ranks"] }
                 FNR == 1 { header("layer pass tokens hidden ranks time_ms"); next }
                 FILENAME == ARGV[1] { t[key()] = $c["time_ms"]; next }
@@ -254,7 +237,7 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
         echo "A = \`tp-bench-comm --backend shm -g $np\` (ranks as threads), B = \`mpirun -np $np ${MPIRUN_ARGS---bind-to none} tp-bench-comm --backend mpi\` (one rank per process), one collective and size per run, f32 sum, out of place, results checked."
         echo
     fi
-    awk -F, "$awk_header"'
+    awk -F, "$bench_awk_header"'
         # median of a space-separated list (the mean of the middle two for an even count)
         function med(list,    v, m, i, j, x) {
             m = split(list, v, " ")
@@ -330,7 +313,7 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
     fi
 } | tee "$out"
 echo "# table: $out; raw runs: $raw" >&2
-if [ $status -ne 0 ] || awk -F, "$awk_header"'
+if [ $status -ne 0 ] || awk -F, "$bench_awk_header"'
         NR == 1 { header("shm_time wrong"); next }
         $c["wrong"] > 0 || $c["shm_time"] == "" { bad = 1 }
         END { exit !bad }' "$joined"; then

@@ -36,12 +36,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=build np=2 sizes=4K,64K,1M,16M,64M reps=3 target=0.2 out=""
 colls=all_reduce,all_gather,reduce_scatter,all_to_all,broadcast
-help() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; }
-bad() {
-    echo "compare_gloo: $*" >&2
-    echo "usage: bench/compare_gloo.sh [-b BUILD] [-n RANKS] [-s SIZES] [-c COLLS] [-r PAIRS] [-t SECONDS] [-o OUT] (-h: help)" >&2
-    exit 64
-}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=compare_gloo
+bench_usage="bench/compare_gloo.sh [-b BUILD] [-n RANKS] [-s SIZES] [-c COLLS] [-r PAIRS] [-t SECONDS] [-o OUT]"
 while getopts ":b:n:s:c:r:t:o:h-:" opt; do
     case $opt in
     b) build=$OPTARG ;;
@@ -51,15 +48,12 @@ while getopts ":b:n:s:c:r:t:o:h-:" opt; do
     r) reps=$OPTARG ;;
     t) target=$OPTARG ;;
     o) out=$OPTARG ;;
-    h) help ;;
-    -) [ "$OPTARG" = help ] && help; bad "unknown option --$OPTARG" ;;
-    :) bad "option -$OPTARG needs a value" ;;
-    *) bad "unknown option -$OPTARG" ;;
+    *) bench_getopt "$opt" ;;
     esac
 done
 shift $((OPTIND - 1))
-[ $# -eq 0 ] || bad "unexpected argument '$1'"
-for v in "$np" "$reps"; do [[ $v =~ ^[1-9][0-9]*$ ]] || bad "'$v' is not a positive integer"; done
+[ $# -eq 0 ] || bench_bad "unexpected argument '$1'"
+for v in "$np" "$reps"; do [[ $v =~ ^[1-9][0-9]*$ ]] || bench_bad "'$v' is not a positive integer"; done
 case $build in /*) ;; *) build=$repo/$build ;; esac
 
 # ---- torch ---------------------------------------------------------------------
@@ -130,18 +124,7 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 # ---- join by column name: one row per pair, collective and size -----------------
 # Every CSV is read by column name (its header row), so a column added or moved
 # changes nothing here, and one renamed or gone stops the script naming it.
-# awk: header(NAMES) maps the header row's names to column numbers in c[]
-awk_header='
-function header(need,    i, n, k, a) {
-    delete c
-    for (i = 1; i <= NF; i++) { gsub(/^[ \r]+|[ \r]+$/, "", $i); c[$i] = i }
-    n = split(need, a, " ")
-    for (k = 1; k <= n; k++)
-        if (!(a[k] in c)) {
-            printf "compare_gloo.sh: %s has no column %s\n", FILENAME, a[k] > "/dev/stderr"
-            exit 2
-        }
-}'
+# header(NAMES): bench_awk_header in lib.sh
 echo "rep,op,size_bytes,tp_time_us,gloo_time_us,tp_busbw_GBps,gloo_busbw_GBps,ratio,tp_wrong,gloo_wrong" >"$csv"
 for coll in "${coll_list[@]}"; do
     for rep in $(seq 1 "$reps"); do
@@ -149,7 +132,7 @@ for coll in "${coll_list[@]}"; do
         [ -s "$a" ] && [ -s "$b" ] || continue
         inplace=0
         [ "$coll" = all_reduce ] || [ "$coll" = broadcast ] && inplace=1
-        awk -F, -v rep="$rep" -v coll="$coll" -v want="$inplace" -v n="$np" "$awk_header"'
+        awk -F, -v rep="$rep" -v coll="$coll" -v want="$inplace" -v n="$np" "$bench_awk_header"'
             # busbw from the size and the median time, nccl-tests factors
             function busbw(size, us,    f) {
                 f = coll == "broadcast" ? 1 : n < 2 ? 0 : coll == "all_reduce" ? 2 * (n - 1) / n : (n - 1) / n
@@ -180,7 +163,7 @@ rev=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo "?")
     echo "# load average (1, 5, 15 min) before: $load_before, after: $load_after; $reps A B pairs; $(($(date +%s) - start)) s"
     echo "# A = tp-bench-comm -g $np (threads), B = gloo_coll.py --np $np (processes); time = median over calls (slowest rank),"
     echo "# then the median over the pairs; ratio = gloo time / libtp time inside each pair: median [min .. max]"
-    awk -F, "$awk_header"'
+    awk -F, "$bench_awk_header"'
         function sortv(a, n,    i, j, x) { for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j >= 1 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x } }
         function med(list,    v, n, j) { n = split(list, v, " "); if (!n) return 0; for (j = 1; j <= n; j++) v[j] += 0; sortv(v, n); return n % 2 ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2 }
         function lo(list,    v, n, i, m) { n = split(list, v, " "); m = v[1] + 0; for (i = 2; i <= n; i++) if (v[i] + 0 < m) m = v[i] + 0; return m }
@@ -214,7 +197,7 @@ rev=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo "?")
         }' "$csv"
     echo "# csv: $csv; raw runs: $raw/"
 } | tee "$txt"
-if awk -F, "$awk_header"'
+if awk -F, "$bench_awk_header"'
         NR == 1 { header("tp_wrong gloo_wrong"); next }
         $c["tp_wrong"] + $c["gloo_wrong"] > 0 { bad = 1 }
         END { exit !bad }' "$csv"; then status=1; fi

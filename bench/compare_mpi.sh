@@ -31,11 +31,14 @@
 # error (or a CSV without a column the join needs); 64 bad usage.
 set -euo pipefail
 
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=compare_mpi.sh
+bench_usage="bench/compare_mpi.sh [PEERS_DIR]"
 case ${1:-} in
--h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
--*) echo "compare_mpi.sh: unknown option $1" >&2; echo "usage: bench/compare_mpi.sh [PEERS_DIR] (-h: help)" >&2; exit 64 ;;
+-h | --help) bench_help ;;
+-*) bench_bad "unknown option $1" ;;
 esac
-[ $# -le 1 ] || { echo "compare_mpi.sh: one PEERS_DIR, not $#" >&2; echo "usage: bench/compare_mpi.sh [PEERS_DIR] (-h: help)" >&2; exit 64; }
+[ $# -le 1 ] || bench_bad "one PEERS_DIR, not $# arguments"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 peers=${1:-${TP_PEERS_DIR:-$repo/../shared/peers}}
@@ -120,25 +123,14 @@ fi
 # Both sides are compared out of place on the median over iterations (mpi_coll
 # reports the median; tp-bench-comm's CSV has it as iter_med_us, next to the
 # table's mean per call, time_us).
-# awk: header(NAMES) maps the header row's names to column numbers in c[]
-awk_header='
-function header(need,    i, n, k, a) {
-    delete c
-    for (i = 1; i <= NF; i++) { gsub(/^[ \r]+|[ \r]+$/, "", $i); c[$i] = i }
-    n = split(need, a, " ")
-    for (k = 1; k <= n; k++)
-        if (!(a[k] in c)) {
-            printf "compare_mpi.sh: %s has no column %s\n", FILENAME, a[k] > "/dev/stderr"
-            exit 2
-        }
-}'
+# header(NAMES): bench_awk_header in lib.sh
 echo "rep,coll,bytes,tp_busbw_GBps,tp_time_us,tp_busbw_mean_GBps,tp_roof_frac,tp_roof_GBps_per_thread,tp_wrong,mpi_busbw_GBps,mpi_time_us,mpi_verify,ratio" >"$csv"
 for coll in $colls; do
     for rep in $(seq 1 "$reps"); do
         a=$raw/tp-$coll-$rep.csv
         b=$raw/mpi-$coll-$rep.csv
         [ -s "$a" ] && [ -s "$b" ] || continue
-        awk -F, -v rep="$rep" -v coll="$coll" "$awk_header"'
+        awk -F, -v rep="$rep" -v coll="$coll" "$bench_awk_header"'
             FNR == 1 {
                 if (FILENAME == ARGV[1])
                     header("inplace size_bytes time_us iter_med_us busbw_GBps wrong model_bytes_per_rank roof_GBps_per_thread")
@@ -175,7 +167,7 @@ done
             END {
                 if (NR) printf "# libtp memcpy roof (per thread, %d threads at once): median %.2f GB/s over %d runs (%.2f..%.2f)\n", '"$np"', v[int((NR + 1) / 2)], NR, v[1], v[NR]
             }'
-    awk -F, "$awk_header"'
+    awk -F, "$bench_awk_header"'
         function gm(sum, cnt) { return cnt ? exp(sum / cnt) : 0 }
         NR == 1 { header("coll bytes tp_busbw_GBps tp_time_us tp_roof_frac tp_wrong mpi_busbw_GBps mpi_time_us mpi_verify ratio"); next }
         {

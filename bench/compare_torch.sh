@@ -35,12 +35,9 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=build tokens=2048 hidden=2048 reps=3 iters=3 warmup=2 out=""
-help() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; }
-bad() {
-    echo "compare_torch: $*" >&2
-    echo "usage: bench/compare_torch.sh [-b BUILD] [-t TOKENS] [-H HIDDEN] [-r REPS] [-n ITERS] [-w WARMUP] [-o OUT] (-h: help)" >&2
-    exit 64
-}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=compare_torch
+bench_usage="bench/compare_torch.sh [-b BUILD] [-t TOKENS] [-H HIDDEN] [-r REPS] [-n ITERS] [-w WARMUP] [-o OUT]"
 while getopts ":b:t:H:r:n:w:o:h-:" opt; do
     case $opt in
     b) build=$OPTARG ;;
@@ -50,16 +47,13 @@ while getopts ":b:t:H:r:n:w:o:h-:" opt; do
     n) iters=$OPTARG ;;
     w) warmup=$OPTARG ;;
     o) out=$OPTARG ;;
-    h) help ;;
-    -) [ "$OPTARG" = help ] && help; bad "unknown option --$OPTARG" ;;
-    :) bad "option -$OPTARG needs a value" ;;
-    *) bad "unknown option -$OPTARG" ;;
+    *) bench_getopt "$opt" ;;
     esac
 done
 shift $((OPTIND - 1))
-[ $# -eq 0 ] || bad "unexpected argument '$1'"
-for v in "$tokens" "$hidden" "$reps" "$iters"; do [[ $v =~ ^[1-9][0-9]*$ ]] || bad "'$v' is not a positive integer"; done
-[[ $warmup =~ ^[0-9]+$ ]] || bad "-w '$warmup' is not an integer >= 0"
+[ $# -eq 0 ] || bench_bad "unexpected argument '$1'"
+for v in "$tokens" "$hidden" "$reps" "$iters"; do [[ $v =~ ^[1-9][0-9]*$ ]] || bench_bad "'$v' is not a positive integer"; done
+[[ $warmup =~ ^[0-9]+$ ]] || bench_bad "-w '$warmup' is not an integer >= 0"
 case $build in /*) ;; *) build=$repo/$build ;; esac
 
 py=${TORCH_PYTHON:-python3}

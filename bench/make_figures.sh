@@ -23,24 +23,21 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=$repo/build docs=0 out=""
-help() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; }
-bad() {
-    echo "make_figures: $*" >&2
-    echo "usage: bench/make_figures.sh [-b BUILD] OUT_DIR | --docs  (-h: help)" >&2
-    exit 64
-}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=make_figures
+bench_usage="bench/make_figures.sh [-b BUILD] OUT_DIR | --docs"
 while [ $# -gt 0 ]; do
     case $1 in
-    -b) [ $# -ge 2 ] || bad "option -b needs a value"; build=$2; shift ;;
+    -b) [ $# -ge 2 ] || bench_bad "option -b needs a value"; build=$2; shift ;;
     --docs) docs=1 ;;
-    -h | --help) help ;;
-    -*) bad "unknown option $1" ;;
-    *) [ -z "$out" ] || bad "one OUT_DIR, not '$out' and '$1'"; out=$1 ;;
+    -h | --help) bench_help ;;
+    -*) bench_bad "unknown option $1" ;;
+    *) [ -z "$out" ] || bench_bad "one OUT_DIR, not '$out' and '$1'"; out=$1 ;;
     esac
     shift
 done
-[ $docs = 0 ] || [ -z "$out" ] || bad "--docs writes into docs/img and takes no OUT_DIR"
-[ $docs = 1 ] || [ -n "$out" ] || bad "OUT_DIR or --docs is needed"
+[ $docs = 0 ] || [ -z "$out" ] || bench_bad "--docs writes into docs/img and takes no OUT_DIR"
+[ $docs = 1 ] || [ -n "$out" ] || bench_bad "OUT_DIR or --docs is needed"
 if [ $docs = 1 ]; then
     img=$repo/docs/img
     out=$repo/bench/results/figures-$(date +%Y%m%d-%H%M%S)
