@@ -54,6 +54,7 @@ parts=comm,layers
 out=
 
 die() { echo "compare_backends.sh: $*" >&2; exit 2; }
+# shellcheck source=bench/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bench_name=compare_backends.sh
 bench_usage="bench/compare_backends.sh [-b DIR] [-n N] [-s LIST] [-c LIST] [-l LIST] [-t LIST] [-H LIST] [-r N] [-T SEC] [-i N] [-w N] [-k SEC] [-p PARTS] [-o FILE]"

@@ -36,6 +36,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=build np=2 sizes=4K,64K,1M,16M,64M reps=3 target=0.2 out=""
 colls=all_reduce,all_gather,reduce_scatter,all_to_all,broadcast
+# shellcheck source=bench/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bench_name=compare_gloo
 bench_usage="bench/compare_gloo.sh [-b BUILD] [-n RANKS] [-s SIZES] [-c COLLS] [-r PAIRS] [-t SECONDS] [-o OUT]"

@@ -31,6 +31,7 @@
 # error (or a CSV without a column the join needs); 64 bad usage.
 set -euo pipefail
 
+# shellcheck source=bench/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bench_name=compare_mpi.sh
 bench_usage="bench/compare_mpi.sh [PEERS_DIR]"

@@ -35,6 +35,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=build tokens=2048 hidden=2048 reps=3 iters=3 warmup=2 out=""
+# shellcheck source=bench/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bench_name=compare_torch
 bench_usage="bench/compare_torch.sh [-b BUILD] [-t TOKENS] [-H HIDDEN] [-r REPS] [-n ITERS] [-w WARMUP] [-o OUT]"

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034
 # bench/lib.sh - what the bench/ scripts share; sourced by them, not run.
 #
 # bench_help         the calling script's header comment (line 2 up to its

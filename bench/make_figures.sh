@@ -23,6 +23,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=$repo/build docs=0 out=""
+# shellcheck source=bench/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bench_name=make_figures
 bench_usage="bench/make_figures.sh [-b BUILD] OUT_DIR | --docs"

@@ -31,6 +31,7 @@
 # Needs gnuplot (Debian: apt-get install gnuplot-nox).
 set -euo pipefail
 
+# shellcheck source=bench/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bench_name=plot_comm
 bench_usage="bench/plot_comm.sh [--docs] [--inplace] [--mpi CSV]... [--gloo CSV]... TP.csv... OUT_DIR"

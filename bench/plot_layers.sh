@@ -20,6 +20,7 @@
 # Needs gnuplot (Debian: apt-get install gnuplot-nox).
 set -euo pipefail
 
+# shellcheck source=bench/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bench_name=plot_layers
 bench_usage="bench/plot_layers.sh [--docs] LAYERS.csv OUT_DIR"
