@@ -27,6 +27,7 @@
 #   -k SEC     time limit of each run (default 300)
 #   -p PARTS   comm, layers or comm,layers (default)
 #   -o FILE    the Markdown table (default bench/results/backends-<date>.md)
+#   -h, --help this text
 # environment: MPIRUN_ARGS (default "--bind-to none": rank threads are not
 # bound either, so neither side is pinned to a core another job is using)
 # Raw CSV and logs: next to the table, in <FILE without .md>/.
@@ -53,9 +54,12 @@ parts=comm,layers
 out=
 
 die() { echo "compare_backends.sh: $*" >&2; exit 2; }
-usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2; exit 64; }
+# shellcheck source=bench/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=compare_backends.sh
+bench_usage="bench/compare_backends.sh [-b DIR] [-n N] [-s LIST] [-c LIST] [-l LIST] [-t LIST] [-H LIST] [-r N] [-T SEC] [-i N] [-w N] [-k SEC] [-p PARTS] [-o FILE]"
 
-while getopts "b:n:s:c:l:t:H:r:T:i:w:k:p:o:h" opt; do
+while getopts ":b:n:s:c:l:t:H:r:T:i:w:k:p:o:h-:" opt; do
     case $opt in
     b) build=$OPTARG ;;
     n) np=$OPTARG ;;
@@ -71,18 +75,18 @@ while getopts "b:n:s:c:l:t:H:r:T:i:w:k:p:o:h" opt; do
     k) limit=$OPTARG ;;
     p) parts=$OPTARG ;;
     o) out=$OPTARG ;;
-    *) usage ;;
+    *) bench_getopt "$opt" ;;
     esac
 done
 shift $((OPTIND - 1))
-[ $# -eq 0 ] || usage
+[ $# -eq 0 ] || bench_bad "unexpected argument '$1'"
 for v in "$np" "$reps" "$layer_iters" "$layer_warmup" "$limit"; do
-    [[ $v =~ ^[1-9][0-9]*$ ]] || { echo "compare_backends.sh: '$v' is not a positive integer" >&2; exit 64; }
+    [[ $v =~ ^[1-9][0-9]*$ ]] || bench_bad "'$v' is not a positive integer"
 done
 do_comm=0 do_layers=0
 case ",$parts," in *,comm,*) do_comm=1 ;; esac
 case ",$parts," in *,layers,*) do_layers=1 ;; esac
-[ $do_comm = 1 ] || [ $do_layers = 1 ] || { echo "compare_backends.sh: -p takes comm, layers or both" >&2; exit 64; }
+[ $do_comm = 1 ] || [ $do_layers = 1 ] || bench_bad "-p takes comm, layers or both"
 
 comm_bin=$build/bench/tp-bench-comm
 layers_bin=$build/bench/tp-bench-layers
@@ -170,12 +174,13 @@ fi
 load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 
 # ---- join: one row per repetition ------------------------------------------------
-# tp-bench-comm CSV: collective,backend,nranks,inplace,call_inplace,dtype,redop,root,
-#   size_bytes,count,iters,reps,time_us,time_min_us,time_max_us,iter_med_us,algbw_GBps,
-#   busbw_GBps,wrong,...; the out-of-place record (inplace 0) is compared, on the median
-#   per call (iter_med_us) and the busbw of that time
-# tp-bench-layers CSV: layer,pass,tokens,hidden,ranks,time_ms,gflops,tokens_per_s,
-#   coll_share,speedup,backend
+# Every CSV is read by column name (its header row), so a column added or moved
+# changes nothing here, and one renamed or gone stops the script naming it.
+# tp-bench-comm CSV: the out-of-place record (inplace 0) is compared, on the
+#   median per call (iter_med_us) and the busbw of that time (busbw_GBps is
+#   from the mean, time_us); wrong
+# tp-bench-layers CSV: rows keyed by layer, pass, tokens, hidden, ranks; time_ms
+# header(NAMES): bench_awk_header in lib.sh
 joined=$raw/joined.csv
 echo "kind,name,size,pass,ranks,rep,shm_time,mpi_time,shm_busbw,mpi_busbw,wrong" >"$joined"
 if [ $do_comm = 1 ]; then
@@ -188,12 +193,13 @@ if [ $do_comm = 1 ]; then
                     echo "comm,$coll,$size,,$np,$rep,,,,," >>"$joined"
                     continue
                 fi
-                awk -F, -v coll="$coll" -v size="$size" -v rep="$rep" -v np="$np" '
-                    FNR == 1 { next }
-                    $4 != 0 { next }
-                    FILENAME == ARGV[1] { t = $16; bw = ($16 > 0) ? $18 * $13 / $16 : 0; w = $19; next }
-                    { printf "comm,%s,%s,,%s,%s,%s,%s,%s,%s,%d\n", coll, size, np, rep, t, $16,
-                             bw, ($16 > 0) ? $18 * $13 / $16 : 0, w + $19 }
+                awk -F, -v coll="$coll" -v size="$size" -v rep="$rep" -v np="$np" "$bench_awk_header"'
+                    function bw(    med) { med = $c["iter_med_us"]; return med + 0 > 0 ? $c["busbw_GBps"] * $c["time_us"] / med : 0 }
+                    FNR == 1 { header("inplace time_us iter_med_us busbw_GBps wrong"); next }
+                    $c["inplace"] != 0 { next }
+                    FILENAME == ARGV[1] { t = $c["iter_med_us"]; sbw = bw(); w = $c["wrong"]; next }
+                    { printf "comm,%s,%s,,%s,%s,%s,%s,%s,%s,%d\n", coll, size, np, rep, t, $c["iter_med_us"],
+                             sbw, bw(), w + $c["wrong"] }
                 ' "$a" "$b" >>"$joined"
             done
         done
@@ -205,12 +211,13 @@ if [ $do_layers = 1 ]; then
             a=$raw/layers-shm-$layer-$rep.csv
             b=$raw/layers-mpi-$layer-$rep.csv
             if [ ! -s "$a" ] || [ ! -s "$b" ]; then continue; fi
-            awk -F, -v rep="$rep" '
-                FNR == 1 { next }
-                FILENAME == ARGV[1] { t[$1 SUBSEP $2 SUBSEP $3 SUBSEP $4 SUBSEP $5] = $6; next }
-                ($1 SUBSEP $2 SUBSEP $3 SUBSEP $4 SUBSEP $5) in t {
-                    printf "layer,%s,T=%s H=%s,%s,%s,%s,%s,%s,,,0\n", $1, $3, $4, $2, $5, rep,
-                           t[$1 SUBSEP $2 SUBSEP $3 SUBSEP $4 SUBSEP $5], $6
+            awk -F, -v rep="$rep" "$bench_awk_header"'
+                function key() { return $c["layer"] SUBSEP $c["pass"] SUBSEP $c["tokens"] SUBSEP $c["hidden"] SUBSEP $c["ranks"] }
+                FNR == 1 { header("layer pass tokens hidden ranks time_ms"); next }
+                FILENAME == ARGV[1] { t[key()] = $c["time_ms"]; next }
+                key() in t {
+                    printf "layer,%s,T=%s H=%s,%s,%s,%s,%s,%s,,,0\n", $c["layer"], $c["tokens"], $c["hidden"],
+                           $c["pass"], $c["ranks"], rep, t[key()], $c["time_ms"]
                 }' "$a" "$b" >>"$joined"
         done
     done
@@ -231,7 +238,7 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
         echo "A = \`tp-bench-comm --backend shm -g $np\` (ranks as threads), B = \`mpirun -np $np ${MPIRUN_ARGS---bind-to none} tp-bench-comm --backend mpi\` (one rank per process), one collective and size per run, f32 sum, out of place, results checked."
         echo
     fi
-    awk -F, '
+    awk -F, "$bench_awk_header"'
         # median of a space-separated list (the mean of the middle two for an even count)
         function med(list,    v, m, i, j, x) {
             m = split(list, v, " ")
@@ -244,19 +251,20 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
             return m % 2 ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2
         }
         function fmt_t(us) { return us >= 1000 ? sprintf("%.2f ms", us / 1000) : sprintf("%.1f µs", us) }
-        NR == 1 { next }
+        NR == 1 { header("kind name size pass ranks shm_time mpi_time shm_busbw mpi_busbw wrong"); next }
         {
-            key = $1 SUBSEP $2 SUBSEP $3 SUBSEP $4 SUBSEP $5
-            if (!(key in seen)) { seen[key] = 1; order[++nk] = key; kind[nk] = $1 }
-            if ($7 > 0 && $8 > 0) {
-                ts[key] = ts[key] " " $7; tm[key] = tm[key] " " $8; n[key]++
-                r = $8 / $7  # speed ratio shm/mpi = time mpi / time shm
+            key = $c["kind"] SUBSEP $c["name"] SUBSEP $c["size"] SUBSEP $c["pass"] SUBSEP $c["ranks"]
+            if (!(key in seen)) { seen[key] = 1; order[++nk] = key; kind[nk] = $c["kind"] }
+            a = $c["shm_time"]; b = $c["mpi_time"]
+            if (a + 0 > 0 && b + 0 > 0) {
+                ts[key] = ts[key] " " a; tm[key] = tm[key] " " b; n[key]++
+                r = b / a  # speed ratio shm/mpi = time mpi / time shm
                 rr[key] = rr[key] " " r; pairs[key] = pairs[key] sprintf(" %.2f", r)
-                bs[key] = bs[key] " " $9; bm[key] = bm[key] " " $10
+                bs[key] = bs[key] " " $c["shm_busbw"]; bm[key] = bm[key] " " $c["mpi_busbw"]
             } else {
                 failed[key]++
             }
-            if ($11 > 0) wrong[key] += $11
+            if ($c["wrong"] > 0) wrong[key] += $c["wrong"]
         }
         END {
             hdr = 0
@@ -306,7 +314,10 @@ rev=$(git -C "${src:-$repo}" describe --always --dirty 2>/dev/null || echo "?")
     fi
 } | tee "$out"
 echo "# table: $out; raw runs: $raw" >&2
-if [ $status -ne 0 ] || awk -F, 'NR > 1 && ($11 > 0 || $7 == "") { bad = 1 } END { exit !bad }' "$joined"; then
+if [ $status -ne 0 ] || awk -F, "$bench_awk_header"'
+        NR == 1 { header("shm_time wrong"); next }
+        $c["wrong"] > 0 || $c["shm_time"] == "" { bad = 1 }
+        END { exit !bad }' "$joined"; then
     echo "# compare_backends: some runs failed or counted wrong elements (see the table and $raw)" >&2
     exit 1
 fi

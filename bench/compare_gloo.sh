@@ -24,6 +24,7 @@
 #   -o OUT      output stem (default bench/results/compare_gloo-<date>): OUT.txt
 #               the table, OUT.csv one row per pair, collective and size, OUT/
 #               the raw CSV and logs of every run
+#   -h, --help  this text
 # environment: TORCH_PYTHON  a python with torch (default: python3 if it
 #               imports torch). Without torch the script says so and exits 0.
 #              TP_BENCH_COMM  this tp-bench-comm binary instead of BUILD's
@@ -35,8 +36,11 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=build np=2 sizes=4K,64K,1M,16M,64M reps=3 target=0.2 out=""
 colls=all_reduce,all_gather,reduce_scatter,all_to_all,broadcast
-usage() { sed -n '15,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 64; }
-while getopts "b:n:s:c:r:t:o:h" opt; do
+# shellcheck source=bench/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=compare_gloo
+bench_usage="bench/compare_gloo.sh [-b BUILD] [-n RANKS] [-s SIZES] [-c COLLS] [-r PAIRS] [-t SECONDS] [-o OUT]"
+while getopts ":b:n:s:c:r:t:o:h-:" opt; do
     case $opt in
     b) build=$OPTARG ;;
     n) np=$OPTARG ;;
@@ -45,10 +49,12 @@ while getopts "b:n:s:c:r:t:o:h" opt; do
     r) reps=$OPTARG ;;
     t) target=$OPTARG ;;
     o) out=$OPTARG ;;
-    *) usage ;;
+    *) bench_getopt "$opt" ;;
     esac
 done
-[[ $np =~ ^[1-9][0-9]*$ && $reps =~ ^[1-9][0-9]*$ ]] || usage
+shift $((OPTIND - 1))
+[ $# -eq 0 ] || bench_bad "unexpected argument '$1'"
+for v in "$np" "$reps"; do [[ $v =~ ^[1-9][0-9]*$ ]] || bench_bad "'$v' is not a positive integer"; done
 case $build in /*) ;; *) build=$repo/$build ;; esac
 
 # ---- torch ---------------------------------------------------------------------
@@ -63,9 +69,6 @@ bench=${TP_BENCH_COMM:-$build/bench/tp-bench-comm}
 if [ ! -x "$bench" ]; then
     ninja -C "$build" bench/tp-bench-comm >/dev/null || { echo "compare_gloo: cannot build $bench" >&2; exit 1; }
 fi
-# tp-bench-comm names the collective with -o and takes --inplace, or (its
-# nccl-tests interface) names it with --collective and records both forms
-if "$bench" --help 2>&1 | grep -q -- '--collective'; then nccl_style=1; else nccl_style=0; fi
 
 stamp=$(date +%Y%m%d-%H%M%S)
 [ -n "$out" ] || out=$repo/bench/results/compare_gloo-$stamp
@@ -92,16 +95,14 @@ start=$(date +%s)
 status=0
 echo "# compare_gloo: $np ranks, sizes $sizes, $reps A B pairs, ${target} s per point; load before $load_before" >&2
 for coll in "${coll_list[@]}"; do
-    inplace=0
-    [ "$coll" = all_reduce ] || [ "$coll" = broadcast ] && inplace=1
-    if [ $nccl_style = 1 ]; then form=(--collective "$coll"); else form=(-o "$coll" --inplace "$inplace"); fi
     for rep in $(seq 1 "$reps"); do
-        # A: one tp-bench-comm run per size (its -b -e -f sweep cannot take a list)
+        # A: one tp-bench-comm run per size (its -b -e -f sweep cannot take a
+        # list); it records both forms, the join below picks one
         a=$raw/tp-$coll-$rep
         : >"$a.log"
         rm -f "$a.csv"
         for b in "${bytes_list[@]}"; do
-            if ! "$bench" -g "$np" "${form[@]}" -b "$b" -e "$b" --target-s "$target" \
+            if ! "$bench" -g "$np" --collective "$coll" -b "$b" -e "$b" --target-s "$target" \
                     --roof-bytes 0 --csv "$a.part.csv" >>"$a.log" 2>&1; then
                 echo "# libtp $coll $b B rep $rep failed, see $a.log" >&2
                 status=1
@@ -122,6 +123,9 @@ done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 
 # ---- join by column name: one row per pair, collective and size -----------------
+# Every CSV is read by column name (its header row), so a column added or moved
+# changes nothing here, and one renamed or gone stops the script naming it.
+# header(NAMES): bench_awk_header in lib.sh
 echo "rep,op,size_bytes,tp_time_us,gloo_time_us,tp_busbw_GBps,gloo_busbw_GBps,ratio,tp_wrong,gloo_wrong" >"$csv"
 for coll in "${coll_list[@]}"; do
     for rep in $(seq 1 "$reps"); do
@@ -129,28 +133,26 @@ for coll in "${coll_list[@]}"; do
         [ -s "$a" ] && [ -s "$b" ] || continue
         inplace=0
         [ "$coll" = all_reduce ] || [ "$coll" = broadcast ] && inplace=1
-        awk -F, -v rep="$rep" -v coll="$coll" -v want="$inplace" -v n="$np" '
+        awk -F, -v rep="$rep" -v coll="$coll" -v want="$inplace" -v n="$np" "$bench_awk_header"'
             # busbw from the size and the median time, nccl-tests factors
             function busbw(size, us,    f) {
                 f = coll == "broadcast" ? 1 : n < 2 ? 0 : coll == "all_reduce" ? 2 * (n - 1) / n : (n - 1) / n
                 return us > 0 ? sprintf("%.4f", size * f / us / 1e3) : ""
             }
+            # the median per call of the slowest rank: iter_med_us in the
+            # tp-bench-comm CSV, time_med_us in the gloo_coll.py one
             FNR == 1 {
-                delete ix
-                for (i = 1; i <= NF; i++) { gsub(/[ \r]/, "", $i); ix[$i] = i }
-                # the median per call of the slowest rank, as gloo_coll.py times
-                t = ("iter_med_us" in ix) ? ix["iter_med_us"] : ("time_med_us" in ix) ? ix["time_med_us"] : ix["time_us"]
-                ip = ("inplace" in ix) ? ix["inplace"] : 0
-                sz = ("size_bytes" in ix) ? ix["size_bytes"] : ix["bytes"]
-                w = ("wrong" in ix) ? ix["wrong"] : 0
+                if (FILENAME == ARGV[1]) header("size_bytes inplace iter_med_us wrong")
+                else header("size_bytes time_med_us wrong")
+                sz = c["size_bytes"]; w = c["wrong"]; t = FILENAME == ARGV[1] ? c["iter_med_us"] : c["time_med_us"]
                 next
             }
-            FILENAME == ARGV[1] && ip && $ip + 0 != want { next }
-            FILENAME == ARGV[1] { tt[$sz] = $t; tw[$sz] = w ? $w : 0; next }
+            FILENAME == ARGV[1] && $c["inplace"] != want { next }
+            FILENAME == ARGV[1] { tt[$sz] = $t; tw[$sz] = $w; next }
             ($sz in tt) {
-                r = (tt[$sz] > 0) ? sprintf("%.4f", $t / tt[$sz]) : ""
+                r = (tt[$sz] + 0 > 0) ? sprintf("%.4f", $t / tt[$sz]) : ""
                 printf "%s,%s,%s,%s,%s,%s,%s,%s,%s,%s\n", rep, coll, $sz, tt[$sz], $t, busbw($sz, tt[$sz]),
-                       busbw($sz, $t), r, tw[$sz], w ? $w : 0
+                       busbw($sz, $t), r, tw[$sz], $w
             }' "$a" "$b" >>"$csv"
     done
 done
@@ -162,23 +164,24 @@ rev=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo "?")
     echo "# load average (1, 5, 15 min) before: $load_before, after: $load_after; $reps A B pairs; $(($(date +%s) - start)) s"
     echo "# A = tp-bench-comm -g $np (threads), B = gloo_coll.py --np $np (processes); time = median over calls (slowest rank),"
     echo "# then the median over the pairs; ratio = gloo time / libtp time inside each pair: median [min .. max]"
-    awk -F, '
+    awk -F, "$bench_awk_header"'
         function sortv(a, n,    i, j, x) { for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j >= 1 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x } }
         function med(list,    v, n, j) { n = split(list, v, " "); if (!n) return 0; for (j = 1; j <= n; j++) v[j] += 0; sortv(v, n); return n % 2 ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2 }
         function lo(list,    v, n, i, m) { n = split(list, v, " "); m = v[1] + 0; for (i = 2; i <= n; i++) if (v[i] + 0 < m) m = v[i] + 0; return m }
         function hi(list,    v, n, i, m) { n = split(list, v, " "); m = v[1] + 0; for (i = 2; i <= n; i++) if (v[i] + 0 > m) m = v[i] + 0; return m }
         function fmt_t(us) { return us >= 1000 ? sprintf("%.2f ms", us / 1000) : sprintf("%.1f us", us) }
         function fmt_s(b) { return b >= 1048576 ? sprintf("%dM", b / 1048576) : b >= 1024 ? sprintf("%dK", b / 1024) : b }
-        NR == 1 { next }
+        NR == 1 { header("op size_bytes tp_time_us gloo_time_us tp_busbw_GBps gloo_busbw_GBps ratio tp_wrong gloo_wrong"); next }
         {
-            k = $2 SUBSEP $3
+            k = $c["op"] SUBSEP $c["size_bytes"]
             if (!(k in seen)) { seen[k] = 1; order[++nk] = k }
-            tpt[k] = tpt[k] " " $4; glt[k] = glt[k] " " $5
+            ttp = $c["tp_time_us"]; tgl = $c["gloo_time_us"]
+            tpt[k] = tpt[k] " " ttp; glt[k] = glt[k] " " tgl
             # busbw x time is the same in every pair (size x the busbw factor)
-            if ($4 > 0) tpbt[k] = $6 * $4
-            if ($5 > 0) glbt[k] = $7 * $5
-            if ($8 != "") rat[k] = rat[k] " " $8
-            bad[k] += $9 + $10
+            if (ttp + 0 > 0) tpbt[k] = $c["tp_busbw_GBps"] * ttp
+            if (tgl + 0 > 0) glbt[k] = $c["gloo_busbw_GBps"] * tgl
+            if ($c["ratio"] != "") rat[k] = rat[k] " " $c["ratio"]
+            bad[k] += $c["tp_wrong"] + $c["gloo_wrong"]
         }
         END {
             printf "%-15s %6s %11s %11s %8s %8s %7s %17s %s\n", "collective", "size", "libtp time", "gloo time",
@@ -195,5 +198,8 @@ rev=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo "?")
         }' "$csv"
     echo "# csv: $csv; raw runs: $raw/"
 } | tee "$txt"
-if awk -F, 'NR > 1 && ($9 + $10) > 0 { bad = 1 } END { exit !bad }' "$csv"; then status=1; fi
+if awk -F, "$bench_awk_header"'
+        NR == 1 { header("tp_wrong gloo_wrong"); next }
+        $c["tp_wrong"] + $c["gloo_wrong"] > 0 { bad = 1 }
+        END { exit !bad }' "$csv"; then status=1; fi
 exit $status

@@ -11,6 +11,7 @@
 # usage: bench/compare_mpi.sh [PEERS_DIR]
 #   PEERS_DIR        where mpi_coll.c lives (default: $TP_PEERS_DIR, else
 #                    ../shared/peers relative to the repository root)
+#   -h, --help       this text
 # environment:
 #   TP_BUILD_DIR     meson build directory (default <repo>/build-bench; set up
 #                    if missing, then `ninja` builds tp-bench-comm)
@@ -26,9 +27,19 @@
 #   compare_mpi-<stamp>.csv  one row per repetition, collective and size
 #   compare_mpi-<stamp>.txt  the table
 #   compare_mpi-<stamp>/     the raw CSV and logs of every run
-# Exit status: nonzero if a run failed or a result check failed.
+# Exit status: 0 done; 1 a run failed or a result check failed; 2 setup
+# error (or a CSV without a column the join needs); 64 bad usage.
 set -euo pipefail
 
+# shellcheck source=bench/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=compare_mpi.sh
+bench_usage="bench/compare_mpi.sh [PEERS_DIR]"
+case ${1:-} in
+-h | --help) bench_help ;;
+-*) bench_bad "unknown option $1" ;;
+esac
+[ $# -le 1 ] || bench_bad "one PEERS_DIR, not $# arguments"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 peers=${1:-${TP_PEERS_DIR:-$repo/../shared/peers}}
@@ -61,7 +72,8 @@ csv=$raw.csv
 txt=$raw.txt
 
 # ---- build both programs ------------------------------------------------------
-mpicc -O2 -o "$raw/mpi_coll" "$peers/mpi_coll.c"
+mpicc -O2 -o "$raw/mpi_coll" "$peers/mpi_coll.c" >"$raw/mpicc.log" 2>&1 ||
+    die "mpicc failed on $peers/mpi_coll.c, see $raw/mpicc.log"
 if [ -n "${TP_BENCH_COMM:-}" ]; then
     bench=$TP_BENCH_COMM
 else
@@ -102,35 +114,46 @@ done
 fi
 
 # ---- join -----------------------------------------------------------------------
-# tp CSV: collective,backend,nranks,inplace,call_inplace,dtype,redop,root,size_bytes,
-#         count,iters,reps,time_us,time_min_us,time_max_us,iter_med_us,algbw_GBps,
-#         busbw_GBps,wrong,average,blocking,rep_times_us,model_bytes_per_rank,
-#         roof_GBps_per_thread,roof_frac (two records per size: out-of-place, in-place)
-# mpi CSV: np,coll,bytes,iters,median_s,min_s,algbw_GBps,busbw_GBps,verify
+# Every CSV is read by column name (its header row), so a column added or moved
+# changes nothing here, and one renamed or gone stops the script naming it.
+# tp CSV (tp-bench-comm --csv): two records per size, out of place (inplace 0)
+#   then in place; size_bytes, time_us (mean per call), iter_med_us (median per
+#   call of the slowest rank), busbw_GBps (from time_us), wrong,
+#   model_bytes_per_rank, roof_GBps_per_thread
+# mpi CSV (mpi_coll): bytes, median_s, busbw_GBps (from the median), verify
 # Both sides are compared out of place on the median over iterations (mpi_coll
-# reports the median; tp-bench-comm's CSV has it as iter_med_us, the median per
-# call of the slowest rank, next to the table's mean per call, time_us).
+# reports the median; tp-bench-comm's CSV has it as iter_med_us, next to the
+# table's mean per call, time_us).
+# header(NAMES): bench_awk_header in lib.sh
 echo "rep,coll,bytes,tp_busbw_GBps,tp_time_us,tp_busbw_mean_GBps,tp_roof_frac,tp_roof_GBps_per_thread,tp_wrong,mpi_busbw_GBps,mpi_time_us,mpi_verify,ratio" >"$csv"
 for coll in $colls; do
     for rep in $(seq 1 "$reps"); do
         a=$raw/tp-$coll-$rep.csv
         b=$raw/mpi-$coll-$rep.csv
         [ -s "$a" ] && [ -s "$b" ] || continue
-        awk -F, -v rep="$rep" -v coll="$coll" '
-            FNR == 1 { next }
-            FILENAME == ARGV[1] {
-                if ($4 != 0) next # the in-place columns
-                # busbw and roof fraction from the median time, as mpi_coll reports
-                bm = ($16 > 0) ? sprintf("%.4f", $18 * $13 / $16) : ""
-                rf = ($24 > 0 && $16 > 0) ? sprintf("%.4f", $23 / ($16 * 1e-6) / 1e9 / $24) : ""
-                tp[$9] = bm "," $16 "," $18 "," rf "," $24 "," $19
+        awk -F, -v rep="$rep" -v coll="$coll" "$bench_awk_header"'
+            FNR == 1 {
+                if (FILENAME == ARGV[1])
+                    header("inplace size_bytes time_us iter_med_us busbw_GBps wrong model_bytes_per_rank roof_GBps_per_thread")
+                else
+                    header("bytes median_s busbw_GBps verify")
                 next
             }
-            ($3 in tp) {
-                split(tp[$3], t, ",")
-                ratio = ($8 > 0) ? sprintf("%.4f", t[1] / $8) : ""
-                printf "%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%.3f,%s,%s\n", rep, coll, $3, t[1], t[2], t[3],
-                       t[4], t[5], t[6], $8, $5 * 1e6, $9, ratio
+            FILENAME == ARGV[1] {
+                if ($c["inplace"] != 0) next # the in-place records
+                # busbw and roof fraction from the median time, as mpi_coll reports
+                med = $c["iter_med_us"]; roof = $c["roof_GBps_per_thread"]
+                bm = (med + 0 > 0) ? sprintf("%.4f", $c["busbw_GBps"] * $c["time_us"] / med) : ""
+                rf = (roof + 0 > 0 && med + 0 > 0) ? sprintf("%.4f", $c["model_bytes_per_rank"] / (med * 1e-6) / 1e9 / roof) : ""
+                tp[$c["size_bytes"]] = bm "," med "," $c["busbw_GBps"] "," rf "," roof "," $c["wrong"]
+                next
+            }
+            ($c["bytes"] in tp) {
+                split(tp[$c["bytes"]], t, ",")
+                mb = $c["busbw_GBps"]
+                ratio = (mb + 0 > 0) ? sprintf("%.4f", t[1] / mb) : ""
+                printf "%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%.3f,%s,%s\n", rep, coll, $c["bytes"], t[1], t[2], t[3],
+                       t[4], t[5], t[6], mb, $c["median_s"] * 1e6, $c["verify"], ratio
             }' "$a" "$b" >>"$csv"
     done
 done
@@ -145,20 +168,22 @@ done
             END {
                 if (NR) printf "# libtp memcpy roof (per thread, %d threads at once): median %.2f GB/s over %d runs (%.2f..%.2f)\n", '"$np"', v[int((NR + 1) / 2)], NR, v[1], v[NR]
             }'
-    awk -F, '
+    awk -F, "$bench_awk_header"'
         function gm(sum, cnt) { return cnt ? exp(sum / cnt) : 0 }
-        NR == 1 { next }
+        NR == 1 { header("coll bytes tp_busbw_GBps tp_time_us tp_roof_frac tp_wrong mpi_busbw_GBps mpi_time_us mpi_verify ratio"); next }
         {
-            key = $2 SUBSEP $3
+            co = $c["coll"]; by = $c["bytes"]; tb = $c["tp_busbw_GBps"]; mb = $c["mpi_busbw_GBps"]
+            rf = $c["tp_roof_frac"]; ra = $c["ratio"]; w = $c["tp_wrong"]
+            key = co SUBSEP by
             if (!(key in n)) { order[++nk] = key }
             n[key]++
-            if ($4 > 0) { ltp[key] += log($4); ntp[key]++ }
-            if ($10 > 0) { lmpi[key] += log($10); nmpi[key]++ }
-            if ($7 != "") { roof[key] += $7; nroof[key]++ }
-            if ($13 != "") reps[key] = reps[key] sprintf(" %.2f", $13)
-            if ($9 != "" && $9 > 0) bad[key] += $9
-            if ($12 != "ok") mbad[key]++
-            if ($2 == "allreduce" && $3 == 4096) { tl[++nlat] = $5; ml[nlat] = $11 }
+            if (tb + 0 > 0) { ltp[key] += log(tb); ntp[key]++ }
+            if (mb + 0 > 0) { lmpi[key] += log(mb); nmpi[key]++ }
+            if (rf != "") { roof[key] += rf; nroof[key]++ }
+            if (ra != "") reps[key] = reps[key] sprintf(" %.2f", ra)
+            if (w + 0 > 0) bad[key] += w
+            if ($c["mpi_verify"] != "ok") mbad[key]++
+            if (co == "allreduce" && by + 0 == 4096) { tl[++nlat] = $c["tp_time_us"]; ml[nlat] = $c["mpi_time_us"] }
         }
         END {
             printf "# %-15s %10s %9s %9s %7s %7s  %-6s %s\n", "collective", "size(B)", "libtp", "OpenMPI", "ratio", "roof%", "checks", "ratio per A B pair"

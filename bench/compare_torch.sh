@@ -26,6 +26,7 @@
 #   -n ITERS   timed passes per run (default 3); -w WARMUP untimed (default 2)
 #   -o OUT     output stem (default bench/results/compare_torch-<date>): OUT.txt
 #              the table, OUT.csv one row per run, OUT/ the raw files
+#   -h, --help this text
 # environment: TORCH_PYTHON  a python with torch (default: python3 if it
 #              imports torch). Without torch the script says so and exits 0.
 # Exit status: 0 done (or skipped: no torch); 1 a run failed; 64 bad usage.
@@ -34,8 +35,11 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 build=build tokens=2048 hidden=2048 reps=3 iters=3 warmup=2 out=""
-usage() { sed -n '22,34p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 64; }
-while getopts "b:t:H:r:n:w:o:h" opt; do
+# shellcheck source=bench/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=compare_torch
+bench_usage="bench/compare_torch.sh [-b BUILD] [-t TOKENS] [-H HIDDEN] [-r REPS] [-n ITERS] [-w WARMUP] [-o OUT]"
+while getopts ":b:t:H:r:n:w:o:h-:" opt; do
     case $opt in
     b) build=$OPTARG ;;
     t) tokens=$OPTARG ;;
@@ -44,11 +48,13 @@ while getopts "b:t:H:r:n:w:o:h" opt; do
     n) iters=$OPTARG ;;
     w) warmup=$OPTARG ;;
     o) out=$OPTARG ;;
-    *) usage ;;
+    *) bench_getopt "$opt" ;;
     esac
 done
-for v in "$tokens" "$hidden" "$reps" "$iters"; do [[ $v =~ ^[1-9][0-9]*$ ]] || usage; done
-[[ $warmup =~ ^[0-9]+$ ]] || usage
+shift $((OPTIND - 1))
+[ $# -eq 0 ] || bench_bad "unexpected argument '$1'"
+for v in "$tokens" "$hidden" "$reps" "$iters"; do [[ $v =~ ^[1-9][0-9]*$ ]] || bench_bad "'$v' is not a positive integer"; done
+[[ $warmup =~ ^[0-9]+$ ]] || bench_bad "-w '$warmup' is not an integer >= 0"
 case $build in /*) ;; *) build=$repo/$build ;; esac
 
 py=${TORCH_PYTHON:-python3}

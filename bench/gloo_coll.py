@@ -26,13 +26,20 @@ The CSV (rank 0, header row) uses tp-bench-comm's column names:
 op, backend, nranks, dtype, size_bytes, count, iters, time_us (mean),
 time_med_us, time_min_us, algbw_GBps, busbw_GBps (from the mean),
 busbw_med_GBps (from the median), wrong.
+
+A rank that fails ends the run: the others are stopped, and a rank left
+waiting in a collective gives up after 120 s (the process group's timeout).
+Exit status: 0 done; 1 a rank failed or counted wrong elements; 3 no torch;
+64 bad usage.
 """
 import argparse
+import datetime
 import os
 import sys
 import tempfile
 import time
 
+INIT_TIMEOUT_S = 120  # seconds a rank waits for its peers (gloo's collectives and store)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
            "alltoall": "all_to_all", "bcast": "broadcast"}
@@ -61,16 +68,21 @@ def worker(rank, args, store_path, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # a rank that fails leaves the others waiting in a collective: the timeout
+    # turns that wait into an error instead of a hang
     dist.init_process_group("gloo", init_method="file://" + store_path, rank=rank,
-                            world_size=args.np)
+                            world_size=args.np,
+                            timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
     n = args.np
     rows = []
     try:
         for op in args.op:
             for size in args.sizes:
                 rows.append(run_point(torch, dist, rank, n, op, size, args))
-    finally:
+        # only on success: a rank that raised does not come here, and a barrier
+        # in its way out would wait for ranks stuck in the collective it left
         dist.barrier()
+    finally:
         dist.destroy_process_group()
     if rank == 0:
         queue.put(rows)
@@ -205,7 +217,12 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
-        mp.spawn(worker, args=(args, os.path.join(d, "store"), queue), nprocs=args.np, join=True)
+        try:
+            mp.spawn(worker, args=(args, os.path.join(d, "store"), queue), nprocs=args.np, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            # spawn has ended the other ranks; e holds the failing rank's traceback
+            print("gloo_coll: a rank failed, no results: %s" % str(e).strip(), file=sys.stderr)
+            return 1
         rows = queue.get()
     print("# gloo_coll: torch %s, %d processes, gloo over a FileStore, 1 thread each" %
           (torch.__version__, args.np))

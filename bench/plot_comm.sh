@@ -31,22 +31,25 @@
 # Needs gnuplot (Debian: apt-get install gnuplot-nox).
 set -euo pipefail
 
-usage() { echo "usage: bench/plot_comm.sh [--docs] [--inplace] [--mpi CSV]... [--gloo CSV]... TP.csv... OUT_DIR" >&2; exit 64; }
+# shellcheck source=bench/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=plot_comm
+bench_usage="bench/plot_comm.sh [--docs] [--inplace] [--mpi CSV]... [--gloo CSV]... TP.csv... OUT_DIR"
 docs=0 inplace=0
 tp=() mpi=() gloo=()
 while [ $# -gt 0 ]; do
     case $1 in
     --docs) docs=1 ;;
     --inplace) inplace=1 ;;
-    --mpi) [ $# -ge 2 ] || usage; mpi+=("$2"); shift ;;
-    --gloo) [ $# -ge 2 ] || usage; gloo+=("$2"); shift ;;
-    -h | --help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    -*) usage ;;
+    --mpi) [ $# -ge 2 ] || bench_bad "--mpi needs a CSV"; mpi+=("$2"); shift ;;
+    --gloo) [ $# -ge 2 ] || bench_bad "--gloo needs a CSV"; gloo+=("$2"); shift ;;
+    -h | --help) bench_help ;;
+    -*) bench_bad "unknown option $1" ;;
     *) tp+=("$1") ;;
     esac
     shift
 done
-[ ${#tp[@]} -ge 2 ] || usage
+[ ${#tp[@]} -ge 2 ] || bench_bad "one TP.csv or more, then OUT_DIR"
 out=${tp[-1]}
 unset 'tp[-1]'
 for f in "${tp[@]}" "${mpi[@]}" "${gloo[@]}"; do

@@ -20,18 +20,21 @@
 # Needs gnuplot (Debian: apt-get install gnuplot-nox).
 set -euo pipefail
 
-usage() { echo "usage: bench/plot_layers.sh [--docs] LAYERS.csv OUT_DIR" >&2; exit 64; }
+# shellcheck source=bench/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bench_name=plot_layers
+bench_usage="bench/plot_layers.sh [--docs] LAYERS.csv OUT_DIR"
 docs=0
 args=()
 for a in "$@"; do
     case $a in
     --docs) docs=1 ;;
-    -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    -*) usage ;;
+    -h | --help) bench_help ;;
+    -*) bench_bad "unknown option $a" ;;
     *) args+=("$a") ;;
     esac
 done
-[ ${#args[@]} -eq 2 ] || usage
+[ ${#args[@]} -eq 2 ] || bench_bad "LAYERS.csv and OUT_DIR, nothing else"
 csv=${args[0]} out=${args[1]}
 [ -s "$csv" ] || { echo "plot_layers: no such CSV (or empty): $csv" >&2; exit 1; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -75,7 +75,6 @@
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
-#include <sched.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -85,11 +84,12 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#include <time.h>
 
 #include "tp/comm.h"
 #include "tp/status.h"
 #include "tp/tensor.h"
+
+#include "bench_util.h"
 
 #define EXIT_WRONG 1
 #define EXIT_ERROR 2
@@ -296,19 +296,6 @@ typedef struct bench_run {
 } bench_run;
 
 /* ---- small helpers -------------------------------------------------------- */
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 
@@ -773,9 +760,9 @@ static tp_status measure_roof(rank_ctx *rc)
                 report(rc, NULL, "tp_barrier (roof)", st);
                 break;
             }
-            double t0 = now_s();
+            double t0 = bench_now_s();
             roof_copy(b, a, bytes, kind);
-            t[kind * (ROOF_REPS + 1) + rep] = now_s() - t0;
+            t[kind * (ROOF_REPS + 1) + rep] = bench_now_s() - t0;
             sink = b[(size_t)rep * 4099 % bytes]; /* keeps the copy alive */
         }
     }
@@ -794,7 +781,7 @@ static tp_status measure_roof(rank_ctx *rc)
     double bw[ROOF_KINDS], lo[ROOF_KINDS], hi[ROOF_KINDS];
     for (int c = 0; c < ROOF_KINDS; c++) {
         double *ts = t + c * (ROOF_REPS + 1) + 1;
-        qsort(ts, ROOF_REPS, sizeof(double), cmp_double);
+        qsort(ts, ROOF_REPS, sizeof(double), bench_cmp_double);
         bw[c] = 2.0 * (double)bytes / ts[ROOF_REPS / 2] / 1e9;
         lo[c] = 2.0 * (double)bytes / ts[ROOF_REPS - 1] / 1e9;
         hi[c] = 2.0 * (double)bytes / ts[0] / 1e9;
@@ -1109,12 +1096,6 @@ static bool reduction_checkable(bench_op op, tp_reduce_op redop, const dtype_inf
     return plan.exact && pattern_exact(&out, dt);
 }
 
-static double median_of(double *v, int count)
-{
-    qsort(v, (size_t)count, sizeof(double), cmp_double);
-    return count % 2 ? v[count / 2] : 0.5 * (v[count / 2 - 1] + v[count / 2]);
-}
-
 /* A barrier and one call; `what` names the failing one. */
 static tp_status barrier_call(const rank_ctx *rc, const point *pt, const char **what)
 {
@@ -1142,10 +1123,10 @@ static tp_status bench_form(rank_ctx *rc, point *pt, form_result *res)
     if ((st = upload(rc, pt)) != TP_OK)
         return st;
     /* first warm-up call: checked, and timed to size the rest */
-    t0 = now_s();
+    t0 = bench_now_s();
     if ((st = barrier_call(rc, pt, &what)) != TP_OK)
         goto fail;
-    double tw[2] = {now_s() - t0, 0.0};
+    double tw[2] = {bench_now_s() - t0, 0.0};
     if (pt->check) {
         if ((st = download(rc, pt)) != TP_OK)
             return st;
@@ -1156,12 +1137,12 @@ static tp_status bench_form(rank_ctx *rc, point *pt, form_result *res)
     int warm_rest = cfg->warmup - 1;
     if (cfg->iters == 0 && warm_rest > 0 && tw[0] > 0.0 && (double)warm_rest * tw[0] > cfg->target_s / 2)
         warm_rest = (int)(cfg->target_s / 2 / tw[0]);
-    t0 = now_s();
+    t0 = bench_now_s();
     for (int i = 0; i < warm_rest; i++)
         if ((st = barrier_call(rc, pt, &what)) != TP_OK)
             goto fail;
     /* barriers included: the count bounds the wall time of a loop */
-    tw[1] = warm_rest > 0 ? (now_s() - t0) / warm_rest : tw[0];
+    tw[1] = warm_rest > 0 ? (bench_now_s() - t0) / warm_rest : tw[0];
     if ((st = reduce_f64(rc, tw + 1, 1, TP_MAX)) != TP_OK)
         return st;
     int iters = cfg->iters;
@@ -1183,9 +1164,9 @@ static tp_status bench_form(rank_ctx *rc, point *pt, form_result *res)
                 what = "tp_barrier";
                 goto fail;
             }
-            t0 = now_s();
+            t0 = bench_now_s();
             st = run_coll(rc, pt);
-            t1 = now_s();
+            t1 = bench_now_s();
             if (st != TP_OK)
                 goto fail;
             rc->times[i] = t1 - t0;
@@ -1201,7 +1182,7 @@ static tp_status bench_form(rank_ctx *rc, point *pt, form_result *res)
         if ((st = reduce_f64(rc, rc->times, (size_t)iters, TP_MAX)) != TP_OK)
             return st;
         if (rc->rank == 0)
-            iter_med[rep] = median_of(rc->times, iters);
+            iter_med[rep] = bench_median(rc->times, iters);
     }
     /* -c N: N more calls on fresh inputs, each checked */
     for (int c = 0; pt->check && c < cfg->check; c++) {
@@ -1241,10 +1222,10 @@ static tp_status bench_form(rank_ctx *rc, point *pt, form_result *res)
         res->wrong = wrong;
         memcpy(res->rep_s, rep_mean, sizeof(double) * (size_t)cfg->reps);
         memcpy(sorted, rep_mean, sizeof(double) * (size_t)cfg->reps);
-        res->time_s = median_of(sorted, cfg->reps);
+        res->time_s = bench_median(sorted, cfg->reps);
         res->min_s = sorted[0];
         res->max_s = sorted[cfg->reps - 1];
-        res->iter_med_s = median_of(iter_med, cfg->reps);
+        res->iter_med_s = bench_median(iter_med, cfg->reps);
         double Sd = (double)pt->bytes;
         res->algbw = res->time_s > 0.0 ? Sd / res->time_s / 1e9 : 0.0;
         res->busbw = res->algbw * bus_factor(pt->op, rc->n);
@@ -1631,6 +1612,9 @@ static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int devi
         .device = device,
     };
     tp_status st = TP_OK;
+    /* one rank per process: each may be bound to fewer cores than the run has */
+    if (run->threads == 1)
+        run->cores = bench_world_cores(ctl);
     if (rc.rank == 0)
         print_run_header(&rc, run->threads);
     if (cfg->root >= rc.n) {
@@ -1729,26 +1713,6 @@ static tp_status launch_world(bench_run *run)
     return st;
 }
 
-/* This process's rank among those of its node under mpirun (OpenMPI, MPICH,
- * Slurm spellings), or -1 when not started by a launcher. */
-static int launcher_local_rank(void)
-{
-    static const char *const vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-                                       "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
-                                       "PMIX_LOCAL_RANK"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
-        const char *v = getenv(vars[i]);
-        if (v && *v)
-            return atoi(v);
-    }
-    return -1;
-}
-
-static bool under_mpirun(void)
-{
-    return launcher_local_rank() >= 0 || getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE");
-}
-
 /* One rank of the nccl backend: an NCCL communicator bootstrapped over
  * `boot` on `device`, statistics over boot. */
 static tp_status nccl_rank_on(bench_run *run, tp_comm *boot, int device)
@@ -1780,7 +1744,7 @@ static tp_status launch_nccl(bench_run *run)
         fprintf(stderr, "tp-bench-comm: backend nccl: no CUDA device visible\n");
         return TP_ERR_NOT_SUPPORTED;
     }
-    if (under_mpirun() && tp_backend_find("mpi")) {
+    if (bench_under_mpirun() && tp_backend_find("mpi")) {
         tp_comm *world = NULL;
         tp_status st = tp_comm_create_world("mpi", NULL, &world);
         if (st != TP_OK)
@@ -1791,7 +1755,7 @@ static tp_status launch_nccl(bench_run *run)
             tp_comm_rank(world) == 0)
             fprintf(stderr, "tp-bench-comm: -g %d ignored: mpirun started %d processes\n",
                     run->cfg->nranks, tp_comm_size(world));
-        int local = launcher_local_rank();
+        int local = bench_launcher_local_rank();
         st = nccl_rank_on(run, world, (local >= 0 ? local : tp_comm_rank(world)) % gpus);
         tp_comm_free(world);
         return st;
@@ -1878,17 +1842,6 @@ static bool parse_size(const char *s, size_t *out)
     if (*end != '\0' || bytes > (double)(SIZE_MAX / 4))
         return false;
     *out = (size_t)bytes;
-    return true;
-}
-
-static bool parse_int(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end != '\0' || v < lo || v > hi)
-        return false;
-    *out = v;
     return true;
 }
 
@@ -2024,7 +1977,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    long v;
+    int v;
     int c, rc;
     bool factor_given = false, step_given = false;
     const char *backend = "shm";
@@ -2041,7 +1994,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
                 return bad_arg("-e", optarg, "a size > 0 such as 256M, 1G");
             break;
         case 'f':
-            if (!parse_int(optarg, 1, 1L << 20, &v))
+            if (!bench_parse_int(optarg, 1, 1 << 20, &v))
                 return bad_arg("-f", optarg, "an integer factor >= 1 (1: step by -i)");
             cfg->factor = (size_t)v;
             factor_given = true;
@@ -2052,19 +2005,19 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             step_given = true;
             break;
         case 'n':
-            if (!parse_int(optarg, 0, MAX_ITERS, &v))
+            if (!bench_parse_int(optarg, 0, MAX_ITERS, &v))
                 return bad_arg("-n", optarg, "0 (auto) .. 20000");
-            cfg->iters = (int)v;
+            cfg->iters = v;
             break;
         case 'w':
-            if (!parse_int(optarg, 0, 100000, &v))
+            if (!bench_parse_int(optarg, 0, 100000, &v))
                 return bad_arg("-w", optarg, "an integer >= 0");
-            cfg->warmup = (int)v;
+            cfg->warmup = v;
             break;
         case 'c':
-            if (!parse_int(optarg, 0, 1000, &v))
+            if (!bench_parse_int(optarg, 0, 1000, &v))
                 return bad_arg("-c", optarg, "0 (no checks) or a count of checked calls");
-            cfg->check = (int)v;
+            cfg->check = v;
             break;
         case 'o':
             if ((rc = parse_redop(optarg, cfg->redops)) != 0)
@@ -2077,31 +2030,31 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         case 'r':
             if (strcmp(optarg, "all") == 0)
                 cfg->root = -1;
-            else if (parse_int(optarg, 0, 4095, &v))
-                cfg->root = (int)v;
+            else if (bench_parse_int(optarg, 0, 4095, &v))
+                cfg->root = v;
             else
                 return bad_arg("-r", optarg, "a rank >= 0, or all");
             break;
         case 'a':
-            if (!parse_int(optarg, 0, 3, &v))
+            if (!bench_parse_int(optarg, 0, 3, &v))
                 return bad_arg("-a", optarg, "0 (rank 0), 1 (mean), 2 (min) or 3 (max)");
-            cfg->average = (int)v;
+            cfg->average = v;
             break;
         case 'z':
-            if (!parse_int(optarg, 0, 1, &v))
+            if (!bench_parse_int(optarg, 0, 1, &v))
                 return bad_arg("-z", optarg, "0 or 1");
             cfg->blocking = v != 0;
             break;
         case 'g':
-            if (!parse_int(optarg, 1, 4096, &v))
+            if (!bench_parse_int(optarg, 1, 4096, &v))
                 return bad_arg("-g", optarg, "a rank count >= 1");
-            cfg->nranks = (int)v;
+            cfg->nranks = v;
             cfg->nranks_given = true;
             break;
         case 'R':
-            if (!parse_int(optarg, 1, MAX_REPS, &v))
+            if (!bench_parse_int(optarg, 1, MAX_REPS, &v))
                 return bad_arg("-R", optarg, "1 .. 100 repetitions");
-            cfg->reps = (int)v;
+            cfg->reps = v;
             break;
         case OPT_COLLECTIVE:
             if (!parse_ops(optarg, cfg->ops))
@@ -2169,33 +2122,12 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         fprintf(stderr, "\n");
         return EXIT_USAGE;
     }
-    if (cfg->backend->threads && !(strcmp(cfg->backend->name, "nccl") == 0 && under_mpirun()) &&
+    if (cfg->backend->threads && !(strcmp(cfg->backend->name, "nccl") == 0 && bench_under_mpirun()) &&
         cfg->root >= cfg->nranks) {
         fprintf(stderr, "tp-bench-comm: -r %d is not a rank of %d\n", cfg->root, cfg->nranks);
         return EXIT_USAGE;
     }
     return 0;
-}
-
-/* /proc/loadavg's three averages; false where there is none */
-static bool read_loadavg(double out[3])
-{
-    FILE *f = fopen("/proc/loadavg", "r");
-    if (!f)
-        return false;
-    bool ok = fscanf(f, "%lf %lf %lf", &out[0], &out[1], &out[2]) == 3;
-    fclose(f);
-    return ok;
-}
-
-/* cores this process may run on */
-static int count_cores(void)
-{
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
-        return CPU_COUNT(&set);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)n : 1;
 }
 
 int main(int argc, char **argv)
@@ -2223,10 +2155,10 @@ int main(int argc, char **argv)
     if (rc != 0)
         return rc < 0 ? 0 : rc;
 
-    bench_run run = {.cfg = &cfg, .printer = true, .cores = count_cores()};
+    bench_run run = {.cfg = &cfg, .printer = true, .cores = bench_cores()};
     for (int i = 0; i < OP_COUNT; i++)
         run.ops[i].status = TP_OK;
-    run.have_load = read_loadavg(run.load_before);
+    run.have_load = bench_loadavg(run.load_before);
 
     tp_status st = cfg.backend->launch(&run);
     const char *err = st != TP_OK ? tp_last_error() : "";
@@ -2259,7 +2191,7 @@ int main(int argc, char **argv)
     if (st != TP_OK)
         printf("#   run stopped: %s: %s\n", tp_status_name(st), err);
     double load_after[3];
-    if (read_loadavg(load_after)) {
+    if (bench_loadavg(load_after)) {
         printf("# load average (/proc/loadavg) after the run: %.2f %.2f %.2f (1, 5, 15 min); "
                "%d cores\n", load_after[0], load_after[1], load_after[2], run.cores);
         /* the run's own ranks count in it: busy when the rest passes cores - ranks */

@@ -49,19 +49,17 @@
  * Usage: tp-bench-dp [--backend shm|mpi] [-g RANKS] [-H HIDDEN] [-L LAYERS] [-B ROWS]
  *                    [--bucket-mb MIB] [-r REPS] [-w WARMUP] [--csv FILE]
  */
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* RUSAGE_THREAD */
-#endif
 #include <cblas.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <time.h>
 
 #include <tp.h>
+
+#include "bench_util.h"
 
 enum { BK_SHM, BK_MPI, BK_COUNT };
 static const char *const backend_names[BK_COUNT] = {"shm", "mpi"};
@@ -99,37 +97,6 @@ typedef struct bench {
     int64_t allreduces[C_COUNT]; /* per step, counted in the last warm-up step */
     double diff[C_COUNT];    /* max |param - reference| after step 1; -1: not checked */
 } bench;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* Minor page faults of the calling thread so far: a fresh gradient buffer
- * above malloc's mmap threshold costs one per 4 KiB page on first touch. */
-static double minor_faults(void)
-{
-    struct rusage ru;
-    return getrusage(RUSAGE_THREAD, &ru) == 0 ? (double)ru.ru_minflt : 0;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-#define TRY(expr)                                                               \
-    do {                                                                        \
-        st = (expr);                                                            \
-        if (st != TP_OK) {                                                      \
-            fprintf(stderr, "rank %d: %s: %s (%s)\n", tp_comm_rank(w), #expr,   \
-                    tp_status_name(st), tp_last_error());                       \
-            goto out;                                                           \
-        }                                                                       \
-    } while (0)
 
 /* Sequential(fc0, relu0, fc1, ..., fc{L-1}): Linear(H, H) with bias, ReLU
  * between them. The same parameters on every rank (one seed). */
@@ -197,10 +164,10 @@ static tp_status step(tp_comm *w, tp_module *m, tp_tensor *x, bool by_hand, doub
             st = tp_all_reduce(w, g, g, TP_AVG, NULL);
         }
     }
-    double t0 = now_s();
+    double t0 = bench_now_s();
     if (st == TP_OK)
         st = tp_sgd_step(m, LR);
-    *t_opt = now_s() - t0;
+    *t_opt = bench_now_s() - t0;
     tp_module_zero_grad(m);
     tp_tensor_release(loss);
     tp_tensor_release(y);
@@ -350,7 +317,7 @@ static tp_status run_bench(tp_comm *w, bench *b)
             TRY(tp_barrier(w, NULL));
             if (count)
                 TRY(tp_comm_debug_begin(dbg));
-            double f0 = minor_faults(), t0 = now_s();
+            double f0 = bench_minor_faults(), t0 = bench_now_s();
             if (c == C_COMM_PARAM)
                 st = comm_only(w, pbuf, np);
             else if (c == C_COMM_BUCKET)
@@ -359,7 +326,7 @@ static tp_status run_bench(tp_comm *w, bench *b)
                 st = comm_at_once(w, bbuf, nb);
             else
                 st = step(w, m[c], x, false, &t_opt);
-            double t1 = now_s(), f1 = minor_faults();
+            double t1 = bench_now_s(), f1 = bench_minor_faults();
             if (st != TP_OK) {
                 fprintf(stderr, "rank %d: %s step: %s (%s)\n", rank, cfg_names[c],
                         tp_status_name(st), tp_last_error());
@@ -389,16 +356,11 @@ static tp_status run_bench(tp_comm *w, bench *b)
     TRY(tp_all_reduce(w, tt, tt, TP_MAX, NULL));
     for (int c = 0; c < C_COUNT; c++) {
         double *v = &times[c * R];
-        qsort(v, (size_t)R, sizeof *v, cmp_d);
-        b->t_med[c] = R % 2 ? v[R / 2] : 0.5 * (v[R / 2 - 1] + v[R / 2]);
+        b->t_med[c] = bench_median(v, R); /* sorts v */
         b->t_min[c] = v[0];
         b->t_max[c] = v[R - 1];
-        v = &topt[c * R];
-        qsort(v, (size_t)R, sizeof *v, cmp_d);
-        b->t_opt[c] = R % 2 ? v[R / 2] : 0.5 * (v[R / 2 - 1] + v[R / 2]);
-        v = &flt[c * R];
-        qsort(v, (size_t)R, sizeof *v, cmp_d);
-        b->faults[c] = R % 2 ? v[R / 2] : 0.5 * (v[R / 2 - 1] + v[R / 2]);
+        b->t_opt[c] = bench_median(&topt[c * R], R);
+        b->faults[c] = bench_median(&flt[c * R], R);
     }
     b->nranks = tp_comm_size(w);
 out:
@@ -447,12 +409,9 @@ static void report(const bench *b, int backend, FILE *csv)
     printf("# per step: median of %d after %d warm-up (slowest rank, barrier before each); "
            "configurations interleaved step by step\n", b->reps, b->warmup);
     /* the machines are shared: say how busy this one was */
-    FILE *la = fopen("/proc/loadavg", "r");
-    double l1 = 0;
-    if (la && fscanf(la, "%lf", &l1) == 1)
-        printf("# load average (1 min) at the end: %.2f\n", l1);
-    if (la)
-        fclose(la);
+    double load[3];
+    if (bench_loadavg(load))
+        printf("# load average (1 min) at the end: %.2f\n", load[0]);
     printf("%-27s %7s %6s %9s %19s %8s %7s %8s %8s %10s\n", "configuration", "buckets", "allred",
            "time(ms)", "[min .. max]", "sgd(ms)", "faults", "hidden", "speedup", "max|diff|");
     for (int c = 0; c < C_COUNT; c++) {
@@ -523,25 +482,19 @@ static const char usage[] =
     "  -r -w       timed and warm-up steps per configuration (default 21, 3; -w >= 1)\n"
     "  --csv FILE  also write the rows as CSV\n";
 
-/* A whole-string integer in [lo, hi]. */
-static bool parse_int(const char *opt, const char *s, long long lo, long long hi, long long *out)
+/* An option's whole-string integer in [lo, hi]; says what it expected if not. */
+static bool parse_opt(const char *opt, const char *s, int lo, int hi, int *out)
 {
-    char *end = NULL;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) {
-        fprintf(stderr, "tp-bench-dp: %s '%s': expected an integer in [%lld, %lld]\n", opt, s, lo,
-                hi);
-        return false;
-    }
-    *out = v;
-    return true;
+    if (bench_parse_int(s, lo, hi, out))
+        return true;
+    fprintf(stderr, "tp-bench-dp: %s '%s': expected an integer in [%d, %d]\n", opt, s, lo, hi);
+    return false;
 }
 
 int main(int argc, char **argv)
 {
     bench b = {.H = 1024, .L = 6, .B = 64, .cap = 5u << 20, .reps = 21, .warmup = 3};
-    long long ranks = 2, v = 0;
+    int ranks = 2, v = 0;
     int backend = BK_SHM;
     const char *csv = NULL;
     for (int i = 1; i < argc; i++) {
@@ -567,28 +520,28 @@ int main(int argc, char **argv)
                 return 64;
             }
         } else if (!strcmp(a, "-g")) {
-            if (!parse_int(a, val, 1, 64, &ranks))
+            if (!parse_opt(a, val, 1, 64, &ranks))
                 return 64;
         } else if (!strcmp(a, "-H")) {
-            if (!parse_int(a, val, 1, 1 << 16, &v))
+            if (!parse_opt(a, val, 1, 1 << 16, &v))
                 return 64;
             b.H = v;
         } else if (!strcmp(a, "-L")) {
-            if (!parse_int(a, val, 1, 100, &v))
+            if (!parse_opt(a, val, 1, 100, &v))
                 return 64;
             b.L = v;
         } else if (!strcmp(a, "-B")) {
-            if (!parse_int(a, val, 1, 1 << 20, &v))
+            if (!parse_opt(a, val, 1, 1 << 20, &v))
                 return 64;
             b.B = v;
         } else if (!strcmp(a, "-r")) {
-            if (!parse_int(a, val, 1, 100000, &v))
+            if (!parse_opt(a, val, 1, 100000, &v))
                 return 64;
-            b.reps = (int)v;
+            b.reps = v;
         } else if (!strcmp(a, "-w")) {
-            if (!parse_int(a, val, 1, 100000, &v))
+            if (!parse_opt(a, val, 1, 100000, &v))
                 return 64;
-            b.warmup = (int)v;
+            b.warmup = v;
         } else if (!strcmp(a, "--bucket-mb")) {
             char *end = NULL;
             errno = 0;
@@ -646,7 +599,7 @@ int main(int argc, char **argv)
     if (backend == BK_MPI)
         st = body(world, &b);
     else
-        st = tp_run_local((int)ranks, body, &b);
+        st = tp_run_local(ranks, body, &b);
     int rc = 0;
     if (st != TP_OK) {
         if (printer)

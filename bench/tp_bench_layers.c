@@ -47,38 +47,10 @@
 
 #include <tp.h>
 
+#include "bench_util.h"
+
 enum { BK_SHM, BK_MPI, BK_NCCL, BK_COUNT };
 static const char *backend_names[BK_COUNT] = {"shm", "mpi", "nccl"};
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Median of v[0..n) (the mean of the middle two for an even n); sorts v. */
-static double median(double *v, int n)
-{
-    if (n <= 0)
-        return 0;
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-/* Minor page faults of the calling thread so far. A buffer that malloc maps
- * afresh (above its mmap threshold) costs one per 4 KiB page on first touch. */
-static double minor_faults(void)
-{
-    struct rusage ru;
-    return getrusage(RUSAGE_THREAD, &ru) == 0 ? (double)ru.ru_minflt : 0;
-}
 
 enum { L_COLWISE, L_ROWWISE, L_MLP, L_EMB_COL, L_EMB_ROW, L_COUNT };
 static const char *layer_names[L_COUNT] = {"colwise", "rowwise", "mlp", "emb-col", "emb-row"};
@@ -93,16 +65,6 @@ typedef struct {
     /* out (rank 0) */
     double t_med, t_coll, faults; /* median pass, collectives alone, median faults per pass */
 } point;
-
-#define TRY(expr)                                                               \
-    do {                                                                        \
-        st = (expr);                                                            \
-        if (st != TP_OK) {                                                      \
-            fprintf(stderr, "rank %d: %s: %s (%s)\n", tp_comm_rank(w), #expr,   \
-                    tp_status_name(st), tp_last_error());                       \
-            goto out;                                                           \
-        }                                                                       \
-    } while (0)
 
 static tp_status build(point *p, tp_mesh *mesh, int W, tp_module **root, tp_style **styles)
 {
@@ -255,8 +217,8 @@ static tp_status run_point(tp_comm *w, point *p)
         TRY(tp_barrier(w, NULL));
         if (it == -1)
             TRY(tp_comm_debug_begin(dbg));
-        double f0 = minor_faults();
-        double t0 = now_s();
+        double f0 = bench_minor_faults();
+        double t0 = bench_now_s();
         if (!p->backward)
             tp_no_grad_begin();
         st = tp_module_call(m, x, &y);
@@ -276,10 +238,10 @@ static tp_status run_point(tp_comm *w, point *p)
         }
         if (st == TP_OK)
             st = device_sync(dev);
-        double f1 = minor_faults();
+        double f1 = bench_minor_faults();
         if (st == TP_OK)
             st = tp_barrier(w, NULL);
-        double t1 = now_s();
+        double t1 = bench_now_s();
         tp_tensor_release(y);
         tp_tensor_release(loss);
         if (st != TP_OK) {
@@ -317,7 +279,7 @@ static tp_status run_point(tp_comm *w, point *p)
             double best = 1e30;
             for (int rep = 0; rep < 5; rep++) {
                 TRY(tp_barrier(w, NULL));
-                double t0 = now_s();
+                double t0 = bench_now_s();
                 for (int64_t c = 0; c < cnt; c++) {
                     if (k == TP_COLL_ALL_REDUCE) st = tp_all_reduce(w, a, b, TP_SUM, NULL);
                     else if (k == TP_COLL_ALL_GATHER) st = tp_all_gather(w, a, b, NULL);
@@ -329,7 +291,7 @@ static tp_status run_point(tp_comm *w, point *p)
                 }
                 if (st == TP_OK)
                     st = device_sync(dev);
-                double dt = now_s() - t0;
+                double dt = bench_now_s() - t0;
                 if (st != TP_OK) {
                     fprintf(stderr, "rank %d: %s x%lld: %s (%s)\n", r, tp_coll_kind_name((tp_coll_kind)k),
                             (long long)cnt, tp_status_name(st), tp_last_error());
@@ -345,8 +307,8 @@ static tp_status run_point(tp_comm *w, point *p)
         }
     }
     if (r == 0) {
-        p->t_med = median(times, p->iters);
-        p->faults = median(faults, p->iters);
+        p->t_med = bench_median(times, p->iters);
+        p->faults = bench_median(faults, p->iters);
         p->t_coll = t_coll;
     }
 out:
@@ -413,12 +375,12 @@ static tp_status agree(tp_comm *world, tp_status mine)
         st = tp_tensor_fill(f, mine != TP_OK);
     if (st == TP_OK)
         st = tp_all_reduce(world, f, f, TP_MAX, &wk);
-    double deadline = now_s() + tp_comm_timeout(world);
+    double deadline = bench_now_s() + tp_comm_timeout(world);
     bool done = false;
     while (st == TP_OK && !done) {
         st = tp_work_test(wk, &done);
         if (st == TP_OK && !done) {
-            if (now_s() > deadline) {
+            if (bench_now_s() > deadline) {
                 st = TP_ERR_TIMEOUT;
                 break;
             }
@@ -476,11 +438,6 @@ static void proc_free(proc_world *pw)
     tp_comm_free(pw->world);
 }
 
-static bool under_mpirun(void)
-{
-    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
-}
-
 /* Matrix-product flops of one pass. The input never requires grad, so the
  * backward of a single Linear computes only the weight gradient (one more
  * GEMM); in the MLP the second Linear also computes its input gradient. */
@@ -497,15 +454,9 @@ static double flops(const point *p)
 
 /* ---- machine state: load, other processes' CPU time --------------------- */
 
-static long cores_online(void)
-{
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? n : 1;
-}
-
-/* "AMD EPYC (2 cores)": /proc/cpuinfo's model name, no commas (it goes in a
- * CSV column). */
-static void machine_name(char *buf, size_t len)
+/* "AMD EPYC (2 cores)": /proc/cpuinfo's model name and the cores the run may
+ * use, no commas (it goes in a CSV column). */
+static void machine_name(char *buf, size_t len, int cores)
 {
     char line[256], model[128] = "unknown CPU";
     FILE *f = fopen("/proc/cpuinfo", "r");
@@ -525,19 +476,19 @@ static void machine_name(char *buf, size_t len)
     for (char *c = model; *c; c++)
         if (*c == ',' || *c == '"')
             *c = ' ';
-    snprintf(buf, len, "%s (%ld cores)", model, cores_online());
+    snprintf(buf, len, "%s (%d cores)", model, cores);
 }
 
 static double load1(void)
 {
     double l[3] = {0};
-    return getloadavg(l, 3) >= 1 ? l[0] : -1;
+    return bench_loadavg(l) ? l[0] : -1;
 }
 
 static void print_load(const char *when)
 {
     double l[3] = {0};
-    if (getloadavg(l, 3) == 3)
+    if (bench_loadavg(l))
         printf("# load average %s: %.2f %.2f %.2f (1, 5, 15 min)\n", when, l[0], l[1], l[2]);
 }
 
@@ -563,7 +514,7 @@ static double sum_over(tp_comm *world, double v)
 
 static cpu_mark cpu_now(tp_comm *world)
 {
-    cpu_mark m = {.wall = now_s()};
+    cpu_mark m = {.wall = bench_now_s()};
     struct rusage ru;
     double mine = 0;
     if (getrusage(RUSAGE_SELF, &ru) == 0)
@@ -603,28 +554,28 @@ static void cpu_between(cpu_mark a, cpu_mark b, double *other, double *steal)
 
 /* The warnings: the ranks want `ranks` of the cores; anything else running
  * takes from them. */
-static void warn_before(int64_t ranks)
+static void warn_before(int64_t ranks, int cores)
 {
-    long cores = cores_online();
     double l = load1();
     if (l > (double)(cores - ranks))
-        printf("# WARNING: busy machine: load %.2f > %ld cores - %lld ranks; other work competes "
+        printf("# WARNING: busy machine: load %.2f > %d cores - %lld ranks; other work competes "
                "with the ranks, so times move between runs: compare rows within one run, or wait "
                "for a quiet machine\n", l, cores, (long long)ranks);
 }
 
-static void warn_after(int64_t ranks, cpu_mark start, cpu_mark end)
+static void warn_after(int64_t ranks, int cores, cpu_mark start, cpu_mark end)
 {
-    long cores = cores_online();
     double l = load1(), other, steal;
     cpu_between(start, end, &other, &steal);
     if (other >= 0)
         printf("# during the run other processes kept %.2f cores busy on average and the "
                "hypervisor took %.2f (/proc/stat minus this run's own CPU time)\n", other, steal);
-    /* the 1-minute load now includes this run's own ranks */
-    if (l - (double)ranks > (double)(cores - ranks) || other + steal > 0.25)
+    /* the 1-minute load now includes this run's own ranks: the others' share
+     * (l - ranks) outgrew the cores the ranks left free (cores - ranks), so
+     * the machine was oversubscribed, exactly when l > cores */
+    if (l > (double)cores || other + steal > 0.25)
         printf("# WARNING: the machine was busy during the run (load %.2f with %lld ranks of our "
-               "own on %ld cores; others %.2f cores): treat the figures as noisy\n", l,
+               "own on %d cores; others %.2f cores): treat the figures as noisy\n", l,
                (long long)ranks, cores, other + steal);
 }
 
@@ -695,16 +646,6 @@ static void usage(FILE *f)
         default_warmup[L_COLWISE], default_warmup[L_EMB_COL], MAX_REPS);
 }
 
-static bool parse_int(const char *s, long lo, long hi, int *out)
-{
-    char *end;
-    long v = strtol(s, &end, 10);
-    if (end == s || *end || v < lo || v > hi)
-        return false;
-    *out = (int)v;
-    return true;
-}
-
 /* Positive integers separated by commas; -1 on anything else. */
 static int parse_list(const char *s, int64_t *v, int max)
 {
@@ -770,13 +711,13 @@ static int parse_args(int argc, char **argv, opts *o)
         } else if (!strcmp(a, "-g")) {
             ok = (o->nr = parse_list(v, o->ranks, MAX_LIST)) > 0, o->ranks_given = true;
         } else if (!strcmp(a, "-n")) {
-            ok = parse_int(v, 1, 1000000, &o->iters);
+            ok = bench_parse_int(v, 1, 1000000, &o->iters);
         } else if (!strcmp(a, "-w")) {
-            ok = parse_int(v, 0, 1000000, &o->warmup);
+            ok = bench_parse_int(v, 0, 1000000, &o->warmup);
         } else if (!strcmp(a, "-R")) {
-            ok = parse_int(v, 1, MAX_REPS, &o->reps);
+            ok = bench_parse_int(v, 1, MAX_REPS, &o->reps);
         } else if (!strcmp(a, "-V")) {
-            ok = parse_int(v, 1, 1 << 30, &vocab);
+            ok = bench_parse_int(v, 1, 1 << 30, &vocab);
             o->vocab = vocab;
         } else if (!strcmp(a, "--csv")) {
             o->csv = v;
@@ -870,7 +811,7 @@ static double hand_pass(hand_block *b)
 {
     int T = b->T, H = b->H, F = b->F;
     size_t tf = (size_t)T * (size_t)F;
-    double t0 = now_s();
+    double t0 = bench_now_s();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, F, H, 1, b->x, H, b->w1, H, 0, b->h, F);
     for (size_t i = 0; i < tf; i++)
         b->h[i] = b->h[i] > 0 ? b->h[i] : 0.01f * b->h[i];
@@ -880,7 +821,7 @@ static double hand_pass(hand_block *b)
     for (size_t i = 0; i < tf; i++)
         b->gh[i] *= b->h[i] > 0 ? 1.0f : 0.01f;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, F, H, T, 1, b->gh, F, b->x, H, 0, b->gw1, H);
-    return now_s() - t0;
+    return bench_now_s() - t0;
 }
 
 /* One run of the hand block: `warm` untimed passes, then the median of
@@ -902,7 +843,7 @@ static double hand_run(hand_block *b, int warm, int iters, bool verbose)
             printf("#   by hand timed pass %d: %.3f ms\n", i + 1, t[i] * 1e3);
     }
     openblas_set_num_threads(1);
-    double m = median(t, iters);
+    double m = bench_median(t, iters);
     free(t);
     return m;
 }
@@ -932,7 +873,8 @@ static int mlp_check(const opts *o)
         return 2;
     }
     char machine[192];
-    machine_name(machine, sizeof machine);
+    int cores = bench_cores();
+    machine_name(machine, sizeof machine, cores);
     printf("# MLP block Linear(%lld->%lld) colwise -> GELU(tanh) -> Linear(%lld->%lld) rowwise, %lld "
            "tokens, fwd+bwd, f32; %s\n", (long long)H, (long long)(4 * H), (long long)(4 * H),
            (long long)H, (long long)T, machine);
@@ -942,7 +884,7 @@ static int mlp_check(const opts *o)
     if (T != 2048 || H != 2048)
         printf("# NOTE: not the default shape (2048 tokens, H 2048): the targets were set for that one\n");
     print_load("before");
-    warn_before(2);
+    warn_before(2, cores);
     fflush(stdout);
     cpu_mark c0 = cpu_now(NULL);
     openblas_set_num_threads(1);
@@ -988,30 +930,30 @@ static int mlp_check(const opts *o)
         min_max(rows[i].v, R, &lo, &hi);
         double tmp[MAX_REPS];
         memcpy(tmp, rows[i].v, sizeof(double) * (size_t)R);
-        m = median(tmp, R);
+        m = bench_median(tmp, R);
         printf("%-30s %9.1f ms  [%.1f .. %.1f]", rows[i].what, m * 1e3, lo * 1e3, hi * 1e3);
         if (rows[i].faults) {
             memcpy(tmp, rows[i].faults, sizeof(double) * (size_t)R);
-            printf("  %.0f page faults per pass on rank 0", median(tmp, R));
+            printf("  %.0f page faults per pass on rank 0", bench_median(tmp, R));
         }
         printf("\n");
     }
     int fails = 0;
     min_max(sp, R, &lo, &hi);
-    m = median(sp, R);
+    m = bench_median(sp, R);
     bool ok = m >= target_speedup;
     fails += !ok;
     printf("%s  speedup, 2 ranks over 1: %.2fx (median of %d turns, range %.2f .. %.2f); target >= %.2fx\n",
            ok ? "PASS" : "FAIL", m, R, lo, hi, target_speedup);
     min_max(rh, R, &lo, &hi);
-    m = median(rh, R);
+    m = bench_median(rh, R);
     ok = m <= target_hand;
     fails += !ok;
     printf("%s  2 ranks against the unsharded block by hand (2 BLAS threads): libtp/hand %.3f (median "
            "of %d turns, range %.3f .. %.3f); target <= %.2f (within %.0f%%)\n",
            ok ? "PASS" : "FAIL", m, R, lo, hi, target_hand, (target_hand - 1) * 100);
     print_load("after");
-    warn_after(2, c0, c1);
+    warn_after(2, cores, c0, c1);
     return fails ? 1 : 0;
 }
 
@@ -1020,6 +962,22 @@ static int mlp_check(const opts *o)
 static tp_status run_on(const opts *o, proc_world *pw, tp_rank_fn fn, int ri, point *p)
 {
     return o->boot == BK_MPI ? proc_point(pw, ri, p) : tp_run_local((int)o->ranks[ri], fn, p);
+}
+
+/* A failed run of point p on W ranks, on stderr. Under mpi rank 0 speaks for
+ * every process (each printed its own error); on threads, tp_run_local has
+ * copied the failing rank's message into this thread's tp_last_error(). */
+static void run_failed(const opts *o, bool printer, const point *p, int64_t W, const char *what,
+                       tp_status st)
+{
+    if (!printer)
+        return;
+    fprintf(stderr, "tp-bench-layers: %s %s T=%lld H=%lld, %s on %lld rank%s failed: %s",
+            layer_names[p->layer], pass_names[p->backward], (long long)p->tokens,
+            (long long)p->hidden, what, (long long)W, W == 1 ? "" : "s", tp_status_name(st));
+    if (o->boot != BK_MPI)
+        fprintf(stderr, " (%s)", tp_last_error());
+    fprintf(stderr, "\n");
 }
 
 int main(int argc, char **argv)
@@ -1044,7 +1002,7 @@ int main(int argc, char **argv)
 #endif
     }
     if (o.boot < 0)
-        o.boot = o.backend == BK_MPI || (o.backend == BK_NCCL && under_mpirun()) ? BK_MPI : BK_SHM;
+        o.boot = o.backend == BK_MPI || (o.backend == BK_NCCL && bench_under_mpirun()) ? BK_MPI : BK_SHM;
     if (o.backend == BK_MPI)
         o.boot = BK_MPI;
     if (o.backend == BK_NCCL && o.boot == BK_SHM) {
@@ -1114,7 +1072,9 @@ int main(int argc, char **argv)
     for (int ri = 0; ri < o.nr; ri++)
         maxr = o.ranks[ri] > maxr ? o.ranks[ri] : maxr;
     char machine[192], warm_desc[64];
-    machine_name(machine, sizeof machine);
+    /* under mpi every process calls it (collective) */
+    int cores = o.boot == BK_MPI ? bench_world_cores(pw.world) : bench_cores();
+    machine_name(machine, sizeof machine, cores);
     if (o.warmup >= 0)
         snprintf(warm_desc, sizeof warm_desc, "%d", o.warmup);
     else
@@ -1143,7 +1103,7 @@ int main(int argc, char **argv)
         printf("# faults: rank 0's minor page faults per pass; other: cores that other processes (and "
                "the hypervisor) took during the point\n");
         print_load("before");
-        warn_before(maxr);
+        warn_before(maxr, cores);
         printf("%-8s %-8s %6s %6s %5s %10s %21s %8s %7s %14s %6s %7s %5s\n", "layer", "pass", "tokens",
                "hidden", "ranks", "time(ms)", "[min .. max]", "GFLOP/s", "speedup", "[min .. max]",
                "coll%", "faults", "other");
@@ -1190,7 +1150,12 @@ int main(int argc, char **argv)
                             printf("# %s %s T=%lld H=%lld: warm-up run of the 1-rank baseline\n",
                                    layer_names[l], pass_names[bw], (long long)p0.tokens,
                                    (long long)p0.hidden);
-                        failed[base] = run_on(&o, &pw, fn, idx[base], &pw0) != TP_OK;
+                        tp_status st = run_on(&o, &pw, fn, idx[base], &pw0);
+                        if (st != TP_OK) {
+                            failed[base] = true;
+                            run_failed(&o, printer, &pw0, 1, "warm-up run", st);
+                            rc = 2;
+                        }
                     }
                     for (int r = 0; r < R; r++)
                         for (int j = 0; j < k; j++) {
@@ -1204,13 +1169,7 @@ int main(int argc, char **argv)
                             tp_status st = run_on(&o, &pw, fn, idx[j], &p);
                             if (st != TP_OK) {
                                 failed[j] = true;
-                                if (o.boot != BK_MPI)
-                                    fprintf(stderr, "tp-bench-layers: %s\n", tp_last_error());
-                                else if (printer)
-                                    fprintf(stderr, "tp-bench-layers: %s %s T=%lld H=%lld on %lld ranks "
-                                                    "failed: %s\n", layer_names[l], pass_names[bw],
-                                            (long long)p.tokens, (long long)p.hidden,
-                                            (long long)o.ranks[idx[j]], tp_status_name(st));
+                                run_failed(&o, printer, &p, o.ranks[idx[j]], "run", st);
                                 rc = 2;
                                 continue;
                             }
@@ -1230,18 +1189,18 @@ int main(int argc, char **argv)
                         double v[MAX_REPS], tmin, tmax, smin = 0, smax = 0, sp = 0;
                         min_max(t[j], R, &tmin, &tmax);
                         memcpy(v, t[j], sizeof(double) * (size_t)R);
-                        double tmed = median(v, R);
+                        double tmed = bench_median(v, R);
                         bool has_sp = base >= 0 && !failed[base];
                         if (has_sp) {
                             for (int r = 0; r < R; r++)
                                 v[r] = t[base][r] / t[j][r];
                             min_max(v, R, &smin, &smax);
-                            sp = median(v, R);
+                            sp = bench_median(v, R);
                         }
                         memcpy(v, share[j], sizeof(double) * (size_t)R);
-                        double sh = median(v, R);
+                        double sh = bench_median(v, R);
                         memcpy(v, flt[j], sizeof(double) * (size_t)R);
-                        double fl = median(v, R);
+                        double fl = bench_median(v, R);
                         double fp = flops(&p0);
                         char gf[16] = "-", spb[16] = "-", spr[32] = "", oth[16] = "?";
                         if (fp > 0)
@@ -1286,7 +1245,7 @@ int main(int argc, char **argv)
     cpu_mark sweep1 = cpu_now(pw.world);
     if (printer) {
         print_load("after");
-        warn_after(maxr, sweep0, sweep1);
+        warn_after(maxr, cores, sweep0, sweep1);
     }
     if (fcsv)
         fclose(fcsv);

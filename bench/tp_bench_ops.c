@@ -20,24 +20,7 @@
 
 #include <tp.h>
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return v[n / 2];
-}
+#include "bench_util.h"
 
 typedef struct {
     int ranks;
@@ -81,27 +64,27 @@ static tp_status overhead(tp_comm *w, cfg *c, tp_mesh *mesh)
     float yl[4 * 16];
     double t_op[BATCHES], t_k[BATCHES], t_g[BATCHES];
     for (int b = 0; b < BATCHES; b++) {
-        double t0 = now_s();
+        double t0 = bench_now_s();
         for (int i = 0; i < BATCH; i++) {
             CHECK(tp_linear(x, wt, NULL, &y));
             tp_tensor_release(y);
         }
-        t_op[b] = (now_s() - t0) / BATCH;
-        t0 = now_s();
+        t_op[b] = (bench_now_s() - t0) / BATCH;
+        t0 = bench_now_s();
         for (int i = 0; i < BATCH; i++)
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 4, 16, 16, 1.0f, xl, 16, wl, 16,
                         0.0f, yl, 16);
-        t_k[b] = (now_s() - t0) / BATCH;
+        t_k[b] = (bench_now_s() - t0) / BATCH;
     }
     /* with autograd recording: the weight requires grad */
     CHECK(tp_tensor_set_requires_grad(wt, true));
     for (int b = 0; b < BATCHES; b++) {
-        double t0 = now_s();
+        double t0 = bench_now_s();
         for (int i = 0; i < BATCH; i++) {
             CHECK(tp_linear(x, wt, NULL, &y));
             tp_tensor_release(y);
         }
-        t_g[b] = (now_s() - t0) / BATCH;
+        t_g[b] = (bench_now_s() - t0) / BATCH;
     }
     /* redistribute S(0) -> R of a [4 n, 16] tensor vs the bare all_gather */
     int64_t ss[2] = {4 * n, 16}, ls[2] = {4, 16};
@@ -113,28 +96,28 @@ static tp_status overhead(tp_comm *w, cfg *c, tp_mesh *mesh)
     double t_r[BATCHES], t_c[BATCHES];
     for (int b = 0; b < BATCHES; b++) {
         CHECK(tp_barrier(w, NULL));
-        double t0 = now_s();
+        double t0 = bench_now_s();
         for (int i = 0; i < BATCH; i++) {
             CHECK(tp_dtensor_redistribute(sd, 1, &R, &rd));
             tp_tensor_release(rd);
         }
-        t_r[b] = (now_s() - t0) / BATCH;
+        t_r[b] = (bench_now_s() - t0) / BATCH;
         CHECK(tp_barrier(w, NULL));
-        t0 = now_s();
+        t0 = bench_now_s();
         for (int i = 0; i < BATCH; i++) {
             tp_tensor *fresh = NULL; /* redistribute allocates its output too */
             CHECK(tp_tensor_empty(TP_F32, TP_CPU, 2, ss, &fresh));
             CHECK(tp_all_gather(w, send, fresh, NULL));
             tp_tensor_release(fresh);
         }
-        t_c[b] = (now_s() - t0) / BATCH;
+        t_c[b] = (bench_now_s() - t0) / BATCH;
     }
     if (r == 0) {
-        c->op_us = median(t_op, BATCHES) * 1e6;
-        c->kernel_us = median(t_k, BATCHES) * 1e6;
-        c->op_grad_us = median(t_g, BATCHES) * 1e6;
-        c->redist_us = median(t_r, BATCHES) * 1e6;
-        c->coll_us = median(t_c, BATCHES) * 1e6;
+        c->op_us = bench_median(t_op, BATCHES) * 1e6;
+        c->kernel_us = bench_median(t_k, BATCHES) * 1e6;
+        c->op_grad_us = bench_median(t_g, BATCHES) * 1e6;
+        c->redist_us = bench_median(t_r, BATCHES) * 1e6;
+        c->coll_us = bench_median(t_c, BATCHES) * 1e6;
     }
     tp_tensor_release(xf);
     tp_tensor_release(wf);
@@ -179,7 +162,7 @@ static tp_status large(tp_comm *w, cfg *c, tp_mesh *mesh)
     int reps = c->reps < 64 ? c->reps : 64;
     for (int k = -1; k < reps; k++) { /* k = -1: warm-up */
         CHECK(tp_barrier(w, NULL));
-        double t0 = now_s();
+        double t0 = bench_now_s();
         tp_tensor *y = NULL, *yl = NULL, *g = NULL;
         CHECK(tp_linear(x, wt, NULL, &y));
         CHECK(tp_dtensor_to_local(y, 0, NULL, &yl));
@@ -191,9 +174,9 @@ static tp_status large(tp_comm *w, cfg *c, tp_mesh *mesh)
         tp_tensor_release(y);
         tp_tensor_release(yl);
         tp_tensor_release(g);
-        double t1 = now_s();
+        double t1 = bench_now_s();
         CHECK(tp_barrier(w, NULL));
-        double t2 = now_s();
+        double t2 = bench_now_s();
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nt, (int)ol, (int)ni, 1.0f, xl,
                     (int)ni, wl, (int)ni, 0.0f, tp_tensor_data(yh), (int)ol);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nt, (int)ni, (int)ol, 1.0f,
@@ -201,15 +184,15 @@ static tp_status large(tp_comm *w, cfg *c, tp_mesh *mesh)
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)ol, (int)ni, (int)nt, 1.0f,
                     tp_tensor_data(gyh), (int)ol, xl, (int)ni, 0.0f, tp_tensor_data(gwh), (int)ni);
         CHECK(tp_all_reduce(w, gxh, gxr, TP_SUM, NULL));
-        double t3 = now_s();
+        double t3 = bench_now_s();
         if (k >= 0) {
             t_tp[k] = t1 - t0;
             t_hand[k] = t3 - t2;
         }
     }
     if (r == 0) {
-        c->tp_ms = median(t_tp, reps) * 1e3;
-        c->hand_ms = median(t_hand, reps) * 1e3;
+        c->tp_ms = bench_median(t_tp, reps) * 1e3;
+        c->hand_ms = bench_median(t_hand, reps) * 1e3;
     }
     tp_tensor *all[] = {xf, wf, x, wt, yh, gyh, gxh, gxr, gwh};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
@@ -233,21 +216,30 @@ static tp_status body(tp_comm *w, void *arg)
 
 int main(int argc, char **argv)
 {
+    static const char usage[] = "usage: tp-bench-ops [-g RANKS] [-t TOKENS] [-i IN] [-o OUT] [-r REPS]\n";
     cfg c = {.ranks = 2, .tokens = 2048, .in = 2048, .out = 4096, .reps = 5};
-    for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "-g"))
-            c.ranks = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "-t"))
-            c.tokens = atoll(argv[i + 1]);
-        else if (!strcmp(argv[i], "-i"))
-            c.in = atoll(argv[i + 1]);
-        else if (!strcmp(argv[i], "-o"))
-            c.out = atoll(argv[i + 1]);
-        else if (!strcmp(argv[i], "-r"))
-            c.reps = atoi(argv[i + 1]);
-        else {
-            fprintf(stderr, "usage: tp-bench-ops [-g RANKS] [-t TOKENS] [-i IN] [-o OUT] [-r REPS]\n");
+    for (int i = 1; i < argc; i += 2) {
+        const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+        int v = 0;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(usage, stdout);
+            return 0;
+        }
+        if (strcmp(a, "-g") && strcmp(a, "-t") && strcmp(a, "-i") && strcmp(a, "-o") && strcmp(a, "-r")) {
+            fprintf(stderr, "tp-bench-ops: unknown option '%s'\n%s", a, usage);
             return 64;
+        }
+        if (!val || !bench_parse_int(val, 1, 1 << 20, &v)) {
+            fprintf(stderr, "tp-bench-ops: %s '%s': expected an integer in [1, %d]\n%s", a,
+                    val ? val : "", 1 << 20, usage);
+            return 64;
+        }
+        switch (a[1]) {
+        case 'g': c.ranks = v; break;
+        case 't': c.tokens = v; break;
+        case 'i': c.in = v; break;
+        case 'o': c.out = v; break;
+        default: c.reps = v; break;
         }
     }
     if (c.ranks < 1 || c.out % c.ranks) {

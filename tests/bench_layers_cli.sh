@@ -4,10 +4,12 @@
 # naming the option, a sweep writes the repeated rows (median within min-max,
 # the 1-rank speedup 1) and the load lines, --mlp-check prints PASS/FAIL per
 # target and exits 0 or 1, and plot_layers.sh reads the CSV by column name
-# and draws one line per (layer, pass, tokens, hidden) in rank order.
-#   tests/bench_layers_cli.sh BUILD/bench/tp-bench-layers SRC/bench/plot_layers.sh
+# and draws one line per (layer, pass, tokens, hidden) in rank order; with
+# FAIL_FIRST (tests/bench_fail_first.c built as a shared library) preloaded,
+# a failed warm-up run of the 1-rank baseline is named and exits 2.
+#   tests/bench_layers_cli.sh BUILD/bench/tp-bench-layers SRC/bench/plot_layers.sh [FAIL_FIRST]
 set -uo pipefail
-bench=$1 plot=$2
+bench=$1 plot=$2 fail_first=${3:+$(realpath "$3")}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fails=0
@@ -67,6 +69,31 @@ awk -F, '
 "$bench" -l colwise,emb-col -p fwd -t 16 -H 8 -V 64 -g 1 -n 1 -R 1 --csv "$tmp/w.csv" >/dev/null 2>&1 || fail "default warm-up sweep exits $?"
 awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) ix[$i] = i; next } { w[$ix["layer"]] = $ix["warmup"] }
          END { exit !(w["colwise"] == 2 && w["emb-col"] == 8) }' "$tmp/w.csv" || fail "default warm-up is not 2 (Linear) / 8 (embedding)"
+
+# ---- cores: the ones this process may run on, as nproc and tp-bench-comm count
+if command -v taskset >/dev/null && [ "$(nproc)" -gt 1 ]; then
+    cpu=$(taskset -pc $$ | sed 's/.*: *//; s/[,-].*//')
+    taskset -c "$cpu" "$bench" -l colwise -p fwd -t 16 -H 8 -g 1 -n 1 -w 0 -R 1 --csv "$tmp/c.csv" >/dev/null 2>&1 ||
+        fail "the sweep on one CPU exits $?"
+    grep -q '(1 cores)$' "$tmp/c.csv" || fail "on one CPU (taskset -c $cpu) the machine column is not '(1 cores)': $(tail -n 1 "$tmp/c.csv")"
+fi
+
+# ---- a failed run: named, exit 2 ----------------------------------------------
+# the first run of the sweep is the untimed warm-up of the 1-rank baseline; it
+# fails, the 2-rank runs still succeed
+if [ -n "$fail_first" ]; then
+    # ASan wants its runtime first in the library list; the preload comes before it
+    ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}verify_asan_link_order=0" LD_PRELOAD="$fail_first" \
+        "$bench" -l colwise -p fwd -t 16 -H 8 -g 1,2 -n 1 -w 1 -R 1 --csv "$tmp/f.csv" >"$tmp/fail" 2>&1
+    rc=$?
+    grep -q 'bench_fail_first: tp_mesh_create fails once' "$tmp/fail" || fail "the failure was not injected: $(tail -n 3 "$tmp/fail")"
+    [ $rc -eq 2 ] || fail "a failed warm-up run of the baseline exits $rc, not 2"
+    grep -q 'colwise fwd T=16 H=8, warm-up run on 1 rank failed: TP_ERR_NO_MEMORY' "$tmp/fail" ||
+        fail "the failed warm-up run is not named: $(tail -n 3 "$tmp/fail")"
+    awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) ix[$i] = i; next } { r[$ix["ranks"]]++ }
+             END { exit !(r[2] == 1 && !(1 in r)) }' "$tmp/f.csv" ||
+        fail "after a failed baseline warm-up the CSV should hold the 2-rank row only: $(cat "$tmp/f.csv")"
+fi
 
 # ---- --mlp-check ----------------------------------------------------------------
 "$bench" --mlp-check -t 16 -H 8 -R 1 -n 1 -w 0 >"$tmp/mlp" 2>&1
