@@ -5,9 +5,20 @@
  * Shapes are int64_t, row-major, PyTorch dimension order (dim 0 outermost).
  * Negative dims count from the end. Strides are in elements. A tensor is a view
  * (shape, strides, offset) of a refcounted storage; views share the storage.
- * Tensors are refcounted: every function that returns a tensor through an
- * out-parameter gives the caller one reference, released with
- * tp_tensor_release().
+ *
+ * Ownership:
+ * - tp_tensor: owned by its references. Every function that returns a tensor
+ *   through an out-parameter gives the caller one reference, released with
+ *   tp_tensor_release(); tp_tensor_retain() adds one. The last release frees
+ *   the view together with whatever state upper layers hang on it (autograd,
+ *   a DTensor's layout) and drops its storage reference. Functions that take
+ *   a tensor borrow it, unless documented to retain it.
+ * - storage: owned by the views over it, each holding a reference; it is
+ *   freed with the last of them. Memory libtp allocated is returned to the
+ *   tp_allocator (CPU) or the device; memory wrapped by tp_tensor_from_blob
+ *   stays the caller's and is handed to its deleter.
+ * - allocator (tp/status.h): process-wide, installed by the user; libtp
+ *   never frees it.
  */
 #ifndef TP_TENSOR_H
 #define TP_TENSOR_H

@@ -85,3 +85,12 @@ bool tp__grow_array(void **v, size_t n, size_t *cap, size_t elem)
     *cap = c;
     return true;
 }
+
+bool tp__grow_array_i(void **v, int n, int *cap, size_t elem)
+{
+    size_t c = (size_t)*cap;
+    if (!tp__grow_array(v, (size_t)n, &c, elem))
+        return false;
+    *cap = (int)c;
+    return true;
+}

@@ -7,26 +7,6 @@
 #include "collectives/comm_debug_internal.h"
 #include "nn/nn_internal.h"
 
-/* ---- growable arrays ------------------------------------------------------ */
-
-/* Makes room for one more element in *v (n used, *cap allocated). The old
- * block is kept on failure. */
-static bool tp__grow(void **v, int n, int *cap, size_t elem)
-{
-    if (n < *cap)
-        return true;
-    int ncap = *cap ? *cap * 2 : 4;
-    void *nv = tp__malloc((size_t)ncap * elem);
-    if (!nv)
-        return false;
-    if (n)
-        memcpy(nv, *v, (size_t)n * elem);
-    tp__free(*v);
-    *v = nv;
-    *cap = ncap;
-    return true;
-}
-
 /* ---- names ---------------------------------------------------------------- */
 
 static int tp__param_index(const tp_module *m, const char *name)
@@ -142,8 +122,8 @@ tp_status tp_module_add_child(tp_module *parent, const char *name, tp_module *ch
     char *copy = tp__strdup(name);
     if (!copy)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    if (!tp__grow((void **)&parent->children, parent->n_children, &parent->cap_children,
-                  sizeof *parent->children)) {
+    if (!tp__grow_array_i((void **)&parent->children, parent->n_children, &parent->cap_children,
+                          sizeof *parent->children)) {
         tp__free(copy);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     }
@@ -284,8 +264,9 @@ tp_status tp_module_register_parameter(tp_module *m, const char *name, tp_tensor
      * failure growing params leaves cap_params true for both (a names array
      * larger than recorded is harmless) */
     int cap_names = m->cap_params;
-    if (!tp__grow((void **)&m->param_names, m->n_params, &cap_names, sizeof *m->param_names) ||
-        !tp__grow((void **)&m->params, m->n_params, &m->cap_params, sizeof *m->params)) {
+    if (!tp__grow_array_i((void **)&m->param_names, m->n_params, &cap_names,
+                          sizeof *m->param_names) ||
+        !tp__grow_array_i((void **)&m->params, m->n_params, &m->cap_params, sizeof *m->params)) {
         tp__free(copy);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     }
@@ -413,8 +394,7 @@ typedef struct {
 
 static bool tp__on(const tp_tensor *t, tp_device dev)
 {
-    tp_device d = tp_tensor_device(t);
-    return d.type == dev.type && d.index == dev.index;
+    return tp__device_eq(tp_tensor_device(t), dev);
 }
 
 /* A copy of parameter p on dev: a plain copy, or a DTensor over a copy of
@@ -484,7 +464,7 @@ static tp_status tp__collect_moves(tp_module *m, tp__moves *mv)
         tp_tensor *old = m->params[i];
         if (!old || tp__on(old, mv->dev))
             continue;
-        if (!tp__grow((void **)&mv->v, mv->n, &mv->cap, sizeof *mv->v))
+        if (!tp__grow_array_i((void **)&mv->v, mv->n, &mv->cap, sizeof *mv->v))
             return tp__error(TP_ERR_NO_MEMORY, "tp_module_to: out of memory");
         tp_tensor *t = NULL;
         tp_status st = TP_OK;
@@ -513,8 +493,7 @@ tp_status tp_module_to(tp_module *m, tp_device device)
     TP_ARG_CHECK(m, "tp_module_to: module is NULL");
     if (device.type == TP_DEVICE_CUDA && tp_cuda_device_count() == 0)
         return tp__error(TP_ERR_NOT_SUPPORTED, "tp_module_to: CUDA device %d unavailable (%s)",
-                         device.index,
-                         TP_HAVE_CUDA ? "no CUDA device" : "libtp was built without CUDA");
+                         device.index, tp__cuda_unavailable_reason());
     tp__moves mv = {.dev = device};
     tp_status st = tp__collect_moves(m, &mv);
     for (int k = 0; k < mv.n; k++) {
@@ -596,7 +575,7 @@ static tp_status tp__add_hook(const char *fn, tp_module *m, void *hook, void *ct
                  m->type_name);
     int *n = NULL, *cap = NULL;
     tp__hook **v = tp__hook_list(m, which, &n, &cap);
-    if (!tp__grow((void **)v, *n, cap, sizeof **v))
+    if (!tp__grow_array_i((void **)v, *n, cap, sizeof **v))
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     tp__ctx_ref *ref = NULL;
     if (ctx_free && !(ref = tp__ctx_ref_new(ctx, ctx_free)))

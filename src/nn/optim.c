@@ -30,25 +30,11 @@ typedef struct {
 static tp_status tp__plist_add(const char *fqn, tp_tensor *t, void *ctx)
 {
     tp__plist *l = ctx;
-    if (l->n == l->cap) {
-        int cap = l->cap ? 2 * l->cap : 16;
-        char **f = tp__malloc((size_t)cap * sizeof *f);
-        tp_tensor **v = tp__malloc((size_t)cap * sizeof *v);
-        if (!f || !v) {
-            tp__free(f);
-            tp__free(v);
-            return tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
-        }
-        if (l->n) {
-            memcpy(f, l->fqn, (size_t)l->n * sizeof *f);
-            memcpy(v, l->t, (size_t)l->n * sizeof *v);
-        }
-        tp__free(l->fqn);
-        tp__free(l->t);
-        l->fqn = f;
-        l->t = v;
-        l->cap = cap;
-    }
+    /* the arrays share cap: fqn grows against a copy of it */
+    int cap_fqn = l->cap;
+    if (!tp__grow_array_i((void **)&l->fqn, l->n, &cap_fqn, sizeof *l->fqn) ||
+        !tp__grow_array_i((void **)&l->t, l->n, &l->cap, sizeof *l->t))
+        return tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
     if (!(l->fqn[l->n] = tp__strdup(fqn)))
         return tp__error(TP_ERR_NO_MEMORY, "out of memory listing parameters");
     l->t[l->n++] = t; /* borrowed: the module holds it */
@@ -91,9 +77,10 @@ bool tp__param_same(const tp_tensor *a, const tp_tensor *b)
 {
     if (a == b)
         return true;
-    if (!a || !b || !a->dist != !b->dist || a->dtype != b->dtype || !tp__same_shape(a, b))
+    if (!a || !b || tp_tensor_is_dtensor(a) != tp_tensor_is_dtensor(b) || a->dtype != b->dtype ||
+        !tp__same_shape(a, b))
         return false;
-    if (a->dist) {
+    if (tp_tensor_is_dtensor(a)) {
         if (!tp__same_placements(a, b))
             return false;
         a = tp_dtensor_local(a);
@@ -452,8 +439,7 @@ static tp_status tp__local_grad(const char *fn, const char *fqn, tp_tensor *p, t
                          fqn);
     }
     tp_device pd = tp_tensor_device(pl), gd = tp_tensor_device(gl);
-    if (tp_tensor_dtype(gl) != TP_F32 || gd.type != pd.type || gd.index != pd.index ||
-        !tp_tensor_is_contiguous(gl)) {
+    if (tp_tensor_dtype(gl) != TP_F32 || !tp__device_eq(gd, pd) || !tp_tensor_is_contiguous(gl)) {
         /* the update reads the gradient where the parameter lives */
         tp_tensor *c = NULL;
         st = tp_tensor_to(gl, TP_F32, pd, &c);
@@ -632,17 +618,8 @@ static tp_status tp__adam_state_of(tp_adam *o, const char *fqn, tp_tensor *p, tp
             *out = &o->s[i];
             return TP_OK;
         }
-    if (o->n == o->cap) {
-        int cap = o->cap ? 2 * o->cap : 16;
-        tp__adam_state *s = tp__malloc((size_t)cap * sizeof *s);
-        if (!s)
-            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-        if (o->n)
-            memcpy(s, o->s, (size_t)o->n * sizeof *s);
-        tp__free(o->s);
-        o->s = s;
-        o->cap = cap;
-    }
+    if (!tp__grow_array_i((void **)&o->s, o->n, &o->cap, sizeof *o->s))
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     tp__adam_state st = {0};
     st.fqn = tp__strdup(fqn);
     tp_status rc = st.fqn ? TP_OK : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);

@@ -5,11 +5,6 @@
 
 #include "nn/nn_internal.h"
 
-static bool tp__same_device(tp_device a, tp_device b)
-{
-    return a.type == b.type && a.index == b.index;
-}
-
 /* Where tensors of a (logical) device live: every logical CPU device is the
  * host. */
 static tp_device tp__physical(tp_device d)
@@ -68,25 +63,11 @@ typedef struct {
 
 static bool tp__memo_add(tp__memo *mm, const tp_tensor *from, tp_tensor *to)
 {
-    if (mm->n == mm->cap) {
-        int cap = mm->cap ? mm->cap * 2 : 16;
-        const tp_tensor **f = tp__malloc((size_t)cap * sizeof *f);
-        tp_tensor **t = tp__malloc((size_t)cap * sizeof *t);
-        if (!f || !t) {
-            tp__free(f);
-            tp__free(t);
-            return false;
-        }
-        if (mm->n) {
-            memcpy(f, mm->from, (size_t)mm->n * sizeof *f);
-            memcpy(t, mm->to, (size_t)mm->n * sizeof *t);
-        }
-        tp__free(mm->from);
-        tp__free(mm->to);
-        mm->from = f;
-        mm->to = t;
-        mm->cap = cap;
-    }
+    /* the arrays share cap: from grows against a copy of it */
+    int cap_from = mm->cap;
+    if (!tp__grow_array_i((void **)&mm->from, mm->n, &cap_from, sizeof *mm->from) ||
+        !tp__grow_array_i((void **)&mm->to, mm->n, &mm->cap, sizeof *mm->to))
+        return false;
     mm->from[mm->n] = from;
     mm->to[mm->n++] = to;
     return true;
@@ -116,7 +97,7 @@ static tp_status tp__param_replica(tp__rep *r, const char *owner, const char *na
         }
     tp_tensor *t = NULL;
     tp_status st;
-    if (tp__same_device(r->dev, r->src) && tp__same_device(tp_tensor_device(p), r->phys))
+    if (tp__device_eq(r->dev, r->src) && tp__device_eq(tp_tensor_device(p), r->phys))
         st = tp__alias(p, &t);
     else
         st = tp_tensor_to(p, tp_tensor_dtype(p), r->phys, &t);
@@ -244,8 +225,7 @@ static tp_status tp__check_device(const char *fn, int i, tp_device d)
         int count = tp_cuda_device_count();
         if (count == 0)
             return tp__error(TP_ERR_NOT_SUPPORTED, "%s: devices[%d] is cuda:%d, unavailable (%s)",
-                             fn, i, d.index,
-                             TP_HAVE_CUDA ? "no CUDA device" : "libtp was built without CUDA");
+                             fn, i, d.index, tp__cuda_unavailable_reason());
         TP_ARG_CHECK(d.index < count, "%s: devices[%d] is cuda:%d but there are %d CUDA devices",
                      fn, i, d.index, count);
     }

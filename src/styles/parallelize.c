@@ -73,17 +73,8 @@ static void tp__mod_list_free(tp__mod_list *l)
 /* Depth first, parents before children, children in insertion order. */
 static tp_status tp__collect(tp__mod_list *l, tp_module *m, const char *fqn)
 {
-    if (l->n == l->cap) {
-        int cap = l->cap ? 2 * l->cap : 16;
-        tp__mod_entry *v = tp__malloc(sizeof *v * (size_t)cap);
-        if (!v)
-            return tp__error(TP_ERR_NO_MEMORY, "tp_parallelize_module: out of memory");
-        if (l->n)
-            memcpy(v, l->v, sizeof *v * (size_t)l->n);
-        tp__free(l->v);
-        l->v = v;
-        l->cap = cap;
-    }
+    if (!tp__grow_array_i((void **)&l->v, l->n, &l->cap, sizeof *l->v))
+        return tp__error(TP_ERR_NO_MEMORY, "tp_parallelize_module: out of memory");
     char *own = tp__strdup(fqn);
     if (!own)
         return tp__error(TP_ERR_NO_MEMORY, "tp_parallelize_module: out of memory");
