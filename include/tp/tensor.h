@@ -172,10 +172,12 @@ TP_API void tp_chunk_range(int64_t n, int64_t chunks, int64_t index, int64_t *st
  * be strided; devices may differ (CPU<->CUDA). src and dst must not share a
  * byte unless they are the same view (same first element, dtype and strides):
  * an overlap is TP_ERR_INVALID_ARG ("dst and src overlap in memory"). The
- * check is exact, by address (views of one storage, or tensors wrapping one
- * buffer): views that interleave without sharing a byte, such as the even and
- * odd columns of a matrix, may be copied into each other. Returns when the
- * copy is complete. */
+ * check is by address (views of one storage, or tensors wrapping one buffer):
+ * views that interleave without sharing a byte, such as the even and odd
+ * columns of a matrix, may be copied into each other. It is exact within a
+ * bounded search; views whose strides are too irregular for that search to
+ * settle are copied through a temporary copy of src, which is correct
+ * whether or not they share bytes. Returns when the copy is complete. */
 TP_API tp_status tp_tensor_copy(tp_tensor *dst, const tp_tensor *src);
 /* New contiguous tensor with src's contents, on `device`, of `dtype`. */
 TP_API tp_status tp_tensor_to(const tp_tensor *src, tp_dtype dtype, tp_device device,

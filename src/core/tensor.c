@@ -878,8 +878,23 @@ static int tp__views_overlap(const tp_tensor *a, const tp_tensor *b)
     }
     /* x - y = (a's first byte - b's first byte) + the sum of the terms */
     int64_t base = (int64_t)((uintptr_t)tp_tensor_data(a) - (uintptr_t)tp_tensor_data(b));
+    int64_t lo = 1 - ea - base, hi = eb - 1 - base;
+    /* the sum is a multiple of the strides' gcd: none in [lo, hi], no overlap
+     * (the interleaved columns of one buffer, whatever their count) */
+    int64_t g = 0;
+    for (int i = 0; i < m; i++)
+        for (int64_t x = d[i].s; x;) {
+            int64_t r = g % x;
+            g = x;
+            x = r;
+        }
+    if (g > 0) {
+        int64_t top = hi >= 0 ? hi / g : -((-hi + g - 1) / g); /* floor(hi / g) */
+        if (top * g < lo)
+            return TP__OV_DISJOINT;
+    }
     long budget = 100000;
-    return tp__ov_search(d, m, 0, 1 - ea - base, eb - 1 - base, rmin, rmax, &budget);
+    return tp__ov_search(d, m, 0, lo, hi, rmin, rmax, &budget);
 }
 
 /* One storage, or two whose memory intersects (tp_tensor_from_blob on the
@@ -893,6 +908,9 @@ static bool tp__storages_alias(const tp_storage *a, const tp_storage *b)
     uintptr_t x = (uintptr_t)a->data, y = (uintptr_t)b->data;
     return a->nbytes && b->nbytes && x < y + b->nbytes && y < x + a->nbytes;
 }
+
+static tp_status tp__to(const char *fn, const tp_tensor *src, tp_dtype dtype, tp_device device,
+                        tp_tensor **out);
 
 static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
 {
@@ -918,11 +936,15 @@ static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
                              "%s: dst and src overlap in memory (they share bytes but are "
                              "not the same view)",
                              fn);
-        if (ov == TP__OV_UNKNOWN)
-            return tp__error(TP_ERR_INVALID_ARG,
-                             "%s: dst and src may overlap in memory (views of the same "
-                             "memory whose strides are too irregular to prove them disjoint)",
-                             fn);
+        if (ov == TP__OV_UNKNOWN) {
+            /* strides too irregular for the bounded search to settle: read src
+             * into a temporary first, which is right whether or not they meet */
+            tp_tensor *tmp = NULL;
+            TP_CHECK(tp__to(fn, src, src->dtype, src->storage->device, &tmp));
+            tp_status st = tp__copy(fn, dst, tmp);
+            tp_tensor_release(tmp);
+            return st;
+        }
     }
     tp_device dd = dst->storage->device, sd = src->storage->device;
     if (dd.type == TP_DEVICE_CPU && sd.type == TP_DEVICE_CPU) {
