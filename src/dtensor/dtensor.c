@@ -136,7 +136,7 @@ tp_status tp_dtensor_shard_extent(const tp_mesh *mesh, int ndim, const int64_t *
 
 /* ---- the tensor extension (dtensor_internal.h) ------------------------------ */
 
-/* Node release lives in autograd.c; the finalizer only drops references. */
+/* Node release lives in autograd.c; the finalize hook only drops references. */
 void tp__node_release(tp__node *n);
 
 static void tp__ext_finalize(tp_tensor *t)
