@@ -44,6 +44,7 @@
 #include "tp/comm_debug.h"
 #include "tp/mesh.h"
 #include "tp/dtensor.h"
+#include "tp/autograd.h"
 #include "tp/ops.h"
 #include "tp/nn.h"
 #include "tp/styles.h"

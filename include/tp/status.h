@@ -66,7 +66,8 @@ TP_API void tp_clear_error(void);
  * allocator is current at the time, so install it while no libtp object is
  * alive (before the first, after the last). Tests use it to make the k-th
  * allocation fail and check that every path reports TP_ERR_NO_MEMORY and
- * leaks nothing.
+ * leaks nothing. Owner: the caller (process-wide); libtp copies the struct
+ * and never frees ctx.
  */
 typedef struct tp_allocator {
     void *(*alloc)(void *ctx, size_t size, size_t alignment);

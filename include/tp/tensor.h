@@ -5,9 +5,20 @@
  * Shapes are int64_t, row-major, PyTorch dimension order (dim 0 outermost).
  * Negative dims count from the end. Strides are in elements. A tensor is a view
  * (shape, strides, offset) of a refcounted storage; views share the storage.
- * Tensors are refcounted: every function that returns a tensor through an
- * out-parameter gives the caller one reference, released with
- * tp_tensor_release().
+ *
+ * Ownership:
+ * - tp_tensor: owned by its references. Every function that returns a tensor
+ *   through an out-parameter gives the caller one reference, released with
+ *   tp_tensor_release(); tp_tensor_retain() adds one. The last release frees
+ *   the view together with whatever state upper layers hang on it (autograd,
+ *   a DTensor's layout) and drops its storage reference. Functions that take
+ *   a tensor borrow it, unless documented to retain it.
+ * - storage: owned by the views over it, each holding a reference; it is
+ *   freed with the last of them. Memory libtp allocated is returned to the
+ *   tp_allocator (CPU) or the device; memory wrapped by tp_tensor_from_blob
+ *   stays the caller's and is handed to its deleter.
+ * - allocator (tp/status.h): process-wide, installed by the user; libtp
+ *   never frees it.
  */
 #ifndef TP_TENSOR_H
 #define TP_TENSOR_H
@@ -161,10 +172,12 @@ TP_API void tp_chunk_range(int64_t n, int64_t chunks, int64_t index, int64_t *st
  * be strided; devices may differ (CPU<->CUDA). src and dst must not share a
  * byte unless they are the same view (same first element, dtype and strides):
  * an overlap is TP_ERR_INVALID_ARG ("dst and src overlap in memory"). The
- * check is exact, by address (views of one storage, or tensors wrapping one
- * buffer): views that interleave without sharing a byte, such as the even and
- * odd columns of a matrix, may be copied into each other. Returns when the
- * copy is complete. */
+ * check is by address (views of one storage, or tensors wrapping one buffer):
+ * views that interleave without sharing a byte, such as the even and odd
+ * columns of a matrix, may be copied into each other. It is exact within a
+ * bounded search; views whose strides are too irregular for that search to
+ * settle are copied through a temporary copy of src, which is correct
+ * whether or not they share bytes. Returns when the copy is complete. */
 TP_API tp_status tp_tensor_copy(tp_tensor *dst, const tp_tensor *src);
 /* New contiguous tensor with src's contents, on `device`, of `dtype`. */
 TP_API tp_status tp_tensor_to(const tp_tensor *src, tp_dtype dtype, tp_device device,

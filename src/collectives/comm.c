@@ -242,8 +242,7 @@ static tp_status tp__check_pair(const char *fn, const tp_tensor *send, const tp_
     if (send->dtype != recv->dtype)
         return tp__error(TP_ERR_INVALID_ARG, "%s: send is %s but recv is %s", fn,
                          tp_dtype_name(send->dtype), tp_dtype_name(recv->dtype));
-    tp_device a = tp_tensor_device(send), b = tp_tensor_device(recv);
-    if (a.type != b.type || a.index != b.index)
+    if (!tp__device_eq(tp_tensor_device(send), tp_tensor_device(recv)))
         return tp__error(TP_ERR_INVALID_ARG, "%s: send and recv are on different devices", fn);
     return TP_OK;
 }

@@ -122,17 +122,8 @@ static bool tp__cd_reserve(tp_comm_debug *d)
 {
     if (d->nscopes >= UINT32_MAX - 1)
         return false;
-    if (d->nscopes == d->scopes_cap) {
-        size_t cap = d->scopes_cap ? 2 * d->scopes_cap : 16;
-        tp__cd_scope **s = tp__malloc(cap * sizeof *s);
-        if (!s)
-            return false;
-        if (d->nscopes)
-            memcpy(s, d->scopes, d->nscopes * sizeof *s);
-        tp__free(d->scopes);
-        d->scopes = s;
-        d->scopes_cap = cap;
-    }
+    if (!tp__grow_array((void **)&d->scopes, d->nscopes, &d->scopes_cap, sizeof *d->scopes))
+        return false;
     if (2 * (d->nscopes + 1) > d->index_cap) {
         size_t cap = d->index_cap ? 2 * d->index_cap : 32;
         uint32_t *ix = tp__calloc(cap, sizeof *ix);

@@ -1,62 +1,20 @@
-/* Internal core definitions: error reporting, allocation, check macros and
- * the tensor layout. Not installed. */
+/* Internal core definitions: the tensor layout and the extension seam through
+ * which an upper layer hangs its state on a tensor. Everything that the CUDA
+ * (C++) files share with C is in core/base.h, included here. Not installed. */
 #ifndef TP_CORE_H
 #define TP_CORE_H
 
 #include <stdatomic.h>
-#include <stdbool.h>
-#include <stddef.h>
-#include <stdint.h>
 
-#include "tp/status.h"
-#include "tp/tensor.h"
-
-#define TP__ALIGN 64 /* storage alignment: a cache line, enough for AVX-512 */
-
-/* Records `status` and a printf-style message as the calling thread's last
- * error; returns status so callers can `return tp__error(...)`. */
-tp_status tp__error(tp_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* Prefixes the current last-error text with "<prefix>: " (for context). */
-void tp__error_prefix(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-/* Copies another thread's message into the caller's last error. */
-void tp__error_set_text(const char *text);
-
-/* Allocation through the installed tp_allocator. */
-void *tp__malloc(size_t size);
-void *tp__calloc(size_t n, size_t size);
-void *tp__aligned_alloc(size_t size, size_t alignment);
-void tp__free(void *ptr);
-char *tp__strdup(const char *s);
-/* Makes room for element n of the growing array *v (n elements used, *cap
- * allocated, elem bytes each), doubling it through the allocator; false when
- * out of memory (the array is unchanged). */
-bool tp__grow_array(void **v, size_t n, size_t *cap, size_t elem);
-
-/* Check macros: evaluate a tp_status expression once, propagate failures. */
-#define TP_CHECK(expr)                                                          \
-    do {                                                                        \
-        tp_status tp__s = (expr);                                               \
-        if (tp__s != TP_OK)                                                     \
-            return tp__s;                                                       \
-    } while (0)
-#define TP_CHECK_GOTO(expr, st, label)                                          \
-    do {                                                                        \
-        (st) = (expr);                                                          \
-        if ((st) != TP_OK)                                                      \
-            goto label;                                                         \
-    } while (0)
-#define TP_ARG_CHECK(cond, ...)                                                 \
-    do {                                                                        \
-        if (!(cond))                                                            \
-            return tp__error(TP_ERR_INVALID_ARG, __VA_ARGS__);                  \
-    } while (0)
-
-/* Internal invariants only (never user input). */
-void tp__assert_fail(const char *expr, const char *file, int line) __attribute__((noreturn));
-#define TP_ASSERT(cond) ((cond) ? (void)0 : tp__assert_fail(#cond, __FILE__, __LINE__))
+#include "base.h"
+#include "device.h"
 
 /* ---- tensors -------------------------------------------------------------- */
 
+/* Refcounted memory of one device, shared by the views over it: each view
+ * holds one reference and the last release frees it (through its device's
+ * tp__device_mem, or the tp_tensor_from_blob deleter; caller memory without a
+ * deleter is never freed by libtp). */
 typedef struct tp_storage {
     atomic_long refcount;
     void *data;
@@ -67,90 +25,60 @@ typedef struct tp_storage {
     bool owned; /* false for blobs without deleter */
 } tp_storage;
 
+/*
+ * The extension seam. Core knows nothing of the layers above it; a layer
+ * that needs state on a tensor (the dtensor layer: autograd state on any
+ * tensor, the distribution of a DTensor) hangs one object on it, `ext`, and
+ * sets `ext_ops` to its hooks. Both are NULL on a tensor core creates; the
+ * extension sets them together, before the tensor is shared between threads.
+ *
+ * A tensor may have no storage of its own (storage NULL: a DTensor, whose
+ * data is its local shard); only an extension creates such a tensor. Core
+ * functions that read or write elements refuse it through tp__need_storage,
+ * whose message the extension's `refuse` hook writes.
+ *
+ * No accumulate hook: core never adds tensors.
+ */
+typedef struct tp__tensor_ext_ops {
+    /* The last reference to t is going: free t->ext (t and its storage are
+     * core's to free afterwards). */
+    void (*finalize)(tp_tensor *t);
+    /* For a tensor with no storage: the tensor that holds its elements here
+     * (borrowed), or NULL. */
+    tp_tensor *(*local)(const tp_tensor *t);
+    /* Records why core function fn cannot take t, a tensor with no storage,
+     * as its argument `what` ("t", "dst"), and returns the status. */
+    tp_status (*refuse)(const tp_tensor *t, const char *fn, const char *what);
+} tp__tensor_ext_ops;
+
 struct tp_tensor {
     atomic_long refcount;
-    tp_storage *storage;
+    tp_storage *storage; /* NULL only for a tensor an extension created */
     tp_dtype dtype;
     int ndim;
     int64_t shape[TP_MAX_DIMS];
     int64_t stride[TP_MAX_DIMS]; /* elements */
     int64_t offset;              /* elements from storage->data */
-    /* State of the upper layers, freed through tp__tensor_finalizer when the
-     * last reference goes. A DTensor has storage == NULL, shape = the global
-     * shape, and dist set; the dtensor layer's struct begins with the local
-     * shard (struct tp__dist_head). */
-    void *autograd;
-    struct tp__dist_head *dist;
+    const tp__tensor_ext_ops *ext_ops; /* NULL while ext is NULL */
+    void *ext;                         /* the upper layer's state, freed by ext_ops->finalize */
 };
 
-struct tp__dist_head {
-    tp_tensor *local;
-};
+/* Records the refusal of a tensor without storage (out of line, cold). */
+tp_status tp__tensor_refuse(const tp_tensor *t, const char *fn, const char *what);
 
-/* Installed by the dtensor layer before it hangs state on any tensor (rank
- * threads race to install the same value, hence atomic). */
-typedef void (*tp__finalizer_fn)(tp_tensor *t);
-extern _Atomic(tp__finalizer_fn) tp__tensor_finalizer;
-
-/* Refuses a DTensor where core needs a plain tensor. */
-#define TP_PLAIN_CHECK(fn, t, what)                                             \
-    do {                                                                        \
-        if ((t) && (t)->dist)                                                   \
-            return tp__error(TP_ERR_INVALID_ARG,                                \
-                             "%s: %s is a DTensor; use tp_dtensor_local, "      \
-                             "tp_dtensor_to_local or tp_dtensor_full_tensor",   \
-                             (fn), (what));                                     \
-    } while (0)
-
-/* Normalizes a possibly negative dim against ndim; -1 if out of range. */
-static inline int tp__wrap_dim(int dim, int ndim)
+/* TP_OK when t (non-NULL) has storage of its own, which a core function that
+ * reads or writes elements, or makes views, needs. Otherwise the extension
+ * says why (e.g. "fn: t is a DTensor; use ..."), TP_ERR_INVALID_ARG. */
+static inline tp_status tp__need_storage(const tp_tensor *t, const char *fn, const char *what)
 {
-    if (dim < 0)
-        dim += ndim;
-    return (dim >= 0 && dim < ndim) ? dim : -1;
+    return t->storage ? TP_OK : tp__tensor_refuse(t, fn, what);
 }
 
-/* "[2, 3, 4]" into buf; returns buf. */
-const char *tp__shape_str(int ndim, const int64_t *shape, char *buf, size_t len);
-
-/* f16 / bf16 conversions (round to nearest even). */
-float tp__f16_to_f32(uint16_t h);
-uint16_t tp__f32_to_f16(float f);
-float tp__bf16_to_f32(uint16_t h);
-uint16_t tp__f32_to_bf16(float f);
-
-/* Reads/writes element i of a contiguous buffer of dtype as a double. */
-double tp__load_f64(const void *base, tp_dtype dtype, int64_t i);
-void tp__store_f64(void *base, tp_dtype dtype, int64_t i, double v);
-
-/* double -> integer truncating toward zero like a C cast, but defined where the
- * cast is not: NaN gives 0, out-of-range values saturate. */
-static inline int32_t tp__f64_to_i32(double v)
+/* The tensor holding t's elements on this process: t itself when it has
+ * storage, else its extension's local tensor (borrowed; NULL if none). */
+static inline tp_tensor *tp__tensor_local(const tp_tensor *t)
 {
-    if (v != v)
-        return 0;
-    if (v >= 2147483647.0)
-        return INT32_MAX;
-    if (v <= -2147483648.0)
-        return INT32_MIN;
-    return (int32_t)v;
+    return t->storage ? (tp_tensor *)t : t->ext_ops->local(t);
 }
-
-static inline int64_t tp__f64_to_i64(double v)
-{
-    if (v != v)
-        return 0;
-    if (v >= 9223372036854775808.0)
-        return INT64_MAX;
-    if (v <= -9223372036854775808.0)
-        return INT64_MIN;
-    return (int64_t)v;
-}
-
-/* tp__philox4x32_10 (shared with the CUDA kernels) */
-#include "philox.h"
-
-/* Monotonic clock in seconds. */
-double tp__now(void);
 
 #endif /* TP_CORE_H */

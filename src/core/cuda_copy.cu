@@ -1,18 +1,9 @@
-/* Device-side strided copies for tp_tensor_copy (cuda_copy.h). */
+/* Device-side strided copies: the CUDA memory table's strided_copy
+ * (core/cuda_rt.h), so tp_tensor_copy does not stage them through the host. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "core/cuda_copy.h"
-#include "tp/tensor.h"
-
-/* From core/core.h and core/cuda_rt.h, which are C-only (stdatomic.h). */
-extern "C" {
-tp_status tp__error(tp_status status, const char *fmt, ...);
-tp_status tp__cuda_fail(const char *fn, const char *what, cudaError_t err);
-tp_status tp__cuda_enter(const char *fn, int index, int *prev);
-void tp__cuda_leave(int prev, int index);
-tp_status tp__cuda_stream(const char *fn, int index, cudaStream_t *out);
-}
+#include "core/cuda_rt.h"
 
 namespace {
 
@@ -61,39 +52,37 @@ extern "C" tp_status tp__cuda_strided_copy(const char *fn, int dev, size_t elem_
     if (n <= 0)
         return TP_OK;
     int prev = 0;
-    tp_status st = tp__cuda_enter(fn, dev, &prev);
-    if (st != TP_OK)
-        return st;
+    TP_CHECK(tp__cuda_enter(fn, dev, &prev));
     cudaStream_t s;
-    st = tp__cuda_stream(fn, dev, &s);
-    if (st != TP_OK) {
-        tp__cuda_leave(prev, dev);
-        return st;
+    tp_status st = TP_OK;
+    TP_CHECK_GOTO(tp__cuda_stream(fn, dev, &s), st, done);
+    { /* scoped: the gotos above jump past it */
+        const int threads = 256;
+        int64_t blocks = (n + threads - 1) / threads;
+        unsigned grid = (unsigned)(blocks < 65535 ? blocks : 65535);
+        switch (elem_size) {
+        case 1:
+            k_strided_copy<uint8_t><<<grid, threads, 0, s>>>((uint8_t *)dst,
+                                                             (const uint8_t *)src, n, g);
+            break;
+        case 2:
+            k_strided_copy<uint16_t><<<grid, threads, 0, s>>>((uint16_t *)dst,
+                                                              (const uint16_t *)src, n, g);
+            break;
+        case 4:
+            k_strided_copy<uint32_t><<<grid, threads, 0, s>>>((uint32_t *)dst,
+                                                              (const uint32_t *)src, n, g);
+            break;
+        default:
+            k_strided_copy<uint64_t><<<grid, threads, 0, s>>>((uint64_t *)dst,
+                                                              (const uint64_t *)src, n, g);
+            break;
+        }
     }
-    const int threads = 256;
-    int64_t blocks = (n + threads - 1) / threads;
-    unsigned grid = (unsigned)(blocks < 65535 ? blocks : 65535);
-    switch (elem_size) {
-    case 1:
-        k_strided_copy<uint8_t><<<grid, threads, 0, s>>>((uint8_t *)dst, (const uint8_t *)src, n, g);
-        break;
-    case 2:
-        k_strided_copy<uint16_t><<<grid, threads, 0, s>>>((uint16_t *)dst, (const uint16_t *)src, n,
-                                                          g);
-        break;
-    case 4:
-        k_strided_copy<uint32_t><<<grid, threads, 0, s>>>((uint32_t *)dst, (const uint32_t *)src, n,
-                                                          g);
-        break;
-    default:
-        k_strided_copy<uint64_t><<<grid, threads, 0, s>>>((uint64_t *)dst, (const uint64_t *)src, n,
-                                                          g);
-        break;
-    }
-    cudaError_t err = cudaGetLastError();
-    if (err == cudaSuccess) /* tp_tensor_copy is complete on return */
-        err = cudaStreamSynchronize(s);
-    st = err == cudaSuccess ? TP_OK : tp__cuda_fail(fn, "strided copy kernel", err);
+    TP_CUDA_CHECK_GOTO(fn, "strided copy kernel", cudaGetLastError(), st, done);
+    /* tp_tensor_copy is complete on return */
+    TP_CUDA_CHECK_GOTO(fn, "strided copy kernel", cudaStreamSynchronize(s), st, done);
+done:
     tp__cuda_leave(prev, dev);
     return st;
 }

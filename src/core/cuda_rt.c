@@ -1,11 +1,10 @@
-/* Internal CUDA runtime helpers: error text, device switching, a compute
- * stream per thread and device. */
-#include "core/cuda_rt.h"
-
-#if TP_HAVE_CUDA
+/* The CUDA engine's core half: error text, device switching, a compute
+ * stream per thread and device, and the CUDA memory table (core/device.h).
+ * Built only with CUDA; cuda_stub.c stands in for it otherwise. */
 #include <pthread.h>
 
-#define TP__CUDA_MAX_DEVICES 64
+#include "core/cuda_rt.h"
+#include "core/device.h"
 
 typedef struct tp__cuda_streams {
     cudaStream_t s[TP__CUDA_MAX_DEVICES];
@@ -90,7 +89,137 @@ tp_status tp__cuda_stream_sync(const char *fn, int index)
 {
     cudaStream_t s = NULL;
     TP_CHECK(tp__cuda_stream(fn, index, &s));
-    cudaError_t err = cudaStreamSynchronize(s);
-    return err == cudaSuccess ? TP_OK : tp__cuda_fail(fn, "cudaStreamSynchronize", err);
+    TP_CUDA_CHECK(fn, "cudaStreamSynchronize", cudaStreamSynchronize(s));
+    return TP_OK;
 }
-#endif
+
+const char *tp__cuda_unavailable_reason(void) { return "no CUDA device"; }
+
+/* ---- the CUDA memory table -------------------------------------------------- */
+
+static tp_status tp__cuda_check(const char *fn, int index)
+{
+    if (index < 0)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: CUDA device index %d is negative", fn,
+                         index);
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: CUDA device %d unavailable: %s", fn, index,
+                         cudaGetErrorString(err));
+    }
+    if (count == 0)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: CUDA device %d unavailable: no device", fn,
+                         index);
+    if (index >= count)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: CUDA device %d out of range (%d devices)", fn,
+                         index, count);
+    return TP_OK;
+}
+
+static int tp__cuda_count(void)
+{
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return count;
+}
+
+static tp_status tp__cuda_alloc(const char *fn, int index, size_t nbytes, bool zero, void **out)
+{
+    const char *what = zero ? "cudaMalloc/cudaMemset" : "cudaMalloc";
+    int prev = 0;
+    TP_CHECK(tp__cuda_enter(fn, index, &prev));
+    void *p = NULL;
+    tp_status st = TP_OK;
+    /* cudaMalloc(0) may hand back NULL; keep every storage a real pointer */
+    TP_CUDA_CHECK_GOTO(fn, what, cudaMalloc(&p, nbytes ? nbytes : 1), st, done);
+    if (zero && nbytes) {
+        TP_CUDA_CHECK_GOTO(fn, what, cudaMemset(p, 0, nbytes), st, fail);
+        /* memset may run asynchronously; copies elsewhere may not wait */
+        TP_CUDA_CHECK_GOTO(fn, what, cudaDeviceSynchronize(), st, fail);
+    }
+    *out = p;
+    goto done;
+fail:
+    (void)cudaFree(p);
+    (void)cudaGetLastError();
+done:
+    tp__cuda_leave(prev, index);
+    return st;
+}
+
+static void tp__cuda_free(int index, void *p)
+{
+    /* a failing cudaFree means the context is already gone, and the memory
+     * with it */
+    int prev = 0;
+    if (tp__cuda_enter("tp_tensor_release", index, &prev) != TP_OK)
+        return;
+    if (cudaFree(p) != cudaSuccess)
+        (void)cudaGetLastError();
+    tp__cuda_leave(prev, index);
+}
+
+static tp_status tp__cuda_zero(const char *fn, int index, void *p, size_t nbytes)
+{
+    int prev = 0;
+    TP_CHECK(tp__cuda_enter(fn, index, &prev));
+    tp_status st = TP_OK;
+    TP_CUDA_CHECK_GOTO(fn, "cudaMemset", cudaMemset(p, 0, nbytes), st, done);
+    TP_CUDA_CHECK_GOTO(fn, "cudaMemset", cudaDeviceSynchronize(), st, done);
+done:
+    tp__cuda_leave(prev, index);
+    return st;
+}
+
+/* Blocking byte copy where at least one side is a CUDA device. D2D copies are
+ * asynchronous to the host in CUDA; libtp synchronizes so every copy is
+ * complete on return, whichever stream the caller uses next. */
+static tp_status tp__cuda_memcpy(const char *fn, void *dst, tp_device dd, const void *src,
+                                 tp_device sd, size_t n)
+{
+    int dev = dd.type == TP_DEVICE_CUDA ? dd.index : sd.index, prev = 0;
+    TP_CHECK(tp__cuda_enter(fn, dev, &prev));
+    cudaError_t err;
+    const char *what;
+    if (dd.type == TP_DEVICE_CUDA && sd.type == TP_DEVICE_CUDA) {
+        if (tp__device_eq(dd, sd)) {
+            what = "cudaMemcpy(device to device)";
+            err = cudaMemcpy(dst, src, n, cudaMemcpyDeviceToDevice);
+        } else {
+            what = "cudaMemcpyPeer";
+            err = cudaMemcpyPeer(dst, dd.index, src, sd.index, n);
+        }
+        if (err == cudaSuccess)
+            err = cudaDeviceSynchronize();
+    } else if (dd.type == TP_DEVICE_CUDA) {
+        what = "cudaMemcpy(host to device)";
+        err = cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice);
+    } else {
+        what = "cudaMemcpy(device to host)";
+        err = cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost);
+    }
+    tp_status st = err == cudaSuccess ? TP_OK : tp__cuda_fail(fn, what, err);
+    tp__cuda_leave(prev, dev);
+    return st;
+}
+
+static tp_status tp__cuda_sync(const char *fn, int index)
+{
+    int prev = 0;
+    TP_CHECK(tp__cuda_enter(fn, index, &prev));
+    tp_status st = tp__cuda_stream_sync(fn, index);
+    tp__cuda_leave(prev, index);
+    return st;
+}
+
+const tp__device_mem tp__cuda_mem = {
+    .name = "cuda", .check = tp__cuda_check, .count = tp__cuda_count,
+    .alloc = tp__cuda_alloc, .free = tp__cuda_free, .zero = tp__cuda_zero,
+    .copy = tp__cuda_memcpy, .strided_copy = tp__cuda_strided_copy,
+    .sync = tp__cuda_sync,
+};

@@ -1,17 +1,42 @@
-/* Internal CUDA runtime helpers shared by the tensor layer, the CUDA kernels
- * and the NCCL backend. Only meaningful when TP_HAVE_CUDA; not installed. */
+/* Internal CUDA runtime helpers of the CUDA engine, shared by its core half
+ * (cuda_rt.c: the CUDA memory table; cuda_copy.cu), the CUDA kernels and the
+ * NCCL backend. Compiles as C and C++; only files built with CUDA include
+ * it. Not installed. */
 #ifndef TP_CUDA_RT_H
 #define TP_CUDA_RT_H
 
-#include "core/core.h"
-
-#if TP_HAVE_CUDA
 #include <cuda_runtime_api.h>
+
+#include "base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TP__CUDA_MAX_DEVICES 64 /* ordinals the per-thread stream table covers */
 
 /* Records "fn: what failed: <CUDA's text>" and drains the non-sticky error so
  * a later unrelated check does not report it. cudaErrorMemoryAllocation maps
  * to TP_ERR_NO_MEMORY, everything else to TP_ERR_BACKEND. */
 tp_status tp__cuda_fail(const char *fn, const char *what, cudaError_t err);
+
+/* Check macros for CUDA runtime calls (as NCCL's CUDACHECK): evaluate `call`
+ * once; on failure return (or set st and goto label with) tp__cuda_fail(fn,
+ * what, err). */
+#define TP_CUDA_CHECK(fn, what, call)                                           \
+    do {                                                                        \
+        cudaError_t tp__ce = (call);                                            \
+        if (tp__ce != cudaSuccess)                                              \
+            return tp__cuda_fail((fn), (what), tp__ce);                         \
+    } while (0)
+#define TP_CUDA_CHECK_GOTO(fn, what, call, st, label)                           \
+    do {                                                                        \
+        cudaError_t tp__ce = (call);                                            \
+        if (tp__ce != cudaSuccess) {                                            \
+            (st) = tp__cuda_fail((fn), (what), tp__ce);                         \
+            goto label;                                                         \
+        }                                                                       \
+    } while (0)
 
 /* Makes device `index` current, remembering the caller's device in *prev so
  * libtp never changes the current device behind the caller's back; pair with
@@ -29,6 +54,15 @@ tp_status tp__cuda_stream(const char *fn, int index, cudaStream_t *out);
 
 /* Waits for everything issued on this thread's stream on device `index`. */
 tp_status tp__cuda_stream_sync(const char *fn, int index);
+
+/* The CUDA memory table's strided copy (cuda_copy.cu; tp__device_mem in
+ * core/device.h): runs on the calling thread's stream and waits for it. */
+tp_status tp__cuda_strided_copy(const char *fn, int dev, size_t elem_size, int ndim,
+                                const int64_t *shape, void *dst, const int64_t *dstride,
+                                const void *src, const int64_t *sstride);
+
+#ifdef __cplusplus
+}
 #endif
 
 #endif /* TP_CUDA_RT_H */

@@ -1,36 +1,52 @@
-/* Dtype properties, f16/bf16 <-> f32 conversion and element load/store as
- * double. The half-precision conversions are pure integer bit manipulation so
- * that they behave identically on every C11 compiler and FPU mode (no
- * _Float16, no F16C, no dependence on the current rounding mode). */
+/* The dtype traits (core/base.h), f16/bf16 <-> f32 conversion and element
+ * load/store as double. The half-precision conversions are pure integer bit
+ * manipulation so that they behave identically on every C11 compiler and FPU
+ * mode (no _Float16, no F16C, no dependence on the current rounding mode). */
 #include <string.h>
 
-#include "core/core.h"
+#include "core/dtype_elem.h"
 
-static const size_t tp__dtype_sizes[TP_DTYPE_COUNT] = {
-    [TP_F32] = 4, [TP_F64] = 8, [TP_F16] = 2, [TP_BF16] = 2, [TP_I32] = 4, [TP_I64] = 8,
+/* One element of dtype D through the inline primitives (dtype_elem.h); the
+ * f32 entry points widen or narrow through double, which is exact for every
+ * float a dtype holds and rounds once where it must. */
+#define TP__ELEM_FNS(D)                                                         \
+    static float tp__##D##_load_f32(const void *p) { return (float)tp__ld_##D(p); }            \
+    static double tp__##D##_load_f64(const void *p) { return (double)tp__ld_##D(p); }          \
+    static void tp__##D##_store_f32(void *p, float v) { tp__st_##D##_d(p, v); }               \
+    static void tp__##D##_store_f64(void *p, double v) { tp__st_##D##_d(p, v); }
+TP__ELEM_FNS(f32)
+TP__ELEM_FNS(f64)
+TP__ELEM_FNS(f16)
+TP__ELEM_FNS(bf16)
+TP__ELEM_FNS(i32)
+TP__ELEM_FNS(i64)
+
+#define TP__TRAITS(D, size, is_float)                                           \
+    {#D, size, is_float, tp__##D##_load_f32, tp__##D##_store_f32, tp__##D##_load_f64,          \
+     tp__##D##_store_f64}
+
+const tp__dtype_traits tp__dtype_traits_table[TP_DTYPE_COUNT] = {
+    [TP_F32] = TP__TRAITS(f32, 4, true),   [TP_F64] = TP__TRAITS(f64, 8, true),
+    [TP_F16] = TP__TRAITS(f16, 2, true),   [TP_BF16] = TP__TRAITS(bf16, 2, true),
+    [TP_I32] = TP__TRAITS(i32, 4, false),  [TP_I64] = TP__TRAITS(i64, 8, false),
 };
-
-static const char *const tp__dtype_names[TP_DTYPE_COUNT] = {
-    [TP_F32] = "f32", [TP_F64] = "f64", [TP_F16] = "f16",
-    [TP_BF16] = "bf16", [TP_I32] = "i32", [TP_I64] = "i64",
-};
-
-/* The cast to unsigned also rejects negative values of the enum. */
-static bool tp__dtype_valid(tp_dtype dtype) { return (unsigned)dtype < TP_DTYPE_COUNT; }
 
 size_t tp_dtype_size(tp_dtype dtype)
 {
-    return tp__dtype_valid(dtype) ? tp__dtype_sizes[dtype] : 0;
+    const tp__dtype_traits *tr = tp__dtype_traits_of(dtype);
+    return tr ? tr->size : 0;
 }
 
 const char *tp_dtype_name(tp_dtype dtype)
 {
-    return tp__dtype_valid(dtype) ? tp__dtype_names[dtype] : "invalid";
+    const tp__dtype_traits *tr = tp__dtype_traits_of(dtype);
+    return tr ? tr->name : "invalid";
 }
 
 bool tp_dtype_is_float(tp_dtype dtype)
 {
-    return dtype == TP_F32 || dtype == TP_F64 || dtype == TP_F16 || dtype == TP_BF16;
+    const tp__dtype_traits *tr = tp__dtype_traits_of(dtype);
+    return tr && tr->is_float;
 }
 
 static uint32_t tp__f32_bits(float f)
@@ -121,88 +137,13 @@ uint16_t tp__f32_to_bf16(float f)
 
 double tp__load_f64(const void *base, tp_dtype dtype, int64_t i)
 {
-    const char *p = (const char *)base + (size_t)i * tp_dtype_size(dtype);
-    switch (dtype) {
-    case TP_F32: {
-        float v;
-        memcpy(&v, p, sizeof v);
-        return v;
-    }
-    case TP_F64: {
-        double v;
-        memcpy(&v, p, sizeof v);
-        return v;
-    }
-    case TP_F16: {
-        uint16_t v;
-        memcpy(&v, p, sizeof v);
-        return tp__f16_to_f32(v);
-    }
-    case TP_BF16: {
-        uint16_t v;
-        memcpy(&v, p, sizeof v);
-        return tp__bf16_to_f32(v);
-    }
-    case TP_I32: {
-        int32_t v;
-        memcpy(&v, p, sizeof v);
-        return v;
-    }
-    case TP_I64: {
-        int64_t v;
-        memcpy(&v, p, sizeof v);
-        return (double)v;
-    }
-    case TP_DTYPE_COUNT:
-        break;
-    }
-    return 0.0;
+    const tp__dtype_traits *tr = tp__dtype_traits_of(dtype);
+    return tr ? tr->load_f64((const char *)base + (size_t)i * tr->size) : 0.0;
 }
 
-/*
- * Conversion rules for a double stored into dtype:
- * - f32/f64: C conversion (round to nearest even).
- * - f16/bf16: double -> f32 -> f16/bf16, each rounding to nearest even. The
- *   double rounding is harmless: f32 carries more than 2p+2 bits for both
- *   targets (24 >= 2*11+2 and 24 >= 2*8+2), so the result equals a direct
- *   correctly rounded conversion.
- * - i32/i64: truncation toward zero, as a C cast does. Where the C cast would
- *   be undefined the result is defined instead: NaN stores 0 and values
- *   outside the range saturate to the type's min/max.
- */
 void tp__store_f64(void *base, tp_dtype dtype, int64_t i, double v)
 {
-    char *p = (char *)base + (size_t)i * tp_dtype_size(dtype);
-    switch (dtype) {
-    case TP_F32: {
-        float x = (float)v;
-        memcpy(p, &x, sizeof x);
-        return;
-    }
-    case TP_F64:
-        memcpy(p, &v, sizeof v);
-        return;
-    case TP_F16: {
-        uint16_t x = tp__f32_to_f16((float)v);
-        memcpy(p, &x, sizeof x);
-        return;
-    }
-    case TP_BF16: {
-        uint16_t x = tp__f32_to_bf16((float)v);
-        memcpy(p, &x, sizeof x);
-        return;
-    }
-    case TP_I32: {
-        int32_t x = tp__f64_to_i32(v);
-        memcpy(p, &x, sizeof x);
-        return;
-    }
-    case TP_I64: {
-        int64_t x = tp__f64_to_i64(v);
-        memcpy(p, &x, sizeof x);
-        return;
-    }
-    case TP_DTYPE_COUNT:
-        break;
-    }
+    const tp__dtype_traits *tr = tp__dtype_traits_of(dtype);
+    if (tr)
+        tr->store_f64((char *)base + (size_t)i * tr->size, v);
 }

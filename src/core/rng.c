@@ -74,18 +74,19 @@ static inline double tp__rng_value(const tp__rng_params *p, uint64_t g)
 }
 
 /* n elements of global counters g, g+1, ..., at p advancing `step` bytes.
- * Values are produced in batches so the dtype switch stays out of the
- * generator loop. */
+ * Values are produced in batches so the store stays out of the generator
+ * loop. */
 static void tp__rng_run(char *p, int64_t step, tp_dtype dtype, uint64_t g, int64_t n,
                         const tp__rng_params *prm)
 {
+    void (*store)(void *, double) = tp__dtype_traits_table[dtype].store_f64;
     double buf[256];
     while (n > 0) {
         int m = n < 256 ? (int)n : 256;
         for (int i = 0; i < m; i++)
             buf[i] = tp__rng_value(prm, g + (uint64_t)i);
         for (int i = 0; i < m; i++, p += step)
-            tp__store_f64(p, dtype, 0, buf[i]);
+            store(p, buf[i]);
         g += (uint64_t)m;
         n -= m;
     }
@@ -154,7 +155,7 @@ tp_status tp_tensor_fill_random(tp_tensor *t, tp_rng_dist dist, double a, double
 {
     const char *fn = "tp_tensor_fill_random";
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
-    TP_PLAIN_CHECK(fn, t, "t");
+    TP_CHECK(tp__need_storage(t, fn, "t"));
     TP_CHECK(tp__check_dist(fn, dist, a, b));
 
     int nd = t->ndim;

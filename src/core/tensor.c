@@ -5,18 +5,15 @@
 #include <string.h>
 
 #include "core/core.h"
-#include "core/cuda_copy.h"
-#include "core/cuda_rt.h"
+#include "core/dtype_elem.h"
 
 #define TP__SHAPE_BUF 200 /* "[" + 8 x (20 digits + ", ") + "]" */
 
 /* ---- validation ----------------------------------------------------------- */
 
-static bool tp__dtype_ok(tp_dtype dtype) { return (unsigned)dtype < TP_DTYPE_COUNT; }
-
 static tp_status tp__check_dtype(const char *fn, tp_dtype dtype)
 {
-    if (!tp__dtype_ok(dtype))
+    if (!tp__dtype_traits_of(dtype))
         return tp__error(TP_ERR_INVALID_ARG, "%s: invalid dtype %d", fn, (int)dtype);
     return TP_OK;
 }
@@ -58,19 +55,7 @@ static tp_status tp__check_shape(const char *fn, tp_dtype dtype, int ndim, const
 }
 
 
-int tp_cuda_device_count(void)
-{
-#if TP_HAVE_CUDA
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    return count;
-#else
-    return 0;
-#endif
-}
+int tp_cuda_device_count(void) { return tp__cuda_mem.count(); }
 
 static atomic_bool tp__allow_tf32; /* zero-initialized: false */
 
@@ -85,58 +70,24 @@ bool tp_cuda_allow_tf32(void)
     return atomic_load_explicit(&tp__allow_tf32, memory_order_relaxed);
 }
 
-static tp_status tp__check_device(const char *fn, tp_device dev);
+/* The memory table of dev, once dev names a device this process can use. */
+static tp_status tp__check_device(const char *fn, tp_device dev, const tp__device_mem **mem)
+{
+    const tp__device_mem *m = tp__device_mem_of(dev.type);
+    if (!m)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: invalid device type %d", fn, (int)dev.type);
+    TP_CHECK(m->check(fn, dev.index));
+    if (mem)
+        *mem = m;
+    return TP_OK;
+}
 
 tp_status tp_cuda_synchronize(int device)
 {
     const char *fn = "tp_cuda_synchronize";
-    TP_CHECK(tp__check_device(fn, TP_CUDA(device)));
-#if TP_HAVE_CUDA
-    int prev = 0;
-    TP_CHECK(tp__cuda_enter(fn, device, &prev));
-    tp_status st = tp__cuda_stream_sync(fn, device);
-    tp__cuda_leave(prev, device);
-    return st;
-#else
-    return TP_ERR_NOT_SUPPORTED; /* unreachable: tp__check_device refused it */
-#endif
-}
-
-static tp_status tp__check_device(const char *fn, tp_device dev)
-{
-    switch (dev.type) {
-    case TP_DEVICE_CPU:
-        if (dev.index != 0)
-            return tp__error(TP_ERR_INVALID_ARG, "%s: CPU device index must be 0, got %d", fn,
-                             dev.index);
-        return TP_OK;
-    case TP_DEVICE_CUDA: {
-#if TP_HAVE_CUDA
-        if (dev.index < 0)
-            return tp__error(TP_ERR_INVALID_ARG, "%s: CUDA device index %d is negative", fn,
-                             dev.index);
-        int count = 0;
-        cudaError_t err = cudaGetDeviceCount(&count);
-        if (err != cudaSuccess) {
-            (void)cudaGetLastError();
-            return tp__error(TP_ERR_NOT_SUPPORTED, "%s: CUDA device %d unavailable: %s", fn,
-                             dev.index, cudaGetErrorString(err));
-        }
-        if (count == 0)
-            return tp__error(TP_ERR_NOT_SUPPORTED, "%s: CUDA device %d unavailable: no device",
-                             fn, dev.index);
-        if (dev.index >= count)
-            return tp__error(TP_ERR_INVALID_ARG, "%s: CUDA device %d out of range (%d devices)",
-                             fn, dev.index, count);
-        return TP_OK;
-#else
-        return tp__error(TP_ERR_NOT_SUPPORTED,
-                         "%s: CUDA device %d requested but libtp was built without CUDA", fn,
-                         dev.index);
-#endif
-    }
-    }
-    return tp__error(TP_ERR_INVALID_ARG, "%s: invalid device type %d", fn, (int)dev.type);
+    const tp__device_mem *m = NULL;
+    TP_CHECK(tp__check_device(fn, TP_CUDA(device), &m));
+    return m->sync(fn, device);
 }
 
 /* ---- storage and lifetime ------------------------------------------------- */
@@ -145,29 +96,15 @@ static void tp__storage_release(tp_storage *s)
 {
     if (atomic_fetch_sub_explicit(&s->refcount, 1, memory_order_acq_rel) != 1)
         return;
-    if (s->deleter) {
+    if (s->deleter)
         s->deleter(s->data, s->deleter_ctx);
-    } else if (s->owned) {
-        if (s->device.type == TP_DEVICE_CPU) {
-            tp__free(s->data);
-        } else {
-#if TP_HAVE_CUDA
-            /* Release cannot report errors; a failing cudaFree means the
-             * context is already gone, and the memory with it. */
-            int prev = 0;
-            if (tp__cuda_enter("tp_tensor_release", s->device.index, &prev) == TP_OK) {
-                if (cudaFree(s->data) != cudaSuccess)
-                    (void)cudaGetLastError();
-                tp__cuda_leave(prev, s->device.index);
-            }
-#endif
-        }
-    }
+    else if (s->owned)
+        tp__device_mem_of(s->device.type)->free(s->device.index, s->data);
     tp__free(s);
 }
 
-static tp_status tp__storage_new(const char *fn, tp_device dev, size_t nbytes, bool zero,
-                                 tp_storage **out)
+static tp_status tp__storage_new(const char *fn, const tp__device_mem *mem, tp_device dev,
+                                 size_t nbytes, bool zero, tp_storage **out)
 {
     tp_storage *s = tp__malloc(sizeof *s);
     if (!s)
@@ -179,45 +116,10 @@ static tp_status tp__storage_new(const char *fn, tp_device dev, size_t nbytes, b
     s->deleter = NULL;
     s->deleter_ctx = NULL;
     s->owned = true;
-    if (dev.type == TP_DEVICE_CPU) {
-        s->data = tp__aligned_alloc(nbytes, TP__ALIGN);
-        if (!s->data) {
-            tp__free(s);
-            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory allocating %zu bytes", fn,
-                             nbytes);
-        }
-        if (zero)
-            memset(s->data, 0, nbytes);
-    } else {
-#if TP_HAVE_CUDA
-        int prev = 0;
-        tp_status st = tp__cuda_enter(fn, dev.index, &prev);
-        if (st != TP_OK) {
-            tp__free(s);
-            return st;
-        }
-        /* cudaMalloc(0) may hand back NULL; keep every storage a real pointer */
-        cudaError_t err = cudaMalloc(&s->data, nbytes ? nbytes : 1);
-        if (err == cudaSuccess && zero && nbytes) {
-            err = cudaMemset(s->data, 0, nbytes);
-            if (err == cudaSuccess) /* memset may run asynchronously; copies elsewhere may not wait */
-                err = cudaDeviceSynchronize();
-            if (err != cudaSuccess) {
-                (void)cudaFree(s->data);
-                s->data = NULL;
-            }
-        }
-        if (err != cudaSuccess) {
-            st = tp__cuda_fail(fn, zero ? "cudaMalloc/cudaMemset" : "cudaMalloc", err);
-            tp__cuda_leave(prev, dev.index);
-            tp__free(s);
-            return st;
-        }
-        tp__cuda_leave(prev, dev.index);
-#else
-        tp__free(s); /* unreachable: tp__check_device refused the device */
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-#endif
+    tp_status st = mem->alloc(fn, dev.index, nbytes, zero, &s->data);
+    if (st != TP_OK) {
+        tp__free(s);
+        return st;
     }
     *out = s;
     return TP_OK;
@@ -253,8 +155,8 @@ static tp_tensor *tp__tensor_header(tp_storage *storage, tp_dtype dtype, int ndi
             tp__contiguous_strides(ndim, shape, t->stride);
     }
     t->offset = offset;
-    t->autograd = NULL;
-    t->dist = NULL;
+    t->ext_ops = NULL;
+    t->ext = NULL;
     return t;
 }
 
@@ -265,9 +167,10 @@ static tp_status tp__tensor_new(const char *fn, tp_dtype dtype, tp_device device
     size_t nbytes;
     TP_CHECK(tp__check_dtype(fn, dtype));
     TP_CHECK(tp__check_shape(fn, dtype, ndim, shape, &numel, &nbytes));
-    TP_CHECK(tp__check_device(fn, device));
+    const tp__device_mem *mem = NULL;
+    TP_CHECK(tp__check_device(fn, device, &mem));
     tp_storage *s = NULL;
-    TP_CHECK(tp__storage_new(fn, device, nbytes, zero, &s));
+    TP_CHECK(tp__storage_new(fn, mem, device, nbytes, zero, &s));
     tp_tensor *t = tp__tensor_header(s, dtype, ndim, shape, NULL, 0);
     if (!t) {
         tp__storage_release(s);
@@ -323,7 +226,7 @@ tp_status tp_tensor_from_blob(tp_dtype dtype, tp_device device, int ndim, const 
     size_t nbytes;
     TP_CHECK(tp__check_dtype(fn, dtype));
     TP_CHECK(tp__check_shape(fn, dtype, ndim, shape, &numel, &nbytes));
-    TP_CHECK(tp__check_device(fn, device));
+    TP_CHECK(tp__check_device(fn, device, NULL));
     TP_ARG_CHECK(data || numel == 0, "%s: data is NULL for %lld elements", fn, (long long)numel);
     /* element loops and kernels rely on natural alignment */
     TP_ARG_CHECK((uintptr_t)data % tp_dtype_size(dtype) == 0,
@@ -349,6 +252,13 @@ tp_status tp_tensor_from_blob(tp_dtype dtype, tp_device device, int ndim, const 
     return TP_OK;
 }
 
+tp_status tp__tensor_refuse(const tp_tensor *t, const char *fn, const char *what)
+{
+    if (t->ext_ops && t->ext_ops->refuse)
+        return t->ext_ops->refuse(t, fn, what);
+    return tp__error(TP_ERR_INVALID_ARG, "%s: %s has no storage", fn, what);
+}
+
 tp_tensor *tp_tensor_retain(tp_tensor *t)
 {
     if (t)
@@ -356,19 +266,14 @@ tp_tensor *tp_tensor_retain(tp_tensor *t)
     return t;
 }
 
-_Atomic(tp__finalizer_fn) tp__tensor_finalizer;
-
 void tp_tensor_release(tp_tensor *t)
 {
     if (!t)
         return;
     if (atomic_fetch_sub_explicit(&t->refcount, 1, memory_order_acq_rel) != 1)
         return;
-    if (t->autograd || t->dist) {
-        tp__finalizer_fn fin = atomic_load_explicit(&tp__tensor_finalizer, memory_order_acquire);
-        if (fin)
-            fin(t);
-    }
+    if (t->ext)
+        t->ext_ops->finalize(t);
     if (t->storage)
         tp__storage_release(t->storage);
     tp__free(t);
@@ -404,8 +309,8 @@ tp_dtype tp_tensor_dtype(const tp_tensor *t) { return t ? t->dtype : TP_DTYPE_CO
 
 tp_device tp_tensor_device(const tp_tensor *t)
 {
-    if (t && t->dist)
-        return tp_tensor_device(t->dist->local);
+    if (t && !t->storage)
+        return tp_tensor_device(tp__tensor_local(t));
     return t ? t->storage->device : (tp_device){TP_DEVICE_CPU, -1};
 }
 
@@ -416,7 +321,7 @@ size_t tp_tensor_nbytes(const tp_tensor *t)
 
 void *tp_tensor_data(const tp_tensor *t)
 {
-    if (!t || t->dist)
+    if (!t || !t->storage)
         return NULL;
     return (char *)t->storage->data + (size_t)t->offset * tp_dtype_size(t->dtype);
 }
@@ -436,7 +341,7 @@ static bool tp__is_contiguous(const tp_tensor *t)
 
 bool tp_tensor_is_contiguous(const tp_tensor *t)
 {
-    return t && !t->dist && tp__is_contiguous(t);
+    return t && t->storage && tp__is_contiguous(t);
 }
 
 bool tp_tensor_shares_storage(const tp_tensor *a, const tp_tensor *b)
@@ -461,7 +366,7 @@ static tp_status tp__make_view(const char *fn, const tp_tensor *t, int ndim, con
 static tp_status tp__narrow(const char *fn, tp_tensor *t, int dim, int64_t start, int64_t length,
                             tp_tensor **out)
 {
-    TP_PLAIN_CHECK(fn, t, "t");
+    TP_CHECK(tp__need_storage(t, fn, "t"));
     int d = tp__wrap_dim(dim, t->ndim);
     TP_ARG_CHECK(d >= 0, "%s: dim %d out of range for a %d-d tensor", fn, dim, t->ndim);
     int64_t size = t->shape[d];
@@ -507,7 +412,7 @@ tp_status tp_tensor_chunk(tp_tensor *t, int64_t chunks, int dim, int64_t index, 
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
-    TP_PLAIN_CHECK(fn, t, "t");
+    TP_CHECK(tp__need_storage(t, fn, "t"));
     TP_ARG_CHECK(chunks >= 1, "%s: chunks %lld must be >= 1", fn, (long long)chunks);
     TP_ARG_CHECK(index >= 0 && index < chunks, "%s: index %lld outside [0, %lld)", fn,
                  (long long)index, (long long)chunks);
@@ -524,7 +429,7 @@ tp_status tp_tensor_select(tp_tensor *t, int dim, int64_t index, tp_tensor **out
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
-    TP_PLAIN_CHECK(fn, t, "t");
+    TP_CHECK(tp__need_storage(t, fn, "t"));
     int d = tp__wrap_dim(dim, t->ndim);
     TP_ARG_CHECK(d >= 0, "%s: dim %d out of range for a %d-d tensor", fn, dim, t->ndim);
     int64_t size = t->shape[d];
@@ -549,7 +454,7 @@ tp_status tp_tensor_view(tp_tensor *t, int ndim, const int64_t *shape, tp_tensor
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
-    TP_PLAIN_CHECK(fn, t, "t");
+    TP_CHECK(tp__need_storage(t, fn, "t"));
     TP_ARG_CHECK(ndim >= 0 && ndim <= TP_MAX_DIMS, "%s: ndim %d outside [0, %d]", fn, ndim,
                  TP_MAX_DIMS);
     TP_ARG_CHECK(ndim == 0 || shape, "%s: shape is NULL for ndim %d", fn, ndim);
@@ -657,28 +562,7 @@ static void tp__foreach2(int ndim, const int64_t *shape, char *d, const int64_t 
 
 /* ---- element conversion runs ---------------------------------------------- */
 
-static inline float tp__ld_f32(const char *p) { float v; memcpy(&v, p, sizeof v); return v; }
-static inline double tp__ld_f64(const char *p) { double v; memcpy(&v, p, sizeof v); return v; }
-static inline float tp__ld_f16(const char *p) { uint16_t v; memcpy(&v, p, sizeof v); return tp__f16_to_f32(v); }
-static inline float tp__ld_bf16(const char *p) { uint16_t v; memcpy(&v, p, sizeof v); return tp__bf16_to_f32(v); }
-static inline int32_t tp__ld_i32(const char *p) { int32_t v; memcpy(&v, p, sizeof v); return v; }
-static inline int64_t tp__ld_i64(const char *p) { int64_t v; memcpy(&v, p, sizeof v); return v; }
-
-/* Stores from a float source (_d) and from an integer source (_i). Integers
- * convert directly so that i64 -> f32 rounds once, not via double. */
-static inline void tp__st_f32_d(char *p, double v) { float x = (float)v; memcpy(p, &x, sizeof x); }
-static inline void tp__st_f32_i(char *p, int64_t v) { float x = (float)v; memcpy(p, &x, sizeof x); }
-static inline void tp__st_f64_d(char *p, double v) { memcpy(p, &v, sizeof v); }
-static inline void tp__st_f64_i(char *p, int64_t v) { double x = (double)v; memcpy(p, &x, sizeof x); }
-static inline void tp__st_f16_d(char *p, double v) { uint16_t x = tp__f32_to_f16((float)v); memcpy(p, &x, sizeof x); }
-static inline void tp__st_f16_i(char *p, int64_t v) { uint16_t x = tp__f32_to_f16((float)v); memcpy(p, &x, sizeof x); }
-static inline void tp__st_bf16_d(char *p, double v) { uint16_t x = tp__f32_to_bf16((float)v); memcpy(p, &x, sizeof x); }
-static inline void tp__st_bf16_i(char *p, int64_t v) { uint16_t x = tp__f32_to_bf16((float)v); memcpy(p, &x, sizeof x); }
-static inline void tp__st_i32_d(char *p, double v) { int32_t x = tp__f64_to_i32(v); memcpy(p, &x, sizeof x); }
-static inline void tp__st_i32_i(char *p, int64_t v) { int32_t x = (int32_t)v; memcpy(p, &x, sizeof x); }
-static inline void tp__st_i64_d(char *p, double v) { int64_t x = tp__f64_to_i64(v); memcpy(p, &x, sizeof x); }
-static inline void tp__st_i64_i(char *p, int64_t v) { memcpy(p, &v, sizeof v); }
-
+/* Element loads and stores: core/dtype_elem.h. */
 #define TP__ST(D, p, v)                                                         \
     _Generic((v), int32_t: tp__st_##D##_i, int64_t: tp__st_##D##_i, default: tp__st_##D##_d)((p), (v))
 
@@ -755,6 +639,68 @@ static void tp__cpu_copy(int ndim, const int64_t *shape, char *d, tp_dtype dd,
         tp__foreach2(ndim, shape, d, db, s, sb, tp__conv_table[sd][dd], NULL);
 }
 
+/* ---- the CPU's memory table ------------------------------------------------ */
+
+static tp_status tp__cpu_check(const char *fn, int index)
+{
+    if (index != 0)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: CPU device index must be 0, got %d", fn, index);
+    return TP_OK;
+}
+
+static int tp__cpu_count(void) { return 1; }
+
+static tp_status tp__cpu_alloc(const char *fn, int index, size_t nbytes, bool zero, void **out)
+{
+    void *p = tp__aligned_alloc(nbytes, TP__ALIGN);
+    if (!p)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory allocating %zu bytes", fn, nbytes);
+    if (zero)
+        memset(p, 0, nbytes);
+    *out = p;
+    return TP_OK;
+}
+
+static void tp__cpu_free(int index, void *p) { tp__free(p); }
+
+static tp_status tp__cpu_zero(const char *fn, int index, void *p, size_t nbytes)
+{
+    memset(p, 0, nbytes);
+    return TP_OK;
+}
+
+static tp_status tp__cpu_memcpy(const char *fn, void *dst, tp_device dd, const void *src,
+                                tp_device sd, size_t n)
+{
+    memcpy(dst, src, n);
+    return TP_OK;
+}
+
+static tp_status tp__cpu_strided_copy(const char *fn, int index, size_t es, int ndim,
+                                      const int64_t *shape, void *dst, const int64_t *dstride,
+                                      const void *src, const int64_t *sstride)
+{
+    int64_t db[TP_MAX_DIMS], sb[TP_MAX_DIMS];
+    for (int i = 0; i < ndim; i++) {
+        db[i] = dstride[i] * (int64_t)es;
+        sb[i] = sstride[i] * (int64_t)es;
+    }
+    tp__foreach2(ndim, shape, dst, db, src, sb, tp__run_move, &es);
+    return TP_OK;
+}
+
+static tp_status tp__cpu_sync(const char *fn, int index)
+{
+    return TP_OK; /* host work is complete when the call that issued it returns */
+}
+
+const tp__device_mem tp__cpu_mem = {
+    .name = "cpu", .check = tp__cpu_check, .count = tp__cpu_count,
+    .alloc = tp__cpu_alloc, .free = tp__cpu_free, .zero = tp__cpu_zero,
+    .copy = tp__cpu_memcpy, .strided_copy = tp__cpu_strided_copy,
+    .sync = tp__cpu_sync,
+};
+
 /* ---- copies --------------------------------------------------------------- */
 
 static bool tp__same_shape(const tp_tensor *a, const tp_tensor *b)
@@ -767,7 +713,6 @@ static bool tp__same_shape(const tp_tensor *a, const tp_tensor *b)
     return true;
 }
 
-#if TP_HAVE_CUDA
 /* Bytes from a view's first element through its last. Strides are never
  * negative, so this is the window a staged strided copy must move. */
 static size_t tp__span_bytes(const tp_tensor *t)
@@ -778,64 +723,34 @@ static size_t tp__span_bytes(const tp_tensor *t)
     return (size_t)(last + 1) * tp_dtype_size(t->dtype);
 }
 
-/* Blocking byte copy where at least one side is a CUDA device. D2D copies are
- * asynchronous to the host in CUDA; libtp synchronizes so every copy is
- * complete on return, whichever stream the caller uses next. */
-static tp_status tp__cuda_memcpy(const char *fn, void *dst, tp_device dd, const void *src,
-                                 tp_device sd, size_t n)
-{
-    int dev = dd.type == TP_DEVICE_CUDA ? dd.index : sd.index, prev = 0;
-    TP_CHECK(tp__cuda_enter(fn, dev, &prev));
-    cudaError_t err;
-    const char *what;
-    if (dd.type == TP_DEVICE_CUDA && sd.type == TP_DEVICE_CUDA) {
-        if (dd.index == sd.index) {
-            what = "cudaMemcpy(device to device)";
-            err = cudaMemcpy(dst, src, n, cudaMemcpyDeviceToDevice);
-        } else {
-            what = "cudaMemcpyPeer";
-            err = cudaMemcpyPeer(dst, dd.index, src, sd.index, n);
-        }
-        if (err == cudaSuccess)
-            err = cudaDeviceSynchronize();
-    } else if (dd.type == TP_DEVICE_CUDA) {
-        what = "cudaMemcpy(host to device)";
-        err = cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice);
-    } else {
-        what = "cudaMemcpy(device to host)";
-        err = cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost);
-    }
-    tp_status st = err == cudaSuccess ? TP_OK : tp__cuda_fail(fn, what, err);
-    tp__cuda_leave(prev, dev);
-    return st;
-}
-
 /*
- * Copy with at least one CUDA side. Same dtype and both contiguous is one
- * cudaMemcpy; same dtype on one device is a strided-copy kernel. Anything
- * else goes through host staging: a strided CUDA source is
- * fetched as the whole window its elements span, converted/gathered on the
- * host, and a strided CUDA destination is read, patched and written back as a
- * window (so elements inside the window but outside the view are rewritten
- * with their own values: do not run kernels on them concurrently).
+ * Copy with at least one side off the CPU, through that device's memory
+ * table (`mem`: dst's unless dst is on the CPU). Same dtype and both
+ * contiguous is one byte copy; same dtype on one device is the device's
+ * strided copy. Anything else goes through host staging: a strided device
+ * source is fetched as the whole window its elements span,
+ * converted/gathered on the host, and a strided device destination is read,
+ * patched and written back as a window (so elements inside the window but
+ * outside the view are rewritten with their own values: do not run kernels
+ * on them concurrently).
  */
-static tp_status tp__copy_cuda(const char *fn, tp_tensor *dst, const tp_tensor *src)
+static tp_status tp__copy_device(const char *fn, const tp__device_mem *mem, tp_tensor *dst,
+                                 const tp_tensor *src)
 {
     tp_device dd = dst->storage->device, sd = src->storage->device;
     if (dst->dtype == src->dtype && tp__is_contiguous(dst) && tp__is_contiguous(src))
-        return tp__cuda_memcpy(fn, tp_tensor_data(dst), dd, tp_tensor_data(src), sd,
-                               tp_tensor_nbytes(src));
+        return mem->copy(fn, tp_tensor_data(dst), dd, tp_tensor_data(src), sd,
+                         tp_tensor_nbytes(src));
     /* strided, one device, one dtype (shard chunks, padding): on the device */
-    if (dst->dtype == src->dtype && dd.type == TP_DEVICE_CUDA && sd.type == TP_DEVICE_CUDA &&
-        dd.index == sd.index)
-        return tp__cuda_strided_copy(fn, dd.index, tp_dtype_size(dst->dtype), dst->ndim,
-                                     dst->shape, tp_tensor_data(dst), dst->stride,
-                                     tp_tensor_data(src), src->stride);
+    if (dst->dtype == src->dtype && tp__device_eq(dd, sd))
+        return mem->strided_copy(fn, dd.index, tp_dtype_size(dst->dtype), dst->ndim, dst->shape,
+                                 tp_tensor_data(dst), dst->stride, tp_tensor_data(src),
+                                 src->stride);
 
     tp_status st = TP_OK;
     char *sbuf = NULL, *dbuf = NULL;
     const char *sbase = tp_tensor_data(src);
-    if (sd.type == TP_DEVICE_CUDA) {
+    if (sd.type != TP_DEVICE_CPU) {
         size_t n = tp__span_bytes(src);
         sbuf = tp__aligned_alloc(n, TP__ALIGN);
         if (!sbuf) {
@@ -843,7 +758,7 @@ static tp_status tp__copy_cuda(const char *fn, tp_tensor *dst, const tp_tensor *
                            fn, n);
             goto done;
         }
-        TP_CHECK_GOTO(tp__cuda_memcpy(fn, sbuf, TP_CPU, sbase, sd, n), st, done);
+        TP_CHECK_GOTO(mem->copy(fn, sbuf, TP_CPU, sbase, sd, n), st, done);
         sbase = sbuf;
     }
     if (dd.type == TP_DEVICE_CPU) {
@@ -865,17 +780,16 @@ static tp_status tp__copy_cuda(const char *fn, tp_tensor *dst, const tp_tensor *
         tp__contiguous_strides(dst->ndim, dst->shape, cstride);
         dstride = cstride;
     } else {
-        TP_CHECK_GOTO(tp__cuda_memcpy(fn, dbuf, TP_CPU, tp_tensor_data(dst), dd, n), st, done);
+        TP_CHECK_GOTO(mem->copy(fn, dbuf, TP_CPU, tp_tensor_data(dst), dd, n), st, done);
     }
     tp__cpu_copy(dst->ndim, dst->shape, dbuf, dst->dtype, dstride, sbase, src->dtype,
                  src->stride);
-    st = tp__cuda_memcpy(fn, tp_tensor_data(dst), dd, dbuf, TP_CPU, n);
+    st = mem->copy(fn, tp_tensor_data(dst), dd, dbuf, TP_CPU, n);
 done:
     tp__free(sbuf);
     tp__free(dbuf);
     return st;
 }
-#endif
 
 /* ---- overlap of two views of one storage ---------------------------------- */
 
@@ -964,8 +878,23 @@ static int tp__views_overlap(const tp_tensor *a, const tp_tensor *b)
     }
     /* x - y = (a's first byte - b's first byte) + the sum of the terms */
     int64_t base = (int64_t)((uintptr_t)tp_tensor_data(a) - (uintptr_t)tp_tensor_data(b));
+    int64_t lo = 1 - ea - base, hi = eb - 1 - base;
+    /* the sum is a multiple of the strides' gcd: none in [lo, hi], no overlap
+     * (the interleaved columns of one buffer, whatever their count) */
+    int64_t g = 0;
+    for (int i = 0; i < m; i++)
+        for (int64_t x = d[i].s; x;) {
+            int64_t r = g % x;
+            g = x;
+            x = r;
+        }
+    if (g > 0) {
+        int64_t top = hi >= 0 ? hi / g : -((-hi + g - 1) / g); /* floor(hi / g) */
+        if (top * g < lo)
+            return TP__OV_DISJOINT;
+    }
     long budget = 100000;
-    return tp__ov_search(d, m, 0, 1 - ea - base, eb - 1 - base, rmin, rmax, &budget);
+    return tp__ov_search(d, m, 0, lo, hi, rmin, rmax, &budget);
 }
 
 /* One storage, or two whose memory intersects (tp_tensor_from_blob on the
@@ -974,16 +903,19 @@ static bool tp__storages_alias(const tp_storage *a, const tp_storage *b)
 {
     if (a == b)
         return true;
-    if (a->device.type != b->device.type || a->device.index != b->device.index)
+    if (!tp__device_eq(a->device, b->device))
         return false;
     uintptr_t x = (uintptr_t)a->data, y = (uintptr_t)b->data;
     return a->nbytes && b->nbytes && x < y + b->nbytes && y < x + a->nbytes;
 }
 
+static tp_status tp__to(const char *fn, const tp_tensor *src, tp_dtype dtype, tp_device device,
+                        tp_tensor **out);
+
 static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
 {
-    TP_PLAIN_CHECK(fn, dst, "dst");
-    TP_PLAIN_CHECK(fn, src, "src");
+    TP_CHECK(tp__need_storage(dst, fn, "dst"));
+    TP_CHECK(tp__need_storage(src, fn, "src"));
     if (!tp__same_shape(dst, src)) {
         char b1[TP__SHAPE_BUF], b2[TP__SHAPE_BUF];
         return tp__error(TP_ERR_INVALID_ARG, "%s: dst shape %s != src shape %s", fn,
@@ -1004,22 +936,24 @@ static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
                              "%s: dst and src overlap in memory (they share bytes but are "
                              "not the same view)",
                              fn);
-        if (ov == TP__OV_UNKNOWN)
-            return tp__error(TP_ERR_INVALID_ARG,
-                             "%s: dst and src may overlap in memory (views of the same "
-                             "memory whose strides are too irregular to prove them disjoint)",
-                             fn);
+        if (ov == TP__OV_UNKNOWN) {
+            /* strides too irregular for the bounded search to settle: read src
+             * into a temporary first, which is right whether or not they meet */
+            tp_tensor *tmp = NULL;
+            TP_CHECK(tp__to(fn, src, src->dtype, src->storage->device, &tmp));
+            tp_status st = tp__copy(fn, dst, tmp);
+            tp_tensor_release(tmp);
+            return st;
+        }
     }
-    if (dst->storage->device.type == TP_DEVICE_CPU && src->storage->device.type == TP_DEVICE_CPU) {
+    tp_device dd = dst->storage->device, sd = src->storage->device;
+    if (dd.type == TP_DEVICE_CPU && sd.type == TP_DEVICE_CPU) {
         tp__cpu_copy(dst->ndim, dst->shape, tp_tensor_data(dst), dst->dtype, dst->stride,
                      tp_tensor_data(src), src->dtype, src->stride);
         return TP_OK;
     }
-#if TP_HAVE_CUDA
-    return tp__copy_cuda(fn, dst, src);
-#else
-    return tp__error(TP_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-#endif
+    return tp__copy_device(fn, tp__device_mem_of(dd.type != TP_DEVICE_CPU ? dd.type : sd.type),
+                           dst, src);
 }
 
 tp_status tp_tensor_copy(tp_tensor *dst, const tp_tensor *src)
@@ -1056,7 +990,7 @@ tp_status tp_tensor_clone(const tp_tensor *src, tp_tensor **out)
     TP_ARG_CHECK(out, "tp_tensor_clone: out is NULL");
     *out = NULL;
     TP_ARG_CHECK(src, "tp_tensor_clone: src is NULL");
-    TP_PLAIN_CHECK("tp_tensor_clone", src, "src");
+    TP_CHECK(tp__need_storage(src, "tp_tensor_clone", "src"));
     return tp__to("tp_tensor_clone", src, src->dtype, src->storage->device, out);
 }
 
@@ -1113,39 +1047,29 @@ tp_status tp_tensor_fill(tp_tensor *t, double value)
 {
     const char *fn = "tp_tensor_fill";
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
-    TP_PLAIN_CHECK(fn, t, "t");
+    TP_CHECK(tp__need_storage(t, fn, "t"));
     if (tp__numel(t) == 0)
         return TP_OK;
-    if (t->storage->device.type == TP_DEVICE_CPU) {
+    tp_device dev = t->storage->device;
+    if (dev.type == TP_DEVICE_CPU) {
         tp__fill_cpu(t, value);
         return TP_OK;
     }
-#if TP_HAVE_CUDA
     /* Zero bytes on a contiguous view: one memset on the device. */
     unsigned char pat[8] = {0};
     tp__store_f64(pat, t->dtype, 0, value);
     bool zero = true;
     for (size_t i = 0; i < tp_dtype_size(t->dtype); i++)
         zero = zero && pat[i] == 0;
-    if (zero && tp__is_contiguous(t)) {
-        int prev = 0;
-        TP_CHECK(tp__cuda_enter(fn, t->storage->device.index, &prev));
-        cudaError_t err = cudaMemset(tp_tensor_data(t), 0, tp_tensor_nbytes(t));
-        if (err == cudaSuccess)
-            err = cudaDeviceSynchronize();
-        tp_status st = err == cudaSuccess ? TP_OK : tp__cuda_fail(fn, "cudaMemset", err);
-        tp__cuda_leave(prev, t->storage->device.index);
-        return st;
-    }
+    if (zero && tp__is_contiguous(t))
+        return tp__device_mem_of(dev.type)->zero(fn, dev.index, tp_tensor_data(t),
+                                                 tp_tensor_nbytes(t));
     tp_tensor *host = NULL;
     TP_CHECK(tp__tensor_new(fn, t->dtype, TP_CPU, t->ndim, t->shape, false, &host));
     tp__fill_cpu(host, value);
     tp_status st = tp__copy(fn, t, host);
     tp_tensor_release(host);
     return st;
-#else
-    return tp__error(TP_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-#endif
 }
 
 /* Element offset (in elements from storage->data) of multi-index idx. */
@@ -1172,7 +1096,7 @@ tp_status tp_tensor_get(const tp_tensor *t, const int64_t *idx, double *value)
     TP_ARG_CHECK(value, "tp_tensor_get: value is NULL");
     *value = 0.0;
     TP_ARG_CHECK(t, "tp_tensor_get: t is NULL");
-    TP_PLAIN_CHECK("tp_tensor_get", t, "t");
+    TP_CHECK(tp__need_storage(t, "tp_tensor_get", "t"));
     int64_t off = 0;
     TP_CHECK(tp__elem_offset("tp_tensor_get", t, idx, &off));
     *value = tp__load_f64(t->storage->data, t->dtype, off);
@@ -1182,7 +1106,7 @@ tp_status tp_tensor_get(const tp_tensor *t, const int64_t *idx, double *value)
 tp_status tp_tensor_set(tp_tensor *t, const int64_t *idx, double value)
 {
     TP_ARG_CHECK(t, "tp_tensor_set: t is NULL");
-    TP_PLAIN_CHECK("tp_tensor_set", t, "t");
+    TP_CHECK(tp__need_storage(t, "tp_tensor_set", "t"));
     int64_t off = 0;
     TP_CHECK(tp__elem_offset("tp_tensor_set", t, idx, &off));
     tp__store_f64(t->storage->data, t->dtype, off, value);
@@ -1246,8 +1170,8 @@ static tp_status tp__compare(const char *fn, const tp_tensor *a, const tp_tensor
 {
     TP_ARG_CHECK(a, "%s: a is NULL", fn);
     TP_ARG_CHECK(b, "%s: b is NULL", fn);
-    TP_PLAIN_CHECK(fn, a, "a");
-    TP_PLAIN_CHECK(fn, b, "b");
+    TP_CHECK(tp__need_storage(a, fn, "a"));
+    TP_CHECK(tp__need_storage(b, fn, "b"));
     if (!tp__same_shape(a, b)) {
         if (!mismatch_is_error) {
             c->ok = false;

@@ -20,30 +20,30 @@ void tp_no_grad_end(void)
 }
 bool tp_grad_enabled(void) { return tp__no_grad_depth == 0; }
 
-static tp__autograd *tp__meta(tp_tensor *t, bool create)
+/* t's autograd state, created when missing; NULL when out of memory. */
+static tp__autograd *tp__meta(tp_tensor *t)
 {
-    if (!t->autograd && create) {
-        tp__dtensor_install_finalizer();
-        t->autograd = tp__calloc(1, sizeof(tp__autograd));
-    }
-    return t->autograd;
+    tp__ext *e = tp__ext_get(t);
+    return e ? &e->ag : NULL;
 }
 
 bool tp_tensor_requires_grad(const tp_tensor *t)
 {
-    return t && t->autograd && ((tp__autograd *)t->autograd)->requires_grad;
+    tp__autograd *ag = tp__ag_of(t);
+    return ag && ag->requires_grad;
 }
 
 bool tp_tensor_has_grad_fn(const tp_tensor *t)
 {
-    return t && t->autograd && ((tp__autograd *)t->autograd)->grad_fn;
+    tp__autograd *ag = tp__ag_of(t);
+    return ag && ag->grad_fn;
 }
 
 /* ---- pending gradients (grad_pending.h) ------------------------------------- */
 
 void tp__grad_pending_set(tp_tensor *t, tp__grad_pending_fn fn, void *ctx)
 {
-    tp__autograd *ag = t ? t->autograd : NULL;
+    tp__autograd *ag = tp__ag_of(t);
     if (!ag)
         return;
     ag->pending = fn;
@@ -52,13 +52,14 @@ void tp__grad_pending_set(tp_tensor *t, tp__grad_pending_fn fn, void *ctx)
 
 tp_tensor *tp__grad_peek(const tp_tensor *t)
 {
-    return t && t->autograd ? ((tp__autograd *)t->autograd)->grad : NULL;
+    tp__autograd *ag = tp__ag_of(t);
+    return ag ? ag->grad : NULL;
 }
 
 /* Finishes the work that owns t's gradient before fn touches it. */
 static tp_status tp__grad_settle(tp_tensor *t, const char *fn)
 {
-    tp__autograd *ag = t->autograd;
+    tp__autograd *ag = tp__ag_of(t);
     if (!ag || !ag->pending)
         return TP_OK;
     tp_status st = ag->pending(t, fn, ag->pending_ctx);
@@ -71,19 +72,20 @@ static tp_status tp__grad_settle(tp_tensor *t, const char *fn)
 
 tp_tensor *tp_tensor_grad(const tp_tensor *t)
 {
-    if (!t || !t->autograd)
+    tp__autograd *ag = tp__ag_of(t);
+    if (!ag)
         return NULL;
     /* the tensor is the caller's; only its autograd state changes */
     if (tp__grad_settle((tp_tensor *)t, "tp_tensor_grad") != TP_OK)
         return NULL;
-    return ((tp__autograd *)t->autograd)->grad;
+    return ag->grad;
 }
 
 void tp_tensor_zero_grad(tp_tensor *t)
 {
-    if (!t || !t->autograd)
+    tp__autograd *ag = tp__ag_of(t);
+    if (!ag)
         return;
-    tp__autograd *ag = t->autograd;
     /* a gradient in flight is finished first, so that nothing still writes
      * into it; if that fails, the owner has recorded the failure (the DDP's
      * is sticky) and the gradient is dropped all the same */
@@ -104,8 +106,8 @@ tp_status tp_tensor_set_grad(tp_tensor *t, tp_tensor *g)
     }
     TP_ARG_CHECK(g != t, "%s: a tensor cannot be its own gradient", fn);
     TP_ARG_CHECK(!tp_tensor_has_grad_fn(g), "%s: g is the output of a recorded op", fn);
-    TP_ARG_CHECK(!t->dist == !g->dist, "%s: t is %s but g is %s", fn,
-                 t->dist ? "a DTensor" : "plain", g->dist ? "a DTensor" : "plain");
+    TP_ARG_CHECK(!tp__dist_of(t) == !tp__dist_of(g), "%s: t is %s but g is %s", fn,
+                 tp__dist_of(t) ? "a DTensor" : "plain", tp__dist_of(g) ? "a DTensor" : "plain");
     TP_ARG_CHECK(g->dtype == t->dtype, "%s: g is %s, t is %s", fn, tp_dtype_name(g->dtype),
                  tp_dtype_name(t->dtype));
     if (g->ndim != t->ndim || memcmp(g->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim)) {
@@ -114,14 +116,14 @@ tp_status tp_tensor_set_grad(tp_tensor *t, tp_tensor *g)
                          tp__shape_str(g->ndim, g->shape, a, sizeof a),
                          tp__shape_str(t->ndim, t->shape, b, sizeof b));
     }
-    if (t->dist) {
+    if (tp__dist_of(t)) {
         TP_ARG_CHECK(tp__dist_of(g)->mesh == tp__dist_of(t)->mesh,
                      "%s: g is on another mesh than t", fn);
     } else {
         TP_CHECK(tp__same_device(fn, "t", t, "g", g));
     }
     TP_CHECK(tp__grad_settle(t, fn));
-    tp__autograd *ag = t->autograd;
+    tp__autograd *ag = tp__ag_of(t);
     tp_tensor_retain(g);
     tp_tensor_release(ag->grad);
     ag->grad = g;
@@ -138,7 +140,7 @@ tp_status tp_tensor_add_grad_hook(tp_tensor *t, tp_grad_hook_fn fn_, void *ctx, 
     if (tp_tensor_has_grad_fn(t))
         return tp__error(TP_ERR_STATE, "%s: t is the output of a recorded op; hooks go on leaves",
                          fn);
-    tp__autograd *ag = t->autograd;
+    tp__autograd *ag = tp__ag_of(t);
     tp__grad_hook *h = tp__calloc(1, sizeof *h);
     if (!h)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
@@ -156,9 +158,9 @@ tp_status tp_tensor_add_grad_hook(tp_tensor *t, tp_grad_hook_fn fn_, void *ctx, 
 
 void tp_tensor_remove_grad_hook(tp_tensor *t, int handle)
 {
-    if (!t || !t->autograd)
+    tp__autograd *ag = tp__ag_of(t);
+    if (!ag)
         return;
-    tp__autograd *ag = t->autograd;
     for (tp__grad_hook **p = &ag->hooks; *p; p = &(*p)->next) {
         if ((*p)->id == handle) {
             tp__grad_hook *h = *p;
@@ -178,9 +180,9 @@ tp_status tp_tensor_set_requires_grad(tp_tensor *t, bool requires_grad)
                          "%s: t is the output of a recorded op; only leaves can be marked", fn);
     TP_ARG_CHECK(tp_dtype_is_float(t->dtype), "%s: t is %s; gradients need a float dtype", fn,
                  tp_dtype_name(t->dtype));
-    if (!requires_grad && !t->autograd)
+    if (!requires_grad && !t->ext)
         return TP_OK;
-    tp__autograd *ag = tp__meta(t, true);
+    tp__autograd *ag = tp__meta(t);
     if (!ag)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     ag->requires_grad = requires_grad;
@@ -243,7 +245,7 @@ tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn back
 {
     TP_ASSERT(n <= TP__NODE_MAX_INPUTS);
     tp__node *node = tp__calloc(1, sizeof *node);
-    tp__autograd *ag = node ? tp__meta(out, true) : NULL;
+    tp__autograd *ag = node ? tp__meta(out) : NULL;
     if (!node || !ag) {
         tp__free(node);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the autograd node", name);
@@ -340,14 +342,14 @@ static tp_status tp__add_plain(tp_tensor *a, tp_tensor *b, tp_tensor **out)
 static tp_status tp__grad_add_into(tp_tensor *a, tp_tensor *b, bool *done)
 {
     *done = false;
-    if (!a->dist && !b->dist) {
+    if (!tp__dist_of(a) && !tp__dist_of(b)) {
         if (!tp_tensor_is_contiguous(a) || a->dtype != b->dtype)
             return TP_OK;
         TP_CHECK(tp__add_into_plain(a, b));
         *done = true;
         return TP_OK;
     }
-    if (!a->dist || !b->dist)
+    if (!tp__dist_of(a) || !tp__dist_of(b))
         return tp__error(TP_ERR_INVALID_ARG, "a plain and a distributed gradient meet");
     tp__dist *da = tp__dist_of(a);
     if (!tp_tensor_is_contiguous(da->local) || a->dtype != b->dtype)
@@ -363,9 +365,9 @@ static tp_status tp__grad_add_into(tp_tensor *a, tp_tensor *b, bool *done)
 tp_status tp__grad_add(tp_tensor *a, tp_tensor *b, tp_tensor **out)
 {
     *out = NULL;
-    if (!a->dist && !b->dist)
+    if (!tp__dist_of(a) && !tp__dist_of(b))
         return tp__add_plain(a, b, out);
-    if (!a->dist || !b->dist)
+    if (!tp__dist_of(a) || !tp__dist_of(b))
         return tp__error(TP_ERR_INVALID_ARG, "a plain and a distributed gradient meet");
     tp__dist *da = tp__dist_of(a);
     tp_tensor *bb = NULL, *sum = NULL;
@@ -408,13 +410,14 @@ static bool tp__nodes_hold(tp__nodes *s, tp__node *n)
 
 static tp__node *tp__grad_fn(const tp_tensor *t)
 {
-    return t && t->autograd ? ((tp__autograd *)t->autograd)->grad_fn : NULL;
+    tp__autograd *ag = tp__ag_of(t);
+    return ag ? ag->grad_fn : NULL;
 }
 
 /* Ones with loss's shape and layout (Replicate where loss is Partial). */
 static tp_status tp__ones_like(tp_tensor *loss, tp_tensor **out)
 {
-    if (!loss->dist) {
+    if (!tp__dist_of(loss)) {
         tp_tensor *o = NULL;
         TP_CHECK(tp_tensor_empty(loss->dtype, tp_tensor_device(loss), loss->ndim, loss->shape,
                                  &o));
@@ -442,7 +445,7 @@ static tp_status tp__ones_like(tp_tensor *loss, tp_tensor **out)
  * it owns one. */
 static tp_status tp__accumulate_leaf(tp_tensor *leaf, tp_tensor *g)
 {
-    tp__autograd *ag = leaf->autograd;
+    tp__autograd *ag = tp__ag_of(leaf);
     /* a second backward before the step: the first one's gradient, in
      * flight, is finished before anything is added into it */
     TP_CHECK(tp__grad_settle(leaf, "tp_backward"));
@@ -468,7 +471,7 @@ static tp_status tp__accumulate_leaf(tp_tensor *leaf, tp_tensor *g)
 /* Runs a leaf's hooks once its last contribution of this backward is in. */
 static tp_status tp__leaf_done(tp_tensor *leaf)
 {
-    tp__autograd *ag = leaf->autograd;
+    tp__autograd *ag = tp__ag_of(leaf);
     if (ag->leaf_pending > 0 && --ag->leaf_pending > 0)
         return TP_OK;
     for (tp__grad_hook *h = ag->hooks; h; h = h->next) {
@@ -520,8 +523,8 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
         TP_ARG_CHECK(grad->ndim == loss->ndim &&
                          !memcmp(grad->shape, loss->shape, sizeof(int64_t) * (size_t)loss->ndim),
                      "%s: grad shape differs from loss shape", fn);
-        TP_ARG_CHECK(!grad->dist == !loss->dist, "%s: grad and loss must both be DTensors or "
-                     "both plain", fn);
+        TP_ARG_CHECK(!tp__dist_of(grad) == !tp__dist_of(loss),
+                     "%s: grad and loss must both be DTensors or both plain", fn);
         g0 = tp_tensor_retain((tp_tensor *)grad);
     } else {
         TP_ARG_CHECK(tp_tensor_numel(loss) == 1,
@@ -533,7 +536,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
     if (!root) {
         tp_no_grad_begin();
         tp_status st = tp__accumulate_leaf(loss, g0);
-        ((tp__autograd *)loss->autograd)->leaf_pending = 0;
+        tp__ag_of(loss)->leaf_pending = 0;
         if (st == TP_OK)
             st = tp__leaf_done(loss);
         tp_no_grad_end();
@@ -563,7 +566,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
                 /* a leaf with hooks: count the edges into it, so that its
                  * hooks run after its last contribution */
                 tp_tensor *leaf = n->inputs[i];
-                tp__autograd *lag = leaf ? leaf->autograd : NULL;
+                tp__autograd *lag = tp__ag_of(leaf);
                 if (lag && lag->hooks && lag->leaf_pending++ == 0 &&
                     !tp__leaves_push(&leaves, leaf)) {
                     lag->leaf_pending = 0;
@@ -615,7 +618,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
                         st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
                 } else {
                     st = tp__accumulate_leaf(in, gin[i]);
-                    if (st == TP_OK && ((tp__autograd *)in->autograd)->hooks)
+                    if (st == TP_OK && tp__ag_of(in)->hooks)
                         st = tp__leaf_done(in);
                 }
             }
@@ -632,7 +635,7 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
 
 out:
     for (size_t i = 0; i < leaves.n; i++) {
-        ((tp__autograd *)leaves.v[i]->autograd)->leaf_pending = 0;
+        tp__ag_of(leaves.v[i])->leaf_pending = 0;
         tp_tensor_release(leaves.v[i]);
     }
     tp__free(leaves.v);

@@ -134,35 +134,19 @@ tp_status tp_dtensor_shard_extent(const tp_mesh *mesh, int ndim, const int64_t *
     return TP_OK;
 }
 
-/* ---- the finalizer -------------------------------------------------------- */
+/* ---- the tensor extension (dtensor_internal.h) ------------------------------ */
 
-static void tp__autograd_free(tp__autograd *ag);
-
-static void tp__finalize(tp_tensor *t)
-{
-    if (t->dist) {
-        tp__dist *d = (tp__dist *)t->dist;
-        tp_tensor_release(d->local);
-        tp_mesh_free(d->mesh); /* may be the last reference */
-        tp__free(d);
-        t->dist = NULL;
-    }
-    if (t->autograd) {
-        tp__autograd_free(t->autograd);
-        t->autograd = NULL;
-    }
-}
-
-void tp__dtensor_install_finalizer(void)
-{
-    atomic_store_explicit(&tp__tensor_finalizer, tp__finalize, memory_order_release);
-}
-
-/* Node release lives in autograd.c; the finalizer only drops references. */
+/* Node release lives in autograd.c; the finalize hook only drops references. */
 void tp__node_release(tp__node *n);
 
-static void tp__autograd_free(tp__autograd *ag)
+static void tp__ext_finalize(tp_tensor *t)
 {
+    tp__ext *e = t->ext;
+    if (e->dist.local) {
+        tp_tensor_release(e->dist.local);
+        tp_mesh_free(e->dist.mesh); /* may be the last reference */
+    }
+    tp__autograd *ag = &e->ag;
     while (ag->hooks) {
         tp__grad_hook *h = ag->hooks;
         ag->hooks = h->next;
@@ -171,7 +155,35 @@ static void tp__autograd_free(tp__autograd *ag)
     tp_tensor_release(ag->grad);
     if (ag->grad_fn)
         tp__node_release(ag->grad_fn);
-    tp__free(ag);
+    tp__free(e);
+    t->ext = NULL;
+    t->ext_ops = NULL;
+}
+
+static tp_tensor *tp__ext_local(const tp_tensor *t) { return ((tp__ext *)t->ext)->dist.local; }
+
+static tp_status tp__ext_refuse(const tp_tensor *t, const char *fn, const char *what)
+{
+    return tp__error(TP_ERR_INVALID_ARG,
+                     "%s: %s is a DTensor; use tp_dtensor_local, tp_dtensor_to_local or "
+                     "tp_dtensor_full_tensor",
+                     fn, what);
+}
+
+const tp__tensor_ext_ops tp__ext_ops = {
+    .finalize = tp__ext_finalize,
+    .local = tp__ext_local,
+    .refuse = tp__ext_refuse,
+};
+
+tp__ext *tp__ext_get(tp_tensor *t)
+{
+    if (!t->ext) {
+        t->ext = tp__calloc(1, sizeof(tp__ext));
+        if (t->ext)
+            t->ext_ops = &tp__ext_ops;
+    }
+    return t->ext;
 }
 
 /* ---- wrapping ------------------------------------------------------------- */
@@ -179,11 +191,10 @@ static void tp__autograd_free(tp__autograd *ag)
 tp_status tp__dtensor_wrap(tp_mesh *mesh, tp_tensor *local, const tp_placement *placements,
                            int ndim, const int64_t *global_shape, tp_tensor **out)
 {
-    tp__dtensor_install_finalizer();
-    tp__dist *d = tp__calloc(1, sizeof *d);
+    tp__ext *e = tp__calloc(1, sizeof *e);
     tp_tensor *t = tp__calloc(1, sizeof *t);
-    if (!d || !t) {
-        tp__free(d);
+    if (!e || !t) {
+        tp__free(e);
         tp__free(t);
         return tp__error(TP_ERR_NO_MEMORY, "out of memory for a DTensor");
     }
@@ -193,24 +204,38 @@ tp_status tp__dtensor_wrap(tp_mesh *mesh, tp_tensor *local, const tp_placement *
     t->ndim = ndim;
     for (int i = 0; i < ndim; i++)
         t->shape[i] = global_shape[i];
+    tp__dist *d = &e->dist;
     d->local = tp_tensor_retain(local);
     d->mesh = tp_mesh_retain(mesh);
     d->mesh_ndim = tp_mesh_ndim(mesh);
     memcpy(d->placements, placements, sizeof(tp_placement) * (size_t)d->mesh_ndim);
-    t->dist = (struct tp__dist_head *)d;
+    t->ext_ops = &tp__ext_ops;
+    t->ext = e;
     *out = t;
     return TP_OK;
 }
 
 /* ---- properties ----------------------------------------------------------- */
 
-bool tp_tensor_is_dtensor(const tp_tensor *t) { return t && t->dist; }
-tp_mesh *tp_dtensor_mesh(const tp_tensor *dt) { return dt && dt->dist ? tp__dist_of(dt)->mesh : NULL; }
+bool tp_tensor_is_dtensor(const tp_tensor *t) { return tp__dist_of(t) != NULL; }
+
+tp_mesh *tp_dtensor_mesh(const tp_tensor *dt)
+{
+    tp__dist *d = tp__dist_of(dt);
+    return d ? d->mesh : NULL;
+}
+
 const tp_placement *tp_dtensor_placements(const tp_tensor *dt)
 {
-    return dt && dt->dist ? tp__dist_of(dt)->placements : NULL;
+    tp__dist *d = tp__dist_of(dt);
+    return d ? d->placements : NULL;
 }
-tp_tensor *tp_dtensor_local(const tp_tensor *dt) { return dt && dt->dist ? dt->dist->local : NULL; }
+
+tp_tensor *tp_dtensor_local(const tp_tensor *dt)
+{
+    tp__dist *d = tp__dist_of(dt);
+    return d ? d->local : NULL;
+}
 
 /* ---- creation ------------------------------------------------------------- */
 
@@ -312,7 +337,7 @@ tp_status tp_dtensor_distribute(tp_mesh *mesh, const tp_tensor *full, int nplace
     *out = NULL;
     TP_ARG_CHECK(mesh, "%s: mesh is NULL", fn);
     TP_ARG_CHECK(full, "%s: full is NULL", fn);
-    TP_PLAIN_CHECK(fn, full, "full");
+    TP_CHECK(tp__need_storage(full, fn, "full"));
     tp_placement p[TP_MESH_MAX_DIMS];
     TP_CHECK(tp__placements_check(fn, mesh, full->ndim, nplacements, placements, false, p));
     TP_ARG_CHECK(src_rank < (int)tp_mesh_numel(mesh),
@@ -374,7 +399,7 @@ tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements
     *out = NULL;
     TP_ARG_CHECK(mesh, "%s: mesh is NULL", fn);
     TP_ARG_CHECK(local, "%s: local is NULL", fn);
-    TP_PLAIN_CHECK(fn, local, "local");
+    TP_CHECK(tp__need_storage(local, fn, "local"));
     tp_placement p[TP_MESH_MAX_DIMS];
     TP_CHECK(tp__placements_check(fn, mesh, local->ndim, nplacements, placements, true, p));
     int nd = local->ndim, m = tp_mesh_ndim(mesh);
@@ -474,8 +499,8 @@ static tp_status tp__alias(tp_tensor *t, tp_tensor **out)
     memcpy(a, t, sizeof *a);
     atomic_init(&a->refcount, 1);
     atomic_fetch_add(&t->storage->refcount, 1);
-    a->autograd = NULL;
-    a->dist = NULL;
+    a->ext_ops = NULL;
+    a->ext = NULL;
     *out = a;
     return TP_OK;
 }
@@ -500,7 +525,7 @@ tp_status tp_dtensor_to_local(tp_tensor *dt, int ngrad, const tp_placement *grad
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(dt, "%s: dt is NULL", fn);
-    TP_ARG_CHECK(dt->dist, "%s: dt is not a DTensor", fn);
+    TP_ARG_CHECK(tp__dist_of(dt), "%s: dt is not a DTensor", fn);
     tp__dist *d = tp__dist_of(dt);
     tp_placement gp[TP_MESH_MAX_DIMS];
     if (grad_placements)
@@ -536,7 +561,7 @@ tp_status tp_dtensor_full_tensor(tp_tensor *dt, tp_tensor **out)
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(dt, "%s: dt is NULL", fn);
-    TP_ARG_CHECK(dt->dist, "%s: dt is not a DTensor", fn);
+    TP_ARG_CHECK(tp__dist_of(dt), "%s: dt is not a DTensor", fn);
     tp_placement rep[TP_MESH_MAX_DIMS];
     for (int i = 0; i < TP_MESH_MAX_DIMS; i++)
         rep[i] = tp_replicate();

@@ -11,18 +11,13 @@
 #include "tp/comm_debug.h"
 #include "tp/dtensor.h"
 
-/* struct tp__dist_head (core.h) is its first member. */
+/* The layout of a DTensor (part of its extension, tp__ext below). */
 typedef struct tp__dist {
     tp_tensor *local; /* retained; plain */
     tp_mesh *mesh;    /* holds a reference (tp_mesh_retain) */
     int mesh_ndim;
     tp_placement placements[TP_MESH_MAX_DIMS]; /* normalized shard dims */
 } tp__dist;
-
-static inline tp__dist *tp__dist_of(const tp_tensor *t)
-{
-    return t ? (tp__dist *)t->dist : NULL;
-}
 
 /* New DTensor header over `local` (retained) with this layout; global shape
  * given; holds a reference on mesh. No checks, no autograd. */
@@ -95,6 +90,35 @@ typedef struct tp__autograd {
     void *pending_ctx;
 } tp__autograd;
 
+/* ---- the tensor extension ---------------------------------------------------- */
+
+/* What this layer hangs on a tensor through core's extension seam
+ * (tp_tensor.ext, with tp__ext_ops): autograd state for any tensor, and the
+ * layout of a DTensor. A DTensor (a tensor without storage) has one from its
+ * creation; a plain tensor gets one when autograd first needs it. Freed with
+ * the tensor's last reference, by the finalize hook. */
+typedef struct tp__ext {
+    tp__autograd ag; /* all zero: no autograd state */
+    tp__dist dist;   /* a DTensor's; zero for a plain tensor */
+} tp__ext;
+
+extern const tp__tensor_ext_ops tp__ext_ops;
+
+/* t's extension, created (zeroed) when missing; NULL when out of memory. */
+tp__ext *tp__ext_get(tp_tensor *t);
+
+/* t's layout when t is a DTensor, else NULL (t may be NULL). */
+static inline tp__dist *tp__dist_of(const tp_tensor *t)
+{
+    return t && !t->storage ? &((tp__ext *)t->ext)->dist : NULL;
+}
+
+/* t's autograd state, NULL when it has none (t may be NULL). */
+static inline tp__autograd *tp__ag_of(const tp_tensor *t)
+{
+    return t && t->ext ? &((tp__ext *)t->ext)->ag : NULL;
+}
+
 /* true when recording is on and any of the tensors requires grad. */
 bool tp__needs_grad(int n, tp_tensor *const *inputs);
 
@@ -106,9 +130,6 @@ tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn back
 
 /* free_saved for nodes whose saved state is one tp__malloc'd block. */
 void tp__node_free_saved(tp__node *node);
-
-/* Installs the finalizer that frees dist and autograd state. */
-void tp__dtensor_install_finalizer(void);
 
 /* a + b into a new tensor (plain or DTensor; for DTensors b is first brought
  * to a's placements, Partial targets allowed). */

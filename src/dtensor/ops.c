@@ -51,7 +51,7 @@ tp_status tp__same_device(const char *fn, const char *an, const tp_tensor *a, co
     if (!a || !b)
         return TP_OK;
     tp_device da = tp_tensor_device(a), db = tp_tensor_device(b);
-    if (da.type == db.type && da.index == db.index)
+    if (tp__device_eq(da, db))
         return TP_OK;
     char b1[32], b2[32];
     return tp__error(TP_ERR_INVALID_ARG, "%s: %s is on %s but %s is on %s", fn, an,
@@ -71,12 +71,12 @@ tp_status tp__require_f32(const tp__op *op, int i)
     tp_tensor *t = op->in[i];
     if (!t || (op->def->nondiff_mask & (1u << i)))
         return TP_OK;
-    tp_tensor *l = t->dist ? tp_dtensor_local(t) : t;
+    tp_tensor *l = tp__tensor_local(t);
     if (l->dtype == TP_F32 && !op->def->half_ok)
         return TP_OK;
     if (op->def->half_ok && op->dev.type == TP_DEVICE_CUDA &&
         (l->dtype == TP_F32 || l->dtype == TP_F16 || l->dtype == TP_BF16)) {
-        tp_tensor *l0 = op->in[0]->dist ? tp_dtensor_local(op->in[0]) : op->in[0];
+        tp_tensor *l0 = tp__tensor_local(op->in[0]);
         if (l->dtype == l0->dtype)
             return TP_OK;
         return tp__error(TP_ERR_INVALID_ARG, "%s: %s is %s but %s is %s; the dtypes must match",
@@ -204,7 +204,7 @@ static void tp__op_free(tp__node *node)
     tp__free(op);
 }
 
-static tp_tensor *tp__local(tp_tensor *t) { return t && t->dist ? tp_dtensor_local(t) : t; }
+static tp_tensor *tp__local(tp_tensor *t) { return t ? tp__tensor_local(t) : t; }
 
 static tp_status tp__op_backward(tp__node *node, tp_tensor *gy, tp_tensor **gin)
 {
@@ -222,7 +222,7 @@ static tp_status tp__op_backward(tp__node *node, tp_tensor *gy, tp_tensor **gin)
     }
     tp_tensor *gyl = tp__local(gyr), *gyc = NULL;
     tp_device gd = tp_tensor_device(gyl);
-    if (gd.type != op->dev.type || gd.index != op->dev.index) {
+    if (!tp__device_eq(gd, op->dev)) {
         /* a gradient handed to tp_backward from another device */
         st = tp_tensor_to(gyl, gyl->dtype, op->dev, &gyc);
         gyl = gyc;
@@ -277,15 +277,15 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
         }
         if (first < 0) {
             first = i;
-            op.distributed = args[i]->dist != NULL;
+            op.distributed = tp__dist_of(args[i]) != NULL;
             op.mesh = tp_dtensor_mesh(args[i]);
             continue;
         }
-        if ((args[i]->dist != NULL) != op.distributed)
+        if ((tp__dist_of(args[i]) != NULL) != op.distributed)
             return tp__error(TP_ERR_INVALID_ARG, "%s: %s is %s but %s is %s", fn,
                              def->input_names[first],
                              op.distributed ? "a DTensor" : "a plain tensor", def->input_names[i],
-                             args[i]->dist ? "a DTensor" : "a plain tensor");
+                             tp__dist_of(args[i]) ? "a DTensor" : "a plain tensor");
         if (op.distributed && tp_dtensor_mesh(args[i]) != op.mesh)
             return tp__error(TP_ERR_INVALID_ARG, "%s: %s and %s are on different meshes", fn,
                              def->input_names[first], def->input_names[i]);

@@ -46,8 +46,7 @@ static tp_status tp__i64_on(tp_tensor *host, tp_tensor *orig, tp_device dev, tp_
         return TP_OK;
     }
     tp_device od = tp_tensor_device(orig);
-    if (orig->dtype == TP_I64 && tp_tensor_is_contiguous(orig) && od.type == dev.type &&
-        od.index == dev.index)
+    if (orig->dtype == TP_I64 && tp_tensor_is_contiguous(orig) && tp__device_eq(od, dev))
         return tp_tensor_view(orig, orig->ndim, orig->shape, out);
     return tp_tensor_to(host, TP_I64, dev, out);
 }
@@ -61,7 +60,7 @@ static tp_status tp__detached(tp_tensor *t, tp_tensor **out)
     return tp_tensor_clone(t, out);
 }
 
-static tp_tensor *tp__local_of(tp_tensor *t) { return t && t->dist ? tp_dtensor_local(t) : t; }
+static tp_tensor *tp__local_of(tp_tensor *t) { return t ? tp__tensor_local(t) : t; }
 
 /* Both plain or both DTensors on one mesh; the message names both. */
 static tp_status tp__same_kind(const char *fn, const char *an, const tp_tensor *a, const char *bn,
@@ -69,11 +68,11 @@ static tp_status tp__same_kind(const char *fn, const char *an, const tp_tensor *
 {
     if (!a || !b)
         return TP_OK;
-    if ((a->dist != NULL) != (b->dist != NULL))
+    if ((tp__dist_of(a) != NULL) != (tp__dist_of(b) != NULL))
         return tp__error(TP_ERR_INVALID_ARG, "%s: %s is %s but %s is %s", fn, an,
-                         a->dist ? "a DTensor" : "a plain tensor", bn,
-                         b->dist ? "a DTensor" : "a plain tensor");
-    if (a->dist && tp_dtensor_mesh(a) != tp_dtensor_mesh(b))
+                         tp__dist_of(a) ? "a DTensor" : "a plain tensor", bn,
+                         tp__dist_of(b) ? "a DTensor" : "a plain tensor");
+    if (tp__dist_of(a) && tp_dtensor_mesh(a) != tp_dtensor_mesh(b))
         return tp__error(TP_ERR_INVALID_ARG, "%s: %s and %s are on different meshes", fn, an, bn);
     return TP_OK;
 }
@@ -88,7 +87,7 @@ static tp_status tp__check_int(const char *fn, const char *what, const tp_tensor
 
 static tp_status tp__no_partial(const char *fn, const char *what, const tp_tensor *t)
 {
-    if (!t || !t->dist)
+    if (!t || !tp__dist_of(t))
         return TP_OK;
     const tp_placement *p = tp_dtensor_placements(t);
     for (int d = 0; d < tp_mesh_ndim(tp_dtensor_mesh(t)); d++)
@@ -201,7 +200,7 @@ tp_status tp_embedding(tp_tensor *indices, tp_tensor *weight, tp_tensor **y)
     /* every index against the global table, before any communication. Each
      * rank checks the indices it holds: with sharded indices a bad index fails
      * on the ranks holding it only (like any argument invalid on some ranks) */
-    const bool dist = indices->dist != NULL;
+    const bool dist = tp__dist_of(indices) != NULL;
     tp_tensor *local = tp__local_of(indices), *idx64 = NULL, *arg = NULL;
     TP_CHECK(tp__as_i64(local, &idx64));
     int64_t lshape[TP_MAX_DIMS], off[TP_MAX_DIMS];
@@ -445,13 +444,13 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
         return TP_OK;
     tp_tensor *gyr = NULL, *gyc = NULL, *gl = NULL, *gx = NULL;
     tp_status st = TP_OK;
-    if (gy->dist)
+    if (tp__dist_of(gy))
         TP_CHECK(tp__redistribute(gy, sv->gy_pl, false, &gyr));
     else
         gyr = tp_tensor_retain(gy);
     tp_tensor *gyl = tp__local_of(gyr);
     tp_device xd = tp_tensor_device(sv->x), gd = tp_tensor_device(gyl);
-    if (gd.type != xd.type || gd.index != xd.index) {
+    if (!tp__device_eq(gd, xd)) {
         st = tp_tensor_to(gyl, gyl->dtype, xd, &gyc);
         gyl = gyc;
     } else if (!tp_tensor_is_contiguous(gyl)) {
@@ -713,7 +712,7 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
     /* layouts: which mesh dim (if any) shards the classes (loss parallel),
      * which shard other dims; the targets' placements follow the logits'
      * (the class dim removed), as PyTorch's loss_parallel */
-    const bool dist = logits->dist != NULL;
+    const bool dist = tp__dist_of(logits) != NULL;
     tp_mesh *mesh = dist ? tp_dtensor_mesh(logits) : NULL;
     const int m = dist ? tp_mesh_ndim(mesh) : 0;
     int cdim = -1, bdim = -1;

@@ -635,7 +635,7 @@ tp_status tp_dtensor_redistribute(tp_tensor *dt, int nplacements, const tp_place
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(dt, "%s: dt is NULL", fn);
-    TP_ARG_CHECK(dt->dist, "%s: dt is not a DTensor (use tp_dtensor_distribute)", fn);
+    TP_ARG_CHECK(tp__dist_of(dt), "%s: dt is not a DTensor (use tp_dtensor_distribute)", fn);
     tp__dist *d = tp__dist_of(dt);
     tp_placement p[TP_MESH_MAX_DIMS];
     TP_CHECK(tp__placements_check(fn, d->mesh, dt->ndim, nplacements, placements, true, p));

@@ -17,17 +17,9 @@
 #include <pthread.h>
 #include <stdlib.h>
 
+#include "core/cuda_rt.h"
 #include "core/philox.h"
 #include "kernels/kernels_cuda.h"
-
-/* From core/core.h and core/cuda_rt.h, which are C-only (stdatomic.h). */
-extern "C" {
-tp_status tp__error(tp_status status, const char *fmt, ...);
-tp_status tp__cuda_fail(const char *fn, const char *what, cudaError_t err);
-tp_status tp__cuda_enter(const char *fn, int index, int *prev);
-void tp__cuda_leave(int prev, int index);
-tp_status tp__cuda_stream(const char *fn, int index, cudaStream_t *out);
-}
 
 #define TP__KC_MAX_DEVICES 64 /* as core/cuda_rt.c */
 

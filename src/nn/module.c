@@ -512,8 +512,7 @@ typedef struct {
 
 static bool tp__on(const tp_tensor *t, tp_device dev)
 {
-    tp_device d = tp_tensor_device(t);
-    return d.type == dev.type && d.index == dev.index;
+    return tp__device_eq(tp_tensor_device(t), dev);
 }
 
 /* A copy of parameter p on dev: a plain copy, or a DTensor over a copy of
@@ -644,8 +643,7 @@ tp_status tp_module_to(tp_module *m, tp_device device)
     TP_ARG_CHECK(m, "tp_module_to: module is NULL");
     if (device.type == TP_DEVICE_CUDA && tp_cuda_device_count() == 0)
         return tp__error(TP_ERR_NOT_SUPPORTED, "tp_module_to: CUDA device %d unavailable (%s)",
-                         device.index,
-                         TP_HAVE_CUDA ? "no CUDA device" : "libtp was built without CUDA");
+                         device.index, tp__cuda_unavailable_reason());
     tp__moves mv = {.dev = device};
     tp_status st = tp__collect_moves(m, &mv);
     for (size_t k = 0; k < mv.map.n; k++) {

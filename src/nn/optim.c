@@ -500,8 +500,7 @@ static tp_status tp__local_grad(const char *fn, const char *fqn, tp_tensor *p, t
                          fqn);
     }
     tp_device pd = tp_tensor_device(pl), gd = tp_tensor_device(gl);
-    if (tp_tensor_dtype(gl) != TP_F32 || gd.type != pd.type || gd.index != pd.index ||
-        !tp_tensor_is_contiguous(gl)) {
+    if (tp_tensor_dtype(gl) != TP_F32 || !tp__device_eq(gd, pd) || !tp_tensor_is_contiguous(gl)) {
         /* the update reads the gradient where the parameter lives */
         tp_tensor *c = NULL;
         st = tp_tensor_to(gl, TP_F32, pd, &c);

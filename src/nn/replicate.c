@@ -5,11 +5,6 @@
 
 #include "nn/nn_internal.h"
 
-static bool tp__same_device(tp_device a, tp_device b)
-{
-    return a.type == b.type && a.index == b.index;
-}
-
 /* Where tensors of a (logical) device live: every logical CPU device is the
  * host. */
 static tp_device tp__physical(tp_device d)
@@ -67,7 +62,7 @@ static tp_status tp__param_replica(tp__rep *r, const char *owner, const char *na
     tp_tensor *t = NULL;
     tp_status st = tp__param_map_find(&r->memo, p, &t);
     if (st == TP_OK && !t) {
-        if (tp__same_device(r->dev, r->src) && tp__same_device(tp_tensor_device(p), r->phys))
+        if (tp__device_eq(r->dev, r->src) && tp__device_eq(tp_tensor_device(p), r->phys))
             st = tp__alias(p, &t);
         else
             st = tp_tensor_to(p, tp_tensor_dtype(p), r->phys, &t);
@@ -204,8 +199,7 @@ static tp_status tp__check_device(const char *fn, int i, tp_device d)
         int count = tp_cuda_device_count();
         if (count == 0)
             return tp__error(TP_ERR_NOT_SUPPORTED, "%s: devices[%d] is cuda:%d, unavailable (%s)",
-                             fn, i, d.index,
-                             TP_HAVE_CUDA ? "no CUDA device" : "libtp was built without CUDA");
+                             fn, i, d.index, tp__cuda_unavailable_reason());
         TP_ARG_CHECK(d.index < count, "%s: devices[%d] is cuda:%d but there are %d CUDA devices",
                      fn, i, d.index, count);
     }
