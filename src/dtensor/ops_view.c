@@ -164,41 +164,6 @@ static const tp__op_def reshape_def = RESHAPE_DEF("reshape");
 static const tp__op_def flatten_def = RESHAPE_DEF("flatten");
 static const tp__op_def unflatten_def = RESHAPE_DEF("unflatten");
 
-/* Copies n sizes into out, each >= 0 or the one -1, and replaces the -1 with
- * total / (the product of the others). *product: the product of the result
- * (the caller checks it against total). Messages number sizes[i] as dim
- * first + i of the result. */
-static tp_status resolve_sizes(const char *fn, int64_t total, int n, const int64_t *sizes,
-                               int first, int64_t *out, int64_t *product)
-{
-    int infer = -1;
-    int64_t known = 1;
-    for (int i = 0; i < n; i++) {
-        out[i] = sizes[i];
-        if (sizes[i] == -1) {
-            TP_ARG_CHECK(infer < 0, "%s: only one size may be -1 (dims %d and %d are)", fn,
-                         first + infer, first + i);
-            infer = i;
-            continue;
-        }
-        TP_ARG_CHECK(sizes[i] >= 0, "%s: size %lld of dim %d is invalid", fn, (long long)sizes[i],
-                     first + i);
-        TP_ARG_CHECK(sizes[i] == 0 || known <= INT64_MAX / sizes[i],
-                     "%s: the new shape has too many elements", fn);
-        known *= sizes[i];
-    }
-    if (infer >= 0) {
-        char sb[128];
-        TP_ARG_CHECK(known != 0 && total % known == 0,
-                     "%s: cannot infer the size of dim %d: %lld elements into %s", fn,
-                     first + infer, (long long)total, tp__shape_str(n, sizes, sb, sizeof sb));
-        out[infer] = total / known;
-        known = total;
-    }
-    *product = known;
-    return TP_OK;
-}
-
 tp_status tp_reshape(tp_tensor *x, int ndim, const int64_t *shape, tp_tensor **y)
 {
     const char *fn = "reshape";
@@ -210,7 +175,7 @@ tp_status tp_reshape(tp_tensor *x, int ndim, const int64_t *shape, tp_tensor **y
     TP_ARG_CHECK(ndim == 0 || shape, "%s: shape is NULL for ndim %d", fn, ndim);
     reshape_params rp = {.ndim = ndim};
     int64_t numel = tp_tensor_numel(x), known = 1;
-    TP_CHECK(resolve_sizes(fn, numel, ndim, shape, 0, rp.shape, &known));
+    TP_CHECK(tp__infer_sizes(fn, numel, ndim, shape, 0, rp.shape, &known));
     char sx[128], sy[128];
     TP_ARG_CHECK(known == numel, "%s: cannot reshape %s (%lld elements) into %s (%lld elements)",
                  fn, tp__shape_str(tp_tensor_ndim(x), tp_tensor_shape(x), sx, sizeof sx),
@@ -261,7 +226,7 @@ tp_status tp_unflatten(tp_tensor *x, int dim, int n, const int64_t *sizes, tp_te
     reshape_params rp = {.ndim = nd - 1 + n};
     memcpy(rp.shape, in, sizeof(int64_t) * (size_t)d);
     int64_t known = 1;
-    TP_CHECK(resolve_sizes(fn, in[d], n, sizes, d, rp.shape + d, &known));
+    TP_CHECK(tp__infer_sizes(fn, in[d], n, sizes, d, rp.shape + d, &known));
     char sb[128];
     TP_ARG_CHECK(known == in[d], "%s: sizes %s hold %lld elements but dim %d has size %lld", fn,
                  tp__shape_str(n, sizes, sb, sizeof sb), (long long)known, d,
