@@ -302,27 +302,17 @@ static tp_status binary_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
     return TP_OK;
 }
 
-static const tp__op_def add_def = {
-    .name = "add",
-    .n_inputs = 2,
-    .input_names = {"a", "b"},
-    .strided_ok = true,
-    .strategies = binary_strategies,
-    .out_shape = binary_shape,
-    .forward = binary_fwd,
-    .backward = binary_bwd,
-};
+/* add and mul share everything but the name (the params say which) */
+#define BINARY_DEF(n)                                                           \
+    {                                                                           \
+        .name = n, .n_inputs = 2, .input_names = {"a", "b"},                    \
+        .strided_ok = true, .strategies = binary_strategies,                    \
+        .out_shape = binary_shape, .forward = binary_fwd,                       \
+        .backward = binary_bwd,                                                 \
+    }
 
-static const tp__op_def mul_def = {
-    .name = "mul",
-    .n_inputs = 2,
-    .input_names = {"a", "b"},
-    .strided_ok = true,
-    .strategies = binary_strategies,
-    .out_shape = binary_shape,
-    .forward = binary_fwd,
-    .backward = binary_bwd,
-};
+static const tp__op_def add_def = BINARY_DEF("add");
+static const tp__op_def mul_def = BINARY_DEF("mul");
 
 static tp_status binary_run(const tp__op_def *def, bool mul, tp_tensor *a, tp_tensor *b,
                             tp_tensor **y)

@@ -25,22 +25,34 @@ static int linear_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
     return n;
 }
 
-static tp_status linear_shape(const tp__op *op, int *ndim, int64_t *shape)
+/* The shape of a product of input 0 (at least 1-d) with the 2-d input 1,
+ * whose dim kdim contracts with input 0's last: input 0's shape with its last
+ * dim replaced by input 1's other dim. what1 describes a 2-d input 1 in the
+ * message; the caller checks the contracted sizes. */
+static tp_status product_shape(const tp__op *op, int kdim, const char *what1, int *ndim,
+                               int64_t *shape)
 {
     const char *fn = op->def->name;
     int nd = tp__op_gndim(op, 0);
+    TP_ARG_CHECK(nd >= 1, "%s: %s must have at least 1 dim", fn, op->def->input_names[0]);
+    TP_ARG_CHECK(tp__op_gndim(op, 1) == 2, "%s: %s must be %s, got %d dims", fn,
+                 op->def->input_names[1], what1, tp__op_gndim(op, 1));
+    *ndim = nd;
+    memcpy(shape, tp__op_gshape(op, 0), sizeof(int64_t) * (size_t)nd);
+    shape[nd - 1] = tp__op_gshape(op, 1)[1 - kdim];
+    return TP_OK;
+}
+
+static tp_status linear_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    const char *fn = op->def->name;
+    TP_CHECK(product_shape(op, 1, "2-d [out, in]", ndim, shape));
     const int64_t *x = tp__op_gshape(op, 0), *w = tp__op_gshape(op, 1);
-    TP_ARG_CHECK(nd >= 1, "%s: x must have at least 1 dim", fn);
-    TP_ARG_CHECK(tp__op_gndim(op, 1) == 2, "%s: weight must be 2-d [out, in], got %d dims", fn,
-                 tp__op_gndim(op, 1));
-    TP_ARG_CHECK(x[nd - 1] == w[1], "%s: input has %lld features, weight expects %lld", fn,
-                 (long long)x[nd - 1], (long long)w[1]);
+    TP_ARG_CHECK(x[*ndim - 1] == w[1], "%s: input has %lld features, weight expects %lld", fn,
+                 (long long)x[*ndim - 1], (long long)w[1]);
     if (op->in[2])
         TP_ARG_CHECK(tp__op_gndim(op, 2) == 1 && tp__op_gshape(op, 2)[0] == w[0],
                      "%s: bias must be [%lld]", fn, (long long)w[0]);
-    *ndim = nd;
-    memcpy(shape, x, sizeof(int64_t) * (size_t)nd);
-    shape[nd - 1] = w[0];
     return TP_OK;
 }
 
@@ -146,17 +158,10 @@ static int matmul_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
 
 static tp_status matmul_shape(const tp__op *op, int *ndim, int64_t *shape)
 {
-    const char *fn = op->def->name;
-    int nd = tp__op_gndim(op, 0);
+    TP_CHECK(product_shape(op, 0, "2-d", ndim, shape));
     const int64_t *a = tp__op_gshape(op, 0), *b = tp__op_gshape(op, 1);
-    TP_ARG_CHECK(nd >= 1, "%s: a must have at least 1 dim", fn);
-    TP_ARG_CHECK(tp__op_gndim(op, 1) == 2, "%s: b must be 2-d, got %d dims", fn,
-                 tp__op_gndim(op, 1));
-    TP_ARG_CHECK(a[nd - 1] == b[0], "%s: a has %lld columns but b has %lld rows", fn,
-                 (long long)a[nd - 1], (long long)b[0]);
-    *ndim = nd;
-    memcpy(shape, a, sizeof(int64_t) * (size_t)nd);
-    shape[nd - 1] = b[1];
+    TP_ARG_CHECK(a[*ndim - 1] == b[0], "%s: a has %lld columns but b has %lld rows",
+                 op->def->name, (long long)a[*ndim - 1], (long long)b[0]);
     return TP_OK;
 }
 
