@@ -64,20 +64,12 @@ static tp_status out_like(const tp__op *op, const tp_tensor *t, int ndim, const 
     return tp_tensor_empty(t->dtype, op->dev, ndim, shape, out);
 }
 
-/* C = A B with the op's engine: cuBLAS (any of f32/f16/bf16) or OpenBLAS. */
+/* C = A B with the op's engine (in any dtype its products take). */
 static tp_status gemm(const tp__op *op, tp_dtype dtype, bool ta, bool tb, int64_t m, int64_t n,
                       int64_t k, const void *a, int64_t lda, const void *b, int64_t ldb, void *c,
                       int64_t ldc)
 {
-#if TP_HAVE_CUDA
-    if (op->dev.type == TP_DEVICE_CUDA)
-        return tp__kc_gemm(op->dev.index, dtype, ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c,
-                           ldc);
-#endif
-    (void)op;
-    (void)dtype;
-    tp__k_gemm(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
-    return TP_OK;
+    return op->k->gemm(op->dev, dtype, ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
 }
 
 static tp_status linear_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -90,15 +82,8 @@ static tp_status linear_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     TP_CHECK(out_like(op, x, nd, shape, out));
     /* a bias joins a partial sum once, on the leader */
     const void *bias = b && tp__op_partial_leader(op) ? tp_tensor_data(b) : NULL;
-#if TP_HAVE_CUDA
-    if (op->dev.type == TP_DEVICE_CUDA)
-        return tp__kc_linear_fwd(op->dev.index, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
-                                 bias, tp_tensor_data(*out), tp__rows(x), w->shape[1],
-                                 w->shape[0]);
-#endif
-    tp__k_linear_fwd(tp_tensor_data(x), tp_tensor_data(w), bias, tp_tensor_data(*out),
-                     tp__rows(x), w->shape[1], w->shape[0]);
-    return TP_OK;
+    return op->k->linear_fwd(op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w), bias,
+                             tp_tensor_data(*out), tp__rows(x), w->shape[1], w->shape[0]);
 }
 
 static tp_status linear_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -112,15 +97,9 @@ static tp_status linear_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
         TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
     void *gx = g[0] ? tp_tensor_data(g[0]) : NULL, *gw = g[1] ? tp_tensor_data(g[1]) : NULL,
          *gb = g[2] ? tp_tensor_data(g[2]) : NULL;
-#if TP_HAVE_CUDA
-    if (op->dev.type == TP_DEVICE_CUDA)
-        return tp__kc_linear_bwd(op->dev.index, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
-                                 tp_tensor_data(gy), gx, gw, gb, tp__rows(x), w->shape[1],
-                                 w->shape[0], false);
-#endif
-    tp__k_linear_bwd(tp_tensor_data(x), tp_tensor_data(w), tp_tensor_data(gy), gx, gw, gb,
-                     tp__rows(x), w->shape[1], w->shape[0], false);
-    return TP_OK;
+    return op->k->linear_bwd(op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
+                             tp_tensor_data(gy), gx, gw, gb, tp__rows(x), w->shape[1], w->shape[0],
+                             false);
 }
 
 static const tp__op_def linear_def = {
@@ -128,7 +107,7 @@ static const tp__op_def linear_def = {
     .n_inputs = 3,
     .input_names = {"x", "weight", "bias"},
     .optional_mask = 1u << 2,
-    .half_ok = true,
+    .dtype_kernel = TP__KOP_LINEAR_FWD,
     .strategies = linear_strategies,
     .out_shape = linear_shape,
     .forward = linear_fwd,
@@ -198,7 +177,7 @@ static const tp__op_def matmul_def = {
     .name = "matmul",
     .n_inputs = 2,
     .input_names = {"a", "b"},
-    .half_ok = true,
+    .dtype_kernel = TP__KOP_GEMM,
     .strategies = matmul_strategies,
     .out_shape = matmul_shape,
     .forward = matmul_fwd,

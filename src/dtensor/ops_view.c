@@ -281,31 +281,19 @@ static tp_status permute_local(tp_tensor *x, const int *perm, tp_tensor **out)
     }
     last2 = last2 && perm[nd - 2] == nd - 1 && perm[nd - 1] == nd - 2;
     tp_device dev = tp_tensor_device(x);
+    const tp__kernels *kern = NULL;
+    TP_CHECK(tp__kernels_for(dev, &kern));
     TP_CHECK(tp__f32(dev, nd, shape, false, out));
     int64_t n = tp_tensor_numel(x);
-    if (identity || n == 0)
-        return tp__copy_f32(dev, tp_tensor_data(*out), tp_tensor_data(x), n);
+    void *y = tp_tensor_data(*out);
     tp_status st;
-    if (last2) {
+    if (identity || n == 0)
+        st = kern->copy(dev, TP_F32, y, tp_tensor_data(x), n);
+    else if (!last2) /* x read through its strides in the new dim order */
+        st = kern->gather(dev, TP_F32, y, tp_tensor_data(x), nd, shape, stride);
+    else {
         int64_t r = x->shape[nd - 2], c = x->shape[nd - 1];
-        st = TP__K(dev, transpose_last2, tp_tensor_data(x), tp_tensor_data(*out), n / (r * c), r,
-                   c);
-    } else {
-        /* a strided copy from a permuted view of x */
-        tp_tensor *v = NULL;
-        st = tp_tensor_view(x, nd, x->shape, &v);
-        if (st == TP_OK) {
-            memcpy(v->shape, shape, sizeof(int64_t) * (size_t)nd);
-            memcpy(v->stride, stride, sizeof(int64_t) * (size_t)nd);
-#if TP_HAVE_CUDA
-            if (dev.type == TP_DEVICE_CUDA) /* on the device, not through host staging */
-                st = tp__kc_gather(dev.index, tp_tensor_data(*out), tp_tensor_data(x), nd, shape,
-                                   stride);
-            else
-#endif
-                st = tp_tensor_copy(*out, v);
-        }
-        tp_tensor_release(v);
+        st = kern->transpose_last2(dev, TP_F32, tp_tensor_data(x), y, n / (r * c), r, c);
     }
     if (st != TP_OK) {
         tp_tensor_release(*out);
