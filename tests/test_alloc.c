@@ -222,3 +222,28 @@ Test(alloc, set_allocator_rejects_null_slots, .timeout = 30)
     tp_tensor_release(t);
     cr_assert_eq(C.count, 0, "nothing went through the removed allocator");
 }
+
+/* A permute or transpose of a plain tensor that needs no gradient allocates
+ * its result and nothing else (no scratch view of its input), whichever copy
+ * it makes: the strided gather, the last-two-dims transpose, the identity. */
+Test(alloc, permute_allocates_only_its_result, .timeout = 30)
+{
+    tp_tensor *x = NULL, *y = NULL;
+    cr_assert_eq(tp_tensor_empty(TP_F32, TP_CPU, 3, shape3, &x), TP_OK);
+    cr_assert_eq(tp_tensor_fill_random(x, TP_RNG_UNIFORM, 0, 1, 1, NULL, NULL), TP_OK);
+    C.count = 0;
+    cr_assert_eq(tp_tensor_empty(TP_F32, TP_CPU, 3, shape3, &y), TP_OK);
+    long result = C.count;
+    tp_tensor_release(y);
+    const int perms[3][3] = {{2, 0, 1}, {0, 2, 1}, {0, 1, 2}};
+    for (int p = 0; p < 3; p++) {
+        C.count = 0;
+        y = NULL;
+        cr_assert_eq(tp_permute(x, 3, perms[p], &y), TP_OK, "%s", tp_last_error());
+        cr_assert_eq(C.count, result, "permute (%d, %d, %d) made %ld allocations; its result "
+                     "takes %ld", perms[p][0], perms[p][1], perms[p][2], C.count, result);
+        tp_tensor_release(y);
+    }
+    tp_tensor_release(x);
+    cr_assert_eq(C.live, 0);
+}

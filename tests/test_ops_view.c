@@ -428,14 +428,19 @@ static void expect_err(tp_test_slot *s, tp_status st, const tp_tensor *y, const 
                 "%s: %s (%s)", msg, tp_status_name(st), tp_last_error());
 }
 
-/* Bad arguments fail on every rank before any collective. */
+/* Bad arguments fail on every rank before any collective. Sizes other than 0
+ * whose product passes INT64_MAX are refused in any order, even beside the 0
+ * that makes the element count match (an empty e), as core's tp_tensor_view
+ * refuses them: by the op, before the all_gather its sharded dim 1 needs. */
 static tp_status errors_body(tp_test_slot *s, tp_mesh *mesh)
 {
     int m = tp_mesh_ndim(mesh);
-    tp_placement ss[2] = {S_(0), S_(1)};
-    tp_tensor *a = NULL, *da = NULL, *y = NULL;
+    tp_placement ss[2] = {S_(0), S_(1)}, s1[2] = {S_(1), S_(1)};
+    tp_tensor *a = NULL, *da = NULL, *e = NULL, *de = NULL, *y = NULL;
     RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){4, 6}, 1, &a));
     RANK_OK(s, tp_dtensor_distribute(mesh, a, m, ss + (2 - m), -1, &da));
+    RANK_OK(s, tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){0, 6}, &e));
+    RANK_OK(s, tp_dtensor_distribute(mesh, e, m, s1, -1, &de));
     tp_comm_debug *dbg = NULL;
     RANK_OK(s, tp_comm_debug_create(&dbg));
     RANK_OK(s, tp_comm_debug_begin(dbg));
@@ -447,12 +452,18 @@ static tp_status errors_body(tp_test_slot *s, tp_mesh *mesh)
     expect_err(s, tp_permute(da, 2, (int[]){1, 1}, &y), y, "permute: dim 1 appears twice");
     expect_err(s, tp_transpose(da, 0, 2, &y), y,
                "transpose: dims (0, 2) out of range for 2 dims");
+    expect_err(s, tp_reshape(de, 3, (int64_t[]){0, INT64_MAX, 2}, &y), y,
+               "reshape: shape [0, 9223372036854775807, 2] has too many elements");
+    expect_err(s, tp_reshape(de, 3, (int64_t[]){INT64_MAX, 2, 0}, &y), y,
+               "reshape: shape [9223372036854775807, 2, 0] has too many elements");
     RANK_OK(s, tp_comm_debug_end(dbg));
     RANK_EXPECT(s, tp_comm_debug_total(dbg) == 0, "failed views issued %lld collectives",
                 (long long)tp_comm_debug_total(dbg));
     tp_comm_debug_free(dbg);
     tp_tensor_release(a);
     tp_tensor_release(da);
+    tp_tensor_release(e);
+    tp_tensor_release(de);
     return TP_OK;
 }
 

@@ -63,6 +63,16 @@ struct tp_tensor {
     void *ext;                         /* the upper layer's state, freed by ext_ops->finalize */
 };
 
+/* out = the n sizes (each >= 0, or one -1) with the -1 replaced by total /
+ * (the product of the others); *numel = the product of out, which the caller
+ * compares with total when there was no -1. TP_ERR_INVALID_ARG naming fn for
+ * a size below -1, two -1s, sizes other than 0 whose product passes
+ * INT64_MAX (even beside a 0, as a tensor's shape) or a -1 that cannot be
+ * inferred; messages number sizes[i] as dim first + i (sizes may be a slice
+ * of a shape). */
+tp_status tp__infer_sizes(const char *fn, int64_t total, int n, const int64_t *sizes, int first,
+                          int64_t *out, int64_t *numel);
+
 /* Records the refusal of a tensor without storage (out of line, cold). */
 tp_status tp__tensor_refuse(const tp_tensor *t, const char *fn, const char *what);
 

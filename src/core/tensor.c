@@ -463,47 +463,58 @@ tp_status tp_tensor_view(tp_tensor *t, int ndim, const int64_t *shape, tp_tensor
         return tp__error(TP_ERR_INVALID_ARG, "%s: tensor of shape %s with strides %s is not contiguous",
                          fn, tp__shape_str(t->ndim, t->shape, buf, sizeof buf),
                          tp__shape_str(t->ndim, t->stride, buf2, sizeof buf2));
-    int64_t numel = tp__numel(t);
-    int64_t resolved[TP_MAX_DIMS];
-    int infer = -1;
-    int64_t known = 1;
-    bool zero = false, overflow = false;
-    for (int i = 0; i < ndim; i++) {
-        resolved[i] = shape[i];
-        if (shape[i] == -1) {
-            TP_ARG_CHECK(infer < 0, "%s: only one size may be -1, got dims %d and %d", fn, infer, i);
-            infer = i;
-            continue;
-        }
-        TP_ARG_CHECK(shape[i] >= 0, "%s: size %lld of dim %d is invalid", fn,
-                     (long long)shape[i], i);
-        if (shape[i] == 0)
-            zero = true;
-        else if (known > INT64_MAX / shape[i])
-            overflow = true;
-        else
-            known *= shape[i];
-    }
-    if (zero)
-        known = 0;
-    else if (overflow)
-        return tp__error(TP_ERR_INVALID_ARG, "%s: shape %s has too many elements", fn,
-                         tp__shape_str(ndim, shape, buf, sizeof buf));
-    if (infer >= 0) {
-        if (known == 0 || numel % known != 0)
-            return tp__error(TP_ERR_INVALID_ARG,
-                             "%s: cannot infer the -1 in shape %s for %lld elements", fn,
-                             tp__shape_str(ndim, shape, buf, sizeof buf), (long long)numel);
-        resolved[infer] = numel / known;
-    } else if (known != numel) {
+    int64_t numel = tp__numel(t), resolved[TP_MAX_DIMS], known = 0;
+    TP_CHECK(tp__infer_sizes(fn, numel, ndim, shape, 0, resolved, &known));
+    if (known != numel)
         return tp__error(TP_ERR_INVALID_ARG, "%s: shape %s has %lld elements, tensor %s has %lld",
                          fn, tp__shape_str(ndim, shape, buf, sizeof buf), (long long)known,
                          tp__shape_str(t->ndim, t->shape, buf2, sizeof buf2), (long long)numel);
-    }
     int64_t n2;
     size_t nb;
     TP_CHECK(tp__check_shape(fn, t->dtype, ndim, resolved, &n2, &nb));
     return tp__make_view(fn, t, ndim, resolved, NULL, t->offset, out);
+}
+
+tp_status tp__infer_sizes(const char *fn, int64_t total, int n, const int64_t *sizes, int first,
+                          int64_t *out, int64_t *numel)
+{
+    int infer = -1;
+    int64_t known = 1;
+    bool zero = false, overflow = false;
+    for (int i = 0; i < n; i++) {
+        out[i] = sizes[i];
+        if (sizes[i] == -1) {
+            TP_ARG_CHECK(infer < 0, "%s: only one size may be -1 (dims %d and %d are)", fn,
+                         first + infer, first + i);
+            infer = i;
+            continue;
+        }
+        TP_ARG_CHECK(sizes[i] >= 0, "%s: size %lld of dim %d is invalid", fn,
+                     (long long)sizes[i], first + i);
+        if (sizes[i] == 0)
+            zero = true;
+        else if (known > INT64_MAX / sizes[i])
+            overflow = true;
+        else
+            known *= sizes[i];
+    }
+    /* as tp__check_shape: the sizes other than 0 must have a product, even
+     * where a 0 makes the element count 0 */
+    char buf[TP__SHAPE_BUF];
+    if (overflow)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: shape %s has too many elements", fn,
+                         tp__shape_str(n, sizes, buf, sizeof buf));
+    if (zero)
+        known = 0;
+    if (infer >= 0) {
+        TP_ARG_CHECK(known != 0 && total % known == 0,
+                     "%s: cannot infer the size of dim %d: %lld elements into %s", fn,
+                     first + infer, (long long)total, tp__shape_str(n, sizes, buf, sizeof buf));
+        out[infer] = total / known;
+        known = total;
+    }
+    *numel = known;
+    return TP_OK;
 }
 
 /* ---- strided iteration ---------------------------------------------------- */

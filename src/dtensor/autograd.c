@@ -282,8 +282,11 @@ static tp_status tp__add_into_plain(tp_tensor *r, const tp_tensor *b)
         st = tp__same_device("backward", "a gradient", r, "the gradient added to it", src);
     if (st == TP_OK && tp_tensor_device(r).type == TP_DEVICE_CUDA) {
         tp_device dev = tp_tensor_device(r);
+        const tp__kernels *k = NULL;
         if (r->dtype == TP_F32 && src->dtype == TP_F32) {
-            st = TP__K(dev, accumulate, tp_tensor_data(r), tp_tensor_data(src), n);
+            st = tp__kernels_for(dev, &k);
+            if (st == TP_OK)
+                st = k->accumulate(dev, TP_F32, tp_tensor_data(r), tp_tensor_data(src), n);
         } else {
             /* other dtypes: summed on the host, then copied back */
             tp_tensor *ha = NULL, *hb = NULL;

@@ -6,34 +6,28 @@
 
 tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_tensor **out)
 {
-#if TP_HAVE_CUDA
-    if (zero && dev.type == TP_DEVICE_CUDA) {
-        /* zeroed on this thread's stream, in order with the kernels that use
-         * it, rather than by tp_tensor_zeros' memset and device-wide wait */
-        TP_CHECK(tp_tensor_empty(TP_F32, dev, ndim, shape, out));
-        tp_status st = tp__kc_fill(dev.index, tp_tensor_data(*out), 0.0f, tp_tensor_numel(*out));
-        if (st != TP_OK) {
-            tp_tensor_release(*out);
-            *out = NULL;
-        }
-        return st;
+    TP_CHECK(tp_tensor_empty(TP_F32, dev, ndim, shape, out));
+    if (!zero)
+        return TP_OK;
+    /* zeroed by the device's engine: on a GPU in order with the kernels that
+     * use it, on this thread's stream, rather than by a memset and a
+     * device-wide wait */
+    const tp__kernels *k = NULL;
+    tp_status st = tp__kernels_for(dev, &k);
+    if (st == TP_OK)
+        st = k->fill(dev, TP_F32, tp_tensor_data(*out), 0.0f, tp_tensor_numel(*out));
+    if (st != TP_OK) {
+        tp_tensor_release(*out);
+        *out = NULL;
     }
-#endif
-    return zero ? tp_tensor_zeros(TP_F32, dev, ndim, shape, out)
-                : tp_tensor_empty(TP_F32, dev, ndim, shape, out);
+    return st;
 }
 
 tp_status tp__copy_f32(tp_device dev, float *dst, const float *src, int64_t n)
 {
-    if (n <= 0 || dst == src)
-        return TP_OK;
-#if TP_HAVE_CUDA
-    if (dev.type == TP_DEVICE_CUDA)
-        return tp__kc_copy(dev.index, dst, src, n);
-#endif
-    (void)dev;
-    memcpy(dst, src, (size_t)n * sizeof *dst);
-    return TP_OK;
+    const tp__kernels *k = NULL;
+    TP_CHECK(tp__kernels_for(dev, &k));
+    return k->copy(dev, TP_F32, dst, src, n);
 }
 
 const char *tp__device_str(tp_device dev, char *buf, size_t len)
@@ -66,28 +60,32 @@ int64_t tp__rows(const tp_tensor *t)
     return r;
 }
 
-tp_status tp__require_f32(const tp__op *op, int i)
+tp_status tp__check_dtypes(const tp__op *op)
 {
-    tp_tensor *t = op->in[i];
-    if (!t || (op->def->nondiff_mask & (1u << i)))
-        return TP_OK;
-    tp_tensor *l = tp__tensor_local(t);
-    if (l->dtype == TP_F32 && !op->def->half_ok)
-        return TP_OK;
-    if (op->def->half_ok && op->dev.type == TP_DEVICE_CUDA &&
-        (l->dtype == TP_F32 || l->dtype == TP_F16 || l->dtype == TP_BF16)) {
+    const tp__op_def *def = op->def;
+    const tp__kop kop = def->dtype_kernel;
+    tp_dtype taken = (tp_dtype)-1; /* the last dtype the engine was asked about and takes */
+    for (int i = 0; i < def->n_inputs; i++) {
+        tp_tensor *t = op->in[i];
+        if (!t || (def->nondiff_mask & (1u << i)))
+            continue;
+        tp_dtype dt = tp__tensor_local(t)->dtype;
+        if (dt != taken) {
+            if (kop == TP__KOP_NONE ? dt != TP_F32 : !op->k->supports(kop, dt))
+                return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is %s; ops take f32%s", def->name,
+                                 def->input_names[i], tp_dtype_name(dt),
+                                 kop != TP__KOP_NONE ? " (f16/bf16 too on CUDA devices)" : "");
+            taken = dt;
+        }
+        if (kop == TP__KOP_NONE)
+            continue;
         tp_tensor *l0 = tp__tensor_local(op->in[0]);
-        if (l->dtype == l0->dtype)
-            return TP_OK;
-        return tp__error(TP_ERR_INVALID_ARG, "%s: %s is %s but %s is %s; the dtypes must match",
-                         op->def->name, op->def->input_names[0], tp_dtype_name(l0->dtype),
-                         op->def->input_names[i], tp_dtype_name(l->dtype));
+        if (dt != l0->dtype)
+            return tp__error(TP_ERR_INVALID_ARG, "%s: %s is %s but %s is %s; the dtypes must match",
+                             def->name, def->input_names[0], tp_dtype_name(l0->dtype),
+                             def->input_names[i], tp_dtype_name(dt));
     }
-    if (l->dtype == TP_F32)
-        return TP_OK;
-    return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is %s; ops take f32%s", op->def->name,
-                     op->def->input_names[i], tp_dtype_name(l->dtype),
-                     op->def->half_ok ? " (f16/bf16 too on CUDA devices)" : "");
+    return TP_OK;
 }
 
 bool tp__op_partial_leader(const tp__op *op)
@@ -294,6 +292,7 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
     }
     if (first >= 0)
         op.dev = tp_tensor_device(args[first]);
+    TP_CHECK(tp__kernels_for(op.dev, &op.k));
     for (int i = 0; i < def->n_inputs; i++) {
         if (!args[i])
             continue;
@@ -324,8 +323,8 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
             st = tp__error(TP_ERR_INVALID_ARG, "%s: %s is not contiguous", fn,
                            def->input_names[i]);
     }
-    for (int i = 0; i < def->n_inputs && st == TP_OK; i++)
-        st = tp__require_f32(&op, i);
+    if (st == TP_OK)
+        st = tp__check_dtypes(&op);
     if (st == TP_OK)
         st = def->out_shape(&op, &op.out_ndim, op.out_shape);
     if (st == TP_OK)

@@ -50,14 +50,7 @@ static tp_status sgemm(const tp__op *op, bool ta, bool tb, int64_t m, int64_t n,
                        float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
                        float *c, int64_t ldc)
 {
-#if TP_HAVE_CUDA
-    if (op->dev.type == TP_DEVICE_CUDA)
-        return tp__kc_gemm(op->dev.index, TP_F32, ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f,
-                           c, ldc);
-#endif
-    (void)op;
-    tp__k_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
-    return TP_OK;
+    return op->k->gemm(op->dev, TP_F32, ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
 }
 
 static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -79,9 +72,9 @@ static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
         float *sc = pd + b * S * S;
         st = sgemm(op, false, true, S, S, D, scale, qd + b * S * D, D, kd + b * S * D, D, sc, S);
         if (st == TP_OK && p->causal)
-            st = TP__K(op->dev, causal_mask, sc, 1, S);
+            st = op->k->causal_mask(op->dev, TP_F32, sc, 1, S);
         if (st == TP_OK && S > 0)
-            st = TP__K(op->dev, softmax_fwd, sc, sc, S, S);
+            st = op->k->softmax_fwd(op->dev, TP_F32, sc, sc, S, S);
         if (st == TP_OK)
             st = sgemm(op, false, false, S, D, S, 1.0f, sc, S, vd + b * S * D, D, od + b * S * D,
                        D);
@@ -121,7 +114,7 @@ static tp_status sdpa_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
         if (st == TP_OK)
             st = sgemm(op, false, true, S, S, D, 1.0f, gob, D, vd + b * S * D, D, dpd, S);
         if (st == TP_OK && S > 0)
-            st = TP__K(op->dev, softmax_bwd, pb, dpd, dpd, S, S);
+            st = op->k->softmax_bwd(op->dev, TP_F32, pb, dpd, dpd, S, S);
         if (st == TP_OK)
             st = sgemm(op, false, false, S, D, S, scale, dpd, S, kd + b * S * D, D,
                        gq + b * S * D, D);

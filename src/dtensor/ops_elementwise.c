@@ -198,32 +198,32 @@ static int collapse_dims(int nd, int64_t *shape, int64_t *s0, int64_t *s1)
 
 /* y (contiguous, nd dims of shape) = a + b or a * b with broadcasting; a and
  * b may be strided views. */
-static tp_status bcast_apply(tp_device dev, bool mul, const tp_tensor *a, const tp_tensor *b,
+static tp_status bcast_apply(const tp__op *op, bool mul, const tp_tensor *a, const tp_tensor *b,
                              int nd, const int64_t *shape, float *y)
 {
+    const tp__kernels *k = op->k;
     const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
     if (has_shape(a, nd, shape) && has_shape(b, nd, shape) && tp_tensor_is_contiguous(a) &&
         tp_tensor_is_contiguous(b)) {
         int64_t n = tp_tensor_numel(a);
-        return mul ? TP__K(dev, mul, pa, pb, y, n) : TP__K(dev, add, pa, pb, y, n);
+        return (mul ? k->mul : k->add)(op->dev, TP_F32, pa, pb, y, n);
     }
     int64_t sh[TP_MAX_DIMS], sa[TP_MAX_DIMS], sb[TP_MAX_DIMS];
     memcpy(sh, shape, sizeof(int64_t) * (size_t)nd);
     bcast_strides(a, nd, shape, sa);
     bcast_strides(b, nd, shape, sb);
     int m = collapse_dims(nd, sh, sa, sb);
-    return mul ? TP__K(dev, mul_bcast, pa, pb, y, m, sh, sa, sb)
-               : TP__K(dev, add_bcast, pa, pb, y, m, sh, sa, sb);
+    return (mul ? k->mul_bcast : k->add_bcast)(op->dev, TP_F32, pa, pb, y, m, sh, sa, sb);
 }
 
 /* g (contiguous, t's shape) = x (contiguous, nd dims of shape) summed over
  * the dims t is broadcast along. */
-static tp_status sum_to(tp_device dev, const tp_tensor *x, int nd, const int64_t *shape,
+static tp_status sum_to(const tp__op *op, const tp_tensor *x, int nd, const int64_t *shape,
                         const tp_tensor *t, float *g)
 {
     const float *px = tp_tensor_data(x);
     if (has_shape(t, nd, shape))
-        return tp__copy_f32(dev, g, px, tp_tensor_numel(x));
+        return op->k->copy(op->dev, TP_F32, g, px, tp_tensor_numel(x));
     /* strides of x and of a contiguous g (0 where summed), merged as in the
      * forward; the merged g shape is 1 where the strides say summed */
     int64_t sh[TP_MAX_DIMS], sx[TP_MAX_DIMS], sg[TP_MAX_DIMS], gshape[TP_MAX_DIMS];
@@ -239,7 +239,7 @@ static tp_status sum_to(tp_device dev, const tp_tensor *x, int nd, const int64_t
     int m = collapse_dims(nd, sh, sx, sg);
     for (int d = 0; d < m; d++)
         gshape[d] = sg[d] == 0 ? 1 : sh[d];
-    return TP__K(dev, sum_bcast, px, g, m, sh, gshape);
+    return op->k->sum_bcast(op->dev, TP_F32, px, g, m, sh, gshape);
 }
 
 static tp_status binary_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -257,11 +257,11 @@ static tp_status binary_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     TP_CHECK(tp__f32(op->dev, nd, shape, !(ca && cb) && !copy, out));
     float *y = tp_tensor_data(*out);
     if (ca && cb)
-        return bcast_apply(op->dev, mul, a, b, nd, shape, y);
+        return bcast_apply(op, mul, a, b, nd, shape, y);
     if (copy)
         return tp__copy_f32(op->dev, y, tp_tensor_data(only), tp_tensor_numel(only));
     if (only)
-        return bcast_apply(op->dev, false, *out, only, nd, shape, y);
+        return bcast_apply(op, false, *out, only, nd, shape, y);
     return TP_OK;
 }
 
@@ -270,12 +270,12 @@ static tp_status mul_grad(tp__op *op, tp_tensor *gy, tp_tensor *other, const tp_
                           int nd, const int64_t *shape, float *g)
 {
     if (has_shape(t, nd, shape))
-        return bcast_apply(op->dev, true, gy, other, nd, shape, g);
+        return bcast_apply(op, true, gy, other, nd, shape, g);
     tp_tensor *prod = NULL;
     TP_CHECK(like(gy, false, &prod));
-    tp_status st = bcast_apply(op->dev, true, gy, other, nd, shape, tp_tensor_data(prod));
+    tp_status st = bcast_apply(op, true, gy, other, nd, shape, tp_tensor_data(prod));
     if (st == TP_OK)
-        st = sum_to(op->dev, prod, nd, shape, t, g);
+        st = sum_to(op, prod, nd, shape, t, g);
     tp_tensor_release(prod);
     return st;
 }
@@ -297,32 +297,22 @@ static tp_status binary_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
         if (mul)
             TP_CHECK(mul_grad(op, gy, in[1 - i], in[i], nd, shape, gi));
         else
-            TP_CHECK(sum_to(op->dev, gy, nd, shape, in[i], gi));
+            TP_CHECK(sum_to(op, gy, nd, shape, in[i], gi));
     }
     return TP_OK;
 }
 
-static const tp__op_def add_def = {
-    .name = "add",
-    .n_inputs = 2,
-    .input_names = {"a", "b"},
-    .strided_ok = true,
-    .strategies = binary_strategies,
-    .out_shape = binary_shape,
-    .forward = binary_fwd,
-    .backward = binary_bwd,
-};
+/* add and mul share everything but the name (the params say which) */
+#define BINARY_DEF(n)                                                           \
+    {                                                                           \
+        .name = n, .n_inputs = 2, .input_names = {"a", "b"},                    \
+        .strided_ok = true, .strategies = binary_strategies,                    \
+        .out_shape = binary_shape, .forward = binary_fwd,                       \
+        .backward = binary_bwd,                                                 \
+    }
 
-static const tp__op_def mul_def = {
-    .name = "mul",
-    .n_inputs = 2,
-    .input_names = {"a", "b"},
-    .strided_ok = true,
-    .strategies = binary_strategies,
-    .out_shape = binary_shape,
-    .forward = binary_fwd,
-    .backward = binary_bwd,
-};
+static const tp__op_def add_def = BINARY_DEF("add");
+static const tp__op_def mul_def = BINARY_DEF("mul");
 
 static tp_status binary_run(const tp__op_def *def, bool mul, tp_tensor *a, tp_tensor *b,
                             tp_tensor **y)
@@ -370,8 +360,9 @@ static int scale_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
 static tp_status scale_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     TP_CHECK(like(in[0], false, out));
-    return TP__K(op->dev, scale, tp_tensor_data(in[0]), (float)TP__OP_PARAMS(op, scale_params)->s,
-                 tp_tensor_data(*out), tp_tensor_numel(in[0]));
+    return op->k->scale(op->dev, TP_F32, tp_tensor_data(in[0]),
+                        (float)TP__OP_PARAMS(op, scale_params)->s, tp_tensor_data(*out),
+                        tp_tensor_numel(in[0]));
 }
 
 static tp_status scale_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -379,8 +370,9 @@ static tp_status scale_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_t
     if (!op->need_grad[0])
         return TP_OK;
     TP_CHECK(like(in[0], false, &g[0]));
-    return TP__K(op->dev, scale, tp_tensor_data(gy), (float)TP__OP_PARAMS(op, scale_params)->s,
-                 tp_tensor_data(g[0]), tp_tensor_numel(in[0]));
+    return op->k->scale(op->dev, TP_F32, tp_tensor_data(gy),
+                        (float)TP__OP_PARAMS(op, scale_params)->s, tp_tensor_data(g[0]),
+                        tp_tensor_numel(in[0]));
 }
 
 static const tp__op_def scale_def = {
@@ -411,8 +403,8 @@ static tp_status relu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     (void)op;
     TP_CHECK(like(in[0], false, out));
-    return TP__K(op->dev, relu_fwd, tp_tensor_data(in[0]), tp_tensor_data(*out),
-                 tp_tensor_numel(in[0]));
+    return op->k->relu_fwd(op->dev, TP_F32, tp_tensor_data(in[0]), tp_tensor_data(*out),
+                           tp_tensor_numel(in[0]));
 }
 
 static tp_status relu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -420,8 +412,8 @@ static tp_status relu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
     if (!op->need_grad[0])
         return TP_OK;
     TP_CHECK(like(in[0], false, &g[0]));
-    return TP__K(op->dev, relu_bwd, tp_tensor_data(in[0]), tp_tensor_data(gy),
-                 tp_tensor_data(g[0]), tp_tensor_numel(in[0]));
+    return op->k->relu_bwd(op->dev, TP_F32, tp_tensor_data(in[0]), tp_tensor_data(gy),
+                           tp_tensor_data(g[0]), tp_tensor_numel(in[0]));
 }
 
 static const tp__op_def relu_def = {
@@ -447,8 +439,8 @@ typedef struct {
 static tp_status gelu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     TP_CHECK(like(in[0], false, out));
-    return TP__K(op->dev, gelu_fwd, tp_tensor_data(in[0]), tp_tensor_data(*out),
-                 tp_tensor_numel(in[0]), TP__OP_PARAMS(op, gelu_params)->tanh_approx);
+    return op->k->gelu_fwd(op->dev, TP_F32, tp_tensor_data(in[0]), tp_tensor_data(*out),
+                           tp_tensor_numel(in[0]), TP__OP_PARAMS(op, gelu_params)->tanh_approx);
 }
 
 static tp_status gelu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -456,9 +448,9 @@ static tp_status gelu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
     if (!op->need_grad[0])
         return TP_OK;
     TP_CHECK(like(in[0], false, &g[0]));
-    return TP__K(op->dev, gelu_bwd, tp_tensor_data(in[0]), tp_tensor_data(gy),
-                 tp_tensor_data(g[0]), tp_tensor_numel(in[0]),
-                 TP__OP_PARAMS(op, gelu_params)->tanh_approx);
+    return op->k->gelu_bwd(op->dev, TP_F32, tp_tensor_data(in[0]), tp_tensor_data(gy),
+                           tp_tensor_data(g[0]), tp_tensor_numel(in[0]),
+                           TP__OP_PARAMS(op, gelu_params)->tanh_approx);
 }
 
 static const tp__op_def gelu_def = {
@@ -516,8 +508,8 @@ static tp_status dropout_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     }
     int64_t offset[TP_MAX_DIMS];
     tp__op_offset(op, 0, offset);
-    return TP__K(op->dev, dropout_fwd, tp_tensor_data(x), tp_tensor_data(*out), mask, x->ndim,
-                 x->shape, tp__op_gshape(op, 0), offset, prm->p, prm->seed);
+    return op->k->dropout_fwd(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(*out), mask,
+                              x->ndim, x->shape, tp__op_gshape(op, 0), offset, prm->p, prm->seed);
 }
 
 static tp_status dropout_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -530,8 +522,8 @@ static tp_status dropout_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
     if (prm->p <= 0.0f || n == 0)
         return tp__copy_f32(op->dev, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
     TP_ASSERT(op->saved[0]);
-    return TP__K(op->dev, dropout_bwd, tp_tensor_data(gy), tp_tensor_data(op->saved[0]),
-                 tp_tensor_data(g[0]), n, prm->p);
+    return op->k->dropout_bwd(op->dev, TP_F32, tp_tensor_data(gy), tp_tensor_data(op->saved[0]),
+                              tp_tensor_data(g[0]), n, prm->p);
 }
 
 static const tp__op_def dropout_def = {

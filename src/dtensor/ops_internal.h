@@ -8,7 +8,6 @@
 
 #include "dtensor/dtensor_internal.h"
 #include "kernels/kernels.h"
-#include "kernels/kernels_cuda.h"
 #include "tp/ops.h"
 
 #define TP__OP_MAX_IN 4
@@ -30,7 +29,10 @@ typedef struct tp__op_def {
     const char *input_names[TP__OP_MAX_IN];
     unsigned optional_mask;   /* bit i: input i may be NULL */
     unsigned nondiff_mask;    /* bit i: input i never gets a gradient (indices) */
-    bool half_ok;             /* f16/bf16 inputs accepted on CUDA devices (matrix products) */
+    /* the kernel whose engine decides the dtypes the op takes (supports(),
+     * all inputs of input 0's dtype): the matrix products take f16/bf16 on
+     * CUDA. TP__KOP_NONE: f32 only. */
+    tp__kop dtype_kernel;
     bool strided_ok;          /* local inputs may be non-contiguous views (read by strides) */
     /* fills up to TP__OP_MAX_STRATS strategies for one mesh dim; returns the
      * count. NULL: the op has no distributed form. */
@@ -52,7 +54,8 @@ struct tp__op {
     int64_t arg_shape[TP__OP_MAX_IN][TP_MAX_DIMS];
     bool need_grad[TP__OP_MAX_IN];
     bool distributed;
-    tp_device dev; /* where every local input lives, and where the op runs */
+    tp_device dev;          /* where every local input lives, and where the op runs */
+    const tp__kernels *k;   /* dev's engine */
     tp_mesh *mesh;
     int mesh_ndim;
     tp_placement in_pl[TP__OP_MAX_IN][TP_MESH_MAX_DIMS];
@@ -101,8 +104,9 @@ tp_status tp__same_device(const char *fn, const char *an, const tp_tensor *a, co
                           const tp_tensor *b);
 /* rows = product of all dims but the last, for a contiguous tensor. */
 int64_t tp__rows(const tp_tensor *t);
-/* Checks that input i is f32 (or, for half_ok ops on CUDA, f16/bf16 like
- * input 0). */
-tp_status tp__require_f32(const tp__op *op, int i);
+/* Checks the dtypes of the op's differentiable inputs: f32, or what the op's
+ * dtype_kernel takes on the op's engine (asked once per dtype), all of input
+ * 0's dtype. */
+tp_status tp__check_dtypes(const tp__op *op);
 
 #endif /* TP_OPS_INTERNAL_H */

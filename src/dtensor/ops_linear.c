@@ -25,22 +25,34 @@ static int linear_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
     return n;
 }
 
-static tp_status linear_shape(const tp__op *op, int *ndim, int64_t *shape)
+/* The shape of a product of input 0 (at least 1-d) with the 2-d input 1,
+ * whose dim kdim contracts with input 0's last: input 0's shape with its last
+ * dim replaced by input 1's other dim. what1 describes a 2-d input 1 in the
+ * message; the caller checks the contracted sizes. */
+static tp_status product_shape(const tp__op *op, int kdim, const char *what1, int *ndim,
+                               int64_t *shape)
 {
     const char *fn = op->def->name;
     int nd = tp__op_gndim(op, 0);
+    TP_ARG_CHECK(nd >= 1, "%s: %s must have at least 1 dim", fn, op->def->input_names[0]);
+    TP_ARG_CHECK(tp__op_gndim(op, 1) == 2, "%s: %s must be %s, got %d dims", fn,
+                 op->def->input_names[1], what1, tp__op_gndim(op, 1));
+    *ndim = nd;
+    memcpy(shape, tp__op_gshape(op, 0), sizeof(int64_t) * (size_t)nd);
+    shape[nd - 1] = tp__op_gshape(op, 1)[1 - kdim];
+    return TP_OK;
+}
+
+static tp_status linear_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    const char *fn = op->def->name;
+    TP_CHECK(product_shape(op, 1, "2-d [out, in]", ndim, shape));
     const int64_t *x = tp__op_gshape(op, 0), *w = tp__op_gshape(op, 1);
-    TP_ARG_CHECK(nd >= 1, "%s: x must have at least 1 dim", fn);
-    TP_ARG_CHECK(tp__op_gndim(op, 1) == 2, "%s: weight must be 2-d [out, in], got %d dims", fn,
-                 tp__op_gndim(op, 1));
-    TP_ARG_CHECK(x[nd - 1] == w[1], "%s: input has %lld features, weight expects %lld", fn,
-                 (long long)x[nd - 1], (long long)w[1]);
+    TP_ARG_CHECK(x[*ndim - 1] == w[1], "%s: input has %lld features, weight expects %lld", fn,
+                 (long long)x[*ndim - 1], (long long)w[1]);
     if (op->in[2])
         TP_ARG_CHECK(tp__op_gndim(op, 2) == 1 && tp__op_gshape(op, 2)[0] == w[0],
                      "%s: bias must be [%lld]", fn, (long long)w[0]);
-    *ndim = nd;
-    memcpy(shape, x, sizeof(int64_t) * (size_t)nd);
-    shape[nd - 1] = w[0];
     return TP_OK;
 }
 
@@ -52,20 +64,12 @@ static tp_status out_like(const tp__op *op, const tp_tensor *t, int ndim, const 
     return tp_tensor_empty(t->dtype, op->dev, ndim, shape, out);
 }
 
-/* C = A B with the op's engine: cuBLAS (any of f32/f16/bf16) or OpenBLAS. */
+/* C = A B with the op's engine (in any dtype its products take). */
 static tp_status gemm(const tp__op *op, tp_dtype dtype, bool ta, bool tb, int64_t m, int64_t n,
                       int64_t k, const void *a, int64_t lda, const void *b, int64_t ldb, void *c,
                       int64_t ldc)
 {
-#if TP_HAVE_CUDA
-    if (op->dev.type == TP_DEVICE_CUDA)
-        return tp__kc_gemm(op->dev.index, dtype, ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c,
-                           ldc);
-#endif
-    (void)op;
-    (void)dtype;
-    tp__k_gemm(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
-    return TP_OK;
+    return op->k->gemm(op->dev, dtype, ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
 }
 
 static tp_status linear_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -78,15 +82,8 @@ static tp_status linear_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     TP_CHECK(out_like(op, x, nd, shape, out));
     /* a bias joins a partial sum once, on the leader */
     const void *bias = b && tp__op_partial_leader(op) ? tp_tensor_data(b) : NULL;
-#if TP_HAVE_CUDA
-    if (op->dev.type == TP_DEVICE_CUDA)
-        return tp__kc_linear_fwd(op->dev.index, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
-                                 bias, tp_tensor_data(*out), tp__rows(x), w->shape[1],
-                                 w->shape[0]);
-#endif
-    tp__k_linear_fwd(tp_tensor_data(x), tp_tensor_data(w), bias, tp_tensor_data(*out),
-                     tp__rows(x), w->shape[1], w->shape[0]);
-    return TP_OK;
+    return op->k->linear_fwd(op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w), bias,
+                             tp_tensor_data(*out), tp__rows(x), w->shape[1], w->shape[0]);
 }
 
 static tp_status linear_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -100,15 +97,9 @@ static tp_status linear_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
         TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
     void *gx = g[0] ? tp_tensor_data(g[0]) : NULL, *gw = g[1] ? tp_tensor_data(g[1]) : NULL,
          *gb = g[2] ? tp_tensor_data(g[2]) : NULL;
-#if TP_HAVE_CUDA
-    if (op->dev.type == TP_DEVICE_CUDA)
-        return tp__kc_linear_bwd(op->dev.index, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
-                                 tp_tensor_data(gy), gx, gw, gb, tp__rows(x), w->shape[1],
-                                 w->shape[0], false);
-#endif
-    tp__k_linear_bwd(tp_tensor_data(x), tp_tensor_data(w), tp_tensor_data(gy), gx, gw, gb,
-                     tp__rows(x), w->shape[1], w->shape[0], false);
-    return TP_OK;
+    return op->k->linear_bwd(op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
+                             tp_tensor_data(gy), gx, gw, gb, tp__rows(x), w->shape[1], w->shape[0],
+                             false);
 }
 
 static const tp__op_def linear_def = {
@@ -116,7 +107,7 @@ static const tp__op_def linear_def = {
     .n_inputs = 3,
     .input_names = {"x", "weight", "bias"},
     .optional_mask = 1u << 2,
-    .half_ok = true,
+    .dtype_kernel = TP__KOP_LINEAR_FWD,
     .strategies = linear_strategies,
     .out_shape = linear_shape,
     .forward = linear_fwd,
@@ -146,17 +137,10 @@ static int matmul_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
 
 static tp_status matmul_shape(const tp__op *op, int *ndim, int64_t *shape)
 {
-    const char *fn = op->def->name;
-    int nd = tp__op_gndim(op, 0);
+    TP_CHECK(product_shape(op, 0, "2-d", ndim, shape));
     const int64_t *a = tp__op_gshape(op, 0), *b = tp__op_gshape(op, 1);
-    TP_ARG_CHECK(nd >= 1, "%s: a must have at least 1 dim", fn);
-    TP_ARG_CHECK(tp__op_gndim(op, 1) == 2, "%s: b must be 2-d, got %d dims", fn,
-                 tp__op_gndim(op, 1));
-    TP_ARG_CHECK(a[nd - 1] == b[0], "%s: a has %lld columns but b has %lld rows", fn,
-                 (long long)a[nd - 1], (long long)b[0]);
-    *ndim = nd;
-    memcpy(shape, a, sizeof(int64_t) * (size_t)nd);
-    shape[nd - 1] = b[1];
+    TP_ARG_CHECK(a[*ndim - 1] == b[0], "%s: a has %lld columns but b has %lld rows",
+                 op->def->name, (long long)a[*ndim - 1], (long long)b[0]);
     return TP_OK;
 }
 
@@ -193,7 +177,7 @@ static const tp__op_def matmul_def = {
     .name = "matmul",
     .n_inputs = 2,
     .input_names = {"a", "b"},
-    .half_ok = true,
+    .dtype_kernel = TP__KOP_GEMM,
     .strategies = matmul_strategies,
     .out_shape = matmul_shape,
     .forward = matmul_fwd,

@@ -7,7 +7,7 @@
  * 1-D); the kernels see them as [outer, C, inner] with the classes at stride
  * inner, one row per target element. Two forms:
  *  - plain tensors and Replicate logits: a dispatcher op with one all-R
- *    strategy that computes locally (tp__k_cross_entropy_fwd/bwd);
+ *    strategy that computes locally (the cross_entropy_fwd/bwd kernels);
  *  - logits sharded on the class dim on one mesh dim (loss parallel), other
  *    dims possibly sharded on other mesh dims: its own path below, because
  *    its forward issues collectives. Three all_reduces on the class mesh
@@ -153,8 +153,9 @@ static tp_status emb_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     shape[nd] = w->shape[1];
     TP_CHECK(tp__f32(op->dev, nd + 1, shape, false, out));
     tp__op_offset(op, 1, off); /* the first global row this rank's table holds */
-    return TP__K(op->dev, embedding_fwd, tp_tensor_data(idx), tp_tensor_numel(idx),
-                 tp_tensor_data(w), w->shape[0], w->shape[1], off[0], tp_tensor_data(*out));
+    return op->k->embedding_fwd(op->dev, TP_F32, tp_tensor_data(idx), tp_tensor_numel(idx),
+                                tp_tensor_data(w), w->shape[0], w->shape[1], off[0],
+                                tp_tensor_data(*out));
 }
 
 static tp_status emb_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -165,8 +166,9 @@ static tp_status emb_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_ten
     int64_t off[TP_MAX_DIMS];
     tp__op_offset(op, 1, off);
     TP_CHECK(tp__f32(op->dev, 2, w->shape, true, &g[1]));
-    return TP__K(op->dev, embedding_bwd, tp_tensor_data(idx), tp_tensor_numel(idx),
-                 tp_tensor_data(gy), w->shape[0], w->shape[1], off[0], tp_tensor_data(g[1]));
+    return op->k->embedding_bwd(op->dev, TP_F32, tp_tensor_data(idx), tp_tensor_numel(idx),
+                                tp_tensor_data(gy), w->shape[0], w->shape[1], off[0],
+                                tp_tensor_data(g[1]));
 }
 
 static const tp__op_def emb_def = {
@@ -250,7 +252,7 @@ tp_status tp_embedding(tp_tensor *indices, tp_tensor *weight, tp_tensor **y)
 typedef struct {
     tp_reduction reduction;
     int64_t ignore_index;
-    double wsum; /* set by the forward: the weights of the counted rows, summed */
+    double wsum; /* the weights of the counted rows, summed on the host */
 } ce_params;
 
 /* The class dim: 1, or 0 for unbatched [C] logits (as PyTorch). */
@@ -280,19 +282,14 @@ static tp_status ce_reduce(tp_tensor *rows, tp_reduction red, double wsum, tp_te
         return TP_OK;
     }
     tp_device dev = tp_tensor_device(rows);
+    const tp__kernels *k = NULL;
     tp_tensor *s = NULL;
-    tp_status st = tp__f32(dev, 0, NULL, false, &s);
-    if (st == TP_OK) {
-        double div = red == TP_REDUCTION_MEAN ? wsum : 1.0;
-#if TP_HAVE_CUDA
-        if (dev.type == TP_DEVICE_CUDA)
-            st = tp__kc_sum_all(dev.index, tp_tensor_data(rows), tp_tensor_numel(rows),
-                                tp_tensor_data(s), div);
-        else
-#endif
-            *(float *)tp_tensor_data(s) =
-                (float)(tp__k_sum_all(tp_tensor_data(rows), tp_tensor_numel(rows)) / div);
-    }
+    tp_status st = tp__kernels_for(dev, &k);
+    if (st == TP_OK)
+        st = tp__f32(dev, 0, NULL, false, &s);
+    if (st == TP_OK)
+        st = k->sum_all(dev, TP_F32, tp_tensor_data(rows), tp_tensor_numel(rows), tp_tensor_data(s),
+                        red == TP_REDUCTION_MEAN ? wsum : 1.0);
     if (st == TP_OK)
         *out = s;
     else
@@ -307,23 +304,11 @@ static tp_status ce_gloss(const tp_tensor *gy, int64_t rows, tp_reduction red, d
                           tp_tensor **out)
 {
     tp_device dev = tp_tensor_device(gy);
+    const tp__kernels *k = NULL;
+    TP_CHECK(tp__kernels_for(dev, &k));
     TP_CHECK(tp__f32(dev, 1, &rows, false, out));
-    float *gl = tp_tensor_data(*out);
-    const float *g = tp_tensor_data(gy);
-#if TP_HAVE_CUDA
-    if (dev.type == TP_DEVICE_CUDA)
-        return tp__kc_ce_gloss(dev.index, g, gl, rows, red != TP_REDUCTION_NONE,
-                               red == TP_REDUCTION_MEAN ? wsum : 1.0);
-#endif
-    if (red == TP_REDUCTION_NONE) {
-        if (rows)
-            memcpy(gl, g, sizeof(float) * (size_t)rows);
-        return TP_OK;
-    }
-    float v = red == TP_REDUCTION_MEAN ? (float)((double)g[0] / wsum) : g[0];
-    for (int64_t r = 0; r < rows; r++)
-        gl[r] = v;
-    return TP_OK;
+    return k->ce_gloss(dev, TP_F32, tp_tensor_data(gy), tp_tensor_data(*out), rows,
+                       red != TP_REDUCTION_NONE, red == TP_REDUCTION_MEAN ? wsum : 1.0);
 }
 
 /* ---- cross entropy: local (plain or Replicate) ------------------------------ */
@@ -356,21 +341,13 @@ static tp_status ce_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     ce_dims(x, &outer, &c, &inner);
     const int64_t n = outer * inner;
     TP_CHECK(tp__f32(op->dev, t->ndim, t->shape, false, &rows));
-#if TP_HAVE_CUDA
-    if (op->dev.type == TP_DEVICE_CUDA) {
-        /* p->wsum came with the params, summed from the host copy of the targets */
-        tp_status st = tp__kc_cross_entropy_fwd(
-            op->dev.index, tp_tensor_data(x), tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
-            tp_tensor_data(rows), n, c, inner, p->ignore_index);
-        if (st != TP_OK) {
-            tp_tensor_release(rows);
-            return st;
-        }
-        return ce_reduce(rows, p->reduction, p->wsum, out);
+    tp_status st = op->k->cross_entropy_fwd(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(t),
+                                            w ? tp_tensor_data(w) : NULL, tp_tensor_data(rows), n,
+                                            c, inner, p->ignore_index);
+    if (st != TP_OK) {
+        tp_tensor_release(rows);
+        return st;
     }
-#endif
-    tp__k_cross_entropy_fwd(tp_tensor_data(x), tp_tensor_data(t), w ? tp_tensor_data(w) : NULL,
-                            tp_tensor_data(rows), n, c, inner, p->ignore_index, &p->wsum);
     return ce_reduce(rows, p->reduction, p->wsum, out);
 }
 
@@ -386,9 +363,9 @@ static tp_status ce_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tens
     TP_CHECK(ce_gloss(gy, n, p->reduction, p->wsum, &gl));
     tp_status st = tp__f32(op->dev, x->ndim, x->shape, false, &g[0]);
     if (st == TP_OK)
-        st = TP__K(op->dev, cross_entropy_bwd, tp_tensor_data(x), tp_tensor_data(t),
-                   w ? tp_tensor_data(w) : NULL, tp_tensor_data(gl), tp_tensor_data(g[0]), n, c,
-                   inner, p->ignore_index);
+        st = op->k->cross_entropy_bwd(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(t),
+                                      w ? tp_tensor_data(w) : NULL, tp_tensor_data(gl),
+                                      tp_tensor_data(g[0]), n, c, inner, p->ignore_index);
     tp_tensor_release(gl);
     return st;
 }
@@ -464,11 +441,14 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
         st = ce_gloss(gyl, rows, sv->reduction, sv->wsum, &gl);
     if (st == TP_OK)
         st = tp__f32(xd, sv->x->ndim, sv->x->shape, false, &gx);
+    const tp__kernels *k = NULL;
     if (st == TP_OK)
-        st = TP__K(xd, vocab_ce_bwd, tp_tensor_data(sv->x), tp_tensor_data(sv->target),
-                   sv->weight ? tp_tensor_data(sv->weight) : NULL, tp_tensor_data(sv->mx),
-                   tp_tensor_data(sv->sumexp), tp_tensor_data(gl), tp_tensor_data(gx), rows,
-                   cols, inner, sv->offset, sv->ignore_index);
+        st = tp__kernels_for(xd, &k);
+    if (st == TP_OK)
+        st = k->vocab_ce_bwd(xd, TP_F32, tp_tensor_data(sv->x), tp_tensor_data(sv->target),
+                             sv->weight ? tp_tensor_data(sv->weight) : NULL, tp_tensor_data(sv->mx),
+                             tp_tensor_data(sv->sumexp), tp_tensor_data(gl), tp_tensor_data(gx),
+                             rows, cols, inner, sv->offset, sv->ignore_index);
     if (st == TP_OK)
         st = tp__dtensor_wrap(sv->mesh, gx, sv->pl, sv->ndim, sv->gshape, &gin[0]);
     tp_tensor_release(gx);
@@ -536,19 +516,19 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     else
         whost = tp_tensor_retain(weight);
 
+    const tp__kernels *k = NULL;
+    TP_CHECK_GOTO(tp__kernels_for(dev, &k), st, done);
     const float *xd = tp_tensor_data(x);
     const int64_t *t = tp_tensor_data(t64), *td = tp_tensor_data(tdev);
-    TP_CHECK_GOTO(TP__K(dev, row_max, xd, tp_tensor_data(mx), n, cols, inner), st, done);
+    TP_CHECK_GOTO(k->row_max(dev, TP_F32, xd, tp_tensor_data(mx), n, cols, inner), st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, mx, mx, TP_MAX, NULL), st, done);
-    TP_CHECK_GOTO(
-        TP__K(dev, row_sumexp, xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols, inner), st,
-        done);
+    TP_CHECK_GOTO(k->row_sumexp(dev, TP_F32, xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols,
+                                inner), st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, se, se, TP_SUM, NULL), st, done);
-    TP_CHECK_GOTO(TP__K(dev, pick_target, xd, td, tp_tensor_data(pk), n, cols, inner, off[cd],
-                        p->ignore_index),
-                  st, done);
+    TP_CHECK_GOTO(k->pick_target(dev, TP_F32, xd, td, tp_tensor_data(pk), n, cols, inner, off[cd],
+                                 p->ignore_index), st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, pk, pk, TP_SUM, NULL), st, done);
 
@@ -559,28 +539,9 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     for (int64_t r = 0; r < n; r++)
         if (t[r] != p->ignore_index)
             wsum += w ? (double)w[t[r]] : 1.0;
-#if TP_HAVE_CUDA
-    if (cuda)
-        TP_CHECK_GOTO(tp__kc_vocab_ce_loss(dev.index, td,
-                                           weight ? tp_tensor_data(weight) : NULL,
-                                           tp_tensor_data(mx), tp_tensor_data(se),
-                                           tp_tensor_data(pk), tp_tensor_data(rows), n,
-                                           p->ignore_index),
-                      st, done);
-#endif
-    if (!cuda) {
-        const float *mxd = tp_tensor_data(mx), *sed = tp_tensor_data(se),
-                    *pkd = tp_tensor_data(pk);
-        float *rl = tp_tensor_data(rows);
-        for (int64_t r = 0; r < n; r++) {
-            if (t[r] == p->ignore_index) {
-                rl[r] = 0.0f;
-                continue;
-            }
-            double wt = w ? (double)w[t[r]] : 1.0;
-            rl[r] = (float)(wt * (log((double)sed[r]) + (double)mxd[r] - (double)pkd[r]));
-        }
-    }
+    TP_CHECK_GOTO(k->vocab_ce_loss(dev, TP_F32, td, weight ? tp_tensor_data(weight) : NULL,
+                                   tp_tensor_data(mx), tp_tensor_data(se), tp_tensor_data(pk),
+                                   tp_tensor_data(rows), n, p->ignore_index), st, done);
     st = ce_reduce(rows, p->reduction, wsum, &lossl);
     rows = NULL; /* consumed */
     if (st != TP_OK)
@@ -762,7 +723,7 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
      * target values. Ranks that communicate below (along the class mesh dim
      * or a Partial one) hold the same targets, so they agree on an error. */
     tp_tensor *tr = NULL, *wr = NULL, *t64 = NULL, *w32 = NULL, *lg = NULL, *targ = NULL,
-              *warg = NULL;
+              *warg = NULL, *wh = NULL, *td = NULL;
     tp_status st = TP_OK;
     if (dist) {
         TP_CHECK_GOTO(tp__redistribute(target, tpl, false, &tr), st, done);
@@ -805,35 +766,29 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
         st = ce_vocab(lg, cdim, tr, t64, w32, &p, loss);
         goto done;
     }
+    /* the weight sum of the counted rows from the host targets (and host
+     * weights); the kernels read the targets on the logits' device */
     const tp_device dev = tp_tensor_device(logits);
-    if (dev.type == TP_DEVICE_CUDA) {
-        /* the weight sum from the host targets (the CPU kernel computes it in
-         * its forward); the kernels read the targets on the device */
-        tp_tensor *wh = NULL, *td = NULL;
-        if (w32)
-            TP_CHECK_GOTO(tp_tensor_to(w32, TP_F32, TP_CPU, &wh), st, done);
-        const float *wv = wh ? tp_tensor_data(wh) : NULL;
-        for (int64_t r = 0; r < nt; r++)
-            if (tv[r] != o.ignore_index && tv[r] >= 0 && tv[r] < c)
-                p.wsum += wv ? (double)wv[tv[r]] : 1.0;
-        tp_tensor_release(wh);
-        st = tp__i64_on(t64, tp__local_of(tr), dev, &td);
-        tp_tensor_release(t64);
-        t64 = td;
-        if (st != TP_OK)
-            goto done;
-    }
+    if (w32 && dev.type != TP_DEVICE_CPU)
+        TP_CHECK_GOTO(tp_tensor_to(w32, TP_F32, TP_CPU, &wh), st, done);
+    const float *wv = wh ? tp_tensor_data(wh) : w32 ? tp_tensor_data(w32) : NULL;
+    for (int64_t r = 0; r < nt; r++)
+        if (tv[r] != o.ignore_index && tv[r] >= 0 && tv[r] < c)
+            p.wsum += wv ? (double)wv[tv[r]] : 1.0;
+    TP_CHECK_GOTO(tp__i64_on(t64, tp__local_of(tr), dev, &td), st, done);
     if (dist) {
-        TP_CHECK_GOTO(tp__dtensor_wrap(mesh, t64, rep, tnd, tshape, &targ), st, done);
+        TP_CHECK_GOTO(tp__dtensor_wrap(mesh, td, rep, tnd, tshape, &targ), st, done);
         if (w32)
             TP_CHECK_GOTO(tp__dtensor_wrap(mesh, w32, rep, 1, weight->shape, &warg), st, done);
     } else {
-        targ = tp_tensor_retain(t64);
+        targ = tp_tensor_retain(td);
         warg = tp_tensor_retain(w32);
     }
     tp_tensor *args[3] = {lg, targ, warg};
     st = tp__op_run(&ce_def, args, &p, sizeof p, loss);
 done:
+    tp_tensor_release(td);
+    tp_tensor_release(wh);
     tp_tensor_release(warg);
     tp_tensor_release(targ);
     tp_tensor_release(lg);

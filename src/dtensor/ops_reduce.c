@@ -139,32 +139,14 @@ static tp_status sum_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     sum_shape_of(p, x->ndim, x->shape, &ndim, shape);
     TP_CHECK(tp__f32(op->dev, ndim, shape, false, out));
     sum_split(p, x, &outer, &size, &inner);
-    float *y = tp_tensor_data(*out);
-    const float *xd = tp_tensor_data(x);
-    int64_t ny = outer * inner;
-#if TP_HAVE_CUDA
-    if (op->dev.type == TP_DEVICE_CUDA) {
-        /* the mean's division happens in the kernel, before the one rounding */
-        double div = p->mean ? (double)sum_count(op) : 1.0;
-        if (p->dim < 0)
-            return tp__kc_sum_all(op->dev.index, xd, size, y, div);
-        return tp__kc_sum_dim(op->dev.index, xd, y, outer, size, inner, div);
-    }
-#endif
+    /* mean: the global count, so that the partial sums of shards add up to
+     * the mean (0 elements: 0/0, NaN, as PyTorch); divided before the one
+     * rounding */
+    double div = p->mean ? (double)sum_count(op) : 1.0;
     if (p->dim < 0)
-        y[0] = (float)tp__k_sum_all(xd, size);
-    else if (size > 0)
-        tp__k_sum_dim(xd, y, outer, size, inner);
-    else
-        memset(y, 0, sizeof(float) * (size_t)ny);
-    if (p->mean) {
-        /* the global count: the partial sums of shards add up to the mean
-         * (0 elements: 0/0, NaN, as PyTorch) */
-        double n = (double)sum_count(op);
-        for (int64_t i = 0; i < ny; i++)
-            y[i] = (float)((double)y[i] / n);
-    }
-    return TP_OK;
+        return op->k->sum_all(op->dev, TP_F32, tp_tensor_data(x), size, tp_tensor_data(*out), div);
+    return op->k->sum_dim(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(*out), outer, size,
+                          inner, div);
 }
 
 static tp_status sum_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -177,8 +159,8 @@ static tp_status sum_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_ten
     TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, &g[0]));
     sum_split(p, x, &outer, &size, &inner);
     float scale = p->mean ? (float)(1.0 / (double)sum_count(op)) : 1.0f;
-    return TP__K(op->dev, sum_dim_bwd, tp_tensor_data(gy), tp_tensor_data(g[0]), outer, size,
-                 inner, scale);
+    return op->k->sum_dim_bwd(op->dev, TP_F32, tp_tensor_data(gy), tp_tensor_data(g[0]), outer,
+                              size, inner, scale);
 }
 
 /* sum, sum_all, mean and mean_all share one implementation; only the name
@@ -282,7 +264,8 @@ static tp_status softmax_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     rows_cols(x, &rows, &cols);
     TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, out));
     if (rows > 0 && cols > 0)
-        TP_CHECK(TP__K(op->dev, softmax_fwd, tp_tensor_data(x), tp_tensor_data(*out), rows, cols));
+        TP_CHECK(op->k->softmax_fwd(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(*out), rows,
+                                    cols));
     return save_view(*out, &op->saved[0]);
 }
 
@@ -295,8 +278,8 @@ static tp_status softmax_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
     rows_cols(x, &rows, &cols);
     TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, &g[0]));
     if (rows > 0 && cols > 0)
-        return TP__K(op->dev, softmax_bwd, tp_tensor_data(op->saved[0]), tp_tensor_data(gy),
-                     tp_tensor_data(g[0]), rows, cols);
+        return op->k->softmax_bwd(op->dev, TP_F32, tp_tensor_data(op->saved[0]), tp_tensor_data(gy),
+                                  tp_tensor_data(g[0]), rows, cols);
     return TP_OK;
 }
 
@@ -376,9 +359,10 @@ static tp_status layer_norm_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **ou
     TP_CHECK(tp__f32(op->dev, 1, &rows, false, &op->saved[0])); /* mean */
     TP_CHECK(tp__f32(op->dev, 1, &rows, false, &op->saved[1])); /* rstd */
     TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, out));
-    return TP__K(op->dev, layer_norm_fwd, tp_tensor_data(x), data_or_null(in[1]),
-                 data_or_null(in[2]), tp_tensor_data(*out), tp_tensor_data(op->saved[0]),
-                 tp_tensor_data(op->saved[1]), rows, cols, (float)p->eps);
+    return op->k->layer_norm_fwd(op->dev, TP_F32, tp_tensor_data(x), data_or_null(in[1]),
+                                 data_or_null(in[2]), tp_tensor_data(*out),
+                                 tp_tensor_data(op->saved[0]), tp_tensor_data(op->saved[1]), rows,
+                                 cols, (float)p->eps);
 }
 
 /* The gradient buffers of a norm's backward: gx is always written by the
@@ -407,10 +391,10 @@ static tp_status layer_norm_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy,
     rows_cols(x, &rows, &cols);
     tp_status st = norm_grads(op, in, g, &gx);
     if (st == TP_OK)
-        st = TP__K(op->dev, layer_norm_bwd, tp_tensor_data(x), data_or_null(in[1]),
-                   tp_tensor_data(op->saved[0]), tp_tensor_data(op->saved[1]),
-                   tp_tensor_data(gy), tp_tensor_data(gx), grad_or_null(g, 1),
-                   grad_or_null(g, 2), rows, cols);
+        st = op->k->layer_norm_bwd(op->dev, TP_F32, tp_tensor_data(x), data_or_null(in[1]),
+                                   tp_tensor_data(op->saved[0]), tp_tensor_data(op->saved[1]),
+                                   tp_tensor_data(gy), tp_tensor_data(gx), grad_or_null(g, 1),
+                                   grad_or_null(g, 2), rows, cols);
     tp_tensor_release(gx);
     return st;
 }
@@ -443,8 +427,9 @@ static tp_status rms_norm_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     rows_cols(x, &rows, &cols);
     TP_CHECK(tp__f32(op->dev, 1, &rows, false, &op->saved[0])); /* rstd */
     TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, out));
-    return TP__K(op->dev, rms_norm_fwd, tp_tensor_data(x), data_or_null(in[1]),
-                 tp_tensor_data(*out), tp_tensor_data(op->saved[0]), rows, cols, (float)p->eps);
+    return op->k->rms_norm_fwd(op->dev, TP_F32, tp_tensor_data(x), data_or_null(in[1]),
+                               tp_tensor_data(*out), tp_tensor_data(op->saved[0]), rows, cols,
+                               (float)p->eps);
 }
 
 static tp_status rms_norm_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -454,9 +439,9 @@ static tp_status rms_norm_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, t
     rows_cols(x, &rows, &cols);
     tp_status st = norm_grads(op, in, g, &gx);
     if (st == TP_OK)
-        st = TP__K(op->dev, rms_norm_bwd, tp_tensor_data(x), data_or_null(in[1]),
-                   tp_tensor_data(op->saved[0]), tp_tensor_data(gy), tp_tensor_data(gx),
-                   grad_or_null(g, 1), rows, cols);
+        st = op->k->rms_norm_bwd(op->dev, TP_F32, tp_tensor_data(x), data_or_null(in[1]),
+                                 tp_tensor_data(op->saved[0]), tp_tensor_data(gy),
+                                 tp_tensor_data(gx), grad_or_null(g, 1), rows, cols);
     tp_tensor_release(gx);
     return st;
 }

@@ -164,41 +164,6 @@ static const tp__op_def reshape_def = RESHAPE_DEF("reshape");
 static const tp__op_def flatten_def = RESHAPE_DEF("flatten");
 static const tp__op_def unflatten_def = RESHAPE_DEF("unflatten");
 
-/* Copies n sizes into out, each >= 0 or the one -1, and replaces the -1 with
- * total / (the product of the others). *product: the product of the result
- * (the caller checks it against total). Messages number sizes[i] as dim
- * first + i of the result. */
-static tp_status resolve_sizes(const char *fn, int64_t total, int n, const int64_t *sizes,
-                               int first, int64_t *out, int64_t *product)
-{
-    int infer = -1;
-    int64_t known = 1;
-    for (int i = 0; i < n; i++) {
-        out[i] = sizes[i];
-        if (sizes[i] == -1) {
-            TP_ARG_CHECK(infer < 0, "%s: only one size may be -1 (dims %d and %d are)", fn,
-                         first + infer, first + i);
-            infer = i;
-            continue;
-        }
-        TP_ARG_CHECK(sizes[i] >= 0, "%s: size %lld of dim %d is invalid", fn, (long long)sizes[i],
-                     first + i);
-        TP_ARG_CHECK(sizes[i] == 0 || known <= INT64_MAX / sizes[i],
-                     "%s: the new shape has too many elements", fn);
-        known *= sizes[i];
-    }
-    if (infer >= 0) {
-        char sb[128];
-        TP_ARG_CHECK(known != 0 && total % known == 0,
-                     "%s: cannot infer the size of dim %d: %lld elements into %s", fn,
-                     first + infer, (long long)total, tp__shape_str(n, sizes, sb, sizeof sb));
-        out[infer] = total / known;
-        known = total;
-    }
-    *product = known;
-    return TP_OK;
-}
-
 tp_status tp_reshape(tp_tensor *x, int ndim, const int64_t *shape, tp_tensor **y)
 {
     const char *fn = "reshape";
@@ -210,7 +175,7 @@ tp_status tp_reshape(tp_tensor *x, int ndim, const int64_t *shape, tp_tensor **y
     TP_ARG_CHECK(ndim == 0 || shape, "%s: shape is NULL for ndim %d", fn, ndim);
     reshape_params rp = {.ndim = ndim};
     int64_t numel = tp_tensor_numel(x), known = 1;
-    TP_CHECK(resolve_sizes(fn, numel, ndim, shape, 0, rp.shape, &known));
+    TP_CHECK(tp__infer_sizes(fn, numel, ndim, shape, 0, rp.shape, &known));
     char sx[128], sy[128];
     TP_ARG_CHECK(known == numel, "%s: cannot reshape %s (%lld elements) into %s (%lld elements)",
                  fn, tp__shape_str(tp_tensor_ndim(x), tp_tensor_shape(x), sx, sizeof sx),
@@ -261,7 +226,7 @@ tp_status tp_unflatten(tp_tensor *x, int dim, int n, const int64_t *sizes, tp_te
     reshape_params rp = {.ndim = nd - 1 + n};
     memcpy(rp.shape, in, sizeof(int64_t) * (size_t)d);
     int64_t known = 1;
-    TP_CHECK(resolve_sizes(fn, in[d], n, sizes, d, rp.shape + d, &known));
+    TP_CHECK(tp__infer_sizes(fn, in[d], n, sizes, d, rp.shape + d, &known));
     char sb[128];
     TP_ARG_CHECK(known == in[d], "%s: sizes %s hold %lld elements but dim %d has size %lld", fn,
                  tp__shape_str(n, sizes, sb, sizeof sb), (long long)known, d,
@@ -316,31 +281,19 @@ static tp_status permute_local(tp_tensor *x, const int *perm, tp_tensor **out)
     }
     last2 = last2 && perm[nd - 2] == nd - 1 && perm[nd - 1] == nd - 2;
     tp_device dev = tp_tensor_device(x);
+    const tp__kernels *kern = NULL;
+    TP_CHECK(tp__kernels_for(dev, &kern));
     TP_CHECK(tp__f32(dev, nd, shape, false, out));
     int64_t n = tp_tensor_numel(x);
-    if (identity || n == 0)
-        return tp__copy_f32(dev, tp_tensor_data(*out), tp_tensor_data(x), n);
+    void *y = tp_tensor_data(*out);
     tp_status st;
-    if (last2) {
+    if (identity || n == 0)
+        st = kern->copy(dev, TP_F32, y, tp_tensor_data(x), n);
+    else if (!last2) /* x read through its strides in the new dim order */
+        st = kern->gather(dev, TP_F32, y, tp_tensor_data(x), nd, shape, stride);
+    else {
         int64_t r = x->shape[nd - 2], c = x->shape[nd - 1];
-        st = TP__K(dev, transpose_last2, tp_tensor_data(x), tp_tensor_data(*out), n / (r * c), r,
-                   c);
-    } else {
-        /* a strided copy from a permuted view of x */
-        tp_tensor *v = NULL;
-        st = tp_tensor_view(x, nd, x->shape, &v);
-        if (st == TP_OK) {
-            memcpy(v->shape, shape, sizeof(int64_t) * (size_t)nd);
-            memcpy(v->stride, stride, sizeof(int64_t) * (size_t)nd);
-#if TP_HAVE_CUDA
-            if (dev.type == TP_DEVICE_CUDA) /* on the device, not through host staging */
-                st = tp__kc_gather(dev.index, tp_tensor_data(*out), tp_tensor_data(x), nd, shape,
-                                   stride);
-            else
-#endif
-                st = tp_tensor_copy(*out, v);
-        }
-        tp_tensor_release(v);
+        st = kern->transpose_last2(dev, TP_F32, tp_tensor_data(x), y, n / (r * c), r, c);
     }
     if (st != TP_OK) {
         tp_tensor_release(*out);

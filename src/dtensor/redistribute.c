@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "dtensor/dtensor_internal.h"
-#include "kernels/kernels_cuda.h"
+#include "kernels/kernels.h"
 
 typedef struct {
     int mesh_dim;
@@ -494,13 +494,14 @@ static tp_status tp__run_step(const tp_mesh *mesh, const tp__step *step, const t
         }
         TP_CHECK(tp_tensor_clone(local, out));
         int64_t n = tp_tensor_numel(*out);
-#if TP_HAVE_CUDA
-        if (tp_tensor_device(*out).type == TP_DEVICE_CUDA) {
-            tp_status st = TP_ERR_NOT_SUPPORTED;
-            if ((*out)->dtype == TP_F32) {
-                st = tp__kc_scale(tp_tensor_device(*out).index, tp_tensor_data(*out),
-                                  (float)(1.0 / (double)w), tp_tensor_data(*out), n);
-            } else { /* other dtypes through the host */
+        tp_device dev = tp_tensor_device(*out);
+        if (dev.type != TP_DEVICE_CPU) {
+            const tp__kernels *k = NULL;
+            tp_status st = tp__kernels_for(dev, &k);
+            if (st == TP_OK && k->supports(TP__KOP_SCALE, (*out)->dtype)) {
+                st = k->scale(dev, (*out)->dtype, tp_tensor_data(*out), (float)(1.0 / (double)w),
+                              tp_tensor_data(*out), n);
+            } else if (st == TP_OK) { /* other dtypes through the host */
                 tp_tensor *h = NULL;
                 st = tp_tensor_to(*out, (*out)->dtype, TP_CPU, &h);
                 for (int64_t e = 0; st == TP_OK && e < n; e++)
@@ -516,7 +517,6 @@ static tp_status tp__run_step(const tp_mesh *mesh, const tp__step *step, const t
             }
             return st;
         }
-#endif
         for (int64_t e = 0; e < n; e++)
             tp__store_f64(tp_tensor_data(*out), (*out)->dtype, e,
                           tp__load_f64(tp_tensor_data(*out), (*out)->dtype, e) / (double)w);

@@ -13,7 +13,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "kernels/kernels.h"
+#include "kernels/cpu.h"
 #include "tp/tensor.h"
 
 /* Column block of the double accumulators: 4 KiB of stack. */
@@ -50,9 +50,10 @@ static double tp__ddot(const float *restrict a, const float *restrict b, int64_t
     return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-/* g[c] (+)= sum_r y[r * ld + c] for a [rows, cols] matrix with row length ld. */
+/* g[c] (+)= sum_r y[r * ld + c] for a [rows, cols] matrix with row length ld;
+ * overwriting, the sum is divided by div before its one rounding. */
 static void tp__colsum(const float *restrict y, int64_t rows, int64_t cols, int64_t ld,
-                       float *restrict g, bool accumulate)
+                       float *restrict g, bool accumulate, double div)
 {
     double acc[TP__KCOLS];
     for (int64_t c0 = 0; c0 < cols; c0 += TP__KCOLS) {
@@ -69,7 +70,7 @@ static void tp__colsum(const float *restrict y, int64_t rows, int64_t cols, int6
                 g[c0 + j] = (float)((double)g[c0 + j] + acc[j]);
         else
             for (int64_t j = 0; j < nc; j++)
-                g[c0 + j] = (float)acc[j];
+                g[c0 + j] = (float)(acc[j] / div);
     }
 }
 
@@ -133,7 +134,7 @@ void tp__k_linear_bwd(const float *x, const float *w, const float *gy, float *gx
     if (gw) /* gw[out, in] = gy^T x[rows, in] */
         tp__k_gemm(true, false, out, in, rows, 1.0f, gy, out, x, in, beta, gw, in);
     if (gb)
-        tp__colsum(gy, rows, out, out, gb, accumulate);
+        tp__colsum(gy, rows, out, out, gb, accumulate, 1.0);
 }
 
 /* ---- elementwise -------------------------------------------------------------
@@ -162,6 +163,18 @@ void tp__k_accumulate(float *y, const float *a, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
         y[i] += a[i];
+}
+
+void tp__k_fill(float *y, float value, int64_t n)
+{
+    if (n <= 0)
+        return;
+    if (value == 0.0f && !signbit(value)) {
+        memset(y, 0, (size_t)n * sizeof *y);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        y[i] = value;
 }
 
 void tp__k_add_row(float *y, const float *b, int64_t rows, int64_t cols)
@@ -234,6 +247,33 @@ static inline bool tp__odo_next(int n, const int64_t *shape, int64_t *idx, const
 TP__BCAST_KERNEL(tp__k_add_bcast, +, tp__k_add)
 TP__BCAST_KERNEL(tp__k_mul_bcast, *, tp__k_mul)
 #undef TP__BCAST_KERNEL
+
+void tp__k_gather(float *y, const float *x, int ndim, const int64_t *shape,
+                  const int64_t *stride)
+{
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        n *= shape[d];
+    if (n <= 0)
+        return;
+    if (ndim == 0) {
+        y[0] = x[0];
+        return;
+    }
+    /* the innermost dim a run, the outer ones an odometer */
+    int outer = ndim - 1;
+    int64_t len = shape[outer], st = stride[outer];
+    int64_t idx[TP_MAX_DIMS] = {0}, off = 0, unused = 0;
+    do {
+        const float *restrict xr = x + off;
+        if (st == 1)
+            memcpy(y, xr, (size_t)len * sizeof *y);
+        else
+            for (int64_t i = 0; i < len; i++)
+                y[i] = xr[i * st];
+        y += len;
+    } while (tp__odo_next(outer, shape, idx, stride, &off, stride, &unused));
+}
 
 void tp__k_sum_bcast(const float *x, float *y, int ndim, const int64_t *shape,
                      const int64_t *yshape)
@@ -369,15 +409,21 @@ void tp__k_gelu_bwd(const float *x, const float *gy, float *gx, int64_t n, bool 
 
 /* ---- reductions ------------------------------------------------------------- */
 
-void tp__k_sum_dim(const float *x, float *y, int64_t outer, int64_t size, int64_t inner)
+void tp__k_sum_dim_div(const float *x, float *y, int64_t outer, int64_t size, int64_t inner,
+                       double div)
 {
     for (int64_t o = 0; o < outer; o++) {
         const float *xo = x + o * size * inner;
         if (inner == 1)
-            y[o] = (float)tp__dsum(xo, size);
+            y[o] = (float)(tp__dsum(xo, size) / div);
         else
-            tp__colsum(xo, size, inner, inner, y + o * inner, false);
+            tp__colsum(xo, size, inner, inner, y + o * inner, false, div);
     }
+}
+
+void tp__k_sum_dim(const float *x, float *y, int64_t outer, int64_t size, int64_t inner)
+{
+    tp__k_sum_dim_div(x, y, outer, size, inner, 1.0);
 }
 
 void tp__k_sum_dim_bwd(const float *gy, float *gx, int64_t outer, int64_t size, int64_t inner,
@@ -579,7 +625,7 @@ void tp__k_layer_norm_bwd(const float *x, const float *w, const float *mean, con
     if (gw)
         tp__norm_wgrad(x, mean, rstd, gy, gw, rows, cols);
     if (gb)
-        tp__colsum(gy, rows, cols, cols, gb, true);
+        tp__colsum(gy, rows, cols, cols, gb, true, 1.0);
 }
 
 void tp__k_rms_norm_fwd(const float *x, const float *w, float *y, float *rstd, int64_t rows,
@@ -817,6 +863,18 @@ void tp__k_cross_entropy_bwd(const float *x, const int64_t *target, const float 
     }
 }
 
+void tp__k_ce_gloss(const float *g, float *gl, int64_t rows, bool broadcast, double div)
+{
+    if (!broadcast) {
+        if (rows > 0 && gl != g)
+            memcpy(gl, g, (size_t)rows * sizeof *gl);
+        return;
+    }
+    float v = (float)((double)g[0] / div);
+    for (int64_t r = 0; r < rows; r++)
+        gl[r] = v;
+}
+
 void tp__k_row_max(const float *x, float *mx, int64_t rows, int64_t cols, int64_t inner)
 {
     for (int64_t r = 0; r < rows; r++)
@@ -837,6 +895,21 @@ void tp__k_pick_target(const float *x, const int64_t *target, float *picked, int
         int64_t t = target[r];
         bool owned = t != ignore_index && t >= offset && t - offset < cols;
         picked[r] = owned ? x[tp__ce_row(r, cols, inner) + (t - offset) * inner] : 0.0f;
+    }
+}
+
+void tp__k_vocab_ce_loss(const int64_t *target, const float *weight, const float *mx,
+                         const float *sumexp, const float *picked, float *loss, int64_t rows,
+                         int64_t ignore_index)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = target[r];
+        if (t == ignore_index) {
+            loss[r] = 0.0f;
+            continue;
+        }
+        double wt = weight ? (double)weight[t] : 1.0;
+        loss[r] = (float)(wt * (log((double)sumexp[r]) + (double)mx[r] - (double)picked[r]));
     }
 }
 
@@ -861,5 +934,25 @@ void tp__k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weig
         tp__ce_grad_row(xr, gxr, cols, inner, k, m);
         if (t >= offset && t - offset < cols)
             gxr[(t - offset) * inner] -= g;
+    }
+}
+
+/* ---- optimizers ----------------------------------------------------------------- */
+
+void tp__k_sgd_step(float *p, const float *g, int64_t n, double lr)
+{
+    for (int64_t k = 0; k < n; k++)
+        p[k] = (float)((double)p[k] - lr * (double)g[k]);
+}
+
+void tp__k_adam_step(float *p, float *m, float *v, const float *g, int64_t n, double beta1,
+                     double beta2, double step_size, double bc2_sqrt, double eps)
+{
+    for (int64_t k = 0; k < n; k++) {
+        double gk = g[k];
+        m[k] = (float)(beta1 * m[k] + (1.0 - beta1) * gk);
+        v[k] = (float)(beta2 * v[k] + (1.0 - beta2) * gk * gk);
+        double denom = sqrt((double)v[k]) / bc2_sqrt + eps;
+        p[k] = (float)((double)p[k] - step_size * (double)m[k] / denom);
     }
 }

@@ -1,5 +1,6 @@
-/* The CUDA engine of the local kernels (kernels_cuda.h): cuBLAS for the
- * matrix products, plain grid-stride kernels for the rest.
+/* The CUDA engine's kernel table (kernels.h): cuBLAS for the matrix
+ * products, plain grid-stride kernels for the rest. Meson builds this file
+ * only with CUDA (cuda_none.c stands in otherwise).
  *
  * Every kernel runs on the calling thread's compute stream for the device
  * (one per rank thread, tp__cuda_stream), and so does every cuBLAS call: the
@@ -19,7 +20,7 @@
 
 #include "core/cuda_rt.h"
 #include "core/philox.h"
-#include "kernels/kernels_cuda.h"
+#include "kernels/kernels.h"
 
 #define TP__KC_MAX_DEVICES 64 /* as core/cuda_rt.c */
 
@@ -66,14 +67,6 @@ tp_status fail(Launch *L, tp_status st)
     return st;
 }
 
-#define KC_BEGIN(name)                                                          \
-    Launch L;                                                                   \
-    do {                                                                        \
-        tp_status st_ = begin((name), dev, &L);                                 \
-        if (st_ != TP_OK)                                                       \
-            return st_;                                                         \
-    } while (0)
-
 unsigned grid_for(int64_t n, int threads)
 {
     int64_t b = (n + threads - 1) / threads;
@@ -86,6 +79,58 @@ unsigned grid_rows(int64_t rows)
 {
     return (unsigned)(rows < kMaxGrid ? (rows > 0 ? rows : 1) : kMaxGrid);
 }
+
+bool cuda_supports(tp__kop op, tp_dtype dtype)
+{
+    switch (op) {
+    case TP__KOP_GEMM:
+    case TP__KOP_LINEAR_FWD:
+    case TP__KOP_LINEAR_BWD:
+        return dtype == TP_F32 || dtype == TP_F16 || dtype == TP_BF16;
+    case TP__KOP_NONE:
+    case TP__KOP_COUNT:
+        return false;
+    default:
+        return dtype == TP_F32;
+    }
+}
+
+/* The start of every entry: false, with *st set, when it ends before any
+ * launch (a dtype this engine does not take for op, no work, or a device
+ * that cannot be made current); true with dev current and its stream in L,
+ * which end() or fail() then leave. */
+bool enter(const char *fn, tp__kop op, tp_dtype dtype, tp_device dev, bool work, Launch *L,
+           tp_status *st)
+{
+    *st = TP_OK;
+    if (!cuda_supports(op, dtype)) {
+        *st = tp__kernels_unsupported(tp__kernels_cuda, op, dtype);
+        return false;
+    }
+    if (!work)
+        return false;
+    *st = begin(fn, dev.index, L);
+    return *st == TP_OK;
+}
+
+/* An entry that is one kernel over n elements (per_row: one block per row,
+ * rows beyond the grid strided; else grid-stride over elements). */
+template <class... P, class... A>
+tp_status launch(const char *fn, tp__kop op, tp_dtype dtype, tp_device dev, int64_t n,
+                 bool per_row, void (*kernel)(P...), A... args)
+{
+    Launch L;
+    tp_status st;
+    if (!enter(fn, op, dtype, dev, n > 0, &L, &st))
+        return st;
+    unsigned grid = per_row ? grid_rows(n) : grid_for(n, kThreads);
+    kernel<<<grid, kThreads, 0, L.s>>>(args...);
+    return end(&L);
+}
+
+/* The f32 view of an entry's buffer. */
+const float *f32(const void *p) { return static_cast<const float *>(p); }
+float *f32(void *p) { return static_cast<float *>(p); }
 
 #define GRID_STRIDE(i, n)                                                       \
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);   \
@@ -952,9 +997,6 @@ tp_status gemm_on(Launch *L, tp_dtype dtype, bool ta, bool tb, int64_t m, int64_
                   float alpha, const void *a, int64_t lda, const void *b, int64_t ldb, float beta,
                   void *c, int64_t ldc)
 {
-    if (dtype != TP_F32 && dtype != TP_F16 && dtype != TP_BF16)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: matrix products take f32, f16 or bf16, not %s",
-                         L->fn, tp_dtype_name(dtype));
     if (m <= 0 || n <= 0)
         return TP_OK;
     if (k <= 0) { /* C = beta C; cuBLAS would reject the leading dims of empty A, B */
@@ -1008,15 +1050,19 @@ void launch_colsum_plain(cudaStream_t s, const void *y, void *g, int64_t rows, i
 /* Same-shape operands and the row broadcast (b a contiguous row repeated
  * over a's rows) take the flat kernels; the rest the general one. */
 template <bool MUL>
-tp_status binary_bcast(int dev, const char *name, const float *a, const float *b, float *y,
-                       int ndim, const int64_t *shape, const int64_t *as, const int64_t *bs)
+tp_status binary_bcast(const char *fn, tp__kop op, tp_dtype dtype, tp_device dev, const void *av,
+                       const void *bv, void *yv, int ndim, const int64_t *shape,
+                       const int64_t *as, const int64_t *bs)
 {
     int64_t n = 1;
     for (int d = 0; d < ndim; d++)
         n *= shape[d];
-    if (n <= 0)
-        return TP_OK;
-    KC_BEGIN(name);
+    Launch L;
+    tp_status st;
+    if (!enter(fn, op, dtype, dev, n > 0, &L, &st))
+        return st;
+    const float *a = f32(av), *b = f32(bv);
+    float *y = f32(yv);
     unsigned grid = grid_for(n, kThreads);
     if (ndim == 1 && as[0] == 1 && bs[0] == 1) {
         if (MUL)
@@ -1041,26 +1087,29 @@ tp_status binary_bcast(int dev, const char *name, const float *a, const float *b
     return end(&L);
 }
 
-} /* namespace */
+/* ---- the table's entries ------------------------------------------------------------ */
 
-/* ---- entry points ------------------------------------------------------------------ */
+/* matrix products */
 
-extern "C" {
-
-tp_status tp__kc_gemm(int dev, tp_dtype dtype, bool trans_a, bool trans_b, int64_t m, int64_t n,
-                      int64_t k, float alpha, const void *a, int64_t lda, const void *b,
-                      int64_t ldb, float beta, void *c, int64_t ldc)
+tp_status cuda_gemm(tp_device dev, tp_dtype dtype, bool trans_a, bool trans_b, int64_t m,
+                    int64_t n, int64_t k, float alpha, const void *a, int64_t lda, const void *b,
+                    int64_t ldb, float beta, void *c, int64_t ldc)
 {
-    KC_BEGIN("gemm (CUDA)");
-    tp_status st = gemm_on(&L, dtype, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
-                           ldc);
+    Launch L;
+    tp_status st;
+    if (!enter("gemm (CUDA)", TP__KOP_GEMM, dtype, dev, true, &L, &st))
+        return st;
+    st = gemm_on(&L, dtype, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return st == TP_OK ? end(&L) : fail(&L, st);
 }
 
-tp_status tp__kc_linear_fwd(int dev, tp_dtype dtype, const void *x, const void *w,
-                            const void *bias, void *y, int64_t rows, int64_t in, int64_t out)
+tp_status cuda_linear_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                          const void *bias, void *y, int64_t rows, int64_t in, int64_t out)
 {
-    KC_BEGIN("linear (CUDA)");
+    Launch L;
+    tp_status st;
+    if (!enter("linear (CUDA)", TP__KOP_LINEAR_FWD, dtype, dev, true, &L, &st))
+        return st;
     float beta = 0.0f;
     if (bias && rows > 0 && out > 0) {
         /* the bias first, then y = x W^T + y: one rounding of the sum */
@@ -1072,17 +1121,19 @@ tp_status tp__kc_linear_fwd(int dev, tp_dtype dtype, const void *x, const void *
             launch_bcast_row<float>(L.s, y, bias, rows, out);
         beta = 1.0f;
     }
-    tp_status st = gemm_on(&L, dtype, false, true, rows, out, in, 1.0f, x, in, w, in, beta, y, out);
+    st = gemm_on(&L, dtype, false, true, rows, out, in, 1.0f, x, in, w, in, beta, y, out);
     return st == TP_OK ? end(&L) : fail(&L, st);
 }
 
-tp_status tp__kc_linear_bwd(int dev, tp_dtype dtype, const void *x, const void *w,
-                            const void *gy, void *gx, void *gw, void *gb, int64_t rows,
-                            int64_t in, int64_t out, bool accumulate)
+tp_status cuda_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                          const void *gy, void *gx, void *gw, void *gb, int64_t rows, int64_t in,
+                          int64_t out, bool accumulate)
 {
-    KC_BEGIN("linear backward (CUDA)");
+    Launch L;
+    tp_status st;
+    if (!enter("linear backward (CUDA)", TP__KOP_LINEAR_BWD, dtype, dev, true, &L, &st))
+        return st;
     float beta = accumulate ? 1.0f : 0.0f;
-    tp_status st = TP_OK;
     if (gx) /* gx[rows, in] = gy[rows, out] W[out, in] */
         st = gemm_on(&L, dtype, false, false, rows, in, out, 1.0f, gy, out, w, in, beta, gx, in);
     if (st == TP_OK && gw) /* gw[out, in] = gy^T x */
@@ -1098,11 +1149,14 @@ tp_status tp__kc_linear_bwd(int dev, tp_dtype dtype, const void *x, const void *
     return st == TP_OK ? end(&L) : fail(&L, st);
 }
 
-tp_status tp__kc_copy(int dev, float *dst, const float *src, int64_t n)
+/* elementwise */
+
+tp_status cuda_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, int64_t n)
 {
-    if (n <= 0 || dst == src)
-        return TP_OK;
-    KC_BEGIN("copy (CUDA)");
+    Launch L;
+    tp_status st;
+    if (!enter("copy (CUDA)", TP__KOP_COPY, dtype, dev, n > 0 && dst != src, &L, &st))
+        return st;
     cudaError_t err = cudaMemcpyAsync(dst, src, (size_t)n * sizeof(float),
                                       cudaMemcpyDeviceToDevice, L.s);
     if (err != cudaSuccess)
@@ -1110,45 +1164,55 @@ tp_status tp__kc_copy(int dev, float *dst, const float *src, int64_t n)
     return end(&L);
 }
 
-#define KC_ELEMENTWISE(name, n, launch)                                         \
-    {                                                                           \
-        if ((n) <= 0)                                                           \
-            return TP_OK;                                                       \
-        KC_BEGIN(name);                                                         \
-        launch;                                                                 \
-        return end(&L);                                                         \
-    }
-#define GRID(n) grid_for((n), kThreads), kThreads, 0, L.s
-
-tp_status tp__kc_fill(int dev, float *y, float value, int64_t n)
-    KC_ELEMENTWISE("fill (CUDA)", n, (k_fill<<<GRID(n)>>>(y, value, n)))
-
-tp_status tp__kc_add(int dev, const float *a, const float *b, float *y, int64_t n)
-    KC_ELEMENTWISE("add (CUDA)", n, (k_add<<<GRID(n)>>>(a, b, y, n)))
-
-tp_status tp__kc_mul(int dev, const float *a, const float *b, float *y, int64_t n)
-    KC_ELEMENTWISE("mul (CUDA)", n, (k_mul<<<GRID(n)>>>(a, b, y, n)))
-
-tp_status tp__kc_scale(int dev, const float *a, float s, float *y, int64_t n)
-    KC_ELEMENTWISE("scale (CUDA)", n, (k_scale<<<GRID(n)>>>(a, s, y, n)))
-
-tp_status tp__kc_accumulate(int dev, float *y, const float *a, int64_t n)
-    KC_ELEMENTWISE("accumulate (CUDA)", n, (k_accumulate<<<GRID(n)>>>(y, a, n)))
-
-tp_status tp__kc_add_bcast(int dev, const float *a, const float *b, float *y, int ndim,
-                           const int64_t *shape, const int64_t *astride, const int64_t *bstride)
+tp_status cuda_fill(tp_device dev, tp_dtype dtype, void *y, float value, int64_t n)
 {
-    return binary_bcast<false>(dev, "add (CUDA)", a, b, y, ndim, shape, astride, bstride);
+    return launch("fill (CUDA)", TP__KOP_FILL, dtype, dev, n, false, k_fill, f32(y), value, n);
 }
 
-tp_status tp__kc_mul_bcast(int dev, const float *a, const float *b, float *y, int ndim,
-                           const int64_t *shape, const int64_t *astride, const int64_t *bstride)
+tp_status cuda_add(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                   int64_t n)
 {
-    return binary_bcast<true>(dev, "mul (CUDA)", a, b, y, ndim, shape, astride, bstride);
+    return launch("add (CUDA)", TP__KOP_ADD, dtype, dev, n, false, k_add, f32(a), f32(b), f32(y),
+                  n);
 }
 
-tp_status tp__kc_gather(int dev, float *y, const float *x, int ndim, const int64_t *shape,
-                        const int64_t *stride)
+tp_status cuda_mul(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                   int64_t n)
+{
+    return launch("mul (CUDA)", TP__KOP_MUL, dtype, dev, n, false, k_mul, f32(a), f32(b), f32(y),
+                  n);
+}
+
+tp_status cuda_scale(tp_device dev, tp_dtype dtype, const void *a, float s, void *y, int64_t n)
+{
+    return launch("scale (CUDA)", TP__KOP_SCALE, dtype, dev, n, false, k_scale, f32(a), s, f32(y),
+                  n);
+}
+
+tp_status cuda_accumulate(tp_device dev, tp_dtype dtype, void *y, const void *a, int64_t n)
+{
+    return launch("accumulate (CUDA)", TP__KOP_ACCUMULATE, dtype, dev, n, false, k_accumulate,
+                  f32(y), f32(a), n);
+}
+
+tp_status cuda_add_bcast(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                         int ndim, const int64_t *shape, const int64_t *astride,
+                         const int64_t *bstride)
+{
+    return binary_bcast<false>("add (CUDA)", TP__KOP_ADD_BCAST, dtype, dev, a, b, y, ndim, shape,
+                               astride, bstride);
+}
+
+tp_status cuda_mul_bcast(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                         int ndim, const int64_t *shape, const int64_t *astride,
+                         const int64_t *bstride)
+{
+    return binary_bcast<true>("mul (CUDA)", TP__KOP_MUL_BCAST, dtype, dev, a, b, y, ndim, shape,
+                              astride, bstride);
+}
+
+tp_status cuda_gather(tp_device dev, tp_dtype dtype, void *y, const void *x, int ndim,
+                      const int64_t *shape, const int64_t *stride)
 {
     int64_t n = 1;
     GatherGeom geo;
@@ -1158,146 +1222,70 @@ tp_status tp__kc_gather(int dev, float *y, const float *x, int ndim, const int64
         geo.stride[d] = stride[d];
         n *= shape[d];
     }
-    if (n <= 0)
-        return TP_OK;
-    KC_BEGIN("transpose (CUDA)");
-    k_gather<<<GRID(n)>>>(y, x, n, geo);
-    return end(&L);
+    return launch("transpose (CUDA)", TP__KOP_GATHER, dtype, dev, n, false, k_gather, f32(y),
+                  f32(x), n, geo);
 }
 
-tp_status tp__kc_relu_fwd(int dev, const float *x, float *y, int64_t n)
-    KC_ELEMENTWISE("relu (CUDA)", n, (k_relu_fwd<<<GRID(n)>>>(x, y, n)))
-
-tp_status tp__kc_relu_bwd(int dev, const float *x, const float *gy, float *gx, int64_t n)
-    KC_ELEMENTWISE("relu backward (CUDA)", n, (k_relu_bwd<<<GRID(n)>>>(x, gy, gx, n)))
-
-tp_status tp__kc_gelu_fwd(int dev, const float *x, float *y, int64_t n, bool tanh_approx)
-    KC_ELEMENTWISE("gelu (CUDA)", n, (k_gelu_fwd<<<GRID(n)>>>(x, y, n, tanh_approx)))
-
-tp_status tp__kc_gelu_bwd(int dev, const float *x, const float *gy, float *gx, int64_t n,
-                          bool tanh_approx)
-    KC_ELEMENTWISE("gelu backward (CUDA)", n,
-                   (k_gelu_bwd<<<GRID(n)>>>(x, gy, gx, n, tanh_approx)))
-
-tp_status tp__kc_sum_dim_bwd(int dev, const float *gy, float *gx, int64_t outer, int64_t size,
-                             int64_t inner, float scale)
-    KC_ELEMENTWISE("sum backward (CUDA)", outer * size * inner,
-                   (k_sum_dim_bwd<<<GRID(outer * size * inner)>>>(gy, gx, outer, size, inner,
-                                                                  scale)))
-
-tp_status tp__kc_causal_mask(int dev, float *s, int64_t batch, int64_t S)
-    KC_ELEMENTWISE("causal mask (CUDA)", batch * S * S,
-                   (k_causal_mask<<<GRID(batch * S * S)>>>(s, batch, S)))
-
-tp_status tp__kc_embedding_fwd(int dev, const int64_t *idx, int64_t n, const float *w,
-                               int64_t rows_local, int64_t dim, int64_t offset, float *y)
-    KC_ELEMENTWISE("embedding (CUDA)", n * dim,
-                   (k_embedding_fwd<<<GRID(n * dim)>>>(idx, n, w, rows_local, dim, offset, y)))
-
-tp_status tp__kc_embedding_bwd(int dev, const int64_t *idx, int64_t n, const float *gy,
-                               int64_t rows_local, int64_t dim, int64_t offset, float *gw)
-    KC_ELEMENTWISE("embedding backward (CUDA)", n * dim,
-                   (k_embedding_bwd<<<GRID(n * dim)>>>(idx, n, gy, rows_local, dim, offset, gw)))
-
-tp_status tp__kc_ce_gloss(int dev, const float *g, float *gl, int64_t rows, bool broadcast,
-                          double div)
-    KC_ELEMENTWISE("cross_entropy backward (CUDA)", rows,
-                   (k_ce_gloss<<<GRID(rows)>>>(g, gl, rows, broadcast, div)))
-
-tp_status tp__kc_pick_target(int dev, const float *x, const int64_t *target, float *picked,
-                             int64_t rows, int64_t cols, int64_t inner, int64_t offset,
-                             int64_t ignore_index)
-    KC_ELEMENTWISE("cross_entropy (CUDA)", rows,
-                   (k_pick_target<<<GRID(rows)>>>(x, target, picked, rows, cols, inner, offset,
-                                                  ignore_index)))
-
-tp_status tp__kc_vocab_ce_loss(int dev, const int64_t *target, const float *weight,
-                               const float *mx, const float *sumexp, const float *picked,
-                               float *loss, int64_t rows, int64_t ignore_index)
-    KC_ELEMENTWISE("cross_entropy (CUDA)", rows,
-                   (k_vocab_ce_loss<<<GRID(rows)>>>(target, weight, mx, sumexp, picked, loss, rows,
-                                                    ignore_index)))
-
-tp_status tp__kc_sgd_step(int dev, float *p, const float *g, int64_t n, double lr)
-    KC_ELEMENTWISE("tp_sgd_step (CUDA)", n, (k_sgd<<<GRID(n)>>>(p, g, n, lr)))
-
-tp_status tp__kc_adam_step(int dev, float *p, float *m, float *v, const float *g, int64_t n,
-                           double beta1, double beta2, double step_size, double bc2_sqrt,
-                           double eps)
-    KC_ELEMENTWISE("tp_adam_step (CUDA)", n,
-                   (k_adam<<<GRID(n)>>>(p, m, v, g, n, beta1, beta2, step_size, bc2_sqrt, eps)))
-
-/* one block per row; rows beyond the grid are strided */
-#define KC_ROWS(name, rows, kernel, ...)                                        \
-    {                                                                           \
-        if ((rows) <= 0)                                                        \
-            return TP_OK;                                                       \
-        KC_BEGIN(name);                                                         \
-        kernel<<<grid_rows(rows), kThreads, 0, L.s>>>(__VA_ARGS__);             \
-        return end(&L);                                                         \
-    }
-
-tp_status tp__kc_softmax_fwd(int dev, const float *x, float *y, int64_t rows, int64_t cols)
-    KC_ROWS("softmax (CUDA)", rows, k_softmax_fwd, x, y, rows, cols)
-
-tp_status tp__kc_softmax_bwd(int dev, const float *y, const float *gy, float *gx, int64_t rows,
-                             int64_t cols)
-    KC_ROWS("softmax backward (CUDA)", rows, k_softmax_bwd, y, gy, gx, rows, cols)
-
-tp_status tp__kc_layer_norm_fwd(int dev, const float *x, const float *w, const float *b, float *y,
-                                float *mean, float *rstd, int64_t rows, int64_t cols, float eps)
-    KC_ROWS("layer_norm (CUDA)", rows, k_layer_norm_fwd, x, w, b, y, mean, rstd, rows, cols, eps)
-
-tp_status tp__kc_rms_norm_fwd(int dev, const float *x, const float *w, float *y, float *rstd,
-                              int64_t rows, int64_t cols, float eps)
-    KC_ROWS("rms_norm (CUDA)", rows, k_rms_norm_fwd, x, w, y, rstd, rows, cols, eps)
-
-tp_status tp__kc_cross_entropy_fwd(int dev, const float *x, const int64_t *target,
-                                   const float *weight, float *loss, int64_t rows,
-                                   int64_t classes, int64_t inner, int64_t ignore_index)
-    KC_ROWS("cross_entropy (CUDA)", rows, k_ce_fwd, x, target, weight, loss, rows, classes, inner,
-            ignore_index)
-
-tp_status tp__kc_cross_entropy_bwd(int dev, const float *x, const int64_t *target,
-                                   const float *weight, const float *gloss, float *gx,
-                                   int64_t rows, int64_t classes, int64_t inner,
-                                   int64_t ignore_index)
-    KC_ROWS("cross_entropy backward (CUDA)", rows, k_ce_bwd, x, target, weight, gloss, gx, rows,
-            classes, inner, ignore_index)
-
-tp_status tp__kc_row_max(int dev, const float *x, float *mx, int64_t rows, int64_t cols,
-                         int64_t inner)
-    KC_ROWS("cross_entropy (CUDA)", rows, k_row_max, x, mx, rows, cols, inner)
-
-tp_status tp__kc_row_sumexp(int dev, const float *x, const float *mx, float *s, int64_t rows,
-                            int64_t cols, int64_t inner)
-    KC_ROWS("cross_entropy (CUDA)", rows, k_row_sumexp, x, mx, s, rows, cols, inner)
-
-tp_status tp__kc_vocab_ce_bwd(int dev, const float *x, const int64_t *target, const float *weight,
-                              const float *mx, const float *sumexp, const float *gloss,
-                              float *gx, int64_t rows, int64_t cols, int64_t inner,
-                              int64_t offset, int64_t ignore_index)
-    KC_ROWS("cross_entropy backward (CUDA)", rows, k_vocab_ce_bwd, x, target, weight, mx, sumexp,
-            gloss, gx, rows, cols, inner, offset, ignore_index)
-
-tp_status tp__kc_sum_dim(int dev, const float *x, float *y, int64_t outer, int64_t size,
-                         int64_t inner, double div)
+tp_status cuda_relu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n)
 {
-    if (outer <= 0 || inner <= 0)
-        return TP_OK;
-    KC_BEGIN("sum (CUDA)");
+    return launch("relu (CUDA)", TP__KOP_RELU_FWD, dtype, dev, n, false, k_relu_fwd, f32(x),
+                  f32(y), n);
+}
+
+tp_status cuda_relu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy, void *gx,
+                        int64_t n)
+{
+    return launch("relu backward (CUDA)", TP__KOP_RELU_BWD, dtype, dev, n, false, k_relu_bwd,
+                  f32(x), f32(gy), f32(gx), n);
+}
+
+tp_status cuda_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n,
+                        bool tanh_approx)
+{
+    return launch("gelu (CUDA)", TP__KOP_GELU_FWD, dtype, dev, n, false, k_gelu_fwd, f32(x),
+                  f32(y), n, tanh_approx);
+}
+
+tp_status cuda_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy, void *gx,
+                        int64_t n, bool tanh_approx)
+{
+    return launch("gelu backward (CUDA)", TP__KOP_GELU_BWD, dtype, dev, n, false, k_gelu_bwd,
+                  f32(x), f32(gy), f32(gx), n, tanh_approx);
+}
+
+/* reductions */
+
+tp_status cuda_sum_dim(tp_device dev, tp_dtype dtype, const void *xv, void *yv, int64_t outer,
+                       int64_t size, int64_t inner, double div)
+{
+    Launch L;
+    tp_status st;
+    if (!enter("sum (CUDA)", TP__KOP_SUM_DIM, dtype, dev, outer > 0 && inner > 0, &L, &st))
+        return st;
+    const float *x = f32(xv);
+    float *y = f32(yv);
     if (inner == 1) /* rows: a block each */
         k_sum_rowwise<<<grid_rows(outer), kThreads, 0, L.s>>>(x, y, outer, size, div);
     else if (outer == 1) /* columns of a [size, inner] matrix: 8 row lanes per column */
         launch_colsum<float, COL_PLAIN>(L.s, x, NULL, NULL, NULL, y, size, inner, false, div);
     else
-        k_sum_strided<<<GRID(outer * inner)>>>(x, y, outer, size, inner, div);
+        k_sum_strided<<<grid_for(outer * inner, kThreads), kThreads, 0, L.s>>>(x, y, outer, size,
+                                                                               inner, div);
     return end(&L);
 }
 
-tp_status tp__kc_sum_bcast(int dev, const float *x, float *y, int ndim, const int64_t *shape,
-                           const int64_t *yshape)
+tp_status cuda_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *gx, int64_t outer,
+                           int64_t size, int64_t inner, float scale)
 {
+    return launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev, outer * size * inner,
+                  false, k_sum_dim_bwd, f32(gy), f32(gx), outer, size, inner, scale);
+}
+
+tp_status cuda_sum_bcast(tp_device dev, tp_dtype dtype, const void *x, void *y, int ndim,
+                         const int64_t *shape, const int64_t *yshape)
+{
+    if (!cuda_supports(TP__KOP_SUM_BCAST, dtype))
+        return tp__kernels_unsupported(tp__kernels_cuda, TP__KOP_SUM_BCAST, dtype);
     int64_t yn = 1, rn = 1, xs[TP_MAX_DIMS], stride = 1;
     for (int d = ndim - 1; d >= 0; d--) {
         xs[d] = stride;
@@ -1330,7 +1318,7 @@ tp_status tp__kc_sum_bcast(int dev, const float *x, float *y, int ndim, const in
         prev_summed = summed;
     }
     if (g.nr == 0)
-        return tp__kc_copy(dev, y, x, yn);
+        return cuda_copy(dev, dtype, y, x, yn);
     if (runs == 1) {
         /* x viewed as [outer, size, inner] around the one summed block */
         int64_t outer = 1, inner = 1;
@@ -1338,70 +1326,140 @@ tp_status tp__kc_sum_bcast(int dev, const float *x, float *y, int ndim, const in
             outer *= shape[d];
         for (int d = last + 1; d < ndim; d++)
             inner *= shape[d];
-        return tp__kc_sum_dim(dev, x, y, outer, rn, inner, 1.0);
+        return cuda_sum_dim(dev, dtype, x, y, outer, rn, inner, 1.0);
     }
-    KC_BEGIN("sum (CUDA)");
-    k_sum_bcast<<<GRID(yn)>>>(x, y, yn, rn, g);
+    return launch("sum (CUDA)", TP__KOP_SUM_BCAST, dtype, dev, yn, false, k_sum_bcast, f32(x),
+                  f32(y), yn, rn, g);
+}
+
+tp_status cuda_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64_t n, void *y,
+                       double div)
+{
+    Launch L;
+    tp_status st;
+    if (!enter("sum (CUDA)", TP__KOP_SUM_ALL, dtype, dev, true, &L, &st))
+        return st;
+    k_sum_all<<<1, 1024, 0, L.s>>>(f32(x), n < 0 ? 0 : n, f32(y), div);
     return end(&L);
 }
 
-tp_status tp__kc_sum_all(int dev, const float *x, int64_t n, float *y, double div)
+tp_status cuda_softmax_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t rows,
+                           int64_t cols)
 {
-    KC_BEGIN("sum (CUDA)");
-    k_sum_all<<<1, 1024, 0, L.s>>>(x, n < 0 ? 0 : n, y, div);
-    return end(&L);
+    return launch("softmax (CUDA)", TP__KOP_SOFTMAX_FWD, dtype, dev, rows, true, k_softmax_fwd,
+                  f32(x), f32(y), rows, cols);
 }
 
-tp_status tp__kc_transpose_last2(int dev, const float *x, float *y, int64_t batch, int64_t r,
-                                 int64_t c)
+tp_status cuda_softmax_bwd(tp_device dev, tp_dtype dtype, const void *y, const void *gy, void *gx,
+                           int64_t rows, int64_t cols)
 {
-    if (batch <= 0 || r <= 0 || c <= 0)
-        return TP_OK;
-    KC_BEGIN("transpose (CUDA)");
+    return launch("softmax backward (CUDA)", TP__KOP_SOFTMAX_BWD, dtype, dev, rows, true,
+                  k_softmax_bwd, f32(y), f32(gy), f32(gx), rows, cols);
+}
+
+tp_status cuda_causal_mask(tp_device dev, tp_dtype dtype, void *s, int64_t batch, int64_t S)
+{
+    return launch("causal mask (CUDA)", TP__KOP_CAUSAL_MASK, dtype, dev, batch * S * S, false,
+                  k_causal_mask, f32(s), batch, S);
+}
+
+tp_status cuda_transpose_last2(tp_device dev, tp_dtype dtype, const void *x, void *y,
+                               int64_t batch, int64_t r, int64_t c)
+{
+    Launch L;
+    tp_status st;
+    if (!enter("transpose (CUDA)", TP__KOP_TRANSPOSE_LAST2, dtype, dev,
+               batch > 0 && r > 0 && c > 0, &L, &st))
+        return st;
     int64_t gx = (c + 31) / 32, gy = (r + 31) / 32;
     dim3 grid((unsigned)(gx < kMaxGrid ? gx : kMaxGrid), (unsigned)(gy < kMaxGrid ? gy : kMaxGrid),
               (unsigned)(batch < kMaxGrid ? batch : kMaxGrid));
-    k_transpose<<<grid, dim3(32, 8), 0, L.s>>>(x, y, batch, r, c);
+    k_transpose<<<grid, dim3(32, 8), 0, L.s>>>(f32(x), f32(y), batch, r, c);
     return end(&L);
 }
 
-tp_status tp__kc_layer_norm_bwd(int dev, const float *x, const float *w, const float *mean,
-                                const float *rstd, const float *gy, float *gx, float *gw,
-                                float *gb, int64_t rows, int64_t cols)
+/* embedding, norms, dropout */
+
+tp_status cuda_embedding_fwd(tp_device dev, tp_dtype dtype, const int64_t *idx, int64_t n,
+                             const void *w, int64_t rows_local, int64_t dim, int64_t offset,
+                             void *y)
 {
-    if (rows <= 0 || cols <= 0)
-        return TP_OK;
-    KC_BEGIN("layer_norm backward (CUDA)");
-    k_layer_norm_bwd_x<<<grid_rows(rows), kThreads, 0, L.s>>>(x, w, mean, rstd, gy, gx, rows, cols);
+    return launch("embedding (CUDA)", TP__KOP_EMBEDDING_FWD, dtype, dev, n * dim, false,
+                  k_embedding_fwd, idx, n, f32(w), rows_local, dim, offset, f32(y));
+}
+
+tp_status cuda_embedding_bwd(tp_device dev, tp_dtype dtype, const int64_t *idx, int64_t n,
+                             const void *gy, int64_t rows_local, int64_t dim, int64_t offset,
+                             void *gw)
+{
+    return launch("embedding backward (CUDA)", TP__KOP_EMBEDDING_BWD, dtype, dev, n * dim, false,
+                  k_embedding_bwd, idx, n, f32(gy), rows_local, dim, offset, f32(gw));
+}
+
+tp_status cuda_layer_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                              const void *b, void *y, float *mean, float *rstd, int64_t rows,
+                              int64_t cols, float eps)
+{
+    return launch("layer_norm (CUDA)", TP__KOP_LAYER_NORM_FWD, dtype, dev, rows, true,
+                  k_layer_norm_fwd, f32(x), f32(w), f32(b), f32(y), mean, rstd, rows, cols, eps);
+}
+
+tp_status cuda_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *xv, const void *wv,
+                              const float *mean, const float *rstd, const void *gyv, void *gxv,
+                              void *gw, void *gb, int64_t rows, int64_t cols)
+{
+    Launch L;
+    tp_status st;
+    if (!enter("layer_norm backward (CUDA)", TP__KOP_LAYER_NORM_BWD, dtype, dev,
+               rows > 0 && cols > 0, &L, &st))
+        return st;
+    const float *x = f32(xv), *gy = f32(gyv);
+    k_layer_norm_bwd_x<<<grid_rows(rows), kThreads, 0, L.s>>>(x, f32(wv), mean, rstd, gy,
+                                                              f32(gxv), rows, cols);
     if (gw)
-        launch_colsum<float, COL_NORM>(L.s, gy, x, mean, rstd, gw, rows, cols, true);
+        launch_colsum<float, COL_NORM>(L.s, gy, x, mean, rstd, f32(gw), rows, cols, true);
     if (gb)
-        launch_colsum<float, COL_PLAIN>(L.s, gy, NULL, NULL, NULL, gb, rows, cols, true);
+        launch_colsum<float, COL_PLAIN>(L.s, gy, NULL, NULL, NULL, f32(gb), rows, cols, true);
     return end(&L);
 }
 
-tp_status tp__kc_rms_norm_bwd(int dev, const float *x, const float *w, const float *rstd,
-                              const float *gy, float *gx, float *gw, int64_t rows, int64_t cols)
+tp_status cuda_rms_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w, void *y,
+                            float *rstd, int64_t rows, int64_t cols, float eps)
 {
-    if (rows <= 0 || cols <= 0)
-        return TP_OK;
-    KC_BEGIN("rms_norm backward (CUDA)");
-    k_rms_norm_bwd_x<<<grid_rows(rows), kThreads, 0, L.s>>>(x, w, rstd, gy, gx, rows, cols);
+    return launch("rms_norm (CUDA)", TP__KOP_RMS_NORM_FWD, dtype, dev, rows, true, k_rms_norm_fwd,
+                  f32(x), f32(w), f32(y), rstd, rows, cols, eps);
+}
+
+tp_status cuda_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *xv, const void *w,
+                            const float *rstd, const void *gyv, void *gx, void *gw, int64_t rows,
+                            int64_t cols)
+{
+    Launch L;
+    tp_status st;
+    if (!enter("rms_norm backward (CUDA)", TP__KOP_RMS_NORM_BWD, dtype, dev, rows > 0 && cols > 0,
+               &L, &st))
+        return st;
+    const float *x = f32(xv), *gy = f32(gyv);
+    k_rms_norm_bwd_x<<<grid_rows(rows), kThreads, 0, L.s>>>(x, f32(w), rstd, gy, f32(gx), rows,
+                                                            cols);
     if (gw)
-        launch_colsum<float, COL_NORM>(L.s, gy, x, NULL, rstd, gw, rows, cols, true);
+        launch_colsum<float, COL_NORM>(L.s, gy, x, NULL, rstd, f32(gw), rows, cols, true);
     return end(&L);
 }
 
-tp_status tp__kc_dropout_fwd(int dev, const float *x, float *y, uint8_t *mask, int ndim,
-                             const int64_t *shape, const int64_t *global_shape,
-                             const int64_t *offset, float p, uint64_t seed)
+tp_status cuda_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, void *yv, uint8_t *mask,
+                           int ndim, const int64_t *shape, const int64_t *global_shape,
+                           const int64_t *offset, float p, uint64_t seed)
 {
     int64_t n = 1;
     for (int d = 0; d < ndim; d++)
         n *= shape[d];
-    if (n <= 0)
-        return TP_OK;
-    KC_BEGIN("dropout (CUDA)");
+    Launch L;
+    tp_status st;
+    if (!enter("dropout (CUDA)", TP__KOP_DROPOUT_FWD, dtype, dev, n > 0, &L, &st))
+        return st;
+    float *y = f32(yv);
+    unsigned grid = grid_for(n, kThreads);
     if (p <= 0.0f) {
         if (y != x) {
             cudaError_t err = cudaMemcpyAsync(y, x, (size_t)n * sizeof(float),
@@ -1410,13 +1468,13 @@ tp_status tp__kc_dropout_fwd(int dev, const float *x, float *y, uint8_t *mask, i
                 return fail(&L, tp__cuda_fail(L.fn, "cudaMemcpyAsync", err));
         }
         if (mask)
-            k_fill_u8<<<GRID(n)>>>(mask, 1, n);
+            k_fill_u8<<<grid, kThreads, 0, L.s>>>(mask, 1, n);
         return end(&L);
     }
     if (p >= 1.0f) {
-        k_fill<<<GRID(n)>>>(y, 0.0f, n);
+        k_fill<<<grid, kThreads, 0, L.s>>>(y, 0.0f, n);
         if (mask)
-            k_fill_u8<<<GRID(n)>>>(mask, 0, n);
+            k_fill_u8<<<grid, kThreads, 0, L.s>>>(mask, 0, n);
         return end(&L);
     }
     DropGeom geo;
@@ -1431,22 +1489,119 @@ tp_status tp__kc_dropout_fwd(int dev, const float *x, float *y, uint8_t *mask, i
     for (int d = 0; d < ndim; d++)
         geo.g0 += (uint64_t)(offset ? offset[d] : 0) * geo.gstride[d];
     float scale = 1.0f / (1.0f - p);
-    k_dropout_fwd<<<GRID(n)>>>(x, y, mask, n, geo, (double)p, scale, seed);
+    k_dropout_fwd<<<grid, kThreads, 0, L.s>>>(f32(x), y, mask, n, geo, (double)p, scale, seed);
     return end(&L);
 }
 
-tp_status tp__kc_dropout_bwd(int dev, const float *gy, const uint8_t *mask, float *gx, int64_t n,
-                             float p)
+tp_status cuda_dropout_bwd(tp_device dev, tp_dtype dtype, const void *gy, const uint8_t *mask,
+                           void *gx, int64_t n, float p)
 {
-    if (n <= 0)
-        return TP_OK;
+    if (!cuda_supports(TP__KOP_DROPOUT_BWD, dtype))
+        return tp__kernels_unsupported(tp__kernels_cuda, TP__KOP_DROPOUT_BWD, dtype);
     if (p <= 0.0f)
-        return tp__kc_copy(dev, gx, gy, n);
+        return cuda_copy(dev, dtype, gx, gy, n);
     if (p >= 1.0f)
-        return tp__kc_fill(dev, gx, 0.0f, n);
-    KC_BEGIN("dropout backward (CUDA)");
-    k_dropout_bwd<<<GRID(n)>>>(gy, mask, gx, n, 1.0f / (1.0f - p));
-    return end(&L);
+        return cuda_fill(dev, dtype, gx, 0.0f, n);
+    return launch("dropout backward (CUDA)", TP__KOP_DROPOUT_BWD, dtype, dev, n, false,
+                  k_dropout_bwd, f32(gy), mask, f32(gx), n, 1.0f / (1.0f - p));
 }
 
-} /* extern "C" */
+/* cross entropy */
+
+tp_status cuda_cross_entropy_fwd(tp_device dev, tp_dtype dtype, const void *x,
+                                 const int64_t *target, const void *weight, void *loss,
+                                 int64_t rows, int64_t classes, int64_t inner,
+                                 int64_t ignore_index)
+{
+    return launch("cross_entropy (CUDA)", TP__KOP_CROSS_ENTROPY_FWD, dtype, dev, rows, true,
+                  k_ce_fwd, f32(x), target, f32(weight), f32(loss), rows, classes, inner,
+                  ignore_index);
+}
+
+tp_status cuda_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void *x,
+                                 const int64_t *target, const void *weight, const void *gloss,
+                                 void *gx, int64_t rows, int64_t classes, int64_t inner,
+                                 int64_t ignore_index)
+{
+    return launch("cross_entropy backward (CUDA)", TP__KOP_CROSS_ENTROPY_BWD, dtype, dev, rows,
+                  true, k_ce_bwd, f32(x), target, f32(weight), f32(gloss), f32(gx), rows, classes,
+                  inner, ignore_index);
+}
+
+tp_status cuda_ce_gloss(tp_device dev, tp_dtype dtype, const void *g, void *gl, int64_t rows,
+                        bool broadcast, double div)
+{
+    return launch("cross_entropy backward (CUDA)", TP__KOP_CE_GLOSS, dtype, dev, rows, false,
+                  k_ce_gloss, f32(g), f32(gl), rows, broadcast, div);
+}
+
+tp_status cuda_row_max(tp_device dev, tp_dtype dtype, const void *x, float *mx, int64_t rows,
+                       int64_t cols, int64_t inner)
+{
+    return launch("cross_entropy (CUDA)", TP__KOP_ROW_MAX, dtype, dev, rows, true, k_row_max,
+                  f32(x), mx, rows, cols, inner);
+}
+
+tp_status cuda_row_sumexp(tp_device dev, tp_dtype dtype, const void *x, const float *mx, float *s,
+                          int64_t rows, int64_t cols, int64_t inner)
+{
+    return launch("cross_entropy (CUDA)", TP__KOP_ROW_SUMEXP, dtype, dev, rows, true,
+                  k_row_sumexp, f32(x), mx, s, rows, cols, inner);
+}
+
+tp_status cuda_pick_target(tp_device dev, tp_dtype dtype, const void *x, const int64_t *target,
+                           float *picked, int64_t rows, int64_t cols, int64_t inner,
+                           int64_t offset, int64_t ignore_index)
+{
+    return launch("cross_entropy (CUDA)", TP__KOP_PICK_TARGET, dtype, dev, rows, false,
+                  k_pick_target, f32(x), target, picked, rows, cols, inner, offset,
+                  ignore_index);
+}
+
+tp_status cuda_vocab_ce_loss(tp_device dev, tp_dtype dtype, const int64_t *target,
+                             const void *weight, const float *mx, const float *sumexp,
+                             const float *picked, void *loss, int64_t rows, int64_t ignore_index)
+{
+    return launch("cross_entropy (CUDA)", TP__KOP_VOCAB_CE_LOSS, dtype, dev, rows, false,
+                  k_vocab_ce_loss, target, f32(weight), mx, sumexp, picked, f32(loss), rows,
+                  ignore_index);
+}
+
+tp_status cuda_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x, const int64_t *target,
+                            const void *weight, const float *mx, const float *sumexp,
+                            const void *gloss, void *gx, int64_t rows, int64_t cols,
+                            int64_t inner, int64_t offset, int64_t ignore_index)
+{
+    return launch("cross_entropy backward (CUDA)", TP__KOP_VOCAB_CE_BWD, dtype, dev, rows, true,
+                  k_vocab_ce_bwd, f32(x), target, f32(weight), mx, sumexp, f32(gloss), f32(gx),
+                  rows, cols, inner, offset, ignore_index);
+}
+
+/* optimizers */
+
+tp_status cuda_sgd_step(tp_device dev, tp_dtype dtype, void *p, const void *g, int64_t n,
+                        double lr)
+{
+    return launch("tp_sgd_step (CUDA)", TP__KOP_SGD_STEP, dtype, dev, n, false, k_sgd, f32(p),
+                  f32(g), n, lr);
+}
+
+tp_status cuda_adam_step(tp_device dev, tp_dtype dtype, void *p, float *m, float *v,
+                         const void *g, int64_t n, double beta1, double beta2, double step_size,
+                         double bc2_sqrt, double eps)
+{
+    return launch("tp_adam_step (CUDA)", TP__KOP_ADAM_STEP, dtype, dev, n, false, k_adam, f32(p),
+                  m, v, f32(g), n, beta1, beta2, step_size, bc2_sqrt, eps);
+}
+
+#define CUDA_ENTRY(NAME, field) .field = cuda_##field,
+const tp__kernels cuda_table = {
+    .name = "cuda",
+    .supports = cuda_supports,
+    TP__KERNEL_ENTRIES(CUDA_ENTRY)
+};
+
+} /* namespace */
+
+/* The registration: the table tp__kernels_for hands out for CUDA devices. */
+extern "C" const tp__kernels *const tp__kernels_cuda = &cuda_table;

@@ -1,17 +1,41 @@
-/* Local compute kernels on contiguous row-major f32 buffers (the CPU engine:
- * OpenBLAS sgemm and plain loops). Not installed.
+/* The compute interface: one kernel table per device type (as ggml's backend
+ * interface and UCC's component vtables). The op layer, autograd and the
+ * optimizers call every local kernel through the table of their tensors'
+ * device and never ask which engine that is. Not installed.
  *
- * Shapes are passed explicitly; every buffer is contiguous (the broadcast
- * kernels read their operands through explicit strides). "rows" is the
- * product of all leading dims, "cols" the last dim. Kernels never allocate
- * unless their comment says so, and never fail: argument checking is the
- * caller's job (the op layer). Accumulating kernels (`beta`/`accumulate`)
- * add into their output instead of overwriting it.
+ * Engines: the CPU one (cpu_table.c over the f32 loops and OpenBLAS of
+ * cpu.c) and the CUDA one (cuda.cu: grid-stride kernels and cuBLAS), which
+ * exists only in a CUDA build (cuda_none.c otherwise). Both take f32 for
+ * every entry; the CUDA engine's matrix products (gemm, linear_fwd,
+ * linear_bwd) also take f16 and bf16, accumulating in f32.
  *
- * In place: the elementwise kernels (add, mul, scale, accumulate, relu, gelu,
+ * Every entry has the same signature on every engine: the device it runs on
+ * (a CUDA entry makes dev current for the call and restores the caller's
+ * device; the CPU ignores it), the dtype of its float buffers, then the
+ * operands. Buffers of the op's dtype are void pointers; the statistics a
+ * kernel saves for a backward (norm mean and rstd, cross-entropy row max and
+ * sums, picked logits) and the Adam moments are f32; indices and targets are
+ * int64, dropout masks one byte per element.
+ *
+ * Every entry returns a tp_status: TP_ERR_NOT_SUPPORTED naming the op and
+ * the dtype when supports(op, dtype) is false, else TP_OK on the CPU, where
+ * kernels do not fail. A CUDA entry queues its work on the calling thread's
+ * compute stream for dev and returns without waiting; launch and cuBLAS
+ * failures are TP_ERR_BACKEND with CUDA's text (TP_ERR_NO_MEMORY for
+ * allocation failures). Kernels allocate no buffers (the CUDA engine makes
+ * a thread's cuBLAS handle at its first product) and never check their
+ * arguments (the op layer does).
+ *
+ * Shapes are passed explicitly and every buffer is contiguous row-major
+ * unless an entry takes strides. "rows" is the product of all leading dims,
+ * "cols" the last dim. Entries that take `accumulate` add into their output
+ * instead of overwriting it.
+ *
+ * In place: the elementwise entries (add, mul, scale, accumulate, relu, gelu,
  * dropout, softmax fwd/bwd) accept an output equal to one of their inputs
- * (the same pointer, not a partial overlap). Every other kernel's outputs must
- * not overlap its inputs. */
+ * (the same pointer, not a partial overlap); so do add_bcast and mul_bcast
+ * for an operand with the output's shape and contiguous strides. Every other
+ * entry's outputs must not overlap its inputs. */
 #ifndef TP_KERNELS_H
 #define TP_KERNELS_H
 
@@ -19,156 +43,350 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* C[m,n] = alpha * op(A) op(B) + beta * C, op = transpose when trans_*.
- * A is [m,k] (or [k,m] when trans_a), B is [k,n] (or [n,k] when trans_b).
- * Leading dimensions are the row lengths of the stored matrices. Sizes and
- * leading dimensions must fit in a BLAS int; k == 0 gives C = beta * C. */
-void tp__k_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
-                int64_t ldc);
+#include "tp/status.h"
+#include "tp/tensor.h"
 
-/* y[rows, out] = x[rows, in] W[out, in]^T (+ bias[out] when non-NULL). */
-void tp__k_linear_fwd(const float *x, const float *w, const float *bias, float *y, int64_t rows,
-                      int64_t in, int64_t out);
-/* gx[rows,in] (+)= gy W; gw[out,in] (+)= gy^T x; gb[out] (+)= sum_rows gy.
- * Any of gx, gw, gb may be NULL (not needed). accumulate: add into them. */
-void tp__k_linear_bwd(const float *x, const float *w, const float *gy, float *gx, float *gw,
-                      float *gb, int64_t rows, int64_t in, int64_t out, bool accumulate);
+#ifdef __cplusplus
+extern "C" {
+#endif
 
-/* Elementwise on n elements. */
-void tp__k_add(const float *a, const float *b, float *y, int64_t n);
-void tp__k_mul(const float *a, const float *b, float *y, int64_t n);
-void tp__k_scale(const float *a, float s, float *y, int64_t n);
-/* y += a (n elements) */
-void tp__k_accumulate(float *y, const float *a, int64_t n);
-/* y[r, c] += b[c] for a [rows, cols] y: the row broadcast of a bias-like add */
-void tp__k_add_row(float *y, const float *b, int64_t rows, int64_t cols);
+/* The entries of a table, for supports() and messages. */
+typedef enum tp__kop {
+    TP__KOP_NONE = 0, /* no kernel: supported by no engine */
+    TP__KOP_GEMM,
+    TP__KOP_LINEAR_FWD,
+    TP__KOP_LINEAR_BWD,
+    TP__KOP_COPY,
+    TP__KOP_FILL,
+    TP__KOP_ADD,
+    TP__KOP_MUL,
+    TP__KOP_SCALE,
+    TP__KOP_ACCUMULATE,
+    TP__KOP_ADD_BCAST,
+    TP__KOP_MUL_BCAST,
+    TP__KOP_SUM_BCAST,
+    TP__KOP_GATHER,
+    TP__KOP_RELU_FWD,
+    TP__KOP_RELU_BWD,
+    TP__KOP_GELU_FWD,
+    TP__KOP_GELU_BWD,
+    TP__KOP_SUM_DIM,
+    TP__KOP_SUM_DIM_BWD,
+    TP__KOP_SUM_ALL,
+    TP__KOP_SOFTMAX_FWD,
+    TP__KOP_SOFTMAX_BWD,
+    TP__KOP_CAUSAL_MASK,
+    TP__KOP_TRANSPOSE_LAST2,
+    TP__KOP_EMBEDDING_FWD,
+    TP__KOP_EMBEDDING_BWD,
+    TP__KOP_LAYER_NORM_FWD,
+    TP__KOP_LAYER_NORM_BWD,
+    TP__KOP_RMS_NORM_FWD,
+    TP__KOP_RMS_NORM_BWD,
+    TP__KOP_DROPOUT_FWD,
+    TP__KOP_DROPOUT_BWD,
+    TP__KOP_CROSS_ENTROPY_FWD,
+    TP__KOP_CROSS_ENTROPY_BWD,
+    TP__KOP_CE_GLOSS,
+    TP__KOP_ROW_MAX,
+    TP__KOP_ROW_SUMEXP,
+    TP__KOP_PICK_TARGET,
+    TP__KOP_VOCAB_CE_LOSS,
+    TP__KOP_VOCAB_CE_BWD,
+    TP__KOP_SGD_STEP,
+    TP__KOP_ADAM_STEP,
+    TP__KOP_COUNT
+} tp__kop;
 
-/* Elementwise with broadcasting: y (contiguous, ndim dims of `shape`) =
- * a + b or a * b, where element i reads a at sum_d i_d astride[d] and b at
- * sum_d i_d bstride[d] (element strides; 0 along the dims an operand is
- * broadcast over; any other strides too, so non-contiguous views work).
- * ndim 0 is one element. The op layer drops size-1 dims and merges dims that
- * are contiguous in both operands first (same-shape operands collapse to one
- * dim); the fast paths key on that form: a contiguous run per innermost row
- * for both (same shape, row broadcast) or for one with the other fixed along
- * the row (column broadcast, scalars). y may be a or b when that operand has
- * y's shape and contiguous strides. */
-void tp__k_add_bcast(const float *a, const float *b, float *y, int ndim, const int64_t *shape,
-                     const int64_t *astride, const int64_t *bstride);
-void tp__k_mul_bcast(const float *a, const float *b, float *y, int ndim, const int64_t *shape,
-                     const int64_t *astride, const int64_t *bstride);
-/* The backward of a broadcast: y (contiguous, yshape) = x (contiguous, shape)
- * summed over the dims d where yshape[d] is 1 and shape[d] is not (double
- * accumulation; a sum over an empty dim is 0). yshape[d] is shape[d] or 1; y
- * is overwritten. */
-void tp__k_sum_bcast(const float *x, float *y, int ndim, const int64_t *shape,
-                     const int64_t *yshape);
+typedef struct tp__kernels {
+    const char *name; /* "cpu", "cuda" */
 
-void tp__k_relu_fwd(const float *x, float *y, int64_t n);
-/* gx = gy * (x > 0) */
-void tp__k_relu_bwd(const float *x, const float *gy, float *gx, int64_t n);
-/* GELU, tanh approximation when `tanh_approx`, else exact (erf). */
-void tp__k_gelu_fwd(const float *x, float *y, int64_t n, bool tanh_approx);
-void tp__k_gelu_bwd(const float *x, const float *gy, float *gx, int64_t n, bool tanh_approx);
+    /* Whether the entry for op takes buffers of dtype (the one question the
+     * op layer asks before it runs an op on an engine). */
+    bool (*supports)(tp__kop op, tp_dtype dtype);
 
-/* Reductions over a dim: the tensor viewed as [outer, size, inner], reduced
- * over `size`: y[outer, inner] = sum_s x[outer, s, inner] (double accumulation). */
-void tp__k_sum_dim(const float *x, float *y, int64_t outer, int64_t size, int64_t inner);
-/* gx[outer, s, inner] = gy[outer, inner] * scale (the backward of sum / mean) */
-void tp__k_sum_dim_bwd(const float *gy, float *gx, int64_t outer, int64_t size, int64_t inner,
-                       float scale);
-/* Sum of all n elements, accumulated in double. */
-double tp__k_sum_all(const float *x, int64_t n);
+    /* ---- matrix products ------------------------------------------------- */
 
-/* Softmax along the last dim of [rows, cols] (max-subtracted). */
-void tp__k_softmax_fwd(const float *x, float *y, int64_t rows, int64_t cols);
-/* gx = y * (gy - sum(gy * y)) per row */
-void tp__k_softmax_bwd(const float *y, const float *gy, float *gx, int64_t rows, int64_t cols);
+    /* C[m,n] = alpha * op(A) op(B) + beta * C, op = transpose when trans_*.
+     * A is [m,k] (or [k,m] when trans_a), B is [k,n] (or [n,k] when
+     * trans_b); leading dimensions are the row lengths of the stored
+     * matrices and must fit in a BLAS int, like the sizes. k == 0 gives
+     * C = beta * C (beta 0 overwrites, even NaN). */
+    tp_status (*gemm)(tp_device dev, tp_dtype dtype, bool trans_a, bool trans_b, int64_t m,
+                      int64_t n, int64_t k, float alpha, const void *a, int64_t lda,
+                      const void *b, int64_t ldb, float beta, void *c, int64_t ldc);
+    /* y[rows, out] = x[rows, in] W[out, in]^T (+ bias[out] when non-NULL). */
+    tp_status (*linear_fwd)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                            const void *bias, void *y, int64_t rows, int64_t in, int64_t out);
+    /* gx[rows,in] (+)= gy W; gw[out,in] (+)= gy^T x; gb[out] (+)= sum_rows gy.
+     * Any of gx, gw, gb may be NULL (not needed). */
+    tp_status (*linear_bwd)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                            const void *gy, void *gx, void *gw, void *gb, int64_t rows,
+                            int64_t in, int64_t out, bool accumulate);
 
-/* s[b, i, j] = -inf for j > i in `batch` [S, S] score matrices (causal mask) */
-void tp__k_causal_mask(float *s, int64_t batch, int64_t S);
+    /* ---- elementwise on n elements ------------------------------------------ */
 
-/* Transpose of the last two dims of [batch, r, c] into [batch, c, r]. */
-void tp__k_transpose_last2(const float *x, float *y, int64_t batch, int64_t r, int64_t c);
+    /* dst = src (nothing for n <= 0 or dst == src) */
+    tp_status (*copy)(tp_device dev, tp_dtype dtype, void *dst, const void *src, int64_t n);
+    tp_status (*fill)(tp_device dev, tp_dtype dtype, void *y, float value, int64_t n);
+    tp_status (*add)(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                     int64_t n);
+    tp_status (*mul)(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                     int64_t n);
+    tp_status (*scale)(tp_device dev, tp_dtype dtype, const void *a, float s, void *y,
+                       int64_t n);
+    /* y += a */
+    tp_status (*accumulate)(tp_device dev, tp_dtype dtype, void *y, const void *a, int64_t n);
 
-/* Embedding lookup: y[i, :] = w[idx[i] - offset, :] when offset <= idx[i] <
- * offset + rows_local, else zeros (the row-sharded masked lookup; offset 0 and
- * rows_local = num for a whole table). idx are int64. */
-void tp__k_embedding_fwd(const int64_t *idx, int64_t n, const float *w, int64_t rows_local,
-                         int64_t dim, int64_t offset, float *y);
-/* gw[idx[i] - offset, :] += gy[i, :] for indices in range (others skipped). */
-void tp__k_embedding_bwd(const int64_t *idx, int64_t n, const float *gy, int64_t rows_local,
-                         int64_t dim, int64_t offset, float *gw);
+    /* Elementwise with broadcasting: y (contiguous, ndim dims of `shape`) =
+     * a + b or a * b, where element i reads a at sum_d i_d astride[d] and b
+     * at sum_d i_d bstride[d] (element strides; 0 along the dims an operand
+     * is broadcast over; any other strides too, so non-contiguous views
+     * work). ndim 0 is one element. The op layer drops size-1 dims and
+     * merges dims that are contiguous in both operands first (same-shape
+     * operands collapse to one dim); the fast paths key on that form. */
+    tp_status (*add_bcast)(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                           int ndim, const int64_t *shape, const int64_t *astride,
+                           const int64_t *bstride);
+    tp_status (*mul_bcast)(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                           int ndim, const int64_t *shape, const int64_t *astride,
+                           const int64_t *bstride);
+    /* The backward of a broadcast: y (contiguous, yshape) = x (contiguous,
+     * shape) summed over the dims d where yshape[d] is 1 and shape[d] is not
+     * (double accumulation; a sum over an empty dim is 0). yshape[d] is
+     * shape[d] or 1; y is overwritten. */
+    tp_status (*sum_bcast)(tp_device dev, tp_dtype dtype, const void *x, void *y, int ndim,
+                           const int64_t *shape, const int64_t *yshape);
+    /* y (contiguous, `shape`) = the elements of x at the element strides
+     * `stride` (ndim <= TP_MAX_DIMS): a permuted or strided view made
+     * contiguous. */
+    tp_status (*gather)(tp_device dev, tp_dtype dtype, void *y, const void *x, int ndim,
+                        const int64_t *shape, const int64_t *stride);
 
-/* LayerNorm over the last dim of [rows, cols]: y = (x - mean) * rstd * w + b
- * (w, b may be NULL: no affine). Saves mean[rows] and rstd[rows]. */
-void tp__k_layer_norm_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
-                          float *rstd, int64_t rows, int64_t cols, float eps);
-/* gx (overwritten), gw and gb accumulated (+=) when non-NULL. */
-void tp__k_layer_norm_bwd(const float *x, const float *w, const float *mean, const float *rstd,
-                          const float *gy, float *gx, float *gw, float *gb, int64_t rows,
-                          int64_t cols);
-/* RMSNorm: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). w may be NULL. */
-void tp__k_rms_norm_fwd(const float *x, const float *w, float *y, float *rstd, int64_t rows,
-                        int64_t cols, float eps);
-void tp__k_rms_norm_bwd(const float *x, const float *w, const float *rstd, const float *gy,
-                        float *gx, float *gw, int64_t rows, int64_t cols);
+    tp_status (*relu_fwd)(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n);
+    /* gx = gy * (x > 0) */
+    tp_status (*relu_bwd)(tp_device dev, tp_dtype dtype, const void *x, const void *gy, void *gx,
+                          int64_t n);
+    /* GELU, tanh approximation when `tanh_approx`, else exact (erf). */
+    tp_status (*gelu_fwd)(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n,
+                          bool tanh_approx);
+    tp_status (*gelu_bwd)(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
+                          void *gx, int64_t n, bool tanh_approx);
 
-/* Dropout with a counter-based mask: element at GLOBAL linear index g is kept
- * iff tp_rng_uniform(seed, g) >= p, and scaled by 1/(1-p). The buffer is the
- * block of a global tensor (global_shape/offset as in tp_tensor_fill_random,
- * ndim dims), so the mask is identical at every parallel degree. mask
- * (optional, n bytes) receives 1 for kept elements, 0 for dropped ones.
- * ndim <= TP_MAX_DIMS; global_shape and offset may be NULL (the block is the
- * whole tensor). p <= 0: y = x, p >= 1: y = 0.
- * Backward: gx = mask ? gy / (1-p) : 0; mask may be NULL only when p <= 0 or
- * p >= 1. */
-void tp__k_dropout_fwd(const float *x, float *y, uint8_t *mask, int ndim, const int64_t *shape,
-                       const int64_t *global_shape, const int64_t *offset, float p,
-                       uint64_t seed);
-void tp__k_dropout_bwd(const float *gy, const uint8_t *mask, float *gx, int64_t n, float p);
+    /* ---- reductions ------------------------------------------------------------ */
 
-/* Cross entropy on logits laid out [outer, classes, inner] (row-major; inner
- * = 1 is [rows, classes]) and int64 targets [outer, inner]: row
- * r = o * inner + i holds the classes x[o, :, i] (stride inner), so logits
- * (N, C, d1, ..., dk) are outer = N, inner = d1 * ... * dk and the targets
- * (N, d1, ..., dk) are their rows in order. rows = outer * inner; inner >= 1.
- * loss[r] = weight[t] * (logsumexp(x[r]) - x[r, t]); rows whose target equals
- * ignore_index get 0 loss and 0 weight. weight may be NULL (all 1).
- * wsum (optional) receives (overwrites) the sum of the weights of counted
- * rows. Targets outside [0, classes) are the op layer's to reject; the kernels
- * treat them like ignore_index (0 loss, 0 gradient) rather than read out of
- * bounds. */
-void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float *weight,
-                             float *loss, int64_t rows, int64_t classes, int64_t inner,
-                             int64_t ignore_index, double *wsum);
-/* gx[r, c] = gloss[r] * weight[t] * (softmax(x[r])[c] - (c == t)), gx laid out
- * as x. */
-void tp__k_cross_entropy_bwd(const float *x, const int64_t *target, const float *weight,
-                             const float *gloss, float *gx, int64_t rows, int64_t classes,
-                             int64_t inner, int64_t ignore_index);
+    /* x viewed as [outer, size, inner], reduced over size: y[outer, inner] =
+     * sum_s x[outer, s, inner] / div, accumulated in double and rounded once
+     * (size 0 gives 0 / div). */
+    tp_status (*sum_dim)(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t outer,
+                         int64_t size, int64_t inner, double div);
+    /* gx[outer, s, inner] = gy[outer, inner] * scale (the backward of sum and
+     * mean) */
+    tp_status (*sum_dim_bwd)(tp_device dev, tp_dtype dtype, const void *gy, void *gx,
+                             int64_t outer, int64_t size, int64_t inner, float scale);
+    /* y[0] = sum of the n elements / div, accumulated in double and rounded
+     * once; y is a buffer on dev. */
+    tp_status (*sum_all)(tp_device dev, tp_dtype dtype, const void *x, int64_t n, void *y,
+                         double div);
 
-/* The vocab-parallel pieces (logits sharded on the class dim, this rank owns
- * classes [offset, offset + cols); the local logits laid out [outer, cols,
- * inner] as above, rows = outer * inner):
- *   1. row max of the local logits           -> all_reduce(max)
- *   2. row sum of exp(x - max)               -> all_reduce(sum)
- *   3. the target logit where owned, else 0  -> all_reduce(sum)
- * loss[r] = log(sumexp[r]) + max[r] - target_logit[r] (times the weight).
- * target holds GLOBAL class ids; weight (NULL: all 1) is the whole
- * [classes_global] class-weight vector, indexed by the global target.
- * row_sumexp takes the all-reduced (global) max; vocab_ce_bwd the global max
- * and sumexp. Rows with target == ignore_index (or negative) get 0 gradient. */
-void tp__k_row_max(const float *x, float *mx, int64_t rows, int64_t cols, int64_t inner);
-void tp__k_row_sumexp(const float *x, const float *mx, float *s, int64_t rows, int64_t cols,
-                      int64_t inner);
-void tp__k_pick_target(const float *x, const int64_t *target, float *picked, int64_t rows,
-                       int64_t cols, int64_t inner, int64_t offset, int64_t ignore_index);
-/* gx[r, c] = gloss[r] * w_r * (exp(x[r,c] - max[r]) / sumexp[r] - (c + offset == t)). */
-void tp__k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weight,
-                        const float *mx, const float *sumexp, const float *gloss, float *gx,
-                        int64_t rows, int64_t cols, int64_t inner, int64_t offset,
-                        int64_t ignore_index);
+    /* Softmax along the last dim of [rows, cols] (max-subtracted). */
+    tp_status (*softmax_fwd)(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t rows,
+                             int64_t cols);
+    /* gx = y * (gy - sum(gy * y)) per row */
+    tp_status (*softmax_bwd)(tp_device dev, tp_dtype dtype, const void *y, const void *gy,
+                             void *gx, int64_t rows, int64_t cols);
+    /* s[b, i, j] = -inf for j > i in `batch` [S, S] score matrices */
+    tp_status (*causal_mask)(tp_device dev, tp_dtype dtype, void *s, int64_t batch, int64_t S);
+    /* The transpose of the last two dims of [batch, r, c] into [batch, c, r]. */
+    tp_status (*transpose_last2)(tp_device dev, tp_dtype dtype, const void *x, void *y,
+                                 int64_t batch, int64_t r, int64_t c);
+
+    /* ---- embedding, norms, dropout ---------------------------------------------- */
+
+    /* y[i, :] = w[idx[i] - offset, :] when offset <= idx[i] < offset +
+     * rows_local, else zeros (the row-sharded masked lookup; offset 0 and
+     * rows_local = num for a whole table). */
+    tp_status (*embedding_fwd)(tp_device dev, tp_dtype dtype, const int64_t *idx, int64_t n,
+                               const void *w, int64_t rows_local, int64_t dim, int64_t offset,
+                               void *y);
+    /* gw[idx[i] - offset, :] += gy[i, :] for the indices in range (the order
+     * of the additions to one row is not fixed on CUDA). */
+    tp_status (*embedding_bwd)(tp_device dev, tp_dtype dtype, const int64_t *idx, int64_t n,
+                               const void *gy, int64_t rows_local, int64_t dim, int64_t offset,
+                               void *gw);
+    /* LayerNorm over the last dim of [rows, cols]: y = (x - mean) * rstd * w
+     * + b (w, b may be NULL: no affine); saves mean[rows] and rstd[rows]. */
+    tp_status (*layer_norm_fwd)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                const void *b, void *y, float *mean, float *rstd, int64_t rows,
+                                int64_t cols, float eps);
+    /* gx overwritten; gw and gb accumulated (+=) when non-NULL. */
+    tp_status (*layer_norm_bwd)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                const float *mean, const float *rstd, const void *gy, void *gx,
+                                void *gw, void *gb, int64_t rows, int64_t cols);
+    /* RMSNorm: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). w may be
+     * NULL. Backward as layer_norm_bwd's. */
+    tp_status (*rms_norm_fwd)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                              void *y, float *rstd, int64_t rows, int64_t cols, float eps);
+    tp_status (*rms_norm_bwd)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                              const float *rstd, const void *gy, void *gx, void *gw,
+                              int64_t rows, int64_t cols);
+    /* Dropout with a counter-based mask: the element at GLOBAL linear index g
+     * is kept iff tp_rng_uniform(seed, g) >= p, and scaled by 1/(1-p). The
+     * buffer is the block of a global tensor (global_shape/offset as in
+     * tp_tensor_fill_random, ndim <= TP_MAX_DIMS dims; NULL: the block is the
+     * whole tensor), so the mask is the same at every parallel degree and on
+     * every engine. mask (optional, n bytes) receives 1 for kept elements.
+     * p <= 0: y = x, p >= 1: y = 0. Backward: gx = mask ? gy / (1-p) : 0;
+     * mask may be NULL only when p <= 0 or p >= 1. */
+    tp_status (*dropout_fwd)(tp_device dev, tp_dtype dtype, const void *x, void *y,
+                             uint8_t *mask, int ndim, const int64_t *shape,
+                             const int64_t *global_shape, const int64_t *offset, float p,
+                             uint64_t seed);
+    tp_status (*dropout_bwd)(tp_device dev, tp_dtype dtype, const void *gy, const uint8_t *mask,
+                             void *gx, int64_t n, float p);
+
+    /* ---- cross entropy ------------------------------------------------------------ */
+
+    /* Logits laid out [outer, classes, inner] (row-major; inner = 1 is [rows,
+     * classes]) and targets [outer, inner]: row r = o * inner + i holds the
+     * classes x[o, :, i] (stride inner); rows = outer * inner.
+     * loss[r] = weight[t] * (logsumexp(x[r]) - x[r, t]); rows whose target is
+     * ignore_index get 0 loss. weight may be NULL (all 1). Targets outside
+     * [0, classes) are the op layer's to reject; the kernels treat them like
+     * ignore_index rather than read out of bounds. */
+    tp_status (*cross_entropy_fwd)(tp_device dev, tp_dtype dtype, const void *x,
+                                   const int64_t *target, const void *weight, void *loss,
+                                   int64_t rows, int64_t classes, int64_t inner,
+                                   int64_t ignore_index);
+    /* gx[r, c] = gloss[r] * weight[t] * (softmax(x[r])[c] - (c == t)), gx
+     * laid out as x. */
+    tp_status (*cross_entropy_bwd)(tp_device dev, tp_dtype dtype, const void *x,
+                                   const int64_t *target, const void *weight, const void *gloss,
+                                   void *gx, int64_t rows, int64_t classes, int64_t inner,
+                                   int64_t ignore_index);
+    /* gl[r] = broadcast ? g[0] / div : g[r] (every row's loss gradient from
+     * the reduced or unreduced loss gradient) */
+    tp_status (*ce_gloss)(tp_device dev, tp_dtype dtype, const void *g, void *gl, int64_t rows,
+                          bool broadcast, double div);
+    /* The vocab-parallel pieces (logits sharded on the class dim, this rank
+     * owning classes [offset, offset + cols), laid out [outer, cols, inner]
+     * as above):
+     *   1. row max of the local logits           -> all_reduce(max)
+     *   2. row sum of exp(x - max)               -> all_reduce(sum)
+     *   3. the target logit where owned, else 0  -> all_reduce(sum)
+     * then vocab_ce_loss: loss[r] = w_t (log(sumexp[r]) + mx[r] - picked[r]),
+     * 0 where t == ignore_index. target holds GLOBAL class ids; weight (NULL:
+     * all 1) is the whole [classes_global] class-weight vector. row_sumexp
+     * takes the all-reduced (global) max; vocab_ce_bwd the global max and
+     * sumexp: gx[r, c] = gloss[r] w_t (exp(x[r,c] - mx[r]) / sumexp[r] -
+     * (c + offset == t)), 0 for rows with target ignore_index (or negative). */
+    tp_status (*row_max)(tp_device dev, tp_dtype dtype, const void *x, float *mx, int64_t rows,
+                         int64_t cols, int64_t inner);
+    tp_status (*row_sumexp)(tp_device dev, tp_dtype dtype, const void *x, const float *mx,
+                            float *s, int64_t rows, int64_t cols, int64_t inner);
+    tp_status (*pick_target)(tp_device dev, tp_dtype dtype, const void *x, const int64_t *target,
+                             float *picked, int64_t rows, int64_t cols, int64_t inner,
+                             int64_t offset, int64_t ignore_index);
+    tp_status (*vocab_ce_loss)(tp_device dev, tp_dtype dtype, const int64_t *target,
+                               const void *weight, const float *mx, const float *sumexp,
+                               const float *picked, void *loss, int64_t rows,
+                               int64_t ignore_index);
+    tp_status (*vocab_ce_bwd)(tp_device dev, tp_dtype dtype, const void *x, const int64_t *target,
+                              const void *weight, const float *mx, const float *sumexp,
+                              const void *gloss, void *gx, int64_t rows, int64_t cols,
+                              int64_t inner, int64_t offset, int64_t ignore_index);
+
+    /* ---- optimizers (in double, rounded once per stored value) -------------------- */
+
+    /* p -= lr * g */
+    tp_status (*sgd_step)(tp_device dev, tp_dtype dtype, void *p, const void *g, int64_t n,
+                          double lr);
+    /* torch.optim.Adam without weight decay: m = b1 m + (1-b1) g, v = b2 v +
+     * (1-b2) g^2, p -= step_size m / (sqrt(v) / bc2_sqrt + eps); m and v f32 */
+    tp_status (*adam_step)(tp_device dev, tp_dtype dtype, void *p, float *m, float *v,
+                           const void *g, int64_t n, double beta1, double beta2,
+                           double step_size, double bc2_sqrt, double eps);
+} tp__kernels;
+
+/* The entries of a table in its order, X(NAME, field) for TP__KOP_NAME and
+ * the field: the engines' tables and the op names are built from it, so an
+ * engine that lacks an entry does not compile. */
+#define TP__KERNEL_ENTRIES(X)                                                   \
+    X(GEMM, gemm)                                                              \
+    X(LINEAR_FWD, linear_fwd)                                                  \
+    X(LINEAR_BWD, linear_bwd)                                                  \
+    X(COPY, copy)                                                              \
+    X(FILL, fill)                                                              \
+    X(ADD, add)                                                                \
+    X(MUL, mul)                                                                \
+    X(SCALE, scale)                                                            \
+    X(ACCUMULATE, accumulate)                                                  \
+    X(ADD_BCAST, add_bcast)                                                    \
+    X(MUL_BCAST, mul_bcast)                                                    \
+    X(SUM_BCAST, sum_bcast)                                                    \
+    X(GATHER, gather)                                                          \
+    X(RELU_FWD, relu_fwd)                                                      \
+    X(RELU_BWD, relu_bwd)                                                      \
+    X(GELU_FWD, gelu_fwd)                                                      \
+    X(GELU_BWD, gelu_bwd)                                                      \
+    X(SUM_DIM, sum_dim)                                                        \
+    X(SUM_DIM_BWD, sum_dim_bwd)                                                \
+    X(SUM_ALL, sum_all)                                                        \
+    X(SOFTMAX_FWD, softmax_fwd)                                                \
+    X(SOFTMAX_BWD, softmax_bwd)                                                \
+    X(CAUSAL_MASK, causal_mask)                                                \
+    X(TRANSPOSE_LAST2, transpose_last2)                                        \
+    X(EMBEDDING_FWD, embedding_fwd)                                            \
+    X(EMBEDDING_BWD, embedding_bwd)                                            \
+    X(LAYER_NORM_FWD, layer_norm_fwd)                                          \
+    X(LAYER_NORM_BWD, layer_norm_bwd)                                          \
+    X(RMS_NORM_FWD, rms_norm_fwd)                                              \
+    X(RMS_NORM_BWD, rms_norm_bwd)                                              \
+    X(DROPOUT_FWD, dropout_fwd)                                                \
+    X(DROPOUT_BWD, dropout_bwd)                                                \
+    X(CROSS_ENTROPY_FWD, cross_entropy_fwd)                                    \
+    X(CROSS_ENTROPY_BWD, cross_entropy_bwd)                                    \
+    X(CE_GLOSS, ce_gloss)                                                      \
+    X(ROW_MAX, row_max)                                                        \
+    X(ROW_SUMEXP, row_sumexp)                                                  \
+    X(PICK_TARGET, pick_target)                                                \
+    X(VOCAB_CE_LOSS, vocab_ce_loss)                                            \
+    X(VOCAB_CE_BWD, vocab_ce_bwd)                                              \
+    X(SGD_STEP, sgd_step)                                                      \
+    X(ADAM_STEP, adam_step)
+
+/* The engines' tables: the CPU's always; the CUDA one is NULL in a build
+ * without CUDA (cuda_none.c). */
+extern const tp__kernels tp__kernels_cpu;
+extern const tp__kernels *const tp__kernels_cuda;
+
+/* TP_ERR_NOT_SUPPORTED for a device whose engine this build lacks (out of
+ * line: the cold half of tp__kernels_for). */
+tp_status tp__kernels_missing(tp_device dev);
+
+/* The table of dev's engine into *out: one load, no call. An engine this
+ * build lacks is TP_ERR_NOT_SUPPORTED ("libtp was built without CUDA"). */
+static inline tp_status tp__kernels_for(tp_device dev, const tp__kernels **out)
+{
+    const tp__kernels *k = dev.type == TP_DEVICE_CPU    ? &tp__kernels_cpu
+                           : dev.type == TP_DEVICE_CUDA ? tp__kernels_cuda
+                                                        : NULL;
+    if (k) {
+        *out = k;
+        return TP_OK;
+    }
+    return tp__kernels_missing(dev);
+}
+
+/* "linear_fwd" for TP__KOP_LINEAR_FWD ("?" outside the enum). */
+const char *tp__kop_name(tp__kop op);
+
+/* TP_ERR_NOT_SUPPORTED: "<engine> kernels: <op> does not take <dtype>". The
+ * entries' answer when supports(op, dtype) is false. */
+tp_status tp__kernels_unsupported(const tp__kernels *k, tp__kop op, tp_dtype dtype);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* TP_KERNELS_H */

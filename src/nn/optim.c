@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/kernels_cuda.h"
+#include "kernels/kernels.h"
 #include "nn/nn_internal.h"
 
 /* ---- helpers ---------------------------------------------------------------- */
@@ -588,18 +588,12 @@ tp_status tp_sgd_step(tp_module *m, double lr)
             continue;
         st = tp__param_begin(fn, l.e[i].fqn, l.e[i].t, &w);
         if (st == TP_OK) {
-            float *pd = tp_tensor_data(w);
-            const float *gd = tp_tensor_data(g);
-            int64_t ne = tp_tensor_numel(w);
             tp_device dev = tp_tensor_device(w);
-#if TP_HAVE_CUDA
-            if (dev.type == TP_DEVICE_CUDA)
-                st = tp__kc_sgd_step(dev.index, pd, gd, ne, lr);
-            else
-#endif
-                for (int64_t k = 0; k < ne; k++)
-                    pd[k] = (float)((double)pd[k] - lr * (double)gd[k]);
-            (void)dev;
+            const tp__kernels *k = NULL;
+            st = tp__kernels_for(dev, &k);
+            if (st == TP_OK)
+                st = k->sgd_step(dev, TP_F32, tp_tensor_data(w), tp_tensor_data(g),
+                                 tp_tensor_numel(w), lr);
             if (st == TP_OK)
                 st = tp__param_end(l.e[i].t, w);
             else
@@ -789,24 +783,13 @@ tp_status tp_adam_step(tp_adam *opt)
             s->step++;
             double bc1 = 1.0 - pow(b1, (double)s->step), bc2 = 1.0 - pow(b2, (double)s->step);
             double step_size = opt->lr / bc1, bc2_sqrt = sqrt(bc2);
-            float *pd = tp_tensor_data(w), *md = tp_tensor_data(s->m), *vd = tp_tensor_data(s->v);
-            const float *gd = tp_tensor_data(g);
-            int64_t ne = tp_tensor_numel(w);
             tp_device dev = tp_tensor_device(w); /* m and v live with the parameter */
-#if TP_HAVE_CUDA
-            if (dev.type == TP_DEVICE_CUDA)
-                st = tp__kc_adam_step(dev.index, pd, md, vd, gd, ne, b1, b2, step_size, bc2_sqrt,
-                                      opt->eps);
-            else
-#endif
-                for (int64_t k = 0; k < ne; k++) {
-                    double gk = gd[k];
-                    md[k] = (float)(b1 * md[k] + (1.0 - b1) * gk);
-                    vd[k] = (float)(b2 * vd[k] + (1.0 - b2) * gk * gk);
-                    double denom = sqrt((double)vd[k]) / bc2_sqrt + opt->eps;
-                    pd[k] = (float)((double)pd[k] - step_size * (double)md[k] / denom);
-                }
-            (void)dev;
+            const tp__kernels *k = NULL;
+            st = tp__kernels_for(dev, &k);
+            if (st == TP_OK)
+                st = k->adam_step(dev, TP_F32, tp_tensor_data(w), tp_tensor_data(s->m),
+                                  tp_tensor_data(s->v), tp_tensor_data(g), tp_tensor_numel(w), b1,
+                                  b2, step_size, bc2_sqrt, opt->eps);
         }
         if (w && st == TP_OK)
             st = tp__param_end(l.e[i].t, w);

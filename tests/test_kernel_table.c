@@ -1,0 +1,261 @@
+/* The CPU engine's kernel table (src/kernels/cpu_table.c, kernels.h): every
+ * entry present and named, supports() true for f32 alone, every entry
+ * answering another dtype with TP_ERR_NOT_SUPPORTED naming the op and the
+ * dtype (and writing nothing), the device lookup, and the entries whose CPU
+ * kernels are new (copy, fill, gather, the divided sums, the loss-gradient
+ * spread, the vocab-parallel loss, the optimizer steps) against double
+ * references. The kernels themselves are tested in test_kernels.c.
+ *
+ * Like test_kernels.c, this compiles the engine's sources into its own
+ * executable (everything internal is hidden in libtp). The core's error
+ * recorder is replaced by one that keeps the message here, and the CUDA
+ * registration is the stand-in of builds without CUDA (cuda_none.c), whose
+ * lookup this file checks too. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tp_test.h"
+
+#include "../src/kernels/cpu.c"
+#include "../src/kernels/cpu_table.c"
+#include "../src/kernels/cuda_none.c"
+#include "../src/kernels/kernels.c"
+
+static char last_msg[512];
+
+tp_status tp__error(tp_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+static const tp__kernels *const K = &tp__kernels_cpu;
+static const tp_device CPU = {TP_DEVICE_CPU, 0};
+
+#define EXPECT_MSG(want)                                                                      \
+    cr_assert(!strcmp(last_msg, (want)), "message \"%s\", expected \"%s\"", last_msg, (want))
+
+static void rnd(float *x, int64_t n, uint64_t seed)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] = (float)(2.0 * tp_rng_uniform(seed, (uint64_t)i) - 1.0);
+}
+
+/* ---- the table ------------------------------------------------------------------------- */
+
+Test(kernel_table, every_entry_is_there_and_named, .timeout = 30)
+{
+    cr_assert_str_eq(K->name, "cpu");
+    cr_assert(K->supports);
+#define CHECK_ENTRY(NAME, field)                                                              \
+    cr_assert(K->field, "the cpu table lacks " #field);                                       \
+    cr_assert_str_eq(tp__kop_name(TP__KOP_##NAME), #field);
+    TP__KERNEL_ENTRIES(CHECK_ENTRY)
+#undef CHECK_ENTRY
+    cr_assert_str_eq(tp__kop_name(TP__KOP_NONE), "?");
+    cr_assert_str_eq(tp__kop_name(TP__KOP_COUNT), "?");
+}
+
+Test(kernel_table, supports_f32_alone, .timeout = 30)
+{
+    const tp_dtype others[] = {TP_F16, TP_BF16, TP_F64, TP_I32, TP_I64};
+    for (int op = TP__KOP_NONE + 1; op < TP__KOP_COUNT; op++) {
+        cr_assert(K->supports((tp__kop)op, TP_F32), "%s f32", tp__kop_name((tp__kop)op));
+        for (size_t d = 0; d < sizeof others / sizeof others[0]; d++)
+            cr_assert(!K->supports((tp__kop)op, others[d]), "%s %s", tp__kop_name((tp__kop)op),
+                      tp_dtype_name(others[d]));
+    }
+    cr_assert(!K->supports(TP__KOP_NONE, TP_F32));
+    cr_assert(!K->supports(TP__KOP_COUNT, TP_F32));
+}
+
+Test(kernel_table, other_dtypes_are_not_supported_and_write_nothing, .timeout = 30)
+{
+    float a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8}, y[4] = {-1, -1, -1, -1};
+    const float untouched[4] = {-1, -1, -1, -1};
+    int64_t shape[1] = {4}, one[1] = {1};
+    cr_assert_eq(K->add(CPU, TP_F16, a, b, y, 4), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: add does not take f16");
+    cr_assert_eq(K->gemm(CPU, TP_BF16, false, false, 2, 2, 2, 1.0f, a, 2, b, 2, 0.0f, y, 2),
+                 TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: gemm does not take bf16");
+    cr_assert_eq(K->linear_fwd(CPU, TP_F16, a, b, NULL, y, 2, 2, 2), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: linear_fwd does not take f16");
+    cr_assert_eq(K->sum_all(CPU, TP_F64, a, 4, y, 1.0), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: sum_all does not take f64");
+    cr_assert_eq(K->sum_dim(CPU, TP_I32, a, y, 1, 4, 1, 1.0), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: sum_dim does not take i32");
+    cr_assert_eq(K->copy(CPU, TP_I64, y, a, 4), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: copy does not take i64");
+    cr_assert_eq(K->mul_bcast(CPU, TP_F16, a, b, y, 1, shape, one, one), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: mul_bcast does not take f16");
+    cr_assert_eq(K->sgd_step(CPU, TP_BF16, y, a, 4, 0.5), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: sgd_step does not take bf16");
+    cr_assert(!memcmp(y, untouched, sizeof y), "a refused entry wrote its output");
+    cr_assert_eq(K->add(CPU, TP_F32, a, b, y, 4), TP_OK);
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(y[i], a[i] + b[i]);
+}
+
+Test(kernel_table, devices_find_their_engine, .timeout = 30)
+{
+    const tp__kernels *k = NULL;
+    cr_assert_eq(tp__kernels_for(CPU, &k), TP_OK);
+    cr_assert_eq(k, &tp__kernels_cpu);
+    /* the CUDA registration here is cuda_none.c's: no table */
+    k = NULL;
+    cr_assert_eq(tp__kernels_for(TP_CUDA(1), &k), TP_ERR_NOT_SUPPORTED);
+    cr_assert_null(k);
+    EXPECT_MSG("no kernels for cuda:1: libtp was built without CUDA");
+}
+
+/* ---- the entries new to the CPU ----------------------------------------------------------- */
+
+Test(kernel_table, copy_and_fill, .timeout = 30)
+{
+    float x[7], y[7];
+    rnd(x, 7, 1);
+    cr_assert_eq(K->copy(CPU, TP_F32, y, x, 7), TP_OK);
+    cr_assert(!memcmp(x, y, sizeof x));
+    cr_assert_eq(K->copy(CPU, TP_F32, y, y, 7), TP_OK); /* dst == src: nothing */
+    cr_assert_eq(K->copy(CPU, TP_F32, NULL, NULL, 0), TP_OK);
+    cr_assert_eq(K->fill(CPU, TP_F32, y, 0.0f, 7), TP_OK);
+    for (int i = 0; i < 7; i++)
+        cr_assert(y[i] == 0.0f && !signbit(y[i]));
+    cr_assert_eq(K->fill(CPU, TP_F32, y, -0.0f, 7), TP_OK);
+    for (int i = 0; i < 7; i++)
+        cr_assert(y[i] == 0.0f && signbit(y[i]), "-0 is filled as -0");
+    cr_assert_eq(K->fill(CPU, TP_F32, y, 2.5f, 5), TP_OK);
+    for (int i = 0; i < 7; i++)
+        cr_assert_eq(y[i], i < 5 ? 2.5f : -0.0f);
+}
+
+/* gather: y = x through element strides, against index loops, for a
+ * permutation of [3, 4, 5] (inner run strided), one with a contiguous inner
+ * run, a 0-d view and an empty one */
+Test(kernel_table, gather, .timeout = 30)
+{
+    float x[60], y[60];
+    rnd(x, 60, 2);
+    const int64_t xst[3] = {20, 5, 1}, xsh[3] = {3, 4, 5};
+    const int perms[2][3] = {{2, 0, 1}, {1, 0, 2}};
+    for (int p = 0; p < 2; p++) {
+        int64_t sh[3], st[3];
+        for (int k = 0; k < 3; k++) {
+            sh[k] = xsh[perms[p][k]];
+            st[k] = xst[perms[p][k]];
+        }
+        cr_assert_eq(K->gather(CPU, TP_F32, y, x, 3, sh, st), TP_OK);
+        int64_t e = 0;
+        for (int64_t i = 0; i < sh[0]; i++)
+            for (int64_t j = 0; j < sh[1]; j++)
+                for (int64_t l = 0; l < sh[2]; l++, e++)
+                    cr_assert_eq(y[e], x[i * st[0] + j * st[1] + l * st[2]],
+                                 "perm %d element %lld", p, (long long)e);
+    }
+    y[0] = 0;
+    cr_assert_eq(K->gather(CPU, TP_F32, y, x + 7, 0, NULL, NULL), TP_OK);
+    cr_assert_eq(y[0], x[7]);
+    y[0] = -3;
+    cr_assert_eq(K->gather(CPU, TP_F32, y, x, 2, (int64_t[]){0, 4}, (int64_t[]){1, 3}), TP_OK);
+    cr_assert_eq(y[0], -3.0f, "an empty gather wrote");
+}
+
+/* sum_dim and sum_all divide before their one rounding (as the CUDA engine);
+ * over nothing they give 0 / div (NaN for a mean) */
+Test(kernel_table, sums_divide_before_rounding, .timeout = 30)
+{
+    enum { NO = 3, NS = 129, NI = 5 };
+    static float x[NO * NS * NI];
+    float y[NO * NI], s;
+    rnd(x, NO * NS * NI, 3);
+    const double divs[3] = {1.0, 3.0, 129.0};
+    for (int k = 0; k < 3; k++) {
+        for (int inner = 1; inner <= NI; inner += NI - 1) {
+            cr_assert_eq(K->sum_dim(CPU, TP_F32, x, y, NO, NS, inner, divs[k]), TP_OK);
+            for (int o = 0; o < NO; o++)
+                for (int i = 0; i < inner; i++) {
+                    double acc = 0;
+                    for (int j = 0; j < NS; j++)
+                        acc += (double)x[(o * NS + j) * inner + i];
+                    float want = (float)(acc / divs[k]);
+                    cr_assert(fabsf(y[o * inner + i] - want) <= 1e-6f * fabsf(want) + 1e-7f,
+                              "sum_dim div %g inner %d [%d, %d]: %.9g, want %.9g", divs[k],
+                              inner, o, i, (double)y[o * inner + i], (double)want);
+                }
+        }
+        cr_assert_eq(K->sum_all(CPU, TP_F32, x, NO * NS * NI, &s, divs[k]), TP_OK);
+        double acc = 0;
+        for (int i = 0; i < NO * NS * NI; i++)
+            acc += (double)x[i];
+        cr_assert(fabsf(s - (float)(acc / divs[k])) <= 1e-6f * fabsf(s) + 1e-7f, "sum_all");
+    }
+    cr_assert_eq(K->sum_dim(CPU, TP_F32, x, y, 2, 0, 3, 0.0), TP_OK);
+    for (int i = 0; i < 6; i++)
+        cr_assert(isnan(y[i]), "the mean over an empty dim is NaN");
+    cr_assert_eq(K->sum_dim(CPU, TP_F32, x, y, 2, 0, 3, 1.0), TP_OK);
+    for (int i = 0; i < 6; i++)
+        cr_assert_eq(y[i], 0.0f, "the sum over an empty dim is 0");
+    cr_assert_eq(K->sum_all(CPU, TP_F32, x, 0, &s, 0.0), TP_OK);
+    cr_assert(isnan(s));
+}
+
+Test(kernel_table, ce_gloss_and_vocab_ce_loss, .timeout = 30)
+{
+    float g[5] = {0.5f, 1, 2, 3, 4}, gl[5];
+    cr_assert_eq(K->ce_gloss(CPU, TP_F32, g, gl, 5, false, 7.0), TP_OK);
+    cr_assert(!memcmp(g, gl, sizeof g), "unreduced: each row its own gradient");
+    cr_assert_eq(K->ce_gloss(CPU, TP_F32, g, gl, 5, true, 3.0), TP_OK);
+    for (int r = 0; r < 5; r++)
+        cr_assert_eq(gl[r], (float)(0.5 / 3.0));
+    /* loss[r] = w_t (log(sumexp) + max - picked); ignored rows 0 */
+    const int64_t t[4] = {2, -100, 0, 1};
+    const float w[3] = {0.5f, 2.0f, 1.5f}, mx[4] = {1, 2, 3, 4}, se[4] = {1.5f, 2, 3, 9},
+                pk[4] = {0.25f, 9, -1, 2};
+    float loss[4];
+    for (int weighted = 0; weighted < 2; weighted++) {
+        const float *wp = weighted ? w : NULL;
+        cr_assert_eq(K->vocab_ce_loss(CPU, TP_F32, t, wp, mx, se, pk, loss, 4, -100), TP_OK);
+        for (int r = 0; r < 4; r++) {
+            double want = t[r] == -100 ? 0.0
+                                       : (wp ? wp[t[r]] : 1.0) *
+                                             (log((double)se[r]) + mx[r] - (double)pk[r]);
+            cr_assert_eq(loss[r], (float)want, "row %d: %.9g, want %.9g", r, (double)loss[r],
+                         want);
+        }
+    }
+}
+
+/* the optimizer steps, in double and rounded once per stored value */
+Test(kernel_table, sgd_and_adam_steps, .timeout = 30)
+{
+    enum { N = 17 };
+    float p[N], g[N], m[N], v[N], p0[N], m0[N], v0[N];
+    rnd(p, N, 4);
+    rnd(g, N, 5);
+    memcpy(p0, p, sizeof p);
+    cr_assert_eq(K->sgd_step(CPU, TP_F32, p, g, N, 0.125), TP_OK);
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(p[i], (float)((double)p0[i] - 0.125 * (double)g[i]));
+    rnd(m, N, 6);
+    rnd(v, N, 7);
+    for (int i = 0; i < N; i++)
+        v[i] = fabsf(v[i]);
+    memcpy(p0, p, sizeof p);
+    memcpy(m0, m, sizeof m);
+    memcpy(v0, v, sizeof v);
+    const double b1 = 0.9, b2 = 0.999, step = 0.01, bc2 = sqrt(1 - 0.999 * 0.999), eps = 1e-8;
+    cr_assert_eq(K->adam_step(CPU, TP_F32, p, m, v, g, N, b1, b2, step, bc2, eps), TP_OK);
+    for (int i = 0; i < N; i++) {
+        float mi = (float)(b1 * m0[i] + (1 - b1) * g[i]);
+        float vi = (float)(b2 * v0[i] + (1 - b2) * (double)g[i] * g[i]);
+        float pi = (float)((double)p0[i] - step * (double)mi / (sqrt((double)vi) / bc2 + eps));
+        cr_assert(m[i] == mi && v[i] == vi && p[i] == pi, "element %d", i);
+    }
+}
