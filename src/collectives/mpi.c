@@ -66,6 +66,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "collectives/check.h"
 #include "collectives/coll.h"
 
 /* ---- process-wide MPI state ----------------------------------------------- */
@@ -157,8 +158,7 @@ static MPI_User_function *const mpi_half_fns[2][TP_REDUCE_OP_COUNT] = {
                    [TP_MIN] = bf16_min, [TP_PRODUCT] = bf16_prod},
 };
 
-/* Records an MPI failure as the calling thread's error. */
-static tp_status mpi_error(int rc, const char *what)
+tp_status tp__mpi_error(int rc, const char *what)
 {
     char text[MPI_MAX_ERROR_STRING + 1];
     int len = 0;
@@ -173,31 +173,33 @@ static tp_status mpi_types_create(void)
 {
     if (mpi_types_ready)
         return TP_OK;
-    int rc = MPI_Type_contiguous(2, MPI_BYTE, &mpi_half);
-    if (rc == MPI_SUCCESS)
-        rc = MPI_Type_commit(&mpi_half);
-    if (rc != MPI_SUCCESS)
-        return mpi_error(rc, "MPI_Type_contiguous (f16/bf16)");
+    tp_status st = TP_OK;
+    for (int h = 0; h < 2; h++)
+        for (int op = 0; op < TP_REDUCE_OP_COUNT; op++)
+            mpi_half_ops[h][op] = MPI_OP_NULL;
+    TP_MPI_CHECK("MPI_Type_contiguous (f16/bf16)", MPI_Type_contiguous(2, MPI_BYTE, &mpi_half));
+    TP_MPI_CHECK_GOTO("MPI_Type_commit (f16/bf16)", MPI_Type_commit(&mpi_half), st, fail);
     for (int h = 0; h < 2; h++) {
         for (int op = 0; op < TP_REDUCE_OP_COUNT; op++) {
-            mpi_half_ops[h][op] = MPI_OP_NULL;
             if (op == TP_AVG)
                 continue; /* shares the sum op */
-            rc = MPI_Op_create(mpi_half_fns[h][op], 1, &mpi_half_ops[h][op]);
-            if (rc != MPI_SUCCESS) {
-                for (int g = 0; g <= h; g++)
-                    for (int o = 0; o < TP_REDUCE_OP_COUNT; o++)
-                        if (o != TP_AVG && mpi_half_ops[g][o] != MPI_OP_NULL &&
-                            (g < h || o < op))
-                            MPI_Op_free(&mpi_half_ops[g][o]);
-                MPI_Type_free(&mpi_half);
-                return mpi_error(rc, "MPI_Op_create (f16/bf16)");
-            }
+            MPI_Op made = MPI_OP_NULL;
+            TP_MPI_CHECK_GOTO("MPI_Op_create (f16/bf16)",
+                              MPI_Op_create(mpi_half_fns[h][op], 1, &made), st, fail);
+            mpi_half_ops[h][op] = made;
         }
-        mpi_half_ops[h][TP_AVG] = mpi_half_ops[h][TP_SUM];
     }
+    for (int h = 0; h < 2; h++)
+        mpi_half_ops[h][TP_AVG] = mpi_half_ops[h][TP_SUM];
     mpi_types_ready = true;
     return TP_OK;
+fail:
+    for (int h = 0; h < 2; h++)
+        for (int op = 0; op < TP_REDUCE_OP_COUNT; op++)
+            if (op != TP_AVG && mpi_half_ops[h][op] != MPI_OP_NULL)
+                MPI_Op_free(&mpi_half_ops[h][op]);
+    MPI_Type_free(&mpi_half);
+    return st;
 }
 
 /* ---- states and work ------------------------------------------------------ */
@@ -266,20 +268,15 @@ static tp_status state_aborted_error(mpi_state *S)
     return st;
 }
 
-/* This rank skipped a collective its peers may have posted: it is out of
- * step with them now. */
-static tp_status state_skip(mpi_state *S, tp_status st)
+/* An MPI call failed, or this rank skipped a collective its peers may have
+ * posted: it is out of step with them now. `st` is the error already
+ * recorded. */
+static tp_status state_fail(mpi_state *S, tp_status st)
 {
     char why[400];
     snprintf(why, sizeof why, "rank %d: %.380s", S->rank, tp_last_error());
     state_abort(S, why);
     return st;
-}
-
-/* An MPI call failed: this rank is out of step with its peers now. */
-static tp_status state_fail(mpi_state *S, int rc, const char *what)
-{
-    return state_skip(S, mpi_error(rc, what));
 }
 
 static void list_remove(mpi_work **head, mpi_work *w)
@@ -394,15 +391,16 @@ static void work_finish(mpi_state *S, mpi_work *w)
 static tp_status req_test(mpi_state *S, MPI_Request *req, bool *done, const char *what)
 {
     int flag = 0;
+    tp_status st = TP_OK;
     mpi_lock();
     int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
     mpi_unlock();
-    if (rc != MPI_SUCCESS) {
-        *done = true;
-        return state_fail(S, rc, what);
-    }
+    *done = true; /* an error is final */
+    TP_MPI_CHECK_GOTO(what, rc, st, fail);
     *done = flag != 0;
     return TP_OK;
+fail:
+    return state_fail(S, st);
 }
 
 /* Between two MPI_Tests. MPI_Test is the progress engine (OpenMPI moves one
@@ -480,7 +478,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
 
     mpi_work *w = tp__calloc(1, sizeof *w);
     if (!w)
-        return state_skip(S, tp__error(TP_ERR_NO_MEMORY,
+        return state_fail(S, tp__error(TP_ERR_NO_MEMORY,
                                        "backend 'mpi': out of memory for the work object"));
     w->req = MPI_REQUEST_NULL;
     w->kind = d->kind;
@@ -525,7 +523,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
                 work_destroy(w);
                 tp__error(TP_ERR_NO_MEMORY,
                           "backend 'mpi': out of memory for the in-place reduce_scatter");
-                return state_skip(S, TP_ERR_NO_MEMORY);
+                return state_fail(S, TP_ERR_NO_MEMORY);
             }
             rc = MPI_Ireduce_scatter_block(d->sendbuf, w->tmp, k, dt, op, S->comm, &w->req);
         } else {
@@ -556,10 +554,8 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
         return tp__error(TP_ERR_INVALID_ARG, "backend 'mpi': invalid collective kind");
     }
     mpi_unlock();
-    if (rc != MPI_SUCCESS) {
-        work_destroy(w);
-        return state_fail(S, rc, mpi_call_names[d->kind]);
-    }
+    tp_status st = TP_OK;
+    TP_MPI_CHECK_GOTO(mpi_call_names[d->kind], rc, st, fail);
     pthread_mutex_lock(&S->mu);
     w->next = S->active;
     S->active = w;
@@ -567,6 +563,9 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     pthread_mutex_unlock(&S->mu);
     *work = w;
     return TP_OK;
+fail:
+    work_destroy(w);
+    return state_fail(S, st);
 }
 
 static tp_status mpi_work_test(void *state, void *work, bool *done)
@@ -645,20 +644,19 @@ static tp_status state_create(MPI_Comm comm, mpi_state **out)
     if (!S)
         return tp__error(TP_ERR_NO_MEMORY, "backend 'mpi': out of memory for the communicator");
     S->comm = comm;
-    int rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
-    if (rc == MPI_SUCCESS)
-        rc = MPI_Comm_rank(comm, &S->rank);
-    if (rc == MPI_SUCCESS)
-        rc = MPI_Comm_size(comm, &S->size);
-    if (rc == MPI_SUCCESS)
-        rc = MPI_Comm_rank(MPI_COMM_WORLD, &S->world_rank);
-    if (rc != MPI_SUCCESS) {
-        tp__free(S);
-        return mpi_error(rc, "MPI_Comm_rank/size");
-    }
+    tp_status st = TP_OK;
+    TP_MPI_CHECK_GOTO("MPI_Comm_set_errhandler", MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN),
+                      st, fail);
+    TP_MPI_CHECK_GOTO("MPI_Comm_rank", MPI_Comm_rank(comm, &S->rank), st, fail);
+    TP_MPI_CHECK_GOTO("MPI_Comm_size", MPI_Comm_size(comm, &S->size), st, fail);
+    TP_MPI_CHECK_GOTO("MPI_Comm_rank (MPI_COMM_WORLD)",
+                      MPI_Comm_rank(MPI_COMM_WORLD, &S->world_rank), st, fail);
     pthread_mutex_init(&S->mu, NULL);
     *out = S;
     return TP_OK;
+fail:
+    tp__free(S);
+    return st;
 }
 
 static void mpi_free(void *state)
@@ -745,10 +743,10 @@ static tp_status mpi_split(void *state, int color, int key, void **new_state, in
     mpi_lock();
     int rc = MPI_Ibarrier(S->comm, &req);
     mpi_unlock();
-    if (rc != MPI_SUCCESS)
-        return state_fail(S, rc, "MPI_Ibarrier (split)");
+    tp_status st = TP_OK;
+    TP_MPI_CHECK_GOTO("MPI_Ibarrier (split)", rc, st, fail);
     bool fin = false;
-    tp_status st = req_wait(S, &req, tp__default_timeout(), "comm_split", &fin);
+    st = req_wait(S, &req, tp__default_timeout(), "comm_split", &fin);
     if (st != TP_OK)
         return st; /* the barrier request stays with MPI; S is aborted */
 
@@ -756,8 +754,7 @@ static tp_status mpi_split(void *state, int color, int key, void **new_state, in
     mpi_lock();
     rc = MPI_Comm_split(S->comm, color < 0 ? MPI_UNDEFINED : color, key, &nc);
     mpi_unlock();
-    if (rc != MPI_SUCCESS)
-        return state_fail(S, rc, "MPI_Comm_split");
+    TP_MPI_CHECK_GOTO("MPI_Comm_split", rc, st, fail);
     if (nc == MPI_COMM_NULL)
         return TP_OK;
     mpi_state *N = NULL;
@@ -776,6 +773,8 @@ static tp_status mpi_split(void *state, int color, int key, void **new_state, in
     *new_rank = N->rank;
     *new_size = N->size;
     return TP_OK;
+fail:
+    return state_fail(S, st);
 }
 
 static int ncpu(void)
@@ -791,7 +790,7 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
     MPI_Comm comm = MPI_COMM_NULL, node = MPI_COMM_NULL;
     mpi_state *S = NULL;
     pthread_mutex_lock(&mpi_mu);
-    int inited = 0, fin = 0, level = MPI_THREAD_SINGLE, rc;
+    int inited = 0, fin = 0, level = MPI_THREAD_SINGLE;
     MPI_Initialized(&inited);
     MPI_Finalized(&fin);
     if (fin) {
@@ -802,11 +801,8 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
         goto out;
     }
     if (!inited) {
-        rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level);
-        if (rc != MPI_SUCCESS) {
-            st = mpi_error(rc, "MPI_Init_thread");
-            goto out;
-        }
+        TP_MPI_CHECK_GOTO("MPI_Init_thread",
+                          MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level), st, out);
         mpi_owned = true;
     } else {
         MPI_Query_thread(&level);
@@ -819,11 +815,7 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
         st = tp__error(TP_ERR_INVALID_ARG, "tp_comm_create_world: options point to MPI_COMM_NULL");
         goto fail;
     }
-    rc = MPI_Comm_dup(parent, &comm);
-    if (rc != MPI_SUCCESS) {
-        st = mpi_error(rc, "MPI_Comm_dup");
-        goto fail;
-    }
+    TP_MPI_CHECK_GOTO("MPI_Comm_dup", MPI_Comm_dup(parent, &comm), st, fail);
     if ((st = state_create(comm, &S)) != TP_OK) {
         MPI_Comm_free(&comm);
         goto fail;

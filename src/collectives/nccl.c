@@ -39,14 +39,15 @@
 #include <string.h>
 #include <time.h>
 
-#include "collectives/coll.h"
-#include "core/cuda_rt.h"
-
 /* nccl.h declares ncclGroupStart() and ncclGroupEnd() without prototypes */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"
 #include <nccl.h>
 #pragma GCC diagnostic pop
+
+#include "collectives/check.h"
+#include "collectives/coll.h"
+#include "core/cuda_rt.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 10, 0)
 #error "libtp's nccl backend needs NCCL >= 2.10 (ncclAvg, ncclBfloat16)"
@@ -119,9 +120,7 @@ struct nccl_work {
     tp_status status;
 };
 
-/* Records an NCCL failure as the calling thread's error. Called with S->mu
- * held (or before S exists) so that ncclGetLastError reads a live comm. */
-static tp_status nccl_error(ncclComm_t comm, ncclResult_t res, const char *what)
+tp_status tp__nccl_error(ncclComm_t comm, int res, const char *what)
 {
     const char *last = "";
 #if NCCL_HAS_LAST_ERROR
@@ -133,8 +132,18 @@ static tp_status nccl_error(ncclComm_t comm, ncclResult_t res, const char *what)
 #endif
     tp_status st = res == ncclInvalidArgument || res == ncclInvalidUsage ? TP_ERR_INVALID_ARG
                                                                           : TP_ERR_BACKEND;
-    return tp__error(st, "%s failed: %s%s%s", what, ncclGetErrorString(res), last[0] ? ": " : "",
-                     last);
+    return tp__error(st, "%s failed: %s%s%s", what, ncclGetErrorString((ncclResult_t)res),
+                     last[0] ? ": " : "", last);
+}
+
+/* The communicator's asynchronous state: ncclInProgress while an operation
+ * settles, an error once one failed (or the query itself did). With S->mu
+ * held when comm is a state's. */
+static ncclResult_t nccl_async(ncclComm_t comm)
+{
+    ncclResult_t async = ncclSuccess;
+    ncclResult_t res = ncclCommGetAsyncError(comm, &async);
+    return res != ncclSuccess ? res : async;
 }
 
 /* Aborts the NCCL communicator (once); with S->mu held. */
@@ -188,19 +197,16 @@ static tp_status nccl_settle(nccl_state *S, ncclComm_t *commp, double timeout_s,
 {
     double t0 = tp__now();
     for (;;) {
-        ncclResult_t async = ncclSuccess, res;
         if (S)
             pthread_mutex_lock(&S->mu);
         if (S && (atomic_load(&S->aborted) || !*commp)) {
             pthread_mutex_unlock(&S->mu);
             return state_aborted_error(S);
         }
-        res = ncclCommGetAsyncError(*commp, &async);
-        if (res != ncclSuccess)
-            async = res;
         tp_status st = TP_OK;
-        if (async != ncclSuccess && async != ncclInProgress)
-            st = nccl_error(*commp, async, what);
+        ncclResult_t async = nccl_async(*commp);
+        TP_NCCL_CHECK_GOTO(*commp, what, async, st, unlock);
+unlock:
         if (S)
             pthread_mutex_unlock(&S->mu);
         if (st != TP_OK)
@@ -361,8 +367,8 @@ static tp_status enqueue_settled(nccl_state *S, const tp_coll_desc *d)
         return state_aborted_error(S);
     }
     ncclResult_t res = nccl_enqueue(S, d);
-    if (res != ncclSuccess && res != ncclInProgress)
-        st = nccl_error(S->comm, res, nccl_call_names[d->kind]);
+    TP_NCCL_CHECK_GOTO(S->comm, nccl_call_names[d->kind], res, st, unlock);
+unlock:
     pthread_mutex_unlock(&S->mu);
     if (st == TP_OK && res == ncclInProgress)
         st = nccl_settle(S, &S->comm, d->timeout_s, nccl_call_names[d->kind]);
@@ -536,19 +542,7 @@ static tp_status work_poll(nccl_state *S, nccl_work *w, bool *done)
         return state_aborted_error(S);
     }
     tp_status st = TP_OK;
-    ncclResult_t async = ncclSuccess;
-    ncclResult_t res = ncclCommGetAsyncError(S->comm, &async);
-    if (res != ncclSuccess)
-        async = res;
-    if (async != ncclSuccess && async != ncclInProgress) {
-        st = nccl_error(S->comm, async, tp_coll_kind_name(w->kind));
-        char why[300];
-        snprintf(why, sizeof why, "rank %d: %.280s", S->rank, tp_last_error());
-        state_abort_locked(S, why);
-        pthread_mutex_unlock(&S->mu);
-        *done = true;
-        return st;
-    }
+    TP_NCCL_CHECK_GOTO(S->comm, tp_coll_kind_name(w->kind), nccl_async(S->comm), st, failed);
     pthread_mutex_unlock(&S->mu);
     cudaError_t err = cudaEventQuery(w->done);
     if (err == cudaErrorNotReady) {
@@ -564,6 +558,14 @@ static tp_status work_poll(nccl_state *S, nccl_work *w, bool *done)
     if (st == TP_OK && (err = cudaStreamWaitEvent(compute, w->done, 0)) != cudaSuccess)
         st = tp__cuda_fail("backend 'nccl'", "cudaStreamWaitEvent", err);
     return st;
+failed: {
+        char why[300];
+        snprintf(why, sizeof why, "rank %d: %.280s", S->rank, tp_last_error());
+        state_abort_locked(S, why);
+        pthread_mutex_unlock(&S->mu);
+        *done = true;
+        return st;
+    }
 }
 
 static tp_status nccl_work_test(void *state, void *work, bool *done)
@@ -673,14 +675,14 @@ static void nccl_free(void *state)
         /* finalize flushes what is still queued and waits for the peers to
          * be quiescent; a peer that never frees its handle makes it a
          * timeout, then an abort */
+        tp_status st = TP_OK;
         pthread_mutex_lock(&S->mu);
         ncclResult_t res = ncclCommFinalize(S->comm);
+        TP_NCCL_CHECK_GOTO(S->comm, "ncclCommFinalize", res, st, finalized);
+finalized:
         pthread_mutex_unlock(&S->mu);
-        tp_status st = TP_OK;
-        if (res == ncclInProgress)
+        if (st == TP_OK && res == ncclInProgress)
             st = nccl_settle(S, &S->comm, timeout, "ncclCommFinalize");
-        else if (res != ncclSuccess)
-            st = TP_ERR_BACKEND;
         pthread_mutex_lock(&S->mu);
         if (S->comm) {
             if (st == TP_OK)
@@ -708,28 +710,22 @@ static tp_status state_comm_init(nccl_state *S, const ncclUniqueId *id, double t
     ncclConfig_t *cp = nccl_config(&cfg);
     ncclComm_t comm = NULL;
     ncclResult_t res;
+    tp_status st = TP_OK;
 #if NCCL_HAS_CONFIG
     res = ncclCommInitRankConfig(&comm, S->size, *id, S->rank, cp);
 #else
     (void)cp;
     res = ncclCommInitRank(&comm, S->size, *id, S->rank);
 #endif
-    if (res != ncclSuccess && res != ncclInProgress) {
-        tp_status st = nccl_error(comm, res, "ncclCommInitRank");
-        if (comm)
-            (void)ncclCommAbort(comm);
-        return st;
-    }
+    TP_NCCL_CHECK_GOTO(comm, "ncclCommInitRank", res, st, fail);
+    if (res == ncclInProgress)
+        TP_CHECK_GOTO(nccl_settle(NULL, &comm, timeout_s, "ncclCommInitRank"), st, fail);
     S->comm = comm;
-    if (res == ncclInProgress) {
-        tp_status st = nccl_settle(NULL, &S->comm, timeout_s, "ncclCommInitRank");
-        if (st != TP_OK) {
-            (void)ncclCommAbort(S->comm);
-            S->comm = NULL;
-            return st;
-        }
-    }
     return TP_OK;
+fail:
+    if (comm)
+        (void)ncclCommAbort(comm);
+    return st;
 }
 
 static tp_status nccl_split(void *state, int color, int key, void **new_state, int *new_rank,
@@ -766,8 +762,8 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
     }
     ncclResult_t res = ncclCommSplit(S->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc,
                                      cp);
-    if (res != ncclSuccess && res != ncclInProgress)
-        st = nccl_error(S->comm, res, "ncclCommSplit");
+    TP_NCCL_CHECK_GOTO(S->comm, "ncclCommSplit", res, st, unlock);
+unlock:
     pthread_mutex_unlock(&S->mu);
     if (st != TP_OK) {
         st = state_fail(S, st);
@@ -790,24 +786,13 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
     if (!nc)
         goto out; /* color < 0 */
     N = state_new(S->device);
-    int nrank = 0, nsize = 0;
     if (!N) {
         st = tp__error(TP_ERR_NO_MEMORY, "backend 'nccl': out of memory for the communicator");
-    } else if ((res = ncclCommUserRank(nc, &nrank)) != ncclSuccess ||
-               (res = ncclCommCount(nc, &nsize)) != ncclSuccess) {
-        st = nccl_error(nc, res, "ncclCommUserRank/ncclCommCount");
-    } else {
-        N->rank = nrank;
-        N->size = nsize;
-        st = state_cuda_create(N, "tp_comm_split");
+        goto abort_new;
     }
-    if (st != TP_OK) {
-        /* the new group's peers must not wait for this rank */
-        (void)ncclCommAbort(nc);
-        if (N)
-            state_delete(N);
-        goto out;
-    }
+    TP_NCCL_CHECK_GOTO(nc, "ncclCommUserRank", ncclCommUserRank(nc, &N->rank), st, abort_new);
+    TP_NCCL_CHECK_GOTO(nc, "ncclCommCount", ncclCommCount(nc, &N->size), st, abort_new);
+    TP_CHECK_GOTO(state_cuda_create(N, "tp_comm_split"), st, abort_new);
     N->comm = nc;
     *new_state = N;
     *new_rank = N->rank;
@@ -815,6 +800,12 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
 out:
     tp__cuda_leave(prev, S->device);
     return st;
+abort_new:
+    /* the new group's peers must not wait for this rank */
+    (void)ncclCommAbort(nc);
+    if (N)
+        state_delete(N);
+    goto out;
 #endif
 }
 
@@ -896,9 +887,8 @@ static tp_status nccl_init_world(void *options, void **state, int *rank, int *si
         int prev = 0;
         local = tp__cuda_enter("tp_comm_create_world(\"nccl\")", device, &prev);
         if (local == TP_OK) {
-            ncclResult_t res = ncclGetUniqueId(&id);
-            if (res != ncclSuccess)
-                local = nccl_error(NULL, res, "ncclGetUniqueId");
+            TP_NCCL_CHECK_GOTO(NULL, "ncclGetUniqueId", ncclGetUniqueId(&id), local, have_id);
+have_id:
             tp__cuda_leave(prev, device);
         }
     }
