@@ -66,6 +66,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "collectives/abort.h"
 #include "collectives/check.h"
 #include "collectives/coll.h"
 
@@ -210,10 +211,9 @@ typedef struct mpi_state {
     MPI_Comm comm;
     int rank, size;
     int world_rank; /* in MPI_COMM_WORLD, for messages */
-    _Atomic int aborted;
-    pthread_mutex_t mu; /* reason, the work lists, timeout_s */
+    tp__abort_state abort;
+    pthread_mutex_t mu; /* the work lists, timeout_s */
     double timeout_s;   /* the communicator's, as its latest collective passed it */
-    char reason[300];
     mpi_work *active;  /* work handed out and not yet freed */
     mpi_work *zombies; /* freed before MPI completed it (after a timeout or abort) */
 } mpi_state;
@@ -244,12 +244,7 @@ static bool abort_on_failure(void)
 
 static void state_abort(mpi_state *S, const char *reason)
 {
-    pthread_mutex_lock(&S->mu);
-    if (!atomic_load(&S->aborted)) {
-        snprintf(S->reason, sizeof S->reason, "%.290s", reason);
-        atomic_store(&S->aborted, 1);
-    }
-    pthread_mutex_unlock(&S->mu);
+    tp__abort_set(&S->abort, reason);
     if (abort_on_failure()) {
         fprintf(stderr,
                 "libtp: MPI rank %d: communicator aborted (%s); TP_MPI_ABORT_ON_FAILURE=1: "
@@ -260,22 +255,13 @@ static void state_abort(mpi_state *S, const char *reason)
     }
 }
 
-static tp_status state_aborted_error(mpi_state *S)
-{
-    pthread_mutex_lock(&S->mu);
-    tp_status st = tp__error(TP_ERR_ABORTED, "communicator aborted: %s", S->reason);
-    pthread_mutex_unlock(&S->mu);
-    return st;
-}
-
 /* An MPI call failed, or this rank skipped a collective its peers may have
  * posted: it is out of step with them now. `st` is the error already
  * recorded. */
 static tp_status state_fail(mpi_state *S, tp_status st)
 {
-    char why[400];
-    snprintf(why, sizeof why, "rank %d: %.380s", S->rank, tp_last_error());
-    state_abort(S, why);
+    char why[TP__ABORT_REASON_LEN];
+    state_abort(S, tp__abort_fail_reason(S->rank, why, sizeof why));
     return st;
 }
 
@@ -434,8 +420,8 @@ static tp_status req_wait(mpi_state *S, MPI_Request *req, double timeout_s, cons
         TP_CHECK(req_test(S, req, done, what));
         if (*done)
             return TP_OK;
-        if (atomic_load(&S->aborted))
-            return state_aborted_error(S);
+        if (tp__abort_is_set(&S->abort))
+            return tp__abort_error(&S->abort);
         double waited = tp__now() - t0;
         if (waited > timeout_s) {
             char why[300];
@@ -466,8 +452,8 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
 {
     mpi_state *S = state;
     *work = NULL;
-    if (atomic_load(&S->aborted))
-        return state_aborted_error(S);
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
     if (d->device.type != TP_DEVICE_CPU)
         return tp__error(TP_ERR_NOT_SUPPORTED, "backend 'mpi' moves CPU tensors only");
     if (d->kind != TP_COLL_BARRIER && d->count == 0)
@@ -591,9 +577,9 @@ static tp_status mpi_work_test(void *state, void *work, bool *done)
         *done = true;
         return TP_OK;
     }
-    if (atomic_load(&S->aborted)) {
+    if (tp__abort_is_set(&S->abort)) {
         *done = true;
-        return state_aborted_error(S);
+        return tp__abort_error(&S->abort);
     }
     return TP_OK;
 }
@@ -652,6 +638,7 @@ static tp_status state_create(MPI_Comm comm, mpi_state **out)
     TP_MPI_CHECK_GOTO("MPI_Comm_rank (MPI_COMM_WORLD)",
                       MPI_Comm_rank(MPI_COMM_WORLD, &S->world_rank), st, fail);
     pthread_mutex_init(&S->mu, NULL);
+    tp__abort_init(&S->abort);
     *out = S;
     return TP_OK;
 fail:
@@ -671,7 +658,7 @@ static void mpi_free(void *state)
     pthread_mutex_lock(&S->mu);
     double timeout = S->timeout_s > 0 ? S->timeout_s : tp__default_timeout();
     pthread_mutex_unlock(&S->mu);
-    for (mpi_work *w = S->active; w && !fin && !atomic_load(&S->aborted); w = w->next) {
+    for (mpi_work *w = S->active; w && !fin && !tp__abort_is_set(&S->abort); w = w->next) {
         if (w->complete)
             continue;
         bool done = false;
@@ -687,7 +674,7 @@ static void mpi_free(void *state)
     /* A communicator with a request MPI may never complete is faulted: an
      * abort or timeout (including a split's barrier, whose request is not
      * kept), or work still pending. */
-    bool faulted = atomic_load(&S->aborted);
+    bool faulted = tp__abort_is_set(&S->abort);
     for (mpi_work *w = S->active; w; w = w->next)
         faulted = faulted || !w->complete;
     /* zombies MPI finished since can go; the rest stay with MPI, buffers and
@@ -715,6 +702,7 @@ static void mpi_free(void *state)
     else if (!fin)
         mpi_faulted++;
     pthread_mutex_destroy(&S->mu);
+    tp__abort_destroy(&S->abort);
     tp__free(S);
     if (--mpi_live == 0)
         mpi_teardown_locked();
@@ -725,8 +713,8 @@ static void mpi_free(void *state)
 static void mpi_abort(void *state, const char *reason)
 {
     mpi_state *S = state;
-    char why[300];
-    snprintf(why, sizeof why, "rank %d aborted: %.260s", S->rank, reason ? reason : "");
+    char why[TP__ABORT_REASON_LEN];
+    snprintf(why, sizeof why, "rank %d aborted: %s", S->rank, reason ? reason : "");
     state_abort(S, why);
 }
 
@@ -735,8 +723,8 @@ static tp_status mpi_split(void *state, int color, int key, void **new_state, in
 {
     mpi_state *S = state;
     *new_state = NULL;
-    if (atomic_load(&S->aborted))
-        return state_aborted_error(S);
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
     /* MPI_Comm_split cannot time out: a non-blocking barrier first makes a
      * peer that never joins a timeout here instead of a hang there */
     MPI_Request req = MPI_REQUEST_NULL;

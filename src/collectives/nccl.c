@@ -45,6 +45,7 @@
 #include <nccl.h>
 #pragma GCC diagnostic pop
 
+#include "collectives/abort.h"
 #include "collectives/check.h"
 #include "collectives/coll.h"
 #include "core/cuda_rt.h"
@@ -106,9 +107,8 @@ typedef struct nccl_state {
     void *stage_dev;     /* host collectives (the descriptor check): device side */
     void *stage_host;    /* and pinned host side, stage_bytes each */
     size_t stage_bytes;
-    _Atomic int aborted;
-    pthread_mutex_t mu; /* every NCCL call on comm, reason, active */
-    char reason[300];
+    tp__abort_state abort;
+    pthread_mutex_t mu; /* every NCCL call on comm, active */
     nccl_work *active; /* work handed out and not yet freed */
 } nccl_state;
 
@@ -149,10 +149,7 @@ static ncclResult_t nccl_async(ncclComm_t comm)
 /* Aborts the NCCL communicator (once); with S->mu held. */
 static void state_abort_locked(nccl_state *S, const char *reason)
 {
-    if (!atomic_load(&S->aborted)) {
-        snprintf(S->reason, sizeof S->reason, "%.290s", reason);
-        atomic_store(&S->aborted, 1);
-    }
+    tp__abort_set(&S->abort, reason);
     if (S->comm) {
         int prev = 0;
         bool entered = tp__cuda_enter("nccl abort", S->device, &prev) == TP_OK;
@@ -170,21 +167,12 @@ static void state_abort(nccl_state *S, const char *reason)
     pthread_mutex_unlock(&S->mu);
 }
 
-static tp_status state_aborted_error(nccl_state *S)
-{
-    pthread_mutex_lock(&S->mu);
-    tp_status st = tp__error(TP_ERR_ABORTED, "communicator aborted: %s", S->reason);
-    pthread_mutex_unlock(&S->mu);
-    return st;
-}
-
 /* This rank failed a step its peers may have taken: it is out of step with
  * them now, so the communicator goes. `st` is the error already recorded. */
 static tp_status state_fail(nccl_state *S, tp_status st)
 {
-    char why[300];
-    snprintf(why, sizeof why, "rank %d: %.280s", S->rank, tp_last_error());
-    state_abort(S, why);
+    char why[TP__ABORT_REASON_LEN];
+    state_abort(S, tp__abort_fail_reason(S->rank, why, sizeof why));
     return st;
 }
 
@@ -199,9 +187,9 @@ static tp_status nccl_settle(nccl_state *S, ncclComm_t *commp, double timeout_s,
     for (;;) {
         if (S)
             pthread_mutex_lock(&S->mu);
-        if (S && (atomic_load(&S->aborted) || !*commp)) {
+        if (S && (tp__abort_is_set(&S->abort) || !*commp)) {
             pthread_mutex_unlock(&S->mu);
-            return state_aborted_error(S);
+            return tp__abort_error(&S->abort);
         }
         tp_status st = TP_OK;
         ncclResult_t async = nccl_async(*commp);
@@ -270,6 +258,7 @@ static nccl_state *state_new(int device)
         return NULL;
     S->device = device;
     pthread_mutex_init(&S->mu, NULL);
+    tp__abort_init(&S->abort);
     return S;
 }
 
@@ -283,6 +272,7 @@ static void state_delete(nccl_state *S)
         tp__cuda_leave(prev, S->device);
     tp_comm *boot = S->mpi_world;
     pthread_mutex_destroy(&S->mu);
+    tp__abort_destroy(&S->abort);
     tp__free(S);
     tp__comm_release(boot);
 }
@@ -362,9 +352,9 @@ static tp_status enqueue_settled(nccl_state *S, const tp_coll_desc *d)
 {
     tp_status st = TP_OK;
     pthread_mutex_lock(&S->mu);
-    if (atomic_load(&S->aborted) || !S->comm) {
+    if (tp__abort_is_set(&S->abort) || !S->comm) {
         pthread_mutex_unlock(&S->mu);
-        return state_aborted_error(S);
+        return tp__abort_error(&S->abort);
     }
     ncclResult_t res = nccl_enqueue(S, d);
     TP_NCCL_CHECK_GOTO(S->comm, nccl_call_names[d->kind], res, st, unlock);
@@ -460,8 +450,8 @@ static tp_status nccl_collective(void *state, const tp_coll_desc *d, void **work
 {
     nccl_state *S = state;
     *work = NULL;
-    if (atomic_load(&S->aborted))
-        return state_aborted_error(S);
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
     bool host = false;
     if (d->kind != TP_COLL_BARRIER) {
         if (d->count == 0)
@@ -536,10 +526,10 @@ static tp_status work_poll(nccl_state *S, nccl_work *w, bool *done)
 {
     *done = false;
     pthread_mutex_lock(&S->mu);
-    if (atomic_load(&S->aborted) || !S->comm) {
+    if (tp__abort_is_set(&S->abort) || !S->comm) {
         pthread_mutex_unlock(&S->mu);
         *done = true;
-        return state_aborted_error(S);
+        return tp__abort_error(&S->abort);
     }
     tp_status st = TP_OK;
     TP_NCCL_CHECK_GOTO(S->comm, tp_coll_kind_name(w->kind), nccl_async(S->comm), st, failed);
@@ -559,9 +549,8 @@ static tp_status work_poll(nccl_state *S, nccl_work *w, bool *done)
         st = tp__cuda_fail("backend 'nccl'", "cudaStreamWaitEvent", err);
     return st;
 failed: {
-        char why[300];
-        snprintf(why, sizeof why, "rank %d: %.280s", S->rank, tp_last_error());
-        state_abort_locked(S, why);
+        char why[TP__ABORT_REASON_LEN];
+        state_abort_locked(S, tp__abort_fail_reason(S->rank, why, sizeof why));
         pthread_mutex_unlock(&S->mu);
         *done = true;
         return st;
@@ -653,8 +642,8 @@ static void nccl_work_free(void *state, void *work)
 static void nccl_abort(void *state, const char *reason)
 {
     nccl_state *S = state;
-    char why[300];
-    snprintf(why, sizeof why, "rank %d aborted: %.260s", S->rank, reason ? reason : "");
+    char why[TP__ABORT_REASON_LEN];
+    snprintf(why, sizeof why, "rank %d aborted: %s", S->rank, reason ? reason : "");
     state_abort(S, why);
 }
 
@@ -668,10 +657,10 @@ static void nccl_free(void *state)
     double timeout = tp__default_timeout();
     /* pending work is waited for first (comm.h), unless the communicator is
      * unusable anyway; work_free still owns the work objects */
-    for (nccl_work *w = S->active; w && entered && !atomic_load(&S->aborted); w = w->next)
+    for (nccl_work *w = S->active; w && entered && !tp__abort_is_set(&S->abort); w = w->next)
         if (!w->finished)
             (void)work_wait_entered(S, w, timeout);
-    if (entered && !atomic_load(&S->aborted) && S->comm) {
+    if (entered && !tp__abort_is_set(&S->abort) && S->comm) {
         /* finalize flushes what is still queued and waits for the peers to
          * be quiescent; a peer that never frees its handle makes it a
          * timeout, then an abort */
@@ -743,8 +732,8 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
                      "with %d.%d)",
                      NCCL_MAJOR, NCCL_MINOR);
 #else
-    if (atomic_load(&S->aborted))
-        return state_aborted_error(S);
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
     int prev = 0;
     TP_CHECK(tp__cuda_enter("backend 'nccl'", S->device, &prev));
     double timeout = tp__default_timeout();
@@ -755,9 +744,9 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
     ncclConfig_t *cp = nccl_config(&cfg);
 
     pthread_mutex_lock(&S->mu);
-    if (atomic_load(&S->aborted) || !S->comm) {
+    if (tp__abort_is_set(&S->abort) || !S->comm) {
         pthread_mutex_unlock(&S->mu);
-        st = state_aborted_error(S);
+        st = tp__abort_error(&S->abort);
         goto out;
     }
     ncclResult_t res = ncclCommSplit(S->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc,

@@ -33,6 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "collectives/abort.h"
 #include "collectives/coll.h"
 #include "collectives/shm_kernels.h"
 
@@ -71,9 +72,8 @@ typedef struct shm_run {
     _Atomic uint32_t epoch; /* futex word: bumped when a waiter may need waking */
     _Atomic int sleepers;
     _Atomic int refs;
-    _Atomic int aborted;
-    pthread_mutex_t mu;
-    char reason[512];
+    tp__abort_state abort;
+    pthread_mutex_t mu; /* the first failure below */
     int n;
     _Atomic int *exited; /* per world rank */
     /* When each world rank last failed, by kind: tickets of `clock` (0:
@@ -92,8 +92,7 @@ typedef struct shm_group {
     int n;
     shm_run *run;
     _Atomic int refs;
-    _Atomic int aborted;
-    char reason[512];
+    tp__abort_state abort;
     int *world; /* group rank -> world rank of the run */
     shm_slot *slots;
 } shm_group;
@@ -185,34 +184,28 @@ static void rank_note_failure(shm_rank *R, int kind)
 
 static void run_release(shm_run *run);
 
-static void group_abort(shm_group *g, const char *reason)
+/* Wakes every sleeper, whether or not it registered (an abort, an exit). */
+static void run_wake_all(shm_run *run)
 {
-    shm_run *run = g->run;
-    pthread_mutex_lock(&run->mu);
-    if (!atomic_load(&g->aborted)) {
-        snprintf(g->reason, sizeof g->reason, "%.500s", reason);
-        atomic_store(&g->aborted, 1);
-    }
-    pthread_mutex_unlock(&run->mu);
     atomic_fetch_add(&run->epoch, 1);
     syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static void group_abort(shm_group *g, const char *reason)
+{
+    tp__abort_set(&g->abort, reason);
+    run_wake_all(g->run);
 }
 
 static void run_abort(shm_run *run, const char *reason)
 {
-    pthread_mutex_lock(&run->mu);
-    if (!atomic_load(&run->aborted)) {
-        snprintf(run->reason, sizeof run->reason, "%.500s", reason);
-        atomic_store(&run->aborted, 1);
-    }
-    pthread_mutex_unlock(&run->mu);
-    atomic_fetch_add(&run->epoch, 1);
-    syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    tp__abort_set(&run->abort, reason);
+    run_wake_all(run);
 }
 
 static bool group_is_aborted(const shm_group *g)
 {
-    return atomic_load(&g->aborted) || atomic_load(&g->run->aborted);
+    return tp__abort_is_set(&g->abort) || tp__abort_is_set(&g->run->abort);
 }
 
 /* Makes sure no peer is still inside a data phase that touches this rank's
@@ -236,11 +229,7 @@ static tp_status rank_aborted(shm_rank *R)
     shm_group *g = R->g;
     rank_note_failure(R, FAIL_ABORTED);
     rank_quiesce(R);
-    pthread_mutex_lock(&g->run->mu);
-    const char *why = atomic_load(&g->aborted) ? g->reason : g->run->reason;
-    tp_status st = tp__error(TP_ERR_ABORTED, "communicator aborted: %s", why);
-    pthread_mutex_unlock(&g->run->mu);
-    return st;
+    return tp__abort_error(tp__abort_is_set(&g->abort) ? &g->abort : &g->run->abort);
 }
 
 /* ---- the data phase ------------------------------------------------------- */
@@ -604,6 +593,7 @@ static void group_release(shm_group *g)
     if (atomic_fetch_sub(&g->refs, 1) != 1)
         return;
     shm_run *run = g->run;
+    tp__abort_destroy(&g->abort);
     tp__free(g->slots);
     tp__free(g->world);
     tp__free(g);
@@ -618,9 +608,11 @@ static shm_group *group_create(shm_run *run, int n, const int *world)
     g->n = n;
     g->run = run;
     atomic_init(&g->refs, 1); /* the creator's; members add their own */
+    tp__abort_init(&g->abort);
     g->world = tp__malloc(sizeof(int) * (size_t)n);
     g->slots = tp__aligned_alloc(sizeof(shm_slot) * (size_t)n, 64);
     if (!g->world || !g->slots) {
+        tp__abort_destroy(&g->abort);
         tp__free(g->world);
         tp__free(g->slots);
         tp__free(g);
@@ -796,6 +788,7 @@ static void run_release(shm_run *run)
     if (atomic_fetch_sub(&run->refs, 1) != 1)
         return;
     pthread_mutex_destroy(&run->mu);
+    tp__abort_destroy(&run->abort);
     tp__free((void *)run->exited);
     tp__free((void *)run->fail_at);
     tp__free(run);
@@ -880,8 +873,7 @@ static void *shm_thread_main(void *p)
             group_release(t->world);
     }
     atomic_store(&run->exited[t->rank], 1);
-    atomic_fetch_add(&run->epoch, 1);
-    syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_wake_all(run);
     t->status = st;
     return NULL;
 }
@@ -909,6 +901,7 @@ tp_status tp_run_local_opts(int n, tp_rank_fn fn, void *arg, const tp_run_option
     run->n = n;
     atomic_init(&run->refs, 1);
     pthread_mutex_init(&run->mu, NULL);
+    tp__abort_init(&run->abort);
     for (int i = 0; i < n; i++)
         ids[i] = i;
     world = group_create(run, n, ids);
