@@ -58,8 +58,8 @@
 #include <mpi.h>
 
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,6 +69,7 @@
 #include "collectives/abort.h"
 #include "collectives/check.h"
 #include "collectives/coll.h"
+#include "collectives/poll.h"
 
 /* ---- process-wide MPI state ----------------------------------------------- */
 
@@ -389,16 +390,6 @@ fail:
     return state_fail(S, st);
 }
 
-/* Between two MPI_Tests. MPI_Test is the progress engine (OpenMPI moves one
- * fragment of a large message per call), so any sleep here costs bandwidth:
- * poll as MPI_Wait does, but yield the core when this node runs more ranks
- * than it has cores and MPI does not yield by itself. */
-static void pause_once(void)
-{
-    if (mpi_yield)
-        sched_yield();
-}
-
 /* OpenMPI yields inside its progress loop when mpirun says the node is
  * oversubscribed (or when told to): a second yield here only adds latency. */
 static bool mpi_library_yields(void)
@@ -410,30 +401,47 @@ static bool mpi_library_yields(void)
     return o && (strcmp(o, "1") == 0 || strcmp(o, "true") == 0);
 }
 
+typedef struct req_wait_ctx {
+    mpi_state *S;
+    MPI_Request *req;
+    const char *what;
+    bool done; /* MPI completed the request, or reported an error for it */
+} req_wait_ctx;
+
+/* One test of the request (a tp__poll_fn); an abort of S ends the wait. */
+static tp_status req_poll(void *ctx, bool *done)
+{
+    req_wait_ctx *q = ctx;
+    TP_CHECK(req_test(q->S, q->req, &q->done, q->what));
+    *done = q->done;
+    if (!q->done && tp__abort_is_set(&q->S->abort))
+        return tp__abort_error(&q->S->abort);
+    return TP_OK;
+}
+
 /* Polls a request until it completes, the state is aborted or timeout_s
- * passes (then the state is aborted: MPI cannot cancel the request). */
+ * passes (then the state is aborted: MPI cannot cancel the request). *done
+ * tells whether MPI is done with the request (completed, or failed it).
+ * MPI_Test is the progress engine (OpenMPI moves one fragment of a large
+ * message per call), so any sleep between tests costs bandwidth: poll as
+ * MPI_Wait does, but yield the core when this node runs more ranks than it
+ * has cores and MPI does not yield by itself. */
 static tp_status req_wait(mpi_state *S, MPI_Request *req, double timeout_s, const char *what,
                           bool *done)
 {
-    double t0 = tp__now();
-    for (;;) {
-        TP_CHECK(req_test(S, req, done, what));
-        if (*done)
-            return TP_OK;
-        if (tp__abort_is_set(&S->abort))
-            return tp__abort_error(&S->abort);
-        double waited = tp__now() - t0;
-        if (waited > timeout_s) {
-            char why[300];
-            snprintf(why, sizeof why,
-                     "rank %d (MPI_COMM_WORLD rank %d) timed out after %.3g s waiting for %s "
-                     "(MPI cannot cancel it: the communicator is unusable now)",
-                     S->rank, S->world_rank, timeout_s, what);
-            state_abort(S, why);
-            return tp__error(TP_ERR_TIMEOUT, "%s", why);
-        }
-        pause_once();
-    }
+    const tp__pace pace = {.spin_s = mpi_yield ? 0 : HUGE_VAL, .yield_s = HUGE_VAL};
+    req_wait_ctx q = {.S = S, .req = req, .what = what};
+    tp_status st = tp__poll_until(req_poll, &q, timeout_s, &pace);
+    *done = q.done;
+    if (st != TP_ERR_TIMEOUT)
+        return st;
+    char why[300];
+    snprintf(why, sizeof why,
+             "rank %d (MPI_COMM_WORLD rank %d) timed out after %.3g s waiting for %s "
+             "(MPI cannot cancel it: the communicator is unusable now)",
+             S->rank, S->world_rank, timeout_s, what);
+    state_abort(S, why);
+    return tp__error(TP_ERR_TIMEOUT, "%s", why);
 }
 
 /* ---- the backend ---------------------------------------------------------- */

@@ -37,7 +37,6 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
 /* nccl.h declares ncclGroupStart() and ncclGroupEnd() without prototypes */
 #pragma GCC diagnostic push
@@ -48,6 +47,7 @@
 #include "collectives/abort.h"
 #include "collectives/check.h"
 #include "collectives/coll.h"
+#include "collectives/poll.h"
 #include "core/cuda_rt.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 10, 0)
@@ -81,16 +81,7 @@ static const char *const nccl_call_names[TP_COLL_KIND_COUNT] = {
 
 /* Between two polls: spin for the first stretch (small collectives finish in
  * microseconds and a sleep would dominate them), then sleep briefly. */
-#define NCCL_SPIN_S 1e-3
-#define NCCL_SLEEP_NS 50000L
-
-static void nccl_pause(double waited)
-{
-    if (waited < NCCL_SPIN_S)
-        return;
-    struct timespec ts = {0, NCCL_SLEEP_NS};
-    nanosleep(&ts, NULL);
-}
+static const tp__pace nccl_pace = {.spin_s = 1e-3, .yield_s = 1e-3, .sleep_ns = 50000L};
 
 /* ---- states and work ------------------------------------------------------ */
 
@@ -176,37 +167,46 @@ static tp_status state_fail(nccl_state *S, tp_status st)
     return st;
 }
 
+typedef struct settle_ctx {
+    nccl_state *S; /* NULL for a communicator no state holds yet */
+    ncclComm_t *commp;
+    const char *what;
+} settle_ctx;
+
+/* One query of the communicator's asynchronous state (a tp__poll_fn); takes
+ * S->mu for it. */
+static tp_status settle_poll(void *ctx, bool *done)
+{
+    settle_ctx *c = ctx;
+    nccl_state *S = c->S;
+    if (S)
+        pthread_mutex_lock(&S->mu);
+    if (S && (tp__abort_is_set(&S->abort) || !*c->commp)) {
+        pthread_mutex_unlock(&S->mu);
+        return tp__abort_error(&S->abort);
+    }
+    tp_status st = TP_OK;
+    ncclResult_t async = nccl_async(*c->commp);
+    TP_NCCL_CHECK_GOTO(*c->commp, c->what, async, st, unlock);
+    *done = async == ncclSuccess;
+unlock:
+    if (S)
+        pthread_mutex_unlock(&S->mu);
+    return st;
+}
+
 /* Polls comm's asynchronous state until it leaves ncclInProgress (the
  * non-blocking mode's answer to init, split, finalize and enqueue), an
  * error, an abort of S (when S is given) or the timeout. Called without the
- * lock; takes it for each query. */
+ * lock. */
 static tp_status nccl_settle(nccl_state *S, ncclComm_t *commp, double timeout_s,
                              const char *what)
 {
-    double t0 = tp__now();
-    for (;;) {
-        if (S)
-            pthread_mutex_lock(&S->mu);
-        if (S && (tp__abort_is_set(&S->abort) || !*commp)) {
-            pthread_mutex_unlock(&S->mu);
-            return tp__abort_error(&S->abort);
-        }
-        tp_status st = TP_OK;
-        ncclResult_t async = nccl_async(*commp);
-        TP_NCCL_CHECK_GOTO(*commp, what, async, st, unlock);
-unlock:
-        if (S)
-            pthread_mutex_unlock(&S->mu);
-        if (st != TP_OK)
-            return st;
-        if (async == ncclSuccess)
-            return TP_OK;
-        double waited = tp__now() - t0;
-        if (waited > timeout_s)
-            return tp__error(TP_ERR_TIMEOUT, "%s did not complete within %.3g s", what,
-                             timeout_s);
-        nccl_pause(waited);
-    }
+    settle_ctx c = {.S = S, .commp = commp, .what = what};
+    tp_status st = tp__poll_until(settle_poll, &c, timeout_s, &nccl_pace);
+    if (st == TP_ERR_TIMEOUT)
+        tp__error(TP_ERR_TIMEOUT, "%s did not complete within %.3g s", what, timeout_s);
+    return st;
 }
 
 /* Stream, events and scratch of a new state on S->device (current). */
@@ -577,33 +577,35 @@ static tp_status nccl_work_test(void *state, void *work, bool *done)
     return st;
 }
 
+typedef struct work_wait_ctx {
+    nccl_state *S;
+    nccl_work *w;
+} work_wait_ctx;
+
+static tp_status work_wait_poll(void *ctx, bool *done)
+{
+    work_wait_ctx *c = ctx;
+    return work_poll(c->S, c->w, done);
+}
+
 /* Polls w until it completes, fails, the state is aborted or timeout_s
  * passes (then the communicator is aborted, which stops its kernels). */
 static tp_status work_wait_entered(nccl_state *S, nccl_work *w, double timeout_s)
 {
-    double t0 = tp__now();
-    for (;;) {
-        bool done = false;
-        tp_status st = work_poll(S, w, &done);
-        if (done) {
-            w->finished = true;
-            w->status = st;
-            return st;
-        }
-        double waited = tp__now() - t0;
-        if (waited > timeout_s) {
-            char why[300];
-            snprintf(why, sizeof why,
-                     "rank %d (cuda:%d) timed out after %.3g s waiting for %s; the NCCL "
-                     "communicator was aborted",
-                     S->rank, S->device, timeout_s, tp_coll_kind_name(w->kind));
-            state_abort(S, why);
-            w->finished = true;
-            w->status = tp__error(TP_ERR_TIMEOUT, "%s", why);
-            return w->status;
-        }
-        nccl_pause(waited);
+    work_wait_ctx c = {.S = S, .w = w};
+    tp_status st = tp__poll_until(work_wait_poll, &c, timeout_s, &nccl_pace);
+    if (st == TP_ERR_TIMEOUT) {
+        char why[300];
+        snprintf(why, sizeof why,
+                 "rank %d (cuda:%d) timed out after %.3g s waiting for %s; the NCCL "
+                 "communicator was aborted",
+                 S->rank, S->device, timeout_s, tp_coll_kind_name(w->kind));
+        state_abort(S, why);
+        st = tp__error(TP_ERR_TIMEOUT, "%s", why);
     }
+    w->finished = true;
+    w->status = st;
+    return st;
 }
 
 static tp_status nccl_work_wait(void *state, void *work, double timeout_s)

@@ -35,6 +35,7 @@
 
 #include "collectives/abort.h"
 #include "collectives/coll.h"
+#include "collectives/poll.h"
 #include "collectives/shm_kernels.h"
 
 #define SHM_RING 128 /* collectives a rank may have outstanding on a group */
@@ -139,15 +140,6 @@ static int tp__ncpu(void)
         atomic_store_explicit(&cached, v, memory_order_relaxed);
     }
     return v;
-}
-
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
 }
 
 /* ---- waking and sleeping -------------------------------------------------- */
@@ -436,65 +428,80 @@ static bool peer_gone(shm_rank *R, uint64_t s, char *why, size_t len)
     return false;
 }
 
-/* Waits until collective s completed for this rank (or only polls when
- * !block). */
-static tp_status rank_wait(shm_rank *R, uint64_t s, double timeout, bool block)
+/* A wait for collective s of rank R. */
+typedef struct shm_wait {
+    shm_rank *R;
+    uint64_t s;
+    uint32_t seen; /* the run's epoch before the latest test: no wake-up after it is missed */
+} shm_wait;
+
+/* One test (a tp__poll_fn): makes what progress it can without blocking. */
+static tp_status wait_poll(void *ctx, bool *done)
 {
+    shm_wait *w = ctx;
+    shm_rank *R = w->R;
+    w->seen = atomic_load(&R->g->run->epoch);
+    rank_progress(R);
+    *done = R->completed >= w->s;
+    if (*done || !group_is_aborted(R->g))
+        return TP_OK;
+    /* the abort may have come after every rank finished s: then s is
+     * complete here too, as it is for the ranks that saw it first */
+    rank_progress(R);
+    *done = true;
+    return R->completed >= w->s ? TP_OK : rank_aborted(R);
+}
+
+/* Between two tests once yielding did not do: a peer that returned without
+ * joining aborts the group (the next test reports it); otherwise sleep on
+ * the run's futex until a peer's progress wakes this rank, 10 ms at most. */
+static void wait_sleep(void *ctx)
+{
+    shm_wait *w = ctx;
+    shm_rank *R = w->R;
     shm_group *g = R->g;
     shm_run *run = g->run;
-    bool crowded = g->n > tp__ncpu();
-    double t0 = 0, spin_s = crowded ? 0 : 50e-6, yield_s = crowded ? 200e-6 : 1e-3;
-    for (unsigned it = 0;; it++) {
-        uint32_t seen = atomic_load(&run->epoch);
-        rank_progress(R);
-        if (R->completed >= s)
-            return TP_OK;
-        if (group_is_aborted(g)) {
-            /* the abort may have come after every rank finished s: then s is
-             * complete here too, as it is for the ranks that saw it first */
-            rank_progress(R);
-            if (R->completed >= s)
-                return TP_OK;
-            return rank_aborted(R);
-        }
-        if (!block)
-            return TP_OK;
-        if ((it & 63) != 0 && !crowded) {
-            cpu_relax();
-            continue;
-        }
-        double now = tp__now();
-        if (t0 == 0)
-            t0 = now;
-        double waited = now - t0;
-        if (waited > timeout) {
-            char why[256];
-            snprintf(why, sizeof why,
-                     "rank %d (world rank %d) timed out after %.3g s waiting for collective "
-                     "#%llu",
-                     R->rank, g->world[R->rank], timeout, (unsigned long long)s);
-            rank_note_failure(R, FAIL_TIMEOUT); /* before any peer can see the abort */
-            group_abort(g, why);
-            rank_quiesce(R);
-            return tp__error(TP_ERR_TIMEOUT, "%s", why);
-        }
-        if (waited < spin_s) {
-            cpu_relax();
-        } else if (waited < yield_s) {
-            sched_yield();
-        } else {
-            char why[256];
-            if (peer_gone(R, s, why, sizeof why)) {
-                group_abort(g, why);
-                continue;
-            }
-            atomic_fetch_add(&run->sleepers, 1);
-            rank_progress(R);
-            if (R->completed < s && !group_is_aborted(g))
-                run_sleep(run, seen, 0.01);
-            atomic_fetch_sub(&run->sleepers, 1);
-        }
+    char why[256];
+    if (peer_gone(R, w->s, why, sizeof why)) {
+        group_abort(g, why);
+        return;
     }
+    atomic_fetch_add(&run->sleepers, 1);
+    rank_progress(R);
+    if (R->completed < w->s && !group_is_aborted(g))
+        run_sleep(run, w->seen, 0.01);
+    atomic_fetch_sub(&run->sleepers, 1);
+}
+
+/* Makes progress without blocking; *done once collective s completed for
+ * this rank. */
+static tp_status rank_test(shm_rank *R, uint64_t s, bool *done)
+{
+    shm_wait w = {.R = R, .s = s};
+    return wait_poll(&w, done);
+}
+
+/* Waits until collective s completed for this rank: spins briefly, then
+ * yields, then sleeps on the futex; with more ranks than cores it yields at
+ * once, and it reads the clock only every 64th test while spinning. */
+static tp_status rank_wait(shm_rank *R, uint64_t s, double timeout)
+{
+    shm_group *g = R->g;
+    bool crowded = g->n > tp__ncpu();
+    const tp__pace pace = {.spin_s = crowded ? 0 : 50e-6, .yield_s = crowded ? 200e-6 : 1e-3,
+                           .sleep = wait_sleep, .every = crowded ? 1 : 64};
+    shm_wait w = {.R = R, .s = s};
+    tp_status st = tp__poll_until(wait_poll, &w, timeout, &pace);
+    if (st != TP_ERR_TIMEOUT)
+        return st;
+    char why[256];
+    snprintf(why, sizeof why,
+             "rank %d (world rank %d) timed out after %.3g s waiting for collective #%llu",
+             R->rank, g->world[R->rank], timeout, (unsigned long long)s);
+    rank_note_failure(R, FAIL_TIMEOUT); /* before any peer can see the abort */
+    group_abort(g, why);
+    rank_quiesce(R);
+    return tp__error(TP_ERR_TIMEOUT, "%s", why);
 }
 
 /* ---- posting -------------------------------------------------------------- */
@@ -513,7 +520,7 @@ static tp_status rank_post(shm_rank *R, const shm_op *op, double timeout, shm_wo
                          SHM_RING - 1);
     if (s > SHM_RING && R->completed < s - SHM_RING) {
         /* the ring entry is still readable by peers until that op completed */
-        TP_CHECK(rank_wait(R, s - SHM_RING, timeout, true));
+        TP_CHECK(rank_wait(R, s - SHM_RING, timeout));
     }
     shm_slot *mine = &g->slots[R->rank];
     mine->ring[s % SHM_RING] = *op;
@@ -567,8 +574,7 @@ static tp_status shm_work_test(void *state, void *work, bool *done)
 {
     shm_rank *R = state;
     shm_work *wk = work;
-    TP_CHECK(rank_wait(R, wk->seq, 0, false));
-    *done = R->completed >= wk->seq;
+    TP_CHECK(rank_test(R, wk->seq, done));
     return *done ? work_result(wk) : TP_OK;
 }
 
@@ -576,7 +582,7 @@ static tp_status shm_work_wait(void *state, void *work, double timeout_s)
 {
     shm_rank *R = state;
     shm_work *wk = work;
-    TP_CHECK(rank_wait(R, wk->seq, timeout_s, true));
+    TP_CHECK(rank_wait(R, wk->seq, timeout_s));
     return work_result(wk);
 }
 
@@ -658,7 +664,7 @@ static void shm_free(void *state)
         return;
     /* peers may still read this rank's buffers for posted collectives */
     if (R->completed < R->posted && !group_is_aborted(R->g))
-        (void)rank_wait(R, R->posted, tp__default_timeout(), true);
+        (void)rank_wait(R, R->posted, tp__default_timeout());
     shm_group *g = R->g;
     rank_destroy(R);
     group_release(g);
@@ -678,7 +684,7 @@ static tp_status split_wait(shm_rank *R, const shm_op *op)
     shm_work *wk = NULL;
     double timeout = tp__default_timeout();
     TP_CHECK(rank_post(R, op, timeout, &wk));
-    tp_status st = rank_wait(R, wk->seq, timeout, true);
+    tp_status st = rank_wait(R, wk->seq, timeout);
     if (st == TP_OK)
         st = work_result(wk);
     wk->retired = true;
