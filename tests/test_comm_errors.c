@@ -298,6 +298,66 @@ Test(comm_errors, timeout, .timeout = 30)
     }
 }
 
+/* ---- a split waits no longer than its communicator's timeout ---------------------- */
+
+typedef struct {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+    atomic_int released;
+} split_late_ctx;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Rank 0 splits with a 0.2 s timeout; the others stay alive (a rank that
+ * returned would be noticed as gone) but join nothing until it gave up. The
+ * split must give up after 0.2 s, not after the default timeout (60 s under
+ * meson), and leave the communicator aborted, as a collective would. */
+static tp_status split_late_body(tp_comm *w, void *arg)
+{
+    split_late_ctx *c = arg;
+    int r = tp_comm_rank(w);
+    tp_test_slot *s = &c->slot[r];
+    if (r != 0) {
+        for (int i = 0; i < 10000 && !atomic_load(&c->released); i++)
+            sleep_s(0.002);
+        RANK_EXPECT(s, atomic_load(&c->released), "rank 0's split did not return in 20 s");
+        return TP_OK;
+    }
+    RANK_OK(s, tp_comm_set_timeout(w, 0.2));
+    tp_comm *sub = w; /* must be reset to NULL */
+    double t0 = now_s();
+    tp_status st = tp_comm_split(w, 0, 0, &sub);
+    double waited = now_s() - t0;
+    atomic_store(&c->released, 1);
+    RANK_EXPECT(s, st == TP_ERR_TIMEOUT, "split -> %s (%s), expected TP_ERR_TIMEOUT",
+                tp_status_name(st), tp_last_error());
+    RANK_EXPECT(s, strncmp(tp_last_error(), "tp_comm_split: ", 15) == 0 &&
+                       strstr(tp_last_error(), "timed out after 0.2 s"),
+                "split message: %s", tp_last_error());
+    RANK_EXPECT(s, waited < 5, "split waited %.2f s with a 0.2 s timeout", waited);
+    RANK_EXPECT(s, sub == NULL, "split out not reset");
+    RANK_EXPECT(s, tp_comm_is_aborted(w), "communicator not aborted after the split timed out");
+    st = tp_barrier(w, NULL);
+    RANK_EXPECT(s, st == TP_ERR_ABORTED, "barrier after the split's timeout -> %s",
+                tp_status_name(st));
+    return TP_OK;
+}
+
+Test(comm_errors, split_honours_the_timeout, .timeout = 30)
+{
+    static const int sizes[] = {2, 3, 8};
+    for (int i = 0; i < 3; i++) {
+        split_late_ctx c = {0};
+        tp_status st = tp_run_local(sizes[i], split_late_body, &c);
+        tp_test_assert_slots(c.slot, sizes[i]);
+        cr_assert_eq(st, TP_OK, "%d ranks: %s", sizes[i], tp_last_error());
+    }
+}
+
 /* ---- a rank that returns without joining ------------------------------------------ */
 
 static tp_status deserter_body(tp_comm *w, void *arg)

@@ -101,7 +101,9 @@ TP_API bool tp_comm_check(const tp_comm *comm);
  * Collective: splits comm into disjoint groups, one per non-negative color;
  * within a group ranks are ordered by (key, old rank). A rank passing
  * color < 0 (TP_COMM_NO_COLOR) takes part but gets *out = NULL. The new
- * communicator inherits timeout and check settings.
+ * communicator inherits timeout and check settings. The split waits for the
+ * peers up to comm's timeout, as a collective does: past it, TP_ERR_TIMEOUT
+ * and comm is aborted.
  */
 #define TP_COMM_NO_COLOR (-1)
 TP_API tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out);
@@ -233,9 +235,14 @@ typedef struct tp_backend {
     tp_status (*work_wait)(void *state, void *work, double timeout_s);
     void (*work_free)(void *state, void *work);
     /* split: creates the state of the new group this rank joins; color < 0
-     * must still take part and return *new_state = NULL */
-    tp_status (*split)(void *state, int color, int key, void **new_state, int *new_rank,
-                       int *new_size);
+     * must still take part and return *new_state = NULL. timeout_s is the
+     * parent communicator's wait limit: no wait inside split may last longer
+     * (a peer that never joins is TP_ERR_TIMEOUT, and state aborted, rather
+     * than a hang). The new communicator gets the same limit (tp_comm_split
+     * sets it); a backend that keeps one in its state starts the new state
+     * with it. */
+    tp_status (*split)(void *state, int color, int key, double timeout_s, void **new_state,
+                       int *new_rank, int *new_size);
     void (*abort)(void *state, const char *reason);
     void (*free)(void *state);
     /* creates a world group for this process (MPI: MPI_COMM_WORLD); optional */

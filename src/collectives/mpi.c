@@ -17,9 +17,9 @@
  * Waiting. tp_work_wait polls MPI_Test, which is also what drives MPI's
  * progress, until completion or the timeout: busy, like MPI_Wait, yielding
  * the core when the node runs more ranks than cores and MPI does not yield
- * by itself. tp_comm_split first waits (with the default timeout, as shm
- * does) on a non-blocking barrier, so that a missing peer is a timeout rather
- * than a hang inside MPI_Comm_split.
+ * by itself. tp_comm_split first waits (with the communicator's timeout, as
+ * shm does) on a non-blocking barrier, so that a missing peer is a timeout
+ * rather than a hang inside MPI_Comm_split.
  *
  * Types. f32, f64, i32, i64 map to MPI's predefined types and ops. MPI has no
  * 16-bit floats: f16 and bf16 travel as a contiguous 2-byte type, and their
@@ -726,8 +726,8 @@ static void mpi_abort(void *state, const char *reason)
     state_abort(S, why);
 }
 
-static tp_status mpi_split(void *state, int color, int key, void **new_state, int *new_rank,
-                           int *new_size)
+static tp_status mpi_split(void *state, int color, int key, double timeout_s, void **new_state,
+                           int *new_rank, int *new_size)
 {
     mpi_state *S = state;
     *new_state = NULL;
@@ -742,7 +742,7 @@ static tp_status mpi_split(void *state, int color, int key, void **new_state, in
     tp_status st = TP_OK;
     TP_MPI_CHECK_GOTO("MPI_Ibarrier (split)", rc, st, fail);
     bool fin = false;
-    st = req_wait(S, &req, tp__default_timeout(), "comm_split", &fin);
+    st = req_wait(S, &req, timeout_s, "comm_split", &fin);
     if (st != TP_OK)
         return st; /* the barrier request stays with MPI; S is aborted */
 
@@ -757,8 +757,10 @@ static tp_status mpi_split(void *state, int color, int key, void **new_state, in
     pthread_mutex_lock(&mpi_mu);
     mpi_lock();
     st = state_create(nc, &N);
-    if (st == TP_OK)
+    if (st == TP_OK) {
+        N->timeout_s = timeout_s;
         mpi_live++;
+    }
     else
         MPI_Comm_free(&nc);
     mpi_unlock();

@@ -719,14 +719,15 @@ fail:
     return st;
 }
 
-static tp_status nccl_split(void *state, int color, int key, void **new_state, int *new_rank,
-                            int *new_size)
+static tp_status nccl_split(void *state, int color, int key, double timeout_s, void **new_state,
+                            int *new_rank, int *new_size)
 {
     nccl_state *S = state;
     *new_state = NULL;
 #if !NCCL_HAS_SPLIT
     (void)color;
     (void)key;
+    (void)timeout_s;
     (void)new_rank;
     (void)new_size;
     return tp__error(TP_ERR_NOT_SUPPORTED,
@@ -738,7 +739,6 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
         return tp__abort_error(&S->abort);
     int prev = 0;
     TP_CHECK(tp__cuda_enter("backend 'nccl'", S->device, &prev));
-    double timeout = tp__default_timeout();
     tp_status st = TP_OK;
     nccl_state *N = NULL;
     ncclComm_t nc = NULL;
@@ -763,9 +763,9 @@ unlock:
     if (res == ncclInProgress) {
         /* the parent is busy until the split is done, the child until it is
          * initialized */
-        st = nccl_settle(S, &S->comm, timeout, "ncclCommSplit");
+        st = nccl_settle(S, &S->comm, timeout_s, "ncclCommSplit");
         if (st == TP_OK && nc)
-            st = nccl_settle(NULL, &nc, timeout, "ncclCommSplit (new communicator)");
+            st = nccl_settle(NULL, &nc, timeout_s, "ncclCommSplit (new communicator)");
         if (st != TP_OK) {
             if (nc)
                 (void)ncclCommAbort(nc);

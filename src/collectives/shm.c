@@ -679,10 +679,9 @@ static void shm_abort(void *state, const char *reason)
     group_abort(R->g, why);
 }
 
-static tp_status split_wait(shm_rank *R, const shm_op *op)
+static tp_status split_wait(shm_rank *R, const shm_op *op, double timeout)
 {
     shm_work *wk = NULL;
-    double timeout = tp__default_timeout();
     TP_CHECK(rank_post(R, op, timeout, &wk));
     tp_status st = rank_wait(R, wk->seq, timeout);
     if (st == TP_OK)
@@ -691,8 +690,8 @@ static tp_status split_wait(shm_rank *R, const shm_op *op)
     return st;
 }
 
-static tp_status shm_split(void *state, int color, int key, void **new_state, int *new_rank,
-                           int *new_size)
+static tp_status shm_split(void *state, int color, int key, double timeout_s, void **new_state,
+                           int *new_rank, int *new_size)
 {
     shm_rank *R = state;
     shm_group *g = R->g;
@@ -714,7 +713,7 @@ static tp_status shm_split(void *state, int color, int key, void **new_state, in
         goto out;
     }
     shm_op ex = {.kind = SHM_SPLIT_EXCHANGE, .color = color, .key = key};
-    if ((st = split_wait(R, &ex)) != TP_OK)
+    if ((st = split_wait(R, &ex, timeout_s)) != TP_OK)
         goto out;
 
     /* members of this rank's color, ordered by (key, old rank) */
@@ -739,7 +738,7 @@ static tp_status shm_split(void *state, int color, int key, void **new_state, in
     R->split_result = NULL;
     shm_op pub = {.kind = SHM_SPLIT_PUBLISH, .root = color >= 0 ? members[0] : -1,
                   .new_group = ng};
-    st = split_wait(R, &pub);
+    st = split_wait(R, &pub, timeout_s);
     if (ng)
         group_release(ng); /* creation reference: every member holds its own now */
     ng = R->split_result;
