@@ -180,14 +180,16 @@ typedef struct tp_run_options {
  * every rank has returned: TP_OK, or the status of the first rank to fail (by
  * time); the failing rank's message is copied into the caller's
  * tp_last_error() prefixed with "rank R: ". A rank's failure counts from the
- * moment it happened, not from when its function returned: when its wait
- * timed out for TP_ERR_TIMEOUT, when it saw the abort for TP_ERR_ABORTED,
- * otherwise when it last aborted a communicator itself (or timed out, or saw
- * an abort), or else on return. So a timeout is reported rather than the
- * TP_ERR_ABORTED it causes on the peers, whichever rank returns first. A
- * failing rank aborts the run's communicators, so the others return
- * TP_ERR_ABORTED rather than hang; a rank that returns while a peer still
- * waits for it also aborts the run.
+ * moment it happened, not from when its function returned: when a wait of
+ * its first timed out for TP_ERR_TIMEOUT, when it first saw an abort for
+ * TP_ERR_ABORTED, otherwise when it first aborted a communicator itself,
+ * timed out or saw an abort, or else on return. So a timeout is reported
+ * rather than the TP_ERR_ABORTED it causes on the peers, whichever rank
+ * returns first, and a rank that aborts and then fails with its own error
+ * is reported rather than the peers that saw its abort. A failing rank
+ * aborts the run's communicators, so the others return TP_ERR_ABORTED rather
+ * than hang; a rank that returns while a peer still waits for it also aborts
+ * the run.
  */
 TP_API tp_status tp_run_local(int n, tp_rank_fn fn, void *arg);
 TP_API tp_status tp_run_local_opts(int n, tp_rank_fn fn, void *arg,

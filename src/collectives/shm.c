@@ -77,7 +77,7 @@ typedef struct shm_run {
     pthread_mutex_t mu; /* the first failure below */
     int n;
     _Atomic int *exited; /* per world rank */
-    /* When each world rank last failed, by kind: tickets of `clock` (0:
+    /* When each world rank first failed, by kind: tickets of `clock` (0:
      * never) taken at the moment itself, so that the failure that came first
      * is known however late its rank function returns. n * FAIL_KINDS. */
     _Atomic uint64_t clock;
@@ -160,13 +160,17 @@ static void run_sleep(shm_run *run, uint32_t seen, double seconds)
 
 /* ---- aborts --------------------------------------------------------------- */
 
-/* Records that world rank `wr` failed now, in the given kind's slot. Taken
- * before the failure becomes visible to any peer (before the abort it
- * causes), so a failure that follows from it always gets a later ticket. */
+/* Records that world rank `wr` failed now, in the given kind's slot, unless
+ * it failed that way before: the first ticket stays. Taken before the
+ * failure becomes visible to any peer (before the abort it causes), so a
+ * failure that follows from it always gets a later ticket. */
 static void run_note_failure(shm_run *run, int wr, int kind)
 {
-    uint64_t t = atomic_fetch_add(&run->clock, 1) + 1;
-    atomic_store(&run->fail_at[(size_t)wr * FAIL_KINDS + (size_t)kind], t);
+    _Atomic uint64_t *at = &run->fail_at[(size_t)wr * FAIL_KINDS + (size_t)kind];
+    if (atomic_load(at))
+        return;
+    uint64_t none = 0, t = atomic_fetch_add(&run->clock, 1) + 1;
+    atomic_compare_exchange_strong(at, &none, t);
 }
 
 static void rank_note_failure(shm_rank *R, int kind)
@@ -811,10 +815,10 @@ typedef struct shm_thread {
 } shm_thread;
 
 /* World rank `rank` returned st != TP_OK. Its failure happened when its
- * wait timed out (TP_ERR_TIMEOUT) or it saw the abort (TP_ERR_ABORTED), or
- * else at its latest recorded failure of any kind, or else now; the run keeps
- * the earliest. The first rank to return aborts the run, so no peer waits for
- * a rank that is gone. */
+ * wait first timed out (TP_ERR_TIMEOUT) or it first saw an abort
+ * (TP_ERR_ABORTED), or else at its earliest recorded failure of any kind,
+ * or else now; the run keeps the earliest. The first rank to return aborts
+ * the run, so no peer waits for a rank that is gone. */
 static void run_fail(shm_run *run, int rank, tp_status st, const char *msg)
 {
     char why[1200];
@@ -825,7 +829,7 @@ static void run_fail(shm_run *run, int rank, tp_status st, const char *msg)
     if (!t) {
         for (int k = 0; k < FAIL_KINDS; k++) {
             uint64_t tk = atomic_load(&at[k]);
-            if (tk > t)
+            if (tk && (!t || tk < t))
                 t = tk;
         }
     }
