@@ -535,8 +535,8 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
         rc = MPI_Ibarrier(S->comm, &w->req);
         break;
     case TP_COLL_SCATTER:
-        /* the send arguments matter on root only */
-        if (S->rank == d->root && rbuf == sbuf + (size_t)d->root * d->count * es)
+        /* the send arguments matter on root only; root's block is `block` */
+        if (S->rank == d->root && rbuf == sbuf + block)
             rc = MPI_Iscatter(d->sendbuf, k, dt, MPI_IN_PLACE, k, dt, d->root, S->comm,
                               &w->req);
         else
