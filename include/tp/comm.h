@@ -46,6 +46,24 @@
 extern "C" {
 #endif
 
+/*
+ * tp_comm: this rank's handle on a process group. Reference-counted.
+ *   Made by tp_comm_create (wrapping a backend state, which it then owns),
+ *   tp_comm_create_world and tp_comm_split, each with one reference, the
+ *   caller's, dropped by tp_comm_free (refused while work handles are
+ *   outstanding); the world a tp_run_local rank gets belongs to the run.
+ *   Held (a reference each) by the meshes built on it (tp_mesh_create), a
+ *   DDP over it and every work handle issued on it, so these may outlive the
+ *   caller's handle. It keeps its backend state, freed through backend->free
+ *   on the thread that drops the last reference; it keeps nothing of the
+ *   communicator it was split from, and no tensor of its collectives.
+ *
+ * tp_work: one collective issued with a work handle. Made by the collective,
+ *   freed by tp_work_free, which the caller must call (it waits first if the
+ *   work is pending). Holds a reference on its communicator; holds no
+ *   reference on the buffers, which the caller keeps alive and untouched
+ *   until the work completes (a backend may keep its own, as mpi does).
+ */
 typedef struct tp_comm tp_comm;
 typedef struct tp_work tp_work;
 
@@ -215,7 +233,14 @@ typedef struct tp_coll_desc {
 } tp_coll_desc;
 
 /*
- * A backend is a table of functions registered by name. `collective` starts a
+ * A backend is a table of functions registered by name. Ownership:
+ * tp_backend_register copies the table and keeps it for the life of the
+ * program, its name string borrowed (it must stay valid as long); each
+ * tp_comm keeps its own copy. A backend state (from init_world, split, or
+ * passed to tp_comm_create) belongs to the one communicator wrapping it,
+ * which calls free(state) after its last reference; a work object returned
+ * by `collective` belongs to its tp_work, which calls work_free(state, work)
+ * before the communicator can go. `collective` starts a
  * collective; if it completes before returning it sets *work = NULL, otherwise
  * it returns a backend work object that libtp drives through work_test /
  * work_wait / work_free. A slot left NULL makes the matching calls return
