@@ -841,16 +841,12 @@ out:
     return st;
 }
 
+/* No descriptor comparison of its own (checks_descriptors). */
 const tp_backend tp__mpi_backend = {
     .name = "mpi",
     .device_mask = 1u << TP_DEVICE_CPU,
-    .checks_descriptors = false,
     .collective = mpi_collective,
-    .work_test = mpi_work_test,
-    .work_wait = mpi_work_wait,
-    .work_free = mpi_work_free,
-    .split = mpi_split,
-    .abort = mpi_abort,
-    .free = mpi_free,
+    .work_test = mpi_work_test, .work_wait = mpi_work_wait, .work_free = mpi_work_free,
+    .split = mpi_split, .abort = mpi_abort, .free = mpi_free,
     .init_world = mpi_init_world,
 };

@@ -941,16 +941,12 @@ fail:
     return st;
 }
 
+/* No descriptor comparison of its own (checks_descriptors). */
 const tp_backend tp__nccl_backend = {
     .name = "nccl",
     .device_mask = 1u << TP_DEVICE_CUDA,
-    .checks_descriptors = false,
     .collective = nccl_collective,
-    .work_test = nccl_work_test,
-    .work_wait = nccl_work_wait,
-    .work_free = nccl_work_free,
-    .split = nccl_split,
-    .abort = nccl_abort,
-    .free = nccl_free,
+    .work_test = nccl_work_test, .work_wait = nccl_work_wait, .work_free = nccl_work_free,
+    .split = nccl_split, .abort = nccl_abort, .free = nccl_free,
     .init_world = nccl_init_world,
 };

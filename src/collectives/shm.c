@@ -776,18 +776,14 @@ out:
     return st;
 }
 
+/* No world of its own (init_world): tp_run_local makes it. */
 const tp_backend tp__shm_backend = {
     .name = "shm",
     .device_mask = 1u << TP_DEVICE_CPU,
     .checks_descriptors = true,
     .collective = shm_collective,
-    .work_test = shm_work_test,
-    .work_wait = shm_work_wait,
-    .work_free = shm_work_free,
-    .split = shm_split,
-    .abort = shm_abort,
-    .free = shm_free,
-    .init_world = NULL,
+    .work_test = shm_work_test, .work_wait = shm_work_wait, .work_free = shm_work_free,
+    .split = shm_split, .abort = shm_abort, .free = shm_free,
 };
 
 /* ---- tp_run_local --------------------------------------------------------- */
