@@ -230,8 +230,8 @@ static tp_status state_cuda_create(nccl_state *S, const char *fn)
     return TP_OK;
 }
 
-/* Frees what state_cuda_create made (current device S->device). */
-static void state_cuda_destroy(nccl_state *S)
+/* Frees the staging buffers of host collectives (stage_reserve). */
+static void stage_free(nccl_state *S)
 {
     if (S->stage_dev)
         (void)cudaFree(S->stage_dev);
@@ -239,6 +239,13 @@ static void state_cuda_destroy(nccl_state *S)
         (void)cudaFreeHost(S->stage_host);
     S->stage_dev = S->stage_host = NULL;
     S->stage_bytes = 0;
+}
+
+/* Frees what state_cuda_create and stage_reserve made (current device
+ * S->device). */
+static void state_cuda_destroy(nccl_state *S)
+{
+    stage_free(S);
     if (S->scratch)
         (void)cudaFree(S->scratch);
     if (S->ready)
@@ -374,12 +381,7 @@ static tp_status stage_reserve(nccl_state *S, size_t bytes)
 {
     if (bytes <= S->stage_bytes)
         return TP_OK;
-    if (S->stage_dev)
-        (void)cudaFree(S->stage_dev);
-    if (S->stage_host)
-        (void)cudaFreeHost(S->stage_host);
-    S->stage_dev = S->stage_host = NULL;
-    S->stage_bytes = 0;
+    stage_free(S);
     cudaError_t err = cudaMalloc(&S->stage_dev, bytes);
     if (err == cudaSuccess)
         err = cudaMallocHost(&S->stage_host, bytes);
