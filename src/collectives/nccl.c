@@ -527,6 +527,7 @@ out:
  * device entered. */
 static tp_status work_poll(nccl_state *S, nccl_work *w, bool *done)
 {
+    char why[TP__ABORT_REASON_LEN];
     *done = false;
     pthread_mutex_lock(&S->mu);
     if (tp__abort_is_set(&S->abort) || !S->comm) {
@@ -551,13 +552,12 @@ static tp_status work_poll(nccl_state *S, nccl_work *w, bool *done)
     if (st == TP_OK && (err = cudaStreamWaitEvent(compute, w->done, 0)) != cudaSuccess)
         st = tp__cuda_fail("backend 'nccl'", "cudaStreamWaitEvent", err);
     return st;
-failed: {
-        char why[TP__ABORT_REASON_LEN];
-        state_abort_locked(S, tp__abort_fail_reason(S->rank, why, sizeof why));
-        pthread_mutex_unlock(&S->mu);
-        *done = true;
-        return st;
-    }
+failed:
+    /* NCCL failed the communicator: this rank is out of step with its peers */
+    state_abort_locked(S, tp__abort_fail_reason(S->rank, why, sizeof why));
+    pthread_mutex_unlock(&S->mu);
+    *done = true;
+    return st;
 }
 
 static tp_status nccl_work_test(void *state, void *work, bool *done)
@@ -791,15 +791,15 @@ unlock:
     *new_state = N;
     *new_rank = N->rank;
     *new_size = N->size;
-out:
-    tp__cuda_leave(prev, S->device);
-    return st;
+    goto out;
 abort_new:
     /* the new group's peers must not wait for this rank */
     (void)ncclCommAbort(nc);
     if (N)
         state_delete(N);
-    goto out;
+out:
+    tp__cuda_leave(prev, S->device);
+    return st;
 #endif
 }
 
