@@ -166,6 +166,95 @@ Test(comm_backend, device_mask, .timeout = 10)
     tp_comm_free(c);
 }
 
+/* ---- a world of one that splits, and fails without saying why -------------- */
+
+typedef struct {
+    double split_timeout; /* the timeout split was given */
+    int splits, frees;
+} quiet_state;
+
+/* Fails every collective with a bare status: libtp words the message. */
+static tp_status quiet_collective(void *state, const tp_coll_desc *d, void **work)
+{
+    (void)state;
+    (void)d;
+    *work = NULL;
+    return TP_ERR_BACKEND;
+}
+
+/* The new group shares the state (a world of one splits into itself). */
+static tp_status quiet_split(void *state, int color, int key, double timeout_s, void **new_state,
+                             int *new_rank, int *new_size)
+{
+    (void)key;
+    quiet_state *s = state;
+    s->splits++;
+    s->split_timeout = timeout_s;
+    *new_state = color < 0 ? NULL : s;
+    *new_rank = 0;
+    *new_size = 1;
+    return TP_OK;
+}
+
+static void quiet_free(void *state) { ((quiet_state *)state)->frees++; }
+
+static const tp_backend quiet_backend = {
+    .name = "quiet",
+    .device_mask = 1u << TP_DEVICE_CPU,
+    .collective = quiet_collective,
+    .split = quiet_split,
+    .free = quiet_free,
+};
+
+/* A collective that fails without a message gets one naming the backend and
+ * the kind, after the public function's name. */
+Test(comm_backend, bare_status_gets_a_message, .timeout = 10)
+{
+    quiet_state s = {0};
+    tp_comm *c = NULL;
+    CHECK_OK(tp_comm_create(&quiet_backend, &s, 0, 1, &c));
+    int64_t n = 3;
+    tp_tensor *x = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, &n, &x));
+    CHECK_ERR(tp_all_reduce(c, x, x, TP_SUM, NULL), TP_ERR_BACKEND);
+    cr_assert_str_eq(tp_last_error(),
+                     "tp_all_reduce: backend 'quiet' returned an error without a message for "
+                     "all_reduce");
+    tp_work *w = NULL;
+    CHECK_ERR(tp_barrier(c, &w), TP_ERR_BACKEND);
+    cr_assert_null(w);
+    cr_assert_str_eq(tp_last_error(),
+                     "tp_barrier: backend 'quiet' returned an error without a message for "
+                     "barrier");
+    /* not an abort: the communicator stays usable */
+    cr_assert(!tp_comm_is_aborted(c));
+    tp_tensor_release(x);
+    CHECK_OK(tp_comm_free(c));
+    cr_assert_eq(s.frees, 1);
+}
+
+/* split is given the communicator's timeout, and the new communicator keeps
+ * it. */
+Test(comm_backend, split_gets_the_timeout, .timeout = 10)
+{
+    quiet_state s = {0};
+    tp_comm *c = NULL, *sub = NULL, *none = NULL;
+    CHECK_OK(tp_comm_create(&quiet_backend, &s, 0, 1, &c));
+    CHECK_OK(tp_comm_set_timeout(c, 7.5));
+    CHECK_OK(tp_comm_split(c, 0, 0, &sub));
+    cr_assert_eq(s.split_timeout, 7.5);
+    cr_assert_not_null(sub);
+    cr_assert_eq(tp_comm_timeout(sub), 7.5);
+    CHECK_OK(tp_comm_set_timeout(sub, 0.25));
+    CHECK_OK(tp_comm_split(sub, TP_COMM_NO_COLOR, 0, &none));
+    cr_assert_eq(s.split_timeout, 0.25);
+    cr_assert_null(none);
+    cr_assert_eq(s.splits, 2);
+    CHECK_OK(tp_comm_free(sub));
+    CHECK_OK(tp_comm_free(c));
+    cr_assert_eq(s.frees, 2);
+}
+
 /* ---- a multi-rank user backend: blocking, pointer exchange + barrier ------- */
 
 typedef struct {

@@ -298,6 +298,66 @@ Test(comm_errors, timeout, .timeout = 30)
     }
 }
 
+/* ---- a split waits no longer than its communicator's timeout ---------------------- */
+
+typedef struct {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+    atomic_int released;
+} split_late_ctx;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Rank 0 splits with a 0.2 s timeout; the others stay alive (a rank that
+ * returned would be noticed as gone) but join nothing until it gave up. The
+ * split must give up after 0.2 s, not after the default timeout (60 s under
+ * meson), and leave the communicator aborted, as a collective would. */
+static tp_status split_late_body(tp_comm *w, void *arg)
+{
+    split_late_ctx *c = arg;
+    int r = tp_comm_rank(w);
+    tp_test_slot *s = &c->slot[r];
+    if (r != 0) {
+        for (int i = 0; i < 10000 && !atomic_load(&c->released); i++)
+            sleep_s(0.002);
+        RANK_EXPECT(s, atomic_load(&c->released), "rank 0's split did not return in 20 s");
+        return TP_OK;
+    }
+    RANK_OK(s, tp_comm_set_timeout(w, 0.2));
+    tp_comm *sub = w; /* must be reset to NULL */
+    double t0 = now_s();
+    tp_status st = tp_comm_split(w, 0, 0, &sub);
+    double waited = now_s() - t0;
+    atomic_store(&c->released, 1);
+    RANK_EXPECT(s, st == TP_ERR_TIMEOUT, "split -> %s (%s), expected TP_ERR_TIMEOUT",
+                tp_status_name(st), tp_last_error());
+    RANK_EXPECT(s, strncmp(tp_last_error(), "tp_comm_split: ", 15) == 0 &&
+                       strstr(tp_last_error(), "timed out after 0.2 s"),
+                "split message: %s", tp_last_error());
+    RANK_EXPECT(s, waited < 5, "split waited %.2f s with a 0.2 s timeout", waited);
+    RANK_EXPECT(s, sub == NULL, "split out not reset");
+    RANK_EXPECT(s, tp_comm_is_aborted(w), "communicator not aborted after the split timed out");
+    st = tp_barrier(w, NULL);
+    RANK_EXPECT(s, st == TP_ERR_ABORTED, "barrier after the split's timeout -> %s",
+                tp_status_name(st));
+    return TP_OK;
+}
+
+Test(comm_errors, split_honours_the_timeout, .timeout = 30)
+{
+    static const int sizes[] = {2, 3, 8};
+    for (int i = 0; i < 3; i++) {
+        split_late_ctx c = {0};
+        tp_status st = tp_run_local(sizes[i], split_late_body, &c);
+        tp_test_assert_slots(c.slot, sizes[i]);
+        cr_assert_eq(st, TP_OK, "%d ranks: %s", sizes[i], tp_last_error());
+    }
+}
+
 /* ---- a rank that returns without joining ------------------------------------------ */
 
 static tp_status deserter_body(tp_comm *w, void *arg)
@@ -382,6 +442,65 @@ Test(comm_errors, run_reports_the_first_failure, .timeout = 120)
                       "%d ranks, run %d: %s", n, run, tp_last_error());
             cr_assert_eq(ranks[0], TP_ERR_TIMEOUT);
             for (int r = 1; r < n - 1; r++)
+                cr_assert_eq(ranks[r], TP_ERR_ABORTED, "%d ranks, run %d, rank %d: %s", n, run,
+                             r, tp_status_name(ranks[r]));
+        }
+    }
+}
+
+/* Rank 0 aborts the world with an async barrier pending, waits until every
+ * peer has seen the abort (and failed with TP_ERR_ABORTED), then frees the
+ * pending work, which sees the abort too, and fails with an error of its own.
+ * Its first failure is the abort it issued, before any peer's: so the run
+ * reports rank 0's TP_ERR_INVALID_ARG, not a peer's TP_ERR_ABORTED, although
+ * rank 0 also saw the abort after the peers did. */
+typedef struct {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+    atomic_int aborted; /* rank 0 aborted the world */
+    atomic_int seen;    /* peers that failed on the abort */
+} abort_first_ctx;
+
+static tp_status abort_first_body(tp_comm *w, void *arg)
+{
+    abort_first_ctx *c = arg;
+    int r = tp_comm_rank(w), n = tp_comm_size(w);
+    tp_test_slot *s = &c->slot[r];
+    if (r != 0) {
+        for (int i = 0; i < 10000 && !atomic_load(&c->aborted); i++)
+            sleep_s(0.001);
+        tp_status st = tp_barrier(w, NULL);
+        RANK_EXPECT(s, st == TP_ERR_ABORTED, "barrier after the abort -> %s",
+                    tp_status_name(st));
+        atomic_fetch_add(&c->seen, 1);
+        return st;
+    }
+    tp_work *wk = NULL;
+    RANK_OK(s, tp_barrier(w, &wk)); /* pending: the peers never join */
+    tp_comm_abort(w, "giving up on purpose");
+    atomic_store(&c->aborted, 1);
+    for (int i = 0; i < 10000 && atomic_load(&c->seen) < n - 1; i++)
+        sleep_s(0.001);
+    RANK_EXPECT(s, atomic_load(&c->seen) == n - 1, "the peers did not see the abort");
+    tp_work_free(wk);
+    return fail_like_a_user();
+}
+
+Test(comm_errors, run_reports_a_rank_that_aborted_first, .timeout = 60)
+{
+    static const int sizes[] = {2, 3, 4, 8};
+    for (int si = 0; si < 4; si++) {
+        int n = sizes[si];
+        for (int run = 0; run < 5; run++) {
+            abort_first_ctx c = {0};
+            tp_status ranks[8];
+            tp_run_options o = {.rank_status = ranks};
+            tp_status st = tp_run_local_opts(n, abort_first_body, &c, &o);
+            tp_test_assert_slots(c.slot, n);
+            cr_assert_eq(st, TP_ERR_INVALID_ARG, "%d ranks, run %d: %s (%s)", n, run,
+                         tp_status_name(st), tp_last_error());
+            cr_assert(strncmp(tp_last_error(), "rank 0: ", 8) == 0, "%d ranks, run %d: %s", n,
+                      run, tp_last_error());
+            for (int r = 1; r < n; r++)
                 cr_assert_eq(ranks[r], TP_ERR_ABORTED, "%d ranks, run %d, rank %d: %s", n, run,
                              r, tp_status_name(ranks[r]));
         }

@@ -46,6 +46,24 @@
 extern "C" {
 #endif
 
+/*
+ * tp_comm: this rank's handle on a process group. Reference-counted.
+ *   Made by tp_comm_create (wrapping a backend state, which it then owns),
+ *   tp_comm_create_world and tp_comm_split, each with one reference, the
+ *   caller's, dropped by tp_comm_free (refused while work handles are
+ *   outstanding); the world a tp_run_local rank gets belongs to the run.
+ *   Held (a reference each) by the meshes built on it (tp_mesh_create), a
+ *   DDP over it and every work handle issued on it, so these may outlive the
+ *   caller's handle. It keeps its backend state, freed through backend->free
+ *   on the thread that drops the last reference; it keeps nothing of the
+ *   communicator it was split from, and no tensor of its collectives.
+ *
+ * tp_work: one collective issued with a work handle. Made by the collective,
+ *   freed by tp_work_free, which the caller must call (it waits first if the
+ *   work is pending). Holds a reference on its communicator; holds no
+ *   reference on the buffers, which the caller keeps alive and untouched
+ *   until the work completes (a backend may keep its own, as mpi does).
+ */
 typedef struct tp_comm tp_comm;
 typedef struct tp_work tp_work;
 
@@ -101,7 +119,9 @@ TP_API bool tp_comm_check(const tp_comm *comm);
  * Collective: splits comm into disjoint groups, one per non-negative color;
  * within a group ranks are ordered by (key, old rank). A rank passing
  * color < 0 (TP_COMM_NO_COLOR) takes part but gets *out = NULL. The new
- * communicator inherits timeout and check settings.
+ * communicator inherits timeout and check settings. The split waits for the
+ * peers up to comm's timeout, as a collective does: past it, TP_ERR_TIMEOUT
+ * and comm is aborted.
  */
 #define TP_COMM_NO_COLOR (-1)
 TP_API tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out);
@@ -178,14 +198,16 @@ typedef struct tp_run_options {
  * every rank has returned: TP_OK, or the status of the first rank to fail (by
  * time); the failing rank's message is copied into the caller's
  * tp_last_error() prefixed with "rank R: ". A rank's failure counts from the
- * moment it happened, not from when its function returned: when its wait
- * timed out for TP_ERR_TIMEOUT, when it saw the abort for TP_ERR_ABORTED,
- * otherwise when it last aborted a communicator itself (or timed out, or saw
- * an abort), or else on return. So a timeout is reported rather than the
- * TP_ERR_ABORTED it causes on the peers, whichever rank returns first. A
- * failing rank aborts the run's communicators, so the others return
- * TP_ERR_ABORTED rather than hang; a rank that returns while a peer still
- * waits for it also aborts the run.
+ * moment it happened, not from when its function returned: when a wait of
+ * its first timed out for TP_ERR_TIMEOUT, when it first saw an abort for
+ * TP_ERR_ABORTED, otherwise when it first aborted a communicator itself,
+ * timed out or saw an abort, or else on return. So a timeout is reported
+ * rather than the TP_ERR_ABORTED it causes on the peers, whichever rank
+ * returns first, and a rank that aborts and then fails with its own error
+ * is reported rather than the peers that saw its abort. A failing rank
+ * aborts the run's communicators, so the others return TP_ERR_ABORTED rather
+ * than hang; a rank that returns while a peer still waits for it also aborts
+ * the run.
  */
 TP_API tp_status tp_run_local(int n, tp_rank_fn fn, void *arg);
 TP_API tp_status tp_run_local_opts(int n, tp_rank_fn fn, void *arg,
@@ -211,7 +233,14 @@ typedef struct tp_coll_desc {
 } tp_coll_desc;
 
 /*
- * A backend is a table of functions registered by name. `collective` starts a
+ * A backend is a table of functions registered by name. Ownership:
+ * tp_backend_register copies the table and keeps it for the life of the
+ * program, its name string borrowed (it must stay valid as long); each
+ * tp_comm keeps its own copy. A backend state (from init_world, split, or
+ * passed to tp_comm_create) belongs to the one communicator wrapping it,
+ * which calls free(state) after its last reference; a work object returned
+ * by `collective` belongs to its tp_work, which calls work_free(state, work)
+ * before the communicator can go. `collective` starts a
  * collective; if it completes before returning it sets *work = NULL, otherwise
  * it returns a backend work object that libtp drives through work_test /
  * work_wait / work_free. A slot left NULL makes the matching calls return
@@ -233,9 +262,14 @@ typedef struct tp_backend {
     tp_status (*work_wait)(void *state, void *work, double timeout_s);
     void (*work_free)(void *state, void *work);
     /* split: creates the state of the new group this rank joins; color < 0
-     * must still take part and return *new_state = NULL */
-    tp_status (*split)(void *state, int color, int key, void **new_state, int *new_rank,
-                       int *new_size);
+     * must still take part and return *new_state = NULL. timeout_s is the
+     * parent communicator's wait limit: no wait inside split may last longer
+     * (a peer that never joins is TP_ERR_TIMEOUT, and state aborted, rather
+     * than a hang). The new communicator gets the same limit (tp_comm_split
+     * sets it); a backend that keeps one in its state starts the new state
+     * with it. */
+    tp_status (*split)(void *state, int color, int key, double timeout_s, void **new_state,
+                       int *new_rank, int *new_size);
     void (*abort)(void *state, const char *reason);
     void (*free)(void *state);
     /* creates a world group for this process (MPI: MPI_COMM_WORLD); optional */

@@ -14,6 +14,13 @@
  * goes when the last of them goes. The counting is thread-safe: a DTensor may
  * be released on another thread than the one that made its mesh, and the
  * last release frees the mesh's communicators on that thread.
+ *
+ * tp_mesh, in short: made by tp_mesh_create and tp_mesh_slice with one
+ * reference, the caller's; tp_mesh_retain adds one, tp_mesh_free drops one,
+ * the last frees it. Held by DTensors, style hooks and autograd nodes. It
+ * keeps a reference on its group communicator (the world given to
+ * tp_mesh_create, or a slice's own split) and owns the per-dim
+ * communicators it split; tp_mesh_comm and tp_mesh_group lend them.
  */
 #ifndef TP_MESH_H
 #define TP_MESH_H

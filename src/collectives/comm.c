@@ -181,6 +181,8 @@ tp_status tp_comm_free(tp_comm *comm)
     return TP_OK;
 }
 
+static tp_status tp__finish(tp_comm *comm, const char *fn, tp_status st);
+
 tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out)
 {
     TP_ARG_CHECK(out, "tp_comm_split: out is NULL");
@@ -193,11 +195,10 @@ tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out)
         color = TP_COMM_NO_COLOR;
     void *state = NULL;
     int rank = 0, size = 0;
-    tp_status st = comm->ops.split(comm->state, color, key, &state, &rank, &size);
-    if (st != TP_OK) {
-        tp__error_prefix("tp_comm_split");
-        return st;
-    }
+    tp_status st =
+        comm->ops.split(comm->state, color, key, comm->timeout_s, &state, &rank, &size);
+    if (st != TP_OK)
+        return tp__finish(comm, "tp_comm_split", st);
     if (!state)
         return TP_OK; /* color < 0: took part, joins nothing */
     tp_comm *c = NULL;

@@ -17,9 +17,9 @@
  * Waiting. tp_work_wait polls MPI_Test, which is also what drives MPI's
  * progress, until completion or the timeout: busy, like MPI_Wait, yielding
  * the core when the node runs more ranks than cores and MPI does not yield
- * by itself. tp_comm_split first waits (with the default timeout, as shm
- * does) on a non-blocking barrier, so that a missing peer is a timeout rather
- * than a hang inside MPI_Comm_split.
+ * by itself. tp_comm_split first waits (with the communicator's timeout, as
+ * shm does) on a non-blocking barrier, so that a missing peer is a timeout
+ * rather than a hang inside MPI_Comm_split.
  *
  * Types. f32, f64, i32, i64 map to MPI's predefined types and ops. MPI has no
  * 16-bit floats: f16 and bf16 travel as a contiguous 2-byte type, and their
@@ -58,15 +58,18 @@
 #include <mpi.h>
 
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "collectives/abort.h"
+#include "collectives/check.h"
 #include "collectives/coll.h"
+#include "collectives/poll.h"
 
 /* ---- process-wide MPI state ----------------------------------------------- */
 
@@ -157,8 +160,7 @@ static MPI_User_function *const mpi_half_fns[2][TP_REDUCE_OP_COUNT] = {
                    [TP_MIN] = bf16_min, [TP_PRODUCT] = bf16_prod},
 };
 
-/* Records an MPI failure as the calling thread's error. */
-static tp_status mpi_error(int rc, const char *what)
+tp_status tp__mpi_error(int rc, const char *what)
 {
     char text[MPI_MAX_ERROR_STRING + 1];
     int len = 0;
@@ -173,31 +175,33 @@ static tp_status mpi_types_create(void)
 {
     if (mpi_types_ready)
         return TP_OK;
-    int rc = MPI_Type_contiguous(2, MPI_BYTE, &mpi_half);
-    if (rc == MPI_SUCCESS)
-        rc = MPI_Type_commit(&mpi_half);
-    if (rc != MPI_SUCCESS)
-        return mpi_error(rc, "MPI_Type_contiguous (f16/bf16)");
+    tp_status st = TP_OK;
+    for (int h = 0; h < 2; h++)
+        for (int op = 0; op < TP_REDUCE_OP_COUNT; op++)
+            mpi_half_ops[h][op] = MPI_OP_NULL;
+    TP_MPI_CHECK("MPI_Type_contiguous (f16/bf16)", MPI_Type_contiguous(2, MPI_BYTE, &mpi_half));
+    TP_MPI_CHECK_GOTO("MPI_Type_commit (f16/bf16)", MPI_Type_commit(&mpi_half), st, fail);
     for (int h = 0; h < 2; h++) {
         for (int op = 0; op < TP_REDUCE_OP_COUNT; op++) {
-            mpi_half_ops[h][op] = MPI_OP_NULL;
             if (op == TP_AVG)
                 continue; /* shares the sum op */
-            rc = MPI_Op_create(mpi_half_fns[h][op], 1, &mpi_half_ops[h][op]);
-            if (rc != MPI_SUCCESS) {
-                for (int g = 0; g <= h; g++)
-                    for (int o = 0; o < TP_REDUCE_OP_COUNT; o++)
-                        if (o != TP_AVG && mpi_half_ops[g][o] != MPI_OP_NULL &&
-                            (g < h || o < op))
-                            MPI_Op_free(&mpi_half_ops[g][o]);
-                MPI_Type_free(&mpi_half);
-                return mpi_error(rc, "MPI_Op_create (f16/bf16)");
-            }
+            MPI_Op made = MPI_OP_NULL;
+            TP_MPI_CHECK_GOTO("MPI_Op_create (f16/bf16)",
+                              MPI_Op_create(mpi_half_fns[h][op], 1, &made), st, fail);
+            mpi_half_ops[h][op] = made;
         }
-        mpi_half_ops[h][TP_AVG] = mpi_half_ops[h][TP_SUM];
     }
+    for (int h = 0; h < 2; h++)
+        mpi_half_ops[h][TP_AVG] = mpi_half_ops[h][TP_SUM];
     mpi_types_ready = true;
     return TP_OK;
+fail:
+    for (int h = 0; h < 2; h++)
+        for (int op = 0; op < TP_REDUCE_OP_COUNT; op++)
+            if (op != TP_AVG && mpi_half_ops[h][op] != MPI_OP_NULL)
+                MPI_Op_free(&mpi_half_ops[h][op]);
+    MPI_Type_free(&mpi_half);
+    return st;
 }
 
 /* ---- states and work ------------------------------------------------------ */
@@ -208,10 +212,9 @@ typedef struct mpi_state {
     MPI_Comm comm;
     int rank, size;
     int world_rank; /* in MPI_COMM_WORLD, for messages */
-    _Atomic int aborted;
-    pthread_mutex_t mu; /* reason, the work lists, timeout_s */
+    tp__abort_state abort;
+    pthread_mutex_t mu; /* the work lists, timeout_s */
     double timeout_s;   /* the communicator's, as its latest collective passed it */
-    char reason[300];
     mpi_work *active;  /* work handed out and not yet freed */
     mpi_work *zombies; /* freed before MPI completed it (after a timeout or abort) */
 } mpi_state;
@@ -242,12 +245,7 @@ static bool abort_on_failure(void)
 
 static void state_abort(mpi_state *S, const char *reason)
 {
-    pthread_mutex_lock(&S->mu);
-    if (!atomic_load(&S->aborted)) {
-        snprintf(S->reason, sizeof S->reason, "%.290s", reason);
-        atomic_store(&S->aborted, 1);
-    }
-    pthread_mutex_unlock(&S->mu);
+    tp__abort_set(&S->abort, reason);
     if (abort_on_failure()) {
         fprintf(stderr,
                 "libtp: MPI rank %d: communicator aborted (%s); TP_MPI_ABORT_ON_FAILURE=1: "
@@ -258,28 +256,14 @@ static void state_abort(mpi_state *S, const char *reason)
     }
 }
 
-static tp_status state_aborted_error(mpi_state *S)
+/* An MPI call failed, or this rank skipped a collective its peers may have
+ * posted: it is out of step with them now. `st` is the error already
+ * recorded. */
+static tp_status state_fail(mpi_state *S, tp_status st)
 {
-    pthread_mutex_lock(&S->mu);
-    tp_status st = tp__error(TP_ERR_ABORTED, "communicator aborted: %s", S->reason);
-    pthread_mutex_unlock(&S->mu);
+    char why[TP__ABORT_REASON_LEN];
+    state_abort(S, tp__abort_fail_reason(S->rank, why, sizeof why));
     return st;
-}
-
-/* This rank skipped a collective its peers may have posted: it is out of
- * step with them now. */
-static tp_status state_skip(mpi_state *S, tp_status st)
-{
-    char why[400];
-    snprintf(why, sizeof why, "rank %d: %.380s", S->rank, tp_last_error());
-    state_abort(S, why);
-    return st;
-}
-
-/* An MPI call failed: this rank is out of step with its peers now. */
-static tp_status state_fail(mpi_state *S, int rc, const char *what)
-{
-    return state_skip(S, mpi_error(rc, what));
 }
 
 static void list_remove(mpi_work **head, mpi_work *w)
@@ -394,25 +378,16 @@ static void work_finish(mpi_state *S, mpi_work *w)
 static tp_status req_test(mpi_state *S, MPI_Request *req, bool *done, const char *what)
 {
     int flag = 0;
+    tp_status st = TP_OK;
     mpi_lock();
     int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
     mpi_unlock();
-    if (rc != MPI_SUCCESS) {
-        *done = true;
-        return state_fail(S, rc, what);
-    }
+    *done = true; /* an error is final */
+    TP_MPI_CHECK_GOTO(what, rc, st, fail);
     *done = flag != 0;
     return TP_OK;
-}
-
-/* Between two MPI_Tests. MPI_Test is the progress engine (OpenMPI moves one
- * fragment of a large message per call), so any sleep here costs bandwidth:
- * poll as MPI_Wait does, but yield the core when this node runs more ranks
- * than it has cores and MPI does not yield by itself. */
-static void pause_once(void)
-{
-    if (mpi_yield)
-        sched_yield();
+fail:
+    return state_fail(S, st);
 }
 
 /* OpenMPI yields inside its progress loop when mpirun says the node is
@@ -426,30 +401,47 @@ static bool mpi_library_yields(void)
     return o && (strcmp(o, "1") == 0 || strcmp(o, "true") == 0);
 }
 
+typedef struct req_wait_ctx {
+    mpi_state *S;
+    MPI_Request *req;
+    const char *what;
+    bool done; /* MPI completed the request, or reported an error for it */
+} req_wait_ctx;
+
+/* One test of the request (a tp__poll_fn); an abort of S ends the wait. */
+static tp_status req_poll(void *ctx, bool *done)
+{
+    req_wait_ctx *q = ctx;
+    TP_CHECK(req_test(q->S, q->req, &q->done, q->what));
+    *done = q->done;
+    if (!q->done && tp__abort_is_set(&q->S->abort))
+        return tp__abort_error(&q->S->abort);
+    return TP_OK;
+}
+
 /* Polls a request until it completes, the state is aborted or timeout_s
- * passes (then the state is aborted: MPI cannot cancel the request). */
+ * passes (then the state is aborted: MPI cannot cancel the request). *done
+ * tells whether MPI is done with the request (completed, or failed it).
+ * MPI_Test is the progress engine (OpenMPI moves one fragment of a large
+ * message per call), so any sleep between tests costs bandwidth: poll as
+ * MPI_Wait does, but yield the core when this node runs more ranks than it
+ * has cores and MPI does not yield by itself. */
 static tp_status req_wait(mpi_state *S, MPI_Request *req, double timeout_s, const char *what,
                           bool *done)
 {
-    double t0 = tp__now();
-    for (;;) {
-        TP_CHECK(req_test(S, req, done, what));
-        if (*done)
-            return TP_OK;
-        if (atomic_load(&S->aborted))
-            return state_aborted_error(S);
-        double waited = tp__now() - t0;
-        if (waited > timeout_s) {
-            char why[300];
-            snprintf(why, sizeof why,
-                     "rank %d (MPI_COMM_WORLD rank %d) timed out after %.3g s waiting for %s "
-                     "(MPI cannot cancel it: the communicator is unusable now)",
-                     S->rank, S->world_rank, timeout_s, what);
-            state_abort(S, why);
-            return tp__error(TP_ERR_TIMEOUT, "%s", why);
-        }
-        pause_once();
-    }
+    const tp__pace pace = {.spin_s = mpi_yield ? 0 : HUGE_VAL, .yield_s = HUGE_VAL};
+    req_wait_ctx q = {.S = S, .req = req, .what = what};
+    tp_status st = tp__poll_until(req_poll, &q, timeout_s, &pace);
+    *done = q.done;
+    if (st != TP_ERR_TIMEOUT)
+        return st;
+    char why[300];
+    snprintf(why, sizeof why,
+             "rank %d (MPI_COMM_WORLD rank %d) timed out after %.3g s waiting for %s "
+             "(MPI cannot cancel it: the communicator is unusable now)",
+             S->rank, S->world_rank, timeout_s, what);
+    state_abort(S, why);
+    return tp__error(TP_ERR_TIMEOUT, "%s", why);
 }
 
 /* ---- the backend ---------------------------------------------------------- */
@@ -468,8 +460,8 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
 {
     mpi_state *S = state;
     *work = NULL;
-    if (atomic_load(&S->aborted))
-        return state_aborted_error(S);
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
     if (d->device.type != TP_DEVICE_CPU)
         return tp__error(TP_ERR_NOT_SUPPORTED, "backend 'mpi' moves CPU tensors only");
     if (d->kind != TP_COLL_BARRIER && d->count == 0)
@@ -480,7 +472,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
 
     mpi_work *w = tp__calloc(1, sizeof *w);
     if (!w)
-        return state_skip(S, tp__error(TP_ERR_NO_MEMORY,
+        return state_fail(S, tp__error(TP_ERR_NO_MEMORY,
                                        "backend 'mpi': out of memory for the work object"));
     w->req = MPI_REQUEST_NULL;
     w->kind = d->kind;
@@ -525,7 +517,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
                 work_destroy(w);
                 tp__error(TP_ERR_NO_MEMORY,
                           "backend 'mpi': out of memory for the in-place reduce_scatter");
-                return state_skip(S, TP_ERR_NO_MEMORY);
+                return state_fail(S, TP_ERR_NO_MEMORY);
             }
             rc = MPI_Ireduce_scatter_block(d->sendbuf, w->tmp, k, dt, op, S->comm, &w->req);
         } else {
@@ -543,8 +535,8 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
         rc = MPI_Ibarrier(S->comm, &w->req);
         break;
     case TP_COLL_SCATTER:
-        /* the send arguments matter on root only */
-        if (S->rank == d->root && rbuf == sbuf + (size_t)d->root * d->count * es)
+        /* the send arguments matter on root only; root's block is `block` */
+        if (S->rank == d->root && rbuf == sbuf + block)
             rc = MPI_Iscatter(d->sendbuf, k, dt, MPI_IN_PLACE, k, dt, d->root, S->comm,
                               &w->req);
         else
@@ -556,10 +548,8 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
         return tp__error(TP_ERR_INVALID_ARG, "backend 'mpi': invalid collective kind");
     }
     mpi_unlock();
-    if (rc != MPI_SUCCESS) {
-        work_destroy(w);
-        return state_fail(S, rc, mpi_call_names[d->kind]);
-    }
+    tp_status st = TP_OK;
+    TP_MPI_CHECK_GOTO(mpi_call_names[d->kind], rc, st, fail);
     pthread_mutex_lock(&S->mu);
     w->next = S->active;
     S->active = w;
@@ -567,6 +557,9 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     pthread_mutex_unlock(&S->mu);
     *work = w;
     return TP_OK;
+fail:
+    work_destroy(w);
+    return state_fail(S, st);
 }
 
 static tp_status mpi_work_test(void *state, void *work, bool *done)
@@ -592,9 +585,9 @@ static tp_status mpi_work_test(void *state, void *work, bool *done)
         *done = true;
         return TP_OK;
     }
-    if (atomic_load(&S->aborted)) {
+    if (tp__abort_is_set(&S->abort)) {
         *done = true;
-        return state_aborted_error(S);
+        return tp__abort_error(&S->abort);
     }
     return TP_OK;
 }
@@ -645,20 +638,20 @@ static tp_status state_create(MPI_Comm comm, mpi_state **out)
     if (!S)
         return tp__error(TP_ERR_NO_MEMORY, "backend 'mpi': out of memory for the communicator");
     S->comm = comm;
-    int rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
-    if (rc == MPI_SUCCESS)
-        rc = MPI_Comm_rank(comm, &S->rank);
-    if (rc == MPI_SUCCESS)
-        rc = MPI_Comm_size(comm, &S->size);
-    if (rc == MPI_SUCCESS)
-        rc = MPI_Comm_rank(MPI_COMM_WORLD, &S->world_rank);
-    if (rc != MPI_SUCCESS) {
-        tp__free(S);
-        return mpi_error(rc, "MPI_Comm_rank/size");
-    }
+    tp_status st = TP_OK;
+    TP_MPI_CHECK_GOTO("MPI_Comm_set_errhandler", MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN),
+                      st, fail);
+    TP_MPI_CHECK_GOTO("MPI_Comm_rank", MPI_Comm_rank(comm, &S->rank), st, fail);
+    TP_MPI_CHECK_GOTO("MPI_Comm_size", MPI_Comm_size(comm, &S->size), st, fail);
+    TP_MPI_CHECK_GOTO("MPI_Comm_rank (MPI_COMM_WORLD)",
+                      MPI_Comm_rank(MPI_COMM_WORLD, &S->world_rank), st, fail);
     pthread_mutex_init(&S->mu, NULL);
+    tp__abort_init(&S->abort);
     *out = S;
     return TP_OK;
+fail:
+    tp__free(S);
+    return st;
 }
 
 static void mpi_free(void *state)
@@ -673,7 +666,7 @@ static void mpi_free(void *state)
     pthread_mutex_lock(&S->mu);
     double timeout = S->timeout_s > 0 ? S->timeout_s : tp__default_timeout();
     pthread_mutex_unlock(&S->mu);
-    for (mpi_work *w = S->active; w && !fin && !atomic_load(&S->aborted); w = w->next) {
+    for (mpi_work *w = S->active; w && !fin && !tp__abort_is_set(&S->abort); w = w->next) {
         if (w->complete)
             continue;
         bool done = false;
@@ -689,7 +682,7 @@ static void mpi_free(void *state)
     /* A communicator with a request MPI may never complete is faulted: an
      * abort or timeout (including a split's barrier, whose request is not
      * kept), or work still pending. */
-    bool faulted = atomic_load(&S->aborted);
+    bool faulted = tp__abort_is_set(&S->abort);
     for (mpi_work *w = S->active; w; w = w->next)
         faulted = faulted || !w->complete;
     /* zombies MPI finished since can go; the rest stay with MPI, buffers and
@@ -717,6 +710,7 @@ static void mpi_free(void *state)
     else if (!fin)
         mpi_faulted++;
     pthread_mutex_destroy(&S->mu);
+    tp__abort_destroy(&S->abort);
     tp__free(S);
     if (--mpi_live == 0)
         mpi_teardown_locked();
@@ -727,28 +721,28 @@ static void mpi_free(void *state)
 static void mpi_abort(void *state, const char *reason)
 {
     mpi_state *S = state;
-    char why[300];
-    snprintf(why, sizeof why, "rank %d aborted: %.260s", S->rank, reason ? reason : "");
+    char why[TP__ABORT_REASON_LEN];
+    snprintf(why, sizeof why, "rank %d aborted: %s", S->rank, reason ? reason : "");
     state_abort(S, why);
 }
 
-static tp_status mpi_split(void *state, int color, int key, void **new_state, int *new_rank,
-                           int *new_size)
+static tp_status mpi_split(void *state, int color, int key, double timeout_s, void **new_state,
+                           int *new_rank, int *new_size)
 {
     mpi_state *S = state;
     *new_state = NULL;
-    if (atomic_load(&S->aborted))
-        return state_aborted_error(S);
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
     /* MPI_Comm_split cannot time out: a non-blocking barrier first makes a
      * peer that never joins a timeout here instead of a hang there */
     MPI_Request req = MPI_REQUEST_NULL;
     mpi_lock();
     int rc = MPI_Ibarrier(S->comm, &req);
     mpi_unlock();
-    if (rc != MPI_SUCCESS)
-        return state_fail(S, rc, "MPI_Ibarrier (split)");
+    tp_status st = TP_OK;
+    TP_MPI_CHECK_GOTO("MPI_Ibarrier (split)", rc, st, fail);
     bool fin = false;
-    tp_status st = req_wait(S, &req, tp__default_timeout(), "comm_split", &fin);
+    st = req_wait(S, &req, timeout_s, "comm_split", &fin);
     if (st != TP_OK)
         return st; /* the barrier request stays with MPI; S is aborted */
 
@@ -756,16 +750,17 @@ static tp_status mpi_split(void *state, int color, int key, void **new_state, in
     mpi_lock();
     rc = MPI_Comm_split(S->comm, color < 0 ? MPI_UNDEFINED : color, key, &nc);
     mpi_unlock();
-    if (rc != MPI_SUCCESS)
-        return state_fail(S, rc, "MPI_Comm_split");
+    TP_MPI_CHECK_GOTO("MPI_Comm_split", rc, st, fail);
     if (nc == MPI_COMM_NULL)
         return TP_OK;
     mpi_state *N = NULL;
     pthread_mutex_lock(&mpi_mu);
     mpi_lock();
     st = state_create(nc, &N);
-    if (st == TP_OK)
+    if (st == TP_OK) {
+        N->timeout_s = timeout_s;
         mpi_live++;
+    }
     else
         MPI_Comm_free(&nc);
     mpi_unlock();
@@ -776,6 +771,8 @@ static tp_status mpi_split(void *state, int color, int key, void **new_state, in
     *new_rank = N->rank;
     *new_size = N->size;
     return TP_OK;
+fail:
+    return state_fail(S, st);
 }
 
 static int ncpu(void)
@@ -791,7 +788,7 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
     MPI_Comm comm = MPI_COMM_NULL, node = MPI_COMM_NULL;
     mpi_state *S = NULL;
     pthread_mutex_lock(&mpi_mu);
-    int inited = 0, fin = 0, level = MPI_THREAD_SINGLE, rc;
+    int inited = 0, fin = 0, level = MPI_THREAD_SINGLE;
     MPI_Initialized(&inited);
     MPI_Finalized(&fin);
     if (fin) {
@@ -802,11 +799,8 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
         goto out;
     }
     if (!inited) {
-        rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level);
-        if (rc != MPI_SUCCESS) {
-            st = mpi_error(rc, "MPI_Init_thread");
-            goto out;
-        }
+        TP_MPI_CHECK_GOTO("MPI_Init_thread",
+                          MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level), st, out);
         mpi_owned = true;
     } else {
         MPI_Query_thread(&level);
@@ -819,11 +813,7 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
         st = tp__error(TP_ERR_INVALID_ARG, "tp_comm_create_world: options point to MPI_COMM_NULL");
         goto fail;
     }
-    rc = MPI_Comm_dup(parent, &comm);
-    if (rc != MPI_SUCCESS) {
-        st = mpi_error(rc, "MPI_Comm_dup");
-        goto fail;
-    }
+    TP_MPI_CHECK_GOTO("MPI_Comm_dup", MPI_Comm_dup(parent, &comm), st, fail);
     if ((st = state_create(comm, &S)) != TP_OK) {
         MPI_Comm_free(&comm);
         goto fail;
@@ -851,16 +841,12 @@ out:
     return st;
 }
 
+/* No descriptor comparison of its own (checks_descriptors). */
 const tp_backend tp__mpi_backend = {
     .name = "mpi",
     .device_mask = 1u << TP_DEVICE_CPU,
-    .checks_descriptors = false,
     .collective = mpi_collective,
-    .work_test = mpi_work_test,
-    .work_wait = mpi_work_wait,
-    .work_free = mpi_work_free,
-    .split = mpi_split,
-    .abort = mpi_abort,
-    .free = mpi_free,
+    .work_test = mpi_work_test, .work_wait = mpi_work_wait, .work_free = mpi_work_free,
+    .split = mpi_split, .abort = mpi_abort, .free = mpi_free,
     .init_world = mpi_init_world,
 };

@@ -37,16 +37,18 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
-
-#include "collectives/coll.h"
-#include "core/cuda_rt.h"
 
 /* nccl.h declares ncclGroupStart() and ncclGroupEnd() without prototypes */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"
 #include <nccl.h>
 #pragma GCC diagnostic pop
+
+#include "collectives/abort.h"
+#include "collectives/check.h"
+#include "collectives/coll.h"
+#include "collectives/poll.h"
+#include "core/cuda_rt.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 10, 0)
 #error "libtp's nccl backend needs NCCL >= 2.10 (ncclAvg, ncclBfloat16)"
@@ -79,16 +81,7 @@ static const char *const nccl_call_names[TP_COLL_KIND_COUNT] = {
 
 /* Between two polls: spin for the first stretch (small collectives finish in
  * microseconds and a sleep would dominate them), then sleep briefly. */
-#define NCCL_SPIN_S 1e-3
-#define NCCL_SLEEP_NS 50000L
-
-static void nccl_pause(double waited)
-{
-    if (waited < NCCL_SPIN_S)
-        return;
-    struct timespec ts = {0, NCCL_SLEEP_NS};
-    nanosleep(&ts, NULL);
-}
+static const tp__pace nccl_pace = {.spin_s = 1e-3, .yield_s = 1e-3, .sleep_ns = 50000L};
 
 /* ---- states and work ------------------------------------------------------ */
 
@@ -105,9 +98,8 @@ typedef struct nccl_state {
     void *stage_dev;     /* host collectives (the descriptor check): device side */
     void *stage_host;    /* and pinned host side, stage_bytes each */
     size_t stage_bytes;
-    _Atomic int aborted;
-    pthread_mutex_t mu; /* every NCCL call on comm, reason, active */
-    char reason[300];
+    tp__abort_state abort;
+    pthread_mutex_t mu; /* every NCCL call on comm, active */
     nccl_work *active; /* work handed out and not yet freed */
 } nccl_state;
 
@@ -119,9 +111,7 @@ struct nccl_work {
     tp_status status;
 };
 
-/* Records an NCCL failure as the calling thread's error. Called with S->mu
- * held (or before S exists) so that ncclGetLastError reads a live comm. */
-static tp_status nccl_error(ncclComm_t comm, ncclResult_t res, const char *what)
+tp_status tp__nccl_error(ncclComm_t comm, int res, const char *what)
 {
     const char *last = "";
 #if NCCL_HAS_LAST_ERROR
@@ -133,17 +123,24 @@ static tp_status nccl_error(ncclComm_t comm, ncclResult_t res, const char *what)
 #endif
     tp_status st = res == ncclInvalidArgument || res == ncclInvalidUsage ? TP_ERR_INVALID_ARG
                                                                           : TP_ERR_BACKEND;
-    return tp__error(st, "%s failed: %s%s%s", what, ncclGetErrorString(res), last[0] ? ": " : "",
-                     last);
+    return tp__error(st, "%s failed: %s%s%s", what, ncclGetErrorString((ncclResult_t)res),
+                     last[0] ? ": " : "", last);
+}
+
+/* The communicator's asynchronous state: ncclInProgress while an operation
+ * settles, an error once one failed (or the query itself did). With S->mu
+ * held when comm is a state's. */
+static ncclResult_t nccl_async(ncclComm_t comm)
+{
+    ncclResult_t async = ncclSuccess;
+    ncclResult_t res = ncclCommGetAsyncError(comm, &async);
+    return res != ncclSuccess ? res : async;
 }
 
 /* Aborts the NCCL communicator (once); with S->mu held. */
 static void state_abort_locked(nccl_state *S, const char *reason)
 {
-    if (!atomic_load(&S->aborted)) {
-        snprintf(S->reason, sizeof S->reason, "%.290s", reason);
-        atomic_store(&S->aborted, 1);
-    }
+    tp__abort_set(&S->abort, reason);
     if (S->comm) {
         int prev = 0;
         bool entered = tp__cuda_enter("nccl abort", S->device, &prev) == TP_OK;
@@ -161,58 +158,55 @@ static void state_abort(nccl_state *S, const char *reason)
     pthread_mutex_unlock(&S->mu);
 }
 
-static tp_status state_aborted_error(nccl_state *S)
-{
-    pthread_mutex_lock(&S->mu);
-    tp_status st = tp__error(TP_ERR_ABORTED, "communicator aborted: %s", S->reason);
-    pthread_mutex_unlock(&S->mu);
-    return st;
-}
-
 /* This rank failed a step its peers may have taken: it is out of step with
  * them now, so the communicator goes. `st` is the error already recorded. */
 static tp_status state_fail(nccl_state *S, tp_status st)
 {
-    char why[300];
-    snprintf(why, sizeof why, "rank %d: %.280s", S->rank, tp_last_error());
-    state_abort(S, why);
+    char why[TP__ABORT_REASON_LEN];
+    state_abort(S, tp__abort_fail_reason(S->rank, why, sizeof why));
+    return st;
+}
+
+typedef struct settle_ctx {
+    nccl_state *S; /* NULL for a communicator no state holds yet */
+    ncclComm_t *commp;
+    const char *what;
+} settle_ctx;
+
+/* One query of the communicator's asynchronous state (a tp__poll_fn); takes
+ * S->mu for it. */
+static tp_status settle_poll(void *ctx, bool *done)
+{
+    settle_ctx *c = ctx;
+    nccl_state *S = c->S;
+    if (S)
+        pthread_mutex_lock(&S->mu);
+    if (S && (tp__abort_is_set(&S->abort) || !*c->commp)) {
+        pthread_mutex_unlock(&S->mu);
+        return tp__abort_error(&S->abort);
+    }
+    tp_status st = TP_OK;
+    ncclResult_t async = nccl_async(*c->commp);
+    TP_NCCL_CHECK_GOTO(*c->commp, c->what, async, st, unlock);
+    *done = async == ncclSuccess;
+unlock:
+    if (S)
+        pthread_mutex_unlock(&S->mu);
     return st;
 }
 
 /* Polls comm's asynchronous state until it leaves ncclInProgress (the
  * non-blocking mode's answer to init, split, finalize and enqueue), an
  * error, an abort of S (when S is given) or the timeout. Called without the
- * lock; takes it for each query. */
+ * lock. */
 static tp_status nccl_settle(nccl_state *S, ncclComm_t *commp, double timeout_s,
                              const char *what)
 {
-    double t0 = tp__now();
-    for (;;) {
-        ncclResult_t async = ncclSuccess, res;
-        if (S)
-            pthread_mutex_lock(&S->mu);
-        if (S && (atomic_load(&S->aborted) || !*commp)) {
-            pthread_mutex_unlock(&S->mu);
-            return state_aborted_error(S);
-        }
-        res = ncclCommGetAsyncError(*commp, &async);
-        if (res != ncclSuccess)
-            async = res;
-        tp_status st = TP_OK;
-        if (async != ncclSuccess && async != ncclInProgress)
-            st = nccl_error(*commp, async, what);
-        if (S)
-            pthread_mutex_unlock(&S->mu);
-        if (st != TP_OK)
-            return st;
-        if (async == ncclSuccess)
-            return TP_OK;
-        double waited = tp__now() - t0;
-        if (waited > timeout_s)
-            return tp__error(TP_ERR_TIMEOUT, "%s did not complete within %.3g s", what,
-                             timeout_s);
-        nccl_pause(waited);
-    }
+    settle_ctx c = {.S = S, .commp = commp, .what = what};
+    tp_status st = tp__poll_until(settle_poll, &c, timeout_s, &nccl_pace);
+    if (st == TP_ERR_TIMEOUT)
+        tp__error(TP_ERR_TIMEOUT, "%s did not complete within %.3g s", what, timeout_s);
+    return st;
 }
 
 /* Stream, events and scratch of a new state on S->device (current). */
@@ -236,8 +230,8 @@ static tp_status state_cuda_create(nccl_state *S, const char *fn)
     return TP_OK;
 }
 
-/* Frees what state_cuda_create made (current device S->device). */
-static void state_cuda_destroy(nccl_state *S)
+/* Frees the staging buffers of host collectives (stage_reserve). */
+static void stage_free(nccl_state *S)
 {
     if (S->stage_dev)
         (void)cudaFree(S->stage_dev);
@@ -245,6 +239,13 @@ static void state_cuda_destroy(nccl_state *S)
         (void)cudaFreeHost(S->stage_host);
     S->stage_dev = S->stage_host = NULL;
     S->stage_bytes = 0;
+}
+
+/* Frees what state_cuda_create and stage_reserve made (current device
+ * S->device). */
+static void state_cuda_destroy(nccl_state *S)
+{
+    stage_free(S);
     if (S->scratch)
         (void)cudaFree(S->scratch);
     if (S->ready)
@@ -264,6 +265,7 @@ static nccl_state *state_new(int device)
         return NULL;
     S->device = device;
     pthread_mutex_init(&S->mu, NULL);
+    tp__abort_init(&S->abort);
     return S;
 }
 
@@ -277,6 +279,7 @@ static void state_delete(nccl_state *S)
         tp__cuda_leave(prev, S->device);
     tp_comm *boot = S->mpi_world;
     pthread_mutex_destroy(&S->mu);
+    tp__abort_destroy(&S->abort);
     tp__free(S);
     tp__comm_release(boot);
 }
@@ -356,13 +359,13 @@ static tp_status enqueue_settled(nccl_state *S, const tp_coll_desc *d)
 {
     tp_status st = TP_OK;
     pthread_mutex_lock(&S->mu);
-    if (atomic_load(&S->aborted) || !S->comm) {
+    if (tp__abort_is_set(&S->abort) || !S->comm) {
         pthread_mutex_unlock(&S->mu);
-        return state_aborted_error(S);
+        return tp__abort_error(&S->abort);
     }
     ncclResult_t res = nccl_enqueue(S, d);
-    if (res != ncclSuccess && res != ncclInProgress)
-        st = nccl_error(S->comm, res, nccl_call_names[d->kind]);
+    TP_NCCL_CHECK_GOTO(S->comm, nccl_call_names[d->kind], res, st, unlock);
+unlock:
     pthread_mutex_unlock(&S->mu);
     if (st == TP_OK && res == ncclInProgress)
         st = nccl_settle(S, &S->comm, d->timeout_s, nccl_call_names[d->kind]);
@@ -378,12 +381,7 @@ static tp_status stage_reserve(nccl_state *S, size_t bytes)
 {
     if (bytes <= S->stage_bytes)
         return TP_OK;
-    if (S->stage_dev)
-        (void)cudaFree(S->stage_dev);
-    if (S->stage_host)
-        (void)cudaFreeHost(S->stage_host);
-    S->stage_dev = S->stage_host = NULL;
-    S->stage_bytes = 0;
+    stage_free(S);
     cudaError_t err = cudaMalloc(&S->stage_dev, bytes);
     if (err == cudaSuccess)
         err = cudaMallocHost(&S->stage_host, bytes);
@@ -405,8 +403,9 @@ static tp_status stage_reserve(nccl_state *S, size_t bytes)
  */
 static tp_status nccl_host_collective(nccl_state *S, const tp_coll_desc *d)
 {
-    if (d->kind == TP_COLL_SCATTER)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "backend 'nccl' moves CUDA tensors only");
+    /* only the descriptor check's all_gather comes here; the copies below
+     * could not do a scatter, whose send buffer exists on root only */
+    TP_ASSERT(d->kind != TP_COLL_SCATTER);
     size_t es = tp_dtype_size(d->dtype), n = (size_t)S->size, k = d->count, sb, rb;
     switch (d->kind) {
     case TP_COLL_ALL_GATHER: sb = k * es; rb = n * k * es; break;
@@ -454,8 +453,8 @@ static tp_status nccl_collective(void *state, const tp_coll_desc *d, void **work
 {
     nccl_state *S = state;
     *work = NULL;
-    if (atomic_load(&S->aborted))
-        return state_aborted_error(S);
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
     bool host = false;
     if (d->kind != TP_COLL_BARRIER) {
         if (d->count == 0)
@@ -528,27 +527,16 @@ out:
  * device entered. */
 static tp_status work_poll(nccl_state *S, nccl_work *w, bool *done)
 {
+    char why[TP__ABORT_REASON_LEN];
     *done = false;
     pthread_mutex_lock(&S->mu);
-    if (atomic_load(&S->aborted) || !S->comm) {
+    if (tp__abort_is_set(&S->abort) || !S->comm) {
         pthread_mutex_unlock(&S->mu);
         *done = true;
-        return state_aborted_error(S);
+        return tp__abort_error(&S->abort);
     }
     tp_status st = TP_OK;
-    ncclResult_t async = ncclSuccess;
-    ncclResult_t res = ncclCommGetAsyncError(S->comm, &async);
-    if (res != ncclSuccess)
-        async = res;
-    if (async != ncclSuccess && async != ncclInProgress) {
-        st = nccl_error(S->comm, async, tp_coll_kind_name(w->kind));
-        char why[300];
-        snprintf(why, sizeof why, "rank %d: %.280s", S->rank, tp_last_error());
-        state_abort_locked(S, why);
-        pthread_mutex_unlock(&S->mu);
-        *done = true;
-        return st;
-    }
+    TP_NCCL_CHECK_GOTO(S->comm, tp_coll_kind_name(w->kind), nccl_async(S->comm), st, failed);
     pthread_mutex_unlock(&S->mu);
     cudaError_t err = cudaEventQuery(w->done);
     if (err == cudaErrorNotReady) {
@@ -563,6 +551,12 @@ static tp_status work_poll(nccl_state *S, nccl_work *w, bool *done)
     st = tp__cuda_stream("backend 'nccl'", S->device, &compute);
     if (st == TP_OK && (err = cudaStreamWaitEvent(compute, w->done, 0)) != cudaSuccess)
         st = tp__cuda_fail("backend 'nccl'", "cudaStreamWaitEvent", err);
+    return st;
+failed:
+    /* NCCL failed the communicator: this rank is out of step with its peers */
+    state_abort_locked(S, tp__abort_fail_reason(S->rank, why, sizeof why));
+    pthread_mutex_unlock(&S->mu);
+    *done = true;
     return st;
 }
 
@@ -586,33 +580,35 @@ static tp_status nccl_work_test(void *state, void *work, bool *done)
     return st;
 }
 
+typedef struct work_wait_ctx {
+    nccl_state *S;
+    nccl_work *w;
+} work_wait_ctx;
+
+static tp_status work_wait_poll(void *ctx, bool *done)
+{
+    work_wait_ctx *c = ctx;
+    return work_poll(c->S, c->w, done);
+}
+
 /* Polls w until it completes, fails, the state is aborted or timeout_s
  * passes (then the communicator is aborted, which stops its kernels). */
 static tp_status work_wait_entered(nccl_state *S, nccl_work *w, double timeout_s)
 {
-    double t0 = tp__now();
-    for (;;) {
-        bool done = false;
-        tp_status st = work_poll(S, w, &done);
-        if (done) {
-            w->finished = true;
-            w->status = st;
-            return st;
-        }
-        double waited = tp__now() - t0;
-        if (waited > timeout_s) {
-            char why[300];
-            snprintf(why, sizeof why,
-                     "rank %d (cuda:%d) timed out after %.3g s waiting for %s; the NCCL "
-                     "communicator was aborted",
-                     S->rank, S->device, timeout_s, tp_coll_kind_name(w->kind));
-            state_abort(S, why);
-            w->finished = true;
-            w->status = tp__error(TP_ERR_TIMEOUT, "%s", why);
-            return w->status;
-        }
-        nccl_pause(waited);
+    work_wait_ctx c = {.S = S, .w = w};
+    tp_status st = tp__poll_until(work_wait_poll, &c, timeout_s, &nccl_pace);
+    if (st == TP_ERR_TIMEOUT) {
+        char why[300];
+        snprintf(why, sizeof why,
+                 "rank %d (cuda:%d) timed out after %.3g s waiting for %s; the NCCL "
+                 "communicator was aborted",
+                 S->rank, S->device, timeout_s, tp_coll_kind_name(w->kind));
+        state_abort(S, why);
+        st = tp__error(TP_ERR_TIMEOUT, "%s", why);
     }
+    w->finished = true;
+    w->status = st;
+    return st;
 }
 
 static tp_status nccl_work_wait(void *state, void *work, double timeout_s)
@@ -651,8 +647,8 @@ static void nccl_work_free(void *state, void *work)
 static void nccl_abort(void *state, const char *reason)
 {
     nccl_state *S = state;
-    char why[300];
-    snprintf(why, sizeof why, "rank %d aborted: %.260s", S->rank, reason ? reason : "");
+    char why[TP__ABORT_REASON_LEN];
+    snprintf(why, sizeof why, "rank %d aborted: %s", S->rank, reason ? reason : "");
     state_abort(S, why);
 }
 
@@ -666,21 +662,21 @@ static void nccl_free(void *state)
     double timeout = tp__default_timeout();
     /* pending work is waited for first (comm.h), unless the communicator is
      * unusable anyway; work_free still owns the work objects */
-    for (nccl_work *w = S->active; w && entered && !atomic_load(&S->aborted); w = w->next)
+    for (nccl_work *w = S->active; w && entered && !tp__abort_is_set(&S->abort); w = w->next)
         if (!w->finished)
             (void)work_wait_entered(S, w, timeout);
-    if (entered && !atomic_load(&S->aborted) && S->comm) {
+    if (entered && !tp__abort_is_set(&S->abort) && S->comm) {
         /* finalize flushes what is still queued and waits for the peers to
          * be quiescent; a peer that never frees its handle makes it a
          * timeout, then an abort */
+        tp_status st = TP_OK;
         pthread_mutex_lock(&S->mu);
         ncclResult_t res = ncclCommFinalize(S->comm);
+        TP_NCCL_CHECK_GOTO(S->comm, "ncclCommFinalize", res, st, finalized);
+finalized:
         pthread_mutex_unlock(&S->mu);
-        tp_status st = TP_OK;
-        if (res == ncclInProgress)
+        if (st == TP_OK && res == ncclInProgress)
             st = nccl_settle(S, &S->comm, timeout, "ncclCommFinalize");
-        else if (res != ncclSuccess)
-            st = TP_ERR_BACKEND;
         pthread_mutex_lock(&S->mu);
         if (S->comm) {
             if (st == TP_OK)
@@ -708,38 +704,33 @@ static tp_status state_comm_init(nccl_state *S, const ncclUniqueId *id, double t
     ncclConfig_t *cp = nccl_config(&cfg);
     ncclComm_t comm = NULL;
     ncclResult_t res;
+    tp_status st = TP_OK;
 #if NCCL_HAS_CONFIG
     res = ncclCommInitRankConfig(&comm, S->size, *id, S->rank, cp);
 #else
     (void)cp;
     res = ncclCommInitRank(&comm, S->size, *id, S->rank);
 #endif
-    if (res != ncclSuccess && res != ncclInProgress) {
-        tp_status st = nccl_error(comm, res, "ncclCommInitRank");
-        if (comm)
-            (void)ncclCommAbort(comm);
-        return st;
-    }
+    TP_NCCL_CHECK_GOTO(comm, "ncclCommInitRank", res, st, fail);
+    if (res == ncclInProgress)
+        TP_CHECK_GOTO(nccl_settle(NULL, &comm, timeout_s, "ncclCommInitRank"), st, fail);
     S->comm = comm;
-    if (res == ncclInProgress) {
-        tp_status st = nccl_settle(NULL, &S->comm, timeout_s, "ncclCommInitRank");
-        if (st != TP_OK) {
-            (void)ncclCommAbort(S->comm);
-            S->comm = NULL;
-            return st;
-        }
-    }
     return TP_OK;
+fail:
+    if (comm)
+        (void)ncclCommAbort(comm);
+    return st;
 }
 
-static tp_status nccl_split(void *state, int color, int key, void **new_state, int *new_rank,
-                            int *new_size)
+static tp_status nccl_split(void *state, int color, int key, double timeout_s, void **new_state,
+                            int *new_rank, int *new_size)
 {
     nccl_state *S = state;
     *new_state = NULL;
 #if !NCCL_HAS_SPLIT
     (void)color;
     (void)key;
+    (void)timeout_s;
     (void)new_rank;
     (void)new_size;
     return tp__error(TP_ERR_NOT_SUPPORTED,
@@ -747,11 +738,10 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
                      "with %d.%d)",
                      NCCL_MAJOR, NCCL_MINOR);
 #else
-    if (atomic_load(&S->aborted))
-        return state_aborted_error(S);
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
     int prev = 0;
     TP_CHECK(tp__cuda_enter("backend 'nccl'", S->device, &prev));
-    double timeout = tp__default_timeout();
     tp_status st = TP_OK;
     nccl_state *N = NULL;
     ncclComm_t nc = NULL;
@@ -759,15 +749,15 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
     ncclConfig_t *cp = nccl_config(&cfg);
 
     pthread_mutex_lock(&S->mu);
-    if (atomic_load(&S->aborted) || !S->comm) {
+    if (tp__abort_is_set(&S->abort) || !S->comm) {
         pthread_mutex_unlock(&S->mu);
-        st = state_aborted_error(S);
+        st = tp__abort_error(&S->abort);
         goto out;
     }
     ncclResult_t res = ncclCommSplit(S->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc,
                                      cp);
-    if (res != ncclSuccess && res != ncclInProgress)
-        st = nccl_error(S->comm, res, "ncclCommSplit");
+    TP_NCCL_CHECK_GOTO(S->comm, "ncclCommSplit", res, st, unlock);
+unlock:
     pthread_mutex_unlock(&S->mu);
     if (st != TP_OK) {
         st = state_fail(S, st);
@@ -776,9 +766,9 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
     if (res == ncclInProgress) {
         /* the parent is busy until the split is done, the child until it is
          * initialized */
-        st = nccl_settle(S, &S->comm, timeout, "ncclCommSplit");
+        st = nccl_settle(S, &S->comm, timeout_s, "ncclCommSplit");
         if (st == TP_OK && nc)
-            st = nccl_settle(NULL, &nc, timeout, "ncclCommSplit (new communicator)");
+            st = nccl_settle(NULL, &nc, timeout_s, "ncclCommSplit (new communicator)");
         if (st != TP_OK) {
             if (nc)
                 (void)ncclCommAbort(nc);
@@ -790,28 +780,23 @@ static tp_status nccl_split(void *state, int color, int key, void **new_state, i
     if (!nc)
         goto out; /* color < 0 */
     N = state_new(S->device);
-    int nrank = 0, nsize = 0;
     if (!N) {
         st = tp__error(TP_ERR_NO_MEMORY, "backend 'nccl': out of memory for the communicator");
-    } else if ((res = ncclCommUserRank(nc, &nrank)) != ncclSuccess ||
-               (res = ncclCommCount(nc, &nsize)) != ncclSuccess) {
-        st = nccl_error(nc, res, "ncclCommUserRank/ncclCommCount");
-    } else {
-        N->rank = nrank;
-        N->size = nsize;
-        st = state_cuda_create(N, "tp_comm_split");
+        goto abort_new;
     }
-    if (st != TP_OK) {
-        /* the new group's peers must not wait for this rank */
-        (void)ncclCommAbort(nc);
-        if (N)
-            state_delete(N);
-        goto out;
-    }
+    TP_NCCL_CHECK_GOTO(nc, "ncclCommUserRank", ncclCommUserRank(nc, &N->rank), st, abort_new);
+    TP_NCCL_CHECK_GOTO(nc, "ncclCommCount", ncclCommCount(nc, &N->size), st, abort_new);
+    TP_CHECK_GOTO(state_cuda_create(N, "tp_comm_split"), st, abort_new);
     N->comm = nc;
     *new_state = N;
     *new_rank = N->rank;
     *new_size = N->size;
+    goto out;
+abort_new:
+    /* the new group's peers must not wait for this rank */
+    (void)ncclCommAbort(nc);
+    if (N)
+        state_delete(N);
 out:
     tp__cuda_leave(prev, S->device);
     return st;
@@ -896,9 +881,8 @@ static tp_status nccl_init_world(void *options, void **state, int *rank, int *si
         int prev = 0;
         local = tp__cuda_enter("tp_comm_create_world(\"nccl\")", device, &prev);
         if (local == TP_OK) {
-            ncclResult_t res = ncclGetUniqueId(&id);
-            if (res != ncclSuccess)
-                local = nccl_error(NULL, res, "ncclGetUniqueId");
+            TP_NCCL_CHECK_GOTO(NULL, "ncclGetUniqueId", ncclGetUniqueId(&id), local, have_id);
+have_id:
             tp__cuda_leave(prev, device);
         }
     }
@@ -959,16 +943,12 @@ fail:
     return st;
 }
 
+/* No descriptor comparison of its own (checks_descriptors). */
 const tp_backend tp__nccl_backend = {
     .name = "nccl",
     .device_mask = 1u << TP_DEVICE_CUDA,
-    .checks_descriptors = false,
     .collective = nccl_collective,
-    .work_test = nccl_work_test,
-    .work_wait = nccl_work_wait,
-    .work_free = nccl_work_free,
-    .split = nccl_split,
-    .abort = nccl_abort,
-    .free = nccl_free,
+    .work_test = nccl_work_test, .work_wait = nccl_work_wait, .work_free = nccl_work_free,
+    .split = nccl_split, .abort = nccl_abort, .free = nccl_free,
     .init_world = nccl_init_world,
 };

@@ -33,7 +33,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "collectives/abort.h"
 #include "collectives/coll.h"
+#include "collectives/poll.h"
 #include "collectives/shm_kernels.h"
 
 #define SHM_RING 128 /* collectives a rank may have outstanding on a group */
@@ -71,12 +73,11 @@ typedef struct shm_run {
     _Atomic uint32_t epoch; /* futex word: bumped when a waiter may need waking */
     _Atomic int sleepers;
     _Atomic int refs;
-    _Atomic int aborted;
-    pthread_mutex_t mu;
-    char reason[512];
+    tp__abort_state abort;
+    pthread_mutex_t mu; /* the first failure below */
     int n;
     _Atomic int *exited; /* per world rank */
-    /* When each world rank last failed, by kind: tickets of `clock` (0:
+    /* When each world rank first failed, by kind: tickets of `clock` (0:
      * never) taken at the moment itself, so that the failure that came first
      * is known however late its rank function returns. n * FAIL_KINDS. */
     _Atomic uint64_t clock;
@@ -92,8 +93,7 @@ typedef struct shm_group {
     int n;
     shm_run *run;
     _Atomic int refs;
-    _Atomic int aborted;
-    char reason[512];
+    tp__abort_state abort;
     int *world; /* group rank -> world rank of the run */
     shm_slot *slots;
 } shm_group;
@@ -142,15 +142,6 @@ static int tp__ncpu(void)
     return v;
 }
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 /* ---- waking and sleeping -------------------------------------------------- */
 
 static void run_wake(shm_run *run)
@@ -169,13 +160,17 @@ static void run_sleep(shm_run *run, uint32_t seen, double seconds)
 
 /* ---- aborts --------------------------------------------------------------- */
 
-/* Records that world rank `wr` failed now, in the given kind's slot. Taken
- * before the failure becomes visible to any peer (before the abort it
- * causes), so a failure that follows from it always gets a later ticket. */
+/* Records that world rank `wr` failed now, in the given kind's slot, unless
+ * it failed that way before: the first ticket stays. Taken before the
+ * failure becomes visible to any peer (before the abort it causes), so a
+ * failure that follows from it always gets a later ticket. */
 static void run_note_failure(shm_run *run, int wr, int kind)
 {
-    uint64_t t = atomic_fetch_add(&run->clock, 1) + 1;
-    atomic_store(&run->fail_at[(size_t)wr * FAIL_KINDS + (size_t)kind], t);
+    _Atomic uint64_t *at = &run->fail_at[(size_t)wr * FAIL_KINDS + (size_t)kind];
+    if (atomic_load(at))
+        return;
+    uint64_t none = 0, t = atomic_fetch_add(&run->clock, 1) + 1;
+    atomic_compare_exchange_strong(at, &none, t);
 }
 
 static void rank_note_failure(shm_rank *R, int kind)
@@ -185,34 +180,28 @@ static void rank_note_failure(shm_rank *R, int kind)
 
 static void run_release(shm_run *run);
 
-static void group_abort(shm_group *g, const char *reason)
+/* Wakes every sleeper, whether or not it registered (an abort, an exit). */
+static void run_wake_all(shm_run *run)
 {
-    shm_run *run = g->run;
-    pthread_mutex_lock(&run->mu);
-    if (!atomic_load(&g->aborted)) {
-        snprintf(g->reason, sizeof g->reason, "%.500s", reason);
-        atomic_store(&g->aborted, 1);
-    }
-    pthread_mutex_unlock(&run->mu);
     atomic_fetch_add(&run->epoch, 1);
     syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static void group_abort(shm_group *g, const char *reason)
+{
+    tp__abort_set(&g->abort, reason);
+    run_wake_all(g->run);
 }
 
 static void run_abort(shm_run *run, const char *reason)
 {
-    pthread_mutex_lock(&run->mu);
-    if (!atomic_load(&run->aborted)) {
-        snprintf(run->reason, sizeof run->reason, "%.500s", reason);
-        atomic_store(&run->aborted, 1);
-    }
-    pthread_mutex_unlock(&run->mu);
-    atomic_fetch_add(&run->epoch, 1);
-    syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    tp__abort_set(&run->abort, reason);
+    run_wake_all(run);
 }
 
 static bool group_is_aborted(const shm_group *g)
 {
-    return atomic_load(&g->aborted) || atomic_load(&g->run->aborted);
+    return tp__abort_is_set(&g->abort) || tp__abort_is_set(&g->run->abort);
 }
 
 /* Makes sure no peer is still inside a data phase that touches this rank's
@@ -236,11 +225,7 @@ static tp_status rank_aborted(shm_rank *R)
     shm_group *g = R->g;
     rank_note_failure(R, FAIL_ABORTED);
     rank_quiesce(R);
-    pthread_mutex_lock(&g->run->mu);
-    const char *why = atomic_load(&g->aborted) ? g->reason : g->run->reason;
-    tp_status st = tp__error(TP_ERR_ABORTED, "communicator aborted: %s", why);
-    pthread_mutex_unlock(&g->run->mu);
-    return st;
+    return tp__abort_error(tp__abort_is_set(&g->abort) ? &g->abort : &g->run->abort);
 }
 
 /* ---- the data phase ------------------------------------------------------- */
@@ -447,65 +432,80 @@ static bool peer_gone(shm_rank *R, uint64_t s, char *why, size_t len)
     return false;
 }
 
-/* Waits until collective s completed for this rank (or only polls when
- * !block). */
-static tp_status rank_wait(shm_rank *R, uint64_t s, double timeout, bool block)
+/* A wait for collective s of rank R. */
+typedef struct shm_wait {
+    shm_rank *R;
+    uint64_t s;
+    uint32_t seen; /* the run's epoch before the latest test: no wake-up after it is missed */
+} shm_wait;
+
+/* One test (a tp__poll_fn): makes what progress it can without blocking. */
+static tp_status wait_poll(void *ctx, bool *done)
 {
+    shm_wait *w = ctx;
+    shm_rank *R = w->R;
+    w->seen = atomic_load(&R->g->run->epoch);
+    rank_progress(R);
+    *done = R->completed >= w->s;
+    if (*done || !group_is_aborted(R->g))
+        return TP_OK;
+    /* the abort may have come after every rank finished s: then s is
+     * complete here too, as it is for the ranks that saw it first */
+    rank_progress(R);
+    *done = true;
+    return R->completed >= w->s ? TP_OK : rank_aborted(R);
+}
+
+/* Between two tests once yielding did not do: a peer that returned without
+ * joining aborts the group (the next test reports it); otherwise sleep on
+ * the run's futex until a peer's progress wakes this rank, 10 ms at most. */
+static void wait_sleep(void *ctx)
+{
+    shm_wait *w = ctx;
+    shm_rank *R = w->R;
     shm_group *g = R->g;
     shm_run *run = g->run;
-    bool crowded = g->n > tp__ncpu();
-    double t0 = 0, spin_s = crowded ? 0 : 50e-6, yield_s = crowded ? 200e-6 : 1e-3;
-    for (unsigned it = 0;; it++) {
-        uint32_t seen = atomic_load(&run->epoch);
-        rank_progress(R);
-        if (R->completed >= s)
-            return TP_OK;
-        if (group_is_aborted(g)) {
-            /* the abort may have come after every rank finished s: then s is
-             * complete here too, as it is for the ranks that saw it first */
-            rank_progress(R);
-            if (R->completed >= s)
-                return TP_OK;
-            return rank_aborted(R);
-        }
-        if (!block)
-            return TP_OK;
-        if ((it & 63) != 0 && !crowded) {
-            cpu_relax();
-            continue;
-        }
-        double now = tp__now();
-        if (t0 == 0)
-            t0 = now;
-        double waited = now - t0;
-        if (waited > timeout) {
-            char why[256];
-            snprintf(why, sizeof why,
-                     "rank %d (world rank %d) timed out after %.3g s waiting for collective "
-                     "#%llu",
-                     R->rank, g->world[R->rank], timeout, (unsigned long long)s);
-            rank_note_failure(R, FAIL_TIMEOUT); /* before any peer can see the abort */
-            group_abort(g, why);
-            rank_quiesce(R);
-            return tp__error(TP_ERR_TIMEOUT, "%s", why);
-        }
-        if (waited < spin_s) {
-            cpu_relax();
-        } else if (waited < yield_s) {
-            sched_yield();
-        } else {
-            char why[256];
-            if (peer_gone(R, s, why, sizeof why)) {
-                group_abort(g, why);
-                continue;
-            }
-            atomic_fetch_add(&run->sleepers, 1);
-            rank_progress(R);
-            if (R->completed < s && !group_is_aborted(g))
-                run_sleep(run, seen, 0.01);
-            atomic_fetch_sub(&run->sleepers, 1);
-        }
+    char why[256];
+    if (peer_gone(R, w->s, why, sizeof why)) {
+        group_abort(g, why);
+        return;
     }
+    atomic_fetch_add(&run->sleepers, 1);
+    rank_progress(R);
+    if (R->completed < w->s && !group_is_aborted(g))
+        run_sleep(run, w->seen, 0.01);
+    atomic_fetch_sub(&run->sleepers, 1);
+}
+
+/* Makes progress without blocking; *done once collective s completed for
+ * this rank. */
+static tp_status rank_test(shm_rank *R, uint64_t s, bool *done)
+{
+    shm_wait w = {.R = R, .s = s};
+    return wait_poll(&w, done);
+}
+
+/* Waits until collective s completed for this rank: spins briefly, then
+ * yields, then sleeps on the futex; with more ranks than cores it yields at
+ * once, and it reads the clock only every 64th test while spinning. */
+static tp_status rank_wait(shm_rank *R, uint64_t s, double timeout)
+{
+    shm_group *g = R->g;
+    bool crowded = g->n > tp__ncpu();
+    const tp__pace pace = {.spin_s = crowded ? 0 : 50e-6, .yield_s = crowded ? 200e-6 : 1e-3,
+                           .sleep = wait_sleep, .every = crowded ? 1 : 64};
+    shm_wait w = {.R = R, .s = s};
+    tp_status st = tp__poll_until(wait_poll, &w, timeout, &pace);
+    if (st != TP_ERR_TIMEOUT)
+        return st;
+    char why[256];
+    snprintf(why, sizeof why,
+             "rank %d (world rank %d) timed out after %.3g s waiting for collective #%llu",
+             R->rank, g->world[R->rank], timeout, (unsigned long long)s);
+    rank_note_failure(R, FAIL_TIMEOUT); /* before any peer can see the abort */
+    group_abort(g, why);
+    rank_quiesce(R);
+    return tp__error(TP_ERR_TIMEOUT, "%s", why);
 }
 
 /* ---- posting -------------------------------------------------------------- */
@@ -524,7 +524,7 @@ static tp_status rank_post(shm_rank *R, const shm_op *op, double timeout, shm_wo
                          SHM_RING - 1);
     if (s > SHM_RING && R->completed < s - SHM_RING) {
         /* the ring entry is still readable by peers until that op completed */
-        TP_CHECK(rank_wait(R, s - SHM_RING, timeout, true));
+        TP_CHECK(rank_wait(R, s - SHM_RING, timeout));
     }
     shm_slot *mine = &g->slots[R->rank];
     mine->ring[s % SHM_RING] = *op;
@@ -578,8 +578,7 @@ static tp_status shm_work_test(void *state, void *work, bool *done)
 {
     shm_rank *R = state;
     shm_work *wk = work;
-    TP_CHECK(rank_wait(R, wk->seq, 0, false));
-    *done = R->completed >= wk->seq;
+    TP_CHECK(rank_test(R, wk->seq, done));
     return *done ? work_result(wk) : TP_OK;
 }
 
@@ -587,7 +586,7 @@ static tp_status shm_work_wait(void *state, void *work, double timeout_s)
 {
     shm_rank *R = state;
     shm_work *wk = work;
-    TP_CHECK(rank_wait(R, wk->seq, timeout_s, true));
+    TP_CHECK(rank_wait(R, wk->seq, timeout_s));
     return work_result(wk);
 }
 
@@ -604,6 +603,7 @@ static void group_release(shm_group *g)
     if (atomic_fetch_sub(&g->refs, 1) != 1)
         return;
     shm_run *run = g->run;
+    tp__abort_destroy(&g->abort);
     tp__free(g->slots);
     tp__free(g->world);
     tp__free(g);
@@ -618,9 +618,11 @@ static shm_group *group_create(shm_run *run, int n, const int *world)
     g->n = n;
     g->run = run;
     atomic_init(&g->refs, 1); /* the creator's; members add their own */
+    tp__abort_init(&g->abort);
     g->world = tp__malloc(sizeof(int) * (size_t)n);
     g->slots = tp__aligned_alloc(sizeof(shm_slot) * (size_t)n, 64);
     if (!g->world || !g->slots) {
+        tp__abort_destroy(&g->abort);
         tp__free(g->world);
         tp__free(g->slots);
         tp__free(g);
@@ -666,7 +668,7 @@ static void shm_free(void *state)
         return;
     /* peers may still read this rank's buffers for posted collectives */
     if (R->completed < R->posted && !group_is_aborted(R->g))
-        (void)rank_wait(R, R->posted, tp__default_timeout(), true);
+        (void)rank_wait(R, R->posted, tp__default_timeout());
     shm_group *g = R->g;
     rank_destroy(R);
     group_release(g);
@@ -681,20 +683,19 @@ static void shm_abort(void *state, const char *reason)
     group_abort(R->g, why);
 }
 
-static tp_status split_wait(shm_rank *R, const shm_op *op)
+static tp_status split_wait(shm_rank *R, const shm_op *op, double timeout)
 {
     shm_work *wk = NULL;
-    double timeout = tp__default_timeout();
     TP_CHECK(rank_post(R, op, timeout, &wk));
-    tp_status st = rank_wait(R, wk->seq, timeout, true);
+    tp_status st = rank_wait(R, wk->seq, timeout);
     if (st == TP_OK)
         st = work_result(wk);
     wk->retired = true;
     return st;
 }
 
-static tp_status shm_split(void *state, int color, int key, void **new_state, int *new_rank,
-                           int *new_size)
+static tp_status shm_split(void *state, int color, int key, double timeout_s, void **new_state,
+                           int *new_rank, int *new_size)
 {
     shm_rank *R = state;
     shm_group *g = R->g;
@@ -716,7 +717,7 @@ static tp_status shm_split(void *state, int color, int key, void **new_state, in
         goto out;
     }
     shm_op ex = {.kind = SHM_SPLIT_EXCHANGE, .color = color, .key = key};
-    if ((st = split_wait(R, &ex)) != TP_OK)
+    if ((st = split_wait(R, &ex, timeout_s)) != TP_OK)
         goto out;
 
     /* members of this rank's color, ordered by (key, old rank) */
@@ -741,7 +742,7 @@ static tp_status shm_split(void *state, int color, int key, void **new_state, in
     R->split_result = NULL;
     shm_op pub = {.kind = SHM_SPLIT_PUBLISH, .root = color >= 0 ? members[0] : -1,
                   .new_group = ng};
-    st = split_wait(R, &pub);
+    st = split_wait(R, &pub, timeout_s);
     if (ng)
         group_release(ng); /* creation reference: every member holds its own now */
     ng = R->split_result;
@@ -775,18 +776,14 @@ out:
     return st;
 }
 
+/* No world of its own (init_world): tp_run_local makes it. */
 const tp_backend tp__shm_backend = {
     .name = "shm",
     .device_mask = 1u << TP_DEVICE_CPU,
     .checks_descriptors = true,
     .collective = shm_collective,
-    .work_test = shm_work_test,
-    .work_wait = shm_work_wait,
-    .work_free = shm_work_free,
-    .split = shm_split,
-    .abort = shm_abort,
-    .free = shm_free,
-    .init_world = NULL,
+    .work_test = shm_work_test, .work_wait = shm_work_wait, .work_free = shm_work_free,
+    .split = shm_split, .abort = shm_abort, .free = shm_free,
 };
 
 /* ---- tp_run_local --------------------------------------------------------- */
@@ -796,6 +793,7 @@ static void run_release(shm_run *run)
     if (atomic_fetch_sub(&run->refs, 1) != 1)
         return;
     pthread_mutex_destroy(&run->mu);
+    tp__abort_destroy(&run->abort);
     tp__free((void *)run->exited);
     tp__free((void *)run->fail_at);
     tp__free(run);
@@ -813,10 +811,10 @@ typedef struct shm_thread {
 } shm_thread;
 
 /* World rank `rank` returned st != TP_OK. Its failure happened when its
- * wait timed out (TP_ERR_TIMEOUT) or it saw the abort (TP_ERR_ABORTED), or
- * else at its latest recorded failure of any kind, or else now; the run keeps
- * the earliest. The first rank to return aborts the run, so no peer waits for
- * a rank that is gone. */
+ * wait first timed out (TP_ERR_TIMEOUT) or it first saw an abort
+ * (TP_ERR_ABORTED), or else at its earliest recorded failure of any kind,
+ * or else now; the run keeps the earliest. The first rank to return aborts
+ * the run, so no peer waits for a rank that is gone. */
 static void run_fail(shm_run *run, int rank, tp_status st, const char *msg)
 {
     char why[1200];
@@ -827,7 +825,7 @@ static void run_fail(shm_run *run, int rank, tp_status st, const char *msg)
     if (!t) {
         for (int k = 0; k < FAIL_KINDS; k++) {
             uint64_t tk = atomic_load(&at[k]);
-            if (tk > t)
+            if (tk && (!t || tk < t))
                 t = tk;
         }
     }
@@ -880,8 +878,7 @@ static void *shm_thread_main(void *p)
             group_release(t->world);
     }
     atomic_store(&run->exited[t->rank], 1);
-    atomic_fetch_add(&run->epoch, 1);
-    syscall(SYS_futex, &run->epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_wake_all(run);
     t->status = st;
     return NULL;
 }
@@ -909,6 +906,7 @@ tp_status tp_run_local_opts(int n, tp_rank_fn fn, void *arg, const tp_run_option
     run->n = n;
     atomic_init(&run->refs, 1);
     pthread_mutex_init(&run->mu, NULL);
+    tp__abort_init(&run->abort);
     for (int i = 0; i < n; i++)
         ids[i] = i;
     world = group_create(run, n, ids);

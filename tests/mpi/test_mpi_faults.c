@@ -133,8 +133,9 @@ static void check_world(tp_comm *world, const char *label)
 /* Rank 0 times out on a split communicator; the others join only once it
  * has freed it and waits in a world collective (whose waiting progresses the
  * stale request: the late data arrives, and MPI sends the next round on the
- * freed communicator's behalf). Then a split nobody else joins, and one
- * freed with its work still pending. */
+ * freed communicator's behalf). Then a split nobody else joins, one freed
+ * with its work still pending, and a split of a split that nobody else
+ * joins. */
 static void split_faults(tp_comm *world)
 {
     int n = tp_comm_size(world), r = tp_comm_rank(world);
@@ -191,6 +192,32 @@ static void split_faults(tp_comm *world)
         tp_comm_free(c);
     }
     check_world(world, "after freeing pending work");
+
+    /* a split waits no longer than the timeout of the communicator split (0.3
+     * s), not the default; the barrier it leaves posted faults only that
+     * communicator */
+    tp_comm *d = NULL;
+    EXPECT(tp_comm_split(world, 0, r, &d) == TP_OK, "split: %s", tp_last_error());
+    if (!d)
+        return;
+    if (r == 0) {
+        tp_comm *sub = d; /* must be reset to NULL */
+        EXPECT(tp_comm_set_timeout(d, 0.3) == TP_OK, "set_timeout");
+        double t0 = now_s();
+        tp_status st = tp_comm_split(d, 0, 0, &sub);
+        double took = now_s() - t0;
+        EXPECT(st == TP_ERR_TIMEOUT && strstr(tp_last_error(), "timed out after 0.3 s"),
+               "split, absent peers -> %s (%s), expected TP_ERR_TIMEOUT", tp_status_name(st),
+               tp_last_error());
+        EXPECT(took >= 0.25 && took < 10, "split, absent peers: timed out after %.2f s, limit "
+               "0.3 s", took);
+        EXPECT(sub == NULL, "split, absent peers: out not reset");
+        EXPECT(tp_comm_is_aborted(d), "split, absent peers: not aborted after the timeout");
+        free_promptly(d, "split, absent peers");
+    } else {
+        tp_comm_free(d);
+    }
+    check_world(world, "after a split with absent peers");
 }
 
 int main(int argc, char **argv)
