@@ -615,26 +615,12 @@ static tp_status ce_bad_target(const char *fn, int64_t v, int tnd, const int64_t
                      (long long)v, pos, (long long)classes, (long long)ignore);
 }
 
-tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
-                           const tp_cross_entropy_options *options, tp_tensor **loss)
+/* The shapes and dtypes cross_entropy takes: logits (C), (N, C) or
+ * (N, C, d1, ..., dk) in f32; targets the logits' shape without the class
+ * dim (into tshape); weight [C] in f32. */
+static tp_status ce_check_shapes(const char *fn, const tp_tensor *logits, const tp_tensor *target,
+                                 const tp_tensor *weight, int64_t *tshape)
 {
-    const char *fn = "cross_entropy";
-    TP_ARG_CHECK(loss, "%s: loss is NULL", fn);
-    *loss = NULL;
-    TP_ARG_CHECK(logits, "%s: logits is NULL", fn);
-    TP_ARG_CHECK(target, "%s: target is NULL", fn);
-    const tp_cross_entropy_options o = options ? *options : TP_CROSS_ENTROPY_DEFAULTS;
-    tp_tensor *weight = o.weight;
-    TP_ARG_CHECK(o.reduction == TP_REDUCTION_MEAN || o.reduction == TP_REDUCTION_SUM ||
-                     o.reduction == TP_REDUCTION_NONE,
-                 "%s: invalid reduction %d", fn, (int)o.reduction);
-    TP_CHECK(tp__same_kind(fn, "logits", logits, "target", target));
-    TP_CHECK(tp__same_kind(fn, "logits", logits, "weight", weight));
-    TP_CHECK(tp__same_device(fn, "logits", logits, "target", target));
-    TP_CHECK(tp__same_device(fn, "logits", logits, "weight", weight));
-
-    /* shapes and dtypes: logits (C), (N, C) or (N, C, d1, ..., dk); targets
-     * the logits' shape without the class dim */
     if (logits->dtype != TP_F32)
         return tp__error(TP_ERR_NOT_SUPPORTED, "%s: logits is %s; ops take f32", fn,
                          tp_dtype_name(logits->dtype));
@@ -642,7 +628,6 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
                  "%s: logits must be [C], [N, C] or [N, C, d1, ..., dk], got a 0-d tensor", fn);
     const int nd = logits->ndim, cd = ce_class_dim(nd), tnd = nd - 1;
     const int64_t c = logits->shape[cd];
-    int64_t tshape[TP_MAX_DIMS];
     for (int d = 0, k = 0; d < nd; d++)
         if (d != cd)
             tshape[k++] = logits->shape[d];
@@ -669,54 +654,99 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
             return tp__error(TP_ERR_NOT_SUPPORTED, "%s: weight is %s; ops take f32", fn,
                              tp_dtype_name(weight->dtype));
     }
+    return TP_OK;
+}
 
-    /* layouts: which mesh dim (if any) shards the classes (loss parallel),
-     * which shard other dims; the targets' placements follow the logits'
-     * (the class dim removed), as PyTorch's loss_parallel */
+/* How cross_entropy's logits are laid out over the mesh. */
+typedef struct ce_layout {
+    tp_mesh *mesh;  /* NULL for plain logits */
+    int m;          /* mesh dims */
+    int cdim;       /* the mesh dim sharding the classes (loss parallel), or -1 */
+    bool partial;   /* a mesh dim holds Partial logits */
+    tp_placement rep[TP_MESH_MAX_DIMS]; /* all Replicate */
+    tp_placement tpl[TP_MESH_MAX_DIMS]; /* the targets': the logits' without the class dim */
+} ce_layout;
+
+/* Which mesh dim (if any) shards the classes, which shard other dims; the
+ * targets' placements follow the logits' (the class dim removed), as
+ * PyTorch's loss_parallel. Refuses what loss parallel does not take. */
+static tp_status ce_plan_layout(const char *fn, tp_tensor *logits, tp_tensor *target,
+                                tp_reduction reduction, ce_layout *L)
+{
+    const int cd = ce_class_dim(logits->ndim);
     const bool dist = tp__dist_of(logits) != NULL;
-    tp_mesh *mesh = dist ? tp_dtensor_mesh(logits) : NULL;
-    const int m = dist ? tp_mesh_ndim(mesh) : 0;
-    int cdim = -1, bdim = -1;
-    bool partial = false;
-    tp_placement rep[TP_MESH_MAX_DIMS], tpl[TP_MESH_MAX_DIMS];
+    L->mesh = dist ? tp_dtensor_mesh(logits) : NULL;
+    L->m = dist ? tp_mesh_ndim(L->mesh) : 0;
+    L->cdim = -1;
+    L->partial = false;
     for (int d = 0; d < TP_MESH_MAX_DIMS; d++)
-        rep[d] = tpl[d] = tp_replicate();
-    if (dist) {
-        const tp_placement *pl = tp_dtensor_placements(logits);
-        char buf[128];
-        for (int d = 0; d < m; d++) {
-            if (pl[d].kind == TP_PLACEMENT_PARTIAL)
-                partial = true;
-            if (pl[d].kind != TP_PLACEMENT_SHARD)
-                continue;
-            if (pl[d].dim != cd) {
-                tpl[d] = tp_shard(pl[d].dim > cd ? pl[d].dim - 1 : pl[d].dim);
-                if (bdim < 0)
-                    bdim = d;
-                continue;
-            }
-            if (cdim >= 0)
-                return tp__error(TP_ERR_NOT_SUPPORTED,
-                                 "%s: logits are sharded on the class dim by mesh dims %d and %d "
-                                 "(placements %s); loss parallel shards it on one mesh dim",
-                                 fn, cdim, d, tp_placements_str(m, pl, buf, sizeof buf));
-            cdim = d;
+        L->rep[d] = L->tpl[d] = tp_replicate();
+    if (!dist)
+        return TP_OK;
+    const int m = L->m;
+    int bdim = -1;
+    const tp_placement *pl = tp_dtensor_placements(logits);
+    char buf[128];
+    for (int d = 0; d < m; d++) {
+        if (pl[d].kind == TP_PLACEMENT_PARTIAL)
+            L->partial = true;
+        if (pl[d].kind != TP_PLACEMENT_SHARD)
+            continue;
+        if (pl[d].dim != cd) {
+            L->tpl[d] = tp_shard(pl[d].dim > cd ? pl[d].dim - 1 : pl[d].dim);
+            if (bdim < 0)
+                bdim = d;
+            continue;
         }
-        if (bdim >= 0 && cdim < 0)
+        if (L->cdim >= 0)
             return tp__error(TP_ERR_NOT_SUPPORTED,
-                             "%s: logits are sharded on dim %d by mesh dim %d (placements %s) "
-                             "but not on the class dim; shard the class dim (dim 1) for loss "
-                             "parallel, or replicate the logits",
-                             fn, pl[bdim].dim, bdim, tp_placements_str(m, pl, buf, sizeof buf));
-        if (bdim >= 0 && o.reduction == TP_REDUCTION_MEAN)
-            return tp__error(TP_ERR_NOT_SUPPORTED,
-                             "%s: reduction mean with logits sharded on dim %d by mesh dim %d "
-                             "(placements %s): each rank would divide by its own count; use "
-                             "reduction sum or none and divide by the global count (as "
-                             "PyTorch's loss_parallel)",
-                             fn, pl[bdim].dim, bdim, tp_placements_str(m, pl, buf, sizeof buf));
-        TP_CHECK(tp__no_partial(fn, "target", target));
+                             "%s: logits are sharded on the class dim by mesh dims %d and %d "
+                             "(placements %s); loss parallel shards it on one mesh dim",
+                             fn, L->cdim, d, tp_placements_str(m, pl, buf, sizeof buf));
+        L->cdim = d;
     }
+    if (bdim >= 0 && L->cdim < 0)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "%s: logits are sharded on dim %d by mesh dim %d (placements %s) "
+                         "but not on the class dim; shard the class dim (dim 1) for loss "
+                         "parallel, or replicate the logits",
+                         fn, pl[bdim].dim, bdim, tp_placements_str(m, pl, buf, sizeof buf));
+    if (bdim >= 0 && reduction == TP_REDUCTION_MEAN)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "%s: reduction mean with logits sharded on dim %d by mesh dim %d "
+                         "(placements %s): each rank would divide by its own count; use "
+                         "reduction sum or none and divide by the global count (as "
+                         "PyTorch's loss_parallel)",
+                         fn, pl[bdim].dim, bdim, tp_placements_str(m, pl, buf, sizeof buf));
+    return tp__no_partial(fn, "target", target);
+}
+
+tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
+                           const tp_cross_entropy_options *options, tp_tensor **loss)
+{
+    const char *fn = "cross_entropy";
+    TP_ARG_CHECK(loss, "%s: loss is NULL", fn);
+    *loss = NULL;
+    TP_ARG_CHECK(logits, "%s: logits is NULL", fn);
+    TP_ARG_CHECK(target, "%s: target is NULL", fn);
+    const tp_cross_entropy_options o = options ? *options : TP_CROSS_ENTROPY_DEFAULTS;
+    tp_tensor *weight = o.weight;
+    TP_ARG_CHECK(o.reduction == TP_REDUCTION_MEAN || o.reduction == TP_REDUCTION_SUM ||
+                     o.reduction == TP_REDUCTION_NONE,
+                 "%s: invalid reduction %d", fn, (int)o.reduction);
+    TP_CHECK(tp__same_kind(fn, "logits", logits, "target", target));
+    TP_CHECK(tp__same_kind(fn, "logits", logits, "weight", weight));
+    TP_CHECK(tp__same_device(fn, "logits", logits, "target", target));
+    TP_CHECK(tp__same_device(fn, "logits", logits, "weight", weight));
+    int64_t tshape[TP_MAX_DIMS];
+    TP_CHECK(ce_check_shapes(fn, logits, target, weight, tshape));
+    ce_layout L;
+    TP_CHECK(ce_plan_layout(fn, logits, target, o.reduction, &L));
+    const int tnd = logits->ndim - 1, m = L.m, cdim = L.cdim;
+    const int64_t c = logits->shape[ce_class_dim(logits->ndim)];
+    const bool dist = L.mesh != NULL;
+    tp_mesh *mesh = L.mesh;
+    const tp_placement *rep = L.rep, *tpl = L.tpl;
 
     /* the targets in their placements and the full class weights on every
      * rank (no communication when they are so already); then this rank's
@@ -751,7 +781,7 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
         }
 
     /* a Partial logits dim is reduced first (differentiably, counted) */
-    if (partial) {
+    if (L.partial) {
         tp_placement want[TP_MESH_MAX_DIMS];
         const tp_placement *pl = tp_dtensor_placements(logits);
         for (int d = 0; d < m; d++)
