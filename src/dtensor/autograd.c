@@ -515,6 +515,103 @@ static bool tp__leaves_push(tp__leaves *s, tp_tensor *leaf)
     return true;
 }
 
+/* Counts, for every node reachable from root, how many edges lead into it
+ * (node->pending), holding each in *all; leaves with hooks get their count
+ * too (leaf_pending) and a reference in *leaves, so that their hooks run
+ * after their last contribution. */
+static tp_status tp__backward_count(const char *fn, tp__node *root, tp__nodes *all,
+                                    tp__leaves *leaves)
+{
+    tp_status st = TP_OK;
+    tp__nodes stack = {0};
+    if (!tp__nodes_push(&stack, root) || !tp__nodes_hold(all, root)) {
+        tp__free(stack.v);
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    }
+    root->pending = 0;
+    while (stack.n && st == TP_OK) {
+        tp__node *n = stack.v[--stack.n];
+        for (int i = 0; i < n->n_inputs; i++) {
+            tp__node *p = tp__grad_fn(n->inputs[i]);
+            if (!p) {
+                tp_tensor *leaf = n->inputs[i];
+                tp__autograd *lag = tp__ag_of(leaf);
+                if (lag && lag->hooks && lag->leaf_pending++ == 0 &&
+                    !tp__leaves_push(leaves, leaf)) {
+                    lag->leaf_pending = 0;
+                    st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+                    break;
+                }
+                continue;
+            }
+            if (p->released) {
+                st = tp__error(TP_ERR_STATE, "%s: part of the graph (%s) was already freed by an "
+                               "earlier backward", fn, p->name);
+                break;
+            }
+            if (p->pending++ == 0 && (!tp__nodes_push(&stack, p) || !tp__nodes_hold(all, p)))
+                st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+        }
+    }
+    tp__free(stack.v);
+    return st;
+}
+
+/* Runs the counted graph from root, whose gradient is g0 (taken): each node
+ * once all the edges into it have delivered, in the backward phase, each in
+ * its own comm-debug scope, recording nothing. */
+static tp_status tp__backward_run(const char *fn, tp__node *root, tp_tensor *g0)
+{
+    tp_status st = TP_OK;
+    tp__nodes ready = {0};
+    tp_phase saved_phase = tp_comm_debug_phase();
+    tp_comm_debug_set_phase(TP_PHASE_BACKWARD);
+    /* nodes re-enter their own scopes from the top: leave the caller's */
+    tp__node outer = {0};
+    int outer_depth = 0;
+    if (tp__comm_debug_save(&outer.scope) == TP_OK)
+        outer_depth = tp__comm_debug_depth(); /* else keep them: attribution nests */
+    tp__leave_scope(outer_depth);
+    tp_no_grad_begin(); /* the backward itself records nothing */
+    root->grad_acc = g0;
+    if (!tp__nodes_push(&ready, root))
+        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    while (ready.n && st == TP_OK) {
+        tp__node *n = ready.v[--ready.n];
+        tp_tensor *gin[TP__NODE_MAX_INPUTS] = {0};
+        int pushed = tp__enter_scope(n);
+        st = n->backward(n, n->grad_acc, gin);
+        tp__leave_scope(pushed);
+        if (st != TP_OK)
+            tp__error_prefix("%s: backward of %s", fn, n->name);
+        for (int i = 0; i < n->n_inputs; i++) {
+            tp_tensor *in = n->inputs[i];
+            if (st == TP_OK && in && gin[i]) {
+                tp__node *p = tp__grad_fn(in);
+                if (p) {
+                    st = tp__accumulate_node(p, gin[i]);
+                    if (st == TP_OK && --p->pending == 0 && !tp__nodes_push(&ready, p))
+                        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+                } else {
+                    st = tp__accumulate_leaf(in, gin[i]);
+                    if (st == TP_OK && tp__ag_of(in)->hooks)
+                        st = tp__leaf_done(in);
+                }
+            }
+            tp_tensor_release(gin[i]);
+        }
+        tp__node_drop_graph(n);
+    }
+    tp_no_grad_end();
+    if (outer.scope) {
+        tp__enter_scope(&outer);
+        tp__comm_debug_saved_free(outer.scope);
+    }
+    tp_comm_debug_set_phase(saved_phase);
+    tp__free(ready.v);
+    return st;
+}
+
 tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
 {
     const char *fn = "tp_backward";
@@ -552,91 +649,14 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
                          fn);
     }
 
-    /* count, for every reachable node, how many edges lead into it */
-    tp_status st = TP_OK;
-    tp__nodes all = {0}, stack = {0}, ready = {0};
+    tp__nodes all = {0};
     tp__leaves leaves = {0}; /* leaves with hooks, and their pending counts */
-    if (!tp__nodes_push(&stack, root) || !tp__nodes_hold(&all, root)) {
-        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-        goto out;
+    tp_status st = tp__backward_count(fn, root, &all, &leaves);
+    if (st == TP_OK) {
+        st = tp__backward_run(fn, root, g0);
+        g0 = NULL;
     }
-    root->pending = 0;
-    while (stack.n && st == TP_OK) {
-        tp__node *n = stack.v[--stack.n];
-        for (int i = 0; i < n->n_inputs; i++) {
-            tp__node *p = tp__grad_fn(n->inputs[i]);
-            if (!p) {
-                /* a leaf with hooks: count the edges into it, so that its
-                 * hooks run after its last contribution */
-                tp_tensor *leaf = n->inputs[i];
-                tp__autograd *lag = tp__ag_of(leaf);
-                if (lag && lag->hooks && lag->leaf_pending++ == 0 &&
-                    !tp__leaves_push(&leaves, leaf)) {
-                    lag->leaf_pending = 0;
-                    st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-                    break;
-                }
-                continue;
-            }
-            if (p->released) {
-                st = tp__error(TP_ERR_STATE, "%s: part of the graph (%s) was already freed by an "
-                               "earlier backward", fn, p->name);
-                break;
-            }
-            if (p->pending++ == 0 && (!tp__nodes_push(&stack, p) || !tp__nodes_hold(&all, p)))
-                st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-        }
-    }
-    if (st != TP_OK)
-        goto out;
 
-    tp_phase saved_phase = tp_comm_debug_phase();
-    tp_comm_debug_set_phase(TP_PHASE_BACKWARD);
-    /* nodes re-enter their own scopes from the top: leave the caller's */
-    tp__node outer = {0};
-    int outer_depth = 0;
-    if (tp__comm_debug_save(&outer.scope) == TP_OK)
-        outer_depth = tp__comm_debug_depth(); /* else keep them: attribution nests */
-    tp__leave_scope(outer_depth);
-    tp_no_grad_begin(); /* the backward itself records nothing */
-    root->grad_acc = g0;
-    g0 = NULL;
-    if (!tp__nodes_push(&ready, root))
-        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    while (ready.n && st == TP_OK) {
-        tp__node *n = ready.v[--ready.n];
-        tp_tensor *gin[TP__NODE_MAX_INPUTS] = {0};
-        int pushed = tp__enter_scope(n);
-        st = n->backward(n, n->grad_acc, gin);
-        tp__leave_scope(pushed);
-        if (st != TP_OK)
-            tp__error_prefix("%s: backward of %s", fn, n->name);
-        for (int i = 0; i < n->n_inputs; i++) {
-            tp_tensor *in = n->inputs[i];
-            if (st == TP_OK && in && gin[i]) {
-                tp__node *p = tp__grad_fn(in);
-                if (p) {
-                    st = tp__accumulate_node(p, gin[i]);
-                    if (st == TP_OK && --p->pending == 0 && !tp__nodes_push(&ready, p))
-                        st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-                } else {
-                    st = tp__accumulate_leaf(in, gin[i]);
-                    if (st == TP_OK && tp__ag_of(in)->hooks)
-                        st = tp__leaf_done(in);
-                }
-            }
-            tp_tensor_release(gin[i]);
-        }
-        tp__node_drop_graph(n);
-    }
-    tp_no_grad_end();
-    if (outer.scope) {
-        tp__enter_scope(&outer);
-        tp__comm_debug_saved_free(outer.scope);
-    }
-    tp_comm_debug_set_phase(saved_phase);
-
-out:
     for (size_t i = 0; i < leaves.n; i++) {
         tp__ag_of(leaves.v[i])->leaf_pending = 0;
         tp_tensor_release(leaves.v[i]);
@@ -650,7 +670,5 @@ out:
     }
     tp_tensor_release(g0);
     tp__free(all.v);
-    tp__free(stack.v);
-    tp__free(ready.v);
     return st;
 }
