@@ -458,6 +458,45 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
     return st;
 }
 
+/* Records ce_vocab's backward on res: what it saves of the forward (the
+ * local logits x, the device targets, the weights, the row maxima and sums of
+ * exponentials), offset the first class of this rank's shard, gy_pl the
+ * placements the loss's gradient is brought to. */
+static tp_status ce_vocab_record(tp_tensor *res, tp_tensor *logits, tp_tensor *x,
+                                 tp_tensor *tdev, tp_tensor *weight, tp_tensor *mx,
+                                 tp_tensor *se, const ce_params *p, int64_t offset, double wsum,
+                                 const tp_placement *gy_pl)
+{
+    const char *fn = "cross_entropy";
+    tp_mesh *mesh = tp_dtensor_mesh(logits);
+    const int m = tp_mesh_ndim(mesh), nd = logits->ndim;
+    ce_vocab_saved *sv = tp__calloc(1, sizeof *sv);
+    tp__node *node = NULL;
+    tp_status st = sv ? tp__node_attach(res, fn, ce_vocab_bwd, 1, &logits, &node)
+                      : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    if (st != TP_OK) {
+        tp__free(sv);
+        return st;
+    }
+    sv->mesh = mesh;
+    sv->ndim = nd;
+    memcpy(sv->gshape, logits->shape, sizeof(int64_t) * (size_t)nd);
+    memcpy(sv->pl, tp_dtensor_placements(logits), sizeof(tp_placement) * (size_t)m);
+    memcpy(sv->gy_pl, gy_pl, sizeof(tp_placement) * (size_t)m);
+    sv->x = tp_tensor_retain(x);
+    sv->target = tp_tensor_retain(tdev);
+    sv->weight = tp_tensor_retain(weight);
+    sv->mx = tp_tensor_retain(mx);
+    sv->sumexp = tp_tensor_retain(se);
+    sv->offset = offset;
+    sv->ignore_index = p->ignore_index;
+    sv->reduction = p->reduction;
+    sv->wsum = wsum;
+    node->saved = sv;
+    node->free_saved = ce_vocab_free;
+    return TP_OK;
+}
+
 /* logits: a DTensor sharded on the class dim by mesh dim cdim only, Shard on
  * other dims or Replicate on the other mesh dims (no Partial); target: the
  * targets' DTensor in tpl (the logits' placements less the class dim), with
@@ -466,7 +505,6 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
 static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_tensor *t64,
                           tp_tensor *weight, const ce_params *p, tp_tensor **out)
 {
-    const char *fn = "cross_entropy";
     tp_mesh *mesh = tp_dtensor_mesh(logits);
     tp_comm *comm = tp_mesh_comm(mesh, cdim);
     const int m = tp_mesh_ndim(mesh), nd = logits->ndim, cd = ce_class_dim(nd);
@@ -553,33 +591,10 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     if (st != TP_OK)
         goto done;
 
-    if (tp__needs_grad(1, &logits)) {
-        ce_vocab_saved *sv = tp__calloc(1, sizeof *sv);
-        tp__node *node = NULL;
-        st = sv ? tp__node_attach(res, fn, ce_vocab_bwd, 1, &logits, &node)
-                : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-        if (st != TP_OK) {
-            tp__free(sv);
-            goto done;
-        }
-        sv->mesh = mesh;
-        sv->ndim = nd;
-        memcpy(sv->gshape, logits->shape, sizeof(int64_t) * (size_t)nd);
-        memcpy(sv->pl, lpl, sizeof(tp_placement) * (size_t)m);
-        memcpy(sv->gy_pl, p->reduction == TP_REDUCTION_NONE ? tpl : rep,
-               sizeof(tp_placement) * (size_t)m);
-        sv->x = tp_tensor_retain(x);
-        sv->target = tp_tensor_retain(tdev);
-        sv->weight = tp_tensor_retain(weight);
-        sv->mx = tp_tensor_retain(mx);
-        sv->sumexp = tp_tensor_retain(se);
-        sv->offset = off[cd];
-        sv->ignore_index = p->ignore_index;
-        sv->reduction = p->reduction;
-        sv->wsum = wsum;
-        node->saved = sv;
-        node->free_saved = ce_vocab_free;
-    }
+    if (tp__needs_grad(1, &logits))
+        TP_CHECK_GOTO(ce_vocab_record(res, logits, x, tdev, weight, mx, se, p, off[cd], wsum,
+                                      p->reduction == TP_REDUCTION_NONE ? tpl : rep),
+                      st, done);
     *out = res;
     res = NULL;
 done:
