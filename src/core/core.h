@@ -73,6 +73,10 @@ struct tp_tensor {
 tp_status tp__infer_sizes(const char *fn, int64_t total, int n, const int64_t *sizes, int first,
                           int64_t *out, int64_t *numel);
 
+/* A new plain header over t's storage region (t has storage): the same
+ * dtype, shape, strides and offset, no extension state. */
+tp_status tp__tensor_alias(const tp_tensor *t, tp_tensor **out);
+
 /* Records the refusal of a tensor without storage (out of line, cold). */
 tp_status tp__tensor_refuse(const tp_tensor *t, const char *fn, const char *what);
 

@@ -1247,3 +1247,18 @@ tp_status tp_tensor_max_abs_diff(const tp_tensor *a, const tp_tensor *b, double 
     *diff = c.diff;
     return TP_OK;
 }
+
+tp_status tp__tensor_alias(const tp_tensor *t, tp_tensor **out)
+{
+    TP_ASSERT(t->storage);
+    tp_tensor *a = tp__malloc(sizeof *a);
+    if (!a)
+        return tp__error(TP_ERR_NO_MEMORY, "out of memory");
+    memcpy(a, t, sizeof *a);
+    atomic_init(&a->refcount, 1);
+    atomic_fetch_add(&t->storage->refcount, 1);
+    a->ext_ops = NULL;
+    a->ext = NULL;
+    *out = a;
+    return TP_OK;
+}

@@ -490,21 +490,6 @@ tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements
     return TP_OK;
 }
 
-/* A new header viewing the same elements as t (plain). */
-static tp_status tp__alias(tp_tensor *t, tp_tensor **out)
-{
-    tp_tensor *a = tp__malloc(sizeof *a);
-    if (!a)
-        return tp__error(TP_ERR_NO_MEMORY, "out of memory");
-    memcpy(a, t, sizeof *a);
-    atomic_init(&a->refcount, 1);
-    atomic_fetch_add(&t->storage->refcount, 1);
-    a->ext_ops = NULL;
-    a->ext = NULL;
-    *out = a;
-    return TP_OK;
-}
-
 typedef struct {
     tp_mesh *mesh;
     int ndim;
@@ -533,7 +518,7 @@ tp_status tp_dtensor_to_local(tp_tensor *dt, int ngrad, const tp_placement *grad
     else
         memcpy(gp, d->placements, sizeof gp);
     tp_tensor *a = NULL;
-    TP_CHECK(tp__alias(d->local, &a));
+    TP_CHECK(tp__tensor_alias(d->local, &a));
     if (tp__needs_grad(1, &dt)) {
         tp__node *node = NULL;
         tp_status st = tp__node_attach(a, "to_local", tp__to_local_bwd, 1, &dt, &node);

@@ -544,17 +544,6 @@ static tp_status tp__moved(tp_tensor *p, tp_device dev, tp_tensor **out)
     return TP_OK;
 }
 
-/* A new plain header over t's storage region: same shape, strides and
- * offset, no autograd state. A 0-d tensor is contiguous, so a view of its
- * own shape does it; others narrow dim 0 to its full size, which keeps any
- * strides. */
-tp_status tp__alias(tp_tensor *t, tp_tensor **out)
-{
-    if (tp_tensor_ndim(t) == 0)
-        return tp_tensor_view(t, 0, NULL, out);
-    return tp_tensor_narrow(t, 0, 0, tp_tensor_size(t, 0), out);
-}
-
 /* A second handle over the storage of `copy` with the layout of `like` (a
  * handle over the same region as the parameter `copy` was made from):
  * handles that were one parameter before the copy stay one. Requires grad
@@ -565,7 +554,7 @@ static tp_status tp__copy_alias(tp_tensor *copy, const tp_tensor *like, tp_tenso
     tp_status st;
     if (tp_tensor_is_dtensor(copy)) {
         tp_tensor *v = NULL;
-        st = tp__alias(tp_dtensor_local(copy), &v);
+        st = tp__tensor_alias(tp_dtensor_local(copy), &v);
         if (st == TP_OK) {
             tp_mesh *mesh = tp_dtensor_mesh(like);
             tp_from_local_options o = {.global_shape = tp_tensor_shape(like), .check = false};
@@ -574,7 +563,7 @@ static tp_status tp__copy_alias(tp_tensor *copy, const tp_tensor *like, tp_tenso
         }
         tp_tensor_release(v);
     } else {
-        st = tp__alias(copy, &r);
+        st = tp__tensor_alias(copy, &r);
     }
     if (st == TP_OK && tp_tensor_requires_grad(copy))
         st = tp_tensor_set_requires_grad(r, true);

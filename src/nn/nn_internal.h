@@ -129,10 +129,6 @@ tp_status tp__module_walk_params(tp_module *m, bool unique,
  * regions are different parameters. */
 bool tp__param_same(const tp_tensor *a, const tp_tensor *b);
 
-/* A new plain header over t's storage region (same shape, strides and
- * offset), without autograd state. */
-tp_status tp__alias(tp_tensor *t, tp_tensor **out);
-
 /* Original parameters -> their copies (tp_module_to, tp_module_replicate),
  * so that a tied parameter stays tied in the copy: the same tensor maps to
  * the same copy, another handle over the same parameter (tp__param_same) to

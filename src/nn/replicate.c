@@ -63,7 +63,7 @@ static tp_status tp__param_replica(tp__rep *r, const char *owner, const char *na
     tp_status st = tp__param_map_find(&r->memo, p, &t);
     if (st == TP_OK && !t) {
         if (tp__device_eq(r->dev, r->src) && tp__device_eq(tp_tensor_device(p), r->phys))
-            st = tp__alias(p, &t);
+            st = tp__tensor_alias(p, &t);
         else
             st = tp_tensor_to(p, tp_tensor_dtype(p), r->phys, &t);
         if (st == TP_OK && tp_tensor_requires_grad(p))
