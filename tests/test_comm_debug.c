@@ -267,6 +267,44 @@ Test(comm_debug, scope_fqn_limit, .timeout = CD_TIMEOUT)
     cr_assert_eq(tp_comm_debug_pop_scope(), TP_OK);
 }
 
+/* A module whose FQN is over the limit is refused with its real length, not
+ * the length of the buffer it was cut to: "outer.inner.leaf" with names of
+ * na, nb and nc characters. */
+static void long_fqn_case(int na, int nb, int nc)
+{
+    char name[3][600];
+    int lens[3] = {na, nb, nc};
+    for (int i = 0; i < 3; i++) {
+        memset(name[i], 'a' + i, (size_t)lens[i]);
+        name[i][lens[i]] = '\0';
+    }
+    tp_module *root = NULL, *outer = NULL, *inner = NULL, *leaf = NULL;
+    cr_assert_eq(tp_nn_container_create(&root), TP_OK);
+    cr_assert_eq(tp_nn_container_create(&outer), TP_OK);
+    cr_assert_eq(tp_nn_container_create(&inner), TP_OK);
+    cr_assert_eq(tp_nn_linear_create(4, 3, false, &leaf), TP_OK);
+    cr_assert_eq(tp_module_add_child(inner, name[2], leaf), TP_OK);
+    cr_assert_eq(tp_module_add_child(outer, name[1], inner), TP_OK);
+    cr_assert_eq(tp_module_add_child(root, name[0], outer), TP_OK);
+    tp_tensor *x = NULL, *y = NULL;
+    cr_assert_eq(tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){2, 4}, &x), TP_OK);
+    cr_assert_eq(tp_module_call(leaf, x, &y), TP_ERR_INVALID_ARG);
+    char want[64];
+    snprintf(want, sizeof want, "has %d characters, at most 255 allowed", na + nb + nc + 2);
+    cr_assert(strstr(tp_last_error(), want), "want \"%s\" in: %s", want, tp_last_error());
+    cr_assert_null(y);
+    cr_assert_str_eq(tp_comm_debug_current_scope(), TP_COMM_DEBUG_GLOBAL, "stack unchanged");
+    tp_tensor_release(x);
+    tp_module_free(root);
+}
+
+Test(comm_debug, module_fqn_over_limit_reports_its_length, .timeout = CD_TIMEOUT)
+{
+    long_fqn_case(100, 100, 100); /* 302 */
+    long_fqn_case(120, 80, 54);   /* 256: one past the limit */
+    long_fqn_case(500, 500, 500); /* 1502 */
+}
+
 Test(comm_debug, phase, .timeout = CD_TIMEOUT)
 {
     cr_assert_eq(tp_comm_debug_phase(), TP_PHASE_FORWARD);

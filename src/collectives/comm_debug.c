@@ -379,7 +379,7 @@ static tp_status tp__cd_push(const char *fn, const char *fqn, size_t len, const 
                  (int)len, fqn, tp_comm_debug_current_scope(), TP__CD_MAX_DEPTH);
     TP_ARG_CHECK(len <= TP__CD_MAX_FQN,
                  "%s: scope FQN \"%.*s...\" has %zu characters, at most %d allowed", fn, 64,
-                 fqn, len, TP__CD_MAX_FQN);
+                 fqn, len, TP__CD_MAX_FQN); /* len > 64 here: fqn holds 64 at least */
     TP_ARG_CHECK(len != sizeof TP_COMM_DEBUG_GLOBAL - 1 || memcmp(fqn, TP_COMM_DEBUG_GLOBAL, len),
                  "%s: scope FQN \"%s\" is reserved for the root of all scopes", fn,
                  TP_COMM_DEBUG_GLOBAL);
@@ -442,11 +442,11 @@ tp_status tp_comm_debug_push_scope(const char *name)
     return tp__cd_push(fn, fqn, start + n, NULL);
 }
 
-tp_status tp__comm_debug_push_module(const char *fqn, const char *root_type)
+tp_status tp__comm_debug_push_module(const char *fqn, size_t len, const char *root_type)
 {
     if (!fqn)
         return tp__error(TP_ERR_INVALID_ARG, "module scope: fqn is NULL");
-    return tp__cd_push("module scope", fqn, strlen(fqn), root_type);
+    return tp__cd_push("module scope", fqn, len, root_type);
 }
 
 tp_status tp_comm_debug_pop_scope(void)

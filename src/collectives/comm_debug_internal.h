@@ -9,13 +9,15 @@
 /* Longest scope FQN, in characters. */
 #define TP__CD_MAX_FQN 255
 
-/* Enters the scope of a module: `fqn` is its FQN in its module tree (""
- * for a root), taken as it is rather than nested in the current scope, so a
- * module has one scope whoever calls it. `root_type` is the type name the
- * table shows for the root scope "" (NULL for other modules). The limits of
- * tp_comm_debug_push_scope apply, and "Global" is refused: TP_ERR_INVALID_ARG,
- * stack unchanged. */
-tp_status tp__comm_debug_push_module(const char *fqn, const char *root_type);
+/* Enters the scope of a module: its FQN in its module tree ("" for a root)
+ * has `len` characters, of which `fqn` holds at least the first
+ * min(len, TP__CD_MAX_FQN + 1) (a longer one is refused, with its length, so
+ * the caller may cut it); it is taken as it is rather than nested in the
+ * current scope, so a module has one scope whoever calls it. `root_type` is
+ * the type name the table shows for the root scope "" (NULL for other
+ * modules). The limits of tp_comm_debug_push_scope apply, and "Global" is
+ * refused: TP_ERR_INVALID_ARG, stack unchanged. */
+tp_status tp__comm_debug_push_module(const char *fqn, size_t len, const char *root_type);
 
 /* The calling thread's open scopes, saved to re-enter later (a backward
  * re-enters the scopes its node was created in). */
