@@ -1,6 +1,7 @@
 /* The comm-debug counter: the per-thread phase and scope stack, and the
  * counters the collectives dispatch layer feeds through
- * tp__comm_debug_record(). */
+ * tp__comm_debug_record(); and the TRACE lines of TP_DEBUG for the
+ * collectives it records. */
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -8,6 +9,7 @@
 
 #include "collectives/coll.h"
 #include "collectives/comm_debug_internal.h"
+#include "core/log.h"
 
 #define TP__CD_MAX_DEPTH 32
 /* A root module's type name as the thread keeps it (longer ones are cut),
@@ -776,4 +778,43 @@ tp_status tp_comm_debug_write_table(const tp_comm_debug *debug, FILE *f)
     if (o.failed)
         return tp__error(TP_ERR_BACKEND, "comm_debug_write_table: write failed");
     return TP_OK;
+}
+
+/* ---- TP_DEBUG ------------------------------------------------------------ */
+
+uint32_t tp__comm_debug_comm_id(uint32_t parent, uint32_t seq, int color)
+{
+    uint32_t w[3] = {parent, seq, (uint32_t)color};
+    return tp__cd_hash((const char *)w, sizeof w);
+}
+
+void tp__comm_debug_trace(const tp_comm *comm, const tp_coll_desc *d, size_t bytes,
+                          double seconds)
+{
+    if (!tp__log_enabled(TP_LOG_TRACE))
+        return;
+    char what[256] = "", a[96], b[96];
+    if (d->kind != TP_COLL_BARRIER) {
+        const tp_tensor *s = d->send ? d->send : d->recv; /* scatter off the root: recv only */
+        int n = snprintf(what, sizeof what, "%s %s", tp_dtype_name(d->dtype),
+                         tp__shape_str(s->ndim, s->shape, a, sizeof a));
+        bool same = d->recv && d->recv->ndim == s->ndim &&
+                    !memcmp(d->recv->shape, s->shape, sizeof(int64_t) * (size_t)s->ndim);
+        if (d->recv && !same && n > 0 && (size_t)n < sizeof what)
+            n += snprintf(what + n, sizeof what - (size_t)n, " -> %s",
+                          tp__shape_str(d->recv->ndim, d->recv->shape, b, sizeof b));
+        if (n > 0 && (size_t)n < sizeof what)
+            snprintf(what + n, sizeof what - (size_t)n, ", count %zu, ", d->count);
+    }
+    char extra[48] = "";
+    if (d->kind == TP_COLL_ALL_REDUCE || d->kind == TP_COLL_REDUCE_SCATTER)
+        snprintf(extra, sizeof extra, ", %s", tp_reduce_op_name(d->op));
+    else if (d->kind == TP_COLL_BROADCAST || d->kind == TP_COLL_SCATTER)
+        snprintf(extra, sizeof extra, ", root %d", d->root);
+    char took[32] = ", async";
+    if (seconds >= 0)
+        snprintf(took, sizeof took, ", %.1f us", seconds * 1e6);
+    tp__log(TP_LOG_TRACE, "coll %s comm %08x (%s, rank %d of %d): %s%zu bytes%s%s",
+            tp_coll_kind_name(d->kind), comm->id, comm->ops.name, comm->rank, comm->size, what,
+            bytes, extra, took);
 }

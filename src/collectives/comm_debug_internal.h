@@ -34,4 +34,13 @@ int tp__comm_debug_enter(const tp__cd_saved *saved);
 int tp__comm_debug_depth(void);
 void tp__comm_debug_leave(int n);
 
+/* TP_DEBUG (core/log.h): a communicator's id, the same on every rank of its
+ * group (a split's is derived from its parent's, the parent's split count
+ * and the color); and the TRACE line of a collective the dispatch layer
+ * issued (bytes as the counter records them; seconds < 0: not completed
+ * yet, handed out as work). */
+uint32_t tp__comm_debug_comm_id(uint32_t parent, uint32_t seq, int color);
+void tp__comm_debug_trace(const tp_comm *comm, const tp_coll_desc *d, size_t bytes,
+                          double seconds);
+
 #endif /* TP_COMM_DEBUG_INTERNAL_H */
