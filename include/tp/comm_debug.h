@@ -46,7 +46,10 @@
  * on every rank), barrier 0.
  *
  * Phase and scope are per-thread state kept whether or not a counter is
- * active, so modules and autograd can set them unconditionally.
+ * active, so modules and autograd can set them unconditionally. Every op
+ * autograd records keeps the scopes open at the time (so a backward counted
+ * on its own still counts in its forward's scopes); that costs the op a
+ * pointer, the stacks of scopes being interned per thread.
  *
  * To see each collective as it is issued (its communicator, dtype, shape,
  * count, bytes as counted here, and duration), with the sharding strategy

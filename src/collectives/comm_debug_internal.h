@@ -24,8 +24,13 @@ tp_status tp__comm_debug_push_module(const char *fqn, size_t len, const char *ro
 typedef struct tp__cd_saved tp__cd_saved;
 
 /* *out is NULL when no scope is open (the backward then counts in "Global"
- * only). TP_ERR_NO_MEMORY when the copy cannot be allocated. */
+ * only). Saving is cheap, counter or not: open scopes are interned, once per
+ * distinct stack of scopes and thread, and every save under the same open
+ * scope returns the same immutable record, so an op recorded by autograd
+ * neither copies nor allocates (see comm_debug.c). TP_ERR_NO_MEMORY when a
+ * record cannot be allocated. */
 tp_status tp__comm_debug_save(tp__cd_saved **out);
+/* Releases what a save returned (interned records stay; NULL is a no-op). */
 void tp__comm_debug_saved_free(tp__cd_saved *saved);
 /* Pushes the saved scopes, outermost first, on top of the current ones;
  * returns how many it pushed (all of them unless the stack is full). */
