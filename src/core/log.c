@@ -4,8 +4,11 @@
  * The level is read once per process, on the first guard that finds it
  * unread. Lines go to stderr, or to one file per expansion of TP_DEBUG_FILE
  * ("%r" the world rank, "%p" the pid, "%h" the host), opened on first use,
- * line-buffered and closed when the library unloads. One mutex serializes
- * the writes, so lines of rank threads never interleave. The log's own
+ * line-buffered and closed when the library unloads. Each line is one fputs,
+ * which stdio makes atomic per stream, so lines never interleave; rank
+ * threads writing to their own files do not wait for each other (each keeps
+ * its stream; the table of streams is locked only to find or open one), and
+ * a read-write lock keeps the streams open while anyone writes. The log's own
  * bookkeeping uses libc's allocator, not tp_allocator, so that turning it on
  * does not change what an allocator hook sees. */
 #include <errno.h>
@@ -32,7 +35,7 @@ static _Thread_local int tp__log_thread_rank = -1;
 static atomic_int tp__log_process_rank = -1;
 
 /* The files opened so far, by expanded path; f NULL: could not be opened,
- * its lines go to stderr. Guarded by tp__log_mu, as are the writes. */
+ * its lines go to stderr. Guarded by tp__log_mu. */
 typedef struct {
     char *path;
     FILE *f;
@@ -41,7 +44,13 @@ typedef struct {
 static pthread_mutex_t tp__log_mu = PTHREAD_MUTEX_INITIALIZER;
 static tp__log_sink *tp__log_sinks;
 static size_t tp__log_nsinks, tp__log_cap;
-static bool tp__log_closed, tp__log_open_warned;
+static bool tp__log_open_warned;
+/* Held shared around every write, alone to close the files. */
+static pthread_rwlock_t tp__log_rw = PTHREAD_RWLOCK_INITIALIZER;
+static bool tp__log_closed;
+/* The calling thread's stream and the rank it was found for. */
+static _Thread_local FILE *tp__log_my_stream;
+static _Thread_local int tp__log_my_rank = -2;
 
 static const char *const tp__log_names[] = {"OFF", "WARN", "INFO", "TRACE"};
 
@@ -174,16 +183,16 @@ static bool tp__log_expand(char *out, size_t len, int rank)
     return true;
 }
 
-/* The stream for the calling rank's lines: its file, stderr when it cannot
- * be opened, NULL once the files are closed. tp__log_mu held. */
-static FILE *tp__log_stream(void)
+/* The stream for rank's lines: its file, or stderr when there is none or it
+ * cannot be opened; *keep false when the next line should look again (out
+ * of memory). tp__log_mu held. */
+static FILE *tp__log_stream(int rank, bool *keep)
 {
-    if (tp__log_closed)
-        return NULL;
+    *keep = true;
     if (!tp__log_pattern[0])
         return stderr;
     char path[PATH_MAX];
-    if (!tp__log_expand(path, sizeof path, tp__log_rank())) {
+    if (!tp__log_expand(path, sizeof path, rank)) {
         if (!tp__log_open_warned)
             tp__log_warn_stderr("TP_DEBUG_FILE \"%s\" expands to a path longer than %d "
                                 "characters; printing to stderr instead", tp__log_pattern,
@@ -217,6 +226,7 @@ static FILE *tp__log_stream(void)
         free(copy);
         if (f)
             fclose(f);
+        *keep = false;
         return stderr;
     }
     tp__log_sinks[tp__log_nsinks++] = (tp__log_sink){copy, f};
@@ -237,17 +247,28 @@ void tp__log(int level, const char *fmt, ...)
     if ((size_t)n >= sizeof msg)
         memcpy(msg + sizeof msg - 4, "...", 4);
     tp__log_format(line, sizeof line, level, msg);
-    pthread_mutex_lock(&tp__log_mu);
-    FILE *f = tp__log_stream();
-    if (f)
+    pthread_rwlock_rdlock(&tp__log_rw);
+    if (!tp__log_closed) {
+        int rank = tp__log_rank();
+        FILE *f = tp__log_my_stream;
+        if (!f || tp__log_my_rank != rank) {
+            bool keep = true;
+            pthread_mutex_lock(&tp__log_mu);
+            f = tp__log_stream(rank, &keep);
+            pthread_mutex_unlock(&tp__log_mu);
+            tp__log_my_stream = keep ? f : NULL;
+            tp__log_my_rank = rank;
+        }
         fputs(line, f);
-    pthread_mutex_unlock(&tp__log_mu);
+    }
+    pthread_rwlock_unlock(&tp__log_rw);
 }
 
 /* Closes the files when the library unloads (at exit for a program linked
  * with it); a line logged after that is dropped. */
 __attribute__((destructor)) static void tp__log_fini(void)
 {
+    pthread_rwlock_wrlock(&tp__log_rw);
     pthread_mutex_lock(&tp__log_mu);
     for (size_t i = 0; i < tp__log_nsinks; i++) {
         if (tp__log_sinks[i].f)
@@ -259,4 +280,5 @@ __attribute__((destructor)) static void tp__log_fini(void)
     tp__log_nsinks = tp__log_cap = 0;
     tp__log_closed = true;
     pthread_mutex_unlock(&tp__log_mu);
+    pthread_rwlock_unlock(&tp__log_rw);
 }
