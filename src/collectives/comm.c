@@ -499,16 +499,16 @@ static tp_status tp__finish(tp_comm *comm, const char *fn, tp_status st)
     return st;
 }
 
+/* *d: the descriptor, filled once the arguments pass validation. */
 static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
                            const tp_tensor *send, tp_tensor *recv, tp_reduce_op op, int root,
-                           tp_work **work)
+                           tp_work **work, tp_coll_desc *d)
 {
     if (work)
         *work = NULL;
     TP_ARG_CHECK(comm, "%s: comm is NULL", fn);
-    tp_coll_desc d;
-    TP_CHECK(tp__prepare(comm, kind, fn, send, recv, op, root, &d));
-    d.timeout_s = comm->timeout_s;
+    TP_CHECK(tp__prepare(comm, kind, fn, send, recv, op, root, d));
+    d->timeout_s = comm->timeout_s;
     if (comm->aborted)
         return tp__error(TP_ERR_ABORTED, "%s: communicator aborted: %s", fn, comm->abort_reason);
 
@@ -518,15 +518,15 @@ static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
         if (!w)
             return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the work handle", fn);
     }
-    tp__comm_debug_record(kind, tp__debug_bytes(&d, comm->size));
+    tp__comm_debug_record(kind, tp__debug_bytes(d, comm->size));
 
     tp_status st = TP_OK;
     if (comm->check && !comm->ops.checks_descriptors && comm->size > 1)
-        st = tp__check_descriptors(comm, fn, &d);
+        st = tp__check_descriptors(comm, fn, d);
     void *impl = NULL;
     if (st == TP_OK) {
         tp_clear_error();
-        st = comm->ops.collective(comm->state, &d, &impl);
+        st = comm->ops.collective(comm->state, d, &impl);
         if (st != TP_OK && !tp_last_error()[0]) /* a user backend's bare status */
             tp__error(st, "backend '%s' %s %s", comm->ops.name,
                       st == TP_ERR_NOT_SUPPORTED ? "does not implement"
@@ -558,22 +558,22 @@ static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
 }
 
 /* With TP_DEBUG at WARN or above, the collective's line: a failure (WARN),
- * or what it moved and, when it completed here, how long it took (TRACE). */
+ * or what it moved and, when it completed here, how long it took (TRACE).
+ * One call of tp__issue, so that it stays inlined here. */
 static tp_status tp__dispatch(tp_comm *comm, tp_coll_kind kind, const char *fn,
                               const tp_tensor *send, tp_tensor *recv, tp_reduce_op op, int root,
                               tp_work **work)
 {
-    if (!TP_LOG_ON(TP_LOG_WARN))
-        return tp__issue(comm, kind, fn, send, recv, op, root, work);
-    double t0 = tp__log_now();
-    tp_status st = tp__issue(comm, kind, fn, send, recv, op, root, work);
-    double seconds = tp__log_now() - t0;
+    double t0 = TP_LOG_ON(TP_LOG_WARN) ? tp__log_now() : -1;
     tp_coll_desc d;
-    if (st == TP_OK && tp__prepare(comm, kind, fn, send, recv, op, root, &d) == TP_OK)
-        tp__comm_debug_trace(comm, &d, tp__debug_bytes(&d, comm->size),
-                             work && *work && !(*work)->done ? -1 : seconds);
-    else if (st != TP_OK)
-        tp__log(TP_LOG_WARN, "%s failed: %s: %s", fn, tp_status_name(st), tp_last_error());
+    tp_status st = tp__issue(comm, kind, fn, send, recv, op, root, work, &d);
+    if (TP_UNLIKELY(t0 >= 0)) {
+        if (st == TP_OK)
+            tp__comm_debug_trace(comm, &d, tp__debug_bytes(&d, comm->size),
+                                 work && *work && !(*work)->done ? -1 : tp__log_now() - t0);
+        else
+            tp__log(TP_LOG_WARN, "%s failed: %s: %s", fn, tp_status_name(st), tp_last_error());
+    }
     return st;
 }
 
