@@ -88,7 +88,8 @@ void tp__log_op(const tp__op *op, const tp__node *node, const tp_tensor *gy)
         for (int d = 0; d < m; d++)
             want[d] = op->out_pl[d].kind == TP_PLACEMENT_PARTIAL ? tp_replicate() : op->out_pl[d];
         tp__line_add(&l, ": grad out ");
-        const tp_placement *cur = gy && gy->dist ? tp_dtensor_placements(gy) : NULL;
+        const tp_placement *cur =
+            gy && tp_tensor_is_dtensor(gy) ? tp_dtensor_placements(gy) : NULL;
         if (cur && !tp__same_placements(m, cur, want)) {
             tp__line_placements(&l, m, cur);
             tp__line_add(&l, " => ");
