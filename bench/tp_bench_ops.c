@@ -27,7 +27,7 @@ typedef struct {
     int64_t tokens, in, out;
     int reps;
     /* results from rank 0 */
-    double op_us, kernel_us, op_grad_us, redist_us, coll_us;
+    double op_us, kernel_us, op_grad_us, op_scoped_us, redist_us, coll_us;
     double tp_ms, hand_ms;
     tp_status st;
     char err[512];
@@ -45,13 +45,28 @@ typedef struct {
 
 enum { BATCH = 2000, BATCHES = 15 };
 
+/* Seconds per call over BATCH calls of tp_linear(x, wt). */
+static tp_status linear_batch(tp_tensor *x, tp_tensor *wt, double *seconds)
+{
+    double t0 = bench_now_s();
+    for (int i = 0; i < BATCH; i++) {
+        tp_tensor *y = NULL;
+        tp_status st = tp_linear(x, wt, NULL, &y);
+        if (st != TP_OK)
+            return st;
+        tp_tensor_release(y);
+    }
+    *seconds = (bench_now_s() - t0) / BATCH;
+    return TP_OK;
+}
+
 static tp_status overhead(tp_comm *w, cfg *c, tp_mesh *mesh)
 {
     int r = tp_comm_rank(w);
     int64_t n = tp_comm_size(w);
     /* small: x [4, 16] R, W [16 n, 16] S(0): colwise, exact match, no comm */
     int64_t xs[2] = {4, 16}, ws[2] = {16 * n, 16};
-    tp_tensor *xf = NULL, *wf = NULL, *x = NULL, *wt = NULL, *y = NULL;
+    tp_tensor *xf = NULL, *wf = NULL, *x = NULL, *wt = NULL;
     CHECK(tp_tensor_zeros(TP_F32, TP_CPU, 2, xs, &xf));
     CHECK(tp_tensor_zeros(TP_F32, TP_CPU, 2, ws, &wf));
     CHECK(tp_tensor_fill_random(xf, TP_RNG_UNIFORM, -1, 1, 1, NULL, NULL));
@@ -64,13 +79,8 @@ static tp_status overhead(tp_comm *w, cfg *c, tp_mesh *mesh)
     float yl[4 * 16];
     double t_op[BATCHES], t_k[BATCHES], t_g[BATCHES];
     for (int b = 0; b < BATCHES; b++) {
+        CHECK(linear_batch(x, wt, &t_op[b]));
         double t0 = bench_now_s();
-        for (int i = 0; i < BATCH; i++) {
-            CHECK(tp_linear(x, wt, NULL, &y));
-            tp_tensor_release(y);
-        }
-        t_op[b] = (bench_now_s() - t0) / BATCH;
-        t0 = bench_now_s();
         for (int i = 0; i < BATCH; i++)
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 4, 16, 16, 1.0f, xl, 16, wl, 16,
                         0.0f, yl, 16);
@@ -78,14 +88,17 @@ static tp_status overhead(tp_comm *w, cfg *c, tp_mesh *mesh)
     }
     /* with autograd recording: the weight requires grad */
     CHECK(tp_tensor_set_requires_grad(wt, true));
-    for (int b = 0; b < BATCHES; b++) {
-        double t0 = bench_now_s();
-        for (int i = 0; i < BATCH; i++) {
-            CHECK(tp_linear(x, wt, NULL, &y));
-            tp_tensor_release(y);
-        }
-        t_g[b] = (bench_now_s() - t0) / BATCH;
-    }
+    for (int b = 0; b < BATCHES; b++)
+        CHECK(linear_batch(x, wt, &t_g[b]));
+    /* and inside two comm-debug scopes (as in a module), no counter active:
+     * autograd saves the open scopes with every node */
+    double t_s[BATCHES];
+    CHECK(tp_comm_debug_push_scope("block"));
+    CHECK(tp_comm_debug_push_scope("mlp"));
+    for (int b = 0; b < BATCHES; b++)
+        CHECK(linear_batch(x, wt, &t_s[b]));
+    CHECK(tp_comm_debug_pop_scope());
+    CHECK(tp_comm_debug_pop_scope());
     /* redistribute S(0) -> R of a [4 n, 16] tensor vs the bare all_gather */
     int64_t ss[2] = {4 * n, 16}, ls[2] = {4, 16};
     tp_tensor *sf = NULL, *sd = NULL, *rd = NULL, *send = NULL, *recv = NULL;
@@ -116,6 +129,7 @@ static tp_status overhead(tp_comm *w, cfg *c, tp_mesh *mesh)
         c->op_us = bench_median(t_op, BATCHES) * 1e6;
         c->kernel_us = bench_median(t_k, BATCHES) * 1e6;
         c->op_grad_us = bench_median(t_g, BATCHES) * 1e6;
+        c->op_scoped_us = bench_median(t_s, BATCHES) * 1e6;
         c->redist_us = bench_median(t_r, BATCHES) * 1e6;
         c->coll_us = bench_median(t_c, BATCHES) * 1e6;
     }
@@ -261,6 +275,8 @@ int main(int argc, char **argv)
            16, c.op_us, c.kernel_us, c.op_us - c.kernel_us);
     printf("  same, weight requires grad (node recorded): %8.3f us -> overhead %6.3f us\n",
            c.op_grad_us, c.op_grad_us - c.kernel_us);
+    printf("  same, inside 2 comm-debug scopes, no counter: %8.3f us -> overhead %6.3f us\n",
+           c.op_scoped_us, c.op_scoped_us - c.kernel_us);
     printf("redistribute S(0)->R [4n,16]: %8.3f us/call, bare all_gather %8.3f us -> overhead "
            "%6.3f us\n",
            c.redist_us, c.coll_us, c.redist_us - c.coll_us);

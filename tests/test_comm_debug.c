@@ -267,6 +267,44 @@ Test(comm_debug, scope_fqn_limit, .timeout = CD_TIMEOUT)
     cr_assert_eq(tp_comm_debug_pop_scope(), TP_OK);
 }
 
+/* A module whose FQN is over the limit is refused with its real length, not
+ * the length of the buffer it was cut to: "outer.inner.leaf" with names of
+ * na, nb and nc characters. */
+static void long_fqn_case(int na, int nb, int nc)
+{
+    char name[3][600];
+    int lens[3] = {na, nb, nc};
+    for (int i = 0; i < 3; i++) {
+        memset(name[i], 'a' + i, (size_t)lens[i]);
+        name[i][lens[i]] = '\0';
+    }
+    tp_module *root = NULL, *outer = NULL, *inner = NULL, *leaf = NULL;
+    cr_assert_eq(tp_nn_container_create(&root), TP_OK);
+    cr_assert_eq(tp_nn_container_create(&outer), TP_OK);
+    cr_assert_eq(tp_nn_container_create(&inner), TP_OK);
+    cr_assert_eq(tp_nn_linear_create(4, 3, false, &leaf), TP_OK);
+    cr_assert_eq(tp_module_add_child(inner, name[2], leaf), TP_OK);
+    cr_assert_eq(tp_module_add_child(outer, name[1], inner), TP_OK);
+    cr_assert_eq(tp_module_add_child(root, name[0], outer), TP_OK);
+    tp_tensor *x = NULL, *y = NULL;
+    cr_assert_eq(tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){2, 4}, &x), TP_OK);
+    cr_assert_eq(tp_module_call(leaf, x, &y), TP_ERR_INVALID_ARG);
+    char want[64];
+    snprintf(want, sizeof want, "has %d characters, at most 255 allowed", na + nb + nc + 2);
+    cr_assert(strstr(tp_last_error(), want), "want \"%s\" in: %s", want, tp_last_error());
+    cr_assert_null(y);
+    cr_assert_str_eq(tp_comm_debug_current_scope(), TP_COMM_DEBUG_GLOBAL, "stack unchanged");
+    tp_tensor_release(x);
+    tp_module_free(root);
+}
+
+Test(comm_debug, module_fqn_over_limit_reports_its_length, .timeout = CD_TIMEOUT)
+{
+    long_fqn_case(100, 100, 100); /* 302 */
+    long_fqn_case(120, 80, 54);   /* 256: one past the limit */
+    long_fqn_case(500, 500, 500); /* 1502 */
+}
+
 Test(comm_debug, phase, .timeout = CD_TIMEOUT)
 {
     cr_assert_eq(tp_comm_debug_phase(), TP_PHASE_FORWARD);
@@ -698,6 +736,97 @@ Test(comm_debug, allocation_failures, .timeout = CD_TIMEOUT)
         alloc_session(k, &complete);
         cr_assert(!complete, "failing allocation %ld of %ld went unnoticed", k, total);
     }
+}
+
+/* ---- scopes saved by autograd ------------------------------------------------ */
+
+/* Allocations of one recorded op (a * a, a requires grad) through the
+ * installed allocator. */
+static long allocs_of_recorded_op(tp_tensor *a)
+{
+    tp_tensor *y = NULL;
+    long before = atomic_load(&alloc_calls);
+    cr_assert_eq(tp_mul(a, a, &y), TP_OK);
+    long n = atomic_load(&alloc_calls) - before;
+    cr_assert(tp_tensor_has_grad_fn(y), "the op was recorded");
+    tp_tensor_release(y);
+    return n;
+}
+
+/* Every op autograd records saves the open scopes (a backward re-enters
+ * them), counter or not: that costs no allocation of its own, under the same
+ * scopes as the previous op or under new ones. */
+Test(comm_debug, recording_an_op_in_a_scope_allocates_nothing_more, .timeout = CD_TIMEOUT)
+{
+    install_failing_allocator(-1);
+    tp_tensor *a = NULL;
+    cr_assert_eq(tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){4}, &a), TP_OK);
+    cr_assert_eq(tp_tensor_set_requires_grad(a, true), TP_OK);
+    long outside = allocs_of_recorded_op(a);
+    cr_assert_gt(outside, 0);
+    cr_assert_eq(tp_comm_debug_push_scope("block"), TP_OK);
+    cr_assert_eq(tp_comm_debug_push_scope("attn"), TP_OK);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(allocs_of_recorded_op(a), outside, "op %d under block.attn", i);
+    cr_assert_eq(tp_comm_debug_pop_scope(), TP_OK);
+    cr_assert_eq(tp_comm_debug_push_scope("mlp"), TP_OK);
+    cr_assert_eq(allocs_of_recorded_op(a), outside, "under block.mlp");
+    cr_assert_eq(tp_comm_debug_pop_scope(), TP_OK);
+    cr_assert_eq(tp_comm_debug_pop_scope(), TP_OK);
+    tp_tensor_release(a);
+    cr_assert_eq(atomic_load(&alloc_live), 0);
+    tp_set_allocator(NULL);
+}
+
+/* Scope names made up per call would intern without end: past a limit the
+ * saves are private copies, freed with their nodes, and a backward still
+ * re-enters them. */
+Test(comm_debug, saved_scopes_past_the_intern_limit, .timeout = 120)
+{
+    install_failing_allocator(-1);
+    tp_tensor *a = NULL, *keep[3] = {NULL};
+    cr_assert_eq(tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){4}, &a), TP_OK);
+    cr_assert_eq(tp_tensor_set_requires_grad(a, true), TP_OK);
+    cr_assert_eq(tp_comm_debug_push_scope("run"), TP_OK);
+    enum { N = 66000 }; /* above the 65536 interned records */
+    char name[32];
+    for (int i = 0; i < N; i++) {
+        snprintf(name, sizeof name, "s%d", i);
+        cr_assert_eq(tp_comm_debug_push_scope(name), TP_OK);
+        tp_tensor *y = NULL;
+        cr_assert_eq(tp_mul(a, a, &y), TP_OK);
+        if (i == 0 || i >= N - 2)
+            keep[i ? i - (N - 3) : 0] = y;
+        else
+            tp_tensor_release(y);
+        cr_assert_eq(tp_comm_debug_pop_scope(), TP_OK);
+    }
+    cr_assert_eq(tp_comm_debug_pop_scope(), TP_OK);
+    long live = atomic_load(&alloc_live);
+    tp_comm_debug *d = NULL;
+    cr_assert_eq(tp_comm_debug_create(&d), TP_OK);
+    cr_assert_eq(tp_comm_debug_begin(d), TP_OK);
+    for (int k = 0; k < 3; k++) {
+        tp_tensor *l = NULL;
+        cr_assert_eq(tp_sum_all(keep[k], &l), TP_OK);
+        cr_assert_eq(tp_backward(l, NULL), TP_OK);
+        tp_tensor_release(l);
+    }
+    cr_assert_eq(tp_comm_debug_end(d), TP_OK);
+    const char *seen[] = {"run", "run.s0", "run.s65998", "run.s65999"};
+    for (int k = 0; k < 4; k++) {
+        int64_t n = -1;
+        cr_assert_eq(tp_comm_debug_scope_count(d, seen[k], TP_PHASE_COUNT, TP_COLL_ANY, &n),
+                     TP_OK, "%s re-entered by the backward: %s", seen[k], tp_last_error());
+        cr_assert_eq(n, 0);
+    }
+    tp_comm_debug_free(d);
+    cr_assert_leq(atomic_load(&alloc_live), live, "the backward freed what it made");
+    for (int k = 0; k < 3; k++)
+        tp_tensor_release(keep[k]);
+    tp_tensor_release(a);
+    cr_assert_eq(atomic_load(&alloc_live), 0, "the private copies went with their nodes");
+    tp_set_allocator(NULL);
 }
 
 /* ---- counting real collectives ------------------------------------------- */

@@ -46,7 +46,16 @@
  * on every rank), barrier 0.
  *
  * Phase and scope are per-thread state kept whether or not a counter is
- * active, so modules and autograd can set them unconditionally.
+ * active, so modules and autograd can set them unconditionally. Every op
+ * autograd records keeps the scopes open at the time (so a backward counted
+ * on its own still counts in its forward's scopes); that costs the op a
+ * pointer, the stacks of scopes being interned per thread.
+ *
+ * To see each collective as it is issued (its communicator, dtype, shape,
+ * count, bytes as counted here, and duration), with the sharding strategy
+ * of every op and each redistribute step before it, set TP_DEBUG=TRACE (or
+ * INFO without the collectives) and TP_DEBUG_FILE=/tmp/tp-%r.log for one
+ * file per rank: docs/API.md, "Debugging: TP_DEBUG".
  *
  * Read a counter (queries, writers) on the thread it is active on, or after
  * tp_comm_debug_end() once that end happens-before the read (a thread join,

@@ -19,6 +19,7 @@ struct tp_comm {
     bool check;
     bool owned_by_run; /* the world handed out by tp_run_local */
     uint64_t check_seq;
+    uint32_t id, nsplits; /* TP_DEBUG's comm id (the same on every rank) and splits so far */
     bool aborted; /* known to this rank: abort called or a collective reported it */
     char abort_reason[256];
     /* References: the creator's (dropped by tp_comm_free), one per mesh that

@@ -6,6 +6,8 @@
 #include <string.h>
 
 #include "collectives/coll.h"
+#include "collectives/comm_debug_internal.h"
+#include "core/log.h"
 
 static const char *const tp__kind_names[TP_COLL_KIND_COUNT] = {
     [TP_COLL_ALL_REDUCE] = "all_reduce",         [TP_COLL_ALL_GATHER] = "all_gather",
@@ -90,6 +92,7 @@ tp_status tp_comm_create(const tp_backend *backend, void *state, int rank, int s
     c->size = size;
     c->timeout_s = tp__default_timeout();
     c->check = tp__default_check();
+    c->id = tp__comm_debug_comm_id(0, (uint32_t)size, 0);
     atomic_init(&c->refs, 1);
     atomic_init(&c->pending, 0);
     *out = c;
@@ -127,6 +130,8 @@ tp_status tp_comm_create_world(const char *backend_name, void *options, tp_comm 
     tp_status st = tp_comm_create(b, state, rank, size, out);
     if (st != TP_OK && b->free)
         b->free(state);
+    if (st == TP_OK)
+        tp__log_set_process_rank(rank);
     return st;
 }
 
@@ -193,6 +198,7 @@ tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out)
                          comm->ops.name);
     if (color < 0)
         color = TP_COMM_NO_COLOR;
+    uint32_t split_seq = comm->nsplits++; /* every rank splits: the same on all */
     void *state = NULL;
     int rank = 0, size = 0;
     tp_status st =
@@ -213,6 +219,7 @@ tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out)
     }
     c->timeout_s = comm->timeout_s;
     c->check = comm->check;
+    c->id = tp__comm_debug_comm_id(comm->id, split_seq, color);
     *out = c;
     return TP_OK;
 }
@@ -492,16 +499,16 @@ static tp_status tp__finish(tp_comm *comm, const char *fn, tp_status st)
     return st;
 }
 
-static tp_status tp__dispatch(tp_comm *comm, tp_coll_kind kind, const char *fn,
-                              const tp_tensor *send, tp_tensor *recv, tp_reduce_op op, int root,
-                              tp_work **work)
+/* *d: the descriptor, filled once the arguments pass validation. */
+static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
+                           const tp_tensor *send, tp_tensor *recv, tp_reduce_op op, int root,
+                           tp_work **work, tp_coll_desc *d)
 {
     if (work)
         *work = NULL;
     TP_ARG_CHECK(comm, "%s: comm is NULL", fn);
-    tp_coll_desc d;
-    TP_CHECK(tp__prepare(comm, kind, fn, send, recv, op, root, &d));
-    d.timeout_s = comm->timeout_s;
+    TP_CHECK(tp__prepare(comm, kind, fn, send, recv, op, root, d));
+    d->timeout_s = comm->timeout_s;
     if (comm->aborted)
         return tp__error(TP_ERR_ABORTED, "%s: communicator aborted: %s", fn, comm->abort_reason);
 
@@ -511,15 +518,15 @@ static tp_status tp__dispatch(tp_comm *comm, tp_coll_kind kind, const char *fn,
         if (!w)
             return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the work handle", fn);
     }
-    tp__comm_debug_record(kind, tp__debug_bytes(&d, comm->size));
+    tp__comm_debug_record(kind, tp__debug_bytes(d, comm->size));
 
     tp_status st = TP_OK;
     if (comm->check && !comm->ops.checks_descriptors && comm->size > 1)
-        st = tp__check_descriptors(comm, fn, &d);
+        st = tp__check_descriptors(comm, fn, d);
     void *impl = NULL;
     if (st == TP_OK) {
         tp_clear_error();
-        st = comm->ops.collective(comm->state, &d, &impl);
+        st = comm->ops.collective(comm->state, d, &impl);
         if (st != TP_OK && !tp_last_error()[0]) /* a user backend's bare status */
             tp__error(st, "backend '%s' %s %s", comm->ops.name,
                       st == TP_ERR_NOT_SUPPORTED ? "does not implement"
@@ -548,6 +555,26 @@ static tp_status tp__dispatch(tp_comm *comm, tp_coll_kind kind, const char *fn,
             comm->ops.work_free(comm->state, impl);
     }
     return tp__finish(comm, fn, st);
+}
+
+/* With TP_DEBUG at WARN or above, the collective's line: a failure (WARN),
+ * or what it moved and, when it completed here, how long it took (TRACE).
+ * One call of tp__issue, so that it stays inlined here. */
+static tp_status tp__dispatch(tp_comm *comm, tp_coll_kind kind, const char *fn,
+                              const tp_tensor *send, tp_tensor *recv, tp_reduce_op op, int root,
+                              tp_work **work)
+{
+    double t0 = TP_LOG_ON(TP_LOG_WARN) ? tp__log_now() : -1;
+    tp_coll_desc d;
+    tp_status st = tp__issue(comm, kind, fn, send, recv, op, root, work, &d);
+    if (TP_UNLIKELY(t0 >= 0)) {
+        if (st == TP_OK)
+            tp__comm_debug_trace(comm, &d, tp__debug_bytes(&d, comm->size),
+                                 work && *work && !(*work)->done ? -1 : tp__log_now() - t0);
+        else
+            tp__log(TP_LOG_WARN, "%s failed: %s: %s", fn, tp_status_name(st), tp_last_error());
+    }
+    return st;
 }
 
 tp_status tp_all_reduce(tp_comm *comm, const tp_tensor *send, tp_tensor *recv, tp_reduce_op op,

@@ -1,13 +1,16 @@
 /* The comm-debug counter: the per-thread phase and scope stack, and the
  * counters the collectives dispatch layer feeds through
- * tp__comm_debug_record(). */
+ * tp__comm_debug_record(); and the TRACE lines of TP_DEBUG for the
+ * collectives it records. */
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "collectives/coll.h"
 #include "collectives/comm_debug_internal.h"
+#include "core/log.h"
 
 #define TP__CD_MAX_DEPTH 32
 /* A root module's type name as the thread keeps it (longer ones are cut),
@@ -57,9 +60,16 @@ typedef struct tp__cd_level {
      * levels they touch, so a record normally finds every level resolved
      * and neither hashes nor allocates. */
     uint32_t slot;
+    /* the level's interned record once a save needed it (NULL until then);
+     * valid while the level is open */
+    tp__cd_saved *path;
 } tp__cd_level;
 
 #define TP__CD_LEVEL_BYTES (TP__CD_MAX_FQN + 1 + TP__CD_MAX_TYPE + 1)
+/* Saved scopes (see "saving and re-entering scopes"): buckets per thread,
+ * and the most interned records in the process. */
+#define TP__CD_PATH_BUCKETS 256
+#define TP__CD_MAX_PATHS 65536
 
 typedef struct tp__cd_thread {
     tp_comm_debug *active;
@@ -67,6 +77,7 @@ typedef struct tp__cd_thread {
     int depth;
     tp__cd_level lv[TP__CD_MAX_DEPTH + 1]; /* levels 1..depth */
     char buf[TP__CD_MAX_DEPTH * TP__CD_LEVEL_BYTES];
+    tp__cd_saved *paths[TP__CD_PATH_BUCKETS]; /* this thread's interned records */
 } tp__cd_thread;
 
 static _Thread_local tp__cd_thread tp__cd;
@@ -370,7 +381,7 @@ static tp_status tp__cd_push(const char *fn, const char *fqn, size_t len, const 
                  (int)len, fqn, tp_comm_debug_current_scope(), TP__CD_MAX_DEPTH);
     TP_ARG_CHECK(len <= TP__CD_MAX_FQN,
                  "%s: scope FQN \"%.*s...\" has %zu characters, at most %d allowed", fn, 64,
-                 fqn, len, TP__CD_MAX_FQN);
+                 fqn, len, TP__CD_MAX_FQN); /* len > 64 here: fqn holds 64 at least */
     TP_ARG_CHECK(len != sizeof TP_COMM_DEBUG_GLOBAL - 1 || memcmp(fqn, TP_COMM_DEBUG_GLOBAL, len),
                  "%s: scope FQN \"%s\" is reserved for the root of all scopes", fn,
                  TP_COMM_DEBUG_GLOBAL);
@@ -390,6 +401,7 @@ static tp_status tp__cd_push(const char *fn, const char *fqn, size_t len, const 
     lv->len = (uint16_t)len;
     lv->type_len = (uint16_t)tlen;
     lv->dup = false;
+    lv->path = NULL;
     for (int e = 1; e < l && !lv->dup; e++)
         lv->dup = t->lv[e].len == len && memcmp(tp__cd_fqn(t, e), dst, len) == 0;
     t->depth = l;
@@ -433,11 +445,11 @@ tp_status tp_comm_debug_push_scope(const char *name)
     return tp__cd_push(fn, fqn, start + n, NULL);
 }
 
-tp_status tp__comm_debug_push_module(const char *fqn, const char *root_type)
+tp_status tp__comm_debug_push_module(const char *fqn, size_t len, const char *root_type)
 {
     if (!fqn)
         return tp__error(TP_ERR_INVALID_ARG, "module scope: fqn is NULL");
-    return tp__cd_push("module scope", fqn, strlen(fqn), root_type);
+    return tp__cd_push("module scope", fqn, len, root_type);
 }
 
 tp_status tp_comm_debug_pop_scope(void)
@@ -457,48 +469,153 @@ const char *tp_comm_debug_current_scope(void)
 
 /* ---- saving and re-entering scopes (autograd) ------------------------------ */
 
-/* depth levels in lv[0..depth), then the bytes they point into. */
+/*
+ * Every op that autograd records saves the scopes open on its thread, counter
+ * or not (a backward counted alone still counts in its forward's scopes), so
+ * a save must cost next to nothing. A saved stack is a chain of immutable
+ * records, one per level, each pointing at the level that encloses it. Each
+ * thread interns them in a small hash table: the first save under an open
+ * scope finds or makes that scope's record (and its enclosing ones), caches
+ * it in the level, and every later save under it returns the cached pointer.
+ * Module calls repeat the same stacks every step, so after the first step no
+ * save allocates. Interned records are never freed (a node may outlive the
+ * thread that recorded it); they are allocated from libc rather than through
+ * tp_allocator, which would count them as live forever, and linked into one
+ * list so they stay reachable. Past TP__CD_MAX_PATHS of them (scope names
+ * made up per call), or when libc cannot allocate, a save makes private
+ * copies through tp_allocator instead, owned by the node that saved them.
+ */
 struct tp__cd_saved {
-    int depth;
-    tp__cd_level lv[];
+    const tp__cd_saved *parent; /* the enclosing level; NULL for level 1 */
+    tp__cd_saved *next;         /* interned: the next record in its bucket */
+    tp__cd_saved *all;          /* interned: the list of every interned record */
+    uint32_t hash;
+    uint16_t len, type_len;
+    bool owned; /* a private copy, freed with the save that returned it */
+    char text[]; /* the FQN, NUL, the root type name, NUL */
 };
 
-static const char *tp__cd_saved_buf(const tp__cd_saved *s)
+static _Atomic(tp__cd_saved *) tp__cd_paths_all;
+static atomic_size_t tp__cd_npaths;
+
+static uint32_t tp__cd_path_hash(const tp__cd_saved *parent, const char *fqn, size_t len,
+                                 const char *type, size_t tlen)
 {
-    return (const char *)(s->lv + s->depth);
+    uintptr_t up = (uintptr_t)parent;
+    uint32_t h = tp__cd_hash(fqn, len) ^ (uint32_t)(up ^ (up >> 32)) * 0x9e3779b1u;
+    return h ^ tp__cd_hash(type, tlen) * 31u;
+}
+
+static tp__cd_saved *tp__cd_path_new(void *(*alloc)(size_t), const tp__cd_saved *parent,
+                                     const char *fqn, size_t len, const char *type, size_t tlen)
+{
+    tp__cd_saved *p = alloc(sizeof *p + len + 1 + tlen + 1);
+    if (!p)
+        return NULL;
+    memset(p, 0, sizeof *p);
+    p->parent = parent;
+    p->len = (uint16_t)len;
+    p->type_len = (uint16_t)tlen;
+    memcpy(p->text, fqn, len);
+    p->text[len] = '\0';
+    memcpy(p->text + len + 1, type, tlen);
+    p->text[len + 1 + tlen] = '\0';
+    return p;
+}
+
+/* The interned record of level l under parent (interned too, or NULL for
+ * level 1); NULL past the limit or out of memory. */
+static tp__cd_saved *tp__cd_path_intern(tp__cd_thread *t, const tp__cd_saved *parent, int l)
+{
+    const char *fqn = tp__cd_fqn(t, l), *type = tp__cd_type(t, l);
+    size_t len = t->lv[l].len, tlen = t->lv[l].type_len;
+    uint32_t h = tp__cd_path_hash(parent, fqn, len, type, tlen);
+    tp__cd_saved **bucket = &t->paths[h & (TP__CD_PATH_BUCKETS - 1)];
+    for (tp__cd_saved *p = *bucket; p; p = p->next)
+        if (p->hash == h && p->parent == parent && p->len == len && p->type_len == tlen &&
+            memcmp(p->text, fqn, len) == 0 && memcmp(p->text + len + 1, type, tlen) == 0)
+            return p;
+    if (atomic_fetch_add_explicit(&tp__cd_npaths, 1, memory_order_relaxed) >= TP__CD_MAX_PATHS) {
+        atomic_fetch_sub_explicit(&tp__cd_npaths, 1, memory_order_relaxed);
+        return NULL;
+    }
+    tp__cd_saved *p = tp__cd_path_new(malloc, parent, fqn, len, type, tlen);
+    if (!p) {
+        atomic_fetch_sub_explicit(&tp__cd_npaths, 1, memory_order_relaxed);
+        return NULL;
+    }
+    p->hash = h;
+    p->next = *bucket;
+    *bucket = p;
+    p->all = atomic_load_explicit(&tp__cd_paths_all, memory_order_relaxed);
+    while (!atomic_compare_exchange_weak_explicit(&tp__cd_paths_all, &p->all, p,
+                                                  memory_order_release, memory_order_relaxed))
+        ;
+    return p;
+}
+
+/* Resolves the open levels that have no record yet. */
+static tp_status tp__cd_save_slow(tp__cd_thread *t, tp__cd_saved **out)
+{
+    tp__cd_saved *up = NULL;
+    for (int l = 1; l <= t->depth; l++) {
+        tp__cd_level *lv = &t->lv[l];
+        if (lv->path) { /* resolved levels sit below unresolved ones */
+            up = lv->path;
+            continue;
+        }
+        tp__cd_saved *p = !up || !up->owned ? tp__cd_path_intern(t, up, l) : NULL;
+        if (p) {
+            lv->path = p;
+        } else {
+            p = tp__cd_path_new(tp__malloc, up, tp__cd_fqn(t, l), lv->len, tp__cd_type(t, l),
+                                lv->type_len);
+            if (!p) {
+                tp__comm_debug_saved_free(up);
+                return tp__error(TP_ERR_NO_MEMORY, "comm-debug scopes: out of memory");
+            }
+            p->owned = true;
+        }
+        up = p;
+    }
+    *out = up;
+    return TP_OK;
 }
 
 tp_status tp__comm_debug_save(tp__cd_saved **out)
 {
-    const tp__cd_thread *t = &tp__cd;
+    tp__cd_thread *t = &tp__cd;
     *out = NULL;
     if (!t->depth)
         return TP_OK;
-    const tp__cd_level *top = &t->lv[t->depth];
-    size_t used = (size_t)top->off + top->len + 1 + top->type_len + 1;
-    size_t lv_bytes = (size_t)t->depth * sizeof(tp__cd_level);
-    tp__cd_saved *s = tp__malloc(sizeof *s + lv_bytes + used);
-    if (!s)
-        return tp__error(TP_ERR_NO_MEMORY, "comm-debug scopes: out of memory");
-    s->depth = t->depth;
-    memcpy(s->lv, &t->lv[1], lv_bytes);
-    memcpy((char *)(s->lv + s->depth), t->buf, used);
-    *out = s;
-    return TP_OK;
+    tp__cd_saved *p = t->lv[t->depth].path;
+    if (TP_LIKELY(p != NULL)) {
+        *out = p;
+        return TP_OK;
+    }
+    return tp__cd_save_slow(t, out);
 }
 
-void tp__comm_debug_saved_free(tp__cd_saved *saved) { tp__free(saved); }
+void tp__comm_debug_saved_free(tp__cd_saved *saved)
+{
+    while (saved && saved->owned) {
+        tp__cd_saved *up = (tp__cd_saved *)saved->parent;
+        tp__free(saved);
+        saved = up;
+    }
+}
 
 int tp__comm_debug_enter(const tp__cd_saved *saved)
 {
-    if (!saved)
-        return 0;
+    const tp__cd_saved *chain[TP__CD_MAX_DEPTH];
+    int n = 0;
+    for (const tp__cd_saved *p = saved; p && n < TP__CD_MAX_DEPTH; p = p->parent)
+        chain[n++] = p;
     int pushed = 0;
-    for (int l = 0; l < saved->depth; l++) {
-        const tp__cd_level *lv = &saved->lv[l];
-        const char *fqn = tp__cd_saved_buf(saved) + lv->off;
-        if (tp__cd_push("comm-debug scopes", fqn, lv->len,
-                        lv->type_len ? fqn + lv->len + 1 : NULL) != TP_OK)
+    while (n-- > 0) {
+        const tp__cd_saved *p = chain[n];
+        if (tp__cd_push("comm-debug scopes", p->text, p->len,
+                        p->type_len ? p->text + p->len + 1 : NULL) != TP_OK)
             break;
         pushed++;
     }
@@ -767,4 +884,43 @@ tp_status tp_comm_debug_write_table(const tp_comm_debug *debug, FILE *f)
     if (o.failed)
         return tp__error(TP_ERR_BACKEND, "comm_debug_write_table: write failed");
     return TP_OK;
+}
+
+/* ---- TP_DEBUG ------------------------------------------------------------ */
+
+uint32_t tp__comm_debug_comm_id(uint32_t parent, uint32_t seq, int color)
+{
+    uint32_t w[3] = {parent, seq, (uint32_t)color};
+    return tp__cd_hash((const char *)w, sizeof w);
+}
+
+void tp__comm_debug_trace(const tp_comm *comm, const tp_coll_desc *d, size_t bytes,
+                          double seconds)
+{
+    if (!tp__log_enabled(TP_LOG_TRACE))
+        return;
+    char what[256] = "", a[96], b[96];
+    if (d->kind != TP_COLL_BARRIER) {
+        const tp_tensor *s = d->send ? d->send : d->recv; /* scatter off the root: recv only */
+        int n = snprintf(what, sizeof what, "%s %s", tp_dtype_name(d->dtype),
+                         tp__shape_str(s->ndim, s->shape, a, sizeof a));
+        bool same = d->recv && d->recv->ndim == s->ndim &&
+                    !memcmp(d->recv->shape, s->shape, sizeof(int64_t) * (size_t)s->ndim);
+        if (d->recv && !same && n > 0 && (size_t)n < sizeof what)
+            n += snprintf(what + n, sizeof what - (size_t)n, " -> %s",
+                          tp__shape_str(d->recv->ndim, d->recv->shape, b, sizeof b));
+        if (n > 0 && (size_t)n < sizeof what)
+            snprintf(what + n, sizeof what - (size_t)n, ", count %zu, ", d->count);
+    }
+    char extra[48] = "";
+    if (d->kind == TP_COLL_ALL_REDUCE || d->kind == TP_COLL_REDUCE_SCATTER)
+        snprintf(extra, sizeof extra, ", %s", tp_reduce_op_name(d->op));
+    else if (d->kind == TP_COLL_BROADCAST || d->kind == TP_COLL_SCATTER)
+        snprintf(extra, sizeof extra, ", root %d", d->root);
+    char took[32] = ", async";
+    if (seconds >= 0)
+        snprintf(took, sizeof took, ", %.1f us", seconds * 1e6);
+    tp__log(TP_LOG_TRACE, "coll %s comm %08x (%s, rank %d of %d): %s%zu bytes%s%s",
+            tp_coll_kind_name(d->kind), comm->id, comm->ops.name, comm->rank, comm->size, what,
+            bytes, extra, took);
 }

@@ -37,6 +37,7 @@
 #include "collectives/coll.h"
 #include "collectives/poll.h"
 #include "collectives/shm_kernels.h"
+#include "core/log.h"
 
 #define SHM_RING 128 /* collectives a rank may have outstanding on a group */
 
@@ -851,6 +852,7 @@ static void *shm_thread_main(void *p)
     shm_thread *t = p;
     shm_run *run = t->run;
     tp_comm *comm = NULL;
+    tp__log_set_thread_rank(t->rank); /* TP_DEBUG lines carry the world rank */
     shm_rank *R = rank_create(t->world, t->rank);
     tp_status st = R ? tp_comm_create(&tp__shm_backend, R, t->rank, run->n, &comm)
                      : tp__error(TP_ERR_NO_MEMORY, "tp_run_local: out of memory for rank %d",

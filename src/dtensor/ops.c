@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "dtensor/debug_log.h"
 #include "dtensor/ops_internal.h"
 
 tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_tensor **out)
@@ -211,6 +212,8 @@ static tp_status tp__op_backward(tp__node *node, tp_tensor *gy, tp_tensor **gin)
     tp_tensor *gyr = NULL, *locals[TP__OP_MAX_IN] = {0}, *g[TP__OP_MAX_IN] = {0};
     tp_status st = TP_OK;
     if (op->distributed) {
+        if (TP_LOG_ON(TP_LOG_INFO))
+            tp__log_op(op, node, gy);
         tp_placement want[TP_MESH_MAX_DIMS];
         for (int d = 0; d < op->mesh_ndim; d++)
             want[d] = op->out_pl[d].kind == TP_PLACEMENT_PARTIAL ? tp_replicate() : op->out_pl[d];
@@ -303,6 +306,8 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
     if (op.distributed) {
         op.mesh_ndim = tp_mesh_ndim(op.mesh);
         TP_CHECK(tp__choose(&op));
+        if (TP_LOG_ON(TP_LOG_INFO))
+            tp__log_op(&op, NULL, NULL);
         for (int i = 0; i < def->n_inputs && st == TP_OK; i++) {
             if (!args[i])
                 continue;

@@ -20,6 +20,7 @@
  */
 #include <string.h>
 
+#include "dtensor/debug_log.h"
 #include "dtensor/dtensor_internal.h"
 #include "kernels/kernels.h"
 
@@ -594,6 +595,10 @@ tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool r
     tp_status st = TP_OK;
     for (int i = 0; i < plan.n && st == TP_OK; i++) {
         tp_tensor *next = NULL;
+        const tp__step *s = &plan.s[i];
+        if (TP_LOG_ON(TP_LOG_INFO))
+            tp__log_redistribute_step(dt, placements, i, plan.n, s->mesh_dim, s->from, s->to,
+                                      tp__step_kind(s, tp_mesh_size(d->mesh, s->mesh_dim)), local);
         st = tp__run_step(d->mesh, &plan.s[i], cur, dt->shape, local, &next);
         if (st == TP_ERR_MISMATCH && (plan.s[i].from.kind == TP_PLACEMENT_SHARD ||
                                       plan.s[i].to.kind == TP_PLACEMENT_SHARD))

@@ -283,22 +283,23 @@ static size_t tp__fqn_put(const tp_module *root, const tp_module *m, char *buf, 
     return pos;
 }
 
-/* Returns NULL when buf is unusable or m is not root or below it; root NULL
- * means the top of m's tree. A path longer than the buffer is truncated. */
-const char *tp__module_fqn(const tp_module *root, const tp_module *m, char *buf, size_t len)
+/* Returns the path's full length (a path longer than the buffer is
+ * truncated), or SIZE_MAX when buf is unusable or m is not root or below it;
+ * root NULL means the top of m's tree. */
+size_t tp__module_fqn(const tp_module *root, const tp_module *m, char *buf, size_t len)
 {
     if (!buf || !len || !m)
-        return NULL;
+        return SIZE_MAX;
     const tp_module *a = m;
     while (a != root && a->parent)
         a = a->parent;
     if (root && a != root) {
         buf[0] = '\0';
-        return NULL;
+        return SIZE_MAX;
     }
     size_t end = tp__fqn_put(root, m, buf, len, 0);
     buf[end < len - 1 ? end : len - 1] = '\0';
-    return buf;
+    return end;
 }
 
 /* ---- parameters ------------------------------------------------------------ */
@@ -865,8 +866,8 @@ tp_status tp_module_forward(tp_module *m, int nargs, tp_tensor *const *args, int
      * the push to refuse a longer one. */
     tp_tensor *res = NULL;
     char scope[TP__CD_MAX_FQN + 2];
-    tp__module_fqn(NULL, m, scope, sizeof scope);
-    tp_status st = tp__comm_debug_push_module(scope, m->parent ? NULL : m->type_name);
+    size_t len = tp__module_fqn(NULL, m, scope, sizeof scope);
+    tp_status st = tp__comm_debug_push_module(scope, len, m->parent ? NULL : m->type_name);
     if (st != TP_OK) {
         tp__error_prefix("%s: %s '%s'", fn, m->type_name, scope);
         goto done;

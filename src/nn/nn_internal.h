@@ -107,8 +107,9 @@ struct tp_module {
     tp_device device;
 };
 
-/* The FQN of m relative to root ("" for root itself) into buf. */
-const char *tp__module_fqn(const tp_module *root, const tp_module *m, char *buf, size_t len);
+/* The FQN of m relative to root ("" for root itself) into buf; returns its
+ * full length (see module.c). */
+size_t tp__module_fqn(const tp_module *root, const tp_module *m, char *buf, size_t len);
 
 /* Runs the step pre-hooks of m's subtree, depth first (optimizers call it
  * before updating). */
