@@ -173,8 +173,11 @@ typedef struct tp_cross_entropy_options {
  * class dim, or on the class dim by two mesh dims, are TP_ERR_NOT_SUPPORTED
  * (the message says to shard the class dim, dim 1, or replicate). Partial
  * logits are reduced first; Replicate logits compute locally. [B, S, V]
- * logits go in as [B, V, S] (tp_transpose), as in PyTorch. Targets and class
- * weights (Replicate, [C]) never get gradients.
+ * logits go in flattened to [B*S, V], the targets to [B*S]
+ * (tp_flatten(logits, 0, 1, ...): a shard of V stays a shard of the class
+ * dim, with no communication), as PyTorch's TP examples do; [B, V, S]
+ * (tp_transpose) works too. Targets and class weights (Replicate, [C])
+ * never get gradients.
  */
 TP_API tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
                                   const tp_cross_entropy_options *options, tp_tensor **loss);
