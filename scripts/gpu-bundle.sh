@@ -41,7 +41,8 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/lib" "$stage/tests" "$stage/bench" "$stage/examples"
 cp -L "$build"/libtp.so.0 "$stage/lib/"
 bins=()
-for f in "$build"/tests/test_* "$build"/bench/tp-bench-* "$build"/examples/tp-example-*; do
+for f in "$build"/tests/* "$build"/bench/* "$build"/examples/*; do
+    # programs and the modules tests preload (test helpers included)
     [ -f "$f" ] && [ -x "$f" ] || continue
     sub=$(basename "$(dirname "$f")")
     cp "$f" "$stage/$sub/"
@@ -60,7 +61,11 @@ ldd "${bins[@]}" "$stage/lib/libtp.so.0" 2>/dev/null \
 cp -L /lib64/ld-linux-x86-64.so.2 "$stage/lib/"
 
 for b in "${bins[@]}"; do
-    patchelf --set-interpreter "$dest/lib/ld-linux-x86-64.so.2" --remove-rpath "$b"
+    if patchelf --print-interpreter "$b" >/dev/null 2>&1; then
+        patchelf --set-interpreter "$dest/lib/ld-linux-x86-64.so.2" --remove-rpath "$b"
+    else
+        patchelf --remove-rpath "$b" # a shared module: no loader of its own
+    fi
 done
 {
     echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

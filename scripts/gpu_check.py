@@ -73,6 +73,8 @@ def main():
         if not c.startswith("/") or not build_dir:
             return c
         n = os.path.normpath(c)
+        if n == build_dir:
+            return a.root
         if n.startswith(build_dir + "/"):
             return os.path.join(a.root, n[len(build_dir) + 1:])
         if n.startswith(src_dir + "/") and not os.path.exists(n):
@@ -92,7 +94,15 @@ def main():
         if a.gpu_only and name not in GPU_SUITES:
             continue
         tenv = dict(env)
-        tenv.update(t.get("env") or {})
+        for k, v in (t.get("env") or {}).items():
+            if k in ("LD_LIBRARY_PATH", "LD_PRELOAD"):
+                # the build's own folders, then this machine's (CUDA's libraries)
+                parts = [remap(x) for x in v.replace(" ", ":").split(":") if x]
+                if env.get(k):
+                    parts.append(env[k])
+                tenv[k] = ":".join(parts)
+            else:
+                tenv[k] = remap(v)
         rc, secs, out = run(cmd, os.path.join(logs, f"test-{name}.log"), tenv,
                             timeout=t.get("timeout") or 600, cwd=t.get("workdir") or a.root)
         m = SYNTH.search(out)
