@@ -564,13 +564,13 @@ static tp_status tp__dispatch(tp_comm *comm, tp_coll_kind kind, const char *fn,
                               const tp_tensor *send, tp_tensor *recv, tp_reduce_op op, int root,
                               tp_work **work)
 {
-    double t0 = TP_LOG_ON(TP_LOG_WARN) ? tp__log_now() : -1;
+    double t0 = TP_LOG_ON(TP_LOG_WARN) ? tp__now() : -1;
     tp_coll_desc d;
     tp_status st = tp__issue(comm, kind, fn, send, recv, op, root, work, &d);
     if (TP_UNLIKELY(t0 >= 0)) {
         if (st == TP_OK)
             tp__comm_debug_trace(comm, &d, tp__debug_bytes(&d, comm->size),
-                                 work && *work && !(*work)->done ? -1 : tp__log_now() - t0);
+                                 work && *work && !(*work)->done ? -1 : tp__now() - t0);
         else
             tp__log(TP_LOG_WARN, "%s failed: %s: %s", fn, tp_status_name(st), tp_last_error());
     }

@@ -140,13 +140,6 @@ void tp__log_set_process_rank(int rank)
     atomic_store_explicit(&tp__log_process_rank, rank, memory_order_relaxed);
 }
 
-double tp__log_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* TP_DEBUG_FILE with %r, %p, %h and %% expanded; false when too long. */
 static bool tp__log_expand(char *out, size_t len, int rank)
 {

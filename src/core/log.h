@@ -42,7 +42,5 @@ void tp__log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3
 void tp__log_set_thread_rank(int rank);
 void tp__log_set_process_rank(int rank);
 
-/* Monotonic seconds, for durations. */
-double tp__log_now(void);
 
 #endif /* TP_LOG_H */
