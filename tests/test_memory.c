@@ -59,6 +59,8 @@ static void check_reuse(int64_t nbytes)
 
 Test(memory, reuse_small_and_large)
 {
+    check_reuse(100);              /* classes below 1 KiB: capacities rounded to 64 */
+    check_reuse(200);
     check_reuse(4000);             /* a small class */
     check_reuse(768 * 1024);       /* a medium class */
     check_reuse(6 * 1024 * 1024);  /* large: the shared best-fit pool */
@@ -245,7 +247,7 @@ static tp_status cross_rank(tp_comm *w, void *arg)
     xshare *x = arg;
     int r = tp_comm_rank(w), n = tp_comm_size(w);
     tp_test_slot *slot = &x->slots[r];
-    static const int64_t sizes[XT] = {16, 1000, 40000, 200000, 300000, 1 << 20};
+    static const int64_t sizes[XT] = {16, 25, 1000, 40000, 300000, 1 << 20};
     for (int round = 0; round < 20; round++) {
         for (int i = 0; i < XT; i++) {
             int64_t m = sizes[(i + round) % XT];

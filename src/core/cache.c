@@ -212,7 +212,8 @@ static int tp__class_of(size_t n, size_t *cap)
     int p = 63 - __builtin_clzll((unsigned long long)(n - 1)); /* 2^p < n <= 2^(p+1) */
     size_t step = (size_t)1 << (p - 2);
     size_t k = (n + step - 1) / step; /* 5..8 */
-    *cap = k * step;
+    /* aligned_alloc wants the whole size (header + cap) a multiple of 64 */
+    *cap = (k * step + TP__ALIGN - 1) & ~(size_t)(TP__ALIGN - 1);
     return 1 + (p - 6) * 4 + (int)(k - 5);
 }
 
