@@ -242,6 +242,54 @@ TP_API tp_status tp_tensor_fill_random(tp_tensor *t, tp_rng_dist dist, double a,
                                        uint64_t seed, const int64_t *global_shape,
                                        const int64_t *offset);
 
+/*
+ * CPU tensor memory. Tensor storage on the CPU goes through a caching
+ * allocator: a released tensor's block is kept and handed to the next
+ * allocation of the same size class (small blocks, up to 1 MiB: per thread,
+ * four classes per power of two; larger ones: a shared pool, best fit taking
+ * a block at most twice the request), so steady-state steps do not fault in
+ * and zero fresh pages. Zeroed allocations still return zeros. A block freed
+ * on another thread than the one that allocated it goes to a shared pool. A
+ * thread's cached blocks are released when it exits.
+ *
+ * The bytes held idle stay under a process-wide limit: 1 GiB by default, or
+ * the environment variable TP_CPU_CACHE_LIMIT (bytes, optional K/M/G suffix,
+ * e.g. "256M"; "0" disables caching) read at the first tensor allocation, or
+ * tp_memory_set_cache_limit. A free that would pass it returns shared-pool
+ * blocks to the system first, then the freed block itself.
+ *
+ * With a user allocator installed (tp_set_allocator) there is no caching:
+ * every storage allocation calls it and every release frees through it at
+ * once. Installing or removing an allocator empties the cache.
+ *
+ * Every function below takes a device: the CPU (index 0) is supported; a CUDA
+ * device gives TP_ERR_NOT_SUPPORTED for now (its caching allocator comes
+ * later); another device is TP_ERR_INVALID_ARG.
+ */
+typedef struct tp_memory_info {
+    size_t allocated;      /* bytes in live tensor storage (block sizes, rounded) */
+    size_t reserved;       /* allocated + bytes held idle in the cache */
+    size_t peak_allocated; /* highest `allocated` since start or tp_memory_reset_peak */
+    size_t cache_limit;    /* the current limit on idle bytes */
+    uint64_t num_allocs;     /* storage allocations since the process started */
+    uint64_t num_cache_hits; /* of those, the ones served from the cache */
+} tp_memory_info;
+
+/* Process-wide statistics of `device`'s tensor memory into *out. */
+TP_API tp_status tp_memory_stats(tp_device device, tp_memory_info *out);
+
+/* Sets peak_allocated to the current allocated. */
+TP_API tp_status tp_memory_reset_peak(tp_device device);
+
+/* Returns the idle cached blocks to the system: the shared pools and the
+ * calling thread's at once, every other thread's at its next tensor
+ * allocation or release (or its exit). reserved drops accordingly. */
+TP_API tp_status tp_memory_empty_cache(tp_device device);
+
+/* Sets the limit on idle cached bytes (0: no caching from now on); when
+ * more is held, the cache is emptied as by tp_memory_empty_cache. */
+TP_API tp_status tp_memory_set_cache_limit(tp_device device, size_t bytes);
+
 #ifdef __cplusplus
 }
 #endif

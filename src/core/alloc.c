@@ -2,6 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/cache.h"
 #include "core/core.h"
 
 static void *tp__default_alloc(void *ctx, size_t size, size_t alignment)
@@ -24,14 +25,18 @@ static void tp__default_free(void *ctx, void *ptr)
 
 static tp_allocator tp__alloc = {tp__default_alloc, tp__default_free, NULL};
 
+bool tp__allocator_is_default(void) { return tp__alloc.alloc == tp__default_alloc; }
+
 tp_status tp_set_allocator(const tp_allocator *allocator)
 {
+    if (allocator && (!allocator->alloc || !allocator->free))
+        return tp__error(TP_ERR_INVALID_ARG, "tp_set_allocator: alloc and free must be non-NULL");
+    /* idle blocks of the CPU tensor cache go back to the system first */
+    tp__cpu_cache_on_allocator_change();
     if (!allocator) {
         tp__alloc = (tp_allocator){tp__default_alloc, tp__default_free, NULL};
         return TP_OK;
     }
-    if (!allocator->alloc || !allocator->free)
-        return tp__error(TP_ERR_INVALID_ARG, "tp_set_allocator: alloc and free must be non-NULL");
     tp__alloc = *allocator;
     return TP_OK;
 }

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/cache.h"
 #include "core/dtype_elem.h"
 
 #define TP__SHAPE_BUF 200 /* "[" + 8 x (20 digits + ", ") + "]" */
@@ -663,16 +664,15 @@ static int tp__cpu_count(void) { return 1; }
 
 static tp_status tp__cpu_alloc(const char *fn, int index, size_t nbytes, bool zero, void **out)
 {
-    void *p = tp__aligned_alloc(nbytes, TP__ALIGN);
+    /* through the caching allocator (cache.c), which also keeps the stats */
+    void *p = tp__cpu_cache_alloc(nbytes, zero);
     if (!p)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory allocating %zu bytes", fn, nbytes);
-    if (zero)
-        memset(p, 0, nbytes);
     *out = p;
     return TP_OK;
 }
 
-static void tp__cpu_free(int index, void *p) { tp__free(p); }
+static void tp__cpu_free(int index, void *p) { tp__cpu_cache_free(p); }
 
 static tp_status tp__cpu_zero(const char *fn, int index, void *p, size_t nbytes)
 {
