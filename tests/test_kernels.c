@@ -1674,3 +1674,58 @@ Test(kernels, cross_entropy_strided_classes_match_contiguous, .timeout = 30)
     to_double(back, want, O * W * IN);
     check_close("strided vocab_ce_bwd", v1, want, O * W * IN, 1e-6, 0);
 }
+
+/* The vectorized GELU (no libm in the loop) against the f64 formulas over a
+ * dense sweep of [-10, 10], to the bound docs/API.md states (1e-6 absolute,
+ * forward and gradient), and its values at the edges. */
+Test(kernels, gelu_dense_sweep_and_edges, .timeout = 60)
+{
+    const int64_t n = 1 << 21;
+    float *x = falloc(n), *y = falloc(n), *one = falloc(n), *gx = falloc(n);
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = (float)(-10.0 + 20.0 * (double)i / (double)(n - 1));
+        one[i] = 1.0f;
+    }
+    for (int approx = 0; approx < 2; approx++) {
+        tp__k_gelu_fwd(x, y, n, approx);
+        tp__k_gelu_bwd(x, one, gx, n, approx);
+        double ef = 0, eb = 0;
+        for (int64_t i = 0; i < n; i++) {
+            ef = fmax(ef, fabs((double)y[i] - ref_gelu(x[i], approx)));
+            eb = fmax(eb, fabs((double)gx[i] - ref_gelu_grad(x[i], approx)));
+        }
+        cr_assert(ef <= 1e-6, "gelu_fwd approx=%d: max abs error %.3g over [-10, 10]", approx, ef);
+        cr_assert(eb <= 1e-6, "gelu_bwd approx=%d: max abs error %.3g over [-10, 10]", approx, eb);
+        /* edges: +inf -> inf (gradient 1), -inf and large negative -> -0
+         * (gradient ~0), large positive -> x, NaN -> NaN, 0 -> 0 (gradient 1/2) */
+        float e[] = {INFINITY, -INFINITY, NAN, 1e30f, -1e30f, 0.0f, 30.0f, -30.0f};
+        float ey[8], eg[8], e1[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+        tp__k_gelu_fwd(e, ey, 8, approx);
+        tp__k_gelu_bwd(e, e1, eg, 8, approx);
+        cr_assert(ey[0] == INFINITY && eg[0] == 1.0f, "gelu(+inf) = %g, grad %g", ey[0], eg[0]);
+        cr_assert(ey[1] == 0.0f && fabsf(eg[1]) < 1e-30f, "gelu(-inf) = %g, grad %g", ey[1], eg[1]);
+        cr_assert(isnan(ey[2]) && isnan(eg[2]), "gelu(NaN) = %g, grad %g", ey[2], eg[2]);
+        cr_assert(ey[3] == 1e30f && eg[3] == 1.0f, "gelu(1e30) = %g, grad %g", ey[3], eg[3]);
+        cr_assert(ey[4] == 0.0f && fabsf(eg[4]) < 1e-30f, "gelu(-1e30) = %g, grad %g", ey[4], eg[4]);
+        cr_assert(ey[5] == 0.0f && eg[5] == 0.5f, "gelu(0) = %g, grad %g", ey[5], eg[5]);
+        cr_assert(ey[6] == 30.0f && eg[6] == 1.0f, "gelu(30) = %g, grad %g", ey[6], eg[6]);
+        cr_assert(ey[7] == 0.0f && fabsf(eg[7]) < 1e-30f, "gelu(-30) = %g, grad %g", ey[7], eg[7]);
+    }
+    free(x), free(y), free(one), free(gx);
+}
+
+/* Softmax's exp is the same approximation: one row sweeping [-104, 0] in
+ * steps of 1/64 against the f64 softmax, 1e-6 relative plus 1e-30. */
+Test(kernels, softmax_exp_dense_sweep, .timeout = 30)
+{
+    const int64_t n = 104 * 64 + 1;
+    float *x = falloc(n), *y = falloc(n);
+    double *xd = dalloc(n), *yd = dalloc(n);
+    for (int64_t i = 0; i < n; i++)
+        x[i] = -(float)i / 64.0f;
+    to_double(x, xd, n);
+    tp__k_softmax_fwd(x, y, 1, n);
+    ref_softmax(xd, yd, 1, n);
+    check_close("softmax exp sweep", y, yd, n, 1e-6, 1e-30);
+    free(x), free(y), free(xd), free(yd);
+}
