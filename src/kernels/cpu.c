@@ -417,7 +417,9 @@ static inline float tp__expf(float x)
     q = q * r + 0.4999998808f;
     float p = 1.0f + r + r * r * q;
     int32_t e1 = e >> 1, e2 = e - e1;
-    int32_t b1 = (e1 + 127) << 23, b2 = (e2 + 127) << 23;
+    /* unsigned: a NaN x makes e garbage (the result is x0 then), and a
+     * negative int must not be shifted */
+    uint32_t b1 = ((uint32_t)e1 + 127u) << 23, b2 = ((uint32_t)e2 + 127u) << 23;
     float s1, s2;
     memcpy(&s1, &b1, sizeof s1);
     memcpy(&s2, &b2, sizeof s2);
