@@ -20,6 +20,7 @@
 #include "tp_test.h"
 
 #include "core/base.h"
+#include "kernels/cpu_lowp.h"
 #include "kernels/kernels.h"
 
 static const tp__kernels *const K = &tp__kernels_cpu;
@@ -134,6 +135,81 @@ static void expect_exact(const char *what, tp_dtype dt, const void *y, const dou
 }
 
 #define OK(expr) CHECK_OK(expr)
+
+/* ---- the conversions ----------------------------------------------------------------- */
+
+static float f32_of(uint32_t x)
+{
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
+/* tp__lp_store against core's one-element conversions on f32 inputs xs[0..n) */
+static void expect_stores_match_core(const uint32_t *xs, int64_t n, float *f, uint16_t *h)
+{
+    for (int64_t i = 0; i < n; i++)
+        f[i] = f32_of(xs[i]);
+    tp__lp_store(TP_BF16, h, f, n);
+    for (int64_t i = 0; i < n; i++)
+        cr_assert_eq(h[i], tp__f32_to_bf16(f[i]), "bf16 of 0x%08x: 0x%04x, core 0x%04x", xs[i],
+                     h[i], tp__f32_to_bf16(f[i]));
+    tp__lp_store(TP_F16, h, f, n);
+    for (int64_t i = 0; i < n; i++)
+        cr_assert_eq(h[i], tp__f32_to_f16(f[i]), "f16 of 0x%08x: 0x%04x, core 0x%04x", xs[i], h[i],
+                     tp__f32_to_f16(f[i]));
+}
+
+/* The vectorized conversions are core's bit for bit: every bf16 and f16 value
+ * loaded (a NaN may come back quieted, as its store makes it anyway), and
+ * stores of every f32 at and next to each rounding boundary of both dtypes
+ * (the midpoints between neighbouring values, +-1 ulp), of both signs, plus
+ * a sweep of the whole f32 range. */
+Test(kernels_dtype, conversions_are_cores_bit_for_bit)
+{
+    enum { NB = 1 << 16 };
+    uint16_t *h = keep(malloc(NB * 3 * sizeof *h)), *h2 = keep(malloc(NB * 3 * sizeof *h2));
+    float *f = keep(malloc(NB * 3 * sizeof *f));
+    uint32_t *xs = keep(malloc(NB * 3 * sizeof *xs));
+    for (int d = 1; d < 3; d++) {
+        tp_dtype dt = DT[d];
+        for (uint32_t i = 0; i < NB; i++)
+            h[i] = (uint16_t)i;
+        tp__lp_load(dt, f, h, NB);
+        for (uint32_t i = 0; i < NB; i++) {
+            float want = dt == TP_BF16 ? tp__bf16_to_f32(h[i]) : tp__f16_to_f32(h[i]);
+            uint32_t a, b;
+            memcpy(&a, &f[i], 4);
+            memcpy(&b, &want, 4);
+            cr_assert(a == b || (isnan(want) && (a | 0x400000u) == (b | 0x400000u)),
+                      "%s 0x%04x: 0x%08x, core 0x%08x", tp_dtype_name(dt), i, a, b);
+        }
+        /* round trip: every value but NaN comes back, NaN stays NaN */
+        tp__lp_store(dt, h2, f, NB);
+        for (uint32_t i = 0; i < NB; i++)
+            cr_assert(h2[i] == i || isnan(f[i]), "%s round trip 0x%04x -> 0x%04x",
+                      tp_dtype_name(dt), i, h2[i]);
+        /* the midpoints between value i and i + 1 (as f32 bits), -1, +0, +1 */
+        for (uint32_t i = 0; i < NB; i++) {
+            float lo = dt == TP_BF16 ? tp__bf16_to_f32((uint16_t)i) : tp__f16_to_f32((uint16_t)i);
+            float hi = dt == TP_BF16 ? tp__bf16_to_f32((uint16_t)(i + 1))
+                                     : tp__f16_to_f32((uint16_t)(i + 1));
+            float mid = (float)(((double)lo + (double)hi) / 2);
+            uint32_t m;
+            memcpy(&m, &mid, 4);
+            xs[3 * i] = m - 1;
+            xs[3 * i + 1] = m;
+            xs[3 * i + 2] = m + 1;
+        }
+        expect_stores_match_core(xs, NB * 3, f, h);
+    }
+    /* f32 bit patterns spread over the whole range, an odd stride */
+    for (uint64_t x0 = 0; x0 < (1ull << 32); x0 += (uint64_t)NB * 3 * 4099) {
+        for (uint32_t i = 0; i < NB * 3; i++)
+            xs[i] = (uint32_t)(x0 + (uint64_t)i * 4099);
+        expect_stores_match_core(xs, NB * 3, f, h);
+    }
+}
 
 /* ---- supports() ---------------------------------------------------------------------- */
 
