@@ -977,45 +977,118 @@ static void fa_free(void *ctx, void *ptr)
     free(ptr);
 }
 
-/* linear_bwd on bf16 with its k-th scratch allocation failing, k = 0, 1, ...
- * until it succeeds: TP_ERR_NO_MEMORY naming the op, nothing written,
- * nothing leaked; then the result matches the unhooked run. */
-Test(kernels_dtype, scratch_allocation_failure_is_no_memory_and_leaks_nothing)
+typedef tp_status (*entry_run)(void *const *b);
+
+/* Runs `run` on buffers b (outputs b[first], ..., b[first + nout - 1] of
+ * nbytes[j] bytes, which it may read) with its k-th scratch allocation
+ * failing, k = 0, 1, ... until it succeeds: each failure TP_ERR_NO_MEMORY
+ * naming the op, its outputs untouched, nothing leaked; the success takes
+ * exactly `allocs` allocations and gives the unhooked run's result. */
+static void fail_each_scratch(const char *name, entry_run run, void *const *b, int first, int nout,
+                              const size_t *nbytes, long allocs)
 {
-    enum { R = 64, IN = 64, OUT = 64 }; /* each buffer past the frame's stack arena */
-    double *x = gen(R * IN, 41, 1), *w = gen(OUT * IN, 42, 1), *gy = gen(R * OUT, 43, 1);
-    double *g0 = gen(R * IN, 44, 1);
-    void *dx = mk(TP_BF16, x, R * IN), *dw = mk(TP_BF16, w, OUT * IN);
-    void *dgy = mk(TP_BF16, gy, R * OUT), *want = mk(TP_BF16, g0, R * IN);
-    OK(K->linear_bwd(CPU, TP_BF16, dx, dw, dgy, want, NULL, NULL, R, IN, OUT, true));
+    void *init[3], *want[3];
+    for (int j = 0; j < nout; j++) {
+        init[j] = keep(malloc(nbytes[j]));
+        want[j] = keep(malloc(nbytes[j]));
+        memcpy(init[j], b[first + j], nbytes[j]);
+    }
+    OK(run(b));
+    for (int j = 0; j < nout; j++) {
+        memcpy(want[j], b[first + j], nbytes[j]);
+        memcpy(b[first + j], init[j], nbytes[j]);
+    }
     FA = (failing_alloc){0, 0, -1};
     tp_allocator a = {fa_alloc, fa_free, &FA};
     OK(tp_set_allocator(&a));
-    long k = 0;
-    for (;; k++) {
-        cr_assert_lt(k, 16, "still failing after 16 allocations");
-        void *gx = mk(TP_BF16, g0, R * IN), *before = mk(TP_BF16, g0, R * IN);
+    for (long k = 0;; k++) {
+        cr_assert_leq(k, allocs, "%s: still failing after %ld allocations", name, allocs);
         FA.count = 0;
         FA.fail_at = k;
-        tp_status st = K->linear_bwd(CPU, TP_BF16, dx, dw, dgy, gx, NULL, NULL, R, IN, OUT, true);
+        tp_status st = run(b);
         long attempted = FA.count;
         FA.fail_at = -1;
-        cr_assert_eq(FA.live, 0, "allocation %ld failing: %ld blocks leaked", k, FA.live);
+        cr_assert_eq(FA.live, 0, "%s, allocation %ld failing: %ld blocks leaked", name, k, FA.live);
         if (st == TP_OK) {
-            cr_assert_leq(attempted, k, "succeeded although allocation %ld failed", k);
-            cr_assert(!memcmp(gx, want, R * IN * 2), "the result differs");
+            cr_assert_eq(attempted, allocs, "%s: %ld allocations, expected %ld", name, attempted,
+                         allocs);
+            cr_assert_eq(k, allocs, "%s succeeded although allocation %ld failed", name, k);
+            for (int j = 0; j < nout; j++)
+                cr_assert(!memcmp(b[first + j], want[j], nbytes[j]), "%s: output %d differs", name,
+                          j);
             break;
         }
-        cr_assert_eq(st, TP_ERR_NO_MEMORY, "allocation %ld failing: %s", k, tp_status_name(st));
-        cr_assert(strstr(tp_last_error(), "linear_bwd") && strstr(tp_last_error(), "out of memory"),
+        cr_assert_eq(st, TP_ERR_NO_MEMORY, "%s, allocation %ld failing: %s", name, k,
+                     tp_status_name(st));
+        cr_assert(strstr(tp_last_error(), name) && strstr(tp_last_error(), "out of memory"),
                   "message: %s", tp_last_error());
-        cr_assert(!memcmp(gx, before, R * IN * 2), "a failed entry wrote its output");
+        for (int j = 0; j < nout; j++)
+            cr_assert(!memcmp(b[first + j], init[j], nbytes[j]),
+                      "%s, allocation %ld failing, wrote output %d", name, k, j);
     }
-    cr_assert_eq(k, 3, "w, gy and gx each need scratch: %ld allocations", k);
-    /* the elementwise entries convert on the stack: no allocation at all */
-    FA.count = 0;
-    FA.fail_at = 0;
-    OK(K->gelu_fwd(CPU, TP_F16, dgy, dgy, R * OUT, false));
-    cr_assert_eq(FA.count, 0);
     tp_set_allocator(NULL);
+}
+
+enum { FR = 64, FC = 64, FN = 2048, FROWS = 4096, FD = 8 }; /* each past the frame's arena */
+
+static tp_status run_linear_bwd(void *const *b)
+{
+    return K->linear_bwd(CPU, TP_BF16, b[0], b[1], b[2], b[3], NULL, NULL, FR, FC, FC, true);
+}
+
+static tp_status run_layer_norm_bwd(void *const *b)
+{
+    return K->layer_norm_bwd(CPU, TP_F16, b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], FR, FC);
+}
+
+static tp_status run_embedding_bwd(void *const *b)
+{
+    return K->embedding_bwd(CPU, TP_BF16, b[0], FN, b[1], FROWS, FD, 3, b[2]);
+}
+
+/* Scratch allocation failure through the allocator hook, for an entry with an
+ * accumulating output (linear_bwd into gx: scratch for w, gy and gx), one
+ * with three outputs, two of them accumulated (layer_norm_bwd: x, gy, gx
+ * past the arena, w, gw, gb in it), and the embedding backward (row map,
+ * index map, row list, gy, the touched rows). */
+Test(kernels_dtype, scratch_allocation_failure_is_no_memory_and_leaks_nothing)
+{
+    double *x = gen(FR * FC, 41, 1), *w = gen(FC * FC, 42, 1), *gy = gen(FR * FC, 43, 1);
+    double *g0 = gen(FR * FC, 44, 1);
+    void *lb[4] = {NULL, mk(TP_BF16, w, FC * FC), mk(TP_BF16, gy, FR * FC),
+                   mk(TP_BF16, g0, FR * FC)};
+    const size_t lbytes[1] = {FR * FC * 2};
+    fail_each_scratch("linear_bwd", run_linear_bwd, lb, 3, 1, lbytes, 3);
+
+    float *mean = keep(malloc(FR * sizeof *mean)), *rstd = keep(malloc(FR * sizeof *rstd));
+    void *nb[8] = {mk(TP_F16, x, FR * FC),
+                   mk(TP_F16, w, FC),
+                   mean,
+                   rstd,
+                   mk(TP_F16, gy, FR * FC),
+                   mk(TP_F16, NULL, FR * FC),
+                   mk(TP_F16, g0, FC),
+                   mk(TP_F16, g0 + FC, FC)};
+    void *ny = mk(TP_F16, NULL, FR * FC);
+    OK(K->layer_norm_fwd(CPU, TP_F16, nb[0], nb[1], NULL, ny, mean, rstd, FR, FC, 1e-5f));
+    const size_t nbytes[3] = {FR * FC * 2, FC * 2, FC * 2};
+    fail_each_scratch("layer_norm_bwd", run_layer_norm_bwd, nb, 5, 3, nbytes, 3);
+
+    int64_t *idx = keep(malloc(FN * sizeof *idx));
+    for (int i = 0; i < FN; i++) /* some out of [3, 3 + FROWS), many repeated */
+        idx[i] = (int64_t)(tp_rng_uniform(45, (uint64_t)i) * (FROWS + 6));
+    void *eb[3] = {idx, mk(TP_BF16, gen(FN * FD, 46, 1), FN * FD),
+                   mk(TP_BF16, gen(FROWS * FD, 47, 1), FROWS * FD)};
+    const size_t ebytes[1] = {FROWS * FD * 2};
+    fail_each_scratch("embedding_bwd", run_embedding_bwd, eb, 2, 1, ebytes, 5);
+
+    /* the elementwise entries convert on the stack: no allocation at all */
+    FA = (failing_alloc){0, 0, 0};
+    tp_allocator a = {fa_alloc, fa_free, &FA};
+    OK(tp_set_allocator(&a));
+    tp_status st = K->gelu_fwd(CPU, TP_F16, nb[0], nb[5], FR * FC, false);
+    long attempted = FA.count;
+    tp_set_allocator(NULL);
+    cr_assert_eq(st, TP_OK);
+    cr_assert_eq(attempted, 0);
 }

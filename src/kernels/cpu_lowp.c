@@ -147,6 +147,13 @@ static float *lp_grab(tp__lp *f, int64_t n)
     return p;
 }
 
+void *tp__lp_scratch(tp__lp *f, size_t nbytes)
+{
+    if (f->status != TP_OK)
+        return NULL;
+    return lp_grab(f, (int64_t)((nbytes + sizeof(float) - 1) / sizeof(float)));
+}
+
 /* Scratch for a rows x cols buffer of the op's dtype at leading dimension ld,
  * its current values converted in when `load`; NULL for a NULL p or a failed
  * frame. */

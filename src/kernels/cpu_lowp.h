@@ -68,6 +68,9 @@ const float *tp__lp_in_mat(tp__lp *f, const void *p, int64_t rows, int64_t cols,
 float *tp__lp_out(tp__lp *f, void *p, int64_t n, bool read);
 float *tp__lp_out_mat(tp__lp *f, void *p, int64_t rows, int64_t cols, int64_t ld, bool read,
                       int64_t *ldf);
+/* nbytes of scratch (64-byte aligned) for the entry's own use, NULL for a
+ * failed frame (or when this one fails); freed by tp__lp_end. */
+void *tp__lp_scratch(tp__lp *f, size_t nbytes);
 /* Rounds the outputs into place (when the frame is OK), frees the scratch and
  * returns the frame's status. */
 tp_status tp__lp_end(tp__lp *f);

@@ -406,12 +406,59 @@ static tp_status cpu_embedding_fwd(tp_device dev, tp_dtype dtype, const int64_t 
                                    int64_t offset, void *y)
 {
     CPU_CHECK(EMBEDDING_FWD);
+    if (dtype == TP_F32) {
+        tp__k_embedding_fwd(idx, n, w, rows_local, dim, offset, y);
+        return TP_OK;
+    }
+    /* the rows' bits themselves: no conversion, no scratch */
+    size_t row = (size_t)dim * tp_dtype_size(dtype);
+    for (int64_t i = 0; i < n; i++) {
+        char *yi = (char *)y + (size_t)i * row;
+        if (idx[i] >= offset && idx[i] - offset < rows_local)
+            memcpy(yi, (const char *)w + (size_t)(idx[i] - offset) * row, row);
+        else
+            memset(yi, 0, row);
+    }
+    return TP_OK;
+}
+
+/* bf16/f16 embedding backward on the rows it touches alone (not the whole
+ * table): their f32 copies, compacted, take the f32 kernel with the indices
+ * renumbered, then each touched row is rounded once. */
+static tp_status embedding_bwd_lowp(tp_dtype dtype, const int64_t *idx, int64_t n, const void *gy,
+                                    int64_t rows_local, int64_t dim, int64_t offset, void *gw)
+{
     tp__lp f;
-    tp__lp_begin(&f, TP__KOP_EMBEDDING_FWD, dtype);
-    const float *fw = tp__lp_in(&f, w, rows_local * dim);
-    float *fy = tp__lp_out(&f, y, n * dim, false);
-    if (tp__lp_ok(&f))
-        tp__k_embedding_fwd(idx, n, fw, rows_local, dim, offset, fy);
+    tp__lp_begin(&f, TP__KOP_EMBEDDING_BWD, dtype);
+    int64_t *slot = tp__lp_scratch(&f, (size_t)rows_local * sizeof *slot); /* row -> slot */
+    int64_t *sidx = tp__lp_scratch(&f, (size_t)n * sizeof *sidx);          /* i -> slot */
+    int64_t *srow = tp__lp_scratch(&f, (size_t)n * sizeof *srow);          /* slot -> row */
+    const float *fgy = tp__lp_in(&f, gy, n * dim);
+    if (!tp__lp_ok(&f))
+        return tp__lp_end(&f);
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows_local; r++)
+        slot[r] = -1;
+    for (int64_t i = 0; i < n; i++) {
+        sidx[i] = -1;
+        if (idx[i] < offset || idx[i] - offset >= rows_local)
+            continue;
+        int64_t r = idx[i] - offset;
+        if (slot[r] < 0) {
+            slot[r] = k;
+            srow[k++] = r;
+        }
+        sidx[i] = slot[r];
+    }
+    float *g = tp__lp_scratch(&f, (size_t)(k * dim) * sizeof *g);
+    if (!tp__lp_ok(&f))
+        return tp__lp_end(&f);
+    size_t es = tp_dtype_size(dtype);
+    for (int64_t j = 0; j < k; j++)
+        tp__lp_load(dtype, g + j * dim, (const char *)gw + (size_t)(srow[j] * dim) * es, dim);
+    tp__k_embedding_bwd(sidx, n, fgy, k, dim, 0, g);
+    for (int64_t j = 0; j < k; j++)
+        tp__lp_store(dtype, (char *)gw + (size_t)(srow[j] * dim) * es, g + j * dim, dim);
     return tp__lp_end(&f);
 }
 
@@ -420,13 +467,10 @@ static tp_status cpu_embedding_bwd(tp_device dev, tp_dtype dtype, const int64_t 
                                    int64_t offset, void *gw)
 {
     CPU_CHECK(EMBEDDING_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_EMBEDDING_BWD, dtype);
-    const float *fgy = tp__lp_in(&f, gy, n * dim);
-    float *fgw = tp__lp_out(&f, gw, rows_local * dim, true);
-    if (tp__lp_ok(&f))
-        tp__k_embedding_bwd(idx, n, fgy, rows_local, dim, offset, fgw);
-    return tp__lp_end(&f);
+    if (dtype != TP_F32)
+        return embedding_bwd_lowp(dtype, idx, n, gy, rows_local, dim, offset, gw);
+    tp__k_embedding_bwd(idx, n, gy, rows_local, dim, offset, gw);
+    return TP_OK;
 }
 
 static tp_status cpu_layer_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
