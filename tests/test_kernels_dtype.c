@@ -26,9 +26,18 @@
 static const tp__kernels *const K = &tp__kernels_cpu;
 static const tp_device CPU = {TP_DEVICE_CPU, 0};
 static const tp_dtype DT[3] = {TP_F32, TP_BF16, TP_F16};
-#define FOR_DT(dt)                             \
-    for (int dt##_i = 0; dt##_i < 3; dt##_i++) \
-        for (tp_dtype dt = DT[dt##_i], *dt##_once = &dt; dt##_once; dt##_once = NULL)
+
+/* The dtypes each test runs: f32, and bf16 and f16 with the unit driver's
+ * chunks at their default size, at one unit, and at 700 elements (several
+ * units, a tail). */
+static const struct {
+    tp_dtype dt;
+    int64_t chunk;
+} RUNS[7] = {{TP_F32, 16384}, {TP_BF16, 16384}, {TP_F16, 16384}, {TP_BF16, 1},
+             {TP_F16, 1},     {TP_BF16, 700},   {TP_F16, 700}};
+#define FOR_DT(dt)                                                                            \
+    for (int dt##_i = 0; dt##_i < 7 && (tp__lp_unit_elems = RUNS[dt##_i].chunk, 1); dt##_i++) \
+        for (tp_dtype dt = RUNS[dt##_i].dt, *dt##_once = &dt; dt##_once; dt##_once = NULL)
 
 #define U23 0x1p-23 /* the f32 accumulation's unit, per term */
 #define TINY_REL 0x1p-20
@@ -37,13 +46,13 @@ static const tp_dtype DT[3] = {TP_F32, TP_BF16, TP_F16};
 /* ---- buffers ------------------------------------------------------------------------- */
 
 /* Everything a test allocates, freed after it. */
-static void *bag[256];
+static void *bag[2048];
 static int nbag;
 
 static void *keep(void *p)
 {
     cr_assert_not_null(p);
-    cr_assert_lt(nbag, 256);
+    cr_assert_lt(nbag, 2048);
     return bag[nbag++] = p;
 }
 
@@ -120,8 +129,9 @@ static void expect_close(const char *what, tp_dtype dt, const void *y, const dou
         }
         double tol =
             (eps_of(dt) + TINY_REL) * fabs(want) + (slack ? slack[i] : 0) + TINY_ABS + sub_of(dt);
-        cr_assert(fabs(v - want) <= tol, "%s %s [%lld]: %.9g, want %.9g (tolerance %.3g)", what,
-                  tp_dtype_name(dt), (long long)i, v, want, tol);
+        cr_assert(fabs(v - want) <= tol,
+                  "%s %s [%lld]: %.9g, want %.9g (tolerance %.3g, chunk %lld)", what,
+                  tp_dtype_name(dt), (long long)i, v, want, tol, (long long)tp__lp_unit_elems);
     }
 }
 
@@ -130,8 +140,8 @@ static void expect_exact(const char *what, tp_dtype dt, const void *y, const dou
 {
     for (int64_t i = 0; i < n; i++)
         cr_assert(at(y, dt, i) == r[i] || (isnan(r[i]) && isnan(at(y, dt, i))),
-                  "%s %s [%lld]: %.9g, want %.9g", what, tp_dtype_name(dt), (long long)i,
-                  at(y, dt, i), r[i]);
+                  "%s %s [%lld]: %.9g, want %.9g (chunk %lld)", what, tp_dtype_name(dt),
+                  (long long)i, at(y, dt, i), r[i], (long long)tp__lp_unit_elems);
 }
 
 #define OK(expr) CHECK_OK(expr)

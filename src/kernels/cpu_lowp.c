@@ -263,3 +263,51 @@ void tp__lp_elementwise(tp_dtype dtype, int64_t n, int nbuf, void *const *p, con
         tp__lp_end(&f);
     }
 }
+
+/* ---- the unit driver -------------------------------------------------------------------- */
+
+int64_t tp__lp_unit_elems = 16384;
+
+tp_status tp__lp_units(tp__kop op, tp_dtype dtype, int64_t nunits, int nbuf, const tp__lp_buf *b,
+                       tp__lp_ew_fn fn, const void *ctx)
+{
+    float *buf[TP__LP_MAX], *scr[TP__LP_MAX];
+    if (dtype == TP_F32) {
+        for (int i = 0; i < nbuf; i++)
+            buf[i] = b[i].p;
+        fn(buf, 0, nunits, ctx);
+        return TP_OK;
+    }
+    int64_t maxper = 1;
+    for (int i = 0; i < nbuf; i++)
+        maxper = b[i].per > maxper ? b[i].per : maxper;
+    int64_t cu = tp__lp_unit_elems / maxper; /* units per chunk */
+    cu = cu < 1 ? 1 : cu > nunits ? nunits : cu;
+    tp__lp f;
+    tp__lp_begin(&f, op, dtype);
+    for (int i = 0; i < nbuf; i++) {
+        if (b[i].per == 0) /* whole: converted now, rounded by tp__lp_end */
+            buf[i] = b[i].mode == 'i' ? (float *)tp__lp_in(&f, b[i].p, b[i].len)
+                                      : tp__lp_out(&f, b[i].p, b[i].len, b[i].mode == 'u');
+        else
+            scr[i] = b[i].p ? tp__lp_scratch(&f, (size_t)(cu * b[i].per) * sizeof(float)) : NULL;
+    }
+    size_t es = tp_dtype_size(dtype);
+    for (int64_t u0 = 0; tp__lp_ok(&f) && u0 < nunits; u0 += cu) {
+        int64_t nu = nunits - u0 < cu ? nunits - u0 : cu;
+        for (int i = 0; i < nbuf; i++) {
+            if (b[i].per == 0)
+                continue;
+            buf[i] = scr[i];
+            if (scr[i] && b[i].mode != 'o')
+                tp__lp_load(dtype, scr[i], (const char *)b[i].p + (size_t)(u0 * b[i].per) * es,
+                            nu * b[i].per);
+        }
+        fn(buf, u0, nu, ctx);
+        for (int i = 0; i < nbuf; i++)
+            if (b[i].per > 0 && scr[i] && b[i].mode != 'i')
+                tp__lp_store(dtype, (char *)b[i].p + (size_t)(u0 * b[i].per) * es, scr[i],
+                             nu * b[i].per);
+    }
+    return tp__lp_end(&f);
+}

@@ -36,6 +36,24 @@ static tp_status unsupported(tp__kop op, tp_dtype dtype)
 /* The buffers of an elementwise entry, for tp__lp_elementwise. */
 #define CPU_BUFS(...) ((void *const[]){__VA_ARGS__})
 
+/* A buffer of the unit driver: per unit ('i', 'o', 'u'), or whole. */
+#define PER(p, per, mode) ((tp__lp_buf){(void *)(p), (per), 0, (mode)})
+#define WHOLE(p, len, mode) ((tp__lp_buf){(void *)(p), 0, (len), (mode)})
+#define UNITS(op, n, c, fn, ...)                                           \
+    tp__lp_units(TP__KOP_##op, dtype, (n),                                 \
+                 sizeof((tp__lp_buf[]){__VA_ARGS__}) / sizeof(tp__lp_buf), \
+                 (tp__lp_buf[]){__VA_ARGS__}, (fn), (c))
+
+/* What the unit entries' kernels take besides their buffers; per-row arrays
+ * (f0, f1, f2, target) are offset by the chunk's first row. */
+typedef struct unit_ctx {
+    const int64_t *target;
+    float *f0, *f1, *f2;
+    int64_t cols, inner, size, offset, ignore;
+    float eps, scale;
+    double div;
+} unit_ctx;
+
 /* ---- matrix products ---------------------------------------------------------- */
 
 static tp_status cpu_gemm(tp_device dev, tp_dtype dtype, bool trans_a, bool trans_b, int64_t m,
@@ -305,34 +323,42 @@ static tp_status cpu_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, cons
 
 /* ---- reductions ------------------------------------------------------------------ */
 
+static void u_sum_dim(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_sum_dim_div(b[0], b[1], nu, c->size, c->inner, c->div);
+}
+
+static void u_fill(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    tp__k_fill(b[0], *(const float *)ctx, nu);
+}
+
 static tp_status cpu_sum_dim(tp_device dev, tp_dtype dtype, const void *x, void *y,
                              int64_t outer, int64_t size, int64_t inner, double div)
 {
     CPU_CHECK(SUM_DIM);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_SUM_DIM, dtype);
-    const float *fx = tp__lp_in(&f, size > 0 ? x : NULL, outer * size * inner);
-    float *fy = tp__lp_out(&f, y, outer * inner, false);
-    if (!tp__lp_ok(&f))
-        return tp__lp_end(&f);
-    if (size > 0)
-        tp__k_sum_dim_div(fx, fy, outer, size, inner, div);
-    else /* nothing to read: 0 / div (NaN for the mean of nothing) */
-        tp__k_fill(fy, (float)(0.0 / div), outer * inner);
-    return tp__lp_end(&f);
+    if (size <= 0) { /* nothing to read: 0 / div (NaN for the mean of nothing) */
+        float v = (float)(0.0 / div);
+        return UNITS(SUM_DIM, outer * inner, &v, u_fill, PER(y, 1, 'o'));
+    }
+    unit_ctx c = {.size = size, .inner = inner, .div = div};
+    return UNITS(SUM_DIM, outer, &c, u_sum_dim, PER(x, size * inner, 'i'), PER(y, inner, 'o'));
+}
+
+static void u_sum_dim_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_sum_dim_bwd(b[0], b[1], nu, c->size, c->inner, c->scale);
 }
 
 static tp_status cpu_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *gx,
                                  int64_t outer, int64_t size, int64_t inner, float scale)
 {
     CPU_CHECK(SUM_DIM_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_SUM_DIM_BWD, dtype);
-    const float *fgy = tp__lp_in(&f, gy, outer * inner);
-    float *fgx = tp__lp_out(&f, gx, outer * size * inner, false);
-    if (tp__lp_ok(&f))
-        tp__k_sum_dim_bwd(fgy, fgx, outer, size, inner, scale);
-    return tp__lp_end(&f);
+    unit_ctx c = {.size = size, .inner = inner, .scale = scale};
+    return UNITS(SUM_DIM_BWD, outer, &c, u_sum_dim_bwd, PER(gy, inner, 'i'),
+                 PER(gx, size * inner, 'o'));
 }
 
 static tp_status cpu_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64_t n, void *y,
@@ -348,55 +374,59 @@ static tp_status cpu_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64
     return tp__lp_end(&f);
 }
 
+static void u_softmax_fwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    tp__k_softmax_fwd(b[0], b[1], nu, ((const unit_ctx *)ctx)->cols);
+}
+
 static tp_status cpu_softmax_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y,
                                  int64_t rows, int64_t cols)
 {
     CPU_CHECK(SOFTMAX_FWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_SOFTMAX_FWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols);
-    float *fy = tp__lp_out(&f, y, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_softmax_fwd(fx, fy, rows, cols);
-    return tp__lp_end(&f);
+    unit_ctx c = {.cols = cols};
+    return UNITS(SOFTMAX_FWD, rows, &c, u_softmax_fwd, PER(x, cols, 'i'), PER(y, cols, 'o'));
+}
+
+static void u_softmax_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    tp__k_softmax_bwd(b[0], b[1], b[2], nu, ((const unit_ctx *)ctx)->cols);
 }
 
 static tp_status cpu_softmax_bwd(tp_device dev, tp_dtype dtype, const void *y, const void *gy,
                                  void *gx, int64_t rows, int64_t cols)
 {
     CPU_CHECK(SOFTMAX_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_SOFTMAX_BWD, dtype);
-    const float *fy = tp__lp_in(&f, y, rows * cols), *fgy = tp__lp_in(&f, gy, rows * cols);
-    float *fgx = tp__lp_out(&f, gx, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_softmax_bwd(fy, fgy, fgx, rows, cols);
-    return tp__lp_end(&f);
+    unit_ctx c = {.cols = cols};
+    return UNITS(SOFTMAX_BWD, rows, &c, u_softmax_bwd, PER(y, cols, 'i'), PER(gy, cols, 'i'),
+                 PER(gx, cols, 'o'));
+}
+
+static void u_causal_mask(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    tp__k_causal_mask(b[0], nu, ((const unit_ctx *)ctx)->cols);
 }
 
 static tp_status cpu_causal_mask(tp_device dev, tp_dtype dtype, void *s, int64_t batch,
                                  int64_t S)
 {
     CPU_CHECK(CAUSAL_MASK);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_CAUSAL_MASK, dtype);
-    float *fs = tp__lp_out(&f, s, batch * S * S, true);
-    if (tp__lp_ok(&f))
-        tp__k_causal_mask(fs, batch, S);
-    return tp__lp_end(&f);
+    unit_ctx c = {.cols = S};
+    return UNITS(CAUSAL_MASK, batch, &c, u_causal_mask, PER(s, S * S, 'u'));
+}
+
+static void u_transpose_last2(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_transpose_last2(b[0], b[1], nu, c->size, c->cols);
 }
 
 static tp_status cpu_transpose_last2(tp_device dev, tp_dtype dtype, const void *x, void *y,
                                      int64_t batch, int64_t r, int64_t c)
 {
     CPU_CHECK(TRANSPOSE_LAST2);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_TRANSPOSE_LAST2, dtype);
-    const float *fx = tp__lp_in(&f, x, batch * r * c);
-    float *fy = tp__lp_out(&f, y, batch * r * c, false);
-    if (tp__lp_ok(&f))
-        tp__k_transpose_last2(fx, fy, batch, r, c);
-    return tp__lp_end(&f);
+    unit_ctx u = {.size = r, .cols = c};
+    return UNITS(TRANSPOSE_LAST2, batch, &u, u_transpose_last2, PER(x, r * c, 'i'),
+                 PER(y, r * c, 'o'));
 }
 
 /* ---- embedding, norms, dropout ------------------------------------------------------ */
@@ -473,19 +503,26 @@ static tp_status cpu_embedding_bwd(tp_device dev, tp_dtype dtype, const int64_t 
     return TP_OK;
 }
 
+static void u_layer_norm_fwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_layer_norm_fwd(b[0], b[1], b[2], b[3], c->f0 + u0, c->f1 + u0, nu, c->cols, c->eps);
+}
+
 static tp_status cpu_layer_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                     const void *b, void *y, float *mean, float *rstd,
                                     int64_t rows, int64_t cols, float eps)
 {
     CPU_CHECK(LAYER_NORM_FWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_LAYER_NORM_FWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
-    const float *fb = tp__lp_in(&f, b, cols);
-    float *fy = tp__lp_out(&f, y, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_layer_norm_fwd(fx, fw, fb, fy, mean, rstd, rows, cols, eps);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f0 = mean, .f1 = rstd, .cols = cols, .eps = eps};
+    return UNITS(LAYER_NORM_FWD, rows, &c, u_layer_norm_fwd, PER(x, cols, 'i'), WHOLE(w, cols, 'i'),
+                 WHOLE(b, cols, 'i'), PER(y, cols, 'o'));
+}
+
+static void u_layer_norm_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_layer_norm_bwd(b[0], b[1], c->f0 + u0, c->f1 + u0, b[2], b[3], b[4], b[5], nu, c->cols);
 }
 
 static tp_status cpu_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
@@ -493,28 +530,31 @@ static tp_status cpu_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *x
                                     void *gx, void *gw, void *gb, int64_t rows, int64_t cols)
 {
     CPU_CHECK(LAYER_NORM_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_LAYER_NORM_BWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
-    const float *fgy = tp__lp_in(&f, gy, rows * cols);
-    float *fgx = tp__lp_out(&f, gx, rows * cols, false);
-    float *fgw = tp__lp_out(&f, gw, cols, true), *fgb = tp__lp_out(&f, gb, cols, true);
-    if (tp__lp_ok(&f))
-        tp__k_layer_norm_bwd(fx, fw, mean, rstd, fgy, fgx, fgw, fgb, rows, cols);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f0 = (float *)mean, .f1 = (float *)rstd, .cols = cols};
+    return UNITS(LAYER_NORM_BWD, rows, &c, u_layer_norm_bwd, PER(x, cols, 'i'), WHOLE(w, cols, 'i'),
+                 PER(gy, cols, 'i'), PER(gx, cols, 'o'), WHOLE(gw, cols, 'u'),
+                 WHOLE(gb, cols, 'u'));
+}
+
+static void u_rms_norm_fwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_rms_norm_fwd(b[0], b[1], b[2], c->f1 + u0, nu, c->cols, c->eps);
 }
 
 static tp_status cpu_rms_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                   void *y, float *rstd, int64_t rows, int64_t cols, float eps)
 {
     CPU_CHECK(RMS_NORM_FWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_RMS_NORM_FWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
-    float *fy = tp__lp_out(&f, y, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_rms_norm_fwd(fx, fw, fy, rstd, rows, cols, eps);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f1 = rstd, .cols = cols, .eps = eps};
+    return UNITS(RMS_NORM_FWD, rows, &c, u_rms_norm_fwd, PER(x, cols, 'i'), WHOLE(w, cols, 'i'),
+                 PER(y, cols, 'o'));
+}
+
+static void u_rms_norm_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_rms_norm_bwd(b[0], b[1], c->f1 + u0, b[2], b[3], b[4], nu, c->cols);
 }
 
 static tp_status cpu_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
@@ -522,14 +562,9 @@ static tp_status cpu_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, 
                                   int64_t rows, int64_t cols)
 {
     CPU_CHECK(RMS_NORM_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_RMS_NORM_BWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
-    const float *fgy = tp__lp_in(&f, gy, rows * cols);
-    float *fgx = tp__lp_out(&f, gx, rows * cols, false), *fgw = tp__lp_out(&f, gw, cols, true);
-    if (tp__lp_ok(&f))
-        tp__k_rms_norm_bwd(fx, fw, rstd, fgy, fgx, fgw, rows, cols);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f1 = (float *)rstd, .cols = cols};
+    return UNITS(RMS_NORM_BWD, rows, &c, u_rms_norm_bwd, PER(x, cols, 'i'), WHOLE(w, cols, 'i'),
+                 PER(gy, cols, 'i'), PER(gx, cols, 'o'), WHOLE(gw, cols, 'u'));
 }
 
 static tp_status cpu_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y,
@@ -570,19 +605,36 @@ static tp_status cpu_dropout_bwd(tp_device dev, tp_dtype dtype, const void *gy,
 
 /* ---- cross entropy ---------------------------------------------------------------- */
 
+/* Logits [outer, classes, inner] go unit by unit of outer: a unit holds
+ * `inner` rows (row r of unit u is u * inner + r). */
+static int64_t outer_of(int64_t rows, int64_t inner)
+{
+    return inner > 0 ? rows / inner : 0;
+}
+
+static void u_ce_fwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_cross_entropy_fwd(b[0], c->target + u0 * c->inner, b[1], b[2], nu * c->inner, c->cols,
+                            c->inner, c->ignore, NULL);
+}
+
 static tp_status cpu_cross_entropy_fwd(tp_device dev, tp_dtype dtype, const void *x,
                                        const int64_t *target, const void *weight, void *loss,
                                        int64_t rows, int64_t classes, int64_t inner,
                                        int64_t ignore_index)
 {
     CPU_CHECK(CROSS_ENTROPY_FWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_CROSS_ENTROPY_FWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * classes), *fw = tp__lp_in(&f, weight, classes);
-    float *fl = tp__lp_out(&f, loss, rows, false);
-    if (tp__lp_ok(&f))
-        tp__k_cross_entropy_fwd(fx, target, fw, fl, rows, classes, inner, ignore_index, NULL);
-    return tp__lp_end(&f);
+    unit_ctx c = {.target = target, .cols = classes, .inner = inner, .ignore = ignore_index};
+    return UNITS(CROSS_ENTROPY_FWD, outer_of(rows, inner), &c, u_ce_fwd,
+                 PER(x, classes * inner, 'i'), WHOLE(weight, classes, 'i'), PER(loss, inner, 'o'));
+}
+
+static void u_ce_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_cross_entropy_bwd(b[0], c->target + u0 * c->inner, b[1], b[2], b[3], nu * c->inner,
+                            c->cols, c->inner, c->ignore);
 }
 
 static tp_status cpu_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void *x,
@@ -591,14 +643,10 @@ static tp_status cpu_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void
                                        int64_t classes, int64_t inner, int64_t ignore_index)
 {
     CPU_CHECK(CROSS_ENTROPY_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_CROSS_ENTROPY_BWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * classes), *fw = tp__lp_in(&f, weight, classes);
-    const float *fgl = tp__lp_in(&f, gloss, rows);
-    float *fgx = tp__lp_out(&f, gx, rows * classes, false);
-    if (tp__lp_ok(&f))
-        tp__k_cross_entropy_bwd(fx, target, fw, fgl, fgx, rows, classes, inner, ignore_index);
-    return tp__lp_end(&f);
+    unit_ctx c = {.target = target, .cols = classes, .inner = inner, .ignore = ignore_index};
+    return UNITS(CROSS_ENTROPY_BWD, outer_of(rows, inner), &c, u_ce_bwd,
+                 PER(x, classes * inner, 'i'), WHOLE(weight, classes, 'i'), PER(gloss, inner, 'i'),
+                 PER(gx, classes * inner, 'o'));
 }
 
 static tp_status cpu_ce_gloss(tp_device dev, tp_dtype dtype, const void *g, void *gl,
@@ -614,28 +662,40 @@ static tp_status cpu_ce_gloss(tp_device dev, tp_dtype dtype, const void *g, void
     return tp__lp_end(&f);
 }
 
+static void u_row_max(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_row_max(b[0], c->f0 + u0 * c->inner, nu * c->inner, c->cols, c->inner);
+}
+
 static tp_status cpu_row_max(tp_device dev, tp_dtype dtype, const void *x, float *mx,
                              int64_t rows, int64_t cols, int64_t inner)
 {
     CPU_CHECK(ROW_MAX);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_ROW_MAX, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols);
-    if (tp__lp_ok(&f))
-        tp__k_row_max(fx, mx, rows, cols, inner);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f0 = mx, .cols = cols, .inner = inner};
+    return UNITS(ROW_MAX, outer_of(rows, inner), &c, u_row_max, PER(x, cols * inner, 'i'));
+}
+
+static void u_row_sumexp(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_row_sumexp(b[0], c->f0 + u0 * c->inner, c->f1 + u0 * c->inner, nu * c->inner, c->cols,
+                     c->inner);
 }
 
 static tp_status cpu_row_sumexp(tp_device dev, tp_dtype dtype, const void *x, const float *mx,
                                 float *s, int64_t rows, int64_t cols, int64_t inner)
 {
     CPU_CHECK(ROW_SUMEXP);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_ROW_SUMEXP, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols);
-    if (tp__lp_ok(&f))
-        tp__k_row_sumexp(fx, mx, s, rows, cols, inner);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f0 = (float *)mx, .f1 = s, .cols = cols, .inner = inner};
+    return UNITS(ROW_SUMEXP, outer_of(rows, inner), &c, u_row_sumexp, PER(x, cols * inner, 'i'));
+}
+
+static void u_pick_target(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_pick_target(b[0], c->target + u0 * c->inner, c->f0 + u0 * c->inner, nu * c->inner,
+                      c->cols, c->inner, c->offset, c->ignore);
 }
 
 static tp_status cpu_pick_target(tp_device dev, tp_dtype dtype, const void *x,
@@ -643,12 +703,13 @@ static tp_status cpu_pick_target(tp_device dev, tp_dtype dtype, const void *x,
                                  int64_t cols, int64_t inner, int64_t offset, int64_t ignore_index)
 {
     CPU_CHECK(PICK_TARGET);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_PICK_TARGET, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols);
-    if (tp__lp_ok(&f))
-        tp__k_pick_target(fx, target, picked, rows, cols, inner, offset, ignore_index);
-    return tp__lp_end(&f);
+    unit_ctx c = {.target = target,
+                  .f0 = picked,
+                  .cols = cols,
+                  .inner = inner,
+                  .offset = offset,
+                  .ignore = ignore_index};
+    return UNITS(PICK_TARGET, outer_of(rows, inner), &c, u_pick_target, PER(x, cols * inner, 'i'));
 }
 
 /* The length of the global class-weight vector the vocab-parallel entries
@@ -678,6 +739,14 @@ static tp_status cpu_vocab_ce_loss(tp_device dev, tp_dtype dtype, const int64_t 
     return tp__lp_end(&f);
 }
 
+static void u_vocab_ce_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    int64_t r0 = u0 * c->inner;
+    tp__k_vocab_ce_bwd(b[0], c->target + r0, b[1], c->f0 + r0, c->f1 + r0, b[2], b[3],
+                       nu * c->inner, c->cols, c->inner, c->offset, c->ignore);
+}
+
 static tp_status cpu_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x,
                                   const int64_t *target, const void *weight, const float *mx,
                                   const float *sumexp, const void *gloss, void *gx, int64_t rows,
@@ -685,16 +754,16 @@ static tp_status cpu_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x,
                                   int64_t ignore_index)
 {
     CPU_CHECK(VOCAB_CE_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_VOCAB_CE_BWD, dtype);
     int64_t nw = weight && dtype != TP_F32 ? weight_len(target, rows, ignore_index) : 0;
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, weight, nw);
-    const float *fgl = tp__lp_in(&f, gloss, rows);
-    float *fgx = tp__lp_out(&f, gx, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_vocab_ce_bwd(fx, target, fw, mx, sumexp, fgl, fgx, rows, cols, inner, offset,
-                           ignore_index);
-    return tp__lp_end(&f);
+    unit_ctx c = {.target = target,
+                  .f0 = (float *)mx,
+                  .f1 = (float *)sumexp,
+                  .cols = cols,
+                  .inner = inner,
+                  .offset = offset,
+                  .ignore = ignore_index};
+    return UNITS(VOCAB_CE_BWD, outer_of(rows, inner), &c, u_vocab_ce_bwd, PER(x, cols * inner, 'i'),
+                 WHOLE(weight, nw, 'i'), PER(gloss, inner, 'i'), PER(gx, cols * inner, 'o'));
 }
 
 /* ---- optimizers -------------------------------------------------------------------- */
