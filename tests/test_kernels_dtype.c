@@ -494,6 +494,48 @@ Test(kernels_dtype, add_and_mul_bcast_strided_and_in_place)
     }
 }
 
+/* The forms the op layer hands over most: same-shape operands collapsed to one
+ * dim, a row (bias) broadcast [R, C] + [C], a column broadcast [R, C] * [R, 1]
+ * and a scalar, each against index loops */
+Test(kernels_dtype, bcast_common_forms)
+{
+    enum { R = 37, C = 70 };
+    double *a = gen(R * C, 48, 1), *b = gen(R * C, 49, 1), *r = dzeros(R * C);
+    const int64_t shape1[1] = {R * C}, one[1] = {1}, zero[1] = {0};
+    const int64_t shape2[2] = {R, C}, full[2] = {C, 1}, row[2] = {0, 1}, col[2] = {1, 0},
+                  scal[2] = {0, 0};
+    FOR_DT(dt)
+    {
+        void *da = mk(dt, a, R * C), *db = mk(dt, b, R * C), *y = mk(dt, NULL, R * C);
+        for (int op = 0; op < 2; op++) {
+            tp_status (*fn)(tp_device, tp_dtype, const void *, const void *, void *, int,
+                            const int64_t *, const int64_t *, const int64_t *) =
+                op ? K->mul_bcast : K->add_bcast;
+            const char *name = op ? "mul_bcast" : "add_bcast";
+            /* same shape, and a scalar, as one dim */
+            OK(fn(CPU, dt, da, db, y, 1, shape1, one, one));
+            for (int i = 0; i < R * C; i++)
+                r[i] = op ? a[i] * b[i] : a[i] + b[i];
+            expect_close(name, dt, y, r, NULL, R * C);
+            OK(fn(CPU, dt, da, db, y, 1, shape1, one, zero));
+            for (int i = 0; i < R * C; i++)
+                r[i] = op ? a[i] * b[0] : a[i] + b[0];
+            expect_close(name, dt, y, r, NULL, R * C);
+            /* [R, C] with b a row, a column, a scalar */
+            const int64_t *bs[3] = {row, col, scal};
+            for (int k = 0; k < 3; k++) {
+                OK(fn(CPU, dt, da, db, y, 2, shape2, full, bs[k]));
+                for (int i = 0; i < R; i++)
+                    for (int j = 0; j < C; j++) {
+                        double bv = b[i * bs[k][0] + j * bs[k][1]];
+                        r[i * C + j] = op ? a[i * C + j] * bv : a[i * C + j] + bv;
+                    }
+                expect_close(name, dt, y, r, NULL, R * C);
+            }
+        }
+    }
+}
+
 Test(kernels_dtype, sum_bcast_gather_transpose)
 {
     const int64_t shape[3] = {4, 5, 6}, yshape[3] = {4, 1, 6};

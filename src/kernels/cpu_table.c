@@ -209,12 +209,54 @@ static int64_t numel(int ndim, const int64_t *shape)
 typedef void (*bcast_fn)(const float *a, const float *b, float *y, int ndim, const int64_t *shape,
                          const int64_t *astride, const int64_t *bstride);
 
+typedef struct bcast_ctx {
+    bcast_fn fn;
+    int ndim;
+    const int64_t *shape, *astride, *bstride;
+} bcast_ctx;
+
+static void u_bcast(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const bcast_ctx *c = ctx;
+    int64_t shape[TP_MAX_DIMS];
+    memcpy(shape, c->shape, (size_t)c->ndim * sizeof *shape);
+    shape[0] = nu;
+    c->fn(b[0], b[1], b[2], c->ndim, shape, c->astride, c->bstride);
+}
+
+/* An operand as a buffer of the unit driver over dim 0: whole when broadcast
+ * along it, per unit when its units tile (stride[0] is the span of the rest,
+ * read forwards); false otherwise. */
+static bool bcast_operand(const void *p, int ndim, const int64_t *shape, const int64_t *stride,
+                          tp__lp_buf *out)
+{
+    int64_t lo, n = span_of(ndim - 1, shape + 1, stride + 1, &lo);
+    if (lo != 0)
+        return false;
+    if (stride[0] == 0)
+        *out = WHOLE(p, n, 'i');
+    else if (stride[0] == n)
+        *out = PER(p, n, 'i');
+    else
+        return false;
+    return true;
+}
+
 static tp_status cpu_bcast(tp__kop op, bcast_fn fn, tp_dtype dtype, const void *a, const void *b,
                            void *y, int ndim, const int64_t *shape, const int64_t *astride,
                            const int64_t *bstride)
 {
     if (!cpu_supports(op, dtype))
         return unsupported(op, dtype);
+    tp__lp_buf bufs[3];
+    if (dtype != TP_F32 && ndim > 0 && shape[0] > 0 && numel(ndim, shape) > 0 &&
+        bcast_operand(a, ndim, shape, astride, &bufs[0]) &&
+        bcast_operand(b, ndim, shape, bstride, &bufs[1])) {
+        /* chunk by chunk along dim 0 (same-shape operands: elementwise) */
+        bufs[2] = PER(y, numel(ndim - 1, shape + 1), 'o');
+        bcast_ctx c = {fn, ndim, shape, astride, bstride};
+        return tp__lp_units(op, dtype, shape[0], 3, bufs, u_bcast, &c);
+    }
     tp__lp f;
     tp__lp_begin(&f, op, dtype);
     int64_t alo, blo, an = span_of(ndim, shape, astride, &alo);
