@@ -883,8 +883,9 @@ Test(kernels_dtype, cross_entropy_fwd_bwd_weighted_ignored_and_nd)
         for (int r = 0; r < CR; r++) {
             int64_t t = ce_target[r];
             double lse = ce_lse(x, r), wt = t == IGN ? 0 : weighted ? w[t] : 1;
-            rl[r] = t == IGN ? 0 : wt * (lse - x[ce_at(r, (int)t)]);
-            sl[r] = CC * U23 * fabs(wt) * (fabs(lse) + fabs(x[ce_at(r, (int)t)]) + 1);
+            double xt = t == IGN ? 0 : x[ce_at(r, (int)t)];
+            rl[r] = wt * (lse - xt);
+            sl[r] = CC * U23 * fabs(wt) * (fabs(lse) + fabs(xt) + 1);
             for (int c = 0; c < CC; c++) {
                 double sm = exp(x[ce_at(r, c)] - lse);
                 rg[ce_at(r, c)] = gl[r] * wt * (sm - (c == t));
