@@ -1,5 +1,6 @@
 /* bf16 and f16 on the CPU engine: f32 scratch around the f32 kernels
  * (cpu_lowp.h). */
+#include <stdatomic.h>
 #include <string.h>
 
 #include "core/cache.h"
@@ -63,10 +64,13 @@ __attribute__((target("avx,f16c"))) static int64_t f16_store_f16c(uint16_t *dst,
 
 static bool have_f16c(void)
 {
-    static int have = -1; /* racy but idempotent */
-    if (have < 0)
-        have = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-    return have;
+    static atomic_int have = -1; /* -1: not asked yet; every thread finds the same */
+    int h = atomic_load_explicit(&have, memory_order_relaxed);
+    if (h < 0) {
+        h = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+        atomic_store_explicit(&have, h, memory_order_relaxed);
+    }
+    return h;
 }
 #else
 #define LP_F16C 0

@@ -1,10 +1,13 @@
 /* The CPU engine's kernel table (kernels.h): each entry answers a dtype other
  * than f32, bf16 and f16 with TP_ERR_NOT_SUPPORTED, else runs the f32 kernel
  * of cpu.c. For bf16 and f16 the kernel runs on f32 copies of the buffers of
- * the op's dtype and each output is rounded once into the dtype (cpu_lowp.h:
- * the elementwise entries in chunks through a stack buffer, the others on
- * whole f32 scratch buffers, which may fail: TP_ERR_NO_MEMORY). For f32 the
- * same code hands the kernel the caller's buffers.
+ * the op's dtype and each output is rounded once into the dtype (cpu_lowp.h):
+ * elementwise entries chunk by chunk through a stack buffer (no allocation),
+ * row-like entries unit by unit through cache-sized scratch, the others on
+ * whole f32 scratch buffers; scratch may fail (TP_ERR_NO_MEMORY, nothing
+ * written). Data movement without arithmetic (copy, fill, the embedding
+ * lookup) moves the dtype's bits directly. For f32 the same code hands the
+ * kernel the caller's buffers.
  * Kept apart from cpu.c, which the kernel test compiles into its own
  * executable and which therefore may use only public symbols. */
 #include <string.h>
@@ -45,10 +48,10 @@ static tp_status unsupported(tp__kop op, tp_dtype dtype)
                  (tp__lp_buf[]){__VA_ARGS__}, (fn), (c))
 
 /* What the unit entries' kernels take besides their buffers; per-row arrays
- * (f0, f1, f2, target) are offset by the chunk's first row. */
+ * (f0, f1: f32 statistics; target) are offset by the chunk's first row. */
 typedef struct unit_ctx {
     const int64_t *target;
-    float *f0, *f1, *f2;
+    float *f0, *f1;
     int64_t cols, inner, size, offset, ignore;
     float eps, scale;
     double div;
