@@ -56,13 +56,22 @@ static void *keep(void *p)
     return bag[nbag++] = p;
 }
 
-static void bag_free(void)
+/* Each test starts at the default chunk and leaves no allocator hook and no
+ * buffer behind (tests may share a process: tests/shim). */
+static void suite_init(void)
 {
+    tp__lp_unit_elems = 16384;
+}
+
+static void suite_fini(void)
+{
+    tp_set_allocator(NULL);
+    tp__lp_unit_elems = 16384;
     while (nbag > 0)
         free(bag[--nbag]);
 }
 
-TestSuite(kernels_dtype, .fini = bag_free, .timeout = 60);
+TestSuite(kernels_dtype, .init = suite_init, .fini = suite_fini, .timeout = 60);
 
 static double eps_of(tp_dtype dt)
 {
@@ -175,7 +184,7 @@ static void expect_stores_match_core(const uint32_t *xs, int64_t n, float *f, ui
  * stores of every f32 at and next to each rounding boundary of both dtypes
  * (the midpoints between neighbouring values, +-1 ulp), of both signs, plus
  * a sweep of the whole f32 range. */
-Test(kernels_dtype, conversions_are_cores_bit_for_bit)
+Test(kernels_dtype, conversions_are_cores_bit_for_bit, .timeout = 60)
 {
     enum { NB = 1 << 16 };
     uint16_t *h = keep(malloc(NB * 3 * sizeof *h)), *h2 = keep(malloc(NB * 3 * sizeof *h2));
@@ -223,7 +232,7 @@ Test(kernels_dtype, conversions_are_cores_bit_for_bit)
 
 /* ---- supports() ---------------------------------------------------------------------- */
 
-Test(kernels_dtype, supports_f32_bf16_f16_and_refuses_the_rest)
+Test(kernels_dtype, supports_f32_bf16_f16_and_refuses_the_rest, .timeout = 60)
 {
     for (int op = TP__KOP_NONE + 1; op < TP__KOP_COUNT; op++) {
         FOR_DT(dt)
@@ -249,7 +258,7 @@ Test(kernels_dtype, supports_f32_bf16_f16_and_refuses_the_rest)
 
 enum { NE = 2500 }; /* crosses the elementwise chunks (1024) twice, with a tail */
 
-Test(kernels_dtype, add_mul_scale_accumulate_and_in_place)
+Test(kernels_dtype, add_mul_scale_accumulate_and_in_place, .timeout = 60)
 {
     double *a = gen(NE, 1, 1), *b = gen(NE, 2, 1), *r = dzeros(NE);
     FOR_DT(dt)
@@ -289,7 +298,7 @@ Test(kernels_dtype, add_mul_scale_accumulate_and_in_place)
     }
 }
 
-Test(kernels_dtype, copy_and_fill)
+Test(kernels_dtype, copy_and_fill, .timeout = 60)
 {
     double *a = gen(NE, 3, 1), *r = dzeros(NE);
     FOR_DT(dt)
@@ -334,7 +343,7 @@ static double gelu_grad_ref(double x, bool tanh_approx, double *abs)
     return t1 + t2;
 }
 
-Test(kernels_dtype, relu_and_gelu)
+Test(kernels_dtype, relu_and_gelu, .timeout = 60)
 {
     double *x = gen(NE, 4, 4), *gy = gen(NE, 5, 1), *r = dzeros(NE), *s = dzeros(NE);
     FOR_DT(dt)
@@ -390,7 +399,7 @@ static void gemm_ref(bool ta, bool tb, int m, int n, int k, double alpha, const 
         }
 }
 
-Test(kernels_dtype, gemm_transposes_leading_dims_and_beta)
+Test(kernels_dtype, gemm_transposes_leading_dims_and_beta, .timeout = 60)
 {
     enum { M = 5, N = 7, KK = 33, LD = 40 };
     double *a = gen(LD * LD, 6, 1), *b = gen(LD * LD, 7, 1), *c0 = gen(M * LD, 8, 1);
@@ -417,7 +426,7 @@ Test(kernels_dtype, gemm_transposes_leading_dims_and_beta)
     }
 }
 
-Test(kernels_dtype, linear_fwd_and_bwd_with_accumulate)
+Test(kernels_dtype, linear_fwd_and_bwd_with_accumulate, .timeout = 60)
 {
     enum { R = 6, IN = 40, OUT = 9 };
     double *x = gen(R * IN, 9, 1), *w = gen(OUT * IN, 10, 1), *bias = gen(OUT, 11, 1);
@@ -467,7 +476,7 @@ Test(kernels_dtype, linear_fwd_and_bwd_with_accumulate)
 /* y[i] = a . b over [2, 3, 4] with a broadcast along dim 1 (stride 0) and b a
  * permuted view (strides of a [4, 3, 2] tensor read transposed); then in place
  * with a contiguous operand */
-Test(kernels_dtype, add_and_mul_bcast_strided_and_in_place)
+Test(kernels_dtype, add_and_mul_bcast_strided_and_in_place, .timeout = 60)
 {
     const int64_t shape[3] = {2, 3, 4}, ast[3] = {4, 0, 1}, bst[3] = {1, 2, 6}, cst[3] = {12, 4, 1};
     double *a = gen(8, 14, 1), *b = gen(24, 15, 1), *r = dzeros(24);
@@ -497,7 +506,7 @@ Test(kernels_dtype, add_and_mul_bcast_strided_and_in_place)
 /* The forms the op layer hands over most: same-shape operands collapsed to one
  * dim, a row (bias) broadcast [R, C] + [C], a column broadcast [R, C] * [R, 1]
  * and a scalar, each against index loops */
-Test(kernels_dtype, bcast_common_forms)
+Test(kernels_dtype, bcast_common_forms, .timeout = 60)
 {
     enum { R = 37, C = 70 };
     double *a = gen(R * C, 48, 1), *b = gen(R * C, 49, 1), *r = dzeros(R * C);
@@ -536,7 +545,7 @@ Test(kernels_dtype, bcast_common_forms)
     }
 }
 
-Test(kernels_dtype, sum_bcast_gather_transpose)
+Test(kernels_dtype, sum_bcast_gather_transpose, .timeout = 60)
 {
     const int64_t shape[3] = {4, 5, 6}, yshape[3] = {4, 1, 6};
     double *x = gen(120, 16, 1), *r = dzeros(120), *s = dzeros(120);
@@ -584,7 +593,7 @@ Test(kernels_dtype, sum_bcast_gather_transpose)
 
 /* ---- reductions ------------------------------------------------------------------------ */
 
-Test(kernels_dtype, sum_dim_sum_dim_bwd_sum_all)
+Test(kernels_dtype, sum_dim_sum_dim_bwd_sum_all, .timeout = 60)
 {
     enum { NO = 3, NS = 50, NI = 4 };
     double *x = gen(NO * NS * NI, 17, 1), *r = dzeros(NO * NS * NI), *s = dzeros(NO * NS * NI);
@@ -626,7 +635,7 @@ Test(kernels_dtype, sum_dim_sum_dim_bwd_sum_all)
     }
 }
 
-Test(kernels_dtype, softmax_fwd_bwd_and_causal_mask)
+Test(kernels_dtype, softmax_fwd_bwd_and_causal_mask, .timeout = 60)
 {
     enum { R = 7, C = 300 };
     double *x = gen(R * C, 18, 4), *gy = gen(R * C, 19, 1), *p = gen(R * C, 20, 0.0078125);
@@ -689,7 +698,7 @@ Test(kernels_dtype, softmax_fwd_bwd_and_causal_mask)
 
 /* ---- embedding, norms, dropout --------------------------------------------------------------- */
 
-Test(kernels_dtype, embedding_fwd_and_bwd_accumulate)
+Test(kernels_dtype, embedding_fwd_and_bwd_accumulate, .timeout = 60)
 {
     enum { ROWS = 10, D = 12, N = 8, OFF = 5 };
     const int64_t idx[N] = {5, 7, 14, 3, 7, 15, 9, 7}; /* 3 and 15 outside [5, 15) */
@@ -775,8 +784,9 @@ static void check_norm(bool rms)
     double *x = gen(NR * NC, 25, 2), *w = gen(NC, 26, 1), *b = gen(NC, 27, 1);
     double *gy = gen(NR * NC, 28, 1), *g0 = gen(NC, 29, 1);
     double *ry = dzeros(NR * NC), *rgx = dzeros(NR * NC), *sy = dzeros(NR * NC),
-           *sx = dzeros(NR * NC), *rgw = dzeros(NC), *rgb = dzeros(NC), *sw = dzeros(NC);
-    float mean[NR], rstd[NR];
+           *sx = dzeros(NR * NC), *rgw = dzeros(NC), *rgb = dzeros(NC), *sw = dzeros(NC),
+           *sb = dzeros(NC);
+    float mean[NR] = {0}, rstd[NR] = {0};
     FOR_DT(dt)
     {
         void *dx = mk(dt, x, NR * NC), *dw = mk(dt, w, NC), *db = mk(dt, b, NC);
@@ -803,29 +813,34 @@ static void check_norm(bool rms)
         else
             OK(K->layer_norm_bwd(CPU, dt, dx, dw, mean, rstd, dg, gx, gw, gb, NR, NC));
         expect_close(rms ? "rms_norm_bwd gx" : "layer_norm_bwd gx", dt, gx, rgx, sx, NR * NC);
+        /* gw = g0 + sum_r gy xhat and gb = g0 + sum_r gy: NR + 1 terms each */
         for (int c = 0; c < NC; c++) {
-            double abs = fabs(g0[c]);
-            for (int r = 0; r < NR; r++)
-                abs += fabs(gy[r * NC + c]) * (1 + fabs(x[r * NC + c]) * rstd[r] * 2);
-            sw[c] = (NR + 1) * U23 * abs * 4;
+            double aw = fabs(g0[c]), ab = fabs(g0[c]);
+            for (int r = 0; r < NR; r++) {
+                double xh = (x[r * NC + c] - (rms ? 0 : mean[r])) * rstd[r];
+                aw += fabs(gy[r * NC + c] * xh);
+                ab += fabs(gy[r * NC + c]);
+            }
+            sw[c] = (NR + 1) * U23 * aw;
+            sb[c] = (NR + 1) * U23 * ab;
         }
         expect_close("norm_bwd gw (+=)", dt, gw, rgw, sw, NC);
         if (!rms)
-            expect_close("layer_norm_bwd gb (+=)", dt, gb, rgb, sw, NC);
+            expect_close("layer_norm_bwd gb (+=)", dt, gb, rgb, sb, NC);
     }
 }
 
-Test(kernels_dtype, layer_norm_fwd_bwd)
+Test(kernels_dtype, layer_norm_fwd_bwd, .timeout = 60)
 {
     check_norm(false);
 }
 
-Test(kernels_dtype, rms_norm_fwd_bwd)
+Test(kernels_dtype, rms_norm_fwd_bwd, .timeout = 60)
 {
     check_norm(true);
 }
 
-Test(kernels_dtype, dropout_fwd_bwd_block_and_in_place)
+Test(kernels_dtype, dropout_fwd_bwd_block_and_in_place, .timeout = 60)
 {
     const int64_t shape[2] = {4, 6}, gshape[2] = {8, 10}, off[2] = {2, 3};
     const float p = 0.25f;
@@ -875,7 +890,7 @@ static double ce_lse(const double *x, int r)
     return mx + log(s);
 }
 
-Test(kernels_dtype, cross_entropy_fwd_bwd_weighted_ignored_and_nd)
+Test(kernels_dtype, cross_entropy_fwd_bwd_weighted_ignored_and_nd, .timeout = 60)
 {
     double *x = gen(CR * CC, 31, 4), *w = gen(CC, 32, 1), *gl = gen(CR, 33, 1);
     double *rl = dzeros(CR), *sl = dzeros(CR), *rg = dzeros(CR * CC), *sg = dzeros(CR * CC);
@@ -919,7 +934,7 @@ Test(kernels_dtype, cross_entropy_fwd_bwd_weighted_ignored_and_nd)
 /* The vocab-parallel pieces on the classes [OFFV, OFFV + CC) of 50: row max,
  * sum of exp, the picked logit (f32 outputs), then the loss and gradient of
  * the dtype from the global statistics. */
-Test(kernels_dtype, vocab_parallel_pieces)
+Test(kernels_dtype, vocab_parallel_pieces, .timeout = 60)
 {
     enum { OFFV = 10, GLOBAL = 50 };
     const int64_t tgt[CR] = {12, IGN, 29, 3, 45, 10};
@@ -975,7 +990,7 @@ Test(kernels_dtype, vocab_parallel_pieces)
 
 /* ---- optimizers ------------------------------------------------------------------------------ */
 
-Test(kernels_dtype, sgd_and_adam_round_p_once)
+Test(kernels_dtype, sgd_and_adam_round_p_once, .timeout = 60)
 {
     double *p = gen(NE, 37, 1), *g = gen(NE, 38, 1), *r = dzeros(NE);
     double *m0 = gen(NE, 39, 0.125), *v0 = gen(NE, 40, 0.0078125);
@@ -1104,7 +1119,7 @@ static tp_status run_embedding_bwd(void *const *b)
  * with three outputs, two of them accumulated (layer_norm_bwd: x, gy, gx
  * past the arena, w, gw, gb in it), and the embedding backward (row map,
  * index map, row list, gy, the touched rows). */
-Test(kernels_dtype, scratch_allocation_failure_is_no_memory_and_leaks_nothing)
+Test(kernels_dtype, scratch_allocation_failure_is_no_memory_and_leaks_nothing, .timeout = 60)
 {
     double *x = gen(FR * FC, 41, 1), *w = gen(FC * FC, 42, 1), *gy = gen(FR * FC, 43, 1);
     double *g0 = gen(FR * FC, 44, 1);
