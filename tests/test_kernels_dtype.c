@@ -6,9 +6,12 @@
  *     |y - r| <= eps_d |r| + K 2^-23 sum|terms| + tiny
  * (eps_d = 2^-8 bf16, 2^-11 f16, 2^-24 f32; the K-term part for reductions,
  * products, norms, softmax and losses; tiny covers the f32 kernels' own
- * polynomial exp/erf, 2^-21 |r| + 2^-30). Also the accumulate and in-place
- * forms, supports() and its error, and scratch allocation failure through the
- * allocator hook (TP_ERR_NO_MEMORY, nothing leaked, nothing written).
+ * polynomial exp/erf, 2^-20 |r| + 2^-26 (relative to the terms where GELU's
+ * gradient cancels), plus half the dtype's smallest subnormal). Also the
+ * conversions against core's, the accumulate and in-place forms, the chunked
+ * drivers at several chunk sizes, supports() and its error, and scratch
+ * allocation failure through the allocator hook (TP_ERR_NO_MEMORY, nothing
+ * leaked, nothing written, the exact allocation count).
  *
  * The inputs are k/128 (times a power of two) for integers |k| < 256: eight
  * significant bits, exact in bf16, f16 and f32 alike, so one reference serves
