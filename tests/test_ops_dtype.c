@@ -47,6 +47,7 @@ struct dcase {
     double stages;
     int64_t K;
     double param; /* the op's scalar (scale, p, ...) */
+    unsigned nograd_mask; /* float inputs that get no gradient (class weights) */
 };
 
 static int64_t numel_of(int nd, const int64_t *s)
@@ -132,6 +133,7 @@ static tp_status op_ce(const dcase *c, tp_tensor *const *in, tp_tensor **y)
 {
     tp_cross_entropy_options o = TP_CROSS_ENTROPY_DEFAULTS;
     o.reduction = (tp_reduction)(int)c->param;
+    o.weight = c->n_in > 2 ? in[2] : NULL;
     return tp_cross_entropy(in[0], in[1], &o, y);
 }
 static tp_status op_reshape(const dcase *c, tp_tensor *const *in, tp_tensor **y)
@@ -429,6 +431,7 @@ static void ref_ce(const dcase *c, const double *const *in, const double *gy, do
 {
     const int64_t N = c->shape[0][0], C = c->shape[0][1];
     const tp_reduction red = (tp_reduction)(int)c->param;
+    const double *cw = c->n_in > 2 ? in[2] : NULL;
     double *p = calloc((size_t)(N * C), sizeof *p), total = 0, count = 0;
     softmax_rows(in[0], p, N, C);
     for (int64_t r = 0; r < N; r++) {
@@ -440,8 +443,8 @@ static void ref_ce(const dcase *c, const double *const *in, const double *gy, do
                 m = fmax(m, in[0][r * C + j]);
             for (int64_t j = 0; j < C; j++)
                 s += exp(in[0][r * C + j] - m);
-            loss = log(s) + m - in[0][r * C + t];
-            count += 1;
+            loss = (cw ? cw[t] : 1) * (log(s) + m - in[0][r * C + t]);
+            count += cw ? cw[t] : 1;
         }
         total += loss;
         if (red == TP_REDUCTION_NONE)
@@ -455,7 +458,8 @@ static void ref_ce(const dcase *c, const double *const *in, const double *gy, do
                     : red == TP_REDUCTION_MEAN ? gy[0] / count
                                                : gy[0];
         for (int64_t j = 0; j < C; j++)
-            g[0][r * C + j] = t == -100 ? 0 : gl * (p[r * C + j] - (j == t ? 1 : 0));
+            g[0][r * C + j] =
+                t == -100 ? 0 : gl * (cw ? cw[t] : 1) * (p[r * C + j] - (j == t ? 1 : 0));
     }
     free(p);
 }
@@ -568,6 +572,7 @@ static const dcase cases[] = {
      true,
      0,
      8,
+     0,
      0},
     {"linear rowwise",
      3,
@@ -582,6 +587,7 @@ static const dcase cases[] = {
      true,
      0,
      8,
+     0,
      0},
     {"linear on a Partial input",
      2,
@@ -596,6 +602,7 @@ static const dcase cases[] = {
      true,
      0,
      8,
+     0,
      0},
     {"matmul rowwise",
      2,
@@ -610,6 +617,7 @@ static const dcase cases[] = {
      true,
      0,
      10,
+     0,
      0},
     {"matmul colwise",
      2,
@@ -624,6 +632,7 @@ static const dcase cases[] = {
      true,
      0,
      10,
+     0,
      0},
     {"add broadcast",
      2,
@@ -638,6 +647,7 @@ static const dcase cases[] = {
      true,
      0,
      3,
+     0,
      0},
     {"add Partial + Partial",
      2,
@@ -652,6 +662,7 @@ static const dcase cases[] = {
      true,
      0,
      1,
+     0,
      0},
     /* b's gradient: gy * a is stored in the dtype, then summed over the
      * broadcast dims (as PyTorch) */
@@ -668,10 +679,11 @@ static const dcase cases[] = {
      true,
      1,
      15,
+     0,
      0},
-    {"relu", 1, {2}, {{5, 7}}, 0, 0, false, {S_(0)}, op_relu, ref_relu, false, 0, 1, 0},
-    {"gelu exact", 1, {2}, {{5, 7}}, 0, 0, false, {S_(1)}, op_gelu, ref_gelu, false, 0, 1, 0},
-    {"gelu tanh", 1, {2}, {{5, 7}}, 0, 0, false, {R_}, op_gelu, ref_gelu, false, 0, 1, 1},
+    {"relu", 1, {2}, {{5, 7}}, 0, 0, false, {S_(0)}, op_relu, ref_relu, false, 0, 1, 0, 0},
+    {"gelu exact", 1, {2}, {{5, 7}}, 0, 0, false, {S_(1)}, op_gelu, ref_gelu, false, 0, 1, 0, 0},
+    {"gelu tanh", 1, {2}, {{5, 7}}, 0, 0, false, {R_}, op_gelu, ref_gelu, false, 0, 1, 1, 0},
     {"scale of a Partial",
      1,
      {2},
@@ -685,8 +697,23 @@ static const dcase cases[] = {
      false,
      0,
      1,
-     0.75},
-    {"dropout", 1, {2}, {{5, 7}}, 0, 0, false, {S_(1)}, op_dropout, ref_dropout, false, 0, 1, 0.25},
+     0.75,
+     0},
+    {"dropout",
+     1,
+     {2},
+     {{5, 7}},
+     0,
+     0,
+     false,
+     {S_(1)},
+     op_dropout,
+     ref_dropout,
+     false,
+     0,
+     1,
+     0.25,
+     0},
     {"sum over a sharded dim",
      1,
      {2},
@@ -700,9 +727,24 @@ static const dcase cases[] = {
      true,
      0,
      7,
+     0,
      0},
-    {"mean_all", 1, {2}, {{5, 7}}, 0, 0, false, {S_(0)}, op_mean_all, ref_mean_all, true, 0, 35, 0},
-    {"softmax", 1, {2}, {{5, 7}}, 0, 0, false, {S_(0)}, op_softmax, ref_softmax, false, 1, 7, 0},
+    {"mean_all",
+     1,
+     {2},
+     {{5, 7}},
+     0,
+     0,
+     false,
+     {S_(0)},
+     op_mean_all,
+     ref_mean_all,
+     true,
+     0,
+     35,
+     0,
+     0},
+    {"softmax", 1, {2}, {{5, 7}}, 0, 0, false, {S_(0)}, op_softmax, ref_softmax, false, 1, 7, 0, 0},
     {"layer_norm sequence-sharded",
      3,
      {2, 1, 1},
@@ -716,7 +758,8 @@ static const dcase cases[] = {
      false,
      0,
      16,
-     1e-5},
+     1e-5,
+     0},
     {"rms_norm sequence-sharded",
      2,
      {2, 1},
@@ -730,7 +773,8 @@ static const dcase cases[] = {
      false,
      0,
      16,
-     1e-5},
+     1e-5,
+     0},
     /* indices repeat: the table gradient adds up to 12 rows into one */
     {"embedding row-sharded",
      2,
@@ -745,6 +789,7 @@ static const dcase cases[] = {
      true,
      0,
      12,
+     0,
      0},
     {"embedding dim-sharded",
      2,
@@ -759,6 +804,7 @@ static const dcase cases[] = {
      true,
      0,
      12,
+     0,
      0},
     /* the loss gradient is rounded to the dtype before the logits' one */
     {"cross_entropy mean",
@@ -774,7 +820,8 @@ static const dcase cases[] = {
      false,
      1,
      60,
-     TP_REDUCTION_MEAN},
+     TP_REDUCTION_MEAN,
+     0},
     {"cross_entropy none",
      2,
      {2, 1},
@@ -788,7 +835,8 @@ static const dcase cases[] = {
      false,
      1,
      10,
-     TP_REDUCTION_NONE},
+     TP_REDUCTION_NONE,
+     0},
     {"cross_entropy vocab-parallel mean",
      2,
      {2, 1},
@@ -802,7 +850,8 @@ static const dcase cases[] = {
      false,
      1,
      60,
-     TP_REDUCTION_MEAN},
+     TP_REDUCTION_MEAN,
+     0},
     {"cross_entropy vocab-parallel sum",
      2,
      {2, 1},
@@ -816,7 +865,8 @@ static const dcase cases[] = {
      false,
      1,
      60,
-     TP_REDUCTION_SUM},
+     TP_REDUCTION_SUM,
+     0},
     {"cross_entropy vocab-parallel none",
      2,
      {2, 1},
@@ -830,8 +880,40 @@ static const dcase cases[] = {
      false,
      1,
      10,
-     TP_REDUCTION_NONE},
-    {"reshape", 1, {2}, {{4, 6}}, 0, 0, false, {S_(0)}, op_reshape, ref_reshape, false, 0, 1, 0},
+     TP_REDUCTION_NONE,
+     0},
+    /* class weights in the logits' dtype, in [0.25, 2) */
+    {"cross_entropy weighted mean",
+     3,
+     {2, 1, 1},
+     {{6, 10}, {6}, {10}},
+     2u,
+     10,
+     true,
+     {R_, R_, R_},
+     op_ce,
+     ref_ce,
+     false,
+     1,
+     60,
+     TP_REDUCTION_MEAN,
+     4u},
+    {"cross_entropy vocab-parallel weighted mean",
+     3,
+     {2, 1, 1},
+     {{6, 10}, {6}, {10}},
+     2u,
+     10,
+     true,
+     {S_(1), R_, R_},
+     op_ce,
+     ref_ce,
+     false,
+     1,
+     60,
+     TP_REDUCTION_MEAN,
+     4u},
+    {"reshape", 1, {2}, {{4, 6}}, 0, 0, false, {S_(0)}, op_reshape, ref_reshape, false, 0, 1, 0, 0},
     {"transpose",
      1,
      {2},
@@ -845,6 +927,7 @@ static const dcase cases[] = {
      false,
      0,
      1,
+     0,
      0},
     /* scores and probabilities are stored in the dtype (as PyTorch's math
      * attention), then multiplied again */
@@ -861,6 +944,7 @@ static const dcase cases[] = {
      false,
      4,
      5,
+     0,
      0},
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
@@ -984,14 +1068,15 @@ static tp_status make_inputs(tp_mesh *mesh, const dcase *c, tp_dtype round_dt, t
             for (int64_t k = 0; k < n; k++)
                 r->val[i][k] = r->absval[i][k] = (double)iv[k];
         } else {
-            TP_TEST_TRY(exact_tensor(c->nd[i], c->shape[i], 11 + (uint64_t)i, -2, 2, round_dt, dt,
-                                     &r->full[i], &r->val[i]));
+            bool w = c->nograd_mask & (1u << i);
+            TP_TEST_TRY(exact_tensor(c->nd[i], c->shape[i], 11 + (uint64_t)i, w ? 0.25 : -2, 2,
+                                     round_dt, dt, &r->full[i], &r->val[i]));
             r->absval[i] = calloc((size_t)n, sizeof(double));
             for (int64_t k = 0; k < n; k++)
                 r->absval[i][k] = fabs(r->val[i][k]);
         }
         TP_TEST_TRY(to_dtensor(mesh, r->full[i], c->pl[i], &r->dt[i]));
-        if (!(c->index_mask & (1u << i)))
+        if (!((c->index_mask | c->nograd_mask) & (1u << i)))
             TP_TEST_TRY(tp_tensor_set_requires_grad(r->dt[i], true));
     }
     return TP_OK;
@@ -1057,7 +1142,7 @@ static tp_status run_case(tp_test_slot *s, tp_mesh *mesh, const dcase *c, tp_dty
     const double stages = c->stages + (tp_mesh_size(mesh, 0) > 1 ? 1 : 0);
     check_close(s, label, "output", r.yfull, dt, yr, c->bilinear ? ya : NULL, ny, stages, c->K);
     for (int i = 0; i < c->n_in; i++) {
-        if (c->index_mask & (1u << i))
+        if ((c->index_mask | c->nograd_mask) & (1u << i))
             continue;
         tp_tensor *g = tp_tensor_grad(r.dt[i]), *gf = NULL;
         char what[48];
@@ -1369,4 +1454,76 @@ Test(ops_dtype, partial_reduce_f32_bf16, .timeout = 30)
 Test(ops_dtype, partial_reduce_f32_f16, .timeout = 30)
 {
     check_partial_reduce(TP_F16);
+}
+
+/* ---- allocation failures ------------------------------------------------------- */
+
+static tp_test_alloc A;
+
+/* layer_norm -> gelu -> cross_entropy (mean: the f32 rows path) and the
+ * backward, in dt */
+static tp_status alloc_seq(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_tensor *t)
+{
+    tp_tensor *h = NULL, *a = NULL, *loss = NULL;
+    tp_status st = tp_layer_norm(x, w, b, 1e-5, &h);
+    if (st == TP_OK)
+        st = tp_gelu(h, TP_GELU_TANH, &a);
+    if (st == TP_OK)
+        st = tp_cross_entropy(a, t, NULL, &loss);
+    if (st == TP_OK)
+        st = tp_backward(loss, NULL);
+    tp_tensor_release(h);
+    tp_tensor_release(a);
+    tp_tensor_release(loss);
+    return st;
+}
+
+static void check_alloc_failures(tp_dtype dt)
+{
+    A = (tp_test_alloc){0, 0, -1};
+    tp_allocator al = {tp_test_alloc_fn, tp_test_free_fn, &A};
+    cr_assert_eq(tp_set_allocator(&al), TP_OK);
+    const int64_t xs[2] = {6, 10}, ws[1] = {10}, ts[1] = {6};
+    tp_tensor *x = filled(dt, 2, xs), *w = filled(dt, 1, ws), *b = filled(dt, 1, ws), *t = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_I64, TP_CPU, 1, ts, &t));
+    CHECK_OK(tp_tensor_fill(t, 3));
+    tp_tensor *leaves[3] = {x, w, b};
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(tp_tensor_set_requires_grad(leaves[i], true));
+    const long base = A.live;
+    bool done = false;
+    for (long k = 0; k < 400 && !done; k++) {
+        A.count = 0;
+        A.fail_at = k;
+        tp_status st = alloc_seq(x, w, b, t);
+        A.fail_at = -1;
+        done = st == TP_OK;
+        cr_assert(st == TP_OK || st == TP_ERR_NO_MEMORY, "%s, allocation %ld failing: %s (%s)",
+                  tp_dtype_name(dt), k, tp_status_name(st), tp_last_error());
+        for (int i = 0; i < 3; i++) {
+            if (done)
+                cr_assert(tp_tensor_grad(leaves[i]) &&
+                              tp_tensor_dtype(tp_tensor_grad(leaves[i])) == dt,
+                          "input %d's gradient", i);
+            tp_tensor_zero_grad(leaves[i]);
+        }
+        cr_assert_eq(A.live, base, "%s, allocation %ld failing: %ld blocks leaked",
+                     tp_dtype_name(dt), k, A.live - base);
+    }
+    cr_assert(done, "the sequence never succeeded");
+    for (int i = 0; i < 3; i++)
+        tp_tensor_release(leaves[i]);
+    tp_tensor_release(t);
+    cr_assert_eq(A.live, 0);
+    tp_set_allocator(NULL);
+}
+
+Test(ops_dtype, allocation_failures_bf16, .timeout = 60)
+{
+    check_alloc_failures(TP_BF16);
+}
+
+Test(ops_dtype, allocation_failures_f16, .timeout = 60)
+{
+    check_alloc_failures(TP_F16);
 }

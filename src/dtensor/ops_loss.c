@@ -623,10 +623,7 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
         TP_CHECK_GOTO(tp_tensor_to(t64, TP_I64, dev, &tdev), st, done);
     else
         tdev = tp_tensor_retain(t64);
-    if (weight && (cuda || weight->dtype != TP_F32))
-        TP_CHECK_GOTO(tp_tensor_to(weight, TP_F32, TP_CPU, &whost), st, done);
-    else
-        whost = tp_tensor_retain(weight);
+    TP_CHECK_GOTO(ce_weight_f32(weight, TP_CPU, &whost), st, done);
     /* the per-row losses are f32 (rounded to the logits' dtype once, after
      * the reduction), so the loss entry runs in f32 with f32 weights */
     TP_CHECK_GOTO(ce_weight_f32(weight, dev, &wf), st, done);
@@ -894,9 +891,8 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
     /* the weight sum of the counted rows from the host targets (and host
      * weights); the kernels read the targets on the logits' device */
     const tp_device dev = tp_tensor_device(logits);
-    if (w32 && (dev.type != TP_DEVICE_CPU || w32->dtype != TP_F32))
-        TP_CHECK_GOTO(tp_tensor_to(w32, TP_F32, TP_CPU, &wh), st, done);
-    const float *wv = wh ? tp_tensor_data(wh) : w32 ? tp_tensor_data(w32) : NULL;
+    TP_CHECK_GOTO(ce_weight_f32(w32, TP_CPU, &wh), st, done);
+    const float *wv = wh ? tp_tensor_data(wh) : NULL;
     for (int64_t r = 0; r < nt; r++)
         if (tv[r] != o.ignore_index && tv[r] >= 0 && tv[r] < c)
             p.wsum += wv ? (double)wv[tv[r]] : 1.0;
