@@ -44,10 +44,11 @@ struct dcase {
     op_fn op;
     ref_fn ref;
     bool bilinear; /* a from the reference on absolute values */
-    double stages;
+    double stages; /* of the gradients */
     int64_t K;
     double param; /* the op's scalar (scale, p, ...) */
     unsigned nograd_mask; /* float inputs that get no gradient (class weights) */
+    double out_stages;    /* of the output */
 };
 
 static int64_t numel_of(int nd, const int64_t *s)
@@ -573,6 +574,7 @@ static const dcase cases[] = {
      0,
      8,
      0,
+     0,
      0},
     {"linear rowwise",
      3,
@@ -587,6 +589,7 @@ static const dcase cases[] = {
      true,
      0,
      8,
+     0,
      0,
      0},
     {"linear on a Partial input",
@@ -603,6 +606,7 @@ static const dcase cases[] = {
      0,
      8,
      0,
+     0,
      0},
     {"matmul rowwise",
      2,
@@ -617,6 +621,7 @@ static const dcase cases[] = {
      true,
      0,
      10,
+     0,
      0,
      0},
     {"matmul colwise",
@@ -633,6 +638,7 @@ static const dcase cases[] = {
      0,
      10,
      0,
+     0,
      0},
     {"add broadcast",
      2,
@@ -648,6 +654,7 @@ static const dcase cases[] = {
      0,
      3,
      0,
+     0,
      0},
     {"add Partial + Partial",
      2,
@@ -662,6 +669,7 @@ static const dcase cases[] = {
      true,
      0,
      1,
+     0,
      0,
      0},
     /* b's gradient: gy * a is stored in the dtype, then summed over the
@@ -680,10 +688,11 @@ static const dcase cases[] = {
      1,
      15,
      0,
+     0,
      0},
-    {"relu", 1, {2}, {{5, 7}}, 0, 0, false, {S_(0)}, op_relu, ref_relu, false, 0, 1, 0, 0},
-    {"gelu exact", 1, {2}, {{5, 7}}, 0, 0, false, {S_(1)}, op_gelu, ref_gelu, false, 0, 1, 0, 0},
-    {"gelu tanh", 1, {2}, {{5, 7}}, 0, 0, false, {R_}, op_gelu, ref_gelu, false, 0, 1, 1, 0},
+    {"relu", 1, {2}, {{5, 7}}, 0, 0, false, {S_(0)}, op_relu, ref_relu, false, 0, 1, 0, 0, 0},
+    {"gelu exact", 1, {2}, {{5, 7}}, 0, 0, false, {S_(1)}, op_gelu, ref_gelu, false, 0, 1, 0, 0, 0},
+    {"gelu tanh", 1, {2}, {{5, 7}}, 0, 0, false, {R_}, op_gelu, ref_gelu, false, 0, 1, 1, 0, 0},
     {"scale of a Partial",
      1,
      {2},
@@ -698,6 +707,7 @@ static const dcase cases[] = {
      0,
      1,
      0.75,
+     0,
      0},
     {"dropout",
      1,
@@ -713,6 +723,7 @@ static const dcase cases[] = {
      0,
      1,
      0.25,
+     0,
      0},
     {"sum over a sharded dim",
      1,
@@ -727,6 +738,7 @@ static const dcase cases[] = {
      true,
      0,
      7,
+     0,
      0,
      0},
     {"mean_all",
@@ -743,8 +755,24 @@ static const dcase cases[] = {
      0,
      35,
      0,
+     0,
      0},
-    {"softmax", 1, {2}, {{5, 7}}, 0, 0, false, {S_(0)}, op_softmax, ref_softmax, false, 1, 7, 0, 0},
+    {"softmax",
+     1,
+     {2},
+     {{5, 7}},
+     0,
+     0,
+     false,
+     {S_(0)},
+     op_softmax,
+     ref_softmax,
+     false,
+     1,
+     7,
+     0,
+     0,
+     0},
     {"layer_norm sequence-sharded",
      3,
      {2, 1, 1},
@@ -759,6 +787,7 @@ static const dcase cases[] = {
      0,
      16,
      1e-5,
+     0,
      0},
     {"rms_norm sequence-sharded",
      2,
@@ -774,6 +803,7 @@ static const dcase cases[] = {
      0,
      16,
      1e-5,
+     0,
      0},
     /* indices repeat: the table gradient adds up to 12 rows into one */
     {"embedding row-sharded",
@@ -790,6 +820,7 @@ static const dcase cases[] = {
      0,
      12,
      0,
+     0,
      0},
     {"embedding dim-sharded",
      2,
@@ -804,6 +835,7 @@ static const dcase cases[] = {
      true,
      0,
      12,
+     0,
      0,
      0},
     /* the loss gradient is rounded to the dtype before the logits' one */
@@ -821,6 +853,7 @@ static const dcase cases[] = {
      1,
      60,
      TP_REDUCTION_MEAN,
+     0,
      0},
     {"cross_entropy none",
      2,
@@ -836,6 +869,7 @@ static const dcase cases[] = {
      1,
      10,
      TP_REDUCTION_NONE,
+     0,
      0},
     {"cross_entropy vocab-parallel mean",
      2,
@@ -851,6 +885,7 @@ static const dcase cases[] = {
      1,
      60,
      TP_REDUCTION_MEAN,
+     0,
      0},
     {"cross_entropy vocab-parallel sum",
      2,
@@ -866,6 +901,7 @@ static const dcase cases[] = {
      1,
      60,
      TP_REDUCTION_SUM,
+     0,
      0},
     {"cross_entropy vocab-parallel none",
      2,
@@ -881,6 +917,7 @@ static const dcase cases[] = {
      1,
      10,
      TP_REDUCTION_NONE,
+     0,
      0},
     /* class weights in the logits' dtype, in [0.25, 2) */
     {"cross_entropy weighted mean",
@@ -897,7 +934,8 @@ static const dcase cases[] = {
      1,
      60,
      TP_REDUCTION_MEAN,
-     4u},
+     4u,
+     0},
     {"cross_entropy vocab-parallel weighted mean",
      3,
      {2, 1, 1},
@@ -912,8 +950,24 @@ static const dcase cases[] = {
      1,
      60,
      TP_REDUCTION_MEAN,
-     4u},
-    {"reshape", 1, {2}, {{4, 6}}, 0, 0, false, {S_(0)}, op_reshape, ref_reshape, false, 0, 1, 0, 0},
+     4u,
+     0},
+    {"reshape",
+     1,
+     {2},
+     {{4, 6}},
+     0,
+     0,
+     false,
+     {S_(0)},
+     op_reshape,
+     ref_reshape,
+     false,
+     0,
+     1,
+     0,
+     0,
+     0},
     {"transpose",
      1,
      {2},
@@ -927,6 +981,7 @@ static const dcase cases[] = {
      false,
      0,
      1,
+     0,
      0,
      0},
     /* scores and probabilities are stored in the dtype (as PyTorch's math
@@ -945,7 +1000,8 @@ static const dcase cases[] = {
      4,
      5,
      0,
-     0},
+     0,
+     4},
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 
@@ -1139,8 +1195,9 @@ static tp_status run_case(tp_test_slot *s, tp_mesh *mesh, const dcase *c, tp_dty
     c->ref(c, (const double *const *)r.val, r.gyv, yr, gr);
     if (c->bilinear)
         c->ref(c, (const double *const *)r.absval, gyabs, ya, ga);
-    const double stages = c->stages + (tp_mesh_size(mesh, 0) > 1 ? 1 : 0);
-    check_close(s, label, "output", r.yfull, dt, yr, c->bilinear ? ya : NULL, ny, stages, c->K);
+    const double more = tp_mesh_size(mesh, 0) > 1 ? 1 : 0, stages = c->stages + more;
+    check_close(s, label, "output", r.yfull, dt, yr, c->bilinear ? ya : NULL, ny,
+                c->out_stages + more, c->K);
     for (int i = 0; i < c->n_in; i++) {
         if ((c->index_mask | c->nograd_mask) & (1u << i))
             continue;
