@@ -19,7 +19,7 @@
  *
  * The same distributed run in f32 (the same input values) is held to the f32
  * bound, and its collective counts (comm-debug, per kind) must equal the
- * bf16/f16 run's. */
+ * bf16/f16 run's; two runs repeat it with tp_set_partial_reduce_f32(true). */
 #include <math.h>
 
 #include "tp_test_dtensor.h"
@@ -1226,6 +1226,7 @@ static tp_status run_case(tp_test_slot *s, tp_mesh *mesh, const dcase *c, tp_dty
 typedef struct {
     int world;
     tp_dtype dt;
+    bool partial_f32; /* tp_set_partial_reduce_f32 during the run */
 } dtype_param;
 
 typedef struct {
@@ -1257,8 +1258,11 @@ static tp_status ops_body(tp_comm *w, void *arg)
 
 ParameterizedTestParameters(ops_dtype, every_op)
 {
-    static dtype_param params[] = {{1, TP_BF16}, {2, TP_BF16}, {3, TP_BF16}, {4, TP_BF16},
-                                   {1, TP_F16},  {2, TP_F16},  {3, TP_F16},  {4, TP_F16}};
+    static dtype_param params[] = {
+        {1, TP_BF16, false}, {2, TP_BF16, false}, {3, TP_BF16, false}, {4, TP_BF16, false},
+        {1, TP_F16, false},  {2, TP_F16, false},  {3, TP_F16, false},  {4, TP_F16, false},
+        {3, TP_BF16, true},  {4, TP_F16, true},
+    };
     return cr_make_param_array(dtype_param, params, sizeof params / sizeof params[0]);
 }
 
@@ -1267,7 +1271,9 @@ ParameterizedTest(dtype_param *p, ops_dtype, every_op, .timeout = 120)
     static ops_ctx c;
     memset(&c, 0, sizeof c);
     c.p = *p;
+    tp_set_partial_reduce_f32(p->partial_f32);
     tp_test_run(p->world, ops_body, &c, c.slot);
+    tp_set_partial_reduce_f32(false);
 }
 
 /* ---- dtype errors ------------------------------------------------------------ */
