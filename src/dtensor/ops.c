@@ -244,7 +244,8 @@ static tp_status tp__op_backward(tp__node *node, tp_tensor *gy, tp_tensor **gin)
     tp_tensor *gyl = tp__local(gyr), *gyc = NULL;
     tp_device gd = tp_tensor_device(gyl);
     if (!tp__device_eq(gd, op->dev) || gyl->dtype != op->dt) {
-        /* a gradient handed to tp_backward from another device */
+        /* a gradient handed to tp_backward from another device (or, defensively,
+         * in another dtype than the op's) */
         st = tp_tensor_to(gyl, op->dt, op->dev, &gyc);
         gyl = gyc;
     } else if (!tp_tensor_is_contiguous(gyl)) {
