@@ -6,9 +6,12 @@
  *     |y - r| <= eps_d |r| + K 2^-23 sum|terms| + tiny
  * (eps_d = 2^-8 bf16, 2^-11 f16, 2^-24 f32; the K-term part for reductions,
  * products, norms, softmax and losses; tiny covers the f32 kernels' own
- * polynomial exp/erf, 2^-21 |r| + 2^-30). Also the accumulate and in-place
- * forms, supports() and its error, and scratch allocation failure through the
- * allocator hook (TP_ERR_NO_MEMORY, nothing leaked, nothing written).
+ * polynomial exp/erf, 2^-20 |r| + 2^-26 (relative to the terms where GELU's
+ * gradient cancels), plus half the dtype's smallest subnormal). Also the
+ * conversions against core's, the accumulate and in-place forms, the chunked
+ * drivers at several chunk sizes, supports() and its error, and scratch
+ * allocation failure through the allocator hook (TP_ERR_NO_MEMORY, nothing
+ * leaked, nothing written, the exact allocation count).
  *
  * The inputs are k/128 (times a power of two) for integers |k| < 256: eight
  * significant bits, exact in bf16, f16 and f32 alike, so one reference serves
@@ -20,14 +23,24 @@
 #include "tp_test.h"
 
 #include "core/base.h"
+#include "kernels/cpu_lowp.h"
 #include "kernels/kernels.h"
 
 static const tp__kernels *const K = &tp__kernels_cpu;
 static const tp_device CPU = {TP_DEVICE_CPU, 0};
 static const tp_dtype DT[3] = {TP_F32, TP_BF16, TP_F16};
-#define FOR_DT(dt)                             \
-    for (int dt##_i = 0; dt##_i < 3; dt##_i++) \
-        for (tp_dtype dt = DT[dt##_i], *dt##_once = &dt; dt##_once; dt##_once = NULL)
+
+/* The dtypes each test runs: f32, and bf16 and f16 with the unit driver's
+ * chunks at their default size, at one unit, and at 700 elements (several
+ * units, a tail). */
+static const struct {
+    tp_dtype dt;
+    int64_t chunk;
+} RUNS[7] = {{TP_F32, 16384}, {TP_BF16, 16384}, {TP_F16, 16384}, {TP_BF16, 1},
+             {TP_F16, 1},     {TP_BF16, 700},   {TP_F16, 700}};
+#define FOR_DT(dt)                                                                            \
+    for (int dt##_i = 0; dt##_i < 7 && (tp__lp_unit_elems = RUNS[dt##_i].chunk, 1); dt##_i++) \
+        for (tp_dtype dt = RUNS[dt##_i].dt, *dt##_once = &dt; dt##_once; dt##_once = NULL)
 
 #define U23 0x1p-23 /* the f32 accumulation's unit, per term */
 #define TINY_REL 0x1p-20
@@ -36,23 +49,32 @@ static const tp_dtype DT[3] = {TP_F32, TP_BF16, TP_F16};
 /* ---- buffers ------------------------------------------------------------------------- */
 
 /* Everything a test allocates, freed after it. */
-static void *bag[256];
+static void *bag[2048];
 static int nbag;
 
 static void *keep(void *p)
 {
     cr_assert_not_null(p);
-    cr_assert_lt(nbag, 256);
+    cr_assert_lt(nbag, 2048);
     return bag[nbag++] = p;
 }
 
-static void bag_free(void)
+/* Each test starts at the default chunk and leaves no allocator hook and no
+ * buffer behind (tests may share a process: tests/shim). */
+static void suite_init(void)
 {
+    tp__lp_unit_elems = 16384;
+}
+
+static void suite_fini(void)
+{
+    tp_set_allocator(NULL);
+    tp__lp_unit_elems = 16384;
     while (nbag > 0)
         free(bag[--nbag]);
 }
 
-TestSuite(kernels_dtype, .fini = bag_free, .timeout = 60);
+TestSuite(kernels_dtype, .init = suite_init, .fini = suite_fini, .timeout = 60);
 
 static double eps_of(tp_dtype dt)
 {
@@ -119,8 +141,9 @@ static void expect_close(const char *what, tp_dtype dt, const void *y, const dou
         }
         double tol =
             (eps_of(dt) + TINY_REL) * fabs(want) + (slack ? slack[i] : 0) + TINY_ABS + sub_of(dt);
-        cr_assert(fabs(v - want) <= tol, "%s %s [%lld]: %.9g, want %.9g (tolerance %.3g)", what,
-                  tp_dtype_name(dt), (long long)i, v, want, tol);
+        cr_assert(fabs(v - want) <= tol,
+                  "%s %s [%lld]: %.9g, want %.9g (tolerance %.3g, chunk %lld)", what,
+                  tp_dtype_name(dt), (long long)i, v, want, tol, (long long)tp__lp_unit_elems);
     }
 }
 
@@ -129,15 +152,90 @@ static void expect_exact(const char *what, tp_dtype dt, const void *y, const dou
 {
     for (int64_t i = 0; i < n; i++)
         cr_assert(at(y, dt, i) == r[i] || (isnan(r[i]) && isnan(at(y, dt, i))),
-                  "%s %s [%lld]: %.9g, want %.9g", what, tp_dtype_name(dt), (long long)i,
-                  at(y, dt, i), r[i]);
+                  "%s %s [%lld]: %.9g, want %.9g (chunk %lld)", what, tp_dtype_name(dt),
+                  (long long)i, at(y, dt, i), r[i], (long long)tp__lp_unit_elems);
 }
 
 #define OK(expr) CHECK_OK(expr)
 
+/* ---- the conversions ----------------------------------------------------------------- */
+
+static float f32_of(uint32_t x)
+{
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
+/* tp__lp_store against core's one-element conversions on f32 inputs xs[0..n) */
+static void expect_stores_match_core(const uint32_t *xs, int64_t n, float *f, uint16_t *h)
+{
+    for (int64_t i = 0; i < n; i++)
+        f[i] = f32_of(xs[i]);
+    tp__lp_store(TP_BF16, h, f, n);
+    for (int64_t i = 0; i < n; i++)
+        cr_assert_eq(h[i], tp__f32_to_bf16(f[i]), "bf16 of 0x%08x: 0x%04x, core 0x%04x", xs[i],
+                     h[i], tp__f32_to_bf16(f[i]));
+    tp__lp_store(TP_F16, h, f, n);
+    for (int64_t i = 0; i < n; i++)
+        cr_assert_eq(h[i], tp__f32_to_f16(f[i]), "f16 of 0x%08x: 0x%04x, core 0x%04x", xs[i], h[i],
+                     tp__f32_to_f16(f[i]));
+}
+
+/* The vectorized conversions are core's bit for bit: every bf16 and f16 value
+ * loaded (a NaN may come back quieted, as its store makes it anyway), and
+ * stores of every f32 at and next to each rounding boundary of both dtypes
+ * (the midpoints between neighbouring values, +-1 ulp), of both signs, plus
+ * a sweep of the whole f32 range. */
+Test(kernels_dtype, conversions_are_cores_bit_for_bit, .timeout = 60)
+{
+    enum { NB = 1 << 16 };
+    uint16_t *h = keep(malloc(NB * 3 * sizeof *h)), *h2 = keep(malloc(NB * 3 * sizeof *h2));
+    float *f = keep(malloc(NB * 3 * sizeof *f));
+    uint32_t *xs = keep(malloc(NB * 3 * sizeof *xs));
+    for (int d = 1; d < 3; d++) {
+        tp_dtype dt = DT[d];
+        for (uint32_t i = 0; i < NB; i++)
+            h[i] = (uint16_t)i;
+        tp__lp_load(dt, f, h, NB);
+        for (uint32_t i = 0; i < NB; i++) {
+            float want = dt == TP_BF16 ? tp__bf16_to_f32(h[i]) : tp__f16_to_f32(h[i]);
+            uint32_t a, b;
+            memcpy(&a, &f[i], 4);
+            memcpy(&b, &want, 4);
+            cr_assert(a == b || (isnan(want) && (a | 0x400000u) == (b | 0x400000u)),
+                      "%s 0x%04x: 0x%08x, core 0x%08x", tp_dtype_name(dt), i, a, b);
+        }
+        /* round trip: every value but NaN comes back, NaN stays NaN */
+        tp__lp_store(dt, h2, f, NB);
+        for (uint32_t i = 0; i < NB; i++)
+            cr_assert(h2[i] == i || isnan(f[i]), "%s round trip 0x%04x -> 0x%04x",
+                      tp_dtype_name(dt), i, h2[i]);
+        /* the midpoints between value i and i + 1 (as f32 bits), -1, +0, +1 */
+        for (uint32_t i = 0; i < NB; i++) {
+            float lo = dt == TP_BF16 ? tp__bf16_to_f32((uint16_t)i) : tp__f16_to_f32((uint16_t)i);
+            float hi = dt == TP_BF16 ? tp__bf16_to_f32((uint16_t)(i + 1))
+                                     : tp__f16_to_f32((uint16_t)(i + 1));
+            float mid = (float)(((double)lo + (double)hi) / 2);
+            uint32_t m;
+            memcpy(&m, &mid, 4);
+            xs[3 * i] = m - 1;
+            xs[3 * i + 1] = m;
+            xs[3 * i + 2] = m + 1;
+        }
+        expect_stores_match_core(xs, NB * 3, f, h);
+    }
+    /* f32 bit patterns spread over the whole range, an odd stride */
+    for (uint64_t x0 = 0; x0 < (1ull << 32); x0 += (uint64_t)NB * 3 * 4099) {
+        for (uint32_t i = 0; i < NB * 3; i++)
+            xs[i] = (uint32_t)(x0 + (uint64_t)i * 4099);
+        expect_stores_match_core(xs, NB * 3, f, h);
+    }
+}
+
 /* ---- supports() ---------------------------------------------------------------------- */
 
-Test(kernels_dtype, supports_f32_bf16_f16_and_refuses_the_rest)
+Test(kernels_dtype, supports_f32_bf16_f16_and_refuses_the_rest, .timeout = 60)
 {
     for (int op = TP__KOP_NONE + 1; op < TP__KOP_COUNT; op++) {
         FOR_DT(dt)
@@ -163,7 +261,7 @@ Test(kernels_dtype, supports_f32_bf16_f16_and_refuses_the_rest)
 
 enum { NE = 2500 }; /* crosses the elementwise chunks (1024) twice, with a tail */
 
-Test(kernels_dtype, add_mul_scale_accumulate_and_in_place)
+Test(kernels_dtype, add_mul_scale_accumulate_and_in_place, .timeout = 60)
 {
     double *a = gen(NE, 1, 1), *b = gen(NE, 2, 1), *r = dzeros(NE);
     FOR_DT(dt)
@@ -203,7 +301,7 @@ Test(kernels_dtype, add_mul_scale_accumulate_and_in_place)
     }
 }
 
-Test(kernels_dtype, copy_and_fill)
+Test(kernels_dtype, copy_and_fill, .timeout = 60)
 {
     double *a = gen(NE, 3, 1), *r = dzeros(NE);
     FOR_DT(dt)
@@ -248,7 +346,7 @@ static double gelu_grad_ref(double x, bool tanh_approx, double *abs)
     return t1 + t2;
 }
 
-Test(kernels_dtype, relu_and_gelu)
+Test(kernels_dtype, relu_and_gelu, .timeout = 60)
 {
     double *x = gen(NE, 4, 4), *gy = gen(NE, 5, 1), *r = dzeros(NE), *s = dzeros(NE);
     FOR_DT(dt)
@@ -304,7 +402,7 @@ static void gemm_ref(bool ta, bool tb, int m, int n, int k, double alpha, const 
         }
 }
 
-Test(kernels_dtype, gemm_transposes_leading_dims_and_beta)
+Test(kernels_dtype, gemm_transposes_leading_dims_and_beta, .timeout = 60)
 {
     enum { M = 5, N = 7, KK = 33, LD = 40 };
     double *a = gen(LD * LD, 6, 1), *b = gen(LD * LD, 7, 1), *c0 = gen(M * LD, 8, 1);
@@ -331,7 +429,7 @@ Test(kernels_dtype, gemm_transposes_leading_dims_and_beta)
     }
 }
 
-Test(kernels_dtype, linear_fwd_and_bwd_with_accumulate)
+Test(kernels_dtype, linear_fwd_and_bwd_with_accumulate, .timeout = 60)
 {
     enum { R = 6, IN = 40, OUT = 9 };
     double *x = gen(R * IN, 9, 1), *w = gen(OUT * IN, 10, 1), *bias = gen(OUT, 11, 1);
@@ -381,7 +479,7 @@ Test(kernels_dtype, linear_fwd_and_bwd_with_accumulate)
 /* y[i] = a . b over [2, 3, 4] with a broadcast along dim 1 (stride 0) and b a
  * permuted view (strides of a [4, 3, 2] tensor read transposed); then in place
  * with a contiguous operand */
-Test(kernels_dtype, add_and_mul_bcast_strided_and_in_place)
+Test(kernels_dtype, add_and_mul_bcast_strided_and_in_place, .timeout = 60)
 {
     const int64_t shape[3] = {2, 3, 4}, ast[3] = {4, 0, 1}, bst[3] = {1, 2, 6}, cst[3] = {12, 4, 1};
     double *a = gen(8, 14, 1), *b = gen(24, 15, 1), *r = dzeros(24);
@@ -408,7 +506,49 @@ Test(kernels_dtype, add_and_mul_bcast_strided_and_in_place)
     }
 }
 
-Test(kernels_dtype, sum_bcast_gather_transpose)
+/* The forms the op layer hands over most: same-shape operands collapsed to one
+ * dim, a row (bias) broadcast [R, C] + [C], a column broadcast [R, C] * [R, 1]
+ * and a scalar, each against index loops */
+Test(kernels_dtype, bcast_common_forms, .timeout = 60)
+{
+    enum { R = 37, C = 70 };
+    double *a = gen(R * C, 48, 1), *b = gen(R * C, 49, 1), *r = dzeros(R * C);
+    const int64_t shape1[1] = {R * C}, one[1] = {1}, zero[1] = {0};
+    const int64_t shape2[2] = {R, C}, full[2] = {C, 1}, row[2] = {0, 1}, col[2] = {1, 0},
+                  scal[2] = {0, 0};
+    FOR_DT(dt)
+    {
+        void *da = mk(dt, a, R * C), *db = mk(dt, b, R * C), *y = mk(dt, NULL, R * C);
+        for (int op = 0; op < 2; op++) {
+            tp_status (*fn)(tp_device, tp_dtype, const void *, const void *, void *, int,
+                            const int64_t *, const int64_t *, const int64_t *) =
+                op ? K->mul_bcast : K->add_bcast;
+            const char *name = op ? "mul_bcast" : "add_bcast";
+            /* same shape, and a scalar, as one dim */
+            OK(fn(CPU, dt, da, db, y, 1, shape1, one, one));
+            for (int i = 0; i < R * C; i++)
+                r[i] = op ? a[i] * b[i] : a[i] + b[i];
+            expect_close(name, dt, y, r, NULL, R * C);
+            OK(fn(CPU, dt, da, db, y, 1, shape1, one, zero));
+            for (int i = 0; i < R * C; i++)
+                r[i] = op ? a[i] * b[0] : a[i] + b[0];
+            expect_close(name, dt, y, r, NULL, R * C);
+            /* [R, C] with b a row, a column, a scalar */
+            const int64_t *bs[3] = {row, col, scal};
+            for (int k = 0; k < 3; k++) {
+                OK(fn(CPU, dt, da, db, y, 2, shape2, full, bs[k]));
+                for (int i = 0; i < R; i++)
+                    for (int j = 0; j < C; j++) {
+                        double bv = b[i * bs[k][0] + j * bs[k][1]];
+                        r[i * C + j] = op ? a[i * C + j] * bv : a[i * C + j] + bv;
+                    }
+                expect_close(name, dt, y, r, NULL, R * C);
+            }
+        }
+    }
+}
+
+Test(kernels_dtype, sum_bcast_gather_transpose, .timeout = 60)
 {
     const int64_t shape[3] = {4, 5, 6}, yshape[3] = {4, 1, 6};
     double *x = gen(120, 16, 1), *r = dzeros(120), *s = dzeros(120);
@@ -456,7 +596,7 @@ Test(kernels_dtype, sum_bcast_gather_transpose)
 
 /* ---- reductions ------------------------------------------------------------------------ */
 
-Test(kernels_dtype, sum_dim_sum_dim_bwd_sum_all)
+Test(kernels_dtype, sum_dim_sum_dim_bwd_sum_all, .timeout = 60)
 {
     enum { NO = 3, NS = 50, NI = 4 };
     double *x = gen(NO * NS * NI, 17, 1), *r = dzeros(NO * NS * NI), *s = dzeros(NO * NS * NI);
@@ -498,7 +638,7 @@ Test(kernels_dtype, sum_dim_sum_dim_bwd_sum_all)
     }
 }
 
-Test(kernels_dtype, softmax_fwd_bwd_and_causal_mask)
+Test(kernels_dtype, softmax_fwd_bwd_and_causal_mask, .timeout = 60)
 {
     enum { R = 7, C = 300 };
     double *x = gen(R * C, 18, 4), *gy = gen(R * C, 19, 1), *p = gen(R * C, 20, 0.0078125);
@@ -561,7 +701,7 @@ Test(kernels_dtype, softmax_fwd_bwd_and_causal_mask)
 
 /* ---- embedding, norms, dropout --------------------------------------------------------------- */
 
-Test(kernels_dtype, embedding_fwd_and_bwd_accumulate)
+Test(kernels_dtype, embedding_fwd_and_bwd_accumulate, .timeout = 60)
 {
     enum { ROWS = 10, D = 12, N = 8, OFF = 5 };
     const int64_t idx[N] = {5, 7, 14, 3, 7, 15, 9, 7}; /* 3 and 15 outside [5, 15) */
@@ -647,8 +787,9 @@ static void check_norm(bool rms)
     double *x = gen(NR * NC, 25, 2), *w = gen(NC, 26, 1), *b = gen(NC, 27, 1);
     double *gy = gen(NR * NC, 28, 1), *g0 = gen(NC, 29, 1);
     double *ry = dzeros(NR * NC), *rgx = dzeros(NR * NC), *sy = dzeros(NR * NC),
-           *sx = dzeros(NR * NC), *rgw = dzeros(NC), *rgb = dzeros(NC), *sw = dzeros(NC);
-    float mean[NR], rstd[NR];
+           *sx = dzeros(NR * NC), *rgw = dzeros(NC), *rgb = dzeros(NC), *sw = dzeros(NC),
+           *sb = dzeros(NC);
+    float mean[NR] = {0}, rstd[NR] = {0};
     FOR_DT(dt)
     {
         void *dx = mk(dt, x, NR * NC), *dw = mk(dt, w, NC), *db = mk(dt, b, NC);
@@ -675,29 +816,34 @@ static void check_norm(bool rms)
         else
             OK(K->layer_norm_bwd(CPU, dt, dx, dw, mean, rstd, dg, gx, gw, gb, NR, NC));
         expect_close(rms ? "rms_norm_bwd gx" : "layer_norm_bwd gx", dt, gx, rgx, sx, NR * NC);
+        /* gw = g0 + sum_r gy xhat and gb = g0 + sum_r gy: NR + 1 terms each */
         for (int c = 0; c < NC; c++) {
-            double abs = fabs(g0[c]);
-            for (int r = 0; r < NR; r++)
-                abs += fabs(gy[r * NC + c]) * (1 + fabs(x[r * NC + c]) * rstd[r] * 2);
-            sw[c] = (NR + 1) * U23 * abs * 4;
+            double aw = fabs(g0[c]), ab = fabs(g0[c]);
+            for (int r = 0; r < NR; r++) {
+                double xh = (x[r * NC + c] - (rms ? 0 : mean[r])) * rstd[r];
+                aw += fabs(gy[r * NC + c] * xh);
+                ab += fabs(gy[r * NC + c]);
+            }
+            sw[c] = (NR + 1) * U23 * aw;
+            sb[c] = (NR + 1) * U23 * ab;
         }
         expect_close("norm_bwd gw (+=)", dt, gw, rgw, sw, NC);
         if (!rms)
-            expect_close("layer_norm_bwd gb (+=)", dt, gb, rgb, sw, NC);
+            expect_close("layer_norm_bwd gb (+=)", dt, gb, rgb, sb, NC);
     }
 }
 
-Test(kernels_dtype, layer_norm_fwd_bwd)
+Test(kernels_dtype, layer_norm_fwd_bwd, .timeout = 60)
 {
     check_norm(false);
 }
 
-Test(kernels_dtype, rms_norm_fwd_bwd)
+Test(kernels_dtype, rms_norm_fwd_bwd, .timeout = 60)
 {
     check_norm(true);
 }
 
-Test(kernels_dtype, dropout_fwd_bwd_block_and_in_place)
+Test(kernels_dtype, dropout_fwd_bwd_block_and_in_place, .timeout = 60)
 {
     const int64_t shape[2] = {4, 6}, gshape[2] = {8, 10}, off[2] = {2, 3};
     const float p = 0.25f;
@@ -747,7 +893,7 @@ static double ce_lse(const double *x, int r)
     return mx + log(s);
 }
 
-Test(kernels_dtype, cross_entropy_fwd_bwd_weighted_ignored_and_nd)
+Test(kernels_dtype, cross_entropy_fwd_bwd_weighted_ignored_and_nd, .timeout = 60)
 {
     double *x = gen(CR * CC, 31, 4), *w = gen(CC, 32, 1), *gl = gen(CR, 33, 1);
     double *rl = dzeros(CR), *sl = dzeros(CR), *rg = dzeros(CR * CC), *sg = dzeros(CR * CC);
@@ -755,8 +901,9 @@ Test(kernels_dtype, cross_entropy_fwd_bwd_weighted_ignored_and_nd)
         for (int r = 0; r < CR; r++) {
             int64_t t = ce_target[r];
             double lse = ce_lse(x, r), wt = t == IGN ? 0 : weighted ? w[t] : 1;
-            rl[r] = t == IGN ? 0 : wt * (lse - x[ce_at(r, (int)t)]);
-            sl[r] = CC * U23 * fabs(wt) * (fabs(lse) + fabs(x[ce_at(r, (int)t)]) + 1);
+            double xt = t == IGN ? 0 : x[ce_at(r, (int)t)];
+            rl[r] = wt * (lse - xt);
+            sl[r] = CC * U23 * fabs(wt) * (fabs(lse) + fabs(xt) + 1);
             for (int c = 0; c < CC; c++) {
                 double sm = exp(x[ce_at(r, c)] - lse);
                 rg[ce_at(r, c)] = gl[r] * wt * (sm - (c == t));
@@ -790,7 +937,7 @@ Test(kernels_dtype, cross_entropy_fwd_bwd_weighted_ignored_and_nd)
 /* The vocab-parallel pieces on the classes [OFFV, OFFV + CC) of 50: row max,
  * sum of exp, the picked logit (f32 outputs), then the loss and gradient of
  * the dtype from the global statistics. */
-Test(kernels_dtype, vocab_parallel_pieces)
+Test(kernels_dtype, vocab_parallel_pieces, .timeout = 60)
 {
     enum { OFFV = 10, GLOBAL = 50 };
     const int64_t tgt[CR] = {12, IGN, 29, 3, 45, 10};
@@ -846,7 +993,7 @@ Test(kernels_dtype, vocab_parallel_pieces)
 
 /* ---- optimizers ------------------------------------------------------------------------------ */
 
-Test(kernels_dtype, sgd_and_adam_round_p_once)
+Test(kernels_dtype, sgd_and_adam_round_p_once, .timeout = 60)
 {
     double *p = gen(NE, 37, 1), *g = gen(NE, 38, 1), *r = dzeros(NE);
     double *m0 = gen(NE, 39, 0.125), *v0 = gen(NE, 40, 0.0078125);
@@ -901,45 +1048,118 @@ static void fa_free(void *ctx, void *ptr)
     free(ptr);
 }
 
-/* linear_bwd on bf16 with its k-th scratch allocation failing, k = 0, 1, ...
- * until it succeeds: TP_ERR_NO_MEMORY naming the op, nothing written,
- * nothing leaked; then the result matches the unhooked run. */
-Test(kernels_dtype, scratch_allocation_failure_is_no_memory_and_leaks_nothing)
+typedef tp_status (*entry_run)(void *const *b);
+
+/* Runs `run` on buffers b (outputs b[first], ..., b[first + nout - 1] of
+ * nbytes[j] bytes, which it may read) with its k-th scratch allocation
+ * failing, k = 0, 1, ... until it succeeds: each failure TP_ERR_NO_MEMORY
+ * naming the op, its outputs untouched, nothing leaked; the success takes
+ * exactly `allocs` allocations and gives the unhooked run's result. */
+static void fail_each_scratch(const char *name, entry_run run, void *const *b, int first, int nout,
+                              const size_t *nbytes, long allocs)
 {
-    enum { R = 64, IN = 64, OUT = 64 }; /* each buffer past the frame's stack arena */
-    double *x = gen(R * IN, 41, 1), *w = gen(OUT * IN, 42, 1), *gy = gen(R * OUT, 43, 1);
-    double *g0 = gen(R * IN, 44, 1);
-    void *dx = mk(TP_BF16, x, R * IN), *dw = mk(TP_BF16, w, OUT * IN);
-    void *dgy = mk(TP_BF16, gy, R * OUT), *want = mk(TP_BF16, g0, R * IN);
-    OK(K->linear_bwd(CPU, TP_BF16, dx, dw, dgy, want, NULL, NULL, R, IN, OUT, true));
+    void *init[3], *want[3];
+    for (int j = 0; j < nout; j++) {
+        init[j] = keep(malloc(nbytes[j]));
+        want[j] = keep(malloc(nbytes[j]));
+        memcpy(init[j], b[first + j], nbytes[j]);
+    }
+    OK(run(b));
+    for (int j = 0; j < nout; j++) {
+        memcpy(want[j], b[first + j], nbytes[j]);
+        memcpy(b[first + j], init[j], nbytes[j]);
+    }
     FA = (failing_alloc){0, 0, -1};
     tp_allocator a = {fa_alloc, fa_free, &FA};
     OK(tp_set_allocator(&a));
-    long k = 0;
-    for (;; k++) {
-        cr_assert_lt(k, 16, "still failing after 16 allocations");
-        void *gx = mk(TP_BF16, g0, R * IN), *before = mk(TP_BF16, g0, R * IN);
+    for (long k = 0;; k++) {
+        cr_assert_leq(k, allocs, "%s: still failing after %ld allocations", name, allocs);
         FA.count = 0;
         FA.fail_at = k;
-        tp_status st = K->linear_bwd(CPU, TP_BF16, dx, dw, dgy, gx, NULL, NULL, R, IN, OUT, true);
+        tp_status st = run(b);
         long attempted = FA.count;
         FA.fail_at = -1;
-        cr_assert_eq(FA.live, 0, "allocation %ld failing: %ld blocks leaked", k, FA.live);
+        cr_assert_eq(FA.live, 0, "%s, allocation %ld failing: %ld blocks leaked", name, k, FA.live);
         if (st == TP_OK) {
-            cr_assert_leq(attempted, k, "succeeded although allocation %ld failed", k);
-            cr_assert(!memcmp(gx, want, R * IN * 2), "the result differs");
+            cr_assert_eq(attempted, allocs, "%s: %ld allocations, expected %ld", name, attempted,
+                         allocs);
+            cr_assert_eq(k, allocs, "%s succeeded although allocation %ld failed", name, k);
+            for (int j = 0; j < nout; j++)
+                cr_assert(!memcmp(b[first + j], want[j], nbytes[j]), "%s: output %d differs", name,
+                          j);
             break;
         }
-        cr_assert_eq(st, TP_ERR_NO_MEMORY, "allocation %ld failing: %s", k, tp_status_name(st));
-        cr_assert(strstr(tp_last_error(), "linear_bwd") && strstr(tp_last_error(), "out of memory"),
+        cr_assert_eq(st, TP_ERR_NO_MEMORY, "%s, allocation %ld failing: %s", name, k,
+                     tp_status_name(st));
+        cr_assert(strstr(tp_last_error(), name) && strstr(tp_last_error(), "out of memory"),
                   "message: %s", tp_last_error());
-        cr_assert(!memcmp(gx, before, R * IN * 2), "a failed entry wrote its output");
+        for (int j = 0; j < nout; j++)
+            cr_assert(!memcmp(b[first + j], init[j], nbytes[j]),
+                      "%s, allocation %ld failing, wrote output %d", name, k, j);
     }
-    cr_assert_eq(k, 3, "w, gy and gx each need scratch: %ld allocations", k);
-    /* the elementwise entries convert on the stack: no allocation at all */
-    FA.count = 0;
-    FA.fail_at = 0;
-    OK(K->gelu_fwd(CPU, TP_F16, dgy, dgy, R * OUT, false));
-    cr_assert_eq(FA.count, 0);
     tp_set_allocator(NULL);
+}
+
+enum { FR = 64, FC = 64, FN = 2048, FROWS = 4096, FD = 8 }; /* each past the frame's arena */
+
+static tp_status run_linear_bwd(void *const *b)
+{
+    return K->linear_bwd(CPU, TP_BF16, b[0], b[1], b[2], b[3], NULL, NULL, FR, FC, FC, true);
+}
+
+static tp_status run_layer_norm_bwd(void *const *b)
+{
+    return K->layer_norm_bwd(CPU, TP_F16, b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], FR, FC);
+}
+
+static tp_status run_embedding_bwd(void *const *b)
+{
+    return K->embedding_bwd(CPU, TP_BF16, b[0], FN, b[1], FROWS, FD, 3, b[2]);
+}
+
+/* Scratch allocation failure through the allocator hook, for an entry with an
+ * accumulating output (linear_bwd into gx: scratch for w, gy and gx), one
+ * with three outputs, two of them accumulated (layer_norm_bwd: x, gy, gx
+ * past the arena, w, gw, gb in it), and the embedding backward (row map,
+ * index map, row list, gy, the touched rows). */
+Test(kernels_dtype, scratch_allocation_failure_is_no_memory_and_leaks_nothing, .timeout = 60)
+{
+    double *x = gen(FR * FC, 41, 1), *w = gen(FC * FC, 42, 1), *gy = gen(FR * FC, 43, 1);
+    double *g0 = gen(FR * FC, 44, 1);
+    void *lb[4] = {NULL, mk(TP_BF16, w, FC * FC), mk(TP_BF16, gy, FR * FC),
+                   mk(TP_BF16, g0, FR * FC)};
+    const size_t lbytes[1] = {FR * FC * 2};
+    fail_each_scratch("linear_bwd", run_linear_bwd, lb, 3, 1, lbytes, 3);
+
+    float *mean = keep(malloc(FR * sizeof *mean)), *rstd = keep(malloc(FR * sizeof *rstd));
+    void *nb[8] = {mk(TP_F16, x, FR * FC),
+                   mk(TP_F16, w, FC),
+                   mean,
+                   rstd,
+                   mk(TP_F16, gy, FR * FC),
+                   mk(TP_F16, NULL, FR * FC),
+                   mk(TP_F16, g0, FC),
+                   mk(TP_F16, g0 + FC, FC)};
+    void *ny = mk(TP_F16, NULL, FR * FC);
+    OK(K->layer_norm_fwd(CPU, TP_F16, nb[0], nb[1], NULL, ny, mean, rstd, FR, FC, 1e-5f));
+    const size_t nbytes[3] = {FR * FC * 2, FC * 2, FC * 2};
+    fail_each_scratch("layer_norm_bwd", run_layer_norm_bwd, nb, 5, 3, nbytes, 3);
+
+    int64_t *idx = keep(malloc(FN * sizeof *idx));
+    for (int i = 0; i < FN; i++) /* some out of [3, 3 + FROWS), many repeated */
+        idx[i] = (int64_t)(tp_rng_uniform(45, (uint64_t)i) * (FROWS + 6));
+    void *eb[3] = {idx, mk(TP_BF16, gen(FN * FD, 46, 1), FN * FD),
+                   mk(TP_BF16, gen(FROWS * FD, 47, 1), FROWS * FD)};
+    const size_t ebytes[1] = {FROWS * FD * 2};
+    fail_each_scratch("embedding_bwd", run_embedding_bwd, eb, 2, 1, ebytes, 5);
+
+    /* the elementwise entries convert on the stack: no allocation at all */
+    FA = (failing_alloc){0, 0, 0};
+    tp_allocator a = {fa_alloc, fa_free, &FA};
+    OK(tp_set_allocator(&a));
+    tp_status st = K->gelu_fwd(CPU, TP_F16, nb[0], nb[5], FR * FC, false);
+    long attempted = FA.count;
+    tp_set_allocator(NULL);
+    cr_assert_eq(st, TP_OK);
+    cr_assert_eq(attempted, 0);
 }

@@ -1,35 +1,119 @@
 /* bf16 and f16 on the CPU engine: f32 scratch around the f32 kernels
  * (cpu_lowp.h). */
+#include <stdatomic.h>
 #include <string.h>
 
 #include "core/cache.h"
 #include "core/core.h"
 #include "kernels/cpu_lowp.h"
 
-/* ---- conversions -------------------------------------------------------------------- */
+/* ---- conversions --------------------------------------------------------------------
+ * Bit for bit those of core/dtype.c (tp__f32_to_bf16 and friends; the test
+ * compares them exhaustively at every rounding boundary), written so that
+ * they vectorize: bf16 in plain integer C, f16 with the F16C instructions
+ * where the CPU has them (checked once at run time), else core's functions.
+ * F16C rounds to nearest even like core; it quiets a signaling NaN that core
+ * keeps, which no output can show (every f16 store makes NaNs quiet). */
+
+static inline uint32_t f32_bits(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    return x;
+}
+
+static void bf16_load(float *restrict dst, const uint16_t *restrict src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t x = (uint32_t)src[i] << 16;
+        memcpy(&dst[i], &x, sizeof x);
+    }
+}
+
+static void bf16_store(uint16_t *restrict dst, const float *restrict src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t x = f32_bits(src[i]);
+        uint32_t nan = (x >> 16) | 0x0040u, rnd = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+        dst[i] = (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? nan : rnd);
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define LP_F16C 1
+
+__attribute__((target("avx,f16c"))) static int64_t f16_load_f16c(float *dst, const uint16_t *src,
+                                                                 int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    return i;
+}
+
+__attribute__((target("avx,f16c"))) static int64_t f16_store_f16c(uint16_t *dst, const float *src,
+                                                                  int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    return i;
+}
+
+static bool have_f16c(void)
+{
+    static atomic_int have = -1; /* -1: not asked yet; every thread finds the same */
+    int h = atomic_load_explicit(&have, memory_order_relaxed);
+    if (h < 0) {
+        h = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+        atomic_store_explicit(&have, h, memory_order_relaxed);
+    }
+    return h;
+}
+#else
+#define LP_F16C 0
+#endif
+
+static void f16_load(float *dst, const uint16_t *src, int64_t n)
+{
+    int64_t i = 0;
+#if LP_F16C
+    if (have_f16c())
+        i = f16_load_f16c(dst, src, n);
+#endif
+    for (; i < n; i++)
+        dst[i] = tp__f16_to_f32(src[i]);
+}
+
+static void f16_store(uint16_t *dst, const float *src, int64_t n)
+{
+    int64_t i = 0;
+#if LP_F16C
+    if (have_f16c())
+        i = f16_store_f16c(dst, src, n);
+#endif
+    for (; i < n; i++)
+        dst[i] = tp__f32_to_f16(src[i]);
+}
 
 void tp__lp_load(tp_dtype dtype, float *dst, const void *src, int64_t n)
 {
-    const uint16_t *s = src;
     if (dtype == TP_BF16)
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = tp__bf16_to_f32(s[i]);
+        bf16_load(dst, src, n);
     else if (dtype == TP_F16)
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = tp__f16_to_f32(s[i]);
+        f16_load(dst, src, n);
     else if (n > 0)
         memcpy(dst, src, (size_t)n * sizeof *dst);
 }
 
 void tp__lp_store(tp_dtype dtype, void *dst, const float *src, int64_t n)
 {
-    uint16_t *d = dst;
     if (dtype == TP_BF16)
-        for (int64_t i = 0; i < n; i++)
-            d[i] = tp__f32_to_bf16(src[i]);
+        bf16_store(dst, src, n);
     else if (dtype == TP_F16)
-        for (int64_t i = 0; i < n; i++)
-            d[i] = tp__f32_to_f16(src[i]);
+        f16_store(dst, src, n);
     else if (n > 0)
         memcpy(dst, src, (size_t)n * sizeof *src);
 }
@@ -65,6 +149,13 @@ static float *lp_grab(tp__lp *f, int64_t n)
     }
     f->blk[f->nblk++] = p;
     return p;
+}
+
+void *tp__lp_scratch(tp__lp *f, size_t nbytes)
+{
+    if (f->status != TP_OK)
+        return NULL;
+    return lp_grab(f, (int64_t)((nbytes + sizeof(float) - 1) / sizeof(float)));
 }
 
 /* Scratch for a rows x cols buffer of the op's dtype at leading dimension ld,
@@ -175,4 +266,52 @@ void tp__lp_elementwise(tp_dtype dtype, int64_t n, int nbuf, void *const *p, con
         fn(buf, off, len, ctx);
         tp__lp_end(&f);
     }
+}
+
+/* ---- the unit driver -------------------------------------------------------------------- */
+
+int64_t tp__lp_unit_elems = 16384;
+
+tp_status tp__lp_units(tp__kop op, tp_dtype dtype, int64_t nunits, int nbuf, const tp__lp_buf *b,
+                       tp__lp_ew_fn fn, const void *ctx)
+{
+    float *buf[TP__LP_MAX], *scr[TP__LP_MAX];
+    if (dtype == TP_F32) {
+        for (int i = 0; i < nbuf; i++)
+            buf[i] = b[i].p;
+        fn(buf, 0, nunits, ctx);
+        return TP_OK;
+    }
+    int64_t maxper = 1;
+    for (int i = 0; i < nbuf; i++)
+        maxper = b[i].per > maxper ? b[i].per : maxper;
+    int64_t cu = tp__lp_unit_elems / maxper; /* units per chunk */
+    cu = cu < 1 ? 1 : cu > nunits ? nunits : cu;
+    tp__lp f;
+    tp__lp_begin(&f, op, dtype);
+    for (int i = 0; i < nbuf; i++) {
+        if (b[i].per == 0) /* whole: converted now, rounded by tp__lp_end */
+            buf[i] = b[i].mode == 'i' ? (float *)tp__lp_in(&f, b[i].p, b[i].len)
+                                      : tp__lp_out(&f, b[i].p, b[i].len, b[i].mode == 'u');
+        else
+            scr[i] = b[i].p ? tp__lp_scratch(&f, (size_t)(cu * b[i].per) * sizeof(float)) : NULL;
+    }
+    size_t es = tp_dtype_size(dtype);
+    for (int64_t u0 = 0; tp__lp_ok(&f) && u0 < nunits; u0 += cu) {
+        int64_t nu = nunits - u0 < cu ? nunits - u0 : cu;
+        for (int i = 0; i < nbuf; i++) {
+            if (b[i].per == 0)
+                continue;
+            buf[i] = scr[i];
+            if (scr[i] && b[i].mode != 'o')
+                tp__lp_load(dtype, scr[i], (const char *)b[i].p + (size_t)(u0 * b[i].per) * es,
+                            nu * b[i].per);
+        }
+        fn(buf, u0, nu, ctx);
+        for (int i = 0; i < nbuf; i++)
+            if (b[i].per > 0 && scr[i] && b[i].mode != 'i')
+                tp__lp_store(dtype, (char *)b[i].p + (size_t)(u0 * b[i].per) * es, scr[i],
+                             nu * b[i].per);
+    }
+    return tp__lp_end(&f);
 }

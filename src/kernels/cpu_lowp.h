@@ -68,6 +68,9 @@ const float *tp__lp_in_mat(tp__lp *f, const void *p, int64_t rows, int64_t cols,
 float *tp__lp_out(tp__lp *f, void *p, int64_t n, bool read);
 float *tp__lp_out_mat(tp__lp *f, void *p, int64_t rows, int64_t cols, int64_t ld, bool read,
                       int64_t *ldf);
+/* nbytes of scratch (64-byte aligned) for the entry's own use, NULL for a
+ * failed frame (or when this one fails); freed by tp__lp_end. */
+void *tp__lp_scratch(tp__lp *f, size_t nbytes);
 /* Rounds the outputs into place (when the frame is OK), frees the scratch and
  * returns the frame's status. */
 tp_status tp__lp_end(tp__lp *f);
@@ -81,6 +84,27 @@ tp_status tp__lp_end(tp__lp *f);
 typedef void (*tp__lp_ew_fn)(float *const *buf, int64_t off, int64_t len, const void *ctx);
 void tp__lp_elementwise(tp_dtype dtype, int64_t n, int nbuf, void *const *p, const char *modes,
                         tp__lp_ew_fn fn, const void *ctx);
+
+/* The unit driver, for entries whose work splits into independent units (a
+ * softmax or norm row, a [classes, inner] slab of logits, a batch matrix):
+ * buffer i is b[i].p with b[i].per elements per unit (the unit's elements
+ * follow unit by unit), or, for per 0, a whole buffer of b[i].len elements
+ * every unit uses (weights, accumulated weight gradients: converted once,
+ * rounded once at the end); modes as the elementwise driver's. fn runs the
+ * f32 kernel on units [u0, u0 + nu) given their f32 copies (per-unit
+ * buffers start at unit u0; f32: the buffers themselves, one call for all).
+ * The per-unit buffers go through scratch of about tp__lp_unit_elems
+ * elements each (at least one unit), reused chunk after chunk: the scratch
+ * stays small and in cache. TP_ERR_NO_MEMORY when scratch fails, having
+ * written nothing. Outputs may be inputs (per-unit ones of the same per). */
+typedef struct tp__lp_buf {
+    void *p;
+    int64_t per, len;
+    char mode; /* 'i', 'o', 'u' */
+} tp__lp_buf;
+extern int64_t tp__lp_unit_elems; /* default 16384; tests lower it */
+tp_status tp__lp_units(tp__kop op, tp_dtype dtype, int64_t nunits, int nbuf, const tp__lp_buf *b,
+                       tp__lp_ew_fn fn, const void *ctx);
 
 /* Element conversions of n contiguous values between dtype (f32, bf16, f16)
  * and f32 (round to nearest even). */

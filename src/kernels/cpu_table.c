@@ -1,10 +1,13 @@
 /* The CPU engine's kernel table (kernels.h): each entry answers a dtype other
  * than f32, bf16 and f16 with TP_ERR_NOT_SUPPORTED, else runs the f32 kernel
  * of cpu.c. For bf16 and f16 the kernel runs on f32 copies of the buffers of
- * the op's dtype and each output is rounded once into the dtype (cpu_lowp.h:
- * the elementwise entries in chunks through a stack buffer, the others on
- * whole f32 scratch buffers, which may fail: TP_ERR_NO_MEMORY). For f32 the
- * same code hands the kernel the caller's buffers.
+ * the op's dtype and each output is rounded once into the dtype (cpu_lowp.h):
+ * elementwise entries chunk by chunk through a stack buffer (no allocation),
+ * row-like entries unit by unit through cache-sized scratch, the others on
+ * whole f32 scratch buffers; scratch may fail (TP_ERR_NO_MEMORY, nothing
+ * written). Data movement without arithmetic (copy, fill, the embedding
+ * lookup) moves the dtype's bits directly. For f32 the same code hands the
+ * kernel the caller's buffers.
  * Kept apart from cpu.c, which the kernel test compiles into its own
  * executable and which therefore may use only public symbols. */
 #include <string.h>
@@ -35,6 +38,24 @@ static tp_status unsupported(tp__kop op, tp_dtype dtype)
 
 /* The buffers of an elementwise entry, for tp__lp_elementwise. */
 #define CPU_BUFS(...) ((void *const[]){__VA_ARGS__})
+
+/* A buffer of the unit driver: per unit ('i', 'o', 'u'), or whole. */
+#define PER(p, per, mode) ((tp__lp_buf){(void *)(p), (per), 0, (mode)})
+#define WHOLE(p, len, mode) ((tp__lp_buf){(void *)(p), 0, (len), (mode)})
+#define UNITS(op, n, c, fn, ...)                                           \
+    tp__lp_units(TP__KOP_##op, dtype, (n),                                 \
+                 sizeof((tp__lp_buf[]){__VA_ARGS__}) / sizeof(tp__lp_buf), \
+                 (tp__lp_buf[]){__VA_ARGS__}, (fn), (c))
+
+/* What the unit entries' kernels take besides their buffers; per-row arrays
+ * (f0, f1: f32 statistics; target) are offset by the chunk's first row. */
+typedef struct unit_ctx {
+    const int64_t *target;
+    float *f0, *f1;
+    int64_t cols, inner, size, offset, ignore;
+    float eps, scale;
+    double div;
+} unit_ctx;
 
 /* ---- matrix products ---------------------------------------------------------- */
 
@@ -191,12 +212,54 @@ static int64_t numel(int ndim, const int64_t *shape)
 typedef void (*bcast_fn)(const float *a, const float *b, float *y, int ndim, const int64_t *shape,
                          const int64_t *astride, const int64_t *bstride);
 
+typedef struct bcast_ctx {
+    bcast_fn fn;
+    int ndim;
+    const int64_t *shape, *astride, *bstride;
+} bcast_ctx;
+
+static void u_bcast(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const bcast_ctx *c = ctx;
+    int64_t shape[TP_MAX_DIMS];
+    memcpy(shape, c->shape, (size_t)c->ndim * sizeof *shape);
+    shape[0] = nu;
+    c->fn(b[0], b[1], b[2], c->ndim, shape, c->astride, c->bstride);
+}
+
+/* An operand as a buffer of the unit driver over dim 0: whole when broadcast
+ * along it, per unit when its units tile (stride[0] is the span of the rest,
+ * read forwards); false otherwise. */
+static bool bcast_operand(const void *p, int ndim, const int64_t *shape, const int64_t *stride,
+                          tp__lp_buf *out)
+{
+    int64_t lo, n = span_of(ndim - 1, shape + 1, stride + 1, &lo);
+    if (lo != 0)
+        return false;
+    if (stride[0] == 0)
+        *out = WHOLE(p, n, 'i');
+    else if (stride[0] == n)
+        *out = PER(p, n, 'i');
+    else
+        return false;
+    return true;
+}
+
 static tp_status cpu_bcast(tp__kop op, bcast_fn fn, tp_dtype dtype, const void *a, const void *b,
                            void *y, int ndim, const int64_t *shape, const int64_t *astride,
                            const int64_t *bstride)
 {
     if (!cpu_supports(op, dtype))
         return unsupported(op, dtype);
+    tp__lp_buf bufs[3];
+    if (dtype != TP_F32 && ndim > 0 && shape[0] > 0 && numel(ndim, shape) > 0 &&
+        bcast_operand(a, ndim, shape, astride, &bufs[0]) &&
+        bcast_operand(b, ndim, shape, bstride, &bufs[1])) {
+        /* chunk by chunk along dim 0 (same-shape operands: elementwise) */
+        bufs[2] = PER(y, numel(ndim - 1, shape + 1), 'o');
+        bcast_ctx c = {fn, ndim, shape, astride, bstride};
+        return tp__lp_units(op, dtype, shape[0], 3, bufs, u_bcast, &c);
+    }
     tp__lp f;
     tp__lp_begin(&f, op, dtype);
     int64_t alo, blo, an = span_of(ndim, shape, astride, &alo);
@@ -305,34 +368,42 @@ static tp_status cpu_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, cons
 
 /* ---- reductions ------------------------------------------------------------------ */
 
+static void u_sum_dim(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_sum_dim_div(b[0], b[1], nu, c->size, c->inner, c->div);
+}
+
+static void u_fill(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    tp__k_fill(b[0], *(const float *)ctx, nu);
+}
+
 static tp_status cpu_sum_dim(tp_device dev, tp_dtype dtype, const void *x, void *y,
                              int64_t outer, int64_t size, int64_t inner, double div)
 {
     CPU_CHECK(SUM_DIM);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_SUM_DIM, dtype);
-    const float *fx = tp__lp_in(&f, size > 0 ? x : NULL, outer * size * inner);
-    float *fy = tp__lp_out(&f, y, outer * inner, false);
-    if (!tp__lp_ok(&f))
-        return tp__lp_end(&f);
-    if (size > 0)
-        tp__k_sum_dim_div(fx, fy, outer, size, inner, div);
-    else /* nothing to read: 0 / div (NaN for the mean of nothing) */
-        tp__k_fill(fy, (float)(0.0 / div), outer * inner);
-    return tp__lp_end(&f);
+    if (size <= 0) { /* nothing to read: 0 / div (NaN for the mean of nothing) */
+        float v = (float)(0.0 / div);
+        return UNITS(SUM_DIM, outer * inner, &v, u_fill, PER(y, 1, 'o'));
+    }
+    unit_ctx c = {.size = size, .inner = inner, .div = div};
+    return UNITS(SUM_DIM, outer, &c, u_sum_dim, PER(x, size * inner, 'i'), PER(y, inner, 'o'));
+}
+
+static void u_sum_dim_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_sum_dim_bwd(b[0], b[1], nu, c->size, c->inner, c->scale);
 }
 
 static tp_status cpu_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *gx,
                                  int64_t outer, int64_t size, int64_t inner, float scale)
 {
     CPU_CHECK(SUM_DIM_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_SUM_DIM_BWD, dtype);
-    const float *fgy = tp__lp_in(&f, gy, outer * inner);
-    float *fgx = tp__lp_out(&f, gx, outer * size * inner, false);
-    if (tp__lp_ok(&f))
-        tp__k_sum_dim_bwd(fgy, fgx, outer, size, inner, scale);
-    return tp__lp_end(&f);
+    unit_ctx c = {.size = size, .inner = inner, .scale = scale};
+    return UNITS(SUM_DIM_BWD, outer, &c, u_sum_dim_bwd, PER(gy, inner, 'i'),
+                 PER(gx, size * inner, 'o'));
 }
 
 static tp_status cpu_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64_t n, void *y,
@@ -348,55 +419,59 @@ static tp_status cpu_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64
     return tp__lp_end(&f);
 }
 
+static void u_softmax_fwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    tp__k_softmax_fwd(b[0], b[1], nu, ((const unit_ctx *)ctx)->cols);
+}
+
 static tp_status cpu_softmax_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y,
                                  int64_t rows, int64_t cols)
 {
     CPU_CHECK(SOFTMAX_FWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_SOFTMAX_FWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols);
-    float *fy = tp__lp_out(&f, y, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_softmax_fwd(fx, fy, rows, cols);
-    return tp__lp_end(&f);
+    unit_ctx c = {.cols = cols};
+    return UNITS(SOFTMAX_FWD, rows, &c, u_softmax_fwd, PER(x, cols, 'i'), PER(y, cols, 'o'));
+}
+
+static void u_softmax_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    tp__k_softmax_bwd(b[0], b[1], b[2], nu, ((const unit_ctx *)ctx)->cols);
 }
 
 static tp_status cpu_softmax_bwd(tp_device dev, tp_dtype dtype, const void *y, const void *gy,
                                  void *gx, int64_t rows, int64_t cols)
 {
     CPU_CHECK(SOFTMAX_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_SOFTMAX_BWD, dtype);
-    const float *fy = tp__lp_in(&f, y, rows * cols), *fgy = tp__lp_in(&f, gy, rows * cols);
-    float *fgx = tp__lp_out(&f, gx, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_softmax_bwd(fy, fgy, fgx, rows, cols);
-    return tp__lp_end(&f);
+    unit_ctx c = {.cols = cols};
+    return UNITS(SOFTMAX_BWD, rows, &c, u_softmax_bwd, PER(y, cols, 'i'), PER(gy, cols, 'i'),
+                 PER(gx, cols, 'o'));
+}
+
+static void u_causal_mask(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    tp__k_causal_mask(b[0], nu, ((const unit_ctx *)ctx)->cols);
 }
 
 static tp_status cpu_causal_mask(tp_device dev, tp_dtype dtype, void *s, int64_t batch,
                                  int64_t S)
 {
     CPU_CHECK(CAUSAL_MASK);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_CAUSAL_MASK, dtype);
-    float *fs = tp__lp_out(&f, s, batch * S * S, true);
-    if (tp__lp_ok(&f))
-        tp__k_causal_mask(fs, batch, S);
-    return tp__lp_end(&f);
+    unit_ctx c = {.cols = S};
+    return UNITS(CAUSAL_MASK, batch, &c, u_causal_mask, PER(s, S * S, 'u'));
+}
+
+static void u_transpose_last2(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_transpose_last2(b[0], b[1], nu, c->size, c->cols);
 }
 
 static tp_status cpu_transpose_last2(tp_device dev, tp_dtype dtype, const void *x, void *y,
                                      int64_t batch, int64_t r, int64_t c)
 {
     CPU_CHECK(TRANSPOSE_LAST2);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_TRANSPOSE_LAST2, dtype);
-    const float *fx = tp__lp_in(&f, x, batch * r * c);
-    float *fy = tp__lp_out(&f, y, batch * r * c, false);
-    if (tp__lp_ok(&f))
-        tp__k_transpose_last2(fx, fy, batch, r, c);
-    return tp__lp_end(&f);
+    unit_ctx u = {.size = r, .cols = c};
+    return UNITS(TRANSPOSE_LAST2, batch, &u, u_transpose_last2, PER(x, r * c, 'i'),
+                 PER(y, r * c, 'o'));
 }
 
 /* ---- embedding, norms, dropout ------------------------------------------------------ */
@@ -406,12 +481,59 @@ static tp_status cpu_embedding_fwd(tp_device dev, tp_dtype dtype, const int64_t 
                                    int64_t offset, void *y)
 {
     CPU_CHECK(EMBEDDING_FWD);
+    if (dtype == TP_F32) {
+        tp__k_embedding_fwd(idx, n, w, rows_local, dim, offset, y);
+        return TP_OK;
+    }
+    /* the rows' bits themselves: no conversion, no scratch */
+    size_t row = (size_t)dim * tp_dtype_size(dtype);
+    for (int64_t i = 0; i < n; i++) {
+        char *yi = (char *)y + (size_t)i * row;
+        if (idx[i] >= offset && idx[i] - offset < rows_local)
+            memcpy(yi, (const char *)w + (size_t)(idx[i] - offset) * row, row);
+        else
+            memset(yi, 0, row);
+    }
+    return TP_OK;
+}
+
+/* bf16/f16 embedding backward on the rows it touches alone (not the whole
+ * table): their f32 copies, compacted, take the f32 kernel with the indices
+ * renumbered, then each touched row is rounded once. */
+static tp_status embedding_bwd_lowp(tp_dtype dtype, const int64_t *idx, int64_t n, const void *gy,
+                                    int64_t rows_local, int64_t dim, int64_t offset, void *gw)
+{
     tp__lp f;
-    tp__lp_begin(&f, TP__KOP_EMBEDDING_FWD, dtype);
-    const float *fw = tp__lp_in(&f, w, rows_local * dim);
-    float *fy = tp__lp_out(&f, y, n * dim, false);
-    if (tp__lp_ok(&f))
-        tp__k_embedding_fwd(idx, n, fw, rows_local, dim, offset, fy);
+    tp__lp_begin(&f, TP__KOP_EMBEDDING_BWD, dtype);
+    int64_t *slot = tp__lp_scratch(&f, (size_t)rows_local * sizeof *slot); /* row -> slot */
+    int64_t *sidx = tp__lp_scratch(&f, (size_t)n * sizeof *sidx);          /* i -> slot */
+    int64_t *srow = tp__lp_scratch(&f, (size_t)n * sizeof *srow);          /* slot -> row */
+    const float *fgy = tp__lp_in(&f, gy, n * dim);
+    if (!tp__lp_ok(&f))
+        return tp__lp_end(&f);
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows_local; r++)
+        slot[r] = -1;
+    for (int64_t i = 0; i < n; i++) {
+        sidx[i] = -1;
+        if (idx[i] < offset || idx[i] - offset >= rows_local)
+            continue;
+        int64_t r = idx[i] - offset;
+        if (slot[r] < 0) {
+            slot[r] = k;
+            srow[k++] = r;
+        }
+        sidx[i] = slot[r];
+    }
+    float *g = tp__lp_scratch(&f, (size_t)(k * dim) * sizeof *g);
+    if (!tp__lp_ok(&f))
+        return tp__lp_end(&f);
+    size_t es = tp_dtype_size(dtype);
+    for (int64_t j = 0; j < k; j++)
+        tp__lp_load(dtype, g + j * dim, (const char *)gw + (size_t)(srow[j] * dim) * es, dim);
+    tp__k_embedding_bwd(sidx, n, fgy, k, dim, 0, g);
+    for (int64_t j = 0; j < k; j++)
+        tp__lp_store(dtype, (char *)gw + (size_t)(srow[j] * dim) * es, g + j * dim, dim);
     return tp__lp_end(&f);
 }
 
@@ -420,13 +542,16 @@ static tp_status cpu_embedding_bwd(tp_device dev, tp_dtype dtype, const int64_t 
                                    int64_t offset, void *gw)
 {
     CPU_CHECK(EMBEDDING_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_EMBEDDING_BWD, dtype);
-    const float *fgy = tp__lp_in(&f, gy, n * dim);
-    float *fgw = tp__lp_out(&f, gw, rows_local * dim, true);
-    if (tp__lp_ok(&f))
-        tp__k_embedding_bwd(idx, n, fgy, rows_local, dim, offset, fgw);
-    return tp__lp_end(&f);
+    if (dtype != TP_F32)
+        return embedding_bwd_lowp(dtype, idx, n, gy, rows_local, dim, offset, gw);
+    tp__k_embedding_bwd(idx, n, gy, rows_local, dim, offset, gw);
+    return TP_OK;
+}
+
+static void u_layer_norm_fwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_layer_norm_fwd(b[0], b[1], b[2], b[3], c->f0 + u0, c->f1 + u0, nu, c->cols, c->eps);
 }
 
 static tp_status cpu_layer_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
@@ -434,14 +559,15 @@ static tp_status cpu_layer_norm_fwd(tp_device dev, tp_dtype dtype, const void *x
                                     int64_t rows, int64_t cols, float eps)
 {
     CPU_CHECK(LAYER_NORM_FWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_LAYER_NORM_FWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
-    const float *fb = tp__lp_in(&f, b, cols);
-    float *fy = tp__lp_out(&f, y, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_layer_norm_fwd(fx, fw, fb, fy, mean, rstd, rows, cols, eps);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f0 = mean, .f1 = rstd, .cols = cols, .eps = eps};
+    return UNITS(LAYER_NORM_FWD, rows, &c, u_layer_norm_fwd, PER(x, cols, 'i'), WHOLE(w, cols, 'i'),
+                 WHOLE(b, cols, 'i'), PER(y, cols, 'o'));
+}
+
+static void u_layer_norm_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_layer_norm_bwd(b[0], b[1], c->f0 + u0, c->f1 + u0, b[2], b[3], b[4], b[5], nu, c->cols);
 }
 
 static tp_status cpu_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
@@ -449,28 +575,31 @@ static tp_status cpu_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *x
                                     void *gx, void *gw, void *gb, int64_t rows, int64_t cols)
 {
     CPU_CHECK(LAYER_NORM_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_LAYER_NORM_BWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
-    const float *fgy = tp__lp_in(&f, gy, rows * cols);
-    float *fgx = tp__lp_out(&f, gx, rows * cols, false);
-    float *fgw = tp__lp_out(&f, gw, cols, true), *fgb = tp__lp_out(&f, gb, cols, true);
-    if (tp__lp_ok(&f))
-        tp__k_layer_norm_bwd(fx, fw, mean, rstd, fgy, fgx, fgw, fgb, rows, cols);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f0 = (float *)mean, .f1 = (float *)rstd, .cols = cols};
+    return UNITS(LAYER_NORM_BWD, rows, &c, u_layer_norm_bwd, PER(x, cols, 'i'), WHOLE(w, cols, 'i'),
+                 PER(gy, cols, 'i'), PER(gx, cols, 'o'), WHOLE(gw, cols, 'u'),
+                 WHOLE(gb, cols, 'u'));
+}
+
+static void u_rms_norm_fwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_rms_norm_fwd(b[0], b[1], b[2], c->f1 + u0, nu, c->cols, c->eps);
 }
 
 static tp_status cpu_rms_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                   void *y, float *rstd, int64_t rows, int64_t cols, float eps)
 {
     CPU_CHECK(RMS_NORM_FWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_RMS_NORM_FWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
-    float *fy = tp__lp_out(&f, y, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_rms_norm_fwd(fx, fw, fy, rstd, rows, cols, eps);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f1 = rstd, .cols = cols, .eps = eps};
+    return UNITS(RMS_NORM_FWD, rows, &c, u_rms_norm_fwd, PER(x, cols, 'i'), WHOLE(w, cols, 'i'),
+                 PER(y, cols, 'o'));
+}
+
+static void u_rms_norm_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_rms_norm_bwd(b[0], b[1], c->f1 + u0, b[2], b[3], b[4], nu, c->cols);
 }
 
 static tp_status cpu_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
@@ -478,14 +607,9 @@ static tp_status cpu_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, 
                                   int64_t rows, int64_t cols)
 {
     CPU_CHECK(RMS_NORM_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_RMS_NORM_BWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
-    const float *fgy = tp__lp_in(&f, gy, rows * cols);
-    float *fgx = tp__lp_out(&f, gx, rows * cols, false), *fgw = tp__lp_out(&f, gw, cols, true);
-    if (tp__lp_ok(&f))
-        tp__k_rms_norm_bwd(fx, fw, rstd, fgy, fgx, fgw, rows, cols);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f1 = (float *)rstd, .cols = cols};
+    return UNITS(RMS_NORM_BWD, rows, &c, u_rms_norm_bwd, PER(x, cols, 'i'), WHOLE(w, cols, 'i'),
+                 PER(gy, cols, 'i'), PER(gx, cols, 'o'), WHOLE(gw, cols, 'u'));
 }
 
 static tp_status cpu_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y,
@@ -526,19 +650,36 @@ static tp_status cpu_dropout_bwd(tp_device dev, tp_dtype dtype, const void *gy,
 
 /* ---- cross entropy ---------------------------------------------------------------- */
 
+/* Logits [outer, classes, inner] go unit by unit of outer: a unit holds
+ * `inner` rows (row r of unit u is u * inner + r). */
+static int64_t outer_of(int64_t rows, int64_t inner)
+{
+    return inner > 0 ? rows / inner : 0;
+}
+
+static void u_ce_fwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_cross_entropy_fwd(b[0], c->target + u0 * c->inner, b[1], b[2], nu * c->inner, c->cols,
+                            c->inner, c->ignore, NULL);
+}
+
 static tp_status cpu_cross_entropy_fwd(tp_device dev, tp_dtype dtype, const void *x,
                                        const int64_t *target, const void *weight, void *loss,
                                        int64_t rows, int64_t classes, int64_t inner,
                                        int64_t ignore_index)
 {
     CPU_CHECK(CROSS_ENTROPY_FWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_CROSS_ENTROPY_FWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * classes), *fw = tp__lp_in(&f, weight, classes);
-    float *fl = tp__lp_out(&f, loss, rows, false);
-    if (tp__lp_ok(&f))
-        tp__k_cross_entropy_fwd(fx, target, fw, fl, rows, classes, inner, ignore_index, NULL);
-    return tp__lp_end(&f);
+    unit_ctx c = {.target = target, .cols = classes, .inner = inner, .ignore = ignore_index};
+    return UNITS(CROSS_ENTROPY_FWD, outer_of(rows, inner), &c, u_ce_fwd,
+                 PER(x, classes * inner, 'i'), WHOLE(weight, classes, 'i'), PER(loss, inner, 'o'));
+}
+
+static void u_ce_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_cross_entropy_bwd(b[0], c->target + u0 * c->inner, b[1], b[2], b[3], nu * c->inner,
+                            c->cols, c->inner, c->ignore);
 }
 
 static tp_status cpu_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void *x,
@@ -547,14 +688,10 @@ static tp_status cpu_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void
                                        int64_t classes, int64_t inner, int64_t ignore_index)
 {
     CPU_CHECK(CROSS_ENTROPY_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_CROSS_ENTROPY_BWD, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * classes), *fw = tp__lp_in(&f, weight, classes);
-    const float *fgl = tp__lp_in(&f, gloss, rows);
-    float *fgx = tp__lp_out(&f, gx, rows * classes, false);
-    if (tp__lp_ok(&f))
-        tp__k_cross_entropy_bwd(fx, target, fw, fgl, fgx, rows, classes, inner, ignore_index);
-    return tp__lp_end(&f);
+    unit_ctx c = {.target = target, .cols = classes, .inner = inner, .ignore = ignore_index};
+    return UNITS(CROSS_ENTROPY_BWD, outer_of(rows, inner), &c, u_ce_bwd,
+                 PER(x, classes * inner, 'i'), WHOLE(weight, classes, 'i'), PER(gloss, inner, 'i'),
+                 PER(gx, classes * inner, 'o'));
 }
 
 static tp_status cpu_ce_gloss(tp_device dev, tp_dtype dtype, const void *g, void *gl,
@@ -570,28 +707,40 @@ static tp_status cpu_ce_gloss(tp_device dev, tp_dtype dtype, const void *g, void
     return tp__lp_end(&f);
 }
 
+static void u_row_max(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_row_max(b[0], c->f0 + u0 * c->inner, nu * c->inner, c->cols, c->inner);
+}
+
 static tp_status cpu_row_max(tp_device dev, tp_dtype dtype, const void *x, float *mx,
                              int64_t rows, int64_t cols, int64_t inner)
 {
     CPU_CHECK(ROW_MAX);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_ROW_MAX, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols);
-    if (tp__lp_ok(&f))
-        tp__k_row_max(fx, mx, rows, cols, inner);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f0 = mx, .cols = cols, .inner = inner};
+    return UNITS(ROW_MAX, outer_of(rows, inner), &c, u_row_max, PER(x, cols * inner, 'i'));
+}
+
+static void u_row_sumexp(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_row_sumexp(b[0], c->f0 + u0 * c->inner, c->f1 + u0 * c->inner, nu * c->inner, c->cols,
+                     c->inner);
 }
 
 static tp_status cpu_row_sumexp(tp_device dev, tp_dtype dtype, const void *x, const float *mx,
                                 float *s, int64_t rows, int64_t cols, int64_t inner)
 {
     CPU_CHECK(ROW_SUMEXP);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_ROW_SUMEXP, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols);
-    if (tp__lp_ok(&f))
-        tp__k_row_sumexp(fx, mx, s, rows, cols, inner);
-    return tp__lp_end(&f);
+    unit_ctx c = {.f0 = (float *)mx, .f1 = s, .cols = cols, .inner = inner};
+    return UNITS(ROW_SUMEXP, outer_of(rows, inner), &c, u_row_sumexp, PER(x, cols * inner, 'i'));
+}
+
+static void u_pick_target(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    tp__k_pick_target(b[0], c->target + u0 * c->inner, c->f0 + u0 * c->inner, nu * c->inner,
+                      c->cols, c->inner, c->offset, c->ignore);
 }
 
 static tp_status cpu_pick_target(tp_device dev, tp_dtype dtype, const void *x,
@@ -599,12 +748,13 @@ static tp_status cpu_pick_target(tp_device dev, tp_dtype dtype, const void *x,
                                  int64_t cols, int64_t inner, int64_t offset, int64_t ignore_index)
 {
     CPU_CHECK(PICK_TARGET);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_PICK_TARGET, dtype);
-    const float *fx = tp__lp_in(&f, x, rows * cols);
-    if (tp__lp_ok(&f))
-        tp__k_pick_target(fx, target, picked, rows, cols, inner, offset, ignore_index);
-    return tp__lp_end(&f);
+    unit_ctx c = {.target = target,
+                  .f0 = picked,
+                  .cols = cols,
+                  .inner = inner,
+                  .offset = offset,
+                  .ignore = ignore_index};
+    return UNITS(PICK_TARGET, outer_of(rows, inner), &c, u_pick_target, PER(x, cols * inner, 'i'));
 }
 
 /* The length of the global class-weight vector the vocab-parallel entries
@@ -634,6 +784,14 @@ static tp_status cpu_vocab_ce_loss(tp_device dev, tp_dtype dtype, const int64_t 
     return tp__lp_end(&f);
 }
 
+static void u_vocab_ce_bwd(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const unit_ctx *c = ctx;
+    int64_t r0 = u0 * c->inner;
+    tp__k_vocab_ce_bwd(b[0], c->target + r0, b[1], c->f0 + r0, c->f1 + r0, b[2], b[3],
+                       nu * c->inner, c->cols, c->inner, c->offset, c->ignore);
+}
+
 static tp_status cpu_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x,
                                   const int64_t *target, const void *weight, const float *mx,
                                   const float *sumexp, const void *gloss, void *gx, int64_t rows,
@@ -641,16 +799,16 @@ static tp_status cpu_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x,
                                   int64_t ignore_index)
 {
     CPU_CHECK(VOCAB_CE_BWD);
-    tp__lp f;
-    tp__lp_begin(&f, TP__KOP_VOCAB_CE_BWD, dtype);
     int64_t nw = weight && dtype != TP_F32 ? weight_len(target, rows, ignore_index) : 0;
-    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, weight, nw);
-    const float *fgl = tp__lp_in(&f, gloss, rows);
-    float *fgx = tp__lp_out(&f, gx, rows * cols, false);
-    if (tp__lp_ok(&f))
-        tp__k_vocab_ce_bwd(fx, target, fw, mx, sumexp, fgl, fgx, rows, cols, inner, offset,
-                           ignore_index);
-    return tp__lp_end(&f);
+    unit_ctx c = {.target = target,
+                  .f0 = (float *)mx,
+                  .f1 = (float *)sumexp,
+                  .cols = cols,
+                  .inner = inner,
+                  .offset = offset,
+                  .ignore = ignore_index};
+    return UNITS(VOCAB_CE_BWD, outer_of(rows, inner), &c, u_vocab_ce_bwd, PER(x, cols * inner, 'i'),
+                 WHOLE(weight, nw, 'i'), PER(gloss, inner, 'i'), PER(gx, cols * inner, 'o'));
 }
 
 /* ---- optimizers -------------------------------------------------------------------- */

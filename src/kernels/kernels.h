@@ -24,7 +24,7 @@
  * Every entry returns a tp_status: TP_ERR_NOT_SUPPORTED naming the op and
  * the dtype when supports(op, dtype) is false. On the CPU, f32 entries do not
  * fail; bf16 and f16 entries other than the elementwise ones (which convert
- * in chunks on the stack) take f32 scratch from the caching allocator and
+ * in chunks on the stack) may take f32 scratch from the caching allocator and
  * return TP_ERR_NO_MEMORY, having written nothing, when it fails. A CUDA entry queues its work on the calling thread's
  * compute stream for dev and returns without waiting; launch and cuBLAS
  * failures are TP_ERR_BACKEND with CUDA's text (TP_ERR_NO_MEMORY for
