@@ -896,3 +896,149 @@ Test(mixed, grad_scaler_unscales_f16_gradients_in_f32, .timeout = 30)
     tp_sgd_free(opt);
     tp_module_free(m);
 }
+
+/* Low-precision parameters reduced in f32 (real backward in bf16/f16): the
+ * gradients are the f32 average rounded once, the all_reduces those of the
+ * f32 model (one bucket, or one per parameter), moving f32 bytes. */
+ParameterizedTestParameters(mixed, ddp_reduce_dtype_lowp_params_in_f32)
+{
+    static rd_param p[] = {{1, TP_BF16, TP_F32},
+                           {2, TP_BF16, TP_F32},
+                           {3, TP_BF16, TP_F32},
+                           {2, TP_F16, TP_F32},
+                           {3, TP_F16, TP_F32}};
+    return cr_make_param_array(rd_param, p, 5);
+}
+
+ParameterizedTest(rd_param *p, mixed, ddp_reduce_dtype_lowp_params_in_f32, .timeout = 120)
+{
+    rd_check(p);
+}
+
+/* ---- training in low precision ----------------------------------------------------- */
+
+enum { TB = 16, TIN = 8, THID = 32, TOUT = 4, TSTEPS = 30 };
+
+static tp_status mlp_fwd(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                         const tp_kwarg *kw, tp_tensor **out)
+{
+    (void)nargs, (void)nkw, (void)kw;
+    tp_tensor *h = NULL, *a = NULL;
+    tp_status st = tp_module_call(tp_module_child(self, "net1"), args[0], &h);
+    if (st == TP_OK)
+        st = tp_relu(h, &a);
+    if (st == TP_OK)
+        st = tp_module_call(tp_module_child(self, "net2"), a, out);
+    tp_tensor_release(h);
+    tp_tensor_release(a);
+    return st;
+}
+
+/* loss = mean((mlp(x) - t)^2) */
+static tp_status mse(tp_module *m, tp_tensor *x, tp_tensor *t, tp_tensor **loss)
+{
+    tp_tensor *y = NULL, *neg = NULL, *d = NULL, *sq = NULL;
+    tp_status st = tp_module_call(m, x, &y);
+    if (st == TP_OK)
+        st = tp_scale(t, -1.0, &neg);
+    if (st == TP_OK)
+        st = tp_add(y, neg, &d);
+    if (st == TP_OK)
+        st = tp_mul(d, d, &sq);
+    if (st == TP_OK)
+        st = tp_mean_all(sq, loss);
+    tp_tensor_release(y);
+    tp_tensor_release(neg);
+    tp_tensor_release(d);
+    tp_tensor_release(sq);
+    return st;
+}
+
+typedef struct train_run {
+    tp_dtype dt;
+    bool adam;
+    double loss[TSTEPS];
+    int skipped; /* steps the scaler skipped (f16) */
+} train_run;
+
+/* Trains the MLP TSTEPS steps in run->dt: cast after init, Adam or tp_sgd
+ * (f32 masters), f16 through a default grad scaler. */
+static void train(train_run *run)
+{
+    tp_module *m = NULL, *c = NULL;
+    CHECK_OK(tp_nn_custom_create("MLP", mlp_fwd, NULL, NULL, &m));
+    CHECK_OK(tp_nn_linear_create(TIN, THID, true, &c));
+    CHECK_OK(tp_module_add_child(m, "net1", c));
+    CHECK_OK(tp_nn_linear_create(THID, TOUT, true, &c));
+    CHECK_OK(tp_module_add_child(m, "net2", c));
+    CHECK_OK(tp_module_init(m, 5));
+    CHECK_OK(tp_module_to_dtype(m, run->dt));
+    tp_tensor *x = NULL, *t = NULL;
+    CHECK_OK(tp_tensor_empty(run->dt, TP_CPU, 2, (int64_t[]){TB, TIN}, &x));
+    CHECK_OK(tp_tensor_fill_random(x, TP_RNG_NORMAL, 0, 1, 6, NULL, NULL));
+    CHECK_OK(tp_tensor_empty(run->dt, TP_CPU, 2, (int64_t[]){TB, TOUT}, &t));
+    CHECK_OK(tp_tensor_fill_random(t, TP_RNG_NORMAL, 0, 1, 7, NULL, NULL));
+    tp_adam *adam = NULL;
+    tp_sgd *sgd = NULL;
+    tp_grad_scaler *gs = NULL;
+    if (run->adam)
+        CHECK_OK(tp_adam_create(m, 1e-2, 0, 0, 0, &adam));
+    else
+        CHECK_OK(tp_sgd_create(m, 0.1, &sgd));
+    if (run->dt == TP_F16) /* 2^16 times a loss near 1 would overflow f16 */
+        CHECK_OK(tp_grad_scaler_create(NULL, &(tp_grad_scaler_options){.init_scale = 1024}, &gs));
+    for (int step = 0; step < TSTEPS; step++) {
+        tp_tensor *loss = NULL, *scaled = NULL;
+        CHECK_OK(mse(m, x, t, &loss));
+        cr_assert_eq(tp_tensor_dtype(loss), run->dt, "the loss is %s",
+                     tp_dtype_name(tp_tensor_dtype(loss)));
+        CHECK_OK(tp_tensor_get(loss, NULL, &run->loss[step]));
+        if (gs) {
+            bool stepped = false;
+            CHECK_OK(tp_grad_scaler_scale(gs, loss, &scaled));
+            CHECK_OK(tp_backward(scaled, NULL));
+            CHECK_OK(run->adam ? tp_grad_scaler_step_adam(gs, adam, &stepped)
+                               : tp_grad_scaler_step_sgd(gs, sgd, &stepped));
+            CHECK_OK(tp_grad_scaler_update(gs));
+            run->skipped += !stepped;
+        } else {
+            CHECK_OK(tp_backward(loss, NULL));
+            CHECK_OK(run->adam ? tp_adam_step(adam) : tp_sgd_opt_step(sgd));
+        }
+        tp_module_zero_grad(m);
+        tp_tensor_release(scaled);
+        tp_tensor_release(loss);
+    }
+    tp_grad_scaler_free(gs);
+    tp_adam_free(adam);
+    tp_sgd_free(sgd);
+    tp_tensor_release(x);
+    tp_tensor_release(t);
+    tp_module_free(m);
+}
+
+/* The low-precision run's loss follows the f32 run's: every step within
+ * tol (relative), no step skipped, and the training actually reduced the
+ * loss. */
+Test(mixed, lowp_mlp_training_follows_f32, .timeout = 120)
+{
+    const tp_dtype dts[] = {TP_BF16, TP_F16};
+    const double tol[] = {2e-2, 5e-3};
+    for (int adam = 0; adam <= 1; adam++) {
+        train_run ref = {.dt = TP_F32, .adam = adam};
+        train(&ref);
+        cr_assert(ref.loss[TSTEPS - 1] < 0.8 * ref.loss[0], "f32 did not train: %g -> %g",
+                  ref.loss[0], ref.loss[TSTEPS - 1]);
+        for (int k = 0; k < 2; k++) {
+            train_run lp = {.dt = dts[k], .adam = adam};
+            train(&lp);
+            cr_assert_eq(lp.skipped, 0, "%s: %d steps skipped", tp_dtype_name(dts[k]), lp.skipped);
+            for (int s = 0; s < TSTEPS; s++) {
+                double want = ref.loss[s], rel = fabs(lp.loss[s] - want) / want;
+                cr_assert(rel <= tol[k], "%s %s step %d: loss %.6f, f32 %.6f (relative %.3g > %g)",
+                          tp_dtype_name(dts[k]), adam ? "Adam" : "SGD", s, lp.loss[s], want, rel,
+                          tol[k]);
+            }
+        }
+    }
+}

@@ -405,9 +405,10 @@ TP_API void tp_adam_free(tp_adam *opt);
  * (max) of a one-element f32 flag per step, so that every rank skips the
  * same steps. Give it a comm that spans every rank holding gradients of the
  * model (the world of a data x tensor parallel run); NULL for one process.
- * With an f16 loss the default initial scale 2^16 is itself past f16's
- * largest value (65504): the first step overflows, is skipped and the scale
- * backs off to 2^15, as PyTorch does on any overflow.
+ * With an f16 loss the default initial scale 2^16 overflows f16 (largest
+ * 65504) as soon as the loss is about 1 or more: that step is skipped and
+ * the scale backs off to 2^15, as PyTorch does on any overflow; an
+ * init_scale of 2^10 or so avoids the skipped steps.
  *
  * Owner: the caller (tp_grad_scaler_create, tp_grad_scaler_free). It holds
  * a reference on its comm. One thread uses a scaler (one per rank).
