@@ -602,13 +602,23 @@ Test(cuda, cublas_bf16, .timeout = 60)
     check_half_linear(TP_BF16, 1e-2, 1e-2);
 }
 
-Test(cuda, half_inputs_are_refused_on_the_cpu_and_by_other_ops, .timeout = 30)
+/* Every op takes f16/bf16 on the CPU too (the dtype contract;
+ * tests/test_ops_dtype.c checks the values); f64 stays refused. */
+Test(cuda, half_inputs_run_on_the_cpu_and_f64_is_refused, .timeout = 30)
 {
     const int64_t s[2] = {2, 4};
-    tp_tensor *x = NULL, *y = NULL;
+    tp_tensor *x = NULL, *y = NULL, *d = NULL;
     CHECK_OK(tp_tensor_zeros(TP_F16, TP_CPU, 2, s, &x));
-    CHECK_ERR(tp_linear(x, x, NULL, &y), TP_ERR_NOT_SUPPORTED);
-    CHECK_ERR(tp_relu(x, &y), TP_ERR_NOT_SUPPORTED);
+    CHECK_OK(tp_linear(x, x, NULL, &y));
+    cr_assert_eq(tp_tensor_dtype(y), TP_F16);
+    tp_tensor_release(y);
+    CHECK_OK(tp_relu(x, &y));
+    cr_assert_eq(tp_tensor_dtype(y), TP_F16);
+    tp_tensor_release(y);
+    CHECK_OK(tp_tensor_zeros(TP_F64, TP_CPU, 2, s, &d));
+    CHECK_ERR(tp_linear(d, d, NULL, &y), TP_ERR_NOT_SUPPORTED);
+    CHECK_ERR(tp_relu(d, &y), TP_ERR_NOT_SUPPORTED);
+    tp_tensor_release(d);
     tp_tensor_release(x);
 }
 

@@ -1,16 +1,16 @@
 /* The CPU engine's kernel table (src/kernels/cpu_table.c, kernels.h): every
- * entry present and named, supports() true for f32 alone, every entry
- * answering another dtype with TP_ERR_NOT_SUPPORTED naming the op and the
- * dtype (and writing nothing), the device lookup, and the entries whose CPU
+ * entry present and named, supports() true for f32, bf16 and f16 alone, every
+ * entry answering another dtype with TP_ERR_NOT_SUPPORTED naming the op and
+ * the dtype (and writing nothing), the device lookup, and the entries whose CPU
  * kernels are new (copy, fill, gather, the divided sums, the loss-gradient
  * spread, the vocab-parallel loss, the optimizer steps) against double
  * references. The kernels themselves are tested in test_kernels.c.
  *
- * Like test_kernels.c, this compiles the engine's sources into its own
- * executable (everything internal is hidden in libtp). The core's error
- * recorder is replaced by one that keeps the message here, and the CUDA
- * registration is the stand-in of builds without CUDA (cuda_none.c), whose
- * lookup this file checks too. */
+ * The bf16 and f16 forms of every entry are tested in test_kernels_dtype.c.
+ *
+ * This links libtp's objects rather than the library (everything internal
+ * is hidden in libtp); the CUDA registration is the build's, whose lookup
+ * this file checks too. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -19,27 +19,15 @@
 
 #include "tp_test.h"
 
-#include "../src/kernels/cpu.c"
-#include "../src/kernels/cpu_table.c"
-#include "../src/kernels/cuda_none.c"
-#include "../src/kernels/kernels.c"
-
-static char last_msg[512];
-
-tp_status tp__error(tp_status status, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
-    va_end(ap);
-    return status;
-}
+#include "kernels/kernels.h"
+#include "tp/config.h"
 
 static const tp__kernels *const K = &tp__kernels_cpu;
 static const tp_device CPU = {TP_DEVICE_CPU, 0};
 
-#define EXPECT_MSG(want)                                                                      \
-    cr_assert(!strcmp(last_msg, (want)), "message \"%s\", expected \"%s\"", last_msg, (want))
+#define EXPECT_MSG(want)                                                           \
+    cr_assert(!strcmp(tp_last_error(), (want)), "message \"%s\", expected \"%s\"", \
+              tp_last_error(), (want))
 
 static void rnd(float *x, int64_t n, uint64_t seed)
 {
@@ -62,17 +50,21 @@ Test(kernel_table, every_entry_is_there_and_named, .timeout = 30)
     cr_assert_str_eq(tp__kop_name(TP__KOP_COUNT), "?");
 }
 
-Test(kernel_table, supports_f32_alone, .timeout = 30)
+Test(kernel_table, supports_the_float_dtypes_alone, .timeout = 30)
 {
-    const tp_dtype others[] = {TP_F16, TP_BF16, TP_F64, TP_I32, TP_I64};
+    const tp_dtype others[] = {TP_F64, TP_I32, TP_I64};
     for (int op = TP__KOP_NONE + 1; op < TP__KOP_COUNT; op++) {
         cr_assert(K->supports((tp__kop)op, TP_F32), "%s f32", tp__kop_name((tp__kop)op));
+        cr_assert(K->supports((tp__kop)op, TP_BF16), "%s bf16", tp__kop_name((tp__kop)op));
+        cr_assert(K->supports((tp__kop)op, TP_F16), "%s f16", tp__kop_name((tp__kop)op));
         for (size_t d = 0; d < sizeof others / sizeof others[0]; d++)
             cr_assert(!K->supports((tp__kop)op, others[d]), "%s %s", tp__kop_name((tp__kop)op),
                       tp_dtype_name(others[d]));
     }
     cr_assert(!K->supports(TP__KOP_NONE, TP_F32));
     cr_assert(!K->supports(TP__KOP_COUNT, TP_F32));
+    cr_assert(!K->supports(TP__KOP_NONE, TP_BF16));
+    cr_assert(!K->supports(TP__KOP_COUNT, TP_F16));
 }
 
 Test(kernel_table, other_dtypes_are_not_supported_and_write_nothing, .timeout = 30)
@@ -80,23 +72,23 @@ Test(kernel_table, other_dtypes_are_not_supported_and_write_nothing, .timeout = 
     float a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8}, y[4] = {-1, -1, -1, -1};
     const float untouched[4] = {-1, -1, -1, -1};
     int64_t shape[1] = {4}, one[1] = {1};
-    cr_assert_eq(K->add(CPU, TP_F16, a, b, y, 4), TP_ERR_NOT_SUPPORTED);
-    EXPECT_MSG("cpu kernels: add does not take f16");
-    cr_assert_eq(K->gemm(CPU, TP_BF16, false, false, 2, 2, 2, 1.0f, a, 2, b, 2, 0.0f, y, 2),
+    cr_assert_eq(K->add(CPU, TP_F64, a, b, y, 4), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: add does not take f64");
+    cr_assert_eq(K->gemm(CPU, TP_I32, false, false, 2, 2, 2, 1.0f, a, 2, b, 2, 0.0f, y, 2),
                  TP_ERR_NOT_SUPPORTED);
-    EXPECT_MSG("cpu kernels: gemm does not take bf16");
-    cr_assert_eq(K->linear_fwd(CPU, TP_F16, a, b, NULL, y, 2, 2, 2), TP_ERR_NOT_SUPPORTED);
-    EXPECT_MSG("cpu kernels: linear_fwd does not take f16");
+    EXPECT_MSG("cpu kernels: gemm does not take i32");
+    cr_assert_eq(K->linear_fwd(CPU, TP_I64, a, b, NULL, y, 2, 2, 2), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: linear_fwd does not take i64");
     cr_assert_eq(K->sum_all(CPU, TP_F64, a, 4, y, 1.0), TP_ERR_NOT_SUPPORTED);
     EXPECT_MSG("cpu kernels: sum_all does not take f64");
     cr_assert_eq(K->sum_dim(CPU, TP_I32, a, y, 1, 4, 1, 1.0), TP_ERR_NOT_SUPPORTED);
     EXPECT_MSG("cpu kernels: sum_dim does not take i32");
     cr_assert_eq(K->copy(CPU, TP_I64, y, a, 4), TP_ERR_NOT_SUPPORTED);
     EXPECT_MSG("cpu kernels: copy does not take i64");
-    cr_assert_eq(K->mul_bcast(CPU, TP_F16, a, b, y, 1, shape, one, one), TP_ERR_NOT_SUPPORTED);
-    EXPECT_MSG("cpu kernels: mul_bcast does not take f16");
-    cr_assert_eq(K->sgd_step(CPU, TP_BF16, y, a, 4, 0.5), TP_ERR_NOT_SUPPORTED);
-    EXPECT_MSG("cpu kernels: sgd_step does not take bf16");
+    cr_assert_eq(K->mul_bcast(CPU, TP_F64, a, b, y, 1, shape, one, one), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: mul_bcast does not take f64");
+    cr_assert_eq(K->sgd_step(CPU, TP_I32, y, a, 4, 0.5), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: sgd_step does not take i32");
     cr_assert(!memcmp(y, untouched, sizeof y), "a refused entry wrote its output");
     cr_assert_eq(K->add(CPU, TP_F32, a, b, y, 4), TP_OK);
     for (int i = 0; i < 4; i++)
@@ -108,11 +100,19 @@ Test(kernel_table, devices_find_their_engine, .timeout = 30)
     const tp__kernels *k = NULL;
     cr_assert_eq(tp__kernels_for(CPU, &k), TP_OK);
     cr_assert_eq(k, &tp__kernels_cpu);
-    /* the CUDA registration here is cuda_none.c's: no table */
+#if TP_HAVE_CUDA
+    /* the CUDA engine's table, whether or not a device is present */
+    k = NULL;
+    cr_assert_eq(tp__kernels_for(TP_CUDA(1), &k), TP_OK);
+    cr_assert_eq(k, tp__kernels_cuda);
+    cr_assert_str_eq(k->name, "cuda");
+#else
+    /* the CUDA registration is cuda_none.c's: no table */
     k = NULL;
     cr_assert_eq(tp__kernels_for(TP_CUDA(1), &k), TP_ERR_NOT_SUPPORTED);
     cr_assert_null(k);
     EXPECT_MSG("no kernels for cuda:1: libtp was built without CUDA");
+#endif
 }
 
 /* ---- the entries new to the CPU ----------------------------------------------------------- */

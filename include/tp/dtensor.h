@@ -145,6 +145,20 @@ TP_API tp_status tp_dtensor_full_tensor(tp_tensor *dt, tp_tensor **out);
 TP_API tp_status tp_dtensor_redistribute(tp_tensor *dt, int nplacements,
                                          const tp_placement *placements, tp_tensor **out);
 
+/* The partial-reduce setting: whether a Partial -> Replicate (all_reduce) or
+ * Partial -> Shard (reduce_scatter) reduction of a bf16 or f16 DTensor runs
+ * in f32: the local term is converted to f32, reduced, and the result
+ * rounded back to the DTensor's dtype once. Same collectives (count and
+ * kind; twice the bytes). Default false: the reduction runs in the tensor's
+ * dtype, as PyTorch's (the shm backend already accumulates halves in f32
+ * and rounds once; NCCL and MPI may round at every step). Process-wide,
+ * thread-safe (atomic); read when a redistribution runs, so set it before
+ * the ops it should affect, the same on every rank. f32 and other dtypes are
+ * unaffected. */
+TP_API void tp_set_partial_reduce_f32(bool on);
+/* The partial-reduce setting (false unless tp_set_partial_reduce_f32(true)). */
+TP_API bool tp_partial_reduce_f32(void);
+
 /* The collectives redistributing src -> dst issues on this mesh, per kind
  * (counts[TP_COLL_KIND_COUNT]); the same planner tp_dtensor_redistribute
  * runs, so tests and cost models can compare against it (Shard ->

@@ -1,5 +1,19 @@
 /*
- * tp/ops.h - differentiable ops on plain tensors and DTensors (CPU, f32).
+ * tp/ops.h - differentiable ops on plain tensors and DTensors (CPU, CUDA).
+ *
+ * Dtypes: every op takes f32, bf16 and f16 (as its device's engine does; f64
+ * and integer dtypes are TP_ERR_NOT_SUPPORTED naming the argument and the
+ * engine). All differentiable inputs of one op (x, weights, biases, both
+ * operands) share one dtype, else TP_ERR_INVALID_ARG "... the dtypes must
+ * match" (indices and targets stay integer; cross entropy's class weights
+ * have the logits' dtype). The output has that dtype (cross entropy's loss
+ * too, as PyTorch) and each input's gradient has its input's dtype. Arithmetic
+ * runs in f32 (products with f32 accumulation) and each stored value is
+ * rounded once; what the ops save for the backward (norm mean and rstd,
+ * cross-entropy row max and sums) stays f32. A reduced bf16/f16 cross entropy
+ * sums f32 per-row losses and rounds once. Collectives are the same as for
+ * f32 (Partial reductions run in the dtype unless
+ * tp_set_partial_reduce_f32(true)). Error bounds: docs/API.md "Precision".
  *
  * Every op takes either only plain tensors or only DTensors on one mesh;
  * mixing is TP_ERR_INVALID_ARG naming the argument. On DTensors the op picks,

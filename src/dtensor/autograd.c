@@ -280,45 +280,31 @@ static tp_status tp__add_into_plain(tp_tensor *r, const tp_tensor *b)
     const tp_tensor *src = bc ? bc : b;
     if (st == TP_OK)
         st = tp__same_device("backward", "a gradient", r, "the gradient added to it", src);
-    if (st == TP_OK && tp_tensor_device(r).type == TP_DEVICE_CUDA) {
-        tp_device dev = tp_tensor_device(r);
-        const tp__kernels *k = NULL;
-        if (r->dtype == TP_F32 && src->dtype == TP_F32) {
-            st = tp__kernels_for(dev, &k);
-            if (st == TP_OK)
-                st = k->accumulate(dev, TP_F32, tp_tensor_data(r), tp_tensor_data(src), n);
-        } else {
-            /* other dtypes: summed on the host, then copied back */
-            tp_tensor *ha = NULL, *hb = NULL;
-            st = tp_tensor_to(r, r->dtype, TP_CPU, &ha);
-            if (st == TP_OK)
-                st = tp_tensor_to(src, src->dtype, TP_CPU, &hb);
-            for (int64_t i = 0; st == TP_OK && i < n; i++)
-                tp__store_f64(tp_tensor_data(ha), ha->dtype, i,
-                              tp__load_f64(tp_tensor_data(ha), ha->dtype, i) +
-                                  tp__load_f64(tp_tensor_data(hb), hb->dtype, i));
-            if (st == TP_OK)
-                st = tp_tensor_copy(r, ha);
-            tp_tensor_release(ha);
-            tp_tensor_release(hb);
-        }
+    const tp__kernels *k = NULL;
+    tp_device dev = tp_tensor_device(r);
+    if (st == TP_OK && r->dtype == src->dtype && tp__kernels_for(dev, &k) == TP_OK &&
+        k->supports(TP__KOP_ACCUMULATE, r->dtype)) {
+        /* f32, bf16, f16: the engine adds in f32 and rounds once */
+        st = k->accumulate(dev, r->dtype, tp_tensor_data(r), tp_tensor_data(src), n);
+    } else if (st == TP_OK && dev.type == TP_DEVICE_CUDA) {
+        /* other dtypes: summed on the host, then copied back */
+        tp_tensor *ha = NULL, *hb = NULL;
+        st = tp_tensor_to(r, r->dtype, TP_CPU, &ha);
+        if (st == TP_OK)
+            st = tp_tensor_to(src, src->dtype, TP_CPU, &hb);
+        for (int64_t i = 0; st == TP_OK && i < n; i++)
+            tp__store_f64(tp_tensor_data(ha), ha->dtype, i,
+                          tp__load_f64(tp_tensor_data(ha), ha->dtype, i) +
+                              tp__load_f64(tp_tensor_data(hb), hb->dtype, i));
+        if (st == TP_OK)
+            st = tp_tensor_copy(r, ha);
+        tp_tensor_release(ha);
+        tp_tensor_release(hb);
     } else if (st == TP_OK) {
-        if (r->dtype == TP_F32) {
-            float *y = tp_tensor_data(r);
-            const float *x = tp_tensor_data(src);
-            for (int64_t i = 0; i < n; i++)
-                y[i] += x[i];
-        } else if (r->dtype == TP_F64) {
-            double *y = tp_tensor_data(r);
-            const double *x = tp_tensor_data(src);
-            for (int64_t i = 0; i < n; i++)
-                y[i] += x[i];
-        } else {
-            for (int64_t i = 0; i < n; i++)
-                tp__store_f64(tp_tensor_data(r), r->dtype, i,
-                              tp__load_f64(tp_tensor_data(r), r->dtype, i) +
-                                  tp__load_f64(tp_tensor_data(src), src->dtype, i));
-        }
+        for (int64_t i = 0; i < n; i++)
+            tp__store_f64(tp_tensor_data(r), r->dtype, i,
+                          tp__load_f64(tp_tensor_data(r), r->dtype, i) +
+                              tp__load_f64(tp_tensor_data(src), src->dtype, i));
     }
     tp_tensor_release(bc);
     return st;

@@ -5,9 +5,10 @@
 #include "dtensor/debug_log.h"
 #include "dtensor/ops_internal.h"
 
-tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_tensor **out)
+tp_status tp__new(tp_dtype dt, tp_device dev, int ndim, const int64_t *shape, bool zero,
+                  tp_tensor **out)
 {
-    TP_CHECK(tp_tensor_empty(TP_F32, dev, ndim, shape, out));
+    TP_CHECK(tp_tensor_empty(dt, dev, ndim, shape, out));
     if (!zero)
         return TP_OK;
     /* zeroed by the device's engine: on a GPU in order with the kernels that
@@ -16,7 +17,7 @@ tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_t
     const tp__kernels *k = NULL;
     tp_status st = tp__kernels_for(dev, &k);
     if (st == TP_OK)
-        st = k->fill(dev, TP_F32, tp_tensor_data(*out), 0.0f, tp_tensor_numel(*out));
+        st = k->fill(dev, dt, tp_tensor_data(*out), 0.0f, tp_tensor_numel(*out));
     if (st != TP_OK) {
         tp_tensor_release(*out);
         *out = NULL;
@@ -24,11 +25,16 @@ tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_t
     return st;
 }
 
-tp_status tp__copy_f32(tp_device dev, float *dst, const float *src, int64_t n)
+tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_tensor **out)
+{
+    return tp__new(TP_F32, dev, ndim, shape, zero, out);
+}
+
+tp_status tp__copy(tp_device dev, tp_dtype dt, void *dst, const void *src, int64_t n)
 {
     const tp__kernels *k = NULL;
     TP_CHECK(tp__kernels_for(dev, &k));
-    return k->copy(dev, TP_F32, dst, src, n);
+    return k->copy(dev, dt, dst, src, n);
 }
 
 const char *tp__device_str(tp_device dev, char *buf, size_t len)
@@ -61,31 +67,45 @@ int64_t tp__rows(const tp_tensor *t)
     return r;
 }
 
-tp_status tp__check_dtypes(const tp__op *op)
+/* TP_ERR_NOT_SUPPORTED: what of dtype dt is not taken by engine k. */
+static tp_status tp__dtype_refused(const char *fn, const char *what, tp_dtype dt,
+                                   const tp__kernels *k)
+{
+    return tp__error(TP_ERR_NOT_SUPPORTED,
+                     "%s: %s is %s, which the %s kernels do not take (ops take f32, bf16 and f16)",
+                     fn, what, tp_dtype_name(dt), k->name);
+}
+
+tp_status tp__check_dtypes(tp__op *op)
 {
     const tp__op_def *def = op->def;
-    const tp__kop kop = def->dtype_kernel;
-    tp_dtype taken = (tp_dtype)-1; /* the last dtype the engine was asked about and takes */
+    const tp__kop kop = def->dtype_kernel != TP__KOP_NONE ? def->dtype_kernel : TP__KOP_COPY;
+    int first = -1;
+    op->dt = TP_F32;
     for (int i = 0; i < def->n_inputs; i++) {
-        tp_tensor *t = op->in[i];
+        const tp_tensor *t = op->arg[i];
         if (!t || (def->nondiff_mask & (1u << i)))
             continue;
-        tp_dtype dt = tp__tensor_local(t)->dtype;
-        if (dt != taken) {
-            if (kop == TP__KOP_NONE ? dt != TP_F32 : !op->k->supports(kop, dt))
-                return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is %s; ops take f32%s", def->name,
-                                 def->input_names[i], tp_dtype_name(dt),
-                                 kop != TP__KOP_NONE ? " (f16/bf16 too on CUDA devices)" : "");
-            taken = dt;
-        }
-        if (kop == TP__KOP_NONE)
-            continue;
-        tp_tensor *l0 = tp__tensor_local(op->in[0]);
-        if (dt != l0->dtype)
+        if (first < 0) {
+            first = i;
+            op->dt = t->dtype;
+        } else if (t->dtype != op->dt) {
             return tp__error(TP_ERR_INVALID_ARG, "%s: %s is %s but %s is %s; the dtypes must match",
-                             def->name, def->input_names[0], tp_dtype_name(l0->dtype),
-                             def->input_names[i], tp_dtype_name(dt));
+                             def->name, def->input_names[first], tp_dtype_name(op->dt),
+                             def->input_names[i], tp_dtype_name(t->dtype));
+        }
     }
+    if (first >= 0 && !op->k->supports(kop, op->dt))
+        return tp__dtype_refused(def->name, def->input_names[first], op->dt, op->k);
+    return TP_OK;
+}
+
+tp_status tp__check_dtype(const char *fn, const char *what, const tp_tensor *t, tp__kop kop)
+{
+    const tp__kernels *k = NULL;
+    TP_CHECK(tp__kernels_for(tp_tensor_device(t), &k));
+    if (!k->supports(kop, t->dtype))
+        return tp__dtype_refused(fn, what, t->dtype, k);
     return TP_OK;
 }
 
@@ -223,9 +243,9 @@ static tp_status tp__op_backward(tp__node *node, tp_tensor *gy, tp_tensor **gin)
     }
     tp_tensor *gyl = tp__local(gyr), *gyc = NULL;
     tp_device gd = tp_tensor_device(gyl);
-    if (!tp__device_eq(gd, op->dev)) {
+    if (!tp__device_eq(gd, op->dev) || gyl->dtype != op->dt) {
         /* a gradient handed to tp_backward from another device */
-        st = tp_tensor_to(gyl, gyl->dtype, op->dev, &gyc);
+        st = tp_tensor_to(gyl, op->dt, op->dev, &gyc);
         gyl = gyc;
     } else if (!tp_tensor_is_contiguous(gyl)) {
         st = tp_tensor_clone(gyl, &gyc);
@@ -296,6 +316,7 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
     if (first >= 0)
         op.dev = tp_tensor_device(args[first]);
     TP_CHECK(tp__kernels_for(op.dev, &op.k));
+    TP_CHECK(tp__check_dtypes(&op));
     for (int i = 0; i < def->n_inputs; i++) {
         if (!args[i])
             continue;
@@ -328,8 +349,6 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
             st = tp__error(TP_ERR_INVALID_ARG, "%s: %s is not contiguous", fn,
                            def->input_names[i]);
     }
-    if (st == TP_OK)
-        st = tp__check_dtypes(&op);
     if (st == TP_OK)
         st = def->out_shape(&op, &op.out_ndim, op.out_shape);
     if (st == TP_OK)

@@ -45,39 +45,57 @@ static float sdpa_scale(const tp__op *op, int64_t d)
     return p->scale != 0 ? (float)p->scale : (float)(1.0 / sqrt((double)d));
 }
 
-/* C = alpha op(A) op(B) (beta 0) with the op's engine */
-static tp_status sgemm(const tp__op *op, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
-                       float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
-                       float *c, int64_t ldc)
+/* The element e of a buffer of the op's dtype. */
+static void *at(const tp__op *op, const void *base, int64_t e)
 {
-    return op->k->gemm(op->dev, TP_F32, ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
+    return (char *)base + e * (int64_t)tp_dtype_size(op->dt);
 }
 
+/* C = alpha op(A) op(B) (beta 0) with the op's engine, in the op's dtype
+ * (f32 accumulation) */
+static tp_status gemm(const tp__op *op, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                      float alpha, const void *a, int64_t lda, const void *b, int64_t ldb, void *c,
+                      int64_t ldc)
+{
+    return op->k->gemm(op->dev, op->dt, ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
+}
+
+/* B (the product of the leading dims), S and D of q */
+static void sdpa_dims(const tp_tensor *q, int64_t *B, int64_t *S, int64_t *D)
+{
+    int nd = q->ndim;
+    *S = q->shape[nd - 2];
+    *D = q->shape[nd - 1];
+    *B = 1;
+    for (int i = 0; i + 2 < nd; i++)
+        *B *= q->shape[i];
+}
+
+/* The probabilities (the softmax of the scores, in the op's dtype, as
+ * PyTorch's math attention keeps them) are saved for the backward. */
 static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     const sdpa_params *p = TP__OP_PARAMS(op, const sdpa_params);
     tp_tensor *q = in[0], *k = in[1], *v = in[2];
-    int nd = q->ndim;
-    int64_t S = q->shape[nd - 2], D = q->shape[nd - 1], B = 1;
-    for (int i = 0; i + 2 < nd; i++)
-        B *= q->shape[i];
+    int64_t B, S, D;
+    sdpa_dims(q, &B, &S, &D);
     float scale = sdpa_scale(op, D);
     int64_t pshape[2] = {B * S, S};
     tp_tensor *probs = NULL;
-    TP_CHECK(tp__f32(op->dev, nd, q->shape, false, out));
-    tp_status st = tp__f32(op->dev, 2, pshape, false, &probs);
-    const float *qd = tp_tensor_data(q), *kd = tp_tensor_data(k), *vd = tp_tensor_data(v);
-    float *od = tp_tensor_data(*out), *pd = probs ? tp_tensor_data(probs) : NULL;
+    TP_CHECK(tp__new(op->dt, op->dev, q->ndim, q->shape, false, out));
+    tp_status st = tp__new(op->dt, op->dev, 2, pshape, false, &probs);
+    const void *qd = tp_tensor_data(q), *kd = tp_tensor_data(k), *vd = tp_tensor_data(v);
+    void *od = tp_tensor_data(*out), *pd = probs ? tp_tensor_data(probs) : NULL;
     for (int64_t b = 0; b < B && st == TP_OK; b++) {
-        float *sc = pd + b * S * S;
-        st = sgemm(op, false, true, S, S, D, scale, qd + b * S * D, D, kd + b * S * D, D, sc, S);
+        void *sc = at(op, pd, b * S * S);
+        int64_t o = b * S * D;
+        st = gemm(op, false, true, S, S, D, scale, at(op, qd, o), D, at(op, kd, o), D, sc, S);
         if (st == TP_OK && p->causal)
-            st = op->k->causal_mask(op->dev, TP_F32, sc, 1, S);
+            st = op->k->causal_mask(op->dev, op->dt, sc, 1, S);
         if (st == TP_OK && S > 0)
-            st = op->k->softmax_fwd(op->dev, TP_F32, sc, sc, S, S);
+            st = op->k->softmax_fwd(op->dev, op->dt, sc, sc, S, S);
         if (st == TP_OK)
-            st = sgemm(op, false, false, S, D, S, 1.0f, sc, S, vd + b * S * D, D, od + b * S * D,
-                       D);
+            st = gemm(op, false, false, S, D, S, 1.0f, sc, S, at(op, vd, o), D, at(op, od, o), D);
     }
     if (st != TP_OK) {
         tp_tensor_release(probs);
@@ -89,39 +107,45 @@ static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     return TP_OK;
 }
 
+/* One leading index's backward: dv = p^T dout; dp = dout v^T; ds = softmax
+ * backward; dq = ds k * scale; dk = ds^T q * scale. o: the element offset of
+ * this index's [S, D] blocks. */
+static tp_status sdpa_bwd_one(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g,
+                              void *dpd, int64_t b, int64_t S, int64_t D, float scale)
+{
+    int64_t o = b * S * D;
+    const void *pb = at(op, tp_tensor_data(op->saved[0]), b * S * S);
+    const void *gob = at(op, tp_tensor_data(gy), o);
+    tp_status st =
+        gemm(op, true, false, S, D, S, 1.0f, pb, S, gob, D, at(op, tp_tensor_data(g[2]), o), D);
+    if (st == TP_OK)
+        st = gemm(op, false, true, S, S, D, 1.0f, gob, D, at(op, tp_tensor_data(in[2]), o), D, dpd,
+                  S);
+    if (st == TP_OK && S > 0)
+        st = op->k->softmax_bwd(op->dev, op->dt, pb, dpd, dpd, S, S);
+    if (st == TP_OK)
+        st = gemm(op, false, false, S, D, S, scale, dpd, S, at(op, tp_tensor_data(in[1]), o), D,
+                  at(op, tp_tensor_data(g[0]), o), D);
+    if (st == TP_OK)
+        st = gemm(op, true, false, S, D, S, scale, dpd, S, at(op, tp_tensor_data(in[0]), o), D,
+                  at(op, tp_tensor_data(g[1]), o), D);
+    return st;
+}
+
 static tp_status sdpa_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
 {
-    tp_tensor *q = in[0], *k = in[1], *v = in[2], *probs = op->saved[0];
-    int nd = q->ndim;
-    int64_t S = q->shape[nd - 2], D = q->shape[nd - 1], B = 1;
-    for (int i = 0; i + 2 < nd; i++)
-        B *= q->shape[i];
+    tp_tensor *q = in[0];
+    int64_t B, S, D;
+    sdpa_dims(q, &B, &S, &D);
     float scale = sdpa_scale(op, D);
     for (int i = 0; i < 3; i++)
-        TP_CHECK(tp__f32(op->dev, nd, q->shape, false, &g[i]));
+        TP_CHECK(tp__new(op->dt, op->dev, q->ndim, q->shape, false, &g[i]));
     int64_t ss[2] = {S, S};
     tp_tensor *dp = NULL;
-    TP_CHECK(tp__f32(op->dev, 2, ss, false, &dp));
-    const float *qd = tp_tensor_data(q), *kd = tp_tensor_data(k), *vd = tp_tensor_data(v);
-    const float *pd = tp_tensor_data(probs), *go = tp_tensor_data(gy);
-    float *gq = tp_tensor_data(g[0]), *gk = tp_tensor_data(g[1]), *gv = tp_tensor_data(g[2]);
-    float *dpd = tp_tensor_data(dp);
+    TP_CHECK(tp__new(op->dt, op->dev, 2, ss, false, &dp));
     tp_status st = TP_OK;
-    for (int64_t b = 0; b < B && st == TP_OK; b++) {
-        const float *pb = pd + b * S * S, *gob = go + b * S * D;
-        /* dv = p^T dout; dp = dout v^T; ds = softmax backward; dq, dk */
-        st = sgemm(op, true, false, S, D, S, 1.0f, pb, S, gob, D, gv + b * S * D, D);
-        if (st == TP_OK)
-            st = sgemm(op, false, true, S, S, D, 1.0f, gob, D, vd + b * S * D, D, dpd, S);
-        if (st == TP_OK && S > 0)
-            st = op->k->softmax_bwd(op->dev, TP_F32, pb, dpd, dpd, S, S);
-        if (st == TP_OK)
-            st = sgemm(op, false, false, S, D, S, scale, dpd, S, kd + b * S * D, D,
-                       gq + b * S * D, D);
-        if (st == TP_OK)
-            st = sgemm(op, true, false, S, D, S, scale, dpd, S, qd + b * S * D, D,
-                       gk + b * S * D, D);
-    }
+    for (int64_t b = 0; b < B && st == TP_OK; b++)
+        st = sdpa_bwd_one(op, in, gy, g, tp_tensor_data(dp), b, S, D, scale);
     tp_tensor_release(dp);
     /* only the inputs that need a gradient keep one */
     for (int i = 0; i < 3; i++)
@@ -136,6 +160,7 @@ static const tp__op_def sdpa_def = {
     .name = "scaled_dot_product_attention",
     .n_inputs = 3,
     .input_names = {"q", "k", "v"},
+    .dtype_kernel = TP__KOP_SOFTMAX_FWD,
     .strategies = sdpa_strategies,
     .out_shape = sdpa_shape,
     .forward = sdpa_fwd,

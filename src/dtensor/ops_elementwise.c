@@ -29,10 +29,10 @@ static bool contributes(const tp__op *op, int i)
     return true;
 }
 
-/* A new contiguous f32 tensor with t's shape, on t's device. */
+/* A new contiguous tensor with t's dtype and shape, on t's device. */
 static tp_status like(const tp_tensor *t, bool zero, tp_tensor **out)
 {
-    return tp__f32(tp_tensor_device(t), t->ndim, t->shape, zero, out);
+    return tp__new(t->dtype, tp_tensor_device(t), t->ndim, t->shape, zero, out);
 }
 
 /* Strategies of an op that maps every element independently (Shard(d) and
@@ -199,31 +199,31 @@ static int collapse_dims(int nd, int64_t *shape, int64_t *s0, int64_t *s1)
 /* y (contiguous, nd dims of shape) = a + b or a * b with broadcasting; a and
  * b may be strided views. */
 static tp_status bcast_apply(const tp__op *op, bool mul, const tp_tensor *a, const tp_tensor *b,
-                             int nd, const int64_t *shape, float *y)
+                             int nd, const int64_t *shape, void *y)
 {
     const tp__kernels *k = op->k;
-    const float *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
+    const void *pa = tp_tensor_data(a), *pb = tp_tensor_data(b);
     if (has_shape(a, nd, shape) && has_shape(b, nd, shape) && tp_tensor_is_contiguous(a) &&
         tp_tensor_is_contiguous(b)) {
         int64_t n = tp_tensor_numel(a);
-        return (mul ? k->mul : k->add)(op->dev, TP_F32, pa, pb, y, n);
+        return (mul ? k->mul : k->add)(op->dev, op->dt, pa, pb, y, n);
     }
     int64_t sh[TP_MAX_DIMS], sa[TP_MAX_DIMS], sb[TP_MAX_DIMS];
     memcpy(sh, shape, sizeof(int64_t) * (size_t)nd);
     bcast_strides(a, nd, shape, sa);
     bcast_strides(b, nd, shape, sb);
     int m = collapse_dims(nd, sh, sa, sb);
-    return (mul ? k->mul_bcast : k->add_bcast)(op->dev, TP_F32, pa, pb, y, m, sh, sa, sb);
+    return (mul ? k->mul_bcast : k->add_bcast)(op->dev, op->dt, pa, pb, y, m, sh, sa, sb);
 }
 
 /* g (contiguous, t's shape) = x (contiguous, nd dims of shape) summed over
  * the dims t is broadcast along. */
 static tp_status sum_to(const tp__op *op, const tp_tensor *x, int nd, const int64_t *shape,
-                        const tp_tensor *t, float *g)
+                        const tp_tensor *t, void *g)
 {
-    const float *px = tp_tensor_data(x);
+    const void *px = tp_tensor_data(x);
     if (has_shape(t, nd, shape))
-        return op->k->copy(op->dev, TP_F32, g, px, tp_tensor_numel(x));
+        return op->k->copy(op->dev, op->dt, g, px, tp_tensor_numel(x));
     /* strides of x and of a contiguous g (0 where summed), merged as in the
      * forward; the merged g shape is 1 where the strides say summed */
     int64_t sh[TP_MAX_DIMS], sx[TP_MAX_DIMS], sg[TP_MAX_DIMS], gshape[TP_MAX_DIMS];
@@ -239,7 +239,7 @@ static tp_status sum_to(const tp__op *op, const tp_tensor *x, int nd, const int6
     int m = collapse_dims(nd, sh, sx, sg);
     for (int d = 0; d < m; d++)
         gshape[d] = sg[d] == 0 ? 1 : sh[d];
-    return op->k->sum_bcast(op->dev, TP_F32, px, g, m, sh, gshape);
+    return op->k->sum_bcast(op->dev, op->dt, px, g, m, sh, gshape);
 }
 
 static tp_status binary_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -254,20 +254,20 @@ static tp_status binary_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
      * operand alone, broadcast onto zeros unless it has the output's shape */
     tp_tensor *only = ca == cb ? NULL : ca ? a : b;
     bool copy = only && has_shape(only, nd, shape) && tp_tensor_is_contiguous(only);
-    TP_CHECK(tp__f32(op->dev, nd, shape, !(ca && cb) && !copy, out));
-    float *y = tp_tensor_data(*out);
+    TP_CHECK(tp__new(op->dt, op->dev, nd, shape, !(ca && cb) && !copy, out));
+    void *y = tp_tensor_data(*out);
     if (ca && cb)
         return bcast_apply(op, mul, a, b, nd, shape, y);
     if (copy)
-        return tp__copy_f32(op->dev, y, tp_tensor_data(only), tp_tensor_numel(only));
+        return tp__copy(op->dev, op->dt, y, tp_tensor_data(only), tp_tensor_numel(only));
     if (only)
         return bcast_apply(op, false, *out, only, nd, shape, y);
     return TP_OK;
 }
 
 /* gy * other broadcast, summed to t's shape, into g. */
-static tp_status mul_grad(tp__op *op, tp_tensor *gy, tp_tensor *other, const tp_tensor *t,
-                          int nd, const int64_t *shape, float *g)
+static tp_status mul_grad(tp__op *op, tp_tensor *gy, tp_tensor *other, const tp_tensor *t, int nd,
+                          const int64_t *shape, void *g)
 {
     if (has_shape(t, nd, shape))
         return bcast_apply(op, true, gy, other, nd, shape, g);
@@ -293,7 +293,7 @@ static tp_status binary_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
         if (!op->need_grad[i])
             continue;
         TP_CHECK(like(in[i], false, &g[i]));
-        float *gi = tp_tensor_data(g[i]);
+        void *gi = tp_tensor_data(g[i]);
         if (mul)
             TP_CHECK(mul_grad(op, gy, in[1 - i], in[i], nd, shape, gi));
         else
@@ -303,16 +303,15 @@ static tp_status binary_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
 }
 
 /* add and mul share everything but the name (the params say which) */
-#define BINARY_DEF(n)                                                           \
-    {                                                                           \
-        .name = n, .n_inputs = 2, .input_names = {"a", "b"},                    \
-        .strided_ok = true, .strategies = binary_strategies,                    \
-        .out_shape = binary_shape, .forward = binary_fwd,                       \
-        .backward = binary_bwd,                                                 \
+#define BINARY_DEF(n, kop)                                                              \
+    {                                                                                   \
+        .name = n, .n_inputs = 2, .input_names = {"a", "b"}, .dtype_kernel = kop,       \
+        .strided_ok = true, .strategies = binary_strategies, .out_shape = binary_shape, \
+        .forward = binary_fwd, .backward = binary_bwd,                                  \
     }
 
-static const tp__op_def add_def = BINARY_DEF("add");
-static const tp__op_def mul_def = BINARY_DEF("mul");
+static const tp__op_def add_def = BINARY_DEF("add", TP__KOP_ADD_BCAST);
+static const tp__op_def mul_def = BINARY_DEF("mul", TP__KOP_MUL_BCAST);
 
 static tp_status binary_run(const tp__op_def *def, bool mul, tp_tensor *a, tp_tensor *b,
                             tp_tensor **y)
@@ -360,7 +359,7 @@ static int scale_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
 static tp_status scale_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     TP_CHECK(like(in[0], false, out));
-    return op->k->scale(op->dev, TP_F32, tp_tensor_data(in[0]),
+    return op->k->scale(op->dev, op->dt, tp_tensor_data(in[0]),
                         (float)TP__OP_PARAMS(op, scale_params)->s, tp_tensor_data(*out),
                         tp_tensor_numel(in[0]));
 }
@@ -370,7 +369,7 @@ static tp_status scale_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_t
     if (!op->need_grad[0])
         return TP_OK;
     TP_CHECK(like(in[0], false, &g[0]));
-    return op->k->scale(op->dev, TP_F32, tp_tensor_data(gy),
+    return op->k->scale(op->dev, op->dt, tp_tensor_data(gy),
                         (float)TP__OP_PARAMS(op, scale_params)->s, tp_tensor_data(g[0]),
                         tp_tensor_numel(in[0]));
 }
@@ -379,6 +378,7 @@ static const tp__op_def scale_def = {
     .name = "scale",
     .n_inputs = 1,
     .input_names = {"x"},
+    .dtype_kernel = TP__KOP_SCALE,
     .strategies = scale_strategies,
     .out_shape = same_shape,
     .forward = scale_fwd,
@@ -403,7 +403,7 @@ static tp_status relu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     (void)op;
     TP_CHECK(like(in[0], false, out));
-    return op->k->relu_fwd(op->dev, TP_F32, tp_tensor_data(in[0]), tp_tensor_data(*out),
+    return op->k->relu_fwd(op->dev, op->dt, tp_tensor_data(in[0]), tp_tensor_data(*out),
                            tp_tensor_numel(in[0]));
 }
 
@@ -412,7 +412,7 @@ static tp_status relu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
     if (!op->need_grad[0])
         return TP_OK;
     TP_CHECK(like(in[0], false, &g[0]));
-    return op->k->relu_bwd(op->dev, TP_F32, tp_tensor_data(in[0]), tp_tensor_data(gy),
+    return op->k->relu_bwd(op->dev, op->dt, tp_tensor_data(in[0]), tp_tensor_data(gy),
                            tp_tensor_data(g[0]), tp_tensor_numel(in[0]));
 }
 
@@ -420,6 +420,7 @@ static const tp__op_def relu_def = {
     .name = "relu",
     .n_inputs = 1,
     .input_names = {"x"},
+    .dtype_kernel = TP__KOP_RELU_FWD,
     .strategies = pointwise_strategies,
     .out_shape = same_shape,
     .forward = relu_fwd,
@@ -439,7 +440,7 @@ typedef struct {
 static tp_status gelu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     TP_CHECK(like(in[0], false, out));
-    return op->k->gelu_fwd(op->dev, TP_F32, tp_tensor_data(in[0]), tp_tensor_data(*out),
+    return op->k->gelu_fwd(op->dev, op->dt, tp_tensor_data(in[0]), tp_tensor_data(*out),
                            tp_tensor_numel(in[0]), TP__OP_PARAMS(op, gelu_params)->tanh_approx);
 }
 
@@ -448,7 +449,7 @@ static tp_status gelu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
     if (!op->need_grad[0])
         return TP_OK;
     TP_CHECK(like(in[0], false, &g[0]));
-    return op->k->gelu_bwd(op->dev, TP_F32, tp_tensor_data(in[0]), tp_tensor_data(gy),
+    return op->k->gelu_bwd(op->dev, op->dt, tp_tensor_data(in[0]), tp_tensor_data(gy),
                            tp_tensor_data(g[0]), tp_tensor_numel(in[0]),
                            TP__OP_PARAMS(op, gelu_params)->tanh_approx);
 }
@@ -457,6 +458,7 @@ static const tp__op_def gelu_def = {
     .name = "gelu",
     .n_inputs = 1,
     .input_names = {"x"},
+    .dtype_kernel = TP__KOP_GELU_FWD,
     .strategies = pointwise_strategies,
     .out_shape = same_shape,
     .forward = gelu_fwd,
@@ -499,7 +501,7 @@ static tp_status dropout_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int64_t n = tp_tensor_numel(x);
     TP_CHECK(like(x, false, out));
     if (prm->p <= 0.0f)
-        return tp__copy_f32(op->dev, tp_tensor_data(*out), tp_tensor_data(x), n);
+        return tp__copy(op->dev, op->dt, tp_tensor_data(*out), tp_tensor_data(x), n);
     uint8_t *mask = NULL;
     if (tp__needs_grad(1, op->in) && n > 0) {
         int64_t words = (n + 3) / 4;
@@ -508,7 +510,7 @@ static tp_status dropout_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     }
     int64_t offset[TP_MAX_DIMS];
     tp__op_offset(op, 0, offset);
-    return op->k->dropout_fwd(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(*out), mask,
+    return op->k->dropout_fwd(op->dev, op->dt, tp_tensor_data(x), tp_tensor_data(*out), mask,
                               x->ndim, x->shape, tp__op_gshape(op, 0), offset, prm->p, prm->seed);
 }
 
@@ -520,9 +522,9 @@ static tp_status dropout_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
     int64_t n = tp_tensor_numel(in[0]);
     TP_CHECK(like(in[0], false, &g[0]));
     if (prm->p <= 0.0f || n == 0)
-        return tp__copy_f32(op->dev, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
+        return tp__copy(op->dev, op->dt, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
     TP_ASSERT(op->saved[0]);
-    return op->k->dropout_bwd(op->dev, TP_F32, tp_tensor_data(gy), tp_tensor_data(op->saved[0]),
+    return op->k->dropout_bwd(op->dev, op->dt, tp_tensor_data(gy), tp_tensor_data(op->saved[0]),
                               tp_tensor_data(g[0]), n, prm->p);
 }
 
@@ -530,6 +532,7 @@ static const tp__op_def dropout_def = {
     .name = "dropout",
     .n_inputs = 1,
     .input_names = {"x"},
+    .dtype_kernel = TP__KOP_DROPOUT_FWD,
     .strategies = dropout_strategies,
     .out_shape = same_shape,
     .forward = dropout_fwd,

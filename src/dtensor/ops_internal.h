@@ -29,9 +29,9 @@ typedef struct tp__op_def {
     const char *input_names[TP__OP_MAX_IN];
     unsigned optional_mask;   /* bit i: input i may be NULL */
     unsigned nondiff_mask;    /* bit i: input i never gets a gradient (indices) */
-    /* the kernel whose engine decides the dtypes the op takes (supports(),
-     * all inputs of input 0's dtype): the matrix products take f16/bf16 on
-     * CUDA. TP__KOP_NONE: f32 only. */
+    /* the kernel whose engine decides the dtypes the op takes (supports()
+     * for the one dtype all differentiable inputs share: f32, bf16, f16).
+     * TP__KOP_NONE: the copy kernel decides (views). */
     tp__kop dtype_kernel;
     bool strided_ok;          /* local inputs may be non-contiguous views (read by strides) */
     /* fills up to TP__OP_MAX_STRATS strategies for one mesh dim; returns the
@@ -54,6 +54,7 @@ struct tp__op {
     int64_t arg_shape[TP__OP_MAX_IN][TP_MAX_DIMS];
     bool need_grad[TP__OP_MAX_IN];
     bool distributed;
+    tp_dtype dt;            /* the op's dtype: its differentiable inputs' (f32 when none) */
     tp_device dev;          /* where every local input lives, and where the op runs */
     const tp__kernels *k;   /* dev's engine */
     tp_mesh *mesh;
@@ -92,10 +93,16 @@ static inline tp_placement tp__R(void) { return tp_replicate(); }
 static inline tp_placement tp__S(int d) { return tp_shard(d); }
 static inline tp_placement tp__P(void) { return tp_partial(TP_SUM); }
 
-/* New contiguous f32 tensor of a shape on a device. */
+/* New contiguous tensor of dtype dt and a shape on a device (zeroed by the
+ * device's engine when zero). */
+tp_status tp__new(tp_dtype dt, tp_device dev, int ndim, const int64_t *shape, bool zero,
+                  tp_tensor **out);
+/* tp__new of an f32 tensor: the statistics ops save (norm mean/rstd, the
+ * cross-entropy row max and sums) are f32 whatever the op's dtype. */
 tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_tensor **out);
-/* dst = src, n floats on device dev (n may be 0 with NULL pointers). */
-tp_status tp__copy_f32(tp_device dev, float *dst, const float *src, int64_t n);
+/* dst = src, n elements of dtype dt on device dev (n may be 0 with NULL
+ * pointers). */
+tp_status tp__copy(tp_device dev, tp_dtype dt, void *dst, const void *src, int64_t n);
 /* "cpu" or "cuda:N" into buf; returns buf. */
 const char *tp__device_str(tp_device dev, char *buf, size_t len);
 /* TP_ERR_INVALID_ARG naming both devices unless a and b (either may be NULL)
@@ -104,9 +111,14 @@ tp_status tp__same_device(const char *fn, const char *an, const tp_tensor *a, co
                           const tp_tensor *b);
 /* rows = product of all dims but the last, for a contiguous tensor. */
 int64_t tp__rows(const tp_tensor *t);
-/* Checks the dtypes of the op's differentiable inputs: f32, or what the op's
- * dtype_kernel takes on the op's engine (asked once per dtype), all of input
- * 0's dtype. */
-tp_status tp__check_dtypes(const tp__op *op);
+/* Checks the dtypes of the op's differentiable arguments (before any
+ * redistribution): all one dtype (else TP_ERR_INVALID_ARG "... the dtypes
+ * must match"), one the op's dtype_kernel takes on the op's engine (else
+ * TP_ERR_NOT_SUPPORTED); sets op->dt. */
+tp_status tp__check_dtypes(tp__op *op);
+/* TP_ERR_NOT_SUPPORTED (as tp__check_dtypes words it) unless the engine of
+ * t's device takes t's dtype for kop: for ops that do not run through
+ * tp__op_run (vocab-parallel cross entropy). */
+tp_status tp__check_dtype(const char *fn, const char *what, const tp_tensor *t, tp__kop kop);
 
 #endif /* TP_OPS_INTERNAL_H */

@@ -56,8 +56,8 @@ static tp_status linear_shape(const tp__op *op, int *ndim, int64_t *shape)
     return TP_OK;
 }
 
-/* A new contiguous tensor of t's dtype on the op's device (f16/bf16 only
- * reach here on CUDA devices, where the products accept them). */
+/* A new contiguous tensor of t's dtype (the op's: f32, bf16 or f16) on the
+ * op's device. */
 static tp_status out_like(const tp__op *op, const tp_tensor *t, int ndim, const int64_t *shape,
                           tp_tensor **out)
 {

@@ -151,9 +151,9 @@ static tp_status emb_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
     memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)nd);
     shape[nd] = w->shape[1];
-    TP_CHECK(tp__f32(op->dev, nd + 1, shape, false, out));
+    TP_CHECK(tp__new(op->dt, op->dev, nd + 1, shape, false, out));
     tp__op_offset(op, 1, off); /* the first global row this rank's table holds */
-    return op->k->embedding_fwd(op->dev, TP_F32, tp_tensor_data(idx), tp_tensor_numel(idx),
+    return op->k->embedding_fwd(op->dev, op->dt, tp_tensor_data(idx), tp_tensor_numel(idx),
                                 tp_tensor_data(w), w->shape[0], w->shape[1], off[0],
                                 tp_tensor_data(*out));
 }
@@ -165,8 +165,8 @@ static tp_status emb_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_ten
         return TP_OK;
     int64_t off[TP_MAX_DIMS];
     tp__op_offset(op, 1, off);
-    TP_CHECK(tp__f32(op->dev, 2, w->shape, true, &g[1]));
-    return op->k->embedding_bwd(op->dev, TP_F32, tp_tensor_data(idx), tp_tensor_numel(idx),
+    TP_CHECK(tp__new(op->dt, op->dev, 2, w->shape, true, &g[1]));
+    return op->k->embedding_bwd(op->dev, op->dt, tp_tensor_data(idx), tp_tensor_numel(idx),
                                 tp_tensor_data(gy), w->shape[0], w->shape[1], off[0],
                                 tp_tensor_data(g[1]));
 }
@@ -176,6 +176,7 @@ static const tp__op_def emb_def = {
     .n_inputs = 2,
     .input_names = {"indices", "weight"},
     .nondiff_mask = 1u << 0,
+    .dtype_kernel = TP__KOP_EMBEDDING_FWD,
     .strategies = emb_strategies,
     .out_shape = emb_shape,
     .forward = emb_fwd,
@@ -274,7 +275,7 @@ static void ce_dims(const tp_tensor *x, int64_t *outer, int64_t *classes, int64_
 
 /* The loss tensor from the per-row losses (consumed; shaped like the
  * targets): themselves for none, else a 0-d sum, or sum / wsum for mean (NaN
- * when wsum is 0, as PyTorch). */
+ * when wsum is 0, as PyTorch), in the rows' dtype (double accumulation). */
 static tp_status ce_reduce(tp_tensor *rows, tp_reduction red, double wsum, tp_tensor **out)
 {
     if (red == TP_REDUCTION_NONE) {
@@ -286,10 +287,10 @@ static tp_status ce_reduce(tp_tensor *rows, tp_reduction red, double wsum, tp_te
     tp_tensor *s = NULL;
     tp_status st = tp__kernels_for(dev, &k);
     if (st == TP_OK)
-        st = tp__f32(dev, 0, NULL, false, &s);
+        st = tp__new(rows->dtype, dev, 0, NULL, false, &s);
     if (st == TP_OK)
-        st = k->sum_all(dev, TP_F32, tp_tensor_data(rows), tp_tensor_numel(rows), tp_tensor_data(s),
-                        red == TP_REDUCTION_MEAN ? wsum : 1.0);
+        st = k->sum_all(dev, rows->dtype, tp_tensor_data(rows), tp_tensor_numel(rows),
+                        tp_tensor_data(s), red == TP_REDUCTION_MEAN ? wsum : 1.0);
     if (st == TP_OK)
         *out = s;
     else
@@ -299,16 +300,82 @@ static tp_status ce_reduce(tp_tensor *rows, tp_reduction red, double wsum, tp_te
 }
 
 /* The gradient of every row's loss from the loss gradient gy (contiguous;
- * `rows` elements for none, one otherwise). */
+ * `rows` elements for none, one otherwise), in gy's dtype. */
 static tp_status ce_gloss(const tp_tensor *gy, int64_t rows, tp_reduction red, double wsum,
                           tp_tensor **out)
 {
     tp_device dev = tp_tensor_device(gy);
     const tp__kernels *k = NULL;
     TP_CHECK(tp__kernels_for(dev, &k));
-    TP_CHECK(tp__f32(dev, 1, &rows, false, out));
-    return k->ce_gloss(dev, TP_F32, tp_tensor_data(gy), tp_tensor_data(*out), rows,
+    TP_CHECK(tp__new(gy->dtype, dev, 1, &rows, false, out));
+    return k->ce_gloss(dev, gy->dtype, tp_tensor_data(gy), tp_tensor_data(*out), rows,
                        red != TP_REDUCTION_NONE, red == TP_REDUCTION_MEAN ? wsum : 1.0);
+}
+
+/* The f32 per-row losses (consumed) as the loss in dtype dt: reduced in
+ * f32 (double accumulation), then rounded once to dt. A bf16/f16 loss over
+ * many rows so rounds once, not once per row and again for the sum. */
+static tp_status ce_finish(tp_tensor *rows, tp_reduction red, double wsum, tp_dtype dt,
+                           tp_tensor **out)
+{
+    tp_tensor *l32 = NULL;
+    TP_CHECK(ce_reduce(rows, red, wsum, &l32));
+    if (dt == TP_F32) {
+        *out = l32;
+        return TP_OK;
+    }
+    tp_status st = tp_tensor_to(l32, dt, tp_tensor_device(l32), out);
+    tp_tensor_release(l32);
+    return st;
+}
+
+/* The class weights (NULL: none) as f32 on dev for the f32 loss entry (a
+ * view when they are so already). */
+static tp_status ce_weight_f32(tp_tensor *w, tp_device dev, tp_tensor **out)
+{
+    *out = NULL;
+    if (!w)
+        return TP_OK;
+    if (w->dtype == TP_F32 && tp__device_eq(tp_tensor_device(w), dev))
+        return tp_tensor_view(w, w->ndim, w->shape, out);
+    return tp_tensor_to(w, TP_F32, dev, out);
+}
+
+/* The f32 per-row losses of contiguous logits x (any dtype, one engine
+ * call per statistic, no communication: the vocab-parallel pieces with this
+ * rank owning every class) into *rows (targets' shape t). */
+static tp_status ce_rows_f32(tp__op *op, tp_tensor *x, tp_tensor *t, tp_tensor *w, int64_t n,
+                             int64_t c, int64_t inner, int64_t ignore, tp_tensor **rows)
+{
+    tp_tensor *mx = NULL, *se = NULL, *pk = NULL, *wf = NULL;
+    const void *xd = tp_tensor_data(x);
+    const int64_t *td = tp_tensor_data(t);
+    tp_status st;
+    TP_CHECK_GOTO(tp__f32(op->dev, 1, &n, false, &mx), st, done);
+    TP_CHECK_GOTO(tp__f32(op->dev, 1, &n, false, &se), st, done);
+    TP_CHECK_GOTO(tp__f32(op->dev, 1, &n, false, &pk), st, done);
+    TP_CHECK_GOTO(tp__f32(op->dev, t->ndim, t->shape, false, rows), st, done);
+    TP_CHECK_GOTO(ce_weight_f32(w, op->dev, &wf), st, done);
+    TP_CHECK_GOTO(op->k->row_max(op->dev, op->dt, xd, tp_tensor_data(mx), n, c, inner), st, done);
+    TP_CHECK_GOTO(
+        op->k->row_sumexp(op->dev, op->dt, xd, tp_tensor_data(mx), tp_tensor_data(se), n, c, inner),
+        st, done);
+    TP_CHECK_GOTO(
+        op->k->pick_target(op->dev, op->dt, xd, td, tp_tensor_data(pk), n, c, inner, 0, ignore), st,
+        done);
+    st = op->k->vocab_ce_loss(op->dev, TP_F32, td, wf ? tp_tensor_data(wf) : NULL,
+                              tp_tensor_data(mx), tp_tensor_data(se), tp_tensor_data(pk),
+                              tp_tensor_data(*rows), n, ignore);
+done:
+    if (st != TP_OK) {
+        tp_tensor_release(*rows);
+        *rows = NULL;
+    }
+    tp_tensor_release(wf);
+    tp_tensor_release(pk);
+    tp_tensor_release(se);
+    tp_tensor_release(mx);
+    return st;
 }
 
 /* ---- cross entropy: local (plain or Replicate) ------------------------------ */
@@ -340,8 +407,13 @@ static tp_status ce_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int64_t outer, c, inner;
     ce_dims(x, &outer, &c, &inner);
     const int64_t n = outer * inner;
-    TP_CHECK(tp__f32(op->dev, t->ndim, t->shape, false, &rows));
-    tp_status st = op->k->cross_entropy_fwd(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(t),
+    if (op->dt != TP_F32 && p->reduction != TP_REDUCTION_NONE) {
+        /* f32 rows, reduced and rounded once */
+        TP_CHECK(ce_rows_f32(op, x, t, w, n, c, inner, p->ignore_index, &rows));
+        return ce_finish(rows, p->reduction, p->wsum, op->dt, out);
+    }
+    TP_CHECK(tp__new(op->dt, op->dev, t->ndim, t->shape, false, &rows));
+    tp_status st = op->k->cross_entropy_fwd(op->dev, op->dt, tp_tensor_data(x), tp_tensor_data(t),
                                             w ? tp_tensor_data(w) : NULL, tp_tensor_data(rows), n,
                                             c, inner, p->ignore_index);
     if (st != TP_OK) {
@@ -361,9 +433,9 @@ static tp_status ce_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tens
     ce_dims(x, &outer, &c, &inner);
     const int64_t n = outer * inner;
     TP_CHECK(ce_gloss(gy, n, p->reduction, p->wsum, &gl));
-    tp_status st = tp__f32(op->dev, x->ndim, x->shape, false, &g[0]);
+    tp_status st = tp__new(op->dt, op->dev, x->ndim, x->shape, false, &g[0]);
     if (st == TP_OK)
-        st = op->k->cross_entropy_bwd(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(t),
+        st = op->k->cross_entropy_bwd(op->dev, op->dt, tp_tensor_data(x), tp_tensor_data(t),
                                       w ? tp_tensor_data(w) : NULL, tp_tensor_data(gl),
                                       tp_tensor_data(g[0]), n, c, inner, p->ignore_index);
     tp_tensor_release(gl);
@@ -376,6 +448,7 @@ static const tp__op_def ce_def = {
     .input_names = {"logits", "target", "weight"},
     .optional_mask = 1u << 2,
     .nondiff_mask = (1u << 1) | (1u << 2),
+    .dtype_kernel = TP__KOP_CROSS_ENTROPY_FWD,
     .strategies = ce_strategies,
     .out_shape = ce_shape,
     .forward = ce_fwd,
@@ -440,12 +513,12 @@ static tp_status ce_vocab_bwd(tp__node *node, tp_tensor *gy, tp_tensor **gin)
     if (st == TP_OK)
         st = ce_gloss(gyl, rows, sv->reduction, sv->wsum, &gl);
     if (st == TP_OK)
-        st = tp__f32(xd, sv->x->ndim, sv->x->shape, false, &gx);
+        st = tp__new(sv->x->dtype, xd, sv->x->ndim, sv->x->shape, false, &gx);
     const tp__kernels *k = NULL;
     if (st == TP_OK)
         st = tp__kernels_for(xd, &k);
     if (st == TP_OK)
-        st = k->vocab_ce_bwd(xd, TP_F32, tp_tensor_data(sv->x), tp_tensor_data(sv->target),
+        st = k->vocab_ce_bwd(xd, sv->x->dtype, tp_tensor_data(sv->x), tp_tensor_data(sv->target),
                              sv->weight ? tp_tensor_data(sv->weight) : NULL, tp_tensor_data(sv->mx),
                              tp_tensor_data(sv->sumexp), tp_tensor_data(gl), tp_tensor_data(gx),
                              rows, cols, inner, sv->offset, sv->ignore_index);
@@ -501,7 +574,8 @@ static tp_status ce_vocab_record(tp_tensor *res, tp_tensor *logits, tp_tensor *x
  * other dims or Replicate on the other mesh dims (no Partial); target: the
  * targets' DTensor in tpl (the logits' placements less the class dim), with
  * t64 its local block as contiguous host i64 (validated); weight: the full
- * class weights (contiguous f32 on the logits' device) or NULL. */
+ * class weights (contiguous, the logits' dtype, on the logits' device) or
+ * NULL. */
 static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_tensor *t64,
                           tp_tensor *weight, const ce_params *p, tp_tensor **out)
 {
@@ -511,7 +585,7 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     const tp_placement *lpl = tp_dtensor_placements(logits), *tpl = tp_dtensor_placements(target);
     const bool multi = tp_comm_size(comm) > 1;
     tp_tensor *x = NULL, *mx = NULL, *se = NULL, *pk = NULL, *rows = NULL, *lossl = NULL,
-              *res = NULL, *tdev = NULL, *whost = NULL;
+              *res = NULL, *tdev = NULL, *whost = NULL, *wf = NULL;
     tp_status st = tp__detached(tp_dtensor_local(logits), &x);
     if (st != TP_OK)
         return st;
@@ -549,24 +623,29 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
         TP_CHECK_GOTO(tp_tensor_to(t64, TP_I64, dev, &tdev), st, done);
     else
         tdev = tp_tensor_retain(t64);
-    if (weight && cuda)
+    if (weight && (cuda || weight->dtype != TP_F32))
         TP_CHECK_GOTO(tp_tensor_to(weight, TP_F32, TP_CPU, &whost), st, done);
     else
         whost = tp_tensor_retain(weight);
+    /* the per-row losses are f32 (rounded to the logits' dtype once, after
+     * the reduction), so the loss entry runs in f32 with f32 weights */
+    TP_CHECK_GOTO(ce_weight_f32(weight, dev, &wf), st, done);
 
     const tp__kernels *k = NULL;
     TP_CHECK_GOTO(tp__kernels_for(dev, &k), st, done);
-    const float *xd = tp_tensor_data(x);
+    const void *xd = tp_tensor_data(x);
     const int64_t *t = tp_tensor_data(t64), *td = tp_tensor_data(tdev);
-    TP_CHECK_GOTO(k->row_max(dev, TP_F32, xd, tp_tensor_data(mx), n, cols, inner), st, done);
+    TP_CHECK_GOTO(k->row_max(dev, x->dtype, xd, tp_tensor_data(mx), n, cols, inner), st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, mx, mx, TP_MAX, NULL), st, done);
-    TP_CHECK_GOTO(k->row_sumexp(dev, TP_F32, xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols,
-                                inner), st, done);
+    TP_CHECK_GOTO(
+        k->row_sumexp(dev, x->dtype, xd, tp_tensor_data(mx), tp_tensor_data(se), n, cols, inner),
+        st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, se, se, TP_SUM, NULL), st, done);
-    TP_CHECK_GOTO(k->pick_target(dev, TP_F32, xd, td, tp_tensor_data(pk), n, cols, inner, off[cd],
-                                 p->ignore_index), st, done);
+    TP_CHECK_GOTO(k->pick_target(dev, x->dtype, xd, td, tp_tensor_data(pk), n, cols, inner, off[cd],
+                                 p->ignore_index),
+                  st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, pk, pk, TP_SUM, NULL), st, done);
 
@@ -577,10 +656,11 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     for (int64_t r = 0; r < n; r++)
         if (t[r] != p->ignore_index)
             wsum += w ? (double)w[t[r]] : 1.0;
-    TP_CHECK_GOTO(k->vocab_ce_loss(dev, TP_F32, td, weight ? tp_tensor_data(weight) : NULL,
+    TP_CHECK_GOTO(k->vocab_ce_loss(dev, TP_F32, td, wf ? tp_tensor_data(wf) : NULL,
                                    tp_tensor_data(mx), tp_tensor_data(se), tp_tensor_data(pk),
-                                   tp_tensor_data(rows), n, p->ignore_index), st, done);
-    st = ce_reduce(rows, p->reduction, wsum, &lossl);
+                                   tp_tensor_data(rows), n, p->ignore_index),
+                  st, done);
+    st = ce_finish(rows, p->reduction, wsum, x->dtype, &lossl);
     rows = NULL; /* consumed */
     if (st != TP_OK)
         goto done;
@@ -598,6 +678,7 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     *out = res;
     res = NULL;
 done:
+    tp_tensor_release(wf);
     tp_tensor_release(whost);
     tp_tensor_release(tdev);
     tp_tensor_release(res);
@@ -631,14 +712,12 @@ static tp_status ce_bad_target(const char *fn, int64_t v, int tnd, const int64_t
 }
 
 /* The shapes and dtypes cross_entropy takes: logits (C), (N, C) or
- * (N, C, d1, ..., dk) in f32; targets the logits' shape without the class
- * dim (into tshape); weight [C] in f32. */
+ * (N, C, d1, ..., dk) in f32, bf16 or f16; targets the logits' shape without
+ * the class dim (into tshape); weight [C] in the logits' dtype. */
 static tp_status ce_check_shapes(const char *fn, const tp_tensor *logits, const tp_tensor *target,
                                  const tp_tensor *weight, int64_t *tshape)
 {
-    if (logits->dtype != TP_F32)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: logits is %s; ops take f32", fn,
-                         tp_dtype_name(logits->dtype));
+    TP_CHECK(tp__check_dtype(fn, "logits", logits, TP__KOP_CROSS_ENTROPY_FWD));
     TP_ARG_CHECK(logits->ndim >= 1,
                  "%s: logits must be [C], [N, C] or [N, C, d1, ..., dk], got a 0-d tensor", fn);
     const int nd = logits->ndim, cd = ce_class_dim(nd), tnd = nd - 1;
@@ -665,9 +744,10 @@ static tp_status ce_check_shapes(const char *fn, const tp_tensor *logits, const 
                              (long long)c,
                              tp__shape_str(weight->ndim, weight->shape, buf, sizeof buf));
         }
-        if (weight->dtype != TP_F32)
-            return tp__error(TP_ERR_NOT_SUPPORTED, "%s: weight is %s; ops take f32", fn,
-                             tp_dtype_name(weight->dtype));
+        if (weight->dtype != logits->dtype)
+            return tp__error(TP_ERR_INVALID_ARG,
+                             "%s: logits is %s but weight is %s; the dtypes must match", fn,
+                             tp_dtype_name(logits->dtype), tp_dtype_name(weight->dtype));
     }
     return TP_OK;
 }
@@ -814,7 +894,7 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
     /* the weight sum of the counted rows from the host targets (and host
      * weights); the kernels read the targets on the logits' device */
     const tp_device dev = tp_tensor_device(logits);
-    if (w32 && dev.type != TP_DEVICE_CPU)
+    if (w32 && (dev.type != TP_DEVICE_CPU || w32->dtype != TP_F32))
         TP_CHECK_GOTO(tp_tensor_to(w32, TP_F32, TP_CPU, &wh), st, done);
     const float *wv = wh ? tp_tensor_data(wh) : w32 ? tp_tensor_data(w32) : NULL;
     for (int64_t r = 0; r < nt; r++)

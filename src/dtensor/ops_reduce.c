@@ -24,16 +24,6 @@ static tp_status red_check_out(const char *fn, tp_tensor **y)
     return TP_OK;
 }
 
-/* A present tensor argument of a float op: f32 (checked here rather than
- * after a redistribution the op could not use). */
-static tp_status red_check_f32(const char *fn, const tp_tensor *t, const char *what)
-{
-    if (t && tp_tensor_dtype(t) != TP_F32)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: %s is %s; ops take f32", fn, what,
-                         tp_dtype_name(tp_tensor_dtype(t)));
-    return TP_OK;
-}
-
 /* Normalizes dim against x's rank (a 0-d tensor accepts 0 and -1). */
 static tp_status red_norm_dim(const char *fn, const tp_tensor *x, int dim, int *out)
 {
@@ -137,15 +127,15 @@ static tp_status sum_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int ndim = 0;
     int64_t shape[TP_MAX_DIMS], outer, size, inner;
     sum_shape_of(p, x->ndim, x->shape, &ndim, shape);
-    TP_CHECK(tp__f32(op->dev, ndim, shape, false, out));
+    TP_CHECK(tp__new(op->dt, op->dev, ndim, shape, false, out));
     sum_split(p, x, &outer, &size, &inner);
     /* mean: the global count, so that the partial sums of shards add up to
      * the mean (0 elements: 0/0, NaN, as PyTorch); divided before the one
      * rounding */
     double div = p->mean ? (double)sum_count(op) : 1.0;
     if (p->dim < 0)
-        return op->k->sum_all(op->dev, TP_F32, tp_tensor_data(x), size, tp_tensor_data(*out), div);
-    return op->k->sum_dim(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(*out), outer, size,
+        return op->k->sum_all(op->dev, op->dt, tp_tensor_data(x), size, tp_tensor_data(*out), div);
+    return op->k->sum_dim(op->dev, op->dt, tp_tensor_data(x), tp_tensor_data(*out), outer, size,
                           inner, div);
 }
 
@@ -156,22 +146,23 @@ static tp_status sum_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_ten
     if (!op->need_grad[0])
         return TP_OK;
     int64_t outer, size, inner;
-    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, &g[0]));
+    TP_CHECK(tp__new(op->dt, op->dev, x->ndim, x->shape, false, &g[0]));
     sum_split(p, x, &outer, &size, &inner);
     float scale = p->mean ? (float)(1.0 / (double)sum_count(op)) : 1.0f;
-    return op->k->sum_dim_bwd(op->dev, TP_F32, tp_tensor_data(gy), tp_tensor_data(g[0]), outer,
+    return op->k->sum_dim_bwd(op->dev, op->dt, tp_tensor_data(gy), tp_tensor_data(g[0]), outer,
                               size, inner, scale);
 }
 
 /* sum, sum_all, mean and mean_all share one implementation; only the name
  * (in messages) differs, the rest comes from the params. */
-#define TP__SUM_DEF(var, nm)                                                    \
-    static const tp__op_def var = {.name = nm,                                  \
-                                   .n_inputs = 1,                               \
-                                   .input_names = {"x"},                        \
-                                   .strategies = sum_strategies,                \
-                                   .out_shape = sum_shape,                      \
-                                   .forward = sum_fwd,                          \
+#define TP__SUM_DEF(var, nm)                                        \
+    static const tp__op_def var = {.name = nm,                      \
+                                   .n_inputs = 1,                   \
+                                   .input_names = {"x"},            \
+                                   .dtype_kernel = TP__KOP_SUM_DIM, \
+                                   .strategies = sum_strategies,    \
+                                   .out_shape = sum_shape,          \
+                                   .forward = sum_fwd,              \
                                    .backward = sum_bwd}
 TP__SUM_DEF(sum_def, "sum");
 TP__SUM_DEF(sum_all_def, "sum_all");
@@ -184,7 +175,6 @@ static tp_status red_run(const tp__op_def *def, tp_tensor *x, bool all, int dim,
     const char *fn = def->name;
     TP_CHECK(red_check_out(fn, y));
     TP_ARG_CHECK(x, "%s: x is NULL", fn);
-    TP_CHECK(red_check_f32(fn, x, "x"));
     red_params p = {.dim = -1, .keepdim = false, .mean = mean};
     if (!all) {
         TP_CHECK(red_norm_dim(fn, x, dim, &p.dim));
@@ -262,9 +252,9 @@ static tp_status softmax_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     tp_tensor *x = in[0];
     int64_t rows, cols;
     rows_cols(x, &rows, &cols);
-    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, out));
+    TP_CHECK(tp__new(op->dt, op->dev, x->ndim, x->shape, false, out));
     if (rows > 0 && cols > 0)
-        TP_CHECK(op->k->softmax_fwd(op->dev, TP_F32, tp_tensor_data(x), tp_tensor_data(*out), rows,
+        TP_CHECK(op->k->softmax_fwd(op->dev, op->dt, tp_tensor_data(x), tp_tensor_data(*out), rows,
                                     cols));
     return save_view(*out, &op->saved[0]);
 }
@@ -276,9 +266,9 @@ static tp_status softmax_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
         return TP_OK;
     int64_t rows, cols;
     rows_cols(x, &rows, &cols);
-    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, &g[0]));
+    TP_CHECK(tp__new(op->dt, op->dev, x->ndim, x->shape, false, &g[0]));
     if (rows > 0 && cols > 0)
-        return op->k->softmax_bwd(op->dev, TP_F32, tp_tensor_data(op->saved[0]), tp_tensor_data(gy),
+        return op->k->softmax_bwd(op->dev, op->dt, tp_tensor_data(op->saved[0]), tp_tensor_data(gy),
                                   tp_tensor_data(g[0]), rows, cols);
     return TP_OK;
 }
@@ -287,6 +277,7 @@ static const tp__op_def softmax_def = {
     .name = "softmax",
     .n_inputs = 1,
     .input_names = {"x"},
+    .dtype_kernel = TP__KOP_SOFTMAX_FWD,
     .strategies = rowwise_strategies,
     .out_shape = same_shape,
     .forward = softmax_fwd,
@@ -298,7 +289,6 @@ tp_status tp_softmax(tp_tensor *x, int dim, tp_tensor **y)
     const char *fn = softmax_def.name;
     TP_CHECK(red_check_out(fn, y));
     TP_ARG_CHECK(x, "%s: x is NULL", fn);
-    TP_CHECK(red_check_f32(fn, x, "x"));
     int d = 0, nd = tp_tensor_ndim(x);
     TP_CHECK(red_norm_dim(fn, x, dim, &d));
     if (nd > 0 && d != nd - 1)
@@ -317,7 +307,7 @@ typedef struct {
 } norm_params;
 
 /* Checks the arguments every norm shares: x at least 1-d, weight/bias 1-d of
- * x's last dim, all f32, eps finite and >= 0. */
+ * x's last dim, eps finite and >= 0 (the dispatcher checks the dtypes). */
 static tp_status norm_check(const char *fn, tp_tensor *x, tp_tensor *weight, tp_tensor *bias,
                             double eps, tp_tensor **y)
 {
@@ -339,15 +329,12 @@ static tp_status norm_check(const char *fn, tp_tensor *x, tp_tensor *weight, tp_
                      (long long)tp_tensor_shape(p[i])[0], (long long)n);
     }
     TP_ARG_CHECK(isfinite(eps) && eps >= 0, "%s: eps must be finite and >= 0, got %g", fn, eps);
-    TP_CHECK(red_check_f32(fn, x, "x"));
-    TP_CHECK(red_check_f32(fn, weight, "weight"));
-    TP_CHECK(red_check_f32(fn, bias, "bias"));
     return TP_OK;
 }
 
-static const float *data_or_null(const tp_tensor *t)
+static const void *data_or_null(const tp_tensor *t)
 {
-    return t ? (const float *)tp_tensor_data(t) : NULL;
+    return t ? tp_tensor_data(t) : NULL;
 }
 
 static tp_status layer_norm_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -358,8 +345,8 @@ static tp_status layer_norm_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **ou
     rows_cols(x, &rows, &cols);
     TP_CHECK(tp__f32(op->dev, 1, &rows, false, &op->saved[0])); /* mean */
     TP_CHECK(tp__f32(op->dev, 1, &rows, false, &op->saved[1])); /* rstd */
-    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, out));
-    return op->k->layer_norm_fwd(op->dev, TP_F32, tp_tensor_data(x), data_or_null(in[1]),
+    TP_CHECK(tp__new(op->dt, op->dev, x->ndim, x->shape, false, out));
+    return op->k->layer_norm_fwd(op->dev, op->dt, tp_tensor_data(x), data_or_null(in[1]),
                                  data_or_null(in[2]), tp_tensor_data(*out),
                                  tp_tensor_data(op->saved[0]), tp_tensor_data(op->saved[1]), rows,
                                  cols, (float)p->eps);
@@ -370,18 +357,18 @@ static tp_status layer_norm_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **ou
 static tp_status norm_grads(tp__op *op, tp_tensor *const *in, tp_tensor **g, tp_tensor **gx)
 {
     tp_tensor *x = in[0];
-    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, gx));
+    TP_CHECK(tp__new(op->dt, op->dev, x->ndim, x->shape, false, gx));
     if (op->need_grad[0])
         g[0] = tp_tensor_retain(*gx);
     for (int i = 1; i < op->def->n_inputs; i++)
         if (in[i] && op->need_grad[i])
-            TP_CHECK(tp__f32(op->dev, 1, in[i]->shape, true, &g[i]));
+            TP_CHECK(tp__new(op->dt, op->dev, 1, in[i]->shape, true, &g[i]));
     return TP_OK;
 }
 
-static float *grad_or_null(tp_tensor *const *g, int i)
+static void *grad_or_null(tp_tensor *const *g, int i)
 {
-    return g[i] ? (float *)tp_tensor_data(g[i]) : NULL;
+    return g[i] ? tp_tensor_data(g[i]) : NULL;
 }
 
 static tp_status layer_norm_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
@@ -391,7 +378,7 @@ static tp_status layer_norm_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy,
     rows_cols(x, &rows, &cols);
     tp_status st = norm_grads(op, in, g, &gx);
     if (st == TP_OK)
-        st = op->k->layer_norm_bwd(op->dev, TP_F32, tp_tensor_data(x), data_or_null(in[1]),
+        st = op->k->layer_norm_bwd(op->dev, op->dt, tp_tensor_data(x), data_or_null(in[1]),
                                    tp_tensor_data(op->saved[0]), tp_tensor_data(op->saved[1]),
                                    tp_tensor_data(gy), tp_tensor_data(gx), grad_or_null(g, 1),
                                    grad_or_null(g, 2), rows, cols);
@@ -404,6 +391,7 @@ static const tp__op_def layer_norm_def = {
     .n_inputs = 3,
     .input_names = {"x", "weight", "bias"},
     .optional_mask = (1u << 1) | (1u << 2),
+    .dtype_kernel = TP__KOP_LAYER_NORM_FWD,
     .strategies = rowwise_strategies,
     .out_shape = same_shape,
     .forward = layer_norm_fwd,
@@ -426,8 +414,8 @@ static tp_status rms_norm_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int64_t rows, cols;
     rows_cols(x, &rows, &cols);
     TP_CHECK(tp__f32(op->dev, 1, &rows, false, &op->saved[0])); /* rstd */
-    TP_CHECK(tp__f32(op->dev, x->ndim, x->shape, false, out));
-    return op->k->rms_norm_fwd(op->dev, TP_F32, tp_tensor_data(x), data_or_null(in[1]),
+    TP_CHECK(tp__new(op->dt, op->dev, x->ndim, x->shape, false, out));
+    return op->k->rms_norm_fwd(op->dev, op->dt, tp_tensor_data(x), data_or_null(in[1]),
                                tp_tensor_data(*out), tp_tensor_data(op->saved[0]), rows, cols,
                                (float)p->eps);
 }
@@ -439,7 +427,7 @@ static tp_status rms_norm_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, t
     rows_cols(x, &rows, &cols);
     tp_status st = norm_grads(op, in, g, &gx);
     if (st == TP_OK)
-        st = op->k->rms_norm_bwd(op->dev, TP_F32, tp_tensor_data(x), data_or_null(in[1]),
+        st = op->k->rms_norm_bwd(op->dev, op->dt, tp_tensor_data(x), data_or_null(in[1]),
                                  tp_tensor_data(op->saved[0]), tp_tensor_data(gy),
                                  tp_tensor_data(gx), grad_or_null(g, 1), rows, cols);
     tp_tensor_release(gx);
@@ -451,6 +439,7 @@ static const tp__op_def rms_norm_def = {
     .n_inputs = 2,
     .input_names = {"x", "weight"},
     .optional_mask = 1u << 1,
+    .dtype_kernel = TP__KOP_RMS_NORM_FWD,
     .strategies = rowwise_strategies,
     .out_shape = same_shape,
     .forward = rms_norm_fwd,

@@ -149,15 +149,15 @@ static tp_status reshape_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
     /* a copy, so that the input's gradient never aliases the caller's gy */
     int64_t n = tp_tensor_numel(in[0]);
     TP_ASSERT(tp_tensor_numel(gy) == n);
-    TP_CHECK(tp__f32(op->dev, in[0]->ndim, in[0]->shape, false, &g[0]));
-    return tp__copy_f32(op->dev, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
+    TP_CHECK(tp__new(op->dt, op->dev, in[0]->ndim, in[0]->shape, false, &g[0]));
+    return tp__copy(op->dev, op->dt, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
 }
 
-#define RESHAPE_DEF(n)                                                          \
-    {                                                                           \
-        .name = n, .n_inputs = 1, .input_names = {"x"},                         \
-        .strategies = reshape_strategies, .out_shape = reshape_shape,           \
-        .forward = reshape_fwd, .backward = reshape_bwd,                        \
+#define RESHAPE_DEF(n)                                                                        \
+    {                                                                                         \
+        .name = n, .n_inputs = 1, .input_names = {"x"}, .dtype_kernel = TP__KOP_COPY,         \
+        .strategies = reshape_strategies, .out_shape = reshape_shape, .forward = reshape_fwd, \
+        .backward = reshape_bwd,                                                              \
     }
 
 static const tp__op_def reshape_def = RESHAPE_DEF("reshape");
@@ -283,17 +283,17 @@ static tp_status permute_local(tp_tensor *x, const int *perm, tp_tensor **out)
     tp_device dev = tp_tensor_device(x);
     const tp__kernels *kern = NULL;
     TP_CHECK(tp__kernels_for(dev, &kern));
-    TP_CHECK(tp__f32(dev, nd, shape, false, out));
+    TP_CHECK(tp__new(x->dtype, dev, nd, shape, false, out));
     int64_t n = tp_tensor_numel(x);
     void *y = tp_tensor_data(*out);
     tp_status st;
     if (identity || n == 0)
-        st = kern->copy(dev, TP_F32, y, tp_tensor_data(x), n);
+        st = kern->copy(dev, x->dtype, y, tp_tensor_data(x), n);
     else if (!last2) /* x read through its strides in the new dim order */
-        st = kern->gather(dev, TP_F32, y, tp_tensor_data(x), nd, shape, stride);
+        st = kern->gather(dev, x->dtype, y, tp_tensor_data(x), nd, shape, stride);
     else {
         int64_t r = x->shape[nd - 2], c = x->shape[nd - 1];
-        st = kern->transpose_last2(dev, TP_F32, tp_tensor_data(x), y, n / (r * c), r, c);
+        st = kern->transpose_last2(dev, x->dtype, tp_tensor_data(x), y, n / (r * c), r, c);
     }
     if (st != TP_OK) {
         tp_tensor_release(*out);
@@ -319,11 +319,11 @@ static tp_status permute_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
     return permute_local(gy, inv, &g[0]);
 }
 
-#define PERMUTE_DEF(n)                                                          \
-    {                                                                           \
-        .name = n, .n_inputs = 1, .input_names = {"x"},                         \
-        .strategies = permute_strategies, .out_shape = permute_shape,           \
-        .forward = permute_fwd, .backward = permute_bwd,                        \
+#define PERMUTE_DEF(n)                                                                        \
+    {                                                                                         \
+        .name = n, .n_inputs = 1, .input_names = {"x"}, .dtype_kernel = TP__KOP_GATHER,       \
+        .strategies = permute_strategies, .out_shape = permute_shape, .forward = permute_fwd, \
+        .backward = permute_bwd,                                                              \
     }
 
 static const tp__op_def transpose_def = PERMUTE_DEF("transpose");

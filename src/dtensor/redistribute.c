@@ -18,6 +18,7 @@
  * padded to the chunk size for the collective and trimmed after. Plans depend
  * only on the placements and are cached per thread.
  */
+#include <stdatomic.h>
 #include <string.h>
 
 #include "dtensor/debug_log.h"
@@ -451,6 +452,54 @@ static tp_status tp__all_to_all_dims(tp_comm *comm, tp_tensor *local, int i, int
     return TP_OK;
 }
 
+/* ---- the partial-reduce setting ----------------------------------------- */
+
+static atomic_bool tp__partial_f32;
+
+void tp_set_partial_reduce_f32(bool on)
+{
+    atomic_store(&tp__partial_f32, on);
+}
+
+bool tp_partial_reduce_f32(void)
+{
+    return atomic_load(&tp__partial_f32);
+}
+
+/* Partial -> Replicate (all_reduce) or Partial -> Shard(k) (reduce_scatter,
+ * k >= 0) of local by op: one collective. With the setting on, a bf16/f16
+ * local is reduced in f32 (converted, reduced, converted back once). */
+static tp_status tp__run_reduce(tp_comm *comm, tp_tensor *local, int k, tp_reduce_op op, int64_t c,
+                                tp_tensor **out)
+{
+    tp_tensor *in = local, *wide = NULL, *res = NULL;
+    tp_status st = TP_OK;
+    if ((local->dtype == TP_BF16 || local->dtype == TP_F16) && tp_partial_reduce_f32()) {
+        TP_CHECK(tp_tensor_to(local, TP_F32, tp_tensor_device(local), &wide));
+        in = wide;
+    }
+    if (k >= 0) {
+        st = tp__reduce_scatter_dim(comm, in, k, op, c, &res);
+    } else {
+        st = tp__new_like(in, in->shape, false, &res);
+        if (st == TP_OK)
+            st = tp_all_reduce(comm, in, res, op, NULL);
+    }
+    if (st == TP_OK && wide) {
+        tp_tensor *narrow = NULL;
+        st = tp_tensor_to(res, local->dtype, tp_tensor_device(res), &narrow);
+        tp_tensor_release(res);
+        res = narrow;
+    }
+    tp_tensor_release(wide);
+    if (st != TP_OK) {
+        tp_tensor_release(res);
+        return st;
+    }
+    *out = res;
+    return TP_OK;
+}
+
 static tp_status tp__run_step(const tp_mesh *mesh, const tp__step *step, const tp_placement *cur,
                               const int64_t *global, tp_tensor *local, tp_tensor **out)
 {
@@ -472,17 +521,10 @@ static tp_status tp__run_step(const tp_mesh *mesh, const tp__step *step, const t
         tp_chunk_range(local->shape[k], w, c, &start, &len);
         return tp__chunk_of(local, k, start, len, out);
     }
-    if (f == TP_PLACEMENT_PARTIAL && t == TP_PLACEMENT_REPLICATE) {
-        TP_CHECK(tp__new_like(local, local->shape, false, out));
-        tp_status st = tp_all_reduce(comm, local, *out, step->from.op, NULL);
-        if (st != TP_OK) {
-            tp_tensor_release(*out);
-            *out = NULL;
-        }
-        return st;
-    }
+    if (f == TP_PLACEMENT_PARTIAL && t == TP_PLACEMENT_REPLICATE)
+        return tp__run_reduce(comm, local, -1, step->from.op, c, out);
     if (f == TP_PLACEMENT_PARTIAL && t == TP_PLACEMENT_SHARD)
-        return tp__reduce_scatter_dim(comm, local, step->to.dim, step->from.op, c, out);
+        return tp__run_reduce(comm, local, step->to.dim, step->from.op, c, out);
     if (f == TP_PLACEMENT_SHARD && t == TP_PLACEMENT_SHARD) {
         int i = step->from.dim, j = step->to.dim;
         return tp__all_to_all_dims(comm, local, i, j, tp__level_size(mesh, cur, d, i, global[i]),

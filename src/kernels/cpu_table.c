@@ -1,25 +1,40 @@
-/* The CPU engine's kernel table (kernels.h): each entry answers anything but
- * f32 (all the CPU takes) with TP_ERR_NOT_SUPPORTED, else runs the kernel of
- * cpu.c, which cannot fail, and returns TP_OK.
+/* The CPU engine's kernel table (kernels.h): each entry answers a dtype other
+ * than f32, bf16 and f16 with TP_ERR_NOT_SUPPORTED, else runs the f32 kernel
+ * of cpu.c. For bf16 and f16 the kernel runs on f32 copies of the buffers of
+ * the op's dtype and each output is rounded once into the dtype (cpu_lowp.h:
+ * the elementwise entries in chunks through a stack buffer, the others on
+ * whole f32 scratch buffers, which may fail: TP_ERR_NO_MEMORY). For f32 the
+ * same code hands the kernel the caller's buffers.
  * Kept apart from cpu.c, which the kernel test compiles into its own
  * executable and which therefore may use only public symbols. */
 #include <string.h>
 
 #include "core/core.h"
 #include "kernels/cpu.h"
+#include "kernels/cpu_lowp.h"
 #include "kernels/kernels.h"
 
 static bool cpu_supports(tp__kop op, tp_dtype dtype)
 {
-    return op > TP__KOP_NONE && op < TP__KOP_COUNT && dtype == TP_F32;
+    return op > TP__KOP_NONE && op < TP__KOP_COUNT &&
+           (dtype == TP_F32 || dtype == TP_BF16 || dtype == TP_F16);
 }
 
 /* The table's TP_ERR_NOT_SUPPORTED naming op and dtype: each entry's answer
- * for anything but f32, before its kernel. */
+ * for a dtype it does not take, before its kernel. */
 static tp_status unsupported(tp__kop op, tp_dtype dtype)
 {
     return tp__kernels_unsupported(&tp__kernels_cpu, op, dtype);
 }
+
+#define CPU_CHECK(OP)                                \
+    do {                                             \
+        if (!cpu_supports(TP__KOP_##OP, dtype))      \
+            return unsupported(TP__KOP_##OP, dtype); \
+    } while (0)
+
+/* The buffers of an elementwise entry, for tp__lp_elementwise. */
+#define CPU_BUFS(...) ((void *const[]){__VA_ARGS__})
 
 /* ---- matrix products ---------------------------------------------------------- */
 
@@ -27,123 +42,265 @@ static tp_status cpu_gemm(tp_device dev, tp_dtype dtype, bool trans_a, bool tran
                           int64_t n, int64_t k, float alpha, const void *a, int64_t lda,
                           const void *b, int64_t ldb, float beta, void *c, int64_t ldc)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_GEMM, dtype)
-                           : (tp__k_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
-                                         ldc),
-                              TP_OK);
+    CPU_CHECK(GEMM);
+    if (m <= 0 || n <= 0)
+        return TP_OK;
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_GEMM, dtype);
+    int64_t la, lb, lc;
+    const float *fa = tp__lp_in_mat(&f, a, trans_a ? k : m, trans_a ? m : k, lda, &la);
+    const float *fb = tp__lp_in_mat(&f, b, trans_b ? n : k, trans_b ? k : n, ldb, &lb);
+    float *fc = tp__lp_out_mat(&f, c, m, n, ldc, beta != 0.0f, &lc);
+    if (tp__lp_ok(&f))
+        tp__k_gemm(trans_a, trans_b, m, n, k, alpha, fa, la, fb, lb, beta, fc, lc);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_linear_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                 const void *bias, void *y, int64_t rows, int64_t in, int64_t out)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_LINEAR_FWD, dtype)
-                           : (tp__k_linear_fwd(x, w, bias, y, rows, in, out), TP_OK);
+    CPU_CHECK(LINEAR_FWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_LINEAR_FWD, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * in), *fw = tp__lp_in(&f, w, out * in);
+    const float *fb = tp__lp_in(&f, bias, out);
+    float *fy = tp__lp_out(&f, y, rows * out, false);
+    if (tp__lp_ok(&f))
+        tp__k_linear_fwd(fx, fw, fb, fy, rows, in, out);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                 const void *gy, void *gx, void *gw, void *gb, int64_t rows,
                                 int64_t in, int64_t out, bool accumulate)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_LINEAR_BWD, dtype)
-                           : (tp__k_linear_bwd(x, w, gy, gx, gw, gb, rows, in, out, accumulate),
-                              TP_OK);
+    CPU_CHECK(LINEAR_BWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_LINEAR_BWD, dtype);
+    /* x only for gw, w only for gx */
+    const float *fx = tp__lp_in(&f, gw ? x : NULL, rows * in);
+    const float *fw = tp__lp_in(&f, gx ? w : NULL, out * in);
+    const float *fgy = tp__lp_in(&f, gy, rows * out);
+    float *fgx = tp__lp_out(&f, gx, rows * in, accumulate);
+    float *fgw = tp__lp_out(&f, gw, out * in, accumulate);
+    float *fgb = tp__lp_out(&f, gb, out, accumulate);
+    if (tp__lp_ok(&f))
+        tp__k_linear_bwd(fx, fw, fgy, fgx, fgw, fgb, rows, in, out, accumulate);
+    return tp__lp_end(&f);
 }
 
 /* ---- elementwise ---------------------------------------------------------------- */
 
 static tp_status cpu_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, int64_t n)
 {
-    if (dtype != TP_F32)
-        return unsupported(TP__KOP_COPY, dtype);
-    if (n > 0 && dst != src)
-        memcpy(dst, src, (size_t)n * sizeof(float));
+    CPU_CHECK(COPY);
+    if (n > 0 && dst != src) /* bit for bit, whatever the dtype */
+        memcpy(dst, src, (size_t)n * tp_dtype_size(dtype));
     return TP_OK;
 }
 
 static tp_status cpu_fill(tp_device dev, tp_dtype dtype, void *y, float value, int64_t n)
 {
-    return dtype == TP_F32 ? (tp__k_fill(y, value, n), TP_OK) : unsupported(TP__KOP_FILL, dtype);
+    CPU_CHECK(FILL);
+    if (dtype == TP_F32) {
+        tp__k_fill(y, value, n);
+        return TP_OK;
+    }
+    uint16_t h, *yh = y; /* the value rounded once */
+    tp__lp_store(dtype, &h, &value, 1);
+    for (int64_t i = 0; i < n; i++)
+        yh[i] = h;
+    return TP_OK;
+}
+
+static void ew_add(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_add(b[0], b[1], b[2], n);
 }
 
 static tp_status cpu_add(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
                          int64_t n)
 {
-    return dtype == TP_F32 ? (tp__k_add(a, b, y, n), TP_OK) : unsupported(TP__KOP_ADD, dtype);
+    CPU_CHECK(ADD);
+    tp__lp_elementwise(dtype, n, 3, CPU_BUFS((void *)a, (void *)b, y), "iio", ew_add, NULL);
+    return TP_OK;
 }
 
-static tp_status cpu_scale(tp_device dev, tp_dtype dtype, const void *a, float s, void *y,
-                           int64_t n)
+static void ew_mul(float *const *b, int64_t off, int64_t n, const void *ctx)
 {
-    return dtype == TP_F32 ? (tp__k_scale(a, s, y, n), TP_OK) : unsupported(TP__KOP_SCALE, dtype);
+    tp__k_mul(b[0], b[1], b[2], n);
 }
 
 static tp_status cpu_mul(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
                          int64_t n)
 {
-    return dtype == TP_F32 ? (tp__k_mul(a, b, y, n), TP_OK) : unsupported(TP__KOP_MUL, dtype);
+    CPU_CHECK(MUL);
+    tp__lp_elementwise(dtype, n, 3, CPU_BUFS((void *)a, (void *)b, y), "iio", ew_mul, NULL);
+    return TP_OK;
+}
+
+static void ew_scale(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_scale(b[0], *(const float *)ctx, b[1], n);
+}
+
+static tp_status cpu_scale(tp_device dev, tp_dtype dtype, const void *a, float s, void *y,
+                           int64_t n)
+{
+    CPU_CHECK(SCALE);
+    tp__lp_elementwise(dtype, n, 2, CPU_BUFS((void *)a, y), "io", ew_scale, &s);
+    return TP_OK;
+}
+
+static void ew_accumulate(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_accumulate(b[0], b[1], n);
 }
 
 static tp_status cpu_accumulate(tp_device dev, tp_dtype dtype, void *y, const void *a, int64_t n)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_ACCUMULATE, dtype)
-                           : (tp__k_accumulate(y, a, n), TP_OK);
+    CPU_CHECK(ACCUMULATE);
+    tp__lp_elementwise(dtype, n, 2, CPU_BUFS(y, (void *)a), "ui", ew_accumulate, NULL);
+    return TP_OK;
 }
 
-static tp_status cpu_add_bcast(tp_device dev, tp_dtype dtype, const void *a, const void *b,
-                               void *y, int ndim, const int64_t *shape, const int64_t *astride,
+/* The element-offset span [*lo, *lo + n) that ndim dims of `shape` at element
+ * strides `stride` read; n is 0 for an empty shape. */
+static int64_t span_of(int ndim, const int64_t *shape, const int64_t *stride, int64_t *lo)
+{
+    int64_t l = 0, h = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] <= 0)
+            return *lo = 0, 0;
+        int64_t e = (shape[d] - 1) * stride[d];
+        l += e < 0 ? e : 0;
+        h += e > 0 ? e : 0;
+    }
+    *lo = l;
+    return h - l + 1;
+}
+
+static int64_t numel(int ndim, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        n *= shape[d];
+    return n;
+}
+
+typedef void (*bcast_fn)(const float *a, const float *b, float *y, int ndim, const int64_t *shape,
+                         const int64_t *astride, const int64_t *bstride);
+
+static tp_status cpu_bcast(tp__kop op, bcast_fn fn, tp_dtype dtype, const void *a, const void *b,
+                           void *y, int ndim, const int64_t *shape, const int64_t *astride,
+                           const int64_t *bstride)
+{
+    if (!cpu_supports(op, dtype))
+        return unsupported(op, dtype);
+    tp__lp f;
+    tp__lp_begin(&f, op, dtype);
+    int64_t alo, blo, an = span_of(ndim, shape, astride, &alo);
+    int64_t bn = span_of(ndim, shape, bstride, &blo);
+    const float *fa = tp__lp_in_span(&f, a, alo, an), *fb = tp__lp_in_span(&f, b, blo, bn);
+    float *fy = tp__lp_out(&f, y, numel(ndim, shape), false);
+    if (tp__lp_ok(&f))
+        fn(fa, fb, fy, ndim, shape, astride, bstride);
+    return tp__lp_end(&f);
+}
+
+static tp_status cpu_add_bcast(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                               int ndim, const int64_t *shape, const int64_t *astride,
                                const int64_t *bstride)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_ADD_BCAST, dtype)
-                           : (tp__k_add_bcast(a, b, y, ndim, shape, astride, bstride), TP_OK);
-}
-
-static tp_status cpu_sum_bcast(tp_device dev, tp_dtype dtype, const void *x, void *y, int ndim,
-                               const int64_t *shape, const int64_t *yshape)
-{
-    return dtype != TP_F32 ? unsupported(TP__KOP_SUM_BCAST, dtype)
-                           : (tp__k_sum_bcast(x, y, ndim, shape, yshape), TP_OK);
+    return cpu_bcast(TP__KOP_ADD_BCAST, tp__k_add_bcast, dtype, a, b, y, ndim, shape, astride,
+                     bstride);
 }
 
 static tp_status cpu_mul_bcast(tp_device dev, tp_dtype dtype, const void *a, const void *b,
                                void *y, int ndim, const int64_t *shape, const int64_t *astride,
                                const int64_t *bstride)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_MUL_BCAST, dtype)
-                           : (tp__k_mul_bcast(a, b, y, ndim, shape, astride, bstride), TP_OK);
+    return cpu_bcast(TP__KOP_MUL_BCAST, tp__k_mul_bcast, dtype, a, b, y, ndim, shape, astride,
+                     bstride);
+}
+
+static tp_status cpu_sum_bcast(tp_device dev, tp_dtype dtype, const void *x, void *y, int ndim,
+                               const int64_t *shape, const int64_t *yshape)
+{
+    CPU_CHECK(SUM_BCAST);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_SUM_BCAST, dtype);
+    const float *fx = tp__lp_in(&f, x, numel(ndim, shape));
+    float *fy = tp__lp_out(&f, y, numel(ndim, yshape), false);
+    if (tp__lp_ok(&f))
+        tp__k_sum_bcast(fx, fy, ndim, shape, yshape);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_gather(tp_device dev, tp_dtype dtype, void *y, const void *x, int ndim,
                             const int64_t *shape, const int64_t *stride)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_GATHER, dtype)
-                           : (tp__k_gather(y, x, ndim, shape, stride), TP_OK);
+    CPU_CHECK(GATHER);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_GATHER, dtype);
+    int64_t lo, n = span_of(ndim, shape, stride, &lo);
+    const float *fx = tp__lp_in_span(&f, x, lo, n);
+    float *fy = tp__lp_out(&f, y, numel(ndim, shape), false);
+    if (tp__lp_ok(&f))
+        tp__k_gather(fy, fx, ndim, shape, stride);
+    return tp__lp_end(&f);
+}
+
+static void ew_relu_fwd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_relu_fwd(b[0], b[1], n);
 }
 
 static tp_status cpu_relu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_RELU_FWD, dtype)
-                           : (tp__k_relu_fwd(x, y, n), TP_OK);
+    CPU_CHECK(RELU_FWD);
+    tp__lp_elementwise(dtype, n, 2, CPU_BUFS((void *)x, y), "io", ew_relu_fwd, NULL);
+    return TP_OK;
+}
+
+static void ew_relu_bwd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_relu_bwd(b[0], b[1], b[2], n);
 }
 
 static tp_status cpu_relu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
                               void *gx, int64_t n)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_RELU_BWD, dtype)
-                           : (tp__k_relu_bwd(x, gy, gx, n), TP_OK);
+    CPU_CHECK(RELU_BWD);
+    tp__lp_elementwise(dtype, n, 3, CPU_BUFS((void *)x, (void *)gy, gx), "iio", ew_relu_bwd, NULL);
+    return TP_OK;
+}
+
+static void ew_gelu_fwd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_gelu_fwd(b[0], b[1], n, *(const bool *)ctx);
 }
 
 static tp_status cpu_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n,
                               bool tanh_approx)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_GELU_FWD, dtype)
-                           : (tp__k_gelu_fwd(x, y, n, tanh_approx), TP_OK);
+    CPU_CHECK(GELU_FWD);
+    tp__lp_elementwise(dtype, n, 2, CPU_BUFS((void *)x, y), "io", ew_gelu_fwd, &tanh_approx);
+    return TP_OK;
+}
+
+static void ew_gelu_bwd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_gelu_bwd(b[0], b[1], b[2], n, *(const bool *)ctx);
 }
 
 static tp_status cpu_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
                               void *gx, int64_t n, bool tanh_approx)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_GELU_BWD, dtype)
-                           : (tp__k_gelu_bwd(x, gy, gx, n, tanh_approx), TP_OK);
+    CPU_CHECK(GELU_BWD);
+    tp__lp_elementwise(dtype, n, 3, CPU_BUFS((void *)x, (void *)gy, gx), "iio", ew_gelu_bwd,
+                       &tanh_approx);
+    return TP_OK;
 }
 
 /* ---- reductions ------------------------------------------------------------------ */
@@ -151,57 +308,95 @@ static tp_status cpu_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, cons
 static tp_status cpu_sum_dim(tp_device dev, tp_dtype dtype, const void *x, void *y,
                              int64_t outer, int64_t size, int64_t inner, double div)
 {
-    if (dtype != TP_F32)
-        return unsupported(TP__KOP_SUM_DIM, dtype);
+    CPU_CHECK(SUM_DIM);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_SUM_DIM, dtype);
+    const float *fx = tp__lp_in(&f, size > 0 ? x : NULL, outer * size * inner);
+    float *fy = tp__lp_out(&f, y, outer * inner, false);
+    if (!tp__lp_ok(&f))
+        return tp__lp_end(&f);
     if (size > 0)
-        tp__k_sum_dim_div(x, y, outer, size, inner, div);
+        tp__k_sum_dim_div(fx, fy, outer, size, inner, div);
     else /* nothing to read: 0 / div (NaN for the mean of nothing) */
-        tp__k_fill(y, (float)(0.0 / div), outer * inner);
-    return TP_OK;
+        tp__k_fill(fy, (float)(0.0 / div), outer * inner);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *gx,
                                  int64_t outer, int64_t size, int64_t inner, float scale)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_SUM_DIM_BWD, dtype)
-                           : (tp__k_sum_dim_bwd(gy, gx, outer, size, inner, scale), TP_OK);
+    CPU_CHECK(SUM_DIM_BWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_SUM_DIM_BWD, dtype);
+    const float *fgy = tp__lp_in(&f, gy, outer * inner);
+    float *fgx = tp__lp_out(&f, gx, outer * size * inner, false);
+    if (tp__lp_ok(&f))
+        tp__k_sum_dim_bwd(fgy, fgx, outer, size, inner, scale);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64_t n, void *y,
                              double div)
 {
-    if (dtype != TP_F32)
-        return unsupported(TP__KOP_SUM_ALL, dtype);
-    *(float *)y = (float)(tp__k_sum_all(x, n) / div);
-    return TP_OK;
+    CPU_CHECK(SUM_ALL);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_SUM_ALL, dtype);
+    const float *fx = tp__lp_in(&f, x, n);
+    float *fy = tp__lp_out(&f, y, 1, false);
+    if (tp__lp_ok(&f))
+        *fy = (float)(tp__k_sum_all(fx, n) / div);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_softmax_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y,
                                  int64_t rows, int64_t cols)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_SOFTMAX_FWD, dtype)
-                           : (tp__k_softmax_fwd(x, y, rows, cols), TP_OK);
+    CPU_CHECK(SOFTMAX_FWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_SOFTMAX_FWD, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * cols);
+    float *fy = tp__lp_out(&f, y, rows * cols, false);
+    if (tp__lp_ok(&f))
+        tp__k_softmax_fwd(fx, fy, rows, cols);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_softmax_bwd(tp_device dev, tp_dtype dtype, const void *y, const void *gy,
                                  void *gx, int64_t rows, int64_t cols)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_SOFTMAX_BWD, dtype)
-                           : (tp__k_softmax_bwd(y, gy, gx, rows, cols), TP_OK);
+    CPU_CHECK(SOFTMAX_BWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_SOFTMAX_BWD, dtype);
+    const float *fy = tp__lp_in(&f, y, rows * cols), *fgy = tp__lp_in(&f, gy, rows * cols);
+    float *fgx = tp__lp_out(&f, gx, rows * cols, false);
+    if (tp__lp_ok(&f))
+        tp__k_softmax_bwd(fy, fgy, fgx, rows, cols);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_causal_mask(tp_device dev, tp_dtype dtype, void *s, int64_t batch,
                                  int64_t S)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_CAUSAL_MASK, dtype)
-                           : (tp__k_causal_mask(s, batch, S), TP_OK);
+    CPU_CHECK(CAUSAL_MASK);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_CAUSAL_MASK, dtype);
+    float *fs = tp__lp_out(&f, s, batch * S * S, true);
+    if (tp__lp_ok(&f))
+        tp__k_causal_mask(fs, batch, S);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_transpose_last2(tp_device dev, tp_dtype dtype, const void *x, void *y,
                                      int64_t batch, int64_t r, int64_t c)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_TRANSPOSE_LAST2, dtype)
-                           : (tp__k_transpose_last2(x, y, batch, r, c), TP_OK);
+    CPU_CHECK(TRANSPOSE_LAST2);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_TRANSPOSE_LAST2, dtype);
+    const float *fx = tp__lp_in(&f, x, batch * r * c);
+    float *fy = tp__lp_out(&f, y, batch * r * c, false);
+    if (tp__lp_ok(&f))
+        tp__k_transpose_last2(fx, fy, batch, r, c);
+    return tp__lp_end(&f);
 }
 
 /* ---- embedding, norms, dropout ------------------------------------------------------ */
@@ -210,48 +405,131 @@ static tp_status cpu_embedding_fwd(tp_device dev, tp_dtype dtype, const int64_t 
                                    const void *w, int64_t rows_local, int64_t dim,
                                    int64_t offset, void *y)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_EMBEDDING_FWD, dtype)
-                           : (tp__k_embedding_fwd(idx, n, w, rows_local, dim, offset, y), TP_OK);
+    CPU_CHECK(EMBEDDING_FWD);
+    if (dtype == TP_F32) {
+        tp__k_embedding_fwd(idx, n, w, rows_local, dim, offset, y);
+        return TP_OK;
+    }
+    /* the rows' bits themselves: no conversion, no scratch */
+    size_t row = (size_t)dim * tp_dtype_size(dtype);
+    for (int64_t i = 0; i < n; i++) {
+        char *yi = (char *)y + (size_t)i * row;
+        if (idx[i] >= offset && idx[i] - offset < rows_local)
+            memcpy(yi, (const char *)w + (size_t)(idx[i] - offset) * row, row);
+        else
+            memset(yi, 0, row);
+    }
+    return TP_OK;
+}
+
+/* bf16/f16 embedding backward on the rows it touches alone (not the whole
+ * table): their f32 copies, compacted, take the f32 kernel with the indices
+ * renumbered, then each touched row is rounded once. */
+static tp_status embedding_bwd_lowp(tp_dtype dtype, const int64_t *idx, int64_t n, const void *gy,
+                                    int64_t rows_local, int64_t dim, int64_t offset, void *gw)
+{
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_EMBEDDING_BWD, dtype);
+    int64_t *slot = tp__lp_scratch(&f, (size_t)rows_local * sizeof *slot); /* row -> slot */
+    int64_t *sidx = tp__lp_scratch(&f, (size_t)n * sizeof *sidx);          /* i -> slot */
+    int64_t *srow = tp__lp_scratch(&f, (size_t)n * sizeof *srow);          /* slot -> row */
+    const float *fgy = tp__lp_in(&f, gy, n * dim);
+    if (!tp__lp_ok(&f))
+        return tp__lp_end(&f);
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows_local; r++)
+        slot[r] = -1;
+    for (int64_t i = 0; i < n; i++) {
+        sidx[i] = -1;
+        if (idx[i] < offset || idx[i] - offset >= rows_local)
+            continue;
+        int64_t r = idx[i] - offset;
+        if (slot[r] < 0) {
+            slot[r] = k;
+            srow[k++] = r;
+        }
+        sidx[i] = slot[r];
+    }
+    float *g = tp__lp_scratch(&f, (size_t)(k * dim) * sizeof *g);
+    if (!tp__lp_ok(&f))
+        return tp__lp_end(&f);
+    size_t es = tp_dtype_size(dtype);
+    for (int64_t j = 0; j < k; j++)
+        tp__lp_load(dtype, g + j * dim, (const char *)gw + (size_t)(srow[j] * dim) * es, dim);
+    tp__k_embedding_bwd(sidx, n, fgy, k, dim, 0, g);
+    for (int64_t j = 0; j < k; j++)
+        tp__lp_store(dtype, (char *)gw + (size_t)(srow[j] * dim) * es, g + j * dim, dim);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_embedding_bwd(tp_device dev, tp_dtype dtype, const int64_t *idx, int64_t n,
                                    const void *gy, int64_t rows_local, int64_t dim,
                                    int64_t offset, void *gw)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_EMBEDDING_BWD, dtype)
-                           : (tp__k_embedding_bwd(idx, n, gy, rows_local, dim, offset, gw), TP_OK);
+    CPU_CHECK(EMBEDDING_BWD);
+    if (dtype != TP_F32)
+        return embedding_bwd_lowp(dtype, idx, n, gy, rows_local, dim, offset, gw);
+    tp__k_embedding_bwd(idx, n, gy, rows_local, dim, offset, gw);
+    return TP_OK;
 }
 
 static tp_status cpu_layer_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                     const void *b, void *y, float *mean, float *rstd,
                                     int64_t rows, int64_t cols, float eps)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_LAYER_NORM_FWD, dtype)
-                           : (tp__k_layer_norm_fwd(x, w, b, y, mean, rstd, rows, cols, eps), TP_OK);
+    CPU_CHECK(LAYER_NORM_FWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_LAYER_NORM_FWD, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
+    const float *fb = tp__lp_in(&f, b, cols);
+    float *fy = tp__lp_out(&f, y, rows * cols, false);
+    if (tp__lp_ok(&f))
+        tp__k_layer_norm_fwd(fx, fw, fb, fy, mean, rstd, rows, cols, eps);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                     const float *mean, const float *rstd, const void *gy,
                                     void *gx, void *gw, void *gb, int64_t rows, int64_t cols)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_LAYER_NORM_BWD, dtype)
-                           : (tp__k_layer_norm_bwd(x, w, mean, rstd, gy, gx, gw, gb, rows, cols),
-                              TP_OK);
+    CPU_CHECK(LAYER_NORM_BWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_LAYER_NORM_BWD, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
+    const float *fgy = tp__lp_in(&f, gy, rows * cols);
+    float *fgx = tp__lp_out(&f, gx, rows * cols, false);
+    float *fgw = tp__lp_out(&f, gw, cols, true), *fgb = tp__lp_out(&f, gb, cols, true);
+    if (tp__lp_ok(&f))
+        tp__k_layer_norm_bwd(fx, fw, mean, rstd, fgy, fgx, fgw, fgb, rows, cols);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_rms_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                   void *y, float *rstd, int64_t rows, int64_t cols, float eps)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_RMS_NORM_FWD, dtype)
-                           : (tp__k_rms_norm_fwd(x, w, y, rstd, rows, cols, eps), TP_OK);
+    CPU_CHECK(RMS_NORM_FWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_RMS_NORM_FWD, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
+    float *fy = tp__lp_out(&f, y, rows * cols, false);
+    if (tp__lp_ok(&f))
+        tp__k_rms_norm_fwd(fx, fw, fy, rstd, rows, cols, eps);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                   const float *rstd, const void *gy, void *gx, void *gw,
                                   int64_t rows, int64_t cols)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_RMS_NORM_BWD, dtype)
-                           : (tp__k_rms_norm_bwd(x, w, rstd, gy, gx, gw, rows, cols), TP_OK);
+    CPU_CHECK(RMS_NORM_BWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_RMS_NORM_BWD, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, w, cols);
+    const float *fgy = tp__lp_in(&f, gy, rows * cols);
+    float *fgx = tp__lp_out(&f, gx, rows * cols, false), *fgw = tp__lp_out(&f, gw, cols, true);
+    if (tp__lp_ok(&f))
+        tp__k_rms_norm_bwd(fx, fw, rstd, fgy, fgx, fgw, rows, cols);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y,
@@ -259,17 +537,35 @@ static tp_status cpu_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, v
                                  const int64_t *global_shape, const int64_t *offset, float p,
                                  uint64_t seed)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_DROPOUT_FWD, dtype)
-                           : (tp__k_dropout_fwd(x, y, mask, ndim, shape, global_shape, offset, p,
-                                                seed),
-                              TP_OK);
+    CPU_CHECK(DROPOUT_FWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_DROPOUT_FWD, dtype);
+    int64_t n = numel(ndim, shape);
+    const float *fx = tp__lp_in(&f, x, n);
+    float *fy = tp__lp_out(&f, y, n, false);
+    if (tp__lp_ok(&f))
+        tp__k_dropout_fwd(fx, fy, mask, ndim, shape, global_shape, offset, p, seed);
+    return tp__lp_end(&f);
+}
+
+typedef struct dropout_ctx {
+    const uint8_t *mask;
+    float p;
+} dropout_ctx;
+
+static void ew_dropout_bwd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    const dropout_ctx *c = ctx;
+    tp__k_dropout_bwd(b[0], c->mask ? c->mask + off : NULL, b[1], n, c->p);
 }
 
 static tp_status cpu_dropout_bwd(tp_device dev, tp_dtype dtype, const void *gy,
                                  const uint8_t *mask, void *gx, int64_t n, float p)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_DROPOUT_BWD, dtype)
-                           : (tp__k_dropout_bwd(gy, mask, gx, n, p), TP_OK);
+    CPU_CHECK(DROPOUT_BWD);
+    dropout_ctx c = {mask, p};
+    tp__lp_elementwise(dtype, n, 2, CPU_BUFS((void *)gy, gx), "io", ew_dropout_bwd, &c);
+    return TP_OK;
 }
 
 /* ---- cross entropy ---------------------------------------------------------------- */
@@ -279,10 +575,14 @@ static tp_status cpu_cross_entropy_fwd(tp_device dev, tp_dtype dtype, const void
                                        int64_t rows, int64_t classes, int64_t inner,
                                        int64_t ignore_index)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_CROSS_ENTROPY_FWD, dtype)
-                           : (tp__k_cross_entropy_fwd(x, target, weight, loss, rows, classes,
-                                                      inner, ignore_index, NULL),
-                              TP_OK);
+    CPU_CHECK(CROSS_ENTROPY_FWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_CROSS_ENTROPY_FWD, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * classes), *fw = tp__lp_in(&f, weight, classes);
+    float *fl = tp__lp_out(&f, loss, rows, false);
+    if (tp__lp_ok(&f))
+        tp__k_cross_entropy_fwd(fx, target, fw, fl, rows, classes, inner, ignore_index, NULL);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void *x,
@@ -290,41 +590,76 @@ static tp_status cpu_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void
                                        const void *gloss, void *gx, int64_t rows,
                                        int64_t classes, int64_t inner, int64_t ignore_index)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_CROSS_ENTROPY_BWD, dtype)
-                           : (tp__k_cross_entropy_bwd(x, target, weight, gloss, gx, rows, classes,
-                                                      inner, ignore_index),
-                              TP_OK);
+    CPU_CHECK(CROSS_ENTROPY_BWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_CROSS_ENTROPY_BWD, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * classes), *fw = tp__lp_in(&f, weight, classes);
+    const float *fgl = tp__lp_in(&f, gloss, rows);
+    float *fgx = tp__lp_out(&f, gx, rows * classes, false);
+    if (tp__lp_ok(&f))
+        tp__k_cross_entropy_bwd(fx, target, fw, fgl, fgx, rows, classes, inner, ignore_index);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_ce_gloss(tp_device dev, tp_dtype dtype, const void *g, void *gl,
                               int64_t rows, bool broadcast, double div)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_CE_GLOSS, dtype)
-                           : (tp__k_ce_gloss(g, gl, rows, broadcast, div), TP_OK);
+    CPU_CHECK(CE_GLOSS);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_CE_GLOSS, dtype);
+    const float *fg = tp__lp_in(&f, g, broadcast ? 1 : rows);
+    float *fgl = tp__lp_out(&f, gl, rows, false);
+    if (tp__lp_ok(&f))
+        tp__k_ce_gloss(fg, fgl, rows, broadcast, div);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_row_max(tp_device dev, tp_dtype dtype, const void *x, float *mx,
                              int64_t rows, int64_t cols, int64_t inner)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_ROW_MAX, dtype)
-                           : (tp__k_row_max(x, mx, rows, cols, inner), TP_OK);
+    CPU_CHECK(ROW_MAX);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_ROW_MAX, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * cols);
+    if (tp__lp_ok(&f))
+        tp__k_row_max(fx, mx, rows, cols, inner);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_row_sumexp(tp_device dev, tp_dtype dtype, const void *x, const float *mx,
                                 float *s, int64_t rows, int64_t cols, int64_t inner)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_ROW_SUMEXP, dtype)
-                           : (tp__k_row_sumexp(x, mx, s, rows, cols, inner), TP_OK);
+    CPU_CHECK(ROW_SUMEXP);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_ROW_SUMEXP, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * cols);
+    if (tp__lp_ok(&f))
+        tp__k_row_sumexp(fx, mx, s, rows, cols, inner);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_pick_target(tp_device dev, tp_dtype dtype, const void *x,
                                  const int64_t *target, float *picked, int64_t rows,
                                  int64_t cols, int64_t inner, int64_t offset, int64_t ignore_index)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_PICK_TARGET, dtype)
-                           : (tp__k_pick_target(x, target, picked, rows, cols, inner, offset,
-                                                ignore_index),
-                              TP_OK);
+    CPU_CHECK(PICK_TARGET);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_PICK_TARGET, dtype);
+    const float *fx = tp__lp_in(&f, x, rows * cols);
+    if (tp__lp_ok(&f))
+        tp__k_pick_target(fx, target, picked, rows, cols, inner, offset, ignore_index);
+    return tp__lp_end(&f);
+}
+
+/* The length of the global class-weight vector the vocab-parallel entries
+ * read: one past the largest target they look up (they know no class count). */
+static int64_t weight_len(const int64_t *target, int64_t rows, int64_t ignore_index)
+{
+    int64_t n = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (target[r] != ignore_index && target[r] >= n)
+            n = target[r] + 1;
+    return n;
 }
 
 static tp_status cpu_vocab_ce_loss(tp_device dev, tp_dtype dtype, const int64_t *target,
@@ -332,10 +667,15 @@ static tp_status cpu_vocab_ce_loss(tp_device dev, tp_dtype dtype, const int64_t 
                                    const float *picked, void *loss, int64_t rows,
                                    int64_t ignore_index)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_VOCAB_CE_LOSS, dtype)
-                           : (tp__k_vocab_ce_loss(target, weight, mx, sumexp, picked, loss, rows,
-                                                  ignore_index),
-                              TP_OK);
+    CPU_CHECK(VOCAB_CE_LOSS);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_VOCAB_CE_LOSS, dtype);
+    int64_t nw = weight && dtype != TP_F32 ? weight_len(target, rows, ignore_index) : 0;
+    const float *fw = tp__lp_in(&f, weight, nw);
+    float *fl = tp__lp_out(&f, loss, rows, false);
+    if (tp__lp_ok(&f))
+        tp__k_vocab_ce_loss(target, fw, mx, sumexp, picked, fl, rows, ignore_index);
+    return tp__lp_end(&f);
 }
 
 static tp_status cpu_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x,
@@ -344,29 +684,54 @@ static tp_status cpu_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x,
                                   int64_t cols, int64_t inner, int64_t offset,
                                   int64_t ignore_index)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_VOCAB_CE_BWD, dtype)
-                           : (tp__k_vocab_ce_bwd(x, target, weight, mx, sumexp, gloss, gx, rows,
-                                                 cols, inner, offset, ignore_index),
-                              TP_OK);
+    CPU_CHECK(VOCAB_CE_BWD);
+    tp__lp f;
+    tp__lp_begin(&f, TP__KOP_VOCAB_CE_BWD, dtype);
+    int64_t nw = weight && dtype != TP_F32 ? weight_len(target, rows, ignore_index) : 0;
+    const float *fx = tp__lp_in(&f, x, rows * cols), *fw = tp__lp_in(&f, weight, nw);
+    const float *fgl = tp__lp_in(&f, gloss, rows);
+    float *fgx = tp__lp_out(&f, gx, rows * cols, false);
+    if (tp__lp_ok(&f))
+        tp__k_vocab_ce_bwd(fx, target, fw, mx, sumexp, fgl, fgx, rows, cols, inner, offset,
+                           ignore_index);
+    return tp__lp_end(&f);
 }
 
 /* ---- optimizers -------------------------------------------------------------------- */
 
+static void ew_sgd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_sgd_step(b[0], b[1], n, *(const double *)ctx);
+}
+
 static tp_status cpu_sgd_step(tp_device dev, tp_dtype dtype, void *p, const void *g, int64_t n,
                               double lr)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_SGD_STEP, dtype)
-                           : (tp__k_sgd_step(p, g, n, lr), TP_OK);
+    CPU_CHECK(SGD_STEP);
+    tp__lp_elementwise(dtype, n, 2, CPU_BUFS(p, (void *)g), "ui", ew_sgd, &lr);
+    return TP_OK;
+}
+
+typedef struct adam_ctx {
+    float *m, *v;
+    double beta1, beta2, step_size, bc2_sqrt, eps;
+} adam_ctx;
+
+static void ew_adam(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    const adam_ctx *c = ctx;
+    tp__k_adam_step(b[0], c->m + off, c->v + off, b[1], n, c->beta1, c->beta2, c->step_size,
+                    c->bc2_sqrt, c->eps);
 }
 
 static tp_status cpu_adam_step(tp_device dev, tp_dtype dtype, void *p, float *m, float *v,
                                const void *g, int64_t n, double beta1, double beta2,
                                double step_size, double bc2_sqrt, double eps)
 {
-    return dtype != TP_F32 ? unsupported(TP__KOP_ADAM_STEP, dtype)
-                           : (tp__k_adam_step(p, m, v, g, n, beta1, beta2, step_size, bc2_sqrt,
-                                              eps),
-                              TP_OK);
+    CPU_CHECK(ADAM_STEP);
+    adam_ctx c = {m, v, beta1, beta2, step_size, bc2_sqrt, eps};
+    tp__lp_elementwise(dtype, n, 2, CPU_BUFS(p, (void *)g), "ui", ew_adam, &c);
+    return TP_OK;
 }
 
 #define CPU_ENTRY(NAME, field) .field = cpu_##field,

@@ -5,9 +5,13 @@
  *
  * Engines: the CPU one (cpu_table.c over the f32 loops and OpenBLAS of
  * cpu.c) and the CUDA one (cuda.cu: grid-stride kernels and cuBLAS), which
- * exists only in a CUDA build (cuda_none.c otherwise). Both take f32 for
- * every entry; the CUDA engine's matrix products (gemm, linear_fwd,
- * linear_bwd) also take f16 and bf16, accumulating in f32.
+ * exists only in a CUDA build (cuda_none.c otherwise). Every entry takes
+ * f32, bf16 and f16 (docs/API.md "Precision"): arithmetic in f32 (or double
+ * where the f32 kernel uses double, the GEMMs accumulating in f32) and each
+ * stored output rounded once to the dtype, round to nearest even; the
+ * `accumulate` forms read the dtype value, add in f32 and round once. f64 and
+ * the integer dtypes are TP_ERR_NOT_SUPPORTED. (CPU: cpu_lowp.c runs the f32
+ * kernels on f32 scratch copies.)
  *
  * Every entry has the same signature on every engine: the device it runs on
  * (a CUDA entry makes dev current for the call and restores the caller's
@@ -18,13 +22,15 @@
  * int64, dropout masks one byte per element.
  *
  * Every entry returns a tp_status: TP_ERR_NOT_SUPPORTED naming the op and
- * the dtype when supports(op, dtype) is false, else TP_OK on the CPU, where
- * kernels do not fail. A CUDA entry queues its work on the calling thread's
+ * the dtype when supports(op, dtype) is false. On the CPU, f32 entries do not
+ * fail; bf16 and f16 entries other than the elementwise ones (which convert
+ * in chunks on the stack) take f32 scratch from the caching allocator and
+ * return TP_ERR_NO_MEMORY, having written nothing, when it fails. A CUDA entry queues its work on the calling thread's
  * compute stream for dev and returns without waiting; launch and cuBLAS
  * failures are TP_ERR_BACKEND with CUDA's text (TP_ERR_NO_MEMORY for
- * allocation failures). Kernels allocate no buffers (the CUDA engine makes
- * a thread's cuBLAS handle at its first product) and never check their
- * arguments (the op layer does).
+ * allocation failures). Kernels allocate no buffers other than that scratch
+ * (the CUDA engine makes a thread's cuBLAS handle at its first product) and
+ * never check their arguments (the op layer does).
  *
  * Shapes are passed explicitly and every buffer is contiguous row-major
  * unless an entry takes strides. "rows" is the product of all leading dims,
