@@ -103,22 +103,31 @@ static tp_dtype g_dtype = TP_F32;
  * drift apart by a few ulps of the dtype. */
 static double rtol_of(tp_dtype dt)
 {
-    return dt == TP_BF16 ? 5e-2 : dt == TP_F16 ? 1e-2 : 1e-4;
+    return dt == TP_BF16 ? 2e-2 : dt == TP_F16 ? 4e-3 : 1e-4;
 }
 
 static double atol_of(tp_dtype dt)
 {
-    return dt == TP_BF16 ? 2e-2 : dt == TP_F16 ? 4e-3 : 1e-5;
+    return dt == TP_BF16 ? 8e-3 : dt == TP_F16 ? 1e-3 : 1e-5;
 }
 
 /* The 1-rank run's final loss in bf16/f16 vs in f32: relative tolerance. */
 static double final_rtol_of(tp_dtype dt)
 {
-    return dt == TP_BF16 ? 2e-2 : 5e-3;
+    return dt == TP_BF16 ? 1e-2 : 2e-3;
 }
 
 #define RTOL rtol_of(g_dtype)
 #define ATOL atol_of(g_dtype)
+
+/* Parameters after `steps` Adam steps. In bf16/f16 two runs whose gradients
+ * differ by rounding differ most where a gradient is near zero: Adam
+ * normalises it, so its sign (set by rounding) moves the parameter by about
+ * lr either way. Hence 2 lr per step on top of the dtype's tolerance. */
+static double param_atol(int steps)
+{
+    return g_dtype == TP_F32 ? ATOL : ATOL + 2 * LR * steps;
+}
 #define PARAM_SEED 7
 #define TOKEN_SEED 11
 
@@ -785,7 +794,9 @@ static void compare(run *r, const run *ref)
         double d = 0.0;
         bool close = false;
         if (!got || tp_tensor_max_abs_diff(got->full, want->full, &d) != TP_OK ||
-            tp_tensor_allclose(got->full, want->full, RTOL, ATOL, &close) != TP_OK || !close) {
+            tp_tensor_allclose(got->full, want->full, RTOL, param_atol(r->steps), &close) !=
+                TP_OK ||
+            !close) {
             fprintf(stderr, "  %s/%d: parameter %s differs from the reference (max |diff| "
                             "%.3g)%s\n", mode_name[r->mode], r->ranks, want->fqn, d,
                     got ? "" : ": missing");
@@ -1123,9 +1134,10 @@ int main(int argc, char **argv)
     printf("libtp example: decoder-only transformer, tensor + sequence parallel\n"
            "vocab %d, dim %d, %d heads x %d, ffn %d, %d layers, seq %d, batch %d; "
            "Adam lr %g, %d steps, %s\n"
-           "every run must match the 1-rank run without TP (rtol %g, atol %g)\n\n",
+           "every run must match the 1-rank run without TP (rtol %g, atol %g; parameters: atol "
+           "%g)\n\n",
            VOCAB, DIM, HEADS, HEAD_DIM, FFN, LAYERS, SEQ, BATCH, LR, steps, tp_dtype_name(g_dtype),
-           RTOL, ATOL);
+           RTOL, ATOL, param_atol(steps));
     printf("%-6s %5s ", "plan", dp ? "dpxtp" : "ranks");
     for (int s = 0; s < steps; s++)
         printf(" %6s %-2d", "loss", s);
