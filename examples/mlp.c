@@ -13,11 +13,19 @@
  * on 1, 2 and 4 ranks (threads of this process, tp_run_local). Parameters are
  * initialised with tp_module_init after parallelizing, so every run starts
  * from the same global values; each run's losses and final parameters must
- * equal the reference's within rtol 1e-5, atol 1e-6. The collectives of one
+ * equal the reference's within rtol 1e-5, atol 1e-6 (in f32; see --dtype). The collectives of one
  * training step are printed per run with tp_comm_debug_write_table, and
  * checked per scope (module FQNs as in the plans) against the plan's.
  *
- * Usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi]
+ * --dtype bf16|f16 trains in low precision (mixed precision as in PyTorch): the
+ * model is cast with tp_module_to_dtype after its initialisation, the batch is
+ * cast, and SGD runs through tp_sgd, which keeps f32 master weights; f16 also
+ * scales the loss (tp_grad_scaler, initial scale 2^10: the f16 loss could not
+ * hold 2^16). The TP runs are then compared with the 1-rank run of the same
+ * dtype within that dtype's tolerance, and the 1-rank run's final loss with
+ * an f32 1-rank run's (see examples/README.md for the figures).
+ *
+ * Usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi] [--dtype f32|bf16|f16]
  *   -b mpi    run under mpirun: the TP and TP+SP plans use the MPI world, one
  *             process per rank (the process count must divide 64); the
  *             reference runs on each process, the first process prints
@@ -39,13 +47,38 @@ enum { BATCH = 8, IN = 16, HIDDEN = 64, OUT = 16 };
 enum { MAX_STEPS = 100, MAX_PARAMS = 8, MAX_RUNS = 32 };
 
 #define LR 0.05
-#define RTOL 1e-5
-#define ATOL 1e-6
 #define PARAM_SEED 2024
 #define INPUT_SEED 1
 #define TARGET_SEED 2
 
 typedef enum run_mode { MODE_NONE = 0, MODE_TP, MODE_SP } run_mode;
+
+/* --dtype: what the model and the batch are in. */
+static tp_dtype g_dtype = TP_F32;
+
+/* A TP run vs the 1-rank run of the same dtype: f32 agrees to rounding; in
+ * bf16/f16 net2's Partial sums are rounded per rank before their all_reduce,
+ * where the 1-rank GEMM rounds once, so the runs drift apart by a few ulps
+ * of the dtype. */
+static double rtol_of(tp_dtype dt)
+{
+    return dt == TP_BF16 ? 2e-2 : dt == TP_F16 ? 4e-3 : 1e-5;
+}
+
+static double atol_of(tp_dtype dt)
+{
+    return dt == TP_BF16 ? 8e-3 : dt == TP_F16 ? 1e-3 : 1e-6;
+}
+
+/* The 1-rank run's final loss in bf16/f16 vs in f32: relative tolerance
+ * (the measured gaps are in examples/README.md). */
+static double final_rtol_of(tp_dtype dt)
+{
+    return dt == TP_BF16 ? 1e-2 : 2e-3;
+}
+
+#define RTOL rtol_of(g_dtype)
+#define ATOL atol_of(g_dtype)
 
 static const char *const mode_name[] = {"no TP", "TP", "TP+SP"};
 static const char *const mode_plan[] = {
@@ -63,6 +96,7 @@ typedef struct param_value {
 /* One run: its configuration, and what rank 0 recorded. */
 typedef struct run {
     run_mode mode;
+    tp_dtype dtype;
     int ranks;
     int steps;
     double loss[MAX_STEPS];
@@ -211,11 +245,65 @@ out:
     return st;
 }
 
+/* The optimizer of a run: tp_sgd_step in f32; in bf16/f16 tp_sgd (f32
+ * master weights), and for f16 a grad scaler. */
+typedef struct trainer {
+    tp_sgd *sgd;
+    tp_grad_scaler *scaler;
+} trainer;
+
+static tp_status trainer_create(tp_module *model, tp_comm *world, tp_dtype dtype, trainer *tr)
+{
+    tp_status st = TP_OK;
+    *tr = (trainer){0};
+    if (dtype != TP_F32)
+        CHECK(tp_sgd_create(model, LR, &tr->sgd));
+    if (dtype == TP_F16) {
+        /* the flag is agreed over the TP ranks, whose gradients are shards */
+        const tp_grad_scaler_options o = {.init_scale = 1024};
+        CHECK(tp_grad_scaler_create(world && tp_comm_size(world) > 1 ? world : NULL, &o,
+                                    &tr->scaler));
+    }
+out:
+    return st;
+}
+
+static void trainer_free(trainer *tr)
+{
+    tp_grad_scaler_free(tr->scaler);
+    tp_sgd_free(tr->sgd);
+}
+
+/* backward, then the step (through the scaler in f16: an overflowing step
+ * is skipped on every rank) */
+static tp_status backward_and_step(tp_module *model, trainer *tr, tp_tensor *loss)
+{
+    tp_status st;
+    tp_tensor *scaled = NULL;
+    if (tr->scaler) {
+        CHECK(tp_grad_scaler_scale(tr->scaler, loss, &scaled));
+        CHECK(tp_backward(scaled, NULL));
+    } else {
+        CHECK(tp_backward(loss, NULL));
+    }
+    CHECK(tp_comm_debug_push_scope("SGD"));
+    st = tr->scaler ? tp_grad_scaler_step_sgd(tr->scaler, tr->sgd, NULL)
+         : tr->sgd  ? tp_sgd_opt_step(tr->sgd)
+                    : tp_sgd_step(model, LR);
+    if (st == TP_OK && tr->scaler)
+        st = tp_grad_scaler_update(tr->scaler);
+    tp_status pop = tp_comm_debug_pop_scope();
+    CHECK(st != TP_OK ? st : pop);
+out:
+    tp_tensor_release(scaled);
+    return st;
+}
+
 /* One SGD step on (x, t); *loss_value receives the loss before the update.
  * The loss and the SGD step run in comm-debug scopes of their own ("loss",
  * "SGD"), so that the tables attribute their collectives. */
-static tp_status train_step(tp_module *model, tp_mesh *mesh, run_mode mode, tp_tensor *x,
-                            tp_tensor *t, double *loss_value)
+static tp_status train_step(tp_module *model, trainer *tr, tp_mesh *mesh, run_mode mode,
+                            tp_tensor *x, tp_tensor *t, double *loss_value)
 {
     tp_status st;
     tp_tensor *y = NULL, *loss = NULL;
@@ -225,11 +313,7 @@ static tp_status train_step(tp_module *model, tp_mesh *mesh, run_mode mode, tp_t
     tp_status pop = tp_comm_debug_pop_scope();
     CHECK(st != TP_OK ? st : pop);
     CHECK(tp_tensor_get(loss, NULL, loss_value));
-    CHECK(tp_backward(loss, NULL));
-    CHECK(tp_comm_debug_push_scope("SGD"));
-    st = tp_sgd_step(model, LR);
-    pop = tp_comm_debug_pop_scope();
-    CHECK(st != TP_OK ? st : pop);
+    CHECK(backward_and_step(model, tr, loss));
     tp_module_zero_grad(model);
 out:
     tp_tensor_release(loss);
@@ -265,6 +349,7 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
     tp_module *model = NULL;
     tp_tensor *x = NULL, *t = NULL, *x_rows = NULL, *x_in = NULL, *t_in = NULL;
     tp_comm_debug *debug = NULL;
+    trainer tr = {0};
 
     if (r->mode != MODE_NONE) {
         const int64_t size = tp_comm_size(world);
@@ -275,12 +360,17 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
     if (r->mode != MODE_NONE)
         CHECK(parallelize_mlp(model, mesh, r->mode));
     CHECK(tp_module_init(model, PARAM_SEED));
+    /* param_dtype: the f32 initial values rounded once, before any optimizer
+     * exists (the masters start from the rounded values) */
+    if (r->dtype != TP_F32)
+        CHECK(tp_module_to_dtype(model, r->dtype));
+    CHECK(trainer_create(model, r->mode == MODE_NONE ? NULL : world, r->dtype, &tr));
 
     /* the global batch: every rank generates the same values */
     const int64_t xshape[2] = {BATCH, IN}, tshape[2] = {BATCH, OUT};
-    CHECK(tp_tensor_empty(TP_F32, TP_CPU, 2, xshape, &x));
+    CHECK(tp_tensor_empty(r->dtype, TP_CPU, 2, xshape, &x));
     CHECK(tp_tensor_fill_random(x, TP_RNG_NORMAL, 0.0, 1.0, INPUT_SEED, NULL, NULL));
-    CHECK(tp_tensor_empty(TP_F32, TP_CPU, 2, tshape, &t));
+    CHECK(tp_tensor_empty(r->dtype, TP_CPU, 2, tshape, &t));
     CHECK(tp_tensor_fill_random(t, TP_RNG_NORMAL, 0.0, 1.0, TARGET_SEED, NULL, NULL));
     if (r->mode == MODE_SP) {
         /* this rank's rows: its Shard(0) block of the batch */
@@ -306,7 +396,7 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
         double loss = 0.0;
         if (step == 0)
             CHECK(tp_comm_debug_begin(debug));
-        CHECK(train_step(model, mesh, r->mode, x_in, t_in, &loss));
+        CHECK(train_step(model, &tr, mesh, r->mode, x_in, t_in, &loss));
         if (step == 0)
             CHECK(tp_comm_debug_end(debug));
         if (rank == 0)
@@ -318,6 +408,7 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
         debug = NULL;
     }
 out:
+    trainer_free(&tr);
     tp_comm_debug_free(debug);
     tp_tensor_release(t_in);
     tp_tensor_release(x_in);
@@ -384,8 +475,10 @@ static bool counts_as_described(const run *r)
 {
     const int64_t c = r->ranks > 1 && r->mode != MODE_NONE;
     const bool sp = r->mode == MODE_SP;
+    /* f16: the grad scaler's found-inf flag, agreed over the TP ranks */
+    const int64_t f = r->dtype == TP_F16 ? c : 0;
     const expected_count want[] = {
-        {TP_COMM_DEBUG_GLOBAL, TP_PHASE_COUNT, TP_COLL_ANY, sp ? 4 * c : c},
+        {TP_COMM_DEBUG_GLOBAL, TP_PHASE_COUNT, TP_COLL_ANY, (sp ? 4 * c : c) + f},
         {TP_COMM_DEBUG_ROOT, TP_PHASE_COUNT, TP_COLL_ANY, sp ? 3 * c : c},
         {"net1", TP_PHASE_FORWARD, TP_COLL_ALL_GATHER, sp ? c : 0},
         {"net1", TP_PHASE_COUNT, TP_COLL_ANY, sp ? c : 0},
@@ -396,7 +489,8 @@ static bool counts_as_described(const run *r)
         {"net2", TP_PHASE_COUNT, TP_COLL_ANY, sp ? 2 * c : c},
         {"loss", TP_PHASE_FORWARD, TP_COLL_ALL_REDUCE, sp ? c : 0},
         {"loss", TP_PHASE_COUNT, TP_COLL_ANY, sp ? c : 0},
-        {"SGD", TP_PHASE_COUNT, TP_COLL_ANY, 0},
+        {"SGD", TP_PHASE_COUNT, TP_COLL_ALL_REDUCE, f},
+        {"SGD", TP_PHASE_COUNT, TP_COLL_ANY, f},
     };
     static const char *const phase[] = {"forward", "backward", "in all"};
     bool ok = true;
@@ -426,6 +520,29 @@ static void run_free(run *r)
     r->debug = NULL;
 }
 
+/* --dtype bf16/f16: the 1-rank run's final loss vs the same training in f32
+ * (one more 1-rank run), within final_rtol_of. */
+static bool final_loss_vs_f32(const run *lowp)
+{
+    run f32 = {.mode = MODE_NONE, .dtype = TP_F32, .ranks = 1, .steps = lowp->steps};
+    f32.status = tp_run_local(1, mlp_rank, &f32);
+    bool ok = f32.status == TP_OK;
+    if (!ok) {
+        fprintf(stderr, "the f32 run failed: %s: %s\n", tp_status_name(f32.status),
+                tp_last_error());
+    } else {
+        double a = lowp->loss[lowp->steps - 1], b = f32.loss[f32.steps - 1];
+        double rel = fabs(a - b) / fabs(b);
+        ok = rel <= final_rtol_of(lowp->dtype);
+        printf("\nfinal loss after %d steps: %s %.6f, f32 %.6f: relative difference %.3g "
+               "(tolerance %g)  %s\n",
+               lowp->steps, tp_dtype_name(lowp->dtype), a, b, rel, final_rtol_of(lowp->dtype),
+               ok ? "ok" : "TOO FAR");
+    }
+    run_free(&f32);
+    return ok;
+}
+
 /* ---- main ------------------------------------------------------------------- */
 
 static int parse_int(const char *s, int lo, int hi, const char *what)
@@ -439,12 +556,27 @@ static int parse_int(const char *s, int lo, int hi, const char *what)
     return (int)v;
 }
 
+static int parse_dtype(const char *s, tp_dtype *out)
+{
+    static const tp_dtype dts[] = {TP_F32, TP_BF16, TP_F16};
+    for (int i = 0; s && i < 3; i++)
+        if (!strcmp(s, tp_dtype_name(dts[i]))) {
+            *out = dts[i];
+            return 0;
+        }
+    fprintf(stderr, "--dtype must be f32, bf16 or f16, got '%s'\n", s ? s : "");
+    return -1;
+}
+
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi]\n"
-               "  -r RANKS  rank count of the TP runs, dividing %d (default: 1, 2 and 4)\n"
-               "  -b mpi    under mpirun: the TP runs use one process per rank\n"
-               "  -s STEPS  SGD steps (default 5)\n",
+    fprintf(f,
+            "usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi] [--dtype f32|bf16|f16]\n"
+            "  -r RANKS  rank count of the TP runs, dividing %d (default: 1, 2 and 4)\n"
+            "  -b mpi    under mpirun: the TP runs use one process per rank\n"
+            "  -s STEPS  SGD steps (default 5)\n"
+            "  --dtype   train in f32 (default), bf16 or f16 (f32 master weights;\n"
+            "            f16 with loss scaling), and compare with an f32 run\n",
             HIDDEN);
 }
 
@@ -477,6 +609,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(argv[i], "-s")) {
             steps = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, MAX_STEPS, "-s STEPS");
             if (steps < 0)
+                return 2;
+        } else if (!strcmp(argv[i], "--dtype")) {
+            if (parse_dtype(i + 1 < argc ? argv[++i] : NULL, &g_dtype) != 0)
                 return 2;
         } else {
             usage(stderr);
@@ -514,15 +649,16 @@ int main(int argc, char **argv)
 
     static run runs[MAX_RUNS];
     int nruns = 0;
-    runs[nruns++] = (run){.mode = MODE_NONE, .ranks = 1, .steps = steps};
+    runs[nruns++] = (run){.mode = MODE_NONE, .dtype = g_dtype, .ranks = 1, .steps = steps};
     for (int c = 0; c < n_counts; c++)
         for (int m = MODE_TP; m <= MODE_SP; m++)
-            runs[nruns++] = (run){.mode = (run_mode)m, .ranks = rank_counts[c], .steps = steps};
+            runs[nruns++] = (run){
+                .mode = (run_mode)m, .dtype = g_dtype, .ranks = rank_counts[c], .steps = steps};
 
     printf("libtp example: MLP (net1 = Linear(%d, %d), ReLU, net2 = Linear(%d, %d)), batch %d,\n"
-           "loss mean((y - t)^2), SGD lr %g, %d steps; every run must match the 1-rank run\n"
+           "loss mean((y - t)^2), SGD lr %g, %d steps, %s; every run must match the 1-rank run\n"
            "within rtol %g, atol %g\n",
-           IN, HIDDEN, HIDDEN, OUT, BATCH, LR, steps, RTOL, ATOL);
+           IN, HIDDEN, HIDDEN, OUT, BATCH, LR, steps, tp_dtype_name(g_dtype), RTOL, ATOL);
 
     bool all_ok = true;
     double worst_loss = 0.0, worst_param = 0.0;
@@ -589,6 +725,9 @@ int main(int argc, char **argv)
             printf("\n");
         }
     }
+
+    if (g_dtype != TP_F32 && runs[0].status == TP_OK && reporter)
+        all_ok = final_loss_vs_f32(&runs[0]) && all_ok;
 
     printf("\n%s: %d runs; max |diff| vs the 1-rank run: loss %.3g, parameters %.3g "
            "(rtol %g, atol %g)\n",

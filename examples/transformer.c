@@ -50,7 +50,17 @@
  * whole batch's gradient, so the runs again equal the 1-rank run on the whole
  * batch. The printed losses are the mean over the dp groups.
  *
+ * --dtype bf16|f16 trains in low precision, mixed precision as PyTorch users
+ * know it: param_dtype (tp_module_to_dtype after the initialisation), f32
+ * master weights and Adam states (tp_adam keeps them for bf16/f16
+ * parameters), reduce_dtype f32 for the DDP's gradient all_reduces (-d), and
+ * for f16 loss scaling (tp_grad_scaler, initial scale 2^10, its found-inf
+ * flag agreed over the world). The runs are compared with the 1-rank run of
+ * the same dtype within that dtype's tolerance, and the 1-rank run's final
+ * loss with an f32 1-rank run's (figures in examples/README.md).
+ *
  * Usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi]
+ *                               [--dtype f32|bf16|f16]
  *   -b mpi    run under mpirun: the TP plans use the MPI world, one process
  *             per rank (the process count / DP must divide the 4 heads); the
  *             reference runs on each process, the first process prints
@@ -84,8 +94,40 @@ enum { MAX_STEPS = 100, MAX_PARAMS = 64, MAX_RUNS = 32 };
 
 #define LR 1e-2
 #define NORM_EPS 1e-5
-#define RTOL 1e-4
-#define ATOL 1e-5
+/* --dtype: what the model is in. */
+static tp_dtype g_dtype = TP_F32;
+
+/* A TP run vs the 1-rank run of the same dtype: f32 agrees to rounding; in
+ * bf16/f16 the Partial sums of the row-wise layers are rounded per rank
+ * before their all_reduce, where the 1-rank GEMM rounds once, and the runs
+ * drift apart by a few ulps of the dtype. */
+static double rtol_of(tp_dtype dt)
+{
+    return dt == TP_BF16 ? 2e-2 : dt == TP_F16 ? 4e-3 : 1e-4;
+}
+
+static double atol_of(tp_dtype dt)
+{
+    return dt == TP_BF16 ? 8e-3 : dt == TP_F16 ? 1e-3 : 1e-5;
+}
+
+/* The 1-rank run's final loss in bf16/f16 vs in f32: relative tolerance. */
+static double final_rtol_of(tp_dtype dt)
+{
+    return dt == TP_BF16 ? 1e-2 : 2e-3;
+}
+
+#define RTOL rtol_of(g_dtype)
+#define ATOL atol_of(g_dtype)
+
+/* Parameters after `steps` Adam steps. In bf16/f16 two runs whose gradients
+ * differ by rounding differ most where a gradient is near zero: Adam
+ * normalises it, so its sign (set by rounding) moves the parameter by about
+ * lr either way. Hence 2 lr per step on top of the dtype's tolerance. */
+static double param_atol(int steps)
+{
+    return g_dtype == TP_F32 ? ATOL : ATOL + 2 * LR * steps;
+}
 #define PARAM_SEED 7
 #define TOKEN_SEED 11
 
@@ -101,6 +143,7 @@ typedef struct param_value {
 /* One run: its configuration, and what rank 0 recorded. */
 typedef struct run {
     run_mode mode;
+    tp_dtype dtype;
     int ranks;
     int dp; /* -d: a ("dp", "tp") mesh [dp, ranks / dp] and a DDP over "dp"; 0: 1-D TP mesh */
     int steps;
@@ -489,11 +532,41 @@ out:
 
 /* ---- training ----------------------------------------------------------------------- */
 
+/* The optimizer of a run: Adam (f32 master weights and states for bf16/f16
+ * parameters), and for f16 a grad scaler. */
+typedef struct trainer {
+    tp_adam *adam;
+    tp_grad_scaler *scaler;
+} trainer;
+
+/* backward, then the Adam step (through the scaler in f16: an overflowing
+ * step is skipped on every rank) */
+static tp_status backward_and_step(trainer *tr, tp_tensor *loss)
+{
+    tp_status st;
+    tp_tensor *scaled = NULL;
+    if (tr->scaler) {
+        CHECK(tp_grad_scaler_scale(tr->scaler, loss, &scaled));
+        CHECK(tp_backward(scaled, NULL));
+    } else {
+        CHECK(tp_backward(loss, NULL));
+    }
+    CHECK(tp_comm_debug_push_scope("Adam"));
+    st = tr->scaler ? tp_grad_scaler_step_adam(tr->scaler, tr->adam, NULL) : tp_adam_step(tr->adam);
+    if (st == TP_OK && tr->scaler)
+        st = tp_grad_scaler_update(tr->scaler);
+    tp_status pop = tp_comm_debug_pop_scope();
+    CHECK(st != TP_OK ? st : pop);
+out:
+    tp_tensor_release(scaled);
+    return st;
+}
+
 /* One Adam step; *loss_value receives the loss before the update. The loss
  * and the optimizer step run in comm-debug scopes of their own ("loss",
  * "Adam"), so that the tables attribute their collectives. */
-static tp_status train_step(tp_module *model, tp_adam *adam, tp_tensor *tokens,
-                            tp_tensor *positions, tp_tensor *targets, double *loss_value)
+static tp_status train_step(tp_module *model, trainer *tr, tp_tensor *tokens, tp_tensor *positions,
+                            tp_tensor *targets, double *loss_value)
 {
     tp_status st;
     tp_tensor *logits = NULL, *loss = NULL;
@@ -506,11 +579,7 @@ static tp_status train_step(tp_module *model, tp_adam *adam, tp_tensor *tokens,
     /* the loss is plain without TP, a Replicate DTensor with it */
     tp_tensor *value = tp_tensor_is_dtensor(loss) ? tp_dtensor_local(loss) : loss;
     CHECK(tp_tensor_get(value, NULL, loss_value));
-    CHECK(tp_backward(loss, NULL));
-    CHECK(tp_comm_debug_push_scope("Adam"));
-    st = tp_adam_step(adam);
-    pop = tp_comm_debug_pop_scope();
-    CHECK(st != TP_OK ? st : pop);
+    CHECK(backward_and_step(tr, loss));
     tp_module_zero_grad(model);
 out:
     tp_tensor_release(loss);
@@ -577,7 +646,7 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
     int dp_buckets = 0;
     tp_module *model = NULL;
     tp_ddp *ddp = NULL;
-    tp_adam *adam = NULL;
+    trainer tr = {0};
     tp_tensor *tokens = NULL, *targets = NULL, *positions = NULL, *tgt = NULL, *pos = NULL;
     tp_comm_debug *debug = NULL;
 
@@ -599,18 +668,33 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
     if (cfg->mode != MODE_NONE)
         CHECK(parallelize_transformer(model, tpmesh, cfg->mode));
     CHECK(tp_module_init(model, PARAM_SEED));
+    /* param_dtype: cast before the DDP and the optimizer see the parameters */
+    if (cfg->dtype != TP_F32)
+        CHECK(tp_module_to_dtype(model, cfg->dtype));
     if (dp_comm) {
         /* every dp group initialized the same parameters: nothing to send.
          * Buckets of 16 KiB (PyTorch's 25 MiB default would hold this whole
-         * model): a few all_reduces, launched as they fill during backward */
-        const tp_ddp_options dpo = {.bucket_cap_bytes = 16 << 10, .params_everywhere = true};
+         * model): a few all_reduces, launched as they fill during backward.
+         * Low-precision gradients are averaged in f32 (reduce_dtype); the
+         * buckets are sized in f32 bytes, so the all_reduces are the f32
+         * run's */
+        const tp_ddp_options dpo = {.bucket_cap_bytes = 16 << 10,
+                                    .params_everywhere = true,
+                                    .has_reduce_dtype = cfg->dtype != TP_F32,
+                                    .reduce_dtype = TP_F32};
         CHECK(tp_ddp_create(model, dp_comm, &dpo, &ddp));
         /* the buckets of step 0's schedule; each is one all_reduce per step
          * (tp/dp.h). After step 0 the DDP may regroup them in the order the
          * gradients became ready */
         dp_buckets = tp_step_graph_num_buckets(tp_ddp_graph(ddp));
     }
-    CHECK(tp_adam_create(model, LR, 0.0, 0.0, 0.0, &adam));
+    CHECK(tp_adam_create(model, LR, 0.0, 0.0, 0.0, &tr.adam));
+    if (cfg->dtype == TP_F16) {
+        /* the flag is agreed over every rank: tp shards and dp replicas */
+        const tp_grad_scaler_options gso = {.init_scale = 1024};
+        CHECK(tp_grad_scaler_create(
+            cfg->mode != MODE_NONE && tp_comm_size(world) > 1 ? world : NULL, &gso, &tr.scaler));
+    }
 
     CHECK(make_data(&tokens, &targets, &positions));
     if (dp_comm) {
@@ -650,7 +734,7 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
     for (int step = 0; step < cfg->steps; step++) {
         if (step == 0)
             CHECK(tp_comm_debug_begin(debug));
-        CHECK(train_step(model, adam, tokens, pos, tgt, &loss[step]));
+        CHECK(train_step(model, &tr, tokens, pos, tgt, &loss[step]));
         if (step == 0)
             CHECK(tp_comm_debug_end(debug));
     }
@@ -672,7 +756,8 @@ out:
     tp_tensor_release(positions);
     tp_tensor_release(targets);
     tp_tensor_release(tokens);
-    tp_adam_free(adam);
+    tp_grad_scaler_free(tr.scaler);
+    tp_adam_free(tr.adam);
     /* any order: each holds what it uses */
     tp_ddp_free(ddp);
     tp_module_free(model);
@@ -709,7 +794,9 @@ static void compare(run *r, const run *ref)
         double d = 0.0;
         bool close = false;
         if (!got || tp_tensor_max_abs_diff(got->full, want->full, &d) != TP_OK ||
-            tp_tensor_allclose(got->full, want->full, RTOL, ATOL, &close) != TP_OK || !close) {
+            tp_tensor_allclose(got->full, want->full, RTOL, param_atol(r->steps), &close) !=
+                TP_OK ||
+            !close) {
             fprintf(stderr, "  %s/%d: parameter %s differs from the reference (max |diff| "
                             "%.3g)%s\n", mode_name[r->mode], r->ranks, want->fqn, d,
                     got ? "" : ": missing");
@@ -882,16 +969,57 @@ static int parse_int(const char *s, int lo, int hi, const char *what)
     return (int)v;
 }
 
+static int parse_dtype(const char *s, tp_dtype *out)
+{
+    static const tp_dtype dts[] = {TP_F32, TP_BF16, TP_F16};
+    for (int i = 0; s && i < 3; i++)
+        if (!strcmp(s, tp_dtype_name(dts[i]))) {
+            *out = dts[i];
+            return 0;
+        }
+    fprintf(stderr, "--dtype must be f32, bf16 or f16, got '%s'\n", s ? s : "");
+    return -1;
+}
+
+/* --dtype bf16/f16: the 1-rank run's final loss vs the same training in f32
+ * (one more 1-rank run), within final_rtol_of. */
+static bool final_loss_vs_f32(const run *lowp)
+{
+    static run f32; /* static: a run is large */
+    f32 = (run){.mode = MODE_NONE, .dtype = TP_F32, .ranks = 1, .steps = lowp->steps};
+    f32.status = tp_run_local(1, transformer_rank, &f32);
+    bool ok = f32.status == TP_OK;
+    if (!ok) {
+        fprintf(stderr, "the f32 run failed: %s: %s\n", tp_status_name(f32.status),
+                tp_last_error());
+    } else {
+        double a = lowp->loss[lowp->steps - 1], b = f32.loss[f32.steps - 1];
+        double rel = fabs(a - b) / fabs(b);
+        ok = rel <= final_rtol_of(lowp->dtype);
+        printf("\nfinal loss after %d steps: %s %.6f, f32 %.6f: relative difference %.3g "
+               "(tolerance %g)  %s\n",
+               lowp->steps, tp_dtype_name(lowp->dtype), a, b, rel, final_rtol_of(lowp->dtype),
+               ok ? "ok" : "TOO FAR");
+    }
+    run_free(&f32);
+    return ok;
+}
+
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi]\n"
-               "  -b mpi    under mpirun: the TP runs use one process per rank\n"
-               "  -r RANKS  rank count of the TP runs; RANKS / DP must divide the %d heads\n"
-               "            (default: 1, 2 and 4 times DP)\n"
-               "  -d DP     data parallel x tensor parallel: a (\"dp\", \"tp\") mesh of\n"
-               "            [DP, RANKS / DP], the batch of %d split over dp (DP divides both)\n"
-               "  -s STEPS  Adam steps (default 3)\n"
-               "  -t        also print the full comm-debug table of every run\n",
+    fprintf(f,
+            "usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi]\n"
+            "                              [--dtype f32|bf16|f16]\n"
+            "  -b mpi    under mpirun: the TP runs use one process per rank\n"
+            "  -r RANKS  rank count of the TP runs; RANKS / DP must divide the %d heads\n"
+            "            (default: 1, 2 and 4 times DP)\n"
+            "  -d DP     data parallel x tensor parallel: a (\"dp\", \"tp\") mesh of\n"
+            "            [DP, RANKS / DP], the batch of %d split over dp (DP divides both)\n"
+            "  -s STEPS  Adam steps (default 3)\n"
+            "  -t        also print the full comm-debug table of every run\n"
+            "  --dtype   train in f32 (default), bf16 or f16 (f32 master weights and\n"
+            "            states, f32 gradient reduction; f16 with loss scaling), and\n"
+            "            compare with an f32 run\n",
             HEADS, BATCH);
 }
 
@@ -948,6 +1076,9 @@ int main(int argc, char **argv)
                 return 2;
         } else if (!strcmp(argv[i], "-t")) {
             all_tables = true;
+        } else if (!strcmp(argv[i], "--dtype")) {
+            if (parse_dtype(i + 1 < argc ? argv[++i] : NULL, &g_dtype) != 0)
+                return 2;
         } else {
             usage(stderr);
             return 2;
@@ -991,17 +1122,22 @@ int main(int argc, char **argv)
 
     static run runs[MAX_RUNS];
     int nruns = 0;
-    runs[nruns++] = (run){.mode = MODE_NONE, .ranks = 1, .steps = steps};
+    runs[nruns++] = (run){.mode = MODE_NONE, .dtype = g_dtype, .ranks = 1, .steps = steps};
     for (int c = 0; c < n_counts; c++)
         for (int m = MODE_TP; m <= MODE_SP; m++)
-            runs[nruns++] =
-                (run){.mode = (run_mode)m, .ranks = rank_counts[c], .dp = dp, .steps = steps};
+            runs[nruns++] = (run){.mode = (run_mode)m,
+                                  .dtype = g_dtype,
+                                  .ranks = rank_counts[c],
+                                  .dp = dp,
+                                  .steps = steps};
 
     printf("libtp example: decoder-only transformer, tensor + sequence parallel\n"
            "vocab %d, dim %d, %d heads x %d, ffn %d, %d layers, seq %d, batch %d; "
-           "Adam lr %g, %d steps\n"
-           "every run must match the 1-rank run without TP (rtol %g, atol %g)\n\n",
-           VOCAB, DIM, HEADS, HEAD_DIM, FFN, LAYERS, SEQ, BATCH, LR, steps, RTOL, ATOL);
+           "Adam lr %g, %d steps, %s\n"
+           "every run must match the 1-rank run without TP (rtol %g, atol %g; parameters: atol "
+           "%g)\n\n",
+           VOCAB, DIM, HEADS, HEAD_DIM, FFN, LAYERS, SEQ, BATCH, LR, steps, tp_dtype_name(g_dtype),
+           RTOL, ATOL, param_atol(steps));
     printf("%-6s %5s ", "plan", dp ? "dpxtp" : "ranks");
     for (int s = 0; s < steps; s++)
         printf(" %6s %-2d", "loss", s);
@@ -1074,6 +1210,9 @@ int main(int argc, char **argv)
             all_ok = false;
         }
     }
+
+    if (g_dtype != TP_F32 && runs[0].status == TP_OK && reporter)
+        all_ok = final_loss_vs_f32(&runs[0]) && all_ok;
 
     printf("\n%s: %d runs; max |diff| vs the 1-rank run: loss %.2e, parameters %.2e "
            "(rtol %g, atol %g)\n",

@@ -157,6 +157,19 @@ typedef struct tp_ddp_options {
      * only inside calls and slow down with many requests outstanding (MPI on
      * shared memory) do better with 1; NCCL progresses on its own. */
     int max_in_flight;
+    /* reduce_dtype (torch MixedPrecision.reduce_dtype), used when
+     * has_reduce_dtype is true (TP_F32 is 0, so the flag says "set"; a zeroed
+     * options struct reduces in the gradients' own dtype, as before): every
+     * float gradient of another dtype is converted to reduce_dtype (f32,
+     * bf16 or f16; others are TP_ERR_INVALID_ARG) into its bucket, averaged
+     * there, and converted back (rounded once) when the bucket settles.
+     * Buckets hold reduce_dtype, and bucket_cap_bytes counts its bytes: a
+     * bf16 model reduced in f32 has the buckets, and the all_reduce count, of
+     * the same model in f32. Such gradients cannot be views into their
+     * bucket: with gradient_as_bucket_view (the remove_copies pass) it is
+     * TP_ERR_NOT_SUPPORTED. */
+    bool has_reduce_dtype;
+    tp_dtype reduce_dtype;
 } tp_ddp_options;
 
 /*

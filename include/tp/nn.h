@@ -145,6 +145,29 @@ TP_API void tp_module_zero_grad(tp_module *m);
  * CUDA device needs a CUDA build (TP_ERR_NOT_SUPPORTED otherwise). */
 TP_API tp_status tp_module_to(tp_module *m, tp_device device);
 
+/*
+ * param_dtype (mixed precision): casts every floating-point parameter of the
+ * subtree to `dtype` (TP_F32, TP_BF16 or TP_F16; anything else is
+ * TP_ERR_INVALID_ARG naming the dtype). Each parameter of another float
+ * dtype is replaced by a copy in `dtype` (values rounded to nearest even) on
+ * the same device; a DTensor parameter by a DTensor over a cast copy of its
+ * local shard, with the same mesh, placements and global shape. A
+ * parameter's gradient, if it has one, is cast the same way and becomes the
+ * copy's gradient (PyTorch's module.to(dtype) does so too). Parameters
+ * already in `dtype` and non-float ones are left alone. Ties are kept as by
+ * tp_module_to, and as there the module drops the old tensors (references
+ * the caller kept still point at them), optimizers created earlier refuse
+ * the replaced parameters, and a DDP created earlier keeps the old ones:
+ * cast first, then wrap (tp_ddp_create) and create optimizers. All or
+ * nothing: on failure no parameter has changed. Not collective.
+ *
+ * Low-precision parameters train with f32 master weights through tp_adam
+ * and tp_sgd (below), with gradients reduced in f32 by a DDP whose options
+ * ask for it (tp/dp.h, has_reduce_dtype), and for f16 with loss scaling
+ * (tp_grad_scaler, below).
+ */
+TP_API tp_status tp_module_to_dtype(tp_module *m, tp_dtype dtype);
+
 /* Training mode of m and its subtree (default true); in evaluation mode
  * Dropout is the identity. */
 TP_API void tp_module_set_training(tp_module *m, bool training);
@@ -307,19 +330,133 @@ TP_API tp_status tp_module_replicate(tp_module *module, const tp_device *devices
  * Handles over overlapping but different regions are different parameters.
  */
 
+/*
+ * Precision. Updates compute in f32 (the kernels in double, rounded to f32
+ * once), whatever the parameters' dtype: f32, bf16 or f16 (others are
+ * TP_ERR_NOT_SUPPORTED naming the parameter). Gradients are read in f32.
+ * A bf16/f16 parameter is written rounded once per step (to nearest even).
+ * tp_adam and tp_sgd keep an f32 master copy of each bf16/f16 parameter's
+ * local block (created from the parameter at its first step, on its
+ * device, with Adam's f32 m and v), step the master and write the
+ * parameter from it, so updates smaller than half an ulp of the parameter
+ * accumulate; the stateless tp_sgd_step has no master and loses them. Once
+ * a master exists it is the optimizer's truth: a value written into the
+ * parameter by other means (a state-dict load) is overwritten at the next
+ * step; create the optimizer after loading.
+ */
+
 /* p -= lr * grad for every parameter with a gradient (a Partial gradient is
- * reduced to the parameter's layout first: collective). */
+ * reduced to the parameter's layout first: collective). Stateless: a
+ * bf16/f16 parameter is updated in f32 and rounded once, without master
+ * weights (see tp_sgd). */
 TP_API tp_status tp_sgd_step(tp_module *m, double lr);
+
+/* SGD with state: the same update as tp_sgd_step, plus f32 master weights
+ * for bf16/f16 parameters (a stateless function cannot keep them, hence an
+ * object). Owner: the caller (tp_sgd_create, tp_sgd_free). It borrows the
+ * module, which must outlive it, and holds a reference on every
+ * low-precision parameter it keeps a master for, and the master. A
+ * parameter replaced after its first step (tp_module_to_dtype, a parallel
+ * style) is TP_ERR_STATE at the next step. */
+typedef struct tp_sgd tp_sgd;
+/* lr: finite and >= 0 (no default: 0 is a valid rate, as in tp_sgd_step). */
+TP_API tp_status tp_sgd_create(tp_module *m, double lr, tp_sgd **out);
+/* One step over the module's parameters (step pre-hooks first, as
+ * tp_sgd_step). */
+TP_API tp_status tp_sgd_opt_step(tp_sgd *opt);
+/* NULL is a no-op. */
+TP_API void tp_sgd_free(tp_sgd *opt);
 
 /* Owner: the caller (tp_adam_create, tp_adam_free). It borrows the module,
  * which must outlive it, and holds a reference on every parameter it keeps
- * state for, and its moment tensors. */
+ * state for, and its moment tensors (f32) and masters (f32, bf16/f16
+ * parameters only). */
 typedef struct tp_adam tp_adam;
 /* Adam (PyTorch defaults when zero: lr 1e-3, betas 0.9/0.999, eps 1e-8). */
 TP_API tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, double eps,
                                 tp_adam **out);
 TP_API tp_status tp_adam_step(tp_adam *opt);
 TP_API void tp_adam_free(tp_adam *opt);
+
+/* ---- loss scaling (torch.amp.GradScaler) ---------------------------------------- */
+
+/*
+ * f16 gradients underflow: small ones round to zero. A grad scaler
+ * multiplies the loss by a scale S before backward, so that gradients are S
+ * times larger in f16, and the optimizer step divides them by S again, in
+ * f32, as it reads them (the unscaling is fused into the step, like
+ * PyTorch's fused optimizers: a low-precision gradient is never stored
+ * unscaled, so the gradients keep their scaled values in their storage).
+ * When a gradient holds an inf or a NaN (S too large: f16 overflowed), the
+ * step is skipped on every rank and S backs off; after growth_interval
+ * steps in a row without one, S grows:
+ *
+ *   tp_grad_scaler *gs;
+ *   tp_grad_scaler_create(world_comm, NULL, &gs);   // NULL comm: one process
+ *   for (...) {
+ *       ... loss ...;
+ *       tp_grad_scaler_scale(gs, loss, &scaled); tp_backward(scaled, NULL);
+ *       tp_grad_scaler_step_adam(gs, adam, &stepped);  // or _step_sgd (tp_sgd)
+ *       tp_grad_scaler_update(gs);
+ *       tp_module_zero_grad(model);
+ *   }
+ *
+ * The inf/NaN check is collective over the scaler's comm: one all_reduce
+ * (max) of a one-element f32 flag per step, so that every rank skips the
+ * same steps. Give it a comm that spans every rank holding gradients of the
+ * model (the world of a data x tensor parallel run); NULL for one process.
+ * With an f16 loss the default initial scale 2^16 overflows f16 (largest
+ * 65504) as soon as the loss is about 1 or more: that step is skipped and
+ * the scale backs off to 2^15, as PyTorch does on any overflow; an
+ * init_scale of 2^10 or so avoids the skipped steps.
+ *
+ * Owner: the caller (tp_grad_scaler_create, tp_grad_scaler_free). It holds
+ * a reference on its comm. One thread uses a scaler (one per rank).
+ */
+typedef struct tp_grad_scaler tp_grad_scaler;
+
+/* Zero fields take PyTorch's defaults. */
+typedef struct tp_grad_scaler_options {
+    double init_scale;     /* 0: 65536 (2^16); else finite and > 0 */
+    double growth_factor;  /* 0: 2.0; else finite and > 1 */
+    double backoff_factor; /* 0: 0.5; else in (0, 1) */
+    int growth_interval;   /* 0: 2000; else > 0 */
+} tp_grad_scaler_options;
+
+/* comm may be NULL (no agreement between processes); opts NULL: defaults. */
+TP_API tp_status tp_grad_scaler_create(tp_comm *comm, const tp_grad_scaler_options *opts,
+                                       tp_grad_scaler **out);
+/* NULL is a no-op. */
+TP_API void tp_grad_scaler_free(tp_grad_scaler *gs);
+/* *out = loss * scale (tp_scale: recorded for backward; a new reference). */
+TP_API tp_status tp_grad_scaler_scale(tp_grad_scaler *gs, tp_tensor *loss, tp_tensor **out);
+/*
+ * torch's unscale_: the inf/NaN check of this step. Runs m's step
+ * pre-hooks first (a DDP's gradient all_reduces finish there), then checks
+ * every gradient of m's parameters (each handle's local values) and
+ * all_reduces (max) the found flag over the comm: collective, one
+ * all_reduce. *found_inf (may be NULL) receives the agreed flag. Once per
+ * step: a second call before tp_grad_scaler_update is TP_ERR_STATE. The
+ * gradients are not changed (the step unscales as it reads them).
+ */
+TP_API tp_status tp_grad_scaler_unscale(tp_grad_scaler *gs, tp_module *m, bool *found_inf);
+/* The optimizer step through the scaler: unscales (the check above, on the
+ * optimizer's module) unless done this step; when an inf/NaN was found
+ * the step is skipped (*stepped false, no parameter or state changes),
+ * else the optimizer steps with every gradient divided by the scale (in f32)
+ * and *stepped is true. stepped may be NULL. */
+TP_API tp_status tp_grad_scaler_step_adam(tp_grad_scaler *gs, tp_adam *opt, bool *stepped);
+TP_API tp_status tp_grad_scaler_step_sgd(tp_grad_scaler *gs, tp_sgd *opt, bool *stepped);
+/* Ends the step: an inf/NaN found: scale *= backoff_factor and the count of
+ * good steps restarts; else that count grows, and when it reaches
+ * growth_interval, scale *= growth_factor and it restarts. TP_ERR_STATE
+ * when no check ran since the last update (no unscale or step through the
+ * scaler). Not collective (the flag was agreed already). */
+TP_API tp_status tp_grad_scaler_update(tp_grad_scaler *gs);
+/* The current scale (0 for NULL). */
+TP_API double tp_grad_scaler_get_scale(const tp_grad_scaler *gs);
+/* Good steps since the last growth or backoff (-1 for NULL). */
+TP_API int tp_grad_scaler_growth_tracker(const tp_grad_scaler *gs);
 
 #ifdef __cplusplus
 }

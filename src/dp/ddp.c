@@ -202,13 +202,15 @@ static tp_status tp__build(tp_ddp *d)
     if (!d->b)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for %d buckets", fn, g->nb);
     d->nb = g->nb;
-    if (g->fused) {
-        for (int b = 0; b < g->nb; b++) {
-            tp_tensor *l = tp__local(d->p[g->order[g->buckets[b].first]].t);
-            int64_t n = g->buckets[b].numel;
-            TP_CHECK(tp_tensor_zeros(tp_tensor_dtype(l), tp_tensor_device(l), 1, &n,
-                                     &d->b[b].buf));
-        }
+    /* fused buckets, and lone gradients converted for their all_reduce
+     * (reduce_dtype), have a buffer of the bucket dtype */
+    for (int b = 0; b < g->nb; b++) {
+        int first = g->order[g->buckets[b].first];
+        if (!g->fused && !g->converts[first])
+            continue;
+        tp_tensor *l = tp__local(d->p[first].t);
+        int64_t n = g->buckets[b].numel;
+        TP_CHECK(tp_tensor_zeros(g->dtype[first], tp_tensor_device(l), 1, &n, &d->b[b].buf));
     }
     d->built_version = g->version;
     return TP_OK;
@@ -229,6 +231,7 @@ static tp_status tp__prepare(tp_ddp *d)
 }
 
 static tp_status tp__wait(tp_ddp *d, int b);
+static tp_status tp__copy_in(tp_ddp *d, int b);
 
 static tp_status tp__grad_pending(tp_tensor *t, const char *fn, void *ctx);
 
@@ -260,7 +263,11 @@ static tp_status tp__launch(tp_ddp *d, int b)
     }
     const tp__gbucket *bk = &g->buckets[b];
     tp_tensor *buf = d->b[b].buf;
-    if (!g->fused) {
+    if (!g->fused && buf) {
+        /* a lone gradient converted into its buffer (reduce_dtype) */
+        TP_CHECK(tp__ensure_grad(&d->p[g->order[bk->first]]));
+        TP_CHECK(tp__copy_in(d, b));
+    } else if (!g->fused) {
         /* a lone gradient, reduced in place */
         tp__dparam *p = &d->p[g->order[bk->first]];
         TP_CHECK(tp__ensure_grad(p));
@@ -331,6 +338,14 @@ static tp_status tp__wait(tp_ddp *d, int b)
 /* Whether the schedule copies fused buckets back into the gradients. */
 static bool tp__copies_out(const tp_step_graph *g) { return g->fused && !g->views; }
 
+/* Whether bucket b's result goes back into its gradients at its settling:
+ * fused buckets without views, and lone gradients converted for their
+ * all_reduce (reduce_dtype), whose schedule has no copy-out node. */
+static bool tp__settle_copies(const tp_ddp *d, int b)
+{
+    return tp__copies_out(d->g) || (!d->g->fused && d->b[b].buf);
+}
+
 /* Bucket b's gradients final: waited for, copied out where the schedule
  * does, its parameters' callbacks removed. Once per step: the schedule's
  * own wait / copy out and an earlier read of one of its gradients meet
@@ -342,7 +357,7 @@ static tp_status tp__settle(tp_ddp *d, int b)
         return TP_OK;
     TP_CHECK(tp__wait(d, b));
     tp__mark_pending(d, b, false); /* copy out installs gradients: not a user's access */
-    if (tp__copies_out(d->g)) {
+    if (tp__settle_copies(d, b)) {
         tp_status st = tp__copy_out(d, b);
         if (st != TP_OK) {
             tp__mark_pending(d, b, true);
@@ -636,6 +651,13 @@ static tp_status tp__agree(tp_ddp *d, const char *fn)
     return TP_OK;
 }
 
+/* The dtype a float gradient of local parameter l is all_reduced in. */
+static tp_dtype tp__bucket_dtype(const tp_ddp *d, const tp_tensor *l)
+{
+    tp_dtype dt = tp_tensor_dtype(l);
+    return d->opts.has_reduce_dtype && tp_dtype_is_float(dt) ? d->opts.reduce_dtype : dt;
+}
+
 tp_status tp_ddp_create(tp_module *module, tp_comm *comm, const tp_ddp_options *opts, tp_ddp **out)
 {
     const char *fn = "tp_ddp_create";
@@ -658,6 +680,12 @@ tp_status tp_ddp_create(tp_module *module, tp_comm *comm, const tp_ddp_options *
     if (st == TP_OK && d->opts.max_in_flight < 0)
         st = tp__error(TP_ERR_INVALID_ARG, "%s: max_in_flight %d is negative", fn,
                        d->opts.max_in_flight);
+    tp_dtype rd = d->opts.reduce_dtype;
+    if (st == TP_OK && d->opts.has_reduce_dtype && rd != TP_F32 && rd != TP_BF16 && rd != TP_F16)
+        st = tp__error(TP_ERR_INVALID_ARG,
+                       "%s: reduce_dtype %s (%d) is not a reduction dtype: use f32, bf16 or "
+                       "f16",
+                       fn, tp_dtype_name(rd), (int)rd);
     if (st != TP_OK)
         goto fail;
     int64_t *numel = tp__calloc((size_t)d->n, sizeof *numel);
@@ -672,7 +700,7 @@ tp_status tp_ddp_create(tp_module *module, tp_comm *comm, const tp_ddp_options *
             tp_tensor *l = tp__local(d->p[i].t);
             tp_device dev = tp_tensor_device(l);
             numel[i] = tp_tensor_numel(l);
-            dt[i] = tp_tensor_dtype(l);
+            dt[i] = tp__bucket_dtype(d, l);
             devkey[i] = (int)dev.type * 65536 + dev.index;
             names[i] = d->p[i].fqn;
         }
@@ -685,6 +713,8 @@ tp_status tp_ddp_create(tp_module *module, tp_comm *comm, const tp_ddp_options *
     tp__free(names);
     if (st != TP_OK)
         goto fail;
+    for (int i = 0; i < d->n; i++)
+        d->g->converts[i] = d->g->dtype[i] != tp_tensor_dtype(tp__local(d->p[i].t));
     d->g->owner = d;
     if (!d->opts.manual_passes) {
         st = tp_pass_apply(tp_pass_bucket_fusion(), d->g);

@@ -28,7 +28,9 @@ typedef struct tp__gbucket {
 struct tp_step_graph {
     int n;              /* parameters */
     int64_t *numel;     /* per parameter (registration order) */
-    tp_dtype *dtype;
+    tp_dtype *dtype;    /* the bucket dtype: what the all_reduce moves */
+    bool *converts;     /* the gradient has another dtype (reduce_dtype): copied
+                         * into and out of its bucket, never a view */
     int *devkey;        /* device type * 65536 + index: buckets never mix devices */
     char **names;       /* per parameter, for tp_step_graph_write */
     int *order;         /* ready order: parameter indices */

@@ -23,6 +23,7 @@ void tp_step_graph_free(tp_step_graph *g)
     tp__free(g->names);
     tp__free(g->numel);
     tp__free(g->dtype);
+    tp__free(g->converts);
     tp__free(g->devkey);
     tp__free(g->order);
     tp__free(g->offset);
@@ -81,6 +82,7 @@ tp_status tp__graph_new(const char *fn, int n, const int64_t *numel, const tp_dt
     size_t un = (size_t)(n > 0 ? n : 1);
     g->numel = tp__calloc(un, sizeof *g->numel);
     g->dtype = tp__calloc(un, sizeof *g->dtype);
+    g->converts = tp__calloc(un, sizeof *g->converts);
     g->devkey = tp__calloc(un, sizeof *g->devkey);
     g->names = tp__calloc(un, sizeof *g->names);
     g->order = tp__calloc(un, sizeof *g->order);
@@ -89,8 +91,8 @@ tp_status tp__graph_new(const char *fn, int n, const int64_t *numel, const tp_dt
     g->buckets = tp__calloc(un, sizeof *g->buckets);
     /* at most 3 nodes per parameter plus 2 per bucket (copy in/out) and the step */
     g->nodes = tp__calloc(5 * un + 1, sizeof *g->nodes);
-    if (!g->numel || !g->dtype || !g->devkey || !g->names || !g->order || !g->offset ||
-        !g->bucket_of || !g->buckets || !g->nodes) {
+    if (!g->numel || !g->dtype || !g->converts || !g->devkey || !g->names || !g->order ||
+        !g->offset || !g->bucket_of || !g->buckets || !g->nodes) {
         tp_step_graph_free(g);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     }
@@ -266,6 +268,15 @@ static tp_status tp__run_late_waits(tp_step_graph *g, void *ctx)
 static tp_status tp__run_remove_copies(tp_step_graph *g, void *ctx)
 {
     (void)ctx;
+    /* a gradient converted for the all_reduce (reduce_dtype) has another
+     * dtype than its bucket: it cannot be a view into it */
+    for (int i = 0; i < g->n; i++)
+        if (g->converts[i])
+            return tp__error(TP_ERR_NOT_SUPPORTED,
+                             "the gradient of %s is converted to %s for its all_reduce "
+                             "(reduce_dtype): it cannot be a view into its bucket; leave "
+                             "gradient_as_bucket_view off",
+                             g->names[i], tp_dtype_name(g->dtype[i]));
     g->views = true;
     return tp__graph_rebuild(g);
 }

@@ -508,33 +508,43 @@ typedef struct {
     size_t cap;
     tp__param_map map; /* old (borrowed: the module holds it until the swap)
                         * -> moved (a reference) */
-    tp_device dev;
+    const char *fn;
+    bool cast;      /* tp_module_to_dtype: the dtype changes, the device stays */
+    tp_device dev;  /* tp_module_to */
+    tp_dtype dtype; /* tp_module_to_dtype */
 } tp__moves;
 
-static bool tp__on(const tp_tensor *t, tp_device dev)
+/* Whether parameter t is left as it is. */
+static bool tp__stays(const tp__moves *mv, const tp_tensor *t)
 {
-    return tp__device_eq(tp_tensor_device(t), dev);
+    if (mv->cast)
+        return tp_tensor_dtype(t) == mv->dtype || !tp_dtype_is_float(tp_tensor_dtype(t));
+    return tp__device_eq(tp_tensor_device(t), mv->dev);
 }
 
-/* A copy of parameter p on dev: a plain copy, or a DTensor over a copy of
- * its local shard with p's layout. Marked requires_grad. */
-static tp_status tp__moved(tp_tensor *p, tp_device dev, tp_tensor **out)
+/* A copy of p (a parameter, or a gradient) on dev in dtype: a plain copy,
+ * or a DTensor over a copy of its local shard with p's layout. */
+static tp_status tp__copy_to(tp_tensor *p, tp_dtype dtype, tp_device dev, tp_tensor **out)
+{
+    if (!tp_tensor_is_dtensor(p))
+        return tp_tensor_to(p, dtype, dev, out);
+    tp_tensor *nl = NULL;
+    tp_status st = tp_tensor_to(tp_dtensor_local(p), dtype, dev, &nl);
+    if (st == TP_OK) {
+        tp_mesh *mesh = tp_dtensor_mesh(p);
+        tp_from_local_options o = {.global_shape = tp_tensor_shape(p), .check = false};
+        st = tp_dtensor_from_local(mesh, nl, tp_mesh_ndim(mesh), tp_dtensor_placements(p), &o, out);
+    }
+    tp_tensor_release(nl);
+    return st;
+}
+
+/* A copy of parameter p where mv sends it, marked requires_grad. */
+static tp_status tp__moved(const tp__moves *mv, tp_tensor *p, tp_tensor **out)
 {
     tp_tensor *r = NULL;
-    tp_status st;
-    if (tp_tensor_is_dtensor(p)) {
-        tp_tensor *l = tp_dtensor_local(p), *nl = NULL;
-        st = tp_tensor_to(l, tp_tensor_dtype(l), dev, &nl);
-        if (st == TP_OK) {
-            tp_mesh *mesh = tp_dtensor_mesh(p);
-            tp_from_local_options o = {.global_shape = tp_tensor_shape(p), .check = false};
-            st = tp_dtensor_from_local(mesh, nl, tp_mesh_ndim(mesh), tp_dtensor_placements(p), &o,
-                                       &r);
-        }
-        tp_tensor_release(nl);
-    } else {
-        st = tp_tensor_to(p, tp_tensor_dtype(p), dev, &r);
-    }
+    tp_status st = mv->cast ? tp__copy_to(p, mv->dtype, tp_tensor_device(p), &r)
+                            : tp__copy_to(p, tp_tensor_dtype(p), mv->dev, &r);
     if (st == TP_OK)
         st = tp_tensor_set_requires_grad(r, true);
     if (st != TP_OK) {
@@ -601,24 +611,39 @@ tp_status tp__param_map_find(const tp__param_map *mm, tp_tensor *p, tp_tensor **
 
 /* A tied parameter (one tensor under several names, or handles over one
  * storage region: tp__param_same) is copied once; every name gets the copy. */
+/* A cast keeps gradients: old's gradient, cast like the parameter, becomes
+ * t's (once: a tied tensor reached again already has it). */
+static tp_status tp__cast_grad(const tp__moves *mv, tp_tensor *old, tp_tensor *t)
+{
+    tp_tensor *g = mv->cast ? tp_tensor_grad(old) : NULL, *c = NULL;
+    if (!g || tp_tensor_grad(t))
+        return TP_OK;
+    tp_status st = tp__copy_to(g, mv->dtype, tp_tensor_device(g), &c);
+    if (st == TP_OK)
+        st = tp_tensor_set_grad(t, c);
+    tp_tensor_release(c);
+    return st;
+}
+
 static tp_status tp__collect_moves(tp_module *m, tp__moves *mv)
 {
     for (int i = 0; i < m->n_params; i++) {
         tp_tensor *old = m->params[i];
-        if (!old || tp__on(old, mv->dev))
+        if (!old || tp__stays(mv, old))
             continue;
         if (!tp__grow_array((void **)&mv->slot, mv->map.n, &mv->cap, sizeof *mv->slot))
-            return tp__error(TP_ERR_NO_MEMORY, "tp_module_to: out of memory");
+            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", mv->fn);
         tp_tensor *t = NULL;
         tp_status st = tp__param_map_find(&mv->map, old, &t);
         if (!t && st == TP_OK)
-            st = tp__moved(old, mv->dev, &t);
+            st = tp__moved(mv, old, &t);
+        if (st == TP_OK)
+            st = tp__cast_grad(mv, old, t);
         if (st == TP_OK && !tp__param_map_add(&mv->map, old, t))
             st = tp__error(TP_ERR_NO_MEMORY, "out of memory");
         if (st != TP_OK) {
             tp_tensor_release(t);
-            tp__error_prefix("tp_module_to: parameter '%s' of %s", m->param_names[i],
-                             m->type_name);
+            tp__error_prefix("%s: parameter '%s' of %s", mv->fn, m->param_names[i], m->type_name);
             return st;
         }
         mv->slot[mv->map.n - 1] = (tp__slot){m, i};
@@ -628,27 +653,44 @@ static tp_status tp__collect_moves(tp_module *m, tp__moves *mv)
     return TP_OK;
 }
 
+/* Makes every copy first, then swaps them in: all or nothing. */
+static tp_status tp__apply_moves(tp_module *m, tp__moves *mv)
+{
+    tp_status st = tp__collect_moves(m, mv);
+    for (size_t k = 0; k < mv->map.n; k++) {
+        if (st == TP_OK) { /* all copies made: swap them in */
+            tp_module *o = mv->slot[k].m;
+            tp_tensor *old = o->params[mv->slot[k].i];
+            o->params[mv->slot[k].i] = mv->map.v[k].to;
+            tp_tensor_release(old);
+        } else {
+            tp_tensor_release(mv->map.v[k].to);
+        }
+    }
+    tp__free(mv->slot);
+    tp__free(mv->map.v);
+    return st;
+}
+
 tp_status tp_module_to(tp_module *m, tp_device device)
 {
     TP_ARG_CHECK(m, "tp_module_to: module is NULL");
     if (device.type == TP_DEVICE_CUDA && tp_cuda_device_count() == 0)
         return tp__error(TP_ERR_NOT_SUPPORTED, "tp_module_to: CUDA device %d unavailable (%s)",
                          device.index, tp__cuda_unavailable_reason());
-    tp__moves mv = {.dev = device};
-    tp_status st = tp__collect_moves(m, &mv);
-    for (size_t k = 0; k < mv.map.n; k++) {
-        if (st == TP_OK) { /* all copies made: swap them in */
-            tp_module *o = mv.slot[k].m;
-            tp_tensor *old = o->params[mv.slot[k].i];
-            o->params[mv.slot[k].i] = mv.map.v[k].to;
-            tp_tensor_release(old);
-        } else {
-            tp_tensor_release(mv.map.v[k].to);
-        }
-    }
-    tp__free(mv.slot);
-    tp__free(mv.map.v);
-    return st;
+    tp__moves mv = {.fn = "tp_module_to", .dev = device};
+    return tp__apply_moves(m, &mv);
+}
+
+tp_status tp_module_to_dtype(tp_module *m, tp_dtype dtype)
+{
+    const char *fn = "tp_module_to_dtype";
+    TP_ARG_CHECK(m, "%s: module is NULL", fn);
+    TP_ARG_CHECK(dtype == TP_F32 || dtype == TP_BF16 || dtype == TP_F16,
+                 "%s: dtype %s (%d) is not a parameter dtype: use f32, bf16 or f16", fn,
+                 tp_dtype_name(dtype), (int)dtype);
+    tp__moves mv = {.fn = fn, .cast = true, .dtype = dtype};
+    return tp__apply_moves(m, &mv);
 }
 
 tp_status tp_module_named_parameters(tp_module *m,

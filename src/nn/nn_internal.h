@@ -150,4 +150,16 @@ bool tp__param_map_add(tp__param_map *mm, const tp_tensor *from, tp_tensor *to);
  * when p's parameter was not copied yet. */
 tp_status tp__param_map_find(const tp__param_map *mm, tp_tensor *p, tp_tensor **out);
 
+/* ---- the optimizers as the grad scaler drives them (optim.c, amp.c) ---- */
+
+/* A step whose gradients are multiplied by inv_scale (in f32, as they are
+ * read: the scaler's unscaling fused into the step). */
+tp_status tp__adam_step_scaled(tp_adam *opt, float inv_scale);
+tp_status tp__sgd_step_scaled(tp_sgd *opt, float inv_scale);
+tp_module *tp__adam_module(const tp_adam *opt);
+tp_module *tp__sgd_module(const tp_sgd *opt);
+/* *found: some gradient of m's parameters holds an inf or NaN, in this
+ * rank's local values (no communication). */
+tp_status tp__grads_nonfinite(const char *fn, tp_module *m, bool *found);
+
 #endif /* TP_NN_INTERNAL_H */

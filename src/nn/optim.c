@@ -547,27 +547,261 @@ static tp_status tp__param_grad(const char *fn, const tp__plist *l, int i, tp_te
     return TP_OK;
 }
 
-/* Updates run on a contiguous f32 view of the parameter's local storage: the
- * storage itself when it is one, else a copy written back afterwards. */
-static tp_status tp__param_begin(const char *fn, const char *fqn, tp_tensor *p, tp_tensor **work)
+/* ---- one step over the parameters -------------------------------------------------- */
+
+/* g / scale into a new f32 tensor (the grad scaler's unscaling, fused into
+ * the step: a low-precision gradient is never stored unscaled). */
+static tp_status tp__unscale(tp_tensor **g, float inv_scale)
 {
-    tp_tensor *pl = tp__storage_of(p);
-    if (tp_tensor_dtype(pl) != TP_F32)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: parameter '%s' is %s; only f32 parameters "
-                         "are supported", fn, fqn, tp_dtype_name(tp_tensor_dtype(pl)));
-    if (tp_tensor_is_contiguous(pl)) {
-        *work = tp_tensor_retain(pl);
-        return TP_OK;
+    tp_device dev = tp_tensor_device(*g);
+    const tp__kernels *k = NULL;
+    tp_tensor *y = NULL;
+    TP_CHECK(tp__kernels_for(dev, &k));
+    TP_CHECK(tp_tensor_empty(TP_F32, dev, tp_tensor_ndim(*g), tp_tensor_shape(*g), &y));
+    tp_status st =
+        k->scale(dev, TP_F32, tp_tensor_data(*g), inv_scale, tp_tensor_data(y), tp_tensor_numel(y));
+    if (st != TP_OK) {
+        tp_tensor_release(y);
+        return st;
     }
-    return tp_tensor_clone(pl, work);
+    tp_tensor_release(*g);
+    *g = y;
+    return TP_OK;
 }
 
-static tp_status tp__param_end(tp_tensor *p, tp_tensor *work)
+/*
+ * Per-parameter state, keyed by the parameter's (first) FQN and created at
+ * its first step with a gradient (as torch.optim's lazy state). Found by
+ * the parameter's tensor (the list's first handle), checked against the
+ * FQN: a step finds every state in O(log n).
+ *
+ * Master weights. A bf16/f16 parameter gets an f32 copy of its local block
+ * (`master`, made from the parameter at that first step): the update runs
+ * on it with the f32 kernel, and the parameter is written from it, rounded
+ * once per step. Updates smaller than half a bf16/f16 ulp accumulate in the
+ * master instead of being rounded away one by one.
+ */
+typedef struct {
+    char *fqn;
+    tp_tensor *param;  /* retained: a replaced parameter is detected, not updated */
+    tp_tensor *master; /* f32, the local block's shape; NULL for an f32 parameter */
+    tp_tensor *m, *v;  /* Adam's moments, f32; NULL for SGD */
+    int64_t step;
+} tp__pstate;
+
+/* Sorted views of the states made before this step. */
+typedef struct {
+    const void *key; /* the state's param, or its fqn */
+    int i;           /* the state */
+} tp__pindex;
+
+typedef struct {
+    bool moments; /* Adam: every parameter has a state with m and v */
+    int n;
+    size_t cap;
+    tp__pstate *s;
+    int n_indexed; /* states [0, n_indexed) are in the views */
+    tp__pindex *by_param, *by_fqn;
+} tp__pstates;
+
+static void tp__pstates_free(tp__pstates *ps)
 {
+    for (int i = 0; i < ps->n; i++) {
+        tp__free(ps->s[i].fqn);
+        tp_tensor_release(ps->s[i].param);
+        tp_tensor_release(ps->s[i].master);
+        tp_tensor_release(ps->s[i].m);
+        tp_tensor_release(ps->s[i].v);
+    }
+    tp__free(ps->s);
+    tp__free(ps->by_param);
+    tp__free(ps->by_fqn);
+}
+
+static int tp__pindex_param_cmp(const void *pa, const void *pb)
+{
+    uintptr_t a = (uintptr_t)((const tp__pindex *)pa)->key;
+    uintptr_t b = (uintptr_t)((const tp__pindex *)pb)->key;
+    return (a > b) - (a < b);
+}
+
+static int tp__pindex_fqn_cmp(const void *pa, const void *pb)
+{
+    return strcmp(((const tp__pindex *)pa)->key, ((const tp__pindex *)pb)->key);
+}
+
+/* Brings the views up to the states made by earlier steps. */
+static tp_status tp__pstates_index(tp__pstates *ps, const char *fn)
+{
+    if (ps->n_indexed == ps->n)
+        return TP_OK;
+    size_t n = (size_t)ps->n;
+    tp__pindex *p = tp__malloc(n * sizeof *p), *f = tp__malloc(n * sizeof *f);
+    if (!p || !f) {
+        tp__free(p);
+        tp__free(f);
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    }
+    for (int i = 0; i < ps->n; i++) {
+        p[i] = (tp__pindex){ps->s[i].param, i};
+        f[i] = (tp__pindex){ps->s[i].fqn, i};
+    }
+    qsort(p, n, sizeof *p, tp__pindex_param_cmp);
+    qsort(f, n, sizeof *f, tp__pindex_fqn_cmp);
+    tp__free(ps->by_param);
+    tp__free(ps->by_fqn);
+    ps->by_param = p;
+    ps->by_fqn = f;
+    ps->n_indexed = ps->n;
+    return TP_OK;
+}
+
+/* The entry of a view whose key is key, or NULL. */
+static const tp__pindex *tp__pindex_find(const tp__pindex *v, int n, const void *key,
+                                         int (*cmp)(const void *, const void *))
+{
+    tp__pindex k = {key, -1};
+    return n ? bsearch(&k, v, (size_t)n, sizeof *v, cmp) : NULL;
+}
+
+static tp_status tp__pstate_new(const char *fn, tp__pstates *ps, const char *fqn, tp_tensor *p,
+                                tp__pstate **out)
+{
+    if (!tp__grow_array((void **)&ps->s, (size_t)ps->n, &ps->cap, sizeof *ps->s))
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     tp_tensor *pl = tp__storage_of(p);
-    tp_status st = work == pl ? TP_OK : tp_tensor_copy(pl, work);
-    tp_tensor_release(work);
+    tp_device dev = tp_tensor_device(pl); /* states live with the parameter */
+    int nd = tp_tensor_ndim(pl);
+    const int64_t *shape = tp_tensor_shape(pl);
+    tp__pstate st = {0};
+    st.fqn = tp__strdup(fqn);
+    tp_status rc = st.fqn ? TP_OK : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    if (rc == TP_OK && tp_tensor_dtype(pl) != TP_F32)
+        rc = tp_tensor_to(pl, TP_F32, dev, &st.master);
+    if (rc == TP_OK && ps->moments)
+        rc = tp_tensor_zeros(TP_F32, dev, nd, shape, &st.m);
+    if (rc == TP_OK && ps->moments)
+        rc = tp_tensor_zeros(TP_F32, dev, nd, shape, &st.v);
+    if (rc != TP_OK) {
+        tp__free(st.fqn);
+        tp_tensor_release(st.master);
+        tp_tensor_release(st.m);
+        tp_tensor_release(st.v);
+        return rc;
+    }
+    st.param = tp_tensor_retain(p);
+    ps->s[ps->n] = st;
+    *out = &ps->s[ps->n++];
+    return TP_OK;
+}
+
+/* The state of parameter p (first FQN fqn), made at its first step; *out
+ * stays NULL when p needs none (an f32 parameter of a stateless update). */
+static tp_status tp__pstate_of(const char *fn, tp__pstates *ps, const char *fqn, tp_tensor *p,
+                               tp__pstate **out)
+{
+    *out = NULL;
+    /* the parameter's own state, unless the tree changed its first FQN */
+    const tp__pindex *e = tp__pindex_find(ps->by_param, ps->n_indexed, p, tp__pindex_param_cmp);
+    if (!e || strcmp(ps->s[e->i].fqn, fqn) != 0)
+        e = tp__pindex_find(ps->by_fqn, ps->n_indexed, fqn, tp__pindex_fqn_cmp);
+    if (e) {
+        if (ps->s[e->i].param != p)
+            return tp__error(TP_ERR_STATE,
+                             "%s: parameter '%s' was replaced after its first step; create "
+                             "the optimizer after parallelizing (or casting) the module",
+                             fn, fqn);
+        *out = &ps->s[e->i];
+        return TP_OK;
+    }
+    if (!ps->moments && tp_tensor_dtype(p) == TP_F32)
+        return TP_OK;
+    return tp__pstate_new(fn, ps, fqn, p, out);
+}
+
+/* Applies an update to one parameter's f32 values w given its f32 gradient
+ * g (both contiguous, on the parameter's device); s is its state (NULL for
+ * a stateless one). */
+typedef tp_status (*tp__update_fn)(void *opt, tp__pstate *s, tp_tensor *w, tp_tensor *g);
+
+/* One parameter: the update runs on f32 values, that is the master (with
+ * a state), the parameter's storage itself (f32 and contiguous), or an f32
+ * copy; whatever is not the storage is written back into it, rounded once
+ * to the parameter's dtype. */
+static tp_status tp__step_param(const char *fn, tp__pstates *ps, const tp__pentry *e, tp_tensor *g,
+                                tp__update_fn update, void *opt)
+{
+    tp_tensor *pl = tp__storage_of(e->t), *w = NULL;
+    tp_dtype dt = tp_tensor_dtype(pl);
+    if (dt != TP_F32 && dt != TP_BF16 && dt != TP_F16)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "%s: parameter '%s' is %s; parameters must be f32, bf16 or f16", fn,
+                         e->fqn, tp_dtype_name(dt));
+    tp__pstate *s = NULL;
+    if (ps)
+        TP_CHECK(tp__pstate_of(fn, ps, e->fqn, e->t, &s));
+    tp_status st = TP_OK;
+    if (s && s->master)
+        w = tp_tensor_retain(s->master);
+    else if (dt == TP_F32 && tp_tensor_is_contiguous(pl))
+        w = tp_tensor_retain(pl);
+    else
+        st = tp_tensor_to(pl, TP_F32, tp_tensor_device(pl), &w);
+    if (st == TP_OK)
+        st = update(opt, s, w, g);
+    if (st == TP_OK && w != pl)
+        st = tp_tensor_copy(pl, w);
+    tp_tensor_release(w);
     return st;
+}
+
+/* An optimizer step over m's parameters: the step pre-hooks (a DDP's
+ * gradient all_reduces), then each parameter with a gradient once, its
+ * gradient (the sum over its handles) in f32 and multiplied by inv_scale. */
+static tp_status tp__opt_step(const char *fn, tp_module *m, tp__pstates *ps, float inv_scale,
+                              tp__update_fn update, void *opt)
+{
+    TP_CHECK(tp__module_run_step_hooks(m));
+    if (ps)
+        TP_CHECK(tp__pstates_index(ps, fn));
+    tp__plist l;
+    TP_CHECK(tp__plist_of(fn, m, true, &l));
+    tp_status st = TP_OK;
+    for (int i = 0; i < l.n && st == TP_OK; i++) {
+        if (l.rep[i] != i)
+            continue; /* another handle of parameter rep[i]: stepped with it */
+        tp_tensor *g = NULL;
+        st = tp__param_grad(fn, &l, i, &g);
+        if (st == TP_OK && g && inv_scale != 1.0f)
+            st = tp__unscale(&g, inv_scale);
+        if (st == TP_OK && g)
+            st = tp__step_param(fn, ps, &l.e[i], g, update, opt);
+        tp_tensor_release(g);
+    }
+    tp__plist_free(&l);
+    return st;
+}
+
+/* ---- SGD ---------------------------------------------------------------------- */
+
+/*
+ * SGD has two faces. tp_sgd_step(module, lr) is stateless, as it always
+ * was: it cannot keep master weights between calls without hiding state
+ * on the module (whose lifetime, replicas and casts it would then have to
+ * follow), so on a bf16/f16 parameter it computes p - lr*g in f32 and
+ * rounds p once per step, and an update below half an ulp is lost, as
+ * documented. tp_sgd is the same update with state: an object the caller
+ * owns, like tp_adam, that keeps the f32 master of every low-precision
+ * parameter, so that such updates accumulate. Both share this code.
+ */
+static tp_status tp__sgd_update(void *opt, tp__pstate *s, tp_tensor *w, tp_tensor *g)
+{
+    (void)s;
+    double lr = *(const double *)opt;
+    tp_device dev = tp_tensor_device(w);
+    const tp__kernels *k = NULL;
+    TP_CHECK(tp__kernels_for(dev, &k));
+    return k->sgd_step(dev, TP_F32, tp_tensor_data(w), tp_tensor_data(g), tp_tensor_numel(w), lr);
 }
 
 tp_status tp_sgd_step(tp_module *m, double lr)
@@ -575,61 +809,62 @@ tp_status tp_sgd_step(tp_module *m, double lr)
     const char *fn = "tp_sgd_step";
     TP_ARG_CHECK(m, "%s: module is NULL", fn);
     TP_ARG_CHECK(isfinite(lr) && lr >= 0, "%s: lr %g must be finite and >= 0", fn, lr);
-    TP_CHECK(tp__module_run_step_hooks(m));
-    tp__plist l;
-    TP_CHECK(tp__plist_of(fn, m, true, &l));
-    tp_status st = TP_OK;
-    for (int i = 0; i < l.n && st == TP_OK; i++) {
-        if (l.rep[i] != i)
-            continue; /* another handle of parameter rep[i]: stepped with it */
-        tp_tensor *g = NULL, *w = NULL;
-        st = tp__param_grad(fn, &l, i, &g);
-        if (st != TP_OK || !g)
-            continue;
-        st = tp__param_begin(fn, l.e[i].fqn, l.e[i].t, &w);
-        if (st == TP_OK) {
-            tp_device dev = tp_tensor_device(w);
-            const tp__kernels *k = NULL;
-            st = tp__kernels_for(dev, &k);
-            if (st == TP_OK)
-                st = k->sgd_step(dev, TP_F32, tp_tensor_data(w), tp_tensor_data(g),
-                                 tp_tensor_numel(w), lr);
-            if (st == TP_OK)
-                st = tp__param_end(l.e[i].t, w);
-            else
-                tp_tensor_release(w);
-        }
-        tp_tensor_release(g);
-    }
-    tp__plist_free(&l);
-    return st;
+    return tp__opt_step(fn, m, NULL, 1.0f, tp__sgd_update, &lr);
 }
 
-/* Per-parameter state, keyed by the parameter's (first) FQN and created at
- * its first step with a gradient (as torch.optim.Adam's lazy state). Found
- * by the parameter's tensor (the list's first handle), checked against the
- * FQN: a step finds every state in O(log n). */
-typedef struct {
-    char *fqn;
-    tp_tensor *param; /* retained: a replaced parameter is detected, not updated */
-    tp_tensor *m, *v; /* f32, the local block's shape */
-    int64_t step;
-} tp__adam_state;
+struct tp_sgd {
+    double lr; /* first: tp__sgd_update reads it */
+    tp_module *module;
+    tp__pstates st;
+};
 
-/* Sorted views of the states made before this step. */
-typedef struct {
-    const void *key; /* the state's param, or its fqn */
-    int i;           /* the state */
-} tp__adam_index;
+tp_status tp_sgd_create(tp_module *m, double lr, tp_sgd **out)
+{
+    const char *fn = "tp_sgd_create";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    TP_ARG_CHECK(m, "%s: module is NULL", fn);
+    TP_ARG_CHECK(isfinite(lr) && lr >= 0, "%s: lr %g must be finite and >= 0", fn, lr);
+    tp_sgd *o = tp__calloc(1, sizeof *o);
+    if (!o)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    o->lr = lr;
+    o->module = m;
+    *out = o;
+    return TP_OK;
+}
+
+tp_status tp__sgd_step_scaled(tp_sgd *opt, float inv_scale)
+{
+    return tp__opt_step("tp_sgd_opt_step", opt->module, &opt->st, inv_scale, tp__sgd_update,
+                        &opt->lr);
+}
+
+tp_status tp_sgd_opt_step(tp_sgd *opt)
+{
+    TP_ARG_CHECK(opt, "tp_sgd_opt_step: optimizer is NULL");
+    return tp__sgd_step_scaled(opt, 1.0f);
+}
+
+tp_module *tp__sgd_module(const tp_sgd *opt)
+{
+    return opt->module;
+}
+
+void tp_sgd_free(tp_sgd *opt)
+{
+    if (!opt)
+        return;
+    tp__pstates_free(&opt->st);
+    tp__free(opt);
+}
+
+/* ---- Adam --------------------------------------------------------------------- */
 
 struct tp_adam {
     tp_module *module;
     double lr, beta1, beta2, eps;
-    int n;
-    size_t cap;
-    tp__adam_state *s;
-    int n_indexed; /* states [0, n_indexed) are in the views */
-    tp__adam_index *by_param, *by_fqn;
+    tp__pstates st;
 };
 
 tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, double eps,
@@ -651,6 +886,7 @@ tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, do
     o->beta1 = beta1 ? beta1 : 0.9;
     o->beta2 = beta2 ? beta2 : 0.999;
     o->eps = eps ? eps : 1e-8;
+    o->st.moments = true;
     *out = o;
     return TP_OK;
 }
@@ -659,143 +895,83 @@ void tp_adam_free(tp_adam *opt)
 {
     if (!opt)
         return;
-    for (int i = 0; i < opt->n; i++) {
-        tp__free(opt->s[i].fqn);
-        tp_tensor_release(opt->s[i].param);
-        tp_tensor_release(opt->s[i].m);
-        tp_tensor_release(opt->s[i].v);
-    }
-    tp__free(opt->s);
-    tp__free(opt->by_param);
-    tp__free(opt->by_fqn);
+    tp__pstates_free(&opt->st);
     tp__free(opt);
 }
 
-static int tp__adam_param_cmp(const void *pa, const void *pb)
+static tp_status tp__adam_update(void *opt, tp__pstate *s, tp_tensor *w, tp_tensor *g)
 {
-    uintptr_t a = (uintptr_t)((const tp__adam_index *)pa)->key;
-    uintptr_t b = (uintptr_t)((const tp__adam_index *)pb)->key;
-    return (a > b) - (a < b);
+    const tp_adam *o = opt;
+    /* torch.optim.Adam (foreach=False, amsgrad=False, no weight decay):
+     * p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps) */
+    s->step++;
+    double bc1 = 1.0 - pow(o->beta1, (double)s->step);
+    double bc2 = 1.0 - pow(o->beta2, (double)s->step);
+    tp_device dev = tp_tensor_device(w); /* m and v live with the parameter */
+    const tp__kernels *k = NULL;
+    TP_CHECK(tp__kernels_for(dev, &k));
+    return k->adam_step(dev, TP_F32, tp_tensor_data(w), tp_tensor_data(s->m), tp_tensor_data(s->v),
+                        tp_tensor_data(g), tp_tensor_numel(w), o->beta1, o->beta2, o->lr / bc1,
+                        sqrt(bc2), o->eps);
 }
 
-static int tp__adam_fqn_cmp(const void *pa, const void *pb)
+tp_status tp__adam_step_scaled(tp_adam *opt, float inv_scale)
 {
-    return strcmp(((const tp__adam_index *)pa)->key, ((const tp__adam_index *)pb)->key);
-}
-
-/* Brings the views up to the states made by earlier steps. */
-static tp_status tp__adam_index_states(tp_adam *o)
-{
-    if (o->n_indexed == o->n)
-        return TP_OK;
-    size_t n = (size_t)o->n;
-    tp__adam_index *p = tp__malloc(n * sizeof *p), *f = tp__malloc(n * sizeof *f);
-    if (!p || !f) {
-        tp__free(p);
-        tp__free(f);
-        return tp__error(TP_ERR_NO_MEMORY, "tp_adam_step: out of memory");
-    }
-    for (int i = 0; i < o->n; i++) {
-        p[i] = (tp__adam_index){o->s[i].param, i};
-        f[i] = (tp__adam_index){o->s[i].fqn, i};
-    }
-    qsort(p, n, sizeof *p, tp__adam_param_cmp);
-    qsort(f, n, sizeof *f, tp__adam_fqn_cmp);
-    tp__free(o->by_param);
-    tp__free(o->by_fqn);
-    o->by_param = p;
-    o->by_fqn = f;
-    o->n_indexed = o->n;
-    return TP_OK;
-}
-
-/* The entry of a view whose key is key, or NULL. */
-static const tp__adam_index *tp__adam_find(const tp__adam_index *v, int n, const void *key,
-                                           int (*cmp)(const void *, const void *))
-{
-    tp__adam_index k = {key, -1};
-    return n ? bsearch(&k, v, (size_t)n, sizeof *v, cmp) : NULL;
-}
-
-static tp_status tp__adam_state_of(tp_adam *o, const char *fqn, tp_tensor *p, tp_tensor *work,
-                                   tp__adam_state **out)
-{
-    const char *fn = "tp_adam_step";
-    /* the parameter's own state, unless the tree changed its first FQN */
-    const tp__adam_index *e = tp__adam_find(o->by_param, o->n_indexed, p, tp__adam_param_cmp);
-    if (!e || strcmp(o->s[e->i].fqn, fqn) != 0)
-        e = tp__adam_find(o->by_fqn, o->n_indexed, fqn, tp__adam_fqn_cmp);
-    if (e) {
-        if (o->s[e->i].param != p)
-            return tp__error(TP_ERR_STATE,
-                             "%s: parameter '%s' was replaced after its first step; create "
-                             "the optimizer after parallelizing the module", fn, fqn);
-        *out = &o->s[e->i];
-        return TP_OK;
-    }
-    if (!tp__grow_array((void **)&o->s, (size_t)o->n, &o->cap, sizeof *o->s))
-        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    tp__adam_state st = {0};
-    st.fqn = tp__strdup(fqn);
-    tp_status rc = st.fqn ? TP_OK : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    if (rc == TP_OK)
-        rc = tp_tensor_zeros(TP_F32, tp_tensor_device(work), tp_tensor_ndim(work),
-                             tp_tensor_shape(work), &st.m);
-    if (rc == TP_OK)
-        rc = tp_tensor_zeros(TP_F32, tp_tensor_device(work), tp_tensor_ndim(work),
-                             tp_tensor_shape(work), &st.v);
-    if (rc != TP_OK) {
-        tp__free(st.fqn);
-        tp_tensor_release(st.m);
-        tp_tensor_release(st.v);
-        return rc;
-    }
-    st.param = tp_tensor_retain(p);
-    o->s[o->n] = st;
-    *out = &o->s[o->n++];
-    return TP_OK;
+    return tp__opt_step("tp_adam_step", opt->module, &opt->st, inv_scale, tp__adam_update, opt);
 }
 
 tp_status tp_adam_step(tp_adam *opt)
 {
-    const char *fn = "tp_adam_step";
-    TP_ARG_CHECK(opt, "%s: optimizer is NULL", fn);
-    TP_CHECK(tp__module_run_step_hooks(opt->module));
-    TP_CHECK(tp__adam_index_states(opt));
+    TP_ARG_CHECK(opt, "tp_adam_step: optimizer is NULL");
+    return tp__adam_step_scaled(opt, 1.0f);
+}
+
+tp_module *tp__adam_module(const tp_adam *opt)
+{
+    return opt->module;
+}
+
+/* ---- what the grad scaler reads (amp.c) ------------------------------------- */
+
+/* Whether local gradient g (any float dtype) holds an inf or a NaN: its f32
+ * copy times 0 is 0 where finite and NaN elsewhere, and their sum (in
+ * double) is NaN exactly when one was. Kernels only: any device. */
+static tp_status tp__nonfinite(tp_tensor *g, bool *found)
+{
+    tp_device dev = tp_tensor_device(g);
+    const tp__kernels *k = NULL;
+    tp_tensor *c = NULL, *y = NULL, *h = NULL;
+    int64_t one = 1;
+    TP_CHECK(tp__kernels_for(dev, &k));
+    tp_status st = tp_tensor_to(g, TP_F32, dev, &c);
+    if (st == TP_OK)
+        st = k->scale(dev, TP_F32, tp_tensor_data(c), 0.0f, tp_tensor_data(c), tp_tensor_numel(c));
+    if (st == TP_OK)
+        st = tp_tensor_empty(TP_F32, dev, 1, &one, &y);
+    if (st == TP_OK)
+        st = k->sum_all(dev, TP_F32, tp_tensor_data(c), tp_tensor_numel(c), tp_tensor_data(y), 1.0);
+    if (st == TP_OK)
+        st = tp_tensor_to(y, TP_F32, TP_CPU, &h);
+    if (st == TP_OK && !isfinite(*(const float *)tp_tensor_data(h)))
+        *found = true;
+    tp_tensor_release(c);
+    tp_tensor_release(y);
+    tp_tensor_release(h);
+    return st;
+}
+
+tp_status tp__grads_nonfinite(const char *fn, tp_module *m, bool *found)
+{
+    *found = false;
     tp__plist l;
-    TP_CHECK(tp__plist_of(fn, opt->module, true, &l));
+    TP_CHECK(tp__plist_of(fn, m, true, &l));
     tp_status st = TP_OK;
-    const double b1 = opt->beta1, b2 = opt->beta2;
-    for (int i = 0; i < l.n && st == TP_OK; i++) {
-        if (l.rep[i] != i)
-            continue; /* one state and one update per parameter */
-        tp_tensor *g = NULL, *w = NULL;
-        st = tp__param_grad(fn, &l, i, &g);
-        if (st != TP_OK || !g)
-            continue;
-        st = tp__param_begin(fn, l.e[i].fqn, l.e[i].t, &w);
-        tp__adam_state *s = NULL;
-        if (st == TP_OK)
-            st = tp__adam_state_of(opt, l.e[i].fqn, l.e[i].t, w, &s);
-        if (st == TP_OK) {
-            /* torch.optim.Adam (foreach=False, amsgrad=False, no weight decay):
-             * p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps) */
-            s->step++;
-            double bc1 = 1.0 - pow(b1, (double)s->step), bc2 = 1.0 - pow(b2, (double)s->step);
-            double step_size = opt->lr / bc1, bc2_sqrt = sqrt(bc2);
-            tp_device dev = tp_tensor_device(w); /* m and v live with the parameter */
-            const tp__kernels *k = NULL;
-            st = tp__kernels_for(dev, &k);
-            if (st == TP_OK)
-                st = k->adam_step(dev, TP_F32, tp_tensor_data(w), tp_tensor_data(s->m),
-                                  tp_tensor_data(s->v), tp_tensor_data(g), tp_tensor_numel(w), b1,
-                                  b2, step_size, bc2_sqrt, opt->eps);
-        }
-        if (w && st == TP_OK)
-            st = tp__param_end(l.e[i].t, w);
-        else
-            tp_tensor_release(w);
-        tp_tensor_release(g);
+    for (int i = 0; i < l.n && st == TP_OK && !*found; i++) {
+        tp_tensor *g = tp_tensor_grad(l.e[i].t); /* every handle holds its own */
+        if (g && tp_tensor_numel(tp__storage_of(g)) > 0)
+            st = tp__nonfinite(tp__storage_of(g), found);
+        if (st != TP_OK)
+            tp__error_prefix("%s: checking the gradient of '%s'", fn, l.e[i].fqn);
     }
     tp__plist_free(&l);
     return st;
