@@ -157,8 +157,9 @@ static int tp__cuda_count(void)
  * freeing stream first, so the allocating thread's work on the block is done
  * before the memory can be reused. A thread's stream is synchronized before
  * it is destroyed at the thread's exit, and its blocks then name no stream.
- * Work on a block issued from any third thread must be complete before the
- * free (tp_cuda_synchronize, as for handing tensors between threads).
+ * Work on a block queued by a thread that neither allocated nor frees it
+ * must be complete before the free (tp_cuda_synchronize, as for handing
+ * tensors between threads): nothing records which streams used a block.
  *
  * Every block has a host record (pointer, counted size, allocating stream)
  * in one table; records come from tp__malloc, so the allocation-failure hook
@@ -417,10 +418,13 @@ static void tp__cuda_free(int index, void *p)
     cudaError_t err = cudaSuccess;
     if (ev)
         err = cudaStreamWaitEvent(s, ev, 0);
-    if (ordered && err == cudaSuccess)
+    if (ordered && err == cudaSuccess) {
         (void)cudaFreeAsync(p, s);
-    else
+    } else {
+        /* no stream order to rely on: after everything on the device */
+        (void)cudaDeviceSynchronize();
         (void)cudaFree(p);
+    }
     if (ev)
         (void)cudaEventDestroy(ev);
     (void)cudaGetLastError();
