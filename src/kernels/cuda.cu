@@ -494,7 +494,7 @@ __global__ void k_colsum(const T *y, const T *x, const float *mean, const float 
             double s = 0;
             for (int j = 0; j < kColH; j++)
                 s += sh[j][threadIdx.x];
-            g[c] = accumulate ? stf<T>((float)((double)ldf(g[c]) + s)) : std_<T>(s / div);
+            g[c] = accumulate ? std_<T>((double)ldf(g[c]) + s) : std_<T>(s / div);
         }
         __syncthreads();
     }
