@@ -10,7 +10,7 @@
 #   --bundle ARCHIVE  run a scripts/gpu-bundle.sh archive instead of building
 #                     (for a GPU machine without libtp's build dependencies)
 #   --out DIR         where the report goes (default: $OUT when set, else gpu-report)
-#   --gpu-only        only the GPU suites (cuda, nccl, replicate)
+#   --gpu-only        only the GPU suites (cuda, cuda_kernels, nccl, replicate)
 #   --skip-bench      no benchmarks
 #
 # Exit status: 0 when every test passed and no GPU test was skipped; 1 when a

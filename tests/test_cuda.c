@@ -8,6 +8,7 @@
  * thread with plain tensors: the ops' device dispatch is what is under test,
  * not the collectives. */
 #include <math.h>
+#include <pthread.h>
 
 #include "tp_test.h"
 
@@ -943,4 +944,246 @@ Test(cuda, module_to_without_a_device, .timeout = 30)
     CHECK_OK(tp_module_named_parameters(m, all_on, &cpu));
     CHECK_OK(tp_module_to(m, TP_CPU)); /* already there: nothing to do */
     tp_module_free(m);
+}
+
+/* ---- the caching allocator (core/cuda_rt.c) ------------------------------------------- */
+
+#define MiB ((size_t)1 << 20)
+
+static tp_memory_info mstats(void)
+{
+    tp_memory_info s;
+    CHECK_OK(tp_memory_stats(DEV, &s));
+    return s;
+}
+
+/* A CUDA f32 tensor of `bytes` bytes. */
+static tp_tensor *dev_bytes(size_t bytes)
+{
+    int64_t n = (int64_t)(bytes / 4);
+    tp_tensor *t = NULL;
+    CHECK_OK(tp_tensor_empty(TP_F32, DEV, 1, &n, &t));
+    return t;
+}
+
+/* A freed block stays reserved and serves the next allocation: a cache hit,
+ * and reserved memory does not grow. */
+Test(cuda, memory_reuse_counts_a_cache_hit, .timeout = 60)
+{
+    need_cuda();
+    CHECK_OK(tp_memory_set_cache_limit(DEV, SIZE_MAX));
+    CHECK_OK(tp_memory_empty_cache(DEV));
+    tp_memory_info s0 = mstats();
+    cr_assert_eq(s0.cache_limit, SIZE_MAX);
+    tp_tensor *a = dev_bytes(16 * MiB);
+    tp_memory_info s1 = mstats();
+    cr_assert_eq(s1.num_allocs, s0.num_allocs + 1);
+    cr_assert_eq(s1.num_cache_hits, s0.num_cache_hits, "an emptied pool must grow for 16 MiB");
+    cr_assert_eq(s1.allocated, s0.allocated + 16 * MiB);
+    cr_assert_geq(s1.reserved, s0.reserved + 16 * MiB);
+    tp_tensor_release(a);
+    CHECK_OK(tp_cuda_synchronize(0));
+    tp_memory_info s2 = mstats();
+    cr_assert_eq(s2.allocated, s0.allocated);
+    cr_assert_eq(s2.reserved, s1.reserved, "the freed block stays reserved");
+    a = dev_bytes(16 * MiB);
+    tp_memory_info s3 = mstats();
+    cr_assert_eq(s3.num_allocs, s0.num_allocs + 2);
+    cr_assert_eq(s3.num_cache_hits, s0.num_cache_hits + 1, "the second block came from the cache");
+    cr_assert_eq(s3.reserved, s1.reserved);
+    tp_tensor_release(a);
+}
+
+Test(cuda, memory_peak_and_reset, .timeout = 60)
+{
+    need_cuda();
+    tp_memory_info s0 = mstats();
+    tp_tensor *a = dev_bytes(8 * MiB), *b = dev_bytes(8 * MiB);
+    tp_memory_info s1 = mstats();
+    cr_assert_eq(s1.allocated, s0.allocated + 16 * MiB);
+    cr_assert_geq(s1.peak_allocated, s1.allocated);
+    tp_tensor_release(b);
+    tp_memory_info s2 = mstats();
+    cr_assert_eq(s2.allocated, s0.allocated + 8 * MiB);
+    cr_assert_eq(s2.peak_allocated, s1.peak_allocated, "the peak stays after a release");
+    CHECK_OK(tp_memory_reset_peak(DEV));
+    cr_assert_eq(mstats().peak_allocated, s0.allocated + 8 * MiB);
+    tp_tensor_release(a);
+    cr_assert_eq(mstats().allocated, s0.allocated);
+}
+
+Test(cuda, memory_empty_cache_lowers_reserved, .timeout = 60)
+{
+    need_cuda();
+    CHECK_OK(tp_memory_set_cache_limit(DEV, SIZE_MAX));
+    CHECK_OK(tp_memory_empty_cache(DEV));
+    size_t r0 = mstats().reserved;
+    tp_tensor_release(dev_bytes(32 * MiB));
+    CHECK_OK(tp_cuda_synchronize(0));
+    size_t r1 = mstats().reserved;
+    cr_assert_geq(r1, r0 + 32 * MiB, "kept through a synchronization without a limit");
+    CHECK_OK(tp_memory_empty_cache(DEV));
+    cr_assert_leq(mstats().reserved, r0, "empty_cache returns the idle 32 MiB");
+}
+
+/* The limit is the pool's release threshold: idle memory beyond it goes at
+ * the next synchronization, or at once when the limit is set. */
+Test(cuda, memory_cache_limit_is_honoured, .timeout = 60)
+{
+    need_cuda();
+    CHECK_OK(tp_memory_empty_cache(DEV));
+    size_t r0 = mstats().reserved;
+    CHECK_OK(tp_memory_set_cache_limit(DEV, 0));
+    cr_assert_eq(mstats().cache_limit, 0);
+    tp_tensor_release(dev_bytes(32 * MiB));
+    CHECK_OK(tp_cuda_synchronize(0));
+    cr_assert_leq(mstats().reserved, r0, "limit 0: the freed block goes at the synchronization");
+    CHECK_OK(tp_memory_set_cache_limit(DEV, r0 + 64 * MiB));
+    tp_tensor_release(dev_bytes(32 * MiB));
+    CHECK_OK(tp_cuda_synchronize(0));
+    cr_assert_geq(mstats().reserved, r0 + 32 * MiB, "under the limit: kept");
+    CHECK_OK(tp_memory_set_cache_limit(DEV, r0));
+    cr_assert_leq(mstats().reserved, r0, "lowering the limit trims at once");
+    CHECK_OK(tp_memory_set_cache_limit(DEV, SIZE_MAX));
+}
+
+Test(cuda, memory_arguments, .timeout = 30)
+{
+    need_cuda();
+    tp_memory_info s;
+    int count = tp_cuda_device_count();
+    CHECK_ERR(tp_memory_stats(TP_CUDA(count), &s), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_memory_reset_peak(TP_CUDA(-1)), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_memory_empty_cache(TP_CUDA(count)), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_memory_set_cache_limit(TP_CUDA(count), 0), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_memory_stats(DEV, NULL), TP_ERR_INVALID_ARG);
+}
+
+/* The allocation-failure hook fails CUDA allocations too (the block's host
+ * record): each failing run reports TP_ERR_NO_MEMORY, hands back no tensor
+ * and leaves neither host memory nor device memory behind. */
+static struct {
+    long live, count, fail_at;
+} FA;
+
+static void *fa_alloc(void *ctx, size_t size, size_t alignment)
+{
+    (void)ctx;
+    if (FA.count++ == FA.fail_at)
+        return NULL;
+    if (alignment < sizeof(void *))
+        alignment = sizeof(void *);
+    size_t rounded = (size + alignment - 1) / alignment * alignment;
+    void *p = aligned_alloc(alignment, rounded ? rounded : alignment);
+    FA.live += p != NULL;
+    return p;
+}
+
+static void fa_free(void *ctx, void *p)
+{
+    (void)ctx;
+    FA.live--;
+    free(p);
+}
+
+Test(cuda, memory_allocation_failures_leak_nothing, .timeout = 60)
+{
+    need_cuda();
+    const int64_t s[2] = {64, 64};
+    tp_tensor *t = NULL;
+    /* the thread's stream table and the pool exist before counting */
+    CHECK_OK(tp_tensor_zeros(TP_F32, DEV, 2, s, &t));
+    tp_tensor_release(t);
+    size_t allocated0 = mstats().allocated;
+    FA.live = 0;
+    FA.fail_at = -1;
+    tp_allocator a = {fa_alloc, fa_free, NULL};
+    CHECK_OK(tp_set_allocator(&a));
+    long failures = 0, leaks = 0, wrong = 0, device_leaks = 0, record = 0;
+    tp_status st = TP_ERR_NO_MEMORY;
+    for (long k = 0; k < 64 && st != TP_OK; k++) {
+        FA.count = 0;
+        FA.fail_at = k;
+        t = NULL;
+        st = tp_tensor_zeros(TP_F32, DEV, 2, s, &t);
+        if (st == TP_OK)
+            break;
+        failures++;
+        wrong += st != TP_ERR_NO_MEMORY || t != NULL;
+        record += strstr(tp_last_error(), "CUDA block record") != NULL;
+        leaks += FA.live != 0;
+        tp_memory_info m;
+        if (tp_memory_stats(DEV, &m) != TP_OK || m.allocated != allocated0)
+            device_leaks++;
+    }
+    tp_tensor_release(t);
+    long live_after = FA.live;
+    CHECK_OK(tp_set_allocator(NULL));
+    cr_assert_eq(st, TP_OK, "the allocation never succeeded");
+    cr_assert_geq(failures, 3, "the tensor, its storage and the block record each failed");
+    cr_assert_eq(wrong, 0, "a failure that is not TP_ERR_NO_MEMORY or left a tensor");
+    cr_assert_eq(record, 1, "the block record's failure is reported once");
+    cr_assert_eq(leaks, 0, "host memory leaked by a failed allocation");
+    cr_assert_eq(device_leaks, 0, "device memory counted after a failed allocation");
+    cr_assert_eq(live_after, 0, "host memory left after the release");
+    cr_assert_eq(mstats().allocated, allocated0);
+}
+
+/* Two rank-like threads allocate, fill, read and free concurrently on their
+ * own streams; each leaves one tensor that the main thread frees after the
+ * thread (and its stream) is gone. */
+typedef struct mt_slot {
+    int id;
+    long bad;
+    tp_status st;
+    tp_tensor *left;
+} mt_slot;
+
+static void *mt_worker(void *arg)
+{
+    mt_slot *s = arg;
+    tp_tensor *ring[4] = {0};
+    for (int i = 0; i < 200 && s->st == TP_OK; i++) {
+        int64_t n = (int64_t)(1 + (i * 7 + s->id * 13) % 64) * 1024;
+        tp_tensor *t = NULL;
+        double v = s->id * 1000 + i, got = 0;
+        int64_t last = n - 1, first = 0;
+        if ((s->st = tp_tensor_empty(TP_F32, DEV, 1, &n, &t)) != TP_OK)
+            break;
+        if ((s->st = tp_tensor_fill(t, v)) == TP_OK &&
+            (s->st = tp_tensor_get(t, &first, &got)) == TP_OK)
+            s->bad += got != v;
+        if (s->st == TP_OK && (s->st = tp_tensor_get(t, &last, &got)) == TP_OK)
+            s->bad += got != v;
+        tp_tensor_release(ring[i % 4]);
+        ring[i % 4] = t;
+    }
+    for (int k = 1; k < 4; k++)
+        tp_tensor_release(ring[k]);
+    s->left = ring[0]; /* the last fill on it is complete: tp_tensor_get waited */
+    return NULL;
+}
+
+Test(cuda, memory_two_threads_on_their_own_streams, .timeout = 120)
+{
+    need_cuda();
+    size_t allocated0 = mstats().allocated;
+    mt_slot slots[2] = {{0, 0, TP_OK, NULL}, {1, 0, TP_OK, NULL}};
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++)
+        cr_assert_eq(pthread_create(&th[r], NULL, mt_worker, &slots[r]), 0);
+    for (int r = 0; r < 2; r++)
+        pthread_join(th[r], NULL);
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(slots[r].st, TP_OK, "thread %d: %s", r, tp_status_string(slots[r].st));
+        cr_assert_eq(slots[r].bad, 0, "thread %d read back wrong values", r);
+        cr_assert_not_null(slots[r].left);
+        int64_t first = 0;
+        double got = 0;
+        CHECK_OK(tp_tensor_get(slots[r].left, &first, &got));
+        cr_assert_eq(got, (double)(r * 1000 + 196), "thread %d's last tensor", r);
+        tp_tensor_release(slots[r].left);
+    }
+    CHECK_OK(tp_cuda_synchronize(0));
+    cr_assert_eq(mstats().allocated, allocated0, "every block was freed");
 }

@@ -262,9 +262,21 @@ TP_API tp_status tp_tensor_fill_random(tp_tensor *t, tp_rng_dist dist, double a,
  * every storage allocation calls it and every release frees through it at
  * once. Installing or removing an allocator empties the cache.
  *
- * Every function below takes a device: the CPU (index 0) is supported; a CUDA
- * device gives TP_ERR_NOT_SUPPORTED for now (its caching allocator comes
- * later); another device is TP_ERR_INVALID_ARG.
+ * CUDA tensor memory comes from a stream-ordered pool per device
+ * (cudaMallocFromPoolAsync / cudaFreeAsync on the calling thread's stream).
+ * Freed memory stays reserved up to the pool's release threshold, which is
+ * the device's cache limit (default unlimited; memory beyond it returns to
+ * the system at the next synchronization). Statistics are per device:
+ * allocated and peak are counted by libtp (sizes rounded up to 512 bytes),
+ * reserved is the pool's reserved memory (live and idle), a cache hit is an
+ * allocation for which reserved memory did not grow. A tensor released by
+ * another thread than the one that allocated it is freed after the
+ * allocating thread's queued work; work on it queued by any other thread
+ * must be complete first (tp_cuda_synchronize).
+ *
+ * Every function below takes a device: the CPU (index 0) or a CUDA device
+ * (TP_ERR_NOT_SUPPORTED without CUDA or without that device); another device
+ * or index is TP_ERR_INVALID_ARG.
  */
 typedef struct tp_memory_info {
     size_t allocated;      /* bytes in live tensor storage (block sizes, rounded) */
@@ -283,11 +295,15 @@ TP_API tp_status tp_memory_reset_peak(tp_device device);
 
 /* Returns the idle cached blocks to the system: the shared pools and the
  * calling thread's at once, every other thread's at its next tensor
- * allocation or release (or its exit). reserved drops accordingly. */
+ * allocation or release (or its exit). reserved drops accordingly. On a CUDA
+ * device: waits for the whole device (every stream), then trims the pool to
+ * its live blocks. */
 TP_API tp_status tp_memory_empty_cache(tp_device device);
 
 /* Sets the limit on idle cached bytes (0: no caching from now on); when
- * more is held, the cache is emptied as by tp_memory_empty_cache. */
+ * more is held, the cache is emptied as by tp_memory_empty_cache. On a CUDA
+ * device: the pool's release threshold (reserved bytes kept through a
+ * synchronization); idle memory beyond it is trimmed at once. */
 TP_API tp_status tp_memory_set_cache_limit(tp_device device, size_t bytes);
 
 #ifdef __cplusplus

@@ -360,12 +360,16 @@ void tp__cpu_cache_on_allocator_change(void) { tp__empty_all(); }
 
 /* ---- public API ----------------------------------------------------------- */
 
-static tp_status tp__memory_device(const char *fn, tp_device device)
+/* TP_OK for the CPU (index 0), whose statistics this file keeps; a CUDA
+ * device answers through its memory table (*other set); anything else is
+ * TP_ERR_INVALID_ARG. */
+static tp_status tp__memory_device(const char *fn, tp_device device, const tp__device_mem **other)
 {
-    if (device.type == TP_DEVICE_CUDA)
-        return tp__error(TP_ERR_NOT_SUPPORTED,
-                         "%s: memory statistics and caching are not available for CUDA devices yet",
-                         fn);
+    *other = NULL;
+    if (device.type == TP_DEVICE_CUDA) {
+        *other = &tp__cuda_mem;
+        return TP_OK;
+    }
     TP_ARG_CHECK(device.type == TP_DEVICE_CPU, "%s: invalid device type %d", fn, (int)device.type);
     return tp__cpu_mem.check(fn, device.index);
 }
@@ -373,7 +377,10 @@ static tp_status tp__memory_device(const char *fn, tp_device device)
 tp_status tp_memory_stats(tp_device device, tp_memory_info *out)
 {
     TP_ARG_CHECK(out, "tp_memory_stats: out is NULL");
-    TP_CHECK(tp__memory_device("tp_memory_stats", device));
+    const tp__device_mem *other;
+    TP_CHECK(tp__memory_device("tp_memory_stats", device, &other));
+    if (other)
+        return other->memory_stats("tp_memory_stats", device.index, out);
     pthread_once(&g_once, tp__cache_init);
     size_t allocated = atomic_load(&st_allocated);
     *out = (tp_memory_info){
@@ -389,21 +396,30 @@ tp_status tp_memory_stats(tp_device device, tp_memory_info *out)
 
 tp_status tp_memory_reset_peak(tp_device device)
 {
-    TP_CHECK(tp__memory_device("tp_memory_reset_peak", device));
+    const tp__device_mem *other;
+    TP_CHECK(tp__memory_device("tp_memory_reset_peak", device, &other));
+    if (other)
+        return other->reset_peak("tp_memory_reset_peak", device.index);
     atomic_store(&st_peak, atomic_load(&st_allocated));
     return TP_OK;
 }
 
 tp_status tp_memory_empty_cache(tp_device device)
 {
-    TP_CHECK(tp__memory_device("tp_memory_empty_cache", device));
+    const tp__device_mem *other;
+    TP_CHECK(tp__memory_device("tp_memory_empty_cache", device, &other));
+    if (other)
+        return other->empty_cache("tp_memory_empty_cache", device.index);
     tp__empty_all();
     return TP_OK;
 }
 
 tp_status tp_memory_set_cache_limit(tp_device device, size_t bytes)
 {
-    TP_CHECK(tp__memory_device("tp_memory_set_cache_limit", device));
+    const tp__device_mem *other;
+    TP_CHECK(tp__memory_device("tp_memory_set_cache_limit", device, &other));
+    if (other)
+        return other->set_cache_limit("tp_memory_set_cache_limit", device.index, bytes);
     pthread_once(&g_once, tp__cache_init);
     atomic_store(&g_limit, bytes);
     if (atomic_load(&st_cached) > bytes)

@@ -48,9 +48,38 @@ static tp_status tp__nocuda_sync(const char *fn, int index)
     return tp__no_cuda(fn);
 }
 
+static tp_status tp__nocuda_memory_stats(const char *fn, int index, tp_memory_info *out)
+{
+    return tp__nocuda_check(fn, index);
+}
+
+static tp_status tp__nocuda_reset_peak(const char *fn, int index)
+{
+    return tp__nocuda_check(fn, index);
+}
+
+static tp_status tp__nocuda_empty_cache(const char *fn, int index)
+{
+    return tp__nocuda_check(fn, index);
+}
+
+static tp_status tp__nocuda_set_cache_limit(const char *fn, int index, size_t bytes)
+{
+    return tp__nocuda_check(fn, index);
+}
+
 const tp__device_mem tp__cuda_mem = {
-    .name = "cuda", .check = tp__nocuda_check, .count = tp__nocuda_count,
-    .alloc = tp__nocuda_alloc, .free = tp__nocuda_free, .zero = tp__nocuda_zero,
-    .copy = tp__nocuda_copy, .strided_copy = tp__nocuda_strided_copy,
+    .name = "cuda",
+    .check = tp__nocuda_check,
+    .count = tp__nocuda_count,
+    .alloc = tp__nocuda_alloc,
+    .free = tp__nocuda_free,
+    .zero = tp__nocuda_zero,
+    .copy = tp__nocuda_copy,
+    .strided_copy = tp__nocuda_strided_copy,
     .sync = tp__nocuda_sync,
+    .memory_stats = tp__nocuda_memory_stats,
+    .reset_peak = tp__nocuda_reset_peak,
+    .empty_cache = tp__nocuda_empty_cache,
+    .set_cache_limit = tp__nocuda_set_cache_limit,
 };

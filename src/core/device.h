@@ -42,6 +42,14 @@ typedef struct tp__device_mem {
                               const void *src, const int64_t *sstride);
     /* Waits for the work the calling thread issued on device `index`. */
     tp_status (*sync)(const char *fn, int index);
+    /* tp_memory_stats, tp_memory_reset_peak, tp_memory_empty_cache and
+     * tp_memory_set_cache_limit for device `index` of this type (checked
+     * with `check` first); NULL for the CPU, whose caching allocator core's
+     * cache.c answers for itself. */
+    tp_status (*memory_stats)(const char *fn, int index, tp_memory_info *out);
+    tp_status (*reset_peak)(const char *fn, int index);
+    tp_status (*empty_cache)(const char *fn, int index);
+    tp_status (*set_cache_limit)(const char *fn, int index, size_t bytes);
 } tp__device_mem;
 
 extern const tp__device_mem tp__cpu_mem;  /* core (tensor.c) */

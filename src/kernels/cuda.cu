@@ -8,7 +8,12 @@
  * Sizes and indices are int64 throughout; grids are capped and every loop is
  * grid-stride (or block-stride over rows), so any size runs with a bounded
  * grid. Reductions accumulate in double like the CPU engine, so results agree
- * with it to float rounding (the order of the additions differs). */
+ * with it to float rounding (the order of the additions differs).
+ *
+ * Every entry takes f32, bf16 (__nv_bfloat16) and f16 (__half): the kernels
+ * are templates on the element type, load into f32 registers, compute in f32
+ * (double where the f32 kernel does) and round each stored output once; the
+ * products are cublasGemmEx with f32 accumulation. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -80,19 +85,13 @@ unsigned grid_rows(int64_t rows)
     return (unsigned)(rows < kMaxGrid ? (rows > 0 ? rows : 1) : kMaxGrid);
 }
 
+/* Every entry takes f32, bf16 and f16 (kernels.h; f32 arithmetic, one
+ * rounding per stored element). */
 bool cuda_supports(tp__kop op, tp_dtype dtype)
 {
-    switch (op) {
-    case TP__KOP_GEMM:
-    case TP__KOP_LINEAR_FWD:
-    case TP__KOP_LINEAR_BWD:
-        return dtype == TP_F32 || dtype == TP_F16 || dtype == TP_BF16;
-    case TP__KOP_NONE:
-    case TP__KOP_COUNT:
+    if (op <= TP__KOP_NONE || op >= TP__KOP_COUNT)
         return false;
-    default:
-        return dtype == TP_F32;
-    }
+    return dtype == TP_F32 || dtype == TP_BF16 || dtype == TP_F16;
 }
 
 /* The start of every entry: false, with *st set, when it ends before any
@@ -127,10 +126,6 @@ tp_status launch(const char *fn, tp__kop op, tp_dtype dtype, tp_device dev, int6
     kernel<<<grid, kThreads, 0, L.s>>>(args...);
     return end(&L);
 }
-
-/* The f32 view of an entry's buffer. */
-const float *f32(const void *p) { return static_cast<const float *>(p); }
-float *f32(void *p) { return static_cast<float *>(p); }
 
 #define GRID_STRIDE(i, n)                                                       \
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);   \
@@ -179,7 +174,15 @@ __device__ float block_max(float v, float *sh)
     return sh[0];
 }
 
-/* ---- dtype helpers -------------------------------------------------------------- */
+/* ---- dtype helpers --------------------------------------------------------------
+ *
+ * Every kernel is a template on T, the element type of the op's dtype (float,
+ * __nv_bfloat16 or __half). Values are loaded into f32 registers with ldf,
+ * all arithmetic is f32 (or double where the f32 kernel uses double), and
+ * each stored output is rounded once to T, to nearest even: stf from a float
+ * result, std_ from a double one. Statistics (norm mean and rstd,
+ * cross-entropy row max, sums and picked logits) and Adam's m and v stay
+ * float whatever T is. */
 
 __device__ __forceinline__ float ldf(float v) { return v; }
 __device__ __forceinline__ float ldf(__half v) { return __half2float(v); }
@@ -191,44 +194,130 @@ template <> __device__ __forceinline__ __nv_bfloat16 stf<__nv_bfloat16>(float v)
 {
     return __float2bfloat16_rn(v);
 }
+/* from double in one rounding (not through float) */
+template <class T> __device__ __forceinline__ T std_(double v);
+template <> __device__ __forceinline__ float std_<float>(double v)
+{
+    return (float)v;
+}
+template <> __device__ __forceinline__ __half std_<__half>(double v)
+{
+    return __double2half(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 std_<__nv_bfloat16>(double v)
+{
+    return __double2bfloat16(v);
+}
+
+/* *p += v: read the stored value, add in f32, round once. 16-bit types swap
+ * the aligned 32-bit word that holds the element (the allocation granularity
+ * keeps that word inside the buffer's mapping; the other half is written back
+ * as read, and a concurrent change to it makes the swap retry). */
+__device__ __forceinline__ unsigned short bits16(__half v)
+{
+    return __half_as_ushort(v);
+}
+__device__ __forceinline__ unsigned short bits16(__nv_bfloat16 v)
+{
+    return __bfloat16_as_ushort(v);
+}
+template <class T> __device__ __forceinline__ T from_bits16(unsigned short b);
+template <> __device__ __forceinline__ __half from_bits16<__half>(unsigned short b)
+{
+    return __ushort_as_half(b);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_bits16<__nv_bfloat16>(unsigned short b)
+{
+    return __ushort_as_bfloat16(b);
+}
+
+__device__ __forceinline__ void atomic_addf(float *p, float v)
+{
+    atomicAdd(p, v);
+}
+template <class T> __device__ __forceinline__ void atomic_addf(T *p, float v)
+{
+    unsigned int *word = (unsigned int *)((uintptr_t)p & ~(uintptr_t)3);
+    unsigned shift = ((uintptr_t)p & 2) ? 16u : 0u;
+    unsigned int old = *word, assumed;
+    do {
+        assumed = old;
+        T cur = from_bits16<T>((unsigned short)(assumed >> shift));
+        unsigned int nb = bits16(stf<T>(ldf(cur) + v));
+        unsigned int nw = (assumed & ~(0xffffu << shift)) | (nb << shift);
+        old = atomicCAS(word, assumed, nw);
+    } while (old != assumed);
+}
+
+/* The typed view of an entry's buffer. */
+template <class T> const T *cp(const void *p)
+{
+    return static_cast<const T *>(p);
+}
+template <class T> T *mp(void *p)
+{
+    return static_cast<T *>(p);
+}
+
+/* Calls f with a value of the element type of dtype (float for f32 and for
+ * the dtypes the engine refuses, which enter() turns away before any
+ * launch). The one place a tp_dtype becomes a C++ type. */
+template <class F> tp_status by_dtype(tp_dtype dtype, F &&f)
+{
+    switch (dtype) {
+    case TP_BF16:
+        return f(__nv_bfloat16());
+    case TP_F16:
+        return f(__half());
+    default:
+        return f(0.0f);
+    }
+}
+
+/* An entry's body with T the element type of `dtype`. */
+#define TYPED(dtype, ...)                           \
+    by_dtype((dtype), [&](auto tag_) -> tp_status { \
+        using T = decltype(tag_);                   \
+        (void)tag_;                                 \
+        return __VA_ARGS__;                         \
+    })
 
 /* ---- elementwise kernels ---------------------------------------------------------- */
 
-__global__ void k_fill(float *y, float v, int64_t n)
+template <class T> __global__ void k_fill(T *y, float v, int64_t n)
 {
-    GRID_STRIDE(i, n) y[i] = v;
+    T t = stf<T>(v);
+    GRID_STRIDE(i, n) y[i] = t;
 }
 
-__global__ void k_add(const float *a, const float *b, float *y, int64_t n)
+template <class T> __global__ void k_add(const T *a, const T *b, T *y, int64_t n)
 {
-    GRID_STRIDE(i, n) y[i] = a[i] + b[i];
+    GRID_STRIDE(i, n) y[i] = stf<T>(ldf(a[i]) + ldf(b[i]));
 }
 
-__global__ void k_mul(const float *a, const float *b, float *y, int64_t n)
+template <class T> __global__ void k_mul(const T *a, const T *b, T *y, int64_t n)
 {
-    GRID_STRIDE(i, n) y[i] = a[i] * b[i];
+    GRID_STRIDE(i, n) y[i] = stf<T>(ldf(a[i]) * ldf(b[i]));
 }
 
-__global__ void k_scale(const float *a, float s, float *y, int64_t n)
+template <class T> __global__ void k_scale(const T *a, float s, T *y, int64_t n)
 {
-    GRID_STRIDE(i, n) y[i] = a[i] * s;
+    GRID_STRIDE(i, n) y[i] = stf<T>(ldf(a[i]) * s);
 }
 
-__global__ void k_accumulate(float *y, const float *a, int64_t n)
+template <class T> __global__ void k_accumulate(T *y, const T *a, int64_t n)
 {
-    GRID_STRIDE(i, n) y[i] += a[i];
+    GRID_STRIDE(i, n) y[i] = stf<T>(ldf(y[i]) + ldf(a[i]));
 }
 
-__global__ void k_add_row_bcast(const float *a, const float *b, float *y, int64_t rows,
-                                int64_t cols)
+template <class T, bool MUL>
+__global__ void k_binary_row_bcast(const T *a, const T *b, T *y, int64_t rows, int64_t cols)
 {
-    GRID_STRIDE(i, rows * cols) y[i] = a[i] + b[i % cols];
-}
-
-__global__ void k_mul_row_bcast(const float *a, const float *b, float *y, int64_t rows,
-                                int64_t cols)
-{
-    GRID_STRIDE(i, rows * cols) y[i] = a[i] * b[i % cols];
+    GRID_STRIDE(i, rows * cols)
+    {
+        float u = ldf(a[i]), v = ldf(b[i % cols]);
+        y[i] = stf<T>(MUL ? u * v : u + v);
+    }
 }
 
 /* Broadcasting in general: element strides of a and b per dim of y (0 along
@@ -240,8 +329,8 @@ struct BcastGeom {
     int64_t sb[TP_MAX_DIMS];
 };
 
-template <bool MUL>
-__global__ void k_binary_bcast(const float *a, const float *b, float *y, int64_t n, BcastGeom g)
+template <class T, bool MUL>
+__global__ void k_binary_bcast(const T *a, const T *b, T *y, int64_t n, BcastGeom g)
 {
     GRID_STRIDE(i, n)
     {
@@ -252,7 +341,8 @@ __global__ void k_binary_bcast(const float *a, const float *b, float *y, int64_t
             oa += k * g.sa[d];
             ob += k * g.sb[d];
         }
-        y[i] = MUL ? a[oa] * b[ob] : a[oa] + b[ob];
+        float u = ldf(a[oa]), v = ldf(b[ob]);
+        y[i] = stf<T>(MUL ? u * v : u + v);
     }
 }
 
@@ -264,7 +354,7 @@ struct SumGeom {
     int64_t rshape[TP_MAX_DIMS], rst[TP_MAX_DIMS]; /* summed dims */
 };
 
-__global__ void k_sum_bcast(const float *x, float *y, int64_t yn, int64_t rn, SumGeom g)
+template <class T> __global__ void k_sum_bcast(const T *x, T *y, int64_t yn, int64_t rn, SumGeom g)
 {
     GRID_STRIDE(e, yn)
     {
@@ -276,7 +366,7 @@ __global__ void k_sum_bcast(const float *x, float *y, int64_t yn, int64_t rn, Su
         int64_t idx[TP_MAX_DIMS] = {0}, off = 0;
         double acc = 0;
         for (int64_t r = 0; r < rn; r++) {
-            acc += (double)x[base + off];
+            acc += (double)ldf(x[base + off]);
             for (int d = g.nr - 1; d >= 0; d--) {
                 off += g.rst[d];
                 if (++idx[d] < g.rshape[d])
@@ -285,7 +375,7 @@ __global__ void k_sum_bcast(const float *x, float *y, int64_t yn, int64_t rn, Su
                 idx[d] = 0;
             }
         }
-        y[e] = (float)acc;
+        y[e] = std_<T>(acc);
     }
 }
 
@@ -295,7 +385,7 @@ struct GatherGeom {
     int64_t stride[TP_MAX_DIMS];
 };
 
-__global__ void k_gather(float *y, const float *x, int64_t n, GatherGeom geo)
+template <class T> __global__ void k_gather(T *y, const T *x, int64_t n, GatherGeom geo)
 {
     GRID_STRIDE(i, n)
     {
@@ -324,14 +414,14 @@ template <class T> __global__ void k_scale_mat(T *c, int64_t m, int64_t n, int64
     }
 }
 
-__global__ void k_relu_fwd(const float *x, float *y, int64_t n)
+template <class T> __global__ void k_relu_fwd(const T *x, T *y, int64_t n)
 {
-    GRID_STRIDE(i, n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+    GRID_STRIDE(i, n) y[i] = ldf(x[i]) > 0.0f ? x[i] : stf<T>(0.0f);
 }
 
-__global__ void k_relu_bwd(const float *x, const float *gy, float *gx, int64_t n)
+template <class T> __global__ void k_relu_bwd(const T *x, const T *gy, T *gx, int64_t n)
 {
-    GRID_STRIDE(i, n) gx[i] = x[i] > 0.0f ? gy[i] : 0.0f;
+    GRID_STRIDE(i, n) gx[i] = ldf(x[i]) > 0.0f ? gy[i] : stf<T>(0.0f);
 }
 
 #define TP__SQRT1_2 0.70710678118654752440f    /* 1/sqrt(2) */
@@ -339,34 +429,35 @@ __global__ void k_relu_bwd(const float *x, const float *gy, float *gx, int64_t n
 #define TP__SQRT2_PI 0.79788456080286535588f   /* sqrt(2/pi) */
 #define TP__GELU_C 0.044715f
 
-__global__ void k_gelu_fwd(const float *x, float *y, int64_t n, bool tanh_approx)
+template <class T> __global__ void k_gelu_fwd(const T *x, T *y, int64_t n, bool tanh_approx)
 {
     GRID_STRIDE(i, n)
     {
-        float v = x[i];
+        float v = ldf(x[i]);
         if (tanh_approx) {
             float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
-            y[i] = 0.5f * v * (1.0f + tanhf(u));
+            y[i] = stf<T>(0.5f * v * (1.0f + tanhf(u)));
         } else {
-            y[i] = 0.5f * v * (1.0f + erff(v * TP__SQRT1_2));
+            y[i] = stf<T>(0.5f * v * (1.0f + erff(v * TP__SQRT1_2)));
         }
     }
 }
 
-__global__ void k_gelu_bwd(const float *x, const float *gy, float *gx, int64_t n, bool tanh_approx)
+template <class T>
+__global__ void k_gelu_bwd(const T *x, const T *gy, T *gx, int64_t n, bool tanh_approx)
 {
     GRID_STRIDE(i, n)
     {
-        float v = x[i];
+        float v = ldf(x[i]), g = ldf(gy[i]);
         if (tanh_approx) {
             float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
             float t = tanhf(u);
             float du = TP__SQRT2_PI * (1.0f + 3.0f * TP__GELU_C * v * v);
-            gx[i] = gy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+            gx[i] = stf<T>(g * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du));
         } else {
             float cdf = 0.5f * (1.0f + erff(v * TP__SQRT1_2));
             float pdf = TP__INV_SQRT2PI * expf(-0.5f * v * v);
-            gx[i] = gy[i] * (cdf + v * pdf);
+            gx[i] = stf<T>(g * (cdf + v * pdf));
         }
     }
 }
@@ -380,7 +471,7 @@ const int kColW = 32, kColH = 8;
  * mean[r]) * rstd[r]) with mean NULL meaning 0 (the norm weight gradients).
  * Overwriting (not accumulate), the sum is divided by div first. */
 template <class T, int MODE>
-__global__ void k_colsum(const T *y, const float *x, const float *mean, const float *rstd, T *g,
+__global__ void k_colsum(const T *y, const T *x, const float *mean, const float *rstd, T *g,
                          int64_t rows, int64_t cols, bool accumulate, double div)
 {
     __shared__ double sh[kColH][kColW + 1];
@@ -394,7 +485,7 @@ __global__ void k_colsum(const T *y, const float *x, const float *mean, const fl
                     acc += (double)v;
                 } else {
                     float m = mean ? mean[r] : 0.0f;
-                    acc += (double)(v * ((x[r * cols + c] - m) * rstd[r]));
+                    acc += (double)(v * ((ldf(x[r * cols + c]) - m) * rstd[r]));
                 }
             }
         sh[threadIdx.y][threadIdx.x] = acc;
@@ -403,16 +494,15 @@ __global__ void k_colsum(const T *y, const float *x, const float *mean, const fl
             double s = 0;
             for (int j = 0; j < kColH; j++)
                 s += sh[j][threadIdx.x];
-            g[c] = stf<T>(accumulate ? (float)((double)ldf(g[c]) + s) : (float)(s / div));
+            g[c] = accumulate ? std_<T>((double)ldf(g[c]) + s) : std_<T>(s / div);
         }
         __syncthreads();
     }
 }
 
 template <class T, int MODE>
-void launch_colsum(cudaStream_t s, const T *y, const float *x, const float *mean,
-                   const float *rstd, T *g, int64_t rows, int64_t cols, bool accumulate,
-                   double div = 1.0)
+void launch_colsum(cudaStream_t s, const T *y, const T *x, const float *mean, const float *rstd,
+                   T *g, int64_t rows, int64_t cols, bool accumulate, double div = 1.0)
 {
     if (cols <= 0)
         return;
@@ -425,128 +515,134 @@ void launch_colsum(cudaStream_t s, const T *y, const float *x, const float *mean
 /* ---- reductions ------------------------------------------------------------------ */
 
 /* inner == 1: one block per row of [outer, size] */
-__global__ void k_sum_rowwise(const float *x, float *y, int64_t outer, int64_t size, double div)
+template <class T>
+__global__ void k_sum_rowwise(const T *x, T *y, int64_t outer, int64_t size, double div)
 {
     __shared__ double sh[32];
     for (int64_t o = blockIdx.x; o < outer; o += gridDim.x) {
-        const float *xo = x + o * size;
+        const T *xo = x + o * size;
         double acc = 0;
         for (int64_t s = threadIdx.x; s < size; s += blockDim.x)
-            acc += (double)xo[s];
+            acc += (double)ldf(xo[s]);
         acc = block_sum(acc, sh);
         if (threadIdx.x == 0)
-            y[o] = (float)(acc / div);
+            y[o] = std_<T>(acc / div);
     }
 }
 
 /* inner > 1: one thread per output, walking the reduced dim (coalesced over inner) */
-__global__ void k_sum_strided(const float *x, float *y, int64_t outer, int64_t size,
-                              int64_t inner, double div)
+template <class T>
+__global__ void k_sum_strided(const T *x, T *y, int64_t outer, int64_t size, int64_t inner,
+                              double div)
 {
     GRID_STRIDE(e, outer * inner)
     {
         int64_t o = e / inner, i = e % inner;
-        const float *p = x + o * size * inner + i;
+        const T *p = x + o * size * inner + i;
         double acc = 0;
         for (int64_t s = 0; s < size; s++)
-            acc += (double)p[s * inner];
-        y[e] = (float)(acc / div);
+            acc += (double)ldf(p[s * inner]);
+        y[e] = std_<T>(acc / div);
     }
 }
 
-__global__ void k_sum_dim_bwd(const float *gy, float *gx, int64_t outer, int64_t size,
-                              int64_t inner, float scale)
+template <class T>
+__global__ void k_sum_dim_bwd(const T *gy, T *gx, int64_t outer, int64_t size, int64_t inner,
+                              float scale)
 {
     GRID_STRIDE(e, outer * size * inner)
     {
         int64_t o = e / (size * inner), i = e % inner;
-        gx[e] = gy[o * inner + i] * scale;
+        gx[e] = stf<T>(ldf(gy[o * inner + i]) * scale);
     }
 }
 
 /* one block: deterministic, and a single write of the result */
-__global__ void k_sum_all(const float *x, int64_t n, float *y, double div)
+template <class T> __global__ void k_sum_all(const T *x, int64_t n, T *y, double div)
 {
     __shared__ double sh[32];
     double acc = 0;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-        acc += (double)x[i];
+        acc += (double)ldf(x[i]);
     acc = block_sum(acc, sh);
     if (threadIdx.x == 0)
-        y[0] = (float)(acc / div);
+        y[0] = std_<T>(acc / div);
 }
 
 /* ---- softmax ---------------------------------------------------------------------- */
 
-__global__ void k_softmax_fwd(const float *x, float *y, int64_t rows, int64_t cols)
+template <class T> __global__ void k_softmax_fwd(const T *x, T *y, int64_t rows, int64_t cols)
 {
     __shared__ double shd[32];
     __shared__ float shf[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *xr = x + r * cols;
-        float *yr = y + r * cols;
+        const T *xr = x + r * cols;
+        T *yr = y + r * cols;
         float m = -INFINITY;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            m = fmaxf(m, xr[c]);
+            m = fmaxf(m, ldf(xr[c]));
         m = block_max(m, shf);
         double s = 0;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            s += (double)expf(xr[c] - m);
+            s += (double)expf(ldf(xr[c]) - m);
         s = block_sum(s, shd);
         float inv = (float)(1.0 / s);
         /* each thread rewrites only the columns it read: in place is safe */
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            yr[c] = expf(xr[c] - m) * inv;
+            yr[c] = stf<T>(expf(ldf(xr[c]) - m) * inv);
         __syncthreads();
     }
 }
 
-__global__ void k_softmax_bwd(const float *y, const float *gy, float *gx, int64_t rows,
-                              int64_t cols)
+template <class T>
+__global__ void k_softmax_bwd(const T *y, const T *gy, T *gx, int64_t rows, int64_t cols)
 {
     __shared__ double sh[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *yr = y + r * cols, *gr = gy + r * cols;
-        float *gxr = gx + r * cols;
+        const T *yr = y + r * cols, *gr = gy + r * cols;
+        T *gxr = gx + r * cols;
         double d = 0;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            d += (double)yr[c] * (double)gr[c];
+            d += (double)ldf(yr[c]) * (double)ldf(gr[c]);
         float dot = (float)block_sum(d, sh);
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            gxr[c] = yr[c] * (gr[c] - dot);
+            gxr[c] = stf<T>(ldf(yr[c]) * (ldf(gr[c]) - dot));
         __syncthreads();
     }
 }
 
-__global__ void k_causal_mask(float *s, int64_t batch, int64_t S)
+template <class T> __global__ void k_causal_mask(T *s, int64_t batch, int64_t S)
 {
+    T ninf = stf<T>(-INFINITY);
     GRID_STRIDE(e, batch * S * S)
     {
         int64_t ij = e % (S * S);
         if (ij % S > ij / S)
-            s[e] = -INFINITY;
+            s[e] = ninf;
     }
 }
 
-/* 32 x 32 tiles through shared memory: coalesced reads and writes */
-__global__ void k_transpose(const float *x, float *y, int64_t batch, int64_t R, int64_t C)
+/* 32 x 32 tiles through shared memory: coalesced reads and writes (the tile
+ * holds floats: every T converts to float and back exactly) */
+template <class T>
+__global__ void k_transpose(const T *x, T *y, int64_t batch, int64_t R, int64_t C)
 {
     __shared__ float tile[32][33];
     for (int64_t b = blockIdx.z; b < batch; b += gridDim.z)
         for (int64_t i0 = (int64_t)blockIdx.y * 32; i0 < R; i0 += (int64_t)gridDim.y * 32)
             for (int64_t j0 = (int64_t)blockIdx.x * 32; j0 < C; j0 += (int64_t)gridDim.x * 32) {
-                const float *xb = x + b * R * C;
-                float *yb = y + b * R * C;
+                const T *xb = x + b * R * C;
+                T *yb = y + b * R * C;
                 for (int k = threadIdx.y; k < 32; k += blockDim.y) {
                     int64_t i = i0 + k, j = j0 + threadIdx.x;
                     if (i < R && j < C)
-                        tile[k][threadIdx.x] = xb[i * C + j];
+                        tile[k][threadIdx.x] = ldf(xb[i * C + j]);
                 }
                 __syncthreads();
                 for (int k = threadIdx.y; k < 32; k += blockDim.y) {
                     int64_t j = j0 + k, i = i0 + threadIdx.x;
                     if (i < R && j < C)
-                        yb[j * R + i] = tile[threadIdx.x][k];
+                        yb[j * R + i] = stf<T>(tile[threadIdx.x][k]);
                 }
                 __syncthreads();
             }
@@ -554,46 +650,49 @@ __global__ void k_transpose(const float *x, float *y, int64_t batch, int64_t R, 
 
 /* ---- embedding ------------------------------------------------------------------ */
 
-__global__ void k_embedding_fwd(const int64_t *idx, int64_t n, const float *w, int64_t rows_local,
-                                int64_t dim, int64_t offset, float *y)
+template <class T>
+__global__ void k_embedding_fwd(const int64_t *idx, int64_t n, const T *w, int64_t rows_local,
+                                int64_t dim, int64_t offset, T *y)
 {
     GRID_STRIDE(e, n * dim)
     {
         int64_t i = e / dim, c = e % dim, t = idx[i];
         /* compare before subtracting: defined for any int64 index */
-        y[e] = (t >= offset && t - offset < rows_local) ? w[(t - offset) * dim + c] : 0.0f;
+        y[e] = (t >= offset && t - offset < rows_local) ? w[(t - offset) * dim + c] : stf<T>(0.0f);
     }
 }
 
-__global__ void k_embedding_bwd(const int64_t *idx, int64_t n, const float *gy, int64_t rows_local,
-                                int64_t dim, int64_t offset, float *gw)
+template <class T>
+__global__ void k_embedding_bwd(const int64_t *idx, int64_t n, const T *gy, int64_t rows_local,
+                                int64_t dim, int64_t offset, T *gw)
 {
     GRID_STRIDE(e, n * dim)
     {
         int64_t i = e / dim, c = e % dim, t = idx[i];
         if (t >= offset && t - offset < rows_local)
-            atomicAdd(gw + (t - offset) * dim + c, gy[e]);
+            atomic_addf(gw + (t - offset) * dim + c, ldf(gy[e]));
     }
 }
 
 /* ---- normalization ------------------------------------------------------------- */
 
-__global__ void k_layer_norm_fwd(const float *x, const float *w, const float *b, float *y,
-                                 float *mean, float *rstd, int64_t rows, int64_t cols, float eps)
+template <class T>
+__global__ void k_layer_norm_fwd(const T *x, const T *w, const T *b, T *y, float *mean, float *rstd,
+                                 int64_t rows, int64_t cols, float eps)
 {
     __shared__ double sh[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *xr = x + r * cols;
-        float *yr = y + r * cols;
+        const T *xr = x + r * cols;
+        T *yr = y + r * cols;
         double s = 0;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            s += (double)xr[c];
+            s += (double)ldf(xr[c]);
         s = block_sum(s, sh);
         double mu = cols > 0 ? s / (double)cols : 0.0;
         /* two-pass variance, as the CPU */
         double v = 0;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-            double d = (double)xr[c] - mu;
+            double d = (double)ldf(xr[c]) - mu;
             v += d * d;
         }
         v = block_sum(v, sh);
@@ -604,82 +703,86 @@ __global__ void k_layer_norm_fwd(const float *x, const float *w, const float *b,
             rstd[r] = rs;
         }
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-            float t = (xr[c] - m) * rs;
+            float t = (ldf(xr[c]) - m) * rs;
             if (w)
-                t *= w[c];
+                t *= ldf(w[c]);
             if (b)
-                t += b[c];
-            yr[c] = t;
+                t += ldf(b[c]);
+            yr[c] = stf<T>(t);
         }
     }
 }
 
-__global__ void k_layer_norm_bwd_x(const float *x, const float *w, const float *mean,
-                                   const float *rstd, const float *gy, float *gx, int64_t rows,
-                                   int64_t cols)
+template <class T>
+__global__ void k_layer_norm_bwd_x(const T *x, const T *w, const float *mean, const float *rstd,
+                                   const T *gy, T *gx, int64_t rows, int64_t cols)
 {
     __shared__ double sh[32];
     double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *xr = x + r * cols, *gr = gy + r * cols;
-        float *gxr = gx + r * cols;
+        const T *xr = x + r * cols, *gr = gy + r * cols;
+        T *gxr = gx + r * cols;
         float m = mean[r], rs = rstd[r];
         double sa = 0, sb = 0;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-            double g = w ? (double)gr[c] * (double)w[c] : (double)gr[c];
+            double g = w ? (double)ldf(gr[c]) * (double)ldf(w[c]) : (double)ldf(gr[c]);
             sa += g;
-            sb += g * (double)((xr[c] - m) * rs);
+            sb += g * (double)((ldf(xr[c]) - m) * rs);
         }
         sa = block_sum(sa, sh);
         sb = block_sum(sb, sh);
         float a = (float)(sa * inv_n), bb = (float)(sb * inv_n);
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-            float g = w ? gr[c] * w[c] : gr[c];
-            gxr[c] = rs * (g - a - (xr[c] - m) * rs * bb);
+            float g = w ? ldf(gr[c]) * ldf(w[c]) : ldf(gr[c]);
+            gxr[c] = stf<T>(rs * (g - a - (ldf(xr[c]) - m) * rs * bb));
         }
     }
 }
 
-__global__ void k_rms_norm_fwd(const float *x, const float *w, float *y, float *rstd, int64_t rows,
+template <class T>
+__global__ void k_rms_norm_fwd(const T *x, const T *w, T *y, float *rstd, int64_t rows,
                                int64_t cols, float eps)
 {
     __shared__ double sh[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *xr = x + r * cols;
-        float *yr = y + r * cols;
+        const T *xr = x + r * cols;
+        T *yr = y + r * cols;
         double s = 0;
-        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            s += (double)xr[c] * (double)xr[c];
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            double v = (double)ldf(xr[c]);
+            s += v * v;
+        }
         s = block_sum(s, sh);
         double ms = cols > 0 ? s / (double)cols : 0.0;
         float rs = (float)(1.0 / sqrt(ms + (double)eps));
         if (threadIdx.x == 0)
             rstd[r] = rs;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            yr[c] = w ? xr[c] * rs * w[c] : xr[c] * rs;
+            yr[c] = stf<T>(w ? ldf(xr[c]) * rs * ldf(w[c]) : ldf(xr[c]) * rs);
     }
 }
 
-__global__ void k_rms_norm_bwd_x(const float *x, const float *w, const float *rstd,
-                                 const float *gy, float *gx, int64_t rows, int64_t cols)
+template <class T>
+__global__ void k_rms_norm_bwd_x(const T *x, const T *w, const float *rstd, const T *gy, T *gx,
+                                 int64_t rows, int64_t cols)
 {
     __shared__ double sh[32];
     double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *xr = x + r * cols, *gr = gy + r * cols;
-        float *gxr = gx + r * cols;
+        const T *xr = x + r * cols, *gr = gy + r * cols;
+        T *gxr = gx + r * cols;
         float rs = rstd[r];
         double sb = 0;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            sb += w ? (double)gr[c] * (double)w[c] * (double)(xr[c] * rs)
-                    : (double)gr[c] * (double)xr[c];
+            sb += w ? (double)ldf(gr[c]) * (double)ldf(w[c]) * (double)(ldf(xr[c]) * rs)
+                    : (double)ldf(gr[c]) * (double)ldf(xr[c]);
         sb = block_sum(sb, sh);
         if (!w)
             sb *= (double)rs;
         float bb = (float)(sb * inv_n);
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-            float g = w ? gr[c] * w[c] : gr[c];
-            gxr[c] = rs * (g - xr[c] * rs * bb);
+            float g = w ? ldf(gr[c]) * ldf(w[c]) : ldf(gr[c]);
+            gxr[c] = stf<T>(rs * (g - ldf(xr[c]) * rs * bb));
         }
     }
 }
@@ -693,8 +796,9 @@ struct DropGeom {
     uint64_t g0; /* counter of the block's first element */
 };
 
-__global__ void k_dropout_fwd(const float *x, float *y, uint8_t *mask, int64_t n, DropGeom geo,
-                              double p, float scale, uint64_t seed)
+template <class T>
+__global__ void k_dropout_fwd(const T *x, T *y, uint8_t *mask, int64_t n, DropGeom geo, double p,
+                              float scale, uint64_t seed)
 {
     GRID_STRIDE(i, n)
     {
@@ -708,16 +812,16 @@ __global__ void k_dropout_fwd(const float *x, float *y, uint8_t *mask, int64_t n
             rem /= s;
         }
         bool keep = tp__rng_uniform53(seed, g) >= p;
-        y[i] = keep ? x[i] * scale : 0.0f;
+        y[i] = stf<T>(keep ? ldf(x[i]) * scale : 0.0f);
         if (mask)
             mask[i] = (uint8_t)keep;
     }
 }
 
-__global__ void k_dropout_bwd(const float *gy, const uint8_t *mask, float *gx, int64_t n,
-                              float scale)
+template <class T>
+__global__ void k_dropout_bwd(const T *gy, const uint8_t *mask, T *gx, int64_t n, float scale)
 {
-    GRID_STRIDE(i, n) gx[i] = mask[i] ? gy[i] * scale : 0.0f;
+    GRID_STRIDE(i, n) gx[i] = stf<T>(mask[i] ? ldf(gy[i]) * scale : 0.0f);
 }
 
 __global__ void k_fill_u8(uint8_t *m, uint8_t v, int64_t n)
@@ -739,24 +843,32 @@ __device__ __forceinline__ int64_t ce_row(int64_t r, int64_t classes, int64_t in
     return inner == 1 ? r * classes : (r / inner) * classes * inner + r % inner;
 }
 
+/* A class weight (1 without weights). */
+template <class T> __device__ __forceinline__ float ce_weight(const T *weight, int64_t t)
+{
+    return weight ? ldf(weight[t]) : 1.0f;
+}
+
 /* The row's max and sum of exp(x - max) over classes at stride st, reduced
  * over the block (every thread gets both). */
-__device__ void row_max_sumexp(const float *xr, int64_t classes, int64_t st, float *shf,
-                               double *shd, float *m_out, double *s_out)
+template <class T>
+__device__ void row_max_sumexp(const T *xr, int64_t classes, int64_t st, float *shf, double *shd,
+                               float *m_out, double *s_out)
 {
     float m = -INFINITY;
     for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-        m = fmaxf(m, xr[c * st]);
+        m = fmaxf(m, ldf(xr[c * st]));
     m = block_max(m, shf);
     double s = 0;
     for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-        s += (double)expf(xr[c * st] - m);
+        s += (double)expf(ldf(xr[c * st]) - m);
     *m_out = m;
     *s_out = block_sum(s, shd);
 }
 
-__global__ void k_ce_fwd(const float *x, const int64_t *target, const float *weight, float *loss,
-                         int64_t rows, int64_t classes, int64_t inner, int64_t ignore_index)
+template <class T>
+__global__ void k_ce_fwd(const T *x, const int64_t *target, const T *weight, T *loss, int64_t rows,
+                         int64_t classes, int64_t inner, int64_t ignore_index)
 {
     __shared__ double shd[32];
     __shared__ float shf[32];
@@ -764,153 +876,159 @@ __global__ void k_ce_fwd(const float *x, const int64_t *target, const float *wei
         int64_t t = target[r];
         if (!ce_counted(t, classes, ignore_index)) { /* uniform across the block */
             if (threadIdx.x == 0)
-                loss[r] = 0.0f;
+                loss[r] = stf<T>(0.0f);
             continue;
         }
-        const float *xr = x + ce_row(r, classes, inner);
+        const T *xr = x + ce_row(r, classes, inner);
         float m;
         double s;
         row_max_sumexp(xr, classes, inner, shf, shd, &m, &s);
         if (threadIdx.x == 0) {
             double lse = log(s) + (double)m;
-            double wt = weight ? (double)weight[t] : 1.0;
-            loss[r] = (float)(wt * (lse - (double)xr[t * inner]));
+            double wt = (double)ce_weight(weight, t);
+            loss[r] = std_<T>(wt * (lse - (double)ldf(xr[t * inner])));
         }
     }
 }
 
-__global__ void k_ce_bwd(const float *x, const int64_t *target, const float *weight,
-                         const float *gloss, float *gx, int64_t rows, int64_t classes,
-                         int64_t inner, int64_t ignore_index)
+template <class T>
+__global__ void k_ce_bwd(const T *x, const int64_t *target, const T *weight, const T *gloss, T *gx,
+                         int64_t rows, int64_t classes, int64_t inner, int64_t ignore_index)
 {
     __shared__ double shd[32];
     __shared__ float shf[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = target[r], base = ce_row(r, classes, inner);
-        float *gxr = gx + base;
+        T *gxr = gx + base;
         if (!ce_counted(t, classes, ignore_index)) {
             for (int64_t c = threadIdx.x; c < classes; c += blockDim.x)
-                gxr[c * inner] = 0.0f;
+                gxr[c * inner] = stf<T>(0.0f);
             continue;
         }
-        const float *xr = x + base;
+        const T *xr = x + base;
         float m;
         double s;
         row_max_sumexp(xr, classes, inner, shf, shd, &m, &s);
-        float g = gloss[r] * (weight ? weight[t] : 1.0f);
+        float g = ldf(gloss[r]) * ce_weight(weight, t);
         float k = (float)((double)g / s);
         for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
-            float v = k * expf(xr[c * inner] - m);
-            gxr[c * inner] = c == t ? v - g : v;
+            float v = k * expf(ldf(xr[c * inner]) - m);
+            gxr[c * inner] = stf<T>(c == t ? v - g : v);
         }
     }
 }
 
-__global__ void k_ce_gloss(const float *g, float *gl, int64_t rows, bool broadcast, double div)
+template <class T>
+__global__ void k_ce_gloss(const T *g, T *gl, int64_t rows, bool broadcast, double div)
 {
-    GRID_STRIDE(r, rows) gl[r] = broadcast ? (float)((double)g[0] / div) : g[r];
+    GRID_STRIDE(r, rows) gl[r] = broadcast ? std_<T>((double)ldf(g[0]) / div) : g[r];
 }
 
-__global__ void k_row_max(const float *x, float *mx, int64_t rows, int64_t cols, int64_t inner)
+template <class T>
+__global__ void k_row_max(const T *x, float *mx, int64_t rows, int64_t cols, int64_t inner)
 {
     __shared__ float sh[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *xr = x + ce_row(r, cols, inner);
+        const T *xr = x + ce_row(r, cols, inner);
         float m = -INFINITY;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            m = fmaxf(m, xr[c * inner]);
+            m = fmaxf(m, ldf(xr[c * inner]));
         m = block_max(m, sh);
         if (threadIdx.x == 0)
             mx[r] = m;
     }
 }
 
-__global__ void k_row_sumexp(const float *x, const float *mx, float *out, int64_t rows,
-                             int64_t cols, int64_t inner)
+template <class T>
+__global__ void k_row_sumexp(const T *x, const float *mx, float *out, int64_t rows, int64_t cols,
+                             int64_t inner)
 {
     __shared__ double sh[32];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *xr = x + ce_row(r, cols, inner);
+        const T *xr = x + ce_row(r, cols, inner);
         float m = mx[r];
         double s = 0;
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-            s += (double)expf(xr[c * inner] - m);
+            s += (double)expf(ldf(xr[c * inner]) - m);
         s = block_sum(s, sh);
         if (threadIdx.x == 0)
             out[r] = (float)s;
     }
 }
 
-__global__ void k_pick_target(const float *x, const int64_t *target, float *picked, int64_t rows,
+template <class T>
+__global__ void k_pick_target(const T *x, const int64_t *target, float *picked, int64_t rows,
                               int64_t cols, int64_t inner, int64_t offset, int64_t ignore_index)
 {
     GRID_STRIDE(r, rows)
     {
         int64_t t = target[r];
         bool owned = t != ignore_index && t >= offset && t - offset < cols;
-        picked[r] = owned ? x[ce_row(r, cols, inner) + (t - offset) * inner] : 0.0f;
+        picked[r] = owned ? ldf(x[ce_row(r, cols, inner) + (t - offset) * inner]) : 0.0f;
     }
 }
 
-__global__ void k_vocab_ce_loss(const int64_t *target, const float *weight, const float *mx,
-                                const float *sumexp, const float *picked, float *loss,
-                                int64_t rows, int64_t ignore_index)
+template <class T>
+__global__ void k_vocab_ce_loss(const int64_t *target, const T *weight, const float *mx,
+                                const float *sumexp, const float *picked, T *loss, int64_t rows,
+                                int64_t ignore_index)
 {
     GRID_STRIDE(r, rows)
     {
         int64_t t = target[r];
         if (t == ignore_index) {
-            loss[r] = 0.0f;
+            loss[r] = stf<T>(0.0f);
         } else {
-            double wt = weight ? (double)weight[t] : 1.0;
-            loss[r] = (float)(wt * (log((double)sumexp[r]) + (double)mx[r] - (double)picked[r]));
+            double wt = (double)ce_weight(weight, t);
+            loss[r] = std_<T>(wt * (log((double)sumexp[r]) + (double)mx[r] - (double)picked[r]));
         }
     }
 }
 
-__global__ void k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weight,
-                               const float *mx, const float *sumexp, const float *gloss,
-                               float *gx, int64_t rows, int64_t cols, int64_t inner,
-                               int64_t offset, int64_t ignore_index)
+template <class T>
+__global__ void k_vocab_ce_bwd(const T *x, const int64_t *target, const T *weight, const float *mx,
+                               const float *sumexp, const T *gloss, T *gx, int64_t rows,
+                               int64_t cols, int64_t inner, int64_t offset, int64_t ignore_index)
 {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = target[r], base = ce_row(r, cols, inner);
-        float *gxr = gx + base;
+        T *gxr = gx + base;
         if (t == ignore_index || t < 0) {
             for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-                gxr[c * inner] = 0.0f;
+                gxr[c * inner] = stf<T>(0.0f);
             continue;
         }
-        const float *xr = x + base;
-        float g = gloss[r] * (weight ? weight[t] : 1.0f);
+        const T *xr = x + base;
+        float g = ldf(gloss[r]) * ce_weight(weight, t);
         float k = (float)((double)g / (double)sumexp[r]);
         float m = mx[r];
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-            float v = k * expf(xr[c * inner] - m);
-            gxr[c * inner] = c + offset == t ? v - g : v;
+            float v = k * expf(ldf(xr[c * inner]) - m);
+            gxr[c * inner] = stf<T>(c + offset == t ? v - g : v);
         }
     }
 }
 
-/* ---- optimizers ------------------------------------------------------------------ */
+/* ---- optimizers (double, p rounded once per step) --------------------------------- */
 
-__global__ void k_sgd(float *p, const float *g, int64_t n, double lr)
+template <class T> __global__ void k_sgd(T *p, const T *g, int64_t n, double lr)
 {
-    GRID_STRIDE(i, n) p[i] = (float)((double)p[i] - lr * (double)g[i]);
+    GRID_STRIDE(i, n) p[i] = std_<T>((double)ldf(p[i]) - lr * (double)ldf(g[i]));
 }
 
-__global__ void k_adam(float *p, float *m, float *v, const float *g, int64_t n, double b1,
-                       double b2, double step_size, double bc2_sqrt, double eps)
+template <class T>
+__global__ void k_adam(T *p, float *m, float *v, const T *g, int64_t n, double b1, double b2,
+                       double step_size, double bc2_sqrt, double eps)
 {
     GRID_STRIDE(i, n)
     {
-        double gk = g[i];
+        double gk = ldf(g[i]);
         float mi = (float)(b1 * m[i] + (1.0 - b1) * gk);
         float vi = (float)(b2 * v[i] + (1.0 - b2) * gk * gk);
         m[i] = mi;
         v[i] = vi;
         double denom = sqrt((double)vi) / bc2_sqrt + eps;
-        p[i] = (float)((double)p[i] - step_size * (double)mi / denom);
+        p[i] = std_<T>((double)ldf(p[i]) - step_size * (double)mi / denom);
     }
 }
 
@@ -992,6 +1110,14 @@ cudaDataType_t cuda_type(tp_dtype d)
     return d == TP_F16 ? CUDA_R_16F : d == TP_BF16 ? CUDA_R_16BF : CUDA_R_32F;
 }
 
+template <class T>
+tp_status scale_mat_on(cudaStream_t s, unsigned grid, T *c, int64_t m, int64_t n, int64_t ldc,
+                       float beta)
+{
+    k_scale_mat<T><<<grid, kThreads, 0, s>>>(c, m, n, ldc, beta);
+    return TP_OK;
+}
+
 /* The product on a current device and stream (inside begin/end). */
 tp_status gemm_on(Launch *L, tp_dtype dtype, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                   float alpha, const void *a, int64_t lda, const void *b, int64_t ldb, float beta,
@@ -1001,14 +1127,7 @@ tp_status gemm_on(Launch *L, tp_dtype dtype, bool ta, bool tb, int64_t m, int64_
         return TP_OK;
     if (k <= 0) { /* C = beta C; cuBLAS would reject the leading dims of empty A, B */
         unsigned g = grid_for(m * n, kThreads);
-        if (dtype == TP_F32)
-            k_scale_mat<float><<<g, kThreads, 0, L->s>>>((float *)c, m, n, ldc, beta);
-        else if (dtype == TP_F16)
-            k_scale_mat<__half><<<g, kThreads, 0, L->s>>>((__half *)c, m, n, ldc, beta);
-        else
-            k_scale_mat<__nv_bfloat16><<<g, kThreads, 0, L->s>>>((__nv_bfloat16 *)c, m, n, ldc,
-                                                                beta);
-        return TP_OK;
+        return TYPED(dtype, scale_mat_on<T>(L->s, g, mp<T>(c), m, n, ldc, beta));
     }
     if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX ||
         ldc > INT_MAX)
@@ -1033,47 +1152,21 @@ tp_status gemm_on(Launch *L, tp_dtype dtype, bool ta, bool tb, int64_t m, int64_
     return TP_OK;
 }
 
-template <class T>
-void launch_bcast_row(cudaStream_t s, void *y, const void *b, int64_t rows, int64_t cols)
-{
-    k_bcast_row<T><<<grid_for(rows * cols, kThreads), kThreads, 0, s>>>((T *)y, (const T *)b, rows,
-                                                                        cols);
-}
-
-template <class T>
-void launch_colsum_plain(cudaStream_t s, const void *y, void *g, int64_t rows, int64_t cols,
-                         bool accumulate)
-{
-    launch_colsum<T, COL_PLAIN>(s, (const T *)y, NULL, NULL, NULL, (T *)g, rows, cols, accumulate);
-}
-
 /* Same-shape operands and the row broadcast (b a contiguous row repeated
  * over a's rows) take the flat kernels; the rest the general one. */
-template <bool MUL>
-tp_status binary_bcast(const char *fn, tp__kop op, tp_dtype dtype, tp_device dev, const void *av,
-                       const void *bv, void *yv, int ndim, const int64_t *shape,
-                       const int64_t *as, const int64_t *bs)
+template <class T, bool MUL>
+tp_status binary_bcast_on(Launch *L, const T *a, const T *b, T *y, int64_t n, int ndim,
+                          const int64_t *shape, const int64_t *as, const int64_t *bs)
 {
-    int64_t n = 1;
-    for (int d = 0; d < ndim; d++)
-        n *= shape[d];
-    Launch L;
-    tp_status st;
-    if (!enter(fn, op, dtype, dev, n > 0, &L, &st))
-        return st;
-    const float *a = f32(av), *b = f32(bv);
-    float *y = f32(yv);
+    cudaStream_t s = L->s;
     unsigned grid = grid_for(n, kThreads);
     if (ndim == 1 && as[0] == 1 && bs[0] == 1) {
         if (MUL)
-            k_mul<<<grid, kThreads, 0, L.s>>>(a, b, y, n);
+            k_mul<T><<<grid, kThreads, 0, s>>>(a, b, y, n);
         else
-            k_add<<<grid, kThreads, 0, L.s>>>(a, b, y, n);
+            k_add<T><<<grid, kThreads, 0, s>>>(a, b, y, n);
     } else if (ndim == 2 && as[0] == shape[1] && as[1] == 1 && bs[0] == 0 && bs[1] == 1) {
-        if (MUL)
-            k_mul_row_bcast<<<grid, kThreads, 0, L.s>>>(a, b, y, shape[0], shape[1]);
-        else
-            k_add_row_bcast<<<grid, kThreads, 0, L.s>>>(a, b, y, shape[0], shape[1]);
+        k_binary_row_bcast<T, MUL><<<grid, kThreads, 0, s>>>(a, b, y, shape[0], shape[1]);
     } else {
         BcastGeom g;
         g.ndim = ndim;
@@ -1082,9 +1175,25 @@ tp_status binary_bcast(const char *fn, tp__kop op, tp_dtype dtype, tp_device dev
             g.sa[d] = as[d];
             g.sb[d] = bs[d];
         }
-        k_binary_bcast<MUL><<<grid, kThreads, 0, L.s>>>(a, b, y, n, g);
+        k_binary_bcast<T, MUL><<<grid, kThreads, 0, s>>>(a, b, y, n, g);
     }
-    return end(&L);
+    return end(L);
+}
+
+template <bool MUL>
+tp_status binary_bcast(const char *fn, tp__kop op, tp_dtype dtype, tp_device dev, const void *a,
+                       const void *b, void *y, int ndim, const int64_t *shape, const int64_t *as,
+                       const int64_t *bs)
+{
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        n *= shape[d];
+    Launch L;
+    tp_status st;
+    if (!enter(fn, op, dtype, dev, n > 0, &L, &st))
+        return st;
+    return TYPED(dtype,
+                 binary_bcast_on<T, MUL>(&L, cp<T>(a), cp<T>(b), mp<T>(y), n, ndim, shape, as, bs));
 }
 
 /* ---- the table's entries ------------------------------------------------------------ */
@@ -1103,6 +1212,13 @@ tp_status cuda_gemm(tp_device dev, tp_dtype dtype, bool trans_a, bool trans_b, i
     return st == TP_OK ? end(&L) : fail(&L, st);
 }
 
+template <class T>
+tp_status bcast_row_on(cudaStream_t s, T *y, const T *b, int64_t rows, int64_t cols)
+{
+    k_bcast_row<T><<<grid_for(rows * cols, kThreads), kThreads, 0, s>>>(y, b, rows, cols);
+    return TP_OK;
+}
+
 tp_status cuda_linear_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                           const void *bias, void *y, int64_t rows, int64_t in, int64_t out)
 {
@@ -1113,16 +1229,24 @@ tp_status cuda_linear_fwd(tp_device dev, tp_dtype dtype, const void *x, const vo
     float beta = 0.0f;
     if (bias && rows > 0 && out > 0) {
         /* the bias first, then y = x W^T + y: one rounding of the sum */
-        if (dtype == TP_F16)
-            launch_bcast_row<__half>(L.s, y, bias, rows, out);
-        else if (dtype == TP_BF16)
-            launch_bcast_row<__nv_bfloat16>(L.s, y, bias, rows, out);
-        else
-            launch_bcast_row<float>(L.s, y, bias, rows, out);
+        (void)TYPED(dtype, bcast_row_on<T>(L.s, mp<T>(y), cp<T>(bias), rows, out));
         beta = 1.0f;
     }
     st = gemm_on(&L, dtype, false, true, rows, out, in, 1.0f, x, in, w, in, beta, y, out);
     return st == TP_OK ? end(&L) : fail(&L, st);
+}
+
+/* g[c] (+)= sum_r y[r, c], or sum_r y[r, c] ((x[r, c] - mean[r]) rstd[r])
+ * with x given (mean NULL: 0) */
+template <class T>
+tp_status colsum_on(cudaStream_t s, const T *y, const T *x, const float *mean, const float *rstd,
+                    T *g, int64_t rows, int64_t cols, bool accumulate, double div = 1.0)
+{
+    if (x)
+        launch_colsum<T, COL_NORM>(s, y, x, mean, rstd, g, rows, cols, accumulate, div);
+    else
+        launch_colsum<T, COL_PLAIN>(s, y, x, mean, rstd, g, rows, cols, accumulate, div);
+    return TP_OK;
 }
 
 tp_status cuda_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
@@ -1138,14 +1262,9 @@ tp_status cuda_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, const vo
         st = gemm_on(&L, dtype, false, false, rows, in, out, 1.0f, gy, out, w, in, beta, gx, in);
     if (st == TP_OK && gw) /* gw[out, in] = gy^T x */
         st = gemm_on(&L, dtype, true, false, out, in, rows, 1.0f, gy, out, x, in, beta, gw, in);
-    if (st == TP_OK && gb) {
-        if (dtype == TP_F16)
-            launch_colsum_plain<__half>(L.s, gy, gb, rows, out, accumulate);
-        else if (dtype == TP_BF16)
-            launch_colsum_plain<__nv_bfloat16>(L.s, gy, gb, rows, out, accumulate);
-        else
-            launch_colsum_plain<float>(L.s, gy, gb, rows, out, accumulate);
-    }
+    if (st == TP_OK && gb)
+        st = TYPED(dtype, colsum_on<T>(L.s, cp<T>(gy), (const T *)NULL, NULL, NULL, mp<T>(gb), rows,
+                                       out, accumulate));
     return st == TP_OK ? end(&L) : fail(&L, st);
 }
 
@@ -1157,8 +1276,8 @@ tp_status cuda_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, i
     tp_status st;
     if (!enter("copy (CUDA)", TP__KOP_COPY, dtype, dev, n > 0 && dst != src, &L, &st))
         return st;
-    cudaError_t err = cudaMemcpyAsync(dst, src, (size_t)n * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, L.s);
+    cudaError_t err =
+        cudaMemcpyAsync(dst, src, (size_t)n * tp_dtype_size(dtype), cudaMemcpyDeviceToDevice, L.s);
     if (err != cudaSuccess)
         return fail(&L, tp__cuda_fail(L.fn, "cudaMemcpyAsync", err));
     return end(&L);
@@ -1166,33 +1285,34 @@ tp_status cuda_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, i
 
 tp_status cuda_fill(tp_device dev, tp_dtype dtype, void *y, float value, int64_t n)
 {
-    return launch("fill (CUDA)", TP__KOP_FILL, dtype, dev, n, false, k_fill, f32(y), value, n);
+    return TYPED(dtype, launch("fill (CUDA)", TP__KOP_FILL, dtype, dev, n, false, k_fill<T>,
+                               mp<T>(y), value, n));
 }
 
 tp_status cuda_add(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
                    int64_t n)
 {
-    return launch("add (CUDA)", TP__KOP_ADD, dtype, dev, n, false, k_add, f32(a), f32(b), f32(y),
-                  n);
+    return TYPED(dtype, launch("add (CUDA)", TP__KOP_ADD, dtype, dev, n, false, k_add<T>, cp<T>(a),
+                               cp<T>(b), mp<T>(y), n));
 }
 
 tp_status cuda_mul(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
                    int64_t n)
 {
-    return launch("mul (CUDA)", TP__KOP_MUL, dtype, dev, n, false, k_mul, f32(a), f32(b), f32(y),
-                  n);
+    return TYPED(dtype, launch("mul (CUDA)", TP__KOP_MUL, dtype, dev, n, false, k_mul<T>, cp<T>(a),
+                               cp<T>(b), mp<T>(y), n));
 }
 
 tp_status cuda_scale(tp_device dev, tp_dtype dtype, const void *a, float s, void *y, int64_t n)
 {
-    return launch("scale (CUDA)", TP__KOP_SCALE, dtype, dev, n, false, k_scale, f32(a), s, f32(y),
-                  n);
+    return TYPED(dtype, launch("scale (CUDA)", TP__KOP_SCALE, dtype, dev, n, false, k_scale<T>,
+                               cp<T>(a), s, mp<T>(y), n));
 }
 
 tp_status cuda_accumulate(tp_device dev, tp_dtype dtype, void *y, const void *a, int64_t n)
 {
-    return launch("accumulate (CUDA)", TP__KOP_ACCUMULATE, dtype, dev, n, false, k_accumulate,
-                  f32(y), f32(a), n);
+    return TYPED(dtype, launch("accumulate (CUDA)", TP__KOP_ACCUMULATE, dtype, dev, n, false,
+                               k_accumulate<T>, mp<T>(y), cp<T>(a), n));
 }
 
 tp_status cuda_add_bcast(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
@@ -1222,63 +1342,69 @@ tp_status cuda_gather(tp_device dev, tp_dtype dtype, void *y, const void *x, int
         geo.stride[d] = stride[d];
         n *= shape[d];
     }
-    return launch("transpose (CUDA)", TP__KOP_GATHER, dtype, dev, n, false, k_gather, f32(y),
-                  f32(x), n, geo);
+    return TYPED(dtype, launch("transpose (CUDA)", TP__KOP_GATHER, dtype, dev, n, false,
+                               k_gather<T>, mp<T>(y), cp<T>(x), n, geo));
 }
 
 tp_status cuda_relu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n)
 {
-    return launch("relu (CUDA)", TP__KOP_RELU_FWD, dtype, dev, n, false, k_relu_fwd, f32(x),
-                  f32(y), n);
+    return TYPED(dtype, launch("relu (CUDA)", TP__KOP_RELU_FWD, dtype, dev, n, false, k_relu_fwd<T>,
+                               cp<T>(x), mp<T>(y), n));
 }
 
 tp_status cuda_relu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy, void *gx,
                         int64_t n)
 {
-    return launch("relu backward (CUDA)", TP__KOP_RELU_BWD, dtype, dev, n, false, k_relu_bwd,
-                  f32(x), f32(gy), f32(gx), n);
+    return TYPED(dtype, launch("relu backward (CUDA)", TP__KOP_RELU_BWD, dtype, dev, n, false,
+                               k_relu_bwd<T>, cp<T>(x), cp<T>(gy), mp<T>(gx), n));
 }
 
 tp_status cuda_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n,
                         bool tanh_approx)
 {
-    return launch("gelu (CUDA)", TP__KOP_GELU_FWD, dtype, dev, n, false, k_gelu_fwd, f32(x),
-                  f32(y), n, tanh_approx);
+    return TYPED(dtype, launch("gelu (CUDA)", TP__KOP_GELU_FWD, dtype, dev, n, false, k_gelu_fwd<T>,
+                               cp<T>(x), mp<T>(y), n, tanh_approx));
 }
 
 tp_status cuda_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy, void *gx,
                         int64_t n, bool tanh_approx)
 {
-    return launch("gelu backward (CUDA)", TP__KOP_GELU_BWD, dtype, dev, n, false, k_gelu_bwd,
-                  f32(x), f32(gy), f32(gx), n, tanh_approx);
+    return TYPED(dtype, launch("gelu backward (CUDA)", TP__KOP_GELU_BWD, dtype, dev, n, false,
+                               k_gelu_bwd<T>, cp<T>(x), cp<T>(gy), mp<T>(gx), n, tanh_approx));
 }
 
 /* reductions */
 
-tp_status cuda_sum_dim(tp_device dev, tp_dtype dtype, const void *xv, void *yv, int64_t outer,
+template <class T>
+tp_status sum_dim_on(Launch *L, const T *x, T *y, int64_t outer, int64_t size, int64_t inner,
+                     double div)
+{
+    if (inner == 1) /* rows: a block each */
+        k_sum_rowwise<T><<<grid_rows(outer), kThreads, 0, L->s>>>(x, y, outer, size, div);
+    else if (outer == 1) /* columns of a [size, inner] matrix: 8 row lanes per column */
+        colsum_on<T>(L->s, x, NULL, NULL, NULL, y, size, inner, false, div);
+    else
+        k_sum_strided<T><<<grid_for(outer * inner, kThreads), kThreads, 0, L->s>>>(
+            x, y, outer, size, inner, div);
+    return end(L);
+}
+
+tp_status cuda_sum_dim(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t outer,
                        int64_t size, int64_t inner, double div)
 {
     Launch L;
     tp_status st;
     if (!enter("sum (CUDA)", TP__KOP_SUM_DIM, dtype, dev, outer > 0 && inner > 0, &L, &st))
         return st;
-    const float *x = f32(xv);
-    float *y = f32(yv);
-    if (inner == 1) /* rows: a block each */
-        k_sum_rowwise<<<grid_rows(outer), kThreads, 0, L.s>>>(x, y, outer, size, div);
-    else if (outer == 1) /* columns of a [size, inner] matrix: 8 row lanes per column */
-        launch_colsum<float, COL_PLAIN>(L.s, x, NULL, NULL, NULL, y, size, inner, false, div);
-    else
-        k_sum_strided<<<grid_for(outer * inner, kThreads), kThreads, 0, L.s>>>(x, y, outer, size,
-                                                                               inner, div);
-    return end(&L);
+    return TYPED(dtype, sum_dim_on<T>(&L, cp<T>(x), mp<T>(y), outer, size, inner, div));
 }
 
 tp_status cuda_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *gx, int64_t outer,
                            int64_t size, int64_t inner, float scale)
 {
-    return launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev, outer * size * inner,
-                  false, k_sum_dim_bwd, f32(gy), f32(gx), outer, size, inner, scale);
+    return TYPED(dtype, launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev,
+                               outer * size * inner, false, k_sum_dim_bwd<T>, cp<T>(gy), mp<T>(gx),
+                               outer, size, inner, scale));
 }
 
 tp_status cuda_sum_bcast(tp_device dev, tp_dtype dtype, const void *x, void *y, int ndim,
@@ -1328,8 +1454,14 @@ tp_status cuda_sum_bcast(tp_device dev, tp_dtype dtype, const void *x, void *y, 
             inner *= shape[d];
         return cuda_sum_dim(dev, dtype, x, y, outer, rn, inner, 1.0);
     }
-    return launch("sum (CUDA)", TP__KOP_SUM_BCAST, dtype, dev, yn, false, k_sum_bcast, f32(x),
-                  f32(y), yn, rn, g);
+    return TYPED(dtype, launch("sum (CUDA)", TP__KOP_SUM_BCAST, dtype, dev, yn, false,
+                               k_sum_bcast<T>, cp<T>(x), mp<T>(y), yn, rn, g));
+}
+
+template <class T> tp_status sum_all_on(Launch *L, const T *x, int64_t n, T *y, double div)
+{
+    k_sum_all<T><<<1, 1024, 0, L->s>>>(x, n < 0 ? 0 : n, y, div);
+    return end(L);
 }
 
 tp_status cuda_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64_t n, void *y,
@@ -1339,28 +1471,37 @@ tp_status cuda_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64_t n, 
     tp_status st;
     if (!enter("sum (CUDA)", TP__KOP_SUM_ALL, dtype, dev, true, &L, &st))
         return st;
-    k_sum_all<<<1, 1024, 0, L.s>>>(f32(x), n < 0 ? 0 : n, f32(y), div);
-    return end(&L);
+    return TYPED(dtype, sum_all_on<T>(&L, cp<T>(x), n, mp<T>(y), div));
 }
 
 tp_status cuda_softmax_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t rows,
                            int64_t cols)
 {
-    return launch("softmax (CUDA)", TP__KOP_SOFTMAX_FWD, dtype, dev, rows, true, k_softmax_fwd,
-                  f32(x), f32(y), rows, cols);
+    return TYPED(dtype, launch("softmax (CUDA)", TP__KOP_SOFTMAX_FWD, dtype, dev, rows, true,
+                               k_softmax_fwd<T>, cp<T>(x), mp<T>(y), rows, cols));
 }
 
 tp_status cuda_softmax_bwd(tp_device dev, tp_dtype dtype, const void *y, const void *gy, void *gx,
                            int64_t rows, int64_t cols)
 {
-    return launch("softmax backward (CUDA)", TP__KOP_SOFTMAX_BWD, dtype, dev, rows, true,
-                  k_softmax_bwd, f32(y), f32(gy), f32(gx), rows, cols);
+    return TYPED(dtype, launch("softmax backward (CUDA)", TP__KOP_SOFTMAX_BWD, dtype, dev, rows,
+                               true, k_softmax_bwd<T>, cp<T>(y), cp<T>(gy), mp<T>(gx), rows, cols));
 }
 
 tp_status cuda_causal_mask(tp_device dev, tp_dtype dtype, void *s, int64_t batch, int64_t S)
 {
-    return launch("causal mask (CUDA)", TP__KOP_CAUSAL_MASK, dtype, dev, batch * S * S, false,
-                  k_causal_mask, f32(s), batch, S);
+    return TYPED(dtype, launch("causal mask (CUDA)", TP__KOP_CAUSAL_MASK, dtype, dev, batch * S * S,
+                               false, k_causal_mask<T>, mp<T>(s), batch, S));
+}
+
+template <class T>
+tp_status transpose_on(Launch *L, const T *x, T *y, int64_t batch, int64_t r, int64_t c)
+{
+    int64_t gx = (c + 31) / 32, gy = (r + 31) / 32;
+    dim3 grid((unsigned)(gx < kMaxGrid ? gx : kMaxGrid), (unsigned)(gy < kMaxGrid ? gy : kMaxGrid),
+              (unsigned)(batch < kMaxGrid ? batch : kMaxGrid));
+    k_transpose<T><<<grid, dim3(32, 8), 0, L->s>>>(x, y, batch, r, c);
+    return end(L);
 }
 
 tp_status cuda_transpose_last2(tp_device dev, tp_dtype dtype, const void *x, void *y,
@@ -1371,11 +1512,7 @@ tp_status cuda_transpose_last2(tp_device dev, tp_dtype dtype, const void *x, voi
     if (!enter("transpose (CUDA)", TP__KOP_TRANSPOSE_LAST2, dtype, dev,
                batch > 0 && r > 0 && c > 0, &L, &st))
         return st;
-    int64_t gx = (c + 31) / 32, gy = (r + 31) / 32;
-    dim3 grid((unsigned)(gx < kMaxGrid ? gx : kMaxGrid), (unsigned)(gy < kMaxGrid ? gy : kMaxGrid),
-              (unsigned)(batch < kMaxGrid ? batch : kMaxGrid));
-    k_transpose<<<grid, dim3(32, 8), 0, L.s>>>(f32(x), f32(y), batch, r, c);
-    return end(&L);
+    return TYPED(dtype, transpose_on<T>(&L, cp<T>(x), mp<T>(y), batch, r, c));
 }
 
 /* embedding, norms, dropout */
@@ -1384,28 +1521,49 @@ tp_status cuda_embedding_fwd(tp_device dev, tp_dtype dtype, const int64_t *idx, 
                              const void *w, int64_t rows_local, int64_t dim, int64_t offset,
                              void *y)
 {
-    return launch("embedding (CUDA)", TP__KOP_EMBEDDING_FWD, dtype, dev, n * dim, false,
-                  k_embedding_fwd, idx, n, f32(w), rows_local, dim, offset, f32(y));
+    return TYPED(dtype,
+                 launch("embedding (CUDA)", TP__KOP_EMBEDDING_FWD, dtype, dev, n * dim, false,
+                        k_embedding_fwd<T>, idx, n, cp<T>(w), rows_local, dim, offset, mp<T>(y)));
 }
 
 tp_status cuda_embedding_bwd(tp_device dev, tp_dtype dtype, const int64_t *idx, int64_t n,
                              const void *gy, int64_t rows_local, int64_t dim, int64_t offset,
                              void *gw)
 {
-    return launch("embedding backward (CUDA)", TP__KOP_EMBEDDING_BWD, dtype, dev, n * dim, false,
-                  k_embedding_bwd, idx, n, f32(gy), rows_local, dim, offset, f32(gw));
+    return TYPED(dtype, launch("embedding backward (CUDA)", TP__KOP_EMBEDDING_BWD, dtype, dev,
+                               n * dim, false, k_embedding_bwd<T>, idx, n, cp<T>(gy), rows_local,
+                               dim, offset, mp<T>(gw)));
 }
 
 tp_status cuda_layer_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                               const void *b, void *y, float *mean, float *rstd, int64_t rows,
                               int64_t cols, float eps)
 {
-    return launch("layer_norm (CUDA)", TP__KOP_LAYER_NORM_FWD, dtype, dev, rows, true,
-                  k_layer_norm_fwd, f32(x), f32(w), f32(b), f32(y), mean, rstd, rows, cols, eps);
+    return TYPED(dtype, launch("layer_norm (CUDA)", TP__KOP_LAYER_NORM_FWD, dtype, dev, rows, true,
+                               k_layer_norm_fwd<T>, cp<T>(x), cp<T>(w), cp<T>(b), mp<T>(y), mean,
+                               rstd, rows, cols, eps));
 }
 
-tp_status cuda_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *xv, const void *wv,
-                              const float *mean, const float *rstd, const void *gyv, void *gxv,
+/* The norms' backward: gx, then the weight gradient (+=) and, for the
+ * layer norm, the bias gradient (+=). mean NULL: the RMS norm. */
+template <class T>
+tp_status norm_bwd_on(Launch *L, const T *x, const T *w, const float *mean, const float *rstd,
+                      const T *gy, T *gx, T *gw, T *gb, int64_t rows, int64_t cols)
+{
+    unsigned grid = grid_rows(rows);
+    if (mean)
+        k_layer_norm_bwd_x<T><<<grid, kThreads, 0, L->s>>>(x, w, mean, rstd, gy, gx, rows, cols);
+    else
+        k_rms_norm_bwd_x<T><<<grid, kThreads, 0, L->s>>>(x, w, rstd, gy, gx, rows, cols);
+    if (gw)
+        colsum_on<T>(L->s, gy, x, mean, rstd, gw, rows, cols, true);
+    if (gb)
+        colsum_on<T>(L->s, gy, NULL, NULL, NULL, gb, rows, cols, true);
+    return end(L);
+}
+
+tp_status cuda_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                              const float *mean, const float *rstd, const void *gy, void *gx,
                               void *gw, void *gb, int64_t rows, int64_t cols)
 {
     Launch L;
@@ -1413,25 +1571,20 @@ tp_status cuda_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *xv, con
     if (!enter("layer_norm backward (CUDA)", TP__KOP_LAYER_NORM_BWD, dtype, dev,
                rows > 0 && cols > 0, &L, &st))
         return st;
-    const float *x = f32(xv), *gy = f32(gyv);
-    k_layer_norm_bwd_x<<<grid_rows(rows), kThreads, 0, L.s>>>(x, f32(wv), mean, rstd, gy,
-                                                              f32(gxv), rows, cols);
-    if (gw)
-        launch_colsum<float, COL_NORM>(L.s, gy, x, mean, rstd, f32(gw), rows, cols, true);
-    if (gb)
-        launch_colsum<float, COL_PLAIN>(L.s, gy, NULL, NULL, NULL, f32(gb), rows, cols, true);
-    return end(&L);
+    return TYPED(dtype, norm_bwd_on<T>(&L, cp<T>(x), cp<T>(w), mean, rstd, cp<T>(gy), mp<T>(gx),
+                                       mp<T>(gw), mp<T>(gb), rows, cols));
 }
 
 tp_status cuda_rms_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w, void *y,
                             float *rstd, int64_t rows, int64_t cols, float eps)
 {
-    return launch("rms_norm (CUDA)", TP__KOP_RMS_NORM_FWD, dtype, dev, rows, true, k_rms_norm_fwd,
-                  f32(x), f32(w), f32(y), rstd, rows, cols, eps);
+    return TYPED(dtype,
+                 launch("rms_norm (CUDA)", TP__KOP_RMS_NORM_FWD, dtype, dev, rows, true,
+                        k_rms_norm_fwd<T>, cp<T>(x), cp<T>(w), mp<T>(y), rstd, rows, cols, eps));
 }
 
-tp_status cuda_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *xv, const void *w,
-                            const float *rstd, const void *gyv, void *gx, void *gw, int64_t rows,
+tp_status cuda_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                            const float *rstd, const void *gy, void *gx, void *gw, int64_t rows,
                             int64_t cols)
 {
     Launch L;
@@ -1439,15 +1592,38 @@ tp_status cuda_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *xv, const
     if (!enter("rms_norm backward (CUDA)", TP__KOP_RMS_NORM_BWD, dtype, dev, rows > 0 && cols > 0,
                &L, &st))
         return st;
-    const float *x = f32(xv), *gy = f32(gyv);
-    k_rms_norm_bwd_x<<<grid_rows(rows), kThreads, 0, L.s>>>(x, f32(w), rstd, gy, f32(gx), rows,
-                                                            cols);
-    if (gw)
-        launch_colsum<float, COL_NORM>(L.s, gy, x, NULL, rstd, f32(gw), rows, cols, true);
-    return end(&L);
+    return TYPED(dtype, norm_bwd_on<T>(&L, cp<T>(x), cp<T>(w), NULL, rstd, cp<T>(gy), mp<T>(gx),
+                                       mp<T>(gw), (T *)NULL, rows, cols));
 }
 
-tp_status cuda_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, void *yv, uint8_t *mask,
+template <class T>
+tp_status dropout_on(Launch *L, const T *x, T *y, uint8_t *mask, int64_t n, const DropGeom &geo,
+                     float p, uint64_t seed)
+{
+    unsigned grid = grid_for(n, kThreads);
+    if (p <= 0.0f) {
+        if (y != x) {
+            cudaError_t err =
+                cudaMemcpyAsync(y, x, (size_t)n * sizeof(T), cudaMemcpyDeviceToDevice, L->s);
+            if (err != cudaSuccess)
+                return fail(L, tp__cuda_fail(L->fn, "cudaMemcpyAsync", err));
+        }
+        if (mask)
+            k_fill_u8<<<grid, kThreads, 0, L->s>>>(mask, 1, n);
+        return end(L);
+    }
+    if (p >= 1.0f) {
+        k_fill<T><<<grid, kThreads, 0, L->s>>>(y, 0.0f, n);
+        if (mask)
+            k_fill_u8<<<grid, kThreads, 0, L->s>>>(mask, 0, n);
+        return end(L);
+    }
+    float scale = 1.0f / (1.0f - p);
+    k_dropout_fwd<T><<<grid, kThreads, 0, L->s>>>(x, y, mask, n, geo, (double)p, scale, seed);
+    return end(L);
+}
+
+tp_status cuda_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, uint8_t *mask,
                            int ndim, const int64_t *shape, const int64_t *global_shape,
                            const int64_t *offset, float p, uint64_t seed)
 {
@@ -1458,25 +1634,6 @@ tp_status cuda_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y
     tp_status st;
     if (!enter("dropout (CUDA)", TP__KOP_DROPOUT_FWD, dtype, dev, n > 0, &L, &st))
         return st;
-    float *y = f32(yv);
-    unsigned grid = grid_for(n, kThreads);
-    if (p <= 0.0f) {
-        if (y != x) {
-            cudaError_t err = cudaMemcpyAsync(y, x, (size_t)n * sizeof(float),
-                                              cudaMemcpyDeviceToDevice, L.s);
-            if (err != cudaSuccess)
-                return fail(&L, tp__cuda_fail(L.fn, "cudaMemcpyAsync", err));
-        }
-        if (mask)
-            k_fill_u8<<<grid, kThreads, 0, L.s>>>(mask, 1, n);
-        return end(&L);
-    }
-    if (p >= 1.0f) {
-        k_fill<<<grid, kThreads, 0, L.s>>>(y, 0.0f, n);
-        if (mask)
-            k_fill_u8<<<grid, kThreads, 0, L.s>>>(mask, 0, n);
-        return end(&L);
-    }
     DropGeom geo;
     geo.ndim = ndim;
     geo.g0 = 0;
@@ -1488,9 +1645,7 @@ tp_status cuda_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y
     }
     for (int d = 0; d < ndim; d++)
         geo.g0 += (uint64_t)(offset ? offset[d] : 0) * geo.gstride[d];
-    float scale = 1.0f / (1.0f - p);
-    k_dropout_fwd<<<grid, kThreads, 0, L.s>>>(f32(x), y, mask, n, geo, (double)p, scale, seed);
-    return end(&L);
+    return TYPED(dtype, dropout_on<T>(&L, cp<T>(x), mp<T>(y), mask, n, geo, p, seed));
 }
 
 tp_status cuda_dropout_bwd(tp_device dev, tp_dtype dtype, const void *gy, const uint8_t *mask,
@@ -1502,8 +1657,8 @@ tp_status cuda_dropout_bwd(tp_device dev, tp_dtype dtype, const void *gy, const 
         return cuda_copy(dev, dtype, gx, gy, n);
     if (p >= 1.0f)
         return cuda_fill(dev, dtype, gx, 0.0f, n);
-    return launch("dropout backward (CUDA)", TP__KOP_DROPOUT_BWD, dtype, dev, n, false,
-                  k_dropout_bwd, f32(gy), mask, f32(gx), n, 1.0f / (1.0f - p));
+    return TYPED(dtype, launch("dropout backward (CUDA)", TP__KOP_DROPOUT_BWD, dtype, dev, n, false,
+                               k_dropout_bwd<T>, cp<T>(gy), mask, mp<T>(gx), n, 1.0f / (1.0f - p)));
 }
 
 /* cross entropy */
@@ -1513,9 +1668,9 @@ tp_status cuda_cross_entropy_fwd(tp_device dev, tp_dtype dtype, const void *x,
                                  int64_t rows, int64_t classes, int64_t inner,
                                  int64_t ignore_index)
 {
-    return launch("cross_entropy (CUDA)", TP__KOP_CROSS_ENTROPY_FWD, dtype, dev, rows, true,
-                  k_ce_fwd, f32(x), target, f32(weight), f32(loss), rows, classes, inner,
-                  ignore_index);
+    return TYPED(dtype, launch("cross_entropy (CUDA)", TP__KOP_CROSS_ENTROPY_FWD, dtype, dev, rows,
+                               true, k_ce_fwd<T>, cp<T>(x), target, cp<T>(weight), mp<T>(loss),
+                               rows, classes, inner, ignore_index));
 }
 
 tp_status cuda_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void *x,
@@ -1523,48 +1678,48 @@ tp_status cuda_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void *x,
                                  void *gx, int64_t rows, int64_t classes, int64_t inner,
                                  int64_t ignore_index)
 {
-    return launch("cross_entropy backward (CUDA)", TP__KOP_CROSS_ENTROPY_BWD, dtype, dev, rows,
-                  true, k_ce_bwd, f32(x), target, f32(weight), f32(gloss), f32(gx), rows, classes,
-                  inner, ignore_index);
+    return TYPED(dtype, launch("cross_entropy backward (CUDA)", TP__KOP_CROSS_ENTROPY_BWD, dtype,
+                               dev, rows, true, k_ce_bwd<T>, cp<T>(x), target, cp<T>(weight),
+                               cp<T>(gloss), mp<T>(gx), rows, classes, inner, ignore_index));
 }
 
 tp_status cuda_ce_gloss(tp_device dev, tp_dtype dtype, const void *g, void *gl, int64_t rows,
                         bool broadcast, double div)
 {
-    return launch("cross_entropy backward (CUDA)", TP__KOP_CE_GLOSS, dtype, dev, rows, false,
-                  k_ce_gloss, f32(g), f32(gl), rows, broadcast, div);
+    return TYPED(dtype, launch("cross_entropy backward (CUDA)", TP__KOP_CE_GLOSS, dtype, dev, rows,
+                               false, k_ce_gloss<T>, cp<T>(g), mp<T>(gl), rows, broadcast, div));
 }
 
 tp_status cuda_row_max(tp_device dev, tp_dtype dtype, const void *x, float *mx, int64_t rows,
                        int64_t cols, int64_t inner)
 {
-    return launch("cross_entropy (CUDA)", TP__KOP_ROW_MAX, dtype, dev, rows, true, k_row_max,
-                  f32(x), mx, rows, cols, inner);
+    return TYPED(dtype, launch("cross_entropy (CUDA)", TP__KOP_ROW_MAX, dtype, dev, rows, true,
+                               k_row_max<T>, cp<T>(x), mx, rows, cols, inner));
 }
 
 tp_status cuda_row_sumexp(tp_device dev, tp_dtype dtype, const void *x, const float *mx, float *s,
                           int64_t rows, int64_t cols, int64_t inner)
 {
-    return launch("cross_entropy (CUDA)", TP__KOP_ROW_SUMEXP, dtype, dev, rows, true,
-                  k_row_sumexp, f32(x), mx, s, rows, cols, inner);
+    return TYPED(dtype, launch("cross_entropy (CUDA)", TP__KOP_ROW_SUMEXP, dtype, dev, rows, true,
+                               k_row_sumexp<T>, cp<T>(x), mx, s, rows, cols, inner));
 }
 
 tp_status cuda_pick_target(tp_device dev, tp_dtype dtype, const void *x, const int64_t *target,
                            float *picked, int64_t rows, int64_t cols, int64_t inner,
                            int64_t offset, int64_t ignore_index)
 {
-    return launch("cross_entropy (CUDA)", TP__KOP_PICK_TARGET, dtype, dev, rows, false,
-                  k_pick_target, f32(x), target, picked, rows, cols, inner, offset,
-                  ignore_index);
+    return TYPED(dtype, launch("cross_entropy (CUDA)", TP__KOP_PICK_TARGET, dtype, dev, rows, false,
+                               k_pick_target<T>, cp<T>(x), target, picked, rows, cols, inner,
+                               offset, ignore_index));
 }
 
 tp_status cuda_vocab_ce_loss(tp_device dev, tp_dtype dtype, const int64_t *target,
                              const void *weight, const float *mx, const float *sumexp,
                              const float *picked, void *loss, int64_t rows, int64_t ignore_index)
 {
-    return launch("cross_entropy (CUDA)", TP__KOP_VOCAB_CE_LOSS, dtype, dev, rows, false,
-                  k_vocab_ce_loss, target, f32(weight), mx, sumexp, picked, f32(loss), rows,
-                  ignore_index);
+    return TYPED(dtype, launch("cross_entropy (CUDA)", TP__KOP_VOCAB_CE_LOSS, dtype, dev, rows,
+                               false, k_vocab_ce_loss<T>, target, cp<T>(weight), mx, sumexp, picked,
+                               mp<T>(loss), rows, ignore_index));
 }
 
 tp_status cuda_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x, const int64_t *target,
@@ -1572,9 +1727,10 @@ tp_status cuda_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x, const 
                             const void *gloss, void *gx, int64_t rows, int64_t cols,
                             int64_t inner, int64_t offset, int64_t ignore_index)
 {
-    return launch("cross_entropy backward (CUDA)", TP__KOP_VOCAB_CE_BWD, dtype, dev, rows, true,
-                  k_vocab_ce_bwd, f32(x), target, f32(weight), mx, sumexp, f32(gloss), f32(gx),
-                  rows, cols, inner, offset, ignore_index);
+    return TYPED(dtype,
+                 launch("cross_entropy backward (CUDA)", TP__KOP_VOCAB_CE_BWD, dtype, dev, rows,
+                        true, k_vocab_ce_bwd<T>, cp<T>(x), target, cp<T>(weight), mx, sumexp,
+                        cp<T>(gloss), mp<T>(gx), rows, cols, inner, offset, ignore_index));
 }
 
 /* optimizers */
@@ -1582,16 +1738,17 @@ tp_status cuda_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x, const 
 tp_status cuda_sgd_step(tp_device dev, tp_dtype dtype, void *p, const void *g, int64_t n,
                         double lr)
 {
-    return launch("tp_sgd_step (CUDA)", TP__KOP_SGD_STEP, dtype, dev, n, false, k_sgd, f32(p),
-                  f32(g), n, lr);
+    return TYPED(dtype, launch("tp_sgd_step (CUDA)", TP__KOP_SGD_STEP, dtype, dev, n, false,
+                               k_sgd<T>, mp<T>(p), cp<T>(g), n, lr));
 }
 
 tp_status cuda_adam_step(tp_device dev, tp_dtype dtype, void *p, float *m, float *v,
                          const void *g, int64_t n, double beta1, double beta2, double step_size,
                          double bc2_sqrt, double eps)
 {
-    return launch("tp_adam_step (CUDA)", TP__KOP_ADAM_STEP, dtype, dev, n, false, k_adam, f32(p),
-                  m, v, f32(g), n, beta1, beta2, step_size, bc2_sqrt, eps);
+    return TYPED(dtype,
+                 launch("tp_adam_step (CUDA)", TP__KOP_ADAM_STEP, dtype, dev, n, false, k_adam<T>,
+                        mp<T>(p), m, v, cp<T>(g), n, beta1, beta2, step_size, bc2_sqrt, eps));
 }
 
 #define CUDA_ENTRY(NAME, field) .field = cuda_##field,

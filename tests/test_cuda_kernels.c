@@ -1,0 +1,716 @@
+/* The CUDA engine's kernel table (src/kernels/cuda.cu) entry by entry: every
+ * entry in f32, bf16 and f16 against the CPU engine's f32 entry on the same
+ * inputs (values already representable in the dtype, converted to f32 for
+ * the CPU), within the dtype contract's bounds (docs/API.md "Precision"):
+ *   |y - r| <= (eps_d + 2^-18) |r| + atol,
+ * eps_d = 2^-8 (bf16), 2^-11 (f16), 2^-24 (f32) for the one rounding of the
+ * output; 2^-18 covers the CPU's f32 math (its exp and erf agree with the
+ * f64 formulas to 1e-6); atol is each case's K 2^-23 sum|terms| allowance for
+ * f32 accumulation in a different order. Outputs that stay f32 whatever the
+ * dtype (statistics, Adam moments) get eps_d = 2^-24; masks must match.
+ *
+ * Also: supports() true for exactly f32/bf16/f16, and the refusal of other
+ * dtypes (runs without a device in a CUDA build).
+ *
+ * Like test_kernel_table.c this reaches internals (the tables, the CUDA
+ * memory table), so it links libtp's objects rather than the library. Tests
+ * that need a GPU skip visibly ("no CUDA device: ...") without one. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tp_test.h"
+
+#include "core/base.h"
+#include "core/device.h"
+#include "kernels/kernels.h"
+
+static const tp_device CPU = {TP_DEVICE_CPU, 0};
+static const tp_device GPU = {TP_DEVICE_CUDA, 0};
+
+static void need_cuda(void)
+{
+    if (tp_cuda_device_count() > 0)
+        return;
+    cr_skip_test("no CUDA device: %s", TP_HAVE_CUDA
+                                           ? "libtp has CUDA but the machine shows no device"
+                                           : "libtp was built without CUDA");
+}
+
+/* ---- buffers ---------------------------------------------------------------------
+ *
+ * A case's buffers, each one of: 'T' in the op's dtype, 'F' always f32, 'I'
+ * int64, 'U' one byte (masks); 0: a NULL argument. Host values are kept as
+ * double-free f32 (T values already rounded to the dtype), or int64/uint8. */
+
+#define MAXB 10
+
+typedef struct bspec {
+    char kind;
+    bool out;      /* compared after the run (an input too when `in`) */
+    bool in;       /* for outputs: initialized (accumulated into / read) */
+    int64_t n;     /* elements */
+    double lo, hi; /* random values in [lo, hi) (I: integers, U: 0 or 1) */
+} bspec;
+
+typedef tp_status (*kfn)(const tp__kernels *K, tp_device dev, tp_dtype dt, void **p,
+                         const double *a);
+
+typedef struct kcase {
+    const char *name;
+    kfn run;
+    double a[8]; /* sizes and scalars, as run() reads them */
+    double atol;
+    double mag; /* extra eps_d * mag: entries that round more than once (atomics) */
+    bspec b[MAXB];
+} kcase;
+
+typedef struct hbuf {
+    float *f;   /* T and F */
+    int64_t *i; /* I */
+    uint8_t *u; /* U */
+} hbuf;
+
+static double eps_of(tp_dtype dt)
+{
+    return dt == TP_BF16 ? 0x1p-8 : dt == TP_F16 ? 0x1p-11 : 0x1p-24;
+}
+
+static float round_to(tp_dtype dt, float v)
+{
+    if (dt == TP_BF16)
+        return tp__bf16_to_f32(tp__f32_to_bf16(v));
+    if (dt == TP_F16)
+        return tp__f16_to_f32(tp__f32_to_f16(v));
+    return v;
+}
+
+static size_t elem_size(char kind, tp_dtype dt)
+{
+    return kind == 'T' ? tp_dtype_size(dt) : kind == 'F' ? 4 : kind == 'I' ? 8 : 1;
+}
+
+static void fill_host(const bspec *s, tp_dtype dt, uint64_t seed, hbuf *h)
+{
+    int64_t n = s->n;
+    memset(h, 0, sizeof *h);
+    if (s->kind == 'I') {
+        h->i = calloc((size_t)n, sizeof *h->i);
+        for (int64_t k = 0; k < n; k++)
+            h->i[k] = (int64_t)floor(s->lo + (s->hi - s->lo) * tp_rng_uniform(seed, (uint64_t)k));
+    } else if (s->kind == 'U') {
+        h->u = calloc((size_t)n, 1);
+        for (int64_t k = 0; k < n; k++)
+            h->u[k] = s->out && !s->in ? 0 : (uint8_t)(tp_rng_uniform(seed, (uint64_t)k) < 0.6);
+    } else {
+        h->f = calloc((size_t)n, sizeof *h->f);
+        for (int64_t k = 0; k < n; k++) {
+            float v = s->out && !s->in
+                          ? 0.0f
+                          : (float)(s->lo + (s->hi - s->lo) * tp_rng_uniform(seed, (uint64_t)k));
+            h->f[k] = s->kind == 'T' ? round_to(dt, v) : v;
+        }
+    }
+}
+
+static void *host_ptr(const hbuf *h)
+{
+    return h->f ? (void *)h->f : h->i ? (void *)h->i : h->u;
+}
+
+static void free_host(hbuf *h)
+{
+    free(h->f);
+    free(h->i);
+    free(h->u);
+}
+
+/* The device copy of h in the op's dtype. */
+static void *upload(const bspec *s, tp_dtype dt, const hbuf *h)
+{
+    size_t es = elem_size(s->kind, dt), nb = (size_t)s->n * es;
+    void *src = host_ptr(h), *tmp = NULL, *d = NULL;
+    if (s->kind == 'T' && dt != TP_F32) {
+        uint16_t *t = malloc(nb ? nb : 1);
+        for (int64_t k = 0; k < s->n; k++)
+            t[k] = dt == TP_BF16 ? tp__f32_to_bf16(h->f[k]) : tp__f32_to_f16(h->f[k]);
+        src = tmp = t;
+    }
+    CHECK_OK(tp__cuda_mem.alloc("upload", 0, nb, false, &d));
+    if (nb)
+        CHECK_OK(tp__cuda_mem.copy("upload", d, GPU, src, CPU, nb));
+    free(tmp);
+    return d;
+}
+
+/* The device buffer's values as f32 (T, F) or bytes (U) into h. */
+static void download(const bspec *s, tp_dtype dt, void *d, hbuf *h)
+{
+    size_t es = elem_size(s->kind, dt), nb = (size_t)s->n * es;
+    if (s->kind == 'T' && dt != TP_F32) {
+        uint16_t *t = malloc(nb ? nb : 1);
+        CHECK_OK(tp__cuda_mem.copy("download", t, CPU, d, GPU, nb));
+        for (int64_t k = 0; k < s->n; k++)
+            h->f[k] = dt == TP_BF16 ? tp__bf16_to_f32(t[k]) : tp__f16_to_f32(t[k]);
+        free(t);
+    } else if (nb) {
+        CHECK_OK(tp__cuda_mem.copy("download", host_ptr(h), CPU, d, GPU, nb));
+    }
+}
+
+static void compare(const kcase *c, int bi, tp_dtype dt, const hbuf *got, const hbuf *want)
+{
+    const bspec *s = &c->b[bi];
+    if (s->kind == 'U') {
+        for (int64_t k = 0; k < s->n; k++)
+            cr_assert_eq(got->u[k], want->u[k], "%s %s: mask %d[%lld] %d, CPU %d", c->name,
+                         tp_dtype_name(dt), bi, (long long)k, got->u[k], want->u[k]);
+        return;
+    }
+    double eps = s->kind == 'T' ? eps_of(dt) : 0x1p-24;
+    double atol = c->atol + (s->kind == 'T' ? eps_of(dt) * c->mag : 0.0);
+    for (int64_t k = 0; k < s->n; k++) {
+        double y = got->f[k], r = want->f[k];
+        if (isinf(r) && y == r)
+            continue;
+        cr_assert(fabs(y - r) <= (eps + 0x1p-18) * fabs(r) + atol,
+                  "%s %s: buffer %d[%lld] = %.9g, CPU f32 %.9g (|diff| %.3g > %.3g)", c->name,
+                  tp_dtype_name(dt), bi, (long long)k, y, r, fabs(y - r),
+                  (eps + 0x1p-18) * fabs(r) + atol);
+    }
+}
+
+/* Runs case c in dtype dt on the GPU and in f32 on the CPU, same inputs. */
+static void check_case(const kcase *c, tp_dtype dt)
+{
+    hbuf cpu[MAXB], gpu[MAXB];
+    void *cp[MAXB] = {0}, *gp[MAXB] = {0};
+    for (int i = 0; i < MAXB; i++) {
+        memset(&cpu[i], 0, sizeof cpu[i]);
+        memset(&gpu[i], 0, sizeof gpu[i]);
+        if (!c->b[i].kind)
+            continue;
+        fill_host(&c->b[i], dt, 1000u + (uint64_t)i, &cpu[i]);
+        fill_host(&c->b[i], dt, 1000u + (uint64_t)i, &gpu[i]);
+        cp[i] = host_ptr(&cpu[i]);
+        gp[i] = upload(&c->b[i], dt, &gpu[i]);
+    }
+    CHECK_OK(c->run(&tp__kernels_cpu, CPU, TP_F32, cp, c->a));
+    CHECK_OK(c->run(tp__kernels_cuda, GPU, dt, gp, c->a));
+    CHECK_OK(tp__cuda_mem.sync("check_case", 0));
+    for (int i = 0; i < MAXB; i++) {
+        if (!c->b[i].kind)
+            continue;
+        if (c->b[i].out) {
+            download(&c->b[i], dt, gp[i], &gpu[i]);
+            compare(c, i, dt, &gpu[i], &cpu[i]);
+        }
+        tp__cuda_mem.free(0, gp[i]);
+        free_host(&cpu[i]);
+        free_host(&gpu[i]);
+    }
+}
+
+/* ---- the entries' calls (a: the case's numbers) ---------------------------------- */
+
+#define I(k) ((int64_t)a[k])
+
+static tp_status r_gemm(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->gemm(d, t, a[0] != 0, a[1] != 0, I(2), I(3), I(4), (float)a[5], p[0], I(6), p[1],
+                   I(7), 0.25f, p[2], I(3));
+}
+static tp_status r_linear_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                              const double *a)
+{
+    return K->linear_fwd(d, t, p[0], p[1], p[2], p[3], I(0), I(1), I(2));
+}
+static tp_status r_linear_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                              const double *a)
+{
+    return K->linear_bwd(d, t, p[0], p[1], p[2], p[3], p[4], p[5], I(0), I(1), I(2), a[3] != 0);
+}
+static tp_status r_copy(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->copy(d, t, p[1], p[0], I(0));
+}
+static tp_status r_fill(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->fill(d, t, p[0], (float)a[1], I(0));
+}
+static tp_status r_add(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->add(d, t, p[0], p[1], p[2], I(0));
+}
+static tp_status r_mul(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->mul(d, t, p[0], p[1], p[2], I(0));
+}
+static tp_status r_scale(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->scale(d, t, p[0], (float)a[1], p[1], I(0));
+}
+static tp_status r_accumulate(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                              const double *a)
+{
+    return K->accumulate(d, t, p[1], p[0], I(0));
+}
+
+/* the broadcast geometries: a[0] picks one */
+static const int64_t bc_shape[3][3] = {{60}, {4, 6}, {3, 4, 5}};
+static const int64_t bc_as[3][3] = {{1}, {6, 1}, {20, 5, 1}};
+static const int64_t bc_bs[3][3] = {{1}, {0, 1}, {5, 0, 1}};
+static const int bc_ndim[3] = {1, 2, 3};
+
+static tp_status r_add_bcast(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                             const double *a)
+{
+    int g = (int)a[0];
+    return K->add_bcast(d, t, p[0], p[1], p[2], bc_ndim[g], bc_shape[g], bc_as[g], bc_bs[g]);
+}
+static tp_status r_mul_bcast(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                             const double *a)
+{
+    int g = (int)a[0];
+    return K->mul_bcast(d, t, p[0], p[1], p[2], bc_ndim[g], bc_shape[g], bc_as[g], bc_bs[g]);
+}
+static tp_status r_sum_bcast(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                             const double *a)
+{
+    static const int64_t shape[3] = {3, 4, 5}, ys[2][3] = {{1, 4, 1}, {3, 1, 5}};
+    return K->sum_bcast(d, t, p[0], p[1], 3, shape, ys[I(0)]);
+}
+static tp_status r_gather(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    static const int64_t shape[2] = {4, 3}, stride[2] = {1, 4};
+    return K->gather(d, t, p[1], p[0], 2, shape, stride);
+}
+static tp_status r_relu_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                            const double *a)
+{
+    return K->relu_fwd(d, t, p[0], p[1], I(0));
+}
+static tp_status r_relu_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                            const double *a)
+{
+    return K->relu_bwd(d, t, p[0], p[1], p[2], I(0));
+}
+static tp_status r_gelu_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                            const double *a)
+{
+    return K->gelu_fwd(d, t, p[0], p[1], I(0), a[1] != 0);
+}
+static tp_status r_gelu_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                            const double *a)
+{
+    return K->gelu_bwd(d, t, p[0], p[1], p[2], I(0), a[1] != 0);
+}
+static tp_status r_sum_dim(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->sum_dim(d, t, p[0], p[1], I(0), I(1), I(2), a[3]);
+}
+static tp_status r_sum_dim_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                               const double *a)
+{
+    return K->sum_dim_bwd(d, t, p[0], p[1], I(0), I(1), I(2), (float)a[3]);
+}
+static tp_status r_sum_all(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->sum_all(d, t, p[0], I(0), p[1], a[1]);
+}
+static tp_status r_softmax_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                               const double *a)
+{
+    return K->softmax_fwd(d, t, p[0], p[1], I(0), I(1));
+}
+static tp_status r_softmax_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                               const double *a)
+{
+    return K->softmax_bwd(d, t, p[0], p[1], p[2], I(0), I(1));
+}
+static tp_status r_causal_mask(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                               const double *a)
+{
+    return K->causal_mask(d, t, p[0], I(0), I(1));
+}
+static tp_status r_transpose(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                             const double *a)
+{
+    return K->transpose_last2(d, t, p[0], p[1], I(0), I(1), I(2));
+}
+static tp_status r_embedding_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                 const double *a)
+{
+    return K->embedding_fwd(d, t, p[0], I(0), p[1], I(1), I(2), I(3), p[2]);
+}
+static tp_status r_embedding_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                 const double *a)
+{
+    return K->embedding_bwd(d, t, p[0], I(0), p[1], I(1), I(2), I(3), p[2]);
+}
+static tp_status r_layer_norm_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                  const double *a)
+{
+    return K->layer_norm_fwd(d, t, p[0], p[1], p[2], p[3], p[4], p[5], I(0), I(1), 1e-5f);
+}
+static tp_status r_layer_norm_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                  const double *a)
+{
+    return K->layer_norm_bwd(d, t, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], I(0), I(1));
+}
+static tp_status r_rms_norm_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                const double *a)
+{
+    return K->rms_norm_fwd(d, t, p[0], p[1], p[2], p[3], I(0), I(1), 1e-5f);
+}
+static tp_status r_rms_norm_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                const double *a)
+{
+    return K->rms_norm_bwd(d, t, p[0], p[1], p[2], p[3], p[4], p[5], I(0), I(1));
+}
+static tp_status r_dropout_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                               const double *a)
+{
+    static const int64_t shape[2] = {4, 50}, gshape[2] = {8, 50}, off[2] = {4, 0};
+    return K->dropout_fwd(d, t, p[0], p[1], p[2], 2, shape, gshape, off, (float)a[0], 42);
+}
+static tp_status r_dropout_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                               const double *a)
+{
+    return K->dropout_bwd(d, t, p[0], p[1], p[2], I(1), (float)a[0]);
+}
+static tp_status r_ce_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->cross_entropy_fwd(d, t, p[0], p[1], p[2], p[3], I(0), I(1), I(2), -1);
+}
+static tp_status r_ce_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->cross_entropy_bwd(d, t, p[0], p[1], p[2], p[3], p[4], I(0), I(1), I(2), -1);
+}
+static tp_status r_ce_gloss(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                            const double *a)
+{
+    return K->ce_gloss(d, t, p[0], p[1], I(0), a[1] != 0, a[2]);
+}
+static tp_status r_row_max(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->row_max(d, t, p[0], p[1], I(0), I(1), I(2));
+}
+static tp_status r_row_sumexp(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                              const double *a)
+{
+    return K->row_sumexp(d, t, p[0], p[1], p[2], I(0), I(1), I(2));
+}
+static tp_status r_pick_target(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                               const double *a)
+{
+    return K->pick_target(d, t, p[0], p[1], p[2], I(0), I(1), I(2), I(3), -1);
+}
+static tp_status r_vocab_ce_loss(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                 const double *a)
+{
+    return K->vocab_ce_loss(d, t, p[0], p[1], p[2], p[3], p[4], p[5], I(0), -1);
+}
+static tp_status r_vocab_ce_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                const double *a)
+{
+    return K->vocab_ce_bwd(d, t, p[0], p[1], p[2], p[3], p[4], p[5], p[6], I(0), I(1), I(2), I(3),
+                           -1);
+}
+static tp_status r_sgd(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->sgd_step(d, t, p[0], p[1], I(0), a[1]);
+}
+static tp_status r_adam(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
+{
+    return K->adam_step(d, t, p[0], p[1], p[2], p[3], I(0), 0.9, 0.999, 0.01, 0.5, 1e-8);
+}
+
+/* ---- the cases -------------------------------------------------------------------- */
+
+#define T_IN(n)                       \
+    {                                 \
+        'T', false, false, (n), -1, 1 \
+    }
+#define T_POS(n)                         \
+    {                                    \
+        'T', false, false, (n), 0.5, 1.5 \
+    }
+#define T_OUT(n)                    \
+    {                               \
+        'T', true, false, (n), 0, 0 \
+    }
+#define T_ACC(n)                    \
+    {                               \
+        'T', true, true, (n), -1, 1 \
+    }
+#define F_IN(n, lo, hi)                    \
+    {                                      \
+        'F', false, false, (n), (lo), (hi) \
+    }
+#define F_OUT(n)                    \
+    {                               \
+        'F', true, false, (n), 0, 0 \
+    }
+#define F_ACC(n, lo, hi)                 \
+    {                                    \
+        'F', true, true, (n), (lo), (hi) \
+    }
+#define I_IN(n, lo, hi)                    \
+    {                                      \
+        'I', false, false, (n), (lo), (hi) \
+    }
+#define U_IN(n)                      \
+    {                                \
+        'U', false, false, (n), 0, 1 \
+    }
+#define U_OUT(n)                    \
+    {                               \
+        'U', true, false, (n), 0, 0 \
+    }
+#define NONE                     \
+    {                            \
+        0, false, false, 0, 0, 0 \
+    }
+
+/* CE geometry: [outer 2, classes 9, inner 3] = 6 rows; vocab: 20 global
+ * classes, this block owning [5, 14) */
+static const kcase cases[] = {
+    {"gemm A B^T", r_gemm, {0, 1, 5, 7, 9, 0.5, 9, 9}, 1e-5, 0, {T_IN(45), T_IN(63), T_ACC(35)}},
+    {"gemm A^T B", r_gemm, {1, 0, 5, 7, 9, 1.0, 5, 7}, 1e-5, 0, {T_IN(45), T_IN(63), T_ACC(35)}},
+    {"gemm k=0", r_gemm, {0, 0, 5, 7, 0, 1.0, 1, 7}, 0, 0, {T_IN(1), T_IN(1), T_ACC(35)}},
+    {"linear_fwd", r_linear_fwd, {6, 8, 5}, 1e-5, 0, {T_IN(48), T_IN(40), T_IN(5), T_OUT(30)}},
+    {"linear_bwd",
+     r_linear_bwd,
+     {6, 8, 5, 0},
+     1e-5,
+     0,
+     {T_IN(48), T_IN(40), T_IN(30), T_OUT(48), T_OUT(40), T_OUT(5)}},
+    {"linear_bwd accumulate",
+     r_linear_bwd,
+     {6, 8, 5, 1},
+     1e-5,
+     0,
+     {T_IN(48), T_IN(40), T_IN(30), T_ACC(48), T_ACC(40), T_ACC(5)}},
+    {"copy", r_copy, {101}, 0, 0, {T_IN(101), T_OUT(101)}},
+    {"fill", r_fill, {101, 0.3}, 0, 0, {T_OUT(101)}},
+    {"add", r_add, {1000}, 0, 0, {T_IN(1000), T_IN(1000), T_OUT(1000)}},
+    {"mul", r_mul, {1000}, 0, 0, {T_IN(1000), T_IN(1000), T_OUT(1000)}},
+    {"scale", r_scale, {1000, 0.7}, 0, 0, {T_IN(1000), T_OUT(1000)}},
+    {"accumulate", r_accumulate, {1000}, 0, 0, {T_IN(1000), T_ACC(1000)}},
+    {"add_bcast same shape", r_add_bcast, {0}, 0, 0, {T_IN(60), T_IN(60), T_OUT(60)}},
+    {"add_bcast rows", r_add_bcast, {1}, 0, 0, {T_IN(24), T_IN(6), T_OUT(24)}},
+    {"add_bcast general", r_add_bcast, {2}, 0, 0, {T_IN(60), T_IN(15), T_OUT(60)}},
+    {"mul_bcast same shape", r_mul_bcast, {0}, 0, 0, {T_IN(60), T_IN(60), T_OUT(60)}},
+    {"mul_bcast rows", r_mul_bcast, {1}, 0, 0, {T_IN(24), T_IN(6), T_OUT(24)}},
+    {"mul_bcast general", r_mul_bcast, {2}, 0, 0, {T_IN(60), T_IN(15), T_OUT(60)}},
+    {"sum_bcast two runs", r_sum_bcast, {0}, 1e-5, 0, {T_IN(60), T_OUT(4)}},
+    {"sum_bcast one run", r_sum_bcast, {1}, 1e-5, 0, {T_IN(60), T_OUT(15)}},
+    {"gather", r_gather, {0}, 0, 0, {T_IN(12), T_OUT(12)}},
+    {"relu_fwd", r_relu_fwd, {1000}, 0, 0, {T_IN(1000), T_OUT(1000)}},
+    {"relu_bwd", r_relu_bwd, {1000}, 0, 0, {T_IN(1000), T_IN(1000), T_OUT(1000)}},
+    {"gelu_fwd tanh", r_gelu_fwd, {1000, 1}, 2e-6, 0, {T_IN(1000), T_OUT(1000)}},
+    {"gelu_fwd erf", r_gelu_fwd, {1000, 0}, 2e-6, 0, {T_IN(1000), T_OUT(1000)}},
+    {"gelu_bwd tanh", r_gelu_bwd, {1000, 1}, 2e-6, 0, {T_IN(1000), T_IN(1000), T_OUT(1000)}},
+    {"gelu_bwd erf", r_gelu_bwd, {1000, 0}, 2e-6, 0, {T_IN(1000), T_IN(1000), T_OUT(1000)}},
+    {"sum_dim rows", r_sum_dim, {3, 400, 1, 1}, 1e-5, 0, {T_IN(1200), T_OUT(3)}},
+    {"sum_dim columns", r_sum_dim, {1, 40, 6, 4}, 1e-5, 0, {T_IN(240), T_OUT(6)}},
+    {"sum_dim strided", r_sum_dim, {3, 7, 5, 2}, 1e-5, 0, {T_IN(105), T_OUT(15)}},
+    {"sum_dim_bwd", r_sum_dim_bwd, {3, 4, 5, 0.5}, 0, 0, {T_IN(15), T_OUT(60)}},
+    {"sum_all", r_sum_all, {3000, 10}, 1e-5, 0, {T_IN(3000), T_OUT(1)}},
+    {"softmax_fwd", r_softmax_fwd, {5, 300}, 1e-7, 0, {T_IN(1500), T_OUT(1500)}},
+    {"softmax_bwd", r_softmax_bwd, {5, 300}, 1e-5, 0, {T_POS(1500), T_IN(1500), T_OUT(1500)}},
+    {"causal_mask", r_causal_mask, {2, 6}, 0, 0, {T_ACC(72)}},
+    {"transpose_last2", r_transpose, {2, 33, 40}, 0, 0, {T_IN(2640), T_OUT(2640)}},
+    {"embedding_fwd",
+     r_embedding_fwd,
+     {10, 8, 16, 2},
+     0,
+     0,
+     {I_IN(10, -2, 12), T_IN(128), T_OUT(160)}},
+    /* per-element atomics: one rounding per index hitting the row (at most 10) */
+    {"embedding_bwd",
+     r_embedding_bwd,
+     {10, 8, 16, 2},
+     1e-6,
+     10,
+     {I_IN(10, -2, 12), T_IN(160), T_ACC(128)}},
+    {"layer_norm_fwd",
+     r_layer_norm_fwd,
+     {4, 70},
+     1e-5,
+     0,
+     {T_IN(280), T_IN(70), T_IN(70), T_OUT(280), F_OUT(4), F_OUT(4)}},
+    {"layer_norm_fwd no affine",
+     r_layer_norm_fwd,
+     {4, 70},
+     1e-5,
+     0,
+     {T_IN(280), NONE, NONE, T_OUT(280), F_OUT(4), F_OUT(4)}},
+    {"layer_norm_bwd",
+     r_layer_norm_bwd,
+     {4, 70},
+     1e-5,
+     0,
+     {T_IN(280), T_IN(70), F_IN(4, -0.2, 0.2), F_IN(4, 0.5, 2), T_IN(280), T_OUT(280), T_ACC(70),
+      T_ACC(70)}},
+    {"rms_norm_fwd", r_rms_norm_fwd, {4, 70}, 1e-5, 0, {T_IN(280), T_IN(70), T_OUT(280), F_OUT(4)}},
+    {"rms_norm_bwd",
+     r_rms_norm_bwd,
+     {4, 70},
+     1e-5,
+     0,
+     {T_IN(280), T_IN(70), F_IN(4, 0.5, 2), T_IN(280), T_OUT(280), T_ACC(70)}},
+    {"dropout_fwd", r_dropout_fwd, {0.3}, 0, 0, {T_IN(200), T_OUT(200), U_OUT(200)}},
+    {"dropout_fwd p=0", r_dropout_fwd, {0.0}, 0, 0, {T_IN(200), T_OUT(200), U_OUT(200)}},
+    {"dropout_fwd p=1", r_dropout_fwd, {1.0}, 0, 0, {T_IN(200), T_OUT(200), U_OUT(200)}},
+    {"dropout_bwd", r_dropout_bwd, {0.3, 200}, 0, 0, {T_IN(200), U_IN(200), T_OUT(200)}},
+    {"dropout_bwd p=0", r_dropout_bwd, {0.0, 200}, 0, 0, {T_IN(200), U_IN(200), T_OUT(200)}},
+    {"cross_entropy_fwd",
+     r_ce_fwd,
+     {6, 9, 3},
+     1e-6,
+     0,
+     {T_IN(54), I_IN(6, -1, 9), T_POS(9), T_OUT(6)}},
+    {"cross_entropy_bwd",
+     r_ce_bwd,
+     {6, 9, 3},
+     1e-6,
+     0,
+     {T_IN(54), I_IN(6, -1, 9), T_POS(9), T_IN(6), T_OUT(54)}},
+    {"ce_gloss", r_ce_gloss, {6, 0, 1}, 0, 0, {T_IN(6), T_OUT(6)}},
+    {"ce_gloss broadcast", r_ce_gloss, {6, 1, 6}, 0, 0, {T_IN(1), T_OUT(6)}},
+    {"row_max", r_row_max, {6, 9, 3}, 0, 0, {T_IN(54), F_OUT(6)}},
+    {"row_sumexp", r_row_sumexp, {6, 9, 3}, 1e-6, 0, {T_IN(54), F_IN(6, 0, 1), F_OUT(6)}},
+    {"pick_target", r_pick_target, {6, 9, 3, 5}, 0, 0, {T_IN(54), I_IN(6, -1, 20), F_OUT(6)}},
+    {"vocab_ce_loss",
+     r_vocab_ce_loss,
+     {6},
+     1e-6,
+     0,
+     {I_IN(6, -1, 20), T_POS(20), F_IN(6, 0, 1), F_IN(6, 1, 10), F_IN(6, -1, 1), T_OUT(6)}},
+    {"vocab_ce_bwd",
+     r_vocab_ce_bwd,
+     {6, 9, 3, 5},
+     1e-6,
+     0,
+     {T_IN(54), I_IN(6, -1, 20), T_POS(20), F_IN(6, 0, 1), F_IN(6, 1, 10), T_IN(6), T_OUT(54)}},
+    {"sgd_step", r_sgd, {1000, 0.1}, 0, 0, {T_ACC(1000), T_IN(1000)}},
+    {"adam_step",
+     r_adam,
+     {1000},
+     1e-7,
+     0,
+     {T_ACC(1000), F_ACC(1000, -1, 1), F_ACC(1000, 0, 1), T_IN(1000)}},
+};
+
+#define NCASES (sizeof cases / sizeof cases[0])
+
+/* Every entry of the table appears in some case. */
+Test(cuda_kernels, the_cases_cover_every_entry, .timeout = 30)
+{
+    static const struct {
+        kfn fn;
+        const char *entry;
+    } map[] = {
+        {r_gemm, "gemm"},
+        {r_linear_fwd, "linear_fwd"},
+        {r_linear_bwd, "linear_bwd"},
+        {r_copy, "copy"},
+        {r_fill, "fill"},
+        {r_add, "add"},
+        {r_mul, "mul"},
+        {r_scale, "scale"},
+        {r_accumulate, "accumulate"},
+        {r_add_bcast, "add_bcast"},
+        {r_mul_bcast, "mul_bcast"},
+        {r_sum_bcast, "sum_bcast"},
+        {r_gather, "gather"},
+        {r_relu_fwd, "relu_fwd"},
+        {r_relu_bwd, "relu_bwd"},
+        {r_gelu_fwd, "gelu_fwd"},
+        {r_gelu_bwd, "gelu_bwd"},
+        {r_sum_dim, "sum_dim"},
+        {r_sum_dim_bwd, "sum_dim_bwd"},
+        {r_sum_all, "sum_all"},
+        {r_softmax_fwd, "softmax_fwd"},
+        {r_softmax_bwd, "softmax_bwd"},
+        {r_causal_mask, "causal_mask"},
+        {r_transpose, "transpose_last2"},
+        {r_embedding_fwd, "embedding_fwd"},
+        {r_embedding_bwd, "embedding_bwd"},
+        {r_layer_norm_fwd, "layer_norm_fwd"},
+        {r_layer_norm_bwd, "layer_norm_bwd"},
+        {r_rms_norm_fwd, "rms_norm_fwd"},
+        {r_rms_norm_bwd, "rms_norm_bwd"},
+        {r_dropout_fwd, "dropout_fwd"},
+        {r_dropout_bwd, "dropout_bwd"},
+        {r_ce_fwd, "cross_entropy_fwd"},
+        {r_ce_bwd, "cross_entropy_bwd"},
+        {r_ce_gloss, "ce_gloss"},
+        {r_row_max, "row_max"},
+        {r_row_sumexp, "row_sumexp"},
+        {r_pick_target, "pick_target"},
+        {r_vocab_ce_loss, "vocab_ce_loss"},
+        {r_vocab_ce_bwd, "vocab_ce_bwd"},
+        {r_sgd, "sgd_step"},
+        {r_adam, "adam_step"},
+    };
+    cr_assert_eq(sizeof map / sizeof map[0], (size_t)(TP__KOP_COUNT - 1));
+    for (int op = 1; op < TP__KOP_COUNT; op++) {
+        const char *name = tp__kop_name((tp__kop)op);
+        bool found = false;
+        for (size_t m = 0; m < sizeof map / sizeof map[0]; m++) {
+            if (strcmp(map[m].entry, name) != 0)
+                continue;
+            for (size_t c = 0; c < NCASES; c++)
+                found |= cases[c].run == map[m].fn;
+        }
+        cr_assert(found, "no case runs the entry %s", name);
+    }
+}
+
+static void run_all(tp_dtype dt)
+{
+    need_cuda();
+    for (size_t c = 0; c < NCASES; c++)
+        check_case(&cases[c], dt);
+}
+
+Test(cuda_kernels, every_entry_f32, .timeout = 120)
+{
+    run_all(TP_F32);
+}
+Test(cuda_kernels, every_entry_bf16, .timeout = 120)
+{
+    run_all(TP_BF16);
+}
+Test(cuda_kernels, every_entry_f16, .timeout = 120)
+{
+    run_all(TP_F16);
+}
+
+/* supports() and the refusals need no device, only a CUDA build. */
+Test(cuda_kernels, supports_exactly_the_float_dtypes, .timeout = 30)
+{
+    if (!TP_HAVE_CUDA)
+        cr_skip_test("no CUDA device: libtp was built without CUDA");
+    const tp__kernels *K = tp__kernels_cuda;
+    cr_assert_not_null(K);
+    static const tp_dtype yes[] = {TP_F32, TP_BF16, TP_F16}, no[] = {TP_F64, TP_I32, TP_I64};
+    for (int op = 1; op < TP__KOP_COUNT; op++)
+        for (int k = 0; k < 3; k++) {
+            cr_assert(K->supports((tp__kop)op, yes[k]), "%s refuses %s", tp__kop_name((tp__kop)op),
+                      tp_dtype_name(yes[k]));
+            cr_assert(!K->supports((tp__kop)op, no[k]), "%s takes %s", tp__kop_name((tp__kop)op),
+                      tp_dtype_name(no[k]));
+        }
+    cr_assert(!K->supports(TP__KOP_NONE, TP_F32));
+    cr_assert(!K->supports(TP__KOP_COUNT, TP_F32));
+    /* refused before the device is touched: dangling pointers are never read */
+    CHECK_ERR(K->relu_fwd(GPU, TP_F64, NULL, NULL, 4), TP_ERR_NOT_SUPPORTED);
+    cr_assert_str_eq(tp_last_error(), "cuda kernels: relu_fwd does not take f64");
+    CHECK_ERR(K->adam_step(GPU, TP_I64, NULL, NULL, NULL, NULL, 4, 0.9, 0.999, 0.1, 1, 1e-8),
+              TP_ERR_NOT_SUPPORTED);
+    cr_assert_str_eq(tp_last_error(), "cuda kernels: adam_step does not take i64");
+}
