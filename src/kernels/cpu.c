@@ -18,6 +18,32 @@
 #include "kernels/cpu.h"
 #include "tp/tensor.h"
 
+/* The exp-heavy element-wise kernels below are compiled three times, for
+ * x86-64-v4 (AVX-512), x86-64-v3 (AVX2) and the baseline (SSE2), and the
+ * loader picks the widest the CPU has (GCC's target_clones, an ifunc): the
+ * build targets the baseline, whose 4-wide loops ran the tanh GELU 3-4x
+ * slower than the AVX-512 copy. The results are the same in every copy: the
+ * loops are not reductions and C11 mode does not contract a * b + c into an
+ * FMA (-ffp-contract=off), so each element gets the same operations. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && \
+    defined(__ELF__)
+#define TP__VEC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TP__VEC_CLONES
+#endif
+/* TP__CLONED(name, (params), (args)) { body }: the kernel `name` runs body
+ * in its three copies. The copies live in a static function (name_v): GCC
+ * 12 gives the ifunc of an external target_clones function default
+ * visibility whatever is asked, which would export the kernel from
+ * libtp.so; a static one stays local. */
+#define TP__CLONED(name, params, args)          \
+    static TP__VEC_CLONES void name##_v params; \
+    void name params                            \
+    {                                           \
+        name##_v args;                          \
+    }                                           \
+    static TP__VEC_CLONES void name##_v params
+
 /* Column block of the double accumulators: 4 KiB of stack. */
 #define TP__KCOLS 512
 
@@ -517,7 +543,8 @@ static inline float tp__phif(float x)
     return tp__sel(t <= 1.0f, small, big);
 }
 
-void tp__k_gelu_fwd(const float *x, float *y, int64_t n, bool tanh_approx)
+TP__CLONED(tp__k_gelu_fwd, (const float *x, float *y, int64_t n, bool tanh_approx),
+           (x, y, n, tanh_approx))
 {
     if (tanh_approx) {
         /* 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)): no cancellation, no tanhf */
@@ -539,7 +566,9 @@ void tp__k_gelu_fwd(const float *x, float *y, int64_t n, bool tanh_approx)
     }
 }
 
-void tp__k_gelu_bwd(const float *x, const float *gy, float *gx, int64_t n, bool tanh_approx)
+TP__CLONED(tp__k_gelu_bwd,
+           (const float *x, const float *gy, float *gx, int64_t n, bool tanh_approx),
+           (x, gy, gx, n, tanh_approx))
 {
     if (tanh_approx) {
         /* d/dx 0.5 x (1 + tanh u) = 0.5 (1 + t) + 0.5 x (1 - t^2) u',
@@ -607,7 +636,8 @@ double tp__k_sum_all(const float *x, int64_t n)
 
 /* ---- softmax ------------------------------------------------------------------ */
 
-void tp__k_softmax_fwd(const float *x, float *y, int64_t rows, int64_t cols)
+TP__CLONED(tp__k_softmax_fwd, (const float *x, float *y, int64_t rows, int64_t cols),
+           (x, y, rows, cols))
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * cols;
@@ -622,7 +652,9 @@ void tp__k_softmax_fwd(const float *x, float *y, int64_t rows, int64_t cols)
     }
 }
 
-void tp__k_softmax_bwd(const float *y, const float *gy, float *gx, int64_t rows, int64_t cols)
+TP__CLONED(tp__k_softmax_bwd,
+           (const float *y, const float *gy, float *gx, int64_t rows, int64_t cols),
+           (y, gy, gx, rows, cols))
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *yr = y + r * cols, *gr = gy + r * cols;
@@ -694,8 +726,10 @@ void tp__k_embedding_bwd(const int64_t *idx, int64_t n, const float *gy, int64_t
 
 /* ---- normalization ------------------------------------------------------------ */
 
-void tp__k_layer_norm_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
-                          float *rstd, int64_t rows, int64_t cols, float eps)
+TP__CLONED(tp__k_layer_norm_fwd,
+           (const float *x, const float *w, const float *b, float *y, float *mean, float *rstd,
+            int64_t rows, int64_t cols, float eps),
+           (x, w, b, y, mean, rstd, rows, cols, eps))
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *restrict xr = x + r * cols;
@@ -744,9 +778,10 @@ static void tp__norm_wgrad(const float *restrict x, const float *restrict mean,
     }
 }
 
-void tp__k_layer_norm_bwd(const float *x, const float *w, const float *mean, const float *rstd,
-                          const float *gy, float *gx, float *gw, float *gb, int64_t rows,
-                          int64_t cols)
+TP__CLONED(tp__k_layer_norm_bwd,
+           (const float *x, const float *w, const float *mean, const float *rstd, const float *gy,
+            float *gx, float *gw, float *gb, int64_t rows, int64_t cols),
+           (x, w, mean, rstd, gy, gx, gw, gb, rows, cols))
 {
     double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
     for (int64_t r = 0; r < rows; r++) {
@@ -770,8 +805,10 @@ void tp__k_layer_norm_bwd(const float *x, const float *w, const float *mean, con
         tp__colsum(gy, rows, cols, cols, gb, true, 1.0);
 }
 
-void tp__k_rms_norm_fwd(const float *x, const float *w, float *y, float *rstd, int64_t rows,
-                        int64_t cols, float eps)
+TP__CLONED(tp__k_rms_norm_fwd,
+           (const float *x, const float *w, float *y, float *rstd, int64_t rows, int64_t cols,
+            float eps),
+           (x, w, y, rstd, rows, cols, eps))
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *restrict xr = x + r * cols;
@@ -788,8 +825,10 @@ void tp__k_rms_norm_fwd(const float *x, const float *w, float *y, float *rstd, i
     }
 }
 
-void tp__k_rms_norm_bwd(const float *x, const float *w, const float *rstd, const float *gy,
-                        float *gx, float *gw, int64_t rows, int64_t cols)
+TP__CLONED(tp__k_rms_norm_bwd,
+           (const float *x, const float *w, const float *rstd, const float *gy, float *gx,
+            float *gw, int64_t rows, int64_t cols),
+           (x, w, rstd, gy, gx, gw, rows, cols))
 {
     double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
     for (int64_t r = 0; r < rows; r++) {
@@ -840,9 +879,10 @@ static void tp__dropout_run(const float *x, float *y, uint8_t *mask, int64_t n, 
     }
 }
 
-void tp__k_dropout_fwd(const float *x, float *y, uint8_t *mask, int ndim, const int64_t *shape,
-                       const int64_t *global_shape, const int64_t *offset, float p,
-                       uint64_t seed)
+TP__CLONED(tp__k_dropout_fwd,
+           (const float *x, float *y, uint8_t *mask, int ndim, const int64_t *shape,
+            const int64_t *global_shape, const int64_t *offset, float p, uint64_t seed),
+           (x, y, mask, ndim, shape, global_shape, offset, p, seed))
 {
     int64_t n = 1;
     for (int d = 0; d < ndim; d++)
@@ -901,7 +941,8 @@ void tp__k_dropout_fwd(const float *x, float *y, uint8_t *mask, int ndim, const 
     }
 }
 
-void tp__k_dropout_bwd(const float *gy, const uint8_t *mask, float *gx, int64_t n, float p)
+TP__CLONED(tp__k_dropout_bwd, (const float *gy, const uint8_t *mask, float *gx, int64_t n, float p),
+           (gy, mask, gx, n, p))
 {
     if (n <= 0)
         return;
@@ -969,9 +1010,10 @@ static void tp__ce_grad_row(const float *restrict x, float *restrict gx, int64_t
         gx[i * st] = k * tp__expf(x[i * st] - mx);
 }
 
-void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float *weight,
-                             float *loss, int64_t rows, int64_t classes, int64_t inner,
-                             int64_t ignore_index, double *wsum)
+TP__CLONED(tp__k_cross_entropy_fwd,
+           (const float *x, const int64_t *target, const float *weight, float *loss, int64_t rows,
+            int64_t classes, int64_t inner, int64_t ignore_index, double *wsum),
+           (x, target, weight, loss, rows, classes, inner, ignore_index, wsum))
 {
     double ws = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -991,9 +1033,10 @@ void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float 
         *wsum = ws;
 }
 
-void tp__k_cross_entropy_bwd(const float *x, const int64_t *target, const float *weight,
-                             const float *gloss, float *gx, int64_t rows, int64_t classes,
-                             int64_t inner, int64_t ignore_index)
+TP__CLONED(tp__k_cross_entropy_bwd,
+           (const float *x, const int64_t *target, const float *weight, const float *gloss,
+            float *gx, int64_t rows, int64_t classes, int64_t inner, int64_t ignore_index),
+           (x, target, weight, gloss, gx, rows, classes, inner, ignore_index))
 {
     for (int64_t r = 0; r < rows; r++) {
         int64_t t = target[r], base = tp__ce_row(r, classes, inner);
@@ -1030,8 +1073,9 @@ void tp__k_row_max(const float *x, float *mx, int64_t rows, int64_t cols, int64_
         mx[r] = tp__ce_max(x + tp__ce_row(r, cols, inner), cols, inner);
 }
 
-void tp__k_row_sumexp(const float *x, const float *mx, float *s, int64_t rows, int64_t cols,
-                      int64_t inner)
+TP__CLONED(tp__k_row_sumexp,
+           (const float *x, const float *mx, float *s, int64_t rows, int64_t cols, int64_t inner),
+           (x, mx, s, rows, cols, inner))
 {
     for (int64_t r = 0; r < rows; r++)
         s[r] = (float)tp__sumexp(x + tp__ce_row(r, cols, inner), mx[r], cols, inner);
@@ -1062,10 +1106,11 @@ void tp__k_vocab_ce_loss(const int64_t *target, const float *weight, const float
     }
 }
 
-void tp__k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weight,
-                        const float *mx, const float *sumexp, const float *gloss, float *gx,
-                        int64_t rows, int64_t cols, int64_t inner, int64_t offset,
-                        int64_t ignore_index)
+TP__CLONED(tp__k_vocab_ce_bwd,
+           (const float *x, const int64_t *target, const float *weight, const float *mx,
+            const float *sumexp, const float *gloss, float *gx, int64_t rows, int64_t cols,
+            int64_t inner, int64_t offset, int64_t ignore_index),
+           (x, target, weight, mx, sumexp, gloss, gx, rows, cols, inner, offset, ignore_index))
 {
     for (int64_t r = 0; r < rows; r++) {
         int64_t t = target[r], base = tp__ce_row(r, cols, inner);
