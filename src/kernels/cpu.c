@@ -18,7 +18,9 @@
 #include "kernels/cpu.h"
 #include "tp/tensor.h"
 
-/* The exp-heavy element-wise kernels below are compiled three times, for
+/* The exp-heavy element-wise kernels below (GELU, softmax, cross entropy,
+ * dropout; not the norms, whose backward ran 1.6x slower in the AVX-512
+ * copy here) are compiled three times, for
  * x86-64-v4 (AVX-512), x86-64-v3 (AVX2) and the baseline (SSE2), and the
  * loader picks the widest the CPU has (GCC's target_clones, an ifunc): the
  * build targets the baseline, whose 4-wide loops ran the tanh GELU 3-4x
@@ -726,10 +728,8 @@ void tp__k_embedding_bwd(const int64_t *idx, int64_t n, const float *gy, int64_t
 
 /* ---- normalization ------------------------------------------------------------ */
 
-TP__CLONED(tp__k_layer_norm_fwd,
-           (const float *x, const float *w, const float *b, float *y, float *mean, float *rstd,
-            int64_t rows, int64_t cols, float eps),
-           (x, w, b, y, mean, rstd, rows, cols, eps))
+void tp__k_layer_norm_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
+                          float *rstd, int64_t rows, int64_t cols, float eps)
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *restrict xr = x + r * cols;
@@ -778,10 +778,9 @@ static void tp__norm_wgrad(const float *restrict x, const float *restrict mean,
     }
 }
 
-TP__CLONED(tp__k_layer_norm_bwd,
-           (const float *x, const float *w, const float *mean, const float *rstd, const float *gy,
-            float *gx, float *gw, float *gb, int64_t rows, int64_t cols),
-           (x, w, mean, rstd, gy, gx, gw, gb, rows, cols))
+void tp__k_layer_norm_bwd(const float *x, const float *w, const float *mean, const float *rstd,
+                          const float *gy, float *gx, float *gw, float *gb, int64_t rows,
+                          int64_t cols)
 {
     double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
     for (int64_t r = 0; r < rows; r++) {
@@ -805,10 +804,8 @@ TP__CLONED(tp__k_layer_norm_bwd,
         tp__colsum(gy, rows, cols, cols, gb, true, 1.0);
 }
 
-TP__CLONED(tp__k_rms_norm_fwd,
-           (const float *x, const float *w, float *y, float *rstd, int64_t rows, int64_t cols,
-            float eps),
-           (x, w, y, rstd, rows, cols, eps))
+void tp__k_rms_norm_fwd(const float *x, const float *w, float *y, float *rstd, int64_t rows,
+                        int64_t cols, float eps)
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *restrict xr = x + r * cols;
@@ -825,10 +822,8 @@ TP__CLONED(tp__k_rms_norm_fwd,
     }
 }
 
-TP__CLONED(tp__k_rms_norm_bwd,
-           (const float *x, const float *w, const float *rstd, const float *gy, float *gx,
-            float *gw, int64_t rows, int64_t cols),
-           (x, w, rstd, gy, gx, gw, rows, cols))
+void tp__k_rms_norm_bwd(const float *x, const float *w, const float *rstd, const float *gy,
+                        float *gx, float *gw, int64_t rows, int64_t cols)
 {
     double inv_n = cols > 0 ? 1.0 / (double)cols : 0.0;
     for (int64_t r = 0; r < rows; r++) {
