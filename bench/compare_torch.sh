@@ -10,19 +10,23 @@
 #   torch  bench/torch_mlp.py --ranks R (1: the plain nn.Sequential; 2: two
 #          processes, gloo, parallelize_module with ColwiseParallel and
 #          RowwiseParallel on a CPU device mesh)
-# run alternately, libtp 1, torch 1, libtp 2, torch 2, repeated -r times.
-# Both time a pass between two barriers (the slowest rank) and keep the
-# median of -n passes after -w untimed ones. The table gives each side's
-# median over the repetitions with the min-max, torch/libtp (above 1: libtp
-# faster) and each side's speedup 1 -> 2 ranks, as medians of the ratios
-# inside each repetition with their min-max.
+#   gemm   build/bench/tp-bench-layers -l mlp-gemm -p fwd+bwd -g R -R 1: the
+#          five sgemm calls of libtp's pass alone, by hand, on each rank's
+#          shards (no bias, GELU, autograd or collective): libtp's floor
+# run alternately, libtp 1, torch 1, gemm 1, libtp 2, torch 2, gemm 2,
+# repeated -r times. All time a pass between two barriers (the slowest rank)
+# and keep the median of -n passes after -w untimed ones. The table gives
+# each side's median over the repetitions with the min-max, libtp/torch
+# (below 1: libtp faster) and libtp/gemm (what libtp adds to its GEMMs), as
+# medians of the ratios inside each repetition with their min-max, and each
+# side's speedup 1 -> 2 ranks.
 #
 # usage: bench/compare_torch.sh [-b BUILD] [-t TOKENS] [-H HIDDEN] [-r REPS]
 #                               [-n ITERS] [-w WARMUP] [-o OUT]
 #   -b BUILD   build directory with bench/tp-bench-layers (default build)
 #   -t TOKENS  tokens (default 2048); -H HIDDEN  H (default 2048)
 #              (quick: -t 512 -H 512)
-#   -r REPS    repetitions of the four runs (default 3)
+#   -r REPS    repetitions of the six runs (default 3)
 #   -n ITERS   timed passes per run (default 3); -w WARMUP untimed (default 2)
 #   -o OUT     output stem (default bench/results/compare_torch-<date>): OUT.txt
 #              the table, OUT.csv one row per run, OUT/ the raw files
@@ -101,6 +105,14 @@ for rep in $(seq 1 "$reps"); do
             echo "# torch $ranks ranks rep $rep failed, see $b.log" >&2
             status=1
         fi
+        c=$raw/gemm-$ranks-$rep
+        if "$bench" -l mlp-gemm -p fwd+bwd -t "$tokens" -H "$hidden" -g "$ranks" -R 1 -n "$iters" -w "$warmup" \
+                --csv "$c.csv" >"$c.log" 2>&1 && [ -n "$(time_of "$c.csv")" ]; then
+            echo "$rep,gemm,$ranks,$(time_of "$c.csv")" >>"$csv"
+        else
+            echo "# gemm $ranks ranks rep $rep failed, see $c.log" >&2
+            status=1
+        fi
     done
     echo "# repetition $rep done ($(($(date +%s) - start)) s)" >&2
 done
@@ -110,7 +122,7 @@ rev=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo "?")
 {
     echo "# Megatron MLP block $hidden -> $((4 * hidden)) -> $hidden, $tokens tokens, fwd+bwd, f32, 1 thread per rank ($(date -u +%Y-%m-%d))"
     echo "# machine: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | sed 's/^ //'), $(nproc) cores; libtp $rev (shm, OpenBLAS); torch $torch_version (gloo, its own BLAS)"
-    echo "# load average (1, 5, 15 min) before: $load_before, after: $load_after; $reps repetitions of libtp 1, torch 1, libtp 2, torch 2; $(($(date +%s) - start)) s"
+    echo "# load average (1, 5, 15 min) before: $load_before, after: $load_after; $reps repetitions of libtp 1, torch 1, gemm 1, libtp 2, torch 2, gemm 2; $(($(date +%s) - start)) s"
     echo "# a run: median of $iters passes after $warmup untimed; shown: median over repetitions [min .. max]"
     awk -F, -v reps="$reps" '
         function sortv(a, n,    i, j, x) { for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j >= 1 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x } }
@@ -123,19 +135,28 @@ rev=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo "?")
         }
         NR == 1 { next }
         { t[$2, $3, $1] = $4 }
+        # the median [min .. max] of impl a / impl b inside each repetition, r ranks
+        function ratio(a, b, r,    k, v) {
+            v = ""
+            for (k = 1; k <= reps; k++)
+                if ((a, r, k) in t && (b, r, k) in t && t[b, r, k] > 0)
+                    v = v " " t[a, r, k] / t[b, r, k]
+            return stats(v)
+        }
+        function times(impl, r,    k, v) {
+            v = ""
+            for (k = 1; k <= reps; k++)
+                if ((impl, r, k) in t)
+                    v = v " " t[impl, r, k]
+            return stats(v)
+        }
         END {
-            for (r = 1; r <= 2; r++) {
-                lt = ""; tt = ""; ra = ""
-                for (k = 1; k <= reps; k++) {
-                    if (("libtp", r, k) in t) lt = lt " " t["libtp", r, k]
-                    if (("torch", r, k) in t) tt = tt " " t["torch", r, k]
-                    if (("libtp", r, k) in t && ("torch", r, k) in t && t["libtp", r, k] > 0)
-                        ra = ra " " t["torch", r, k] / t["libtp", r, k]
-                }
-                printf "%d rank%s  libtp %s ms   torch %s ms   torch/libtp %s\n", r, r == 1 ? " " : "s", stats(lt), stats(tt), stats(ra)
-            }
-            for (s = 1; s <= 2; s++) {
-                impl = s == 1 ? "libtp" : "torch"; sp = ""
+            for (r = 1; r <= 2; r++)
+                printf "%d rank%s  libtp %s ms   torch %s ms   gemm %s ms\n", r, r == 1 ? " " : "s", times("libtp", r), times("torch", r), times("gemm", r)
+            for (r = 1; r <= 2; r++)
+                printf "%d rank%s  libtp/torch %s   libtp/gemm %s\n", r, r == 1 ? " " : "s", ratio("libtp", "torch", r), ratio("libtp", "gemm", r)
+            for (s = 1; s <= 3; s++) {
+                impl = s == 1 ? "libtp" : s == 2 ? "torch" : "gemm"; sp = ""
                 for (k = 1; k <= reps; k++)
                     if ((impl, 1, k) in t && (impl, 2, k) in t && t[impl, 2, k] > 0)
                         sp = sp " " t[impl, 1, k] / t[impl, 2, k]

@@ -31,6 +31,9 @@
  *            mlp       colwise -> GELU -> rowwise (the Megatron MLP block)
  *            emb-col   Embedding(V, H) ColwiseParallel
  *            emb-row   Embedding(V, H) RowwiseParallel(input R)
+ *            mlp-gemm  the sgemm calls of mlp's pass alone, by hand on this
+ *                      rank's shards (no bias, activation, autograd or
+ *                      collective): the floor for mlp (not in the default)
  *
  * tp-bench-layers --help lists the options and their defaults;
  * tp-bench-layers --mlp-check times the MLP block 2048 -> 8192 -> 2048 on
@@ -52,8 +55,9 @@
 enum { BK_SHM, BK_MPI, BK_NCCL, BK_COUNT };
 static const char *backend_names[BK_COUNT] = {"shm", "mpi", "nccl"};
 
-enum { L_COLWISE, L_ROWWISE, L_MLP, L_EMB_COL, L_EMB_ROW, L_COUNT };
-static const char *layer_names[L_COUNT] = {"colwise", "rowwise", "mlp", "emb-col", "emb-row"};
+enum { L_COLWISE, L_ROWWISE, L_MLP, L_EMB_COL, L_EMB_ROW, L_MLP_GEMM, L_COUNT };
+static const char *layer_names[L_COUNT] = {"colwise", "rowwise", "mlp",
+                                           "emb-col", "emb-row", "mlp-gemm"};
 
 typedef struct {
     int layer;
@@ -323,9 +327,87 @@ out:
     return st;
 }
 
+/* The sgemm calls of one mlp pass on this rank's shards (F = 4H / W
+ * columns of w1, rows of w2), with the operands and transposes libtp's
+ * Linear kernels pass: forward h = x w1^T, y = a w2^T; backward gw2 = gy^T a,
+ * ga = gy w2, gw1 = gh^T x (the input needs no gradient). a and gh are
+ * separate buffers, as the GELU's input and output are. */
+typedef struct gemm_bufs {
+    float *x, *w1, *w2, *h, *a, *y, *gh, *gw1, *gw2;
+} gemm_bufs;
+
+static void gemm_pass(gemm_bufs *b, int T, int H, int F, bool backward)
+{
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, F, H, 1, b->x, H, b->w1, H, 0, b->h, F);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, H, F, 1, b->a, F, b->w2, F, 0, b->y, H);
+    if (!backward)
+        return;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, F, T, 1, b->y, H, b->a, F, 0, b->gw2,
+                F);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, F, H, 1, b->y, H, b->w2, F, 0, b->gh,
+                F);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, F, H, T, 1, b->gh, F, b->x, H, 0, b->gw1,
+                H);
+}
+
+/* mlp-gemm: run_point's timing (barriers, slowest rank, median) around
+ * gemm_pass on buffers allocated and touched once. */
+static tp_status gemm_point(tp_comm *w, point *p)
+{
+    tp_status st = TP_OK;
+    int W = tp_comm_size(w), r = tp_comm_rank(w);
+    int T = (int)p->tokens, H = (int)p->hidden, F = (int)(4 * p->hidden / W);
+    size_t th = (size_t)T * (size_t)H, fh = (size_t)F * (size_t)H, tf = (size_t)T * (size_t)F;
+    size_t len[9] = {th, fh, fh, tf, tf, th, tf, fh, fh};
+    float *buf[9] = {0};
+    double *times = calloc(2 * ((size_t)p->iters + 1), sizeof *times);
+    bool ok = times != NULL;
+    for (int i = 0; i < 9 && ok; i++) {
+        buf[i] = calloc(len[i], sizeof(float));
+        ok = buf[i] != NULL;
+        for (size_t k = 0; ok && i < 3 && k < len[i]; k++) /* small values, as the layer's */
+            buf[i][k] = (float)((k * 2654435761u + (size_t)i) % 1000) * 1e-4f - 0.05f;
+    }
+    if (!ok) {
+        st = TP_ERR_NO_MEMORY;
+        fprintf(stderr, "rank %d: mlp-gemm: out of memory\n", r);
+        goto out;
+    }
+    gemm_bufs b = {buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6], buf[7], buf[8]};
+    double *faults = times + p->iters + 1;
+    for (int it = -p->warmup; it < p->iters; it++) {
+        TRY(tp_barrier(w, NULL));
+        double f0 = bench_minor_faults(), t0 = bench_now_s();
+        gemm_pass(&b, T, H, F, p->backward);
+        double f1 = bench_minor_faults();
+        TRY(tp_barrier(w, NULL));
+        double t1 = bench_now_s();
+        if (p->verbose && r == 0)
+            printf("#   %s pass %d: %.3f ms on rank 0, %.0f minor faults\n",
+                   it < 0 ? "warm-up" : "timed", it < 0 ? it + p->warmup + 1 : it + 1,
+                   (t1 - t0) * 1e3, f1 - f0);
+        if (it >= 0)
+            times[it] = t1 - t0, faults[it] = f1 - f0;
+    }
+    if (p->iters == 0)
+        goto out;
+    TRY(max_over_ranks(w, TP_CPU, times, p->iters));
+    if (r == 0) {
+        p->t_med = bench_median(times, p->iters);
+        p->faults = bench_median(faults, p->iters);
+        p->t_coll = 0;
+    }
+out:
+    for (int i = 0; i < 9; i++)
+        free(buf[i]);
+    free(times);
+    return st;
+}
+
 static tp_status body(tp_comm *w, void *arg)
 {
-    return run_point(w, arg);
+    point *p = arg;
+    return p->layer == L_MLP_GEMM ? gemm_point(w, p) : run_point(w, p);
 }
 
 #if TP_HAVE_NCCL
@@ -447,7 +529,9 @@ static double flops(const point *p)
     switch (p->layer) {
     case L_COLWISE:
     case L_ROWWISE: return p->backward ? 2 * gemm : gemm;
-    case L_MLP: return p->backward ? 5 * gemm : 2 * gemm;
+    case L_MLP:
+    case L_MLP_GEMM:
+        return p->backward ? 5 * gemm : 2 * gemm;
     default: return 0; /* embeddings do no matrix products */
     }
 }
@@ -589,7 +673,7 @@ static const char *pass_names[P_COUNT] = {"fwd", "fwd+bwd"};
  * runs several times slower for its first few passes (malloc's mmap threshold
  * rises only as large blocks are freed, so until then every pass maps and
  * faults in fresh pages): see bench/README.md. */
-static const int default_warmup[L_COUNT] = {2, 2, 2, 8, 8};
+static const int default_warmup[L_COUNT] = {2, 2, 2, 8, 8, 2};
 
 #define MAX_LIST 8
 #define MAX_REPS 100
@@ -606,7 +690,8 @@ typedef struct opts {
 
 static void usage(FILE *f)
 {
-    fprintf(f,
+    fprintf(
+        f,
         "usage: tp-bench-layers [options]\n"
         "       tp-bench-layers --mlp-check [-R N] [-n N] [-w N] [-t T] [-H H] [-v]\n"
         "\n"
@@ -618,7 +703,8 @@ static void usage(FILE *f)
         "\n"
         "option          meaning                                               default\n"
         "  -l LIST       layers: colwise (Linear H->4H), rowwise (4H->H),      all five\n"
-        "                mlp (colwise, GELU, rowwise), emb-col, emb-row\n"
+        "                mlp (colwise, GELU, rowwise), emb-col, emb-row;\n"
+        "                mlp-gemm (mlp's sgemm calls alone, by hand)\n"
         "  -p LIST       passes: fwd, fwd+bwd                                  fwd,fwd+bwd\n"
         "  -t LIST       tokens                                                512,2048\n"
         "  -H LIST       hidden sizes H                                        256,512,1024\n"
@@ -687,7 +773,7 @@ static int parse_args(int argc, char **argv, opts *o)
                 .ranks = {1, 2}, .vocab = 8192, .nt = 2, .nh = 3, .nr = 2, .iters = -1,
                 .warmup = -1, .reps = 3};
     for (int l = 0; l < L_COUNT; l++)
-        o->layers[l] = true;
+        o->layers[l] = l != L_MLP_GEMM;
     o->passes[P_FWD] = o->passes[P_BWD] = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -746,7 +832,8 @@ static int parse_args(int argc, char **argv, opts *o)
         }
         if (!ok) {
             fprintf(stderr, "tp-bench-layers: %s '%s': %s\n", a, v,
-                    !strcmp(a, "-l")   ? "layers are colwise, rowwise, mlp, emb-col, emb-row"
+                    !strcmp(a, "-l")
+                        ? "layers are colwise, rowwise, mlp, emb-col, emb-row, mlp-gemm"
                     : !strcmp(a, "-p") ? "passes are fwd, fwd+bwd"
                     : !strcmp(a, "-R") ? "runs per point are 1 to 100"
                     : !strcmp(a, "-w") ? "needs a count >= 0"
@@ -761,6 +848,11 @@ static int parse_args(int argc, char **argv, opts *o)
     }
     if (o->mlp_check && o->backend != BK_SHM) {
         fprintf(stderr, "tp-bench-layers: --mlp-check runs its ranks as threads (--backend shm)\n");
+        return 64;
+    }
+    if (o->layers[L_MLP_GEMM] && o->backend == BK_NCCL) {
+        fprintf(stderr,
+                "tp-bench-layers: -l mlp-gemm calls the CPU's sgemm (not --backend nccl)\n");
         return 64;
     }
     return -1;

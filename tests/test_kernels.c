@@ -15,8 +15,8 @@
 /* The kernels are internal: libtp.so is built with hidden visibility, so this
  * test cannot link them from the library. It compiles the kernel source into
  * its own executable instead, which therefore needs OpenBLAS and `-I src`
- * (tests/meson.build); the public tp_rng_uniform the dropout kernel calls still
- * comes from libtp. */
+ * (tests/meson.build); the public tp_rng_uniform the dropout tests compare the
+ * kernel's inlined Philox with still comes from libtp. */
 #include "../src/kernels/cpu.c"
 
 /* ---- helpers ------------------------------------------------------------------ */
@@ -1728,4 +1728,122 @@ Test(kernels, softmax_exp_dense_sweep, .timeout = 30)
     ref_softmax(xd, yd, 1, n);
     check_close("softmax exp sweep", y, yd, n, 1e-6, 1e-30);
     free(x), free(y), free(xd), free(yd);
+}
+
+/* Cross entropy's exp is tp__expf too (vectorized in blocks, each summed in
+ * double): rows of 104 * 64 + 1 logits sweeping [-104, 0] in steps of 1/64,
+ * contiguous and with the classes at stride 3 (inner 3), plus -inf logits,
+ * against the f64 loss and gradient. Bound: 1e-6 relative on the loss (plus
+ * 1e-6 absolute, a loss near 0), 1e-6 of the gradient's largest entry plus
+ * 1e-6 relative per entry; -inf logits get exactly 0 gradient. The vocab
+ * pieces' row_sumexp and vocab_ce_bwd on the same rows: 1e-6 relative. */
+Test(kernels, cross_entropy_exp_dense_sweep, .timeout = 60)
+{
+    enum { C = 104 * 64 + 1, R = 3 };
+    const int64_t inners[2] = {1, 3};
+    for (int li = 0; li < 2; li++) {
+        int64_t inner = inners[li], rows = R * inner, n = (int64_t)R * C * inner;
+        float *x = falloc(n), *loss = falloc(rows), *gl = falloc(rows), *gx = falloc(n);
+        double *xd = dalloc((int64_t)rows * C), *ld = dalloc(rows), *gld = dalloc(rows);
+        double *gxd = dalloc((int64_t)rows * C);
+        int64_t t[R * 3];
+        /* row r = o * inner + i holds x[o, :, i]; its classes sweep [-104, 0]
+         * shifted by r, and every 7th class of row 1 is -inf */
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t o = r / inner, i = r % inner;
+            for (int64_t c = 0; c < C; c++) {
+                float v = -(float)((c * 37 + r * 11) % C) / 64.0f + (float)r;
+                if (r == 1 && c % 7 == 0)
+                    v = -INFINITY;
+                x[(o * C + c) * inner + i] = v;
+                xd[r * C + c] = v;
+            }
+            t[r] = (r * 1234 + 5) % C;
+            if (r == 1 && t[r] % 7 == 0)
+                t[r]++;
+            gl[r] = 0.5f + 0.25f * (float)r;
+            gld[r] = gl[r];
+        }
+        char what[64];
+        snprintf(what, sizeof what, "cross_entropy sweep inner=%lld", (long long)inner);
+        tp__k_cross_entropy_fwd(x, t, NULL, loss, rows, C, inner, IGNORE, NULL);
+        ref_ce(xd, t, NULL, ld, rows, C);
+        check_close(what, loss, ld, rows, 1e-6, 1e-6);
+        tp__k_cross_entropy_bwd(x, t, NULL, gl, gx, rows, C, inner, IGNORE);
+        ref_ce_bwd(xd, t, NULL, gld, gxd, rows, C);
+        float *gxr = falloc((int64_t)rows * C); /* gx in row order */
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < C; c++)
+                gxr[r * C + c] = gx[((r / inner) * C + c) * inner + r % inner];
+        check_close(what, gxr, gxd, (int64_t)rows * C, 1e-6, 1e-6 * maxabs(gxd, rows * C));
+        for (int64_t c = 0; c < C; c += 7)
+            cr_assert(gxr[1 * C + c] == 0.0f, "%s: -inf logit %lld: gradient %g", what,
+                      (long long)c, (double)gxr[1 * C + c]);
+
+        /* the vocab-parallel pieces on the same rows, one shard of all classes */
+        float *mx = falloc(rows), *se = falloc(rows), *gv = falloc(n);
+        tp__k_row_max(x, mx, rows, C, inner);
+        tp__k_row_sumexp(x, mx, se, rows, C, inner);
+        for (int64_t r = 0; r < rows; r++) {
+            double want = 0;
+            for (int64_t c = 0; c < C; c++)
+                want += exp(xd[r * C + c] - (double)mx[r]);
+            cr_assert(fabs(se[r] - want) <= 1e-6 * want, "%s: sumexp row %lld: %.9g vs %.9g", what,
+                      (long long)r, (double)se[r], want);
+        }
+        tp__k_vocab_ce_bwd(x, t, NULL, mx, se, gl, gv, rows, C, inner, 0, IGNORE);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < C; c++)
+                gxr[r * C + c] = gv[((r / inner) * C + c) * inner + r % inner];
+        check_close(what, gxr, gxd, (int64_t)rows * C, 1e-6, 1e-6 * maxabs(gxd, rows * C));
+        free(x), free(loss), free(gl), free(gx), free(xd), free(ld), free(gld), free(gxd);
+        free(gxr), free(mx), free(se), free(gv);
+    }
+}
+
+/* Rows longer than the vector blocks and not a multiple of 8 (the eight
+ * double lanes of the norms' sums and their tails): the bounds of
+ * check_norm (y 1e-5, gx 1e-4 of its scale, gw/gb 1e-5 of their largest). */
+Test(kernels, norms_long_rows, .timeout = 60)
+{
+    const int64_t cols[] = {8, 9, 1031, 4099};
+    for (int ci = 0; ci < 4; ci++)
+        for (int aff = 0; aff < 4; aff++) {
+            check_norm(false, 3, cols[ci], aff & 1, aff & 2, 700 + (uint64_t)ci);
+            check_norm(true, 3, cols[ci], aff & 1, false, 710 + (uint64_t)ci);
+        }
+}
+
+/* The dropout kernel's inlined Philox and integer keep test against the
+ * public tp_rng_uniform(seed, g) >= p, bit for bit: runs longer than its
+ * 256-element blocks, a block of a global tensor (offsets), and p at the
+ * edges of the float range (tiny, just below 1, a power of two whose
+ * threshold p 2^53 is an integer). */
+Test(kernels, dropout_long_runs_match_rng_exactly, .timeout = 60)
+{
+    const int64_t gshape[2] = {5, 1000}, shape[2] = {3, 777}, off[2] = {1, 201};
+    const int64_t n = 3 * 777;
+    const float ps[] = {1e-9f, 0x1.0p-30f, 0.25f, 0.5f, 0.7f, 0.999f, 0x1.fffffep-1f};
+    const uint64_t seed = 0x123456789abcdefull;
+    float *x = falloc(n), *y = falloc(n), *gx = falloc(n);
+    uint8_t *mask = malloc((size_t)n);
+    cr_assert_not_null(mask);
+    fill(x, n, 800, -1, 1);
+    for (int pi = 0; pi < (int)(sizeof ps / sizeof ps[0]); pi++) {
+        float p = ps[pi], scale = 1.0f / (1.0f - p);
+        tp__k_dropout_fwd(x, y, mask, 2, shape, gshape, off, p, seed);
+        tp__k_dropout_bwd(x, mask, gx, n, p);
+        for (int64_t r = 0; r < shape[0]; r++)
+            for (int64_t c = 0; c < shape[1]; c++) {
+                int64_t i = r * shape[1] + c;
+                uint64_t g = (uint64_t)((r + off[0]) * gshape[1] + c + off[1]);
+                bool keep = tp_rng_uniform(seed, g) >= (double)p;
+                cr_assert_eq(mask[i], keep, "p %a: mask at (%lld, %lld)", (double)p, (long long)r,
+                             (long long)c);
+                float want = keep ? x[i] * scale : 0.0f;
+                cr_assert(y[i] == want && gx[i] == want, "p %a: at %lld: y %a gx %a, want %a",
+                          (double)p, (long long)i, (double)y[i], (double)gx[i], (double)want);
+            }
+    }
+    free(x), free(y), free(gx), free(mask);
 }

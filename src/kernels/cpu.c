@@ -6,16 +6,45 @@
  * block of double accumulators on the stack, so they stay row-major and
  * vectorizable without allocating (kernels never allocate).
  *
- * This file may use only public libtp symbols (tp_rng_uniform): the kernel
- * test compiles it into its own executable, which links the shared library,
- * where everything not TP_API is hidden. */
+ * This file may use only public libtp symbols and header-only internals
+ * (core/philox.h): the kernel test compiles it into its own executable,
+ * which links the shared library, where everything not TP_API is hidden. */
 #include <cblas.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "core/philox.h"
 #include "kernels/cpu.h"
 #include "tp/tensor.h"
+
+/* The exp-heavy element-wise kernels below (GELU, softmax, cross entropy,
+ * dropout; not the norms, whose backward ran 1.6x slower in the AVX-512
+ * copy here) are compiled three times, for
+ * x86-64-v4 (AVX-512), x86-64-v3 (AVX2) and the baseline (SSE2), and the
+ * loader picks the widest the CPU has (GCC's target_clones, an ifunc): the
+ * build targets the baseline, whose 4-wide loops ran the tanh GELU 3-4x
+ * slower than the AVX-512 copy. The results are the same in every copy: the
+ * loops are not reductions and C11 mode does not contract a * b + c into an
+ * FMA (-ffp-contract=off), so each element gets the same operations. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && \
+    defined(__ELF__)
+#define TP__VEC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TP__VEC_CLONES
+#endif
+/* TP__CLONED(name, (params), (args)) { body }: the kernel `name` runs body
+ * in its three copies. The copies live in a static function (name_v): GCC
+ * 12 gives the ifunc of an external target_clones function default
+ * visibility whatever is asked, which would export the kernel from
+ * libtp.so; a static one stays local. */
+#define TP__CLONED(name, params, args)          \
+    static TP__VEC_CLONES void name##_v params; \
+    void name params                            \
+    {                                           \
+        name##_v args;                          \
+    }                                           \
+    static TP__VEC_CLONES void name##_v params
 
 /* Column block of the double accumulators: 4 KiB of stack. */
 #define TP__KCOLS 512
@@ -51,6 +80,43 @@ static double tp__ddot(const float *restrict a, const float *restrict b, int64_t
     return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+/* Sum of (x[i] - mu)^2 in double, in eight lanes as tp__dsum. */
+static double tp__dsumsq_dev(const float *restrict x, double mu, int64_t n)
+{
+    double acc[8] = {0};
+    int64_t n8 = n - n % 8;
+    for (int64_t i = 0; i < n8; i += 8)
+        for (int j = 0; j < 8; j++) {
+            double d = (double)x[i + j] - mu;
+            acc[j] += d * d;
+        }
+    double s = 0;
+    for (int64_t i = n8; i < n; i++)
+        s += ((double)x[i] - mu) * ((double)x[i] - mu);
+    return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* sum g[i] w[i] xhat[i] in double, xhat = (x - m) rs rounded to float as
+ * the forward's (m 0 for the RMS norm), in eight lanes as tp__dsum; w NULL:
+ * 1 (a loop of its own, so that neither has a branch and both vectorize). */
+static double tp__norm_gxhat(const float *restrict g, const float *restrict w,
+                             const float *restrict x, float m, float rs, int64_t n)
+{
+    double b[8] = {0};
+    int64_t n8 = n - n % 8;
+    if (w)
+        for (int64_t i = 0; i < n8; i += 8)
+            for (int j = 0; j < 8; j++)
+                b[j] += (double)g[i + j] * (double)w[i + j] * (double)((x[i + j] - m) * rs);
+    else
+        for (int64_t i = 0; i < n8; i += 8)
+            for (int j = 0; j < 8; j++)
+                b[j] += (double)g[i + j] * (double)((x[i + j] - m) * rs);
+    for (int64_t i = n8; i < n; i++)
+        b[0] += (double)g[i] * (w ? (double)w[i] : 1.0) * (double)((x[i] - m) * rs);
+    return ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
+}
+
 /* g[c] (+)= sum_r y[r * ld + c] for a [rows, cols] matrix with row length ld;
  * overwriting, the sum is divided by div before its one rounding. */
 static void tp__colsum(const float *restrict y, int64_t rows, int64_t cols, int64_t ld,
@@ -81,15 +147,6 @@ static float tp__rowmax(const float *restrict x, int64_t n)
     for (int64_t i = 0; i < n; i++)
         m = x[i] > m ? x[i] : m;
     return m;
-}
-
-/* Sum of exp(x[i] - mx) in double. */
-static double tp__sumexp(const float *restrict x, float mx, int64_t n)
-{
-    double s = 0;
-    for (int64_t i = 0; i < n; i++)
-        s += (double)expf(x[i] - mx);
-    return s;
 }
 
 /* ---- matrix products -------------------------------------------------------- */
@@ -426,6 +483,33 @@ static inline float tp__expf(float x)
     return tp__sel(x0 != x0, x0, p * s1 * s2);
 }
 
+/* Block of the exp helpers below: 1 KiB of stack. */
+#define TP__EXPBLK 256
+
+/* Sum of exp(x[i * st] - mx) over n elements, in double: exp on blocks of
+ * floats (a loop that vectorizes, strided elements gathered first), each
+ * block summed in double. */
+static double tp__sumexp(const float *restrict x, float mx, int64_t n, int64_t st)
+{
+    float buf[TP__EXPBLK];
+    double s = 0;
+    for (int64_t i0 = 0; i0 < n; i0 += TP__EXPBLK) {
+        int64_t nb = n - i0 < TP__EXPBLK ? n - i0 : TP__EXPBLK;
+        const float *restrict xb = x + i0 * st;
+        if (st == 1) {
+            for (int64_t k = 0; k < nb; k++)
+                buf[k] = tp__expf(xb[k] - mx);
+        } else {
+            for (int64_t k = 0; k < nb; k++)
+                buf[k] = xb[k * st];
+            for (int64_t k = 0; k < nb; k++)
+                buf[k] = tp__expf(buf[k] - mx);
+        }
+        s += tp__dsum(buf, nb);
+    }
+    return s;
+}
+
 /* Phi(x) = P(X <= x) for a standard normal X, without the cancellation of
  * 1 + erf(z) for negative x: |z| = |x| / sqrt 2 <= 1 uses erf(z) = z P(z^2)
  * (degree 6 in z^2); beyond, erfc(t) = exp(-t^2) s R(s), s = 1 / (1 + t / 2),
@@ -461,7 +545,8 @@ static inline float tp__phif(float x)
     return tp__sel(t <= 1.0f, small, big);
 }
 
-void tp__k_gelu_fwd(const float *x, float *y, int64_t n, bool tanh_approx)
+TP__CLONED(tp__k_gelu_fwd, (const float *x, float *y, int64_t n, bool tanh_approx),
+           (x, y, n, tanh_approx))
 {
     if (tanh_approx) {
         /* 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)): no cancellation, no tanhf */
@@ -483,7 +568,9 @@ void tp__k_gelu_fwd(const float *x, float *y, int64_t n, bool tanh_approx)
     }
 }
 
-void tp__k_gelu_bwd(const float *x, const float *gy, float *gx, int64_t n, bool tanh_approx)
+TP__CLONED(tp__k_gelu_bwd,
+           (const float *x, const float *gy, float *gx, int64_t n, bool tanh_approx),
+           (x, gy, gx, n, tanh_approx))
 {
     if (tanh_approx) {
         /* d/dx 0.5 x (1 + tanh u) = 0.5 (1 + t) + 0.5 x (1 - t^2) u',
@@ -551,7 +638,8 @@ double tp__k_sum_all(const float *x, int64_t n)
 
 /* ---- softmax ------------------------------------------------------------------ */
 
-void tp__k_softmax_fwd(const float *x, float *y, int64_t rows, int64_t cols)
+TP__CLONED(tp__k_softmax_fwd, (const float *x, float *y, int64_t rows, int64_t cols),
+           (x, y, rows, cols))
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * cols;
@@ -566,7 +654,9 @@ void tp__k_softmax_fwd(const float *x, float *y, int64_t rows, int64_t cols)
     }
 }
 
-void tp__k_softmax_bwd(const float *y, const float *gy, float *gx, int64_t rows, int64_t cols)
+TP__CLONED(tp__k_softmax_bwd,
+           (const float *y, const float *gy, float *gx, int64_t rows, int64_t cols),
+           (y, gy, gx, rows, cols))
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *yr = y + r * cols, *gr = gy + r * cols;
@@ -646,12 +736,7 @@ void tp__k_layer_norm_fwd(const float *x, const float *w, const float *b, float 
         float *restrict yr = y + r * cols;
         double mu = cols > 0 ? tp__dsum(xr, cols) / (double)cols : 0.0;
         /* two-pass variance: no cancellation when |mean| >> std */
-        double var = 0;
-        for (int64_t c = 0; c < cols; c++) {
-            double d = (double)xr[c] - mu;
-            var += d * d;
-        }
-        var = cols > 0 ? var / (double)cols : 0.0;
+        double var = cols > 0 ? tp__dsumsq_dev(xr, mu, cols) / (double)cols : 0.0;
         float m = (float)mu, rs = (float)(1.0 / sqrt(var + (double)eps));
         mean[r] = m;
         rstd[r] = rs;
@@ -703,19 +788,8 @@ void tp__k_layer_norm_bwd(const float *x, const float *w, const float *mean, con
         float *restrict gxr = gx + r * cols;
         float m = mean[r], rs = rstd[r];
         /* a = mean(gy w), b = mean(gy w xhat) */
-        double sa = 0, sb = 0;
-        if (w) {
-            for (int64_t c = 0; c < cols; c++) {
-                double g = (double)gr[c] * (double)w[c];
-                sa += g;
-                sb += g * (double)((xr[c] - m) * rs);
-            }
-        } else {
-            for (int64_t c = 0; c < cols; c++) {
-                sa += (double)gr[c];
-                sb += (double)gr[c] * (double)((xr[c] - m) * rs);
-            }
-        }
+        double sa = w ? tp__ddot(gr, w, cols) : tp__dsum(gr, cols);
+        double sb = tp__norm_gxhat(gr, w, xr, m, rs, cols);
         float a = (float)(sa * inv_n), bb = (float)(sb * inv_n);
         if (w)
             for (int64_t c = 0; c < cols; c++)
@@ -756,10 +830,9 @@ void tp__k_rms_norm_bwd(const float *x, const float *w, const float *rstd, const
         const float *restrict xr = x + r * cols, *restrict gr = gy + r * cols;
         float *restrict gxr = gx + r * cols;
         float rs = rstd[r];
-        double sb = 0; /* sum gy w xhat */
+        double sb; /* sum gy w xhat */
         if (w)
-            for (int64_t c = 0; c < cols; c++)
-                sb += (double)gr[c] * (double)w[c] * (double)(xr[c] * rs);
+            sb = tp__norm_gxhat(gr, w, xr, 0.0f, rs, cols);
         else
             sb = tp__ddot(gr, xr, cols) * (double)rs;
         float bb = (float)(sb * inv_n);
@@ -776,21 +849,35 @@ void tp__k_rms_norm_bwd(const float *x, const float *w, const float *rstd, const
 
 /* ---- dropout ------------------------------------------------------------------ */
 
-/* One run of n consecutive global counters starting at g. */
+/* One run of n consecutive global counters starting at g: element i is
+ * kept iff tp_rng_uniform(seed, g + i) >= p, i.e. iff its 53 random bits
+ * (core/philox.h, inline here so the loop has no call) are >= thr =
+ * ceil(p 2^53): the same test on integers. */
 static void tp__dropout_run(const float *x, float *y, uint8_t *mask, int64_t n, uint64_t g,
-                            double p, float scale, uint64_t seed)
+                            uint64_t thr, float scale, uint64_t seed)
 {
-    for (int64_t i = 0; i < n; i++) {
-        bool keep = tp_rng_uniform(seed, g + (uint64_t)i) >= p;
-        y[i] = keep ? x[i] * scale : 0.0f;
+    const uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+    uint8_t keep[TP__EXPBLK];
+    for (int64_t i0 = 0; i0 < n; i0 += TP__EXPBLK) {
+        int64_t nb = n - i0 < TP__EXPBLK ? n - i0 : TP__EXPBLK;
+        for (int64_t i = 0; i < nb; i++) {
+            uint64_t c = g + (uint64_t)(i0 + i);
+            const uint32_t ctr[4] = {(uint32_t)c, (uint32_t)(c >> 32), 0, 0};
+            uint32_t r[4];
+            tp__philox4x32_10(ctr, key, r);
+            keep[i] = ((((uint64_t)r[0] << 32) | r[1]) >> 11) >= thr;
+        }
+        for (int64_t i = 0; i < nb; i++)
+            y[i0 + i] = tp__sel(keep[i], x[i0 + i] * scale, 0.0f);
         if (mask)
-            mask[i] = (uint8_t)keep;
+            memcpy(mask + i0, keep, (size_t)nb);
     }
 }
 
-void tp__k_dropout_fwd(const float *x, float *y, uint8_t *mask, int ndim, const int64_t *shape,
-                       const int64_t *global_shape, const int64_t *offset, float p,
-                       uint64_t seed)
+TP__CLONED(tp__k_dropout_fwd,
+           (const float *x, float *y, uint8_t *mask, int ndim, const int64_t *shape,
+            const int64_t *global_shape, const int64_t *offset, float p, uint64_t seed),
+           (x, y, mask, ndim, shape, global_shape, offset, p, seed))
 {
     int64_t n = 1;
     for (int d = 0; d < ndim; d++)
@@ -811,8 +898,10 @@ void tp__k_dropout_fwd(const float *x, float *y, uint8_t *mask, int ndim, const 
         return;
     }
     float scale = 1.0f / (1.0f - p);
+    /* p 2^53 is exact (a float times a power of two); 0 < p < 1 */
+    uint64_t thr = (uint64_t)ceil((double)p * 0x1.0p53);
     if (ndim == 0) {
-        tp__dropout_run(x, y, mask, 1, 0, (double)p, scale, seed);
+        tp__dropout_run(x, y, mask, 1, 0, thr, scale, seed);
         return;
     }
 
@@ -832,8 +921,7 @@ void tp__k_dropout_fwd(const float *x, float *y, uint8_t *mask, int ndim, const 
     int inner = ndim - 1;
     int64_t run = shape[inner];
     for (int64_t pos = 0;;) {
-        tp__dropout_run(x + pos, y + pos, mask ? mask + pos : NULL, run, g, (double)p, scale,
-                        seed);
+        tp__dropout_run(x + pos, y + pos, mask ? mask + pos : NULL, run, g, thr, scale, seed);
         pos += run;
         int k = inner - 1;
         for (; k >= 0; k--) {
@@ -848,7 +936,8 @@ void tp__k_dropout_fwd(const float *x, float *y, uint8_t *mask, int ndim, const 
     }
 }
 
-void tp__k_dropout_bwd(const float *gy, const uint8_t *mask, float *gx, int64_t n, float p)
+TP__CLONED(tp__k_dropout_bwd, (const float *gy, const uint8_t *mask, float *gx, int64_t n, float p),
+           (gy, mask, gx, n, p))
 {
     if (n <= 0)
         return;
@@ -863,7 +952,7 @@ void tp__k_dropout_bwd(const float *gy, const uint8_t *mask, float *gx, int64_t 
     }
     float scale = 1.0f / (1.0f - p);
     for (int64_t i = 0; i < n; i++)
-        gx[i] = mask[i] ? gy[i] * scale : 0.0f;
+        gx[i] = tp__sel(mask[i] != 0, gy[i] * scale, 0.0f);
 }
 
 /* ---- cross entropy ------------------------------------------------------------ */
@@ -893,17 +982,6 @@ static float tp__ce_max(const float *restrict x, int64_t n, int64_t st)
     return m;
 }
 
-/* Sum of exp(x[i * st] - mx) in double. */
-static double tp__ce_sumexp(const float *restrict x, float mx, int64_t n, int64_t st)
-{
-    if (st == 1)
-        return tp__sumexp(x, mx, n);
-    double s = 0;
-    for (int64_t i = 0; i < n; i++)
-        s += (double)expf(x[i * st] - mx);
-    return s;
-}
-
 /* gx[i * st] = k * exp(x[i * st] - mx) for n classes at stride st; x NULL:
  * zeros. */
 static void tp__ce_grad_row(const float *restrict x, float *restrict gx, int64_t n, int64_t st,
@@ -915,16 +993,22 @@ static void tp__ce_grad_row(const float *restrict x, float *restrict gx, int64_t
             return;
         }
         for (int64_t i = 0; i < n; i++)
-            gx[i] = k * expf(x[i] - mx);
+            gx[i] = k * tp__expf(x[i] - mx);
+        return;
+    }
+    if (!x) {
+        for (int64_t i = 0; i < n; i++)
+            gx[i * st] = 0.0f;
         return;
     }
     for (int64_t i = 0; i < n; i++)
-        gx[i * st] = x ? k * expf(x[i * st] - mx) : 0.0f;
+        gx[i * st] = k * tp__expf(x[i * st] - mx);
 }
 
-void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float *weight,
-                             float *loss, int64_t rows, int64_t classes, int64_t inner,
-                             int64_t ignore_index, double *wsum)
+TP__CLONED(tp__k_cross_entropy_fwd,
+           (const float *x, const int64_t *target, const float *weight, float *loss, int64_t rows,
+            int64_t classes, int64_t inner, int64_t ignore_index, double *wsum),
+           (x, target, weight, loss, rows, classes, inner, ignore_index, wsum))
 {
     double ws = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -935,7 +1019,7 @@ void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float 
         }
         const float *xr = x + tp__ce_row(r, classes, inner);
         float mx = tp__ce_max(xr, classes, inner);
-        double lse = log(tp__ce_sumexp(xr, mx, classes, inner)) + (double)mx;
+        double lse = log(tp__sumexp(xr, mx, classes, inner)) + (double)mx;
         double wt = weight ? (double)weight[t] : 1.0;
         loss[r] = (float)(wt * (lse - (double)xr[t * inner]));
         ws += wt;
@@ -944,9 +1028,10 @@ void tp__k_cross_entropy_fwd(const float *x, const int64_t *target, const float 
         *wsum = ws;
 }
 
-void tp__k_cross_entropy_bwd(const float *x, const int64_t *target, const float *weight,
-                             const float *gloss, float *gx, int64_t rows, int64_t classes,
-                             int64_t inner, int64_t ignore_index)
+TP__CLONED(tp__k_cross_entropy_bwd,
+           (const float *x, const int64_t *target, const float *weight, const float *gloss,
+            float *gx, int64_t rows, int64_t classes, int64_t inner, int64_t ignore_index),
+           (x, target, weight, gloss, gx, rows, classes, inner, ignore_index))
 {
     for (int64_t r = 0; r < rows; r++) {
         int64_t t = target[r], base = tp__ce_row(r, classes, inner);
@@ -957,7 +1042,7 @@ void tp__k_cross_entropy_bwd(const float *x, const int64_t *target, const float 
         }
         const float *restrict xr = x + base;
         float mx = tp__ce_max(xr, classes, inner);
-        double s = tp__ce_sumexp(xr, mx, classes, inner);
+        double s = tp__sumexp(xr, mx, classes, inner);
         float g = gloss[r] * (weight ? weight[t] : 1.0f);
         float k = (float)((double)g / s);
         tp__ce_grad_row(xr, gxr, classes, inner, k, mx);
@@ -983,11 +1068,12 @@ void tp__k_row_max(const float *x, float *mx, int64_t rows, int64_t cols, int64_
         mx[r] = tp__ce_max(x + tp__ce_row(r, cols, inner), cols, inner);
 }
 
-void tp__k_row_sumexp(const float *x, const float *mx, float *s, int64_t rows, int64_t cols,
-                      int64_t inner)
+TP__CLONED(tp__k_row_sumexp,
+           (const float *x, const float *mx, float *s, int64_t rows, int64_t cols, int64_t inner),
+           (x, mx, s, rows, cols, inner))
 {
     for (int64_t r = 0; r < rows; r++)
-        s[r] = (float)tp__ce_sumexp(x + tp__ce_row(r, cols, inner), mx[r], cols, inner);
+        s[r] = (float)tp__sumexp(x + tp__ce_row(r, cols, inner), mx[r], cols, inner);
 }
 
 void tp__k_pick_target(const float *x, const int64_t *target, float *picked, int64_t rows,
@@ -1015,10 +1101,11 @@ void tp__k_vocab_ce_loss(const int64_t *target, const float *weight, const float
     }
 }
 
-void tp__k_vocab_ce_bwd(const float *x, const int64_t *target, const float *weight,
-                        const float *mx, const float *sumexp, const float *gloss, float *gx,
-                        int64_t rows, int64_t cols, int64_t inner, int64_t offset,
-                        int64_t ignore_index)
+TP__CLONED(tp__k_vocab_ce_bwd,
+           (const float *x, const int64_t *target, const float *weight, const float *mx,
+            const float *sumexp, const float *gloss, float *gx, int64_t rows, int64_t cols,
+            int64_t inner, int64_t offset, int64_t ignore_index),
+           (x, target, weight, mx, sumexp, gloss, gx, rows, cols, inner, offset, ignore_index))
 {
     for (int64_t r = 0; r < rows; r++) {
         int64_t t = target[r], base = tp__ce_row(r, cols, inner);
