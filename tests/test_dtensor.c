@@ -683,6 +683,11 @@ static tp_status dist_body(tp_comm *w, void *arg)
                        tp_comm_debug_total(dbg) == 0,
                 "distribute from no rank: %s, %lld collectives", why,
                 (long long)tp_comm_debug_total(dbg));
+    /* the shard is a copy, even where it is contiguous in the caller's
+     * tensor: overwriting (or freeing) that tensor leaves the DTensor whole */
+    RANK_OK(s, fill_block(full, shapes[0], NULL, SEED + 100 + (uint64_t)me));
+    RANK_EXPECT(s, shard_is_right(dt, SEED + (uint64_t)me, why, sizeof why),
+                "distribute from no rank shares the caller's storage: %s", why);
     tp_tensor_release(full);
     tp_tensor_release(dt);
     tp_comm_debug_free(dbg);

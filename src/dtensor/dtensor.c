@@ -239,8 +239,10 @@ tp_tensor *tp_dtensor_local(const tp_tensor *dt)
 
 /* ---- creation ------------------------------------------------------------- */
 
-/* A contiguous copy of t's block [offset, offset + shape) (or a view when
- * that is contiguous already). */
+/* A contiguous copy of t's block [offset, offset + shape), in storage of its
+ * own even where the block is contiguous in t: a view would keep the whole of
+ * t alive under the shard, and a sharded parameter would hold W times its
+ * share. */
 static tp_status tp__block(tp_tensor *t, const int64_t *shape, const int64_t *offset,
                            tp_tensor **out)
 {
@@ -253,13 +255,8 @@ static tp_status tp__block(tp_tensor *t, const int64_t *shape, const int64_t *of
         tp_tensor_release(v);
         v = next;
     }
-    if (st != TP_OK)
-        return st;
-    if (tp_tensor_is_contiguous(v)) {
-        *out = v;
-        return TP_OK;
-    }
-    st = tp_tensor_clone(v, out);
+    if (st == TP_OK)
+        st = tp_tensor_clone(v, out);
     tp_tensor_release(v);
     return st;
 }
@@ -355,14 +352,8 @@ tp_status tp_dtensor_distribute(tp_mesh *mesh, const tp_tensor *full, int nplace
         /* every rank holds the value: its own block, no communication */
         int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
         tp__shard_extent(mesh, full->ndim, full->shape, p, NULL, shape, off);
+        /* a copy: a DTensor owns its shard and never aliases the caller's tensor */
         st = tp__block((tp_tensor *)full, shape, off, &local);
-        if (st == TP_OK && local == full) {
-            /* never alias the caller's tensor: a DTensor owns its shard */
-            tp_tensor *copy = NULL;
-            st = tp_tensor_clone(local, &copy);
-            tp_tensor_release(local);
-            local = copy;
-        }
     }
     if (st == TP_OK)
         st = tp__dtensor_wrap(mesh, local, p, full->ndim, full->shape, out);
