@@ -1187,3 +1187,319 @@ Test(cuda, memory_two_threads_on_their_own_streams, .timeout = 120)
     CHECK_OK(tp_cuda_synchronize(0));
     cr_assert_eq(mstats().allocated, allocated0, "every block was freed");
 }
+
+/* ---- dtype conversions on the device (core/cuda_copy.cu) -------------------------------
+ *
+ * tp_tensor_copy between dtypes on one CUDA device runs one conversion kernel;
+ * its results are compared bit for bit with the CPU path's conversion of the
+ * same stored values (core/base.h states the rules). The values sit on the
+ * rounding boundaries of every narrowing: f32/bf16/f16 ties to even, f16
+ * overflow to inf and its subnormals, float -> integer truncation, NaN -> 0
+ * and saturation, i64 -> f32 rounding once, i64 -> i32 keeping the low bits,
+ * NaNs with payloads (quiet ones: how a signaling NaN is quieted on the way
+ * through double depends on the host compiler). */
+
+#define CV_R 6
+#define CV_C 8
+#define CV_N (CV_R * CV_C)
+
+static const tp_dtype CV_DTYPES[6] = {TP_F32, TP_F64, TP_F16, TP_BF16, TP_I32, TP_I64};
+
+static double cv_bits(uint64_t b)
+{
+    double d;
+    memcpy(&d, &b, sizeof d);
+    return d;
+}
+
+/* A CPU [CV_R, CV_C] tensor of dtype dt: the boundary values (stored in dt
+ * by the CPU conversion), then filler. */
+static tp_tensor *cv_source(tp_dtype dt)
+{
+    const double f[] = {0.0,
+                        -0.0,
+                        1.0,
+                        -1.0,
+                        0.5,
+                        2.5,
+                        -2.5,
+                        0.7,
+                        -0.7,
+                        123.456,
+                        1.0 + 0x1p-8,
+                        1.0 + 3 * 0x1p-8,
+                        1.0 + 0x1p-8 + 0x1p-20, /* bf16 ties */
+                        1.0 + 0x1p-24,
+                        1.0 + 3 * 0x1p-24, /* f32 ties */
+                        1.0 + 0x1p-11,
+                        1.0 + 3 * 0x1p-11, /* f16 ties */
+                        65504.0,
+                        65519.0,
+                        65520.0,
+                        1e5,
+                        -1e5, /* f16 max, overflow */
+                        0x1p-24,
+                        0x1p-25,
+                        3 * 0x1p-25,
+                        1e-6,
+                        0x1p-14 - 0x1p-25, /* f16 subnormals */
+                        3.4e38,
+                        3.5e38,
+                        -1e300,
+                        1e-300,
+                        5e-324,
+                        0x1p-149, /* f32 range */
+                        2147483647.5,
+                        2147483648.0,
+                        -2147483649.0,
+                        -2147483648.9,
+                        9.3e18,
+                        -9.3e18,
+                        INFINITY,
+                        -INFINITY,
+                        NAN,
+                        cv_bits(0xfff8000000000000ull),
+                        cv_bits(0x7ffc000000012345ull),
+                        cv_bits(0x7ff8002000000000ull)};
+    const int64_t iv[] = {0,
+                          1,
+                          -1,
+                          7,
+                          -7,
+                          255,
+                          2049,
+                          65504,
+                          65519,
+                          65520,
+                          70000,
+                          -70000,
+                          16777217,
+                          -16777217,
+                          16777219,
+                          INT32_MAX,
+                          INT32_MIN,
+                          (int64_t)INT32_MAX + 1,
+                          (int64_t)INT32_MIN - 1,
+                          ((int64_t)1 << 32) + 5,
+                          ((int64_t)1 << 53) + 1,
+                          9007199791611905, /* 2^53+2^29+1: one rounding */
+                          ((int64_t)1 << 62) + 3,
+                          INT64_MAX,
+                          INT64_MIN,
+                          INT64_MIN + 1};
+    const int64_t shape[2] = {CV_R, CV_C};
+    tp_tensor *src = NULL, *t = NULL;
+    if (dt == TP_I32 || dt == TP_I64) {
+        int64_t v[CV_N];
+        size_t k = sizeof iv / sizeof iv[0];
+        for (int i = 0; i < CV_N; i++)
+            v[i] = i < (int)k ? iv[i] : (int64_t)((i * 7919) % 2001) - 1000;
+        CHECK_OK(tp_tensor_from_data(TP_I64, 2, shape, v, &src));
+    } else {
+        double v[CV_N];
+        size_t k = sizeof f / sizeof f[0];
+        cr_assert_leq(k, CV_N);
+        for (int i = 0; i < CV_N; i++)
+            v[i] = i < (int)k ? f[i] : ((i * 7919) % 2001 - 1000) * 0.0137;
+        CHECK_OK(tp_tensor_from_data(TP_F64, 2, shape, v, &src));
+    }
+    CHECK_OK(tp_tensor_to(src, dt, TP_CPU, &t));
+    tp_tensor_release(src);
+    return t;
+}
+
+/* got (any device, any layout) equals want (CPU, contiguous, same dtype) bit
+ * for bit */
+static void cv_expect_bits(const char *what, tp_dtype from, const tp_tensor *got,
+                           const tp_tensor *want)
+{
+    cr_assert_eq(tp_tensor_dtype(got), tp_tensor_dtype(want), "%s: dtype", what);
+    cr_assert_eq(tp_tensor_numel(got), tp_tensor_numel(want), "%s: numel", what);
+    tp_tensor *h = NULL;
+    CHECK_OK(tp_tensor_to(got, tp_tensor_dtype(got), TP_CPU, &h));
+    size_t es = tp_dtype_size(tp_tensor_dtype(want));
+    const unsigned char *a = tp_tensor_data(h), *b = tp_tensor_data(want);
+    for (int64_t i = 0; i < tp_tensor_numel(want); i++) {
+        if (memcmp(a + i * es, b + i * es, es) == 0)
+            continue;
+        uint64_t x = 0, y = 0;
+        memcpy(&x, a + i * es, es);
+        memcpy(&y, b + i * es, es);
+        cr_assert(false, "%s, %s -> %s: element %lld is 0x%llx, the CPU gives 0x%llx", what,
+                  tp_dtype_name(from), tp_dtype_name(tp_tensor_dtype(want)), (long long)i,
+                  (unsigned long long)x, (unsigned long long)y);
+    }
+    tp_tensor_release(h);
+}
+
+/* The CPU's conversion of view hv and the device's of its twin dv: on the
+ * device, host to device and device to host. */
+static void cv_check_views(const char *what, tp_tensor *hv, tp_tensor *dv, tp_dtype to)
+{
+    tp_dtype from = tp_tensor_dtype(hv);
+    tp_tensor *want = NULL, *g[3] = {NULL, NULL, NULL};
+    char buf[96];
+    CHECK_OK(tp_tensor_to(hv, to, TP_CPU, &want));
+    CHECK_OK(tp_tensor_to(dv, to, DEV, &g[0]));
+    cr_assert(on(g[0], DEV));
+    snprintf(buf, sizeof buf, "%s on the device", what);
+    cv_expect_bits(buf, from, g[0], want);
+    CHECK_OK(tp_tensor_to(hv, to, DEV, &g[1]));
+    snprintf(buf, sizeof buf, "%s host to device", what);
+    cv_expect_bits(buf, from, g[1], want);
+    CHECK_OK(tp_tensor_to(dv, to, TP_CPU, &g[2]));
+    snprintf(buf, sizeof buf, "%s device to host", what);
+    cv_expect_bits(buf, from, g[2], want);
+    tp_tensor_release(want);
+    for (int k = 0; k < 3; k++)
+        tp_tensor_release(g[k]);
+}
+
+Test(cuda, convert_every_dtype_pair_bit_exact, .timeout = 120)
+{
+    need_cuda();
+    for (int si = 0; si < 6; si++) {
+        tp_tensor *h = cv_source(CV_DTYPES[si]);
+        tp_tensor *d = to_dev(h, DEV);
+        for (int di = 0; di < 6; di++)
+            cv_check_views("contiguous", h, d, CV_DTYPES[di]);
+        tp_tensor_release(h);
+        tp_tensor_release(d);
+    }
+}
+
+/* The same view of a CPU tensor and of its device copy. */
+typedef tp_status (*cv_view_fn)(tp_tensor *t, tp_tensor **out);
+
+static tp_status cv_narrow(tp_tensor *t, tp_tensor **out)
+{
+    return tp_tensor_narrow(t, 1, 1, 5, out); /* [6, 5], row stride 8 */
+}
+
+static tp_status cv_column(tp_tensor *t, tp_tensor **out)
+{
+    return tp_tensor_select(t, 1, 3, out); /* [6], stride 8 */
+}
+
+static tp_status cv_chunk3d(tp_tensor *t, tp_tensor **out)
+{
+    /* [2, 3, 4] at strides [24, 8, 1]: the outer two dims merge, the last does not */
+    const int64_t s3[3] = {2, 3, 8};
+    tp_tensor *v = NULL;
+    tp_status st = tp_tensor_view(t, 3, s3, &v);
+    if (st == TP_OK)
+        st = tp_tensor_chunk(v, 2, 2, 1, out);
+    tp_tensor_release(v);
+    return st;
+}
+
+Test(cuda, convert_strided_views_bit_exact, .timeout = 120)
+{
+    need_cuda();
+    const cv_view_fn views[3] = {cv_narrow, cv_column, cv_chunk3d};
+    const char *names[3] = {"sliced columns", "one column", "3-d chunk"};
+    for (int si = 0; si < 6; si++) {
+        tp_tensor *h = cv_source(CV_DTYPES[si]);
+        tp_tensor *d = to_dev(h, DEV);
+        for (int v = 0; v < 3; v++) {
+            tp_tensor *hv = NULL, *dv = NULL;
+            CHECK_OK(views[v](h, &hv));
+            CHECK_OK(views[v](d, &dv));
+            cr_assert(!tp_tensor_is_contiguous(dv));
+            for (int di = 0; di < 6; di++)
+                cv_check_views(names[v], hv, dv, CV_DTYPES[di]);
+            tp_tensor_release(hv);
+            tp_tensor_release(dv);
+        }
+        tp_tensor_release(h);
+        tp_tensor_release(d);
+    }
+}
+
+/* Into a strided destination (columns 3..7 of [6, 10] zeros): only the view's
+ * elements change, as on the CPU, whichever side the source is on. */
+Test(cuda, convert_into_strided_destination_bit_exact, .timeout = 120)
+{
+    need_cuda();
+    const int64_t zs[2] = {CV_R, 10};
+    for (int si = 0; si < 6; si++) {
+        tp_tensor *h = cv_source(CV_DTYPES[si]), *hv = NULL, *dv = NULL;
+        tp_tensor *d = to_dev(h, DEV);
+        CHECK_OK(cv_narrow(h, &hv));
+        CHECK_OK(cv_narrow(d, &dv));
+        for (int di = 0; di < 6; di++) {
+            tp_dtype to = CV_DTYPES[di];
+            tp_tensor *want = NULL, *wv = NULL;
+            CHECK_OK(tp_tensor_zeros(to, TP_CPU, 2, zs, &want));
+            CHECK_OK(tp_tensor_narrow(want, 1, 3, 5, &wv));
+            CHECK_OK(tp_tensor_copy(wv, hv));
+            /* device -> device, host -> device, device -> host */
+            tp_tensor *srcs[3] = {dv, hv, dv};
+            const tp_device dsts[3] = {DEV, DEV, TP_CPU};
+            const char *what[3] = {"strided dst on the device", "strided dst host to device",
+                                   "strided dst device to host"};
+            for (int k = 0; k < 3; k++) {
+                tp_tensor *z = NULL, *zv = NULL;
+                CHECK_OK(tp_tensor_zeros(to, dsts[k], 2, zs, &z));
+                CHECK_OK(tp_tensor_narrow(z, 1, 3, 5, &zv));
+                CHECK_OK(tp_tensor_copy(zv, srcs[k]));
+                cv_expect_bits(what[k], CV_DTYPES[si], z, want);
+                tp_tensor_release(zv);
+                tp_tensor_release(z);
+            }
+            tp_tensor_release(wv);
+            tp_tensor_release(want);
+        }
+        tp_tensor_release(hv);
+        tp_tensor_release(dv);
+        tp_tensor_release(h);
+        tp_tensor_release(d);
+    }
+}
+
+/* A conversion on one device stages nothing through the host. libtp keeps
+ * no count of its host copies, but every staging buffer (and every device
+ * temporary's host record) is a host allocation through the allocator hook,
+ * so a conversion that makes none moved no bytes through host memory; a
+ * host-to-device conversion, which does allocate, shows the count works. */
+Test(cuda, convert_on_device_allocates_no_host_staging, .timeout = 60)
+{
+    need_cuda();
+    const int64_t s[2] = {64, 96};
+    tp_tensor *a = NULL, *b = NULL, *c = NULL, *av = NULL, *cv = NULL, *h = NULL;
+    CHECK_OK(tp_tensor_empty(TP_F32, DEV, 2, s, &a));
+    CHECK_OK(tp_tensor_fill_random(a, TP_RNG_NORMAL, 0, 1, 5, NULL, NULL));
+    CHECK_OK(tp_tensor_empty(TP_BF16, DEV, 2, s, &b));
+    CHECK_OK(tp_tensor_zeros(TP_F16, DEV, 2, s, &c));
+    CHECK_OK(tp_tensor_narrow(a, 1, 8, 40, &av));
+    CHECK_OK(tp_tensor_narrow(c, 1, 50, 40, &cv));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, s, &h));
+    CHECK_OK(tp_tensor_fill(h, 1.5));
+    CHECK_OK(tp_tensor_copy(b, a)); /* the thread's stream exists before counting */
+    FA.live = 0;
+    FA.count = 0;
+    FA.fail_at = -1;
+    tp_allocator fa = {fa_alloc, fa_free, NULL};
+    CHECK_OK(tp_set_allocator(&fa));
+    tp_status st1 = tp_tensor_copy(b, a);   /* f32 -> bf16, contiguous */
+    tp_status st2 = tp_tensor_copy(cv, av); /* f32 -> f16, strided both sides */
+    tp_status st3 = tp_tensor_copy(a, b);   /* bf16 -> f32 */
+    long on_device = FA.count;
+    tp_status st4 = tp_tensor_copy(b, h); /* host f32 -> device bf16 */
+    long staged = FA.count - on_device, live = FA.live;
+    CHECK_OK(tp_set_allocator(NULL));
+    cr_assert(st1 == TP_OK && st2 == TP_OK && st3 == TP_OK && st4 == TP_OK);
+    cr_assert_eq(on_device, 0, "a conversion on the device made %ld host allocations", on_device);
+    cr_assert_gt(staged, 0, "the host-to-device conversion allocated nothing: the count is blind");
+    cr_assert_eq(live, 0, "host memory left by the conversions");
+    /* the host-to-device conversion landed (tp_tensor_get is CPU only) */
+    tp_tensor *hb = NULL;
+    double got = 0;
+    const int64_t at[2] = {63, 95};
+    CHECK_OK(tp_tensor_to(b, TP_F32, TP_CPU, &hb));
+    CHECK_OK(tp_tensor_get(hb, at, &got));
+    cr_assert_eq(got, 1.5);
+    tp_tensor *all[] = {a, b, c, av, cv, h, hb};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        tp_tensor_release(all[i]);
+}

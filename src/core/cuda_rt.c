@@ -585,6 +585,7 @@ const tp__device_mem tp__cuda_mem = {
     .zero = tp__cuda_zero,
     .copy = tp__cuda_memcpy,
     .strided_copy = tp__cuda_strided_copy,
+    .convert = tp__cuda_convert,
     .sync = tp__cuda_sync,
     .memory_stats = tp__cuda_memory_stats,
     .reset_peak = tp__cuda_reset_peak,

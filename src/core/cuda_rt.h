@@ -61,6 +61,14 @@ tp_status tp__cuda_strided_copy(const char *fn, int dev, size_t elem_size, int n
                                 const int64_t *shape, void *dst, const int64_t *dstride,
                                 const void *src, const int64_t *sstride);
 
+/* The CUDA memory table's convert (cuda_copy.cu; tp__device_mem in
+ * core/device.h): one kernel templated on the two element types, with the
+ * CPU path's rules bit for bit, on the calling thread's stream; waits for it.
+ * Equal dtypes go to tp__cuda_strided_copy. */
+tp_status tp__cuda_convert(const char *fn, int dev, int ndim, const int64_t *shape, void *dst,
+                           tp_dtype ddtype, const int64_t *dstride, const void *src,
+                           tp_dtype sdtype, const int64_t *sstride);
+
 #ifdef __cplusplus
 }
 #endif

@@ -43,6 +43,13 @@ static tp_status tp__nocuda_strided_copy(const char *fn, int index, size_t elem_
     return tp__no_cuda(fn);
 }
 
+static tp_status tp__nocuda_convert(const char *fn, int index, int ndim, const int64_t *shape,
+                                    void *dst, tp_dtype ddtype, const int64_t *dstride,
+                                    const void *src, tp_dtype sdtype, const int64_t *sstride)
+{
+    return tp__no_cuda(fn);
+}
+
 static tp_status tp__nocuda_sync(const char *fn, int index)
 {
     return tp__no_cuda(fn);
@@ -77,6 +84,7 @@ const tp__device_mem tp__cuda_mem = {
     .zero = tp__nocuda_zero,
     .copy = tp__nocuda_copy,
     .strided_copy = tp__nocuda_strided_copy,
+    .convert = tp__nocuda_convert,
     .sync = tp__nocuda_sync,
     .memory_stats = tp__nocuda_memory_stats,
     .reset_peak = tp__nocuda_reset_peak,

@@ -40,6 +40,15 @@ typedef struct tp__device_mem {
     tp_status (*strided_copy)(const char *fn, int index, size_t elem_size, int ndim,
                               const int64_t *shape, void *dst, const int64_t *dstride,
                               const void *src, const int64_t *sstride);
+    /* dst[i] = src[i] converted from sdtype to ddtype for every multi-index i
+     * of `shape` (numel > 0), at the element strides dstride / sstride, both
+     * on device `index`, with tp_tensor_copy's rules bit for bit (core/base.h,
+     * core/dtype_elem.h); equal dtypes move raw bytes as strided_copy does.
+     * The views must not overlap. Complete on return. NULL for the CPU, whose
+     * conversions core runs itself (tensor.c). */
+    tp_status (*convert)(const char *fn, int index, int ndim, const int64_t *shape, void *dst,
+                         tp_dtype ddtype, const int64_t *dstride, const void *src, tp_dtype sdtype,
+                         const int64_t *sstride);
     /* Waits for the work the calling thread issued on device `index`. */
     tp_status (*sync)(const char *fn, int index);
     /* tp_memory_stats, tp_memory_reset_peak, tp_memory_empty_cache and

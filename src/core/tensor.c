@@ -737,13 +737,17 @@ static size_t tp__span_bytes(const tp_tensor *t)
 /*
  * Copy with at least one side off the CPU, through that device's memory
  * table (`mem`: dst's unless dst is on the CPU). Same dtype and both
- * contiguous is one byte copy; same dtype on one device is the device's
- * strided copy. Anything else goes through host staging: a strided device
- * source is fetched as the whole window its elements span,
- * converted/gathered on the host, and a strided device destination is read,
- * patched and written back as a window (so elements inside the window but
- * outside the view are rewritten with their own values: do not run kernels
- * on them concurrently).
+ * contiguous is one byte copy; on one device, the device's strided copy or,
+ * between dtypes, its conversion kernel. A dtype change across devices
+ * (host and device, or two devices) is converted on a device as well, through
+ * a contiguous temporary there: on src's device into dst's dtype when src is
+ * on one (then those bytes move), else on dst's device from src's bytes moved
+ * in src's dtype. What is left (one dtype, strided, across devices) goes
+ * through host staging: a strided device source is fetched as the whole
+ * window its elements span, gathered on the host, and a strided device
+ * destination is read, patched and written back as a window (so elements
+ * inside the window but outside the view are rewritten with their own
+ * values: do not run kernels on them concurrently).
  */
 static tp_status tp__copy_device(const char *fn, const tp__device_mem *mem, tp_tensor *dst,
                                  const tp_tensor *src)
@@ -752,11 +756,26 @@ static tp_status tp__copy_device(const char *fn, const tp__device_mem *mem, tp_t
     if (dst->dtype == src->dtype && tp__is_contiguous(dst) && tp__is_contiguous(src))
         return mem->copy(fn, tp_tensor_data(dst), dd, tp_tensor_data(src), sd,
                          tp_tensor_nbytes(src));
-    /* strided, one device, one dtype (shard chunks, padding): on the device */
-    if (dst->dtype == src->dtype && tp__device_eq(dd, sd))
+    /* one device (shard chunks, padding, mixed-precision casts): on the device */
+    if (tp__device_eq(dd, sd) && dst->dtype == src->dtype)
         return mem->strided_copy(fn, dd.index, tp_dtype_size(dst->dtype), dst->ndim, dst->shape,
                                  tp_tensor_data(dst), dst->stride, tp_tensor_data(src),
                                  src->stride);
+    if (tp__device_eq(dd, sd))
+        return mem->convert(fn, dd.index, dst->ndim, dst->shape, tp_tensor_data(dst), dst->dtype,
+                            dst->stride, tp_tensor_data(src), src->dtype, src->stride);
+    if (dst->dtype != src->dtype) {
+        bool on_src = sd.type != TP_DEVICE_CPU;
+        tp_tensor *tmp = NULL;
+        TP_CHECK(tp__tensor_new(fn, on_src ? dst->dtype : src->dtype, on_src ? sd : dd, src->ndim,
+                                src->shape, false, &tmp));
+        /* each step is one device or one dtype, so neither comes back here */
+        tp_status st = tp__copy_device(fn, on_src ? tp__device_mem_of(sd.type) : mem, tmp, src);
+        if (st == TP_OK)
+            st = tp__copy_device(fn, mem, dst, tmp);
+        tp_tensor_release(tmp);
+        return st;
+    }
 
     tp_status st = TP_OK;
     char *sbuf = NULL, *dbuf = NULL;
