@@ -1503,3 +1503,26 @@ Test(cuda, convert_on_device_allocates_no_host_staging, .timeout = 60)
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         tp_tensor_release(all[i]);
 }
+
+/* tp_tensor_get / tp_tensor_set on a device tensor: one element copied each
+ * way, ordered after the fill queued before it, in every dtype. */
+Test(cuda, get_and_set_one_element, .timeout = 60)
+{
+    need_cuda();
+    const tp_dtype dts[] = {TP_F32, TP_F64, TP_F16, TP_BF16, TP_I32, TP_I64};
+    for (size_t k = 0; k < sizeof dts / sizeof dts[0]; k++) {
+        int64_t shape[2] = {3, 5}, at[2] = {2, 3}, other[2] = {0, 1};
+        tp_tensor *t = NULL;
+        CHECK_OK(tp_tensor_empty(dts[k], TP_CUDA(0), 2, shape, &t));
+        CHECK_OK(tp_tensor_fill(t, 7));
+        CHECK_OK(tp_tensor_set(t, at, -3));
+        double got = 0;
+        CHECK_OK(tp_tensor_get(t, at, &got));
+        cr_assert_eq(got, -3.0, "%s: set then get gave %g", tp_dtype_name(dts[k]), got);
+        CHECK_OK(tp_tensor_get(t, other, &got));
+        cr_assert_eq(got, 7.0, "%s: the fill before it gave %g", tp_dtype_name(dts[k]), got);
+        int64_t bad[2] = {3, 0};
+        cr_assert_eq(tp_tensor_get(t, bad, &got), TP_ERR_INVALID_ARG);
+        tp_tensor_release(t);
+    }
+}

@@ -190,9 +190,11 @@ TP_API tp_status tp_tensor_clone(const tp_tensor *src, tp_tensor **out);
 /* Sets every element to value (converted to the dtype). */
 TP_API tp_status tp_tensor_fill(tp_tensor *t, double value);
 /* Element at the multi-index idx (ndim entries; NULL for a scalar) as a
- * double. CPU only (TP_ERR_NOT_SUPPORTED on CUDA). */
+ * double. On CUDA: one synchronous copy of the element, after the work
+ * queued on the device (like PyTorch's .item(); slow in a loop). */
 TP_API tp_status tp_tensor_get(const tp_tensor *t, const int64_t *idx, double *value);
-/* Sets the element at idx. CPU only. */
+/* Sets the element at idx (converted to the dtype); on CUDA, one synchronous
+ * copy as for tp_tensor_get. */
 TP_API tp_status tp_tensor_set(tp_tensor *t, const int64_t *idx, double value);
 
 /* ---- comparison ----------------------------------------------------------- */

@@ -1106,9 +1106,6 @@ tp_status tp_tensor_fill(tp_tensor *t, double value)
 static tp_status tp__elem_offset(const char *fn, const tp_tensor *t, const int64_t *idx,
                                  int64_t *off)
 {
-    if (t->storage->device.type != TP_DEVICE_CPU)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: tensor is on CUDA device %d; CPU only", fn,
-                         t->storage->device.index);
     TP_ARG_CHECK(idx || t->ndim == 0, "%s: idx is NULL for a %d-d tensor", fn, t->ndim);
     int64_t o = t->offset;
     for (int i = 0; i < t->ndim; i++) {
@@ -1121,26 +1118,46 @@ static tp_status tp__elem_offset(const char *fn, const tp_tensor *t, const int64
     return TP_OK;
 }
 
+/* One element's bytes between a tensor's storage (any device) and elem:
+ * in place on the CPU, else one copy through the device's memory table,
+ * complete on return and ordered after the work queued on the device. */
+static tp_status tp__elem_io(const char *fn, const tp_tensor *t, const int64_t *idx,
+                             unsigned char *elem, bool write)
+{
+    TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    TP_CHECK(tp__need_storage(t, fn, "t"));
+    int64_t off = 0;
+    TP_CHECK(tp__elem_offset(fn, t, idx, &off));
+    size_t es = tp_dtype_size(t->dtype);
+    char *p = (char *)t->storage->data + (size_t)off * es;
+    tp_device dev = t->storage->device;
+    if (dev.type == TP_DEVICE_CPU) {
+        if (write)
+            memcpy(p, elem, es);
+        else
+            memcpy(elem, p, es);
+        return TP_OK;
+    }
+    const tp__device_mem *m = tp__device_mem_of(dev.type);
+    return write ? m->copy(fn, p, dev, elem, TP_CPU, es) : m->copy(fn, elem, TP_CPU, p, dev, es);
+}
+
 tp_status tp_tensor_get(const tp_tensor *t, const int64_t *idx, double *value)
 {
     TP_ARG_CHECK(value, "tp_tensor_get: value is NULL");
     *value = 0.0;
-    TP_ARG_CHECK(t, "tp_tensor_get: t is NULL");
-    TP_CHECK(tp__need_storage(t, "tp_tensor_get", "t"));
-    int64_t off = 0;
-    TP_CHECK(tp__elem_offset("tp_tensor_get", t, idx, &off));
-    *value = tp__load_f64(t->storage->data, t->dtype, off);
+    unsigned char elem[8];
+    TP_CHECK(tp__elem_io("tp_tensor_get", t, idx, elem, false));
+    *value = tp__load_f64(elem, t->dtype, 0);
     return TP_OK;
 }
 
 tp_status tp_tensor_set(tp_tensor *t, const int64_t *idx, double value)
 {
-    TP_ARG_CHECK(t, "tp_tensor_set: t is NULL");
-    TP_CHECK(tp__need_storage(t, "tp_tensor_set", "t"));
-    int64_t off = 0;
-    TP_CHECK(tp__elem_offset("tp_tensor_set", t, idx, &off));
-    tp__store_f64(t->storage->data, t->dtype, off, value);
-    return TP_OK;
+    unsigned char elem[8];
+    if (t)
+        tp__store_f64(elem, t->dtype, 0, value);
+    return tp__elem_io("tp_tensor_set", t, idx, elem, true);
 }
 
 /* ---- comparison ----------------------------------------------------------- */
