@@ -65,6 +65,7 @@ typedef struct {
     bool backward;
     int iters, warmup; /* timed passes (0: a warm-up run only); untimed passes before them */
     bool cuda; /* parameters, inputs and collective buffers on this rank's GPU */
+    tp_dtype dtype; /* parameters and input of the Linear layers (embedding weights too) */
     bool verbose; /* rank 0 prints every pass */
     /* out (rank 0) */
     double t_med, t_coll, faults; /* median pass, collectives alone, median faults per pass */
@@ -187,13 +188,15 @@ static tp_status run_point(tp_comm *w, point *p)
     TRY(build(p, mesh, W, &m, styles));
     if (dev.type != TP_DEVICE_CPU)
         TRY(tp_module_to(m, dev));
+    if (p->dtype != TP_F32)
+        TRY(tp_module_to_dtype(m, p->dtype));
     int64_t T = p->tokens, H = p->hidden;
     if (p->layer == L_EMB_COL || p->layer == L_EMB_ROW) {
         TRY(tp_tensor_zeros(TP_I64, TP_CPU, 1, &T, &x));
         TRY(tp_tensor_fill_random(x, TP_RNG_RANDINT, 0, (double)p->vocab, 7, NULL, NULL));
     } else {
         int64_t in = p->layer == L_ROWWISE ? 4 * H / W : H, xs[2] = {T, in};
-        TRY(tp_tensor_zeros(TP_F32, TP_CPU, 2, xs, &x));
+        TRY(tp_tensor_zeros(p->dtype, TP_CPU, 2, xs, &x));
         TRY(tp_tensor_fill_random(x, TP_RNG_UNIFORM, -1, 1, 7, NULL, NULL));
     }
     if (dev.type != TP_DEVICE_CPU) { /* filled on the host, the same values */
@@ -684,6 +687,7 @@ typedef struct opts {
     int64_t tokens[MAX_LIST], hidden[MAX_LIST], ranks[MAX_LIST], vocab;
     int nt, nh, nr;
     int iters, warmup, reps; /* iters, warmup: -1 = default */
+    tp_dtype dtype;
     bool ranks_given, tokens_given, hidden_given, mlp_check, verbose;
     const char *csv;
 } opts;
@@ -709,6 +713,8 @@ static void usage(FILE *f)
         "  -t LIST       tokens                                                512,2048\n"
         "  -H LIST       hidden sizes H                                        256,512,1024\n"
         "  -V N          embedding vocabulary                                  8192\n"
+        "  --dtype D     f32, bf16 or f16: the parameters and input (mlp-gemm: f32\n"
+        "                only); products accumulate in f32                   f32\n"
         "  -g LIST       rank counts                                           1,2 (mpi: 1,N)\n"
         "  -n N          timed passes per run; a run is their median           5 (--mlp-check 3)\n"
         "  -w N          untimed passes before them                            Linear layers %d,\n"
@@ -807,6 +813,9 @@ static int parse_args(int argc, char **argv, opts *o)
             o->vocab = vocab;
         } else if (!strcmp(a, "--csv")) {
             o->csv = v;
+        } else if (!strcmp(a, "--dtype")) {
+            ok = !strcmp(v, "f32") || !strcmp(v, "bf16") || !strcmp(v, "f16");
+            o->dtype = !strcmp(v, "bf16") ? TP_BF16 : !strcmp(v, "f16") ? TP_F16 : TP_F32;
         } else if (!strcmp(a, "-l")) {
             ok = parse_names(v, layer_names, L_COUNT, o->layers);
         } else if (!strcmp(a, "-p")) {
@@ -848,6 +857,14 @@ static int parse_args(int argc, char **argv, opts *o)
     }
     if (o->mlp_check && o->backend != BK_SHM) {
         fprintf(stderr, "tp-bench-layers: --mlp-check runs its ranks as threads (--backend shm)\n");
+        return 64;
+    }
+    if (o->layers[L_MLP_GEMM] && o->dtype != TP_F32) {
+        fprintf(stderr, "tp-bench-layers: -l mlp-gemm times f32 sgemm calls (--dtype f32)\n");
+        return 64;
+    }
+    if (o->mlp_check && o->dtype != TP_F32) {
+        fprintf(stderr, "tp-bench-layers: --mlp-check is an f32 check (--dtype f32)\n");
         return 64;
     }
     if (o->layers[L_MLP_GEMM] && o->backend == BK_NCCL) {
@@ -1177,7 +1194,7 @@ int main(int argc, char **argv)
         fprintf(fcsv, "layer,pass,tokens,hidden,ranks,time_ms,gflops,tokens_per_s,coll_share,speedup,"
                       "backend,time_min_ms,time_max_ms,gflops_min,gflops_max,speedup_min,speedup_max,"
                       "runs,iters,warmup,blas_threads,vocab,faults_per_pass,other_cores,steal_cores,"
-                      "load_before,machine\n");
+                      "dtype,load_before,machine\n");
     double load_before = load1();
     if (printer) {
         if (o.backend == BK_SHM)
@@ -1194,6 +1211,8 @@ int main(int argc, char **argv)
                "[min .. max]; speedup = median of the ratios inside each turn\n", o.reps, iters, warm_desc);
         printf("# faults: rank 0's minor page faults per pass; other: cores that other processes (and "
                "the hypervisor) took during the point\n");
+        printf("# dtype %s (parameters and input; products and sums accumulate in f32)\n",
+               tp_dtype_name(o.dtype));
         print_load("before");
         warn_before(maxr, cores);
         printf("%-8s %-8s %6s %6s %5s %10s %21s %8s %7s %14s %6s %7s %5s\n", "layer", "pass", "tokens",
@@ -1220,7 +1239,8 @@ int main(int argc, char **argv)
                     point p0 = {.layer = l, .tokens = o.tokens[ti], .hidden = o.hidden[hi],
                                 .vocab = o.vocab, .backward = bw, .iters = iters,
                                 .warmup = o.warmup >= 0 ? o.warmup : default_warmup[l],
-                                .cuda = o.backend == BK_NCCL, .verbose = o.verbose && printer};
+                                .cuda = o.backend == BK_NCCL, .dtype = o.dtype,
+                                .verbose = o.verbose && printer};
                     int idx[MAX_LIST], k = 0, base = -1;
                     for (int ri = 0; ri < o.nr; ri++) {
                         int64_t W = o.ranks[ri];
@@ -1327,7 +1347,8 @@ int main(int argc, char **argv)
                                 fprintf(fcsv, "%.3f,%.3f", other, steal);
                             else
                                 fprintf(fcsv, ",");
-                            fprintf(fcsv, ",%.2f,%s\n", load_before, machine);
+                            fprintf(fcsv, ",%s,%.2f,%s\n", tp_dtype_name(o.dtype), load_before,
+                                    machine);
                             fflush(fcsv);
                         }
                     }

@@ -17,7 +17,7 @@ fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 
 # ---- --help -----------------------------------------------------------------
 "$bench" --help >"$tmp/help" 2>&1 || fail "--help exits $?"
-for opt in -l -p -t -H -V -g -n -w -R --backend --bootstrap --csv -v --verbose --mlp-check -h --help; do
+for opt in -l -p -t -H -V -g -n -w -R --dtype --backend --bootstrap --csv -v --verbose --mlp-check -h --help; do
     grep -q -- "^ *$opt[ ,]" "$tmp/help" || grep -q -- ", $opt " "$tmp/help" || fail "--help does not list $opt"
 done
 for dflt in "512,2048" "256,512,1024" "1,2 (mpi: 1,N)" "8192" "Linear layers 2" "embeddings 8" "fwd,fwd+bwd"; do
@@ -43,6 +43,9 @@ bad "-n 'x'" -n x
 bad "-w '-1'" -w -1
 bad "--frobnicate" --frobnicate
 bad "--csv" --csv
+bad "--dtype 'f64'" --dtype f64
+bad "(--dtype f32)" -l mlp-gemm --dtype bf16
+bad "(--dtype f32)" --mlp-check --dtype f16
 
 # ---- a tiny sweep -------------------------------------------------------------
 "$bench" -l colwise,emb-row -t 16 -H 8 -V 64 -g 1,2 -n 2 -w 1 -R 2 --csv "$tmp/l.csv" >"$tmp/sweep" 2>&1 ||
@@ -69,6 +72,13 @@ awk -F, '
 "$bench" -l colwise,emb-col -p fwd -t 16 -H 8 -V 64 -g 1 -n 1 -R 1 --csv "$tmp/w.csv" >/dev/null 2>&1 || fail "default warm-up sweep exits $?"
 awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) ix[$i] = i; next } { w[$ix["layer"]] = $ix["warmup"] }
          END { exit !(w["colwise"] == 2 && w["emb-col"] == 8) }' "$tmp/w.csv" || fail "default warm-up is not 2 (Linear) / 8 (embedding)"
+
+# --dtype: bf16 parameters and input, named in the header and the CSV
+"$bench" -l colwise,mlp -p fwd+bwd -t 16 -H 8 -g 1,2 -n 1 -w 1 -R 1 --dtype bf16 --csv "$tmp/d.csv" >"$tmp/d" 2>&1 ||
+    fail "the bf16 sweep exits $?"
+grep -q '^# dtype bf16' "$tmp/d" || fail "the bf16 sweep's header does not name its dtype"
+awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) ix[$i] = i; next } { rows++; bad += $ix["dtype"] != "bf16" }
+         END { exit !(rows == 4 && bad == 0) }' "$tmp/d.csv" || fail "the bf16 sweep's CSV rows do not say bf16"
 
 # ---- cores: the ones this process may run on, as nproc and tp-bench-comm count
 if command -v taskset >/dev/null && [ "$(nproc)" -gt 1 ]; then
