@@ -631,3 +631,85 @@ ParameterizedTest(int *n, optim, clip_partial, .timeout = 60)
         tp_test_run(*n, clip_rank, &c, c.slots);
     }
 }
+
+/* ---- allocation failures ------------------------------------------------------- */
+
+/* Two steps of an optimizer (0: SGD with Nesterov momentum and weight decay,
+ * 1: AdamW, 2: Adam with L2 decay), each after clipping (norm 2, then inf);
+ * everything freed whatever fails. Returns the first failure. */
+static tp_status train_sequence(int which)
+{
+    tp_tensor *p[NP] = {0};
+    tp_module *m = NULL;
+    tp_sgd *sgd = NULL;
+    tp_adam *adam = NULL;
+    tp_status st = TP_OK;
+    for (int i = 0; i < NP && st == TP_OK; i++) {
+        st = tp_tensor_zeros(TP_F32, TP_CPU, 2, pshape[i], &p[i]);
+        if (st == TP_OK)
+            st = tp_tensor_fill(p[i], 0.5);
+        if (st == TP_OK)
+            st = tp_tensor_set_requires_grad(p[i], true);
+    }
+    if (st == TP_OK)
+        st = module_of(NP, p, &m);
+    if (st == TP_OK && which == 0)
+        st = tp_sgd_create_with(
+            m, &(tp_sgd_options){.lr = 0.1, .momentum = 0.9, .weight_decay = 0.1, .nesterov = true},
+            &sgd);
+    if (st == TP_OK && which > 0)
+        st = tp_adam_create_with(
+            m, &(tp_adam_options){.lr = 0.01, .weight_decay = 0.1, .decoupled = which == 1}, &adam);
+    for (int step = 0; step < 2 && st == TP_OK; step++) {
+        for (int i = 0; i < NP && st == TP_OK; i++) {
+            tp_tensor *g = NULL;
+            st = tp_tensor_zeros(TP_F32, TP_CPU, 2, pshape[i], &g);
+            if (st == TP_OK)
+                st = tp_tensor_fill(g, 1.0 + step);
+            if (st == TP_OK)
+                st = tp_tensor_set_grad(p[i], g);
+            tp_tensor_release(g);
+        }
+        double tn = 0;
+        if (st == TP_OK)
+            st = tp_clip_grad_norm(m, 1.0, step ? INFINITY : 2, &tn);
+        if (st == TP_OK)
+            st = sgd ? tp_sgd_opt_step(sgd) : tp_adam_step(adam);
+    }
+    tp_sgd_free(sgd);
+    tp_adam_free(adam);
+    tp_module_free(m);
+    for (int i = 0; i < NP; i++)
+        tp_tensor_release(p[i]);
+    return st;
+}
+
+/* Allocation k fails, for k = 0, 1, ... until the sequence succeeds: each
+ * failing run is TP_ERR_NO_MEMORY and leaks nothing. */
+Test(optim, allocation_failures, .timeout = 120)
+{
+    for (int which = 0; which < 3; which++) {
+        tp_test_alloc a = {0, 0, -1};
+        cr_assert_eq(tp_set_allocator(&(tp_allocator){tp_test_alloc_fn, tp_test_free_fn, &a}),
+                     TP_OK);
+        bool done = false;
+        for (long k = 0; k < 100000 && !done; k++) {
+            a.count = 0;
+            a.fail_at = k;
+            tp_clear_error();
+            tp_status st = train_sequence(which);
+            long tried = a.count;
+            a.fail_at = -1;
+            cr_assert(st == TP_OK || st == TP_ERR_NO_MEMORY,
+                      "case %d, allocation %ld failing: %s (%s)", which, k, tp_status_name(st),
+                      tp_last_error());
+            cr_assert(st != TP_OK || tried <= k, "case %d succeeded although allocation %ld failed",
+                      which, k);
+            cr_assert_eq(a.live, 0, "case %d, allocation %ld failing: %ld blocks leaked", which, k,
+                         a.live);
+            done = st == TP_OK;
+        }
+        tp_set_allocator(NULL);
+        cr_assert(done, "case %d never succeeded", which);
+    }
+}
