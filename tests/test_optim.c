@@ -224,6 +224,74 @@ Test(optim, sgd_create_is_plain, .timeout = 30)
     release_params(p, m);
 }
 
+/* bf16 round to nearest even, as the library stores */
+static float bf16_round(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* bf16 parameters and gradients: the f32 master (from the bf16 values)
+ * carries the momentum update; each step writes the parameter rounded once,
+ * within half a bf16 ulp of the f64 reference started from the same
+ * rounded values and fed the rounded gradients. */
+Test(optim, sgd_momentum_bf16_master, .timeout = 30)
+{
+    tp_tensor *p32[NP], *p[NP];
+    tp_module *m = NULL;
+    tp_sgd *opt = NULL;
+    ref_state r;
+    tp_sgd_options o = {.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true};
+    make_params(p32, &m);
+    tp_module_free(m);
+    memset(&r, 0, sizeof r);
+    for (int i = 0; i < NP; i++) {
+        CHECK_OK(tp_tensor_to(p32[i], TP_BF16, TP_CPU, &p[i]));
+        CHECK_OK(tp_tensor_set_requires_grad(p[i], true));
+        for (int64_t j = 0; j < pnumel(i); j++)
+            r.p[i][j] = bf16_round(init_value(i, j));
+        tp_tensor_release(p32[i]);
+    }
+    CHECK_OK(module_of(NP, p, &m));
+    CHECK_OK(tp_sgd_create_with(m, &o, &opt));
+    for (int step = 0; step < STEPS; step++) {
+        for (int i = 0; i < NP; i++) {
+            tp_tensor *g = NULL, *gb = NULL;
+            CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 2, pshape[i], &g));
+            for (int64_t j = 0; j < pnumel(i); j++)
+                ((float *)tp_tensor_data(g))[j] = grad_value(i, j, step);
+            CHECK_OK(tp_tensor_to(g, TP_BF16, TP_CPU, &gb));
+            CHECK_OK(tp_tensor_set_grad(p[i], gb));
+            tp_tensor_release(g);
+            tp_tensor_release(gb);
+        }
+        CHECK_OK(tp_sgd_opt_step(opt));
+        for (int i = 0; i < NP; i++)
+            for (int64_t j = 0; j < pnumel(i); j++) {
+                double d = bf16_round(grad_value(i, j, step)) + o.weight_decay * r.p[i][j];
+                double *b = &r.buf[i][j];
+                *b = step == 0 ? d : o.momentum * *b + d;
+                r.p[i][j] -= o.lr * (d + o.momentum * *b);
+            }
+        for (int i = 0; i < NP; i++) {
+            tp_tensor *f = NULL;
+            CHECK_OK(tp_tensor_to(p[i], TP_F32, TP_CPU, &f));
+            for (int64_t j = 0; j < pnumel(i); j++) {
+                double got = ((const float *)tp_tensor_data(f))[j], want = r.p[i][j];
+                cr_assert(fabs(got - want) <= fabs(want) / 256 + 1e-6,
+                          "step %d: p%d[%lld] = %.9g, reference %.9g", step, i, (long long)j, got,
+                          want);
+            }
+            tp_tensor_release(f);
+        }
+    }
+    tp_sgd_free(opt);
+    release_params(p, m);
+}
+
 static void run_adam(const tp_adam_options *o, const char *what)
 {
     tp_tensor *p[NP];

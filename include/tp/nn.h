@@ -354,9 +354,10 @@ TP_API tp_status tp_sgd_step(tp_module *m, double lr);
 
 /* SGD with state: the same update as tp_sgd_step, plus f32 master weights
  * for bf16/f16 parameters (a stateless function cannot keep them, hence an
- * object). Owner: the caller (tp_sgd_create, tp_sgd_free). It borrows the
- * module, which must outlive it, and holds a reference on every
- * low-precision parameter it keeps a master for, and the master. A
+ * object). Owner: the caller (tp_sgd_create, tp_sgd_create_with,
+ * tp_sgd_free). It borrows the module, which must outlive it, and holds a
+ * reference on every low-precision parameter it keeps a master for (with
+ * momentum: every parameter, for its f32 momentum buffer), and the master. A
  * parameter replaced after its first step (tp_module_to_dtype, a parallel
  * style) is TP_ERR_STATE at the next step. */
 typedef struct tp_sgd tp_sgd;
