@@ -202,8 +202,9 @@ TP_API tp_status tp_module_add_forward_pre_hook(tp_module *m, tp_forward_pre_hoo
                                                 void (*ctx_free)(void *ctx), int *handle);
 TP_API tp_status tp_module_add_forward_hook(tp_module *m, tp_forward_hook fn, void *ctx,
                                             void (*ctx_free)(void *ctx), int *handle);
-/* A step pre-hook runs when tp_sgd_step / tp_adam_step is called on m or an
- * ancestor, before any parameter changes (data parallelism waits for its
+/* A step pre-hook runs when tp_sgd_step / tp_sgd_opt_step / tp_adam_step /
+ * tp_clip_grad_norm is called on m or an ancestor, before any parameter (or
+ * gradient) changes (data parallelism waits for its
  * gradient all_reduces there). A failing hook stops the step with its status,
  * no parameter updated. Hooks of a subtree run depth first, in registration
  * order per module. */
@@ -353,17 +354,43 @@ TP_API tp_status tp_sgd_step(tp_module *m, double lr);
 
 /* SGD with state: the same update as tp_sgd_step, plus f32 master weights
  * for bf16/f16 parameters (a stateless function cannot keep them, hence an
- * object). Owner: the caller (tp_sgd_create, tp_sgd_free). It borrows the
- * module, which must outlive it, and holds a reference on every
- * low-precision parameter it keeps a master for, and the master. A
+ * object). Owner: the caller (tp_sgd_create, tp_sgd_create_with,
+ * tp_sgd_free). It borrows the module, which must outlive it, and holds a
+ * reference on every low-precision parameter it keeps a master for (with
+ * momentum: every parameter, for its f32 momentum buffer), and the master. A
  * parameter replaced after its first step (tp_module_to_dtype, a parallel
  * style) is TP_ERR_STATE at the next step. */
 typedef struct tp_sgd tp_sgd;
 /* lr: finite and >= 0 (no default: 0 is a valid rate, as in tp_sgd_step). */
 TP_API tp_status tp_sgd_create(tp_module *m, double lr, tp_sgd **out);
+
+/* torch.optim.SGD's options (zero-initialise, then set what differs; all
+ * zero is plain SGD at lr 0). Per parameter and step, with g its gradient:
+ *   d = g + weight_decay * p                      (L2 weight decay)
+ *   buf = d (first step), else momentum * buf + (1 - dampening) * d
+ *   d = nesterov ? d + momentum * buf : buf       (when momentum != 0)
+ *   p -= lr * d
+ * The momentum buffer is f32, one per parameter (its local block), made at
+ * its first step with a gradient; the products and sums are f32 with a
+ * rounding each, as torch's single-tensor (foreach=False) loop. */
+typedef struct tp_sgd_options {
+    double lr;           /* finite, >= 0 */
+    double momentum;     /* finite, >= 0 */
+    double dampening;    /* finite */
+    double weight_decay; /* finite, >= 0 */
+    bool nesterov;       /* requires momentum > 0 and dampening == 0 */
+} tp_sgd_options;
+/* opts NULL: all zero. A bad option is TP_ERR_INVALID_ARG naming it; *out is
+ * NULL on any error. */
+TP_API tp_status tp_sgd_create_with(tp_module *m, const tp_sgd_options *opts, tp_sgd **out);
 /* One step over the module's parameters (step pre-hooks first, as
  * tp_sgd_step). */
 TP_API tp_status tp_sgd_opt_step(tp_sgd *opt);
+/* The rate of the next steps (a schedule sets it before each step):
+ * finite and >= 0, else TP_ERR_INVALID_ARG (the rate is kept). */
+TP_API tp_status tp_sgd_set_lr(tp_sgd *opt, double lr);
+/* The current rate; NaN for NULL. */
+TP_API double tp_sgd_lr(const tp_sgd *opt);
 /* NULL is a no-op. */
 TP_API void tp_sgd_free(tp_sgd *opt);
 
@@ -375,8 +402,75 @@ typedef struct tp_adam tp_adam;
 /* Adam (PyTorch defaults when zero: lr 1e-3, betas 0.9/0.999, eps 1e-8). */
 TP_API tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, double eps,
                                 tp_adam **out);
+
+/* torch.optim.Adam / AdamW options (zero-initialise; zero lr, beta1, beta2
+ * and eps take the defaults above; weight_decay 0 is none, note that
+ * torch.optim.AdamW's default is 0.01). With weight decay wd:
+ *   decoupled (AdamW): p *= 1 - lr * wd, then the Adam update with g;
+ *   otherwise (Adam):  the Adam update with g + wd * p.
+ * Both as torch's single-tensor loop (foreach=False, amsgrad=False). */
+typedef struct tp_adam_options {
+    double lr;           /* finite, >= 0 */
+    double beta1, beta2; /* in [0, 1) */
+    double eps;          /* finite, >= 0 */
+    double weight_decay; /* finite, >= 0 */
+    bool decoupled;      /* true: AdamW */
+} tp_adam_options;
+/* opts NULL: all zero. A bad option is TP_ERR_INVALID_ARG naming it; *out is
+ * NULL on any error. */
+TP_API tp_status tp_adam_create_with(tp_module *m, const tp_adam_options *opts, tp_adam **out);
 TP_API tp_status tp_adam_step(tp_adam *opt);
+/* As tp_sgd_set_lr / tp_sgd_lr. The bias corrections count each
+ * parameter's own steps, whatever the rate. */
+TP_API tp_status tp_adam_set_lr(tp_adam *opt, double lr);
+TP_API double tp_adam_lr(const tp_adam *opt);
 TP_API void tp_adam_free(tp_adam *opt);
+
+/*
+ * Gradient clipping, as torch.nn.utils.clip_grad_norm_(parameters,
+ * max_norm, norm_type): the total norm of every parameter's gradient taken
+ * together (norm_type 2: the square root of the sum of squares; INFINITY:
+ * the largest |g|), then, when clip_coef = max_norm / (total + 1e-6) is
+ * below 1, every gradient multiplied by it in place, in its own dtype. A
+ * NaN or inf total scales by NaN or 0, as torch's default
+ * (error_if_nonfinite=False). *total_norm (may be NULL) gets the total
+ * norm, NaN on error.
+ *
+ * Each parameter counts once (tied handles: their summed gradient). The
+ * step pre-hooks run first (a DDP's all_reduces; the optimizer's step
+ * runs them again, a no-op then). DTensor gradients are reduced where they
+ * live (f32 local sums of squares, combined in double); the norm is the
+ * unsharded model's: collective on every rank of each mesh, which must all
+ * call it with the same parameters holding gradients. Collectives, per
+ * mesh: one all_reduce (of 2^ndim doubles) per mesh dim of size > 1 on
+ * which some parameter with a gradient is Shard; none for Replicate-only
+ * and plain parameters. A Partial gradient is first reduced to its
+ * parameter's placements for the norm (as the optimizers do: one
+ * redistribute each, its collectives in addition); its local terms are
+ * scaled as they are.
+ *
+ * Errors: m NULL, max_norm negative or NaN, norm_type neither 2 nor
+ * INFINITY: TP_ERR_INVALID_ARG (nothing is scaled).
+ */
+TP_API tp_status tp_clip_grad_norm(tp_module *m, double max_norm, double norm_type,
+                                   double *total_norm);
+
+/*
+ * The learning rate of step `step` (0-based) of a linear warm-up then a
+ * cosine decay (the common warm-up + cosine lambda; transformers'
+ * get_cosine_with_min_lr_schedule_with_warmup):
+ *   step < warmup:          base_lr * step / warmup
+ *   warmup <= step < total: min_lr + (base_lr - min_lr) (1 + cos(pi (step -
+ *                           warmup) / (total - warmup))) / 2
+ *   step >= total:          min_lr
+ * The decay is torch's CosineAnnealingLR closed form (eta_min = min_lr,
+ * T_max = total - warmup), held at min_lr after total. Set it with
+ * tp_sgd_set_lr / tp_adam_set_lr before each step. Errors
+ * (TP_ERR_INVALID_ARG, *lr NaN): lr NULL, step < 0, warmup not in [0,
+ * total], base_lr not finite or < 0, min_lr not in [0, base_lr].
+ */
+TP_API tp_status tp_lr_warmup_cosine(int64_t step, int64_t warmup, int64_t total, double base_lr,
+                                     double min_lr, double *lr);
 
 /* ---- loss scaling (torch.amp.GradScaler) ---------------------------------------- */
 

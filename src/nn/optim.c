@@ -597,6 +597,7 @@ typedef struct {
 
 typedef struct {
     bool moments; /* Adam: every parameter has a state with m and v */
+    bool always;  /* SGD with momentum: every parameter has a state (m made at its first step) */
     int n;
     size_t cap;
     tp__pstate *s;
@@ -714,7 +715,7 @@ static tp_status tp__pstate_of(const char *fn, tp__pstates *ps, const char *fqn,
         *out = &ps->s[e->i];
         return TP_OK;
     }
-    if (!ps->moments && tp_tensor_dtype(p) == TP_F32)
+    if (!ps->moments && !ps->always && tp_tensor_dtype(p) == TP_F32)
         return TP_OK;
     return tp__pstate_new(fn, ps, fqn, p, out);
 }
@@ -812,38 +813,173 @@ tp_status tp_sgd_step(tp_module *m, double lr)
     return tp__opt_step(fn, m, NULL, 1.0f, tp__sgd_update, &lr);
 }
 
+/* A new f32 tensor of w's shape on w's device, holding a copy of a when a
+ * is not NULL. */
+static tp_status tp__f32_like(const tp__kernels *k, tp_tensor *w, tp_tensor *a, tp_tensor **out)
+{
+    tp_device dev = tp_tensor_device(w);
+    TP_CHECK(tp_tensor_empty(TP_F32, dev, tp_tensor_ndim(w), tp_tensor_shape(w), out));
+    tp_status st = TP_OK;
+    if (a)
+        st = k->copy(dev, TP_F32, tp_tensor_data(*out), tp_tensor_data(a), tp_tensor_numel(w));
+    if (st != TP_OK) {
+        tp_tensor_release(*out);
+        *out = NULL;
+    }
+    return st;
+}
+
+/* y += alpha * x (f32, contiguous, n elements each), tmp as scratch: two
+ * roundings, as torch's add_(x, alpha=...) on the CPU. */
+static tp_status tp__axpy(const tp__kernels *k, tp_device dev, tp_tensor *y, double alpha,
+                          tp_tensor *x, tp_tensor *tmp)
+{
+    int64_t n = tp_tensor_numel(y);
+    TP_CHECK(k->scale(dev, TP_F32, tp_tensor_data(x), (float)alpha, tp_tensor_data(tmp), n));
+    return k->accumulate(dev, TP_F32, tp_tensor_data(y), tp_tensor_data(tmp), n);
+}
+
+/* d = g + wd * w into a new tensor (torch's L2 weight decay,
+ * grad.add(param, alpha=weight_decay)); tmp as scratch. */
+static tp_status tp__decayed_grad(const tp__kernels *k, tp_tensor *w, tp_tensor *g, double wd,
+                                  tp_tensor *tmp, tp_tensor **d)
+{
+    TP_CHECK(tp__f32_like(k, w, g, d));
+    tp_status st = tp__axpy(k, tp_tensor_device(w), *d, wd, w, tmp);
+    if (st != TP_OK) {
+        tp_tensor_release(*d);
+        *d = NULL;
+    }
+    return st;
+}
+
 struct tp_sgd {
-    double lr; /* first: tp__sgd_update reads it */
+    double lr; /* first: tp__sgd_update reads it when there is no momentum nor decay */
+    double momentum, dampening, weight_decay;
+    bool nesterov;
     tp_module *module;
     tp__pstates st;
 };
 
-tp_status tp_sgd_create(tp_module *m, double lr, tp_sgd **out)
+/* torch.optim.SGD (foreach=False, maximize=False):
+ *   d = g + wd p;  buf = d at the first step, else momentum buf + (1-dampening) d;
+ *   d = nesterov ? d + momentum buf : buf;  p -= lr d
+ * The momentum buffer is f32, in the state's m. */
+static tp_status tp__sgdm_update(void *opt, tp__pstate *s, tp_tensor *w, tp_tensor *g)
 {
-    const char *fn = "tp_sgd_create";
+    const tp_sgd *o = opt;
+    tp_device dev = tp_tensor_device(w);
+    const tp__kernels *k = NULL;
+    TP_CHECK(tp__kernels_for(dev, &k));
+    int64_t n = tp_tensor_numel(w);
+    tp_tensor *tmp = NULL, *d = NULL;
+    TP_CHECK(tp__f32_like(k, w, NULL, &tmp));
+    tp_status st = TP_OK;
+    if (o->weight_decay != 0)
+        st = tp__decayed_grad(k, w, g, o->weight_decay, tmp, &d);
+    else
+        d = tp_tensor_retain(g);
+    if (st == TP_OK && o->momentum != 0) {
+        if (!s->m) {
+            st = tp__f32_like(k, w, d, &s->m);
+        } else {
+            st = k->scale(dev, TP_F32, tp_tensor_data(s->m), (float)o->momentum,
+                          tp_tensor_data(s->m), n);
+            if (st == TP_OK)
+                st = tp__axpy(k, dev, s->m, 1.0 - o->dampening, d, tmp);
+        }
+        if (st == TP_OK && o->nesterov) {
+            tp_tensor *dn = NULL;
+            st = tp__f32_like(k, w, d, &dn);
+            if (st == TP_OK)
+                st = tp__axpy(k, dev, dn, o->momentum, s->m, tmp);
+            tp_tensor_release(d);
+            d = dn;
+        } else if (st == TP_OK) {
+            tp_tensor_release(d);
+            d = tp_tensor_retain(s->m);
+        }
+    }
+    if (st == TP_OK)
+        st = k->sgd_step(dev, TP_F32, tp_tensor_data(w), tp_tensor_data(d), n, o->lr);
+    if (st == TP_OK && s)
+        s->step++;
+    tp_tensor_release(d);
+    tp_tensor_release(tmp);
+    return st;
+}
+
+static tp_status tp__sgd_check(const char *fn, const tp_sgd_options *o)
+{
+    TP_ARG_CHECK(isfinite(o->lr) && o->lr >= 0, "%s: lr %g must be finite and >= 0", fn, o->lr);
+    TP_ARG_CHECK(isfinite(o->momentum) && o->momentum >= 0,
+                 "%s: momentum %g must be finite and >= 0", fn, o->momentum);
+    TP_ARG_CHECK(isfinite(o->dampening), "%s: dampening %g must be finite", fn, o->dampening);
+    TP_ARG_CHECK(isfinite(o->weight_decay) && o->weight_decay >= 0,
+                 "%s: weight_decay %g must be finite and >= 0", fn, o->weight_decay);
+    TP_ARG_CHECK(!o->nesterov || (o->momentum > 0 && o->dampening == 0),
+                 "%s: nesterov momentum requires momentum > 0 and dampening 0 (momentum %g, "
+                 "dampening %g)",
+                 fn, o->momentum, o->dampening);
+    return TP_OK;
+}
+
+static tp_status tp__sgd_new(const char *fn, tp_module *m, const tp_sgd_options *opts, tp_sgd **out)
+{
     TP_ARG_CHECK(out, "%s: out is NULL", fn);
     *out = NULL;
     TP_ARG_CHECK(m, "%s: module is NULL", fn);
-    TP_ARG_CHECK(isfinite(lr) && lr >= 0, "%s: lr %g must be finite and >= 0", fn, lr);
-    tp_sgd *o = tp__calloc(1, sizeof *o);
-    if (!o)
+    tp_sgd_options o = opts ? *opts : (tp_sgd_options){0};
+    TP_CHECK(tp__sgd_check(fn, &o));
+    tp_sgd *s = tp__calloc(1, sizeof *s);
+    if (!s)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    o->lr = lr;
-    o->module = m;
-    *out = o;
+    s->lr = o.lr;
+    s->momentum = o.momentum;
+    s->dampening = o.dampening;
+    s->weight_decay = o.weight_decay;
+    s->nesterov = o.nesterov;
+    s->module = m;
+    s->st.always = o.momentum != 0;
+    *out = s;
     return TP_OK;
+}
+
+tp_status tp_sgd_create(tp_module *m, double lr, tp_sgd **out)
+{
+    tp_sgd_options o = {.lr = lr};
+    return tp__sgd_new("tp_sgd_create", m, &o, out);
+}
+
+tp_status tp_sgd_create_with(tp_module *m, const tp_sgd_options *opts, tp_sgd **out)
+{
+    return tp__sgd_new("tp_sgd_create_with", m, opts, out);
 }
 
 tp_status tp__sgd_step_scaled(tp_sgd *opt, float inv_scale)
 {
-    return tp__opt_step("tp_sgd_opt_step", opt->module, &opt->st, inv_scale, tp__sgd_update,
-                        &opt->lr);
+    bool plain = opt->momentum == 0 && opt->weight_decay == 0;
+    return tp__opt_step("tp_sgd_opt_step", opt->module, &opt->st, inv_scale,
+                        plain ? tp__sgd_update : tp__sgdm_update, opt);
 }
 
 tp_status tp_sgd_opt_step(tp_sgd *opt)
 {
     TP_ARG_CHECK(opt, "tp_sgd_opt_step: optimizer is NULL");
     return tp__sgd_step_scaled(opt, 1.0f);
+}
+
+tp_status tp_sgd_set_lr(tp_sgd *opt, double lr)
+{
+    TP_ARG_CHECK(opt, "tp_sgd_set_lr: optimizer is NULL");
+    TP_ARG_CHECK(isfinite(lr) && lr >= 0, "tp_sgd_set_lr: lr %g must be finite and >= 0", lr);
+    opt->lr = lr;
+    return TP_OK;
+}
+
+double tp_sgd_lr(const tp_sgd *opt)
+{
+    return opt ? opt->lr : NAN;
 }
 
 tp_module *tp__sgd_module(const tp_sgd *opt)
@@ -863,32 +999,55 @@ void tp_sgd_free(tp_sgd *opt)
 
 struct tp_adam {
     tp_module *module;
-    double lr, beta1, beta2, eps;
+    double lr, beta1, beta2, eps, weight_decay;
+    bool decoupled;
     tp__pstates st;
 };
+
+static tp_status tp__adam_check(const char *fn, const tp_adam_options *o)
+{
+    TP_ARG_CHECK(isfinite(o->lr) && o->lr >= 0, "%s: lr %g must be finite and >= 0", fn, o->lr);
+    TP_ARG_CHECK(o->beta1 >= 0 && o->beta1 < 1, "%s: beta1 %g must be in [0, 1)", fn, o->beta1);
+    TP_ARG_CHECK(o->beta2 >= 0 && o->beta2 < 1, "%s: beta2 %g must be in [0, 1)", fn, o->beta2);
+    TP_ARG_CHECK(isfinite(o->eps) && o->eps >= 0, "%s: eps %g must be finite and >= 0", fn, o->eps);
+    TP_ARG_CHECK(isfinite(o->weight_decay) && o->weight_decay >= 0,
+                 "%s: weight_decay %g must be finite and >= 0", fn, o->weight_decay);
+    return TP_OK;
+}
+
+static tp_status tp__adam_new(const char *fn, tp_module *m, const tp_adam_options *opts,
+                              tp_adam **out)
+{
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    TP_ARG_CHECK(m, "%s: module is NULL", fn);
+    tp_adam_options o = opts ? *opts : (tp_adam_options){0};
+    TP_CHECK(tp__adam_check(fn, &o));
+    tp_adam *a = tp__calloc(1, sizeof *a);
+    if (!a)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    a->module = m;
+    a->lr = o.lr ? o.lr : 1e-3;
+    a->beta1 = o.beta1 ? o.beta1 : 0.9;
+    a->beta2 = o.beta2 ? o.beta2 : 0.999;
+    a->eps = o.eps ? o.eps : 1e-8;
+    a->weight_decay = o.weight_decay;
+    a->decoupled = o.decoupled;
+    a->st.moments = true;
+    *out = a;
+    return TP_OK;
+}
 
 tp_status tp_adam_create(tp_module *m, double lr, double beta1, double beta2, double eps,
                          tp_adam **out)
 {
-    const char *fn = "tp_adam_create";
-    TP_ARG_CHECK(out, "%s: out is NULL", fn);
-    *out = NULL;
-    TP_ARG_CHECK(m, "%s: module is NULL", fn);
-    TP_ARG_CHECK(isfinite(lr) && lr >= 0, "%s: lr %g must be finite and >= 0", fn, lr);
-    TP_ARG_CHECK(beta1 >= 0 && beta1 < 1, "%s: beta1 %g must be in [0, 1)", fn, beta1);
-    TP_ARG_CHECK(beta2 >= 0 && beta2 < 1, "%s: beta2 %g must be in [0, 1)", fn, beta2);
-    TP_ARG_CHECK(isfinite(eps) && eps >= 0, "%s: eps %g must be finite and >= 0", fn, eps);
-    tp_adam *o = tp__calloc(1, sizeof *o);
-    if (!o)
-        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
-    o->module = m;
-    o->lr = lr ? lr : 1e-3;
-    o->beta1 = beta1 ? beta1 : 0.9;
-    o->beta2 = beta2 ? beta2 : 0.999;
-    o->eps = eps ? eps : 1e-8;
-    o->st.moments = true;
-    *out = o;
-    return TP_OK;
+    tp_adam_options o = {.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps};
+    return tp__adam_new("tp_adam_create", m, &o, out);
+}
+
+tp_status tp_adam_create_with(tp_module *m, const tp_adam_options *opts, tp_adam **out)
+{
+    return tp__adam_new("tp_adam_create_with", m, opts, out);
 }
 
 void tp_adam_free(tp_adam *opt)
@@ -899,20 +1058,38 @@ void tp_adam_free(tp_adam *opt)
     tp__free(opt);
 }
 
+/* torch.optim.Adam / AdamW (foreach=False, amsgrad=False, maximize=False):
+ * AdamW first multiplies p by 1 - lr wd; Adam with weight decay adds wd p
+ * to the gradient; then p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps). */
 static tp_status tp__adam_update(void *opt, tp__pstate *s, tp_tensor *w, tp_tensor *g)
 {
     const tp_adam *o = opt;
-    /* torch.optim.Adam (foreach=False, amsgrad=False, no weight decay):
-     * p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps) */
     s->step++;
     double bc1 = 1.0 - pow(o->beta1, (double)s->step);
     double bc2 = 1.0 - pow(o->beta2, (double)s->step);
     tp_device dev = tp_tensor_device(w); /* m and v live with the parameter */
     const tp__kernels *k = NULL;
     TP_CHECK(tp__kernels_for(dev, &k));
-    return k->adam_step(dev, TP_F32, tp_tensor_data(w), tp_tensor_data(s->m), tp_tensor_data(s->v),
-                        tp_tensor_data(g), tp_tensor_numel(w), o->beta1, o->beta2, o->lr / bc1,
-                        sqrt(bc2), o->eps);
+    int64_t n = tp_tensor_numel(w);
+    tp_tensor *d = tp_tensor_retain(g), *tmp = NULL;
+    tp_status st = TP_OK;
+    if (o->weight_decay != 0 && o->decoupled) {
+        st = k->scale(dev, TP_F32, tp_tensor_data(w), (float)(1.0 - o->lr * o->weight_decay),
+                      tp_tensor_data(w), n);
+    } else if (o->weight_decay != 0) {
+        tp_tensor_release(d);
+        d = NULL;
+        st = tp__f32_like(k, w, NULL, &tmp);
+        if (st == TP_OK)
+            st = tp__decayed_grad(k, w, g, o->weight_decay, tmp, &d);
+    }
+    if (st == TP_OK)
+        st =
+            k->adam_step(dev, TP_F32, tp_tensor_data(w), tp_tensor_data(s->m), tp_tensor_data(s->v),
+                         tp_tensor_data(d), n, o->beta1, o->beta2, o->lr / bc1, sqrt(bc2), o->eps);
+    tp_tensor_release(d);
+    tp_tensor_release(tmp);
+    return st;
 }
 
 tp_status tp__adam_step_scaled(tp_adam *opt, float inv_scale)
@@ -924,6 +1101,19 @@ tp_status tp_adam_step(tp_adam *opt)
 {
     TP_ARG_CHECK(opt, "tp_adam_step: optimizer is NULL");
     return tp__adam_step_scaled(opt, 1.0f);
+}
+
+tp_status tp_adam_set_lr(tp_adam *opt, double lr)
+{
+    TP_ARG_CHECK(opt, "tp_adam_set_lr: optimizer is NULL");
+    TP_ARG_CHECK(isfinite(lr) && lr >= 0, "tp_adam_set_lr: lr %g must be finite and >= 0", lr);
+    opt->lr = lr;
+    return TP_OK;
+}
+
+double tp_adam_lr(const tp_adam *opt)
+{
+    return opt ? opt->lr : NAN;
 }
 
 tp_module *tp__adam_module(const tp_adam *opt)
@@ -975,4 +1165,298 @@ tp_status tp__grads_nonfinite(const char *fn, tp_module *m, bool *found)
     }
     tp__plist_free(&l);
     return st;
+}
+
+/* ---- gradient clipping ---------------------------------------------------------- */
+
+/*
+ * The total norm of a model's gradients, DTensors on any mesh included.
+ * Each rank reduces its local blocks to one number per parameter (sum of
+ * squares, or max |g|), added (or maxed) into a slot per mesh and per set
+ * of mesh dims the parameter is sharded on (a bit mask): the parameters in
+ * one slot are split the same way. A slot's value is complete once it is
+ * summed over each of its sharded dims; it is identical along the others.
+ * So per mesh, one all_reduce per mesh dim d (of size > 1) that some slot
+ * is sharded on, over all slots at once: the slots not sharded on d enter
+ * with their value at coordinate 0 of d and 0 elsewhere (exact), or as they
+ * are for a max. Replicated-only and plain parameters need no collective.
+ */
+typedef struct {
+    tp_mesh *mesh; /* borrowed: a parameter's */
+    tp_device dev; /* where its gradients live: the reduction runs there */
+    double *slot;  /* 1 << ndim, by shard mask */
+    bool *used;    /* 1 << ndim */
+} tp__norm_part;
+
+typedef struct {
+    bool inf;
+    double plain; /* the plain parameters' part */
+    tp__norm_part *p;
+    int n;
+    size_t cap;
+} tp__norm_acc;
+
+/* a + b, or max(a, b) propagating NaN (as torch's max) */
+static double tp__norm_combine(bool inf, double a, double b)
+{
+    if (!inf)
+        return a + b;
+    if (isnan(a) || isnan(b))
+        return NAN;
+    return a > b ? a : b;
+}
+
+static void tp__norm_acc_free(tp__norm_acc *a)
+{
+    for (int i = 0; i < a->n; i++) {
+        tp__free(a->p[i].slot);
+        tp__free(a->p[i].used);
+    }
+    tp__free(a->p);
+}
+
+/* This rank's sum of squares (or max |g|) of local f32 contiguous g. */
+static tp_status tp__grad_norm_local(tp_tensor *g, bool inf, double *out)
+{
+    *out = 0;
+    int64_t n = tp_tensor_numel(g), two = 2;
+    if (n == 0)
+        return TP_OK;
+    tp_device dev = tp_tensor_device(g);
+    const tp__kernels *k = NULL;
+    TP_CHECK(tp__kernels_for(dev, &k));
+    tp_tensor *t = NULL, *y = NULL, *h = NULL;
+    tp_status st = tp__f32_like(k, g, NULL, &t);
+    if (st == TP_OK)
+        st = tp_tensor_empty(TP_F32, dev, 1, &two, &y);
+    float *yd = y ? tp_tensor_data(y) : NULL;
+    if (st == TP_OK && inf) {
+        /* max |g| = max(max g, max -g) */
+        st = k->row_max(dev, TP_F32, tp_tensor_data(g), yd, 1, n, 1);
+        if (st == TP_OK)
+            st = k->scale(dev, TP_F32, tp_tensor_data(g), -1.0f, tp_tensor_data(t), n);
+        if (st == TP_OK)
+            st = k->row_max(dev, TP_F32, tp_tensor_data(t), yd + 1, 1, n, 1);
+    } else if (st == TP_OK) {
+        st = k->mul(dev, TP_F32, tp_tensor_data(g), tp_tensor_data(g), tp_tensor_data(t), n);
+        if (st == TP_OK)
+            st = k->sum_all(dev, TP_F32, tp_tensor_data(t), n, yd, 1.0);
+        if (st == TP_OK)
+            st = k->fill(dev, TP_F32, yd + 1, 0.0f, 1);
+    }
+    if (st == TP_OK)
+        st = tp_tensor_to(y, TP_F32, TP_CPU, &h);
+    if (st == TP_OK) {
+        const float *v = tp_tensor_data(h);
+        *out = tp__norm_combine(inf, v[0], v[1]);
+    }
+    tp_tensor_release(t);
+    tp_tensor_release(y);
+    tp_tensor_release(h);
+    return st;
+}
+
+/* Adds parameter p's local value v (its gradient on dev) to its slot. */
+static tp_status tp__norm_add(const char *fn, tp__norm_acc *a, tp_tensor *p, tp_device dev,
+                              double v)
+{
+    if (!tp_tensor_is_dtensor(p)) {
+        a->plain = tp__norm_combine(a->inf, a->plain, v);
+        return TP_OK;
+    }
+    tp_mesh *mesh = tp_dtensor_mesh(p);
+    int md = tp_mesh_ndim(mesh), i = 0;
+    while (i < a->n && a->p[i].mesh != mesh)
+        i++;
+    if (i == a->n) {
+        if (!tp__grow_array((void **)&a->p, (size_t)a->n, &a->cap, sizeof *a->p))
+            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+        tp__norm_part *pt = &a->p[a->n];
+        *pt = (tp__norm_part){mesh, dev, tp__calloc((size_t)1 << md, sizeof(double)),
+                              tp__calloc((size_t)1 << md, sizeof(bool))};
+        a->n++; /* freed with the others even when half made */
+        if (!pt->slot || !pt->used)
+            return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    }
+    const tp_placement *pl = tp_dtensor_placements(p);
+    unsigned mask = 0;
+    for (int d = 0; d < md; d++)
+        if (pl[d].kind == TP_PLACEMENT_SHARD)
+            mask |= 1u << d;
+    tp__norm_part *pt = &a->p[i];
+    pt->slot[mask] = pt->used[mask] ? tp__norm_combine(a->inf, pt->slot[mask], v) : v;
+    pt->used[mask] = true;
+    return TP_OK;
+}
+
+/* all_reduce of the n doubles in v over comm, on device dev. */
+static tp_status tp__all_reduce_f64(tp_comm *comm, double *v, int64_t n, tp_device dev,
+                                    tp_reduce_op op)
+{
+    tp_tensor *b = NULL, *db = NULL, *h = NULL;
+    TP_CHECK(tp_tensor_empty(TP_F64, TP_CPU, 1, &n, &b));
+    memcpy(tp_tensor_data(b), v, (size_t)n * sizeof *v);
+    tp_status st = tp_tensor_to(b, TP_F64, dev, &db);
+    if (st == TP_OK)
+        st = tp_all_reduce(comm, db, db, op, NULL);
+    if (st == TP_OK)
+        st = tp_tensor_to(db, TP_F64, TP_CPU, &h);
+    if (st == TP_OK)
+        memcpy(v, tp_tensor_data(h), (size_t)n * sizeof *v);
+    tp_tensor_release(b);
+    tp_tensor_release(db);
+    tp_tensor_release(h);
+    return st;
+}
+
+/* Completes the slots of one mesh (see above). */
+static tp_status tp__norm_reduce(const char *fn, tp__norm_part *pt, bool inf)
+{
+    int md = tp_mesh_ndim(pt->mesh), ns = 1 << md;
+    double *v = tp__malloc((size_t)ns * sizeof *v);
+    if (!v)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    tp_status st = TP_OK;
+    for (int d = 0; d < md && st == TP_OK; d++) {
+        bool need = false;
+        for (int s = 0; s < ns; s++)
+            need = need || (pt->used[s] && (s >> d & 1));
+        if (!need || tp_mesh_size(pt->mesh, d) == 1)
+            continue;
+        bool first = tp_mesh_coord(pt->mesh, d) == 0;
+        for (int s = 0; s < ns; s++)
+            v[s] = pt->used[s] && (inf || (s >> d & 1) || first) ? pt->slot[s] : 0.0;
+        st = tp__all_reduce_f64(tp_mesh_comm(pt->mesh, d), v, ns, pt->dev, inf ? TP_MAX : TP_SUM);
+        if (st != TP_OK) {
+            tp__error_prefix("%s: reducing the norm over mesh dim %d", fn, d);
+            break;
+        }
+        for (int s = 0; s < ns; s++)
+            if (pt->used[s])
+                pt->slot[s] = v[s];
+    }
+    tp__free(v);
+    return st;
+}
+
+/* Multiplies the gradient of every handle of parameter i by coef, each
+ * gradient once, in its own dtype (one rounding), where it lives. */
+static tp_status tp__scale_grads(const tp__plist *l, int i, float coef)
+{
+    for (int k = i; k >= 0; k = l->next[k]) {
+        tp_tensor *g = tp_tensor_grad(l->e[k].t);
+        tp_tensor *gl = g ? tp__storage_of(g) : NULL;
+        bool seen = false;
+        for (int j = i; j != k && gl; j = l->next[j]) {
+            tp_tensor *o = tp_tensor_grad(l->e[j].t);
+            seen = seen || (o && tp__storage_of(o) == gl);
+        }
+        if (!gl || seen || tp_tensor_numel(gl) == 0)
+            continue;
+        tp_device dev = tp_tensor_device(gl);
+        const tp__kernels *kt = NULL;
+        TP_CHECK(tp__kernels_for(dev, &kt));
+        if (tp_tensor_is_contiguous(gl)) {
+            TP_CHECK(kt->scale(dev, tp_tensor_dtype(gl), tp_tensor_data(gl), coef,
+                               tp_tensor_data(gl), tp_tensor_numel(gl)));
+            continue;
+        }
+        tp_tensor *c = NULL;
+        TP_CHECK(tp_tensor_to(gl, TP_F32, dev, &c));
+        tp_status st =
+            kt->scale(dev, TP_F32, tp_tensor_data(c), coef, tp_tensor_data(c), tp_tensor_numel(c));
+        if (st == TP_OK)
+            st = tp_tensor_copy(gl, c);
+        tp_tensor_release(c);
+        TP_CHECK(st);
+    }
+    return TP_OK;
+}
+
+/* The local parts of the norm of every parameter with a gradient. */
+static tp_status tp__norm_local_parts(const char *fn, const tp__plist *l, tp__norm_acc *a)
+{
+    for (int i = 0; i < l->n; i++) {
+        if (l->rep[i] != i)
+            continue;
+        tp_tensor *g = NULL;
+        double v = 0;
+        TP_CHECK(tp__param_grad(fn, l, i, &g));
+        if (!g)
+            continue;
+        tp_status st = tp__grad_norm_local(g, a->inf, &v);
+        if (st == TP_OK)
+            st = tp__norm_add(fn, a, l->e[i].t, tp_tensor_device(g), v);
+        tp_tensor_release(g);
+        if (st != TP_OK) {
+            tp__error_prefix("%s: the gradient of '%s'", fn, l->e[i].fqn);
+            return st;
+        }
+    }
+    return TP_OK;
+}
+
+tp_status tp_clip_grad_norm(tp_module *m, double max_norm, double norm_type, double *total_norm)
+{
+    const char *fn = "tp_clip_grad_norm";
+    if (total_norm)
+        *total_norm = NAN;
+    TP_ARG_CHECK(m, "%s: module is NULL", fn);
+    TP_ARG_CHECK(max_norm >= 0, "%s: max_norm %g must be >= 0", fn, max_norm);
+    TP_ARG_CHECK(norm_type == 2.0 || norm_type == INFINITY,
+                 "%s: norm_type %g is not supported (2 or INFINITY)", fn, norm_type);
+    /* the gradients are final only after the step pre-hooks (a DDP's
+     * all_reduces); the optimizer runs them again, a no-op then */
+    TP_CHECK(tp__module_run_step_hooks(m));
+    tp__plist l;
+    TP_CHECK(tp__plist_of(fn, m, true, &l));
+    tp__norm_acc a = {.inf = norm_type == INFINITY};
+    tp_status st = tp__norm_local_parts(fn, &l, &a);
+    double total = a.plain;
+    for (int i = 0; i < a.n && st == TP_OK; i++) {
+        st = tp__norm_reduce(fn, &a.p[i], a.inf);
+        int ns = 1 << tp_mesh_ndim(a.p[i].mesh);
+        for (int s = 0; s < ns && st == TP_OK; s++)
+            if (a.p[i].used[s])
+                total = tp__norm_combine(a.inf, total, a.p[i].slot[s]);
+    }
+    if (st == TP_OK && !a.inf)
+        total = sqrt(total);
+    /* torch.nn.utils.clip_grad_norm_: coef = max_norm / (total + 1e-6),
+     * clamped to 1 (a NaN total makes every gradient NaN, as there) */
+    double coef = max_norm / (total + 1e-6);
+    for (int i = 0; i < l.n && st == TP_OK && !(coef >= 1.0); i++)
+        if (l.rep[i] == i)
+            st = tp__scale_grads(&l, i, (float)coef);
+    if (st == TP_OK && total_norm)
+        *total_norm = total;
+    tp__norm_acc_free(&a);
+    tp__plist_free(&l);
+    return st;
+}
+
+/* ---- learning-rate schedules ---------------------------------------------------- */
+
+tp_status tp_lr_warmup_cosine(int64_t step, int64_t warmup, int64_t total, double base_lr,
+                              double min_lr, double *lr)
+{
+    const char *fn = "tp_lr_warmup_cosine";
+    TP_ARG_CHECK(lr, "%s: lr is NULL", fn);
+    *lr = NAN;
+    TP_ARG_CHECK(step >= 0, "%s: step %lld is negative", fn, (long long)step);
+    TP_ARG_CHECK(warmup >= 0 && warmup <= total, "%s: warmup %lld must be in [0, total %lld]", fn,
+                 (long long)warmup, (long long)total);
+    TP_ARG_CHECK(isfinite(base_lr) && base_lr >= 0, "%s: base_lr %g must be finite and >= 0", fn,
+                 base_lr);
+    TP_ARG_CHECK(isfinite(min_lr) && min_lr >= 0 && min_lr <= base_lr,
+                 "%s: min_lr %g must be in [0, base_lr %g]", fn, min_lr, base_lr);
+    if (step < warmup)
+        *lr = base_lr * (double)step / (double)warmup;
+    else if (step >= total)
+        *lr = min_lr;
+    else
+        *lr = min_lr + (base_lr - min_lr) * 0.5 *
+                           (1.0 + cos(3.14159265358979323846 * (double)(step - warmup) /
+                                      (double)(total - warmup)));
+    return TP_OK;
 }
