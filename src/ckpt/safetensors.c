@@ -272,7 +272,11 @@ static tp_status tp__st_read_param(const char *fn, const tp__st_files *fs, tp__s
 static tp_status tp__st_stage(const char *path, const tp_safetensors_load_options *o,
                               tp__st_plist *l, tp__st_files *fs)
 {
-    TP_CHECK(tp__st_open_all(path, fs));
+    tp_status st = tp__st_open_all(path, fs);
+    if (st != TP_OK) {
+        tp__error_prefix("%s", l->fn);
+        return st;
+    }
     TP_CHECK(tp__st_match_all(path, fs, l, o));
     for (int i = 0; i < l->n; i++)
         if (l->v[i].file >= 0)
