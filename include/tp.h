@@ -37,17 +37,18 @@
 #ifndef TP_H
 #define TP_H
 
-#include "tp/config.h"
-#include "tp/status.h"
-#include "tp/tensor.h"
+#include "tp/autograd.h"
 #include "tp/comm.h"
 #include "tp/comm_debug.h"
-#include "tp/mesh.h"
-#include "tp/dtensor.h"
-#include "tp/autograd.h"
-#include "tp/ops.h"
-#include "tp/nn.h"
-#include "tp/styles.h"
+#include "tp/config.h"
 #include "tp/dp.h"
+#include "tp/dtensor.h"
+#include "tp/mesh.h"
+#include "tp/nn.h"
+#include "tp/ops.h"
+#include "tp/safetensors.h"
+#include "tp/status.h"
+#include "tp/styles.h"
+#include "tp/tensor.h"
 
 #endif /* TP_H */

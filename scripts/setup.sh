@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-pkgs=(gcc libc6-dev meson ninja-build pkg-config libopenblas-dev libcriterion-dev
+pkgs=(gcc libc6-dev meson ninja-build pkg-config libopenblas-dev libjansson-dev libcriterion-dev
       libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${pkgs[@]}"; do
