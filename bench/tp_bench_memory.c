@@ -311,12 +311,14 @@ static tp_status run_rank(tp_comm *w, void *arg)
         p->baseline = allocated_now();
         TRY(tp_memory_reset_peak(TP_CPU));
     }
+    TRY(tp_barrier(w, NULL)); /* the other ranks wait while rank 0 reads the process */
     TRY(tp_mesh_create(w, 1, &Wl, (const char *[]){"tp"}, &mesh));
     TRY(build(p, mesh, W, &m));
     TRY(tp_module_named_parameters(m, count_local, count));
     TRY(tp_barrier(w, NULL));
     if (r == 0)
         p->built = allocated_now();
+    TRY(tp_barrier(w, NULL));
     int64_t xs[3] = {1, p->tokens, p->hidden}; /* mlp: [T, H]; block: [1, T, H] */
     int nd = p->model == M_MLP ? 2 : 3;
     TRY(tp_tensor_zeros(TP_F32, TP_CPU, nd, xs + 3 - nd, &x));
@@ -339,6 +341,7 @@ static tp_status run_rank(tp_comm *w, void *arg)
             p->peak = peak_now();
             p->step_s = dt;
         }
+        TRY(tp_barrier(w, NULL));
     }
     if (r == 0) {
         p->params = count[0];

@@ -66,21 +66,25 @@ Test(memory, reuse_small_and_large)
     check_reuse(6 * 1024 * 1024);  /* large: the shared best-fit pool */
 }
 
-Test(memory, large_best_fit_within_twice)
+Test(memory, large_best_fit_within_a_quarter)
 {
     tp_tensor *a = bytes_tensor(8 << 20);
     void *pa = tp_tensor_data(a);
     tp_tensor_release(a);
     tp_memory_info s0 = stats();
-    /* 3 MiB would waste more than half of the 8 MiB block: a fresh one */
-    tp_tensor *b = bytes_tensor(3 << 20);
+    /* 4 MiB (a freed unsharded weight's half: a shard at 2 ranks) and 6 MiB
+     * would leave more than a quarter of the 8 MiB block unused: fresh ones */
+    tp_tensor *b = bytes_tensor(4 << 20), *b2 = bytes_tensor(6 << 20);
     cr_assert_neq(tp_tensor_data(b), pa);
+    cr_assert_neq(tp_tensor_data(b2), pa);
     cr_assert_eq(stats().num_cache_hits, s0.num_cache_hits);
-    /* 5 MiB fits within twice: the 8 MiB block */
-    tp_tensor *c = bytes_tensor(5 << 20);
+    cr_assert_eq(stats().allocated, s0.allocated + (10 << 20), "allocated counts 4 + 6 MiB");
+    /* 7 MiB fits within a quarter: the 8 MiB block */
+    tp_tensor *c = bytes_tensor(7 << 20);
     cr_assert_eq(tp_tensor_data(c), pa);
     cr_assert_eq(stats().num_cache_hits, s0.num_cache_hits + 1);
     tp_tensor_release(b);
+    tp_tensor_release(b2);
     tp_tensor_release(c);
 }
 

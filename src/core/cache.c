@@ -10,7 +10,9 @@
  *    on the thread that allocated them, to that thread's lock-free lists;
  *    freed on another thread, to a shared pool (mutex). Large blocks (page
  *    multiples) go to a shared pool searched best fit, taking a block at
- *    most twice the request. The bytes held idle, all pools together, stay
+ *    most a quarter larger than the request (a looser fit served a
+ *    sharded parameter from its freed unsharded block: twice the memory
+ *    held at 2 ranks). The bytes held idle, all pools together, stay
  *    under the process-wide limit; a free that would pass it gives the
  *    shared pools back first, then the block itself.
  *  - DIRECT blocks come from the installed allocator (tp__aligned_alloc) and
@@ -265,7 +267,7 @@ void *tp__cpu_cache_alloc(size_t nbytes, bool zero)
             tp__blk **best = NULL;
             for (tp__blk **pp = &g_large; *pp; pp = &(*pp)->next) {
                 size_t c = (*pp)->cap;
-                if (c >= cap && c / 2 <= cap && (!best || c < (*best)->cap))
+                if (c >= cap && c - cap <= cap / 4 && (!best || c < (*best)->cap))
                     best = pp;
             }
             if (best) {
