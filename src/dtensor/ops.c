@@ -30,7 +30,7 @@ tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_t
     return tp__new(TP_F32, dev, ndim, shape, zero, out);
 }
 
-tp_status tp__copy(tp_device dev, tp_dtype dt, void *dst, const void *src, int64_t n)
+tp_status tp__op_copy(tp_device dev, tp_dtype dt, void *dst, const void *src, int64_t n)
 {
     const tp__kernels *k = NULL;
     TP_CHECK(tp__kernels_for(dev, &k));
@@ -100,7 +100,7 @@ tp_status tp__check_dtypes(tp__op *op)
     return TP_OK;
 }
 
-tp_status tp__check_dtype(const char *fn, const char *what, const tp_tensor *t, tp__kop kop)
+tp_status tp__op_check_dtype(const char *fn, const char *what, const tp_tensor *t, tp__kop kop)
 {
     const tp__kernels *k = NULL;
     TP_CHECK(tp__kernels_for(tp_tensor_device(t), &k));

@@ -259,7 +259,7 @@ static tp_status binary_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     if (ca && cb)
         return bcast_apply(op, mul, a, b, nd, shape, y);
     if (copy)
-        return tp__copy(op->dev, op->dt, y, tp_tensor_data(only), tp_tensor_numel(only));
+        return tp__op_copy(op->dev, op->dt, y, tp_tensor_data(only), tp_tensor_numel(only));
     if (only)
         return bcast_apply(op, false, *out, only, nd, shape, y);
     return TP_OK;
@@ -501,7 +501,7 @@ static tp_status dropout_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int64_t n = tp_tensor_numel(x);
     TP_CHECK(like(x, false, out));
     if (prm->p <= 0.0f)
-        return tp__copy(op->dev, op->dt, tp_tensor_data(*out), tp_tensor_data(x), n);
+        return tp__op_copy(op->dev, op->dt, tp_tensor_data(*out), tp_tensor_data(x), n);
     uint8_t *mask = NULL;
     if (tp__needs_grad(1, op->in) && n > 0) {
         int64_t words = (n + 3) / 4;
@@ -522,7 +522,7 @@ static tp_status dropout_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
     int64_t n = tp_tensor_numel(in[0]);
     TP_CHECK(like(in[0], false, &g[0]));
     if (prm->p <= 0.0f || n == 0)
-        return tp__copy(op->dev, op->dt, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
+        return tp__op_copy(op->dev, op->dt, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
     TP_ASSERT(op->saved[0]);
     return op->k->dropout_bwd(op->dev, op->dt, tp_tensor_data(gy), tp_tensor_data(op->saved[0]),
                               tp_tensor_data(g[0]), n, prm->p);

@@ -102,7 +102,7 @@ tp_status tp__new(tp_dtype dt, tp_device dev, int ndim, const int64_t *shape, bo
 tp_status tp__f32(tp_device dev, int ndim, const int64_t *shape, bool zero, tp_tensor **out);
 /* dst = src, n elements of dtype dt on device dev (n may be 0 with NULL
  * pointers). */
-tp_status tp__copy(tp_device dev, tp_dtype dt, void *dst, const void *src, int64_t n);
+tp_status tp__op_copy(tp_device dev, tp_dtype dt, void *dst, const void *src, int64_t n);
 /* "cpu" or "cuda:N" into buf; returns buf. */
 const char *tp__device_str(tp_device dev, char *buf, size_t len);
 /* TP_ERR_INVALID_ARG naming both devices unless a and b (either may be NULL)
@@ -119,6 +119,6 @@ tp_status tp__check_dtypes(tp__op *op);
 /* TP_ERR_NOT_SUPPORTED (as tp__check_dtypes words it) unless the engine of
  * t's device takes t's dtype for kop: for ops that do not run through
  * tp__op_run (vocab-parallel cross entropy). */
-tp_status tp__check_dtype(const char *fn, const char *what, const tp_tensor *t, tp__kop kop);
+tp_status tp__op_check_dtype(const char *fn, const char *what, const tp_tensor *t, tp__kop kop);
 
 #endif /* TP_OPS_INTERNAL_H */

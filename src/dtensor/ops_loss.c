@@ -714,7 +714,7 @@ static tp_status ce_bad_target(const char *fn, int64_t v, int tnd, const int64_t
 static tp_status ce_check_shapes(const char *fn, const tp_tensor *logits, const tp_tensor *target,
                                  const tp_tensor *weight, int64_t *tshape)
 {
-    TP_CHECK(tp__check_dtype(fn, "logits", logits, TP__KOP_CROSS_ENTROPY_FWD));
+    TP_CHECK(tp__op_check_dtype(fn, "logits", logits, TP__KOP_CROSS_ENTROPY_FWD));
     TP_ARG_CHECK(logits->ndim >= 1,
                  "%s: logits must be [C], [N, C] or [N, C, d1, ..., dk], got a 0-d tensor", fn);
     const int nd = logits->ndim, cd = ce_class_dim(nd), tnd = nd - 1;

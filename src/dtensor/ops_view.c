@@ -150,7 +150,7 @@ static tp_status reshape_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp
     int64_t n = tp_tensor_numel(in[0]);
     TP_ASSERT(tp_tensor_numel(gy) == n);
     TP_CHECK(tp__new(op->dt, op->dev, in[0]->ndim, in[0]->shape, false, &g[0]));
-    return tp__copy(op->dev, op->dt, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
+    return tp__op_copy(op->dev, op->dt, tp_tensor_data(g[0]), tp_tensor_data(gy), n);
 }
 
 #define RESHAPE_DEF(n)                                                                        \
