@@ -28,7 +28,9 @@
  * loops are not reductions and C11 mode does not contract a * b + c into an
  * FMA (-ffp-contract=off), so each element gets the same operations. */
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && \
-    defined(__ELF__)
+    defined(__ELF__) && !defined(__SANITIZE_THREAD__)
+/* (not under ThreadSanitizer: an ifunc resolver runs before TSan's runtime
+ * is up and the process dies at load) */
 #define TP__VEC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TP__VEC_CLONES
