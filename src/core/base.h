@@ -118,40 +118,12 @@ static inline const tp__dtype_traits *tp__dtype_traits_of(tp_dtype dtype)
     return (unsigned)dtype < TP_DTYPE_COUNT ? &tp__dtype_traits_table[dtype] : NULL;
 }
 
-/* f16 / bf16 conversions (round to nearest even). */
-float tp__f16_to_f32(uint16_t h);
-uint16_t tp__f32_to_f16(float f);
-float tp__bf16_to_f32(uint16_t h);
-uint16_t tp__f32_to_bf16(float f);
+#include "convert.h"
 
 /* Reads/writes element i of a contiguous buffer of dtype as a double (the
  * traits' load_f64/store_f64 at element i; 0 / nothing for an invalid dtype). */
 double tp__load_f64(const void *base, tp_dtype dtype, int64_t i);
 void tp__store_f64(void *base, tp_dtype dtype, int64_t i, double v);
-
-/* double -> integer truncating toward zero like a C cast, but defined where the
- * cast is not: NaN gives 0, out-of-range values saturate. */
-static inline int32_t tp__f64_to_i32(double v)
-{
-    if (v != v)
-        return 0;
-    if (v >= 2147483647.0)
-        return INT32_MAX;
-    if (v <= -2147483648.0)
-        return INT32_MIN;
-    return (int32_t)v;
-}
-
-static inline int64_t tp__f64_to_i64(double v)
-{
-    if (v != v)
-        return 0;
-    if (v >= 9223372036854775808.0)
-        return INT64_MAX;
-    if (v <= -9223372036854775808.0)
-        return INT64_MIN;
-    return (int64_t)v;
-}
 
 /* Monotonic clock in seconds. */
 double tp__now(void);

@@ -80,12 +80,11 @@ template <class T> __global__ void k_strided_copy(T *dst, const T *src, int64_t 
  *
  * The CPU path (core/dtype_elem.h, tensor.c) loads a float source as a float
  * widened to double and an integer source as an int64, and stores from that
- * value (core/base.h states the rules). These mirror it: dtype.c's f16/bf16
- * conversions and base.h's tp__f64_to_i32/i64 are written out again here
- * because those are host functions, and the float <-> double steps handle
- * NaN explicitly, as x86 and AArch64 do (payload kept, made quiet), rather
- * than leave it to the GPU's canonical NaN. __host__ as well so they are the
- * same code on either side. */
+ * value (core/base.h states the rules). The f16/bf16 and float -> integer
+ * rules are core/convert.h's, compiled here for the device; the float <->
+ * double steps below handle NaN explicitly, as x86 and AArch64 do (payload
+ * kept, made quiet), rather than leave it to the GPU's canonical NaN.
+ * __host__ as well so they are the same code on either side. */
 #define TP__CV __host__ __device__ __forceinline__
 
 struct H16 { /* an f16 element */
@@ -95,22 +94,9 @@ struct B16 { /* a bf16 element */
     uint16_t bits;
 };
 
-TP__CV uint32_t f32_bits(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    return x;
-}
-TP__CV float bits_f32(uint32_t x)
-{
-    float f;
-    memcpy(&f, &x, sizeof f);
-    return f;
-}
-
 TP__CV double f32_to_f64(float f)
 {
-    uint32_t x = f32_bits(f);
+    uint32_t x = tp__f32_bits(f);
     if ((x & 0x7fffffffu) <= 0x7f800000u)
         return (double)f;
     uint64_t b =
@@ -126,92 +112,7 @@ TP__CV float f64_to_f32(double v)
         return (float)v; /* round to nearest even, subnormals kept */
     uint64_t b;
     memcpy(&b, &v, sizeof b);
-    return bits_f32((uint32_t)(b >> 63) << 31 | 0x7fc00000u | (uint32_t)(b >> 29) & 0x7fffffu);
-}
-
-TP__CV float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t man = h & 0x3ffu;
-    if (exp == 0x1f)
-        return bits_f32(sign | 0x7f800000u | (man << 13));
-    if (exp == 0) {
-        if (man == 0)
-            return bits_f32(sign);
-        uint32_t e = 113;
-        while (!(man & 0x400u)) {
-            man <<= 1;
-            e--;
-        }
-        return bits_f32(sign | (e << 23) | ((man & 0x3ffu) << 13));
-    }
-    return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
-}
-
-TP__CV uint16_t f32_to_f16(float f)
-{
-    uint32_t x = f32_bits(f);
-    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    uint32_t abs = x & 0x7fffffffu;
-    if (abs > 0x7f800000u)
-        return (uint16_t)(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));
-    if (abs >= 0x477ff000u)
-        return (uint16_t)(sign | 0x7c00u);
-    if (abs >= 0x38800000u) {
-        uint32_t h = ((abs >> 23) - 112) << 10 | ((abs >> 13) & 0x3ffu);
-        uint32_t rem = abs & 0x1fffu;
-        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u)))
-            h++;
-        return (uint16_t)(sign | h);
-    }
-    uint32_t e = abs >> 23;
-    if (e < 102)
-        return sign;
-    uint32_t m = (abs & 0x7fffffu) | 0x800000u;
-    uint32_t shift = 126 - e;
-    uint32_t h = m >> shift;
-    uint32_t rem = m & ((1u << shift) - 1);
-    uint32_t half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (h & 1u)))
-        h++;
-    return (uint16_t)(sign | h);
-}
-
-TP__CV float bf16_to_f32(uint16_t h)
-{
-    return bits_f32((uint32_t)h << 16);
-}
-
-TP__CV uint16_t f32_to_bf16(float f)
-{
-    uint32_t x = f32_bits(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((x >> 16) | 0x0040u);
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
-
-TP__CV int32_t f64_to_i32(double v)
-{
-    if (v != v)
-        return 0;
-    if (v >= 2147483647.0)
-        return INT32_MAX;
-    if (v <= -2147483648.0)
-        return INT32_MIN;
-    return (int32_t)v;
-}
-
-TP__CV int64_t f64_to_i64(double v)
-{
-    if (v != v)
-        return 0;
-    if (v >= 9223372036854775808.0)
-        return INT64_MAX;
-    if (v <= -9223372036854775808.0)
-        return INT64_MIN;
-    return (int64_t)v;
+    return tp__bits_f32((uint32_t)(b >> 63) << 31 | 0x7fc00000u | (uint32_t)(b >> 29) & 0x7fffffu);
 }
 
 /* A float source's value. The CPU path widens it to double, but its host
@@ -232,11 +133,11 @@ TP__CV double ld(const double *p)
 }
 TP__CV F ld(const H16 *p)
 {
-    return F{f16_to_f32(p->bits)};
+    return F{tp__f16_to_f32(p->bits)};
 }
 TP__CV F ld(const B16 *p)
 {
-    return F{bf16_to_f32(p->bits)};
+    return F{tp__bf16_to_f32(p->bits)};
 }
 TP__CV int64_t ld(const int32_t *p)
 {
@@ -258,19 +159,19 @@ TP__CV void st(double *p, double v)
 }
 TP__CV void st(H16 *p, double v)
 {
-    p->bits = f32_to_f16(f64_to_f32(v));
+    p->bits = tp__f32_to_f16(f64_to_f32(v));
 }
 TP__CV void st(B16 *p, double v)
 {
-    p->bits = f32_to_bf16(f64_to_f32(v));
+    p->bits = tp__f32_to_bf16(f64_to_f32(v));
 }
 TP__CV void st(int32_t *p, double v)
 {
-    *p = f64_to_i32(v);
+    *p = tp__f64_to_i32(v);
 }
 TP__CV void st(int64_t *p, double v)
 {
-    *p = f64_to_i64(v);
+    *p = tp__f64_to_i64(v);
 }
 TP__CV void st(float *p, F v)
 {
@@ -278,11 +179,11 @@ TP__CV void st(float *p, F v)
 }
 TP__CV void st(H16 *p, F v)
 {
-    p->bits = f32_to_f16(v.v);
+    p->bits = tp__f32_to_f16(v.v);
 }
 TP__CV void st(B16 *p, F v)
 {
-    p->bits = f32_to_bf16(v.v);
+    p->bits = tp__f32_to_bf16(v.v);
 }
 template <class D> TP__CV void st(D *p, F v)
 {
@@ -300,11 +201,11 @@ TP__CV void st(double *p, int64_t v)
 }
 TP__CV void st(H16 *p, int64_t v)
 {
-    p->bits = f32_to_f16((float)v);
+    p->bits = tp__f32_to_f16((float)v);
 }
 TP__CV void st(B16 *p, int64_t v)
 {
-    p->bits = f32_to_bf16((float)v);
+    p->bits = tp__f32_to_bf16((float)v);
 }
 TP__CV void st(int32_t *p, int64_t v)
 {
