@@ -11,8 +11,9 @@
 # Then, on the GPU machine, from the repository root:
 #   scripts/gpu-check.sh --bundle .gpu/bundle.tar.xz
 #
-# The binaries' loader is set (patchelf) to <unpack dir>/lib/ld-linux-x86-64.so.2,
-# so they run whatever the other machine's C library is; gpu-check.sh unpacks
+# The binaries' loader is set (patchelf) to <unpack dir>/lib/ld-linux-x86-64.so.2
+# and their library path (DT_RPATH) to <unpack dir>/lib, so they run whatever
+# the other machine's C library is; gpu-check.sh unpacks
 # into the same fixed directory (TP_GPU_BUNDLE_DIR, default /tmp/tp-gpu-bundle).
 # CUDA's own libraries (libcuda, cudart, cuBLAS, NCCL) are not packed: they must
 # match the driver, so they are taken from the GPU machine.
@@ -60,12 +61,24 @@ ldd "${bins[@]}" "$stage/lib/libtp.so.0" 2>/dev/null \
     done
 cp -L /lib64/ld-linux-x86-64.so.2 "$stage/lib/"
 
-for b in "${bins[@]}"; do
+# DT_RPATH (not RUNPATH) so that it also serves the libraries' own needs, and
+# so that LD_LIBRARY_PATH carries only CUDA's folders: programs of the GPU
+# machine itself (python3, bash) must not pick up this C library.
+# Every packed library gets it too: one with a RUNPATH of its own (Debian's
+# libmpi) would otherwise find its needs in the other machine's ld.so.cache.
+libs=()
+for l in "$stage"/lib/*; do
+    case $(basename "$l") in
+    ld-linux* | libc.so* | libm.so* | libpthread.so* | libdl.so* | librt.so* | libresolv.so*) ;;
+    *) libs+=("$l") ;;
+    esac
+done
+for b in "${bins[@]}" "${libs[@]}"; do
     if patchelf --print-interpreter "$b" >/dev/null 2>&1; then
-        patchelf --set-interpreter "$dest/lib/ld-linux-x86-64.so.2" --remove-rpath "$b"
-    else
-        patchelf --remove-rpath "$b" # a shared module: no loader of its own
+        patchelf --set-interpreter "$dest/lib/ld-linux-x86-64.so.2" "$b"
     fi
+    patchelf --remove-rpath "$b"
+    patchelf --force-rpath --set-rpath "$dest/lib" "$b"
 done
 {
     echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

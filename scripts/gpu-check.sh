@@ -12,6 +12,7 @@
 #   --out DIR         where the report goes (default: $OUT when set, else gpu-report)
 #   --gpu-only        only the GPU suites (cuda, cuda_kernels, nccl, replicate)
 #   --skip-bench      no benchmarks
+#   --max-test-seconds S  cap each suite's time limit at S seconds
 #
 # Exit status: 0 when every test passed and no GPU test was skipped; 1 when a
 # test failed or a GPU test skipped; 2 when there is no GPU or nothing to run.
@@ -24,6 +25,7 @@ while [ $# -gt 0 ]; do
     --bundle) bundle=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --gpu-only | --skip-bench) extra+=("$1"); shift ;;
+    --max-test-seconds) extra+=("$1" "$2"); shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 64 ;;
     esac
@@ -43,22 +45,41 @@ if [ -n "$bundle" ]; then
     tar -C "$root" -xJf "$bundle"
     cat "$root/BUILD_INFO"
     # CUDA's libraries come from this machine (they must match its driver):
-    # a toolkit's, or the nvidia-* Python wheels'
+    # the driver's libcuda; cudart, cuBLAS and NCCL from the nvidia-* Python
+    # wheels or a CUDA toolkit, and from the system's library path last. A
+    # candidate that needs a newer C library than the bundle's is passed over
+    # (a distribution's libnccl is often built against its own glibc).
     dirs=()
     for lib in libcuda.so.1 libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
-        p=$(ldconfig -p 2>/dev/null | awk -v l="$lib" '$1 == l {print $NF; exit}')
+        p=$(python3 - "$lib" "$root/lib/libc.so.6" <<'PY'
+import glob, re, site, subprocess, sys
+lib, libc = sys.argv[1], sys.argv[2]
+def glibc_need(path):
+    data = open(path, "rb").read()
+    v = [int(m.group(1)) for m in re.finditer(rb"GLIBC_2\.(\d+)", data)]
+    return max(v) if v else 0
+have = glibc_need(libc)
+ldc = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout.splitlines()
+system = [l.split()[-1] for l in ldc if l.strip().startswith(lib + " ")]
+wheels = [c for d in site.getsitepackages() for c in glob.glob(f"{d}/nvidia/*/lib/{lib}")]
+toolkit = glob.glob(f"/usr/local/cuda*/lib64/{lib}") + glob.glob(f"/usr/local/cuda*/targets/*/lib/{lib}")
+order = system + glob.glob(f"/usr/local/nvidia/lib*/{lib}") if lib == "libcuda.so.1" else wheels + toolkit + system
+for c in order:
+    if lib == "libcuda.so.1" or glibc_need(c) <= have:
+        print(c)
+        break
+PY
+)
         if [ -z "$p" ]; then
-            p=$(find /usr/local/cuda*/lib64 /usr/local/nvidia/lib* /usr/lib/x86_64-linux-gnu \
-                    $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) \
-                    -name "$lib" 2>/dev/null | head -1 || true)
-        fi
-        if [ -z "$p" ]; then
-            echo "gpu-check: $lib not found on this machine" >&2
+            echo "gpu-check: no usable $lib on this machine" >&2
             exit 2
         fi
+        echo "gpu-check: $lib from $p"
         dirs+=("$(dirname "$p")")
     done
-    libpath="$root/lib:$(printf '%s\n' "${dirs[@]}" | awk '!seen[$0]++' | paste -sd:)"
+    # the bundle's own folder is in its programs' DT_RPATH, never in
+    # LD_LIBRARY_PATH: this machine's programs must keep their C library
+    libpath="$(printf '%s\n' "${dirs[@]}" | awk '!seen[$0]++' | paste -sd:)"
     export LD_LIBRARY_PATH="$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     tests_json=$root/tests.json
 else

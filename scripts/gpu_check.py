@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--gpu-only", action="store_true", help="only the GPU suites")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--device", default="", help="the GPU, in words, for the report")
+    ap.add_argument("--max-test-seconds", type=float, default=0,
+                    help="cap on each suite's time limit (0: the suite's own)")
     a = ap.parse_args()
 
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
@@ -104,7 +106,7 @@ def main():
             else:
                 tenv[k] = remap(v)
         rc, secs, out = run(cmd, os.path.join(logs, f"test-{name}.log"), tenv,
-                            timeout=t.get("timeout") or 600, cwd=t.get("workdir") or a.root)
+                            timeout=min(t.get("timeout") or 600, a.max_test_seconds or 600), cwd=t.get("workdir") or a.root)
         m = SYNTH.search(out)
         skips = SKIP.findall(out)
         gskips = sum(1 for _, why in skips if GPU_SKIP.search(why))

@@ -101,6 +101,10 @@ typedef struct nccl_state {
     tp__abort_state abort;
     pthread_mutex_t mu; /* every NCCL call on comm, active */
     nccl_work *active; /* work handed out and not yet freed */
+    /* ncclCommSplit's out handle. In non-blocking mode NCCL writes it from
+     * its own thread once the child is fully initialized, so it lives as
+     * long as the state, never on a stack that a timeout could unwind. */
+    ncclComm_t split_child;
 } nccl_state;
 
 struct nccl_work {
@@ -722,6 +726,18 @@ fail:
     return st;
 }
 
+#if NCCL_HAS_SPLIT
+/* Whether ncclCommSplit has handed out the child (a tp__poll_fn). */
+static tp_status split_child_poll(void *ctx, bool *done)
+{
+    nccl_state *S = ctx;
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
+    *done = __atomic_load_n(&S->split_child, __ATOMIC_ACQUIRE) != NULL;
+    return TP_OK;
+}
+#endif
+
 static tp_status nccl_split(void *state, int color, int key, double timeout_s, void **new_state,
                             int *new_rank, int *new_size)
 {
@@ -754,8 +770,9 @@ static tp_status nccl_split(void *state, int color, int key, double timeout_s, v
         st = tp__abort_error(&S->abort);
         goto out;
     }
-    ncclResult_t res = ncclCommSplit(S->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc,
-                                     cp);
+    __atomic_store_n(&S->split_child, NULL, __ATOMIC_RELAXED);
+    ncclResult_t res = ncclCommSplit(S->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key,
+                                     &S->split_child, cp);
     TP_NCCL_CHECK_GOTO(S->comm, "ncclCommSplit", res, st, unlock);
 unlock:
     pthread_mutex_unlock(&S->mu);
@@ -764,9 +781,16 @@ unlock:
         goto out;
     }
     if (res == ncclInProgress) {
-        /* the parent is busy until the split is done, the child until it is
-         * initialized */
+        /* the parent is busy until the split is done; the child handle
+         * appears once the child is initialized (NCCL >= 2.27 keeps it NULL
+         * until then, so a rank that joins a group waits for it) */
         st = nccl_settle(S, &S->comm, timeout_s, "ncclCommSplit");
+        if (st == TP_OK && color >= 0)
+            st = tp__poll_until(split_child_poll, S, timeout_s, &nccl_pace);
+        if (st == TP_ERR_TIMEOUT)
+            tp__error(TP_ERR_TIMEOUT, "ncclCommSplit: the new communicator was not ready within "
+                                      "%.3g s", timeout_s);
+        nc = __atomic_load_n(&S->split_child, __ATOMIC_ACQUIRE);
         if (st == TP_OK && nc)
             st = nccl_settle(NULL, &nc, timeout_s, "ncclCommSplit (new communicator)");
         if (st != TP_OK) {
@@ -777,6 +801,8 @@ unlock:
             goto out;
         }
     }
+    nc = __atomic_load_n(&S->split_child, __ATOMIC_ACQUIRE);
+    __atomic_store_n(&S->split_child, NULL, __ATOMIC_RELAXED);
     if (!nc)
         goto out; /* color < 0 */
     N = state_new(S->device);
