@@ -16,6 +16,12 @@
  * count, op, root) are detected on every collective and reported as
  * TP_ERR_MISMATCH by all ranks alike, before any data moves.
  *
+ * CUDA tensors: the same protocol moves device buffers. The data phase
+ * enqueues copies and reduction kernels on the rank's own CUDA stream instead
+ * of touching memory itself, ordered against the peers' streams with events
+ * (shm_cuda.h), so no rank blocks on its GPU. All ranks of a collective pass
+ * CPU buffers or all pass CUDA buffers; they may share one GPU.
+ *
  * Waiting spins briefly, then yields, then sleeps on a futex, so eight ranks
  * on two cores still make progress. Every wait honours the timeout, an abort
  * (of the group or of the whole run), and notices a peer that returned from
@@ -36,8 +42,10 @@
 #include "collectives/abort.h"
 #include "collectives/coll.h"
 #include "collectives/poll.h"
+#include "collectives/shm_cuda.h"
 #include "collectives/shm_kernels.h"
 #include "core/log.h"
+#include "tp/config.h"
 
 #define SHM_RING 128 /* collectives a rank may have outstanding on a group */
 
@@ -53,6 +61,10 @@ typedef struct shm_op {
     void *recv;
     int color, key;   /* SPLIT_EXCHANGE */
     void *new_group;  /* SPLIT_PUBLISH: the leader's new group */
+    bool on_cuda;     /* the buffers are CUDA memory (else CPU memory) */
+    int cuda_dev;     /* on_cuda: their device */
+    void *ready, *done; /* CUDA: the poster's events for this collective */
+    int failed;         /* CUDA: the poster's data phase failed (set before `done`) */
 } shm_op;
 
 typedef struct shm_slot {
@@ -97,6 +109,10 @@ typedef struct shm_group {
     tp__abort_state abort;
     int *world; /* group rank -> world rank of the run */
     shm_slot *slots;
+    /* per group rank: its CUDA events, made on its first CUDA collective.
+     * Peers wait on them after the rank may have returned, so they go with
+     * the group, not with the rank. */
+    tp__shm_cuda **cuda;
 } shm_group;
 
 typedef struct shm_work {
@@ -274,8 +290,135 @@ static bool ops_match(shm_rank *R, uint64_t s, shm_work *wk)
                      (unsigned long long)s, da, q, db);
             return false;
         }
+        if ((a->on_cuda) != (b->on_cuda)) {
+            snprintf(wk->msg, sizeof wk->msg,
+                     "ranks disagree at collective #%llu: rank 0 passed %s tensors, rank %d "
+                     "passed %s tensors",
+                     (unsigned long long)s, a->on_cuda ? "CUDA" : "CPU", q,
+                     b->on_cuda ? "CUDA" : "CPU");
+            return false;
+        }
     }
     return true;
+}
+
+/* Reductions read and write peers' buffers from this rank's GPU: those on
+ * other GPUs must be reachable (peer access). */
+static tp_status cuda_reach_peers(shm_rank *R, uint64_t s)
+{
+    shm_group *g = R->g;
+    tp__shm_cuda *c = g->cuda[R->rank];
+    for (int q = 0; q < g->n; q++)
+        TP_CHECK(tp__shm_cuda_enable_peer(c, g->slots[q].ring[s % SHM_RING].cuda_dev));
+    return TP_OK;
+}
+
+/* The data phase of a collective on CUDA buffers: this rank's share, as in
+ * data_phase, enqueued on its stream after the peers' ready events. */
+static tp_status data_phase_cuda(shm_rank *R, uint64_t s)
+{
+    shm_group *g = R->g;
+    int n = g->n, r = R->rank;
+#define PEER(q) (&g->slots[(q)].ring[s % SHM_RING])
+    const shm_op *me = PEER(r);
+    tp__shm_cuda *c = g->cuda[r];
+    size_t es = tp_dtype_size(me->dtype), k = me->count, bytes = k * es;
+    for (int q = 0; q < n; q++)
+        if (q != r)
+            TP_CHECK(tp__shm_cuda_wait(c, PEER(q)->ready));
+    switch (me->kind) {
+    case TP_COLL_ALL_REDUCE: {
+        /* rank r reduces part r of every input and writes it to every output */
+        size_t align = 64 / es;
+        size_t part = (k + (size_t)n - 1) / (size_t)n;
+        part = (part + align - 1) / align * align;
+        size_t lo = (size_t)r * part, hi = lo + part < k ? lo + part : k;
+        if (lo >= hi)
+            break;
+        TP_CHECK(cuda_reach_peers(R, s));
+        for (int q = 0; q < n; q++) {
+            R->srcs[q] = PEER(q)->send;
+            R->dsts[q] = PEER(q)->recv;
+        }
+        TP_CHECK(
+            tp__shm_cuda_reduce(c, me->dtype, me->op, n, n, R->srcs, lo, n, R->dsts, lo, hi - lo));
+        break;
+    }
+    case TP_COLL_ALL_GATHER:
+        /* push this rank's block to every output, staggered */
+        for (int j = 0; j < n; j++) {
+            int q = (r + j) % n;
+            TP_CHECK(
+                tp__shm_cuda_copy(c, (char *)PEER(q)->recv + (size_t)r * bytes, me->send, bytes));
+        }
+        break;
+    case TP_COLL_REDUCE_SCATTER:
+        TP_CHECK(cuda_reach_peers(R, s));
+        for (int q = 0; q < n; q++)
+            R->srcs[q] = PEER(q)->send;
+        R->dsts[0] = me->recv;
+        TP_CHECK(tp__shm_cuda_reduce(c, me->dtype, me->op, n, n, R->srcs, (size_t)r * k, 1, R->dsts,
+                                     0, k));
+        break;
+    case TP_COLL_ALL_TO_ALL:
+        for (int j = 0; j < n; j++) {
+            int q = (r + j) % n;
+            TP_CHECK(tp__shm_cuda_copy(c, (char *)me->recv + (size_t)q * bytes,
+                                       (const char *)PEER(q)->send + (size_t)r * bytes, bytes));
+        }
+        break;
+    case TP_COLL_BROADCAST:
+        if (r != me->root)
+            TP_CHECK(tp__shm_cuda_copy(c, me->recv, PEER(me->root)->send, bytes));
+        break;
+    case TP_COLL_SCATTER:
+        TP_CHECK(tp__shm_cuda_copy(c, me->recv,
+                                   (const char *)PEER(me->root)->send + (size_t)r * bytes, bytes));
+        break;
+    default:
+        break;
+    }
+#undef PEER
+    return tp__shm_cuda_done(c, (int)(s % SHM_RING));
+}
+
+/* A rank that could not do its share of collective s on its GPU: the others'
+ * results depend on it, so the collective fails on every rank (each sees
+ * `failed` in this rank's entry when it completes) and the group aborts. */
+static void cuda_phase_failed(shm_rank *R, uint64_t s, shm_work *wk, tp_status st)
+{
+    shm_group *g = R->g;
+    g->slots[R->rank].ring[s % SHM_RING].failed = 1;
+    wk->status = st;
+    snprintf(wk->msg, sizeof wk->msg, "%s", tp_last_error());
+    char why[512];
+    snprintf(why, sizeof why, "rank %d failed its part of collective #%llu on the GPU: %.400s",
+             R->rank, (unsigned long long)s, tp_last_error());
+    rank_note_failure(R, FAIL_GAVE_UP);
+    group_abort(g, why);
+}
+
+/* Collective s completed on every rank: this rank's stream waits for every
+ * peer's share of the data movement, or the collective fails here too when
+ * a peer's share failed. */
+static void cuda_complete(shm_rank *R, uint64_t s, shm_work *wk)
+{
+    shm_group *g = R->g;
+    for (int q = 0; q < g->n && wk->status == TP_OK; q++) {
+        const shm_op *p = &g->slots[q].ring[s % SHM_RING];
+        if (p->failed) {
+            wk->status = TP_ERR_ABORTED;
+            snprintf(wk->msg, sizeof wk->msg,
+                     "rank %d failed its part of collective #%llu on the GPU", q,
+                     (unsigned long long)s);
+        } else if (q != R->rank) {
+            tp_status st = tp__shm_cuda_wait(g->cuda[R->rank], p->done);
+            if (st != TP_OK) {
+                wk->status = st;
+                snprintf(wk->msg, sizeof wk->msg, "%s", tp_last_error());
+            }
+        }
+    }
 }
 
 static void data_phase(shm_rank *R, uint64_t s, shm_work *wk)
@@ -399,8 +542,14 @@ static void rank_progress(shm_rank *R)
                 return;
             }
             if (ops_match(R, s, wk)) {
-                data_phase(R, s, wk);
                 wk->status = TP_OK;
+                if (!mine->ring[s % SHM_RING].on_cuda) {
+                    data_phase(R, s, wk);
+                } else {
+                    tp_status st = data_phase_cuda(R, s);
+                    if (st != TP_OK)
+                        cuda_phase_failed(R, s, wk, st);
+                }
             } else {
                 wk->status = TP_ERR_MISMATCH;
             }
@@ -413,6 +562,9 @@ static void rank_progress(shm_rank *R)
         for (int q = 0; q < n; q++)
             if (atomic_load_explicit(&g->slots[q].done, memory_order_acquire) < s)
                 return;
+        shm_work *wk = &R->works[s % SHM_RING];
+        if (mine->ring[s % SHM_RING].on_cuda && wk->status == TP_OK)
+            cuda_complete(R, s, wk);
         R->completed = s;
     }
 }
@@ -511,6 +663,17 @@ static tp_status rank_wait(shm_rank *R, uint64_t s, double timeout)
 
 /* ---- posting -------------------------------------------------------------- */
 
+/* This rank failed before joining a collective its peers will wait in (st
+ * recorded): the group aborts, so they fail at once rather than time out. */
+static tp_status rank_gave_up(shm_rank *R, tp_status st)
+{
+    char why[512];
+    snprintf(why, sizeof why, "rank %d gave up: %.480s", R->rank, tp_last_error());
+    rank_note_failure(R, FAIL_GAVE_UP);
+    group_abort(R->g, why);
+    return st;
+}
+
 static tp_status rank_post(shm_rank *R, const shm_op *op, double timeout, shm_work **out)
 {
     shm_group *g = R->g;
@@ -528,7 +691,14 @@ static tp_status rank_post(shm_rank *R, const shm_op *op, double timeout, shm_wo
         TP_CHECK(rank_wait(R, s - SHM_RING, timeout));
     }
     shm_slot *mine = &g->slots[R->rank];
-    mine->ring[s % SHM_RING] = *op;
+    shm_op o = *op;
+    if (o.on_cuda) {
+        /* what this rank issued so far on its stream, for the peers to wait on */
+        tp_status st = tp__shm_cuda_post(g->cuda[R->rank], (int)(s % SHM_RING), &o.ready, &o.done);
+        if (st != TP_OK)
+            return rank_gave_up(R, st);
+    }
+    mine->ring[s % SHM_RING] = o;
     wk->seq = s;
     wk->status = TP_OK;
     wk->retired = false;
@@ -542,20 +712,64 @@ static tp_status rank_post(shm_rank *R, const shm_op *op, double timeout, shm_wo
 
 static tp_status work_result(shm_work *wk)
 {
-    if (wk->status == TP_ERR_MISMATCH)
-        return tp__error(TP_ERR_MISMATCH, "%s", wk->msg);
+    if (wk->status != TP_OK && wk->msg[0])
+        return tp__error(wk->status, "%s", wk->msg);
     return wk->status;
+}
+
+/* This rank's CUDA events for the group, made on its first CUDA collective
+ * there; a failure aborts the group so that no peer waits for this rank. */
+static tp_status rank_cuda(shm_rank *R, int dev)
+{
+    shm_group *g = R->g;
+    tp__shm_cuda **c = &g->cuda[R->rank];
+    if (*c && tp__shm_cuda_device(*c) == dev)
+        return TP_OK;
+    if (*c)
+        return rank_gave_up(
+            R, tp__error(TP_ERR_INVALID_ARG,
+                         "backend 'shm': rank %d passed tensors of CUDA device %d, but it moves "
+                         "CUDA device %d's on this communicator (one GPU per rank and "
+                         "communicator; split or create another communicator for another GPU)",
+                         R->rank, dev, tp__shm_cuda_device(*c)));
+    tp_status st = tp__shm_cuda_create(dev, SHM_RING, c);
+    return st == TP_OK ? TP_OK : rank_gave_up(R, st);
+}
+
+/* The one-rank group on CUDA buffers: the result is a copy on the rank's
+ * stream (a reduction over one source is that source). */
+static tp_status solo_cuda(shm_rank *R, const tp_coll_desc *d)
+{
+    TP_CHECK(rank_cuda(R, d->device.index));
+    bool moves = d->kind == TP_COLL_ALL_REDUCE || d->kind == TP_COLL_REDUCE_SCATTER ||
+                 d->kind == TP_COLL_ALL_GATHER || d->kind == TP_COLL_ALL_TO_ALL ||
+                 d->kind == TP_COLL_SCATTER;
+    if (!moves || d->sendbuf == d->recvbuf || !d->count)
+        return TP_OK;
+    return tp__shm_cuda_copy(R->g->cuda[R->rank], d->recvbuf, d->sendbuf,
+                             d->count * tp_dtype_size(d->dtype));
 }
 
 static tp_status shm_collective(void *state, const tp_coll_desc *d, void **work)
 {
     shm_rank *R = state;
-    shm_op op = {.kind = d->kind, .dtype = d->dtype, .op = d->op, .root = d->root,
-                 .count = d->count, .send = d->sendbuf, .recv = d->recvbuf};
+    bool cuda = d->kind != TP_COLL_BARRIER && d->device.type == TP_DEVICE_CUDA;
+    shm_op op = {.kind = d->kind,
+                 .dtype = d->dtype,
+                 .op = d->op,
+                 .root = d->root,
+                 .count = d->count,
+                 .send = d->sendbuf,
+                 .recv = d->recvbuf,
+                 .on_cuda = cuda,
+                 .cuda_dev = cuda ? d->device.index : 0};
     if (R->g->n == 1) {
         /* nothing to wait for; still honour the copy and op semantics */
         if (group_is_aborted(R->g))
             return rank_aborted(R);
+        *work = NULL;
+        if (cuda)
+            return solo_cuda(R, d);
         size_t es = tp_dtype_size(d->dtype);
         if (d->kind == TP_COLL_ALL_REDUCE || d->kind == TP_COLL_REDUCE_SCATTER) {
             const void *src[1] = {d->sendbuf};
@@ -566,9 +780,10 @@ static tp_status shm_collective(void *state, const tp_coll_desc *d, void **work)
             if (d->sendbuf != d->recvbuf && d->count)
                 memcpy(d->recvbuf, d->sendbuf, d->count * es);
         }
-        *work = NULL;
         return TP_OK;
     }
+    if (cuda && !group_is_aborted(R->g))
+        TP_CHECK(rank_cuda(R, d->device.index));
     shm_work *wk = NULL;
     TP_CHECK(rank_post(R, &op, d->timeout_s, &wk));
     *work = wk;
@@ -604,6 +819,9 @@ static void group_release(shm_group *g)
     if (atomic_fetch_sub(&g->refs, 1) != 1)
         return;
     shm_run *run = g->run;
+    for (int i = 0; i < g->n; i++)
+        tp__shm_cuda_destroy(g->cuda[i]);
+    tp__free(g->cuda);
     tp__abort_destroy(&g->abort);
     tp__free(g->slots);
     tp__free(g->world);
@@ -622,10 +840,12 @@ static shm_group *group_create(shm_run *run, int n, const int *world)
     tp__abort_init(&g->abort);
     g->world = tp__malloc(sizeof(int) * (size_t)n);
     g->slots = tp__aligned_alloc(sizeof(shm_slot) * (size_t)n, 64);
-    if (!g->world || !g->slots) {
+    g->cuda = tp__calloc((size_t)n, sizeof *g->cuda);
+    if (!g->world || !g->slots || !g->cuda) {
         tp__abort_destroy(&g->abort);
         tp__free(g->world);
         tp__free(g->slots);
+        tp__free(g->cuda);
         tp__free(g);
         return NULL;
     }
@@ -780,11 +1000,15 @@ out:
 /* No world of its own (init_world): tp_run_local makes it. */
 const tp_backend tp__shm_backend = {
     .name = "shm",
-    .device_mask = 1u << TP_DEVICE_CPU,
+    .device_mask = (1u << TP_DEVICE_CPU) | (TP_HAVE_CUDA ? 1u << TP_DEVICE_CUDA : 0u),
     .checks_descriptors = true,
     .collective = shm_collective,
-    .work_test = shm_work_test, .work_wait = shm_work_wait, .work_free = shm_work_free,
-    .split = shm_split, .abort = shm_abort, .free = shm_free,
+    .work_test = shm_work_test,
+    .work_wait = shm_work_wait,
+    .work_free = shm_work_free,
+    .split = shm_split,
+    .abort = shm_abort,
+    .free = shm_free,
 };
 
 /* ---- tp_run_local --------------------------------------------------------- */
