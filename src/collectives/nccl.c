@@ -780,26 +780,29 @@ unlock:
         st = state_fail(S, st);
         goto out;
     }
-    if (res == ncclInProgress) {
-        /* the parent is busy until the split is done; the child handle
-         * appears once the child is initialized (NCCL >= 2.27 keeps it NULL
-         * until then, so a rank that joins a group waits for it) */
+    /* The parent is busy until the split is done. The child handle appears
+     * only once the child is initialized, from NCCL's own thread (NCCL >=
+     * 2.27 keeps it NULL until then, even where ncclCommSplit returned
+     * ncclSuccess), so a rank that joins a group waits for it. */
+    if (res == ncclInProgress)
         st = nccl_settle(S, &S->comm, timeout_s, "ncclCommSplit");
-        if (st == TP_OK && color >= 0)
-            st = tp__poll_until(split_child_poll, S, timeout_s, &nccl_pace);
+    if (st == TP_OK && color >= 0) {
+        st = tp__poll_until(split_child_poll, S, timeout_s, &nccl_pace);
         if (st == TP_ERR_TIMEOUT)
-            tp__error(TP_ERR_TIMEOUT, "ncclCommSplit: the new communicator was not ready within "
-                                      "%.3g s", timeout_s);
-        nc = __atomic_load_n(&S->split_child, __ATOMIC_ACQUIRE);
-        if (st == TP_OK && nc)
-            st = nccl_settle(NULL, &nc, timeout_s, "ncclCommSplit (new communicator)");
-        if (st != TP_OK) {
-            if (nc)
-                (void)ncclCommAbort(nc);
-            if (st != TP_ERR_ABORTED)
-                st = state_fail(S, st);
-            goto out;
-        }
+            tp__error(TP_ERR_TIMEOUT,
+                      "ncclCommSplit: the new communicator was not ready within %.3g s",
+                      timeout_s);
+    }
+    nc = __atomic_load_n(&S->split_child, __ATOMIC_ACQUIRE);
+    if (st == TP_OK && nc)
+        st = nccl_settle(NULL, &nc, timeout_s, "ncclCommSplit (new communicator)");
+    if (st != TP_OK) {
+        if (nc)
+            (void)ncclCommAbort(nc);
+        __atomic_store_n(&S->split_child, NULL, __ATOMIC_RELAXED);
+        if (st != TP_ERR_ABORTED)
+            st = state_fail(S, st);
+        goto out;
     }
     nc = __atomic_load_n(&S->split_child, __ATOMIC_ACQUIRE);
     __atomic_store_n(&S->split_child, NULL, __ATOMIC_RELAXED);
