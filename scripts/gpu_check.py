@@ -21,7 +21,64 @@ SYNTH = re.compile(r"Synthesis: Tested: (\d+) \| Passing: (\d+) \| Failing: (\d+
 SKIP = re.compile(r"^\[SKIP\] (\S+): (.*)$", re.M)
 GPU_SKIP = re.compile(r"no CUDA device|without CUDA|without NCCL")
 MPI_LINE = re.compile(r"^mpi: (\d+) passed, (\d+) failed", re.M)
-GPU_SUITES = {"cuda", "cuda_kernels", "nccl", "replicate"}
+GPU_SUITES = {"cuda", "cuda_kernels", "nccl", "replicate", "cuda_dist", "bench_comm_gpu_cli"}
+
+
+def is_gpu_suite(name):
+    """The suites that need a GPU: GPU_SUITES, and every example test on CUDA
+    (named example_*cuda*)."""
+    return name in GPU_SUITES or (name.startswith("example_") and "cuda" in name)
+
+
+def comm_summary(paths):
+    """Rows of the comm benches' CSVs (tp-bench-comm --csv) run on a GPU: per
+    collective, rank count and size, the out-of-place form where libtp has one
+    (broadcast: in place), its busbw, busbw / the device copy's algbw, roof%,
+    and libtp / bare NCCL where --nccl-bare ran."""
+    rows = []
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                if r.get("device") != "cuda" or r["inplace"] != r["call_inplace"]:
+                    continue  # a CPU run, or a form libtp lacks (timed as the other)
+                rows.append(r)
+    seen, out = set(), []
+    for r in rows:
+        key = (r["backend"], r["collective"], r["nranks"], r["size_bytes"], r["dtype"])
+        if key in seen:
+            continue  # the in-place form of a row whose out-of-place form is listed
+        seen.add(key)
+        out.append(r)
+    return out
+
+
+def fmt_frac(v, scale=1.0, digits=3):
+    try:
+        return f"{float(v) * scale:.{digits}f}"
+    except (TypeError, ValueError):
+        return "-"
+
+
+def write_comm_summary(f, rows):
+    if not rows:
+        return
+    f.write("\n## Collectives on the GPU: summary (from the comm benches' CSVs)\n\n"
+            "busbw/copy: busbw over the algbw of a device-to-device cudaMemcpyAsync of the same "
+            "bytes; roof%: modelled traffic on the GPU over the copy's (bench/README.md). "
+            "Out-of-place form (broadcast: in place).\n\n"
+            "| size (B) | collective | backend | ranks | busbw GB/s | busbw/copy | roof% "
+            "| libtp/bare (min..max) | #wrong |\n"
+            "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: |\n")
+    for r in rows:
+        bare = "-"
+        if r.get("bare_ratio"):
+            bare = (f"{fmt_frac(r['bare_ratio'])} ({fmt_frac(r['bare_ratio_min'])}.."
+                    f"{fmt_frac(r['bare_ratio_max'])})")
+        f.write(f"| {r['size_bytes']} | {r['collective']} | {r['backend']} | {r['nranks']} | "
+                f"{fmt_frac(r['busbw_GBps'], digits=1)} | {fmt_frac(r.get('busbw_over_copy'))} | "
+                f"{fmt_frac(r.get('roof_frac'), 100.0, 1)} | {bare} | {r['wrong'] or 'N/A'} |\n")
 
 
 def run(cmd, log, env=None, timeout=600, cwd=None):
@@ -93,7 +150,7 @@ def main():
                              gpu_skipped=0, seconds=0.0,
                              note=f"{os.path.basename(missing[0])} not on this machine"))
             continue
-        if a.gpu_only and name not in GPU_SUITES:
+        if a.gpu_only and not is_gpu_suite(name):
             continue
         tenv = dict(env)
         for k, v in (t.get("env") or {}).items():
@@ -124,7 +181,7 @@ def main():
         status = "ok" if failed == 0 and rc == 0 else f"FAIL (rc {rc})"
         if failed or rc:
             failed_any = True
-        if name in GPU_SUITES:
+        if is_gpu_suite(name):
             gpu_skipped_total += gskips
         rows.append(dict(suite=name, status=status, passed=passed, failed=failed,
                          skipped=len(skips), gpu_skipped=gskips, seconds=round(secs, 1),
@@ -150,11 +207,24 @@ def main():
     benches = []
     if not a.skip_bench:
         b = lambda n: os.path.join(a.root, "bench", n)
-        plan = [
-            ("nccl world of one: all_reduce, all_gather",
-             [b("tp-bench-comm"), "--backend", "nccl", "-g", "1", "--collective",
-              "all_reduce,all_gather", "-b", "1M", "-e", "256M", "-f", "4", "-R", "3",
-              "--csv", os.path.join(a.out, "bench-comm-nccl.csv")]),
+        # the comm benches (about 60 s together on an H100): every call is
+        # checked (-c 1) and timed until its stream is done; -n 0 --target-s
+        # bounds each timed loop at about 30-50 ms whatever a call costs
+        sweep = ["-b", "1M", "-e", "256M", "-f", "4", "-w", "5", "-n", "0", "-c", "1"]
+        comm_csvs = []
+        plan = []
+        for g in (1, 2, 4):
+            comm_csvs.append(os.path.join(a.out, f"bench-comm-shm-cuda-g{g}.csv"))
+            plan.append((f"shm on one GPU: {g} rank{'s' if g > 1 else ''} as threads, cuda buffers",
+                         [b("tp-bench-comm"), "--backend", "shm", "--device", "cuda", "-g", str(g),
+                          "--collective", "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast"]
+                         + sweep + ["-R", "3", "--target-s", "0.03", "--csv", comm_csvs[-1]]))
+        comm_csvs.append(os.path.join(a.out, "bench-comm-nccl.csv"))
+        plan += [
+            ("nccl world of one: all_reduce, all_gather, and bare NCCL",
+             [b("tp-bench-comm"), "--backend", "nccl", "-g", "1", "--nccl-bare", "--collective",
+              "all_reduce,all_gather"] + sweep + ["-R", "5", "--target-s", "0.05",
+                                                  "--csv", comm_csvs[-1]]),
             ("TP layers on one GPU (nccl, 1 rank)",
              [b("tp-bench-layers"), "--backend", "nccl", "-g", "1", "-t", "2048,8192",
               "-H", "1024,2048", "-l", "colwise,rowwise,mlp", "-R", "3",
@@ -199,6 +269,8 @@ def main():
                     "| --- | --- | ---: | ---: | --- |\n")
             for ex, args, rc, secs, last in ex_rows:
                 f.write(f"| {ex} | {args} | {rc} | {secs:.1f} | {last} |\n")
+        if not a.skip_bench:
+            write_comm_summary(f, comm_summary(comm_csvs))
         for title, cmd, rc, secs, out in benches:
             f.write(f"\n## {title}\n\n`{cmd}` (rc {rc}, {secs:.1f} s)\n\n```\n")
             lines = out.splitlines()
