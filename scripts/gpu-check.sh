@@ -10,7 +10,8 @@
 #   --bundle ARCHIVE  run a scripts/gpu-bundle.sh archive instead of building
 #                     (for a GPU machine without libtp's build dependencies)
 #   --out DIR         where the report goes (default: $OUT when set, else gpu-report)
-#   --gpu-only        only the GPU suites (cuda, cuda_kernels, nccl, replicate)
+#   --gpu-only        only the GPU suites (cuda, cuda_kernels, shm_cuda, nccl, replicate,
+#                     cuda_dist*, the examples on CUDA, the GPU bench checks)
 #   --skip-bench      no benchmarks
 #   --max-test-seconds S  cap each suite's time limit at S seconds
 #

@@ -16,18 +16,22 @@ import subprocess
 import sys
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 SYNTH = re.compile(r"Synthesis: Tested: (\d+) \| Passing: (\d+) \| Failing: (\d+) \| Crashing: (\d+)")
 SKIP = re.compile(r"^\[SKIP\] (\S+): (.*)$", re.M)
 GPU_SKIP = re.compile(r"no CUDA device|without CUDA|without NCCL")
 MPI_LINE = re.compile(r"^mpi: (\d+) passed, (\d+) failed", re.M)
-GPU_SUITES = {"cuda", "cuda_kernels", "nccl", "replicate", "cuda_dist", "bench_comm_gpu_cli"}
+GPU_SUITES = {"cuda", "cuda_kernels", "shm_cuda", "nccl", "replicate"}
 
 
 def is_gpu_suite(name):
-    """The suites that need a GPU: GPU_SUITES, and every example test on CUDA
-    (named example_*cuda*)."""
-    return name in GPU_SUITES or (name.startswith("example_") and "cuda" in name)
+    """The suites that need a GPU: GPU_SUITES, the cuda_dist* suites, every
+    example test on CUDA (example_*cuda*) and the GPU bench checks
+    (bench_*gpu*)."""
+    return (name in GPU_SUITES or name.startswith("cuda_dist")
+            or (name.startswith("example_") and "cuda" in name)
+            or (name.startswith("bench_") and "gpu" in name))
 
 
 def comm_summary(paths):
@@ -108,9 +112,12 @@ def main():
     ap.add_argument("--gpu-only", action="store_true", help="only the GPU suites")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--device", default="", help="the GPU, in words, for the report")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2,
+                    help="suites run at once (the GPU suites one at a time among them)")
     ap.add_argument("--max-test-seconds", type=float, default=0,
                     help="cap on each suite's time limit (0: the suite's own)")
     a = ap.parse_args()
+    a.root = os.path.abspath(a.root)
 
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     logs = os.path.join(a.out, "logs")
@@ -140,18 +147,16 @@ def main():
             return os.path.join(os.getcwd(), n[len(src_dir) + 1:])
         return c
 
-    for t in tests:
+    def run_one(t):
+        """Runs one meson test; returns its report row."""
         name = t["name"]
         cmd = [remap(c) for c in t["cmd"]]
         missing = [c for c in cmd if c.startswith("/") and not os.path.exists(c)]
         if missing:
             # mpirun (or a file) that this machine does not have
-            rows.append(dict(suite=name, status="not run", passed=0, failed=0, skipped=0,
-                             gpu_skipped=0, seconds=0.0,
-                             note=f"{os.path.basename(missing[0])} not on this machine"))
-            continue
-        if a.gpu_only and not is_gpu_suite(name):
-            continue
+            return dict(suite=name, status="not run", passed=0, failed=0, skipped=0,
+                        gpu_skipped=0, seconds=0.0,
+                        note=f"{os.path.basename(missing[0])} not on this machine")
         tenv = dict(env)
         for k, v in (t.get("env") or {}).items():
             if k in ("LD_LIBRARY_PATH", "LD_PRELOAD"):
@@ -162,8 +167,9 @@ def main():
                 tenv[k] = ":".join(parts)
             else:
                 tenv[k] = remap(v)
-        rc, secs, out = run(cmd, os.path.join(logs, f"test-{name}.log"), tenv,
-                            timeout=min(t.get("timeout") or 600, a.max_test_seconds or 600), cwd=t.get("workdir") or a.root)
+        limit = min(t.get("timeout") or 600, a.max_test_seconds or 600)
+        rc, secs, out = run(cmd, os.path.join(logs, f"test-{name}.log"), tenv, timeout=limit,
+                            cwd=t.get("workdir") or a.root)
         m = SYNTH.search(out)
         skips = SKIP.findall(out)
         gskips = sum(1 for _, why in skips if GPU_SKIP.search(why))
@@ -175,19 +181,43 @@ def main():
             passed = sum(int(x) for x, _ in mp)
             failed = sum(int(y) for _, y in mp)
         else:
-            passed, failed = (1, 0) if rc == 0 else (0, 1)
-        if rc != 0 and failed == 0:
+            passed, failed = (1, 0) if rc in (0, 77) else (0, 1)
+            if rc == 77:
+                skips = [(name, "skipped (exit 77): " + (out.strip().splitlines() or [""])[-1])]
+                gskips = 1 if GPU_SKIP.search(skips[0][1]) else 0
+                passed = 0
+        if rc not in (0, 77) and failed == 0:
             failed = 1
-        status = "ok" if failed == 0 and rc == 0 else f"FAIL (rc {rc})"
-        if failed or rc:
-            failed_any = True
-        if is_gpu_suite(name):
-            gpu_skipped_total += gskips
-        rows.append(dict(suite=name, status=status, passed=passed, failed=failed,
-                         skipped=len(skips), gpu_skipped=gskips, seconds=round(secs, 1),
-                         note=""))
+        status = "ok" if failed == 0 and rc in (0, 77) else f"FAIL (rc {rc})"
+        row = dict(suite=name, status=status, passed=passed, failed=failed,
+                   skipped=len(skips), gpu_skipped=gskips, seconds=round(secs, 1), note="")
         print(f"[gpu-check] {name}: {status}, {passed} passed, {failed} failed, "
               f"{len(skips)} skipped ({gskips} for want of a GPU), {secs:.1f} s", flush=True)
+        return row
+
+    # The GPU suites one at a time (their timeouts and timings stay honest),
+    # beside the CPU suites on the other cores; serial tests (is_parallel:
+    # false) alone at the end.
+    chosen = [t for t in tests if not a.gpu_only or is_gpu_suite(t["name"])]
+    gpu = [t for t in chosen if is_gpu_suite(t["name"]) and t.get("is_parallel", True)]
+    cpu = [t for t in chosen if not is_gpu_suite(t["name"]) and t.get("is_parallel", True)]
+    serial = [t for t in chosen if not t.get("is_parallel", True)]
+    results = {}
+    with ThreadPoolExecutor(max_workers=1) as gpool, \
+            ThreadPoolExecutor(max_workers=max(1, a.jobs - 1)) as cpool:
+        futs = {gpool.submit(run_one, t): t["name"] for t in gpu}
+        futs.update({cpool.submit(run_one, t): t["name"] for t in cpu})
+        for f, name in futs.items():
+            results[name] = f.result()
+    for t in serial:
+        results[t["name"]] = run_one(t)
+    for t in chosen:
+        r = results[t["name"]]
+        rows.append(r)
+        if r["status"] != "ok" and r["status"] != "not run":
+            failed_any = True
+        if is_gpu_suite(r["suite"]):
+            gpu_skipped_total += r["gpu_skipped"]
 
     # examples: on the GPU where they take a device option
     ex_rows = []
@@ -196,7 +226,7 @@ def main():
         if not os.path.exists(path):
             continue
         _, _, helptext = run([path, "--help"], os.path.join(logs, f"{ex}-help.log"), env, 30)
-        args = ["-d", "cuda"] if re.search(r"-d (cpu\|cuda|cuda)", helptext) else []
+        args = ["--device", "cuda"] if "--device" in helptext else []
         rc, secs, out = run([path] + args, os.path.join(logs, f"example-{ex}.log"), env, 300)
         ex_rows.append((ex, " ".join(args) or "(cpu: no device option)", rc, secs,
                         out.strip().splitlines()[-1] if out.strip() else ""))
