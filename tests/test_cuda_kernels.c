@@ -742,7 +742,7 @@ Test(cuda_kernels, tf32_setting_is_process_wide, .timeout = 30)
     cr_assert(!seen, "a rank thread does not see TF32 cleared by the main thread");
 }
 
-enum { TF_M = 96, TF_N = 80, TF_K = 1024 };
+enum { TF_M = 256, TF_N = 256, TF_K = 1024 }; /* large enough for tensor-core kernels */
 
 /* tp_linear(x, w) on GPU with TF32 as given, back on the CPU in f32. */
 static float *gpu_linear_f32(tp_tensor *xc, tp_tensor *wc, bool tf32)
