@@ -831,7 +831,7 @@ static void usage(FILE *f)
         "  --dtype D     f32, bf16 or f16: the parameters and input            f32\n"
         "                (mlp-gemm: f32 only, any with --device cuda);\n"
         "                products accumulate in f32\n"
-        "  --device D    cpu, or cuda: shm ranks (threads), parameters,      cpu\n"
+        "  --device D    cpu, or cuda: shm ranks (threads), parameters,        cpu\n"
         "                inputs and buffers on GPU rank %% GPUs (all on one GPU\n"
         "                when there is one); mlp-gemm calls cublasGemmEx on\n"
         "                each rank's stream; prints mlp against mlp-gemm and\n"
