@@ -255,11 +255,16 @@ def main():
              [b("tp-bench-comm"), "--backend", "nccl", "-g", "1", "--nccl-bare", "--collective",
               "all_reduce,all_gather"] + sweep + ["-R", "5", "--target-s", "0.05",
                                                   "--csv", comm_csvs[-1]]),
-            ("TP layers on one GPU (nccl, 1 rank)",
-             [b("tp-bench-layers"), "--backend", "nccl", "-g", "1", "-t", "2048,8192",
-              "-H", "1024,2048", "-l", "colwise,rowwise,mlp", "-R", "3",
-              "--csv", os.path.join(a.out, "bench-layers-nccl.csv")]),
-            ("per-op host overhead (CPU tensors)", [b("tp-bench-ops")]),
+            ("tp_linear against bare cublasGemmEx (bf16, f32, TF32)",
+             [b("tp-bench-gemm"), "-s", "4096,8192,16384,8192x2048x8192", "--dtype",
+              "bf16,f32,tf32", "-R", "5", "--ms", "50",
+              "--csv", os.path.join(a.out, "bench-gemm.csv")]),
+            ("per-op host time with CUDA tensors against the bare launch",
+             [b("tp-bench-ops"), "--cuda", "--csv", os.path.join(a.out, "bench-ops-cuda.csv")]),
+            ("TP MLP block in bf16 on 1, 2, 4 ranks of one GPU against cuBLAS by hand",
+             [b("tp-bench-layers"), "--device", "cuda", "-l", "mlp,mlp-gemm", "-p", "fwd+bwd",
+              "-t", "8192", "-H", "2048", "-g", "1,2,4", "--dtype", "bf16", "-n", "5", "-w", "2",
+              "-R", "3", "--csv", os.path.join(a.out, "bench-layers-cuda.csv")]),
         ]
         for title, cmd in plan:
             if not os.path.exists(cmd[0]):
@@ -267,7 +272,11 @@ def main():
             slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40]
             rc, secs, out = run(cmd, os.path.join(logs, f"bench-{slug}.log"), env, 480)
             benches.append((title, " ".join([os.path.basename(cmd[0])] + cmd[1:]), rc, secs, out))
-            if rc:
+            # the GPU benches exit 1 when they ran but missed a target: that is
+            # a figure for the report, not a failure of the check
+            missed_ok = os.path.basename(cmd[0]) in ("tp-bench-gemm", "tp-bench-ops",
+                                                     "tp-bench-layers")
+            if rc != 0 and not (rc == 1 and missed_ok):
                 failed_any = True
             print(f"[gpu-check] bench {title}: rc {rc}, {secs:.1f} s", flush=True)
 
