@@ -43,19 +43,6 @@ static inline double dist_eps(tp_dtype d)
     }
 }
 
-/* A floating sum/avg/product collective over n ranks of terms in [-1, 1):
- * the f32 accumulation (f64: f64) may add in another order (n roundings of
- * at most n in magnitude), and the result is rounded once more to the dtype
- * (one ulp apart at most when the accumulations straddle a rounding
- * boundary). Integer dtypes: exact. */
-static inline dist_tol dist_coll_tol(tp_dtype d, int n)
-{
-    if (!tp_dtype_is_float(d))
-        return DIST_EXACT;
-    double acc = d == TP_F64 ? 0x1p-53 : 0x1p-24;
-    return (dist_tol){2 * dist_eps(d), (double)n * n * acc};
-}
-
 /* An op chain's forward value or gradient whose longest reduction has K
  * terms, through L rounded ops: f32 1e-4 relative plus 1e-5 sqrt(K) (the
  * order of cuBLAS and reduction additions differs: a random walk of K
