@@ -27,7 +27,7 @@ GPU_SUITES = {"cuda", "cuda_kernels", "shm_cuda", "nccl", "replicate"}
 
 # GPU suites whose Criterion tests run several processes at once here (their
 # cases hold no timing assertions)
-FORKS = {"cuda_dist_nn": 6}
+FORKS = {"cuda_dist_nn": 10}
 
 
 def is_gpu_suite(name):
@@ -117,6 +117,8 @@ def main():
     ap.add_argument("--gpu-only", action="store_true", help="only the GPU suites")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--device", default="", help="the GPU, in words, for the report")
+    ap.add_argument("--suites", default="",
+                    help="only these suites (comma-separated names; a trailing * matches a prefix)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2,
                     help="suites run at once (the GPU suites one at a time among them)")
     ap.add_argument("--max-test-seconds", type=float, default=0,
@@ -207,7 +209,13 @@ def main():
     # The GPU suites one at a time (their timeouts and timings stay honest),
     # beside the CPU suites on the other cores; serial tests (is_parallel:
     # false) alone at the end.
-    chosen = [t for t in tests if not a.gpu_only or is_gpu_suite(t["name"])]
+    wanted = [w for w in a.suites.split(",") if w]
+
+    def picked(name):
+        return any(name == w or (w.endswith("*") and name.startswith(w[:-1])) for w in wanted)
+
+    chosen = [t for t in tests if (not a.gpu_only or is_gpu_suite(t["name"]))
+              and (not wanted or picked(t["name"]))]
     gpu = [t for t in chosen if is_gpu_suite(t["name"]) and t.get("is_parallel", True)]
     cpu = [t for t in chosen if not is_gpu_suite(t["name"]) and t.get("is_parallel", True)]
     serial = [t for t in chosen if not t.get("is_parallel", True)]
@@ -249,10 +257,21 @@ def main():
         # the comm benches (about 60 s together on an H100): every call is
         # checked (-c 1) and timed until its stream is done; -n 0 --target-s
         # bounds each timed loop at about 30-50 ms whatever a call costs
-        sweep = ["-b", "1M", "-e", "256M", "-f", "4", "-w", "5", "-n", "0", "-c", "1"]
+        sweep = ["-b", "4M", "-e", "256M", "-f", "4", "-w", "5", "-n", "0", "-c", "1"]
         comm_csvs = []
-        plan = []
-        for g in (1, 2, 4):
+        plan = [
+            ("tp_linear against bare cublasGemmEx (bf16, f32, TF32)",
+             [b("tp-bench-gemm"), "-s", "4096,8192,16384,8192x2048x8192", "--dtype",
+              "bf16,f32,tf32", "-R", "3", "--ms", "50",
+              "--csv", os.path.join(a.out, "bench-gemm.csv")]),
+            ("per-op host time with CUDA tensors against the bare launch",
+             [b("tp-bench-ops"), "--cuda", "--csv", os.path.join(a.out, "bench-ops-cuda.csv")]),
+            ("TP MLP block in bf16 on 1, 2, 4 ranks of one GPU against cuBLAS by hand",
+             [b("tp-bench-layers"), "--device", "cuda", "-l", "mlp,mlp-gemm", "-p", "fwd+bwd",
+              "-t", "8192", "-H", "2048", "-g", "1,2,4", "--dtype", "bf16", "-n", "5", "-w", "2",
+              "-R", "3", "--csv", os.path.join(a.out, "bench-layers-cuda.csv")]),
+        ]
+        for g in (2, 4):
             comm_csvs.append(os.path.join(a.out, f"bench-comm-shm-cuda-g{g}.csv"))
             plan.append((f"shm on one GPU: {g} rank{'s' if g > 1 else ''} as threads, cuda buffers",
                          [b("tp-bench-comm"), "--backend", "shm", "--device", "cuda", "-g", str(g),
@@ -264,16 +283,6 @@ def main():
              [b("tp-bench-comm"), "--backend", "nccl", "-g", "1", "--nccl-bare", "--collective",
               "all_reduce,all_gather"] + sweep + ["-R", "5", "--target-s", "0.05",
                                                   "--csv", comm_csvs[-1]]),
-            ("tp_linear against bare cublasGemmEx (bf16, f32, TF32)",
-             [b("tp-bench-gemm"), "-s", "4096,8192,16384,8192x2048x8192", "--dtype",
-              "bf16,f32,tf32", "-R", "5", "--ms", "50",
-              "--csv", os.path.join(a.out, "bench-gemm.csv")]),
-            ("per-op host time with CUDA tensors against the bare launch",
-             [b("tp-bench-ops"), "--cuda", "--csv", os.path.join(a.out, "bench-ops-cuda.csv")]),
-            ("TP MLP block in bf16 on 1, 2, 4 ranks of one GPU against cuBLAS by hand",
-             [b("tp-bench-layers"), "--device", "cuda", "-l", "mlp,mlp-gemm", "-p", "fwd+bwd",
-              "-t", "8192", "-H", "2048", "-g", "1,2,4", "--dtype", "bf16", "-n", "5", "-w", "2",
-              "-R", "3", "--csv", os.path.join(a.out, "bench-layers-cuda.csv")]),
         ]
         for title, cmd in plan:
             if not os.path.exists(cmd[0]):
