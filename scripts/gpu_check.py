@@ -152,7 +152,9 @@ def main():
             return os.path.join(a.root, n[len(build_dir) + 1:])
         if n.startswith(src_dir + "/") and not os.path.exists(n):
             return os.path.join(os.getcwd(), n[len(src_dir) + 1:])
-        return c
+        # normalized: "<build>/../tests/x.sh" does not resolve where the
+        # build dir is absent, even when the checkout has the same path
+        return n
 
     def run_one(t):
         """Runs one meson test; returns its report row."""
