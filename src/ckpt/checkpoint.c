@@ -315,7 +315,7 @@ uint64_t tp_checkpoint_bytes_read(void)
     return tp__ck_read_total;
 }
 
-tp_status tp__ck_pread(int fd, const char *path, void *buf, size_t n, uint64_t off)
+tp_status tp__ck_pread(int fd, const char *path, void *buf, size_t n, uint64_t off, bool data)
 {
     char *p = buf;
     while (n > 0) {
@@ -326,7 +326,8 @@ tp_status tp__ck_pread(int fd, const char *path, void *buf, size_t n, uint64_t o
             return tp__error(TP_ERR_BACKEND, "cannot read %zu bytes at offset %llu of '%s': %s", n,
                              (unsigned long long)off, path,
                              got < 0 ? strerror(errno) : "unexpected end of file (truncated?)");
-        tp__ck_read_total += (uint64_t)got;
+        if (data)
+            tp__ck_read_total += (uint64_t)got;
         p += got;
         n -= (size_t)got;
         off += (uint64_t)got;

@@ -85,9 +85,9 @@ tp_status tp__ck_agree(tp_comm *comm, tp_status local_st);
 /* CRC-32C (Castagnoli) of n bytes, continuing crc (0 to start). */
 uint32_t tp__ck_crc32c(uint32_t crc, const void *buf, size_t n);
 
-/* Full-length pread / pwrite on fd, named path in errors. pread counts in
- * tp_checkpoint_bytes_read. */
-tp_status tp__ck_pread(int fd, const char *path, void *buf, size_t n, uint64_t off);
+/* Full-length pread / pwrite on fd, named path in errors. pread of data
+ * (data files) counts in tp_checkpoint_bytes_read. */
+tp_status tp__ck_pread(int fd, const char *path, void *buf, size_t n, uint64_t off, bool data);
 tp_status tp__ck_pwrite(int fd, const char *path, const void *buf, size_t n, uint64_t off);
 
 /* "dir/name" into a new string (tp__malloc), NULL when out of memory. */

@@ -32,7 +32,7 @@ static tp_status tp__ck_slurp(const char *fn, const char *path, char **out, size
     if (st == TP_OK && !text)
         st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory reading '%s'", fn, path);
     if (st == TP_OK)
-        st = tp__ck_pread(fd, path, text, (size_t)sb.st_size, 0);
+        st = tp__ck_pread(fd, path, text, (size_t)sb.st_size, 0, false);
     close(fd);
     if (st != TP_OK) {
         tp__free(text);
@@ -294,7 +294,7 @@ static tp_status tp__ck_read_region(tp__ck_reader *r, const tp__ck_entry *e, con
             dof += (g - doff[d]) * dstride[d + 1];
         }
         char *p = dst + (size_t)dof * es;
-        TP_CHECK(tp__ck_pread(fd, path, p, run, s->offset + (uint64_t)so * es));
+        TP_CHECK(tp__ck_pread(fd, path, p, run, s->offset + (uint64_t)so * es, true));
         if (crc)
             *crc = tp__ck_crc32c(*crc, p, run);
         int d = k - 1;
@@ -329,7 +329,7 @@ static tp_status tp__ck_verify_stream(tp__ck_reader *r, const char *what, int k,
     tp_status st = TP_OK;
     for (uint64_t at = 0; at < s->length && st == TP_OK; at += chunk) {
         size_t n = s->length - at < chunk ? (size_t)(s->length - at) : chunk;
-        st = tp__ck_pread(fd, r->files[s->file].path, buf, n, s->offset + at);
+        st = tp__ck_pread(fd, r->files[s->file].path, buf, n, s->offset + at, true);
         crc = tp__ck_crc32c(crc, buf, n);
     }
     tp__free(buf);

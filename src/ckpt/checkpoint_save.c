@@ -119,9 +119,7 @@ static tp_status tp__ck_check_target(const char *fn, const char *dir)
 {
     struct stat sb;
     if (lstat(dir, &sb) != 0)
-        return errno == ENOENT ? TP_OK
-                               : tp__error(TP_ERR_BACKEND, "%s: cannot stat '%s': %s", fn, dir,
-                                           strerror(errno));
+        return TP_OK; /* nothing there, or nothing reachable: mkdir says which */
     if (!S_ISDIR(sb.st_mode))
         return tp__error(TP_ERR_INVALID_ARG, "%s: '%s' exists and is not a directory", fn, dir);
     char *meta = tp__ck_path(dir, TP__CK_META);
@@ -443,13 +441,17 @@ static tp_status tp__ck_write_meta(const tp__ck_list *l, const tp_checkpoint_opt
 
 /* ---- the protocol ------------------------------------------------------------------ */
 
-/* all_gather of n int64 per rank into recv (size * n); comm NULL: a copy. */
+/* all_gather of n int64 per rank into recv (size * n); comm NULL: a copy.
+ * This rank's last error message (a failure the others learn of through
+ * the flags gathered) survives it. */
 static tp_status tp__ck_gather(tp_comm *comm, int64_t *send, int64_t n, int64_t *recv)
 {
     if (!comm) {
         memcpy(recv, send, (size_t)n * sizeof *send);
         return TP_OK;
     }
+    char kept[640];
+    snprintf(kept, sizeof kept, "%s", tp_last_error());
     int64_t nr = n * tp_comm_size(comm);
     tp_tensor *a = NULL, *b = NULL;
     tp_status st = tp_tensor_from_blob(TP_I64, TP_CPU, 1, &n, send, NULL, NULL, &a);
@@ -459,6 +461,8 @@ static tp_status tp__ck_gather(tp_comm *comm, int64_t *send, int64_t n, int64_t 
         st = tp_all_gather(comm, a, b, NULL);
     tp_tensor_release(a);
     tp_tensor_release(b);
+    if (st == TP_OK)
+        tp__error_set_text(kept);
     return st;
 }
 
