@@ -454,21 +454,21 @@ ParameterizedTest(reshard_case *c, checkpoint, reshard, .timeout = 60)
 
 /* bf16 parameters: the f32 masters travel and reshard (a master made again
  * from the bf16 value would give other results at the next steps). */
-Test(checkpoint, bf16_masters_reshard)
+Test(checkpoint, bf16_masters_reshard, .timeout = 60)
 {
     run_reshard(2, ROW, 3, COL, TP_BF16, false, 3, 5);
     run_reshard(4, TWO_D, 1, PLAIN, TP_BF16, true, 3, 5);
 }
 
 /* SGD momentum buffers (with nesterov and weight decay). */
-Test(checkpoint, sgd_momentum_reshard)
+Test(checkpoint, sgd_momentum_reshard, .timeout = 60)
 {
     run_reshard(3, COL, 2, ROW, TP_F32, true, 2, 4);
 }
 
 /* Training equivalence: 6 steps == 3 steps, save, load on another world
  * size and plan, 3 steps; bit for bit (the updates are elementwise). */
-Test(checkpoint, training_equivalence)
+Test(checkpoint, training_equivalence, .timeout = 60)
 {
     run_reshard(2, ROW, 3, COL, TP_F32, false, 3, 6);
     run_reshard(4, TWO_D, 2, ROW, TP_F32, false, 3, 6);
@@ -770,7 +770,7 @@ static void run_dir(int w, tp_rank_fn fn, dir_job *j)
 
 /* A checkpoint replaces the one at its name (W = 2 and 3), atomically:
  * nothing else is left in the directory. */
-Test(checkpoint, replace_existing)
+Test(checkpoint, replace_existing, .timeout = 60)
 {
     char base[64];
     dir_job *j = calloc(1, sizeof *j);
@@ -791,7 +791,7 @@ Test(checkpoint, replace_existing)
 /* A directory that cannot be created (its parent is a file), and an existing
  * directory that is not a checkpoint: the same error on every rank, nothing
  * created, the directory untouched. */
-Test(checkpoint, unwritable_dir)
+Test(checkpoint, unwritable_dir, .timeout = 60)
 {
     char base[64], file[300];
     dir_job *j = calloc(1, sizeof *j);
@@ -909,7 +909,7 @@ static tp_status bytes_rank(tp_comm *world, void *arg)
     return TP_OK;
 }
 
-Test(checkpoint, bytes_read)
+Test(checkpoint, bytes_read, .timeout = 60)
 {
     char base[64];
     dir_job *d = calloc(1, sizeof *d);

@@ -95,8 +95,8 @@ typedef struct tp_checkpoint_options {
  * a file system every rank sees). Without DTensor parameters and comm, the
  * caller saves alone.
  *
- * Atomic: rank 0 creates "<dir>.tmp-<nonce>" (the nonce broadcast to the
- * others), each rank writes and fsyncs its data file there, rank 0 then
+ * Atomic: rank 0 creates "<dir>.tmp-<nonce>" (the nonce reaches the others
+ * through the first all_gather), each rank writes and fsyncs its data file there, rank 0 then
  * writes and fsyncs metadata.json (last: a directory without it is not a
  * checkpoint) and the directory, and renames it to dir. An existing
  * checkpoint at dir is replaced by one atomic exchange of the two names
@@ -118,9 +118,10 @@ typedef struct tp_checkpoint_options {
  * error nothing is left under dir (an old checkpoint there is kept) and the
  * temporary directory is removed.
  *
- * Communication: one broadcast (the nonce), one all_gather (each rank's
- * status, CRCs and a digest of its tensor list), one all_reduce (the
- * outcome) and, on failure, one broadcast (its message).
+ * Communication: two all_gathers (each rank's status, tensor count and a
+ * digest of its tensor list with rank 0's nonce; then each rank's write
+ * status and CRCs), one all_reduce (the outcome) and, on failure, one
+ * broadcast (its message).
  */
 TP_API tp_status tp_checkpoint_save(const char *dir, tp_module *m, const tp_checkpoint_optim *optim,
                                     const tp_checkpoint_options *opts);

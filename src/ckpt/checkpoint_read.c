@@ -15,6 +15,7 @@
 
 #define TP__CK_MAX_META (1u << 30)
 #define TP__CK_VERIFY_CHUNK (4u << 20)
+#define TP__CK_READ_CHUNK (4u << 20)
 
 /* ---- metadata.json and the data files ---------------------------------------------- */
 
@@ -130,6 +131,7 @@ static tp_status tp__ck_fd(tp__ck_reader *r, int file, int *fd)
     if (f->fd < 0 && (f->fd = open(f->path, O_RDONLY | O_CLOEXEC)) < 0)
         return tp__error(TP_ERR_BACKEND, "%s: cannot open data file '%s': %s", r->fn, f->path,
                          strerror(errno));
+    (void)posix_fadvise(f->fd, 0, 0, POSIX_FADV_SEQUENTIAL); /* a larger readahead */
     *fd = f->fd;
     return TP_OK;
 }
@@ -294,9 +296,13 @@ static tp_status tp__ck_read_region(tp__ck_reader *r, const tp__ck_entry *e, con
             dof += (g - doff[d]) * dstride[d + 1];
         }
         char *p = dst + (size_t)dof * es;
-        TP_CHECK(tp__ck_pread(fd, path, p, run, s->offset + (uint64_t)so * es, true));
-        if (crc)
-            *crc = tp__ck_crc32c(*crc, p, run);
+        /* in chunks: each one summed while it is still in cache */
+        for (size_t at = 0; at < run; at += TP__CK_READ_CHUNK) {
+            size_t len = run - at < TP__CK_READ_CHUNK ? run - at : TP__CK_READ_CHUNK;
+            TP_CHECK(tp__ck_pread(fd, path, p + at, len, s->offset + (uint64_t)so * es + at, true));
+            if (crc)
+                *crc = tp__ck_crc32c(*crc, p + at, len);
+        }
         int d = k - 1;
         while (d >= 0 && ++idx[d] == hi[d] - lo[d])
             idx[d--] = 0;
