@@ -239,7 +239,7 @@ tp_status tp__ck_parse_entry(const tp__ck_reader *r, const char *what, json_t *j
     json_t *dt = json_object_get(j, "dtype"), *sh = json_object_get(j, "shape"),
            *shards = json_object_get(j, "shards");
     if (!json_is_object(j) || !json_is_string(dt) || !json_is_array(sh) || !json_is_array(shards) ||
-        json_array_size(sh) > TP_MAX_DIMS || json_array_size(shards) > (1u << 20))
+        json_array_size(sh) > TP_MAX_DIMS || json_array_size(shards) > (1u << 16))
         return tp__error(TP_ERR_INVALID_ARG,
                          "%s: %s in '%s': needs a dtype, a shape (at most %d dims) and shards",
                          r->fn, what, r->meta, TP_MAX_DIMS);
@@ -248,10 +248,17 @@ tp_status tp__ck_parse_entry(const tp__ck_reader *r, const char *what, json_t *j
         return tp__error(TP_ERR_INVALID_ARG, "%s: %s in '%s': unknown dtype '%s'", r->fn, what,
                          r->meta, json_string_value(dt));
     e->ndim = (int)json_array_size(sh);
-    for (int d = 0; d < e->ndim; d++)
+    uint64_t numel = 1;
+    for (int d = 0; d < e->ndim; d++) {
         if (!tp__ck_int(json_array_get(sh, (size_t)d), 0, (int64_t)1 << 40, &e->shape[d]))
             return tp__error(TP_ERR_INVALID_ARG, "%s: %s in '%s': bad shape entry %d", r->fn, what,
                              r->meta, d);
+        /* at most 2^48 elements in all, so every block's volume fits */
+        if (e->shape[d] && numel > ((uint64_t)1 << 48) / (uint64_t)e->shape[d])
+            return tp__error(TP_ERR_INVALID_ARG, "%s: %s in '%s': shape too large", r->fn, what,
+                             r->meta);
+        numel *= (uint64_t)e->shape[d];
+    }
     e->n = (int)json_array_size(shards);
     e->s = tp__calloc((size_t)(e->n ? e->n : 1), sizeof *e->s);
     if (!e->s)
