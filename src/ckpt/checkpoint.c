@@ -255,7 +255,7 @@ static void tp__ck_crc_init(void)
                                      tp__ck_crc_table[0][tp__ck_crc_table[t - 1][i] & 0xff];
 }
 
-/* Slicing by 8: about 1.5 GB/s, the portable path. */
+/* Slicing by 8: the portable path. */
 static uint32_t tp__ck_crc_sw(uint32_t c, const unsigned char *p, size_t n)
 {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
