@@ -250,7 +250,7 @@ typedef struct {
     char dir[256];
     int plan;
     tp_dtype dt;
-    bool sgd, no_optim;
+    bool sgd, no_optim, in_place;
     int k, n; /* steps before the save, in all */
     /* filled by the saving run's rank 0 */
     unsigned char at_save[NP][MAXB], ref[NP][MAXB];
@@ -325,6 +325,7 @@ static tp_status load_rank(tp_comm *world, void *arg)
     co.n_meta = 3;
     co.meta = meta;
     co.allow_missing = j->no_optim;
+    co.in_place = j->in_place;
     tp_checkpoint_optim opt = {o.adam, o.sgd};
     RANK_OK(s, tp_checkpoint_load(j->dir, m, &opt, &co));
     RANK_EXPECT(s, meta[0].found && meta[0].value == -3 && meta[1].found && meta[1].value == j->k,
@@ -398,10 +399,13 @@ typedef struct {
     int w1, p1, w2, p2;
 } reshard_case;
 
+static bool in_place_runs; /* run_reshard loads in place */
+
 static void run_reshard(int w1, int p1, int w2, int p2, tp_dtype dt, bool sgd, int k, int n)
 {
     char base[64];
     job_t *j = calloc(1, sizeof *j);
+    j->in_place = in_place_runs;
     test_dir(base, sizeof base, j->dir, sizeof j->dir);
     j->plan = p1;
     j->dt = dt;
@@ -466,6 +470,17 @@ Test(checkpoint, sgd_momentum_reshard, .timeout = 60)
     run_reshard(3, COL, 2, ROW, TP_F32, true, 2, 4);
 }
 
+/* Loading in place (no scratch copy of the parameters): the same results,
+ * resharded, on 1-D and 2-D meshes, bf16 parameters with their masters, SGD. */
+Test(checkpoint, in_place_reshard, .timeout = 60)
+{
+    in_place_runs = true;
+    run_reshard(4, ROW, 3, COL, TP_F32, false, 2, 3);
+    run_reshard(2, TWO_D, 4, TWO_D, TP_BF16, false, 2, 4);
+    run_reshard(1, PLAIN, 2, REP, TP_F32, true, 2, 3);
+    in_place_runs = false;
+}
+
 /* Training equivalence: 6 steps == 3 steps, save, load on another world
  * size and plan, 3 steps; bit for bit (the updates are elementwise). */
 Test(checkpoint, training_equivalence, .timeout = 60)
@@ -495,6 +510,8 @@ enum {
     E_UNEXPECTED_ALLOWED,
     E_DTYPE_CONVERTED,
     E_NO_OPT_ALLOWED,
+    E_CORRUPT_IN_PLACE,
+    E_CORRUPT_RESHARD_IN_PLACE,
 };
 
 typedef struct {
@@ -618,7 +635,9 @@ static void prepare_case(err_job *e)
         break;
     }
     case E_CORRUPT:
-    case E_CORRUPT_RESHARD: {
+    case E_CORRUPT_RESHARD:
+    case E_CORRUPT_IN_PLACE:
+    case E_CORRUPT_RESHARD_IN_PLACE: {
         file_path(e->job.dir, "rank-00000.bin", p, sizeof p);
         int fd = open(p, O_RDWR);
         unsigned char b = 0;
@@ -626,10 +645,11 @@ static void prepare_case(err_job *e)
         b ^= 0x10;
         cr_assert_eq(pwrite(fd, &b, 1, 5), 1);
         close(fd);
-        if (e->c.kind == E_CORRUPT_RESHARD) {
+        if (e->c.kind == E_CORRUPT_RESHARD || e->c.kind == E_CORRUPT_RESHARD_IN_PLACE) {
             e->world = 3;
             e->plan = COL;
         }
+        e->flags.in_place = e->c.kind >= E_CORRUPT_IN_PLACE;
         break;
     }
     case E_OVERFLOW:
@@ -681,6 +701,9 @@ ParameterizedTestParameters(checkpoint, errors)
         {E_UNEXPECTED_ALLOWED, TP_OK, "", ""},
         {E_DTYPE_CONVERTED, TP_OK, "", ""},
         {E_NO_OPT_ALLOWED, TP_OK, "", ""},
+        {E_CORRUPT_IN_PLACE, TP_ERR_INVALID_ARG, "tensor 'a.weight': block 0", "corrupted data"},
+        {E_CORRUPT_RESHARD_IN_PLACE, TP_ERR_INVALID_ARG, "tensor 'a.weight': block 0",
+         "corrupted data"},
     };
     return cr_make_param_array(err_case, c, sizeof c / sizeof *c);
 }
@@ -951,5 +974,43 @@ Test(checkpoint, bytes_read, .timeout = 60)
     cr_assert_lt(need, 2 * total);
     rm_tree(base);
     free(d);
+    free(j);
+}
+
+/* Peak tensor memory of a load (one process, f32 on the CPU, no optimizer):
+ * the default scratch holds a copy of every parameter; in place, nothing. */
+Test(checkpoint, load_peak_memory, .timeout = 60)
+{
+    char base[64];
+    dir_job *j = calloc(1, sizeof *j);
+    test_dir(base, sizeof base, j->dir, sizeof j->dir);
+    j->plan = PLAIN;
+    j->salt = 1;
+    run_dir(1, dir_save_rank, j);
+    cr_assert_eq(j->st[0], TP_OK, "%s", j->msg[0]);
+    size_t params = 0;
+    for (int in_place = 0; in_place < 2; in_place++) {
+        tp_module *m = NULL;
+        CHECK_OK(build(NULL, PLAIN, TP_F32, 2, (variant_t){0}, &m));
+        tp_memory_info before, after;
+        CHECK_OK(tp_memory_stats(TP_CPU, &before));
+        CHECK_OK(tp_memory_reset_peak(TP_CPU));
+        tp_checkpoint_options o = {.in_place = in_place};
+        CHECK_OK(tp_checkpoint_load(j->dir, m, NULL, &o));
+        CHECK_OK(tp_memory_stats(TP_CPU, &after));
+        size_t extra = after.peak_allocated - before.allocated;
+        if (!in_place) {
+            for (int pi = 0; pi < NP; pi++)
+                params += tp_tensor_nbytes(param(m, pnames[pi]));
+            cr_assert_geq(extra, params, "scratch %zu bytes, parameters %zu", extra, params);
+        } else {
+            cr_assert_eq(extra, 0, "in place: %zu bytes of tensor memory above the model", extra);
+        }
+        tp_test_slot s = {0};
+        expect_salt(&s, m, 1, "loaded");
+        cr_assert(!s.failed, "%s", s.msg);
+        tp_module_free(m);
+    }
+    rm_tree(base);
     free(j);
 }

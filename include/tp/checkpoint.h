@@ -80,6 +80,14 @@ typedef struct tp_checkpoint_options {
     /* load: a parameter whose stored dtype differs (among f32, f64, bf16,
      * f16) is converted, rounded to nearest even, instead of an error */
     bool convert_dtype;
+    /* load: parameters are read straight into themselves, after a first
+     * pass has checked every tensor (names, shapes, sizes, every block's CRC:
+     * the blocks a rank checks are read twice) and the ranks agreed; extra
+     * memory: one block (when the dtype converts or the parameter lives on
+     * a GPU) instead of a copy of the local parameters. The one failure that
+     * then changes the model: a data file failing or changing between the
+     * two passes (TP_ERR_BACKEND, "parameters partly loaded"). */
+    bool in_place;
     /* the ranks taking part when the module has no DTensor parameter (a
      * data-parallel model: rank 0 writes, every rank loads); NULL: the caller
      * alone. With DTensor parameters it must be NULL or their mesh's group

@@ -13,7 +13,8 @@ typedef struct {
     const tp_checkpoint_options *o;
     json_t **src; /* per item: its entry in the metadata */
     size_t cap_src;
-    tp_tensor **val; /* per item: this rank's block, in the item's dtype and device */
+    tp_tensor **val;   /* per item: this rank's block, in the item's dtype and device */
+    tp__ck_entry *ent; /* per item: its entry, checked */
     bool load_opt;
     double lr;
     tp__opt_pending *pending;
@@ -199,42 +200,108 @@ static tp_status tp__ck_check_entry(const tp__ck_loader *L, int i, const char *w
                      it->kind == TP__CK_PARAM && fl ? " (convert_dtype to convert)" : "");
 }
 
-/* Reads item i into L->val[i]. */
-static tp_status tp__ck_load_item(tp__ck_loader *L, int i)
+static void tp__ck_what(const tp__ck_item *it, char *what, size_t len)
+{
+    if (it->kind == TP__CK_PARAM)
+        snprintf(what, len, "tensor '%s'", it->fqn);
+    else
+        snprintf(what, len, "optimizer state '%s' of '%s'", tp__ck_kind_names[it->kind], it->fqn);
+}
+
+static tp_tensor *tp__ck_local(const tp_tensor *p)
+{
+    return tp_tensor_is_dtensor(p) ? tp_dtensor_local(p) : (tp_tensor *)p;
+}
+
+/* Item i's entry, parsed and checked against its parameter, into L->ent[i]. */
+static tp_status tp__ck_item_entry(tp__ck_loader *L, int i, const char *what)
 {
     const tp__ck_item *it = &L->l.it[i];
-    char what[600];
-    if (it->kind == TP__CK_PARAM)
-        snprintf(what, sizeof what, "tensor '%s'", it->fqn);
-    else
-        snprintf(what, sizeof what, "optimizer state '%s' of '%s'", tp__ck_kind_names[it->kind],
-                 it->fqn);
-    tp__ck_entry e;
-    tp_status st = tp__ck_parse_entry(&L->r, what, L->src[i], &e);
-    if (st == TP_OK)
-        st = tp__ck_check_entry(L, i, what, &e);
+    tp__ck_entry *e = &L->ent[i];
+    TP_CHECK(tp__ck_parse_entry(&L->r, what, L->src[i], e));
+    TP_CHECK(tp__ck_check_entry(L, i, what, e));
     int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
     bool owner;
-    if (st == TP_OK)
-        st = tp__ck_block(&L->l, it->param, L->l.rank, shape, off, &owner);
-    tp_tensor *local = tp_tensor_is_dtensor(it->param) ? tp_dtensor_local(it->param) : it->param;
+    TP_CHECK(tp__ck_block(&L->l, it->param, L->l.rank, shape, off, &owner));
+    tp_tensor *local = tp__ck_local(it->param);
     int nd = tp_tensor_ndim(it->param);
-    if (st == TP_OK && (tp_tensor_ndim(local) != nd ||
-                        memcmp(tp_tensor_shape(local), shape, (size_t)nd * sizeof *shape)))
-        st = tp__error(TP_ERR_STATE, "%s: %s: the local block of the parameter is not its shard",
-                       L->l.fn, what);
-    tp_tensor *raw = NULL;
-    if (st == TP_OK)
-        st = tp_tensor_empty((tp_dtype)e.dtype, TP_CPU, nd, shape, &raw);
-    if (st == TP_OK)
-        st = tp__ck_read_box(&L->r, &L->l, what, &e, it->param, i, raw);
+    if (tp_tensor_ndim(local) != nd ||
+        memcmp(tp_tensor_shape(local), shape, (size_t)nd * sizeof *shape))
+        return tp__error(TP_ERR_STATE, "%s: %s: the local block of the parameter is not its shard",
+                         L->l.fn, what);
+    return TP_OK;
+}
+
+/* Reads item i (its entry parsed) into *out, a new tensor in the item's
+ * dtype on its parameter's device; with `into` (the parameter's local block,
+ * CPU, contiguous, of the stored dtype) straight into it instead. */
+static tp_status tp__ck_read_value(tp__ck_loader *L, int i, const char *what, tp__ck_read_mode mode,
+                                   tp_tensor *into, tp_tensor **out)
+{
+    const tp__ck_item *it = &L->l.it[i];
+    const tp__ck_entry *e = &L->ent[i];
+    if (into)
+        return tp__ck_read_box(&L->r, &L->l, what, e, it->param, i, mode, tp_tensor_data(into));
+    tp_tensor *local = tp__ck_local(it->param), *raw = NULL;
+    TP_CHECK(tp_tensor_empty((tp_dtype)e->dtype, TP_CPU, tp_tensor_ndim(local),
+                             tp_tensor_shape(local), &raw));
+    tp_status st = tp__ck_read_box(&L->r, &L->l, what, e, it->param, i, mode, tp_tensor_data(raw));
     tp_device dev = tp_tensor_device(local);
-    if (st == TP_OK && (e.dtype != (int)it->dtype || dev.type != TP_DEVICE_CPU))
-        st = tp_tensor_to(raw, it->dtype, dev, &L->val[i]);
+    if (st == TP_OK && (e->dtype != (int)it->dtype || dev.type != TP_DEVICE_CPU))
+        st = tp_tensor_to(raw, it->dtype, dev, out);
     else if (st == TP_OK)
-        L->val[i] = tp_tensor_retain(raw);
+        *out = tp_tensor_retain(raw);
     tp_tensor_release(raw);
-    tp__ck_entry_free(&e);
+    return st;
+}
+
+/* Whether parameter item i is read only after the agreement, straight into
+ * the parameter (in_place), after its blocks' CRCs are checked now. Not
+ * when the optimizer's master of it is to be made from the loaded value. */
+static bool tp__ck_deferred(const tp__ck_loader *L, int i)
+{
+    const tp__ck_item *it = &L->l.it[i];
+    if (!L->o->in_place || it->kind != TP__CK_PARAM)
+        return false;
+    if (!L->load_opt || tp_tensor_dtype(it->param) == TP_F32)
+        return true;
+    bool state = false;
+    for (int j = 0; j < L->l.n; j++) {
+        if (L->l.it[j].param != it->param)
+            continue;
+        if (L->l.it[j].kind == TP__CK_MASTER)
+            return true;
+        state = true;
+    }
+    return !state;
+}
+
+/* Reads item i into L->val[i], or for a deferred one checks its CRCs. */
+static tp_status tp__ck_load_item(tp__ck_loader *L, int i)
+{
+    char what[600];
+    tp__ck_what(&L->l.it[i], what, sizeof what);
+    TP_CHECK(tp__ck_item_entry(L, i, what));
+    if (tp__ck_deferred(L, i))
+        return tp__ck_read_value(L, i, what, TP__CK_VERIFY, tp__ck_local(L->l.it[i].param), NULL);
+    return tp__ck_read_value(L, i, what, TP__CK_READ_VERIFY, NULL, &L->val[i]);
+}
+
+/* in_place, after the agreement: deferred item i straight into its
+ * parameter (through one block's scratch when it converts or lives on a
+ * GPU). */
+static tp_status tp__ck_read_in_place(tp__ck_loader *L, int i)
+{
+    char what[600];
+    tp__ck_what(&L->l.it[i], what, sizeof what);
+    tp_tensor *local = tp__ck_local(L->l.it[i].param), *v = NULL;
+    bool direct = tp_tensor_device(local).type == TP_DEVICE_CPU && tp_tensor_is_contiguous(local) &&
+                  (int)tp_tensor_dtype(local) == L->ent[i].dtype;
+    if (direct)
+        return tp__ck_read_value(L, i, what, TP__CK_READ, local, NULL);
+    TP_CHECK(tp__ck_read_value(L, i, what, TP__CK_READ, NULL, &v));
+    tp_status st = tp_tensor_copy(local, v);
+    tp_tensor_release(v);
     return st;
 }
 
@@ -289,7 +356,9 @@ static tp_status tp__ck_stage(tp__ck_loader *L, tp_module *m, const char *dir)
     L->l.n = 0; /* the items are what the checkpoint holds */
     TP_CHECK(tp__ck_match_model(L));
     TP_CHECK(tp__ck_match_optim(L));
-    if (!(L->val = tp__calloc((size_t)(L->l.n ? L->l.n : 1), sizeof *L->val)))
+    L->val = tp__calloc((size_t)(L->l.n ? L->l.n : 1), sizeof *L->val);
+    L->ent = tp__calloc((size_t)(L->l.n ? L->l.n : 1), sizeof *L->ent);
+    if (!L->val || !L->ent)
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", L->l.fn);
     for (int i = 0; i < L->l.n; i++)
         TP_CHECK(tp__ck_load_item(L, i));
@@ -310,7 +379,16 @@ static tp_status tp__ck_commit(tp__ck_loader *L)
 {
     tp__ck_list *l = &L->l;
     for (int i = 0; i < l->n; i++) {
-        if (l->it[i].kind != TP__CK_PARAM)
+        if (!tp__ck_deferred(L, i))
+            continue;
+        tp_status st = tp__ck_read_in_place(L, i);
+        if (st != TP_OK) {
+            tp__error_prefix("%s: parameters partly loaded (in_place)", l->fn);
+            return st;
+        }
+    }
+    for (int i = 0; i < l->n; i++) {
+        if (l->it[i].kind != TP__CK_PARAM || !L->val[i])
             continue;
         tp_tensor *p = l->it[i].param;
         tp_status st = tp_tensor_copy(tp_tensor_is_dtensor(p) ? tp_dtensor_local(p) : p, L->val[i]);
@@ -350,9 +428,14 @@ tp_status tp_checkpoint_load(const char *dir, tp_module *m, const tp_checkpoint_
     st = tp__ck_agree(L.l.comm, st);
     if (st == TP_OK)
         st = tp__ck_commit(&L);
+    if (L.o->in_place) /* a failure while committing reaches every rank */
+        st = tp__ck_agree(L.l.comm, st);
     for (int i = 0; L.val && i < L.l.n; i++)
         tp_tensor_release(L.val[i]);
     tp__free(L.val);
+    for (int i = 0; L.ent && i < L.l.n; i++)
+        tp__ck_entry_free(&L.ent[i]);
+    tp__free(L.ent);
     tp__free(L.src);
     tp__opt_pending_free(L.pending);
     tp__ck_reader_close(&L.r);

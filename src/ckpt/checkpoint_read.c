@@ -382,7 +382,8 @@ static tp_status tp__ck_verifier(const tp__ck_list *l, const tp_tensor *param, i
 }
 
 tp_status tp__ck_read_box(tp__ck_reader *r, const tp__ck_list *l, const char *what,
-                          const tp__ck_entry *e, const tp_tensor *param, int salt, tp_tensor *raw)
+                          const tp__ck_entry *e, const tp_tensor *param, int salt,
+                          tp__ck_read_mode mode, void *dst)
 {
     int nd = e->ndim;
     int64_t shape[TP_MAX_DIMS], off[TP_MAX_DIMS];
@@ -394,9 +395,13 @@ tp_status tp__ck_read_box(tp__ck_reader *r, const tp__ck_list *l, const char *wh
             continue;
         int vr = 0;
         bool whole = false;
-        TP_CHECK(tp__ck_verifier(l, param, nd, s, salt + k, &vr, &whole));
-        if (vr == l->rank && !whole)
+        if (mode != TP__CK_READ)
+            TP_CHECK(tp__ck_verifier(l, param, nd, s, salt + k, &vr, &whole));
+        bool mine = mode != TP__CK_READ && vr == l->rank;
+        if (mine && (!whole || mode == TP__CK_VERIFY))
             TP_CHECK(tp__ck_verify_stream(r, what, k, s));
+        if (mode == TP__CK_VERIFY)
+            continue;
         int64_t lo[TP_MAX_DIMS], hi[TP_MAX_DIMS];
         bool empty = false;
         for (int d = 0; d < nd; d++) {
@@ -407,9 +412,8 @@ tp_status tp__ck_read_box(tp__ck_reader *r, const tp__ck_list *l, const char *wh
         if (empty)
             continue;
         uint32_t crc = 0;
-        bool check = vr == l->rank && whole;
-        TP_CHECK(tp__ck_read_region(r, e, s, lo, hi, tp_tensor_data(raw), shape, off,
-                                    check ? &crc : NULL));
+        bool check = mine && whole;
+        TP_CHECK(tp__ck_read_region(r, e, s, lo, hi, dst, shape, off, check ? &crc : NULL));
         if (check && crc != s->crc)
             return tp__ck_crc_mismatch(r, what, k, s, crc);
     }

@@ -52,11 +52,18 @@ void tp__ck_reader_close(tp__ck_reader *r);
 tp_status tp__ck_parse_entry(const tp__ck_reader *r, const char *what, json_t *j, tp__ck_entry *e);
 void tp__ck_entry_free(tp__ck_entry *e);
 
+typedef enum {
+    TP__CK_READ_VERIFY, /* read, and check the CRCs this rank checks */
+    TP__CK_VERIFY,      /* only check them (each block read whole, in chunks) */
+    TP__CK_READ,        /* only read */
+} tp__ck_read_mode;
+
 /* Reads this rank's block of param's tensor (global shape e's) from the
- * stored blocks into raw (CPU, e's dtype, the block's shape), checking the
- * CRC of the blocks this rank is to check (salt spreads the ones no rank
- * reads whole over the ranks). */
+ * stored blocks into dst (row-major, e's dtype, the block's shape), and/or
+ * checks the CRC of the blocks this rank is to check (salt spreads the ones
+ * no rank reads whole over the ranks). */
 tp_status tp__ck_read_box(tp__ck_reader *r, const tp__ck_list *l, const char *what,
-                          const tp__ck_entry *e, const tp_tensor *param, int salt, tp_tensor *raw);
+                          const tp__ck_entry *e, const tp_tensor *param, int salt,
+                          tp__ck_read_mode mode, void *dst);
 
 #endif /* TP_CKPT_CHECKPOINT_READ_H */
