@@ -14,7 +14,8 @@
  * the model, and a read loop of it, once with the file just written (page
  * cache) and once after posix_fadvise(DONTNEED) (cold-ish: the kernel drops
  * the clean pages it can; dropping all caches needs root and is not done).
- * The checkpoint's loads are timed the same two ways.
+ * The checkpoint's loads are timed the same two ways, and once more with
+ * options.in_place (warm).
  *
  * Usage: tp-bench-ckpt [-d DIR] [-m transformer|1gib|all] [-r REPS]
  *   DIR: where the files go (default /tmp); REPS: repetitions, the median
@@ -185,7 +186,7 @@ static double disk_read(const char *path, uint64_t bytes, char *buf, bool cold)
 typedef struct {
     const model_cfg *cfg;
     char dir[512];
-    int phase; /* 0: save; 1: load */
+    int phase; /* 0: save; 1: load; 2: load in place */
     double t_save, t_load;
     uint64_t model_bytes;
     size_t base_alloc, peak_alloc;
@@ -207,7 +208,7 @@ static tp_status rank_fn(tp_comm *world, void *arg)
     if (st == TP_OK)
         st = tp_barrier(world, NULL);
     bool lead = tp_comm_rank(world) == 0;
-    if (st == TP_OK && lead && r->phase == 1) {
+    if (st == TP_OK && lead && r->phase >= 1) {
         tp_memory_info mi;
         tp_memory_stats(TP_CPU, &mi);
         r->base_alloc = mi.allocated;
@@ -216,9 +217,10 @@ static tp_status rank_fn(tp_comm *world, void *arg)
     if (st == TP_OK)
         st = tp_barrier(world, NULL);
     double t0 = bench_now_s();
+    tp_checkpoint_options in_place = {.in_place = true};
     if (st == TP_OK)
         st = r->phase == 0 ? tp_checkpoint_save(r->dir, m, NULL, NULL)
-                           : tp_checkpoint_load(r->dir, m, NULL, NULL);
+                           : tp_checkpoint_load(r->dir, m, NULL, r->phase == 2 ? &in_place : NULL);
     if (st == TP_OK)
         st = tp_barrier(world, NULL);
     double t = bench_now_s() - t0;
@@ -275,10 +277,10 @@ static int run_model(const model_cfg *c, const char *dir, int reps)
     printf("disk (same size, 8 MiB chunks): write+fsync %.0f MB/s, read (page cache) %.0f MB/s, "
            "read after DONTNEED %.0f MB/s\n",
            DW / 1e6, DR / 1e6, DRC / 1e6);
-    printf("%3s %12s %8s %12s %8s %12s %8s %14s\n", "W", "save MB/s", "/disk", "load MB/s", "/disk",
-           "cold MB/s", "/disk", "load peak/model");
+    printf("%3s %10s %6s %10s %6s %10s %6s %6s %12s %6s\n", "W", "save MB/s", "/disk", "load MB/s",
+           "/disk", "cold MB/s", "/disk", "peak", "in-place", "peak");
     for (int w = 1; w <= 4; w *= 2) {
-        double ts[16], tl[16], tc[16], peak = 0;
+        double ts[16], tl[16], tc[16], ti[16], peak = 0, peak_ip = 0;
         run_t r = {.cfg = c};
         snprintf(r.dir, sizeof r.dir, "%s/tp-bench-ckpt-%s-w%d", dir, c->name, w);
         for (int i = 0; i < reps; i++) {
@@ -295,11 +297,17 @@ static int run_model(const model_cfg *c, const char *dir, int reps)
             if (tp_run_local(w, rank_fn, &r) != TP_OK)
                 return 1;
             tc[i] = r.t_load;
+            r.phase = 2;
+            if (tp_run_local(w, rank_fn, &r) != TP_OK)
+                return 1;
+            ti[i] = r.t_load;
+            peak_ip = (double)(r.peak_alloc - r.base_alloc) / bytes;
         }
         double s = bytes / bench_median(ts, reps), l = bytes / bench_median(tl, reps),
-               lc = bytes / bench_median(tc, reps);
-        printf("%3d %12.0f %7.0f%% %12.0f %7.0f%% %12.0f %7.0f%% %14.2f\n", w, s / 1e6,
-               100 * s / DW, l / 1e6, 100 * l / DR, lc / 1e6, 100 * lc / DRC, peak);
+               lc = bytes / bench_median(tc, reps), li = bytes / bench_median(ti, reps);
+        printf("%3d %10.0f %5.0f%% %10.0f %5.0f%% %10.0f %5.0f%% %6.2f %12.0f %6.2f\n", w, s / 1e6,
+               100 * s / DW, l / 1e6, 100 * l / DR, lc / 1e6, 100 * lc / DRC, peak, li / 1e6,
+               peak_ip);
         char cmd[700];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", r.dir);
         if (system(cmd) != 0)
@@ -327,8 +335,9 @@ int main(int argc, char **argv)
         }
     }
     printf("tp-bench-ckpt: dir %s, %d repetitions (medians), %d cores\n", dir, reps, bench_cores());
-    printf("load peak/model: the highest tensor memory during a load above what the model "
-           "held before it, over the model's size (all ranks together)\n");
+    printf("peak: the highest tensor memory during a load above what the model held before "
+           "it, over the model's size (all ranks together); in-place: a load with "
+           "options.in_place (page cache warm), MB/s and peak\n");
     for (size_t i = 0; i < sizeof models / sizeof *models; i++)
         if (!strcmp(which, "all") || !strcmp(which, models[i].name))
             if (run_model(&models[i], dir, reps))

@@ -153,7 +153,8 @@ TP_API tp_status tp_checkpoint_save(const char *dir, tp_module *m, const tp_chec
  * (sizes, CRC-32C of every stored block) first; the ranks agree through an
  * all_reduce; only then is anything written into the parameters and the
  * optimizer. Scratch costs one copy of the rank's local parameters (the
- * optimizer's new states become its states). Every stored block is
+ * optimizer's new states become its states); options.in_place avoids it
+ * (see there). Every stored block is
  * CRC-checked once per load: by the lowest rank that reads all of it, or,
  * when no rank needs all of it (a resharded load), by a rank chosen by the
  * block's index that reads it in bounded chunks.
@@ -172,7 +173,8 @@ TP_API tp_status tp_checkpoint_save(const char *dir, tp_module *m, const tp_chec
  * TP_CHECKPOINT_VERSION or a Partial parameter: TP_ERR_NOT_SUPPORTED.
  *
  * Communication: one all_reduce (the outcome) and, on failure, one
- * broadcast (its message).
+ * broadcast (its message); with in_place the same once more after the
+ * parameters are written.
  */
 TP_API tp_status tp_checkpoint_load(const char *dir, tp_module *m, const tp_checkpoint_optim *optim,
                                     const tp_checkpoint_options *opts);
