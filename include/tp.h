@@ -38,6 +38,7 @@
 #define TP_H
 
 #include "tp/autograd.h"
+#include "tp/checkpoint.h"
 #include "tp/comm.h"
 #include "tp/comm_debug.h"
 #include "tp/config.h"

@@ -47,4 +47,48 @@ tp_status tp__module_attach(tp_module *m, const void *key, void *ptr, void (*fre
 /* What is attached to m under key, or NULL. */
 void *tp__module_attached(const tp_module *m, const void *key);
 
+/* ---- optimizer state, as checkpoints save and restore it (optim.c) ------------
+ *
+ * An optimizer's per-parameter state: made at a parameter's first step with a
+ * gradient, keyed by its first FQN (named_parameters order) and its tensor. */
+
+/* One of the two stateful optimizers (exactly one set). */
+typedef struct tp__opt_ref {
+    tp_adam *adam;
+    tp_sgd *sgd;
+} tp__opt_ref;
+
+typedef struct tp__opt_state {
+    const char *fqn;   /* the parameter's first FQN */
+    tp_tensor *param;  /* the parameter (a DTensor or a plain tensor) */
+    tp_tensor *master; /* f32 master of a bf16/f16 parameter's local block; NULL: none */
+    tp_tensor *m, *v;  /* f32 local blocks: Adam's exp_avg and exp_avg_sq; SGD's
+                        * momentum buffer in m (v NULL); NULL: none yet */
+    int64_t step;      /* the parameter's steps */
+} tp__opt_state;
+
+typedef struct tp__opt_hyperparams {
+    double lr, beta1, beta2, eps, weight_decay, momentum, dampening;
+    bool decoupled, nesterov;
+} tp__opt_hyperparams;
+
+/* The states, in creation order: state i, borrowed (valid until the next
+ * step or commit). */
+int tp__opt_num_states(tp__opt_ref o);
+void tp__opt_state_at(tp__opt_ref o, int i, tp__opt_state *out);
+void tp__opt_hyper(tp__opt_ref o, tp__opt_hyperparams *h);
+/* The module the optimizer steps. */
+tp_module *tp__opt_module(tp__opt_ref o);
+
+/* A replacement set of states, built before anything changes (the only
+ * fallible part: it copies the FQNs and retains the tensors), then
+ * installed by commit, which cannot fail and takes p. The caller checks
+ * that each param is the module's current parameter of that FQN and the
+ * tensors' shapes. */
+typedef struct tp__opt_pending tp__opt_pending;
+tp_status tp__opt_pending_new(int n, const tp__opt_state *v, tp__opt_pending **out);
+void tp__opt_pending_commit(tp__opt_ref o, tp__opt_pending *p);
+/* NULL is a no-op. */
+void tp__opt_pending_free(tp__opt_pending *p);
+
 #endif /* TP_NN_EXT_H */

@@ -1460,3 +1460,104 @@ tp_status tp_lr_warmup_cosine(int64_t step, int64_t warmup, int64_t total, doubl
                                       (double)(total - warmup)));
     return TP_OK;
 }
+
+/* ---- optimizer state for checkpoints (nn_ext.h) ---------------------------- */
+
+static tp__pstates *tp__opt_pstates(tp__opt_ref o)
+{
+    return o.adam ? &o.adam->st : o.sgd ? &o.sgd->st : NULL;
+}
+
+int tp__opt_num_states(tp__opt_ref o)
+{
+    tp__pstates *ps = tp__opt_pstates(o);
+    return ps ? ps->n : 0;
+}
+
+void tp__opt_state_at(tp__opt_ref o, int i, tp__opt_state *out)
+{
+    const tp__pstate *s = &tp__opt_pstates(o)->s[i];
+    *out = (tp__opt_state){s->fqn, s->param, s->master, s->m, s->v, s->step};
+}
+
+void tp__opt_hyper(tp__opt_ref o, tp__opt_hyperparams *h)
+{
+    *h = (tp__opt_hyperparams){0};
+    if (o.adam) {
+        const tp_adam *a = o.adam;
+        *h = (tp__opt_hyperparams){.lr = a->lr,
+                                   .beta1 = a->beta1,
+                                   .beta2 = a->beta2,
+                                   .eps = a->eps,
+                                   .weight_decay = a->weight_decay,
+                                   .decoupled = a->decoupled};
+    } else if (o.sgd) {
+        const tp_sgd *s = o.sgd;
+        *h = (tp__opt_hyperparams){.lr = s->lr,
+                                   .momentum = s->momentum,
+                                   .dampening = s->dampening,
+                                   .weight_decay = s->weight_decay,
+                                   .nesterov = s->nesterov};
+    }
+}
+
+tp_module *tp__opt_module(tp__opt_ref o)
+{
+    return o.adam ? o.adam->module : o.sgd ? o.sgd->module : NULL;
+}
+
+struct tp__opt_pending {
+    tp__pstate *s;
+    int n;
+};
+
+void tp__opt_pending_free(tp__opt_pending *p)
+{
+    if (!p)
+        return;
+    tp__pstates tmp = {.s = p->s, .n = p->n};
+    tp__pstates_free(&tmp);
+    tp__free(p);
+}
+
+tp_status tp__opt_pending_new(int n, const tp__opt_state *v, tp__opt_pending **out)
+{
+    *out = NULL;
+    tp__opt_pending *p = tp__calloc(1, sizeof *p);
+    if (p)
+        p->s = tp__calloc((size_t)(n ? n : 1), sizeof *p->s);
+    if (!p || !p->s) {
+        tp__free(p);
+        return tp__error(TP_ERR_NO_MEMORY, "out of memory restoring optimizer state");
+    }
+    for (int i = 0; i < n; i++, p->n++) {
+        tp__pstate *s = &p->s[i];
+        if (!(s->fqn = tp__strdup(v[i].fqn))) {
+            tp__opt_pending_free(p);
+            return tp__error(TP_ERR_NO_MEMORY, "out of memory restoring optimizer state");
+        }
+        s->param = tp_tensor_retain(v[i].param);
+        s->master = v[i].master ? tp_tensor_retain(v[i].master) : NULL;
+        s->m = v[i].m ? tp_tensor_retain(v[i].m) : NULL;
+        s->v = v[i].v ? tp_tensor_retain(v[i].v) : NULL;
+        s->step = v[i].step;
+    }
+    *out = p;
+    return TP_OK;
+}
+
+void tp__opt_pending_commit(tp__opt_ref o, tp__opt_pending *p)
+{
+    tp__pstates *ps = tp__opt_pstates(o);
+    tp__pstates old = *ps;
+    old.by_param = old.by_fqn = NULL;
+    tp__pstates_free(&old);
+    tp__free(ps->by_param);
+    tp__free(ps->by_fqn);
+    ps->s = p->s;
+    ps->n = p->n;
+    ps->cap = (size_t)p->n;
+    ps->n_indexed = 0;
+    ps->by_param = ps->by_fqn = NULL;
+    tp__free(p);
+}
