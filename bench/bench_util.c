@@ -2,9 +2,10 @@
 #include "bench_util.h"
 
 #include <errno.h>
-#include <stdint.h>
 #include <sched.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
@@ -101,4 +102,19 @@ int bench_world_cores(tp_comm *world)
 bool bench_loadavg(double out[3])
 {
     return getloadavg(out, 3) == 3;
+}
+
+double bench_gpu_peak_tflops(const char *device_name, const char *kind)
+{
+    if (!device_name || !kind)
+        return 0;
+    bool h100_sxm =
+        strstr(device_name, "H100") && (strstr(device_name, "HBM3") || strstr(device_name, "SXM"));
+    if (!h100_sxm && !strstr(device_name, "H200"))
+        return 0;
+    if (!strcmp(kind, "bf16"))
+        return 989;
+    if (!strcmp(kind, "tf32"))
+        return 494.5;
+    return !strcmp(kind, "f32") ? 66.9 : 0;
 }

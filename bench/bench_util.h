@@ -50,6 +50,13 @@ int bench_world_cores(tp_comm *world);
 /* The load averages over 1, 5 and 15 minutes; false where there are none. */
 bool bench_loadavg(double out[3]);
 
+/* The dense peak of a GPU in TFLOP/s for matrix products of `kind`: "bf16"
+ * (bf16/f16 tensor cores), "tf32" or "f32" (no tensor cores), from its name
+ * as cudaGetDeviceProperties gives it: the H100 SXM ("H100 ... HBM3" or
+ * "H100 SXM") and the H200 (989, 494.5 and 66.9); 0 for any other name or
+ * kind ("peak unknown"). */
+double bench_gpu_peak_tflops(const char *device_name, const char *kind);
+
 /* st = expr; on failure: the rank, the call, its status and message on
  * stderr, then goto out. Needs a tp_status st, the rank's tp_comm *w and a
  * label out in the function. */

@@ -69,8 +69,17 @@
  * bandwidth through a model of the least memory traffic a shared-memory
  * implementation must do; see model_bytes() and bench/README.md.
  *
+ * GPUs (--device cuda with --backend shm, and --backend nccl): every call is
+ * timed until the rank's CUDA stream has finished it (tp_cuda_synchronize),
+ * since a collective on CUDA tensors may return once enqueued. The roof is a
+ * bare cudaMemcpyAsync device to device of each row's bytes (time_device_copy);
+ * '# gpu' lines give busbw / the copy's algbw and roof%. --nccl-bare (nccl,
+ * -g 1) times ncclAllReduce / ncclAllGather on the same buffers beside libtp's.
+ *
  * Exit status: 0 when every point ran and every check passed, 1 when a check
- * counted wrong elements, 2 when a libtp call failed, 64 on a usage error.
+ * counted wrong elements, 2 when a libtp call failed, 64 on a usage error,
+ * 77 when a GPU run finds no CUDA device (a skip; the message says "no CUDA
+ * device").
  */
 #include <errno.h>
 #include <getopt.h>
@@ -86,14 +95,27 @@
 #endif
 
 #include "tp/comm.h"
+#include "tp/config.h"
 #include "tp/status.h"
 #include "tp/tensor.h"
+
+#if TP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+#if TP_HAVE_NCCL
+/* nccl.h declares ncclGroupStart() and ncclGroupEnd() without prototypes */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstrict-prototypes"
+#include <nccl.h>
+#pragma GCC diagnostic pop
+#endif
 
 #include "bench_util.h"
 
 #define EXIT_WRONG 1
 #define EXIT_ERROR 2
 #define EXIT_USAGE 64
+#define EXIT_NO_DEVICE 77 /* --device cuda (or backend nccl) and no CUDA device: a skip */
 
 #define MIN_ITERS 5
 #define MAX_ITERS 20000
@@ -101,6 +123,9 @@
 #define ROOF_REPS 7   /* timed copies of the roof buffer, after one warm-up copy */
 #define PAT_MAX 13    /* longest pattern period */
 #define HOST_MAX 64   /* host name bytes shown per rank */
+#define COPY_WARM 3   /* device-to-device copies before the timed ones */
+#define COPY_REPS 5   /* timed batches of the copy baseline; the median counts */
+#define COPY_BATCH 10 /* copies per timed batch, between two events */
 
 enum { FORM_OOP = 0, FORM_IP = 1, N_FORMS = 2 };
 static const char *const form_name[N_FORMS] = {"out-of-place", "in-place"};
@@ -247,6 +272,9 @@ typedef struct bench_cfg {
     const char *csv_path;
     size_t roof_bytes; /* 0: no roof */
     double target_s;   /* seconds per timed loop with -n 0 */
+    bool cuda;         /* --device cuda (always with backend nccl): buffers on GPUs */
+    bool device_given;
+    bool nccl_bare; /* --nccl-bare: bare ncclAllReduce/ncclAllGather beside libtp's */
 } bench_cfg;
 
 /* One form of one row, as rank 0 records it. */
@@ -261,6 +289,10 @@ typedef struct form_result {
     double algbw, busbw;
     double model;    /* bytes per rank of the traffic model */
     double roof;     /* fraction of the roof; NAN: none */
+    double busbw_copy; /* busbw / the device copy's algbw; NAN: no copy baseline */
+    /* --nccl-bare: the bare NCCL call, timed the same way; bare_s 0: none */
+    double bare_s, bare_min_s, bare_max_s;
+    double ratio, ratio_min, ratio_max; /* libtp time / bare time: medians, per-rep range */
 } form_result;
 
 typedef struct point_row {
@@ -268,6 +300,7 @@ typedef struct point_row {
     const dtype_info *dt;
     tp_reduce_op redop;
     int root;
+    double copy_s; /* device runs: one D2D cudaMemcpyAsync of `bytes`; 0: none */
     form_result f[N_FORMS];
 } point_row;
 
@@ -630,6 +663,9 @@ typedef struct rank_ctx {
     tp_comm *ctl;  /* statistics on host tensors: comm, or nccl's bootstrap */
     int rank, n;
     int device;                     /* CUDA ordinal of the buffers, or -1: CPU */
+    int dev_ranks;                  /* ranks sharing the busiest GPU (roof% on devices) */
+    bool sync_stream;               /* drain this rank's CUDA stream after each call */
+    void *bare;                     /* --nccl-bare: this rank's bare NCCL state */
     tp_tensor *sendraw, *recvraw;   /* max_bytes each (f64), on the device under test */
     tp_tensor *hsendraw, *hrecvraw; /* host mirrors when device >= 0, else NULL */
     /* the same memory typed as the dtype being run */
@@ -948,6 +984,12 @@ static tp_status run_coll(const rank_ctx *rc, const point *pt)
     if (st == TP_OK && w)
         st = tp_work_wait(w);
     tp_work_free(w);
+    /* The shm backend on CUDA tensors may return once the data movement is
+     * enqueued: a call is timed until this rank's stream, which the collective
+     * runs on, has finished it. (The nccl backend's wait above already waits
+     * for the collective's completion event.) */
+    if (st == TP_OK && rc->sync_stream)
+        st = tp_cuda_synchronize(rc->device);
     return st;
 }
 
@@ -1108,6 +1150,316 @@ static tp_status barrier_call(const rank_ctx *rc, const point *pt, const char **
     return run_coll(rc, pt);
 }
 
+/* ---- the device copy baseline (buffers on a GPU) ---------------------------------
+ *
+ * A bare cudaMemcpyAsync device to device of the row's bytes on rank 0's GPU,
+ * from its send buffer to its recv buffer, on a stream of its own: COPY_WARM
+ * copies, then COPY_REPS batches of COPY_BATCH copies each timed between two
+ * CUDA events; the median batch over COPY_BATCH is the copy time. Its algbw
+ * (bytes / time) is what busbw is compared with, its traffic (2 x bytes /
+ * time) is roof%'s roof. The other ranks wait in a barrier meanwhile, so the
+ * GPU copies alone. Returns 0 when the copy could not be timed (no CUDA). */
+static double time_device_copy(const rank_ctx *rc, size_t bytes)
+{
+#if TP_HAVE_CUDA
+    void *dst = tp_tensor_data(rc->recvraw);
+    const void *src = tp_tensor_data(rc->sendraw);
+    cudaStream_t s = NULL;
+    cudaEvent_t ev[2] = {NULL, NULL};
+    float ms[COPY_REPS];
+    int prev = 0;
+    cudaError_t err = cudaGetDevice(&prev);
+    if (err == cudaSuccess)
+        err = cudaSetDevice(rc->device);
+    if (err == cudaSuccess)
+        err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (err == cudaSuccess)
+        err = cudaEventCreate(&ev[0]);
+    if (err == cudaSuccess)
+        err = cudaEventCreate(&ev[1]);
+    for (int i = 0; i < COPY_WARM && err == cudaSuccess; i++)
+        err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s);
+    for (int r = 0; r < COPY_REPS && err == cudaSuccess; r++) {
+        err = cudaEventRecord(ev[0], s);
+        for (int i = 0; i < COPY_BATCH && err == cudaSuccess; i++)
+            err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s);
+        if (err == cudaSuccess)
+            err = cudaEventRecord(ev[1], s);
+        if (err == cudaSuccess)
+            err = cudaEventSynchronize(ev[1]);
+        if (err == cudaSuccess)
+            err = cudaEventElapsedTime(&ms[r], ev[0], ev[1]);
+    }
+    for (int i = 0; i < 2; i++)
+        if (ev[i])
+            (void)cudaEventDestroy(ev[i]);
+    if (s)
+        (void)cudaStreamDestroy(s);
+    (void)cudaSetDevice(prev);
+    if (err != cudaSuccess) {
+        fprintf(stderr,
+                "tp-bench-comm: device copy baseline of %zu B on cuda:%d: %s; "
+                "busbw/copy and roof%% not shown\n",
+                bytes, rc->device, cudaGetErrorString(err));
+        return 0.0;
+    }
+    double t[COPY_REPS];
+    for (int r = 0; r < COPY_REPS; r++)
+        t[r] = (double)ms[r] * 1e-3 / COPY_BATCH;
+    return bench_median(t, COPY_REPS);
+#else
+    (void)rc;
+    (void)bytes;
+    return 0.0;
+#endif
+}
+
+/* Every rank: the GPU idle, rank 0 times the copy, everyone waits for it. */
+static tp_status measure_device_copy(const rank_ctx *rc, size_t bytes, double *copy_s)
+{
+    *copy_s = 0.0;
+    tp_status st = tp_barrier(rc->comm, NULL);
+    if (st == TP_OK && rc->rank == 0)
+        *copy_s = time_device_copy(rc, bytes);
+    if (st == TP_OK)
+        st = tp_barrier(rc->comm, NULL);
+    if (st != TP_OK)
+        report(rc, NULL, "tp_barrier (device copy baseline)", st);
+    return st;
+}
+
+/*
+ * The traffic of the shm backend's data phase (src/collectives/shm.c) on
+ * GPUs, totals over all n ranks in bytes read + written, where every copy
+ * reads its source and writes its destination (no reuse through a cache):
+ *
+ *   all_reduce      rank r reduces slice r of all n inputs into all n outputs:
+ *                   reads S, writes S per rank               total 2nS
+ *   all_gather      rank r copies its block into every recv buffer (n copies
+ *                   of S/n; in place n-1)                    2nS, in place 2S(n-1)
+ *   reduce_scatter  rank r reads slice r of all n inputs, writes S/n   S(n+1)
+ *   all_to_all      rank r copies n blocks of S/n into its recv        2nS
+ *   broadcast       the n-1 other ranks copy root's S                  2S(n-1)
+ *   scatter         every rank copies its block from root's send
+ *                   (in place root's stays)                  2S, in place 2S(n-1)/n
+ *
+ * With n = 1 the out-of-place forms are a copy (2S), the in-place ones move
+ * nothing. bench/README.md derives from it the bound of busbw / copy on one GPU.
+ */
+static double device_traffic(bench_op op, bool inplace, double S, int n)
+{
+    double nn = (double)n;
+    switch (op) {
+    case OP_ALL_REDUCE:
+        return inplace && n == 1 ? 0.0 : 2.0 * nn * S;
+    case OP_ALL_GATHER:
+        return inplace ? 2.0 * S * (nn - 1.0) : 2.0 * nn * S;
+    case OP_REDUCE_SCATTER:
+        return inplace && n == 1 ? 0.0 : S * (nn + 1.0);
+    case OP_ALL_TO_ALL:
+        return 2.0 * nn * S;
+    case OP_BROADCAST:
+        return 2.0 * S * (nn - 1.0);
+    case OP_SCATTER:
+        return inplace ? 2.0 * S * (nn - 1.0) / nn : 2.0 * S;
+    default:
+        return 0.0;
+    }
+}
+
+/* Rank 0, a device row: busbw over the copy's algbw, and roof% = the data
+ * phase's traffic on the busiest GPU (dev_ranks of the n ranks' share) per
+ * second over the copy's traffic (2 x bytes) per second. The CSV's model
+ * column becomes that traffic per rank. */
+static void device_roof(const rank_ctx *rc, point_row *row, bench_op op)
+{
+    for (int form = 0; form < N_FORMS; form++) {
+        form_result *f = &row->f[form];
+        f->busbw_copy = NAN;
+        if (row->copy_s <= 0.0 || f->time_s <= 0.0)
+            continue;
+        double S = (double)row->bytes, copy_algbw = S / row->copy_s / 1e9;
+        f->busbw_copy = f->busbw / copy_algbw;
+        bool inplace = (form == FORM_IP) != f->substitute;
+        f->model = device_traffic(op, inplace, S, rc->n) / rc->n;
+        double traffic = f->model * rc->dev_ranks;
+        f->roof = traffic > 0.0 ? (traffic / f->time_s) / (2.0 * S / row->copy_s) : NAN;
+    }
+}
+
+/* ---- --nccl-bare: NCCL itself on the same buffers (a world of one) ----------------- */
+
+#if TP_HAVE_NCCL
+typedef struct bare_nccl {
+    ncclComm_t comm;
+    cudaStream_t stream;
+    int device;
+} bare_nccl;
+
+static bool nccl_types(const point *pt, ncclDataType_t *t, ncclRedOp_t *op)
+{
+    switch (pt->dt->dtype) {
+    case TP_F32:
+        *t = ncclFloat32;
+        break;
+    case TP_F64:
+        *t = ncclFloat64;
+        break;
+    case TP_F16:
+        *t = ncclFloat16;
+        break;
+    case TP_BF16:
+        *t = ncclBfloat16;
+        break;
+    case TP_I32:
+        *t = ncclInt32;
+        break;
+    case TP_I64:
+        *t = ncclInt64;
+        break;
+    default:
+        return false;
+    }
+    switch (pt->redop) {
+    case TP_SUM:
+        *op = ncclSum;
+        break;
+    case TP_PRODUCT:
+        *op = ncclProd;
+        break;
+    case TP_MAX:
+        *op = ncclMax;
+        break;
+    case TP_MIN:
+        *op = ncclMin;
+        break;
+    case TP_AVG:
+        *op = ncclAvg;
+        break;
+    default:
+        return false;
+    }
+    return true;
+}
+
+/* One bare call, waited for on the host like libtp's (its stream synchronized). */
+static tp_status bare_call(const bare_nccl *b, const point *pt)
+{
+    ncclDataType_t t;
+    ncclRedOp_t op;
+    if (!nccl_types(pt, &t, &op))
+        return TP_ERR_NOT_SUPPORTED;
+    const void *send = tp_tensor_data(pt->send);
+    void *recv = tp_tensor_data(pt->recv);
+    ncclResult_t r = pt->op == OP_ALL_REDUCE
+                         ? ncclAllReduce(send, recv, pt->count, t, op, b->comm, b->stream)
+                         : ncclAllGather(send, recv, pt->k, t, b->comm, b->stream);
+    if (r != ncclSuccess) {
+        fprintf(stderr, "tp-bench-comm: bare %s: %s\n",
+                pt->op == OP_ALL_REDUCE ? "ncclAllReduce" : "ncclAllGather", ncclGetErrorString(r));
+        return TP_ERR_BACKEND;
+    }
+    cudaError_t err = cudaStreamSynchronize(b->stream);
+    if (err != cudaSuccess) {
+        fprintf(stderr, "tp-bench-comm: bare NCCL call: cudaStreamSynchronize: %s\n",
+                cudaGetErrorString(err));
+        return TP_ERR_BACKEND;
+    }
+    return TP_OK;
+}
+
+/* The bare call timed like libtp's form (same -w, calls per loop, -R, a
+ * barrier before each call, checked the same way); res gets its times and
+ * the ratios. World of one: this is rank 0. */
+static tp_status bench_bare(rank_ctx *rc, point *pt, form_result *res)
+{
+    const bench_cfg *cfg = rc->cfg;
+    const bare_nccl *b = rc->bare;
+    double rep_s[MAX_REPS], wrong = 0.0;
+    tp_status st = TP_OK;
+    int prev = 0;
+    if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(b->device) != cudaSuccess)
+        return TP_ERR_BACKEND;
+    bool check = pt->check && !compounds(pt);
+    fill_point(rc, pt);
+    st = upload(rc, pt);
+    for (int i = 0; i < (cfg->warmup > 0 ? cfg->warmup : 1) && st == TP_OK; i++)
+        if ((st = tp_barrier(rc->comm, NULL)) == TP_OK)
+            st = bare_call(b, pt);
+    for (int rep = 0; rep < cfg->reps && st == TP_OK; rep++) {
+        if (check) {
+            reset_outputs(rc, pt);
+            st = upload(rc, pt);
+        }
+        double sum = 0.0;
+        for (int i = 0; i < res->iters && st == TP_OK; i++) {
+            if ((st = tp_barrier(rc->comm, NULL)) != TP_OK)
+                break;
+            double t0 = bench_now_s();
+            st = bare_call(b, pt);
+            sum += bench_now_s() - t0;
+        }
+        rep_s[rep] = sum / res->iters;
+        if (st == TP_OK && check && (st = download(rc, pt)) == TP_OK)
+            wrong += (double)check_point(rc, pt);
+    }
+    (void)cudaSetDevice(prev);
+    if (st != TP_OK) {
+        report(rc, pt, "bare NCCL", st);
+        return st;
+    }
+    res->wrong += wrong;
+    res->ratio_min = INFINITY;
+    res->ratio_max = 0.0;
+    for (int r = 0; r < cfg->reps; r++) {
+        double q = rep_s[r] > 0.0 ? res->rep_s[r] / rep_s[r] : NAN;
+        res->ratio_min = q < res->ratio_min ? q : res->ratio_min;
+        res->ratio_max = q > res->ratio_max ? q : res->ratio_max;
+    }
+    qsort(rep_s, (size_t)cfg->reps, sizeof(double), bench_cmp_double);
+    res->bare_s = bench_median(rep_s, cfg->reps);
+    res->bare_min_s = rep_s[0];
+    res->bare_max_s = rep_s[cfg->reps - 1];
+    res->ratio = res->bare_s > 0.0 ? res->time_s / res->bare_s : NAN;
+    return TP_OK;
+}
+
+/* A world of one on `device`: ncclCommInitAll and a non-blocking stream. */
+static tp_status bare_create(int device, bare_nccl **out)
+{
+    bare_nccl *b = calloc(1, sizeof *b);
+    int prev = 0;
+    *out = NULL;
+    if (!b)
+        return TP_ERR_NO_MEMORY;
+    b->device = device;
+    cudaError_t err = cudaGetDevice(&prev);
+    if (err == cudaSuccess && (err = cudaSetDevice(device)) == cudaSuccess)
+        err = cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking);
+    ncclResult_t r = err == cudaSuccess ? ncclCommInitAll(&b->comm, 1, &device) : ncclSuccess;
+    (void)cudaSetDevice(prev);
+    if (err != cudaSuccess || r != ncclSuccess) {
+        fprintf(stderr, "tp-bench-comm: bare NCCL world of one on cuda:%d: %s\n", device,
+                err != cudaSuccess ? cudaGetErrorString(err) : ncclGetErrorString(r));
+        if (b->stream)
+            (void)cudaStreamDestroy(b->stream);
+        free(b);
+        return TP_ERR_BACKEND;
+    }
+    *out = b;
+    return TP_OK;
+}
+
+static void bare_free(bare_nccl *b)
+{
+    if (!b)
+        return;
+    (void)ncclCommDestroy(b->comm);
+    (void)cudaStreamDestroy(b->stream);
+    free(b);
+}
+#endif
+
 /* Runs one form of one point on this rank: warm-up, -R timed loops, checks.
  * Rank 0 fills `res`. */
 static tp_status bench_form(rank_ctx *rc, point *pt, form_result *res)
@@ -1234,6 +1586,10 @@ static tp_status bench_form(rank_ctx *rc, point *pt, form_result *res)
                         ? res->model / res->time_s / 1e9 / rc->run->roof_GBps
                         : NAN;
     }
+#if TP_HAVE_NCCL
+    if (rc->bare && (pt->op == OP_ALL_REDUCE || pt->op == OP_ALL_GATHER))
+        return bench_bare(rc, pt, res);
+#endif
     return TP_OK;
 
 fail:
@@ -1270,9 +1626,24 @@ static void csv_row(const rank_ctx *rc, const point_row *row, bench_op op, int f
     fprintf(csv, ",%d,%d,", cfg->average, cfg->blocking ? 1 : 0);
     for (int r = 0; r < cfg->reps; r++)
         fprintf(csv, "%s%.3f", r ? " " : "", f->rep_s[r] * 1e6);
-    fprintf(csv, ",%.0f,%.3f,", f->model, rc->run->roof_GBps);
+    /* on a GPU the roof is the copy's traffic, 2 x bytes / copy time, of the whole device */
+    double roof = rc->device >= 0
+                      ? (row->copy_s > 0.0 ? 2.0 * (double)row->bytes / row->copy_s / 1e9 : 0.0)
+                      : rc->run->roof_GBps;
+    fprintf(csv, ",%.0f,%.3f,", f->model, roof);
     if (!isnan(f->roof))
         fprintf(csv, "%.4f", f->roof);
+    fprintf(csv, ",%s,", rc->device >= 0 ? "cuda" : "cpu");
+    if (row->copy_s > 0.0)
+        fprintf(csv, "%.3f,%.3f,%.4f", row->copy_s * 1e6, (double)row->bytes / row->copy_s / 1e9,
+                f->busbw_copy);
+    else
+        fprintf(csv, ",,");
+    if (f->bare_s > 0.0)
+        fprintf(csv, ",%.3f,%.3f,%.3f,%.4f,%.4f,%.4f", f->bare_s * 1e6, f->bare_min_s * 1e6,
+                f->bare_max_s * 1e6, f->ratio, f->ratio_min, f->ratio_max);
+    else
+        fprintf(csv, ",,,,,,");
     fprintf(csv, "\n");
 }
 
@@ -1283,6 +1654,7 @@ static tp_status bench_point(rank_ctx *rc, bench_op op, const dtype_info *dt,
     bench_run *run = rc->run;
     point_row row = {.dt = dt, .redop = redop, .root = root};
     tp_status st = TP_OK;
+    bool copied = false;
     for (int form = 0; form < N_FORMS; form++) {
         point pt = {.op = op, .dt = dt, .redop = redop, .root = root, .form = form};
         if ((st = setup_point(rc, &pt, S)) != TP_OK)
@@ -1294,6 +1666,13 @@ static tp_status bench_point(rank_ctx *rc, bench_op op, const dtype_info *dt,
                    reduction_checkable(op, redop, dt, rc->n);
         row.bytes = pt.bytes;
         row.count = pt.k;
+        if (rc->device >= 0 && !copied) {
+            copied = true;
+            if ((st = measure_device_copy(rc, pt.bytes, &row.copy_s)) != TP_OK) {
+                release_views(&pt);
+                break;
+            }
+        }
         st = bench_form(rc, &pt, &row.f[form]);
         release_views(&pt);
         if (st != TP_OK)
@@ -1306,6 +1685,8 @@ static tp_status bench_point(rank_ctx *rc, bench_op op, const dtype_info *dt,
     }
     if (rc->rank != 0)
         return TP_OK;
+    if (rc->device >= 0)
+        device_roof(rc, &row, op);
 
     printf("%12zu  %12zu  %8s  %6s  %6d", row.bytes, row.count, dt->name,
            op_info[op].reduces ? redop_name(redop) : "none", op_info[op].rooted ? root : -1);
@@ -1364,6 +1745,59 @@ static void print_section_header(const rank_ctx *rc, bench_op op)
     fflush(stdout);
 }
 
+/* '#' lines of a device run: the copy baseline of every row, busbw over the
+ * copy's algbw and roof%; with --nccl-bare the bare NCCL call's time and the
+ * ratio libtp / bare (median, and its range over the -R repetitions). */
+static void print_device_lines(const rank_ctx *rc, bench_op op)
+{
+    const bench_run *run = rc->run;
+    printf("# %s on GPUs: copy = one cudaMemcpyAsync device to device of the row's bytes on rank "
+           "0's GPU\n#   (algbw = bytes / its time); busbw/copy = busbw / that algbw; roof%% = "
+           "modelled traffic of the\n#   %d rank%s on the busiest GPU per second / the copy's "
+           "2 x bytes per second (bench/README.md)\n",
+           op_info[op].name, rc->dev_ranks, rc->dev_ranks == 1 ? "" : "s");
+    printf("# gpu %12s  %8s  %8s  %8s  | %8s  %6s  | %8s  %6s\n", "size", "copy", "copy", "",
+           "busbw/", "roof%", "busbw/", "roof%");
+    printf("# gpu %12s  %8s  %8s  %8s  | %8s  %6s  | %8s  %6s\n", "(B)", "(us)", "(GB/s)", "",
+           "copy oop", "oop", "copy ip", "ip");
+    for (size_t i = 0; i < run->nrows; i++) {
+        const point_row *row = &run->rows[i];
+        if (row->copy_s <= 0.0) {
+            printf("# gpu %12zu  (no copy baseline)\n", row->bytes);
+            continue;
+        }
+        printf("# gpu %12zu  %8.2f  %8.1f  %8s", row->bytes, row->copy_s * 1e6,
+               (double)row->bytes / row->copy_s / 1e9, "");
+        for (int form = 0; form < N_FORMS; form++) {
+            const form_result *f = &row->f[form];
+            char roof[16] = "-";
+            if (!isnan(f->roof))
+                snprintf(roof, sizeof roof, "%.1f", 100.0 * f->roof);
+            printf("  | %8.3f  %6s", f->busbw_copy, roof);
+        }
+        printf("\n");
+    }
+    if (!rc->bare || (op != OP_ALL_REDUCE && op != OP_ALL_GATHER))
+        return;
+    printf("# bare NCCL: %s on the same buffers, stream synchronized after each call, "
+           "timed like libtp's;\n#   ratio = libtp time / bare time (medians), min..max over "
+           "the -R repetitions, paired\n",
+           op == OP_ALL_REDUCE ? "ncclAllReduce" : "ncclAllGather");
+    printf("# bare %12s  | %8s  %8s  %15s  | %8s  %8s  %15s\n", "size", "oop bare", "ratio",
+           "min..max", "ip bare", "ratio", "min..max");
+    for (size_t i = 0; i < run->nrows; i++) {
+        const point_row *row = &run->rows[i];
+        printf("# bare %12zu", row->bytes);
+        for (int form = 0; form < N_FORMS; form++) {
+            const form_result *f = &row->f[form];
+            char t[32], range[40];
+            snprintf(range, sizeof range, "%.3f..%.3f", f->ratio_min, f->ratio_max);
+            printf("  | %8s  %8.3f  %15s", fmt_time(t, sizeof t, f->bare_s * 1e6), f->ratio, range);
+        }
+        printf("\n");
+    }
+}
+
 /* The closing lines of nccl-tests, then what its table has no room for. */
 static void print_section_footer(const rank_ctx *rc, bench_op op)
 {
@@ -1388,7 +1822,13 @@ static void print_section_footer(const rank_ctx *rc, bench_op op)
            "time: -a %d, %s\n",
            oi->name, cfg->reps, cfg->reps == 1 ? "" : "s", cfg->average,
            average_name[cfg->average]);
-    printf("# roof%% = model traffic per rank / time / memcpy roof per thread (bench/README.md)\n");
+    if (rc->device >= 0)
+        printf(
+            "# roof%% = model traffic on the busiest GPU / time / the copy's traffic (the '# gpu' "
+            "lines)\n");
+    else
+        printf("# roof%% = model traffic per rank / time / memcpy roof per thread "
+               "(bench/README.md)\n");
     /* the first word is not nccl-tests' "size" nor "(B)": parsers that look
      * for the header rows must not take these for them */
     printf("# spread %12s  %8s  %6s  %6s  | %6s  %7s  %7s  %7s  %6s  %6s  | %6s  %7s  %7s  %7s  %6s  %6s\n",
@@ -1416,6 +1856,9 @@ static void print_section_footer(const rank_ctx *rc, bench_op op)
         }
         printf("\n");
     }
+
+    if (rc->device >= 0)
+        print_device_lines(rc, op);
 
     /* notes */
     if (!oi->has[FORM_IP])
@@ -1599,7 +2042,7 @@ static tp_status run_section(rank_ctx *rc, bench_op op)
 
 /* One rank's sweep over `comm`; `ctl` carries the statistics (host
  * tensors); device >= 0 puts the buffers on that CUDA device. */
-static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int device)
+static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int device, void *bare)
 {
     const bench_cfg *cfg = run->cfg;
     rank_ctx rc = {
@@ -1610,6 +2053,9 @@ static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int devi
         .rank = tp_comm_rank(comm),
         .n = tp_comm_size(comm),
         .device = device,
+        .dev_ranks = 1,
+        .sync_stream = device >= 0 && strcmp(cfg->backend->name, "nccl") != 0,
+        .bare = bare,
     };
     tp_status st = TP_OK;
     /* one rank per process: each may be bound to fewer cores than the run has */
@@ -1625,10 +2071,13 @@ static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int devi
     if (rc.rank == 0 && cfg->csv_path) {
         run->csv = fopen(cfg->csv_path, "w");
         if (run->csv)
-            fprintf(run->csv, "collective,backend,nranks,inplace,call_inplace,dtype,redop,root,"
-                              "size_bytes,count,iters,reps,time_us,time_min_us,time_max_us,"
-                              "iter_med_us,algbw_GBps,busbw_GBps,wrong,average,blocking,"
-                              "rep_times_us,model_bytes_per_rank,roof_GBps_per_thread,roof_frac\n");
+            fprintf(run->csv,
+                    "collective,backend,nranks,inplace,call_inplace,dtype,redop,root,"
+                    "size_bytes,count,iters,reps,time_us,time_min_us,time_max_us,"
+                    "iter_med_us,algbw_GBps,busbw_GBps,wrong,average,blocking,"
+                    "rep_times_us,model_bytes_per_rank,roof_GBps_per_thread,roof_frac,device,"
+                    "copy_us,copy_GBps,busbw_over_copy,bare_time_us,bare_min_us,"
+                    "bare_max_us,bare_ratio,bare_ratio_min,bare_ratio_max\n");
         else
             fprintf(stderr, "tp-bench-comm: cannot write %s: %s\n", cfg->csv_path, strerror(errno));
     }
@@ -1640,8 +2089,13 @@ static tp_status rank_body(bench_run *run, tp_comm *comm, tp_comm *ctl, int devi
     if ((st = print_devices(&rc)) != TP_OK)
         return st;
     if (device >= 0) {
+        /* rank r on GPU r % GPUs (shm threads), or one GPU each (nccl) */
+        int gpus = tp_cuda_device_count();
+        if (!strcmp(cfg->backend->name, "shm") && gpus > 0)
+            rc.dev_ranks = (rc.n + gpus - 1) / gpus;
         if (rc.rank == 0)
-            printf("# buffers on the GPU; no memcpy roof: roof%% not shown\n");
+            printf("# buffers on the GPU; the roof is a device-to-device copy of each row's bytes "
+                   "(the '# gpu' lines)\n");
     } else if ((st = measure_roof(&rc)) != TP_OK) {
         return st;
     }
@@ -1687,13 +2141,19 @@ out:
 
 static tp_status rank_main(tp_comm *world, void *arg)
 {
-    return rank_body(arg, world, world, -1);
+    return rank_body(arg, world, world, -1, NULL);
+}
+
+/* --device cuda: rank r's buffers on GPU r % GPUs (one GPU: all ranks share it) */
+static tp_status rank_main_cuda(tp_comm *world, void *arg)
+{
+    return rank_body(arg, world, world, tp_comm_rank(world) % tp_cuda_device_count(), NULL);
 }
 
 static tp_status launch_threads(bench_run *run)
 {
     run->threads = run->cfg->nranks;
-    return tp_run_local(run->cfg->nranks, rank_main, run);
+    return tp_run_local(run->cfg->nranks, run->cfg->cuda ? rank_main_cuda : rank_main, run);
 }
 
 /* One rank per process: the world comes from the backend (MPI: mpirun). */
@@ -1725,7 +2185,19 @@ static tp_status nccl_rank_on(bench_run *run, tp_comm *boot, int device)
                 tp_comm_rank(boot), device, tp_status_name(st), tp_last_error());
         return st;
     }
-    st = rank_body(run, comm, boot, device);
+    void *bare = NULL;
+#if TP_HAVE_NCCL
+    bare_nccl *b = NULL;
+    if (run->cfg->nccl_bare && (st = bare_create(device, &b)) != TP_OK) {
+        tp_comm_free(comm);
+        return st;
+    }
+    bare = b;
+#endif
+    st = rank_body(run, comm, boot, device, bare);
+#if TP_HAVE_NCCL
+    bare_free(b);
+#endif
     tp_comm_free(comm);
     return st;
 }
@@ -1773,16 +2245,19 @@ static tp_status launch_nccl(bench_run *run)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
+    fprintf(
+        f,
         "usage: tp-bench-comm [options]      (nccl-tests' letters and meanings)\n"
         "  -b, --minbytes SIZE     smallest size (default 4K); suffixes K, M, G (powers of 1024)\n"
         "  -e, --maxbytes SIZE     largest size (default 256M)\n"
         "  -f, --stepfactor N      multiply the size by N between points (default 2); 1: add -i\n"
-        "  -i, --stepbytes SIZE    add SIZE between points instead (default 1M, with -f 1 or alone)\n"
+        "  -i, --stepbytes SIZE    add SIZE between points instead (default 1M, with -f 1 or "
+        "alone)\n"
         "  -n, --iters N           calls per timed loop; 0 = about --target-s (default 0)\n"
         "  -w, --warmup_iters N    warm-up calls per point and form (default 5; with -n 0 cut\n"
         "                          to about half the target time; at least one always runs)\n"
-        "  -c, --check N           0: no checks; N: check the results, N fresh calls too (default 1)\n"
+        "  -c, --check N           0: no checks; N: check the results, N fresh calls too (default "
+        "1)\n"
         "  -o, --op OP             reduction: " REDOP_NAMES " (default sum)\n"
         "  -d, --datatype T        " DTYPE_NAMES " (default float)\n"
         "  -r, --root R            root of broadcast and scatter, or all (default 0)\n"
@@ -1794,11 +2269,17 @@ static void usage(FILE *f)
         "                          median, the spread lines their range (default 3)\n"
         "      --collective LIST   all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|\n"
         "                          scatter|all, comma-separated (MPI spellings allreduce,\n"
-        "                          allgather, reducescatter, alltoall, bcast work too; default all)\n"
+        "                          allgather, reducescatter, alltoall, bcast work too; default "
+        "all)\n"
         "      --backend NAME      how ranks run (default shm); see below\n"
         "      --csv FILE          also write every point and form as CSV\n"
         "      --target-s SEC      seconds per timed loop with -n 0 (default 0.1)\n"
         "      --roof-bytes SIZE   memcpy roof buffer per rank (default 256M; 0 = no roof)\n"
+        "      --device cpu|cuda   where the buffers are (default cpu; nccl: always cuda).\n"
+        "                          cuda with --backend shm: rank r on GPU r %% GPUs, a\n"
+        "                          device-to-device copy of each row's bytes as the roof\n"
+        "      --nccl-bare         with --backend nccl -g 1: also time bare ncclAllReduce and\n"
+        "                          ncclAllGather on the same buffers, print libtp / bare\n"
         "  -h, --help              this text\n"
         "backends:\n");
     for (size_t i = 0; i < N_BACKENDS; i++)
@@ -1932,7 +2413,7 @@ static int parse_redop(const char *s, bool ops[N_REDOPS])
     return bad_arg("-o", s, REDOP_NAMES);
 }
 
-enum { OPT_BACKEND = 256, OPT_CSV, OPT_TARGET, OPT_ROOF, OPT_COLLECTIVE };
+enum { OPT_BACKEND = 256, OPT_CSV, OPT_TARGET, OPT_ROOF, OPT_COLLECTIVE, OPT_DEVICE, OPT_BARE };
 
 /* nccl-tests' options this program does not have */
 static const struct {
@@ -1949,6 +2430,45 @@ static const struct {
     {'C', "report_cputime", NULL},
     {'F', "CSV output", "use --csv, whose columns are tp-bench-comm's own"},
 };
+
+/* --device and --nccl-bare against the backend: the combinations this bench
+ * runs, the others refused by name (EXIT_USAGE). */
+static int check_device_args(bench_cfg *cfg)
+{
+    const char *b = cfg->backend->name;
+    bool nccl = strcmp(b, "nccl") == 0;
+    if (nccl && cfg->device_given && !cfg->cuda) {
+        fprintf(stderr,
+                "tp-bench-comm: --device cpu with --backend nccl: the nccl backend's "
+                "buffers are on the GPU here; --device cpu runs with --backend shm or mpi\n");
+        return EXIT_USAGE;
+    }
+    if (nccl)
+        cfg->cuda = true;
+    if (cfg->cuda && strcmp(b, "shm") != 0 && !nccl) {
+        fprintf(stderr,
+                "tp-bench-comm: --device cuda with --backend %s is not supported: CUDA "
+                "buffers run with --backend shm (ranks as threads on GPU rank %% GPUs) "
+                "or nccl\n",
+                b);
+        return EXIT_USAGE;
+    }
+    if (cfg->nccl_bare && !nccl) {
+        fprintf(stderr,
+                "tp-bench-comm: --nccl-bare compares libtp with NCCL itself: it needs "
+                "--backend nccl -g 1 (backend here: %s)\n",
+                b);
+        return EXIT_USAGE;
+    }
+    if (cfg->nccl_bare && (cfg->nranks != 1 || bench_under_mpirun())) {
+        fprintf(stderr,
+                "tp-bench-comm: --nccl-bare runs a world of one: -g 1 in one process "
+                "(-g %d%s)\n",
+                cfg->nranks, bench_under_mpirun() ? ", under mpirun" : "");
+        return EXIT_USAGE;
+    }
+    return 0;
+}
 
 static int parse_args(int argc, char **argv, bench_cfg *cfg)
 {
@@ -1974,6 +2494,8 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"csv", required_argument, NULL, OPT_CSV},
         {"target-s", required_argument, NULL, OPT_TARGET},
         {"roof-bytes", required_argument, NULL, OPT_ROOF},
+        {"device", required_argument, NULL, OPT_DEVICE},
+        {"nccl-bare", no_argument, NULL, OPT_BARE},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -2074,6 +2596,15 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             if (!parse_size(optarg, &cfg->roof_bytes))
                 return bad_arg("--roof-bytes", optarg, "a size such as 256M, or 0");
             break;
+        case OPT_DEVICE:
+            if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "cuda") != 0)
+                return bad_arg("--device", optarg, "cpu or cuda");
+            cfg->cuda = strcmp(optarg, "cuda") == 0;
+            cfg->device_given = true;
+            break;
+        case OPT_BARE:
+            cfg->nccl_bare = true;
+            break;
         case 'h': usage(stdout); return -1;
         case ':':
             fprintf(stderr, "tp-bench-comm: option %s needs a value\n", argv[optind - 1]);
@@ -2122,6 +2653,8 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         fprintf(stderr, "\n");
         return EXIT_USAGE;
     }
+    if ((rc = check_device_args(cfg)) != 0)
+        return rc;
     if (cfg->backend->threads && !(strcmp(cfg->backend->name, "nccl") == 0 && bench_under_mpirun()) &&
         cfg->root >= cfg->nranks) {
         fprintf(stderr, "tp-bench-comm: -r %d is not a rank of %d\n", cfg->root, cfg->nranks);
@@ -2159,6 +2692,14 @@ int main(int argc, char **argv)
     for (int i = 0; i < OP_COUNT; i++)
         run.ops[i].status = TP_OK;
     run.have_load = bench_loadavg(run.load_before);
+
+    /* a GPU run without a GPU: a skip, said as such (status 77), before anything runs */
+    if (cfg.cuda && tp_cuda_device_count() <= 0) {
+        fprintf(stderr, "tp-bench-comm: backend %s%s: no CUDA device %s\n", cfg.backend->name,
+                cfg.device_given ? " --device cuda" : "",
+                TP_HAVE_CUDA ? "visible" : "(libtp was built without CUDA)");
+        return EXIT_NO_DEVICE;
+    }
 
     tp_status st = cfg.backend->launch(&run);
     const char *err = st != TP_OK ? tp_last_error() : "";

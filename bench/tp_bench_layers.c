@@ -52,6 +52,11 @@
 
 #include "bench_util.h"
 
+#if TP_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#endif
+
 enum { BK_SHM, BK_MPI, BK_NCCL, BK_COUNT };
 static const char *backend_names[BK_COUNT] = {"shm", "mpi", "nccl"};
 
@@ -267,7 +272,8 @@ static tp_status run_point(tp_comm *w, point *p)
     }
     if (p->iters == 0) /* a warm-up run: nothing to report */
         goto out;
-    TRY(max_over_ranks(w, dev, times, p->iters));
+    if (W > 1) /* one rank: its own times (and no collective on its buffers) */
+        TRY(max_over_ranks(w, dev, times, p->iters));
     /* the collectives of one iteration, alone, on buffers of their sizes */
     double t_coll = 0;
     if (W > 1) {
@@ -407,10 +413,118 @@ out:
     return st;
 }
 
+#if TP_HAVE_CUDA
+/* Row-major C[m,n] = op(A) op(B) as libtp's CUDA table issues it (column-major
+ * C^T = op(B)^T op(A)^T: B first), f32 accumulation; f32 with TF32 as
+ * tp_cuda_allow_tf32() says, like libtp's products. */
+static bool rm_gemm(cublasHandle_t h, tp_dtype dt, bool ta, bool tb, int m, int n, int k,
+                    const void *a, int lda, const void *b, int ldb, void *c, int ldc)
+{
+    float one = 1, zero = 0;
+    cudaDataType_t t = dt == TP_BF16 ? CUDA_R_16BF : dt == TP_F16 ? CUDA_R_16F : CUDA_R_32F;
+    cublasComputeType_t ct =
+        dt == TP_F32 && tp_cuda_allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    return cublasGemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
+                        &one, b, t, ldb, a, t, lda, &zero, c, t, ldc, ct,
+                        CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
+}
+
+/* gemm_pass's five products with cublasGemmEx on handle h (bound to this
+ * rank's stream); b's pointers are device buffers of dtype dt. */
+static bool gemm_pass_cuda(cublasHandle_t h, tp_dtype dt, gemm_bufs *b, int T, int H, int F,
+                           bool backward)
+{
+    bool ok = rm_gemm(h, dt, false, true, T, F, H, b->x, H, b->w1, H, b->h, F) &&
+              rm_gemm(h, dt, false, true, T, H, F, b->a, F, b->w2, F, b->y, H);
+    if (!ok || !backward)
+        return ok;
+    return rm_gemm(h, dt, true, false, H, F, T, b->y, H, b->a, F, b->gw2, F) &&
+           rm_gemm(h, dt, false, false, T, F, H, b->y, H, b->w2, F, b->gh, F) &&
+           rm_gemm(h, dt, true, false, F, H, T, b->gh, F, b->x, H, b->gw1, H);
+}
+
+/* mlp-gemm on this rank's GPU: gemm_point's timing around gemm_pass_cuda on
+ * this rank's own stream and cuBLAS handle; the buffers are libtp tensors
+ * (x, w1, w2 random, the rest zero), made before the timed passes. */
+static tp_status gemm_point_cuda(tp_comm *w, point *p)
+{
+    tp_status st = TP_OK;
+    int W = tp_comm_size(w), r = tp_comm_rank(w);
+    tp_device dev = rank_device(w, true);
+    int T = (int)p->tokens, H = (int)p->hidden, F = (int)(4 * p->hidden / W);
+    int64_t shp[9][2] = {{T, H}, {F, H}, {H, F}, {T, F}, {T, F}, {T, H}, {T, F}, {F, H}, {H, F}};
+    tp_tensor *t[9] = {0};
+    void *ptr[9] = {0};
+    cudaStream_t s = NULL;
+    cublasHandle_t h = NULL;
+    double *times = calloc((size_t)p->iters + 1, sizeof *times);
+    if (!times) {
+        st = TP_ERR_NO_MEMORY;
+        goto out;
+    }
+    for (int i = 0; i < 9; i++) {
+        TRY(tp_tensor_zeros(p->dtype, dev, 2, shp[i], &t[i]));
+        if (i < 3) /* small values, as the layer's */
+            TRY(tp_tensor_fill_random(t[i], TP_RNG_UNIFORM, -0.05, 0.05, (uint64_t)i + 1, NULL,
+                                      NULL));
+        ptr[i] = tp_tensor_data(t[i]);
+    }
+    TRY(tp_cuda_synchronize(dev.index)); /* the buffers are ready before another stream reads */
+    if (cudaSetDevice(dev.index) != cudaSuccess || cudaStreamCreate(&s) != cudaSuccess ||
+        cublasCreate(&h) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetStream(h, s) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "rank %d: mlp-gemm: a CUDA stream or cuBLAS handle failed\n", r);
+        st = TP_ERR_BACKEND;
+        goto out;
+    }
+    gemm_bufs b = {ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5], ptr[6], ptr[7], ptr[8]};
+    for (int it = -p->warmup; it < p->iters; it++) {
+        TRY(tp_barrier(w, NULL));
+        double t0 = bench_now_s();
+        bool ok = gemm_pass_cuda(h, p->dtype, &b, T, H, F, p->backward) &&
+                  cudaStreamSynchronize(s) == cudaSuccess;
+        if (!ok) {
+            fprintf(stderr, "rank %d: mlp-gemm: cublasGemmEx or the stream failed\n", r);
+            st = TP_ERR_BACKEND;
+            goto out;
+        }
+        TRY(tp_barrier(w, NULL));
+        double t1 = bench_now_s();
+        if (p->verbose && r == 0)
+            printf("#   %s pass %d: %.3f ms on rank 0\n", it < 0 ? "warm-up" : "timed",
+                   it < 0 ? it + p->warmup + 1 : it + 1, (t1 - t0) * 1e3);
+        if (it >= 0)
+            times[it] = t1 - t0;
+    }
+    if (p->iters > 0 && W > 1)
+        TRY(max_over_ranks(w, TP_CPU, times, p->iters));
+    if (p->iters > 0 && r == 0) {
+        p->t_med = bench_median(times, p->iters);
+        p->faults = 0;
+        p->t_coll = 0;
+    }
+out:
+    if (h)
+        cublasDestroy(h);
+    if (s)
+        cudaStreamDestroy(s);
+    for (int i = 0; i < 9; i++)
+        tp_tensor_release(t[i]);
+    free(times);
+    return st;
+}
+#endif
+
 static tp_status body(tp_comm *w, void *arg)
 {
     point *p = arg;
-    return p->layer == L_MLP_GEMM ? gemm_point(w, p) : run_point(w, p);
+    if (p->layer != L_MLP_GEMM)
+        return run_point(w, p);
+#if TP_HAVE_CUDA
+    if (p->cuda)
+        return gemm_point_cuda(w, p);
+#endif
+    return gemm_point(w, p);
 }
 
 #if TP_HAVE_NCCL
@@ -689,6 +803,7 @@ typedef struct opts {
     int iters, warmup, reps; /* iters, warmup: -1 = default */
     tp_dtype dtype;
     bool ranks_given, tokens_given, hidden_given, mlp_check, verbose;
+    bool cuda_dev; /* --device cuda: shm ranks with everything on TP_CUDA(rank % GPUs) */
     const char *csv;
 } opts;
 
@@ -713,8 +828,14 @@ static void usage(FILE *f)
         "  -t LIST       tokens                                                512,2048\n"
         "  -H LIST       hidden sizes H                                        256,512,1024\n"
         "  -V N          embedding vocabulary                                  8192\n"
-        "  --dtype D     f32, bf16 or f16: the parameters and input (mlp-gemm: f32\n"
-        "                only); products accumulate in f32                   f32\n"
+        "  --dtype D     f32, bf16 or f16: the parameters and input            f32\n"
+        "                (mlp-gemm: f32 only, any with --device cuda);\n"
+        "                products accumulate in f32\n"
+        "  --device D    cpu, or cuda: shm ranks (threads), parameters,        cpu\n"
+        "                inputs and buffers on GPU rank %% GPUs (all on one GPU\n"
+        "                when there is one); mlp-gemm calls cublasGemmEx on\n"
+        "                each rank's stream; prints mlp against mlp-gemm and\n"
+        "                the GPU's peak\n"
         "  -g LIST       rank counts                                           1,2 (mpi: 1,N)\n"
         "  -n N          timed passes per run; a run is their median           5 (--mlp-check 3)\n"
         "  -w N          untimed passes before them                            Linear layers %d,\n"
@@ -734,7 +855,8 @@ static void usage(FILE *f)
         "  -h, --help    this text\n"
         "\n"
         "LIST is comma-separated. Exit status: 0 done (all --mlp-check targets met); 1 an\n"
-        "--mlp-check target missed; 2 a libtp call failed; 64 bad command line.\n",
+        "--mlp-check target missed, or with --device cuda an mlp row slower than 0.95 of\n"
+        "its mlp-gemm row; 2 a libtp call failed, or no CUDA device; 64 bad command line.\n",
         default_warmup[L_COLWISE], default_warmup[L_EMB_COL], MAX_REPS);
 }
 
@@ -813,6 +935,9 @@ static int parse_args(int argc, char **argv, opts *o)
             o->vocab = vocab;
         } else if (!strcmp(a, "--csv")) {
             o->csv = v;
+        } else if (!strcmp(a, "--device")) {
+            ok = !strcmp(v, "cpu") || !strcmp(v, "cuda");
+            o->cuda_dev = !strcmp(v, "cuda");
         } else if (!strcmp(a, "--dtype")) {
             ok = !strcmp(v, "f32") || !strcmp(v, "bf16") || !strcmp(v, "f16");
             o->dtype = !strcmp(v, "bf16") ? TP_BF16 : !strcmp(v, "f16") ? TP_F16 : TP_F32;
@@ -843,9 +968,11 @@ static int parse_args(int argc, char **argv, opts *o)
             fprintf(stderr, "tp-bench-layers: %s '%s': %s\n", a, v,
                     !strcmp(a, "-l")
                         ? "layers are colwise, rowwise, mlp, emb-col, emb-row, mlp-gemm"
-                    : !strcmp(a, "-p") ? "passes are fwd, fwd+bwd"
-                    : !strcmp(a, "-R") ? "runs per point are 1 to 100"
-                    : !strcmp(a, "-w") ? "needs a count >= 0"
+                    : !strcmp(a, "-p")       ? "passes are fwd, fwd+bwd"
+                    : !strcmp(a, "--device") ? "devices are cpu, cuda"
+                    : !strcmp(a, "--dtype")  ? "dtypes are f32, bf16, f16"
+                    : !strcmp(a, "-R")       ? "runs per point are 1 to 100"
+                    : !strcmp(a, "-w")       ? "needs a count >= 0"
                                        : "needs positive integers (at most 8, comma-separated)");
             return 64;
         }
@@ -859,7 +986,12 @@ static int parse_args(int argc, char **argv, opts *o)
         fprintf(stderr, "tp-bench-layers: --mlp-check runs its ranks as threads (--backend shm)\n");
         return 64;
     }
-    if (o->layers[L_MLP_GEMM] && o->dtype != TP_F32) {
+    if (o->cuda_dev && (o->backend != BK_SHM || o->mlp_check)) {
+        fprintf(stderr, "tp-bench-layers: --device cuda goes with --backend shm, without "
+                        "--mlp-check\n");
+        return 64;
+    }
+    if (o->layers[L_MLP_GEMM] && o->dtype != TP_F32 && !o->cuda_dev) {
         fprintf(stderr, "tp-bench-layers: -l mlp-gemm times f32 sgemm calls (--dtype f32)\n");
         return 64;
     }
@@ -1089,6 +1221,64 @@ static void run_failed(const opts *o, bool printer, const point *p, int64_t W, c
     fprintf(stderr, "\n");
 }
 
+/* ---- --device cuda: the GPU's name and peak, mlp against mlp-gemm --------- */
+
+/* The medians of the mlp (0) and mlp-gemm (1) rows, by pass, tokens, hidden
+ * and rank count index; 0 where not run. */
+typedef double mlp_medians[2][P_COUNT][MAX_LIST][MAX_LIST][MAX_LIST];
+
+/* GPU 0's name (commas dropped), or "unknown GPU". */
+static void gpu_name(char *buf, size_t len)
+{
+    snprintf(buf, len, "unknown GPU");
+#if TP_HAVE_CUDA
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
+        snprintf(buf, len, "%s", prop.name);
+#endif
+    for (char *c = buf; *c; c++)
+        if (*c == ',')
+            *c = ' ';
+}
+
+/* Per point with both rows: bare (mlp-gemm) time over libtp's (target
+ * >= 0.95) and libtp's TFLOP/s against the GPU's dense peak. The two rows'
+ * medians come from separate runs of the sweep. false if a target is missed. */
+static bool print_mlp_vs_gemm(const opts *o, mlp_medians med, const char *gpu)
+{
+    const char *kind = o->dtype == TP_F32 ? (tp_cuda_allow_tf32() ? "tf32" : "f32") : "bf16";
+    double peak = bench_gpu_peak_tflops(gpu, kind);
+    bool all = true;
+    if (peak > 0)
+        printf("# %s: dense %s peak %.1f TFLOP/s\n", gpu, kind, peak);
+    else
+        printf("# %s: peak unknown\n", gpu);
+    for (int bw = 0; bw < P_COUNT; bw++)
+        for (int ti = 0; ti < o->nt; ti++)
+            for (int hi = 0; hi < o->nh; hi++)
+                for (int ri = 0; ri < o->nr; ri++) {
+                    double tl = med[0][bw][ti][hi][ri], tb = med[1][bw][ti][hi][ri];
+                    if (tl <= 0 || tb <= 0)
+                        continue;
+                    point p = {.layer = L_MLP,
+                               .tokens = o->tokens[ti],
+                               .hidden = o->hidden[hi],
+                               .backward = bw};
+                    double tf = flops(&p) / tl / 1e12, ratio = tb / tl;
+                    char pk[32] = "peak unknown";
+                    if (peak > 0)
+                        snprintf(pk, sizeof pk, "%.1f%% of peak", 100 * tf / peak);
+                    printf("# mlp vs mlp-gemm %s T=%lld H=%lld ranks %lld: libtp %.3f ms, bare "
+                           "%.3f ms, bare/libtp %.3f (target >= 0.95) %s; libtp %.1f TFLOP/s, "
+                           "%s\n",
+                           pass_names[bw], (long long)p.tokens, (long long)p.hidden,
+                           (long long)o->ranks[ri], tl * 1e3, tb * 1e3, ratio,
+                           ratio >= 0.95 ? "PASS" : "FAIL", tf, pk);
+                    all = all && ratio >= 0.95;
+                }
+    return all;
+}
+
 int main(int argc, char **argv)
 {
     opts o;
@@ -1099,6 +1289,10 @@ int main(int argc, char **argv)
     openblas_set_num_threads(1);
     if (o.mlp_check)
         return mlp_check(&o);
+    if (o.cuda_dev && tp_cuda_device_count() == 0) {
+        fprintf(stderr, "tp-bench-layers: --device cuda: no CUDA device\n");
+        return 2;
+    }
     if (o.backend == BK_NCCL) {
 #if !TP_HAVE_NCCL
         fprintf(stderr, "tp-bench-layers: libtp built without NCCL support\n");
@@ -1177,6 +1371,10 @@ int main(int argc, char **argv)
     if (o.csv && printer && !fcsv)
         return 2;
 
+    char gpu[256] = "";
+    static mlp_medians med; /* zero: nothing run yet */
+    if (o.cuda_dev)
+        gpu_name(gpu, sizeof gpu);
     int64_t maxr = 1;
     for (int ri = 0; ri < o.nr; ri++)
         maxr = o.ranks[ri] > maxr ? o.ranks[ri] : maxr;
@@ -1197,7 +1395,10 @@ int main(int argc, char **argv)
                       "dtype,load_before,machine\n");
     double load_before = load1();
     if (printer) {
-        if (o.backend == BK_SHM)
+        if (o.backend == BK_SHM && o.cuda_dev)
+            printf("# tp-bench-layers: backend shm, ranks as threads on GPU rank %% %d (%s); %s\n",
+                   tp_cuda_device_count(), gpu, machine);
+        else if (o.backend == BK_SHM)
             printf("# tp-bench-layers: backend shm, ranks as threads, 1 BLAS thread each; %s\n", machine);
         else if (o.backend == BK_MPI)
             printf("# tp-bench-layers: backend mpi, ranks as processes of a %d-process MPI world (fewer "
@@ -1236,10 +1437,15 @@ int main(int argc, char **argv)
                 continue;
             for (int ti = 0; ti < o.nt; ti++)
                 for (int hi = 0; hi < o.nh; hi++) {
-                    point p0 = {.layer = l, .tokens = o.tokens[ti], .hidden = o.hidden[hi],
-                                .vocab = o.vocab, .backward = bw, .iters = iters,
+                    point p0 = {.layer = l,
+                                .tokens = o.tokens[ti],
+                                .hidden = o.hidden[hi],
+                                .vocab = o.vocab,
+                                .backward = bw,
+                                .iters = iters,
                                 .warmup = o.warmup >= 0 ? o.warmup : default_warmup[l],
-                                .cuda = o.backend == BK_NCCL, .dtype = o.dtype,
+                                .cuda = o.backend == BK_NCCL || o.cuda_dev,
+                                .dtype = o.dtype,
                                 .verbose = o.verbose && printer};
                     int idx[MAX_LIST], k = 0, base = -1;
                     for (int ri = 0; ri < o.nr; ri++) {
@@ -1302,6 +1508,8 @@ int main(int argc, char **argv)
                         min_max(t[j], R, &tmin, &tmax);
                         memcpy(v, t[j], sizeof(double) * (size_t)R);
                         double tmed = bench_median(v, R);
+                        if (l == L_MLP || l == L_MLP_GEMM)
+                            med[l == L_MLP_GEMM][bw][ti][hi][idx[j]] = tmed;
                         bool has_sp = base >= 0 && !failed[base];
                         if (has_sp) {
                             for (int r = 0; r < R; r++)
@@ -1356,6 +1564,8 @@ int main(int argc, char **argv)
         }
     }
     cpu_mark sweep1 = cpu_now(pw.world);
+    if (printer && o.cuda_dev && !print_mlp_vs_gemm(&o, med, gpu) && rc == 0)
+        rc = 1;
     if (printer) {
         print_load("after");
         warn_after(maxr, cores, sweep0, sweep1);

@@ -25,21 +25,36 @@
  * dtype within that dtype's tolerance, and the 1-rank run's final loss with
  * an f32 1-rank run's (see examples/README.md for the figures).
  *
- * Usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi] [--dtype f32|bf16|f16]
+ * --device cuda (-D cuda) runs every run on the GPU: the model is moved with
+ * tp_module_to and the batch with tp_tensor_to after the initialisation, rank
+ * r of the shm backend on cuda:(r % device count) (on one GPU every rank
+ * shares it), of the nccl backend (-b nccl) on cuda:r. The runs are compared
+ * as on the CPU, and the 1-rank run once more with the same run on the CPU,
+ * within rtol max(1e-4, the dtype's), atol max(1e-5, the dtype's) (the CUDA
+ * engine agrees with the CPU to float rounding: docs/API.md, CUDA). The end
+ * prints each device's peak tensor memory (tp_memory_stats) and the rows of
+ * the batch trained per second. Without a CUDA device it exits 77.
+ *
+ * Usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi|nccl] [--dtype f32|bf16|f16]
+ *                       [--device cpu|cuda]
  *   -b mpi    run under mpirun: the TP and TP+SP plans use the MPI world, one
  *             process per rank (the process count must divide 64); the
  *             reference runs on each process, the first process prints
+ *   -b nccl   with --device cuda: the TP runs' ranks are threads on one GPU
+ *             each (an nccl world over the shm one), so RANKS GPUs are needed
  *   -r RANKS  run the TP and TP+SP plans on this many ranks only, a divisor of
  *             the hidden size 64 (default 1, 2 and 4; the 1-rank reference
  *             always runs)
  *   -s STEPS  training steps (default 5)
- * Exit status 0 when every run matches the reference, 1 otherwise.
+ * Exit status 0 when every run matches the reference, 1 otherwise, 2 for bad
+ * options, 77 for --device cuda without a CUDA device (meson's skip).
  */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <tp.h>
 
@@ -55,6 +70,8 @@ typedef enum run_mode { MODE_NONE = 0, MODE_TP, MODE_SP } run_mode;
 
 /* --dtype: what the model and the batch are in. */
 static tp_dtype g_dtype = TP_F32;
+/* -b nccl: the TP runs communicate through an nccl world, one GPU per rank. */
+static bool g_nccl = false;
 
 /* A TP run vs the 1-rank run of the same dtype: f32 agrees to rounding; in
  * bf16/f16 net2's Partial sums are rounded per rank before their all_reduce,
@@ -79,6 +96,12 @@ static double final_rtol_of(tp_dtype dt)
 
 #define RTOL rtol_of(g_dtype)
 #define ATOL atol_of(g_dtype)
+/* --device cuda: the 1-rank run on the GPU vs on the CPU. The CUDA engine
+ * agrees with the CPU to float rounding (docs/API.md, CUDA: ops within
+ * 1e-5 + 1e-4 |cpu| in f32); in bf16/f16 a rounding may go the other way,
+ * as between TP and 1 rank, hence the dtype's tolerance where it is larger. */
+#define DEV_RTOL fmax(RTOL, 1e-4)
+#define DEV_ATOL fmax(ATOL, 1e-5)
 
 static const char *const mode_name[] = {"no TP", "TP", "TP+SP"};
 static const char *const mode_plan[] = {
@@ -97,8 +120,10 @@ typedef struct param_value {
 typedef struct run {
     run_mode mode;
     tp_dtype dtype;
+    bool cuda; /* --device cuda: rank r on cuda:(r % device count) */
     int ranks;
     int steps;
+    double seconds; /* the training steps' wall time on rank 0 */
     double loss[MAX_STEPS];
     int nparams;
     param_value params[MAX_PARAMS];
@@ -333,10 +358,32 @@ static tp_status keep_param(const char *fqn, tp_tensor *full, void *ctx)
     }
     param_value *p = &r->params[r->nparams];
     snprintf(p->fqn, sizeof p->fqn, "%s", fqn);
-    tp_status st = tp_tensor_clone(full, &p->full);
+    /* a CPU copy: main compares it after the rank threads are gone */
+    tp_status st = tp_tensor_to(full, tp_tensor_dtype(full), TP_CPU, &p->full);
     if (st == TP_OK)
         r->nparams++;
     return st;
+}
+
+/* Replaces *t with a copy on `device` (same dtype); a no-op on the CPU. */
+static tp_status to_device(tp_tensor **t, tp_device device)
+{
+    if (device.type == TP_DEVICE_CPU)
+        return TP_OK;
+    tp_tensor *moved = NULL;
+    tp_status st = tp_tensor_to(*t, tp_tensor_dtype(*t), device, &moved);
+    if (st == TP_OK) {
+        tp_tensor_release(*t);
+        *t = moved;
+    }
+    return st;
+}
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* The body of every rank of a run. */
@@ -344,13 +391,22 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
 {
     run *r = arg;
     const int rank = tp_comm_rank(world);
+    const tp_device dev = r->cuda ? TP_CUDA(rank % tp_cuda_device_count()) : TP_CPU;
     tp_status st;
+    tp_comm *nccl = NULL;
     tp_mesh *mesh = NULL;
     tp_module *model = NULL;
     tp_tensor *x = NULL, *t = NULL, *x_rows = NULL, *x_in = NULL, *t_in = NULL;
     tp_comm_debug *debug = NULL;
     trainer tr = {0};
 
+    if (g_nccl && r->mode != MODE_NONE) {
+        /* the shm world of the threads carries the NCCL id; rank r uses
+         * cuda:r (main checked that there are enough devices) */
+        tp_nccl_options no = {.bootstrap = world, .device = rank};
+        CHECK(tp_comm_create_world("nccl", &no, &nccl));
+        world = nccl;
+    }
     if (r->mode != MODE_NONE) {
         const int64_t size = tp_comm_size(world);
         const char *const names[1] = {"tp"};
@@ -364,6 +420,9 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
      * exists (the masters start from the rounded values) */
     if (r->dtype != TP_F32)
         CHECK(tp_module_to_dtype(model, r->dtype));
+    /* --device cuda: the same values, moved before the optimizer exists */
+    if (r->cuda)
+        CHECK(tp_module_to(model, dev));
     CHECK(trainer_create(model, r->mode == MODE_NONE ? NULL : world, r->dtype, &tr));
 
     /* the global batch: every rank generates the same values */
@@ -372,6 +431,8 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
     CHECK(tp_tensor_fill_random(x, TP_RNG_NORMAL, 0.0, 1.0, INPUT_SEED, NULL, NULL));
     CHECK(tp_tensor_empty(r->dtype, TP_CPU, 2, tshape, &t));
     CHECK(tp_tensor_fill_random(t, TP_RNG_NORMAL, 0.0, 1.0, TARGET_SEED, NULL, NULL));
+    CHECK(to_device(&x, dev));
+    CHECK(to_device(&t, dev));
     if (r->mode == MODE_SP) {
         /* this rank's rows: its Shard(0) block of the batch */
         const tp_placement s0 = tp_shard(0);
@@ -392,6 +453,8 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
     }
 
     CHECK(tp_comm_debug_create(&debug));
+    /* each step reads its loss on the host, which waits for the device */
+    const double start = now_seconds();
     for (int step = 0; step < r->steps; step++) {
         double loss = 0.0;
         if (step == 0)
@@ -402,6 +465,8 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
         if (rank == 0)
             r->loss[step] = loss;
     }
+    if (rank == 0)
+        r->seconds = now_seconds() - start;
     CHECK(tp_module_state_dict(model, keep_param, rank == 0 ? r : NULL));
     if (rank == 0) {
         r->debug = debug; /* main reads it after tp_run_local joined the ranks */
@@ -417,18 +482,20 @@ out:
     tp_tensor_release(x);
     tp_mesh_free(mesh); /* any order: the model's DTensors and hooks hold the mesh */
     tp_module_free(model);
+    tp_comm_free(nccl); /* the mesh and the model held their own references */
     return st;
 }
 
 /* ---- comparing runs --------------------------------------------------------- */
 
-static bool close_to(double a, double ref)
+static bool close_to(double a, double ref, double rtol, double atol)
 {
-    return fabs(a - ref) <= ATOL + RTOL * fabs(ref);
+    return fabs(a - ref) <= atol + rtol * fabs(ref);
 }
 
-/* Compares r with the reference: losses per step, then every parameter. */
-static void compare(run *r, const run *ref)
+/* Compares r with the reference: losses per step, then every parameter,
+ * within rtol, atol. */
+static void compare(run *r, const run *ref, double rtol, double atol)
 {
     r->ok = r->status == TP_OK && r->nparams == ref->nparams;
     r->loss_diff = r->param_diff = 0.0;
@@ -437,7 +504,7 @@ static void compare(run *r, const run *ref)
     for (int s = 0; s < r->steps; s++) {
         double d = fabs(r->loss[s] - ref->loss[s]);
         r->loss_diff = d > r->loss_diff ? d : r->loss_diff;
-        if (!close_to(r->loss[s], ref->loss[s]))
+        if (!close_to(r->loss[s], ref->loss[s], rtol, atol))
             r->ok = false;
     }
     for (int i = 0; i < ref->nparams; i++) {
@@ -449,7 +516,7 @@ static void compare(run *r, const run *ref)
         double d = 0.0;
         bool close = false;
         if (!got || tp_tensor_max_abs_diff(got->full, want->full, &d) != TP_OK ||
-            tp_tensor_allclose(got->full, want->full, RTOL, ATOL, &close) != TP_OK || !close) {
+            tp_tensor_allclose(got->full, want->full, rtol, atol, &close) != TP_OK || !close) {
             fprintf(stderr, "  parameter %s differs from the reference (max |diff| %.3g)%s\n",
                     want->fqn, d, got ? "" : ": missing");
             r->ok = false;
@@ -524,7 +591,8 @@ static void run_free(run *r)
  * (one more 1-rank run), within final_rtol_of. */
 static bool final_loss_vs_f32(const run *lowp)
 {
-    run f32 = {.mode = MODE_NONE, .dtype = TP_F32, .ranks = 1, .steps = lowp->steps};
+    run f32 = {
+        .mode = MODE_NONE, .dtype = TP_F32, .cuda = lowp->cuda, .ranks = 1, .steps = lowp->steps};
     f32.status = tp_run_local(1, mlp_rank, &f32);
     bool ok = f32.status == TP_OK;
     if (!ok) {
@@ -541,6 +609,77 @@ static bool final_loss_vs_f32(const run *lowp)
     }
     run_free(&f32);
     return ok;
+}
+
+/* --device cuda: the 1-rank run once more on the CPU, which the GPU's must
+ * match in losses and parameters within DEV_RTOL, DEV_ATOL. */
+static bool gpu_vs_cpu(run *gpu)
+{
+    run cpu = {.mode = MODE_NONE, .dtype = gpu->dtype, .ranks = 1, .steps = gpu->steps};
+    cpu.status = tp_run_local(1, mlp_rank, &cpu);
+    bool ok = cpu.status == TP_OK;
+    if (!ok) {
+        fprintf(stderr, "the CPU run failed: %s: %s\n", tp_status_name(cpu.status),
+                tp_last_error());
+    } else {
+        compare(gpu, &cpu, DEV_RTOL, DEV_ATOL);
+        ok = gpu->ok;
+        printf("\n1-rank run on cuda vs the same run on the CPU: max |diff| loss %.3g, "
+               "parameters %.3g (rtol %g, atol %g)  %s\n",
+               gpu->loss_diff, gpu->param_diff, DEV_RTOL, DEV_ATOL, ok ? "ok" : "MISMATCH");
+    }
+    run_free(&cpu);
+    return ok;
+}
+
+/* --device cuda: each device's peak tensor memory over the whole program
+ * (tp_memory_stats), and each run's training throughput in rows of the batch
+ * per second (rank 0's wall time of the steps, the first included). */
+static void print_device_summary(const run *runs, int nruns)
+{
+    printf("\n");
+    for (int d = 0; d < tp_cuda_device_count(); d++) {
+        tp_memory_info mi;
+        if (tp_memory_stats(TP_CUDA(d), &mi) == TP_OK && mi.num_allocs > 0)
+            printf("cuda:%d: peak tensor memory %.1f KiB (%zu bytes, every run)\n", d,
+                   (double)mi.peak_allocated / 1024.0, mi.peak_allocated);
+    }
+    for (int i = 0; i < nruns; i++) {
+        const run *r = &runs[i];
+        if (r->status == TP_OK && r->seconds > 0)
+            printf("%-6s on %d rank%s: %d steps in %.2f ms, %.0f tokens/s (rows of the batch)\n",
+                   mode_name[r->mode], r->ranks, r->ranks > 1 ? "s" : "", r->steps,
+                   1e3 * r->seconds, (double)BATCH * r->steps / r->seconds);
+    }
+}
+
+/* The checks of --device and -b before anything runs: 0 to go on, else the
+ * exit status (2: a bad combination; 77: no CUDA device, meson's skip). */
+static int check_device(bool cuda, bool mpi, int max_ranks)
+{
+    if (cuda && mpi) {
+        fprintf(stderr, "--device cuda needs -b shm or -b nccl: the mpi backend moves CPU "
+                        "tensors only (with -b shm the ranks, threads, share the GPUs)\n");
+        return 2;
+    }
+    if (g_nccl && !cuda) {
+        fprintf(stderr, "-b nccl moves CUDA tensors only: add --device cuda\n");
+        return 2;
+    }
+    const int ndev = tp_cuda_device_count();
+    if (cuda && ndev == 0) {
+        fprintf(stderr, "no CUDA device: tp_cuda_device_count() is 0 (libtp built without "
+                        "CUDA, or no GPU visible); --device cuda skipped\n");
+        return 77;
+    }
+    if (g_nccl && ndev < max_ranks) {
+        fprintf(stderr,
+                "-b nccl puts each rank on a GPU of its own: %d ranks need %d CUDA devices, "
+                "this machine has %d; use -b shm, whose ranks share the GPUs\n",
+                max_ranks, max_ranks, ndev);
+        return 2;
+    }
+    return 0;
 }
 
 /* ---- main ------------------------------------------------------------------- */
@@ -571,19 +710,26 @@ static int parse_dtype(const char *s, tp_dtype *out)
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi] [--dtype f32|bf16|f16]\n"
+            "usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi|nccl] [--dtype f32|bf16|f16]\n"
+            "                      [--device cpu|cuda]\n"
             "  -r RANKS  rank count of the TP runs, dividing %d (default: 1, 2 and 4)\n"
             "  -b mpi    under mpirun: the TP runs use one process per rank\n"
+            "  -b nccl   with --device cuda: one GPU per rank (threads, an nccl world)\n"
             "  -s STEPS  SGD steps (default 5)\n"
             "  --dtype   train in f32 (default), bf16 or f16 (f32 master weights;\n"
-            "            f16 with loss scaling), and compare with an f32 run\n",
+            "            f16 with loss scaling), and compare with an f32 run\n"
+            "  --device cpu|cuda, -D cpu|cuda\n"
+            "            run on the CPU (default) or the GPU: with -b shm rank r on\n"
+            "            cuda:(r %% device count), so the ranks share one GPU; the\n"
+            "            1-rank run is checked against the CPU too. Exit 77 without\n"
+            "            a CUDA device\n",
             HIDDEN);
 }
 
 int main(int argc, char **argv)
 {
     int rank_counts[3] = {1, 2, 4}, n_counts = 3, steps = 5;
-    bool use_mpi = false;
+    bool use_mpi = false, use_cuda = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
@@ -601,11 +747,12 @@ int main(int argc, char **argv)
             }
         } else if (!strcmp(argv[i], "-b")) {
             const char *b = i + 1 < argc ? argv[++i] : "";
-            if (strcmp(b, "shm") && strcmp(b, "mpi")) {
-                fprintf(stderr, "-b BACKEND must be shm or mpi, got '%s'\n", b);
+            if (strcmp(b, "shm") && strcmp(b, "mpi") && strcmp(b, "nccl")) {
+                fprintf(stderr, "-b BACKEND must be shm, mpi or nccl, got '%s'\n", b);
                 return 2;
             }
             use_mpi = !strcmp(b, "mpi");
+            g_nccl = !strcmp(b, "nccl");
         } else if (!strcmp(argv[i], "-s")) {
             steps = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, MAX_STEPS, "-s STEPS");
             if (steps < 0)
@@ -613,11 +760,24 @@ int main(int argc, char **argv)
         } else if (!strcmp(argv[i], "--dtype")) {
             if (parse_dtype(i + 1 < argc ? argv[++i] : NULL, &g_dtype) != 0)
                 return 2;
+        } else if (!strcmp(argv[i], "--device") || !strcmp(argv[i], "-D")) {
+            const char *d = i + 1 < argc ? argv[++i] : "";
+            if (strcmp(d, "cpu") && strcmp(d, "cuda")) {
+                fprintf(stderr, "--device must be cpu or cuda, got '%s'\n", d);
+                return 2;
+            }
+            use_cuda = !strcmp(d, "cuda");
         } else {
             usage(stderr);
             return 2;
         }
     }
+    int max_ranks = 1;
+    for (int c = 0; c < n_counts; c++)
+        max_ranks = rank_counts[c] > max_ranks ? rank_counts[c] : max_ranks;
+    const int device_check = check_device(use_cuda, use_mpi, max_ranks);
+    if (device_check != 0)
+        return device_check;
 
     /* -b mpi: this process is one rank of the MPI world (under mpirun); the
      * TP runs use every process, the reference runs on one thread of each,
@@ -649,16 +809,26 @@ int main(int argc, char **argv)
 
     static run runs[MAX_RUNS];
     int nruns = 0;
-    runs[nruns++] = (run){.mode = MODE_NONE, .dtype = g_dtype, .ranks = 1, .steps = steps};
+    runs[nruns++] =
+        (run){.mode = MODE_NONE, .dtype = g_dtype, .cuda = use_cuda, .ranks = 1, .steps = steps};
     for (int c = 0; c < n_counts; c++)
         for (int m = MODE_TP; m <= MODE_SP; m++)
-            runs[nruns++] = (run){
-                .mode = (run_mode)m, .dtype = g_dtype, .ranks = rank_counts[c], .steps = steps};
+            runs[nruns++] = (run){.mode = (run_mode)m,
+                                  .dtype = g_dtype,
+                                  .cuda = use_cuda,
+                                  .ranks = rank_counts[c],
+                                  .steps = steps};
 
     printf("libtp example: MLP (net1 = Linear(%d, %d), ReLU, net2 = Linear(%d, %d)), batch %d,\n"
-           "loss mean((y - t)^2), SGD lr %g, %d steps, %s; every run must match the 1-rank run\n"
-           "within rtol %g, atol %g\n",
-           IN, HIDDEN, HIDDEN, OUT, BATCH, LR, steps, tp_dtype_name(g_dtype), RTOL, ATOL);
+           "loss mean((y - t)^2), SGD lr %g, %d steps, %s on %s%s; every run must match the\n"
+           "1-rank run within rtol %g, atol %g\n",
+           IN, HIDDEN, HIDDEN, OUT, BATCH, LR, steps, tp_dtype_name(g_dtype),
+           use_cuda ? "cuda" : "the cpu", g_nccl ? " (nccl)" : "", RTOL, ATOL);
+    if (use_cuda)
+        printf("(%d CUDA device%s: rank r on cuda:(r %% %d); the 1-rank run also against the "
+               "CPU)\n",
+               tp_cuda_device_count(), tp_cuda_device_count() > 1 ? "s" : "",
+               tp_cuda_device_count());
 
     bool all_ok = true;
     double worst_loss = 0.0, worst_param = 0.0;
@@ -682,7 +852,7 @@ int main(int argc, char **argv)
         printf("\n");
         if (i > 0) {
             if (reporter) /* the other processes hold no parameters */
-                compare(r, &runs[0]);
+                compare(r, &runs[0], RTOL, ATOL);
             else
                 r->ok = true;
             printf("   max |diff| vs the 1-rank run: loss %.3g, parameters %.3g  %s\n",
@@ -728,6 +898,10 @@ int main(int argc, char **argv)
 
     if (g_dtype != TP_F32 && runs[0].status == TP_OK && reporter)
         all_ok = final_loss_vs_f32(&runs[0]) && all_ok;
+    if (use_cuda && runs[0].status == TP_OK) {
+        all_ok = gpu_vs_cpu(&runs[0]) && all_ok;
+        print_device_summary(runs, nruns);
+    }
 
     printf("\n%s: %d runs; max |diff| vs the 1-rank run: loss %.3g, parameters %.3g "
            "(rtol %g, atol %g)\n",

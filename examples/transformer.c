@@ -59,24 +59,39 @@
  * the same dtype within that dtype's tolerance, and the 1-rank run's final
  * loss with an f32 1-rank run's (figures in examples/README.md).
  *
- * Usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi]
- *                               [--dtype f32|bf16|f16]
+ * --device cuda (-D cuda) runs every run on the GPU: the model is moved with
+ * tp_module_to after the initialisation (before the DDP and Adam exist), the
+ * tokens, positions and targets with tp_tensor_to; rank r of the shm backend
+ * runs on cuda:(r % device count) (on one GPU every rank shares it), of the
+ * nccl backend (-b nccl) on cuda:r. The runs are compared as on the CPU, and
+ * the 1-rank run once more with the same run on the CPU, within the
+ * tolerances above (rtol 1e-4, atol 1e-5 in f32: the CUDA engine agrees with
+ * the CPU to float rounding, docs/API.md, CUDA). The end prints each device's
+ * peak tensor memory (tp_memory_stats) and the tokens trained per second.
+ * Without a CUDA device it exits 77.
+ *
+ * Usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi|nccl]
+ *                               [--dtype f32|bf16|f16] [--device cpu|cuda]
  *   -b mpi    run under mpirun: the TP plans use the MPI world, one process
  *             per rank (the process count / DP must divide the 4 heads); the
  *             reference runs on each process, the first process prints
+ *   -b nccl   with --device cuda: the TP runs' ranks are threads on one GPU
+ *             each (an nccl world over the shm one), so RANKS GPUs are needed
  *   -r RANKS  run the TP plans on this many ranks only (default 1, 2 and 4,
  *             times DP with -d)
  *   -d DP     data parallel x tensor parallel on a [DP, RANKS / DP] mesh; DP
  *             divides the rank count and the batch of 4
  *   -s STEPS  Adam steps (default 3)
  *   -t        also print tp_comm_debug_write_table's full table of every run
- * Exit status 0 when every run matches the reference, 1 otherwise.
+ * Exit status 0 when every run matches the reference, 1 otherwise, 2 for bad
+ * options, 77 for --device cuda without a CUDA device (meson's skip).
  */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <tp.h>
 
@@ -96,6 +111,8 @@ enum { MAX_STEPS = 100, MAX_PARAMS = 64, MAX_RUNS = 32 };
 #define NORM_EPS 1e-5
 /* --dtype: what the model is in. */
 static tp_dtype g_dtype = TP_F32;
+/* -b nccl: the TP runs communicate through an nccl world, one GPU per rank. */
+static bool g_nccl = false;
 
 /* A TP run vs the 1-rank run of the same dtype: f32 agrees to rounding; in
  * bf16/f16 the Partial sums of the row-wise layers are rounded per rank
@@ -144,9 +161,11 @@ typedef struct param_value {
 typedef struct run {
     run_mode mode;
     tp_dtype dtype;
+    bool cuda; /* --device cuda: rank r on cuda:(r % device count) */
     int ranks;
     int dp; /* -d: a ("dp", "tp") mesh [dp, ranks / dp] and a DDP over "dp"; 0: 1-D TP mesh */
     int steps;
+    double seconds; /* the training steps' wall time on rank 0 */
     double loss[MAX_STEPS];
     int nparams;
     param_value params[MAX_PARAMS];
@@ -598,7 +617,8 @@ static tp_status keep_param(const char *fqn, tp_tensor *full, void *ctx)
     }
     param_value *p = &r->params[r->nparams];
     snprintf(p->fqn, sizeof p->fqn, "%s", fqn);
-    tp_status st = tp_tensor_clone(full, &p->full);
+    /* a CPU copy: main compares it after the rank threads are gone */
+    tp_status st = tp_tensor_to(full, tp_tensor_dtype(full), TP_CPU, &p->full);
     if (st == TP_OK)
         r->nparams++;
     return st;
@@ -618,14 +638,36 @@ static tp_status batch_share(tp_tensor *t, int64_t rows_per_batch, int64_t index
     return st;
 }
 
+/* Replaces *t with a copy on `device` (same dtype); a no-op on the CPU. */
+static tp_status to_device(tp_tensor **t, tp_device device)
+{
+    if (device.type == TP_DEVICE_CPU)
+        return TP_OK;
+    tp_tensor *moved = NULL;
+    tp_status st = tp_tensor_to(*t, tp_tensor_dtype(*t), device, &moved);
+    if (st == TP_OK) {
+        tp_tensor_release(*t);
+        *t = moved;
+    }
+    return st;
+}
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 /* The mean of each step's loss over the dp groups (one all_reduce, after the
  * counted step): each group's loss is the mean over its own tokens, and the
  * shares are equal, so this is the whole batch's mean, the reference's loss. */
-static tp_status dp_mean_losses(tp_comm *dp, int64_t steps, double *loss)
+static tp_status dp_mean_losses(tp_comm *dp, tp_device dev, int64_t steps, double *loss)
 {
     tp_status st;
     tp_tensor *t = NULL;
     CHECK(tp_tensor_from_data(TP_F64, 1, &steps, loss, &t));
+    CHECK(to_device(&t, dev)); /* where the comm's buffers live */
     CHECK(tp_all_reduce(dp, t, t, TP_AVG, NULL));
     for (int64_t s = 0; s < steps; s++)
         CHECK(tp_tensor_get(t, &s, &loss[s]));
@@ -638,8 +680,10 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
 {
     const run *cfg = arg;
     const int rank = tp_comm_rank(world);
-    double loss[MAX_STEPS];
+    const tp_device dev = cfg->cuda ? TP_CUDA(rank % tp_cuda_device_count()) : TP_CPU;
+    double loss[MAX_STEPS], seconds = 0.0;
     tp_status st;
+    tp_comm *nccl = NULL;
     tp_mesh *mesh = NULL, *tpmesh = NULL;
     tp_comm *dp_comm = NULL;
     int64_t dp_coord = 0;
@@ -650,6 +694,13 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
     tp_tensor *tokens = NULL, *targets = NULL, *positions = NULL, *tgt = NULL, *pos = NULL;
     tp_comm_debug *debug = NULL;
 
+    if (g_nccl && cfg->mode != MODE_NONE) {
+        /* the shm world of the threads carries the NCCL id; rank r uses
+         * cuda:r (main checked that there are enough devices) */
+        tp_nccl_options no = {.bootstrap = world, .device = rank};
+        CHECK(tp_comm_create_world("nccl", &no, &nccl));
+        world = nccl;
+    }
     if (cfg->mode != MODE_NONE && cfg->dp) {
         /* DP x TP: world rank = dp * (ranks / dp) + tp; the TP plan lives on
          * this rank's "tp" row, the DDP averages over its "dp" column */
@@ -671,6 +722,9 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
     /* param_dtype: cast before the DDP and the optimizer see the parameters */
     if (cfg->dtype != TP_F32)
         CHECK(tp_module_to_dtype(model, cfg->dtype));
+    /* --device cuda: the same values, moved before the DDP and Adam exist */
+    if (cfg->cuda)
+        CHECK(tp_module_to(model, dev));
     if (dp_comm) {
         /* every dp group initialized the same parameters: nothing to send.
          * Buckets of 16 KiB (PyTorch's 25 MiB default would hold this whole
@@ -697,6 +751,9 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
     }
 
     CHECK(make_data(&tokens, &targets, &positions));
+    CHECK(to_device(&tokens, dev));
+    CHECK(to_device(&targets, dev));
+    CHECK(to_device(&positions, dev));
     if (dp_comm) {
         /* this dp group trains on its share of the batch: the loss is the mean
          * over its tokens, and the DDP's average over the equal shares makes
@@ -731,6 +788,8 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
     }
 
     CHECK(tp_comm_debug_create(&debug));
+    /* each step reads its loss on the host, which waits for the device */
+    const double start = now_seconds();
     for (int step = 0; step < cfg->steps; step++) {
         if (step == 0)
             CHECK(tp_comm_debug_begin(debug));
@@ -738,13 +797,15 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
         if (step == 0)
             CHECK(tp_comm_debug_end(debug));
     }
+    seconds = now_seconds() - start;
     if (dp_comm)
-        CHECK(dp_mean_losses(dp_comm, cfg->steps, loss));
+        CHECK(dp_mean_losses(dp_comm, dev, cfg->steps, loss));
     /* rank 0 records the run; main reads it after the ranks joined */
     run *r = rank == 0 ? arg : NULL;
     CHECK(tp_module_state_dict(model, keep_param, r));
     if (r) {
         memcpy(r->loss, loss, (size_t)cfg->steps * sizeof loss[0]);
+        r->seconds = seconds;
         r->dp_buckets = dp_buckets;
         r->debug = debug;
         debug = NULL;
@@ -763,17 +824,20 @@ out:
     tp_module_free(model);
     tp_mesh_free(tpmesh);
     tp_mesh_free(mesh);
+    tp_comm_free(nccl); /* the meshes and the DDP held their own references */
     return st;
 }
 
 /* ---- comparing runs ------------------------------------------------------------------ */
 
-static bool close_to(double a, double ref)
+static bool close_to(double a, double ref, double rtol, double atol)
 {
-    return fabs(a - ref) <= ATOL + RTOL * fabs(ref);
+    return fabs(a - ref) <= atol + rtol * fabs(ref);
 }
 
-static void compare(run *r, const run *ref)
+/* Compares r with the reference: losses per step within rtol, atol, then
+ * every parameter within rtol, param_atol(steps). */
+static void compare(run *r, const run *ref, double rtol, double atol)
 {
     r->ok = r->status == TP_OK && r->nparams == ref->nparams;
     r->loss_diff = r->param_diff = 0.0;
@@ -782,7 +846,7 @@ static void compare(run *r, const run *ref)
     for (int s = 0; s < r->steps; s++) {
         double d = fabs(r->loss[s] - ref->loss[s]);
         r->loss_diff = d > r->loss_diff ? d : r->loss_diff;
-        if (!close_to(r->loss[s], ref->loss[s]))
+        if (!close_to(r->loss[s], ref->loss[s], rtol, atol))
             r->ok = false;
     }
     for (int i = 0; i < ref->nparams; i++) {
@@ -794,7 +858,7 @@ static void compare(run *r, const run *ref)
         double d = 0.0;
         bool close = false;
         if (!got || tp_tensor_max_abs_diff(got->full, want->full, &d) != TP_OK ||
-            tp_tensor_allclose(got->full, want->full, RTOL, param_atol(r->steps), &close) !=
+            tp_tensor_allclose(got->full, want->full, rtol, param_atol(r->steps), &close) !=
                 TP_OK ||
             !close) {
             fprintf(stderr, "  %s/%d: parameter %s differs from the reference (max |diff| "
@@ -986,7 +1050,8 @@ static int parse_dtype(const char *s, tp_dtype *out)
 static bool final_loss_vs_f32(const run *lowp)
 {
     static run f32; /* static: a run is large */
-    f32 = (run){.mode = MODE_NONE, .dtype = TP_F32, .ranks = 1, .steps = lowp->steps};
+    f32 = (run){
+        .mode = MODE_NONE, .dtype = TP_F32, .cuda = lowp->cuda, .ranks = 1, .steps = lowp->steps};
     f32.status = tp_run_local(1, transformer_rank, &f32);
     bool ok = f32.status == TP_OK;
     if (!ok) {
@@ -1005,12 +1070,89 @@ static bool final_loss_vs_f32(const run *lowp)
     return ok;
 }
 
+/* --device cuda: the 1-rank run once more on the CPU, which the GPU's must
+ * match in losses and parameters within the dtype's tolerances (in f32
+ * rtol 1e-4, atol 1e-5: the CUDA engine's agreement with the CPU per op). */
+static bool gpu_vs_cpu(run *gpu)
+{
+    static run cpu; /* static: a run is large */
+    cpu = (run){.mode = MODE_NONE, .dtype = gpu->dtype, .ranks = 1, .steps = gpu->steps};
+    cpu.status = tp_run_local(1, transformer_rank, &cpu);
+    bool ok = cpu.status == TP_OK;
+    if (!ok) {
+        fprintf(stderr, "the CPU run failed: %s: %s\n", tp_status_name(cpu.status),
+                tp_last_error());
+    } else {
+        compare(gpu, &cpu, RTOL, ATOL);
+        ok = gpu->ok;
+        printf("\n1-rank run on cuda vs the same run on the CPU: max |diff| loss %.2e, "
+               "parameters %.2e (rtol %g, atol %g; parameters: atol %g)  %s\n",
+               gpu->loss_diff, gpu->param_diff, RTOL, ATOL, param_atol(gpu->steps),
+               ok ? "ok" : "MISMATCH");
+    }
+    run_free(&cpu);
+    return ok;
+}
+
+/* --device cuda: each device's peak tensor memory over the whole program
+ * (tp_memory_stats), and each run's tokens trained per second (the global
+ * batch of BATCH x SEQ tokens per step, rank 0's wall time of the steps, the
+ * first included). */
+static void print_device_summary(const run *runs, int nruns)
+{
+    printf("\n");
+    for (int d = 0; d < tp_cuda_device_count(); d++) {
+        tp_memory_info mi;
+        if (tp_memory_stats(TP_CUDA(d), &mi) == TP_OK && mi.num_allocs > 0)
+            printf("cuda:%d: peak tensor memory %.1f KiB (%zu bytes, every run)\n", d,
+                   (double)mi.peak_allocated / 1024.0, mi.peak_allocated);
+    }
+    for (int i = 0; i < nruns; i++) {
+        const run *r = &runs[i];
+        char rk[16];
+        if (r->status == TP_OK && r->seconds > 0)
+            printf("%-6s on %s rank%s: %d steps in %.2f ms, %.0f tokens/s\n", mode_name[r->mode],
+                   ranks_str(r, rk, sizeof rk), r->ranks > 1 ? "s" : "", r->steps, 1e3 * r->seconds,
+                   (double)BATCH * SEQ * r->steps / r->seconds);
+    }
+}
+
+/* The checks of --device and -b before anything runs: 0 to go on, else the
+ * exit status (2: a bad combination; 77: no CUDA device, meson's skip). */
+static int check_device(bool cuda, bool mpi, int max_ranks)
+{
+    if (cuda && mpi) {
+        fprintf(stderr, "--device cuda needs -b shm or -b nccl: the mpi backend moves CPU "
+                        "tensors only (with -b shm the ranks, threads, share the GPUs)\n");
+        return 2;
+    }
+    if (g_nccl && !cuda) {
+        fprintf(stderr, "-b nccl moves CUDA tensors only: add --device cuda\n");
+        return 2;
+    }
+    const int ndev = tp_cuda_device_count();
+    if (cuda && ndev == 0) {
+        fprintf(stderr, "no CUDA device: tp_cuda_device_count() is 0 (libtp built without "
+                        "CUDA, or no GPU visible); --device cuda skipped\n");
+        return 77;
+    }
+    if (g_nccl && ndev < max_ranks) {
+        fprintf(stderr,
+                "-b nccl puts each rank on a GPU of its own: %d ranks need %d CUDA devices, "
+                "this machine has %d; use -b shm, whose ranks share the GPUs\n",
+                max_ranks, max_ranks, ndev);
+        return 2;
+    }
+    return 0;
+}
+
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi]\n"
-            "                              [--dtype f32|bf16|f16]\n"
+            "usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi|nccl]\n"
+            "                              [--dtype f32|bf16|f16] [--device cpu|cuda]\n"
             "  -b mpi    under mpirun: the TP runs use one process per rank\n"
+            "  -b nccl   with --device cuda: one GPU per rank (threads, an nccl world)\n"
             "  -r RANKS  rank count of the TP runs; RANKS / DP must divide the %d heads\n"
             "            (default: 1, 2 and 4 times DP)\n"
             "  -d DP     data parallel x tensor parallel: a (\"dp\", \"tp\") mesh of\n"
@@ -1019,7 +1161,12 @@ static void usage(FILE *f)
             "  -t        also print the full comm-debug table of every run\n"
             "  --dtype   train in f32 (default), bf16 or f16 (f32 master weights and\n"
             "            states, f32 gradient reduction; f16 with loss scaling), and\n"
-            "            compare with an f32 run\n",
+            "            compare with an f32 run\n"
+            "  --device cpu|cuda, -D cpu|cuda\n"
+            "            run on the CPU (default) or the GPU: with -b shm rank r on\n"
+            "            cuda:(r %% device count), so the ranks share one GPU; the\n"
+            "            1-rank run is checked against the CPU too. Exit 77 without\n"
+            "            a CUDA device\n",
             HEADS, BATCH);
 }
 
@@ -1043,7 +1190,7 @@ static const char *bad_layout(int ranks, int dp, char *buf, size_t len)
 int main(int argc, char **argv)
 {
     int rank_counts[3] = {1, 2, 4}, n_counts = 3, steps = 3, dp = 0;
-    bool use_mpi = false;
+    bool use_mpi = false, use_cuda = false;
     bool all_tables = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
@@ -1065,11 +1212,12 @@ int main(int argc, char **argv)
             }
         } else if (!strcmp(argv[i], "-b")) {
             const char *b = i + 1 < argc ? argv[++i] : "";
-            if (strcmp(b, "shm") && strcmp(b, "mpi")) {
-                fprintf(stderr, "-b BACKEND must be shm or mpi, got '%s'\n", b);
+            if (strcmp(b, "shm") && strcmp(b, "mpi") && strcmp(b, "nccl")) {
+                fprintf(stderr, "-b BACKEND must be shm, mpi or nccl, got '%s'\n", b);
                 return 2;
             }
             use_mpi = !strcmp(b, "mpi");
+            g_nccl = !strcmp(b, "nccl");
         } else if (!strcmp(argv[i], "-s")) {
             steps = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, MAX_STEPS, "-s STEPS");
             if (steps < 0)
@@ -1079,6 +1227,13 @@ int main(int argc, char **argv)
         } else if (!strcmp(argv[i], "--dtype")) {
             if (parse_dtype(i + 1 < argc ? argv[++i] : NULL, &g_dtype) != 0)
                 return 2;
+        } else if (!strcmp(argv[i], "--device") || !strcmp(argv[i], "-D")) {
+            const char *d = i + 1 < argc ? argv[++i] : "";
+            if (strcmp(d, "cpu") && strcmp(d, "cuda")) {
+                fprintf(stderr, "--device must be cpu or cuda, got '%s'\n", d);
+                return 2;
+            }
+            use_cuda = !strcmp(d, "cuda");
         } else {
             usage(stderr);
             return 2;
@@ -1092,6 +1247,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s\n", why);
         return 2;
     }
+    int max_ranks = 1;
+    for (int c = 0; c < n_counts; c++)
+        max_ranks = rank_counts[c] > max_ranks ? rank_counts[c] : max_ranks;
+    const int device_check = check_device(use_cuda, use_mpi, max_ranks);
+    if (device_check != 0)
+        return device_check;
 
     /* -b mpi: this process is one rank of the MPI world (under mpirun); the
      * TP runs use every process, the reference runs on one thread of each,
@@ -1122,22 +1283,29 @@ int main(int argc, char **argv)
 
     static run runs[MAX_RUNS];
     int nruns = 0;
-    runs[nruns++] = (run){.mode = MODE_NONE, .dtype = g_dtype, .ranks = 1, .steps = steps};
+    runs[nruns++] =
+        (run){.mode = MODE_NONE, .dtype = g_dtype, .cuda = use_cuda, .ranks = 1, .steps = steps};
     for (int c = 0; c < n_counts; c++)
         for (int m = MODE_TP; m <= MODE_SP; m++)
             runs[nruns++] = (run){.mode = (run_mode)m,
                                   .dtype = g_dtype,
+                                  .cuda = use_cuda,
                                   .ranks = rank_counts[c],
                                   .dp = dp,
                                   .steps = steps};
 
     printf("libtp example: decoder-only transformer, tensor + sequence parallel\n"
            "vocab %d, dim %d, %d heads x %d, ffn %d, %d layers, seq %d, batch %d; "
-           "Adam lr %g, %d steps, %s\n"
+           "Adam lr %g, %d steps, %s on %s%s\n"
            "every run must match the 1-rank run without TP (rtol %g, atol %g; parameters: atol "
            "%g)\n\n",
            VOCAB, DIM, HEADS, HEAD_DIM, FFN, LAYERS, SEQ, BATCH, LR, steps, tp_dtype_name(g_dtype),
-           RTOL, ATOL, param_atol(steps));
+           use_cuda ? "cuda" : "the cpu", g_nccl ? " (nccl)" : "", RTOL, ATOL, param_atol(steps));
+    if (use_cuda)
+        printf("(%d CUDA device%s: rank r on cuda:(r %% %d); the 1-rank run also against the "
+               "CPU)\n\n",
+               tp_cuda_device_count(), tp_cuda_device_count() > 1 ? "s" : "",
+               tp_cuda_device_count());
     printf("%-6s %5s ", "plan", dp ? "dpxtp" : "ranks");
     for (int s = 0; s < steps; s++)
         printf(" %6s %-2d", "loss", s);
@@ -1165,7 +1333,7 @@ int main(int argc, char **argv)
             printf(" %9.6f", r->loss[s]);
         if (i > 0) {
             if (reporter) /* the other processes hold no parameters */
-                compare(r, &runs[0]);
+                compare(r, &runs[0], RTOL, ATOL);
             else
                 r->ok = true;
             printf("  %-10.2e %-11.2e", r->loss_diff, r->param_diff);
@@ -1213,6 +1381,10 @@ int main(int argc, char **argv)
 
     if (g_dtype != TP_F32 && runs[0].status == TP_OK && reporter)
         all_ok = final_loss_vs_f32(&runs[0]) && all_ok;
+    if (use_cuda && runs[0].status == TP_OK) {
+        all_ok = gpu_vs_cpu(&runs[0]) && all_ok;
+        print_device_summary(runs, nruns);
+    }
 
     printf("\n%s: %d runs; max |diff| vs the 1-rank run: loss %.2e, parameters %.2e "
            "(rtol %g, atol %g)\n",

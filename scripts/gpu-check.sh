@@ -10,9 +10,12 @@
 #   --bundle ARCHIVE  run a scripts/gpu-bundle.sh archive instead of building
 #                     (for a GPU machine without libtp's build dependencies)
 #   --out DIR         where the report goes (default: $OUT when set, else gpu-report)
-#   --gpu-only        only the GPU suites (cuda, cuda_kernels, nccl, replicate)
+#   --gpu-only        only the GPU suites (cuda, cuda_kernels, shm_cuda, nccl, replicate,
+#                     cuda_dist*, the examples on CUDA, the GPU bench checks)
 #   --skip-bench      no benchmarks
 #   --max-test-seconds S  cap each suite's time limit at S seconds
+#   --suites LIST     only these suites (comma-separated; a trailing * matches a prefix)
+#   --jobs N          suites at once (default: the cores; GPU suites one at a time)
 #
 # Exit status: 0 when every test passed and no GPU test was skipped; 1 when a
 # test failed or a GPU test skipped; 2 when there is no GPU or nothing to run.
@@ -25,7 +28,7 @@ while [ $# -gt 0 ]; do
     --bundle) bundle=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --gpu-only | --skip-bench) extra+=("$1"); shift ;;
-    --max-test-seconds) extra+=("$1" "$2"); shift 2 ;;
+    --max-test-seconds | --suites | --jobs) extra+=("$1" "$2"); shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 64 ;;
     esac

@@ -16,12 +16,78 @@ import subprocess
 import sys
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 SYNTH = re.compile(r"Synthesis: Tested: (\d+) \| Passing: (\d+) \| Failing: (\d+) \| Crashing: (\d+)")
 SKIP = re.compile(r"^\[SKIP\] (\S+): (.*)$", re.M)
 GPU_SKIP = re.compile(r"no CUDA device|without CUDA|without NCCL")
 MPI_LINE = re.compile(r"^mpi: (\d+) passed, (\d+) failed", re.M)
-GPU_SUITES = {"cuda", "cuda_kernels", "nccl", "replicate"}
+GPU_SUITES = {"cuda", "cuda_kernels", "shm_cuda", "nccl", "replicate"}
+
+
+# GPU suites whose Criterion tests run several processes at once here (their
+# cases hold no timing assertions)
+FORKS = {"cuda_dist_nn": 10}
+
+
+def is_gpu_suite(name):
+    """The suites that need a GPU: GPU_SUITES, the cuda_dist* suites, every
+    example test on CUDA (example_*cuda*) and the GPU bench checks
+    (bench_*gpu*)."""
+    return (name in GPU_SUITES or name.startswith("cuda_dist")
+            or (name.startswith("example_") and "cuda" in name)
+            or (name.startswith("bench_") and "gpu" in name))
+
+
+def comm_summary(paths):
+    """Rows of the comm benches' CSVs (tp-bench-comm --csv) run on a GPU: per
+    collective, rank count and size, the out-of-place form where libtp has one
+    (broadcast: in place), its busbw, busbw / the device copy's algbw, roof%,
+    and libtp / bare NCCL where --nccl-bare ran."""
+    rows = []
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                if r.get("device") != "cuda" or r["inplace"] != r["call_inplace"]:
+                    continue  # a CPU run, or a form libtp lacks (timed as the other)
+                rows.append(r)
+    seen, out = set(), []
+    for r in rows:
+        key = (r["backend"], r["collective"], r["nranks"], r["size_bytes"], r["dtype"])
+        if key in seen:
+            continue  # the in-place form of a row whose out-of-place form is listed
+        seen.add(key)
+        out.append(r)
+    return out
+
+
+def fmt_frac(v, scale=1.0, digits=3):
+    try:
+        return f"{float(v) * scale:.{digits}f}"
+    except (TypeError, ValueError):
+        return "-"
+
+
+def write_comm_summary(f, rows):
+    if not rows:
+        return
+    f.write("\n## Collectives on the GPU: summary (from the comm benches' CSVs)\n\n"
+            "busbw/copy: busbw over the algbw of a device-to-device cudaMemcpyAsync of the same "
+            "bytes; roof%: modelled traffic on the GPU over the copy's (bench/README.md). "
+            "Out-of-place form (broadcast: in place).\n\n"
+            "| size (B) | collective | backend | ranks | busbw GB/s | busbw/copy | roof% "
+            "| libtp/bare (min..max) | #wrong |\n"
+            "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: |\n")
+    for r in rows:
+        bare = "-"
+        if r.get("bare_ratio"):
+            bare = (f"{fmt_frac(r['bare_ratio'])} ({fmt_frac(r['bare_ratio_min'])}.."
+                    f"{fmt_frac(r['bare_ratio_max'])})")
+        f.write(f"| {r['size_bytes']} | {r['collective']} | {r['backend']} | {r['nranks']} | "
+                f"{fmt_frac(r['busbw_GBps'], digits=1)} | {fmt_frac(r.get('busbw_over_copy'))} | "
+                f"{fmt_frac(r.get('roof_frac'), 100.0, 1)} | {bare} | {r['wrong'] or 'N/A'} |\n")
 
 
 def run(cmd, log, env=None, timeout=600, cwd=None):
@@ -51,9 +117,14 @@ def main():
     ap.add_argument("--gpu-only", action="store_true", help="only the GPU suites")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--device", default="", help="the GPU, in words, for the report")
+    ap.add_argument("--suites", default="",
+                    help="only these suites (comma-separated names; a trailing * matches a prefix)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2,
+                    help="suites run at once (the GPU suites one at a time among them)")
     ap.add_argument("--max-test-seconds", type=float, default=0,
                     help="cap on each suite's time limit (0: the suite's own)")
     a = ap.parse_args()
+    a.root = os.path.abspath(a.root)
 
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     logs = os.path.join(a.out, "logs")
@@ -83,18 +154,20 @@ def main():
             return os.path.join(os.getcwd(), n[len(src_dir) + 1:])
         return c
 
-    for t in tests:
+    def run_one(t):
+        """Runs one meson test; returns its report row."""
         name = t["name"]
         cmd = [remap(c) for c in t["cmd"]]
+        if name in FORKS and "--jobs" in cmd:
+            # hundreds of short GPU tests, one process each: CUDA's start-up
+            # per process dominates, so several at once
+            cmd[cmd.index("--jobs") + 1] = str(FORKS[name])
         missing = [c for c in cmd if c.startswith("/") and not os.path.exists(c)]
         if missing:
             # mpirun (or a file) that this machine does not have
-            rows.append(dict(suite=name, status="not run", passed=0, failed=0, skipped=0,
-                             gpu_skipped=0, seconds=0.0,
-                             note=f"{os.path.basename(missing[0])} not on this machine"))
-            continue
-        if a.gpu_only and name not in GPU_SUITES:
-            continue
+            return dict(suite=name, status="not run", passed=0, failed=0, skipped=0,
+                        gpu_skipped=0, seconds=0.0,
+                        note=f"{os.path.basename(missing[0])} not on this machine")
         tenv = dict(env)
         for k, v in (t.get("env") or {}).items():
             if k in ("LD_LIBRARY_PATH", "LD_PRELOAD"):
@@ -105,8 +178,9 @@ def main():
                 tenv[k] = ":".join(parts)
             else:
                 tenv[k] = remap(v)
-        rc, secs, out = run(cmd, os.path.join(logs, f"test-{name}.log"), tenv,
-                            timeout=min(t.get("timeout") or 600, a.max_test_seconds or 600), cwd=t.get("workdir") or a.root)
+        limit = min(t.get("timeout") or 600, a.max_test_seconds or 600)
+        rc, secs, out = run(cmd, os.path.join(logs, f"test-{name}.log"), tenv, timeout=limit,
+                            cwd=t.get("workdir") or a.root)
         m = SYNTH.search(out)
         skips = SKIP.findall(out)
         gskips = sum(1 for _, why in skips if GPU_SKIP.search(why))
@@ -118,19 +192,49 @@ def main():
             passed = sum(int(x) for x, _ in mp)
             failed = sum(int(y) for _, y in mp)
         else:
-            passed, failed = (1, 0) if rc == 0 else (0, 1)
-        if rc != 0 and failed == 0:
+            passed, failed = (1, 0) if rc in (0, 77) else (0, 1)
+            if rc == 77:
+                skips = [(name, "skipped (exit 77): " + (out.strip().splitlines() or [""])[-1])]
+                gskips = 1 if GPU_SKIP.search(skips[0][1]) else 0
+                passed = 0
+        if rc not in (0, 77) and failed == 0:
             failed = 1
-        status = "ok" if failed == 0 and rc == 0 else f"FAIL (rc {rc})"
-        if failed or rc:
-            failed_any = True
-        if name in GPU_SUITES:
-            gpu_skipped_total += gskips
-        rows.append(dict(suite=name, status=status, passed=passed, failed=failed,
-                         skipped=len(skips), gpu_skipped=gskips, seconds=round(secs, 1),
-                         note=""))
+        status = "ok" if failed == 0 and rc in (0, 77) else f"FAIL (rc {rc})"
+        row = dict(suite=name, status=status, passed=passed, failed=failed,
+                   skipped=len(skips), gpu_skipped=gskips, seconds=round(secs, 1), note="")
         print(f"[gpu-check] {name}: {status}, {passed} passed, {failed} failed, "
               f"{len(skips)} skipped ({gskips} for want of a GPU), {secs:.1f} s", flush=True)
+        return row
+
+    # The GPU suites one at a time (their timeouts and timings stay honest),
+    # beside the CPU suites on the other cores; serial tests (is_parallel:
+    # false) alone at the end.
+    wanted = [w for w in a.suites.split(",") if w]
+
+    def picked(name):
+        return any(name == w or (w.endswith("*") and name.startswith(w[:-1])) for w in wanted)
+
+    chosen = [t for t in tests if (not a.gpu_only or is_gpu_suite(t["name"]))
+              and (not wanted or picked(t["name"]))]
+    gpu = [t for t in chosen if is_gpu_suite(t["name"]) and t.get("is_parallel", True)]
+    cpu = [t for t in chosen if not is_gpu_suite(t["name"]) and t.get("is_parallel", True)]
+    serial = [t for t in chosen if not t.get("is_parallel", True)]
+    results = {}
+    with ThreadPoolExecutor(max_workers=1) as gpool, \
+            ThreadPoolExecutor(max_workers=max(1, a.jobs - 1)) as cpool:
+        futs = {gpool.submit(run_one, t): t["name"] for t in gpu}
+        futs.update({cpool.submit(run_one, t): t["name"] for t in cpu})
+        for f, name in futs.items():
+            results[name] = f.result()
+    for t in serial:
+        results[t["name"]] = run_one(t)
+    for t in chosen:
+        r = results[t["name"]]
+        rows.append(r)
+        if r["status"] != "ok" and r["status"] != "not run":
+            failed_any = True
+        if is_gpu_suite(r["suite"]):
+            gpu_skipped_total += r["gpu_skipped"]
 
     # examples: on the GPU where they take a device option
     ex_rows = []
@@ -139,7 +243,7 @@ def main():
         if not os.path.exists(path):
             continue
         _, _, helptext = run([path, "--help"], os.path.join(logs, f"{ex}-help.log"), env, 30)
-        args = ["-d", "cuda"] if re.search(r"-d (cpu\|cuda|cuda)", helptext) else []
+        args = ["--device", "cuda"] if "--device" in helptext else []
         rc, secs, out = run([path] + args, os.path.join(logs, f"example-{ex}.log"), env, 300)
         ex_rows.append((ex, " ".join(args) or "(cpu: no device option)", rc, secs,
                         out.strip().splitlines()[-1] if out.strip() else ""))
@@ -150,16 +254,35 @@ def main():
     benches = []
     if not a.skip_bench:
         b = lambda n: os.path.join(a.root, "bench", n)
+        # the comm benches (about 60 s together on an H100): every call is
+        # checked (-c 1) and timed until its stream is done; -n 0 --target-s
+        # bounds each timed loop at about 30-50 ms whatever a call costs
+        sweep = ["-b", "4M", "-e", "256M", "-f", "4", "-w", "5", "-n", "0", "-c", "1"]
+        comm_csvs = []
         plan = [
-            ("nccl world of one: all_reduce, all_gather",
-             [b("tp-bench-comm"), "--backend", "nccl", "-g", "1", "--collective",
-              "all_reduce,all_gather", "-b", "1M", "-e", "256M", "-f", "4", "-R", "3",
-              "--csv", os.path.join(a.out, "bench-comm-nccl.csv")]),
-            ("TP layers on one GPU (nccl, 1 rank)",
-             [b("tp-bench-layers"), "--backend", "nccl", "-g", "1", "-t", "2048,8192",
-              "-H", "1024,2048", "-l", "colwise,rowwise,mlp", "-R", "3",
-              "--csv", os.path.join(a.out, "bench-layers-nccl.csv")]),
-            ("per-op host overhead (CPU tensors)", [b("tp-bench-ops")]),
+            ("tp_linear against bare cublasGemmEx (bf16, f32, TF32)",
+             [b("tp-bench-gemm"), "-s", "4096,8192,16384,8192x2048x8192", "--dtype",
+              "bf16,f32,tf32", "-R", "3", "--ms", "50",
+              "--csv", os.path.join(a.out, "bench-gemm.csv")]),
+            ("per-op host time with CUDA tensors against the bare launch",
+             [b("tp-bench-ops"), "--cuda", "--csv", os.path.join(a.out, "bench-ops-cuda.csv")]),
+            ("TP MLP block in bf16 on 1, 2, 4 ranks of one GPU against cuBLAS by hand",
+             [b("tp-bench-layers"), "--device", "cuda", "-l", "mlp,mlp-gemm", "-p", "fwd+bwd",
+              "-t", "8192", "-H", "2048", "-g", "1,2,4", "--dtype", "bf16", "-n", "5", "-w", "2",
+              "-R", "3", "--csv", os.path.join(a.out, "bench-layers-cuda.csv")]),
+        ]
+        for g in (2, 4):
+            comm_csvs.append(os.path.join(a.out, f"bench-comm-shm-cuda-g{g}.csv"))
+            plan.append((f"shm on one GPU: {g} rank{'s' if g > 1 else ''} as threads, cuda buffers",
+                         [b("tp-bench-comm"), "--backend", "shm", "--device", "cuda", "-g", str(g),
+                          "--collective", "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast"]
+                         + sweep + ["-R", "3", "--target-s", "0.03", "--csv", comm_csvs[-1]]))
+        comm_csvs.append(os.path.join(a.out, "bench-comm-nccl.csv"))
+        plan += [
+            ("nccl world of one: all_reduce, all_gather, and bare NCCL",
+             [b("tp-bench-comm"), "--backend", "nccl", "-g", "1", "--nccl-bare", "--collective",
+              "all_reduce,all_gather"] + sweep + ["-R", "5", "--target-s", "0.05",
+                                                  "--csv", comm_csvs[-1]]),
         ]
         for title, cmd in plan:
             if not os.path.exists(cmd[0]):
@@ -167,7 +290,11 @@ def main():
             slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40]
             rc, secs, out = run(cmd, os.path.join(logs, f"bench-{slug}.log"), env, 480)
             benches.append((title, " ".join([os.path.basename(cmd[0])] + cmd[1:]), rc, secs, out))
-            if rc:
+            # the GPU benches exit 1 when they ran but missed a target: that is
+            # a figure for the report, not a failure of the check
+            missed_ok = os.path.basename(cmd[0]) in ("tp-bench-gemm", "tp-bench-ops",
+                                                     "tp-bench-layers")
+            if rc != 0 and not (rc == 1 and missed_ok):
                 failed_any = True
             print(f"[gpu-check] bench {title}: rc {rc}, {secs:.1f} s", flush=True)
 
@@ -199,6 +326,8 @@ def main():
                     "| --- | --- | ---: | ---: | --- |\n")
             for ex, args, rc, secs, last in ex_rows:
                 f.write(f"| {ex} | {args} | {rc} | {secs:.1f} | {last} |\n")
+        if not a.skip_bench:
+            write_comm_summary(f, comm_summary(comm_csvs))
         for title, cmd, rc, secs, out in benches:
             f.write(f"\n## {title}\n\n`{cmd}` (rc {rc}, {secs:.1f} s)\n\n```\n")
             lines = out.splitlines()

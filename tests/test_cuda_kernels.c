@@ -714,3 +714,96 @@ Test(cuda_kernels, supports_exactly_the_float_dtypes, .timeout = 30)
               TP_ERR_NOT_SUPPORTED);
     cr_assert_str_eq(tp_last_error(), "cuda kernels: adam_step does not take i64");
 }
+
+/* ---- TF32 -------------------------------------------------------------------------
+ *
+ * The setting is process-wide: a rank thread reads what the main thread set
+ * (no GPU needed). On a GPU, an f32 product y = x w^T with K = 1024 through
+ * tp_linear: with TF32 off within f32 bounds of an f64 reference computed
+ * here; with TF32 on within the TF32 bound of that reference, and (so that the
+ * setting is shown to reach cuBLAS) farther from it than f32 allows somewhere. */
+
+static tp_status read_tf32(tp_comm *w, void *arg)
+{
+    (void)w;
+    *(bool *)arg = tp_cuda_allow_tf32();
+    return TP_OK;
+}
+
+Test(cuda_kernels, tf32_setting_is_process_wide, .timeout = 30)
+{
+    bool seen = false;
+    cr_assert(!tp_cuda_allow_tf32(), "TF32 must be off by default");
+    CHECK_OK(tp_cuda_set_allow_tf32(true));
+    CHECK_OK(tp_run_local(1, read_tf32, &seen));
+    cr_assert(seen, "a rank thread does not see TF32 set by the main thread");
+    CHECK_OK(tp_cuda_set_allow_tf32(false));
+    CHECK_OK(tp_run_local(1, read_tf32, &seen));
+    cr_assert(!seen, "a rank thread does not see TF32 cleared by the main thread");
+}
+
+enum { TF_M = 256, TF_N = 256, TF_K = 1024 }; /* large enough for tensor-core kernels */
+
+/* tp_linear(x, w) on GPU with TF32 as given, back on the CPU in f32. */
+static float *gpu_linear_f32(tp_tensor *xc, tp_tensor *wc, bool tf32)
+{
+    tp_tensor *xg = NULL, *wg = NULL, *yg = NULL, *yc = NULL;
+    CHECK_OK(tp_cuda_set_allow_tf32(tf32));
+    CHECK_OK(tp_tensor_to(xc, TP_F32, GPU, &xg));
+    CHECK_OK(tp_tensor_to(wc, TP_F32, GPU, &wg));
+    tp_status st = tp_linear(xg, wg, NULL, &yg);
+    CHECK_OK(tp_cuda_set_allow_tf32(false));
+    CHECK_OK(st);
+    CHECK_OK(tp_tensor_to(yg, TP_F32, CPU, &yc));
+    float *out = malloc(sizeof(float) * TF_M * TF_N);
+    cr_assert_not_null(out);
+    memcpy(out, tp_tensor_data(yc), sizeof(float) * TF_M * TF_N);
+    tp_tensor *all[] = {xg, wg, yg, yc};
+    for (int i = 0; i < 4; i++)
+        tp_tensor_release(all[i]);
+    return out;
+}
+
+Test(cuda_kernels, tf32_product_bounds, .timeout = 60)
+{
+    need_cuda();
+    const int64_t xs[2] = {TF_M, TF_K}, ws[2] = {TF_N, TF_K};
+    tp_tensor *xc = NULL, *wc = NULL;
+    CHECK_OK(tp_tensor_empty(TP_F32, CPU, 2, xs, &xc));
+    CHECK_OK(tp_tensor_empty(TP_F32, CPU, 2, ws, &wc));
+    CHECK_OK(tp_tensor_fill_random(xc, TP_RNG_UNIFORM, -1, 1, 11, NULL, NULL));
+    CHECK_OK(tp_tensor_fill_random(wc, TP_RNG_UNIFORM, -1, 1, 12, NULL, NULL));
+    const float *x = tp_tensor_data(xc), *w = tp_tensor_data(wc);
+    float *off = gpu_linear_f32(xc, wc, false), *on = gpu_linear_f32(xc, wc, true);
+    double beyond_f32 = 0;
+    for (int i = 0; i < TF_M; i++)
+        for (int j = 0; j < TF_N; j++) {
+            double r = 0, mag = 0;
+            for (int k = 0; k < TF_K; k++) {
+                double t = (double)x[i * TF_K + k] * (double)w[j * TF_K + k];
+                r += t;
+                mag += fabs(t);
+            }
+            /* f32: one rounding of the output and K 2^-23 sum|terms| for the sums;
+             * TF32: each input keeps 10 mantissa bits (off by < 2^-10 relative,
+             * rounded or truncated), so each product is off by < 2^-9 relative */
+            double f32_bound = 0x1p-24 * fabs(r) + TF_K * 0x1p-23 * mag;
+            double tf32_bound = 0x1p-9 * mag + f32_bound;
+            double e_off = fabs(off[i * TF_N + j] - r), e_on = fabs(on[i * TF_N + j] - r);
+            cr_assert(e_off <= f32_bound, "TF32 off: y[%d][%d] = %.9g, f64 %.9g, off by %g > %g", i,
+                      j, off[i * TF_N + j], r, e_off, f32_bound);
+            cr_assert(e_on <= tf32_bound, "TF32 on: y[%d][%d] = %.9g, f64 %.9g, off by %g > %g", i,
+                      j, on[i * TF_N + j], r, e_on, tf32_bound);
+            beyond_f32 = fmax(beyond_f32, e_on / (0x1p-24 * fabs(r) + 0x1p-23 * mag));
+        }
+    /* exact f32 products in order would stay within 2^-23 sum|terms|; TF32
+     * products lose ~2^-11 each, so some output lies far outside that */
+    cr_assert(beyond_f32 > 8,
+              "TF32 on is as exact as f32 (%.2f x the f32 error unit): the "
+              "setting does not reach cuBLAS",
+              beyond_f32);
+    free(off);
+    free(on);
+    tp_tensor_release(xc);
+    tp_tensor_release(wc);
+}

@@ -1,6 +1,8 @@
 /* tp_module_replicate, after the seed test_data_parallel.py
- * (torch.nn.parallel.replicate): replicas on logical CPU devices {0, 1} (and
- * CUDA devices 0, 1 where two GPUs exist) keep the tree, compute what the
+ * (torch.nn.parallel.replicate): replicas on logical CPU devices {0, 1}, on
+ * one GPU {cuda:0, cuda:0} (the replicas then run on rank threads sharing
+ * the device, their outputs summed through the shm backend), and on CUDA
+ * devices 0, 1 where two GPUs exist, keep the tree, compute what the
  * original computes, share parameter storage on the original's device and
  * deep-copy elsewhere; replicas run concurrently on rank threads; errors and
  * allocation failures leave nothing behind.
@@ -157,6 +159,54 @@ static void assert_same_output(const tp_tensor *a, const tp_tensor *b, const cha
     cr_assert(ok, "%s: outputs differ", what);
 }
 
+/* One GPU: each replica runs on its own rank thread of tp_run_local, all
+ * on cuda:0, and the ranks sum their outputs with an all_reduce through
+ * the shm backend; each output and the sum are the original's (times n). */
+typedef struct {
+    tp_module **replicas;
+    const tp_tensor *x; /* on cuda:0, read only */
+    tp_tensor *out[TP_TEST_MAX_RANKS], *sum[TP_TEST_MAX_RANKS];
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} gpu_ranks_ctx;
+
+static tp_status replica_on_rank(tp_comm *w, void *arg)
+{
+    gpu_ranks_ctx *c = arg;
+    int r = tp_comm_rank(w);
+    tp_test_slot *s = &c->slot[r];
+    tp_tensor *y = NULL, *sum = NULL;
+    RANK_OK(s, tp_module_call(c->replicas[r], (tp_tensor *)c->x, &y));
+    RANK_OK(s, tp_tensor_clone(y, &sum));
+    RANK_OK(s, tp_all_reduce(w, sum, sum, TP_SUM, NULL));
+    RANK_OK(s, tp_tensor_to(y, TP_F32, TP_CPU, &c->out[r]));
+    RANK_OK(s, tp_tensor_to(sum, TP_F32, TP_CPU, &c->sum[r]));
+    tp_tensor_release(y);
+    tp_tensor_release(sum);
+    return TP_OK;
+}
+
+static void check_replicas_on_ranks(tp_module **replicas, int n, const tp_tensor *input,
+                                    const tp_tensor *expected)
+{
+    gpu_ranks_ctx c = {.replicas = replicas, .x = input};
+    CHECK_OK(tp_cuda_synchronize(0)); /* input and parameters, for the other threads */
+    tp_test_run(n, replica_on_rank, &c, c.slot);
+    tp_tensor *want = NULL, *nwant = NULL;
+    CHECK_OK(tp_tensor_to(expected, TP_F32, TP_CPU, &want));
+    CHECK_OK(tp_scale(want, (double)n, &nwant));
+    for (int r = 0; r < n; r++) {
+        char what[64];
+        snprintf(what, sizeof what, "replica %d on its rank", r);
+        assert_same_output(c.out[r], want, what);
+        snprintf(what, sizeof what, "rank %d: the sum over the ranks", r);
+        assert_same_output(c.sum[r], nwant, what);
+        tp_tensor_release(c.out[r]);
+        tp_tensor_release(c.sum[r]);
+    }
+    tp_tensor_release(want);
+    tp_tensor_release(nwant);
+}
+
 /* Every module of the replica reports the replica's device. */
 static void assert_tree_device(const tp_module *m, tp_device dev, int replica)
 {
@@ -199,6 +249,8 @@ static void check_replicas(tp_module *module, tp_module **replicas, const tp_dev
         tp_tensor_release(x);
         tp_tensor_release(y);
     }
+    if (n > 1 && same_dev(devices[0], TP_CUDA(0)) && same_dev(devices[n - 1], TP_CUDA(0)))
+        check_replicas_on_ranks(replicas, n, input, expected);
     tp_tensor_release(input);
     tp_tensor_release(expected);
 }
@@ -210,42 +262,67 @@ static void free_all(tp_module **r, int n)
 }
 
 static const tp_device CPU01[2] = {{TP_DEVICE_CPU, 0}, {TP_DEVICE_CPU, 1}};
+static const tp_device CUDA00[2] = {{TP_DEVICE_CUDA, 0}, {TP_DEVICE_CUDA, 0}};
 static const tp_device CUDA01[2] = {{TP_DEVICE_CUDA, 0}, {TP_DEVICE_CUDA, 1}};
 
-/* The devices of a scenario: logical CPU devices, or two GPUs (skipping the
- * test visibly without them); the module goes to devices[0]. */
-static const tp_device *devices_for(bool cuda, tp_module *module)
+/* Where a scenario's two replicas go. */
+typedef enum { ON_CPU, ON_ONE_GPU, ON_TWO_GPUS } placement_mode;
+
+/* The devices of a scenario: logical CPU devices, both replicas on cuda:0,
+ * or two GPUs (skipping the test visibly without them); the module goes to
+ * devices[0]. */
+static const tp_device *devices_for(placement_mode mode, tp_module *module)
 {
-    if (!cuda)
+    if (mode == ON_CPU)
         return CPU01;
-    if (tp_cuda_device_count() < 2) {
+    int count = tp_cuda_device_count(), need = mode == ON_TWO_GPUS ? 2 : 1;
+    if (count < need) {
         tp_module_free(module);
-        cr_skip_test("no CUDA device: needs 2, found %d", tp_cuda_device_count());
+        if (count == 0)
+            cr_skip_test("no CUDA device: needs %d, found 0", need);
+        cr_skip_test("not enough CUDA devices: needs %d, found %d", need, count);
     }
     CHECK_OK(tp_module_to(module, TP_CUDA(0)));
-    return CUDA01;
+    return mode == ON_TWO_GPUS ? CUDA01 : CUDA00;
+}
+
+/* Replica i views the original's storage exactly when it is on the
+ * original's device (devices[0] is). */
+static bool shares(const tp_device *dev, int i)
+{
+    return same_dev(dev[i], dev[0]);
 }
 
 /* ---- the seed's tests ----------------------------------------------------------- */
 
 /* test_python_submodule_script: Mpy1(Msm()). */
-static void python_submodule(bool cuda)
+static void python_submodule(placement_mode mode)
 {
     tp_module *module = NULL, *r[2];
     CHECK_OK(wrap("Mpy1", fwd_child, "m", make_msm(), &module));
     init(module, 1);
-    const tp_device *dev = devices_for(cuda, module);
+    const tp_device *dev = devices_for(mode, module);
     CHECK_OK(tp_module_replicate(module, dev, 2, r));
     check_replicas(module, r, dev, 2);
     free_all(r, 2);
     tp_module_free(module);
 }
 
-Test(replicate, python_submodule_cpu, .timeout = 30) { python_submodule(false); }
-Test(replicate, python_submodule_cuda, .timeout = 60) { python_submodule(true); }
+Test(replicate, python_submodule_cpu, .timeout = 30)
+{
+    python_submodule(ON_CPU);
+}
+Test(replicate, python_submodule_cuda, .timeout = 60)
+{
+    python_submodule(ON_ONE_GPU);
+}
+Test(replicate, python_submodule_cuda_two_gpus, .timeout = 60)
+{
+    python_submodule(ON_TWO_GPUS);
+}
 
 /* test_shared_module: Mpy2(Mpy1(s), s). */
-static void shared_module(bool cuda)
+static void shared_module(placement_mode mode)
 {
     tp_module *s = make_msm(), *p1 = NULL, *module = NULL, *other = NULL, *r[2];
     CHECK_OK(wrap("Mpy1", fwd_child, "m", s, &p1));
@@ -255,7 +332,7 @@ static void shared_module(bool cuda)
     CHECK_ERR(tp_module_add_child(other, "m2", s), TP_ERR_INVALID_ARG);
     tp_module_free(other);
     init(module, 2);
-    const tp_device *dev = devices_for(cuda, module);
+    const tp_device *dev = devices_for(mode, module);
     CHECK_OK(tp_module_replicate(module, dev, 2, r));
     check_replicas(module, r, dev, 2);
     /* the replica's shared block is its own: both uses in its forward reach
@@ -263,23 +340,35 @@ static void shared_module(bool cuda)
     tp_module *rs = tp_module_find(r[1], "m1.m");
     cr_assert_not_null(rs);
     cr_assert_neq(rs, s);
-    cr_assert(!tp_tensor_shares_storage(tp_module_parameter(tp_module_find(rs, "m.0"), "weight"),
-                                        tp_module_parameter(tp_module_find(s, "m.0"), "weight")));
+    cr_assert_eq(tp_tensor_shares_storage(tp_module_parameter(tp_module_find(rs, "m.0"), "weight"),
+                                          tp_module_parameter(tp_module_find(s, "m.0"), "weight")),
+                 shares(dev, 1), "replica 1's s views the original's storage iff on its device");
     free_all(r, 2);
     tp_module_free(module);
 }
 
-Test(replicate, shared_module_cpu, .timeout = 30) { shared_module(false); }
-Test(replicate, shared_module_cuda, .timeout = 60) { shared_module(true); }
+Test(replicate, shared_module_cpu, .timeout = 30)
+{
+    shared_module(ON_CPU);
+}
+Test(replicate, shared_module_cuda, .timeout = 60)
+{
+    shared_module(ON_ONE_GPU);
+}
+Test(replicate, shared_module_cuda_two_gpus, .timeout = 60)
+{
+    shared_module(ON_TWO_GPUS);
+}
 
 /* test_tensor_sharing: Msm1(Msm()); replica 0 (the original's device) views
- * the original's storage, replica 1 does not. */
-static void tensor_sharing(bool cuda)
+ * the original's storage, replica 1 does on the original's device (one GPU)
+ * and not elsewhere (another logical CPU device, another GPU). */
+static void tensor_sharing(placement_mode mode)
 {
     tp_module *module = NULL, *r[2];
     CHECK_OK(wrap("Msm1", fwd_child, "block", make_msm(), &module));
     init(module, 3);
-    const tp_device *dev = devices_for(cuda, module);
+    const tp_device *dev = devices_for(mode, module);
     CHECK_OK(tp_module_replicate(module, dev, 2, r));
     plist o = params_of(module), p0 = params_of(r[0]), p1 = params_of(r[1]);
     cr_assert_eq(o.n, 6);
@@ -290,8 +379,9 @@ static void tensor_sharing(bool cuda)
         cr_assert(same_dev(tp_tensor_device(p0.t[k]), tp_tensor_device(o.t[k])), "%s", o.fqn[k]);
         cr_assert(tp_tensor_shares_storage(p0.t[k], o.t[k]), "%s", o.fqn[k]);
         cr_assert_eq(tp_tensor_data(p0.t[k]), tp_tensor_data(o.t[k]), "%s", o.fqn[k]);
-        cr_assert(!tp_tensor_shares_storage(p1.t[k], o.t[k]), "%s", o.fqn[k]);
-        cr_assert_neq(tp_tensor_data(p1.t[k]), tp_tensor_data(o.t[k]), "%s", o.fqn[k]);
+        cr_assert_eq(tp_tensor_shares_storage(p1.t[k], o.t[k]), shares(dev, 1), "%s", o.fqn[k]);
+        cr_assert_eq(tp_tensor_data(p1.t[k]) == tp_tensor_data(o.t[k]), shares(dev, 1), "%s",
+                     o.fqn[k]);
         bool eq = false;
         CHECK_OK(tp_tensor_equal(p1.t[k], o.t[k], &eq));
         cr_assert(eq, "%s: the deep copy holds the original's values", o.fqn[k]);
@@ -300,18 +390,28 @@ static void tensor_sharing(bool cuda)
     tp_module_free(module);
 }
 
-Test(replicate, tensor_sharing_cpu, .timeout = 30) { tensor_sharing(false); }
-Test(replicate, tensor_sharing_cuda, .timeout = 60) { tensor_sharing(true); }
+Test(replicate, tensor_sharing_cpu, .timeout = 30)
+{
+    tensor_sharing(ON_CPU);
+}
+Test(replicate, tensor_sharing_cuda, .timeout = 60)
+{
+    tensor_sharing(ON_ONE_GPU);
+}
+Test(replicate, tensor_sharing_cuda_two_gpus, .timeout = 60)
+{
+    tensor_sharing(ON_TWO_GPUS);
+}
 
 /* test_tensor_sharing_with_forward: after one SGD step on the original,
  * replica 0 computes the original's second forward and replica 1 its
- * first. */
-static void tensor_sharing_with_forward(bool cuda)
+ * first (its second where it shares the original's device). */
+static void tensor_sharing_with_forward(placement_mode mode)
 {
     tp_module *module = NULL, *r[2];
     CHECK_OK(wrap("Msm1", fwd_child, "block", make_msm(), &module));
     init(module, 4);
-    const tp_device *dev = devices_for(cuda, module);
+    const tp_device *dev = devices_for(mode, module);
     CHECK_OK(tp_module_replicate(module, dev, 2, r));
     tp_tensor *x = NULL, *first = NULL, *second = NULL, *loss = NULL;
     CHECK_OK(tp_tensor_zeros(TP_F32, physical(dev[0]), 2, (int64_t[]){2, 2}, &x));
@@ -333,7 +433,10 @@ static void tensor_sharing_with_forward(bool cuda)
     CHECK_OK(tp_module_call(r[0], xin, &r0));
     assert_same_output(r0, second, "replica 0 against the second forward");
     CHECK_OK(tp_module_call(r[1], x1, &r1));
-    assert_same_output(r1, first, "replica 1 against the first forward");
+    if (shares(dev, 1)) /* one GPU: replica 1 views the stepped parameters */
+        assert_same_output(r1, second, "replica 1 against the second forward");
+    else
+        assert_same_output(r1, first, "replica 1 against the first forward");
     /* the original's gradients stayed its own */
     plist p0 = params_of(r[0]);
     for (int k = 0; k < p0.n; k++)
@@ -348,11 +451,15 @@ static void tensor_sharing_with_forward(bool cuda)
 
 Test(replicate, tensor_sharing_with_forward_cpu, .timeout = 30)
 {
-    tensor_sharing_with_forward(false);
+    tensor_sharing_with_forward(ON_CPU);
 }
 Test(replicate, tensor_sharing_with_forward_cuda, .timeout = 60)
 {
-    tensor_sharing_with_forward(true);
+    tensor_sharing_with_forward(ON_ONE_GPU);
+}
+Test(replicate, tensor_sharing_with_forward_cuda_two_gpus, .timeout = 60)
+{
+    tensor_sharing_with_forward(ON_TWO_GPUS);
 }
 
 /* ---- beyond the seed ---------------------------------------------------------------- */
