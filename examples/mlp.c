@@ -49,12 +49,14 @@
  * Exit status 0 when every run matches the reference, 1 otherwise, 2 for bad
  * options, 77 for --device cuda without a CUDA device (meson's skip).
  */
+#include <ftw.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <tp.h>
 
@@ -123,6 +125,9 @@ typedef struct run {
     bool cuda; /* --device cuda: rank r on cuda:(r % device count) */
     int ranks;
     int steps;
+    const char *load_dir; /* --load: resume from this checkpoint (its "step" first) */
+    const char *save_dir; /* --save: checkpoint after the steps */
+    int start_step;       /* the step the run began at: the loaded checkpoint's, or 0 */
     double seconds; /* the training steps' wall time on rank 0 */
     double loss[MAX_STEPS];
     int nparams;
@@ -387,6 +392,24 @@ static double now_seconds(void)
 }
 
 /* The body of every rank of a run. */
+/* ---- checkpoints (--save, --load, --resume-check) -------------------------------- */
+
+/* The model (and tp_sgd's f32 masters in bf16/f16) as a sharded checkpoint,
+ * with the step reached; or loaded back, on any rank count and plan. */
+static tp_status checkpoint(const char *save, const char *load, tp_module *m, trainer *tr,
+                            int *step)
+{
+    tp_checkpoint_meta meta = {.key = "step", .value = *step};
+    const tp_checkpoint_options o = {.n_meta = 1, .meta = &meta};
+    const tp_checkpoint_optim opt = {.sgd = tr->sgd};
+    if (save)
+        return tp_checkpoint_save(save, m, &opt, &o);
+    tp_status st = tp_checkpoint_load(load, m, &opt, &o);
+    *step = st == TP_OK && meta.found && meta.value >= 0 && meta.value < MAX_STEPS ? (int)meta.value
+                                                                                   : 0;
+    return st;
+}
+
 static tp_status mlp_rank(tp_comm *world, void *arg)
 {
     run *r = arg;
@@ -424,6 +447,9 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
     if (r->cuda)
         CHECK(tp_module_to(model, dev));
     CHECK(trainer_create(model, r->mode == MODE_NONE ? NULL : world, r->dtype, &tr));
+    int start_step = 0;
+    if (r->load_dir)
+        CHECK(checkpoint(NULL, r->load_dir, model, &tr, &start_step));
 
     /* the global batch: every rank generates the same values */
     const int64_t xshape[2] = {BATCH, IN}, tshape[2] = {BATCH, OUT};
@@ -465,8 +491,14 @@ static tp_status mlp_rank(tp_comm *world, void *arg)
         if (rank == 0)
             r->loss[step] = loss;
     }
-    if (rank == 0)
+    if (rank == 0) {
         r->seconds = now_seconds() - start;
+        r->start_step = start_step;
+    }
+    if (r->save_dir) {
+        int reached = start_step + r->steps;
+        CHECK(checkpoint(r->save_dir, NULL, model, &tr, &reached));
+    }
     CHECK(tp_module_state_dict(model, keep_param, rank == 0 ? r : NULL));
     if (rank == 0) {
         r->debug = debug; /* main reads it after tp_run_local joined the ranks */
@@ -711,7 +743,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: tp-example-mlp [-r RANKS] [-s STEPS] [-b shm|mpi|nccl] [--dtype f32|bf16|f16]\n"
-            "                      [--device cpu|cuda]\n"
+            "                      [--device cpu|cuda] [--save DIR] [--load DIR] [--resume-check]\n"
             "  -r RANKS  rank count of the TP runs, dividing %d (default: 1, 2 and 4)\n"
             "  -b mpi    under mpirun: the TP runs use one process per rank\n"
             "  -b nccl   with --device cuda: one GPU per rank (threads, an nccl world)\n"
@@ -722,13 +754,111 @@ static void usage(FILE *f)
             "            run on the CPU (default) or the GPU: with -b shm rank r on\n"
             "            cuda:(r %% device count), so the ranks share one GPU; the\n"
             "            1-rank run is checked against the CPU too. Exit 77 without\n"
-            "            a CUDA device\n",
+            "            a CUDA device\n"
+            "  --save DIR  train one TP run (RANKS, or the largest count) and save it\n"
+            "            (and tp_sgd's f32 masters) as a sharded checkpoint\n"
+            "  --load DIR  resume that run from a checkpoint, on any rank count (it\n"
+            "            reshards); the steps are numbered on from the saved one\n"
+            "  --resume-check  check that 2 x STEPS steps equal STEPS steps, --save,\n"
+            "            --load on another rank count and STEPS more (exit 1 if not)\n",
             HIDDEN);
+}
+
+/* ---- --save, --load, --resume-check ---------------------------------------------- */
+
+/* A TP run on the MPI world when there is one, else on `ranks` threads. */
+static tp_status run_one(tp_comm *world, run *r)
+{
+    return world ? mlp_rank(world, r) : tp_run_local(r->ranks, mlp_rank, r);
+}
+
+static void print_losses(const char *label, const run *r)
+{
+    printf("%-22s %5d ", label, r->ranks);
+    for (int s = 0; s < r->steps; s++)
+        printf("  %d: %.6f", r->start_step + s, r->loss[s]);
+    printf("\n");
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+/* --resume-check: 2 x STEPS steps on RANKS ranks, against STEPS steps, a
+ * checkpoint, a load on another rank count (the checkpoint reshards) and
+ * STEPS more steps: losses and final parameters within the run-to-run
+ * tolerances. */
+static int resume_check(const run *base)
+{
+    char tmp[] = "/tmp/tp-example-ckpt-XXXXXX", dir[64];
+    if (!mkdtemp(tmp)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    snprintf(dir, sizeof dir, "%s/ckpt", tmp);
+    static run whole, first, resumed, ref;
+    whole = first = resumed = *base;
+    whole.steps = 2 * base->steps;
+    first.save_dir = dir;
+    resumed.load_dir = dir;
+    resumed.ranks = base->ranks > 1 ? base->ranks / 2 : 2; /* both divide HIDDEN */
+    run *order[3] = {&whole, &first, &resumed};
+    const char *label[3] = {"straight through", "first half, saved", "loaded, second half"};
+    bool ok = true;
+    for (int i = 0; ok && i < 3; i++) {
+        order[i]->status = run_one(NULL, order[i]);
+        if (order[i]->status != TP_OK) {
+            fprintf(stderr, "%s failed: %s: %s\n", label[i], tp_status_name(order[i]->status),
+                    tp_last_error());
+            ok = false;
+            break;
+        }
+        print_losses(label[i], order[i]);
+    }
+    if (ok) {
+        /* the whole run's second half, as the reference of the resumed one */
+        ref = whole;
+        ref.steps = base->steps;
+        memcpy(ref.loss, whole.loss + base->steps, (size_t)base->steps * sizeof ref.loss[0]);
+        compare(&resumed, &ref, RTOL, ATOL);
+        ok = resumed.ok && resumed.start_step == base->steps;
+        printf("\n%s: %d steps on %d rank(s) == %d steps, saved, loaded on %d rank(s) (step %d), "
+               "%d more: max |diff| loss %.2e, parameters %.2e (rtol %g, atol %g)\n",
+               ok ? "PASS" : "FAIL", 2 * base->steps, whole.ranks, base->steps, resumed.ranks,
+               resumed.start_step, base->steps, resumed.loss_diff, resumed.param_diff, RTOL, ATOL);
+    }
+    nftw(tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    run_free(&whole);
+    run_free(&first);
+    run_free(&resumed);
+    return ok ? 0 : 1;
+}
+
+/* --save / --load without --resume-check: one TP run. */
+static int checkpoint_run(tp_comm *world, const run *base)
+{
+    static run r;
+    r = *base;
+    r.status = run_one(world, &r);
+    if (r.status != TP_OK) {
+        fprintf(stderr, "training failed: %s: %s\n", tp_status_name(r.status), tp_last_error());
+        run_free(&r);
+        return 1;
+    }
+    print_losses(r.load_dir ? "TP, resumed" : "TP", &r);
+    if (r.save_dir)
+        printf("saved step %d to %s\n", r.start_step + r.steps, r.save_dir);
+    run_free(&r);
+    return 0;
 }
 
 int main(int argc, char **argv)
 {
     int rank_counts[3] = {1, 2, 4}, n_counts = 3, steps = 5;
+    bool check_resume = false;
+    const char *save_dir = NULL, *load_dir = NULL;
     bool use_mpi = false, use_cuda = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
@@ -753,6 +883,16 @@ int main(int argc, char **argv)
             }
             use_mpi = !strcmp(b, "mpi");
             g_nccl = !strcmp(b, "nccl");
+        } else if (!strcmp(argv[i], "--save") || !strcmp(argv[i], "--load")) {
+            const char *d = i + 1 < argc ? argv[i + 1] : NULL;
+            if (!d || !*d) {
+                fprintf(stderr, "%s needs a directory\n", argv[i]);
+                return 2;
+            }
+            *(argv[i][2] == 's' ? &save_dir : &load_dir) = d;
+            i++;
+        } else if (!strcmp(argv[i], "--resume-check")) {
+            check_resume = true;
         } else if (!strcmp(argv[i], "-s")) {
             steps = parse_int(i + 1 < argc ? argv[++i] : NULL, 1, MAX_STEPS, "-s STEPS");
             if (steps < 0)
@@ -805,6 +945,28 @@ int main(int argc, char **argv)
             tp_comm_free(world);
             return 1;
         }
+    }
+
+    if (check_resume && (use_mpi || save_dir || load_dir || 2 * steps > MAX_STEPS)) {
+        fprintf(stderr,
+                "--resume-check runs threads and a checkpoint of its own (not with -b "
+                "mpi, --save or --load) for 2 x STEPS <= %d steps\n",
+                MAX_STEPS);
+        tp_comm_free(world);
+        return 2;
+    }
+    if (check_resume || save_dir || load_dir) {
+        /* the TP plan at the (largest) rank count */
+        const run base = {.mode = MODE_TP,
+                          .dtype = g_dtype,
+                          .cuda = use_cuda,
+                          .ranks = rank_counts[n_counts - 1],
+                          .steps = steps,
+                          .save_dir = save_dir,
+                          .load_dir = load_dir};
+        int rc = check_resume ? resume_check(&base) : checkpoint_run(world, &base);
+        tp_comm_free(world);
+        return rc;
     }
 
     static run runs[MAX_RUNS];

@@ -86,12 +86,14 @@
  * Exit status 0 when every run matches the reference, 1 otherwise, 2 for bad
  * options, 77 for --device cuda without a CUDA device (meson's skip).
  */
+#include <ftw.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <tp.h>
 
@@ -165,6 +167,9 @@ typedef struct run {
     int ranks;
     int dp; /* -d: a ("dp", "tp") mesh [dp, ranks / dp] and a DDP over "dp"; 0: 1-D TP mesh */
     int steps;
+    const char *load_dir; /* --load: resume from this checkpoint (its "step" first) */
+    const char *save_dir; /* --save: checkpoint after the steps */
+    int start_step;       /* the step the run began at: the loaded checkpoint's, or 0 */
     double seconds; /* the training steps' wall time on rank 0 */
     double loss[MAX_STEPS];
     int nparams;
@@ -676,6 +681,31 @@ out:
     return st;
 }
 
+/* ---- checkpoints (--save, --load, --resume-check) -------------------------------- */
+
+/* Saves the model and Adam's state (moments, step count, the f32 masters of
+ * bf16/f16 parameters) as a sharded checkpoint, with the step reached. */
+static tp_status save_checkpoint(const char *dir, tp_module *m, trainer *tr, int64_t step)
+{
+    tp_checkpoint_meta meta = {.key = "step", .value = step};
+    const tp_checkpoint_options o = {.n_meta = 1, .meta = &meta};
+    const tp_checkpoint_optim opt = {.adam = tr->adam};
+    return tp_checkpoint_save(dir, m, &opt, &o);
+}
+
+/* Loads into the model and Adam as they are now (any rank count and plan:
+ * the checkpoint reshards); *step is the step it was saved at. */
+static tp_status load_checkpoint(const char *dir, tp_module *m, trainer *tr, int *step)
+{
+    tp_checkpoint_meta meta = {.key = "step"};
+    const tp_checkpoint_options o = {.n_meta = 1, .meta = &meta};
+    const tp_checkpoint_optim opt = {.adam = tr->adam};
+    tp_status st = tp_checkpoint_load(dir, m, &opt, &o);
+    *step = st == TP_OK && meta.found && meta.value >= 0 && meta.value < MAX_STEPS ? (int)meta.value
+                                                                                   : 0;
+    return st;
+}
+
 static tp_status transformer_rank(tp_comm *world, void *arg)
 {
     const run *cfg = arg;
@@ -750,6 +780,12 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
             cfg->mode != MODE_NONE && tp_comm_size(world) > 1 ? world : NULL, &gso, &tr.scaler));
     }
 
+    /* --load: parameters, moments, masters and the step count; after the
+     * DDP (which only hooks the parameters) and before any step */
+    int start_step = 0;
+    if (cfg->load_dir)
+        CHECK(load_checkpoint(cfg->load_dir, model, &tr, &start_step));
+
     CHECK(make_data(&tokens, &targets, &positions));
     CHECK(to_device(&tokens, dev));
     CHECK(to_device(&targets, dev));
@@ -800,12 +836,17 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
     seconds = now_seconds() - start;
     if (dp_comm)
         CHECK(dp_mean_losses(dp_comm, dev, cfg->steps, loss));
+    /* --save: the dp replicas hold the same model; the first one's "tp"
+     * ranks write it (the checkpoint is collective over its mesh) */
+    if (cfg->save_dir && dp_coord == 0)
+        CHECK(save_checkpoint(cfg->save_dir, model, &tr, start_step + cfg->steps));
     /* rank 0 records the run; main reads it after the ranks joined */
     run *r = rank == 0 ? arg : NULL;
     CHECK(tp_module_state_dict(model, keep_param, r));
     if (r) {
         memcpy(r->loss, loss, (size_t)cfg->steps * sizeof loss[0]);
         r->seconds = seconds;
+        r->start_step = start_step;
         r->dp_buckets = dp_buckets;
         r->debug = debug;
         debug = NULL;
@@ -858,8 +899,8 @@ static void compare(run *r, const run *ref, double rtol, double atol)
         double d = 0.0;
         bool close = false;
         if (!got || tp_tensor_max_abs_diff(got->full, want->full, &d) != TP_OK ||
-            tp_tensor_allclose(got->full, want->full, rtol, param_atol(r->steps), &close) !=
-                TP_OK ||
+            tp_tensor_allclose(got->full, want->full, rtol, param_atol(r->start_step + r->steps),
+                               &close) != TP_OK ||
             !close) {
             fprintf(stderr, "  %s/%d: parameter %s differs from the reference (max |diff| "
                             "%.3g)%s\n", mode_name[r->mode], r->ranks, want->fqn, d,
@@ -1151,6 +1192,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi|nccl]\n"
             "                              [--dtype f32|bf16|f16] [--device cpu|cuda]\n"
+            "                              [--save DIR] [--load DIR] [--resume-check]\n"
             "  -b mpi    under mpirun: the TP runs use one process per rank\n"
             "  -b nccl   with --device cuda: one GPU per rank (threads, an nccl world)\n"
             "  -r RANKS  rank count of the TP runs; RANKS / DP must divide the %d heads\n"
@@ -1166,7 +1208,13 @@ static void usage(FILE *f)
             "            run on the CPU (default) or the GPU: with -b shm rank r on\n"
             "            cuda:(r %% device count), so the ranks share one GPU; the\n"
             "            1-rank run is checked against the CPU too. Exit 77 without\n"
-            "            a CUDA device\n",
+            "            a CUDA device\n"
+            "  --save DIR  train one TP run (RANKS, or the largest count) and save it,\n"
+            "            model and Adam state, as a sharded checkpoint (tp/checkpoint.h)\n"
+            "  --load DIR  resume that run from a checkpoint, on any rank count (it\n"
+            "            reshards); the steps are numbered on from the saved one\n"
+            "  --resume-check  check that 2 x STEPS steps equal STEPS steps, --save,\n"
+            "            --load on another rank count and STEPS more (exit 1 if not)\n",
             HEADS, BATCH);
 }
 
@@ -1187,11 +1235,121 @@ static const char *bad_layout(int ranks, int dp, char *buf, size_t len)
     return buf;
 }
 
+/* ---- --save, --load, --resume-check ---------------------------------------------- */
+
+/* A TP run on the MPI world when there is one, else on `ranks` threads. */
+static tp_status run_one(tp_comm *world, run *r)
+{
+    return world ? transformer_rank(world, r) : tp_run_local(r->ranks, transformer_rank, r);
+}
+
+static void print_losses(const char *label, const run *r)
+{
+    char rk[16];
+    printf("%-22s %5s ", label, ranks_str(r, rk, sizeof rk));
+    for (int s = 0; s < r->steps; s++)
+        printf("  %d: %.6f", r->start_step + s, r->loss[s]);
+    printf("\n");
+}
+
+/* The rank count the resumed run of --resume-check uses: another that fits
+ * the heads (and -d), or 0. */
+static int other_rank_count(int ranks, int dp)
+{
+    const int cand[] = {ranks / 2, ranks * 2, 1, 2, 4, 8};
+    char why[128];
+    for (size_t i = 0; i < sizeof cand / sizeof cand[0]; i++)
+        if (cand[i] >= 1 && cand[i] != ranks && cand[i] <= BATCH * HEADS &&
+            !bad_layout(cand[i], dp, why, sizeof why))
+            return cand[i];
+    return 0;
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+/* --resume-check: 2 x STEPS steps on RANKS ranks, against STEPS steps, a
+ * checkpoint, a load on another rank count (the checkpoint reshards) and
+ * STEPS more steps: the losses of the last STEPS steps and the final
+ * parameters must agree within the run-to-run tolerances. */
+static int resume_check(const run *base)
+{
+    char tmp[] = "/tmp/tp-example-ckpt-XXXXXX", dir[64];
+    if (!mkdtemp(tmp)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    snprintf(dir, sizeof dir, "%s/ckpt", tmp);
+    static run whole, first, resumed, ref;
+    whole = first = resumed = *base;
+    whole.steps = 2 * base->steps;
+    first.save_dir = dir;
+    resumed.load_dir = dir;
+    resumed.ranks = other_rank_count(base->ranks, base->dp);
+    bool ok = resumed.ranks > 0;
+    if (!ok)
+        fprintf(stderr, "no other rank count fits %d heads\n", HEADS);
+    run *order[3] = {&whole, &first, &resumed};
+    const char *label[3] = {"straight through", "first half, saved", "loaded, second half"};
+    for (int i = 0; ok && i < 3; i++) {
+        order[i]->status = run_one(NULL, order[i]);
+        if (order[i]->status != TP_OK) {
+            fprintf(stderr, "%s failed: %s: %s\n", label[i], tp_status_name(order[i]->status),
+                    tp_last_error());
+            ok = false;
+            break;
+        }
+        print_losses(label[i], order[i]);
+    }
+    if (ok) {
+        /* the whole run's second half, as the reference of the resumed one */
+        ref = whole;
+        ref.steps = base->steps;
+        memcpy(ref.loss, whole.loss + base->steps, (size_t)base->steps * sizeof ref.loss[0]);
+        compare(&resumed, &ref, RTOL, ATOL);
+        ok = resumed.ok && resumed.start_step == base->steps;
+        char a[16], b[16];
+        printf(
+            "\n%s: %d steps on %s rank(s) == %d steps, saved, loaded on %s rank(s) (step %d), %d "
+            "more: max |diff| loss %.2e, parameters %.2e (rtol %g, atol %g)\n",
+            ok ? "PASS" : "FAIL", 2 * base->steps, ranks_str(&whole, a, sizeof a), base->steps,
+            ranks_str(&resumed, b, sizeof b), resumed.start_step, base->steps, resumed.loss_diff,
+            resumed.param_diff, RTOL, ATOL);
+    }
+    nftw(tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    run_free(&whole);
+    run_free(&first);
+    run_free(&resumed);
+    return ok ? 0 : 1;
+}
+
+/* --save / --load without --resume-check: one TP run. */
+static int checkpoint_run(tp_comm *world, const run *base)
+{
+    static run r;
+    r = *base;
+    r.status = run_one(world, &r);
+    if (r.status != TP_OK) {
+        fprintf(stderr, "training failed: %s: %s\n", tp_status_name(r.status), tp_last_error());
+        run_free(&r);
+        return 1;
+    }
+    print_losses(r.load_dir ? "TP, resumed" : "TP", &r);
+    if (r.save_dir)
+        printf("saved step %d to %s\n", r.start_step + r.steps, r.save_dir);
+    run_free(&r);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     int rank_counts[3] = {1, 2, 4}, n_counts = 3, steps = 3, dp = 0;
     bool use_mpi = false, use_cuda = false;
-    bool all_tables = false;
+    bool all_tables = false, check_resume = false;
+    const char *save_dir = NULL, *load_dir = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
@@ -1224,6 +1382,16 @@ int main(int argc, char **argv)
                 return 2;
         } else if (!strcmp(argv[i], "-t")) {
             all_tables = true;
+        } else if (!strcmp(argv[i], "--save") || !strcmp(argv[i], "--load")) {
+            const char *d = i + 1 < argc ? argv[i + 1] : NULL;
+            if (!d || !*d) {
+                fprintf(stderr, "%s needs a directory\n", argv[i]);
+                return 2;
+            }
+            *(argv[i][2] == 's' ? &save_dir : &load_dir) = d;
+            i++;
+        } else if (!strcmp(argv[i], "--resume-check")) {
+            check_resume = true;
         } else if (!strcmp(argv[i], "--dtype")) {
             if (parse_dtype(i + 1 < argc ? argv[++i] : NULL, &g_dtype) != 0)
                 return 2;
@@ -1279,6 +1447,29 @@ int main(int argc, char **argv)
             tp_comm_free(world);
             return 1;
         }
+    }
+
+    if (check_resume && (use_mpi || save_dir || load_dir || 2 * steps > MAX_STEPS)) {
+        fprintf(stderr,
+                "--resume-check runs threads and a checkpoint of its own (not with -b "
+                "mpi, --save or --load) for 2 x STEPS <= %d steps\n",
+                MAX_STEPS);
+        tp_comm_free(world);
+        return 2;
+    }
+    if (check_resume || save_dir || load_dir) {
+        /* one TP plan at the (largest) rank count */
+        const run base = {.mode = MODE_TP,
+                          .dtype = g_dtype,
+                          .cuda = use_cuda,
+                          .ranks = rank_counts[n_counts - 1],
+                          .dp = dp,
+                          .steps = steps,
+                          .save_dir = save_dir,
+                          .load_dir = load_dir};
+        int rc = check_resume ? resume_check(&base) : checkpoint_run(world, &base);
+        tp_comm_free(world);
+        return rc;
     }
 
     static run runs[MAX_RUNS];
