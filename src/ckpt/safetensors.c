@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ckpt/checkpoint_internal.h"
 #include "ckpt/st_internal.h"
 #include "core/base.h"
 #include "tp/autograd.h"
@@ -356,21 +357,10 @@ typedef struct {
     int *order;      /* parameters by decreasing element size, then in order */
 } tp__st_writer;
 
+/* One pwrite loop for both file formats (checkpoint.c). */
 static tp_status tp__st_pwrite(const char *path, int fd, const void *buf, size_t n, uint64_t off)
 {
-    const char *p = buf;
-    while (n > 0) {
-        ssize_t put = pwrite(fd, p, n, (off_t)off);
-        if (put < 0 && errno == EINTR)
-            continue;
-        if (put <= 0)
-            return tp__error(TP_ERR_BACKEND, "cannot write '%s': %s", path,
-                             put < 0 ? strerror(errno) : "no progress");
-        p += put;
-        n -= (size_t)put;
-        off += (uint64_t)put;
-    }
-    return TP_OK;
+    return tp__ck_pwrite(fd, path, buf, n, off);
 }
 
 /* Lays the parameters out (w->order, w->begin). */

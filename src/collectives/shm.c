@@ -302,6 +302,18 @@ static bool ops_match(shm_rank *R, uint64_t s, shm_work *wk)
     return true;
 }
 
+/* The elements [*lo, *hi) that rank r of n reduces in an all_reduce of k:
+ * equal parts in 64-byte multiples; false when r's part is empty. */
+static bool allreduce_part(size_t k, int n, int r, size_t es, size_t *lo, size_t *hi)
+{
+    size_t align = 64 / es;
+    size_t part = (k + (size_t)n - 1) / (size_t)n;
+    part = (part + align - 1) / align * align;
+    *lo = (size_t)r * part;
+    *hi = *lo + part < k ? *lo + part : k;
+    return *lo < *hi;
+}
+
 /* Reductions read and write peers' buffers from this rank's GPU: those on
  * other GPUs must be reachable (peer access). */
 static tp_status cuda_reach_peers(shm_rank *R, uint64_t s)
@@ -329,11 +341,8 @@ static tp_status data_phase_cuda(shm_rank *R, uint64_t s)
     switch (me->kind) {
     case TP_COLL_ALL_REDUCE: {
         /* rank r reduces part r of every input and writes it to every output */
-        size_t align = 64 / es;
-        size_t part = (k + (size_t)n - 1) / (size_t)n;
-        part = (part + align - 1) / align * align;
-        size_t lo = (size_t)r * part, hi = lo + part < k ? lo + part : k;
-        if (lo >= hi)
+        size_t lo, hi;
+        if (!allreduce_part(k, n, r, es, &lo, &hi))
             break;
         TP_CHECK(cuda_reach_peers(R, s));
         for (int q = 0; q < n; q++) {
@@ -436,11 +445,8 @@ static void data_phase(shm_rank *R, uint64_t s, shm_work *wk)
     switch (me->kind) {
     case TP_COLL_ALL_REDUCE: {
         /* rank r reduces part r of every input and writes it to every output */
-        size_t align = 64 / es;
-        size_t part = (k + (size_t)n - 1) / (size_t)n;
-        part = (part + align - 1) / align * align;
-        size_t lo = (size_t)r * part, hi = lo + part < k ? lo + part : k;
-        if (lo >= hi)
+        size_t lo, hi;
+        if (!allreduce_part(k, n, r, es, &lo, &hi))
             break;
         for (int q = 0; q < n; q++) {
             R->srcs[q] = PEER(q)->send;
