@@ -6,6 +6,7 @@
 # suite), the benchmarks' CSVs and gpu-logs.tar.xz (every log).
 #
 #   scripts/gpu-check.sh [--bundle ARCHIVE] [--out DIR] [--gpu-only] [--skip-bench]
+#                        [--profile-mlp] [--suites LIST] [--jobs N] [--max-test-seconds S]
 #
 #   --bundle ARCHIVE  run a scripts/gpu-bundle.sh archive instead of building
 #                     (for a GPU machine without libtp's build dependencies)
@@ -13,6 +14,7 @@
 #   --gpu-only        only the GPU suites (cuda, cuda_kernels, shm_cuda, nccl, replicate,
 #                     cuda_dist*, the examples on CUDA, the GPU bench checks)
 #   --skip-bench      no benchmarks
+#   --profile-mlp     also time every kernel of one bf16 TP MLP pass with ncu
 #   --max-test-seconds S  cap each suite's time limit at S seconds
 #   --suites LIST     only these suites (comma-separated; a trailing * matches a prefix)
 #   --jobs N          suites at once (default: the cores; GPU suites one at a time)
@@ -27,7 +29,7 @@ while [ $# -gt 0 ]; do
     case $1 in
     --bundle) bundle=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    --gpu-only | --skip-bench) extra+=("$1"); shift ;;
+    --gpu-only | --skip-bench | --profile-mlp) extra+=("$1"); shift ;;
     --max-test-seconds | --suites | --jobs) extra+=("$1" "$2"); shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 64 ;;

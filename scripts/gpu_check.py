@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -117,6 +118,8 @@ def main():
     ap.add_argument("--gpu-only", action="store_true", help="only the GPU suites")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--device", default="", help="the GPU, in words, for the report")
+    ap.add_argument("--profile-mlp", action="store_true",
+                    help="also time every kernel of one bf16 TP MLP pass with Nsight Compute (ncu)")
     ap.add_argument("--suites", default="",
                     help="only these suites (comma-separated names; a trailing * matches a prefix)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2,
@@ -286,6 +289,19 @@ def main():
               "all_reduce,all_gather"] + sweep + ["-R", "5", "--target-s", "0.05",
                                                   "--csv", comm_csvs[-1]]),
         ]
+        if a.profile_mlp:
+            ncu = shutil.which("ncu") or next(iter(sorted(
+                __import__("glob").glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
+            if ncu:
+                # every kernel's device time, summed per kernel name, of one
+                # forward + backward of the block (no warm-up repetition)
+                plan.append(("kernels of one TP MLP pass (bf16, 1 rank), by ncu",
+                             [ncu, "--metrics", "gpu__time_duration.sum", "--print-summary",
+                              "per-kernel", b("tp-bench-layers"), "--device", "cuda", "-l", "mlp",
+                              "-p", "fwd+bwd", "-t", "8192", "-H", "2048", "-g", "1", "--dtype",
+                              "bf16", "-n", "1", "-w", "0", "-R", "1"]))
+            else:
+                print("[gpu-check] --profile-mlp: ncu not found", flush=True)
         for title, cmd in plan:
             if not os.path.exists(cmd[0]):
                 continue
