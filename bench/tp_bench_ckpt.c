@@ -15,7 +15,7 @@
  * cache) and once after posix_fadvise(DONTNEED) (cold-ish: the kernel drops
  * the clean pages it can; dropping all caches needs root and is not done).
  * The checkpoint's loads are timed the same two ways, and once more with
- * options.in_place (warm).
+ * options.copy_first (warm).
  *
  * Usage: tp-bench-ckpt [-d DIR] [-m transformer|1gib|all] [-r REPS]
  *   DIR: where the files go (default /tmp); REPS: repetitions, the median
@@ -186,7 +186,7 @@ static double disk_read(const char *path, uint64_t bytes, char *buf, bool cold)
 typedef struct {
     const model_cfg *cfg;
     char dir[512];
-    int phase; /* 0: save; 1: load; 2: load in place */
+    int phase; /* 0: save; 1: load (in place); 2: load with copy_first */
     double t_save, t_load;
     uint64_t model_bytes;
     size_t base_alloc, peak_alloc;
@@ -217,10 +217,10 @@ static tp_status rank_fn(tp_comm *world, void *arg)
     if (st == TP_OK)
         st = tp_barrier(world, NULL);
     double t0 = bench_now_s();
-    tp_checkpoint_options in_place = {.in_place = true};
+    tp_checkpoint_options copy_first = {.copy_first = true};
     if (st == TP_OK)
         st = r->phase == 0 ? tp_checkpoint_save(r->dir, m, NULL, NULL)
-                           : tp_checkpoint_load(r->dir, m, NULL, r->phase == 2 ? &in_place : NULL);
+                           : tp_checkpoint_load(r->dir, m, NULL, r->phase == 2 ? &copy_first : NULL);
     if (st == TP_OK)
         st = tp_barrier(world, NULL);
     double t = bench_now_s() - t0;
@@ -278,7 +278,7 @@ static int run_model(const model_cfg *c, const char *dir, int reps)
            "read after DONTNEED %.0f MB/s\n",
            DW / 1e6, DR / 1e6, DRC / 1e6);
     printf("%3s %10s %6s %10s %6s %10s %6s %6s %12s %6s\n", "W", "save MB/s", "/disk", "load MB/s",
-           "/disk", "cold MB/s", "/disk", "peak", "in-place", "peak");
+           "/disk", "cold MB/s", "/disk", "peak", "copy-first", "peak");
     for (int w = 1; w <= 4; w *= 2) {
         double ts[16], tl[16], tc[16], ti[16], peak = 0, peak_ip = 0;
         run_t r = {.cfg = c};
@@ -336,8 +336,8 @@ int main(int argc, char **argv)
     }
     printf("tp-bench-ckpt: dir %s, %d repetitions (medians), %d cores\n", dir, reps, bench_cores());
     printf("peak: the highest tensor memory during a load above what the model held before "
-           "it, over the model's size (all ranks together); in-place: a load with "
-           "options.in_place (page cache warm), MB/s and peak\n");
+           "it, over the model's size (all ranks together); copy-first: a load with "
+           "options.copy_first (page cache warm), MB/s and peak\n");
     for (size_t i = 0; i < sizeof models / sizeof *models; i++)
         if (!strcmp(which, "all") || !strcmp(which, models[i].name))
             if (run_model(&models[i], dir, reps))

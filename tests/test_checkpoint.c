@@ -325,7 +325,7 @@ static tp_status load_rank(tp_comm *world, void *arg)
     co.n_meta = 3;
     co.meta = meta;
     co.allow_missing = j->no_optim;
-    co.in_place = j->in_place;
+    co.copy_first = !j->in_place;
     tp_checkpoint_optim opt = {o.adam, o.sgd};
     RANK_OK(s, tp_checkpoint_load(j->dir, m, &opt, &co));
     RANK_EXPECT(s, meta[0].found && meta[0].value == -3 && meta[1].found && meta[1].value == j->k,
@@ -649,7 +649,9 @@ static void prepare_case(err_job *e)
             e->world = 3;
             e->plan = COL;
         }
-        e->flags.in_place = e->c.kind >= E_CORRUPT_IN_PLACE;
+        /* the first kinds through the scratch copy, the _IN_PLACE ones the
+         * default way */
+        e->flags.copy_first = e->c.kind < E_CORRUPT_IN_PLACE;
         break;
     }
     case E_OVERFLOW:
@@ -913,13 +915,16 @@ static void alloc_failures(dir_job *j, const char *base, int salt_before)
     tp_module_free(m);
 }
 
-/* Bytes read: at the same plan each rank reads exactly its blocks (their
- * CRC checks included). Resharded from rows over 4 ranks to columns over 2,
- * each rank reads its blocks, and the stored row blocks of the matrices,
- * which no rank needs whole, are read once more in all for their CRCs. */
+/* Bytes read, through the scratch copy (copy_first): at the same plan each
+ * rank reads exactly its blocks (their CRC checks included). Resharded from
+ * rows over 4 ranks to columns over 2, each rank reads its blocks, and the
+ * stored row blocks of the matrices, which no rank needs whole, are read
+ * once more in all for their CRCs. In place (the default) a rank reads its
+ * blocks twice: once to check, once into the parameters. */
 typedef struct {
     char dir[300];
     int plan;
+    bool in_place;
     uint64_t got[TP_TEST_MAX_RANKS], want[TP_TEST_MAX_RANKS];
     tp_test_slot slots[TP_TEST_MAX_RANKS];
 } bytes_job;
@@ -934,7 +939,8 @@ static tp_status bytes_rank(tp_comm *world, void *arg)
     RANK_OK(s, make_mesh(world, j->plan, &mesh));
     RANK_OK(s, build(mesh, j->plan, TP_F32, 3, (variant_t){0}, &m));
     uint64_t before = tp_checkpoint_bytes_read();
-    RANK_OK(s, tp_checkpoint_load(j->dir, m, NULL, NULL));
+    const tp_checkpoint_options o = {.copy_first = !j->in_place};
+    RANK_OK(s, tp_checkpoint_load(j->dir, m, NULL, &o));
     j->got[r] = tp_checkpoint_bytes_read() - before;
     j->want[r] = 0;
     for (int pi = 0; pi < NP; pi++)
@@ -965,6 +971,14 @@ Test(checkpoint, bytes_read, .timeout = 60)
         total += j->want[r];
     }
     memset(j->slots, 0, sizeof j->slots);
+    j->in_place = true;
+    tp_test_run(4, bytes_rank, j, j->slots);
+    for (int r = 0; r < 4; r++)
+        cr_assert_eq(j->got[r], 2 * j->want[r], "in place: rank %d read %llu bytes, its blocks are "
+                     "%llu (checked, then read)", r, (unsigned long long)j->got[r],
+                     (unsigned long long)j->want[r]);
+    memset(j->slots, 0, sizeof j->slots);
+    j->in_place = false;
     j->plan = COL;
     tp_test_run(2, bytes_rank, j, j->slots);
     uint64_t got = j->got[0] + j->got[1], need = j->want[0] + j->want[1];
@@ -978,7 +992,8 @@ Test(checkpoint, bytes_read, .timeout = 60)
 }
 
 /* Peak tensor memory of a load (one process, f32 on the CPU, no optimizer):
- * the default scratch holds a copy of every parameter; in place, nothing. */
+ * copy_first's scratch holds a copy of every parameter; in place (the
+ * default), nothing. */
 Test(checkpoint, load_peak_memory, .timeout = 60)
 {
     char base[64];
@@ -995,7 +1010,7 @@ Test(checkpoint, load_peak_memory, .timeout = 60)
         tp_memory_info before, after;
         CHECK_OK(tp_memory_stats(TP_CPU, &before));
         CHECK_OK(tp_memory_reset_peak(TP_CPU));
-        tp_checkpoint_options o = {.in_place = in_place};
+        tp_checkpoint_options o = {.copy_first = !in_place};
         CHECK_OK(tp_checkpoint_load(j->dir, m, NULL, &o));
         CHECK_OK(tp_memory_stats(TP_CPU, &after));
         size_t extra = after.peak_allocated - before.allocated;

@@ -18,8 +18,9 @@
  * rank holding it). Loading computes each rank's block of every tensor in
  * the module as it is now (any mesh, any placements, plain tensors) and
  * reads with pread only the bytes of the stored blocks that overlap it, in
- * runs of contiguous rows, straight into a scratch tensor of the local
- * shape: never the whole tensor (unless the rank holds all of it).
+ * runs of contiguous rows, straight into the parameter's local block
+ * (copy_first: into a scratch tensor of the local shape): never the whole
+ * tensor (unless the rank holds all of it).
  *
  * Saved: every parameter of the module (named_parameters order; a tied
  * parameter once, under its first FQN), in its own dtype; with an
@@ -80,14 +81,12 @@ typedef struct tp_checkpoint_options {
     /* load: a parameter whose stored dtype differs (among f32, f64, bf16,
      * f16) is converted, rounded to nearest even, instead of an error */
     bool convert_dtype;
-    /* load: parameters are read straight into themselves, after a first
-     * pass has checked every tensor (names, shapes, sizes, every block's CRC:
-     * the blocks a rank checks are read twice) and the ranks agreed; extra
-     * memory: one block (when the dtype converts or the parameter lives on
-     * a GPU) instead of a copy of the local parameters. The one failure that
-     * then changes the model: a data file failing or changing between the
-     * two passes (TP_ERR_BACKEND, "parameters partly loaded"). */
-    bool in_place;
+    /* load: read every parameter into a scratch copy first and copy it in
+     * only once all are read and the ranks agreed, so that even a data file
+     * failing or changing mid-load leaves the model untouched; costs one
+     * copy of the local parameters. Default (false): in place, see
+     * tp_checkpoint_load. */
+    bool copy_first;
     /* the ranks taking part when the module has no DTensor parameter (a
      * data-parallel model: rank 0 writes, every rank loads); NULL: the caller
      * alone. With DTensor parameters it must be NULL or their mesh's group
@@ -149,12 +148,19 @@ TP_API tp_status tp_checkpoint_save(const char *dir, tp_module *m, const tp_chec
  * stored f32 master, or, when the checkpoint has none (saved from f32), one
  * made from the loaded value; an f32 parameter ignores a stored master.
  *
- * All or nothing: every tensor is read into scratch tensors and checked
- * (sizes, CRC-32C of every stored block) first; the ranks agree through an
- * all_reduce; only then is anything written into the parameters and the
- * optimizer. Scratch costs one copy of the rank's local parameters (the
- * optimizer's new states become its states); options.in_place avoids it
- * (see there). Every stored block is
+ * Checked before anything changes: every tensor is checked (sizes, CRC-32C
+ * of every stored block) first; the ranks agree through an all_reduce;
+ * only then is anything written into the parameters and the optimizer.
+ * With copy_first the first pass reads every value into scratch. By
+ * default the first pass only checks (names, shapes, sizes,
+ * every block's CRC: the blocks a rank checks are read twice) and the
+ * parameters are then read straight into themselves: extra memory one
+ * block (when the dtype converts or the parameter lives on a GPU), never a
+ * copy of the model. Every error below still leaves the model untouched;
+ * the one failure that changes it is a data file failing or changing
+ * between the two passes (TP_ERR_BACKEND, "parameters partly loaded";
+ * options.copy_first avoids it at the cost of a copy of the local
+ * parameters). The optimizer's new states become its states. Every stored block is
  * CRC-checked once per load: by the lowest rank that reads all of it, or,
  * when no rank needs all of it (a resharded load), by a rank chosen by the
  * block's index that reads it in bounded chunks.
@@ -173,7 +179,7 @@ TP_API tp_status tp_checkpoint_save(const char *dir, tp_module *m, const tp_chec
  * TP_CHECKPOINT_VERSION or a Partial parameter: TP_ERR_NOT_SUPPORTED.
  *
  * Communication: one all_reduce (the outcome) and, on failure, one
- * broadcast (its message); with in_place the same once more after the
+ * broadcast (its message); without copy_first the same once more after the
  * parameters are written.
  */
 TP_API tp_status tp_checkpoint_load(const char *dir, tp_module *m, const tp_checkpoint_optim *optim,

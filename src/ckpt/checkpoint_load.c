@@ -256,12 +256,12 @@ static tp_status tp__ck_read_value(tp__ck_loader *L, int i, const char *what, tp
 }
 
 /* Whether parameter item i is read only after the agreement, straight into
- * the parameter (in_place), after its blocks' CRCs are checked now. Not
+ * the parameter (the default: no copy_first), after its blocks' CRCs are checked now. Not
  * when the optimizer's master of it is to be made from the loaded value. */
 static bool tp__ck_deferred(const tp__ck_loader *L, int i)
 {
     const tp__ck_item *it = &L->l.it[i];
-    if (!L->o->in_place || it->kind != TP__CK_PARAM)
+    if (L->o->copy_first || it->kind != TP__CK_PARAM)
         return false;
     if (!L->load_opt || tp_tensor_dtype(it->param) == TP_F32)
         return true;
@@ -287,7 +287,7 @@ static tp_status tp__ck_load_item(tp__ck_loader *L, int i)
     return tp__ck_read_value(L, i, what, TP__CK_READ_VERIFY, NULL, &L->val[i]);
 }
 
-/* in_place, after the agreement: deferred item i straight into its
+/* In place, after the agreement: deferred item i straight into its
  * parameter (through one block's scratch when it converts or lives on a
  * GPU). */
 static tp_status tp__ck_read_in_place(tp__ck_loader *L, int i)
@@ -383,7 +383,9 @@ static tp_status tp__ck_commit(tp__ck_loader *L)
             continue;
         tp_status st = tp__ck_read_in_place(L, i);
         if (st != TP_OK) {
-            tp__error_prefix("%s: parameters partly loaded (in_place)", l->fn);
+            tp__error_prefix("%s: parameters partly loaded (in place; options.copy_first "
+                             "avoids this)",
+                             l->fn);
             return st;
         }
     }
@@ -428,7 +430,7 @@ tp_status tp_checkpoint_load(const char *dir, tp_module *m, const tp_checkpoint_
     st = tp__ck_agree(L.l.comm, st);
     if (st == TP_OK)
         st = tp__ck_commit(&L);
-    if (L.o->in_place) /* a failure while committing reaches every rank */
+    if (!L.o->copy_first) /* a failure while committing reaches every rank */
         st = tp__ck_agree(L.l.comm, st);
     for (int i = 0; L.val && i < L.l.n; i++)
         tp_tensor_release(L.val[i]);
