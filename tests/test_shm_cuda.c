@@ -221,8 +221,8 @@ static tp_status order_rank(tp_comm *w, void *arg)
     order_ctx *c = arg;
     int r = tp_comm_rank(w), n = tp_comm_size(w);
     tp_test_slot *s = &c->slots[r];
-    int64_t k = 16 << 20, nk = k * n, one = 1;
-    tp_tensor *x = NULL, *g = NULL, *h = NULL, *sum = NULL;
+    int64_t k = 16 << 20, nk = k * n;
+    tp_tensor *x = NULL, *g = NULL, *h = NULL;
     tp_status st = tp_tensor_empty(TP_F32, DEV, 1, &k, &x);
     if (st == TP_OK)
         st = tp_tensor_empty(TP_F32, DEV, 1, &nk, &g);
@@ -249,10 +249,8 @@ static tp_status order_rank(tp_comm *w, void *arg)
         tp_tensor_release(h);
         h = NULL;
     }
-    (void)one;
     tp_tensor_release(x);
     tp_tensor_release(g);
-    tp_tensor_release(sum);
     RANK_OK(s, st);
     return TP_OK;
 }
