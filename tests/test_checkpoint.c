@@ -1055,15 +1055,15 @@ static void half_fail_free(void *ctx, void *p)
     free(p);
 }
 
-/* Loads dir into a Linear(1024, 2600) initialised with seed 2 (the default
+/* Loads dir into a Linear(1024, 4200) initialised with seed 2 (the default
  * way: checked, then read in place); returns the status, its message in
  * msg, and whether the weight holds seed `want`'s values. */
 static tp_status load_big(const char *dir, uint64_t want, char *msg, size_t len, bool *equal,
                           uint64_t *bytes)
 {
     tp_module *m = NULL, *ref = NULL;
-    cr_assert_eq(tp_nn_linear_create(1024, 2600, true, &m), TP_OK);
-    cr_assert_eq(tp_nn_linear_create(1024, 2600, true, &ref), TP_OK);
+    cr_assert_eq(tp_nn_linear_create(1024, 4200, true, &m), TP_OK);
+    cr_assert_eq(tp_nn_linear_create(1024, 4200, true, &ref), TP_OK);
     cr_assert_eq(tp_module_init(m, 2), TP_OK);
     cr_assert_eq(tp_module_init(ref, want), TP_OK);
     uint64_t before = tp_checkpoint_bytes_read();
@@ -1082,20 +1082,21 @@ static tp_status load_big(const char *dir, uint64_t want, char *msg, size_t len,
     return st;
 }
 
-/* A 10.2 MiB weight spans three 4 MiB read chunks: its check reads one chunk
+/* A 16.4 MiB weight spans five 4 MiB read chunks: its check reads one chunk
  * while it sums the one before (a second thread), or, when the second
- * buffer cannot be had, one after the other. Either way: the values, each
- * byte counted twice (checked, then read), and a byte flipped in the third
- * chunk found with the model untouched. */
+ * buffer cannot be had, one after the other; the read after the check is
+ * split in two halves read at once (over 16 MiB). Either way: the values,
+ * each byte counted twice (checked, then read), and a byte flipped in the
+ * third chunk found with the model untouched. */
 Test(checkpoint, blocks_over_one_chunk, .timeout = 120)
 {
     char base[64], dir[300], msg[700];
     test_dir(base, sizeof base, dir, sizeof dir);
     tp_module *m = NULL;
-    cr_assert_eq(tp_nn_linear_create(1024, 2600, true, &m), TP_OK);
+    cr_assert_eq(tp_nn_linear_create(1024, 4200, true, &m), TP_OK);
     cr_assert_eq(tp_module_init(m, 1), TP_OK);
     cr_assert_eq(tp_checkpoint_save(dir, m, NULL, NULL), TP_OK, "%s", tp_last_error());
-    uint64_t nbytes = (1024 * 2600 + 2600) * sizeof(float);
+    uint64_t nbytes = (1024 * 4200 + 4200) * sizeof(float);
     tp_module_free(m);
 
     half_fail h = {.size = 4u << 20};

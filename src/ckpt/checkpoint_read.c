@@ -17,6 +17,7 @@
 #define TP__CK_MAX_META (1u << 30)
 #define TP__CK_VERIFY_CHUNK (4u << 20)
 #define TP__CK_READ_CHUNK (4u << 20)
+#define TP__CK_SPLIT_MIN (16u << 20) /* a plain read this long is read in two halves at once */
 
 /* ---- metadata.json and the data files ---------------------------------------------- */
 
@@ -273,6 +274,46 @@ tp_status tp__ck_parse_entry(const tp__ck_reader *r, const char *what, json_t *j
 
 /* ---- reading a box ---------------------------------------------------------------- */
 
+/* The second half of a plain read, on a thread of its own. */
+typedef struct {
+    int fd;
+    const char *path;
+    char *dst;
+    size_t n;
+    uint64_t off;
+    tp_status st;
+    char msg[512];
+} tp__ck_rhalf;
+
+static void *tp__ck_rhalf_run(void *arg)
+{
+    tp__ck_rhalf *h = arg;
+    h->st = tp__ck_pread(h->fd, h->path, h->dst, h->n, h->off, false);
+    if (h->st != TP_OK)
+        snprintf(h->msg, sizeof h->msg, "%s", tp_last_error());
+    return NULL;
+}
+
+/* Reads n bytes at off into dst; from TP__CK_SPLIT_MIN on, in two halves at
+ * once (a second thread), so that copying a large block out of the page
+ * cache (the second pass of an in-place load) is not one core's copy. One
+ * read when the thread cannot be had. */
+static tp_status tp__ck_read_split(int fd, const char *path, char *dst, size_t n, uint64_t off)
+{
+    size_t half = (n / 2) & ~(size_t)4095;
+    tp__ck_rhalf h = {fd, path, dst + half, n - half, off + half, TP_OK, ""};
+    pthread_t th;
+    if (n < TP__CK_SPLIT_MIN || pthread_create(&th, NULL, tp__ck_rhalf_run, &h) != 0)
+        return tp__ck_pread(fd, path, dst, n, off, true);
+    tp_status st = tp__ck_pread(fd, path, dst, half, off, true);
+    pthread_join(th, NULL);
+    if (h.st == TP_OK)
+        tp__ck_count_read(n - half);
+    else if (st == TP_OK)
+        st = tp__error(h.st, "%s", h.msg);
+    return st;
+}
+
 /* Reads region [lo, hi) of stored block s into dst (a row-major array of
  * shape dshape whose element 0 is at global index doff): one pread per run
  * of elements contiguous in both. *crc (may be NULL): continued over the
@@ -306,12 +347,14 @@ static tp_status tp__ck_read_region(tp__ck_reader *r, const tp__ck_entry *e, con
             dof += (g - doff[d]) * dstride[d + 1];
         }
         char *p = dst + (size_t)dof * es;
+        uint64_t from = s->offset + (uint64_t)so * es;
+        if (!crc)
+            TP_CHECK(tp__ck_read_split(fd, path, p, run, from));
         /* in chunks: each one summed while it is still in cache */
-        for (size_t at = 0; at < run; at += TP__CK_READ_CHUNK) {
+        for (size_t at = 0; crc && at < run; at += TP__CK_READ_CHUNK) {
             size_t len = run - at < TP__CK_READ_CHUNK ? run - at : TP__CK_READ_CHUNK;
-            TP_CHECK(tp__ck_pread(fd, path, p + at, len, s->offset + (uint64_t)so * es + at, true));
-            if (crc)
-                *crc = tp__ck_crc32c(*crc, p + at, len);
+            TP_CHECK(tp__ck_pread(fd, path, p + at, len, from + at, true));
+            *crc = tp__ck_crc32c(*crc, p + at, len);
         }
         int d = k - 1;
         while (d >= 0 && ++idx[d] == hi[d] - lo[d])
