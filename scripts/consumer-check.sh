@@ -9,7 +9,7 @@
 #              CONFIG) and libtp::libtp (tests/consumer/CMakeLists.txt)
 #   meson      libtp as a Meson subproject of the program
 #              (tests/consumer/meson.build, --force-fallback-for=libtp)
-#   deb        dpkg-buildpackage -b -us -uc (DEB_BUILD_OPTIONS=nocheck: the
+#   deb        dpkg-buildpackage -b -us -uc (the nocheck option and profile: the
 #              suite has run on the same source before), lintian with no
 #              errors, the packages installed, the program built through
 #              pkg-config and CMake against them, tp-bench-comm run (a
@@ -19,7 +19,9 @@
 # directories the install created and its temporary directory, and checks
 # that nothing of libtp is left for the loader, pkg-config or CMake.
 # The tools it needs (cmake, dpkg-dev, debhelper, lintian, ... and libtp's
-# build dependencies) are installed with apt-get when missing and stay.
+# build dependencies) are installed with apt-get when missing and stay; the
+# Debian ones only before the deb path, so the default install is made as on a
+# machine without dpkg-dev when it had none.
 #
 # Usage: scripts/consumer-check.sh [PATH...]   (default: all four)
 # Prints a summary line per path with its time; exit status 0 when every
@@ -42,11 +44,14 @@ die() {
 
 [ "$(id -u)" -eq 0 ] || die "run as root: it installs packages and libtp itself"
 
-TOOLS=(gcc libc6-dev make meson ninja-build pkg-config cmake python3 dpkg-dev debhelper lintian
-       chrpath)
-install_tools() {
+# What the default build and the pkgconfig, cmake and meson paths need. The
+# Debian tools come only before the deb path, so that the default install is
+# made as on a machine without dpkg-dev (where Meson alone would pick lib64).
+TOOLS=(gcc libc6-dev meson ninja-build pkg-config cmake python3 libopenblas-dev libjansson-dev)
+DEB_TOOLS=(dpkg-dev debhelper lintian)
+install_missing() {
     local missing=() p
-    for p in "${TOOLS[@]}"; do
+    for p in "$@"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
             missing+=("$p")
     done
@@ -55,8 +60,6 @@ install_tools() {
         apt-get update -qq
         apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     fi
-    # libtp's own build dependencies, as debian/control lists them
-    apt-get build-dep -y -qq -P nocheck "$SRC" >/dev/null
 }
 
 # The source tree (tracked and untracked files that git does not ignore, so
@@ -94,6 +97,8 @@ check_gone() {
 build_default() {
     meson setup "$WORK/build" "$SRC" -Dtests=disabled -Dbench=false >"$WORK/setup.log"
     ninja -C "$WORK/build" >"$WORK/build.log"
+    log "dpkg-architecture: $(command -v dpkg-architecture || echo absent);" \
+        "libtp.so goes to $(meson introspect "$WORK/build" --installed | grep -o '"/[^"]*/libtp.so"')"
     meson introspect "$WORK/build" --installed | python3 -c '
 import json, os, sys
 new = set()
@@ -137,7 +142,7 @@ path_pkgconfig() {
 
 # Builds tests/consumer/CMakeLists.txt in $1 against the installed libtp, runs it.
 cmake_consumer() {
-    cmake -S "$SRC/tests/consumer" -B "$1" >"$1.log"
+    cmake -G Ninja -S "$SRC/tests/consumer" -B "$1" >"$1.log"
     grep 'libtp ' "$1.log"
     cmake --build "$1" >>"$1.log"
     "${CLEAN_ENV[@]}" "$1/consumer"
@@ -176,15 +181,20 @@ purge_debs() {
 
 path_deb() {
     local dir="$WORK/deb"
+    install_missing "${DEB_TOOLS[@]}"
+    # libtp's build dependencies, as debian/control lists them
+    apt-get build-dep -y -qq -P nocheck "$SRC" >/dev/null
     copy_tree "$dir/libtp"
-    (cd "$dir/libtp" && DEB_BUILD_OPTIONS=nocheck dpkg-buildpackage -b -us -uc) \
+    (cd "$dir/libtp" && DEB_BUILD_OPTIONS=nocheck dpkg-buildpackage -b -us -uc -Pnocheck) \
         >"$dir/build.log" 2>&1 || {
         tail -40 "$dir/build.log"
         return 1
     }
     # the symbols file: a symbol gone fails the build; new ones show here
     grep -A30 'dpkg-gensymbols: warning' "$dir/build.log" || true
-    lintian --fail-on error "$dir"/libtp_*.changes
+    # (lintian leaves temporary directories in $TMPDIR: keep them in $WORK)
+    mkdir -p "$dir/tmp"
+    TMPDIR="$dir/tmp" lintian --fail-on error "$dir"/libtp_*.changes
     dpkg-query -W -f='${Package}\n' | sort >"$WORK/dpkg-before"
     trap purge_debs EXIT
     apt-get install -y -qq "$dir"/libtp0_*.deb "$dir"/libtp-dev_*.deb \
@@ -202,7 +212,7 @@ path_deb() {
 
 # ---- the paths, one after the other ------------------------------------------------
 
-install_tools
+install_missing "${TOOLS[@]}"
 WORK=$(mktemp -d /tmp/libtp-consumer.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 summary=()
