@@ -114,7 +114,8 @@ install_default() {
     meson install -C "$WORK/build" --quiet >"$WORK/install.log"
 }
 
-# meson uninstall, then the directories the install created (deepest first).
+# meson uninstall (which removes the directories it logged as created), then
+# whatever of the install is still there (deepest first).
 uninstall_default() {
     ninja -C "$WORK/build" uninstall >"$WORK/uninstall.log" 2>&1 || true
     local p
