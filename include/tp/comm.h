@@ -319,6 +319,30 @@ typedef struct tp_nccl_options {
     int device;         /* CUDA ordinal, or -1: bootstrap rank % device count */
 } tp_nccl_options;
 
+/* ---- the sim backend: one rank of a simulated world -------------------- */
+
+/*
+ * Options of tp_comm_create_world("sim", &opts, &world): this process plays
+ * rank `rank` of a world of `world_size` ranks (1 .. TP_SIM_MAX_WORLD) on
+ * meta tensors (TP_META, tp/tensor.h), to plan a parallel layout at any
+ * scale on one machine (docs/sim.md). Every collective completes at once
+ * without moving data, after the validation every backend gets (counts,
+ * dtypes, in-place forms), and is recorded by an active comm-debug counter
+ * exactly as the same call on a real world of that size would be (kind,
+ * bytes, scope, phase). Buffers must be meta tensors: a CPU or CUDA tensor is
+ * TP_ERR_NOT_SUPPORTED ("backend 'sim' cannot move CPU tensors").
+ * Meshes (tp_mesh_create, tp_mesh_slice, any number of dims) build on a sim
+ * world unchanged; a direct tp_comm_split is TP_ERR_NOT_SUPPORTED, since one
+ * rank cannot know which colors the others chose. Abort and timeouts never
+ * apply (nothing waits). The world is freed with tp_comm_free.
+ */
+#define TP_SIM_MAX_WORLD 65536
+
+typedef struct tp_sim_options {
+    int world_size; /* 1 .. TP_SIM_MAX_WORLD */
+    int rank;       /* 0 .. world_size - 1 */
+} tp_sim_options;
+
 #ifdef __cplusplus
 }
 #endif
