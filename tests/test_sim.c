@@ -158,8 +158,24 @@ static tp_status prog_setup(tp_comm *world, const prog_cfg *c, tp_device dev, pr
     return tp_comm_debug_create(&p->dbg);
 }
 
-/* One training step of the block under a comm-debug counter; rec gets its
- * records and the output's shape. */
+/* One training step of the block set up in p: forward, mean loss,
+ * backward, the DDP's sync, SGD. */
+static tp_status prog_step(prog_state *p)
+{
+    tp_status st = tp_module_call(p->m, p->x, &p->y);
+    if (st == TP_OK)
+        st = tp_mean_all(p->y, &p->loss);
+    if (st == TP_OK)
+        st = tp_backward(p->loss, NULL);
+    if (st == TP_OK && p->ddp)
+        st = tp_ddp_sync(p->ddp);
+    if (st == TP_OK)
+        st = tp_sgd_step(p->m, 0.1);
+    return st;
+}
+
+/* The step under a comm-debug counter; rec gets its records and the
+ * output's shape. */
 static tp_status prog_run(tp_comm *world, const prog_cfg *c, tp_device dev, prog_rec *rec)
 {
     prog_state p = {0};
@@ -167,15 +183,7 @@ static tp_status prog_run(tp_comm *world, const prog_cfg *c, tp_device dev, prog
     if (st == TP_OK)
         st = tp_comm_debug_begin(p.dbg);
     if (st == TP_OK) {
-        st = tp_module_call(p.m, p.x, &p.y);
-        if (st == TP_OK)
-            st = tp_mean_all(p.y, &p.loss);
-        if (st == TP_OK)
-            st = tp_backward(p.loss, NULL);
-        if (st == TP_OK && p.ddp)
-            st = tp_ddp_sync(p.ddp);
-        if (st == TP_OK)
-            st = tp_sgd_step(p.m, 0.1);
+        st = prog_step(&p);
         tp_status e = tp_comm_debug_end(p.dbg);
         st = st != TP_OK ? st : e;
     }
@@ -434,4 +442,80 @@ Test(sim, collectives_recorded_and_checked, .timeout = 10)
     tp_tensor_release(big2);
     tp_tensor_release(cpu);
     CHECK_OK(tp_comm_free(w));
+}
+
+/* ---- uneven shards: every distinct rank in one call ---------------------- */
+
+/* The step only, set up outside the counter tp_sim_each_rank keeps: the
+ * setup's collectives (parallelize, DDP) would count otherwise. */
+static tp_status sim_step_body(tp_comm *world, void *arg)
+{
+    const prog_cfg *c = arg;
+    prog_state p = {0};
+    tp_comm_debug *outer = tp_comm_debug_active();
+    tp_status st = tp_comm_debug_end(outer);
+    if (st == TP_OK)
+        st = prog_setup(world, c, TP_META, &p);
+    tp_status e = tp_comm_debug_begin(outer);
+    st = st != TP_OK ? st : e;
+    if (st == TP_OK)
+        st = prog_step(&p);
+    prog_free(&p);
+    return st;
+}
+
+/* hidden 20 over tp = 3 (7, 7, 6): the DDP's bucket differs by tp
+ * coordinate; the report's maxima are those of the real run's ranks */
+Test(sim, each_rank_uneven_maxima, .timeout = 60)
+{
+    prog_cfg cfg = {.dp = 2, .tp = 3, .rows = 24, .d = 8, .f = 20, .sp = true};
+    shm_ctx *c = calloc(1, sizeof *c);
+    cr_assert_not_null(c);
+    c->cfg = cfg;
+    tp_test_run(6, shm_body, c, c->slots);
+    int64_t want_max[TP_COLL_KIND_COUNT] = {0}, want_cnt[TP_COLL_KIND_COUNT] = {0};
+    int want_rank[TP_COLL_KIND_COUNT] = {0};
+    for (int r = 0; r < 6; r++)
+        for (int k = 0; k < TP_COLL_KIND_COUNT; k++) {
+            if (c->rec[r].bytes[k] > want_max[k]) {
+                want_max[k] = c->rec[r].bytes[k];
+                want_rank[k] = r;
+            }
+            int64_t n = c->rec[r].cnt[0][k] + c->rec[r].cnt[1][k];
+            want_cnt[k] = n > want_cnt[k] ? n : want_cnt[k];
+        }
+    /* the shards differ: the last tp coordinate reduces fewer bytes */
+    cr_assert_lt(c->rec[2].bytes[TP_COLL_ALL_REDUCE], c->rec[0].bytes[TP_COLL_ALL_REDUCE]);
+
+    tp_sim_report all, some;
+    CHECK_OK(tp_sim_each_rank(6, 0, NULL, sim_step_body, &cfg, &all));
+    cr_assert_eq(all.ranks_played, 6);
+    /* one rank of each tp coordinate is enough */
+    CHECK_OK(tp_sim_each_rank(6, 3, (int[]){3, 4, 5}, sim_step_body, &cfg, &some));
+    cr_assert_eq(some.ranks_played, 3);
+    for (int k = 0; k < TP_COLL_KIND_COUNT; k++) {
+        cr_assert_eq(all.max_bytes[k], want_max[k], "%s", tp_coll_kind_name((tp_coll_kind)k));
+        cr_assert_eq(all.max_count[k], want_cnt[k], "%s", tp_coll_kind_name((tp_coll_kind)k));
+        cr_assert_eq(some.max_bytes[k], want_max[k], "%s", tp_coll_kind_name((tp_coll_kind)k));
+        if (want_max[k])
+            cr_assert_eq(all.max_bytes_rank[k], want_rank[k], "%s",
+                         tp_coll_kind_name((tp_coll_kind)k));
+    }
+    /* DDP bytes: ceil(20 / 3) = 7 rows of w1 and columns of w2 at most */
+    int64_t numel = 2 * 8 + 7 * 8 + 7 + 8 * 7 + 8;
+    cr_assert_eq(all.max_bytes[TP_COLL_ALL_REDUCE], (numel + 2 * 8) * 4);
+    free(c);
+}
+
+Test(sim, each_rank_checks_and_stops, .timeout = 10)
+{
+    tp_sim_report rep;
+    prog_cfg cfg = {.dp = 1, .tp = 2, .rows = 24, .d = 8, .f = 24};
+    CHECK_ERR(tp_sim_each_rank(0, 0, NULL, sim_step_body, &cfg, &rep), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_sim_each_rank(2, 1, (int[]){2}, sim_step_body, &cfg, &rep), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_sim_each_rank(2, 0, NULL, NULL, &cfg, &rep), TP_ERR_INVALID_ARG);
+    /* the program is for a world of 2: on 3 ranks the mesh refuses, at rank 0 */
+    CHECK_ERR(tp_sim_each_rank(3, 0, NULL, sim_step_body, &cfg, &rep), TP_ERR_INVALID_ARG);
+    cr_assert(strncmp(tp_last_error(), "sim rank 0: ", 12) == 0, "%s", tp_last_error());
+    cr_assert_eq(rep.ranks_played, 0);
 }

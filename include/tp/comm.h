@@ -343,6 +343,36 @@ typedef struct tp_sim_options {
     int rank;       /* 0 .. world_size - 1 */
 } tp_sim_options;
 
+/* Per collective kind, the largest count and byte total any played rank
+ * recorded, and the first rank (lowest) that recorded it. */
+typedef struct tp_sim_report {
+    int ranks_played;
+    int64_t max_count[TP_COLL_KIND_COUNT];
+    int max_count_rank[TP_COLL_KIND_COUNT];
+    int64_t max_bytes[TP_COLL_KIND_COUNT];
+    int max_bytes_rank[TP_COLL_KIND_COUNT];
+    int64_t max_total; /* collectives of every kind */
+    int max_total_rank;
+} tp_sim_report;
+
+/*
+ * Plays several ranks of a simulated world of world_size ranks, one after
+ * the other on the calling thread: for each rank r of `ranks` (nranks
+ * entries, each in [0, world_size), or NULL: every rank 0 .. world_size-1)
+ * a fresh sim world of rank r is made, fn(world, arg) runs with a comm-debug
+ * counter active (fn must not begin one of its own) and the world is freed
+ * after it. *out gets the maxima over the ranks played. With uneven shards
+ * the ranks issue collectives of different sizes; pass one rank of each
+ * kind that differs (e.g. every coordinate along the dims that shard
+ * unevenly) rather than all of a large world. Stops at the first rank whose
+ * fn fails, returning its status with "sim rank R: " before its message;
+ * *out then holds the ranks played so far. TP_ERR_INVALID_ARG for a NULL
+ * fn or out, world_size out of range, nranks < 1 with ranks, or a rank
+ * out of range (before anything runs).
+ */
+TP_API tp_status tp_sim_each_rank(int world_size, int nranks, const int *ranks, tp_rank_fn fn,
+                                  void *arg, tp_sim_report *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -78,31 +78,6 @@ static tp_status meta_sync(const char *fn, int index)
     return TP_OK;
 }
 
-static tp_status meta_no_memory(const char *fn)
-{
-    return tp__error(TP_ERR_NOT_SUPPORTED, "%s: the meta device holds no memory to report on", fn);
-}
-
-static tp_status meta_memory_stats(const char *fn, int index, tp_memory_info *out)
-{
-    return meta_no_memory(fn);
-}
-
-static tp_status meta_reset_peak(const char *fn, int index)
-{
-    return meta_no_memory(fn);
-}
-
-static tp_status meta_empty_cache(const char *fn, int index)
-{
-    return meta_no_memory(fn);
-}
-
-static tp_status meta_set_cache_limit(const char *fn, int index, size_t bytes)
-{
-    return meta_no_memory(fn);
-}
-
 const tp__device_mem tp__meta_mem = {
     .name = "meta",
     .check = meta_check,
@@ -114,8 +89,5 @@ const tp__device_mem tp__meta_mem = {
     .strided_copy = meta_strided_copy,
     .convert = meta_convert,
     .sync = meta_sync,
-    .memory_stats = meta_memory_stats,
-    .reset_peak = meta_reset_peak,
-    .empty_cache = meta_empty_cache,
-    .set_cache_limit = meta_set_cache_limit,
+    /* no memory statistics: tp_memory_stats takes the CPU and CUDA only */
 };
