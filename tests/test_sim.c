@@ -519,3 +519,44 @@ Test(sim, each_rank_checks_and_stops, .timeout = 10)
     cr_assert(strncmp(tp_last_error(), "sim rank 0: ", 12) == 0, "%s", tp_last_error());
     cr_assert_eq(rep.ranks_played, 0);
 }
+
+/* A 3-D mesh and a 2-D slice of it on every rank of a simulated world of
+ * 24: each dim's group has the dim's size and the rank's coordinate as its
+ * rank, as on a real world; a collective on the slice counts its size. */
+Test(sim, mesh_3d_and_slices, .timeout = 30)
+{
+    const int64_t shape[3] = {2, 3, 4};
+    const char *names[3] = {"a", "b", "c"}, *sel[2] = {"a", "c"};
+    for (int r = 0; r < 24; r++) {
+        tp_comm *w = NULL;
+        tp_mesh *m = NULL, *s = NULL;
+        CHECK_OK(tp_comm_create_world("sim", &(tp_sim_options){.world_size = 24, .rank = r}, &w));
+        CHECK_OK(tp_mesh_create(w, 3, shape, names, &m));
+        int64_t coord[3] = {r / 12, r / 4 % 3, r % 4};
+        for (int d = 0; d < 3; d++) {
+            cr_assert_eq(tp_mesh_coord(m, d), coord[d]);
+            cr_assert_eq(tp_comm_size(tp_mesh_comm(m, d)), shape[d]);
+            cr_assert_eq(tp_comm_rank(tp_mesh_comm(m, d)), coord[d], "rank %d dim %d", r, d);
+        }
+        CHECK_OK(tp_mesh_slice(m, 2, sel, &s));
+        cr_assert_eq(tp_mesh_numel(s), 8);
+        cr_assert_eq(tp_comm_rank(tp_mesh_group(s)), (int)(coord[0] * 4 + coord[2]));
+        tp_tensor *a = NULL, *g = NULL;
+        CHECK_OK(tp_tensor_empty(TP_F16, TP_META, 1, (int64_t[]){10}, &a));
+        CHECK_OK(tp_tensor_empty(TP_F16, TP_META, 1, (int64_t[]){80}, &g));
+        tp_comm_debug *dbg = NULL;
+        CHECK_OK(tp_comm_debug_create(&dbg));
+        CHECK_OK(tp_comm_debug_begin(dbg));
+        CHECK_OK(tp_all_gather(tp_mesh_group(s), a, g, NULL));
+        CHECK_ERR(tp_all_gather(tp_mesh_comm(m, 1), a, g, NULL), TP_ERR_INVALID_ARG);
+        CHECK_OK(tp_comm_debug_end(dbg));
+        cr_assert_eq(tp_comm_debug_count(dbg, TP_COLL_ALL_GATHER), 1);
+        cr_assert_eq(tp_comm_debug_bytes(dbg, TP_COLL_ALL_GATHER), 160);
+        tp_comm_debug_free(dbg);
+        tp_tensor_release(a);
+        tp_tensor_release(g);
+        tp_mesh_free(s);
+        tp_mesh_free(m);
+        CHECK_OK(tp_comm_free(w));
+    }
+}
