@@ -52,10 +52,11 @@ typedef enum tp_dtype {
  * tensors and computes the shapes and placements of its outputs without
  * running a kernel or drawing a random number. Writes into a meta tensor
  * (tp_tensor_fill, tp_tensor_fill_random, tp_tensor_copy into it from any
- * device) do nothing and return TP_OK; reading its elements
- * (tp_tensor_get/set, the comparisons, tp_tensor_copy or tp_tensor_to from it
- * to another device) is TP_ERR_INVALID_ARG with a message saying the tensor
- * is a meta tensor. tp_tensor_to(cpu_tensor, dtype, TP_META, &out) gives a
+ * device) do nothing and return TP_OK once their arguments pass the usual
+ * checks (shapes, overlap, distribution bounds); element access
+ * (tp_tensor_get, tp_tensor_set) and reading its elements (the comparisons,
+ * tp_tensor_copy or tp_tensor_to from it to another device) is
+ * TP_ERR_INVALID_ARG with a message saying the tensor is a meta tensor. tp_tensor_to(cpu_tensor, dtype, TP_META, &out) gives a
  * meta tensor of the same shape (the data is dropped). tp_tensor_data of a
  * meta tensor is an address with no memory behind it, distinct for each
  * storage so that views keep their offsets and overlap checks work: never
