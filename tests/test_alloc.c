@@ -247,3 +247,56 @@ Test(alloc, permute_allocates_only_its_result, .timeout = 30)
     tp_tensor_release(x);
     cr_assert_eq(C.live, 0);
 }
+
+/* ---- the meta device and a simulated world ---------------------------------
+ * Meta tensors take no storage memory but their headers, views, op outputs
+ * and autograd state do: every failing allocation is still reported. */
+
+static tp_status op_meta_empty(void *arg, tp_tensor **out)
+{
+    return tp_tensor_empty(TP_F32, TP_META, 3, shape3, out);
+}
+
+static tp_status op_to_meta(void *arg, tp_tensor **out)
+{
+    return tp_tensor_to(arg, TP_BF16, TP_META, out);
+}
+
+static tp_status op_meta_linear(void *arg, tp_tensor **out)
+{
+    tp_tensor **xw = arg;
+    return tp_linear(xw[0], xw[1], NULL, out);
+}
+
+static tp_status op_meta_distribute(void *arg, tp_tensor **out)
+{
+    void **mf = arg;
+    tp_placement s0 = tp_shard(0);
+    return tp_dtensor_distribute(mf[0], mf[1], 1, &s0, 0, out);
+}
+
+Test(alloc, meta_and_sim, .timeout = 30)
+{
+    tp_tensor *base = NULL, *xw[2] = {NULL, NULL};
+    cr_assert_eq(tp_tensor_empty(TP_F32, TP_CPU, 3, shape3, &base), TP_OK);
+    cr_assert_eq(tp_tensor_empty(TP_F32, TP_META, 3, shape3, &xw[0]), TP_OK);
+    cr_assert_eq(tp_tensor_empty(TP_F32, TP_META, 2, (int64_t[]){3, 5}, &xw[1]), TP_OK);
+    cr_assert_eq(tp_tensor_set_requires_grad(xw[1], true), TP_OK);
+    fail_each_allocation("tp_tensor_empty(meta)", op_meta_empty, NULL);
+    fail_each_allocation("tp_tensor_to(meta)", op_to_meta, base);
+    fail_each_allocation("tp_linear(meta)", op_meta_linear, xw);
+
+    tp_comm *w = NULL;
+    tp_mesh *mesh = NULL;
+    cr_assert_eq(tp_comm_create_world("sim", &(tp_sim_options){.world_size = 4, .rank = 2}, &w),
+                 TP_OK);
+    cr_assert_eq(tp_mesh_create(w, 1, (int64_t[]){4}, NULL, &mesh), TP_OK);
+    void *mf[2] = {mesh, xw[0]};
+    fail_each_allocation("tp_dtensor_distribute(sim, meta)", op_meta_distribute, mf);
+    tp_mesh_free(mesh);
+    cr_assert_eq(tp_comm_free(w), TP_OK);
+    tp_tensor_release(xw[0]);
+    tp_tensor_release(xw[1]);
+    tp_tensor_release(base);
+    cr_assert_eq(C.live, 0);
+}

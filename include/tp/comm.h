@@ -319,6 +319,60 @@ typedef struct tp_nccl_options {
     int device;         /* CUDA ordinal, or -1: bootstrap rank % device count */
 } tp_nccl_options;
 
+/* ---- the sim backend: one rank of a simulated world -------------------- */
+
+/*
+ * Options of tp_comm_create_world("sim", &opts, &world): this process plays
+ * rank `rank` of a world of `world_size` ranks (1 .. TP_SIM_MAX_WORLD) on
+ * meta tensors (TP_META, tp/tensor.h), to plan a parallel layout at any
+ * scale on one machine (docs/sim.md). Every collective completes at once
+ * without moving data, after the validation every backend gets (counts,
+ * dtypes, in-place forms), and is recorded by an active comm-debug counter
+ * exactly as the same call on a real world of that size would be (kind,
+ * bytes, scope, phase). Buffers must be meta tensors: a CPU or CUDA tensor is
+ * TP_ERR_NOT_SUPPORTED ("backend 'sim' cannot move CPU tensors").
+ * Meshes (tp_mesh_create, tp_mesh_slice, any number of dims) build on a sim
+ * world unchanged; a direct tp_comm_split is TP_ERR_NOT_SUPPORTED, since one
+ * rank cannot know which colors the others chose. Abort and timeouts never
+ * apply (nothing waits). The world is freed with tp_comm_free.
+ */
+#define TP_SIM_MAX_WORLD 65536
+
+typedef struct tp_sim_options {
+    int world_size; /* 1 .. TP_SIM_MAX_WORLD */
+    int rank;       /* 0 .. world_size - 1 */
+} tp_sim_options;
+
+/* Per collective kind, the largest count and byte total any played rank
+ * recorded, and the first rank (lowest) that recorded it. */
+typedef struct tp_sim_report {
+    int ranks_played;
+    int64_t max_count[TP_COLL_KIND_COUNT];
+    int max_count_rank[TP_COLL_KIND_COUNT];
+    int64_t max_bytes[TP_COLL_KIND_COUNT];
+    int max_bytes_rank[TP_COLL_KIND_COUNT];
+    int64_t max_total; /* collectives of every kind */
+    int max_total_rank;
+} tp_sim_report;
+
+/*
+ * Plays several ranks of a simulated world of world_size ranks, one after
+ * the other on the calling thread: for each rank r of `ranks` (nranks
+ * entries, each in [0, world_size), or NULL: every rank 0 .. world_size-1)
+ * a fresh sim world of rank r is made, fn(world, arg) runs with a comm-debug
+ * counter active (fn must not begin one of its own) and the world is freed
+ * after it. *out gets the maxima over the ranks played. With uneven shards
+ * the ranks issue collectives of different sizes; pass one rank of each
+ * kind that differs (e.g. every coordinate along the dims that shard
+ * unevenly) rather than all of a large world. Stops at the first rank whose
+ * fn fails, returning its status with "sim rank R: " before its message;
+ * *out then holds the ranks played so far. TP_ERR_INVALID_ARG for a NULL
+ * fn or out, world_size out of range, nranks < 1 with ranks, or a rank
+ * out of range (before anything runs).
+ */
+TP_API tp_status tp_sim_each_rank(int world_size, int nranks, const int *ranks, tp_rank_fn fn,
+                                  void *arg, tp_sim_report *out);
+
 #ifdef __cplusplus
 }
 #endif

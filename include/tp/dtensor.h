@@ -110,7 +110,8 @@ typedef struct tp_from_local_options {
      * times out like any mismatched one) */
     const int64_t *global_shape;
     /* verify with collectives that Replicate mesh dims hold equal values and
-     * the shard sizes add up (TP_ERR_MISMATCH otherwise); default off */
+     * the shard sizes add up (TP_ERR_MISMATCH otherwise); default off.
+     * Skipped for a meta `local` (no values: no check, no collectives) */
     bool check;
 } tp_from_local_options;
 

@@ -66,7 +66,8 @@ typedef tp_status (*tp_forward_fn)(tp_module *self, int nargs, tp_tensor *const 
 
 /* ---- creation ------------------------------------------------------------ */
 
-/* Parameters are allocated and zero until tp_module_init (or a state dict). */
+/* Parameters are allocated and zero until tp_module_init (or a state dict),
+ * on the calling thread's default device (below). */
 TP_API tp_status tp_nn_linear_create(int64_t in_features, int64_t out_features, bool bias,
                                      tp_module **out);
 TP_API tp_status tp_nn_embedding_create(int64_t num, int64_t dim, tp_module **out);
@@ -84,6 +85,17 @@ TP_API tp_status tp_nn_container_create(tp_module **out);
  * failure the caller keeps ctx (ctx_free is not called). */
 TP_API tp_status tp_nn_custom_create(const char *type_name, tp_forward_fn forward, void *ctx,
                                      void (*ctx_free)(void *ctx), tp_module **out);
+/* The device the built-in modules created afterwards on the calling thread
+ * make their parameters on: TP_CPU until set (per thread, like PyTorch's
+ * `with torch.device(...)`). TP_META builds a model of any size with no
+ * memory behind its parameters (docs/sim.md); tp_module_to moves it to a
+ * real device later. The CPU and meta devices take index 0 (another is
+ * TP_ERR_INVALID_ARG); a CUDA device must exist (TP_ERR_NOT_SUPPORTED
+ * otherwise). On error the setting is unchanged. Custom modules register
+ * tensors of their own choosing. */
+TP_API tp_status tp_nn_set_default_device(tp_device device);
+TP_API tp_device tp_nn_default_device(void);
+
 /* Frees the module and its subtree. NULL is a no-op. Only a root (a module
  * that is nobody's child) may be freed. */
 TP_API void tp_module_free(tp_module *m);
@@ -142,7 +154,11 @@ TP_API void tp_module_zero_grad(tp_module *m);
  * optimizers, see below) become handles over one new storage. An Adam
  * optimizer created earlier refuses the replaced parameters (create it
  * after moving). All or nothing: on failure no parameter has moved. A
- * CUDA device needs a CUDA build (TP_ERR_NOT_SUPPORTED otherwise). */
+ * CUDA device needs a CUDA build (TP_ERR_NOT_SUPPORTED otherwise).
+ * TP_META drops every parameter's values (each becomes a meta tensor of
+ * its shape and layout); from TP_META to a real device, which has no values
+ * to copy, each parameter becomes zeros there: call tp_module_init (or load
+ * a state dict) afterwards. */
 TP_API tp_status tp_module_to(tp_module *m, tp_device device);
 
 /*

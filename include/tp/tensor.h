@@ -44,17 +44,44 @@ typedef enum tp_dtype {
     TP_DTYPE_COUNT
 } tp_dtype;
 
-typedef enum tp_device_type { TP_DEVICE_CPU = 0, TP_DEVICE_CUDA = 1 } tp_device_type;
+/*
+ * TP_DEVICE_META: tensors with dtype, shape, strides (and, as DTensors,
+ * placements) but no memory behind them, for planning a model of any size on
+ * one machine (docs/sim.md). Creating one allocates only its header. Every
+ * op, backward, redistribute, module, init and optimizer step takes meta
+ * tensors and computes the shapes and placements of its outputs without
+ * running a kernel or drawing a random number. Writes into a meta tensor
+ * (tp_tensor_fill, tp_tensor_fill_random, tp_tensor_copy into it from any
+ * device) do nothing and return TP_OK once their arguments pass the usual
+ * checks (shapes, overlap, distribution bounds); element access
+ * (tp_tensor_get, tp_tensor_set) and reading its elements (the comparisons,
+ * tp_tensor_copy or tp_tensor_to from it to another device) is
+ * TP_ERR_INVALID_ARG with a message saying the tensor is a meta tensor. tp_tensor_to(cpu_tensor, dtype, TP_META, &out) gives a
+ * meta tensor of the same shape (the data is dropped). tp_tensor_data of a
+ * meta tensor is an address with no memory behind it, distinct for each
+ * storage so that views keep their offsets and overlap checks work: never
+ * dereference it. Index 0 only; tp_tensor_from_blob refuses the meta device.
+ */
+typedef enum tp_device_type {
+    TP_DEVICE_CPU = 0,
+    TP_DEVICE_CUDA = 1,
+    TP_DEVICE_META = 2
+} tp_device_type;
 
 typedef struct tp_device {
     tp_device_type type;
-    int index; /* CUDA ordinal; 0 for the CPU */
+    int index; /* CUDA ordinal; 0 for the CPU and the meta device */
 } tp_device;
 
 #define TP_CPU ((tp_device){TP_DEVICE_CPU, 0})
 #define TP_CUDA(i) ((tp_device){TP_DEVICE_CUDA, (i)})
+#define TP_META ((tp_device){TP_DEVICE_META, 0})
 
 typedef struct tp_tensor tp_tensor;
+
+/* true when t is a meta tensor (storage or, for a DTensor, local shard on
+ * TP_DEVICE_META); false for NULL. */
+TP_API bool tp_tensor_is_meta(const tp_tensor *t);
 
 /* Bytes per element (2 for f16/bf16); 0 for an invalid dtype. */
 TP_API size_t tp_dtype_size(tp_dtype dtype);

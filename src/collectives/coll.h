@@ -46,6 +46,7 @@ void tp__desc_string(const int64_t *w, char *buf, size_t len);
 
 /* Built-in backends. */
 extern const tp_backend tp__shm_backend;
+extern const tp_backend tp__sim_backend;
 #if TP_HAVE_MPI
 extern const tp_backend tp__mpi_backend;
 #endif

@@ -224,6 +224,22 @@ tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out)
     return TP_OK;
 }
 
+static _Thread_local int tp__split_hint;
+
+tp_status tp__comm_split_sized(tp_comm *comm, int color, int key, int size, tp_comm **out)
+{
+    int saved = tp__split_hint;
+    tp__split_hint = size;
+    tp_status st = tp_comm_split(comm, color, key, out);
+    tp__split_hint = saved;
+    return st;
+}
+
+int tp__comm_split_size_hint(void)
+{
+    return tp__split_hint;
+}
+
 /* ---- validation ----------------------------------------------------------- */
 
 static bool tp__overlap(const void *a, size_t alen, const void *b, size_t blen)
@@ -240,8 +256,15 @@ static tp_status tp__check_buf(const char *fn, const char *what, const tp_tensor
     TP_ARG_CHECK(tp_tensor_is_contiguous(t), "%s: %s is not contiguous", fn, what);
     tp_device dev = tp_tensor_device(t);
     if (!(comm->ops.device_mask & (1u << dev.type)))
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: backend '%s' cannot move %s tensors (%s)", fn,
-                         comm->ops.name, dev.type == TP_DEVICE_CUDA ? "CUDA" : "CPU", what);
+        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: backend '%s' cannot move %s tensors (%s)%s", fn,
+                         comm->ops.name,
+                         dev.type == TP_DEVICE_CUDA   ? "CUDA"
+                         : dev.type == TP_DEVICE_META ? "meta"
+                                                      : "CPU",
+                         what,
+                         comm->ops.device_mask == 1u << TP_DEVICE_META
+                             ? "; a simulated world takes meta tensors only (TP_META)"
+                             : "");
     return TP_OK;
 }
 

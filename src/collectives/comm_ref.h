@@ -12,4 +12,14 @@ tp_comm *tp__comm_retain(tp_comm *comm);
  * handles hold references of their own. NULL is a no-op. Thread-safe. */
 void tp__comm_release(tp_comm *comm);
 
+/* tp_comm_split by a caller that knows the size of the group this rank
+ * joins (a mesh: the size of its dim or slice) and that its key is its rank
+ * there. The backend may read it during the call through
+ * tp__comm_split_size_hint: the sim backend, which plays one rank and
+ * cannot ask the others which color they chose, needs it. */
+tp_status tp__comm_split_sized(tp_comm *comm, int color, int key, int size, tp_comm **out);
+/* The size given to the tp__comm_split_sized running on this thread; 0
+ * outside one. */
+int tp__comm_split_size_hint(void);
+
 #endif /* TP_COMM_REF_H */

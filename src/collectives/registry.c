@@ -18,6 +18,7 @@ static void tp__reg_builtins_locked(void)
         return;
     tp__reg_init = true;
     tp__reg[tp__reg_n++] = tp__shm_backend;
+    tp__reg[tp__reg_n++] = tp__sim_backend;
 #if TP_HAVE_MPI
     tp__reg[tp__reg_n++] = tp__mpi_backend;
 #endif

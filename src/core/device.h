@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 typedef struct tp__device_mem {
-    const char *name; /* "cpu", "cuda" */
+    const char *name; /* "cpu", "cuda", "meta" */
     /* TP_OK when device `index` of this type can hold tensors; otherwise the
      * reason, recorded under fn (TP_ERR_NOT_SUPPORTED: no such device in
      * this process or build; TP_ERR_INVALID_ARG: an index out of range). */
@@ -63,6 +63,11 @@ typedef struct tp__device_mem {
 
 extern const tp__device_mem tp__cpu_mem;  /* core (tensor.c) */
 extern const tp__device_mem tp__cuda_mem; /* the CUDA engine (cuda_rt.c / cuda_stub.c) */
+extern const tp__device_mem tp__meta_mem; /* shapes without memory (meta.c) */
+
+/* TP_ERR_INVALID_ARG: "fn: what is a meta tensor: it has ... no data". The
+ * answer of every core function that would read a meta tensor's elements. */
+tp_status tp__meta_refuse(const char *fn, const char *what);
 
 /* The table of a device type; NULL for an invalid type. */
 static inline const tp__device_mem *tp__device_mem_of(tp_device_type type)
@@ -72,6 +77,8 @@ static inline const tp__device_mem *tp__device_mem_of(tp_device_type type)
         return &tp__cpu_mem;
     case TP_DEVICE_CUDA:
         return &tp__cuda_mem;
+    case TP_DEVICE_META:
+        return &tp__meta_mem;
     }
     return NULL;
 }

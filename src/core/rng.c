@@ -172,8 +172,8 @@ tp_status tp_tensor_fill_random(tp_tensor *t, tp_rng_dist dist, double a, double
                      (long long)off[i], (long long)t->shape[i], (long long)gshape[i], i);
     }
     int64_t numel = tp_tensor_numel(t);
-    if (numel == 0)
-        return TP_OK;
+    if (numel == 0 || tp_tensor_device(t).type == TP_DEVICE_META)
+        return TP_OK; /* a meta tensor: the arguments are checked, nothing is drawn */
 
     /* Non-empty block inside the global shape: every global size is >= 1. */
     int64_t s = 1;

@@ -228,6 +228,10 @@ tp_status tp_tensor_from_blob(tp_dtype dtype, tp_device device, int ndim, const 
     TP_CHECK(tp__check_dtype(fn, dtype));
     TP_CHECK(tp__check_shape(fn, dtype, ndim, shape, &numel, &nbytes));
     TP_CHECK(tp__check_device(fn, device, NULL));
+    TP_ARG_CHECK(device.type != TP_DEVICE_META,
+                 "%s: the meta device holds no memory to wrap; use tp_tensor_empty(..., TP_META, "
+                 "...)",
+                 fn);
     TP_ARG_CHECK(data || numel == 0, "%s: data is NULL for %lld elements", fn, (long long)numel);
     /* element loops and kernels rely on natural alignment */
     TP_ARG_CHECK((uintptr_t)data % tp_dtype_size(dtype) == 0,
@@ -313,6 +317,11 @@ tp_device tp_tensor_device(const tp_tensor *t)
     if (t && !t->storage)
         return tp_tensor_device(tp__tensor_local(t));
     return t ? t->storage->device : (tp_device){TP_DEVICE_CPU, -1};
+}
+
+bool tp_tensor_is_meta(const tp_tensor *t)
+{
+    return t && tp_tensor_device(t).type == TP_DEVICE_META;
 }
 
 size_t tp_tensor_nbytes(const tp_tensor *t)
@@ -977,6 +986,10 @@ static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
         }
     }
     tp_device dd = dst->storage->device, sd = src->storage->device;
+    if (dd.type == TP_DEVICE_META)
+        return TP_OK; /* a meta dst takes the shape only: nothing to write */
+    if (sd.type == TP_DEVICE_META)
+        return tp__meta_refuse(fn, "src");
     if (dd.type == TP_DEVICE_CPU && sd.type == TP_DEVICE_CPU) {
         tp__cpu_copy(dst->ndim, dst->shape, tp_tensor_data(dst), dst->dtype, dst->stride,
                      tp_tensor_data(src), src->dtype, src->stride);
@@ -1081,6 +1094,8 @@ tp_status tp_tensor_fill(tp_tensor *t, double value)
     if (tp__numel(t) == 0)
         return TP_OK;
     tp_device dev = t->storage->device;
+    if (dev.type == TP_DEVICE_META)
+        return TP_OK;
     if (dev.type == TP_DEVICE_CPU) {
         tp__fill_cpu(t, value);
         return TP_OK;
@@ -1126,6 +1141,8 @@ static tp_status tp__elem_io(const char *fn, const tp_tensor *t, const int64_t *
 {
     TP_ARG_CHECK(t, "%s: t is NULL", fn);
     TP_CHECK(tp__need_storage(t, fn, "t"));
+    if (t->storage->device.type == TP_DEVICE_META)
+        return tp__meta_refuse(fn, "t");
     int64_t off = 0;
     TP_CHECK(tp__elem_offset(fn, t, idx, &off));
     size_t es = tp_dtype_size(t->dtype);
@@ -1219,6 +1236,10 @@ static tp_status tp__compare(const char *fn, const tp_tensor *a, const tp_tensor
     TP_ARG_CHECK(b, "%s: b is NULL", fn);
     TP_CHECK(tp__need_storage(a, fn, "a"));
     TP_CHECK(tp__need_storage(b, fn, "b"));
+    if (a->storage->device.type == TP_DEVICE_META)
+        return tp__meta_refuse(fn, "a");
+    if (b->storage->device.type == TP_DEVICE_META)
+        return tp__meta_refuse(fn, "b");
     if (!tp__same_shape(a, b)) {
         if (!mismatch_is_error) {
             c->ok = false;

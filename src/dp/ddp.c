@@ -611,7 +611,8 @@ void tp_ddp_free(tp_ddp *d)
 }
 
 /* A small int64 all_reduce (max) or broadcast from rank 0 of v[0..n), on the
- * parameters' device (a GPU backend moves only device memory). */
+ * parameters' device (a GPU backend moves only device memory, the sim
+ * backend only meta tensors). */
 static tp_status tp__small(tp_ddp *d, int64_t *v, int64_t n, bool broadcast)
 {
     tp_device dev = tp_tensor_device(tp__local(d->p[0].t));
@@ -621,7 +622,9 @@ static tp_status tp__small(tp_ddp *d, int64_t *v, int64_t n, bool broadcast)
                                              : tp_tensor_to(h, TP_I64, dev, &t);
     if (st == TP_OK)
         st = broadcast ? tp_broadcast(d->comm, t, 0, NULL) : tp_all_reduce(d->comm, t, t, TP_MAX, NULL);
-    if (st == TP_OK && t != h)
+    /* meta (a simulated world): nothing moved, v keeps this rank's values,
+     * which is what ranks that agree get back */
+    if (st == TP_OK && t != h && dev.type != TP_DEVICE_META)
         st = tp_tensor_copy(h, t);
     tp_tensor_release(t);
     tp_tensor_release(h);

@@ -286,6 +286,8 @@ static tp_status tp__add_into_plain(tp_tensor *r, const tp_tensor *b)
         k->supports(TP__KOP_ACCUMULATE, r->dtype)) {
         /* f32, bf16, f16: the engine adds in f32 and rounds once */
         st = k->accumulate(dev, r->dtype, tp_tensor_data(r), tp_tensor_data(src), n);
+    } else if (st == TP_OK && dev.type == TP_DEVICE_META) {
+        /* other dtypes on meta: no values to add */
     } else if (st == TP_OK && dev.type == TP_DEVICE_CUDA) {
         /* other dtypes: summed on the host, then copied back */
         tp_tensor *ha = NULL, *hb = NULL;

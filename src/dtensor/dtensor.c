@@ -417,7 +417,8 @@ tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements
             if (p[i].kind == TP_PLACEMENT_SHARD)
                 global[p[i].dim] *= tp_mesh_size(mesh, i);
     }
-    if (options && options->check) {
+    /* meta (a plan): no values to compare, so no check and no collectives */
+    if (options && options->check && !tp_tensor_is_meta(local)) {
         /* every rank's global shape and the replicated values must agree */
         int64_t n = nd + 1;
         tp_tensor *mine = NULL, *mx = NULL;

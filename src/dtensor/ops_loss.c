@@ -33,7 +33,17 @@ static tp_status tp__as_i64(tp_tensor *t, tp_tensor **out)
     if (t->dtype == TP_I64 && tp_tensor_is_contiguous(t) &&
         tp_tensor_device(t).type == TP_DEVICE_CPU)
         return tp_tensor_view(t, t->ndim, t->shape, out);
+    if (tp_tensor_is_meta(t)) /* no values: an i64 meta tensor of its shape */
+        return tp_tensor_to(t, TP_I64, TP_META, out);
     return tp_tensor_to(t, TP_I64, TP_CPU, out);
+}
+
+/* The values of tp__as_i64's result, or NULL for a meta tensor, which has
+ * none: the range checks and the weight sums over them are skipped, every
+ * row counting with weight 1 (docs/sim.md). */
+static const int64_t *tp__i64_values(const tp_tensor *t64)
+{
+    return tp_tensor_is_meta(t64) ? NULL : tp_tensor_data(t64);
 }
 
 /* The validated host i64 tensor `host` as the kernels' argument on `dev`:
@@ -215,8 +225,8 @@ tp_status tp_embedding(tp_tensor *indices, tp_tensor *weight, tp_tensor **y)
         tp__shard_extent(tp_dtensor_mesh(indices), indices->ndim, indices->shape,
                          tp_dtensor_placements(indices), NULL, lshape, off);
     const int64_t num = weight->shape[0], n = tp_tensor_numel(idx64);
-    const int64_t *v = tp_tensor_data(idx64);
-    for (int64_t k = 0; k < n; k++)
+    const int64_t *v = tp__i64_values(idx64);
+    for (int64_t k = 0; v && k < n; k++)
         if (v[k] < 0 || v[k] >= num) {
             char pos[128];
             tp_status st = tp__error(
@@ -623,7 +633,9 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
         TP_CHECK_GOTO(tp_tensor_to(t64, TP_I64, dev, &tdev), st, done);
     else
         tdev = tp_tensor_retain(t64);
-    TP_CHECK_GOTO(ce_weight_f32(weight, TP_CPU, &whost), st, done);
+    const int64_t *t = tp__i64_values(t64);
+    if (t)
+        TP_CHECK_GOTO(ce_weight_f32(weight, TP_CPU, &whost), st, done);
     /* the per-row losses are f32 (rounded to the logits' dtype once, after
      * the reduction), so the loss entry runs in f32 with f32 weights */
     TP_CHECK_GOTO(ce_weight_f32(weight, dev, &wf), st, done);
@@ -631,7 +643,7 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     const tp__kernels *k = NULL;
     TP_CHECK_GOTO(tp__kernels_for(dev, &k), st, done);
     const void *xd = tp_tensor_data(x);
-    const int64_t *t = tp_tensor_data(t64), *td = tp_tensor_data(tdev);
+    const int64_t *td = tp_tensor_data(tdev);
     TP_CHECK_GOTO(k->row_max(dev, x->dtype, xd, tp_tensor_data(mx), n, cols, inner), st, done);
     if (multi)
         TP_CHECK_GOTO(tp_all_reduce(comm, mx, mx, TP_MAX, NULL), st, done);
@@ -649,8 +661,8 @@ static tp_status ce_vocab(tp_tensor *logits, int cdim, tp_tensor *target, tp_ten
     /* loss[r] = w_t (log(sumexp) + max - x_t), 0 for ignored rows; the weight
      * sum is over this rank's rows, all of them when mean is allowed */
     const float *w = whost ? tp_tensor_data(whost) : NULL;
-    double wsum = 0;
-    for (int64_t r = 0; r < n; r++)
+    double wsum = t ? 0 : (double)n;
+    for (int64_t r = 0; t && r < n; r++)
         if (t[r] != p->ignore_index)
             wsum += w ? (double)w[t[r]] : 1.0;
     TP_CHECK_GOTO(k->vocab_ce_loss(dev, TP_F32, td, wf ? tp_tensor_data(wf) : NULL,
@@ -865,8 +877,8 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
     }
     if (dist)
         tp__shard_extent(mesh, tnd, tshape, tpl, NULL, lshape, off);
-    const int64_t *tv = tp_tensor_data(t64), nt = tp_tensor_numel(t64);
-    for (int64_t r = 0; r < nt; r++)
+    const int64_t *tv = tp__i64_values(t64), nt = tp_tensor_numel(t64);
+    for (int64_t r = 0; tv && r < nt; r++)
         if (tv[r] != o.ignore_index && (tv[r] < 0 || tv[r] >= c)) {
             st = ce_bad_target(fn, tv[r], tnd, lshape, off, r, c, o.ignore_index);
             goto done;
@@ -891,11 +903,14 @@ tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
     /* the weight sum of the counted rows from the host targets (and host
      * weights); the kernels read the targets on the logits' device */
     const tp_device dev = tp_tensor_device(logits);
-    TP_CHECK_GOTO(ce_weight_f32(w32, TP_CPU, &wh), st, done);
+    if (tv)
+        TP_CHECK_GOTO(ce_weight_f32(w32, TP_CPU, &wh), st, done);
     const float *wv = wh ? tp_tensor_data(wh) : NULL;
-    for (int64_t r = 0; r < nt; r++)
+    for (int64_t r = 0; tv && r < nt; r++)
         if (tv[r] != o.ignore_index && tv[r] >= 0 && tv[r] < c)
             p.wsum += wv ? (double)wv[tv[r]] : 1.0;
+    if (!tv)
+        p.wsum = (double)nt;
     TP_CHECK_GOTO(tp__i64_on(t64, tp__local_of(tr), dev, &td), st, done);
     if (dist) {
         TP_CHECK_GOTO(tp__dtensor_wrap(mesh, td, rep, tnd, tshape, &targ), st, done);

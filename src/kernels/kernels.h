@@ -105,7 +105,7 @@ typedef enum tp__kop {
 } tp__kop;
 
 typedef struct tp__kernels {
-    const char *name; /* "cpu", "cuda" */
+    const char *name; /* "cpu", "cuda", "meta" */
 
     /* Whether the entry for op takes buffers of dtype (the one question the
      * op layer asks before it runs an op on an engine). */
@@ -365,6 +365,8 @@ typedef struct tp__kernels {
  * without CUDA (cuda_none.c). */
 extern const tp__kernels tp__kernels_cpu;
 extern const tp__kernels *const tp__kernels_cuda;
+/* The meta engine (meta.c): no arithmetic, the CPU's dtypes. */
+extern const tp__kernels tp__kernels_meta;
 
 /* TP_ERR_NOT_SUPPORTED for a device whose engine this build lacks (out of
  * line: the cold half of tp__kernels_for). */
@@ -376,6 +378,7 @@ static inline tp_status tp__kernels_for(tp_device dev, const tp__kernels **out)
 {
     const tp__kernels *k = dev.type == TP_DEVICE_CPU    ? &tp__kernels_cpu
                            : dev.type == TP_DEVICE_CUDA ? tp__kernels_cuda
+                           : dev.type == TP_DEVICE_META ? &tp__kernels_meta
                                                         : NULL;
     if (k) {
         *out = k;

@@ -131,7 +131,7 @@ static tp_status mesh_build(tp_comm *group, int ndim, const int64_t *shape,
         /* Both fit in int: they are below numel, which is a group size. */
         int color = (int)mesh_linear(m->shape, m->coord, others, nothers);
         int key = (int)m->coord[d];
-        st = tp_comm_split(group, color, key, &m->comms[d]);
+        st = tp__comm_split_sized(group, color, key, (int)m->shape[d], &m->comms[d]);
         if (st != TP_OK) {
             tp__error_prefix("splitting dim %d (\"%s\")", d, m->names[d]);
             goto fail;
@@ -259,18 +259,20 @@ tp_status tp_mesh_slice(tp_mesh *mesh, int nnames, const char *const *names, tp_
     int color = (int)mesh_linear(mesh->shape, mesh->coord, rest, nrest);
     int key = (int)mesh_linear(mesh->shape, mesh->coord, sel, nnames);
     tp_comm *group = NULL;
-    tp_status st = tp_comm_split(mesh->group, color, key, &group);
+    int64_t numel = 1;
+    for (int i = 0; i < nnames; i++)
+        numel *= mesh->shape[sel[i]];
+    tp_status st = tp__comm_split_sized(mesh->group, color, key, (int)numel, &group);
     if (st != TP_OK) {
         tp__error_prefix("%s", fn);
         return st;
     }
 
-    int64_t shape[TP_MESH_MAX_DIMS], numel = 1;
+    int64_t shape[TP_MESH_MAX_DIMS];
     const char *sel_names[TP_MESH_MAX_DIMS];
     for (int i = 0; i < nnames; i++) {
         shape[i] = mesh->shape[sel[i]];
         sel_names[i] = mesh->names[sel[i]];
-        numel *= shape[i];
     }
     if (!group || tp_comm_rank(group) != key || tp_comm_size(group) != numel) {
         st = tp__error(TP_ERR_BACKEND, "%s: split gave rank %d of %d, expected rank %d of %lld",

@@ -25,14 +25,43 @@ static tp_status tp__module_new(const char *fn, tp_module_kind kind, const char 
     return TP_OK;
 }
 
-/* A zero f32 CPU parameter; present false registers the name as absent. */
+static _Thread_local tp_device tp__param_device; /* zero: TP_CPU */
+
+tp_status tp_nn_set_default_device(tp_device device)
+{
+    const char *fn = "tp_nn_set_default_device";
+    switch (device.type) {
+    case TP_DEVICE_CPU:
+    case TP_DEVICE_META:
+        TP_ARG_CHECK(device.index == 0, "%s: %s device index must be 0, got %d", fn,
+                     device.type == TP_DEVICE_CPU ? "CPU" : "meta", device.index);
+        break;
+    case TP_DEVICE_CUDA:
+        if (device.index < 0 || device.index >= tp_cuda_device_count())
+            return tp__error(TP_ERR_NOT_SUPPORTED, "%s: CUDA device %d unavailable (%d devices)",
+                             fn, device.index, tp_cuda_device_count());
+        break;
+    default:
+        return tp__error(TP_ERR_INVALID_ARG, "%s: invalid device type %d", fn, (int)device.type);
+    }
+    tp__param_device = device;
+    return TP_OK;
+}
+
+tp_device tp_nn_default_device(void)
+{
+    return tp__param_device;
+}
+
+/* A zero f32 parameter on the thread's default device; present false
+ * registers the name as absent. */
 static tp_status tp__add_param(tp_module *m, const char *name, bool present, int ndim,
                                const int64_t *shape)
 {
     if (!present)
         return tp_module_register_parameter(m, name, NULL);
     tp_tensor *t = NULL;
-    TP_CHECK(tp_tensor_zeros(TP_F32, TP_CPU, ndim, shape, &t));
+    TP_CHECK(tp_tensor_zeros(TP_F32, tp__param_device, ndim, shape, &t));
     tp_status st = tp_module_register_parameter(m, name, t);
     tp_tensor_release(t);
     return st;

@@ -522,14 +522,23 @@ static bool tp__stays(const tp__moves *mv, const tp_tensor *t)
     return tp__device_eq(tp_tensor_device(t), mv->dev);
 }
 
+/* t (plain) on dev in dtype: a copy, or, from the meta device to another,
+ * which has no values to copy, zeros of t's shape. */
+static tp_status tp__local_to(const tp_tensor *t, tp_dtype dtype, tp_device dev, tp_tensor **out)
+{
+    if (tp_tensor_is_meta(t) && dev.type != TP_DEVICE_META)
+        return tp_tensor_zeros(dtype, dev, tp_tensor_ndim(t), tp_tensor_shape(t), out);
+    return tp_tensor_to(t, dtype, dev, out);
+}
+
 /* A copy of p (a parameter, or a gradient) on dev in dtype: a plain copy,
  * or a DTensor over a copy of its local shard with p's layout. */
 static tp_status tp__copy_to(tp_tensor *p, tp_dtype dtype, tp_device dev, tp_tensor **out)
 {
     if (!tp_tensor_is_dtensor(p))
-        return tp_tensor_to(p, dtype, dev, out);
+        return tp__local_to(p, dtype, dev, out);
     tp_tensor *nl = NULL;
-    tp_status st = tp_tensor_to(tp_dtensor_local(p), dtype, dev, &nl);
+    tp_status st = tp__local_to(tp_dtensor_local(p), dtype, dev, &nl);
     if (st == TP_OK) {
         tp_mesh *mesh = tp_dtensor_mesh(p);
         tp_from_local_options o = {.global_shape = tp_tensor_shape(p), .check = false};

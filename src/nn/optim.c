@@ -1140,9 +1140,10 @@ static tp_status tp__nonfinite(tp_tensor *g, bool *found)
         st = tp_tensor_empty(TP_F32, dev, 1, &one, &y);
     if (st == TP_OK)
         st = k->sum_all(dev, TP_F32, tp_tensor_data(c), tp_tensor_numel(c), tp_tensor_data(y), 1.0);
-    if (st == TP_OK)
+    /* meta (a plan): no values, so nothing is found */
+    if (st == TP_OK && dev.type != TP_DEVICE_META)
         st = tp_tensor_to(y, TP_F32, TP_CPU, &h);
-    if (st == TP_OK && !isfinite(*(const float *)tp_tensor_data(h)))
+    if (st == TP_OK && h && !isfinite(*(const float *)tp_tensor_data(h)))
         *found = true;
     tp_tensor_release(c);
     tp_tensor_release(y);
@@ -1244,9 +1245,10 @@ static tp_status tp__grad_norm_local(tp_tensor *g, bool inf, double *out)
         if (st == TP_OK)
             st = k->fill(dev, TP_F32, yd + 1, 0.0f, 1);
     }
-    if (st == TP_OK)
+    /* meta (a plan): no values; the norm reads as 0 */
+    if (st == TP_OK && dev.type != TP_DEVICE_META)
         st = tp_tensor_to(y, TP_F32, TP_CPU, &h);
-    if (st == TP_OK) {
+    if (st == TP_OK && h) {
         const float *v = tp_tensor_data(h);
         *out = tp__norm_combine(inf, v[0], v[1]);
     }
@@ -1299,9 +1301,10 @@ static tp_status tp__all_reduce_f64(tp_comm *comm, double *v, int64_t n, tp_devi
     tp_status st = tp_tensor_to(b, TP_F64, dev, &db);
     if (st == TP_OK)
         st = tp_all_reduce(comm, db, db, op, NULL);
-    if (st == TP_OK)
+    /* meta (a simulated world): nothing moved, v keeps this rank's values */
+    if (st == TP_OK && dev.type != TP_DEVICE_META)
         st = tp_tensor_to(db, TP_F64, TP_CPU, &h);
-    if (st == TP_OK)
+    if (st == TP_OK && h)
         memcpy(v, tp_tensor_data(h), (size_t)n * sizeof *v);
     tp_tensor_release(b);
     tp_tensor_release(db);

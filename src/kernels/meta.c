@@ -1,0 +1,292 @@
+/* The meta engine's kernel table (kernels.h): every entry takes the dtypes
+ * the CPU engine takes, touches no buffer and returns TP_OK, so an op on meta
+ * tensors runs its shape and placement logic, allocates its (meta) outputs
+ * and issues its collectives exactly as on the CPU, with no arithmetic. An
+ * entry answers a dtype the CPU engine refuses as the CPU does, so a meta run
+ * fails where a real one would. */
+#include "core/core.h"
+#include "kernels/kernels.h"
+
+static bool meta_supports(tp__kop op, tp_dtype dtype)
+{
+    return tp__kernels_cpu.supports(op, dtype);
+}
+
+static tp_status meta_ok(tp__kop op, tp_dtype dtype)
+{
+    return meta_supports(op, dtype) ? TP_OK : tp__kernels_unsupported(&tp__kernels_meta, op, dtype);
+}
+
+static tp_status meta_gemm(tp_device dev, tp_dtype dtype, bool trans_a, bool trans_b, int64_t m,
+                           int64_t n, int64_t k, float alpha, const void *a, int64_t lda,
+                           const void *b, int64_t ldb, float beta, void *c, int64_t ldc)
+{
+    return meta_ok(TP__KOP_GEMM, dtype);
+}
+
+static tp_status meta_linear_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                 const void *bias, void *y, int64_t rows, int64_t in, int64_t out)
+{
+    return meta_ok(TP__KOP_LINEAR_FWD, dtype);
+}
+
+static tp_status meta_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                 const void *gy, void *gx, void *gw, void *gb, int64_t rows,
+                                 int64_t in, int64_t out, bool accumulate)
+{
+    return meta_ok(TP__KOP_LINEAR_BWD, dtype);
+}
+
+static tp_status meta_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, int64_t n)
+{
+    return meta_ok(TP__KOP_COPY, dtype);
+}
+
+static tp_status meta_fill(tp_device dev, tp_dtype dtype, void *y, float value, int64_t n)
+{
+    return meta_ok(TP__KOP_FILL, dtype);
+}
+
+static tp_status meta_add(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                          int64_t n)
+{
+    return meta_ok(TP__KOP_ADD, dtype);
+}
+
+static tp_status meta_mul(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
+                          int64_t n)
+{
+    return meta_ok(TP__KOP_MUL, dtype);
+}
+
+static tp_status meta_scale(tp_device dev, tp_dtype dtype, const void *a, float s, void *y,
+                            int64_t n)
+{
+    return meta_ok(TP__KOP_SCALE, dtype);
+}
+
+static tp_status meta_accumulate(tp_device dev, tp_dtype dtype, void *y, const void *a, int64_t n)
+{
+    return meta_ok(TP__KOP_ACCUMULATE, dtype);
+}
+
+static tp_status meta_add_bcast(tp_device dev, tp_dtype dtype, const void *a, const void *b,
+                                void *y, int ndim, const int64_t *shape, const int64_t *astride,
+                                const int64_t *bstride)
+{
+    return meta_ok(TP__KOP_ADD_BCAST, dtype);
+}
+
+static tp_status meta_mul_bcast(tp_device dev, tp_dtype dtype, const void *a, const void *b,
+                                void *y, int ndim, const int64_t *shape, const int64_t *astride,
+                                const int64_t *bstride)
+{
+    return meta_ok(TP__KOP_MUL_BCAST, dtype);
+}
+
+static tp_status meta_sum_bcast(tp_device dev, tp_dtype dtype, const void *x, void *y, int ndim,
+                                const int64_t *shape, const int64_t *yshape)
+{
+    return meta_ok(TP__KOP_SUM_BCAST, dtype);
+}
+
+static tp_status meta_gather(tp_device dev, tp_dtype dtype, void *y, const void *x, int ndim,
+                             const int64_t *shape, const int64_t *stride)
+{
+    return meta_ok(TP__KOP_GATHER, dtype);
+}
+
+static tp_status meta_relu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n)
+{
+    return meta_ok(TP__KOP_RELU_FWD, dtype);
+}
+
+static tp_status meta_relu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
+                               void *gx, int64_t n)
+{
+    return meta_ok(TP__KOP_RELU_BWD, dtype);
+}
+
+static tp_status meta_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n,
+                               bool tanh_approx)
+{
+    return meta_ok(TP__KOP_GELU_FWD, dtype);
+}
+
+static tp_status meta_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
+                               void *gx, int64_t n, bool tanh_approx)
+{
+    return meta_ok(TP__KOP_GELU_BWD, dtype);
+}
+
+static tp_status meta_sum_dim(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t outer,
+                              int64_t size, int64_t inner, double div)
+{
+    return meta_ok(TP__KOP_SUM_DIM, dtype);
+}
+
+static tp_status meta_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *gx,
+                                  int64_t outer, int64_t size, int64_t inner, float scale)
+{
+    return meta_ok(TP__KOP_SUM_DIM_BWD, dtype);
+}
+
+static tp_status meta_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64_t n, void *y,
+                              double div)
+{
+    return meta_ok(TP__KOP_SUM_ALL, dtype);
+}
+
+static tp_status meta_softmax_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y,
+                                  int64_t rows, int64_t cols)
+{
+    return meta_ok(TP__KOP_SOFTMAX_FWD, dtype);
+}
+
+static tp_status meta_softmax_bwd(tp_device dev, tp_dtype dtype, const void *y, const void *gy,
+                                  void *gx, int64_t rows, int64_t cols)
+{
+    return meta_ok(TP__KOP_SOFTMAX_BWD, dtype);
+}
+
+static tp_status meta_causal_mask(tp_device dev, tp_dtype dtype, void *s, int64_t batch, int64_t S)
+{
+    return meta_ok(TP__KOP_CAUSAL_MASK, dtype);
+}
+
+static tp_status meta_transpose_last2(tp_device dev, tp_dtype dtype, const void *x, void *y,
+                                      int64_t batch, int64_t r, int64_t c)
+{
+    return meta_ok(TP__KOP_TRANSPOSE_LAST2, dtype);
+}
+
+static tp_status meta_embedding_fwd(tp_device dev, tp_dtype dtype, const int64_t *idx, int64_t n,
+                                    const void *w, int64_t rows_local, int64_t dim, int64_t offset,
+                                    void *y)
+{
+    return meta_ok(TP__KOP_EMBEDDING_FWD, dtype);
+}
+
+static tp_status meta_embedding_bwd(tp_device dev, tp_dtype dtype, const int64_t *idx, int64_t n,
+                                    const void *gy, int64_t rows_local, int64_t dim, int64_t offset,
+                                    void *gw)
+{
+    return meta_ok(TP__KOP_EMBEDDING_BWD, dtype);
+}
+
+static tp_status meta_layer_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                     const void *b, void *y, float *mean, float *rstd, int64_t rows,
+                                     int64_t cols, float eps)
+{
+    return meta_ok(TP__KOP_LAYER_NORM_FWD, dtype);
+}
+
+static tp_status meta_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                     const float *mean, const float *rstd, const void *gy, void *gx,
+                                     void *gw, void *gb, int64_t rows, int64_t cols)
+{
+    return meta_ok(TP__KOP_LAYER_NORM_BWD, dtype);
+}
+
+static tp_status meta_rms_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                   void *y, float *rstd, int64_t rows, int64_t cols, float eps)
+{
+    return meta_ok(TP__KOP_RMS_NORM_FWD, dtype);
+}
+
+static tp_status meta_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                   const float *rstd, const void *gy, void *gx, void *gw,
+                                   int64_t rows, int64_t cols)
+{
+    return meta_ok(TP__KOP_RMS_NORM_BWD, dtype);
+}
+
+static tp_status meta_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y,
+                                  uint8_t *mask, int ndim, const int64_t *shape,
+                                  const int64_t *global_shape, const int64_t *offset, float p,
+                                  uint64_t seed)
+{
+    return meta_ok(TP__KOP_DROPOUT_FWD, dtype);
+}
+
+static tp_status meta_dropout_bwd(tp_device dev, tp_dtype dtype, const void *gy,
+                                  const uint8_t *mask, void *gx, int64_t n, float p)
+{
+    return meta_ok(TP__KOP_DROPOUT_BWD, dtype);
+}
+
+static tp_status meta_cross_entropy_fwd(tp_device dev, tp_dtype dtype, const void *x,
+                                        const int64_t *target, const void *weight, void *loss,
+                                        int64_t rows, int64_t classes, int64_t inner,
+                                        int64_t ignore_index)
+{
+    return meta_ok(TP__KOP_CROSS_ENTROPY_FWD, dtype);
+}
+
+static tp_status meta_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const void *x,
+                                        const int64_t *target, const void *weight,
+                                        const void *gloss, void *gx, int64_t rows, int64_t classes,
+                                        int64_t inner, int64_t ignore_index)
+{
+    return meta_ok(TP__KOP_CROSS_ENTROPY_BWD, dtype);
+}
+
+static tp_status meta_ce_gloss(tp_device dev, tp_dtype dtype, const void *g, void *gl, int64_t rows,
+                               bool broadcast, double div)
+{
+    return meta_ok(TP__KOP_CE_GLOSS, dtype);
+}
+
+static tp_status meta_row_max(tp_device dev, tp_dtype dtype, const void *x, float *mx, int64_t rows,
+                              int64_t cols, int64_t inner)
+{
+    return meta_ok(TP__KOP_ROW_MAX, dtype);
+}
+
+static tp_status meta_row_sumexp(tp_device dev, tp_dtype dtype, const void *x, const float *mx,
+                                 float *s, int64_t rows, int64_t cols, int64_t inner)
+{
+    return meta_ok(TP__KOP_ROW_SUMEXP, dtype);
+}
+
+static tp_status meta_pick_target(tp_device dev, tp_dtype dtype, const void *x,
+                                  const int64_t *target, float *picked, int64_t rows, int64_t cols,
+                                  int64_t inner, int64_t offset, int64_t ignore_index)
+{
+    return meta_ok(TP__KOP_PICK_TARGET, dtype);
+}
+
+static tp_status meta_vocab_ce_loss(tp_device dev, tp_dtype dtype, const int64_t *target,
+                                    const void *weight, const float *mx, const float *sumexp,
+                                    const float *picked, void *loss, int64_t rows,
+                                    int64_t ignore_index)
+{
+    return meta_ok(TP__KOP_VOCAB_CE_LOSS, dtype);
+}
+
+static tp_status meta_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x,
+                                   const int64_t *target, const void *weight, const float *mx,
+                                   const float *sumexp, const void *gloss, void *gx, int64_t rows,
+                                   int64_t cols, int64_t inner, int64_t offset,
+                                   int64_t ignore_index)
+{
+    return meta_ok(TP__KOP_VOCAB_CE_BWD, dtype);
+}
+
+static tp_status meta_sgd_step(tp_device dev, tp_dtype dtype, void *p, const void *g, int64_t n,
+                               double lr)
+{
+    return meta_ok(TP__KOP_SGD_STEP, dtype);
+}
+
+static tp_status meta_adam_step(tp_device dev, tp_dtype dtype, void *p, float *m, float *v,
+                                const void *g, int64_t n, double beta1, double beta2,
+                                double step_size, double bc2_sqrt, double eps)
+{
+    return meta_ok(TP__KOP_ADAM_STEP, dtype);
+}
+
+#define TP__META_ENTRY(NAME, field) .field = meta_##field,
+const tp__kernels tp__kernels_meta = {
+    .name = "meta", .supports = meta_supports, TP__KERNEL_ENTRIES(TP__META_ENTRY)};
+#undef TP__META_ENTRY
