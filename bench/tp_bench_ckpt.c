@@ -17,12 +17,18 @@
  * The checkpoint's loads are timed the same two ways, and once more with
  * options.copy_first (warm).
  *
- * Usage: tp-bench-ckpt [-d DIR] [-m transformer|1gib|all] [-r REPS]
+ * Each save and load is paired with the disk loop run just before it (the
+ * disk of a shared machine drifts by several times between runs): the
+ * ratios are per repetition, printed as median [min-max].
+ *
+ * Usage: tp-bench-ckpt [-d DIR] [-m transformer|1gib|all] [-r REPS] [-c]
  *   DIR: where the files go (default /tmp); REPS: repetitions, the median
- *   is reported (default 3).
+ *   is reported (default 3); -c (root): the cold reads drop every cache of
+ *   the machine (/proc/sys/vm/drop_caches) rather than one file's pages.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,6 +147,8 @@ static tp_status parallelize(tp_module *m, tp_mesh *mesh)
 
 #define CHUNK (8u << 20)
 
+static bool drop_all; /* -c: every clean page of the machine, not one file's */
+
 static int drop_cache(const char *path)
 {
     int fd = open(path, O_RDONLY);
@@ -149,6 +157,12 @@ static int drop_cache(const char *path)
     fdatasync(fd);
     int rc = posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     close(fd);
+    if (drop_all) {
+        FILE *f = fopen("/proc/sys/vm/drop_caches", "w");
+        rc = f && fputs("3\n", f) >= 0 && fclose(f) == 0 ? 0 : -1;
+        if (rc != 0)
+            fprintf(stderr, "tp-bench-ckpt: -c: cannot write /proc/sys/vm/drop_caches\n");
+    }
     return rc;
 }
 
@@ -258,61 +272,82 @@ static void drop_ckpt(const char *dir, int w)
     drop_cache(p);
 }
 
+/* "median [min-max]" of the ratios v[0..n) as percentages */
+static void print_ratio(const double *v, int n)
+{
+    double c[16], lo = v[0], hi = v[0];
+    for (int i = 0; i < n; i++) {
+        c[i] = v[i];
+        lo = v[i] < lo ? v[i] : lo;
+        hi = v[i] > hi ? v[i] : hi;
+    }
+    printf(" %4.0f%% [%3.0f-%3.0f]", 100 * bench_median(c, n), 100 * lo, 100 * hi);
+}
+
 static int run_model(const model_cfg *c, const char *dir, int reps)
 {
     uint64_t bytes = model_bytes(c);
     char *buf = malloc(CHUNK), path[600];
     memset(buf, 0x5a, CHUNK);
     snprintf(path, sizeof path, "%s/tp-bench-ckpt-disk.bin", dir);
-    double dw[16], dr[16], drc[16];
-    for (int i = 0; i < reps; i++) {
-        dw[i] = disk_write(path, bytes, buf);
-        dr[i] = disk_read(path, bytes, buf, false);
-        drc[i] = disk_read(path, bytes, buf, true);
-    }
-    unlink(path);
-    free(buf);
-    double DW = bench_median(dw, reps), DR = bench_median(dr, reps), DRC = bench_median(drc, reps);
     printf("\nmodel %s: %.1f MiB of f32 parameters\n", c->name, bytes / 1048576.0);
-    printf("disk (same size, 8 MiB chunks): write+fsync %.0f MB/s, read (page cache) %.0f MB/s, "
-           "read after DONTNEED %.0f MB/s\n",
-           DW / 1e6, DR / 1e6, DRC / 1e6);
-    printf("%3s %10s %6s %10s %6s %10s %6s %6s %12s %6s\n", "W", "save MB/s", "/disk", "load MB/s",
-           "/disk", "cold MB/s", "/disk", "peak", "copy-first", "peak");
+    printf("%3s %10s %18s %10s %18s %10s %18s %6s %12s %6s\n", "W", "save MB/s", "/disk [min-max]",
+           "load MB/s", "/cache [min-max]", "cold MB/s", "/disk [min-max]", "peak", "copy-first",
+           "peak");
+    double dsum[3] = {0};
     for (int w = 1; w <= 4; w *= 2) {
-        double ts[16], tl[16], tc[16], ti[16], peak = 0, peak_ip = 0;
+        double ts[16], tl[16], tc[16], ti[16], rs[16] = {0}, rl[16] = {0}, rc[16] = {0};
+        double peak = 0, peak_ip = 0;
         run_t r = {.cfg = c};
         snprintf(r.dir, sizeof r.dir, "%s/tp-bench-ckpt-%s-w%d", dir, c->name, w);
         for (int i = 0; i < reps; i++) {
+            /* each figure beside the disk loop run just before it: the
+             * disk of a shared machine drifts between runs */
+            double dw = disk_write(path, bytes, buf);
             r.phase = 0;
             if (tp_run_local(w, rank_fn, &r) != TP_OK)
                 return 1;
-            ts[i] = r.t_save;
+            ts[i] = bytes / r.t_save;
+            rs[i] = ts[i] / dw;
+            double dr = disk_read(path, bytes, buf, false);
             r.phase = 1;
             if (tp_run_local(w, rank_fn, &r) != TP_OK)
                 return 1;
-            tl[i] = r.t_load;
+            tl[i] = bytes / r.t_load;
+            rl[i] = tl[i] / dr;
             peak = (double)(r.peak_alloc - r.base_alloc) / bytes;
+            double drc = disk_read(path, bytes, buf, true);
             drop_ckpt(r.dir, w);
             if (tp_run_local(w, rank_fn, &r) != TP_OK)
                 return 1;
-            tc[i] = r.t_load;
+            tc[i] = bytes / r.t_load;
+            rc[i] = tc[i] / drc;
             r.phase = 2;
             if (tp_run_local(w, rank_fn, &r) != TP_OK)
                 return 1;
-            ti[i] = r.t_load;
+            ti[i] = bytes / r.t_load;
             peak_ip = (double)(r.peak_alloc - r.base_alloc) / bytes;
+            dsum[0] += dw / (3.0 * reps);
+            dsum[1] += dr / (3.0 * reps);
+            dsum[2] += drc / (3.0 * reps);
         }
-        double s = bytes / bench_median(ts, reps), l = bytes / bench_median(tl, reps),
-               lc = bytes / bench_median(tc, reps), li = bytes / bench_median(ti, reps);
-        printf("%3d %10.0f %5.0f%% %10.0f %5.0f%% %10.0f %5.0f%% %6.2f %12.0f %6.2f\n", w, s / 1e6,
-               100 * s / DW, l / 1e6, 100 * l / DR, lc / 1e6, 100 * lc / DRC, peak, li / 1e6,
-               peak_ip);
+        printf("%3d %10.0f", w, bench_median(ts, reps) / 1e6);
+        print_ratio(rs, reps);
+        printf(" %10.0f", bench_median(tl, reps) / 1e6);
+        print_ratio(rl, reps);
+        printf(" %10.0f", bench_median(tc, reps) / 1e6);
+        print_ratio(rc, reps);
+        printf(" %6.2f %12.0f %6.2f\n", peak, bench_median(ti, reps) / 1e6, peak_ip);
         char cmd[700];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", r.dir);
         if (system(cmd) != 0)
             fprintf(stderr, "could not remove %s\n", r.dir);
     }
+    unlink(path);
+    free(buf);
+    printf("disk (same size, 8 MiB chunks; means over the runs): write+fsync %.0f MB/s, read (page "
+           "cache) %.0f MB/s, read after DONTNEED %.0f MB/s\n",
+           dsum[0] / 1e6, dsum[1] / 1e6, dsum[2] / 1e6);
     return 0;
 }
 
@@ -325,16 +360,29 @@ int main(int argc, char **argv)
             dir = argv[++i];
         else if (!strcmp(argv[i], "-m") && i + 1 < argc)
             which = argv[++i];
+        else if (!strcmp(argv[i], "-c"))
+            drop_all = true;
         else if (!strcmp(argv[i], "-r") && i + 1 < argc &&
                  bench_parse_int(argv[i + 1], 1, 16, &reps))
             i++;
         else {
-            fprintf(stderr, "usage: %s [-d DIR] [-m transformer|1gib|all] [-r REPS (1-16)]\n",
+            fprintf(stderr, "usage: %s [-d DIR] [-m transformer|1gib|all] [-r REPS (1-16)] [-c]\n",
                     argv[0]);
             return 2;
         }
     }
-    printf("tp-bench-ckpt: dir %s, %d repetitions (medians), %d cores\n", dir, reps, bench_cores());
+    bool known = !strcmp(which, "all");
+    for (size_t i = 0; i < sizeof models / sizeof *models; i++)
+        known = known || !strcmp(which, models[i].name);
+    if (!known) {
+        fprintf(stderr,
+                "tp-bench-ckpt: unknown model '%s'\n"
+                "usage: %s [-d DIR] [-m transformer|1gib|all] [-r REPS (1-16)] [-c]\n",
+                which, argv[0]);
+        return 2;
+    }
+    printf("tp-bench-ckpt: dir %s, %d repetitions (medians), %d cores, cold: %s\n", dir, reps,
+           bench_cores(), drop_all ? "drop_caches" : "DONTNEED");
     printf("peak: the highest tensor memory during a load above what the model held before "
            "it, over the model's size (all ranks together); copy-first: a load with "
            "options.copy_first (page cache warm), MB/s and peak\n");

@@ -44,6 +44,7 @@
 #include "tp/config.h"
 #include "tp/dp.h"
 #include "tp/dtensor.h"
+#include "tp/hw.h"
 #include "tp/mesh.h"
 #include "tp/nn.h"
 #include "tp/ops.h"

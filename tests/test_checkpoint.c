@@ -1029,3 +1029,114 @@ Test(checkpoint, load_peak_memory, .timeout = 60)
     rm_tree(base);
     free(j);
 }
+
+/* ---- blocks larger than one read chunk ----------------------------------------------- */
+
+/* An allocator that refuses every second allocation of exactly `size`
+ * bytes: the overlapped check's second 4 MiB buffer, so the load takes the
+ * one-buffer way. */
+typedef struct {
+    size_t size;
+    int seen;
+} half_fail;
+
+static void *half_fail_alloc(void *ctx, size_t size, size_t alignment)
+{
+    half_fail *h = ctx;
+    if (size == h->size && h->seen++ % 2 == 1)
+        return NULL;
+    size_t rounded = (size + alignment - 1) / alignment * alignment;
+    return aligned_alloc(alignment, rounded ? rounded : alignment);
+}
+
+static void half_fail_free(void *ctx, void *p)
+{
+    (void)ctx;
+    free(p);
+}
+
+/* Loads dir into a Linear(1024, 4200) initialised with seed 2 (the default
+ * way: checked, then read in place); returns the status, its message in
+ * msg, and whether the weight holds seed `want`'s values. */
+static tp_status load_big(const char *dir, uint64_t want, char *msg, size_t len, bool *equal,
+                          uint64_t *bytes)
+{
+    tp_module *m = NULL, *ref = NULL;
+    cr_assert_eq(tp_nn_linear_create(1024, 4200, true, &m), TP_OK);
+    cr_assert_eq(tp_nn_linear_create(1024, 4200, true, &ref), TP_OK);
+    cr_assert_eq(tp_module_init(m, 2), TP_OK);
+    cr_assert_eq(tp_module_init(ref, want), TP_OK);
+    uint64_t before = tp_checkpoint_bytes_read();
+    tp_clear_error();
+    tp_status st = tp_checkpoint_load(dir, m, NULL, NULL);
+    *bytes = tp_checkpoint_bytes_read() - before;
+    snprintf(msg, len, "%s", tp_last_error());
+    *equal = true;
+    const char *names[2] = {"weight", "bias"};
+    for (int i = 0; i < 2; i++) {
+        tp_tensor *a = tp_module_parameter(m, names[i]), *b = tp_module_parameter(ref, names[i]);
+        *equal = *equal && !memcmp(tp_tensor_data(a), tp_tensor_data(b), tp_tensor_nbytes(a));
+    }
+    tp_module_free(ref);
+    tp_module_free(m);
+    return st;
+}
+
+/* A 16.4 MiB weight spans five 4 MiB read chunks: its check reads one chunk
+ * while it sums the one before (a second thread), or, when the second
+ * buffer cannot be had, one after the other; the read after the check is
+ * split in two halves read at once (over 16 MiB). Either way: the values,
+ * each byte counted twice (checked, then read), and a byte flipped in the
+ * third chunk found with the model untouched. */
+Test(checkpoint, blocks_over_one_chunk, .timeout = 120)
+{
+    char base[64], dir[300], msg[700];
+    test_dir(base, sizeof base, dir, sizeof dir);
+    tp_module *m = NULL;
+    cr_assert_eq(tp_nn_linear_create(1024, 4200, true, &m), TP_OK);
+    cr_assert_eq(tp_module_init(m, 1), TP_OK);
+    cr_assert_eq(tp_checkpoint_save(dir, m, NULL, NULL), TP_OK, "%s", tp_last_error());
+    uint64_t nbytes = (1024 * 4200 + 4200) * sizeof(float);
+    tp_module_free(m);
+
+    half_fail h = {.size = 4u << 20};
+    tp_allocator hook = {half_fail_alloc, half_fail_free, &h};
+    for (int pass = 0; pass < 2; pass++) { /* 0: overlapped, 1: one buffer */
+        if (pass == 1)
+            cr_assert_eq(tp_set_allocator(&hook), TP_OK);
+        bool equal = false;
+        uint64_t bytes = 0;
+        tp_status st = load_big(dir, 1, msg, sizeof msg, &equal, &bytes);
+        cr_assert_eq(st, TP_OK, "pass %d: %s", pass, msg);
+        cr_assert(equal, "pass %d: the loaded weight differs from the saved one", pass);
+        cr_assert_eq(bytes, 2 * nbytes, "pass %d: read %llu bytes, expected %llu", pass,
+                     (unsigned long long)bytes, (unsigned long long)(2 * nbytes));
+    }
+    cr_assert_geq(h.seen, 2, "the one-buffer pass did not ask for a second buffer");
+    cr_assert_eq(tp_set_allocator(NULL), TP_OK);
+
+    char p[600];
+    file_path(dir, "rank-00000.bin", p, sizeof p);
+    int fd = open(p, O_RDWR);
+    cr_assert_geq(fd, 0);
+    unsigned char b = 0;
+    off_t at = (off_t)9 << 20; /* the weight's third chunk, wherever the bias is */
+    cr_assert_eq(pread(fd, &b, 1, at), 1);
+    b ^= 0x01;
+    cr_assert_eq(pwrite(fd, &b, 1, at), 1);
+    close(fd);
+    h.seen = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1)
+            cr_assert_eq(tp_set_allocator(&hook), TP_OK);
+        bool equal = false;
+        uint64_t bytes = 0;
+        tp_status st = load_big(dir, 2, msg, sizeof msg, &equal, &bytes);
+        cr_assert_eq(st, TP_ERR_INVALID_ARG, "pass %d: %s (%s)", pass, tp_status_name(st), msg);
+        cr_assert(strstr(msg, "tensor 'weight'") && strstr(msg, "CRC-32C"),
+                  "pass %d: '%s' names neither the tensor nor the checksum", pass, msg);
+        cr_assert(equal, "pass %d: a failed load changed the model", pass);
+    }
+    cr_assert_eq(tp_set_allocator(NULL), TP_OK);
+    rm_tree(base);
+}

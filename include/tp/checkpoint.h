@@ -20,7 +20,9 @@
  * reads with pread only the bytes of the stored blocks that overlap it, in
  * runs of contiguous rows, straight into the parameter's local block
  * (copy_first: into a scratch tensor of the local shape): never the whole
- * tensor (unless the rank holds all of it).
+ * tensor (unless the rank holds all of it). A load reads large blocks with a
+ * second thread of its own per rank (reading ahead of the checksum; halves
+ * of a long read at once), joined before the call returns.
  *
  * Saved: every parameter of the module (named_parameters order; a tied
  * parameter once, under its first FQN), in its own dtype; with an

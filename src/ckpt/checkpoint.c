@@ -315,6 +315,11 @@ uint64_t tp_checkpoint_bytes_read(void)
     return tp__ck_read_total;
 }
 
+void tp__ck_count_read(uint64_t n)
+{
+    tp__ck_read_total += n;
+}
+
 tp_status tp__ck_pread(int fd, const char *path, void *buf, size_t n, uint64_t off, bool data)
 {
     char *p = buf;

@@ -89,6 +89,9 @@ uint32_t tp__ck_crc32c(uint32_t crc, const void *buf, size_t n);
  * (data files) counts in tp_checkpoint_bytes_read. */
 tp_status tp__ck_pread(int fd, const char *path, void *buf, size_t n, uint64_t off, bool data);
 tp_status tp__ck_pwrite(int fd, const char *path, const void *buf, size_t n, uint64_t off);
+/* Adds n bytes read for this thread's tp_checkpoint_bytes_read (reads made
+ * by a helper thread with data false, counted by the thread it serves). */
+void tp__ck_count_read(uint64_t n);
 
 /* "dir/name" into a new string (tp__malloc), NULL when out of memory. */
 char *tp__ck_path(const char *dir, const char *name);

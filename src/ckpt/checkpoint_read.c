@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,7 @@
 #define TP__CK_MAX_META (1u << 30)
 #define TP__CK_VERIFY_CHUNK (4u << 20)
 #define TP__CK_READ_CHUNK (4u << 20)
+#define TP__CK_SPLIT_MIN (16u << 20) /* a plain read this long is read in two halves at once */
 
 /* ---- metadata.json and the data files ---------------------------------------------- */
 
@@ -128,10 +130,12 @@ void tp__ck_reader_close(tp__ck_reader *r)
 static tp_status tp__ck_fd(tp__ck_reader *r, int file, int *fd)
 {
     tp__ck_dfile *f = &r->files[file];
-    if (f->fd < 0 && (f->fd = open(f->path, O_RDONLY | O_CLOEXEC)) < 0)
-        return tp__error(TP_ERR_BACKEND, "%s: cannot open data file '%s': %s", r->fn, f->path,
-                         strerror(errno));
-    (void)posix_fadvise(f->fd, 0, 0, POSIX_FADV_SEQUENTIAL); /* a larger readahead */
+    if (f->fd < 0) {
+        if ((f->fd = open(f->path, O_RDONLY | O_CLOEXEC)) < 0)
+            return tp__error(TP_ERR_BACKEND, "%s: cannot open data file '%s': %s", r->fn, f->path,
+                             strerror(errno));
+        (void)posix_fadvise(f->fd, 0, 0, POSIX_FADV_SEQUENTIAL); /* a larger readahead */
+    }
     *fd = f->fd;
     return TP_OK;
 }
@@ -270,6 +274,46 @@ tp_status tp__ck_parse_entry(const tp__ck_reader *r, const char *what, json_t *j
 
 /* ---- reading a box ---------------------------------------------------------------- */
 
+/* The second half of a plain read, on a thread of its own. */
+typedef struct {
+    int fd;
+    const char *path;
+    char *dst;
+    size_t n;
+    uint64_t off;
+    tp_status st;
+    char msg[512];
+} tp__ck_rhalf;
+
+static void *tp__ck_rhalf_run(void *arg)
+{
+    tp__ck_rhalf *h = arg;
+    h->st = tp__ck_pread(h->fd, h->path, h->dst, h->n, h->off, false);
+    if (h->st != TP_OK)
+        snprintf(h->msg, sizeof h->msg, "%s", tp_last_error());
+    return NULL;
+}
+
+/* Reads n bytes at off into dst; from TP__CK_SPLIT_MIN on, in two halves at
+ * once (a second thread), so that copying a large block out of the page
+ * cache (the second pass of an in-place load) is not one core's copy. One
+ * read when the thread cannot be had. */
+static tp_status tp__ck_read_split(int fd, const char *path, char *dst, size_t n, uint64_t off)
+{
+    size_t half = (n / 2) & ~(size_t)4095;
+    tp__ck_rhalf h = {fd, path, dst + half, n - half, off + half, TP_OK, ""};
+    pthread_t th;
+    if (n < TP__CK_SPLIT_MIN || pthread_create(&th, NULL, tp__ck_rhalf_run, &h) != 0)
+        return tp__ck_pread(fd, path, dst, n, off, true);
+    tp_status st = tp__ck_pread(fd, path, dst, half, off, true);
+    pthread_join(th, NULL);
+    if (h.st == TP_OK)
+        tp__ck_count_read(n - half);
+    else if (st == TP_OK)
+        st = tp__error(h.st, "%s", h.msg);
+    return st;
+}
+
 /* Reads region [lo, hi) of stored block s into dst (a row-major array of
  * shape dshape whose element 0 is at global index doff): one pread per run
  * of elements contiguous in both. *crc (may be NULL): continued over the
@@ -303,12 +347,14 @@ static tp_status tp__ck_read_region(tp__ck_reader *r, const tp__ck_entry *e, con
             dof += (g - doff[d]) * dstride[d + 1];
         }
         char *p = dst + (size_t)dof * es;
+        uint64_t from = s->offset + (uint64_t)so * es;
+        if (!crc)
+            TP_CHECK(tp__ck_read_split(fd, path, p, run, from));
         /* in chunks: each one summed while it is still in cache */
-        for (size_t at = 0; at < run; at += TP__CK_READ_CHUNK) {
+        for (size_t at = 0; crc && at < run; at += TP__CK_READ_CHUNK) {
             size_t len = run - at < TP__CK_READ_CHUNK ? run - at : TP__CK_READ_CHUNK;
-            TP_CHECK(tp__ck_pread(fd, path, p + at, len, s->offset + (uint64_t)so * es + at, true));
-            if (crc)
-                *crc = tp__ck_crc32c(*crc, p + at, len);
+            TP_CHECK(tp__ck_pread(fd, path, p + at, len, from + at, true));
+            *crc = tp__ck_crc32c(*crc, p + at, len);
         }
         int d = k - 1;
         while (d >= 0 && ++idx[d] == hi[d] - lo[d])
@@ -328,24 +374,126 @@ static tp_status tp__ck_crc_mismatch(const tp__ck_reader *r, const char *what, i
                      r->files[s->file].path, got, s->crc);
 }
 
-/* Reads a whole block in bounded chunks, only to check its CRC. */
+/* Checking a block's CRC with its reading overlapped: a reader thread
+ * reads chunk i + 1 into one buffer while the caller sums chunk i in the
+ * other, so a cold load's first pass runs at the disk's speed rather than
+ * the disk's plus the checksum's. */
+typedef struct tp__ck_rpipe {
+    int fd;
+    const char *path;
+    uint64_t off, len;
+    size_t chunk;
+    char *buf[2];
+    int full[2]; /* 0 free, 1 read, -1 the read failed (st, msg) */
+    bool stop;   /* the caller is done: the reader leaves */
+    tp_status st;
+    char msg[512];
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+} tp__ck_rpipe;
+
+static void tp__ck_rpipe_post(tp__ck_rpipe *p, int b, int v)
+{
+    pthread_mutex_lock(&p->mu);
+    p->full[b] = v;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void *tp__ck_rpipe_reader(void *arg)
+{
+    tp__ck_rpipe *p = arg;
+    int b = 0;
+    for (uint64_t at = 0; at < p->len; at += p->chunk, b ^= 1) {
+        pthread_mutex_lock(&p->mu);
+        while (p->full[b] != 0 && !p->stop)
+            pthread_cond_wait(&p->cv, &p->mu);
+        bool stop = p->stop;
+        pthread_mutex_unlock(&p->mu);
+        if (stop)
+            break;
+        size_t n = p->len - at < p->chunk ? (size_t)(p->len - at) : p->chunk;
+        tp_status st = tp__ck_pread(p->fd, p->path, p->buf[b], n, p->off + at, false);
+        if (st != TP_OK) {
+            p->st = st; /* read by the caller after it sees -1 under the lock */
+            snprintf(p->msg, sizeof p->msg, "%s", tp_last_error());
+            tp__ck_rpipe_post(p, b, -1);
+            break;
+        }
+        tp__ck_rpipe_post(p, b, 1);
+    }
+    return NULL;
+}
+
+/* The CRC of p's range, read by p's reader thread (started here; *started
+ * false, and nothing read, when it cannot be). */
+static tp_status tp__ck_rpipe_crc(tp__ck_rpipe *p, bool *started, uint32_t *crc)
+{
+    pthread_t th;
+    *started = pthread_create(&th, NULL, tp__ck_rpipe_reader, p) == 0;
+    if (!*started)
+        return TP_OK;
+    tp_status st = TP_OK;
+    int b = 0;
+    for (uint64_t at = 0; at < p->len && st == TP_OK; at += p->chunk, b ^= 1) {
+        pthread_mutex_lock(&p->mu);
+        while (p->full[b] == 0)
+            pthread_cond_wait(&p->cv, &p->mu);
+        int v = p->full[b];
+        pthread_mutex_unlock(&p->mu);
+        if (v < 0) {
+            st = tp__error(p->st, "%s", p->msg);
+            break;
+        }
+        size_t n = p->len - at < p->chunk ? (size_t)(p->len - at) : p->chunk;
+        *crc = tp__ck_crc32c(*crc, p->buf[b], n);
+        tp__ck_count_read(n);
+        tp__ck_rpipe_post(p, b, 0);
+    }
+    pthread_mutex_lock(&p->mu);
+    p->stop = true;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    pthread_join(th, NULL);
+    return st;
+}
+
+/* Reads a whole block in bounded chunks, only to check its CRC: overlapped
+ * (tp__ck_rpipe) when it spans several chunks, else (or when the second
+ * buffer or the thread cannot be had) one chunk after the other. */
 static tp_status tp__ck_verify_stream(tp__ck_reader *r, const char *what, int k,
                                       const tp__ck_shard *s)
 {
     int fd = -1;
     TP_CHECK(tp__ck_fd(r, s->file, &fd));
     size_t chunk = s->length < TP__CK_VERIFY_CHUNK ? (size_t)s->length : TP__CK_VERIFY_CHUNK;
-    char *buf = tp__malloc(chunk ? chunk : 1);
-    if (!buf)
+    tp__ck_rpipe p = {.fd = fd,
+                      .path = r->files[s->file].path,
+                      .off = s->offset,
+                      .len = s->length,
+                      .chunk = chunk};
+    p.buf[0] = tp__malloc(chunk ? chunk : 1);
+    if (!p.buf[0])
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", r->fn);
     uint32_t crc = 0;
     tp_status st = TP_OK;
-    for (uint64_t at = 0; at < s->length && st == TP_OK; at += chunk) {
-        size_t n = s->length - at < chunk ? (size_t)(s->length - at) : chunk;
-        st = tp__ck_pread(fd, r->files[s->file].path, buf, n, s->offset + at, true);
-        crc = tp__ck_crc32c(crc, buf, n);
+    bool started = false;
+    if (s->length > chunk && (p.buf[1] = tp__malloc(chunk)) != NULL) {
+        pthread_mutex_init(&p.mu, NULL);
+        pthread_cond_init(&p.cv, NULL);
+        st = tp__ck_rpipe_crc(&p, &started, &crc);
+        pthread_cond_destroy(&p.cv);
+        pthread_mutex_destroy(&p.mu);
+        tp__free(p.buf[1]);
     }
-    tp__free(buf);
+    if (!started) {
+        for (uint64_t at = 0; at < s->length && st == TP_OK; at += chunk) {
+            size_t n = s->length - at < chunk ? (size_t)(s->length - at) : chunk;
+            st = tp__ck_pread(fd, p.path, p.buf[0], n, s->offset + at, true);
+            crc = tp__ck_crc32c(crc, p.buf[0], n);
+        }
+    }
+    tp__free(p.buf[0]);
     if (st == TP_OK && crc != s->crc)
         st = tp__ck_crc_mismatch(r, what, k, s, crc);
     return st;

@@ -1,0 +1,293 @@
+/*
+ * tp-bench-calibrate: writes the hardware description of this machine
+ * (tp/hw.h, docs/plan.md) from measurements made through libtp itself, so
+ * that plans for it use what it does rather than a data sheet.
+ *
+ * - GEMM: tp_matmul on square CPU matrices of side 32, 128, 512, 1024, 2048
+ *   (-q: up to 512) in f32 and bf16. The peak of a dtype is the best rate
+ *   measured; the efficiency table has a row per side with that side's rate
+ *   over the peak (row 0 for the smallest side).
+ * - Memory bandwidth: tp_add of two 16 Mi-element f32 vectors (-q: 1 Mi),
+ *   three vectors' bytes (two read, one written) over the time.
+ * - Kernel latency: tp_add of one-element vectors, the whole call (dispatch,
+ *   allocation, release) per op.
+ * - Links: tp_all_reduce (f32 sum) over W ranks of the shm backend (threads),
+ *   4 KiB to 16 MiB (-q: to 256 KiB), fitted to the ring model time = 2(W-1)
+ *   alpha + 2(W-1)/W S / B by least squares; both link classes get the fit
+ *   (one machine: no link across nodes), devices_per_node is the core count.
+ *
+ * Each point is the median of -r repetitions (default 5) of a batch timed
+ * as a whole. The description is written with tp_hw_write_json, read back
+ * with tp_hw_load_file (so it is checked as any file is), and the measured
+ * points are printed beside what the description predicts for them.
+ *
+ * Usage: tp-bench-calibrate [-o FILE] [-w RANKS] [-r REPS] [-q]
+ *   FILE: where the description goes (default: standard output only);
+ *   RANKS: the all_reduce's world (2-64, default 2).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <tp.h>
+
+#include "bench_util.h"
+
+#define MAX_PTS 16
+
+typedef struct {
+    int reps;
+    bool quick;
+    int world;
+    int nsizes;
+    double sizes[MAX_PTS], secs[MAX_PTS]; /* all_reduce points */
+} calib_t;
+
+/* ---- compute ------------------------------------------------------------------- */
+
+static tp_status gemm_rate(tp_dtype dt, int64_t d, int reps, bool quick, double *flops)
+{
+    int64_t shape[2] = {d, d};
+    tp_tensor *a = NULL, *b = NULL;
+    tp_status st = tp_tensor_empty(dt, TP_CPU, 2, shape, &a);
+    if (st == TP_OK)
+        st = tp_tensor_empty(dt, TP_CPU, 2, shape, &b);
+    if (st == TP_OK)
+        st = tp_tensor_fill(a, 0.5);
+    if (st == TP_OK)
+        st = tp_tensor_fill(b, 0.25);
+    /* a batch of about 2 GFLOP (-q: 0.2; at least one product) */
+    int batch = (int)fmax(1, (quick ? 2e8 : 2e9) / (2.0 * d * d * d));
+    double t[32];
+    for (int r = 0; r <= reps && st == TP_OK; r++) { /* r 0: warm-up */
+        double t0 = bench_now_s();
+        for (int i = 0; i < batch && st == TP_OK; i++) {
+            tp_tensor *y = NULL;
+            st = tp_matmul(a, b, &y);
+            tp_tensor_release(y);
+        }
+        if (r > 0)
+            t[r - 1] = (bench_now_s() - t0) / batch;
+    }
+    if (st == TP_OK)
+        *flops = 2.0 * d * d * d / bench_median(t, reps);
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    return st;
+}
+
+/* Seconds per tp_add of two n-element f32 vectors. */
+static tp_status add_time(int64_t n, int batch, int reps, double *secs)
+{
+    tp_tensor *a = NULL, *b = NULL;
+    tp_status st = tp_tensor_zeros(TP_F32, TP_CPU, 1, &n, &a);
+    if (st == TP_OK)
+        st = tp_tensor_zeros(TP_F32, TP_CPU, 1, &n, &b);
+    double t[32];
+    for (int r = 0; r <= reps && st == TP_OK; r++) {
+        double t0 = bench_now_s();
+        for (int i = 0; i < batch && st == TP_OK; i++) {
+            tp_tensor *y = NULL;
+            st = tp_add(a, b, &y);
+            tp_tensor_release(y);
+        }
+        if (r > 0)
+            t[r - 1] = (bench_now_s() - t0) / batch;
+    }
+    if (st == TP_OK)
+        *secs = bench_median(t, reps);
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    return st;
+}
+
+/* ---- links --------------------------------------------------------------------------- */
+
+static tp_status ar_rank(tp_comm *w, void *arg)
+{
+    calib_t *c = arg;
+    tp_status st = TP_OK;
+    tp_tensor *x = NULL;
+    for (int k = 0; k < c->nsizes; k++) {
+        int64_t n = (int64_t)(c->sizes[k] / 4);
+        TRY(tp_tensor_zeros(TP_F32, TP_CPU, 1, &n, &x));
+        int batch = (int)fmax(4, fmin(1000, 2e8 / c->sizes[k]));
+        double t[32];
+        for (int r = 0; r <= c->reps; r++) {
+            TRY(tp_barrier(w, NULL));
+            double t0 = bench_now_s();
+            for (int i = 0; i < batch; i++)
+                TRY(tp_all_reduce(w, x, x, TP_SUM, NULL));
+            TRY(tp_barrier(w, NULL));
+            if (r > 0)
+                t[r - 1] = (bench_now_s() - t0) / batch;
+        }
+        if (tp_comm_rank(w) == 0)
+            c->secs[k] = bench_median(t, c->reps);
+        tp_tensor_release(x);
+        x = NULL;
+    }
+out:
+    tp_tensor_release(x);
+    return st;
+}
+
+/* Least squares of secs = a + b * size over the points, each weighted by
+ * 1 / secs^2: relative errors, so that the small sizes (latency) count as
+ * much as the large ones (bandwidth). */
+static void fit_line(const calib_t *c, double *a, double *b)
+{
+    double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+    for (int k = 0; k < c->nsizes; k++) {
+        double w = 1 / (c->secs[k] * c->secs[k]), x = c->sizes[k], y = c->secs[k];
+        sw += w;
+        sx += w * x;
+        sy += w * y;
+        sxx += w * x * x;
+        sxy += w * x * y;
+    }
+    *b = (sw * sxy - sx * sy) / (sw * sxx - sx * sx);
+    *a = (sy - *b * sx) / sw;
+}
+
+/* ---- the description ------------------------------------------------------------------ */
+
+static const int64_t sides[] = {32, 128, 512, 1024, 2048};
+
+static int measure_compute(const calib_t *c, double peak[2], double eff[2][5], int *nsides,
+                           double *mem_bw, double *lat)
+{
+    *nsides = c->quick ? 3 : 5;
+    const tp_dtype dts[2] = {TP_F32, TP_BF16};
+    for (int di = 0; di < 2; di++) {
+        double rate[5];
+        peak[di] = 0;
+        for (int i = 0; i < *nsides; i++) {
+            if (gemm_rate(dts[di], sides[i], c->reps, c->quick, &rate[i]) != TP_OK)
+                return 1;
+            peak[di] = fmax(peak[di], rate[i]);
+            printf("gemm %-4s %5lld^3: %8.2f GFLOP/s\n", tp_dtype_name(dts[di]),
+                   (long long)sides[i], rate[i] / 1e9);
+        }
+        for (int i = 0; i < *nsides; i++)
+            eff[di][i] = rate[i] / peak[di];
+    }
+    int64_t n = c->quick ? (1 << 20) : (1 << 24);
+    double t = 0;
+    if (add_time(n, c->quick ? 8 : 4, c->reps, &t) != TP_OK)
+        return 1;
+    *mem_bw = 3.0 * 4 * n / t;
+    if (add_time(1, 2000, c->reps, lat) != TP_OK)
+        return 1;
+    printf(
+        "memory bandwidth (tp_add, %lld f32): %.2f GB/s; per-op latency (tp_add of 1): %.2f us\n",
+        (long long)n, *mem_bw / 1e9, *lat * 1e6);
+    return 0;
+}
+
+static int measure_links(calib_t *c, double *alpha, double *bw)
+{
+    c->nsizes = 0;
+    for (double s = 4096; s <= (c->quick ? 262144 : 16777216); s *= 4)
+        c->sizes[c->nsizes++] = s;
+    if (tp_run_local(c->world, ar_rank, c) != TP_OK)
+        return 1;
+    double a = 0, b = 0;
+    fit_line(c, &a, &b);
+    int g = c->world;
+    *alpha = fmax(0, a / (2.0 * (g - 1)));
+    *bw = b > 0 ? 2.0 * (g - 1) / g / b : 1e12;
+    printf("shm all_reduce over %d ranks: alpha %.2f us, B %.2f GB/s (ring fit)\n", g, *alpha * 1e6,
+           *bw / 1e9);
+    return 0;
+}
+
+static int describe(calib_t *c, char *json, size_t len)
+{
+    double peak[2], eff[2][5], mem_bw = 0, lat = 0, alpha = 0, bw = 0;
+    int ns = 0;
+    if (measure_compute(c, peak, eff, &ns, &mem_bw, &lat) || measure_links(c, &alpha, &bw))
+        return 1;
+    /* one table for both dtypes: f32's (bf16 converts and calls sgemm on the CPU) */
+    char rows[512] = "";
+    for (int i = 0; i < ns; i++) {
+        size_t at = strlen(rows);
+        snprintf(rows + at, sizeof rows - at, "%s{\"min_dim\": %lld, \"efficiency\": %.4f}",
+                 i ? ", " : "", i ? (long long)sides[i] : 0LL, fmax(1e-4, eff[0][i]));
+    }
+    snprintf(json, len,
+             "{\"name\": \"this-machine\", \"description\": \"calibrated by tp-bench-calibrate on "
+             "%d cores: tp_matmul, tp_add, shm all_reduce over %d ranks\", "
+             "\"devices_per_node\": %d, \"compute\": {\"peak_flops\": {\"f32\": %.6g, \"bf16\": "
+             "%.6g}, \"gemm_efficiency\": [%s], \"memory_bandwidth\": %.6g, \"kernel_latency\": "
+             "%.6g}, \"links\": {\"intra_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
+             "\"algorithm\": \"ring\"}, \"inter_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
+             "\"algorithm\": \"ring\"}}}",
+             bench_cores(), c->world, bench_cores(), peak[0], peak[1], rows, mem_bw, lat, alpha, bw,
+             alpha, bw);
+    return 0;
+}
+
+static int report(const calib_t *c, const tp_hw *hw)
+{
+    printf("%12s %12s %12s %7s\n", "all_reduce", "measured us", "model us", "model/m");
+    for (int k = 0; k < c->nsizes; k++) {
+        double t = 0;
+        if (tp_hw_collective_time(hw, TP_COLL_ALL_REDUCE, c->world, TP_LINK_INTRA_NODE,
+                                  (uint64_t)c->sizes[k], &t) != TP_OK)
+            return 1;
+        printf("%10.0f B %12.2f %12.2f %7.2f\n", c->sizes[k], c->secs[k] * 1e6, t * 1e6,
+               t / c->secs[k]);
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    calib_t c = {.reps = 5, .world = 2};
+    const char *out = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "-o") && i + 1 < argc)
+            out = argv[++i];
+        else if (!strcmp(argv[i], "-w") && i + 1 < argc &&
+                 bench_parse_int(argv[i + 1], 2, 64, &c.world))
+            i++;
+        else if (!strcmp(argv[i], "-r") && i + 1 < argc &&
+                 bench_parse_int(argv[i + 1], 1, 31, &c.reps))
+            i++;
+        else if (!strcmp(argv[i], "-q"))
+            c.quick = true;
+        else {
+            fprintf(stderr,
+                    "tp-bench-calibrate: bad option '%s'\n"
+                    "usage: %s [-o FILE] [-w RANKS (2-64)] [-r REPS (1-31)] [-q]\n",
+                    argv[i], argv[0]);
+            return 2;
+        }
+    }
+    static char json[4096];
+    if (describe(&c, json, sizeof json))
+        return 1;
+    tp_hw *hw = NULL;
+    if (tp_hw_load_string(json, "this-machine", &hw) != TP_OK) {
+        fprintf(stderr, "tp-bench-calibrate: %s\n", tp_last_error());
+        return 1;
+    }
+    int rc = report(&c, hw);
+    FILE *f = out ? fopen(out, "w") : stdout;
+    if (!f || tp_hw_write_json(hw, f) != TP_OK || (out && fclose(f) != 0)) {
+        fprintf(stderr, "tp-bench-calibrate: cannot write %s\n", out ? out : "stdout");
+        rc = 1;
+    }
+    tp_hw_free(hw);
+    if (rc == 0 && out) {
+        if (tp_hw_load_file(out, &hw) != TP_OK) {
+            fprintf(stderr, "tp-bench-calibrate: %s\n", tp_last_error());
+            return 1;
+        }
+        printf("wrote %s (%s, read back)\n", out, tp_hw_name(hw));
+        tp_hw_free(hw);
+    }
+    return rc;
+}
