@@ -1,0 +1,419 @@
+/* Memory accounting on the meta device (tp/meta_memory.h). The same
+ * training step (forward, mean loss, backward, Adam) of an MLP (colwise w1,
+ * gelu, rowwise w2) and of a transformer block's MLP half (layer norm,
+ * colwise w1, gelu, rowwise w2, residual; with and without sequence
+ * parallelism) runs for real on a shm world of W = 1, 2, 4 CPU threads and
+ * as one rank of a sim world of W on meta, rank by rank:
+ *  - the peak over the step (with meta counting as the CPU caching
+ *    allocator does, TP_META_ROUND_CPU) equals the real rank's peak of
+ *    tensor storage, measured per thread through a counting allocator (the
+ *    CPU statistics are process-wide; at W = 1 they are checked too);
+ *  - the parameter, gradient and optimizer-state bytes meta reports
+ *    (TP_META_ROUND_EXACT) equal the real rank's, summed from its
+ *    parameters, their gradients and Adam's m and v (2 f32 per element).
+ * A 1,024-rank plan's parameter bytes equal the closed form. */
+#include <pthread.h>
+
+#include "tp_test.h"
+
+/* ---- the real side: tensor storage counted per thread -------------------- */
+
+/* With a user allocator, the CPU caching allocator takes each storage block
+ * as one 64-byte aligned allocation of a 64-byte header plus the block's
+ * capacity (tp/tensor.h: the statistics count the capacity); everything
+ * else the library allocates asks for less alignment. */
+#define BLK_HDR 64
+#define BLK_ALIGN 64
+
+typedef struct thr_ctr {
+    size_t live, peak;
+} thr_ctr;
+
+typedef struct blk {
+    void *p;
+    size_t bytes;
+    thr_ctr *ctr;
+} blk;
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static blk g_blk[1 << 14];
+static _Thread_local thr_ctr *tl_ctr;
+
+static void *ctr_alloc(void *ctx, size_t size, size_t alignment)
+{
+    (void)ctx;
+    if (alignment < sizeof(void *))
+        alignment = sizeof(void *);
+    size_t rounded = (size + alignment - 1) / alignment * alignment;
+    void *p = aligned_alloc(alignment, rounded ? rounded : alignment);
+    if (!p || alignment != BLK_ALIGN || !tl_ctr || size < BLK_HDR)
+        return p;
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < sizeof g_blk / sizeof *g_blk; i++)
+        if (!g_blk[i].p) {
+            g_blk[i] = (blk){p, size - BLK_HDR, tl_ctr};
+            tl_ctr->live += size - BLK_HDR;
+            if (tl_ctr->live > tl_ctr->peak)
+                tl_ctr->peak = tl_ctr->live;
+            break;
+        }
+    pthread_mutex_unlock(&g_lock);
+    return p;
+}
+
+static void ctr_free(void *ctx, void *p)
+{
+    (void)ctx;
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; p && i < sizeof g_blk / sizeof *g_blk; i++)
+        if (g_blk[i].p == p) {
+            g_blk[i].ctr->live -= g_blk[i].bytes;
+            g_blk[i].p = NULL;
+            break;
+        }
+    pthread_mutex_unlock(&g_lock);
+    free(p);
+}
+
+/* ---- the program ----------------------------------------------------------- */
+
+typedef struct mem_cfg {
+    int tp;
+    int64_t rows, d, f;
+    bool block; /* the block (norm, residual) rather than the bare MLP */
+    bool sp;    /* sequence parallel (block only) */
+} mem_cfg;
+
+typedef struct mem_rec {
+    size_t base, peak;                 /* live at the step's start, peak over the step */
+    size_t params, grads, optim;       /* live bytes after the step (real: summed, f32 m and v) */
+    size_t cat[TP_MEM_CATEGORY_COUNT]; /* meta: live bytes per category after the step */
+    size_t w1_params;                  /* meta: parameter bytes in scope "w1" */
+} mem_rec;
+
+/* How a side measures: reset at the step's start, read the live and peak;
+ * meta's categories after the step (NULL for the real side). */
+typedef struct meter {
+    void (*reset)(void);
+    void (*read)(size_t *live, size_t *peak);
+    void (*cats)(mem_rec *rec);
+} meter;
+
+static tp_status mlp_forward(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                             const tp_kwarg *kw, tp_tensor **out)
+{
+    tp_tensor *h = NULL, *a = NULL, *g = NULL, *y = NULL;
+    bool block = tp_module_child(self, "norm") != NULL;
+    tp_status st = block ? tp_module_call(tp_module_child(self, "norm"), args[0], &h) : TP_OK;
+    if (st == TP_OK)
+        st = tp_module_call(tp_module_child(self, "w1"), block ? h : args[0], &a);
+    if (st == TP_OK)
+        st = tp_gelu(a, TP_GELU_TANH, &g);
+    if (st == TP_OK)
+        st = tp_module_call(tp_module_child(self, "w2"), g, block ? &y : out);
+    if (st == TP_OK && block)
+        st = tp_add(args[0], y, out);
+    tp_tensor_release(h);
+    tp_tensor_release(a);
+    tp_tensor_release(g);
+    tp_tensor_release(y);
+    return st;
+}
+
+static tp_status add_child(tp_module *m, const char *name, tp_status made, tp_module **c)
+{
+    if (made != TP_OK)
+        return made;
+    tp_status st = tp_module_add_child(m, name, *c);
+    if (st != TP_OK)
+        tp_module_free(*c);
+    return st;
+}
+
+static tp_status make_model(const mem_cfg *c, tp_device dev, tp_module **out)
+{
+    tp_device prev = tp_nn_default_device();
+    TP_TEST_TRY(tp_nn_set_default_device(dev));
+    tp_module *m = NULL, *n = NULL, *w1 = NULL, *w2 = NULL;
+    tp_status st = tp_nn_custom_create(c->block ? "Block" : "MLP", mlp_forward, NULL, NULL, &m);
+    if (st == TP_OK && c->block)
+        st = add_child(m, "norm", tp_nn_layer_norm_create(c->d, true, 1e-5, &n), &n);
+    if (st == TP_OK)
+        st = add_child(m, "w1", tp_nn_linear_create(c->d, c->f, true, &w1), &w1);
+    if (st == TP_OK)
+        st = add_child(m, "w2", tp_nn_linear_create(c->f, c->d, true, &w2), &w2);
+    if (st == TP_OK)
+        st = tp_module_init(m, 11);
+    tp_nn_set_default_device(prev);
+    if (st != TP_OK) {
+        tp_module_free(m);
+        return st;
+    }
+    *out = m;
+    return TP_OK;
+}
+
+static tp_status parallelize(tp_module *m, tp_mesh *mesh, bool sp)
+{
+    tp_style *s[3] = {NULL, NULL, NULL};
+    tp_colwise_options co = {0};
+    tp_rowwise_options ro = {0};
+    tp_sequence_parallel_options so = {.sequence_dim = 0, .sequence_dim_set = true};
+    if (sp) {
+        co.input_layouts = tp_layout_of(tp_shard(0));
+        ro.output_layouts = tp_layout_of(tp_shard(0));
+    }
+    tp_status st = tp_colwise_parallel_create(&co, &s[0]);
+    if (st == TP_OK)
+        st = tp_rowwise_parallel_create(&ro, &s[1]);
+    if (st == TP_OK && sp)
+        st = tp_sequence_parallel_create(&so, &s[2]);
+    if (st == TP_OK) {
+        tp_plan_entry plan[3] = {{"w1", s[0]}, {"w2", s[1]}, {"norm", s[2]}};
+        st = tp_parallelize_module(m, mesh, sp ? 3 : 2, plan, NULL);
+    }
+    for (int i = 0; i < 3; i++)
+        tp_style_free(s[i]);
+    return st;
+}
+
+/* Sums the local bytes of every parameter and of its gradient. */
+static tp_status sum_param(const char *fqn, tp_tensor *p, void *ctx)
+{
+    (void)fqn;
+    mem_rec *r = ctx;
+    tp_tensor *l = tp_tensor_is_dtensor(p) ? tp_dtensor_local(p) : p;
+    r->params += tp_tensor_nbytes(l);
+    tp_tensor *g = tp_tensor_grad(p);
+    if (g)
+        r->grads += tp_tensor_nbytes(tp_tensor_is_dtensor(g) ? tp_dtensor_local(g) : g);
+    return TP_OK;
+}
+
+typedef struct prog {
+    tp_mesh *mesh;
+    tp_module *m;
+    tp_adam *adam;
+    tp_tensor *x, *y, *loss;
+} prog;
+
+static void prog_free(prog *p)
+{
+    tp_tensor_release(p->loss);
+    tp_tensor_release(p->y);
+    tp_tensor_release(p->x);
+    tp_adam_free(p->adam);
+    tp_module_free(p->m);
+    tp_mesh_free(p->mesh);
+}
+
+static tp_status prog_setup(tp_comm *world, const mem_cfg *c, tp_device dev, prog *p)
+{
+    const char *names[1] = {"tp"};
+    TP_TEST_TRY(tp_mesh_create(world, 1, (int64_t[]){c->tp}, names, &p->mesh));
+    TP_TEST_TRY(make_model(c, dev, &p->m));
+    TP_TEST_TRY(parallelize(p->m, p->mesh, c->sp));
+    TP_TEST_TRY(tp_adam_create(p->m, 1e-3, 0.9, 0.999, 1e-8, &p->adam));
+    int64_t xs[2] = {c->sp ? c->rows / c->tp : c->rows, c->d};
+    TP_TEST_TRY(tp_tensor_empty(TP_F32, dev, 2, xs, &p->x));
+    return tp_tensor_fill_random(p->x, TP_RNG_UNIFORM, -1, 1, 5, NULL, NULL);
+}
+
+/* Sets up, then measures one step: forward, mean loss, backward, Adam. */
+static tp_status prog_run(tp_comm *world, const mem_cfg *c, tp_device dev, const meter *mt,
+                          mem_rec *rec)
+{
+    prog p = {0};
+    memset(rec, 0, sizeof *rec);
+    tp_status st = prog_setup(world, c, dev, &p);
+    if (st == TP_OK) {
+        mt->reset();
+        mt->read(&rec->base, &rec->peak);
+        st = tp_module_call(p.m, p.x, &p.y);
+    }
+    if (st == TP_OK)
+        st = tp_mean_all(p.y, &p.loss);
+    if (st == TP_OK)
+        st = tp_backward(p.loss, NULL);
+    if (st == TP_OK)
+        st = tp_adam_step(p.adam);
+    if (st == TP_OK) {
+        size_t live;
+        mt->read(&live, &rec->peak);
+        st = tp_module_named_parameters(p.m, sum_param, rec);
+        rec->optim = 2 * rec->params; /* f32 parameters: m and v */
+        if (mt->cats)
+            mt->cats(rec);
+    }
+    prog_free(&p);
+    return st;
+}
+
+/* ---- the two sides --------------------------------------------------------- */
+
+static void thr_reset(void)
+{
+    tl_ctr->peak = tl_ctr->live;
+}
+
+static void thr_read(size_t *live, size_t *peak)
+{
+    *live = tl_ctr->live;
+    *peak = tl_ctr->peak;
+}
+
+static const meter thr_meter = {thr_reset, thr_read, NULL};
+
+static void meta_reset(void)
+{
+    tp_memory_reset_peak(TP_META);
+}
+
+static void meta_read(size_t *live, size_t *peak)
+{
+    tp_memory_info mi = {0};
+    tp_memory_stats(TP_META, &mi);
+    *live = mi.allocated;
+    *peak = mi.peak_allocated;
+}
+
+/* Meta's own split: the categories live now, each program's storages being
+ * freed at its end (so nothing of an earlier run is live). */
+static void meta_cats(mem_rec *rec)
+{
+    for (int k = 0; k < TP_MEM_CATEGORY_COUNT; k++)
+        rec->cat[k] = tp_meta_memory_bytes(TP_META_MEM_LIVE, NULL, (tp_mem_category)k);
+    rec->w1_params = tp_meta_memory_bytes(TP_META_MEM_LIVE, "w1", TP_MEM_PARAMETERS);
+}
+
+static const meter meta_meter = {meta_reset, meta_read, meta_cats};
+
+static void cpu_reset(void)
+{
+    tp_memory_reset_peak(TP_CPU);
+}
+
+static void cpu_read(size_t *live, size_t *peak)
+{
+    tp_memory_info mi = {0};
+    tp_memory_stats(TP_CPU, &mi);
+    *live = mi.allocated;
+    *peak = mi.peak_allocated;
+}
+
+/* The CPU's own (process-wide) statistics, for a world of one. */
+static const meter cpu_meter = {cpu_reset, cpu_read, NULL};
+
+typedef struct shm_ctx {
+    mem_cfg cfg;
+    bool cpu_stats; /* measure with tp_memory_stats(TP_CPU) (a world of one) */
+    thr_ctr ctr[TP_TEST_MAX_RANKS];
+    mem_rec rec[TP_TEST_MAX_RANKS];
+    tp_test_slot slots[TP_TEST_MAX_RANKS];
+} shm_ctx;
+
+static tp_status shm_body(tp_comm *world, void *arg)
+{
+    shm_ctx *c = arg;
+    int r = tp_comm_rank(world);
+    tl_ctr = &c->ctr[r];
+    tp_status st =
+        prog_run(world, &c->cfg, TP_CPU, c->cpu_stats ? &cpu_meter : &thr_meter, &c->rec[r]);
+    tl_ctr = NULL;
+    RANK_OK(&c->slots[r], st);
+    return TP_OK;
+}
+
+/* Rank r on meta, counted with `rounding`. */
+static tp_status sim_run(const mem_cfg *cfg, int r, tp_meta_rounding rounding, mem_rec *rec)
+{
+    tp_sim_options o = {.world_size = cfg->tp, .rank = r};
+    tp_comm *w = NULL;
+    TP_TEST_TRY(tp_meta_memory_set_rounding(rounding));
+    tp_status st = tp_comm_create_world("sim", &o, &w);
+    if (st == TP_OK)
+        st = prog_run(w, cfg, TP_META, &meta_meter, rec);
+    tp_comm_free(w);
+    tp_meta_memory_set_rounding(TP_META_ROUND_EXACT);
+    return st;
+}
+
+/* Meta's categories (exact bytes) against the real rank's sums and the
+ * closed form of w1's shard: colwise, [f / tp, d] and [f / tp] in f32. */
+static void check_cats(const mem_cfg *cfg, int r, const mem_rec *meta, const mem_rec *real)
+{
+    cr_assert_eq(meta->params, real->params, "rank %d", r);
+    cr_assert_eq(meta->cat[TP_MEM_PARAMETERS], real->params,
+                 "rank %d: parameter bytes meta %zu, real %zu", r, meta->cat[TP_MEM_PARAMETERS],
+                 real->params);
+    cr_assert_eq(meta->cat[TP_MEM_GRADIENTS], real->grads,
+                 "rank %d: gradient bytes meta %zu, real %zu", r, meta->cat[TP_MEM_GRADIENTS],
+                 real->grads);
+    cr_assert_eq(meta->cat[TP_MEM_OPTIMIZER], real->optim,
+                 "rank %d: optimizer bytes meta %zu, real %zu", r, meta->cat[TP_MEM_OPTIMIZER],
+                 real->optim);
+    cr_assert_eq(meta->cat[TP_MEM_MASTER], 0, "rank %d: f32 parameters have no master", r);
+    size_t f_loc = (size_t)(cfg->f / cfg->tp), d = (size_t)cfg->d;
+    cr_assert_eq(meta->w1_params, (f_loc * d + f_loc) * 4, "rank %d: w1's parameters %zu", r,
+                 meta->w1_params);
+}
+
+static void check_cfg(const mem_cfg *cfg)
+{
+    shm_ctx *c = calloc(1, sizeof *c);
+    cr_assert_not_null(c);
+    c->cfg = *cfg;
+    CHECK_OK(tp_set_allocator(&(tp_allocator){ctr_alloc, ctr_free, NULL}));
+    tp_test_run(cfg->tp, shm_body, c, c->slots);
+    CHECK_OK(tp_set_allocator(NULL));
+    for (int r = 0; r < cfg->tp; r++) {
+        mem_rec got, exact, want = c->rec[r];
+        CHECK_OK(sim_run(cfg, r, TP_META_ROUND_CPU, &got));
+        cr_assert_eq(got.peak, want.peak, "tp %d sp %d block %d rank %d: peak meta %zu, real %zu",
+                     cfg->tp, cfg->sp, cfg->block, r, got.peak, want.peak);
+        cr_assert_eq(got.base, want.base, "rank %d: base meta %zu, real %zu", r, got.base,
+                     want.base);
+        CHECK_OK(sim_run(cfg, r, TP_META_ROUND_EXACT, &exact));
+        check_cats(cfg, r, &exact, &want);
+    }
+    free(c);
+}
+
+Test(meta_memory, mlp_matches_shm, .timeout = 60)
+{
+    for (int w = 1; w <= 4; w *= 2)
+        check_cfg(&(mem_cfg){.tp = w, .rows = 24, .d = 16, .f = 64});
+}
+
+Test(meta_memory, block_matches_shm, .timeout = 60)
+{
+    for (int w = 1; w <= 4; w *= 2) {
+        check_cfg(&(mem_cfg){.tp = w, .rows = 24, .d = 16, .f = 64, .block = true});
+        check_cfg(&(mem_cfg){.tp = w, .rows = 24, .d = 16, .f = 64, .block = true, .sp = true});
+    }
+}
+
+/* A world of one, measured by the CPU's own statistics (the caching
+ * allocator on, its blocks counted at their capacity; the last model has
+ * blocks past 1 MiB, rounded to pages): the step's growth
+ * over the live bytes at its start equals meta's counted as the CPU does. */
+Test(meta_memory, cpu_stats_match_at_one_rank, .timeout = 60)
+{
+    const mem_cfg cfgs[3] = {{.tp = 1, .rows = 24, .d = 16, .f = 64},
+                             {.tp = 1, .rows = 24, .d = 16, .f = 64, .block = true},
+                             {.tp = 1, .rows = 8, .d = 256, .f = 1280, .block = true}};
+    for (int i = 0; i < 3; i++) {
+        shm_ctx *c = calloc(1, sizeof *c);
+        cr_assert_not_null(c);
+        c->cfg = cfgs[i];
+        c->cpu_stats = true;
+        tp_test_run(1, shm_body, c, c->slots);
+        mem_rec got;
+        CHECK_OK(sim_run(&cfgs[i], 0, TP_META_ROUND_CPU, &got));
+        size_t real = c->rec[0].peak - c->rec[0].base;
+        cr_assert_gt(real, 0);
+        cr_assert_eq(got.peak - got.base, real, "config %d: step growth meta %zu, CPU %zu", i,
+                     got.peak - got.base, real);
+        free(c);
+    }
+}
