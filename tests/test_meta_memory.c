@@ -417,3 +417,181 @@ Test(meta_memory, cpu_stats_match_at_one_rank, .timeout = 60)
         free(c);
     }
 }
+
+/* ---- a 1,024-rank plan: the closed form ------------------------------------ */
+
+/* One step of the block (SP) as rank 1000 of dp 128 x tp 8, parameters in
+ * `dtype` (bf16: Adam keeps f32 masters): every category and module scope
+ * against the sizes alone, and in f32 the peak and its split. */
+static void check_plan_1024(tp_dtype dtype)
+{
+    const int64_t d = 1024, f = 4096, tpn = 8, rows = 64;
+    const mem_cfg cfg = {.tp = (int)tpn, .rows = rows, .d = d, .f = f, .block = true, .sp = true};
+    tp_comm *w = NULL;
+    CHECK_OK(tp_comm_create_world("sim", &(tp_sim_options){.world_size = 1024, .rank = 1000}, &w));
+    tp_mesh *mesh = NULL, *tpm = NULL;
+    const char *names[2] = {"dp", "tp"}, *tpname = "tp";
+    CHECK_OK(tp_mesh_create(w, 2, (int64_t[]){128, tpn}, names, &mesh));
+    CHECK_OK(tp_mesh_slice(mesh, 1, &tpname, &tpm));
+    prog p = {0};
+    CHECK_OK(make_model(&cfg, TP_META, &p.m));
+    if (dtype != TP_F32)
+        CHECK_OK(tp_module_to_dtype(p.m, dtype));
+    CHECK_OK(parallelize(p.m, tpm, true));
+    CHECK_OK(tp_adam_create(p.m, 1e-3, 0.9, 0.999, 1e-8, &p.adam));
+    CHECK_OK(tp_tensor_empty(dtype, TP_META, 2, (int64_t[]){rows / tpn, d}, &p.x));
+    CHECK_OK(tp_memory_reset_peak(TP_META));
+    CHECK_OK(tp_module_call(p.m, p.x, &p.y));
+    CHECK_OK(tp_mean_all(p.y, &p.loss));
+    CHECK_OK(tp_backward(p.loss, NULL));
+    CHECK_OK(tp_adam_step(p.adam));
+    size_t es = tp_dtype_size(dtype), fl = (size_t)(f / tpn), dd = (size_t)d;
+    size_t norm = 2 * dd * es, w1 = (fl * dd + fl) * es, w2 = (dd * fl + dd) * es;
+    size_t all = norm + w1 + w2, n = all / es;
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, NULL, TP_MEM_PARAMETERS), all);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "norm", TP_MEM_PARAMETERS), norm);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "w1", TP_MEM_PARAMETERS), w1);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "w2", TP_MEM_PARAMETERS), w2);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, NULL, TP_MEM_GRADIENTS), all);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, NULL, TP_MEM_OPTIMIZER), 2 * n * 4);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "w2", TP_MEM_OPTIMIZER), 2 * (w2 / es) * 4);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, NULL, TP_MEM_MASTER),
+                 dtype == TP_F32 ? 0 : n * 4);
+    if (dtype == TP_F32) {
+        /* f32: the step peaks at its end (Adam's states outweigh the
+         * activations): parameters, gradients, m and v, the input x and the
+         * output y (the block's rows / tp each, which the mean keeps), and
+         * the f32 loss */
+        size_t act = 2 * (size_t)(rows / tpn) * dd * 4, peak = 4 * all + act + 4;
+        tp_memory_info mi;
+        CHECK_OK(tp_memory_stats(TP_META, &mi));
+        cr_assert_eq(mi.peak_allocated, peak, "peak %zu, closed form %zu", mi.peak_allocated, peak);
+        size_t want[TP_MEM_CATEGORY_COUNT] = {all, all, 2 * all, 0, act, 4};
+        for (int k = 0; k < TP_MEM_CATEGORY_COUNT; k++)
+            cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_AT_PEAK, NULL, (tp_mem_category)k),
+                         want[k], "%s at the peak", tp_mem_category_name((tp_mem_category)k));
+    }
+    prog_free(&p);
+    tp_mesh_free(tpm);
+    tp_mesh_free(mesh);
+    tp_comm_free(w);
+}
+
+Test(meta_memory, plan_1024_ranks_closed_form, .timeout = 60)
+{
+    check_plan_1024(TP_F32);
+    check_plan_1024(TP_BF16);
+}
+
+/* ---- the counters, rounding, report and errors ------------------------------ */
+
+static size_t meta_alloc_in_scope(const char *scope, int64_t numel, tp_tensor **t)
+{
+    CHECK_OK(tp_comm_debug_push_scope(scope));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_META, 1, &numel, t));
+    CHECK_OK(tp_comm_debug_pop_scope());
+    return tp_meta_memory_bytes(TP_META_MEM_LIVE, scope, TP_MEM_ANY);
+}
+
+Test(meta_memory, counters_and_rounding, .timeout = 30)
+{
+    tp_memory_info a, b;
+    CHECK_OK(tp_memory_stats(TP_META, &a));
+    tp_tensor *t = NULL, *u = NULL, *v = NULL;
+    /* 1,100 bytes: exact 1,100; the CPU's block 1,280 (5 steps of 256);
+     * CUDA 1,536 (3 x 512); an empty tensor: 0, 64 and 512 */
+    cr_assert_eq(meta_alloc_in_scope("mm_exact", 275, &t), 1100);
+    CHECK_OK(tp_meta_memory_set_rounding(TP_META_ROUND_CPU));
+    cr_assert_eq(tp_meta_memory_rounding(), TP_META_ROUND_CPU);
+    cr_assert_eq(meta_alloc_in_scope("mm_cpu", 275, &u), 1280);
+    CHECK_OK(tp_meta_memory_set_rounding(TP_META_ROUND_CUDA));
+    cr_assert_eq(meta_alloc_in_scope("mm_cuda", 275, &v), 1536);
+    CHECK_OK(tp_meta_memory_set_rounding(TP_META_ROUND_EXACT));
+    CHECK_OK(tp_memory_stats(TP_META, &b));
+    cr_assert_eq(b.allocated - a.allocated, 1100 + 1280 + 1536);
+    cr_assert_eq(b.reserved, b.allocated);
+    cr_assert_eq(b.num_allocs - a.num_allocs, 3);
+    cr_assert_eq(b.num_cache_hits, 0);
+    cr_assert_geq(b.peak_allocated, b.allocated);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "mm_cpu", TP_MEM_OTHER), 1280);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "mm_cpu", TP_MEM_PARAMETERS), 0);
+    /* views share their storage's bytes; releasing the last frees them */
+    tp_tensor *view = NULL;
+    CHECK_OK(tp_tensor_narrow(t, 0, 0, 10, &view));
+    tp_tensor_release(t);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "mm_exact", TP_MEM_ANY), 1100);
+    tp_tensor_release(view);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "mm_exact", TP_MEM_ANY), 0);
+    /* the split at the peak keeps what was live then; a reset restarts it
+     * and the totals from what is live */
+    CHECK_OK(tp_memory_stats(TP_META, &b));
+    cr_assert_eq(b.allocated - a.allocated, 1280 + 1536);
+    tp_memory_reset_peak(TP_META);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_AT_PEAK, "mm_cpu", TP_MEM_ANY), 1280);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_TOTAL, "mm_cpu", TP_MEM_ANY), 0);
+    tp_tensor_release(u);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_AT_PEAK, "mm_cpu", TP_MEM_ANY), 1280);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "mm_cpu", TP_MEM_ANY), 0);
+    tp_tensor *w = NULL;
+    cr_assert_eq(meta_alloc_in_scope("mm_exact", 100, &w), 400);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_AT_PEAK, "mm_exact", TP_MEM_ANY), 0);
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_TOTAL, "mm_exact", TP_MEM_ANY), 400);
+    tp_tensor_release(v);
+    tp_tensor_release(w);
+    /* scopes are listed, in the order first seen */
+    int n = tp_meta_memory_scope_count(), found = 0;
+    for (int i = 0; i < n; i++)
+        found += strcmp(tp_meta_memory_scope_name(i), "mm_cuda") == 0;
+    cr_assert_eq(found, 1);
+    cr_assert_null(tp_meta_memory_scope_name(n));
+    cr_assert_null(tp_meta_memory_scope_name(-1));
+    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "never seen", TP_MEM_ANY), 0);
+    cr_assert_eq(tp_meta_memory_bytes((tp_meta_mem_view)9, NULL, TP_MEM_ANY), 0);
+}
+
+Test(meta_memory, report_and_errors, .timeout = 30)
+{
+    tp_tensor *t = NULL;
+    CHECK_OK(tp_memory_reset_peak(TP_META));
+    cr_assert_eq(meta_alloc_in_scope("mm_\"report\"", 25, &t), 100);
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    cr_assert_not_null(f);
+    CHECK_OK(tp_meta_memory_write_report(f, TP_META_REPORT_JSON));
+    fclose(f);
+    cr_assert_not_null(strstr(buf,
+                              "{\"scope\": \"mm_\\\"report\\\"\", \"at_peak\": {\"parameters\": "
+                              "0, \"gradients\": 0, \"optimizer\": 0, \"master\": 0, "
+                              "\"activations\": 0, \"other\": 100, \"total\": 100}, "
+                              "\"total\": {\"parameters\": 0, \"gradients\": 0, "
+                              "\"optimizer\": 0, \"master\": 0, \"activations\": 0, "
+                              "\"other\": 100, \"total\": 100}}"),
+                       "%s", buf);
+    tp_memory_info mi;
+    CHECK_OK(tp_memory_stats(TP_META, &mi));
+    char want[128];
+    snprintf(want, sizeof want, "\"allocated\": %zu, \"peak\": %zu,", mi.allocated,
+             mi.peak_allocated);
+    cr_assert_not_null(strstr(buf, want), "%s", buf);
+    free(buf);
+    f = open_memstream(&buf, &len);
+    cr_assert_not_null(f);
+    CHECK_OK(tp_meta_memory_write_report(f, TP_META_REPORT_TABLE));
+    fclose(f);
+    cr_assert_not_null(strstr(buf, "mm_\"report\""), "%s", buf);
+    cr_assert_not_null(strstr(buf, "live at the peak (bytes)"), "%s", buf);
+    free(buf);
+    tp_tensor_release(t);
+
+    CHECK_ERR(tp_meta_memory_write_report(NULL, TP_META_REPORT_JSON), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_meta_memory_write_report(stderr, (tp_meta_report_format)5), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_meta_memory_set_rounding((tp_meta_rounding)3), TP_ERR_INVALID_ARG);
+    cr_assert_eq(tp_meta_memory_rounding(), TP_META_ROUND_EXACT);
+    CHECK_ERR(tp_memory_stats((tp_device){TP_DEVICE_META, 1}, &mi), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_memory_set_cache_limit(TP_META, 0), TP_ERR_NOT_SUPPORTED);
+    CHECK_OK(tp_memory_empty_cache(TP_META));
+    cr_assert_str_eq(tp_mem_category_name(TP_MEM_ACTIVATIONS), "activations");
+    cr_assert_str_eq(tp_mem_category_name(TP_MEM_ANY), "any");
+    cr_assert_null(tp_mem_category_name(TP_MEM_CATEGORY_COUNT));
+}
