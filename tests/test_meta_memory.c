@@ -251,15 +251,20 @@ static tp_status prog_run(tp_comm *world, const mem_cfg *c, tp_device dev, const
 
 /* ---- the two sides --------------------------------------------------------- */
 
+/* Under the lock: a block this rank allocated may be freed by another. */
 static void thr_reset(void)
 {
+    pthread_mutex_lock(&g_lock);
     tl_ctr->peak = tl_ctr->live;
+    pthread_mutex_unlock(&g_lock);
 }
 
 static void thr_read(size_t *live, size_t *peak)
 {
+    pthread_mutex_lock(&g_lock);
     *live = tl_ctr->live;
     *peak = tl_ctr->peak;
+    pthread_mutex_unlock(&g_lock);
 }
 
 static const meter thr_meter = {thr_reset, thr_read, NULL};
@@ -277,8 +282,8 @@ static void meta_read(size_t *live, size_t *peak)
     *peak = mi.peak_allocated;
 }
 
-/* Meta's own split: the categories live now, each program's storages being
- * freed at its end (so nothing of an earlier run is live). */
+/* Meta's own split: the categories live now (sim_run subtracts what was
+ * live before the program). */
 static void meta_cats(mem_rec *rec)
 {
     for (int k = 0; k < TP_MEM_CATEGORY_COUNT; k++)
@@ -330,9 +335,20 @@ static tp_status sim_run(const mem_cfg *cfg, int r, tp_meta_rounding rounding, m
     tp_sim_options o = {.world_size = cfg->tp, .rank = r};
     tp_comm *w = NULL;
     TP_TEST_TRY(tp_meta_memory_set_rounding(rounding));
+    /* what earlier tests of this process left live (the in-process runner)
+     * is not this program's */
+    mem_rec before = {0};
+    size_t peak0;
+    meta_read(&before.base, &peak0);
+    meta_cats(&before);
     tp_status st = tp_comm_create_world("sim", &o, &w);
     if (st == TP_OK)
         st = prog_run(w, cfg, TP_META, &meta_meter, rec);
+    rec->base -= before.base;
+    rec->peak -= before.base;
+    rec->w1_params -= before.w1_params;
+    for (int k = 0; k < TP_MEM_CATEGORY_COUNT; k++)
+        rec->cat[k] -= before.cat[k];
     tp_comm_free(w);
     tp_meta_memory_set_rounding(TP_META_ROUND_EXACT);
     return st;
@@ -427,6 +443,10 @@ static void check_plan_1024(tp_dtype dtype)
 {
     const int64_t d = 1024, f = 4096, tpn = 8, rows = 64;
     const mem_cfg cfg = {.tp = (int)tpn, .rows = rows, .d = d, .f = f, .block = true, .sp = true};
+    mem_rec before = {0}; /* what earlier tests left live (the in-process runner) */
+    size_t peak0;
+    meta_read(&before.base, &peak0);
+    meta_cats(&before);
     tp_comm *w = NULL;
     CHECK_OK(tp_comm_create_world("sim", &(tp_sim_options){.world_size = 1024, .rank = 1000}, &w));
     tp_mesh *mesh = NULL, *tpm = NULL;
@@ -448,15 +468,18 @@ static void check_plan_1024(tp_dtype dtype)
     size_t es = tp_dtype_size(dtype), fl = (size_t)(f / tpn), dd = (size_t)d;
     size_t norm = 2 * dd * es, w1 = (fl * dd + fl) * es, w2 = (dd * fl + dd) * es;
     size_t all = norm + w1 + w2, n = all / es;
-    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, NULL, TP_MEM_PARAMETERS), all);
+    mem_rec now = {0};
+    meta_cats(&now);
+    for (int k = 0; k < TP_MEM_CATEGORY_COUNT; k++)
+        now.cat[k] -= before.cat[k];
+    cr_assert_eq(now.cat[TP_MEM_PARAMETERS], all);
     cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "norm", TP_MEM_PARAMETERS), norm);
     cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "w1", TP_MEM_PARAMETERS), w1);
     cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "w2", TP_MEM_PARAMETERS), w2);
-    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, NULL, TP_MEM_GRADIENTS), all);
-    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, NULL, TP_MEM_OPTIMIZER), 2 * n * 4);
+    cr_assert_eq(now.cat[TP_MEM_GRADIENTS], all);
+    cr_assert_eq(now.cat[TP_MEM_OPTIMIZER], 2 * n * 4);
     cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, "w2", TP_MEM_OPTIMIZER), 2 * (w2 / es) * 4);
-    cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, NULL, TP_MEM_MASTER),
-                 dtype == TP_F32 ? 0 : n * 4);
+    cr_assert_eq(now.cat[TP_MEM_MASTER], dtype == TP_F32 ? 0 : n * 4);
     if (dtype == TP_F32) {
         /* f32: the step peaks at its end (Adam's states outweigh the
          * activations): parameters, gradients, m and v, the input x and the
@@ -594,4 +617,56 @@ Test(meta_memory, report_and_errors, .timeout = 30)
     cr_assert_str_eq(tp_mem_category_name(TP_MEM_ACTIVATIONS), "activations");
     cr_assert_str_eq(tp_mem_category_name(TP_MEM_ANY), "any");
     cr_assert_null(tp_mem_category_name(TP_MEM_CATEGORY_COUNT));
+}
+
+/* ---- allocation failures ----------------------------------------------------- */
+
+static long g_fail_at = -1, g_count;
+
+static void *failing_alloc(void *ctx, size_t size, size_t alignment)
+{
+    if (g_count++ == g_fail_at)
+        return NULL;
+    return ctr_alloc(ctx, size, alignment);
+}
+
+/* A meta tensor made in a scope never seen (so the accounting interns it)
+ * with allocation k failing, k = 0, 1, ...: TP_ERR_NO_MEMORY, no tensor and
+ * no bytes counted, until it succeeds. */
+Test(meta_memory, allocation_failures, .timeout = 30)
+{
+    CHECK_OK(tp_set_allocator(&(tp_allocator){failing_alloc, ctr_free, NULL}));
+    int failures = 0;
+    bool done = false;
+    for (long k = 0; k < 64 && !done; k++) {
+        char scope[32];
+        snprintf(scope, sizeof scope, "mm_fail_%ld", k);
+        CHECK_OK(tp_comm_debug_push_scope(scope));
+        tp_memory_info a, b;
+        CHECK_OK(tp_memory_stats(TP_META, &a));
+        tp_tensor *t = (tp_tensor *)0x1;
+        g_count = 0;
+        g_fail_at = k;
+        tp_clear_error();
+        tp_status st = tp_tensor_empty(TP_F32, TP_META, 1, (int64_t[]){1000}, &t);
+        g_fail_at = -1;
+        CHECK_OK(tp_comm_debug_pop_scope());
+        CHECK_OK(tp_memory_stats(TP_META, &b));
+        if (st == TP_OK) {
+            cr_assert_eq(b.allocated - a.allocated, 4000);
+            tp_tensor_release(t);
+            done = true;
+            continue;
+        }
+        failures++;
+        cr_assert_eq(st, TP_ERR_NO_MEMORY, "allocation %ld failing: %s (%s)", k, tp_status_name(st),
+                     tp_last_error());
+        cr_assert(strstr(tp_last_error(), "out of memory"), "%s", tp_last_error());
+        cr_assert_null(t);
+        cr_assert_eq(b.allocated, a.allocated, "allocation %ld failing: bytes counted", k);
+        cr_assert_eq(tp_meta_memory_bytes(TP_META_MEM_LIVE, scope, TP_MEM_ANY), 0);
+    }
+    CHECK_OK(tp_set_allocator(NULL));
+    cr_assert(done, "never succeeded");
+    cr_assert_geq(failures, 2, "the header and the accounting's scope can fail");
 }
