@@ -46,6 +46,7 @@
 #include "tp/dtensor.h"
 #include "tp/hw.h"
 #include "tp/mesh.h"
+#include "tp/meta_memory.h"
 #include "tp/nn.h"
 #include "tp/ops.h"
 #include "tp/safetensors.h"

@@ -304,8 +304,10 @@ TP_API tp_status tp_tensor_fill_random(tp_tensor *t, tp_rng_dist dist, double a,
  * must be complete first (tp_cuda_synchronize).
  *
  * Every function below takes a device: the CPU (index 0) or a CUDA device
- * (TP_ERR_NOT_SUPPORTED without CUDA or without that device); another device
- * or index is TP_ERR_INVALID_ARG.
+ * (TP_ERR_NOT_SUPPORTED without CUDA or without that device), or TP_META,
+ * which counts the bytes its storage would take (tp/meta_memory.h; no cache:
+ * tp_memory_empty_cache does nothing, tp_memory_set_cache_limit is
+ * TP_ERR_NOT_SUPPORTED); another device or index is TP_ERR_INVALID_ARG.
  */
 typedef struct tp_memory_info {
     size_t allocated;      /* bytes in live tensor storage (block sizes, rounded) */

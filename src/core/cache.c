@@ -219,6 +219,12 @@ static int tp__class_of(size_t n, size_t *cap)
     return 1 + (p - 6) * 4 + (int)(k - 5);
 }
 
+size_t tp__cpu_block_size(size_t nbytes)
+{
+    size_t cap = 0;
+    return tp__class_of(nbytes ? nbytes : 1, &cap) == -2 ? SIZE_MAX : cap;
+}
+
 /* ---- allocation ----------------------------------------------------------- */
 
 static void tp__stats_add(size_t cap, bool hit)
@@ -363,14 +369,15 @@ void tp__cpu_cache_on_allocator_change(void) { tp__empty_all(); }
 /* ---- public API ----------------------------------------------------------- */
 
 /* TP_OK for the CPU (index 0), whose statistics this file keeps; a CUDA
- * device answers through its memory table (*other set); anything else is
+ * device and the meta device (index 0: meta_mem.c's accounting) answer
+ * through their memory tables (*other set); anything else is
  * TP_ERR_INVALID_ARG. */
 static tp_status tp__memory_device(const char *fn, tp_device device, const tp__device_mem **other)
 {
     *other = NULL;
-    if (device.type == TP_DEVICE_CUDA) {
-        *other = &tp__cuda_mem;
-        return TP_OK;
+    if (device.type == TP_DEVICE_CUDA || device.type == TP_DEVICE_META) {
+        *other = device.type == TP_DEVICE_CUDA ? &tp__cuda_mem : &tp__meta_mem;
+        return device.type == TP_DEVICE_CUDA ? TP_OK : tp__meta_mem.check(fn, device.index);
     }
     TP_ARG_CHECK(device.type == TP_DEVICE_CPU, "%s: invalid device type %d", fn, (int)device.type);
     return tp__cpu_mem.check(fn, device.index);

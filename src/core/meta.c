@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 
 #include "core/core.h"
+#include "core/meta_mem.h"
 
 /* 2^52: past every user address space we run on, and 2^63 - 2^52 bytes of
  * room before the counter could wrap. */
@@ -37,12 +38,28 @@ static int meta_count(void)
 static tp_status meta_alloc(const char *fn, int index, size_t nbytes, bool zero, void **out)
 {
     uint64_t span = ((uint64_t)nbytes + 63) / 64 * 64 + 64; /* never 0, 64-byte aligned */
-    *out = (void *)(uintptr_t)atomic_fetch_add_explicit(&tp__meta_next, span, memory_order_relaxed);
+    uint64_t a = atomic_fetch_add_explicit(&tp__meta_next, span, memory_order_relaxed);
+    /* memory accounting (meta_mem.c): the bytes this storage would take */
+    TP_CHECK(tp__meta_mem_alloc(fn, (uintptr_t)a, nbytes));
+    *out = (void *)(uintptr_t)a;
     return TP_OK;
 }
 
 static void meta_free(int index, void *p)
 {
+    tp__meta_mem_free((uintptr_t)p);
+}
+
+/* tp_memory_empty_cache: nothing is cached; tp_memory_set_cache_limit: no
+ * cache to limit. */
+static tp_status meta_empty_cache(const char *fn, int index)
+{
+    return TP_OK;
+}
+
+static tp_status meta_set_cache_limit(const char *fn, int index, size_t bytes)
+{
+    return tp__error(TP_ERR_NOT_SUPPORTED, "%s: the meta device has no cache to limit", fn);
 }
 
 static tp_status meta_zero(const char *fn, int index, void *p, size_t nbytes)
@@ -89,5 +106,9 @@ const tp__device_mem tp__meta_mem = {
     .strided_copy = meta_strided_copy,
     .convert = meta_convert,
     .sync = meta_sync,
-    /* no memory statistics: tp_memory_stats takes the CPU and CUDA only */
+    /* memory statistics: the accounting of meta_mem.c */
+    .memory_stats = tp__meta_mem_stats,
+    .reset_peak = tp__meta_mem_reset_peak,
+    .empty_cache = meta_empty_cache,
+    .set_cache_limit = meta_set_cache_limit,
 };

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/meta_mem.h"
 #include "dtensor/ops_internal.h"
 
 static _Thread_local int tp__no_grad_depth;
@@ -128,6 +129,7 @@ tp_status tp_tensor_set_grad(tp_tensor *t, tp_tensor *g)
     tp_tensor_release(ag->grad);
     ag->grad = g;
     ag->grad_owned = true;
+    tp__meta_mem_tag(g, TP_MEM_GRADIENTS, NULL); /* memory accounting on meta */
     return TP_OK;
 }
 
@@ -443,6 +445,7 @@ static tp_status tp__accumulate_leaf(tp_tensor *leaf, tp_tensor *g)
     if (!ag->grad) {
         ag->grad = tp_tensor_retain(g);
         ag->grad_owned = false;
+        tp__meta_mem_tag(g, TP_MEM_GRADIENTS, NULL); /* memory accounting on meta */
         return TP_OK;
     }
     if (ag->grad_owned) {
@@ -456,6 +459,7 @@ static tp_status tp__accumulate_leaf(tp_tensor *leaf, tp_tensor *g)
     tp_tensor_release(ag->grad);
     ag->grad = sum;
     ag->grad_owned = true;
+    tp__meta_mem_tag(sum, TP_MEM_GRADIENTS, NULL);
     return TP_OK;
 }
 

@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/meta_mem.h"
 #include "dtensor/debug_log.h"
 #include "dtensor/ops_internal.h"
 
@@ -375,6 +376,11 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
             memset(&op, 0, sizeof op); /* the node owns the references now */
             node->saved = saved;
             node->free_saved = tp__op_free;
+            /* memory accounting on meta: what the node keeps for the backward */
+            for (int i = 0; i < TP__OP_MAX_IN; i++)
+                tp__meta_mem_tag(saved->in[i], TP_MEM_ACTIVATIONS, NULL);
+            for (int i = 0; i < TP__OP_MAX_SAVED; i++)
+                tp__meta_mem_tag(saved->saved[i], TP_MEM_ACTIVATIONS, NULL);
         } else {
             tp__free(saved);
         }

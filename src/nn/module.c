@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "collectives/comm_debug_internal.h"
+#include "core/meta_mem.h"
 #include "nn/nn_internal.h"
 
 /* ---- names ---------------------------------------------------------------- */
@@ -309,6 +310,7 @@ size_t tp__module_fqn(const tp_module *root, const tp_module *m, char *buf, size
  * requires_grad cannot be set on a non-leaf. */
 static tp_status tp__mark_param(const char *fn, const char *name, tp_tensor *t)
 {
+    tp__meta_mem_tag(t, TP_MEM_PARAMETERS, NULL); /* memory accounting on meta */
     if (tp_tensor_requires_grad(t))
         return TP_OK;
     tp_status st = tp_tensor_set_requires_grad(t, true);
@@ -926,6 +928,9 @@ tp_status tp_module_forward(tp_module *m, int nargs, tp_tensor *const *args, int
     /* Entries stay in place while busy (removals only mark them), so the
      * indices hold; a hook added meanwhile is appended and runs too. */
     tp__module_enter(m);
+    /* memory accounting on meta: the parameters belong to this scope */
+    for (int i = 0; i < m->n_params; i++)
+        tp__meta_mem_tag(m->params[i], TP_MEM_PARAMETERS, scope);
     for (int i = 0; i < m->n_pre && st == TP_OK; i++) {
         tp_forward_pre_hook h = (tp_forward_pre_hook)m->pre_hooks[i].fn;
         if (h)

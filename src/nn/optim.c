@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/meta_mem.h"
 #include "kernels/kernels.h"
 #include "nn/nn_internal.h"
 
@@ -690,6 +691,10 @@ static tp_status tp__pstate_new(const char *fn, tp__pstates *ps, const char *fqn
         tp_tensor_release(st.v);
         return rc;
     }
+    /* memory accounting on meta, in the parameter's module */
+    tp__meta_mem_tag_owner(st.master, TP_MEM_MASTER, fqn);
+    tp__meta_mem_tag_owner(st.m, TP_MEM_OPTIMIZER, fqn);
+    tp__meta_mem_tag_owner(st.v, TP_MEM_OPTIMIZER, fqn);
     st.param = tp_tensor_retain(p);
     ps->s[ps->n] = st;
     *out = &ps->s[ps->n++];
@@ -882,6 +887,7 @@ static tp_status tp__sgdm_update(void *opt, tp__pstate *s, tp_tensor *w, tp_tens
     if (st == TP_OK && o->momentum != 0) {
         if (!s->m) {
             st = tp__f32_like(k, w, d, &s->m);
+            tp__meta_mem_tag_owner(s->m, TP_MEM_OPTIMIZER, s->fqn); /* accounting on meta */
         } else {
             st = k->scale(dev, TP_F32, tp_tensor_data(s->m), (float)o->momentum,
                           tp_tensor_data(s->m), n);
