@@ -48,6 +48,7 @@
 #include "tp/mesh.h"
 #include "tp/nn.h"
 #include "tp/ops.h"
+#include "tp/plan.h"
 #include "tp/safetensors.h"
 #include "tp/status.h"
 #include "tp/styles.h"
