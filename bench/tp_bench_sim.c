@@ -12,6 +12,11 @@
  *   tp-bench-sim [--layers 80] [--hidden 8192] [--ffn 28672] [--heads 64]
  *                [--seq 4096] [--batch 1] [--dp 64] [--tp 8] [--rank 0]
  *
+ * With --measure N --hw FILE it also walks the step on that hardware
+ * description (tp/plan.h) and runs N real steps of the same model on this
+ * machine (dp x tp shm ranks on the CPU), printing predicted against
+ * measured step time (docs/plan.md, "Validation").
+ *
  * The defaults are the 70B configuration of issue 19. The loss is the mean
  * of the last block's output (no vocabulary). The model and the step are
  * tools/plan_model.c's, which tp-plan runs too.
@@ -25,7 +30,8 @@
 #include "plan_model.h"
 
 typedef struct cfg {
-    int layers, hidden, ffn, heads, seq, batch, dp, tp, rank;
+    int layers, hidden, ffn, heads, seq, batch, dp, tp, rank, measure;
+    const char *hw;
 } cfg;
 
 static void report(const tp_comm_debug *dbg)
@@ -36,6 +42,40 @@ static void report(const tp_comm_debug *dbg)
             printf("  %-15s %8lld  %14.3f MiB\n", tp_coll_kind_name((tp_coll_kind)k), (long long)n,
                    (double)tp_comm_debug_bytes(dbg, (tp_coll_kind)k) / (1024.0 * 1024.0));
     }
+}
+
+static int by_value(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* --measure N --hw FILE: the walk's step time beside N real steps on this
+ * machine (dp x tp shm ranks on the CPU). */
+static tp_status predict_and_measure(const cfg *c, const plan_cfg *pc, const plan_step *s)
+{
+    tp_hw *hw = NULL;
+    tp_status st = tp_hw_load_file(c->hw, &hw);
+    tp_plan_result r;
+    if (st == TP_OK)
+        st = tp_plan_walk(s->trace, hw, &r);
+    tp_hw_free(hw);
+    double *t = calloc((size_t)c->measure, sizeof *t);
+    if (st == TP_OK && !t)
+        st = TP_ERR_NO_MEMORY;
+    if (st == TP_OK)
+        st = plan_measure_steps(pc, c->measure, t);
+    if (st == TP_OK) {
+        qsort(t, (size_t)c->measure, sizeof *t, by_value);
+        double med = t[c->measure / 2];
+        printf("predicted step %.6f s (compute %.6f s, exposed communication %.6f s); "
+               "measured over %d steps: min %.6f s, median %.6f s, max %.6f s; "
+               "error vs median %+.1f%%\n",
+               r.step_s, r.compute_s, r.exposed_comm_s, c->measure, t[0], med, t[c->measure - 1],
+               100.0 * (r.step_s - med) / med);
+    }
+    free(t);
+    return st;
 }
 
 static tp_status run(const cfg *c)
@@ -53,6 +93,8 @@ static tp_status run(const cfg *c)
                    .sp = true};
     plan_step s;
     tp_status st = plan_run_step(&pc, &s);
+    if (st == TP_OK && c->measure)
+        st = predict_and_measure(c, &pc, &s);
     if (st != TP_OK) {
         fprintf(stderr, "tp-bench-sim: %s (%s)\n", tp_status_name(st), tp_last_error());
         return st;
@@ -76,23 +118,33 @@ static tp_status run(const cfg *c)
 
 int main(int argc, char **argv)
 {
-    cfg c = {80, 8192, 28672, 64, 4096, 1, 64, 8, 0};
+    cfg c = {80, 8192, 28672, 64, 4096, 1, 64, 8, 0, 0, NULL};
     struct {
         const char *flag;
         int *v;
-    } opts[] = {{"--layers", &c.layers}, {"--hidden", &c.hidden}, {"--ffn", &c.ffn},
-                {"--heads", &c.heads},   {"--seq", &c.seq},       {"--batch", &c.batch},
-                {"--dp", &c.dp},         {"--tp", &c.tp},         {"--rank", &c.rank}};
+    } opts[] = {{"--layers", &c.layers},  {"--hidden", &c.hidden}, {"--ffn", &c.ffn},
+                {"--heads", &c.heads},    {"--seq", &c.seq},       {"--batch", &c.batch},
+                {"--dp", &c.dp},          {"--tp", &c.tp},         {"--rank", &c.rank},
+                {"--measure", &c.measure}};
     for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--hw") == 0 && i + 1 < argc) {
+            c.hw = argv[++i];
+            continue;
+        }
         size_t k = 0;
         while (k < sizeof opts / sizeof *opts && strcmp(argv[i], opts[k].flag) != 0)
             k++;
         if (k == sizeof opts / sizeof *opts || i + 1 == argc ||
             !bench_parse_int(argv[++i], 0, 1 << 30, opts[k].v)) {
             fprintf(stderr, "usage: tp-bench-sim [--layers N] [--hidden N] [--ffn N] [--heads N] "
-                            "[--seq N] [--batch N] [--dp N] [--tp N] [--rank R]\n");
+                            "[--seq N] [--batch N] [--dp N] [--tp N] [--rank R] "
+                            "[--measure N --hw FILE]\n");
             return 2;
         }
+    }
+    if (c.measure && !c.hw) {
+        fprintf(stderr, "tp-bench-sim: --measure needs --hw FILE (tp-bench-calibrate -o FILE)\n");
+        return 2;
     }
     if (c.heads <= 0 || c.tp <= 0 || c.hidden % c.heads || c.heads % c.tp || c.seq % c.tp) {
         fprintf(stderr, "tp-bench-sim: heads must divide hidden, tp heads and seq\n");

@@ -291,3 +291,53 @@ Test(plan, bad_events_and_calls_are_named, .timeout = 30)
     tp_plan_trace_free(t);
     tp_plan_trace_free(u);
 }
+
+static void *failing_alloc(void *ctx, size_t size, size_t alignment)
+{
+    return NULL;
+}
+
+static void plain_free(void *ctx, void *ptr)
+{
+    free(ptr);
+}
+
+/* Out of memory: creating and adding report it; a recording that cannot be
+ * stored is reported by the end, and the events before it stay. */
+Test(plan, out_of_memory_is_reported, .timeout = 30)
+{
+    tp_comm *world = NULL;
+    tp_sim_options so = {.world_size = 4, .rank = 1};
+    cr_assert_eq(tp_comm_create_world("sim", &so, &world), TP_OK, "%s", tp_last_error());
+    tp_tensor *buf = NULL;
+    cr_assert_eq(tp_tensor_empty(TP_F32, TP_META, 1, (int64_t[]){16}, &buf), TP_OK);
+    tp_plan_trace *t = NULL;
+    cr_assert_eq(tp_plan_trace_create(&t), TP_OK);
+    add_gemm(t, 1, 1, 1); /* the first block of events */
+
+    tp_allocator none = {failing_alloc, plain_free, NULL};
+    cr_assert_eq(tp_set_allocator(&none), TP_OK);
+    tp_plan_trace *u = (tp_plan_trace *)0x1;
+    tp_status created = tp_plan_trace_create(&u);
+    tp_status begun = tp_plan_trace_begin(t);
+    tp_status reduced = TP_OK;
+    for (int i = 0; i < 64 && reduced == TP_OK; i++) /* past the first block */
+        reduced = tp_all_reduce(world, buf, buf, TP_SUM, NULL);
+    tp_status ended = tp_plan_trace_end(t);
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s", tp_last_error());
+    tp_set_allocator(NULL);
+
+    cr_assert_eq(created, TP_ERR_NO_MEMORY);
+    cr_assert_null(u);
+    cr_assert_eq(begun, TP_OK);
+    cr_assert_eq(reduced, TP_OK, "%s", tp_status_name(reduced));
+    cr_assert_eq(ended, TP_ERR_NO_MEMORY);
+    cr_assert(strstr(msg, "were not recorded"), "%s", msg);
+    size_t n = tp_plan_trace_count(t);
+    cr_assert(n >= 1 && n < 65, "%zu events", n);
+    cr_assert_eq(tp_plan_trace_event(t, 0)->kind, TP_PLAN_GEMM);
+    tp_plan_trace_free(t);
+    tp_tensor_release(buf);
+    cr_assert_eq(tp_comm_free(world), TP_OK);
+}

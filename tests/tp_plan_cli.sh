@@ -22,7 +22,7 @@ expect_bad() {
     [ $rc -eq 2 ] || fail "'$*' exits $rc, not 2"
     grep -qF -- "$want" "$tmp/err" || fail "'$*': '$want' not in: $(cat "$tmp/err")"
 }
-expect_bad "layers must be >= 0, got -1" "${small[@]}" --layers -1
+expect_bad "layers must be >= 1, got 0" "${small[@]}" --layers 0
 expect_bad "hidden must be >= 1, got -256" "${small[@]}" --hidden -256
 expect_bad "heads (6) must be divisible by tp (4)" "${small[@]}" --heads 6 --hidden 384 --mesh dp=1,tp=4
 expect_bad "hidden (256) must be divisible by heads (3)" "${small[@]}" --heads 3

@@ -25,7 +25,7 @@ const char *plan_cfg_check(const plan_cfg *c)
     const struct {
         const char *name;
         int64_t v, min;
-    } f[] = {{"layers", c->layers, 0}, {"hidden", c->hidden, 1}, {"ffn", c->ffn, 1},
+    } f[] = {{"layers", c->layers, 1}, {"hidden", c->hidden, 1}, {"ffn", c->ffn, 1},
              {"heads", c->heads, 1},   {"vocab", c->vocab, 0},   {"seq", c->seq, 1},
              {"batch", c->batch, 1},   {"dp", c->dp, 1},         {"tp", c->tp, 1}};
     for (size_t i = 0; i < sizeof f / sizeof *f; i++)
@@ -325,14 +325,14 @@ static tp_status count_param(const char *fqn, tp_tensor *p, void *ctx)
 }
 
 /* The step's input (tokens, or activations) and, with a vocabulary, targets. */
-static tp_status make_inputs(const plan_cfg *c, tp_tensor **x, tp_tensor **target)
+static tp_status make_inputs(const plan_cfg *c, tp_device dev, tp_tensor **x, tp_tensor **target)
 {
     if (c->vocab) {
-        PM_TRY(tp_tensor_empty(TP_I64, TP_META, 2, (int64_t[]){c->batch, c->seq}, x));
-        return tp_tensor_empty(TP_I64, TP_META, 1, (int64_t[]){c->batch * c->seq}, target);
+        PM_TRY(tp_tensor_zeros(TP_I64, dev, 2, (int64_t[]){c->batch, c->seq}, x));
+        return tp_tensor_zeros(TP_I64, dev, 1, (int64_t[]){c->batch * c->seq}, target);
     }
     int64_t xs[3] = {c->batch, c->sp ? c->seq / c->tp : c->seq, c->hidden};
-    return tp_tensor_empty(c->dtype, TP_META, 3, xs, x);
+    return tp_tensor_zeros(c->dtype, dev, 3, xs, x);
 }
 
 typedef struct {
@@ -353,20 +353,18 @@ static void pm_run_free(pm_run *r)
     tp_module_free(r->model);
     tp_mesh_free(r->tpm);
     tp_mesh_free(r->mesh);
-    tp_comm_free(r->world);
+    *r = (pm_run){.world = r->world};
 }
 
-static tp_status pm_setup(const plan_cfg *c, pm_run *r, plan_step *out)
+static tp_status pm_setup(const plan_cfg *c, tp_device dev, pm_run *r, plan_step *out)
 {
     const char *names[2] = {"dp", "tp"}, *tpn = "tp";
-    tp_sim_options so = {.world_size = (int)(c->dp * c->tp), .rank = (int)c->rank};
     double t0 = pm_now();
-    PM_TRY(tp_comm_create_world("sim", &so, &r->world));
     PM_TRY(tp_mesh_create(r->world, 2, (int64_t[]){c->dp, c->tp}, names, &r->mesh));
     PM_TRY(tp_mesh_slice(r->mesh, 1, &tpn, &r->tpm));
-    if (tp_memory_reset_peak(TP_META) != TP_OK)
+    if (tp_memory_reset_peak(dev) != TP_OK)
         tp_clear_error();
-    PM_TRY(tp_nn_set_default_device(TP_META));
+    PM_TRY(tp_nn_set_default_device(dev));
     tp_status st = make_model(c, &r->model);
     tp_nn_set_default_device(TP_CPU);
     PM_TRY(st);
@@ -381,7 +379,7 @@ static tp_status pm_setup(const plan_cfg *c, pm_run *r, plan_step *out)
         PM_TRY(tp_ddp_create(r->model, tp_mesh_comm(r->mesh, 0), &dopt, &r->ddp));
     PM_TRY(tp_adam_create(r->model, 1e-4, 0.9, 0.95, 1e-8, &r->opt));
     PM_TRY(tp_module_named_parameters(r->model, count_param, out));
-    PM_TRY(make_inputs(c, &r->x, &r->target));
+    PM_TRY(make_inputs(c, dev, &r->x, &r->target));
     if (c->loss_parallel) { /* the vocabulary-parallel loss takes a replicated DTensor target */
         tp_placement rep = tp_replicate();
         tp_tensor *t = NULL;
@@ -432,7 +430,10 @@ tp_status plan_run_step(const plan_cfg *c, plan_step *out)
         return TP_ERR_INVALID_ARG;
     }
     pm_run r = {0};
-    tp_status st = pm_setup(c, &r, out);
+    tp_sim_options so = {.world_size = (int)(c->dp * c->tp), .rank = (int)c->rank};
+    tp_status st = tp_comm_create_world("sim", &so, &r.world);
+    if (st == TP_OK)
+        st = pm_setup(c, TP_META, &r, out);
     if (st == TP_OK)
         st = tp_comm_debug_create(&out->dbg);
     if (st == TP_OK)
@@ -452,6 +453,7 @@ tp_status plan_run_step(const plan_cfg *c, plan_step *out)
     if (st == TP_OK)
         out->peak_bytes = pm_peak_bytes();
     pm_run_free(&r);
+    tp_comm_free(r.world);
     if (st != TP_OK)
         plan_step_free(out);
     return st;
@@ -463,4 +465,47 @@ void plan_step_free(plan_step *s)
     tp_plan_trace_free(s->trace);
     s->dbg = NULL;
     s->trace = NULL;
+}
+
+/* ---- measuring the same step on this machine ----------------------------- */
+
+typedef struct {
+    const plan_cfg *c;
+    int steps;
+    double *seconds; /* per step, rank 0's */
+} pm_measure;
+
+static tp_status pm_measure_rank(tp_comm *world, void *arg)
+{
+    pm_measure *m = arg;
+    pm_run r = {.world = world};
+    plan_step info = {0};
+    tp_status st = pm_setup(m->c, TP_CPU, &r, &info);
+    for (int i = -1; i < m->steps && st == TP_OK; i++) { /* -1: the warm-up */
+        tp_tensor_release(r.y);
+        tp_tensor_release(r.loss);
+        r.y = r.loss = NULL;
+        tp_module_zero_grad(r.model);
+        st = tp_barrier(world, NULL);
+        double t0 = pm_now();
+        if (st == TP_OK)
+            st = pm_step(m->c, &r, &info);
+        if (st == TP_OK)
+            st = tp_barrier(world, NULL);
+        if (i >= 0 && tp_comm_rank(world) == 0)
+            m->seconds[i] = pm_now() - t0;
+    }
+    pm_run_free(&r);
+    return st;
+}
+
+tp_status plan_measure_steps(const plan_cfg *c, int steps, double *seconds)
+{
+    const char *bad = plan_cfg_check(c);
+    if (bad) {
+        fprintf(stderr, "invalid configuration: %s\n", bad);
+        return TP_ERR_INVALID_ARG;
+    }
+    pm_measure m = {c, steps, seconds};
+    return tp_run_local((int)(c->dp * c->tp), pm_measure_rank, &m);
 }

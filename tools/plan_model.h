@@ -43,4 +43,9 @@ const char *plan_cfg_check(const plan_cfg *c);
 tp_status plan_run_step(const plan_cfg *c, plan_step *out);
 void plan_step_free(plan_step *s);
 
+/* Runs the same step for real on this machine: dp x tp shm ranks (threads)
+ * on the CPU, one warm-up step and then `steps` steps, each between two
+ * barriers; seconds[i] is rank 0's wall time of step i. */
+tp_status plan_measure_steps(const plan_cfg *c, int steps, double *seconds);
+
 #endif /* TP_TOOLS_PLAN_MODEL_H */
