@@ -49,6 +49,7 @@
 #include "tp/meta_memory.h"
 #include "tp/nn.h"
 #include "tp/ops.h"
+#include "tp/plan.h"
 #include "tp/safetensors.h"
 #include "tp/status.h"
 #include "tp/styles.h"

@@ -27,6 +27,10 @@ struct tp_comm {
      * state is freed with the last one. */
     atomic_int refs;
     atomic_int pending; /* async work handed out and not yet freed */
+    /* Plan traces (src/plan): this rank's rank in the world the group was
+     * split from, and the world-rank distance between consecutive members
+     * (set by meshes; 1 for a world, 0 for a split of unknown layout). */
+    int64_t global_rank, global_stride;
 };
 
 struct tp_work {
@@ -35,6 +39,7 @@ struct tp_work {
     tp_status status;
     bool done;
     tp_coll_kind kind;
+    uint64_t plan_id; /* the plan trace's id of the collective (0: none) */
 };
 
 /* Records one collective in the calling thread's active counter (no-op when

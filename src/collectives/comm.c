@@ -8,6 +8,7 @@
 #include "collectives/coll.h"
 #include "collectives/comm_debug_internal.h"
 #include "core/log.h"
+#include "plan/trace_internal.h"
 
 static const char *const tp__kind_names[TP_COLL_KIND_COUNT] = {
     [TP_COLL_ALL_REDUCE] = "all_reduce",         [TP_COLL_ALL_GATHER] = "all_gather",
@@ -93,6 +94,8 @@ tp_status tp_comm_create(const tp_backend *backend, void *state, int rank, int s
     c->timeout_s = tp__default_timeout();
     c->check = tp__default_check();
     c->id = tp__comm_debug_comm_id(0, (uint32_t)size, 0);
+    c->global_rank = rank;
+    c->global_stride = 1;
     atomic_init(&c->refs, 1);
     atomic_init(&c->pending, 0);
     *out = c;
@@ -220,6 +223,8 @@ tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out)
     c->timeout_s = comm->timeout_s;
     c->check = comm->check;
     c->id = tp__comm_debug_comm_id(comm->id, split_seq, color);
+    c->global_rank = comm->global_rank;
+    c->global_stride = 0;
     *out = c;
     return TP_OK;
 }
@@ -238,6 +243,17 @@ tp_status tp__comm_split_sized(tp_comm *comm, int color, int key, int size, tp_c
 int tp__comm_split_size_hint(void)
 {
     return tp__split_hint;
+}
+
+int64_t tp__comm_global_stride(const tp_comm *comm)
+{
+    return comm ? comm->global_stride : 0;
+}
+
+void tp__comm_set_global_stride(tp_comm *comm, int64_t stride)
+{
+    if (comm)
+        comm->global_stride = stride;
 }
 
 /* ---- validation ----------------------------------------------------------- */
@@ -542,6 +558,9 @@ static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
             return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the work handle", fn);
     }
     tp__comm_debug_record(kind, tp__debug_bytes(d, comm->size));
+    uint64_t plan_id =
+        tp__plan_collective(kind, comm->size, comm->rank, comm->global_rank, comm->global_stride,
+                            tp__debug_bytes(d, comm->size), work != NULL);
 
     tp_status st = TP_OK;
     if (comm->check && !comm->ops.checks_descriptors && comm->size > 1)
@@ -563,6 +582,7 @@ static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
     if (w) {
         w->impl = impl;
         w->kind = kind;
+        w->plan_id = plan_id;
         w->done = impl == NULL;
         w->comm = tp__comm_retain(comm);
         atomic_fetch_add(&comm->pending, 1);
@@ -658,6 +678,8 @@ static void tp__work_complete(tp_work *w, tp_status st)
 tp_status tp_work_wait(tp_work *work)
 {
     TP_ARG_CHECK(work, "tp_work_wait: work is NULL");
+    tp__plan_wait(work->plan_id);
+    work->plan_id = 0;
     if (work->done)
         return work->status;
     tp_comm *c = work->comm;

@@ -22,4 +22,11 @@ tp_status tp__comm_split_sized(tp_comm *comm, int color, int key, int size, tp_c
  * outside one. */
 int tp__comm_split_size_hint(void);
 
+/* Plan traces (tp/plan.h) place a group in the world by the world-rank
+ * distance between its consecutive members: a mesh knows it for its dims'
+ * groups (the product of the later dims' sizes, times its own group's
+ * stride) and sets it; 0 means unknown. */
+int64_t tp__comm_global_stride(const tp_comm *comm);
+void tp__comm_set_global_stride(tp_comm *comm, int64_t stride);
+
 #endif /* TP_COMM_REF_H */

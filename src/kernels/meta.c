@@ -7,6 +7,26 @@
 #include "core/core.h"
 #include "kernels/kernels.h"
 
+/* ---- plan traces (tp/plan.h): each entry records its work in the calling
+ * thread's active trace, if any (src/plan/trace.c); a call with a dtype
+ * refused fails its op (and so the traced step) anyway.
+ * Element-wise work counts elems x arrays x the dtype's size bytes, arrays
+ * being the inputs and outputs of that length. */
+#include "plan/trace_internal.h"
+
+#define META_GEMM(dtype, m, n, k) tp__plan_gemm(dtype, m, n, k)
+#define META_EW(dtype, elems, arrays) tp__plan_elementwise(dtype, elems, arrays, false)
+#define META_OPT(dtype, elems, arrays) tp__plan_elementwise(dtype, elems, arrays, true)
+
+static int64_t meta_numel(int ndim, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++)
+        n *= shape[i];
+    return n;
+}
+/* ---- end of plan traces ---- */
+
 static bool meta_supports(tp__kop op, tp_dtype dtype)
 {
     return tp__kernels_cpu.supports(op, dtype);
@@ -21,12 +41,14 @@ static tp_status meta_gemm(tp_device dev, tp_dtype dtype, bool trans_a, bool tra
                            int64_t n, int64_t k, float alpha, const void *a, int64_t lda,
                            const void *b, int64_t ldb, float beta, void *c, int64_t ldc)
 {
+    META_GEMM(dtype, m, n, k);
     return meta_ok(TP__KOP_GEMM, dtype);
 }
 
 static tp_status meta_linear_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                  const void *bias, void *y, int64_t rows, int64_t in, int64_t out)
 {
+    META_GEMM(dtype, rows, out, in);
     return meta_ok(TP__KOP_LINEAR_FWD, dtype);
 }
 
@@ -34,39 +56,49 @@ static tp_status meta_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, c
                                  const void *gy, void *gx, void *gw, void *gb, int64_t rows,
                                  int64_t in, int64_t out, bool accumulate)
 {
+    if (gx)
+        META_GEMM(dtype, rows, in, out);
+    if (gw)
+        META_GEMM(dtype, out, in, rows);
     return meta_ok(TP__KOP_LINEAR_BWD, dtype);
 }
 
 static tp_status meta_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, int64_t n)
 {
+    META_EW(dtype, n, 2);
     return meta_ok(TP__KOP_COPY, dtype);
 }
 
 static tp_status meta_fill(tp_device dev, tp_dtype dtype, void *y, float value, int64_t n)
 {
+    META_EW(dtype, n, 1);
     return meta_ok(TP__KOP_FILL, dtype);
 }
 
 static tp_status meta_add(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
                           int64_t n)
 {
+    META_EW(dtype, n, 3);
     return meta_ok(TP__KOP_ADD, dtype);
 }
 
 static tp_status meta_mul(tp_device dev, tp_dtype dtype, const void *a, const void *b, void *y,
                           int64_t n)
 {
+    META_EW(dtype, n, 3);
     return meta_ok(TP__KOP_MUL, dtype);
 }
 
 static tp_status meta_scale(tp_device dev, tp_dtype dtype, const void *a, float s, void *y,
                             int64_t n)
 {
+    META_EW(dtype, n, 2);
     return meta_ok(TP__KOP_SCALE, dtype);
 }
 
 static tp_status meta_accumulate(tp_device dev, tp_dtype dtype, void *y, const void *a, int64_t n)
 {
+    META_EW(dtype, n, 2);
     return meta_ok(TP__KOP_ACCUMULATE, dtype);
 }
 
@@ -74,6 +106,7 @@ static tp_status meta_add_bcast(tp_device dev, tp_dtype dtype, const void *a, co
                                 void *y, int ndim, const int64_t *shape, const int64_t *astride,
                                 const int64_t *bstride)
 {
+    META_EW(dtype, meta_numel(ndim, shape), 3);
     return meta_ok(TP__KOP_ADD_BCAST, dtype);
 }
 
@@ -81,82 +114,96 @@ static tp_status meta_mul_bcast(tp_device dev, tp_dtype dtype, const void *a, co
                                 void *y, int ndim, const int64_t *shape, const int64_t *astride,
                                 const int64_t *bstride)
 {
+    META_EW(dtype, meta_numel(ndim, shape), 3);
     return meta_ok(TP__KOP_MUL_BCAST, dtype);
 }
 
 static tp_status meta_sum_bcast(tp_device dev, tp_dtype dtype, const void *x, void *y, int ndim,
                                 const int64_t *shape, const int64_t *yshape)
 {
+    META_EW(dtype, meta_numel(ndim, shape), 1);
     return meta_ok(TP__KOP_SUM_BCAST, dtype);
 }
 
 static tp_status meta_gather(tp_device dev, tp_dtype dtype, void *y, const void *x, int ndim,
                              const int64_t *shape, const int64_t *stride)
 {
+    META_EW(dtype, meta_numel(ndim, shape), 2);
     return meta_ok(TP__KOP_GATHER, dtype);
 }
 
 static tp_status meta_relu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n)
 {
+    META_EW(dtype, n, 2);
     return meta_ok(TP__KOP_RELU_FWD, dtype);
 }
 
 static tp_status meta_relu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
                                void *gx, int64_t n)
 {
+    META_EW(dtype, n, 3);
     return meta_ok(TP__KOP_RELU_BWD, dtype);
 }
 
 static tp_status meta_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n,
                                bool tanh_approx)
 {
+    META_EW(dtype, n, 2);
     return meta_ok(TP__KOP_GELU_FWD, dtype);
 }
 
 static tp_status meta_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
                                void *gx, int64_t n, bool tanh_approx)
 {
+    META_EW(dtype, n, 3);
     return meta_ok(TP__KOP_GELU_BWD, dtype);
 }
 
 static tp_status meta_sum_dim(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t outer,
                               int64_t size, int64_t inner, double div)
 {
+    META_EW(dtype, outer * size * inner, 1);
     return meta_ok(TP__KOP_SUM_DIM, dtype);
 }
 
 static tp_status meta_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *gx,
                                   int64_t outer, int64_t size, int64_t inner, float scale)
 {
+    META_EW(dtype, outer * size * inner, 1);
     return meta_ok(TP__KOP_SUM_DIM_BWD, dtype);
 }
 
 static tp_status meta_sum_all(tp_device dev, tp_dtype dtype, const void *x, int64_t n, void *y,
                               double div)
 {
+    META_EW(dtype, n, 1);
     return meta_ok(TP__KOP_SUM_ALL, dtype);
 }
 
 static tp_status meta_softmax_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y,
                                   int64_t rows, int64_t cols)
 {
+    META_EW(dtype, rows * cols, 2);
     return meta_ok(TP__KOP_SOFTMAX_FWD, dtype);
 }
 
 static tp_status meta_softmax_bwd(tp_device dev, tp_dtype dtype, const void *y, const void *gy,
                                   void *gx, int64_t rows, int64_t cols)
 {
+    META_EW(dtype, rows * cols, 3);
     return meta_ok(TP__KOP_SOFTMAX_BWD, dtype);
 }
 
 static tp_status meta_causal_mask(tp_device dev, tp_dtype dtype, void *s, int64_t batch, int64_t S)
 {
+    META_EW(dtype, batch * S * S, 1);
     return meta_ok(TP__KOP_CAUSAL_MASK, dtype);
 }
 
 static tp_status meta_transpose_last2(tp_device dev, tp_dtype dtype, const void *x, void *y,
                                       int64_t batch, int64_t r, int64_t c)
 {
+    META_EW(dtype, batch * r * c, 2);
     return meta_ok(TP__KOP_TRANSPOSE_LAST2, dtype);
 }
 
@@ -164,6 +211,7 @@ static tp_status meta_embedding_fwd(tp_device dev, tp_dtype dtype, const int64_t
                                     const void *w, int64_t rows_local, int64_t dim, int64_t offset,
                                     void *y)
 {
+    META_EW(dtype, n * dim, 2);
     return meta_ok(TP__KOP_EMBEDDING_FWD, dtype);
 }
 
@@ -171,6 +219,7 @@ static tp_status meta_embedding_bwd(tp_device dev, tp_dtype dtype, const int64_t
                                     const void *gy, int64_t rows_local, int64_t dim, int64_t offset,
                                     void *gw)
 {
+    META_EW(dtype, n * dim, 2);
     return meta_ok(TP__KOP_EMBEDDING_BWD, dtype);
 }
 
@@ -178,6 +227,7 @@ static tp_status meta_layer_norm_fwd(tp_device dev, tp_dtype dtype, const void *
                                      const void *b, void *y, float *mean, float *rstd, int64_t rows,
                                      int64_t cols, float eps)
 {
+    META_EW(dtype, rows * cols, 2);
     return meta_ok(TP__KOP_LAYER_NORM_FWD, dtype);
 }
 
@@ -185,12 +235,14 @@ static tp_status meta_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *
                                      const float *mean, const float *rstd, const void *gy, void *gx,
                                      void *gw, void *gb, int64_t rows, int64_t cols)
 {
+    META_EW(dtype, rows * cols, 3);
     return meta_ok(TP__KOP_LAYER_NORM_BWD, dtype);
 }
 
 static tp_status meta_rms_norm_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                    void *y, float *rstd, int64_t rows, int64_t cols, float eps)
 {
+    META_EW(dtype, rows * cols, 2);
     return meta_ok(TP__KOP_RMS_NORM_FWD, dtype);
 }
 
@@ -198,6 +250,7 @@ static tp_status meta_rms_norm_bwd(tp_device dev, tp_dtype dtype, const void *x,
                                    const float *rstd, const void *gy, void *gx, void *gw,
                                    int64_t rows, int64_t cols)
 {
+    META_EW(dtype, rows * cols, 3);
     return meta_ok(TP__KOP_RMS_NORM_BWD, dtype);
 }
 
@@ -206,12 +259,14 @@ static tp_status meta_dropout_fwd(tp_device dev, tp_dtype dtype, const void *x, 
                                   const int64_t *global_shape, const int64_t *offset, float p,
                                   uint64_t seed)
 {
+    META_EW(dtype, meta_numel(ndim, shape), 2);
     return meta_ok(TP__KOP_DROPOUT_FWD, dtype);
 }
 
 static tp_status meta_dropout_bwd(tp_device dev, tp_dtype dtype, const void *gy,
                                   const uint8_t *mask, void *gx, int64_t n, float p)
 {
+    META_EW(dtype, n, 2);
     return meta_ok(TP__KOP_DROPOUT_BWD, dtype);
 }
 
@@ -220,6 +275,7 @@ static tp_status meta_cross_entropy_fwd(tp_device dev, tp_dtype dtype, const voi
                                         int64_t rows, int64_t classes, int64_t inner,
                                         int64_t ignore_index)
 {
+    META_EW(dtype, rows * classes * inner, 1);
     return meta_ok(TP__KOP_CROSS_ENTROPY_FWD, dtype);
 }
 
@@ -228,24 +284,28 @@ static tp_status meta_cross_entropy_bwd(tp_device dev, tp_dtype dtype, const voi
                                         const void *gloss, void *gx, int64_t rows, int64_t classes,
                                         int64_t inner, int64_t ignore_index)
 {
+    META_EW(dtype, rows * classes * inner, 2);
     return meta_ok(TP__KOP_CROSS_ENTROPY_BWD, dtype);
 }
 
 static tp_status meta_ce_gloss(tp_device dev, tp_dtype dtype, const void *g, void *gl, int64_t rows,
                                bool broadcast, double div)
 {
+    META_EW(dtype, rows, 2);
     return meta_ok(TP__KOP_CE_GLOSS, dtype);
 }
 
 static tp_status meta_row_max(tp_device dev, tp_dtype dtype, const void *x, float *mx, int64_t rows,
                               int64_t cols, int64_t inner)
 {
+    META_EW(dtype, rows * cols * inner, 1);
     return meta_ok(TP__KOP_ROW_MAX, dtype);
 }
 
 static tp_status meta_row_sumexp(tp_device dev, tp_dtype dtype, const void *x, const float *mx,
                                  float *s, int64_t rows, int64_t cols, int64_t inner)
 {
+    META_EW(dtype, rows * cols * inner, 1);
     return meta_ok(TP__KOP_ROW_SUMEXP, dtype);
 }
 
@@ -253,6 +313,7 @@ static tp_status meta_pick_target(tp_device dev, tp_dtype dtype, const void *x,
                                   const int64_t *target, float *picked, int64_t rows, int64_t cols,
                                   int64_t inner, int64_t offset, int64_t ignore_index)
 {
+    META_EW(dtype, rows * inner, 1);
     return meta_ok(TP__KOP_PICK_TARGET, dtype);
 }
 
@@ -261,6 +322,7 @@ static tp_status meta_vocab_ce_loss(tp_device dev, tp_dtype dtype, const int64_t
                                     const float *picked, void *loss, int64_t rows,
                                     int64_t ignore_index)
 {
+    META_EW(dtype, rows, 1);
     return meta_ok(TP__KOP_VOCAB_CE_LOSS, dtype);
 }
 
@@ -270,12 +332,14 @@ static tp_status meta_vocab_ce_bwd(tp_device dev, tp_dtype dtype, const void *x,
                                    int64_t cols, int64_t inner, int64_t offset,
                                    int64_t ignore_index)
 {
+    META_EW(dtype, rows * cols * inner, 2);
     return meta_ok(TP__KOP_VOCAB_CE_BWD, dtype);
 }
 
 static tp_status meta_sgd_step(tp_device dev, tp_dtype dtype, void *p, const void *g, int64_t n,
                                double lr)
 {
+    META_OPT(dtype, n, 3);
     return meta_ok(TP__KOP_SGD_STEP, dtype);
 }
 
@@ -283,6 +347,7 @@ static tp_status meta_adam_step(tp_device dev, tp_dtype dtype, void *p, float *m
                                 const void *g, int64_t n, double beta1, double beta2,
                                 double step_size, double bc2_sqrt, double eps)
 {
+    META_OPT(dtype, n, 7);
     return meta_ok(TP__KOP_ADAM_STEP, dtype);
 }
 

@@ -84,6 +84,15 @@ static tp_status mesh_check_names(const char *fn, int ndim, const char *const *n
  * group so that peers waiting in a split return TP_ERR_ABORTED instead of
  * hanging.
  */
+/* World-rank distance between neighbours along dim d (0: unknown). */
+static int64_t mesh_dim_stride(const tp_mesh *m, int d)
+{
+    int64_t s = tp__comm_global_stride(m->group);
+    for (int e = d + 1; e < m->ndim; e++)
+        s *= m->shape[e];
+    return s;
+}
+
 static tp_status mesh_build(tp_comm *group, int ndim, const int64_t *shape,
                             const char *const *names, tp_mesh **out)
 {
@@ -137,6 +146,7 @@ static tp_status mesh_build(tp_comm *group, int ndim, const int64_t *shape,
             goto fail;
         }
         m->owns_comm[d] = true;
+        tp__comm_set_global_stride(m->comms[d], mesh_dim_stride(m, d));
         /* A backend (possibly user-written) that ignores the key or the color
          * would give wrong groups silently; refuse it here instead. */
         if (!m->comms[d] || tp_comm_size(m->comms[d]) != m->shape[d] ||
@@ -282,6 +292,12 @@ tp_status tp_mesh_slice(tp_mesh *mesh, int nnames, const char *const *names, tp_
         tp__comm_release(group);
         return st;
     }
+    /* the slice's members are evenly spaced when its dims are consecutive
+     * and in mesh order: the stride of its last one */
+    bool consecutive = true;
+    for (int i = 1; i < nnames; i++)
+        consecutive = consecutive && sel[i] == sel[i - 1] + 1;
+    tp__comm_set_global_stride(group, consecutive ? mesh_dim_stride(mesh, sel[nnames - 1]) : 0);
     st = mesh_build(group, nnames, shape, sel_names, out);
     if (st != TP_OK) {
         tp__comm_release(group);

@@ -1,0 +1,368 @@
+/*
+ * tp-plan: predicts a tensor- and data-parallel training step of a
+ * Llama-shaped transformer on hardware that need not be at hand. It plays
+ * one rank of the dp x tp world on meta tensors (docs/sim.md), records the
+ * step's kernels and collectives (tp/plan.h) and walks them with a hardware
+ * description (tp/hw.h): per-rank memory, collectives per step, step time
+ * split into compute and exposed communication, tokens/s and MFU, as a table
+ * or as JSON; --sweep tries every TP degree and SP choice that fits in memory
+ * and ranks them; --trace writes the step as a Chrome trace-event file.
+ * Usage: tp-plan --help; docs/plan.md.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "plan_model.h"
+
+typedef struct opts {
+    plan_cfg cfg;
+    const char *hw, *trace;
+    double memory_gib;
+    bool json, sweep;
+} opts;
+
+/* One evaluated configuration. */
+typedef struct plan_eval {
+    plan_cfg cfg;
+    tp_plan_result r;
+    int64_t params;
+    uint64_t mem_bytes;
+    bool mem_measured; /* from the meta accounting, else the estimate */
+    double tokens_per_s;
+    bool fits;
+} plan_eval;
+
+static const char usage[] =
+    "usage: tp-plan [--layers N] [--hidden N] [--ffn N] [--heads N] [--vocab N] [--seq N]\n"
+    "               [--batch N] [--dtype f32|bf16|f16] [--mesh dp=D,tp=T] [--sp|--no-sp]\n"
+    "               [--loss-parallel] [--hw PRESET|FILE] [--memory-gib G] [--rank R]\n"
+    "               [--json] [--sweep] [--trace FILE]\n";
+
+static int fail(const char *fmt, const char *what)
+{
+    fprintf(stderr, "tp-plan: ");
+    fprintf(stderr, fmt, what);
+    fprintf(stderr, "\n%s", usage);
+    return 2;
+}
+
+static bool parse_i64(const char *s, int64_t *v)
+{
+    char *end;
+    errno = 0;
+    long long x = strtoll(s, &end, 10);
+    if (errno || end == s || *end)
+        return false;
+    *v = x;
+    return true;
+}
+
+/* "dp=16,tp=8" (either may be left out: 1) */
+static int parse_mesh(const char *s, plan_cfg *c)
+{
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", s);
+    c->dp = c->tp = 1;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(tok, '=');
+        if (!eq)
+            return fail("--mesh: \"%s\" is not NAME=SIZE", tok);
+        *eq = 0;
+        int64_t *dst = strcmp(tok, "dp") == 0 ? &c->dp : strcmp(tok, "tp") == 0 ? &c->tp : NULL;
+        if (!dst)
+            return fail("--mesh: unknown dim \"%s\" (dims: dp, tp)", tok);
+        if (!parse_i64(eq + 1, dst))
+            return fail("--mesh: the size of %s is not an integer", tok);
+    }
+    return 0;
+}
+
+static int parse_dtype(const char *s, tp_dtype *d)
+{
+    static const tp_dtype ok[] = {TP_F32, TP_BF16, TP_F16};
+    for (size_t i = 0; i < 3; i++)
+        if (strcmp(s, tp_dtype_name(ok[i])) == 0) {
+            *d = ok[i];
+            return 0;
+        }
+    return fail("--dtype: unknown dtype \"%s\" (f32, bf16, f16)", s);
+}
+
+static int parse_flag(opts *o, const char *a)
+{
+    if (strcmp(a, "--json") == 0)
+        o->json = true;
+    else if (strcmp(a, "--sweep") == 0)
+        o->sweep = true;
+    else if (strcmp(a, "--sp") == 0)
+        o->cfg.sp = true;
+    else if (strcmp(a, "--no-sp") == 0)
+        o->cfg.sp = false;
+    else if (strcmp(a, "--loss-parallel") == 0)
+        o->cfg.loss_parallel = true;
+    else
+        return -1;
+    return 0;
+}
+
+static int parse_args(int argc, char **argv, opts *o)
+{
+    plan_cfg *c = &o->cfg;
+    const struct {
+        const char *flag;
+        int64_t *v;
+    } ints[] = {{"--layers", &c->layers}, {"--hidden", &c->hidden}, {"--ffn", &c->ffn},
+                {"--heads", &c->heads},   {"--vocab", &c->vocab},   {"--seq", &c->seq},
+                {"--batch", &c->batch},   {"--rank", &c->rank}};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            printf("%s", usage);
+            exit(0);
+        }
+        if (parse_flag(o, a) == 0)
+            continue;
+        if (i + 1 == argc)
+            return fail("%s: unknown option, or it needs a value", a);
+        const char *v = argv[++i];
+        size_t k = 0;
+        while (k < sizeof ints / sizeof *ints && strcmp(a, ints[k].flag) != 0)
+            k++;
+        int rc = 0;
+        if (k < sizeof ints / sizeof *ints) {
+            if (!parse_i64(v, ints[k].v))
+                return fail("%s: not an integer", a);
+        } else if (strcmp(a, "--mesh") == 0) {
+            rc = parse_mesh(v, c);
+        } else if (strcmp(a, "--dtype") == 0) {
+            rc = parse_dtype(v, &c->dtype);
+        } else if (strcmp(a, "--hw") == 0) {
+            o->hw = v;
+        } else if (strcmp(a, "--trace") == 0) {
+            o->trace = v;
+        } else if (strcmp(a, "--memory-gib") == 0) {
+            char *end;
+            o->memory_gib = strtod(v, &end);
+            if (end == v || *end || !(o->memory_gib > 0))
+                return fail("--memory-gib: \"%s\" is not a number > 0", v);
+        } else {
+            return fail("%s: unknown option", a);
+        }
+        if (rc)
+            return rc;
+    }
+    const char *bad = plan_cfg_check(c);
+    if (bad)
+        return fail("invalid configuration: %s", bad);
+    return 0;
+}
+
+static tp_status load_hw(const char *name, tp_hw **out)
+{
+    if (access(name, R_OK) == 0 || strchr(name, '/') || strstr(name, ".json"))
+        return tp_hw_load_file(name, out);
+    return tp_hw_preset(name, out);
+}
+
+/* Per-rank bytes: the meta device's peak where it reports one, else
+ * parameters, gradients and Adam's two f32 moments (and f32 master weights
+ * for 16-bit parameters); activations are then not counted. */
+static void plan_memory(const plan_step *s, tp_dtype dtype, plan_eval *e)
+{
+    uint64_t n = (uint64_t)s->params;
+    e->params = s->params;
+    e->mem_measured = s->peak_bytes > 0;
+    e->mem_bytes = e->mem_measured ? s->peak_bytes
+                                   : 2 * s->param_bytes + 8 * n + (dtype != TP_F32 ? 4 * n : 0);
+}
+
+static tp_status evaluate(const plan_cfg *c, const tp_hw *hw, double mem_gib, const char *trace,
+                          plan_eval *e)
+{
+    plan_step s;
+    *e = (plan_eval){.cfg = *c};
+    tp_status st = plan_run_step(c, &s);
+    if (st != TP_OK)
+        return st;
+    st = tp_plan_walk(s.trace, hw, &e->r);
+    if (st == TP_OK && trace) {
+        FILE *f = fopen(trace, "w");
+        st = f ? tp_plan_write_chrome_trace(s.trace, hw, c->rank, f) : TP_ERR_BACKEND;
+        if (!f)
+            fprintf(stderr, "tp-plan: cannot write %s: %s\n", trace, strerror(errno));
+        if (f && fclose(f) != 0)
+            st = TP_ERR_BACKEND;
+    }
+    plan_memory(&s, c->dtype, e);
+    e->fits = (double)e->mem_bytes <= mem_gib * 1024.0 * 1024.0 * 1024.0;
+    e->tokens_per_s = e->r.step_s > 0 ? (double)(c->dp * c->batch * c->seq) / e->r.step_s : 0;
+    plan_step_free(&s);
+    return st;
+}
+
+static const char *style_name(const plan_cfg *c)
+{
+    return c->sp ? (c->loss_parallel ? "TP+SP+loss" : "TP+SP")
+                 : (c->loss_parallel ? "TP+loss" : "TP");
+}
+
+static void print_table(const opts *o, const tp_hw *hw, const plan_eval *e)
+{
+    const plan_cfg *c = &e->cfg;
+    const double gib = 1024.0 * 1024.0 * 1024.0, mib = 1024.0 * 1024.0;
+    printf("model: %lld layers, hidden %lld, ffn %lld, heads %lld, vocab %lld, seq %lld, "
+           "batch %lld, %s\n",
+           (long long)c->layers, (long long)c->hidden, (long long)c->ffn, (long long)c->heads,
+           (long long)c->vocab, (long long)c->seq, (long long)c->batch, tp_dtype_name(c->dtype));
+    printf("mesh: dp=%lld,tp=%lld (%lld ranks), %s, hardware %s, rank %lld\n", (long long)c->dp,
+           (long long)c->tp, (long long)(c->dp * c->tp), style_name(c), tp_hw_name(hw),
+           (long long)c->rank);
+    printf("memory per rank: %.2f GiB (%s), %lld parameter elements; %s %.0f GiB\n",
+           (double)e->mem_bytes / gib,
+           e->mem_measured ? "meta peak" : "params+grads+Adam, no activations",
+           (long long)e->params, e->fits ? "fits in" : "does NOT fit in", o->memory_gib);
+    printf("%-15s %8s %14s %12s\n", "collective", "count", "MiB", "time_s");
+    for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
+        if (e->r.coll_count[k])
+            printf("%-15s %8lld %14.3f %12.6f\n", tp_coll_kind_name((tp_coll_kind)k),
+                   (long long)e->r.coll_count[k], (double)e->r.coll_bytes[k] / mib, e->r.coll_s[k]);
+    printf("step time %.6f s = compute %.6f s + exposed communication %.6f s "
+           "(communication %.6f s in all)\n",
+           e->r.step_s, e->r.compute_s, e->r.exposed_comm_s, e->r.comm_s);
+    printf("compute by phase: forward %.6f s, backward %.6f s, optimizer %.6f s\n", e->r.phase_s[0],
+           e->r.phase_s[1], e->r.phase_s[2]);
+    printf("tokens/s %.1f, MFU %.1f%%\n", e->tokens_per_s, 100.0 * e->r.mfu);
+}
+
+static void print_json_eval(const plan_eval *e)
+{
+    const plan_cfg *c = &e->cfg;
+    printf("{\"dp\": %lld, \"tp\": %lld, \"sp\": %s, \"loss_parallel\": %s, \"rank\": %lld, "
+           "\"memory_bytes\": %llu, \"memory_measured\": %s, \"fits\": %s, \"params\": %lld, "
+           "\"step_s\": %.9g, \"compute_s\": %.9g, \"exposed_comm_s\": %.9g, \"comm_s\": %.9g, "
+           "\"tokens_per_s\": %.9g, \"mfu\": %.9g, \"collectives\": {",
+           (long long)c->dp, (long long)c->tp, c->sp ? "true" : "false",
+           c->loss_parallel ? "true" : "false", (long long)c->rank,
+           (unsigned long long)e->mem_bytes, e->mem_measured ? "true" : "false",
+           e->fits ? "true" : "false", (long long)e->params, e->r.step_s, e->r.compute_s,
+           e->r.exposed_comm_s, e->r.comm_s, e->tokens_per_s, e->r.mfu);
+    const char *sep = "";
+    for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
+        if (e->r.coll_count[k]) {
+            printf("%s\"%s\": {\"count\": %lld, \"bytes\": %llu, \"time_s\": %.9g}", sep,
+                   tp_coll_kind_name((tp_coll_kind)k), (long long)e->r.coll_count[k],
+                   (unsigned long long)e->r.coll_bytes[k], e->r.coll_s[k]);
+            sep = ", ";
+        }
+    printf("}}");
+}
+
+static void print_json(const opts *o, const tp_hw *hw, const plan_eval *e, int n)
+{
+    const plan_cfg *c = &o->cfg;
+    printf("{\"hardware\": \"%s\", \"model\": {\"layers\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
+           "\"heads\": %lld, \"vocab\": %lld, \"seq\": %lld, \"batch\": %lld, \"dtype\": \"%s\"}, "
+           "\"memory_limit_bytes\": %.0f, \"%s\": ",
+           tp_hw_name(hw), (long long)c->layers, (long long)c->hidden, (long long)c->ffn,
+           (long long)c->heads, (long long)c->vocab, (long long)c->seq, (long long)c->batch,
+           tp_dtype_name(c->dtype), o->memory_gib * 1024.0 * 1024.0 * 1024.0,
+           o->sweep ? "sweep" : "plan");
+    if (o->sweep)
+        printf("[");
+    for (int i = 0; i < n; i++) {
+        printf(i ? ",\n  " : "\n  ");
+        print_json_eval(&e[i]);
+    }
+    printf(o->sweep ? "]}\n" : "}\n");
+}
+
+static int by_throughput(const void *a, const void *b)
+{
+    const plan_eval *x = a, *y = b;
+    if (x->fits != y->fits)
+        return x->fits ? -1 : 1;
+    return (x->tokens_per_s < y->tokens_per_s) - (x->tokens_per_s > y->tokens_per_s);
+}
+
+/* Every TP degree (powers of two dividing the world, up to 64) and SP
+ * choice that the configuration allows, best tokens/s first. */
+static int sweep(const opts *o, const tp_hw *hw)
+{
+    int64_t world = o->cfg.dp * o->cfg.tp;
+    plan_eval e[16];
+    int n = 0;
+    for (int64_t t = 1; t <= world && t <= 64; t *= 2)
+        for (int sp = 0; sp < (t > 1 ? 2 : 1) && world % t == 0; sp++) {
+            plan_cfg c = o->cfg;
+            c.tp = t;
+            c.dp = world / t;
+            c.sp = sp;
+            c.rank = 0;
+            if (plan_cfg_check(&c))
+                continue;
+            if (evaluate(&c, hw, o->memory_gib, NULL, &e[n]) != TP_OK)
+                return fprintf(stderr, "tp-plan: %s\n", tp_last_error()), 1;
+            n++;
+        }
+    if (!n)
+        return fprintf(stderr, "tp-plan: --sweep: no TP degree fits the configuration\n"), 1;
+    qsort(e, (size_t)n, sizeof *e, by_throughput);
+    if (o->trace && evaluate(&e[0].cfg, hw, o->memory_gib, o->trace, &e[0]) != TP_OK)
+        return fprintf(stderr, "tp-plan: --trace: %s\n", tp_last_error()), 1;
+    if (o->json) {
+        print_json(o, hw, e, n);
+        return 0;
+    }
+    printf("%-4s %-5s %-6s %-11s %-10s %-12s %-8s %s\n", "rank", "dp", "tp", "style", "mem_GiB",
+           "step_s", "MFU_%", "tokens/s");
+    for (int i = 0; i < n; i++)
+        printf("%-4d %-5lld %-6lld %-11s %-10.2f %-12.6f %-8.1f %.1f%s\n", i + 1,
+               (long long)e[i].cfg.dp, (long long)e[i].cfg.tp, style_name(&e[i].cfg),
+               (double)e[i].mem_bytes / (1024.0 * 1024.0 * 1024.0), e[i].r.step_s,
+               100.0 * e[i].r.mfu, e[i].tokens_per_s, e[i].fits ? "" : "  (does not fit)");
+    return e[0].fits ? 0 : 1;
+}
+
+int main(int argc, char **argv)
+{
+    opts o = {.cfg = {.layers = 80,
+                      .hidden = 8192,
+                      .ffn = 28672,
+                      .heads = 64,
+                      .vocab = 0,
+                      .seq = 4096,
+                      .batch = 1,
+                      .dtype = TP_BF16,
+                      .dp = 64,
+                      .tp = 8,
+                      .sp = true},
+              .hw = "h100-sxm-ndr",
+              .memory_gib = 80};
+    int rc = parse_args(argc, argv, &o);
+    if (rc)
+        return rc;
+    tp_hw *hw = NULL;
+    if (load_hw(o.hw, &hw) != TP_OK) {
+        fprintf(stderr, "tp-plan: --hw: %s\n", tp_last_error());
+        return 2;
+    }
+    if (o.sweep) {
+        rc = sweep(&o, hw);
+    } else {
+        plan_eval e;
+        if (evaluate(&o.cfg, hw, o.memory_gib, o.trace, &e) != TP_OK) {
+            fprintf(stderr, "tp-plan: %s\n", tp_last_error());
+            rc = 1;
+        } else if (o.json) {
+            print_json(&o, hw, &e, 1);
+        } else {
+            print_table(&o, hw, &e);
+        }
+    }
+    tp_hw_free(hw);
+    return rc;
+}
