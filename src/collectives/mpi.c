@@ -5,7 +5,14 @@
  * World. tp_comm_create_world("mpi", options, &world) initializes MPI with
  * MPI_THREAD_MULTIPLE unless the program already did; libtp then finalizes
  * MPI itself, once, when the last communicator of this backend is freed
- * (normally the world, after the meshes built on it). If the program
+ * (normally the world, after the meshes built on it), but only once every
+ * process got there: MPI_Finalize waits for every process of the job and
+ * cannot time out, so a non-blocking barrier on a communicator of its own
+ * comes first, waited for up to the default timeout (TP_COMM_TIMEOUT), or
+ * 5 s once this process saw a fault. When it times out libtp leaves MPI
+ * unfinalized (one line on stderr; tp_last_error keeps the fault), the
+ * process exits, and mpirun, seeing a rank end without MPI_Finalize, ends
+ * the whole job (stopped ranks included). If the program
  * initialized MPI, libtp never finalizes it. Either way libtp works on a
  * duplicate (MPI_Comm_dup) of MPI_COMM_WORLD, or of the MPI_Comm that
  * `options` points to when it is not NULL, so its traffic never matches the
@@ -85,6 +92,12 @@ static pthread_mutex_t mpi_call_mu = PTHREAD_MUTEX_INITIALIZER;
 static MPI_Datatype mpi_half = MPI_DATATYPE_NULL; /* 2 bytes: f16 and bf16 */
 static struct mpi_work *mpi_orphans; /* work MPI never completed, of freed communicators */
 static int mpi_faulted; /* communicators left to MPI unfreed, their requests still posted */
+/* A duplicate of MPI_COMM_WORLD that carries nothing but the exit barrier
+ * (mpi_exit_barrier), so no stale request of a faulted communicator can
+ * match it; made when libtp initializes MPI. */
+static MPI_Comm mpi_exit_comm = MPI_COMM_NULL;
+static bool mpi_abandoned;         /* libtp left MPI unfinalized after a fault */
+static atomic_bool mpi_fault_seen; /* some communicator of this process was aborted */
 enum { HALF_F16 = 0, HALF_BF16 = 1 };
 static MPI_Op mpi_half_ops[2][TP_REDUCE_OP_COUNT];
 
@@ -246,6 +259,7 @@ static bool abort_on_failure(void)
 static void state_abort(mpi_state *S, const char *reason)
 {
     tp__abort_set(&S->abort, reason);
+    atomic_store(&mpi_fault_seen, true);
     if (abort_on_failure()) {
         fprintf(stderr,
                 "libtp: MPI rank %d: communicator aborted (%s); TP_MPI_ABORT_ON_FAILURE=1: "
@@ -285,6 +299,55 @@ static void work_destroy(mpi_work *w)
     tp__free(w);
 }
 
+/* Seconds the exit barrier waits once this process saw a fault: the peers
+ * of a faulted job either reach the end soon or never. */
+#define MPI_EXIT_GRACE_S 5.0
+
+/* Before MPI_Finalize, which cannot time out: a non-blocking barrier of
+ * every process on mpi_exit_comm, polled up to the default timeout (or
+ * MPI_EXIT_GRACE_S after a fault). True when every process reached it, so
+ * that MPI_Finalize returns; false (with a line on stderr, tp_last_error
+ * untouched: it keeps the fault) when some did not. Called with mpi_mu
+ * held. */
+static tp_status exit_poll(void *ctx, bool *done)
+{
+    int flag = 0;
+    if (MPI_Test(ctx, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+        return TP_ERR_BACKEND;
+    *done = flag != 0;
+    return TP_OK;
+}
+
+static bool mpi_exit_barrier(void)
+{
+    if (mpi_exit_comm == MPI_COMM_NULL)
+        return true;
+    double limit = tp__default_timeout();
+    bool fault = atomic_load(&mpi_fault_seen);
+    if (fault && limit > MPI_EXIT_GRACE_S)
+        limit = MPI_EXIT_GRACE_S;
+    MPI_Request req = MPI_REQUEST_NULL;
+    const tp__pace pace = {.spin_s = mpi_yield ? 0 : HUGE_VAL, .yield_s = HUGE_VAL};
+    tp_status st = TP_ERR_BACKEND;
+    if (MPI_Ibarrier(mpi_exit_comm, &req) == MPI_SUCCESS)
+        st = tp__poll_until(exit_poll, &req, limit, &pace);
+    if (st == TP_OK) {
+        MPI_Comm_free(&mpi_exit_comm);
+        return true;
+    }
+    int wr = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &wr);
+    fprintf(stderr,
+            "libtp: MPI rank %d: %s within %.3g s; not calling MPI_Finalize, which would wait "
+            "for them: this process can exit, and mpirun then ends the job\n",
+            wr,
+            fault ? "after a fault, not every rank freed its last libtp communicator"
+                  : "not every rank freed its last libtp communicator",
+            limit);
+    fflush(stderr);
+    return false;
+}
+
 /* Called with mpi_mu held when the last state goes: frees what libtp created
  * and finalizes MPI if libtp initialized it. */
 static void mpi_teardown_locked(void)
@@ -302,6 +365,15 @@ static void mpi_teardown_locked(void)
                     MPI_Op_free(&mpi_half_ops[h][op]);
         MPI_Type_free(&mpi_half);
         mpi_types_ready = false;
+    }
+    if (mpi_owned && !mpi_exit_barrier()) {
+        /* MPI_Finalize waits for every process of the job (OpenMPI fences
+         * through its runtime): with a peer stopped, dead or cut off it
+         * never returns. Leave MPI as it is; the process can exit, and
+         * mpirun, seeing a rank end without MPI_Finalize, ends the job. */
+        mpi_owned = false;
+        mpi_abandoned = true;
+        return;
     }
     if (mpi_owned) {
         MPI_Finalize();
@@ -798,10 +870,21 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
                        "cannot be initialized again");
         goto out;
     }
+    if (mpi_abandoned) {
+        st = tp__error(TP_ERR_STATE,
+                       "tp_comm_create_world: libtp left MPI unfinalized after a fault (a peer "
+                       "did not reach the end); MPI cannot be used again in this process");
+        goto out;
+    }
     if (!inited) {
         TP_MPI_CHECK_GOTO("MPI_Init_thread",
                           MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level), st, out);
         mpi_owned = true;
+        atomic_store(&mpi_fault_seen, false);
+        if (MPI_Comm_dup(MPI_COMM_WORLD, &mpi_exit_comm) == MPI_SUCCESS)
+            MPI_Comm_set_errhandler(mpi_exit_comm, MPI_ERRORS_RETURN);
+        else
+            mpi_exit_comm = MPI_COMM_NULL;
     } else {
         MPI_Query_thread(&level);
     }

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# A faulted mpi job ends, whole and on time: runs tests/mpi/test_mpi_exit.c
+# under mpirun with one rank stopped (SIGSTOP) or killed (SIGKILL) and checks
+# that mpirun returns (non-zero: the job failed) within TIMEOUT + 10 s of the
+# fault, that every surviving rank passed its own checks (stop), or that the
+# timeout called MPI_Abort (stop with TP_MPI_ABORT_ON_FAILURE=1), and that no
+# process of the job is left.
+#   fault_exit.sh MPIRUN EXE stop|kill|abort NP TIMEOUT [mpirun options...]
+set -u
+mpirun=$1 exe=$2 mode=$3 np=$4 limit=$5
+shift 5
+pass=0 fail=0
+check() { # check COND-STATUS MESSAGE
+    if [ "$1" = 0 ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $2" >&2; fi
+}
+out=$(mktemp) err=$(mktemp)
+trap 'rm -f "$out" "$err"' EXIT
+arg=$mode
+if [ "$mode" = abort ]; then arg=stop; export TP_MPI_ABORT_ON_FAILURE=1; fi
+# the outer limit: far above TIMEOUT + 10 s, so that a hang shows as 124
+# (137 is also what mpirun returns for a rank killed by SIGKILL: the time
+# tells them apart)
+outer=$((limit + 60))
+start=$(date +%s)
+timeout -k 5 $outer "$mpirun" --allow-run-as-root --oversubscribe "$@" -np "$np" \
+    "$exe" "$arg" "$limit" >"$out" 2>"$err"
+rc=$?
+end=$(date +%s.%N)
+cat "$out"
+sed -n 1,40p "$err" >&2
+fault=$(awk '$1 == "fault_at" {print $2}' "$out")
+check "$([ -n "$fault" ]; echo $?)" "rank 1 did not report its fault"
+check "$([ "$rc" != 124 ] && [ $(($(date +%s) - start)) -lt $outer ]; echo $?)" \
+    "mpirun hung (killed by the outer limit of $outer s)"
+check "$([ "$rc" != 0 ]; echo $?)" "mpirun returned 0 for a job with a faulted rank"
+if [ -n "$fault" ]; then
+    took=$(awk -v a="$fault" -v b="$end" 'BEGIN {printf "%.2f", b - a}')
+    echo "job ended $took s after the fault (timeout $limit s)"
+    check "$(awk -v t="$took" -v l="$limit" 'BEGIN {exit !(t <= l + 10)}'; echo $?)" \
+        "job ended $took s after the fault, limit $limit + 10 s"
+fi
+case $mode in
+stop)
+    # every rank but the stopped one passed its checks
+    ok=$(grep -c '^mpi: [0-9]* passed, 0 failed' "$out")
+    check "$([ "$ok" = $((np - 1)) ]; echo $?)" "$ok of $((np - 1)) surviving ranks passed"
+    ;;
+abort)
+    check "$(grep -q 'TP_MPI_ABORT_ON_FAILURE=1: calling MPI_Abort' "$err"; echo $?)" \
+        "no MPI_Abort after the timeout"
+    ;;
+esac
+# no process of the job is left (a zombie is not a process left running)
+npids=0
+for pid in $(awk '$1 == "pid" {print $3}' "$out"); do
+    npids=$((npids + 1))
+    state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true)
+    check "$([ -z "$state" ] || [ "$state" = Z ]; echo $?)" "rank process $pid left (state $state)"
+done
+check "$([ "$npids" = "$np" ]; echo $?)" "$npids of $np ranks reported their pid"
+echo "mpi: $pass passed, $fail failed"
+[ "$fail" = 0 ]
