@@ -76,6 +76,7 @@
 #include "collectives/abort.h"
 #include "collectives/check.h"
 #include "collectives/coll.h"
+#include "collectives/mpi_direct.h"
 #include "collectives/poll.h"
 
 /* ---- process-wide MPI state ----------------------------------------------- */
@@ -233,14 +234,18 @@ typedef struct mpi_state {
 } mpi_state;
 
 struct mpi_work {
-    MPI_Request req;
+    MPI_Request req;   /* a collective's one request */
+    MPI_Request *reqs; /* &req, or the direct path's messages (mpi_direct.c) */
+    int nreq;
+    bool direct; /* reductions: tmp holds every rank's contribution */
     mpi_work *next;
     tp_coll_kind kind;
     tp_dtype dtype;
     tp_reduce_op op;
     size_t count;  /* elements of the result on this rank */
     void *result;  /* where they end up (avg divides them there) */
-    void *tmp;     /* in-place reduce_scatter: MPI writes here, copied to result */
+    void *tmp;     /* in-place reduce_scatter: MPI writes here, copied to result;
+                    * direct reductions: the contributions */
     bool complete; /* MPI finished the request */
     bool finished; /* post-processing done, status final */
     tp_status status;
@@ -293,6 +298,8 @@ static void list_remove(mpi_work **head, mpi_work *w)
 
 static void work_destroy(mpi_work *w)
 {
+    if (w->reqs != &w->req)
+        tp__free(w->reqs);
     tp_tensor_release(w->keep[0]);
     tp_tensor_release(w->keep[1]);
     tp__free(w->tmp);
@@ -435,7 +442,19 @@ static void avg_divide(void *buf, tp_dtype dt, size_t n, int size)
  * place and finish avg. */
 static void work_finish(mpi_state *S, mpi_work *w)
 {
-    if (w->tmp) {
+    if (w->direct && w->tmp) {
+        mpi_lock();
+        int rc = tp__mpi_direct_reduce(w->tmp, w->result, (int)w->count, tp_dtype_size(w->dtype),
+                                       mpi_dtype(w->dtype), mpi_op(w->dtype, w->op), S->size);
+        mpi_unlock();
+        tp__free(w->tmp);
+        w->tmp = NULL;
+        if (rc != MPI_SUCCESS) {
+            w->finished = true;
+            w->status = state_fail(S, tp__mpi_error(rc, "MPI_Reduce_local"));
+            return;
+        }
+    } else if (w->tmp) {
         memcpy(w->result, w->tmp, w->count * tp_dtype_size(w->dtype));
         tp__free(w->tmp);
         w->tmp = NULL;
@@ -447,12 +466,12 @@ static void work_finish(mpi_state *S, mpi_work *w)
 }
 
 /* One MPI_Test of a request; *done once it completed. */
-static tp_status req_test(mpi_state *S, MPI_Request *req, bool *done, const char *what)
+static tp_status req_test(mpi_state *S, int n, MPI_Request *reqs, bool *done, const char *what)
 {
     int flag = 0;
     tp_status st = TP_OK;
     mpi_lock();
-    int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+    int rc = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
     mpi_unlock();
     *done = true; /* an error is final */
     TP_MPI_CHECK_GOTO(what, rc, st, fail);
@@ -475,7 +494,8 @@ static bool mpi_library_yields(void)
 
 typedef struct req_wait_ctx {
     mpi_state *S;
-    MPI_Request *req;
+    int n;
+    MPI_Request *reqs;
     const char *what;
     bool done; /* MPI completed the request, or reported an error for it */
 } req_wait_ctx;
@@ -484,7 +504,7 @@ typedef struct req_wait_ctx {
 static tp_status req_poll(void *ctx, bool *done)
 {
     req_wait_ctx *q = ctx;
-    TP_CHECK(req_test(q->S, q->req, &q->done, q->what));
+    TP_CHECK(req_test(q->S, q->n, q->reqs, &q->done, q->what));
     *done = q->done;
     if (!q->done && tp__abort_is_set(&q->S->abort))
         return tp__abort_error(&q->S->abort);
@@ -498,11 +518,11 @@ static tp_status req_poll(void *ctx, bool *done)
  * message per call), so any sleep between tests costs bandwidth: poll as
  * MPI_Wait does, but yield the core when this node runs more ranks than it
  * has cores and MPI does not yield by itself. */
-static tp_status req_wait(mpi_state *S, MPI_Request *req, double timeout_s, const char *what,
-                          bool *done)
+static tp_status req_wait(mpi_state *S, int n, MPI_Request *reqs, double timeout_s,
+                          const char *what, bool *done)
 {
     const tp__pace pace = {.spin_s = mpi_yield ? 0 : HUGE_VAL, .yield_s = HUGE_VAL};
-    req_wait_ctx q = {.S = S, .req = req, .what = what};
+    req_wait_ctx q = {.S = S, .n = n, .reqs = reqs, .what = what};
     tp_status st = tp__poll_until(req_poll, &q, timeout_s, &pace);
     *done = q.done;
     if (st != TP_ERR_TIMEOUT)
@@ -528,33 +548,13 @@ static const char *const mpi_call_names[TP_COLL_KIND_COUNT] = {
     [TP_COLL_SCATTER] = "MPI_Iscatter",
 };
 
-static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
+/* post_nbc and post_direct's answers besides MPI's codes (all positive) */
+enum { POST_NO_MEMORY = -1, POST_INVALID = -2 };
+
+/* One of MPI's non-blocking collectives for `d` into w->req. Returns MPI's
+ * code, or POST_NO_MEMORY / POST_INVALID. */
+static int post_nbc(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
 {
-    mpi_state *S = state;
-    *work = NULL;
-    if (tp__abort_is_set(&S->abort))
-        return tp__abort_error(&S->abort);
-    if (d->device.type != TP_DEVICE_CPU)
-        return tp__error(TP_ERR_NOT_SUPPORTED, "backend 'mpi' moves CPU tensors only");
-    if (d->kind != TP_COLL_BARRIER && d->count == 0)
-        return TP_OK; /* every rank has the same count (comm.h), so none moves data */
-    if (d->count > INT_MAX)
-        return tp__error(TP_ERR_NOT_SUPPORTED,
-                         "backend 'mpi': %zu elements per rank exceed MPI's int count", d->count);
-
-    mpi_work *w = tp__calloc(1, sizeof *w);
-    if (!w)
-        return state_fail(S, tp__error(TP_ERR_NO_MEMORY,
-                                       "backend 'mpi': out of memory for the work object"));
-    w->req = MPI_REQUEST_NULL;
-    w->kind = d->kind;
-    w->dtype = d->dtype;
-    w->op = d->op;
-    w->count = d->count;
-    w->result = d->recvbuf;
-    w->keep[0] = tp_tensor_retain((tp_tensor *)d->send);
-    w->keep[1] = d->recv != d->send ? tp_tensor_retain(d->recv) : NULL;
-
     int k = (int)d->count;
     size_t es = tp_dtype_size(d->dtype);
     MPI_Datatype dt = d->kind == TP_COLL_BARRIER ? MPI_DATATYPE_NULL : mpi_dtype(d->dtype);
@@ -586,10 +586,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
             w->tmp = tp__malloc(d->count * es);
             if (!w->tmp) {
                 mpi_unlock();
-                work_destroy(w);
-                tp__error(TP_ERR_NO_MEMORY,
-                          "backend 'mpi': out of memory for the in-place reduce_scatter");
-                return state_fail(S, TP_ERR_NO_MEMORY);
+                return POST_NO_MEMORY;
             }
             rc = MPI_Ireduce_scatter_block(d->sendbuf, w->tmp, k, dt, op, S->comm, &w->req);
         } else {
@@ -615,13 +612,73 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
             rc = MPI_Iscatter(d->sendbuf, k, dt, d->recvbuf, k, dt, d->root, S->comm, &w->req);
         break;
     default:
-        mpi_unlock();
+        rc = POST_INVALID;
+        break;
+    }
+    mpi_unlock();
+    return rc;
+}
+
+/* The direct path (mpi_direct.c): point-to-point messages into w->reqs. */
+static int post_direct(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
+{
+    int max = tp__mpi_direct_max_requests(S->size);
+    size_t scratch = tp__mpi_direct_scratch(d, S->size);
+    w->reqs = tp__calloc((size_t)max, sizeof *w->reqs);
+    w->tmp = scratch ? tp__malloc(scratch) : NULL;
+    if (!w->reqs || (scratch && !w->tmp))
+        return POST_NO_MEMORY;
+    w->nreq = 0;
+    w->direct = true;
+    mpi_lock();
+    int rc = tp__mpi_direct_post(d, S->comm, S->rank, S->size, mpi_dtype(d->dtype), w->tmp, w->reqs,
+                                 &w->nreq);
+    mpi_unlock();
+    return rc;
+}
+
+static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
+{
+    mpi_state *S = state;
+    *work = NULL;
+    if (tp__abort_is_set(&S->abort))
+        return tp__abort_error(&S->abort);
+    if (d->device.type != TP_DEVICE_CPU)
+        return tp__error(TP_ERR_NOT_SUPPORTED, "backend 'mpi' moves CPU tensors only");
+    if (d->kind != TP_COLL_BARRIER && d->count == 0)
+        return TP_OK; /* every rank has the same count (comm.h), so none moves data */
+    if (d->count > INT_MAX)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "backend 'mpi': %zu elements per rank exceed MPI's int count", d->count);
+
+    mpi_work *w = tp__calloc(1, sizeof *w);
+    if (!w)
+        return state_fail(
+            S, tp__error(TP_ERR_NO_MEMORY, "backend 'mpi': out of memory for the work object"));
+    w->req = MPI_REQUEST_NULL;
+    w->reqs = &w->req;
+    w->nreq = 1;
+    w->kind = d->kind;
+    w->dtype = d->dtype;
+    w->op = d->op;
+    w->count = d->count;
+    w->result = d->recvbuf;
+    w->keep[0] = tp_tensor_retain((tp_tensor *)d->send);
+    w->keep[1] = d->recv != d->send ? tp_tensor_retain(d->recv) : NULL;
+
+    bool direct = tp__mpi_direct_fits(d, S->size);
+    int rc = direct ? post_direct(S, d, w) : post_nbc(S, d, w);
+    tp_status st = TP_OK;
+    if (rc == POST_INVALID) {
         work_destroy(w);
         return tp__error(TP_ERR_INVALID_ARG, "backend 'mpi': invalid collective kind");
     }
-    mpi_unlock();
-    tp_status st = TP_OK;
-    TP_MPI_CHECK_GOTO(mpi_call_names[d->kind], rc, st, fail);
+    if (rc == POST_NO_MEMORY) {
+        st = tp__error(TP_ERR_NO_MEMORY, "backend 'mpi': out of memory for the %s",
+                       direct ? "direct path's messages" : "in-place reduce_scatter");
+        goto fail;
+    }
+    TP_MPI_CHECK_GOTO(direct ? "MPI_Isend/MPI_Irecv" : mpi_call_names[d->kind], rc, st, fail);
     pthread_mutex_lock(&S->mu);
     w->next = S->active;
     S->active = w;
@@ -630,7 +687,15 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     *work = w;
     return TP_OK;
 fail:
-    work_destroy(w);
+    if (direct && w->nreq > 0) {
+        /* some messages went out: MPI owns them and their buffers now */
+        pthread_mutex_lock(&S->mu);
+        w->next = S->zombies;
+        S->zombies = w;
+        pthread_mutex_unlock(&S->mu);
+    } else {
+        work_destroy(w);
+    }
     return state_fail(S, st);
 }
 
@@ -644,7 +709,7 @@ static tp_status mpi_work_test(void *state, void *work, bool *done)
         return w->status;
     }
     bool fin = false;
-    tp_status st = req_test(S, &w->req, &fin, mpi_call_names[w->kind]);
+    tp_status st = req_test(S, w->nreq, w->reqs, &fin, mpi_call_names[w->kind]);
     if (st != TP_OK) {
         w->complete = w->finished = true;
         w->status = st;
@@ -671,7 +736,7 @@ static tp_status mpi_work_wait(void *state, void *work, double timeout_s)
     if (w->finished)
         return w->status;
     bool fin = false;
-    tp_status st = req_wait(S, &w->req, timeout_s, tp_coll_kind_name(w->kind), &fin);
+    tp_status st = req_wait(S, w->nreq, w->reqs, timeout_s, tp_coll_kind_name(w->kind), &fin);
     if (st == TP_OK) {
         w->complete = true;
         work_finish(S, w);
@@ -742,7 +807,7 @@ static void mpi_free(void *state)
         if (w->complete)
             continue;
         bool done = false;
-        if (req_wait(S, &w->req, timeout, tp_coll_kind_name(w->kind), &done) == TP_OK) {
+        if (req_wait(S, w->nreq, w->reqs, timeout, tp_coll_kind_name(w->kind), &done) == TP_OK) {
             w->complete = true;
             work_finish(S, w);
         } else if (done) {
@@ -762,7 +827,8 @@ static void mpi_free(void *state)
     for (mpi_work *w = S->zombies, *next = NULL; w; w = next) {
         next = w->next;
         int flag = 0;
-        if (fin || (MPI_Test(&w->req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag)) {
+        if (fin ||
+            (MPI_Testall(w->nreq, w->reqs, &flag, MPI_STATUSES_IGNORE) == MPI_SUCCESS && flag)) {
             work_destroy(w);
         } else {
             w->next = mpi_orphans;
@@ -814,7 +880,7 @@ static tp_status mpi_split(void *state, int color, int key, double timeout_s, vo
     tp_status st = TP_OK;
     TP_MPI_CHECK_GOTO("MPI_Ibarrier (split)", rc, st, fail);
     bool fin = false;
-    st = req_wait(S, &req, timeout_s, "comm_split", &fin);
+    st = req_wait(S, 1, &req, timeout_s, "comm_split", &fin);
     if (st != TP_OK)
         return st; /* the barrier request stays with MPI; S is aborted */
 
