@@ -517,11 +517,14 @@ static tp_status req_poll(void *ctx, bool *done)
  * MPI_Test is the progress engine (OpenMPI moves one fragment of a large
  * message per call), so any sleep between tests costs bandwidth: poll as
  * MPI_Wait does, but yield the core when this node runs more ranks than it
- * has cores and MPI does not yield by itself. */
+ * has cores and MPI does not yield by itself. The clock is read every 16th
+ * test only (a test costs ~0.1 us, the clock ~0.02 us: 7% of a 4 KiB
+ * all_gather's profile when read on every test). */
 static tp_status req_wait(mpi_state *S, int n, MPI_Request *reqs, double timeout_s,
                           const char *what, bool *done)
 {
-    const tp__pace pace = {.spin_s = mpi_yield ? 0 : HUGE_VAL, .yield_s = HUGE_VAL};
+    const tp__pace pace = {
+        .spin_s = mpi_yield ? 0 : HUGE_VAL, .yield_s = HUGE_VAL, .every = 16};
     req_wait_ctx q = {.S = S, .n = n, .reqs = reqs, .what = what};
     tp_status st = tp__poll_until(req_poll, &q, timeout_s, &pace);
     *done = q.done;
