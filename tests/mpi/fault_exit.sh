@@ -4,8 +4,10 @@
 # that mpirun returns (non-zero: the job failed) within TIMEOUT + 10 s of the
 # fault, that every surviving rank passed its own checks (stop), or that the
 # timeout called MPI_Abort (stop with TP_MPI_ABORT_ON_FAILURE=1), and that no
-# process of the job is left.
-#   fault_exit.sh MPIRUN EXE stop|kill|abort NP TIMEOUT [mpirun options...]
+# process of the job is left. `cut`: nobody faults by itself; once every rank
+# runs, the script runs $FAULT_CMD (scripts/multihost-check.sh: the link
+# between its two hosts goes down) and every rank must time out and exit.
+#   fault_exit.sh MPIRUN EXE stop|kill|abort|cut NP TIMEOUT [mpirun options...]
 set -u
 mpirun=$1 exe=$2 mode=$3 np=$4 limit=$5
 shift 5
@@ -23,7 +25,19 @@ if [ "$mode" = abort ]; then arg=stop; export TP_MPI_ABORT_ON_FAILURE=1; fi
 outer=$((limit + 60))
 start=$(date +%s)
 timeout -k 5 $outer "$mpirun" --allow-run-as-root --oversubscribe "$@" -np "$np" \
-    "$exe" "$arg" "$limit" >"$out" 2>"$err"
+    "$exe" "$arg" "$limit" >"$out" 2>"$err" &
+job=$!
+if [ "$mode" = cut ]; then
+    # every rank runs its loop (printed its pid), then the fault
+    for _ in $(seq 300); do
+        [ "$(grep -c '^pid ' "$out")" -ge "$np" ] && break
+        sleep 0.1
+    done
+    sleep 1
+    echo "fault_at $(date +%s.%N)" >>"$out"
+    sh -c "${FAULT_CMD:?cut needs FAULT_CMD}"
+fi
+wait $job
 rc=$?
 end=$(date +%s.%N)
 cat "$out"
@@ -40,6 +54,11 @@ if [ -n "$fault" ]; then
         "job ended $took s after the fault, limit $limit + 10 s"
 fi
 case $mode in
+cut)
+    # no rank failed a check of its own: mpirun's runtime (with a short TCP
+    # keepalive) may end the job on the lost daemon before the ranks time out
+    check "$(! grep -q '^\[rank [0-9]*\] FAIL' "$err"; echo $?)" "a rank failed its checks"
+    ;;
 stop)
     # every rank but the stopped one passed its checks
     ok=$(grep -c '^mpi: [0-9]* passed, 0 failed' "$out")

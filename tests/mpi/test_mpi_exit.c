@@ -9,11 +9,14 @@
  *   test_mpi_exit stop T   rank 1 stops itself (SIGSTOP) inside an all_reduce
  *                          loop; the others time out after T s
  *   test_mpi_exit kill T   rank 1 kills itself (SIGKILL) inside the loop
+ *   test_mpi_exit cut T    nobody faults by itself: the script cuts the link
+ *                          between two hosts (scripts/multihost-check.sh), and
+ *                          every rank times out after T s
  *
  * Every rank prints "pid R PID"; rank 1 prints "fault_at SECONDS" (the
  * realtime clock) right before the fault. Each surviving rank checks what it
  * sees and prints "mpi: N passed, N failed" before it exits; under `stop`
- * the checks are: TP_ERR_TIMEOUT after T s, tp_comm_free within the exit
+ * and `cut` the checks are: TP_ERR_TIMEOUT after T s, tp_comm_free within the exit
  * grace, tp_last_error still the timeout's message, MPI left unfinalized,
  * and a new world refused with TP_ERR_STATE. With TP_MPI_ABORT_ON_FAILURE=1
  * the timeout calls MPI_Abort instead (the script checks its message).
@@ -31,6 +34,8 @@
 #include <unistd.h>
 
 #include <tp.h>
+
+enum { MODE_STOP, MODE_KILL, MODE_CUT };
 
 static int g_rank = -1;
 static long g_pass, g_fail;
@@ -55,8 +60,9 @@ static double clock_s(clockid_t id)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Rank 1 faults on iteration 20; the others all_reduce until an error. */
-static tp_status reduce_until_fault(tp_comm *world, bool stop, double *waited)
+/* Rank 1 faults on iteration 20 (stop, kill); every rank all_reduces until
+ * an error. */
+static tp_status reduce_until_fault(tp_comm *world, int mode, double *waited)
 {
     int64_t n = 1024;
     tp_tensor *x = NULL;
@@ -66,10 +72,10 @@ static tp_status reduce_until_fault(tp_comm *world, bool stop, double *waited)
     }
     tp_status st = TP_OK;
     for (int i = 0; st == TP_OK; i++) {
-        if (g_rank == 1 && i == 20) {
+        if (g_rank == 1 && i == 20 && mode != MODE_CUT) {
             printf("fault_at %.3f\n", clock_s(CLOCK_REALTIME));
             fflush(stdout);
-            raise(stop ? SIGSTOP : SIGKILL);
+            raise(mode == MODE_STOP ? SIGSTOP : SIGKILL);
         }
         double t0 = clock_s(CLOCK_MONOTONIC);
         st = tp_all_reduce(world, x, x, TP_SUM, NULL);
@@ -81,7 +87,9 @@ static tp_status reduce_until_fault(tp_comm *world, bool stop, double *waited)
 
 int main(int argc, char **argv)
 {
-    bool stop = argc > 1 && strcmp(argv[1], "stop") == 0;
+    const char *m = argc > 1 ? argv[1] : "";
+    int mode = !strcmp(m, "stop") ? MODE_STOP : !strcmp(m, "cut") ? MODE_CUT : MODE_KILL;
+    bool timeout = mode != MODE_KILL;
     double limit = argc > 2 ? atof(argv[2]) : 2.0;
     tp_comm *world = NULL;
     if (tp_comm_create_world("mpi", NULL, &world) != TP_OK) {
@@ -98,10 +106,10 @@ int main(int argc, char **argv)
     }
     EXPECT(tp_comm_set_timeout(world, limit) == TP_OK, "set_timeout: %s", tp_last_error());
     double waited = 0;
-    tp_status st = reduce_until_fault(world, stop, &waited);
+    tp_status st = reduce_until_fault(world, mode, &waited);
     char err[400];
     snprintf(err, sizeof err, "%s", tp_last_error());
-    if (stop) {
+    if (timeout) {
         EXPECT(st == TP_ERR_TIMEOUT && strstr(err, "timed out after"),
                "all_reduce -> %s (%s), expected TP_ERR_TIMEOUT", tp_status_name(st), err);
         EXPECT(waited >= limit - 0.05 && waited < limit + 5, "timed out after %.2f s, limit %.3g s",
