@@ -1,6 +1,8 @@
 /*
  * The mpi backend: one rank per process, started by mpirun; every collective
- * is one of MPI's non-blocking collectives behind a tp_work.
+ * is one of MPI's non-blocking collectives behind a tp_work, or, when small,
+ * one round of point-to-point messages (mpi_direct.c), cheaper than
+ * OpenMPI's non-blocking collectives there.
  *
  * World. tp_comm_create_world("mpi", options, &world) initializes MPI with
  * MPI_THREAD_MULTIPLE unless the program already did; libtp then finalizes
