@@ -312,12 +312,8 @@ static void work_destroy(mpi_work *w)
  * of a faulted job either reach the end soon or never. */
 #define MPI_EXIT_GRACE_S 5.0
 
-/* Before MPI_Finalize, which cannot time out: a non-blocking barrier of
- * every process on mpi_exit_comm, polled up to the default timeout (or
- * MPI_EXIT_GRACE_S after a fault). True when every process reached it, so
- * that MPI_Finalize returns; false (with a line on stderr, tp_last_error
- * untouched: it keeps the fault) when some did not. Called with mpi_mu
- * held. */
+/* One test of the exit barrier's request (a tp__poll_fn); records no
+ * message, so tp_last_error keeps the fault. */
 static tp_status exit_poll(void *ctx, bool *done)
 {
     int flag = 0;
@@ -327,6 +323,12 @@ static tp_status exit_poll(void *ctx, bool *done)
     return TP_OK;
 }
 
+/* Before MPI_Finalize, which cannot time out: a non-blocking barrier of
+ * every process on mpi_exit_comm, polled up to the default timeout (or
+ * MPI_EXIT_GRACE_S after a fault). True when every process reached it, so
+ * that MPI_Finalize returns; false (with a line on stderr, tp_last_error
+ * untouched: it keeps the fault) when some did not. Called with mpi_mu
+ * held. */
 static bool mpi_exit_barrier(void)
 {
     if (mpi_exit_comm == MPI_COMM_NULL)
