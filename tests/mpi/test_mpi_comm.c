@@ -480,6 +480,62 @@ static void test_collectives(tp_comm *world)
     check_scatter(world, TP_BF16, big / tp_comm_size(world), 0, true, 0);
 }
 
+/* Every rank gets the same bits from a reduction of values that round
+ * (1 / (rank + i + 1)), small (point-to-point, mpi_direct.c) and large (MPI's
+ * collective), checked by gathering every rank's result; and the result is
+ * within float rounding of the sum in double. */
+static void check_same_bits(tp_comm *world, tp_dtype dt, tp_reduce_op op, int64_t k)
+{
+    int n = tp_comm_size(world), r = tp_comm_rank(world);
+    char label[120];
+    snprintf(label, sizeof label, "same bits: all_reduce(%s, %s, k=%lld)", tp_dtype_name(dt),
+             tp_reduce_op_name(op), (long long)k);
+    double *v = malloc(sizeof(double) * (size_t)k);
+    for (int64_t i = 0; i < k; i++)
+        v[i] = 1.0 / (double)(r + i % 1000 + 1);
+    tp_tensor *x = NULL, *all = NULL;
+    int64_t nk = k * n;
+    if (from_doubles(dt, k, v, &x) == TP_OK && tp_tensor_zeros(dt, TP_CPU, 1, &nk, &all) == TP_OK) {
+        tp_status st = tp_all_reduce(world, x, x, op, NULL);
+        EXPECT(st == TP_OK, "%s -> %s (%s)", label, tp_status_name(st), tp_last_error());
+        st = tp_all_gather(world, x, all, NULL);
+        EXPECT(st == TP_OK, "%s: all_gather -> %s", label, tp_status_name(st));
+        size_t bytes = (size_t)k * tp_dtype_size(dt);
+        const char *mine = tp_tensor_data(x), *every = tp_tensor_data(all);
+        for (int q = 0; q < n && st == TP_OK; q++)
+            EXPECT(memcmp(every + (size_t)q * bytes, mine, bytes) == 0,
+                   "%s: rank %d's result differs from rank %d's", label, q, r);
+        if (dt == TP_F32 && op == TP_SUM) {
+            const float *got = tp_tensor_data(x);
+            double worst = 0;
+            for (int64_t i = 0; i < k; i++) {
+                double want = 0;
+                for (int q = 0; q < n; q++)
+                    want += 1.0 / (double)(q + i % 1000 + 1);
+                double e = ((double)got[i] - want) / want;
+                e = e < 0 ? -e : e;
+                worst = e > worst ? e : worst;
+            }
+            EXPECT(worst < 1e-6 * n, "%s: relative error %.3g vs the f64 sum", label, worst);
+        }
+    } else {
+        EXPECT(0, "%s: could not build the buffers (%s)", label, tp_last_error());
+    }
+    tp_tensor_release(x);
+    tp_tensor_release(all);
+    free(v);
+}
+
+static void test_same_bits(tp_comm *world)
+{
+    static const int64_t ks[] = {37, 1 << 17};
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; i++) {
+        check_same_bits(world, TP_F32, TP_SUM, ks[i]);
+        check_same_bits(world, TP_BF16, TP_SUM, ks[i]);
+        check_same_bits(world, TP_F64, TP_PRODUCT, ks[i]);
+    }
+}
+
 /* Barriers, zero-element collectives, argument errors, many in flight. */
 static void test_misc(tp_comm *world)
 {
@@ -1238,6 +1294,7 @@ int main(int argc, char **argv)
 
     double t0 = now_s();
     test_collectives(world);
+    test_same_bits(world);
     test_misc(world);
     test_split(world);
     test_abort(world);
