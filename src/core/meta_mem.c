@@ -12,6 +12,7 @@
  * peak, so a retag moves its bytes in the at-peak split too; one allocated
  * after the window start (the last reset) moves in the totals too. */
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/cache.h"
@@ -82,13 +83,16 @@ static bool mm_reserve(void)
     if (2 * (g.n + 1) <= g.cap)
         return true;
     size_t cap = g.cap ? 2 * g.cap : 1024;
-    mm_entry *tab = tp__calloc(cap, sizeof *tab);
+    /* the accounting's own tables live for the process, like the CUDA
+     * context: from libc, not the allocator hook (which serves tensors and
+     * per-call memory, and whose counting tests expect nothing left) */
+    mm_entry *tab = calloc(cap, sizeof *tab);
     if (!tab)
         return false;
     for (size_t i = 0; i < g.cap; i++)
         if (g.tab[i].addr)
             mm_put(tab, cap, &g.tab[i]);
-    tp__free(g.tab);
+    free(g.tab);
     g.tab = tab;
     g.cap = cap;
     return true;
@@ -119,9 +123,17 @@ static int64_t mm_scope_of(const char *name)
     for (size_t i = 0; i < g.nsc; i++)
         if (strcmp(g.sc[i].name, name) == 0)
             return g.last_scope = (uint32_t)i;
-    if (g.nsc >= UINT32_MAX || !tp__grow_array((void **)&g.sc, g.nsc, &g.capsc, sizeof *g.sc))
+    if (g.nsc >= UINT32_MAX)
         return -1;
-    char *copy = tp__strdup(name);
+    if (g.nsc == g.capsc) { /* libc, as the entry table */
+        size_t cap = g.capsc ? 2 * g.capsc : 16;
+        void *sc = realloc(g.sc, cap * sizeof *g.sc);
+        if (!sc)
+            return -1;
+        g.sc = sc;
+        g.capsc = cap;
+    }
+    char *copy = strdup(name);
     if (!copy)
         return -1;
     memset(&g.sc[g.nsc], 0, sizeof g.sc[g.nsc]);
