@@ -362,8 +362,6 @@ static tp_status pm_setup(const plan_cfg *c, tp_device dev, pm_run *r, plan_step
     double t0 = pm_now();
     PM_TRY(tp_mesh_create(r->world, 2, (int64_t[]){c->dp, c->tp}, names, &r->mesh));
     PM_TRY(tp_mesh_slice(r->mesh, 1, &tpn, &r->tpm));
-    if (tp_memory_reset_peak(dev) != TP_OK)
-        tp_clear_error();
     PM_TRY(tp_nn_set_default_device(dev));
     tp_status st = make_model(c, &r->model);
     tp_nn_set_default_device(TP_CPU);
@@ -388,6 +386,11 @@ static tp_status pm_setup(const plan_cfg *c, tp_device dev, pm_run *r, plan_step
         r->target = t;
     }
     out->t_setup = pm_now() - t0;
+    /* the peak of the step, not of the build (which holds the whole model
+     * before tp_parallelize_module shards it, and an f32 copy before the
+     * cast): from the live set the step starts with */
+    if (tp_memory_reset_peak(dev) != TP_OK)
+        tp_clear_error();
     return TP_OK;
 }
 
