@@ -204,22 +204,27 @@ static tp_status tp__hw_from_json(json_t *root, const char *what, tp_hw **out)
     return TP_OK;
 }
 
+/* The description in root (NULL: jansson's err says why), which it releases. */
+static tp_status tp__hw_from_parsed(json_t *root, const json_error_t *err, const char *what,
+                                    tp_hw **out)
+{
+    if (!root)
+        return tp__error(TP_ERR_INVALID_ARG,
+                         "hardware description '%s': malformed JSON at line %d: %s", what,
+                         err->line, err->text);
+    tp_status st = tp__hw_from_json(root, what, out);
+    json_decref(root);
+    return st;
+}
+
 tp_status tp_hw_load_string(const char *json, const char *what, tp_hw **out)
 {
     TP_ARG_CHECK(out, "tp_hw_load_string: out is NULL");
     *out = NULL;
     TP_ARG_CHECK(json, "tp_hw_load_string: json is NULL");
-    what = what ? what : "<string>";
     json_error_t err;
     json_t *root = json_loads(json, JSON_REJECT_DUPLICATES, &err);
-    if (!root)
-        return tp__error(TP_ERR_INVALID_ARG,
-                         "hardware description '%s': malformed JSON at line "
-                         "%d: %s",
-                         what, err.line, err.text);
-    tp_status st = tp__hw_from_json(root, what, out);
-    json_decref(root);
-    return st;
+    return tp__hw_from_parsed(root, &err, what ? what : "<string>", out);
 }
 
 tp_status tp_hw_load_file(const char *path, tp_hw **out)
@@ -227,21 +232,13 @@ tp_status tp_hw_load_file(const char *path, tp_hw **out)
     TP_ARG_CHECK(out, "tp_hw_load_file: out is NULL");
     *out = NULL;
     TP_ARG_CHECK(path, "tp_hw_load_file: path is NULL");
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return tp__error(TP_ERR_BACKEND, "hardware description '%s': cannot read it", path);
     json_error_t err;
-    json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &err);
-    if (!root) {
-        FILE *f = fopen(path, "r");
-        if (!f)
-            return tp__error(TP_ERR_BACKEND, "hardware description '%s': cannot read it", path);
-        fclose(f);
-        return tp__error(TP_ERR_INVALID_ARG,
-                         "hardware description '%s': malformed JSON at line "
-                         "%d: %s",
-                         path, err.line, err.text);
-    }
-    tp_status st = tp__hw_from_json(root, path, out);
-    json_decref(root);
-    return st;
+    json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &err);
+    fclose(f);
+    return tp__hw_from_parsed(root, &err, path, out);
 }
 
 tp_status tp_hw_preset(const char *name, tp_hw **out)
