@@ -69,11 +69,19 @@ abort)
         "no MPI_Abort after the timeout"
     ;;
 esac
-# no process of the job is left (a zombie is not a process left running)
+# no process of the job is left (a zombie is not a process left running) by
+# timeout + 10 s after the fault: a rank on the far side of a cut link learns
+# of the fault only from its own timeout, after mpirun has returned
+deadline=$(awk -v f="$fault" -v l="$limit" 'BEGIN { printf "%.3f", f + l + 10 }')
 npids=0
 for pid in $(awk '$1 == "pid" {print $3}' "$out"); do
     npids=$((npids + 1))
     state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true)
+    while [ -n "$state" ] && [ "$state" != Z ] &&
+        awk -v d="$deadline" -v n="$(date +%s.%N)" 'BEGIN { exit !(n < d) }'; do
+        sleep 0.2
+        state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true)
+    done
     check "$([ -z "$state" ] || [ "$state" = Z ]; echo $?)" "rank process $pid left (state $state)"
 done
 check "$([ "$npids" = "$np" ]; echo $?)" "$npids of $np ranks reported their pid"
