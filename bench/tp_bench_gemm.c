@@ -372,7 +372,8 @@ static int run_all(const opts *o, FILE *fcsv)
                 rc = 1;
             if (fcsv)
                 fprintf(fcsv,
-                        "%s,%lld,%lld,%lld,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.2f,%.4f,%.4f,"
+                        /* %g: a tiny shape's TFLOP/s would print as 0.00 in fixed point */
+                        "%s,%lld,%lld,%lld,%d,%d,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.4f,%.4f,"
                         "%.4f,%.1f,%s\n",
                         dtype_names[d], (long long)c.m, (long long)c.k, (long long)c.n, res.iters,
                         o->reps, a[0], a[1], a[2], bb[0], bb[1], bb[2], q[0], q[1], q[2], peak,

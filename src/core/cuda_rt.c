@@ -303,6 +303,22 @@ static tp_status tp__pool_alloc(const char *fn, int index, cudaStream_t s, size_
     return st;
 }
 
+tp_status tp__cuda_scratch(const char *fn, int index, cudaStream_t s, size_t nbytes, void **out)
+{
+    if (index < 0 || index >= TP__CUDA_MAX_DEVICES)
+        return tp__error(TP_ERR_INVALID_ARG, "%s: CUDA device %d outside [0, %d)", fn, index,
+                         TP__CUDA_MAX_DEVICES);
+    (void)pthread_once(&tp__pools_once, tp__pools_init);
+    bool hit = false;
+    return tp__pool_alloc(fn, index, s, nbytes ? nbytes : 1, out, &hit);
+}
+
+void tp__cuda_scratch_free(void *p, cudaStream_t s)
+{
+    if (p && cudaFreeAsync(p, s) != cudaSuccess)
+        (void)cudaGetLastError(); /* the context is gone, and the memory with it */
+}
+
 static tp_status tp__cuda_alloc(const char *fn, int index, size_t nbytes, bool zero, void **out)
 {
     if (index < 0 || index >= TP__CUDA_MAX_DEVICES)

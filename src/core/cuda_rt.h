@@ -55,6 +55,15 @@ tp_status tp__cuda_stream(const char *fn, int index, cudaStream_t *out);
 /* Waits for everything issued on this thread's stream on device `index`. */
 tp_status tp__cuda_stream_sync(const char *fn, int index);
 
+/* Kernel scratch: nbytes on stream s of device `index` (current) from
+ * libtp's pool, stream-ordered. Free it with tp__cuda_scratch_free on the
+ * same stream once the kernels that use it are issued: the pool hands the
+ * bytes out again without waiting for the device. Not counted as a tensor's
+ * bytes (tp_memory_stats' allocated), though the pool's reserved bytes hold
+ * it while it lives. */
+tp_status tp__cuda_scratch(const char *fn, int index, cudaStream_t s, size_t nbytes, void **out);
+void tp__cuda_scratch_free(void *p, cudaStream_t s);
+
 /* The CUDA memory table's strided copy (cuda_copy.cu; tp__device_mem in
  * core/device.h): runs on the calling thread's stream and waits for it. */
 tp_status tp__cuda_strided_copy(const char *fn, int dev, size_t elem_size, int ndim,

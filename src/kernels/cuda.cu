@@ -398,10 +398,17 @@ template <class T> __global__ void k_gather(T *y, const T *x, int64_t n, GatherG
     }
 }
 
-/* y[r, c] = b[c]: the bias a linear's product then adds onto (beta = 1) */
+/* y[r, c] = b[c]: the bias a linear's product then adds onto (beta = 1).
+ * Columns over x (each thread keeps its b[c] in a register), rows over y:
+ * no division per element. */
 template <class T> __global__ void k_bcast_row(T *y, const T *b, int64_t rows, int64_t cols)
 {
-    GRID_STRIDE(i, rows * cols) y[i] = b[i % cols];
+    for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < cols;
+         c += (int64_t)blockDim.x * gridDim.x) {
+        T v = b[c];
+        for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
+            y[r * cols + c] = v;
+    }
 }
 
 /* C[m, n] (row length ldc) = beta * C; beta 0 overwrites (even NaN) */
@@ -429,37 +436,86 @@ template <class T> __global__ void k_relu_bwd(const T *x, const T *gy, T *gx, in
 #define TP__SQRT2_PI 0.79788456080286535588f   /* sqrt(2/pi) */
 #define TP__GELU_C 0.044715f
 
+__device__ __forceinline__ float gelu_f(float v, bool tanh_approx)
+{
+    if (tanh_approx) {
+        float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
+        return 0.5f * v * (1.0f + tanhf(u));
+    }
+    return 0.5f * v * (1.0f + erff(v * TP__SQRT1_2));
+}
+
+__device__ __forceinline__ float gelu_grad(float v, float g, bool tanh_approx)
+{
+    if (tanh_approx) {
+        float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
+        float t = tanhf(u);
+        float du = TP__SQRT2_PI * (1.0f + 3.0f * TP__GELU_C * v * v);
+        return g * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+    }
+    float cdf = 0.5f * (1.0f + erff(v * TP__SQRT1_2));
+    float pdf = TP__INV_SQRT2PI * expf(-0.5f * v * v);
+    return g * (cdf + v * pdf);
+}
+
+/* 16 bytes of elements: one vector load or store (the buffers' start
+ * 16-byte aligned, which vec_ok checks before such a kernel is chosen). */
+template <class T> struct alignas(16) Pack {
+    static const int N = 16 / sizeof(T);
+    T v[N];
+};
+
+bool vec_ok(const void *a, const void *b, const void *c = NULL)
+{
+    return (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) & 15u) == 0;
+}
+
+/* The scalar tail after the packs: elements [head, n), one per thread. */
+#define TAIL_STRIDE(i, head, n)                                                        \
+    for (int64_t i = (head) + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+         i += (int64_t)blockDim.x * gridDim.x)
+
 template <class T> __global__ void k_gelu_fwd(const T *x, T *y, int64_t n, bool tanh_approx)
 {
-    GRID_STRIDE(i, n)
+    GRID_STRIDE(i, n) y[i] = stf<T>(gelu_f(ldf(x[i]), tanh_approx));
+}
+
+template <class T> __global__ void k_gelu_fwd_vec(const T *x, T *y, int64_t n, bool tanh_approx)
+{
+    const int N = Pack<T>::N;
+    int64_t packs = n / N;
+    GRID_STRIDE(i, packs)
     {
-        float v = ldf(x[i]);
-        if (tanh_approx) {
-            float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
-            y[i] = stf<T>(0.5f * v * (1.0f + tanhf(u)));
-        } else {
-            y[i] = stf<T>(0.5f * v * (1.0f + erff(v * TP__SQRT1_2)));
-        }
+        Pack<T> a = reinterpret_cast<const Pack<T> *>(x)[i], o;
+#pragma unroll
+        for (int k = 0; k < N; k++)
+            o.v[k] = stf<T>(gelu_f(ldf(a.v[k]), tanh_approx));
+        reinterpret_cast<Pack<T> *>(y)[i] = o;
     }
+    TAIL_STRIDE(i, packs * N, n) y[i] = stf<T>(gelu_f(ldf(x[i]), tanh_approx));
 }
 
 template <class T>
 __global__ void k_gelu_bwd(const T *x, const T *gy, T *gx, int64_t n, bool tanh_approx)
 {
-    GRID_STRIDE(i, n)
+    GRID_STRIDE(i, n) gx[i] = stf<T>(gelu_grad(ldf(x[i]), ldf(gy[i]), tanh_approx));
+}
+
+template <class T>
+__global__ void k_gelu_bwd_vec(const T *x, const T *gy, T *gx, int64_t n, bool tanh_approx)
+{
+    const int N = Pack<T>::N;
+    int64_t packs = n / N;
+    GRID_STRIDE(i, packs)
     {
-        float v = ldf(x[i]), g = ldf(gy[i]);
-        if (tanh_approx) {
-            float u = TP__SQRT2_PI * (v + TP__GELU_C * v * v * v);
-            float t = tanhf(u);
-            float du = TP__SQRT2_PI * (1.0f + 3.0f * TP__GELU_C * v * v);
-            gx[i] = stf<T>(g * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du));
-        } else {
-            float cdf = 0.5f * (1.0f + erff(v * TP__SQRT1_2));
-            float pdf = TP__INV_SQRT2PI * expf(-0.5f * v * v);
-            gx[i] = stf<T>(g * (cdf + v * pdf));
-        }
+        Pack<T> a = reinterpret_cast<const Pack<T> *>(x)[i];
+        Pack<T> g = reinterpret_cast<const Pack<T> *>(gy)[i], o;
+#pragma unroll
+        for (int k = 0; k < N; k++)
+            o.v[k] = stf<T>(gelu_grad(ldf(a.v[k]), ldf(g.v[k]), tanh_approx));
+        reinterpret_cast<Pack<T> *>(gx)[i] = o;
     }
+    TAIL_STRIDE(i, packs * N, n) gx[i] = stf<T>(gelu_grad(ldf(x[i]), ldf(gy[i]), tanh_approx));
 }
 
 /* ---- column sums: 32 columns per block, 8 row lanes, double accumulators ---- */
@@ -500,16 +556,88 @@ __global__ void k_colsum(const T *y, const T *x, const float *mean, const float 
     }
 }
 
+/* part[k, c] = sum over the rows of chunk k (blockIdx.y; chunk_rows each)
+ * of term(r, c), in double */
 template <class T, int MODE>
-void launch_colsum(cudaStream_t s, const T *y, const T *x, const float *mean, const float *rstd,
-                   T *g, int64_t rows, int64_t cols, bool accumulate, double div = 1.0)
+__global__ void k_colsum_part(const T *y, const T *x, const float *mean, const float *rstd,
+                              double *part, int64_t rows, int64_t cols, int64_t chunk_rows)
+{
+    __shared__ double sh[kColH][kColW + 1];
+    int64_t r0 = (int64_t)blockIdx.y * chunk_rows;
+    int64_t r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+    for (int64_t c0 = (int64_t)blockIdx.x * kColW; c0 < cols; c0 += (int64_t)gridDim.x * kColW) {
+        int64_t c = c0 + threadIdx.x;
+        double acc = 0;
+        if (c < cols)
+            for (int64_t r = r0 + threadIdx.y; r < r1; r += kColH) {
+                float v = ldf(y[r * cols + c]);
+                if (MODE == COL_PLAIN) {
+                    acc += (double)v;
+                } else {
+                    float m = mean ? mean[r] : 0.0f;
+                    acc += (double)(v * ((ldf(x[r * cols + c]) - m) * rstd[r]));
+                }
+            }
+        sh[threadIdx.y][threadIdx.x] = acc;
+        __syncthreads();
+        if (threadIdx.y == 0 && c < cols) {
+            double s = 0;
+            for (int j = 0; j < kColH; j++)
+                s += sh[j][threadIdx.x];
+            part[(int64_t)blockIdx.y * cols + c] = s;
+        }
+        __syncthreads();
+    }
+}
+
+/* g[c] (+)= the chunks' partial sums of column c, added in chunk order */
+template <class T>
+__global__ void k_colsum_finish(const double *part, int64_t chunks, T *g, int64_t cols,
+                                bool accumulate, double div)
+{
+    GRID_STRIDE(c, cols)
+    {
+        double s = 0;
+        for (int64_t k = 0; k < chunks; k++)
+            s += part[k * cols + c];
+        g[c] = accumulate ? std_<T>((double)ldf(g[c]) + s) : std_<T>(s / div);
+    }
+}
+
+/* Blocks that keep the GPU busy (a few per multiprocessor of a large GPU);
+ * fewer rows than kChunkRows per chunk are not worth a second kernel. */
+const int64_t kBusyBlocks = 1024, kChunkRows = 256;
+
+/* One block per 32 columns covering every row while that fills the GPU;
+ * else the rows split into chunks (kernel scratch for their partial sums,
+ * the split a function of the shape alone, so the result is deterministic). */
+template <class T, int MODE>
+tp_status launch_colsum(Launch *L, const T *y, const T *x, const float *mean, const float *rstd,
+                        T *g, int64_t rows, int64_t cols, bool accumulate, double div = 1.0)
 {
     if (cols <= 0)
-        return;
+        return TP_OK;
     int64_t tiles = (cols + kColW - 1) / kColW;
+    unsigned gx = (unsigned)(tiles < kMaxGrid ? tiles : kMaxGrid);
     dim3 block(kColW, kColH);
-    k_colsum<T, MODE><<<(unsigned)(tiles < kMaxGrid ? tiles : kMaxGrid), block, 0, s>>>(
-        y, x, mean, rstd, g, rows, cols, accumulate, div);
+    int64_t chunks = (kBusyBlocks + tiles - 1) / tiles, by_rows = rows / kChunkRows;
+    if (chunks > by_rows)
+        chunks = by_rows;
+    if (chunks < 2) {
+        k_colsum<T, MODE><<<gx, block, 0, L->s>>>(y, x, mean, rstd, g, rows, cols, accumulate, div);
+        return TP_OK;
+    }
+    int64_t chunk_rows = (rows + chunks - 1) / chunks;
+    chunks = (rows + chunk_rows - 1) / chunk_rows;
+    void *part = NULL;
+    TP_CHECK(
+        tp__cuda_scratch(L->fn, L->dev, L->s, (size_t)(chunks * cols) * sizeof(double), &part));
+    k_colsum_part<T, MODE><<<dim3(gx, (unsigned)chunks), block, 0, L->s>>>(
+        y, x, mean, rstd, (double *)part, rows, cols, chunk_rows);
+    k_colsum_finish<T><<<grid_for(cols, kThreads), kThreads, 0, L->s>>>(
+        (const double *)part, chunks, g, cols, accumulate, div);
+    tp__cuda_scratch_free(part, L->s);
+    return TP_OK;
 }
 
 /* ---- reductions ------------------------------------------------------------------ */
@@ -546,6 +674,13 @@ __global__ void k_sum_strided(const T *x, T *y, int64_t outer, int64_t size, int
     }
 }
 
+/* the gradient of a whole sum: every element gets gy[0] * scale */
+template <class T> __global__ void k_sum_all_bwd(const T *gy, T *gx, int64_t n, float scale)
+{
+    T v = stf<T>(ldf(gy[0]) * scale);
+    GRID_STRIDE(i, n) gx[i] = v;
+}
+
 template <class T>
 __global__ void k_sum_dim_bwd(const T *gy, T *gx, int64_t outer, int64_t size, int64_t inner,
                               float scale)
@@ -564,6 +699,29 @@ template <class T> __global__ void k_sum_all(const T *x, int64_t n, T *y, double
     double acc = 0;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
         acc += (double)ldf(x[i]);
+    acc = block_sum(acc, sh);
+    if (threadIdx.x == 0)
+        y[0] = std_<T>(acc / div);
+}
+
+/* part[b] = block b's grid-stride share of the sum of x, in double */
+template <class T> __global__ void k_sum_part(const T *x, int64_t n, double *part)
+{
+    __shared__ double sh[32];
+    double acc = 0;
+    GRID_STRIDE(i, n) acc += (double)ldf(x[i]);
+    acc = block_sum(acc, sh);
+    if (threadIdx.x == 0)
+        part[blockIdx.x] = acc;
+}
+
+/* y[0] = the parts' sum / div: one block, so deterministic */
+template <class T> __global__ void k_sum_parts(const double *part, int np, T *y, double div)
+{
+    __shared__ double sh[32];
+    double acc = 0;
+    for (int i = threadIdx.x; i < np; i += blockDim.x)
+        acc += part[i];
     acc = block_sum(acc, sh);
     if (threadIdx.x == 0)
         y[0] = std_<T>(acc / div);
@@ -1215,7 +1373,13 @@ tp_status cuda_gemm(tp_device dev, tp_dtype dtype, bool trans_a, bool trans_b, i
 template <class T>
 tp_status bcast_row_on(cudaStream_t s, T *y, const T *b, int64_t rows, int64_t cols)
 {
-    k_bcast_row<T><<<grid_for(rows * cols, kThreads), kThreads, 0, s>>>(y, b, rows, cols);
+    unsigned gx = grid_for(cols, kThreads);
+    int64_t gy = (kBusyBlocks * 4 + gx - 1) / gx; /* enough blocks; each thread a few rows */
+    if (gy > rows)
+        gy = rows;
+    if (gy > kMaxGrid)
+        gy = kMaxGrid;
+    k_bcast_row<T><<<dim3(gx, (unsigned)(gy > 0 ? gy : 1)), kThreads, 0, s>>>(y, b, rows, cols);
     return TP_OK;
 }
 
@@ -1239,14 +1403,12 @@ tp_status cuda_linear_fwd(tp_device dev, tp_dtype dtype, const void *x, const vo
 /* g[c] (+)= sum_r y[r, c], or sum_r y[r, c] ((x[r, c] - mean[r]) rstd[r])
  * with x given (mean NULL: 0) */
 template <class T>
-tp_status colsum_on(cudaStream_t s, const T *y, const T *x, const float *mean, const float *rstd,
-                    T *g, int64_t rows, int64_t cols, bool accumulate, double div = 1.0)
+tp_status colsum_on(Launch *L, const T *y, const T *x, const float *mean, const float *rstd, T *g,
+                    int64_t rows, int64_t cols, bool accumulate, double div = 1.0)
 {
     if (x)
-        launch_colsum<T, COL_NORM>(s, y, x, mean, rstd, g, rows, cols, accumulate, div);
-    else
-        launch_colsum<T, COL_PLAIN>(s, y, x, mean, rstd, g, rows, cols, accumulate, div);
-    return TP_OK;
+        return launch_colsum<T, COL_NORM>(L, y, x, mean, rstd, g, rows, cols, accumulate, div);
+    return launch_colsum<T, COL_PLAIN>(L, y, x, mean, rstd, g, rows, cols, accumulate, div);
 }
 
 tp_status cuda_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
@@ -1263,7 +1425,7 @@ tp_status cuda_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, const vo
     if (st == TP_OK && gw) /* gw[out, in] = gy^T x */
         st = gemm_on(&L, dtype, true, false, out, in, rows, 1.0f, gy, out, x, in, beta, gw, in);
     if (st == TP_OK && gb)
-        st = TYPED(dtype, colsum_on<T>(L.s, cp<T>(gy), (const T *)NULL, NULL, NULL, mp<T>(gb), rows,
+        st = TYPED(dtype, colsum_on<T>(&L, cp<T>(gy), (const T *)NULL, NULL, NULL, mp<T>(gb), rows,
                                        out, accumulate));
     return st == TP_OK ? end(&L) : fail(&L, st);
 }
@@ -1362,6 +1524,10 @@ tp_status cuda_relu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void
 tp_status cuda_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n,
                         bool tanh_approx)
 {
+    if (vec_ok(x, y))
+        return TYPED(dtype, launch("gelu (CUDA)", TP__KOP_GELU_FWD, dtype, dev,
+                                   n > 0 ? n / Pack<T>::N + 1 : 0, false, k_gelu_fwd_vec<T>,
+                                   cp<T>(x), mp<T>(y), n, tanh_approx));
     return TYPED(dtype, launch("gelu (CUDA)", TP__KOP_GELU_FWD, dtype, dev, n, false, k_gelu_fwd<T>,
                                cp<T>(x), mp<T>(y), n, tanh_approx));
 }
@@ -1369,6 +1535,10 @@ tp_status cuda_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, i
 tp_status cuda_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy, void *gx,
                         int64_t n, bool tanh_approx)
 {
+    if (vec_ok(x, gy, gx))
+        return TYPED(dtype, launch("gelu backward (CUDA)", TP__KOP_GELU_BWD, dtype, dev,
+                                   n > 0 ? n / Pack<T>::N + 1 : 0, false, k_gelu_bwd_vec<T>,
+                                   cp<T>(x), cp<T>(gy), mp<T>(gx), n, tanh_approx));
     return TYPED(dtype, launch("gelu backward (CUDA)", TP__KOP_GELU_BWD, dtype, dev, n, false,
                                k_gelu_bwd<T>, cp<T>(x), cp<T>(gy), mp<T>(gx), n, tanh_approx));
 }
@@ -1381,9 +1551,11 @@ tp_status sum_dim_on(Launch *L, const T *x, T *y, int64_t outer, int64_t size, i
 {
     if (inner == 1) /* rows: a block each */
         k_sum_rowwise<T><<<grid_rows(outer), kThreads, 0, L->s>>>(x, y, outer, size, div);
-    else if (outer == 1) /* columns of a [size, inner] matrix: 8 row lanes per column */
-        colsum_on<T>(L->s, x, NULL, NULL, NULL, y, size, inner, false, div);
-    else
+    else if (outer == 1) { /* columns of a [size, inner] matrix: 8 row lanes per column */
+        tp_status st = colsum_on<T>(L, x, NULL, NULL, NULL, y, size, inner, false, div);
+        if (st != TP_OK)
+            return fail(L, st);
+    } else
         k_sum_strided<T><<<grid_for(outer * inner, kThreads), kThreads, 0, L->s>>>(
             x, y, outer, size, inner, div);
     return end(L);
@@ -1402,6 +1574,9 @@ tp_status cuda_sum_dim(tp_device dev, tp_dtype dtype, const void *x, void *y, in
 tp_status cuda_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *gx, int64_t outer,
                            int64_t size, int64_t inner, float scale)
 {
+    if (outer == 1 && inner == 1) /* no index arithmetic per element */
+        return TYPED(dtype, launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev, size,
+                                   false, k_sum_all_bwd<T>, cp<T>(gy), mp<T>(gx), size, scale));
     return TYPED(dtype, launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev,
                                outer * size * inner, false, k_sum_dim_bwd<T>, cp<T>(gy), mp<T>(gx),
                                outer, size, inner, scale));
@@ -1458,9 +1633,27 @@ tp_status cuda_sum_bcast(tp_device dev, tp_dtype dtype, const void *x, void *y, 
                                k_sum_bcast<T>, cp<T>(x), mp<T>(y), yn, rn, g));
 }
 
+/* Up to kSumOneBlock elements one block adds alone; more are split over up
+ * to kBusyBlocks blocks (their count a function of n alone: deterministic)
+ * whose partial sums one block then adds. */
+const int64_t kSumOneBlock = 1 << 16;
+
 template <class T> tp_status sum_all_on(Launch *L, const T *x, int64_t n, T *y, double div)
 {
-    k_sum_all<T><<<1, 1024, 0, L->s>>>(x, n < 0 ? 0 : n, y, div);
+    if (n <= kSumOneBlock) {
+        k_sum_all<T><<<1, 1024, 0, L->s>>>(x, n < 0 ? 0 : n, y, div);
+        return end(L);
+    }
+    int64_t nb = (n + 8 * kThreads - 1) / (8 * kThreads); /* at least 8 elements a thread */
+    if (nb > kBusyBlocks)
+        nb = kBusyBlocks;
+    void *part = NULL;
+    tp_status st = tp__cuda_scratch(L->fn, L->dev, L->s, (size_t)nb * sizeof(double), &part);
+    if (st != TP_OK)
+        return fail(L, st);
+    k_sum_part<T><<<(unsigned)nb, kThreads, 0, L->s>>>(x, n, (double *)part);
+    k_sum_parts<T><<<1, 1024, 0, L->s>>>((const double *)part, (int)nb, y, div);
+    tp__cuda_scratch_free(part, L->s);
     return end(L);
 }
 
@@ -1555,11 +1748,12 @@ tp_status norm_bwd_on(Launch *L, const T *x, const T *w, const float *mean, cons
         k_layer_norm_bwd_x<T><<<grid, kThreads, 0, L->s>>>(x, w, mean, rstd, gy, gx, rows, cols);
     else
         k_rms_norm_bwd_x<T><<<grid, kThreads, 0, L->s>>>(x, w, rstd, gy, gx, rows, cols);
+    tp_status st = TP_OK;
     if (gw)
-        colsum_on<T>(L->s, gy, x, mean, rstd, gw, rows, cols, true);
-    if (gb)
-        colsum_on<T>(L->s, gy, NULL, NULL, NULL, gb, rows, cols, true);
-    return end(L);
+        st = colsum_on<T>(L, gy, x, mean, rstd, gw, rows, cols, true);
+    if (st == TP_OK && gb)
+        st = colsum_on<T>(L, gy, NULL, NULL, NULL, gb, rows, cols, true);
+    return st == TP_OK ? end(L) : fail(L, st);
 }
 
 tp_status cuda_layer_norm_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
