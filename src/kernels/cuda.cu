@@ -568,8 +568,20 @@ __global__ void k_colsum_part(const T *y, const T *x, const float *mean, const f
     for (int64_t c0 = (int64_t)blockIdx.x * kColW; c0 < cols; c0 += (int64_t)gridDim.x * kColW) {
         int64_t c = c0 + threadIdx.x;
         double acc = 0;
-        if (c < cols)
-            for (int64_t r = r0 + threadIdx.y; r < r1; r += kColH) {
+        if (c < cols) {
+            int64_t r = r0 + threadIdx.y;
+            if (MODE == COL_PLAIN)
+                /* four rows' loads in flight, added in row order all the same */
+                for (; r + 3 * kColH < r1; r += 4 * kColH) {
+                    float a = ldf(y[r * cols + c]), b = ldf(y[(r + kColH) * cols + c]);
+                    float d = ldf(y[(r + 2 * kColH) * cols + c]);
+                    float e = ldf(y[(r + 3 * kColH) * cols + c]);
+                    acc += (double)a;
+                    acc += (double)b;
+                    acc += (double)d;
+                    acc += (double)e;
+                }
+            for (; r < r1; r += kColH) {
                 float v = ldf(y[r * cols + c]);
                 if (MODE == COL_PLAIN) {
                     acc += (double)v;
@@ -578,6 +590,7 @@ __global__ void k_colsum_part(const T *y, const T *x, const float *mean, const f
                     acc += (double)(v * ((ldf(x[r * cols + c]) - m) * rstd[r]));
                 }
             }
+        }
         sh[threadIdx.y][threadIdx.x] = acc;
         __syncthreads();
         if (threadIdx.y == 0 && c < cols) {
@@ -681,6 +694,20 @@ template <class T> __global__ void k_sum_all_bwd(const T *gy, T *gx, int64_t n, 
     GRID_STRIDE(i, n) gx[i] = v;
 }
 
+/* the same in 16-byte stores (gx 16-byte aligned) */
+template <class T> __global__ void k_sum_all_bwd_vec(const T *gy, T *gx, int64_t n, float scale)
+{
+    const int N = Pack<T>::N;
+    T v = stf<T>(ldf(gy[0]) * scale);
+    Pack<T> p;
+#pragma unroll
+    for (int k = 0; k < N; k++)
+        p.v[k] = v;
+    int64_t packs = n / N;
+    GRID_STRIDE(i, packs) reinterpret_cast<Pack<T> *>(gx)[i] = p;
+    TAIL_STRIDE(i, packs * N, n) gx[i] = v;
+}
+
 template <class T>
 __global__ void k_sum_dim_bwd(const T *gy, T *gx, int64_t outer, int64_t size, int64_t inner,
                               float scale)
@@ -709,7 +736,17 @@ template <class T> __global__ void k_sum_part(const T *x, int64_t n, double *par
 {
     __shared__ double sh[32];
     double acc = 0;
-    GRID_STRIDE(i, n) acc += (double)ldf(x[i]);
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, S = (int64_t)blockDim.x * gridDim.x;
+    /* four loads in flight, added in the grid-stride order all the same */
+    for (; i + 3 * S < n; i += 4 * S) {
+        float a = ldf(x[i]), b = ldf(x[i + S]), c = ldf(x[i + 2 * S]), d = ldf(x[i + 3 * S]);
+        acc += (double)a;
+        acc += (double)b;
+        acc += (double)c;
+        acc += (double)d;
+    }
+    for (; i < n; i += S)
+        acc += (double)ldf(x[i]);
     acc = block_sum(acc, sh);
     if (threadIdx.x == 0)
         part[blockIdx.x] = acc;
@@ -1574,6 +1611,10 @@ tp_status cuda_sum_dim(tp_device dev, tp_dtype dtype, const void *x, void *y, in
 tp_status cuda_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *gx, int64_t outer,
                            int64_t size, int64_t inner, float scale)
 {
+    if (outer == 1 && inner == 1 && vec_ok(gx, gx)) /* no index arithmetic; 16-byte stores */
+        return TYPED(dtype, launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev,
+                                   size > 0 ? size / Pack<T>::N + 1 : 0, false,
+                                   k_sum_all_bwd_vec<T>, cp<T>(gy), mp<T>(gx), size, scale));
     if (outer == 1 && inner == 1) /* no index arithmetic per element */
         return TYPED(dtype, launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev, size,
                                    false, k_sum_all_bwd<T>, cp<T>(gy), mp<T>(gx), size, scale));
