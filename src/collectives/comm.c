@@ -7,8 +7,16 @@
 
 #include "collectives/coll.h"
 #include "collectives/comm_debug_internal.h"
+#include "collectives/observer.h"
 #include "core/log.h"
-#include "plan/trace_internal.h"
+
+/* The plan traces' observer (src/plan/trace.c registers it), or NULL. */
+static _Atomic(const tp__coll_observer *) tp__observer;
+
+void tp__comm_set_observer(const tp__coll_observer *obs)
+{
+    atomic_store_explicit(&tp__observer, obs, memory_order_release);
+}
 
 static const char *const tp__kind_names[TP_COLL_KIND_COUNT] = {
     [TP_COLL_ALL_REDUCE] = "all_reduce",         [TP_COLL_ALL_GATHER] = "all_gather",
@@ -558,9 +566,11 @@ static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
             return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the work handle", fn);
     }
     tp__comm_debug_record(kind, tp__debug_bytes(d, comm->size));
+    const tp__coll_observer *obs = atomic_load_explicit(&tp__observer, memory_order_acquire);
     uint64_t plan_id =
-        tp__plan_collective(kind, comm->size, comm->rank, comm->global_rank, comm->global_stride,
-                            tp__debug_bytes(d, comm->size), work != NULL);
+        obs ? obs->collective(kind, comm->size, comm->rank, comm->global_rank, comm->global_stride,
+                              tp__debug_bytes(d, comm->size), work != NULL)
+            : 0;
 
     tp_status st = TP_OK;
     if (comm->check && !comm->ops.checks_descriptors && comm->size > 1)
@@ -678,8 +688,12 @@ static void tp__work_complete(tp_work *w, tp_status st)
 tp_status tp_work_wait(tp_work *work)
 {
     TP_ARG_CHECK(work, "tp_work_wait: work is NULL");
-    tp__plan_wait(work->plan_id);
-    work->plan_id = 0;
+    if (work->plan_id) {
+        const tp__coll_observer *obs = atomic_load_explicit(&tp__observer, memory_order_acquire);
+        if (obs)
+            obs->wait(work->plan_id);
+        work->plan_id = 0;
+    }
     if (work->done)
         return work->status;
     tp_comm *c = work->comm;

@@ -11,6 +11,7 @@
 #include "collectives/coll.h"
 #include "collectives/comm_debug_internal.h"
 #include "core/log.h"
+#include "core/meta_mem.h"
 
 #define TP__CD_MAX_DEPTH 32
 /* A root module's type name as the thread keeps it (longer ones are cut),
@@ -373,9 +374,17 @@ tp_phase tp_comm_debug_phase(void) { return tp__cd.phase; }
 
 /* Pushes the scope fqn[0..len) as it is (type: a root module's type name,
  * or NULL); fn names the caller in errors. */
+/* Set once the meta memory accounting (core, below this layer) reads its
+ * scopes from here: before the first scope every thread is in the root. */
+static atomic_bool tp__cd_scopes_given;
+
 static tp_status tp__cd_push(const char *fn, const char *fqn, size_t len, const char *type)
 {
     tp__cd_thread *t = &tp__cd;
+    if (!atomic_load_explicit(&tp__cd_scopes_given, memory_order_acquire)) {
+        tp__meta_mem_set_scope_source(tp_comm_debug_current_scope);
+        atomic_store_explicit(&tp__cd_scopes_given, true, memory_order_release);
+    }
     TP_ARG_CHECK(t->depth < TP__CD_MAX_DEPTH,
                  "%s: cannot enter scope \"%.*s\" under \"%s\": at most %d nested scopes", fn,
                  (int)len, fqn, tp_comm_debug_current_scope(), TP__CD_MAX_DEPTH);

@@ -12,6 +12,7 @@
  * peak, so a retag moves its bytes in the at-peak split too; one allocated
  * after the window start (the last reset) moves in the totals too. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -165,9 +166,22 @@ static size_t mm_rounded(size_t n)
     }
 }
 
+static _Atomic(const char *(*)(void)) mm_scope_source;
+
+void tp__meta_mem_set_scope_source(const char *(*current_scope)(void))
+{
+    atomic_store_explicit(&mm_scope_source, current_scope, memory_order_release);
+}
+
+static const char *mm_current_scope(void)
+{
+    const char *(*f)(void) = atomic_load_explicit(&mm_scope_source, memory_order_acquire);
+    return f ? f() : TP_COMM_DEBUG_GLOBAL;
+}
+
 tp_status tp__meta_mem_alloc(const char *fn, uintptr_t addr, size_t nbytes)
 {
-    const char *scope = tp_comm_debug_current_scope();
+    const char *scope = mm_current_scope();
     pthread_mutex_lock(&g.lock);
     int64_t s = mm_scope_of(scope);
     if (s < 0 || !mm_reserve()) {

@@ -9,6 +9,11 @@
 /* Longest scope an owner FQN gives (tp__meta_mem_tag_owner), with its NUL. */
 #define TP__META_MEM_MAX_SCOPE 512
 
+/* Where the calling thread's current scope comes from: comm-debug (a layer
+ * above core) registers tp_comm_debug_current_scope when it opens its first
+ * scope; until then every storage counts in the root, TP_COMM_DEBUG_GLOBAL. */
+void tp__meta_mem_set_scope_source(const char *(*current_scope)(void));
+
 /* Counts a meta storage at addr of nbytes, in the calling thread's current
  * comm-debug scope. TP_ERR_NO_MEMORY naming fn when the table cannot grow. */
 tp_status tp__meta_mem_alloc(const char *fn, uintptr_t addr, size_t nbytes);

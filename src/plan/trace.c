@@ -2,11 +2,16 @@
  * recording entry points of trace_internal.h. */
 #include "plan/trace_internal.h"
 
+#include "collectives/observer.h"
 #include "core/core.h"
 #include "core/log.h"
 #include "tp/comm_debug.h"
 
 static _Thread_local tp_plan_trace *tp__plan_active;
+
+/* The dispatch layer's view of this file: registered by the first begin and
+ * kept (each entry does nothing on a thread with no active trace). */
+static const tp__coll_observer tp__plan_observer = {tp__plan_collective, tp__plan_wait};
 
 tp_status tp_plan_trace_create(tp_plan_trace **out)
 {
@@ -36,6 +41,7 @@ tp_status tp_plan_trace_begin(tp_plan_trace *trace)
     trace->active = true;
     trace->lost = false;
     tp__plan_active = trace;
+    tp__comm_set_observer(&tp__plan_observer);
     return TP_OK;
 }
 

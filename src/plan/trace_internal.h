@@ -1,5 +1,6 @@
 /* Internal to libtp: the recording side of plan traces (tp/plan.h), called
- * by the meta engine (src/kernels/meta.c) and the dispatch layer
+ * by the meta engine (src/kernels/meta.c) and, through the observer that
+ * tp_plan_trace_begin registers (collectives/observer.h), the dispatch layer
  * (src/collectives/comm.c). Every function is a no-op (returning 0) when no
  * trace is active on the calling thread. */
 #ifndef TP_PLAN_TRACE_INTERNAL_H
