@@ -15,6 +15,7 @@
 #include <pthread.h>
 
 #include "tp_test.h"
+#include "tp_test_block.h"
 
 /* ---- the real side: tensor storage counted per thread -------------------- */
 
@@ -99,84 +100,6 @@ typedef struct meter {
     void (*cats)(mem_rec *rec);
 } meter;
 
-static tp_status mlp_forward(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
-                             const tp_kwarg *kw, tp_tensor **out)
-{
-    tp_tensor *h = NULL, *a = NULL, *g = NULL, *y = NULL;
-    bool block = tp_module_child(self, "norm") != NULL;
-    tp_status st = block ? tp_module_call(tp_module_child(self, "norm"), args[0], &h) : TP_OK;
-    if (st == TP_OK)
-        st = tp_module_call(tp_module_child(self, "w1"), block ? h : args[0], &a);
-    if (st == TP_OK)
-        st = tp_gelu(a, TP_GELU_TANH, &g);
-    if (st == TP_OK)
-        st = tp_module_call(tp_module_child(self, "w2"), g, block ? &y : out);
-    if (st == TP_OK && block)
-        st = tp_add(args[0], y, out);
-    tp_tensor_release(h);
-    tp_tensor_release(a);
-    tp_tensor_release(g);
-    tp_tensor_release(y);
-    return st;
-}
-
-static tp_status add_child(tp_module *m, const char *name, tp_status made, tp_module **c)
-{
-    if (made != TP_OK)
-        return made;
-    tp_status st = tp_module_add_child(m, name, *c);
-    if (st != TP_OK)
-        tp_module_free(*c);
-    return st;
-}
-
-static tp_status make_model(const mem_cfg *c, tp_device dev, tp_module **out)
-{
-    tp_device prev = tp_nn_default_device();
-    TP_TEST_TRY(tp_nn_set_default_device(dev));
-    tp_module *m = NULL, *n = NULL, *w1 = NULL, *w2 = NULL;
-    tp_status st = tp_nn_custom_create(c->block ? "Block" : "MLP", mlp_forward, NULL, NULL, &m);
-    if (st == TP_OK && c->block)
-        st = add_child(m, "norm", tp_nn_layer_norm_create(c->d, true, 1e-5, &n), &n);
-    if (st == TP_OK)
-        st = add_child(m, "w1", tp_nn_linear_create(c->d, c->f, true, &w1), &w1);
-    if (st == TP_OK)
-        st = add_child(m, "w2", tp_nn_linear_create(c->f, c->d, true, &w2), &w2);
-    if (st == TP_OK)
-        st = tp_module_init(m, 11);
-    tp_nn_set_default_device(prev);
-    if (st != TP_OK) {
-        tp_module_free(m);
-        return st;
-    }
-    *out = m;
-    return TP_OK;
-}
-
-static tp_status parallelize(tp_module *m, tp_mesh *mesh, bool sp)
-{
-    tp_style *s[3] = {NULL, NULL, NULL};
-    tp_colwise_options co = {0};
-    tp_rowwise_options ro = {0};
-    tp_sequence_parallel_options so = {.sequence_dim = 0, .sequence_dim_set = true};
-    if (sp) {
-        co.input_layouts = tp_layout_of(tp_shard(0));
-        ro.output_layouts = tp_layout_of(tp_shard(0));
-    }
-    tp_status st = tp_colwise_parallel_create(&co, &s[0]);
-    if (st == TP_OK)
-        st = tp_rowwise_parallel_create(&ro, &s[1]);
-    if (st == TP_OK && sp)
-        st = tp_sequence_parallel_create(&so, &s[2]);
-    if (st == TP_OK) {
-        tp_plan_entry plan[3] = {{"w1", s[0]}, {"w2", s[1]}, {"norm", s[2]}};
-        st = tp_parallelize_module(m, mesh, sp ? 3 : 2, plan, NULL);
-    }
-    for (int i = 0; i < 3; i++)
-        tp_style_free(s[i]);
-    return st;
-}
-
 /* Sums the local bytes of every parameter and of its gradient. */
 static tp_status sum_param(const char *fqn, tp_tensor *p, void *ctx)
 {
@@ -211,8 +134,8 @@ static tp_status prog_setup(tp_comm *world, const mem_cfg *c, tp_device dev, pro
 {
     const char *names[1] = {"tp"};
     TP_TEST_TRY(tp_mesh_create(world, 1, (int64_t[]){c->tp}, names, &p->mesh));
-    TP_TEST_TRY(make_model(c, dev, &p->m));
-    TP_TEST_TRY(parallelize(p->m, p->mesh, c->sp));
+    TP_TEST_TRY(tp_test_block_make(c->d, c->f, c->block, dev, &p->m));
+    TP_TEST_TRY(tp_test_block_parallelize(p->m, p->mesh, c->sp));
     TP_TEST_TRY(tp_adam_create(p->m, 1e-3, 0.9, 0.999, 1e-8, &p->adam));
     int64_t xs[2] = {c->sp ? c->rows / c->tp : c->rows, c->d};
     TP_TEST_TRY(tp_tensor_empty(TP_F32, dev, 2, xs, &p->x));
@@ -454,10 +377,10 @@ static void check_plan_1024(tp_dtype dtype)
     CHECK_OK(tp_mesh_create(w, 2, (int64_t[]){128, tpn}, names, &mesh));
     CHECK_OK(tp_mesh_slice(mesh, 1, &tpname, &tpm));
     prog p = {0};
-    CHECK_OK(make_model(&cfg, TP_META, &p.m));
+    CHECK_OK(tp_test_block_make(cfg.d, cfg.f, cfg.block, TP_META, &p.m));
     if (dtype != TP_F32)
         CHECK_OK(tp_module_to_dtype(p.m, dtype));
-    CHECK_OK(parallelize(p.m, tpm, true));
+    CHECK_OK(tp_test_block_parallelize(p.m, tpm, true));
     CHECK_OK(tp_adam_create(p.m, 1e-3, 0.9, 0.999, 1e-8, &p.adam));
     CHECK_OK(tp_tensor_empty(dtype, TP_META, 2, (int64_t[]){rows / tpn, d}, &p.x));
     CHECK_OK(tp_memory_reset_peak(TP_META));

@@ -7,6 +7,7 @@
  * scope) must be equal. At W = 1,024 they must equal the closed form, which
  * the small worlds check against the real runs too. */
 #include "tp_test.h"
+#include "tp_test_block.h"
 
 typedef struct prog_cfg {
     int dp, tp;         /* world = dp * tp; dp > 1: a 2-D mesh and a DDP over "dp" */
@@ -23,86 +24,6 @@ typedef struct prog_rec {
     int64_t scope[NSCOPES][TP_PHASE_COUNT];
     int64_t out_shape[2];
 } prog_rec;
-
-/* forward(x) = x + w2(gelu(w1(norm(x)))) */
-static tp_status block_forward(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
-                               const tp_kwarg *kw, tp_tensor **out)
-{
-    tp_tensor *h = NULL, *a = NULL, *g = NULL, *y = NULL;
-    tp_status st = tp_module_call(tp_module_child(self, "norm"), args[0], &h);
-    if (st == TP_OK)
-        st = tp_module_call(tp_module_child(self, "w1"), h, &a);
-    if (st == TP_OK)
-        st = tp_gelu(a, TP_GELU_TANH, &g);
-    if (st == TP_OK)
-        st = tp_module_call(tp_module_child(self, "w2"), g, &y);
-    if (st == TP_OK)
-        st = tp_add(args[0], y, out);
-    tp_tensor_release(h);
-    tp_tensor_release(a);
-    tp_tensor_release(g);
-    tp_tensor_release(y);
-    return st;
-}
-
-/* Adds c (made by the call that returned `made`) as m's child `name`. */
-static tp_status add_child(tp_module *m, const char *name, tp_status made, tp_module **c)
-{
-    if (made != TP_OK)
-        return made;
-    tp_status st = tp_module_add_child(m, name, *c);
-    if (st != TP_OK)
-        tp_module_free(*c);
-    return st;
-}
-
-/* The block on `dev` (the thread's default device while it is built). */
-static tp_status make_block(const prog_cfg *c, tp_device dev, tp_module **out)
-{
-    tp_device prev = tp_nn_default_device();
-    TP_TEST_TRY(tp_nn_set_default_device(dev));
-    tp_module *m = NULL, *n = NULL, *w1 = NULL, *w2 = NULL;
-    tp_status st = tp_nn_custom_create("Block", block_forward, NULL, NULL, &m);
-    if (st == TP_OK)
-        st = add_child(m, "norm", tp_nn_layer_norm_create(c->d, true, 1e-5, &n), &n);
-    if (st == TP_OK)
-        st = add_child(m, "w1", tp_nn_linear_create(c->d, c->f, true, &w1), &w1);
-    if (st == TP_OK)
-        st = add_child(m, "w2", tp_nn_linear_create(c->f, c->d, true, &w2), &w2);
-    if (st == TP_OK)
-        st = tp_module_init(m, 11);
-    tp_nn_set_default_device(prev);
-    if (st != TP_OK) {
-        tp_module_free(m);
-        return st;
-    }
-    *out = m;
-    return TP_OK;
-}
-
-static tp_status parallelize(tp_module *m, tp_mesh *tp_mesh_, bool sp)
-{
-    tp_style *s[3] = {NULL, NULL, NULL};
-    tp_colwise_options co = {0};
-    tp_rowwise_options ro = {0};
-    tp_sequence_parallel_options so = {.sequence_dim = 0, .sequence_dim_set = true};
-    if (sp) {
-        co.input_layouts = tp_layout_of(tp_shard(0));
-        ro.output_layouts = tp_layout_of(tp_shard(0));
-    }
-    tp_status st = tp_colwise_parallel_create(&co, &s[0]);
-    if (st == TP_OK)
-        st = tp_rowwise_parallel_create(&ro, &s[1]);
-    if (st == TP_OK && sp)
-        st = tp_sequence_parallel_create(&so, &s[2]);
-    if (st == TP_OK) {
-        tp_plan_entry plan[3] = {{"w1", s[0]}, {"w2", s[1]}, {"norm", s[2]}};
-        st = tp_parallelize_module(m, tp_mesh_, sp ? 3 : 2, plan, NULL);
-    }
-    for (int i = 0; i < 3; i++)
-        tp_style_free(s[i]);
-    return st;
-}
 
 static void read_rec(const tp_comm_debug *dbg, prog_rec *rec)
 {
@@ -146,8 +67,8 @@ static tp_status prog_setup(tp_comm *world, const prog_cfg *c, tp_device dev, pr
     const char *tpn = "tp";
     TP_TEST_TRY(tp_mesh_create(world, 2, shape, names, &p->mesh));
     TP_TEST_TRY(tp_mesh_slice(p->mesh, 1, &tpn, &p->tpm));
-    TP_TEST_TRY(make_block(c, dev, &p->m));
-    TP_TEST_TRY(parallelize(p->m, p->tpm, c->sp));
+    TP_TEST_TRY(tp_test_block_make(c->d, c->f, true, dev, &p->m));
+    TP_TEST_TRY(tp_test_block_parallelize(p->m, p->tpm, c->sp));
     if (c->dp > 1) {
         tp_ddp_options o = {.params_everywhere = true};
         TP_TEST_TRY(tp_ddp_create(p->m, tp_mesh_comm(p->mesh, 0), &o, &p->ddp));

@@ -523,44 +523,15 @@ __global__ void k_gelu_bwd_vec(const T *x, const T *gy, T *gx, int64_t n, bool t
 enum { COL_PLAIN = 0, COL_NORM = 1 };
 const int kColW = 32, kColH = 8;
 
-/* g[c] (+)= sum_r term(r, c): PLAIN: y[r, c]; NORM: y[r, c] * ((x[r, c] -
- * mean[r]) * rstd[r]) with mean NULL meaning 0 (the norm weight gradients).
- * Overwriting (not accumulate), the sum is divided by div first. */
+/* Column sums of term(r, c): PLAIN: y[r, c]; NORM: y[r, c] * ((x[r, c] -
+ * mean[r]) * rstd[r]) with mean NULL meaning 0 (the norm weight gradients),
+ * over the rows of chunk blockIdx.y (chunk_rows each), in double. With part
+ * NULL (one chunk of every row) into g: g[c] (+)= the sum, divided by div
+ * first when overwriting (not accumulate); else into part[chunk, c]. */
 template <class T, int MODE>
 __global__ void k_colsum(const T *y, const T *x, const float *mean, const float *rstd, T *g,
-                         int64_t rows, int64_t cols, bool accumulate, double div)
-{
-    __shared__ double sh[kColH][kColW + 1];
-    for (int64_t c0 = (int64_t)blockIdx.x * kColW; c0 < cols; c0 += (int64_t)gridDim.x * kColW) {
-        int64_t c = c0 + threadIdx.x;
-        double acc = 0;
-        if (c < cols)
-            for (int64_t r = threadIdx.y; r < rows; r += kColH) {
-                float v = ldf(y[r * cols + c]);
-                if (MODE == COL_PLAIN) {
-                    acc += (double)v;
-                } else {
-                    float m = mean ? mean[r] : 0.0f;
-                    acc += (double)(v * ((ldf(x[r * cols + c]) - m) * rstd[r]));
-                }
-            }
-        sh[threadIdx.y][threadIdx.x] = acc;
-        __syncthreads();
-        if (threadIdx.y == 0 && c < cols) {
-            double s = 0;
-            for (int j = 0; j < kColH; j++)
-                s += sh[j][threadIdx.x];
-            g[c] = accumulate ? std_<T>((double)ldf(g[c]) + s) : std_<T>(s / div);
-        }
-        __syncthreads();
-    }
-}
-
-/* part[k, c] = sum over the rows of chunk k (blockIdx.y; chunk_rows each)
- * of term(r, c), in double */
-template <class T, int MODE>
-__global__ void k_colsum_part(const T *y, const T *x, const float *mean, const float *rstd,
-                              double *part, int64_t rows, int64_t cols, int64_t chunk_rows)
+                         double *part, int64_t rows, int64_t cols, int64_t chunk_rows,
+                         bool accumulate, double div)
 {
     __shared__ double sh[kColH][kColW + 1];
     int64_t r0 = (int64_t)blockIdx.y * chunk_rows;
@@ -597,7 +568,10 @@ __global__ void k_colsum_part(const T *y, const T *x, const float *mean, const f
             double s = 0;
             for (int j = 0; j < kColH; j++)
                 s += sh[j][threadIdx.x];
-            part[(int64_t)blockIdx.y * cols + c] = s;
+            if (part)
+                part[(int64_t)blockIdx.y * cols + c] = s;
+            else
+                g[c] = accumulate ? std_<T>((double)ldf(g[c]) + s) : std_<T>(s / div);
         }
         __syncthreads();
     }
@@ -637,7 +611,8 @@ tp_status launch_colsum(Launch *L, const T *y, const T *x, const float *mean, co
     if (chunks > by_rows)
         chunks = by_rows;
     if (chunks < 2) {
-        k_colsum<T, MODE><<<gx, block, 0, L->s>>>(y, x, mean, rstd, g, rows, cols, accumulate, div);
+        k_colsum<T, MODE><<<gx, block, 0, L->s>>>(y, x, mean, rstd, g, (double *)NULL, rows, cols,
+                                                  rows, accumulate, div);
         return TP_OK;
     }
     int64_t chunk_rows = (rows + chunks - 1) / chunks;
@@ -645,8 +620,8 @@ tp_status launch_colsum(Launch *L, const T *y, const T *x, const float *mean, co
     void *part = NULL;
     TP_CHECK(
         tp__cuda_scratch(L->fn, L->dev, L->s, (size_t)(chunks * cols) * sizeof(double), &part));
-    k_colsum_part<T, MODE><<<dim3(gx, (unsigned)chunks), block, 0, L->s>>>(
-        y, x, mean, rstd, (double *)part, rows, cols, chunk_rows);
+    k_colsum<T, MODE><<<dim3(gx, (unsigned)chunks), block, 0, L->s>>>(
+        y, x, mean, rstd, g, (double *)part, rows, cols, chunk_rows, accumulate, div);
     k_colsum_finish<T><<<grid_for(cols, kThreads), kThreads, 0, L->s>>>(
         (const double *)part, chunks, g, cols, accumulate, div);
     tp__cuda_scratch_free(part, L->s);
