@@ -3,6 +3,7 @@
  * the JSON round trip, and every kind of bad file with the field named. */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -304,6 +305,17 @@ Test(hw, files_and_null, .timeout = 30)
     cr_assert_eq(tp_hw_load_string("{}", NULL, NULL), TP_ERR_INVALID_ARG);
     cr_assert_eq(tp_hw_preset(NULL, &hw), TP_ERR_INVALID_ARG);
     cr_assert_eq(tp_hw_write_json(NULL, stdout), TP_ERR_INVALID_ARG);
+    /* a stream that cannot take the bytes: an error with the system's reason */
+    FILE *full = fopen("/dev/full", "w");
+    if (full) {
+        cr_assert_eq(tp_hw_preset("h100-sxm-ndr", &hw), TP_OK);
+        cr_assert_eq(tp_hw_write_json(hw, full), TP_ERR_BACKEND);
+        cr_assert(strstr(tp_last_error(), "tp_hw_write_json: cannot write the description: "), "%s",
+                  tp_last_error());
+        cr_assert(strstr(tp_last_error(), strerror(ENOSPC)), "%s", tp_last_error());
+        fclose(full);
+        tp_hw_free(hw);
+    }
     tp_hw_free(NULL);
     cr_assert_str_eq(tp_hw_name(NULL), "");
 }

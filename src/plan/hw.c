@@ -1,6 +1,7 @@
 /* Hardware descriptions (JSON, checked field by field) and the alpha-beta
  * cost model over them. See tp/hw.h; the format and the formulas are in
  * docs/plan.md. */
+#include <errno.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
@@ -407,9 +408,11 @@ tp_status tp_hw_write_json(const tp_hw *hw, FILE *f)
     json_t *root = tp__hw_json(hw);
     if (!root)
         return tp__error(TP_ERR_NO_MEMORY, "tp_hw_write_json: out of memory");
+    errno = 0;
     int rc = json_dumpf(root, f, JSON_INDENT(2) | JSON_REAL_PRECISION(17));
     json_decref(root);
     if (rc != 0 || fputc('\n', f) == EOF || fflush(f) != 0)
-        return tp__error(TP_ERR_BACKEND, "tp_hw_write_json: cannot write the description");
+        return tp__error(TP_ERR_BACKEND, "tp_hw_write_json: cannot write the description: %s",
+                         errno ? strerror(errno) : "write error");
     return TP_OK;
 }
