@@ -64,6 +64,69 @@ def comm_summary(paths):
     return out
 
 
+NCU_KERNEL = re.compile(r"^  (\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\), Device \d+, "
+                        r"CC [\d.]+, Invocations (\d+)\s*$")
+NCU_TIME = re.compile(r"^\s+gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)\s+([\d.,]+)\s+([\d.,]+)\s*$")
+NCU_UNIT_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
+               "msecond": 1e3, "s": 1e6, "second": 1e6}
+
+
+def kernel_name(full):
+    """'void <unnamed>::k_colsum<__nv_bfloat16, 0>(const T1 *, ...)' -> 'k_colsum<__nv_bfloat16, 0>'"""
+    n = full[5:] if full.startswith("void ") else full
+    n = n.replace("<unnamed>::", "").replace("(anonymous namespace)::", "")
+    depth = 0
+    for i, ch in enumerate(n):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            n = n[:i]
+            break
+    return n.strip()
+
+
+def is_gemm_kernel(name):
+    low = name.lower()
+    return low.startswith("nvjet") or any(k in low for k in ("gemm", "xmma", "cutlass"))
+
+
+def ncu_kernels(text):
+    """ncu --print-summary per-kernel output with gpu__time_duration.sum ->
+    [(kernel, invocations, total us)], launches of one name merged, largest
+    total first. The average times the invocations is each entry's total."""
+    rows, name, inv = {}, None, 0
+    for line in text.splitlines():
+        m = NCU_KERNEL.match(line)
+        if m:
+            name, inv = kernel_name(m.group(1)), int(m.group(2))
+            continue
+        t = NCU_TIME.match(line)
+        if t and name is not None and t.group(1) in NCU_UNIT_US:
+            avg_us = float(t.group(4).replace(",", "")) * NCU_UNIT_US[t.group(1)]
+            r = rows.setdefault(name, [0, 0.0])
+            r[0] += inv
+            r[1] += avg_us * inv
+            name = None
+    return sorted(((n, c, tot) for n, (c, tot) in rows.items()), key=lambda r: -r[2])
+
+
+def write_ncu_summary(f, title, rows):
+    total = sum(r[2] for r in rows)
+    if not rows or total <= 0:
+        return
+    gemm = sum(r[2] for r in rows if is_gemm_kernel(r[0]))
+    f.write(f"\n## {title}: device time per kernel (ncu)\n\n"
+            f"{total:.1f} us in all: GEMMs (cuBLAS) {gemm:.1f} us ({100 * gemm / total:.1f}%), "
+            f"the rest {total - gemm:.1f} us. ncu serializes kernels and fixes clocks, so "
+            "totals exceed a timed pass; the shares are the point. The run builds the layer "
+            "too: its parameters' conversions (`k_convert`) are set-up, not the pass.\n\n"
+            "| kernel | launches | us | share |\n| --- | ---: | ---: | ---: |\n")
+    for n, c, tot in rows:
+        f.write(f"| `{n}` | {c} | {tot:.1f} | {100 * tot / total:.1f}% |\n")
+
+
 def fmt_frac(v, scale=1.0, digits=3):
     try:
         return f"{float(v) * scale:.{digits}f}"
@@ -347,6 +410,8 @@ def main():
         if not a.skip_bench:
             write_comm_summary(f, comm_summary(comm_csvs))
         for title, cmd, rc, secs, out in benches:
+            if "by ncu" in title:
+                write_ncu_summary(f, title, ncu_kernels(out))
             f.write(f"\n## {title}\n\n`{cmd}` (rc {rc}, {secs:.1f} s)\n\n```\n")
             lines = out.splitlines()
             f.write("\n".join(lines[-60:]) + "\n```\n")
