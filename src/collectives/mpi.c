@@ -2,7 +2,10 @@
  * The mpi backend: one rank per process, started by mpirun; every collective
  * is one of MPI's non-blocking collectives behind a tp_work, or, when small,
  * one round of point-to-point messages (mpi_direct.c), cheaper than
- * OpenMPI's non-blocking collectives there.
+ * OpenMPI's non-blocking collectives there, or, for a large reduce_scatter
+ * and a large all_reduce that OpenMPI would reduce to one rank, a ring of
+ * point-to-point steps (mpi_ring.c) that libtp drives from its tests and
+ * waits (stale rings from every later call: see mpi_stale).
  *
  * World. tp_comm_create_world("mpi", options, &world) initializes MPI with
  * MPI_THREAD_MULTIPLE unless the program already did; libtp then finalizes
@@ -79,6 +82,7 @@
 #include "collectives/check.h"
 #include "collectives/coll.h"
 #include "collectives/mpi_direct.h"
+#include "collectives/mpi_ring.h"
 #include "collectives/poll.h"
 
 /* ---- process-wide MPI state ----------------------------------------------- */
@@ -94,6 +98,14 @@ static pthread_mutex_t mpi_call_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static MPI_Datatype mpi_half = MPI_DATATYPE_NULL; /* 2 bytes: f16 and bf16 */
 static struct mpi_work *mpi_orphans; /* work MPI never completed, of freed communicators */
+/* Rings libtp gave up waiting for (timeout, abort, freed early). MPI drives
+ * its own schedules at any later call, so a peer that joins late can still
+ * complete with a stale request; a ring's later steps are libtp's to post,
+ * so every later libtp test or wait (any communicator) and the exit barrier
+ * drive these. Order: mpi_mu, then mpi_stale_mu, then mpi_call_mu. */
+static pthread_mutex_t mpi_stale_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct mpi_work *mpi_stale;
+static atomic_int mpi_nstale;
 static int mpi_faulted; /* communicators left to MPI unfreed, their requests still posted */
 /* A duplicate of MPI_COMM_WORLD that carries nothing but the exit barrier
  * (mpi_exit_barrier), so no stale request of a faulted communicator can
@@ -233,13 +245,19 @@ typedef struct mpi_state {
     double timeout_s;   /* the communicator's, as its latest collective passed it */
     mpi_work *active;  /* work handed out and not yet freed */
     mpi_work *zombies; /* freed before MPI completed it (after a timeout or abort) */
+    unsigned ring_seq; /* ring collectives issued (their tags; every rank counts alike) */
 } mpi_state;
 
 struct mpi_work {
     MPI_Request req;   /* a collective's one request */
-    MPI_Request *reqs; /* &req, or the direct path's messages (mpi_direct.c) */
+    MPI_Request *reqs; /* &req, the direct path's messages (mpi_direct.c) or the
+                        * ring's current step's (mpi_ring.c) */
     int nreq;
-    bool direct; /* reductions: tmp holds every rank's contribution */
+    bool direct;        /* reductions: tmp holds every rank's contribution */
+    tp__mpi_ring *ring; /* the ring path's schedule (reqs points into it), or NULL */
+    bool stale;         /* a ring libtp no longer waits for, on the stale list */
+    bool ring_done;     /* the stale ring ran to its end (MPI owns nothing of it) */
+    mpi_work *stale_next;
     mpi_work *next;
     tp_coll_kind kind;
     tp_dtype dtype;
@@ -300,12 +318,78 @@ static void list_remove(mpi_work **head, mpi_work *w)
 
 static void work_destroy(mpi_work *w)
 {
-    if (w->reqs != &w->req)
+    if (w->ring)
+        tp__mpi_ring_free(w->ring); /* w->reqs is its */
+    else if (w->reqs != &w->req)
         tp__free(w->reqs);
     tp_tensor_release(w->keep[0]);
     tp_tensor_release(w->keep[1]);
     tp__free(w->tmp);
     tp__free(w);
+}
+
+/* Puts w (an unfinished ring) on the stale list (mpi_stale_mu held). */
+static void stale_add_locked(mpi_work *w)
+{
+    if (!w->ring || w->stale || w->complete)
+        return;
+    w->stale = true;
+    w->stale_next = mpi_stale;
+    mpi_stale = w;
+    atomic_fetch_add(&mpi_nstale, 1);
+}
+
+static void stale_add(mpi_work *w)
+{
+    pthread_mutex_lock(&mpi_stale_mu);
+    stale_add_locked(w);
+    pthread_mutex_unlock(&mpi_stale_mu);
+}
+
+/* Takes w off the stale list (mpi_stale_mu held). */
+static void stale_remove_locked(mpi_work *w)
+{
+    if (!w->stale)
+        return;
+    for (mpi_work **p = &mpi_stale; *p; p = &(*p)->stale_next)
+        if (*p == w) {
+            *p = w->stale_next;
+            break;
+        }
+    w->stale = false;
+    w->stale_next = NULL;
+    atomic_fetch_sub(&mpi_nstale, 1);
+}
+
+/* One step of progress for every stale ring (mpi_stale_mu held; the MPI
+ * call lock too when call_locked). A ring that ends, or whose messages MPI
+ * fails, leaves the list. */
+static void stale_progress_locked(bool call_locked)
+{
+    for (mpi_work *w = mpi_stale, *next = NULL; w; w = next) {
+        next = w->stale_next;
+        bool done = false;
+        if (!call_locked)
+            mpi_lock();
+        int rc = tp__mpi_ring_progress(w->ring, &done);
+        if (!call_locked)
+            mpi_unlock();
+        if (rc == MPI_SUCCESS && !done)
+            continue;
+        w->ring_done = done;
+        stale_remove_locked(w);
+    }
+}
+
+/* The same from a test or wait: skipped when another thread is at it. */
+static void stale_progress(void)
+{
+    if (atomic_load_explicit(&mpi_nstale, memory_order_relaxed) == 0)
+        return;
+    if (pthread_mutex_trylock(&mpi_stale_mu) != 0)
+        return;
+    stale_progress_locked(false);
+    pthread_mutex_unlock(&mpi_stale_mu);
 }
 
 /* Seconds the exit barrier waits once this process saw a fault: the peers
@@ -317,6 +401,7 @@ static void work_destroy(mpi_work *w)
 static tp_status exit_poll(void *ctx, bool *done)
 {
     int flag = 0;
+    stale_progress_locked(true); /* a late peer may still need this rank's steps */
     if (MPI_Test(ctx, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS)
         return TP_ERR_BACKEND;
     *done = flag != 0;
@@ -393,6 +478,7 @@ static void mpi_teardown_locked(void)
         while (mpi_orphans) {
             struct mpi_work *w = mpi_orphans;
             mpi_orphans = w->next;
+            stale_remove_locked(w);
             work_destroy(w);
         }
     }
@@ -469,17 +555,23 @@ static void work_finish(mpi_state *S, mpi_work *w)
     w->status = TP_OK;
 }
 
-/* One MPI_Test of a request; *done once it completed. */
-static tp_status req_test(mpi_state *S, int n, MPI_Request *reqs, bool *done, const char *what)
+/* One MPI_Test of the requests, or with a ring one step of its progress
+ * (which posts the next step's messages once the current ones completed);
+ * *done once everything completed. */
+static tp_status req_test(mpi_state *S, tp__mpi_ring *ring, int n, MPI_Request *reqs, bool *done,
+                          const char *what)
 {
     int flag = 0;
+    bool fin = false;
     tp_status st = TP_OK;
     mpi_lock();
-    int rc = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
+    int rc =
+        ring ? tp__mpi_ring_progress(ring, &fin) : MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
     mpi_unlock();
+    stale_progress();
     *done = true; /* an error is final */
     TP_MPI_CHECK_GOTO(what, rc, st, fail);
-    *done = flag != 0;
+    *done = ring ? fin : flag != 0;
     return TP_OK;
 fail:
     return state_fail(S, st);
@@ -498,6 +590,7 @@ static bool mpi_library_yields(void)
 
 typedef struct req_wait_ctx {
     mpi_state *S;
+    tp__mpi_ring *ring;
     int n;
     MPI_Request *reqs;
     const char *what;
@@ -508,7 +601,7 @@ typedef struct req_wait_ctx {
 static tp_status req_poll(void *ctx, bool *done)
 {
     req_wait_ctx *q = ctx;
-    TP_CHECK(req_test(q->S, q->n, q->reqs, &q->done, q->what));
+    TP_CHECK(req_test(q->S, q->ring, q->n, q->reqs, &q->done, q->what));
     *done = q->done;
     if (!q->done && tp__abort_is_set(&q->S->abort))
         return tp__abort_error(&q->S->abort);
@@ -524,12 +617,12 @@ static tp_status req_poll(void *ctx, bool *done)
  * has cores and MPI does not yield by itself. The clock is read every 16th
  * test only (a test costs ~0.1 us, the clock ~0.02 us: 7% of a 4 KiB
  * all_gather's profile when read on every test). */
-static tp_status req_wait(mpi_state *S, int n, MPI_Request *reqs, double timeout_s,
-                          const char *what, bool *done)
+static tp_status req_wait(mpi_state *S, tp__mpi_ring *ring, int n, MPI_Request *reqs,
+                          double timeout_s, const char *what, bool *done)
 {
     const tp__pace pace = {
         .spin_s = mpi_yield ? 0 : HUGE_VAL, .yield_s = HUGE_VAL, .every = 16};
-    req_wait_ctx q = {.S = S, .n = n, .reqs = reqs, .what = what};
+    req_wait_ctx q = {.S = S, .ring = ring, .n = n, .reqs = reqs, .what = what};
     tp_status st = tp__poll_until(req_poll, &q, timeout_s, &pace);
     *done = q.done;
     if (st != TP_ERR_TIMEOUT)
@@ -644,6 +737,23 @@ static int post_direct(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
     return rc;
 }
 
+/* The ring path (mpi_ring.c): its schedule in w->ring, step 0 posted. */
+static int post_ring(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
+{
+    int tag = (int)(S->ring_seq++ % TP__MPI_RING_TAGS);
+    w->ring = tp__mpi_ring_new(d, S->comm, S->rank, S->size, mpi_dtype(d->dtype),
+                               mpi_op(d->dtype, d->op), tag);
+    if (!w->ring)
+        return POST_NO_MEMORY;
+    w->reqs = tp__mpi_ring_requests(w->ring);
+    w->nreq = 2;
+    bool done = false;
+    mpi_lock();
+    int rc = tp__mpi_ring_progress(w->ring, &done);
+    mpi_unlock();
+    return rc;
+}
+
 static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
 {
     mpi_state *S = state;
@@ -674,7 +784,8 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     w->keep[1] = d->recv != d->send ? tp_tensor_retain(d->recv) : NULL;
 
     bool direct = tp__mpi_direct_fits(d, S->size);
-    int rc = direct ? post_direct(S, d, w) : post_nbc(S, d, w);
+    bool ring = tp__mpi_ring_fits(d, S->size, direct);
+    int rc = direct ? post_direct(S, d, w) : ring ? post_ring(S, d, w) : post_nbc(S, d, w);
     tp_status st = TP_OK;
     if (rc == POST_INVALID) {
         work_destroy(w);
@@ -682,10 +793,13 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     }
     if (rc == POST_NO_MEMORY) {
         st = tp__error(TP_ERR_NO_MEMORY, "backend 'mpi': out of memory for the %s",
-                       direct ? "direct path's messages" : "in-place reduce_scatter");
+                       direct ? "direct path's messages"
+                       : ring ? "ring's blocks"
+                              : "in-place reduce_scatter");
         goto fail;
     }
-    TP_MPI_CHECK_GOTO(direct ? "MPI_Isend/MPI_Irecv" : mpi_call_names[d->kind], rc, st, fail);
+    TP_MPI_CHECK_GOTO(direct || ring ? "MPI_Isend/MPI_Irecv" : mpi_call_names[d->kind], rc, st,
+                      fail);
     pthread_mutex_lock(&S->mu);
     w->next = S->active;
     S->active = w;
@@ -694,7 +808,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     *work = w;
     return TP_OK;
 fail:
-    if (direct && w->nreq > 0) {
+    if ((direct || w->ring) && w->nreq > 0) {
         /* some messages went out: MPI owns them and their buffers now */
         pthread_mutex_lock(&S->mu);
         w->next = S->zombies;
@@ -716,7 +830,7 @@ static tp_status mpi_work_test(void *state, void *work, bool *done)
         return w->status;
     }
     bool fin = false;
-    tp_status st = req_test(S, w->nreq, w->reqs, &fin, mpi_call_names[w->kind]);
+    tp_status st = req_test(S, w->ring, w->nreq, w->reqs, &fin, mpi_call_names[w->kind]);
     if (st != TP_OK) {
         w->complete = w->finished = true;
         w->status = st;
@@ -743,7 +857,8 @@ static tp_status mpi_work_wait(void *state, void *work, double timeout_s)
     if (w->finished)
         return w->status;
     bool fin = false;
-    tp_status st = req_wait(S, w->nreq, w->reqs, timeout_s, tp_coll_kind_name(w->kind), &fin);
+    tp_status st =
+        req_wait(S, w->ring, w->nreq, w->reqs, timeout_s, tp_coll_kind_name(w->kind), &fin);
     if (st == TP_OK) {
         w->complete = true;
         work_finish(S, w);
@@ -766,9 +881,11 @@ static void mpi_work_free(void *state, void *work)
     pthread_mutex_lock(&S->mu);
     list_remove(&S->active, w);
     if (!w->complete) {
-        /* MPI still owns the request and may write w->tmp: keep both */
+        /* MPI still owns the request and may write w->tmp: keep both (a
+         * ring goes on driving itself, for peers that join late) */
         w->next = S->zombies;
         S->zombies = w;
+        stale_add(w);
         w = NULL;
     }
     pthread_mutex_unlock(&S->mu);
@@ -814,7 +931,8 @@ static void mpi_free(void *state)
         if (w->complete)
             continue;
         bool done = false;
-        if (req_wait(S, w->nreq, w->reqs, timeout, tp_coll_kind_name(w->kind), &done) == TP_OK) {
+        if (req_wait(S, w->ring, w->nreq, w->reqs, timeout, tp_coll_kind_name(w->kind), &done) ==
+            TP_OK) {
             w->complete = true;
             work_finish(S, w);
         } else if (done) {
@@ -822,6 +940,7 @@ static void mpi_free(void *state)
         }
     }
     pthread_mutex_lock(&mpi_mu);
+    pthread_mutex_lock(&mpi_stale_mu);
     mpi_lock();
     /* A communicator with a request MPI may never complete is faulted: an
      * abort or timeout (including a split's barrier, whose request is not
@@ -834,8 +953,14 @@ static void mpi_free(void *state)
     for (mpi_work *w = S->zombies, *next = NULL; w; w = next) {
         next = w->next;
         int flag = 0;
-        if (fin ||
-            (MPI_Testall(w->nreq, w->reqs, &flag, MPI_STATUSES_IGNORE) == MPI_SUCCESS && flag)) {
+        /* a ring is done when its last step is (it drives itself while
+         * stale: an orphan stays on the stale list) */
+        bool gone = fin || (w->ring ? !w->stale && w->ring_done
+                                    : MPI_Testall(w->nreq, w->reqs, &flag, MPI_STATUSES_IGNORE) ==
+                                              MPI_SUCCESS &&
+                                          flag);
+        if (gone) {
+            stale_remove_locked(w);
             work_destroy(w);
         } else {
             w->next = mpi_orphans;
@@ -860,6 +985,7 @@ static void mpi_free(void *state)
     if (--mpi_live == 0)
         mpi_teardown_locked();
     mpi_unlock();
+    pthread_mutex_unlock(&mpi_stale_mu);
     pthread_mutex_unlock(&mpi_mu);
 }
 
@@ -887,7 +1013,7 @@ static tp_status mpi_split(void *state, int color, int key, double timeout_s, vo
     tp_status st = TP_OK;
     TP_MPI_CHECK_GOTO("MPI_Ibarrier (split)", rc, st, fail);
     bool fin = false;
-    st = req_wait(S, 1, &req, timeout_s, "comm_split", &fin);
+    st = req_wait(S, NULL, 1, &req, timeout_s, "comm_split", &fin);
     if (st != TP_OK)
         return st; /* the barrier request stays with MPI; S is aborted */
 
