@@ -724,11 +724,11 @@ static int post_direct(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
 {
     int max = tp__mpi_direct_max_requests(S->size);
     size_t scratch = tp__mpi_direct_scratch(d, S->size);
+    w->nreq = 0; /* nothing posted: a failure below leaves MPI nothing */
     w->reqs = tp__calloc((size_t)max, sizeof *w->reqs);
     w->tmp = scratch ? tp__malloc(scratch) : NULL;
     if (!w->reqs || (scratch && !w->tmp))
         return POST_NO_MEMORY;
-    w->nreq = 0;
     w->direct = true;
     mpi_lock();
     int rc = tp__mpi_direct_post(d, S->comm, S->rank, S->size, mpi_dtype(d->dtype), w->tmp, w->reqs,

@@ -758,15 +758,17 @@ static void test_split(tp_comm *world)
 
 /* ---- aborts ---------------------------------------------------------------- */
 
-/* An allocator that fails while g_fail_alloc is set; its memory is plain
- * malloc memory, like the default allocator's. */
+/* An allocator that fails while g_fail_alloc is set, or for sizes of at
+ * least g_fail_from bytes when that is not 0; its memory is plain malloc
+ * memory, like the default allocator's. */
 static bool g_fail_alloc;
+static size_t g_fail_from;
 
 static void *test_alloc(void *ctx, size_t size, size_t alignment)
 {
     (void)ctx;
     void *p = NULL;
-    if (g_fail_alloc)
+    if (g_fail_alloc || (g_fail_from && size >= g_fail_from))
         return NULL;
     if (alignment < sizeof(void *))
         alignment = sizeof(void *);
@@ -869,6 +871,40 @@ static void test_abort(tp_comm *world)
            tp_last_error());
     EXPECT_STATUS(tp_barrier(a, NULL), TP_ERR_ABORTED, "a collective after an allocation failed");
     tp_comm_free(a);
+
+    /* the work object allocates, buffers of a ring block's size (64 Ki
+     * floats over n) and more do not: an in-place all_reduce fails where
+     * libtp needs scratch of its own (the ring's blocks, the direct path's
+     * contributions) and completes through MPI's own call otherwise */
+    if (n > 1) {
+        int64_t big = 65536;
+        tp_tensor *z = NULL;
+        REQUIRE(tp_tensor_zeros(TP_F32, TP_CPU, 1, &big, &z));
+        const char *de = getenv("TP_MPI_DIRECT_BYTES"), *re = getenv("TP_MPI_RING");
+        unsigned long long lim = de && *de ? strtoull(de, NULL, 10) : 32768;
+        bool direct = (unsigned long long)(n - 1) * (unsigned long long)big * 4 <= lim;
+        bool ring = !direct && !(re && strcmp(re, "0") == 0);
+        REQUIRE(tp_comm_split(world, 0, r, &a));
+        REQUIRE(tp_set_allocator(&failing));
+        g_fail_from = (size_t)((big + n - 1) / n) * 4;
+        st = tp_all_reduce(a, z, z, TP_SUM, NULL);
+        g_fail_from = 0;
+        REQUIRE(tp_set_allocator(NULL));
+        const char *what = direct ? "out of memory for the direct path's messages"
+                           : ring ? "out of memory for the ring's blocks"
+                                  : NULL;
+        if (what) {
+            EXPECT(st == TP_ERR_NO_MEMORY && strstr(tp_last_error(), what),
+                   "large all_reduce without scratch -> %s (%s), expected '%s'",
+                   tp_status_name(st), tp_last_error(), what);
+            EXPECT_STATUS(tp_barrier(a, NULL), TP_ERR_ABORTED,
+                          "a collective after the scratch allocation failed");
+        } else {
+            EXPECT_STATUS(st, TP_OK, "large all_reduce through MPI's call, scratch refused");
+        }
+        tp_comm_free(a);
+        tp_tensor_release(z);
+    }
 
     tp_tensor_release(x);
     /* the world is unaffected */
