@@ -895,8 +895,8 @@ static void test_abort(tp_comm *world)
                                   : NULL;
         if (what) {
             EXPECT(st == TP_ERR_NO_MEMORY && strstr(tp_last_error(), what),
-                   "large all_reduce without scratch -> %s (%s), expected '%s'",
-                   tp_status_name(st), tp_last_error(), what);
+                   "large all_reduce without scratch -> %s (%s), expected '%s'", tp_status_name(st),
+                   tp_last_error(), what);
             EXPECT_STATUS(tp_barrier(a, NULL), TP_ERR_ABORTED,
                           "a collective after the scratch allocation failed");
         } else {
