@@ -662,14 +662,8 @@ __global__ void k_sum_strided(const T *x, T *y, int64_t outer, int64_t size, int
     }
 }
 
-/* the gradient of a whole sum: every element gets gy[0] * scale */
-template <class T> __global__ void k_sum_all_bwd(const T *gy, T *gx, int64_t n, float scale)
-{
-    T v = stf<T>(ldf(gy[0]) * scale);
-    GRID_STRIDE(i, n) gx[i] = v;
-}
-
-/* the same in 16-byte stores (gx 16-byte aligned) */
+/* the gradient of a whole sum: every element gets gy[0] * scale, in
+ * 16-byte stores (gx 16-byte aligned; else k_sum_dim_bwd) */
 template <class T> __global__ void k_sum_all_bwd_vec(const T *gy, T *gx, int64_t n, float scale)
 {
     const int N = Pack<T>::N;
@@ -1590,9 +1584,6 @@ tp_status cuda_sum_dim_bwd(tp_device dev, tp_dtype dtype, const void *gy, void *
         return TYPED(dtype, launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev,
                                    size > 0 ? size / Pack<T>::N + 1 : 0, false,
                                    k_sum_all_bwd_vec<T>, cp<T>(gy), mp<T>(gx), size, scale));
-    if (outer == 1 && inner == 1) /* no index arithmetic per element */
-        return TYPED(dtype, launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev, size,
-                                   false, k_sum_all_bwd<T>, cp<T>(gy), mp<T>(gx), size, scale));
     return TYPED(dtype, launch("sum backward (CUDA)", TP__KOP_SUM_DIM_BWD, dtype, dev,
                                outer * size * inner, false, k_sum_dim_bwd<T>, cp<T>(gy), mp<T>(gx),
                                outer, size, inner, scale));
