@@ -7,9 +7,14 @@
  * one round of MPI_Isend/MPI_Irecv between every pair of ranks that
  * exchange data, on libtp's own duplicate communicator (so under a tag no
  * other traffic uses), completed with MPI_Testall like any other request.
+ * On two ranks an all_gather, all_to_all or broadcast takes this path at any
+ * size: it is one message each way, what MPI's blocking algorithms send for
+ * two ranks too, without libnbc's schedule.
  * Reductions gather every rank's contribution and reduce them locally in
  * rank order with MPI_Reduce_local (MPI's ops and libtp's f16/bf16 user ops
- * alike), so every rank computes the same bits. MPI keeps messages between
+ * alike), so every rank computes the same bits; rank 0's contribution lands
+ * in the result straight from the wire when the call is out of place, so
+ * nothing is copied but rank 0's own. MPI keeps messages between
  * two ranks on one tag and communicator in order, and every rank issues
  * libtp's collectives in the same order, so each message meets the receive
  * of its own collective. Set TP_MPI_DIRECT_BYTES alike on every rank (mpirun
@@ -22,7 +27,7 @@
 
 enum { DIRECT_TAG = 0x7470 }; /* "tp" */
 
-static size_t direct_limit(void)
+size_t tp__mpi_direct_limit(void)
 {
     const char *env = getenv("TP_MPI_DIRECT_BYTES");
     if (env && *env) {
@@ -39,7 +44,7 @@ static bool is_reduction(tp_coll_kind k)
     return k == TP_COLL_ALL_REDUCE || k == TP_COLL_REDUCE_SCATTER;
 }
 
-bool tp__mpi_direct_fits(const tp_coll_desc *d, int size)
+bool tp__mpi_direct_fits(const tp_coll_desc *d, int size, size_t limit)
 {
     switch (d->kind) {
     case TP_COLL_ALL_REDUCE:
@@ -51,9 +56,15 @@ bool tp__mpi_direct_fits(const tp_coll_desc *d, int size)
     default:
         return false;
     }
-    /* every rank sends (size - 1) blocks of count elements (broadcast: root) */
     size_t block = d->count * tp_dtype_size(d->dtype);
-    return size >= 2 && block > 0 && (size_t)(size - 1) * block <= direct_limit();
+    if (size < 2 || block == 0 || limit == 0)
+        return false;
+    /* two ranks: an all_gather, all_to_all or broadcast is one exchange
+     * (one message) at any size, which is what MPI's own algorithms do too */
+    if (size == 2 && !is_reduction(d->kind))
+        return true;
+    /* every rank sends (size - 1) blocks of count elements (broadcast: root) */
+    return (size_t)(size - 1) * block <= limit;
 }
 
 int tp__mpi_direct_max_requests(int size)
@@ -66,13 +77,39 @@ size_t tp__mpi_direct_scratch(const tp_coll_desc *d, int size)
     return is_reduction(d->kind) ? (size_t)size * d->count * tp_dtype_size(d->dtype) : 0;
 }
 
-int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size, MPI_Datatype dt,
-                        void *scratch, MPI_Request *reqs, int *nreq)
+/* A reduction's own contribution: its whole send buffer (all_reduce) or
+ * the block of its own rank (reduce_scatter). */
+static const char *own_contribution(const tp_coll_desc *d, int rank)
 {
+    size_t b = d->count * tp_dtype_size(d->dtype);
+    return d->kind == TP_COLL_ALL_REDUCE ? d->sendbuf : (const char *)d->sendbuf + (size_t)rank * b;
+}
+
+bool tp__mpi_copy_step(tp__mpi_copy *c)
+{
+    size_t n = c->left < TP__MPI_COPY_CHUNK ? c->left : TP__MPI_COPY_CHUNK;
+    if (n) {
+        memcpy(c->to, c->from, n);
+        c->to += n;
+        c->from += n;
+        c->left -= n;
+    }
+    return c->left == 0;
+}
+
+int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size, MPI_Datatype dt,
+                        void *scratch, MPI_Request *reqs, int *nreq, tp__mpi_copy *copy)
+{
+    *copy = (tp__mpi_copy){0};
     size_t b = d->count * tp_dtype_size(d->dtype);
     int k = (int)d->count, n = 0, rc = MPI_SUCCESS;
     const char *sb = d->sendbuf;
     char *rb = d->recvbuf, *t = scratch;
+    /* a reduction adds the contributions in rank order into the result:
+     * rank 0's goes there first, straight from the wire where it can */
+    bool red = is_reduction(d->kind);
+    const char *own = red ? own_contribution(d, rank) : NULL;
+    bool in_place = red && own == rb;
     for (int j = 0; j < size && rc == MPI_SUCCESS; j++) {
         if (j == rank)
             continue;
@@ -80,7 +117,7 @@ int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size
         const void *from = NULL;
         switch (d->kind) {
         case TP_COLL_ALL_REDUCE:
-            into = t + (size_t)j * b;
+            into = j == 0 && !in_place ? rb : t + (size_t)j * b;
             from = sb;
             break;
         case TP_COLL_ALL_GATHER:
@@ -88,7 +125,7 @@ int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size
             from = sb;
             break;
         case TP_COLL_REDUCE_SCATTER:
-            into = t + (size_t)j * b;
+            into = j == 0 && !in_place ? rb : t + (size_t)j * b;
             from = sb + (size_t)j * b;
             break;
         case TP_COLL_ALL_TO_ALL:
@@ -108,20 +145,21 @@ int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size
     *nreq = n;
     if (rc != MPI_SUCCESS)
         return rc;
-    size_t own = (size_t)rank * b;
+    size_t mine = (size_t)rank * b;
     switch (d->kind) {
     case TP_COLL_ALL_REDUCE:
-        memcpy(t + own, sb, b);
+    case TP_COLL_REDUCE_SCATTER:
+        if (rank == 0 && !in_place)
+            memcpy(rb, own, b); /* the sum starts from rank 0's contribution */
+        else if (rank != 0 && in_place)
+            memcpy(t + mine, own, b); /* the result takes rank 0's first */
         break;
     case TP_COLL_ALL_GATHER:
-        if (sb != rb + own)
-            memcpy(rb + own, sb, b);
-        break;
-    case TP_COLL_REDUCE_SCATTER:
-        memcpy(t + own, sb + own, b);
+        if (sb != rb + mine)
+            *copy = (tp__mpi_copy){.from = sb, .to = rb + mine, .left = b};
         break;
     case TP_COLL_ALL_TO_ALL:
-        memcpy(rb + own, sb + own, b);
+        *copy = (tp__mpi_copy){.from = sb + mine, .to = rb + mine, .left = b};
         break;
     default:
         break;
@@ -129,14 +167,19 @@ int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size
     return MPI_SUCCESS;
 }
 
-int tp__mpi_direct_reduce(const void *scratch, void *result, int count, size_t elem_size,
-                          MPI_Datatype dt, MPI_Op op, int size)
+int tp__mpi_direct_reduce(const tp_coll_desc *d, const void *scratch, int rank, int size,
+                          MPI_Datatype dt, MPI_Op op)
 {
-    size_t b = (size_t)count * elem_size;
-    const char *t = scratch;
-    memcpy(result, t, b);
+    size_t b = d->count * tp_dtype_size(d->dtype);
+    const char *t = scratch, *own = own_contribution(d, rank);
+    char *result = d->recvbuf;
+    bool in_place = own == result;
+    if (rank != 0 && in_place) {
+        memcpy(result, t, b); /* rank 0's contribution; this rank's is in t */
+        own = t + (size_t)rank * b;
+    }
     int rc = MPI_SUCCESS;
     for (int q = 1; q < size && rc == MPI_SUCCESS; q++)
-        rc = MPI_Reduce_local(t + (size_t)q * b, result, count, dt, op);
+        rc = MPI_Reduce_local(q == rank ? own : t + (size_t)q * b, result, (int)d->count, dt, op);
     return rc;
 }

@@ -9,29 +9,57 @@
 
 #include "collectives/coll.h"
 
-/* Whether the collective `d` on `size` ranks takes the direct path: every
- * rank decides alike from what every rank passes alike (kind, count, dtype,
- * group size). */
-bool tp__mpi_direct_fits(const tp_coll_desc *d, int size);
+/* TP_MPI_DIRECT_BYTES (32768 when unset; 0 turns the path off), read when
+ * a communicator is made rather than on every call. */
+size_t tp__mpi_direct_limit(void);
+
+/* Whether the collective `d` on `size` ranks takes the direct path under
+ * `limit` (tp__mpi_direct_limit): every rank decides alike from what every
+ * rank passes alike (kind, count, dtype, group size). */
+bool tp__mpi_direct_fits(const tp_coll_desc *d, int size, size_t limit);
 
 /* Messages this rank posts for `d`, at most: the length of the request array
  * tp__mpi_direct_post fills. */
 int tp__mpi_direct_max_requests(int size);
 
-/* Bytes of the scratch buffer a reduction needs (0 for the others): the
- * contributions of all ranks, in rank order. */
+/* Bytes of the scratch buffer a reduction needs (0 for the others): a slot
+ * per rank, in rank order, for the contributions that cannot go straight
+ * into the result. */
 size_t tp__mpi_direct_scratch(const tp_coll_desc *d, int size);
+
+/* A copy of this rank's own block that the wait does a chunk at a time
+ * between its tests: a copy of megabytes in one go would stall MPI's
+ * progress, which moves the messages (20% of a 4 MiB all_gather over
+ * shared memory). */
+typedef struct tp__mpi_copy {
+    const char *from;
+    char *to;
+    size_t left; /* bytes still to copy */
+} tp__mpi_copy;
+
+/* The chunk tp__mpi_copy_step copies. */
+#define TP__MPI_COPY_CHUNK ((size_t)64 << 10)
+
+/* Copies the next chunk of c (nothing when none is left); true once the
+ * whole copy is done. */
+bool tp__mpi_copy_step(tp__mpi_copy *c);
 
 /* Posts the receives and sends of `d` on `comm` as rank `rank` of `size`
  * (type dt) into reqs, setting *nreq to how many were posted (even when a
- * call failed), and copies this rank's own block. Returns MPI's code. */
+ * call failed). This rank's own block of an all_gather or all_to_all is
+ * left in *copy for the caller (a chunk now, the rest during the wait); a
+ * reduction's own contribution is copied here where it needs to be. A
+ * reduction receives rank 0's contribution straight into the result where
+ * the call is out of place (rank 0 copies its own there). Returns MPI's
+ * code. */
 int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size, MPI_Datatype dt,
-                        void *scratch, MPI_Request *reqs, int *nreq);
+                        void *scratch, MPI_Request *reqs, int *nreq, tp__mpi_copy *copy);
 
-/* Once every request completed: the reduction of the contributions in
- * scratch, in rank order (so every rank computes the same bits), into
- * result (count elements). */
-int tp__mpi_direct_reduce(const void *scratch, void *result, int count, size_t elem_size,
-                          MPI_Datatype dt, MPI_Op op, int size);
+/* Once every request of `d` completed: the reduction of the contributions,
+ * in rank order (every rank computes the same expression, so the same
+ * bits), into d->recvbuf. Reads d's kind, dtype, count, sendbuf and
+ * recvbuf only. */
+int tp__mpi_direct_reduce(const tp_coll_desc *d, const void *scratch, int rank, int size,
+                          MPI_Datatype dt, MPI_Op op);
 
 #endif /* TP_COLL_MPI_DIRECT_H */

@@ -12,10 +12,14 @@
 
 typedef struct tp__mpi_ring tp__mpi_ring;
 
-/* Whether `d` on `size` ranks takes the ring (not the direct path): every
- * rank decides alike from what every rank passes alike. TP_MPI_RING=0 turns
- * the ring off (libnbc's schedules instead). */
-bool tp__mpi_ring_fits(const tp_coll_desc *d, int size, bool direct);
+/* TP_MPI_RING: false when set to 0 (libnbc's schedules instead), read when
+ * a communicator is made rather than on every call. */
+bool tp__mpi_ring_enabled(void);
+
+/* Whether `d` on `size` ranks takes the ring (not the direct path, and the
+ * ring `enabled`): every rank decides alike from what every rank passes
+ * alike. */
+bool tp__mpi_ring_fits(const tp_coll_desc *d, int size, bool direct, bool enabled);
 
 /* A ring for `d` on `comm` as rank `rank` of `size`, whose messages carry
  * tag `tag` (distinct for every collective in flight on comm), or NULL when

@@ -25,7 +25,8 @@ tp_status tp__poll_until(tp__poll_fn poll, void *ctx, double timeout_s, const tp
             return st;
         }
         if (--left) {
-            cpu_relax();
+            if (!pace->no_pause)
+                cpu_relax();
             continue;
         }
         left = every;
@@ -36,7 +37,8 @@ tp_status tp__poll_until(tp__poll_fn poll, void *ctx, double timeout_s, const tp
         if (waited > timeout_s)
             return TP_ERR_TIMEOUT;
         if (waited < pace->spin_s) {
-            cpu_relax();
+            if (!pace->no_pause)
+                cpu_relax();
         } else if (waited < pace->yield_s) {
             sched_yield();
         } else if (pace->sleep) {

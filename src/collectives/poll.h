@@ -16,16 +16,19 @@
 typedef tp_status (*tp__poll_fn)(void *ctx, bool *done);
 
 /* What a wait does between two tests, by how long it has waited so far:
- * tests back to back (with a CPU pause hint) below spin_s, yields the core
- * below yield_s, then sleeps: sleep(ctx) when set (which may return early,
- * e.g. on a wake-up), else sleep_ns nanoseconds. The clock is read on every
- * `every`-th test only (0 means 1); the tests between spin. */
+ * tests back to back (with a CPU pause hint, unless no_pause) below spin_s,
+ * yields the core below yield_s, then sleeps: sleep(ctx) when set (which may
+ * return early, e.g. on a wake-up), else sleep_ns nanoseconds. The clock is
+ * read on every `every`-th test only (0 means 1); the tests between spin.
+ * no_pause suits a test that is itself a progress engine (MPI_Test): a
+ * pause only delays the next step of the protocol. */
 typedef struct tp__pace {
     double spin_s;
     double yield_s;
     long sleep_ns;
     void (*sleep)(void *ctx);
     unsigned every;
+    bool no_pause;
 } tp__pace;
 
 /* Calls poll(ctx, &done) until it reports done or fails, and returns its

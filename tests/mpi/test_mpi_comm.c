@@ -481,22 +481,27 @@ static void test_collectives(tp_comm *world)
 }
 
 /* Every rank gets the same bits from a reduction of values that round
- * (1 / (rank + i + 1)), small (point-to-point, mpi_direct.c) and large (MPI's
- * collective), checked by gathering every rank's result; and the result is
- * within float rounding of the sum in double. */
-static void check_same_bits(tp_comm *world, tp_dtype dt, tp_reduce_op op, int64_t k)
+ * (1 / (rank + i + 1)), small (point-to-point, mpi_direct.c, where rank 0's
+ * contribution goes straight into the result out of place) and large (the
+ * ring, or MPI's collective), in place and out of place, checked by
+ * gathering every rank's result; and the result is within float rounding of
+ * the sum in double. */
+static void check_same_bits(tp_comm *world, tp_dtype dt, tp_reduce_op op, int64_t k, bool in_place)
 {
     int n = tp_comm_size(world), r = tp_comm_rank(world);
     char label[120];
-    snprintf(label, sizeof label, "same bits: all_reduce(%s, %s, k=%lld)", tp_dtype_name(dt),
-             tp_reduce_op_name(op), (long long)k);
+    snprintf(label, sizeof label, "same bits: all_reduce(%s, %s, k=%lld, %s)", tp_dtype_name(dt),
+             tp_reduce_op_name(op), (long long)k, in_place ? "in place" : "out of place");
     double *v = malloc(sizeof(double) * (size_t)k);
     for (int64_t i = 0; i < k; i++)
         v[i] = 1.0 / (double)(r + i % 1000 + 1);
-    tp_tensor *x = NULL, *all = NULL;
+    tp_tensor *in = NULL, *x = NULL, *all = NULL;
     int64_t nk = k * n;
-    if (from_doubles(dt, k, v, &x) == TP_OK && tp_tensor_zeros(dt, TP_CPU, 1, &nk, &all) == TP_OK) {
-        tp_status st = tp_all_reduce(world, x, x, op, NULL);
+    if (from_doubles(dt, k, v, &in) == TP_OK &&
+        (in_place ? (x = tp_tensor_retain(in)) != NULL
+                  : tp_tensor_zeros(dt, TP_CPU, 1, &k, &x) == TP_OK) &&
+        tp_tensor_zeros(dt, TP_CPU, 1, &nk, &all) == TP_OK) {
+        tp_status st = tp_all_reduce(world, in, x, op, NULL);
         EXPECT(st == TP_OK, "%s -> %s (%s)", label, tp_status_name(st), tp_last_error());
         st = tp_all_gather(world, x, all, NULL);
         EXPECT(st == TP_OK, "%s: all_gather -> %s", label, tp_status_name(st));
@@ -521,6 +526,7 @@ static void check_same_bits(tp_comm *world, tp_dtype dt, tp_reduce_op op, int64_
     } else {
         EXPECT(0, "%s: could not build the buffers (%s)", label, tp_last_error());
     }
+    tp_tensor_release(in);
     tp_tensor_release(x);
     tp_tensor_release(all);
     free(v);
@@ -530,9 +536,11 @@ static void test_same_bits(tp_comm *world)
 {
     static const int64_t ks[] = {37, 1 << 17};
     for (size_t i = 0; i < sizeof ks / sizeof ks[0]; i++) {
-        check_same_bits(world, TP_F32, TP_SUM, ks[i]);
-        check_same_bits(world, TP_BF16, TP_SUM, ks[i]);
-        check_same_bits(world, TP_F64, TP_PRODUCT, ks[i]);
+        for (int ip = 0; ip < 2; ip++) {
+            check_same_bits(world, TP_F32, TP_SUM, ks[i], ip);
+            check_same_bits(world, TP_BF16, TP_SUM, ks[i], ip);
+            check_same_bits(world, TP_F64, TP_PRODUCT, ks[i], ip);
+        }
     }
 }
 
