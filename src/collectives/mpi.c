@@ -252,9 +252,10 @@ typedef struct mpi_state {
     _Atomic(mpi_work *) spare; /* a finished work object kept for the next call */
 } mpi_state;
 
-/* Requests a direct collective keeps inside its work object: 2 (size - 1)
- * for up to 9 ranks; larger groups allocate them. */
-enum { MPI_INLINE_REQS = 16 };
+/* Requests a direct collective keeps inside its work object: up to
+ * 4 (size - 1) (mpi_direct.c), for up to 8 ranks; larger groups allocate
+ * them. */
+enum { MPI_INLINE_REQS = 28 };
 
 struct mpi_work {
     MPI_Request req;   /* a collective's one request */
