@@ -179,6 +179,63 @@ Test(hw, group_link, .timeout = 30)
     tp_hw_free(hw);
 }
 
+/* Ranks sharing a device: every kernel takes ranks_per_device times as long,
+ * collectives do not change, a node holds devices_per_node x
+ * ranks_per_device ranks; from the file or from tp_hw_share_devices, and
+ * kept through a round trip. */
+Test(hw, ranks_per_device, .timeout = 30)
+{
+    tp_hw *hw = load_base(), *sh = NULL, *f = NULL;
+    cr_assert_eq(tp_hw_ranks_per_device(hw), 1);
+    cr_assert_eq(tp_hw_share_devices(hw, 3, &sh), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_hw_ranks_per_device(sh), 3);
+    cr_assert_eq(tp_hw_ranks_per_device(hw), 1, "the source description is unchanged");
+    double t = -1, c1 = -1, c3 = -2;
+    cr_assert_eq(tp_hw_gemm_time(sh, TP_F32, 1024, 1024, 1024, &t), TP_OK);
+    expect_time(t, 3 * (2.147483648e-3 + 1e-6), "1024^3 on a device shared by 3");
+    cr_assert_eq(tp_hw_elementwise_time(sh, 1000000000u, &t), TP_OK);
+    expect_time(t, 3 * (1e-2 + 1e-6), "1e9 bytes element-wise, shared by 3");
+    cr_assert_eq(
+        tp_hw_collective_time(hw, TP_COLL_ALL_REDUCE, 4, TP_LINK_INTRA_NODE, 1u << 20, &c1), TP_OK);
+    cr_assert_eq(
+        tp_hw_collective_time(sh, TP_COLL_ALL_REDUCE, 4, TP_LINK_INTRA_NODE, 1u << 20, &c3), TP_OK);
+    cr_assert_eq(c1, c3, "a collective's time does not depend on the sharing");
+    /* 4 devices x 3 ranks: ranks 0-11 on node 0 */
+    const int pair[] = {3, 11}, across[] = {11, 12};
+    tp_link_class l = TP_LINK_INTER_NODE;
+    cr_assert_eq(tp_hw_group_link(hw, pair, 2, &l), TP_OK);
+    cr_assert_eq(l, TP_LINK_INTER_NODE);
+    cr_assert_eq(tp_hw_group_link(sh, pair, 2, &l), TP_OK);
+    cr_assert_eq(l, TP_LINK_INTRA_NODE);
+    cr_assert_eq(tp_hw_group_link(sh, across, 2, &l), TP_OK);
+    cr_assert_eq(l, TP_LINK_INTER_NODE);
+    /* from the file, and written out */
+    char *text =
+        edited("\"devices_per_node\": 4", "\"devices_per_node\": 4, \"ranks_per_device\": 3");
+    cr_assert_eq(tp_hw_load_string(text, "shared", &f), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_hw_ranks_per_device(f), 3);
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&buf, &len);
+    cr_assert_eq(tp_hw_write_json(f, mem), TP_OK);
+    fclose(mem);
+    cr_assert(strstr(buf, "\"ranks_per_device\": 3"), "%s", buf);
+    /* errors */
+    tp_hw *none = (tp_hw *)1;
+    cr_assert_eq(tp_hw_share_devices(hw, 0, &none), TP_ERR_INVALID_ARG);
+    cr_assert_null(none);
+    cr_assert(strstr(tp_last_error(), "ranks_per_device must be from 1 to 65536, got 0"), "%s",
+              tp_last_error());
+    cr_assert_eq(tp_hw_share_devices(NULL, 2, &none), TP_ERR_INVALID_ARG);
+    cr_assert_eq(tp_hw_share_devices(hw, 2, NULL), TP_ERR_INVALID_ARG);
+    cr_assert_eq(tp_hw_ranks_per_device(NULL), 0);
+    free(buf);
+    free(text);
+    tp_hw_free(f);
+    tp_hw_free(sh);
+    tp_hw_free(hw);
+}
+
 /* Written out and read back, a description answers every question alike. */
 Test(hw, json_round_trip, .timeout = 30)
 {
@@ -250,6 +307,10 @@ static const bad_case bad_cases[] = {
      "devices_per_node must be an integer from 1"},
     {"\"devices_per_node\": 4", "\"devices_per_node\": 2.5",
      "devices_per_node must be an integer from 1"},
+    {"\"devices_per_node\": 4", "\"devices_per_node\": 4, \"ranks_per_device\": 0",
+     "ranks_per_device must be an integer from 1 to 65536"},
+    {"\"devices_per_node\": 4", "\"devices_per_node\": 4, \"ranks_per_device\": 1.5",
+     "ranks_per_device must be an integer from 1 to 65536"},
     {"\"name\": \"round\"", "\"name\": \"\"", "name must be a non-empty string"},
     {"\"inter_node\": {", "\"inter\": {", "links.inter is not a known key"},
     {NULL, "[1, 2]", "the top level must be an object"},

@@ -67,21 +67,32 @@ TP_API void tp_hw_free(tp_hw *hw);
 /* The description's "name" (borrowed, valid while hw is). */
 TP_API const char *tp_hw_name(const tp_hw *hw);
 TP_API int tp_hw_devices_per_node(const tp_hw *hw);
+/* How many ranks share one device ("ranks_per_device", default 1): more
+ * than one when a job places more ranks on a node than it has devices
+ * (ranks as threads on a CPU's cores, several processes per GPU). They
+ * take turns: every kernel's time (GEMM and element-wise) is multiplied by
+ * it, and a node holds devices_per_node x ranks_per_device ranks. */
+TP_API int tp_hw_ranks_per_device(const tp_hw *hw);
+/* A copy of hw with ranks_per_device set (1 to 65536), for a job whose
+ * placement differs from the file's; free it with tp_hw_free.
+ * TP_ERR_INVALID_ARG for NULL or a count out of range. */
+TP_API tp_status tp_hw_share_devices(const tp_hw *hw, int ranks_per_device, tp_hw **out);
 
 /* The link class of a group of n global ranks: intra-node when every rank
- * r has the same r / devices_per_node, else inter-node. TP_ERR_INVALID_ARG
- * for NULL, n < 1 or a negative rank. */
+ * r has the same r / (devices_per_node x ranks_per_device), else
+ * inter-node. TP_ERR_INVALID_ARG for NULL, n < 1 or a negative rank. */
 TP_API tp_status tp_hw_group_link(const tp_hw *hw, const int *ranks, int n, tp_link_class *out);
 
 /* Seconds of a [m, k] x [k, n] product in dtype: 2 m n k / (peak FLOP/s of
  * the dtype x the efficiency of the GEMM table's row for min(m, n, k)) plus
- * the kernel launch latency; 0 when m, n or k is 0. TP_ERR_INVALID_ARG for
+ * the kernel launch latency, times ranks_per_device; 0 when m, n or k is 0. TP_ERR_INVALID_ARG for
  * a negative size, TP_ERR_NOT_SUPPORTED when the description has no peak for
  * the dtype (naming both). */
 TP_API tp_status tp_hw_gemm_time(const tp_hw *hw, tp_dtype dtype, int64_t m, int64_t n, int64_t k,
                                  double *seconds);
 /* Seconds of element-wise work that reads and writes `bytes` in all:
- * bytes / memory bandwidth plus the kernel launch latency. */
+ * bytes / memory bandwidth plus the kernel launch latency, times
+ * ranks_per_device. */
 TP_API tp_status tp_hw_elementwise_time(const tp_hw *hw, uint64_t bytes, double *seconds);
 /* Seconds of one collective of `kind` over a group of group_size ranks on
  * link class `link`, `bytes` as comm-debug counts them: the link's

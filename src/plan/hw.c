@@ -167,8 +167,8 @@ static tp_status tp__hw_read(const tp__hw_ctx *c, json_t *root, tp_hw *hw)
 {
     if (!json_is_object(root))
         return tp__hw_bad(c, "the top level", "must be an object");
-    static const char *const keys[] = {"name",    "description", "devices_per_node",
-                                       "compute", "links",       NULL};
+    static const char *const keys[] = {
+        "name", "description", "devices_per_node", "ranks_per_device", "compute", "links", NULL};
     TP_CHECK(tp__hw_known(c, root, "", keys));
     json_t *name = json_object_get(root, "name"), *desc = json_object_get(root, "description");
     if (!json_is_string(name) || !json_string_value(name)[0])
@@ -181,6 +181,12 @@ static tp_status tp__hw_read(const tp__hw_ctx *c, json_t *root, tp_hw *hw)
     if (!json_is_integer(dpn) || json_integer_value(dpn) < 1 || json_integer_value(dpn) > 1 << 20)
         return tp__hw_bad(c, "devices_per_node", "must be an integer from 1 to %d", 1 << 20);
     hw->devices_per_node = (int)json_integer_value(dpn);
+    json_t *rpd = json_object_get(root, "ranks_per_device");
+    if (rpd && (!json_is_integer(rpd) || json_integer_value(rpd) < 1 ||
+                json_integer_value(rpd) > TP__HW_MAX_RANKS_PER_DEVICE))
+        return tp__hw_bad(c, "ranks_per_device", "must be an integer from 1 to %d",
+                          TP__HW_MAX_RANKS_PER_DEVICE);
+    hw->ranks_per_device = rpd ? (int)json_integer_value(rpd) : 1;
     TP_CHECK(tp__hw_read_compute(c, tp__hw_obj(root, "compute"), hw));
     json_t *links = tp__hw_obj(root, "links");
     TP_CHECK(tp__hw_need_obj(c, links, "links"));
@@ -269,6 +275,28 @@ int tp_hw_devices_per_node(const tp_hw *hw)
     return hw ? hw->devices_per_node : 0;
 }
 
+int tp_hw_ranks_per_device(const tp_hw *hw)
+{
+    return hw ? hw->ranks_per_device : 0;
+}
+
+tp_status tp_hw_share_devices(const tp_hw *hw, int ranks_per_device, tp_hw **out)
+{
+    TP_ARG_CHECK(out, "tp_hw_share_devices: out is NULL");
+    *out = NULL;
+    TP_ARG_CHECK(hw, "tp_hw_share_devices: hw is NULL");
+    TP_ARG_CHECK(ranks_per_device >= 1 && ranks_per_device <= TP__HW_MAX_RANKS_PER_DEVICE,
+                 "tp_hw_share_devices: ranks_per_device must be from 1 to %d, got %d",
+                 TP__HW_MAX_RANKS_PER_DEVICE, ranks_per_device);
+    tp_hw *c = tp__malloc(sizeof *c);
+    if (!c)
+        return tp__error(TP_ERR_NO_MEMORY, "tp_hw_share_devices: out of memory");
+    *c = *hw;
+    c->ranks_per_device = ranks_per_device;
+    *out = c;
+    return TP_OK;
+}
+
 /* ---- the model -------------------------------------------------------------------------- */
 
 tp_status tp_hw_group_link(const tp_hw *hw, const int *ranks, int n, tp_link_class *out)
@@ -277,9 +305,11 @@ tp_status tp_hw_group_link(const tp_hw *hw, const int *ranks, int n, tp_link_cla
     TP_ARG_CHECK(n >= 1, "tp_hw_group_link: a group of %d ranks", n);
     for (int i = 0; i < n; i++)
         TP_ARG_CHECK(ranks[i] >= 0, "tp_hw_group_link: rank %d at %d", ranks[i], i);
+    /* a node holds devices_per_node devices of ranks_per_device ranks each */
+    int64_t per_node = (int64_t)hw->devices_per_node * hw->ranks_per_device;
     *out = TP_LINK_INTRA_NODE;
     for (int i = 1; i < n; i++)
-        if (ranks[i] / hw->devices_per_node != ranks[0] / hw->devices_per_node)
+        if (ranks[i] / per_node != ranks[0] / per_node)
             *out = TP_LINK_INTER_NODE;
     return TP_OK;
 }
@@ -313,14 +343,15 @@ tp_status tp_hw_gemm_time(const tp_hw *hw, tp_dtype dtype, int64_t m, int64_t n,
     int64_t d = m < n ? m : n;
     d = d < k ? d : k;
     double flops = 2.0 * (double)m * (double)n * (double)k;
-    *seconds = flops / (hw->peak_flops[dtype] * tp__hw_gemm_eff(hw, d)) + hw->kernel_lat;
+    *seconds = (flops / (hw->peak_flops[dtype] * tp__hw_gemm_eff(hw, d)) + hw->kernel_lat) *
+               hw->ranks_per_device;
     return TP_OK;
 }
 
 tp_status tp_hw_elementwise_time(const tp_hw *hw, uint64_t bytes, double *seconds)
 {
     TP_ARG_CHECK(hw && seconds, "tp_hw_elementwise_time: hw or seconds is NULL");
-    *seconds = bytes ? (double)bytes / hw->mem_bw + hw->kernel_lat : 0;
+    *seconds = bytes ? ((double)bytes / hw->mem_bw + hw->kernel_lat) * hw->ranks_per_device : 0;
     return TP_OK;
 }
 
@@ -395,11 +426,12 @@ static json_t *tp__hw_json(const tp_hw *hw)
         json_array_append_new(gemm,
                               json_pack("{s:I, s:f}", "min_dim", (json_int_t)hw->gemm[i].min_dim,
                                         "efficiency", hw->gemm[i].efficiency));
-    return json_pack("{s:s, s:s, s:i, s:{s:o, s:o, s:f, s:f}, s:{s:o, s:o}}", "name", hw->name,
+    return json_pack("{s:s, s:s, s:i, s:i, s:{s:o, s:o, s:f, s:f}, s:{s:o, s:o}}", "name", hw->name,
                      "description", hw->description, "devices_per_node", hw->devices_per_node,
-                     "compute", "peak_flops", peaks, "gemm_efficiency", gemm, "memory_bandwidth",
-                     hw->mem_bw, "kernel_latency", hw->kernel_lat, "links", "intra_node",
-                     tp__hw_link_json(&hw->link[0]), "inter_node", tp__hw_link_json(&hw->link[1]));
+                     "ranks_per_device", hw->ranks_per_device, "compute", "peak_flops", peaks,
+                     "gemm_efficiency", gemm, "memory_bandwidth", hw->mem_bw, "kernel_latency",
+                     hw->kernel_lat, "links", "intra_node", tp__hw_link_json(&hw->link[0]),
+                     "inter_node", tp__hw_link_json(&hw->link[1]));
 }
 
 tp_status tp_hw_write_json(const tp_hw *hw, FILE *f)

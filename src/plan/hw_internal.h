@@ -8,6 +8,7 @@
 #include "tp/hw.h"
 
 #define TP__HW_MAX_GEMM_ROWS 16
+#define TP__HW_MAX_RANKS_PER_DEVICE 65536
 
 typedef struct {
     double latency;   /* seconds per algorithm step */
@@ -19,6 +20,7 @@ struct tp_hw {
     char name[128];
     char description[512];
     int devices_per_node;
+    int ranks_per_device;              /* ranks time-sharing one device (1: a device each) */
     double peak_flops[TP_DTYPE_COUNT]; /* 0: not given */
     struct {
         int64_t min_dim;
