@@ -3,10 +3,16 @@
  * (tp/hw.h, docs/plan.md) from measurements made through libtp itself, so
  * that plans for it use what it does rather than a data sheet.
  *
- * - GEMM: tp_matmul on square CPU matrices of side 32, 128, 512, 1024, 2048
- *   (-q: up to 512) in f32 and bf16. The peak of a dtype is the best rate
- *   measured; the efficiency table has a row per side with that side's rate
- *   over the peak (row 0 for the smallest side).
+ * - GEMM: tp_matmul on square CPU matrices of side 32, 64, 128, 192, 256,
+ *   384, 512, 768, 1024, 2048 (-q: 32, 128, 512) in f32 and bf16. The peak
+ *   of a dtype is the best rate measured; the efficiency table has a row
+ *   per side with that side's rate over the peak (row 0 for the smallest
+ *   side).
+ * - Devices: a device is the cores one GEMM runs on, OpenBLAS's thread count
+ *   (OPENBLAS_NUM_THREADS, else OMP_NUM_THREADS, else every core), so
+ *   devices_per_node is the core count over it: run with
+ *   OPENBLAS_NUM_THREADS=1 to describe one device per core, the layout of
+ *   shm ranks each on a core of their own.
  * - Memory bandwidth: tp_add of two 16 Mi-element f32 vectors (-q: 1 Mi),
  *   three vectors' bytes (two read, one written) over the time.
  * - Kernel latency: tp_add of one-element vectors, the whole call (dispatch,
@@ -14,7 +20,7 @@
  * - Links: tp_all_reduce (f32 sum) over W ranks of the shm backend (threads),
  *   4 KiB to 16 MiB (-q: to 256 KiB), fitted to the ring model time = 2(W-1)
  *   alpha + 2(W-1)/W S / B by least squares; both link classes get the fit
- *   (one machine: no link across nodes), devices_per_node is the core count.
+ *   (one machine: no link across nodes).
  *
  * Each point is the median of -r repetitions (default 5) of a batch timed
  * as a whole. The description is written with tp_hw_write_json, read back
@@ -153,22 +159,39 @@ static void fit_line(const calib_t *c, double *a, double *b)
 
 /* ---- the description ------------------------------------------------------------------ */
 
-static const int64_t sides[] = {32, 128, 512, 1024, 2048};
+enum { NSIDES = 10 };
+static const int64_t sides[NSIDES] = {32, 64, 128, 192, 256, 384, 512, 768, 1024, 2048};
+static const int64_t quick_sides[3] = {32, 128, 512};
 
-static int measure_compute(const calib_t *c, double peak[2], double eff[2][5], int *nsides,
+/* The cores one GEMM runs on: OpenBLAS's thread count as the environment
+ * sets it (it reads it when it loads), else every core. */
+static int blas_threads(void)
+{
+    const char *vars[] = {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"};
+    for (int i = 0; i < 2; i++) {
+        int v = 0;
+        const char *e = getenv(vars[i]);
+        if (e && bench_parse_int(e, 1, 1 << 16, &v))
+            return v < bench_cores() ? v : bench_cores();
+    }
+    return bench_cores();
+}
+
+static int measure_compute(const calib_t *c, double peak[2], double eff[2][NSIDES], int *nsides,
                            double *mem_bw, double *lat)
 {
-    *nsides = c->quick ? 3 : 5;
+    *nsides = c->quick ? 3 : NSIDES;
+    const int64_t *side = c->quick ? quick_sides : sides;
     const tp_dtype dts[2] = {TP_F32, TP_BF16};
     for (int di = 0; di < 2; di++) {
-        double rate[5];
+        double rate[NSIDES];
         peak[di] = 0;
         for (int i = 0; i < *nsides; i++) {
-            if (gemm_rate(dts[di], sides[i], c->reps, c->quick, &rate[i]) != TP_OK)
+            if (gemm_rate(dts[di], side[i], c->reps, c->quick, &rate[i]) != TP_OK)
                 return 1;
             peak[di] = fmax(peak[di], rate[i]);
-            printf("gemm %-4s %5lld^3: %8.2f GFLOP/s\n", tp_dtype_name(dts[di]),
-                   (long long)sides[i], rate[i] / 1e9);
+            printf("gemm %-4s %5lld^3: %8.2f GFLOP/s\n", tp_dtype_name(dts[di]), (long long)side[i],
+                   rate[i] / 1e9);
         }
         for (int i = 0; i < *nsides; i++)
             eff[di][i] = rate[i] / peak[di];
@@ -205,27 +228,33 @@ static int measure_links(calib_t *c, double *alpha, double *bw)
 
 static int describe(calib_t *c, char *json, size_t len)
 {
-    double peak[2], eff[2][5], mem_bw = 0, lat = 0, alpha = 0, bw = 0;
+    double peak[2], eff[2][NSIDES], mem_bw = 0, lat = 0, alpha = 0, bw = 0;
     int ns = 0;
+    const int64_t *side = c->quick ? quick_sides : sides;
+    int threads = blas_threads(), devices = bench_cores() / threads;
+    printf("BLAS threads per GEMM: %d of %d cores: %d device%s per node%s\n", threads,
+           bench_cores(), devices, devices == 1 ? "" : "s",
+           threads > 1 ? " (OPENBLAS_NUM_THREADS=1 describes one device per core)" : "");
     if (measure_compute(c, peak, eff, &ns, &mem_bw, &lat) || measure_links(c, &alpha, &bw))
         return 1;
     /* one table for both dtypes: f32's (bf16 converts and calls sgemm on the CPU) */
-    char rows[512] = "";
+    char rows[1024] = "";
     for (int i = 0; i < ns; i++) {
         size_t at = strlen(rows);
         snprintf(rows + at, sizeof rows - at, "%s{\"min_dim\": %lld, \"efficiency\": %.4f}",
-                 i ? ", " : "", i ? (long long)sides[i] : 0LL, fmax(1e-4, eff[0][i]));
+                 i ? ", " : "", i ? (long long)side[i] : 0LL, fmax(1e-4, eff[0][i]));
     }
     snprintf(json, len,
              "{\"name\": \"this-machine\", \"description\": \"calibrated by tp-bench-calibrate on "
-             "%d cores: tp_matmul, tp_add, shm all_reduce over %d ranks\", "
-             "\"devices_per_node\": %d, \"compute\": {\"peak_flops\": {\"f32\": %.6g, \"bf16\": "
+             "%d cores, %d BLAS thread%s per GEMM: tp_matmul, tp_add, shm all_reduce over %d "
+             "ranks\", \"devices_per_node\": %d, \"compute\": {\"peak_flops\": {\"f32\": %.6g, "
+             "\"bf16\": "
              "%.6g}, \"gemm_efficiency\": [%s], \"memory_bandwidth\": %.6g, \"kernel_latency\": "
              "%.6g}, \"links\": {\"intra_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
              "\"algorithm\": \"ring\"}, \"inter_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
              "\"algorithm\": \"ring\"}}}",
-             bench_cores(), c->world, bench_cores(), peak[0], peak[1], rows, mem_bw, lat, alpha, bw,
-             alpha, bw);
+             bench_cores(), threads, threads == 1 ? "" : "s", c->world, devices, peak[0], peak[1],
+             rows, mem_bw, lat, alpha, bw, alpha, bw);
     return 0;
 }
 

@@ -15,7 +15,10 @@
  * With --measure N --hw FILE it also walks the step on that hardware
  * description (tp/plan.h) and runs N real steps of the same model on this
  * machine (dp x tp shm ranks on the CPU), printing predicted against
- * measured step time (docs/plan.md, "Validation").
+ * measured step time (docs/plan.md, "Validation"). The ranks share the
+ * file's devices_per_node devices (tp_hw_share_devices: ceil(ranks /
+ * devices) per device); run it with the BLAS threads the file was
+ * calibrated with (OPENBLAS_NUM_THREADS=1 for a device per core).
  *
  * The defaults are the 70B configuration of issue 19. The loss is the mean
  * of the last block's output (no vocabulary). The model and the step are
@@ -54,12 +57,22 @@ static int by_value(const void *a, const void *b)
  * machine (dp x tp shm ranks on the CPU). */
 static tp_status predict_and_measure(const cfg *c, const plan_cfg *pc, const plan_step *s)
 {
-    tp_hw *hw = NULL;
-    tp_status st = tp_hw_load_file(c->hw, &hw);
-    tp_plan_result r;
+    tp_hw *file = NULL, *hw = NULL;
+    tp_status st = tp_hw_load_file(c->hw, &file);
+    /* every rank runs on this one machine: ranks beyond its devices take
+     * turns on them */
+    int ranks = c->dp * c->tp, dpn = file ? tp_hw_devices_per_node(file) : 1;
+    int share = (ranks + dpn - 1) / dpn;
     if (st == TP_OK)
+        st = tp_hw_share_devices(file, share, &hw);
+    tp_plan_result r;
+    if (st == TP_OK) {
+        printf("%d ranks on %d device%s: %d rank%s per device\n", ranks, dpn, dpn == 1 ? "" : "s",
+               share, share == 1 ? "" : "s");
         st = tp_plan_walk(s->trace, hw, &r);
+    }
     tp_hw_free(hw);
+    tp_hw_free(file);
     double *t = calloc((size_t)c->measure, sizeof *t);
     if (st == TP_OK && !t)
         st = TP_ERR_NO_MEMORY;
@@ -73,6 +86,8 @@ static tp_status predict_and_measure(const cfg *c, const plan_cfg *pc, const pla
                "error vs median %+.1f%%\n",
                r.step_s, r.compute_s, r.exposed_comm_s, c->measure, t[0], med, t[c->measure - 1],
                100.0 * (r.step_s - med) / med);
+        printf("the walk: %lld GEMMs, %lld element-wise kernels, %lld collectives\n",
+               (long long)r.gemms, (long long)r.elementwise, (long long)r.collectives);
     }
     free(t);
     return st;
