@@ -18,18 +18,20 @@
  * - Kernel latency: tp_add of one-element vectors, the whole call (dispatch,
  *   allocation, release) per op.
  * - Links: tp_all_reduce (f32 sum) over W ranks of the shm backend (threads),
- *   4 KiB to 16 MiB (-q: to 256 KiB), fitted to the ring model time = 2(W-1)
- *   alpha + 2(W-1)/W S / B by least squares; both link classes get the fit
- *   (one machine: no link across nodes).
+ *   or with --backend mpi (under mpirun -np W) over an "mpi" world of one
+ *   process per rank, 4 KiB to 16 MiB (-q: to 256 KiB), fitted to the ring
+ *   model time = 2(W-1) alpha + 2(W-1)/W S / B by least squares; both link
+ *   classes get the fit (one machine: no link across nodes). Under mpi,
+ *   rank 0 measures the compute alone (the others wait) and writes.
  *
  * Each point is the median of -r repetitions (default 5) of a batch timed
  * as a whole. The description is written with tp_hw_write_json, read back
  * with tp_hw_load_file (so it is checked as any file is), and the measured
  * points are printed beside what the description predicts for them.
  *
- * Usage: tp-bench-calibrate [-o FILE] [-w RANKS] [-r REPS] [-q]
+ * Usage: tp-bench-calibrate [-o FILE] [-w RANKS] [-r REPS] [-q] [--backend shm|mpi]
  *   FILE: where the description goes (default: standard output only);
- *   RANKS: the all_reduce's world (2-64, default 2).
+ *   RANKS: the all_reduce's shm world (2-64, default 2; mpi: mpirun's -np).
  */
 #include <math.h>
 #include <stdio.h>
@@ -48,6 +50,7 @@ typedef struct {
     int world;
     int nsizes;
     double sizes[MAX_PTS], secs[MAX_PTS]; /* all_reduce points */
+    tp_comm *mpi;                         /* --backend mpi: the world; NULL: shm threads */
 } calib_t;
 
 /* ---- compute ------------------------------------------------------------------- */
@@ -214,15 +217,19 @@ static int measure_links(calib_t *c, double *alpha, double *bw)
     c->nsizes = 0;
     for (double s = 4096; s <= (c->quick ? 262144 : 16777216); s *= 4)
         c->sizes[c->nsizes++] = s;
-    if (tp_run_local(c->world, ar_rank, c) != TP_OK)
+    if ((c->mpi ? ar_rank(c->mpi, c) : tp_run_local(c->world, ar_rank, c)) != TP_OK) {
+        fprintf(stderr, "tp-bench-calibrate: the all_reduce sweep: %s\n", tp_last_error());
         return 1;
+    }
+    if (c->mpi && tp_comm_rank(c->mpi) != 0)
+        return 0;
     double a = 0, b = 0;
     fit_line(c, &a, &b);
     int g = c->world;
     *alpha = fmax(0, a / (2.0 * (g - 1)));
     *bw = b > 0 ? 2.0 * (g - 1) / g / b : 1e12;
-    printf("shm all_reduce over %d ranks: alpha %.2f us, B %.2f GB/s (ring fit)\n", g, *alpha * 1e6,
-           *bw / 1e9);
+    printf("%s all_reduce over %d ranks: alpha %.2f us, B %.2f GB/s (ring fit)\n",
+           c->mpi ? "mpi" : "shm", g, *alpha * 1e6, *bw / 1e9);
     return 0;
 }
 
@@ -235,8 +242,15 @@ static int describe(calib_t *c, char *json, size_t len)
     printf("BLAS threads per GEMM: %d of %d cores: %d device%s per node%s\n", threads,
            bench_cores(), devices, devices == 1 ? "" : "s",
            threads > 1 ? " (OPENBLAS_NUM_THREADS=1 describes one device per core)" : "");
-    if (measure_compute(c, peak, eff, &ns, &mem_bw, &lat) || measure_links(c, &alpha, &bw))
+    bool lead = !c->mpi || tp_comm_rank(c->mpi) == 0;
+    if (lead && measure_compute(c, peak, eff, &ns, &mem_bw, &lat))
         return 1;
+    if (c->mpi && tp_barrier(c->mpi, NULL) != TP_OK) /* the others wait for it */
+        return 1;
+    if (measure_links(c, &alpha, &bw))
+        return 1;
+    if (!lead)
+        return 0;
     /* one table for both dtypes: f32's (bf16 converts and calls sgemm on the CPU) */
     char rows[1024] = "";
     for (int i = 0; i < ns; i++) {
@@ -246,15 +260,15 @@ static int describe(calib_t *c, char *json, size_t len)
     }
     snprintf(json, len,
              "{\"name\": \"this-machine\", \"description\": \"calibrated by tp-bench-calibrate on "
-             "%d cores, %d BLAS thread%s per GEMM: tp_matmul, tp_add, shm all_reduce over %d "
+             "%d cores, %d BLAS thread%s per GEMM: tp_matmul, tp_add, %s all_reduce over %d "
              "ranks\", \"devices_per_node\": %d, \"compute\": {\"peak_flops\": {\"f32\": %.6g, "
              "\"bf16\": "
              "%.6g}, \"gemm_efficiency\": [%s], \"memory_bandwidth\": %.6g, \"kernel_latency\": "
              "%.6g}, \"links\": {\"intra_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
              "\"algorithm\": \"ring\"}, \"inter_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
              "\"algorithm\": \"ring\"}}}",
-             bench_cores(), threads, threads == 1 ? "" : "s", c->world, devices, peak[0], peak[1],
-             rows, mem_bw, lat, alpha, bw, alpha, bw);
+             bench_cores(), threads, threads == 1 ? "" : "s", c->mpi ? "mpi" : "shm", c->world,
+             devices, peak[0], peak[1], rows, mem_bw, lat, alpha, bw, alpha, bw);
     return 0;
 }
 
@@ -276,6 +290,7 @@ int main(int argc, char **argv)
 {
     calib_t c = {.reps = 5, .world = 2};
     const char *out = NULL;
+    bool mpi = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-o") && i + 1 < argc)
             out = argv[++i];
@@ -287,20 +302,43 @@ int main(int argc, char **argv)
             i++;
         else if (!strcmp(argv[i], "-q"))
             c.quick = true;
+        else if (!strcmp(argv[i], "--backend") && i + 1 < argc &&
+                 (!strcmp(argv[i + 1], "shm") || !strcmp(argv[i + 1], "mpi")))
+            mpi = !strcmp(argv[++i], "mpi");
         else {
             fprintf(stderr,
                     "tp-bench-calibrate: bad option '%s'\n"
-                    "usage: %s [-o FILE] [-w RANKS (2-64)] [-r REPS (1-31)] [-q]\n",
+                    "usage: %s [-o FILE] [-w RANKS (2-64)] [-r REPS (1-31)] [-q] "
+                    "[--backend shm|mpi]\n",
                     argv[i], argv[0]);
             return 2;
         }
     }
+    if (mpi) {
+        if (tp_comm_create_world("mpi", NULL, &c.mpi) != TP_OK) {
+            fprintf(stderr, "tp-bench-calibrate: tp_comm_create_world(\"mpi\"): %s\n",
+                    tp_last_error());
+            return 1;
+        }
+        c.world = tp_comm_size(c.mpi);
+        if (c.world < 2) {
+            fprintf(stderr, "tp-bench-calibrate: --backend mpi needs mpirun -np 2 or more\n");
+            tp_comm_free(c.mpi);
+            return 2;
+        }
+    }
     static char json[4096];
-    if (describe(&c, json, sizeof json))
+    int drc = describe(&c, json, sizeof json);
+    if (c.mpi && (drc || tp_comm_rank(c.mpi) != 0)) {
+        tp_comm_free(c.mpi);
+        return drc;
+    }
+    if (drc)
         return 1;
     tp_hw *hw = NULL;
     if (tp_hw_load_string(json, "this-machine", &hw) != TP_OK) {
         fprintf(stderr, "tp-bench-calibrate: %s\n", tp_last_error());
+        tp_comm_free(c.mpi);
         return 1;
     }
     int rc = report(&c, hw);
@@ -313,10 +351,12 @@ int main(int argc, char **argv)
     if (rc == 0 && out) {
         if (tp_hw_load_file(out, &hw) != TP_OK) {
             fprintf(stderr, "tp-bench-calibrate: %s\n", tp_last_error());
+            tp_comm_free(c.mpi);
             return 1;
         }
         printf("wrote %s (%s, read back)\n", out, tp_hw_name(hw));
         tp_hw_free(hw);
     }
+    tp_comm_free(c.mpi);
     return rc;
 }

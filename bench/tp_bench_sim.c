@@ -18,7 +18,9 @@
  * measured step time (docs/plan.md, "Validation"). The ranks share the
  * file's devices_per_node devices (tp_hw_share_devices: ceil(ranks /
  * devices) per device); run it with the BLAS threads the file was
- * calibrated with (OPENBLAS_NUM_THREADS=1 for a device per core).
+ * calibrated with (OPENBLAS_NUM_THREADS=1 for a device per core). With
+ * --backend mpi, under mpirun -np dp*tp, the real steps run one process per
+ * rank of an "mpi" world instead, and rank 0 prints.
  *
  * The defaults are the 70B configuration of issue 19. The loss is the mean
  * of the last block's output (no vocabulary). The model and the step are
@@ -35,6 +37,7 @@
 typedef struct cfg {
     int layers, hidden, ffn, heads, seq, batch, dp, tp, rank, measure;
     const char *hw;
+    tp_comm *world; /* --backend mpi: the real steps' world; NULL: shm threads */
 } cfg;
 
 static void report(const tp_comm_debug *dbg)
@@ -67,8 +70,9 @@ static tp_status predict_and_measure(const cfg *c, const plan_cfg *pc, const pla
         st = tp_hw_share_devices(file, share, &hw);
     tp_plan_result r;
     if (st == TP_OK) {
-        printf("%d ranks on %d device%s: %d rank%s per device\n", ranks, dpn, dpn == 1 ? "" : "s",
-               share, share == 1 ? "" : "s");
+        printf("%d ranks (%s) on %d device%s: %d rank%s per device\n", ranks,
+               c->world ? "mpi processes" : "shm threads", dpn, dpn == 1 ? "" : "s", share,
+               share == 1 ? "" : "s");
         st = tp_plan_walk(s->trace, hw, &r);
     }
     tp_hw_free(hw);
@@ -77,8 +81,9 @@ static tp_status predict_and_measure(const cfg *c, const plan_cfg *pc, const pla
     if (st == TP_OK && !t)
         st = TP_ERR_NO_MEMORY;
     if (st == TP_OK)
-        st = plan_measure_steps(pc, c->measure, t);
-    if (st == TP_OK) {
+        st = c->world ? plan_measure_steps_on(pc, c->world, c->measure, t)
+                      : plan_measure_steps(pc, c->measure, t);
+    if (st == TP_OK && (!c->world || tp_comm_rank(c->world) == 0)) {
         qsort(t, (size_t)c->measure, sizeof *t, by_value);
         double med = t[c->measure / 2];
         printf("predicted step %.6f s (compute %.6f s, exposed communication %.6f s); "
@@ -133,7 +138,7 @@ static tp_status run(const cfg *c)
 
 int main(int argc, char **argv)
 {
-    cfg c = {80, 8192, 28672, 64, 4096, 1, 64, 8, 0, 0, NULL};
+    cfg c = {80, 8192, 28672, 64, 4096, 1, 64, 8, 0, 0, NULL, NULL};
     struct {
         const char *flag;
         int *v;
@@ -141,9 +146,15 @@ int main(int argc, char **argv)
                 {"--heads", &c.heads},    {"--seq", &c.seq},       {"--batch", &c.batch},
                 {"--dp", &c.dp},          {"--tp", &c.tp},         {"--rank", &c.rank},
                 {"--measure", &c.measure}};
+    const char *backend = "shm";
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--hw") == 0 && i + 1 < argc) {
             c.hw = argv[++i];
+            continue;
+        }
+        if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc &&
+            (strcmp(argv[i + 1], "shm") == 0 || strcmp(argv[i + 1], "mpi") == 0)) {
+            backend = argv[++i];
             continue;
         }
         size_t k = 0;
@@ -153,7 +164,7 @@ int main(int argc, char **argv)
             !bench_parse_int(argv[++i], 0, 1 << 30, opts[k].v)) {
             fprintf(stderr, "usage: tp-bench-sim [--layers N] [--hidden N] [--ffn N] [--heads N] "
                             "[--seq N] [--batch N] [--dp N] [--tp N] [--rank R] "
-                            "[--measure N --hw FILE]\n");
+                            "[--measure N --hw FILE [--backend shm|mpi]]\n");
             return 2;
         }
     }
@@ -165,5 +176,19 @@ int main(int argc, char **argv)
         fprintf(stderr, "tp-bench-sim: heads must divide hidden, tp heads and seq\n");
         return 2;
     }
-    return run(&c) == TP_OK ? 0 : 1;
+    if (strcmp(backend, "mpi") == 0) {
+        if (!c.measure) {
+            fprintf(stderr, "tp-bench-sim: --backend mpi is for --measure\n");
+            return 2;
+        }
+        if (tp_comm_create_world("mpi", NULL, &c.world) != TP_OK) {
+            fprintf(stderr, "tp-bench-sim: tp_comm_create_world(\"mpi\"): %s\n", tp_last_error());
+            return 1;
+        }
+        if (tp_comm_rank(c.world) != 0 && !freopen("/dev/null", "w", stdout))
+            return 1; /* rank 0 prints */
+    }
+    int rc = run(&c) == TP_OK ? 0 : 1;
+    tp_comm_free(c.world);
+    return rc;
 }

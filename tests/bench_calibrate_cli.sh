@@ -11,7 +11,7 @@ trap 'rm -rf "$tmp"' EXIT
 fails=0
 fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 
-for args in "-w 1" "-w 65" "-r 0" "-o" "--bogus"; do
+for args in "-w 1" "-w 65" "-r 0" "-o" "--bogus" "--backend tcp" "--backend"; do
     # shellcheck disable=SC2086
     "$bench" $args >"$tmp/out" 2>&1
     rc=$?

@@ -512,3 +512,19 @@ tp_status plan_measure_steps(const plan_cfg *c, int steps, double *seconds)
     pm_measure m = {c, steps, seconds};
     return tp_run_local((int)(c->dp * c->tp), pm_measure_rank, &m);
 }
+
+tp_status plan_measure_steps_on(const plan_cfg *c, tp_comm *world, int steps, double *seconds)
+{
+    const char *bad = plan_cfg_check(c);
+    if (bad) {
+        fprintf(stderr, "invalid configuration: %s\n", bad);
+        return TP_ERR_INVALID_ARG;
+    }
+    if (tp_comm_size(world) != c->dp * c->tp) {
+        fprintf(stderr, "the world has %d ranks, the layout dp %lld x tp %lld\n",
+                tp_comm_size(world), (long long)c->dp, (long long)c->tp);
+        return TP_ERR_INVALID_ARG;
+    }
+    pm_measure m = {c, steps, seconds};
+    return pm_measure_rank(world, &m);
+}

@@ -48,4 +48,10 @@ void plan_step_free(plan_step *s);
  * barriers; seconds[i] is rank 0's wall time of step i. */
 tp_status plan_measure_steps(const plan_cfg *c, int steps, double *seconds);
 
+/* The same on `world` (dp x tp ranks of any backend, e.g. one process per
+ * rank of an "mpi" world under mpirun), every rank calling it; seconds is
+ * filled on rank 0 only. TP_ERR_INVALID_ARG when the world's size is not
+ * dp x tp. */
+tp_status plan_measure_steps_on(const plan_cfg *c, tp_comm *world, int steps, double *seconds);
+
 #endif /* TP_TOOLS_PLAN_MODEL_H */
