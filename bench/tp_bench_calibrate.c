@@ -14,7 +14,9 @@
  *   OPENBLAS_NUM_THREADS=1 to describe one device per core, the layout of
  *   shm ranks each on a core of their own.
  * - Memory bandwidth: tp_add of two 16 Mi-element f32 vectors (-q: 1 Mi),
- *   three vectors' bytes (two read, one written) over the time.
+ *   three vectors' bytes (two read, one written) over the time, on every
+ *   device at once (one thread each; under mpi, every process): what one
+ *   device gets while the others stream too, as in a step.
  * - Kernel latency: tp_add of one-element vectors, the whole call (dispatch,
  *   allocation, release) per op.
  * - Links: tp_all_reduce (f32 sum) over W ranks of the shm backend (threads),
@@ -111,6 +113,22 @@ static tp_status add_time(int64_t n, int batch, int reps, double *secs)
     return st;
 }
 
+/* tp_add streams on every device at once (devices shm threads): a rank's
+ * element-wise work in a step runs while the other devices' ranks stream
+ * too, so the memory bandwidth of one device is what it gets then. */
+typedef struct {
+    int64_t n;
+    int batch, reps;
+    double secs[64];
+} stream_t;
+
+static tp_status stream_rank(tp_comm *w, void *arg)
+{
+    stream_t *s = arg;
+    tp_status st = tp_barrier(w, NULL);
+    return st != TP_OK ? st : add_time(s->n, s->batch, s->reps, &s->secs[tp_comm_rank(w)]);
+}
+
 /* ---- links --------------------------------------------------------------------------- */
 
 static tp_status ar_rank(tp_comm *w, void *arg)
@@ -167,7 +185,7 @@ static const int64_t sides[NSIDES] = {32, 64, 128, 192, 256, 384, 512, 768, 1024
 static const int64_t quick_sides[3] = {32, 128, 512};
 
 /* The cores one GEMM runs on: OpenBLAS's thread count as the environment
- * sets it (it reads it when it loads), else every core. */
+ * sets it (it reads it when it loads), else every core of this process. */
 static int blas_threads(void)
 {
     const char *vars[] = {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"};
@@ -180,8 +198,51 @@ static int blas_threads(void)
     return bench_cores();
 }
 
+/* Memory bandwidth per device: tp_add on every device at once (shm: one
+ * thread per device; mpi: every process of the world). Collective under
+ * mpi. */
+static int measure_stream(const calib_t *c, int devices, double *mem_bw)
+{
+    stream_t st = {
+        .n = c->quick ? (1 << 20) : (1 << 24), .batch = c->quick ? 8 : 4, .reps = c->reps};
+    int nd = devices < 64 ? devices : 64;
+    double t = 0; /* the mean time of the streams */
+    if (c->mpi) {
+        nd = tp_comm_size(c->mpi);
+        int64_t one = 1;
+        tp_tensor *sum = NULL;
+        double mine = 0;
+        tp_status s = tp_barrier(c->mpi, NULL);
+        if (s == TP_OK)
+            s = add_time(st.n, st.batch, st.reps, &mine);
+        if (s == TP_OK)
+            s = tp_tensor_from_blob(TP_F64, TP_CPU, 1, &one, &mine, NULL, NULL, &sum);
+        if (s == TP_OK)
+            s = tp_all_reduce(c->mpi, sum, sum, TP_AVG, NULL);
+        tp_tensor_release(sum);
+        if (s != TP_OK)
+            return 1;
+        t = mine;
+    } else {
+        if ((nd > 1 ? tp_run_local(nd, stream_rank, &st)
+                    : add_time(st.n, st.batch, st.reps, &st.secs[0])) != TP_OK)
+            return 1;
+        for (int d = 0; d < nd; d++)
+            t += st.secs[d] / nd;
+    }
+    *mem_bw = 3.0 * 4 * (double)st.n / t;
+    if (!c->mpi || tp_comm_rank(c->mpi) == 0)
+        printf("memory bandwidth (tp_add, %lld f32, on %d %s at once): %.2f GB/s each\n",
+               (long long)st.n, nd,
+               c->mpi    ? "processes"
+               : nd == 1 ? "device"
+                         : "devices",
+               *mem_bw / 1e9);
+    return 0;
+}
+
 static int measure_compute(const calib_t *c, double peak[2], double eff[2][NSIDES], int *nsides,
-                           double *mem_bw, double *lat)
+                           double *lat)
 {
     *nsides = c->quick ? 3 : NSIDES;
     const int64_t *side = c->quick ? quick_sides : sides;
@@ -199,16 +260,9 @@ static int measure_compute(const calib_t *c, double peak[2], double eff[2][NSIDE
         for (int i = 0; i < *nsides; i++)
             eff[di][i] = rate[i] / peak[di];
     }
-    int64_t n = c->quick ? (1 << 20) : (1 << 24);
-    double t = 0;
-    if (add_time(n, c->quick ? 8 : 4, c->reps, &t) != TP_OK)
-        return 1;
-    *mem_bw = 3.0 * 4 * n / t;
     if (add_time(1, 2000, c->reps, lat) != TP_OK)
         return 1;
-    printf(
-        "memory bandwidth (tp_add, %lld f32): %.2f GB/s; per-op latency (tp_add of 1): %.2f us\n",
-        (long long)n, *mem_bw / 1e9, *lat * 1e6);
+    printf("per-op latency (tp_add of 1): %.2f us\n", *lat * 1e6);
     return 0;
 }
 
@@ -238,14 +292,20 @@ static int describe(calib_t *c, char *json, size_t len)
     double peak[2], eff[2][NSIDES], mem_bw = 0, lat = 0, alpha = 0, bw = 0;
     int ns = 0;
     const int64_t *side = c->quick ? quick_sides : sides;
-    int threads = blas_threads(), devices = bench_cores() / threads;
-    printf("BLAS threads per GEMM: %d of %d cores: %d device%s per node%s\n", threads,
-           bench_cores(), devices, devices == 1 ? "" : "s",
-           threads > 1 ? " (OPENBLAS_NUM_THREADS=1 describes one device per core)" : "");
+    /* under mpirun each process may be bound to a core of its own: the node's
+     * cores are those of every process together */
+    int cores = c->mpi ? bench_world_cores(c->mpi) : bench_cores();
+    int threads = blas_threads(), devices = cores >= threads ? cores / threads : 1;
     bool lead = !c->mpi || tp_comm_rank(c->mpi) == 0;
-    if (lead && measure_compute(c, peak, eff, &ns, &mem_bw, &lat))
+    if (lead)
+        printf("BLAS threads per GEMM: %d of %d cores: %d device%s per node%s\n", threads, cores,
+               devices, devices == 1 ? "" : "s",
+               threads > 1 ? " (OPENBLAS_NUM_THREADS=1 describes one device per core)" : "");
+    if (lead && measure_compute(c, peak, eff, &ns, &lat))
         return 1;
     if (c->mpi && tp_barrier(c->mpi, NULL) != TP_OK) /* the others wait for it */
+        return 1;
+    if (measure_stream(c, devices, &mem_bw))
         return 1;
     if (measure_links(c, &alpha, &bw))
         return 1;
@@ -267,8 +327,8 @@ static int describe(calib_t *c, char *json, size_t len)
              "%.6g}, \"links\": {\"intra_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
              "\"algorithm\": \"ring\"}, \"inter_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
              "\"algorithm\": \"ring\"}}}",
-             bench_cores(), threads, threads == 1 ? "" : "s", c->mpi ? "mpi" : "shm", c->world,
-             devices, peak[0], peak[1], rows, mem_bw, lat, alpha, bw, alpha, bw);
+             cores, threads, threads == 1 ? "" : "s", c->mpi ? "mpi" : "shm", c->world, devices,
+             peak[0], peak[1], rows, mem_bw, lat, alpha, bw, alpha, bw);
     return 0;
 }
 
