@@ -23,7 +23,9 @@
  *   or with --backend mpi (under mpirun -np W) over an "mpi" world of one
  *   process per rank, 4 KiB to 16 MiB (-q: to 256 KiB), fitted to the ring
  *   model time = 2(W-1) alpha + 2(W-1)/W S / B by least squares; both link
- *   classes get the fit (one machine: no link across nodes). Under mpi,
+ *   classes get the fit (one machine: no link across nodes), without async
+ *   progress (on the CPU, libtp's shm and mpi backends move an asynchronous
+ *   collective's data only inside test and wait calls). Under mpi,
  *   rank 0 measures the compute alone (the others wait) and writes.
  *
  * Each point is the median of -r repetitions (default 5) of a batch timed
@@ -325,8 +327,8 @@ static int describe(calib_t *c, char *json, size_t len)
              "\"bf16\": "
              "%.6g}, \"gemm_efficiency\": [%s], \"memory_bandwidth\": %.6g, \"kernel_latency\": "
              "%.6g}, \"links\": {\"intra_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
-             "\"algorithm\": \"ring\"}, \"inter_node\": {\"latency\": %.6g, \"bandwidth\": %.6g, "
-             "\"algorithm\": \"ring\"}}}",
+             "\"algorithm\": \"ring\", \"async_progress\": false}, \"inter_node\": {\"latency\": "
+             "%.6g, \"bandwidth\": %.6g, \"algorithm\": \"ring\", \"async_progress\": false}}}",
              cores, threads, threads == 1 ? "" : "s", c->mpi ? "mpi" : "shm", c->world, devices,
              peak[0], peak[1], rows, mem_bw, lat, alpha, bw, alpha, bw);
     return 0;

@@ -293,6 +293,8 @@ static const bad_case bad_cases[] = {
     {"\"latency\": 1e-5, \"bandwidth\": 1e9, \"algorithm\": \"tree\"",
      "\"latency\": \"fast\", \"bandwidth\": 1e9, \"algorithm\": \"tree\"",
      "links.inter_node.latency must be a number >= 0"},
+    {"\"algorithm\": \"tree\"", "\"algorithm\": \"tree\", \"async_progress\": 1",
+     "links.inter_node.async_progress must be true or false"},
     {"\"algorithm\": \"tree\"", "\"algorithm\": \"star\"",
      "links.inter_node.algorithm must be \"ring\" or \"tree\""},
     {"\"efficiency\": 0.5", "\"efficiency\": 1.5",

@@ -133,6 +133,63 @@ Test(plan, walk_async_bucket_overlap, .timeout = 30)
     tp_hw_free(hw);
 }
 
+/* The same trace on links without async progress (CPU backends: data moves
+ * only inside the wait): the first bucket moves at its wait at 9 ms, all
+ * 10.002 ms exposed; the second, never waited on, after the last GEMM at
+ * 23.002 ms, 10.002 ms more. The bucket's span is empty at its issue. */
+Test(plan, walk_async_without_progress_moves_at_the_wait, .timeout = 30)
+{
+    char *json = strdup(hw_json);
+    for (char *at = json; (at = strstr(at, "\"algorithm\": \"ring\"")) != NULL; at++) {
+        size_t n = strlen(json) + 32;
+        char *next = malloc(n);
+        snprintf(next, n, "%.*s\"algorithm\": \"ring\", \"async_progress\": false%s",
+                 (int)(at - json), json, at + strlen("\"algorithm\": \"ring\""));
+        at = next + (at - json) + 1;
+        free(json);
+        json = next;
+    }
+    tp_hw *hw = NULL;
+    cr_assert_eq(tp_hw_load_string(json, "no-progress", &hw), TP_OK, "%s", tp_last_error());
+    cr_assert(!tp_hw_async_progress(hw, TP_LINK_INTRA_NODE) &&
+              !tp_hw_async_progress(hw, TP_LINK_INTER_NODE));
+    tp_hw *on = round_hw();
+    cr_assert(tp_hw_async_progress(on, TP_LINK_INTER_NODE), "async progress is the default");
+    cr_assert(!tp_hw_async_progress(NULL, TP_LINK_INTRA_NODE));
+    cr_assert(!tp_hw_async_progress(on, (tp_link_class)2));
+    tp_plan_trace *t = NULL;
+    cr_assert_eq(tp_plan_trace_create(&t), TP_OK);
+    add_gemm(t, 1000, 1000, 1000);
+    add_coll(t, 1, 2, 4, 1000000, true);
+    add_gemm(t, 1000, 1000, 1000);
+    add_ew(t, 1000000, TP_PLAN_BACKWARD);
+    add_wait(t, 1);
+    tp_plan_result r;
+    cr_assert_eq(tp_plan_walk(t, hw, &r), TP_OK, "%s", tp_last_error());
+    near(r.compute_s, 9e-3, "compute");
+    near(r.comm_s, 10.002e-3, "comm");
+    near(r.exposed_comm_s, 10.002e-3, "exposed");
+    near(r.step_s, 19.002e-3, "step");
+    add_coll(t, 2, 2, 4, 1000000, true);
+    add_gemm(t, 1000, 1000, 1000);
+    cr_assert_eq(tp_plan_walk(t, hw, &r), TP_OK, "%s", tp_last_error());
+    near(r.compute_s, 13e-3, "compute");
+    near(r.exposed_comm_s, 20.004e-3, "exposed");
+    near(r.step_s, 33.004e-3, "step");
+    /* written out, the flag stays */
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&buf, &len);
+    cr_assert_eq(tp_hw_write_json(hw, mem), TP_OK);
+    fclose(mem);
+    cr_assert(strstr(buf, "\"async_progress\": false"), "%s", buf);
+    free(buf);
+    free(json);
+    tp_plan_trace_free(t);
+    tp_hw_free(on);
+    tp_hw_free(hw);
+}
+
 /* A synchronous collective waits for the link: issued while a 10.002 ms
  * bucket runs from 4 ms, a 6 ms intra-node all_reduce starts at 14.002 ms. */
 Test(plan, walk_sync_after_async_waits_for_the_link, .timeout = 30)

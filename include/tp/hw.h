@@ -23,6 +23,7 @@
 #ifndef TP_HW_H
 #define TP_HW_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -94,6 +95,13 @@ TP_API tp_status tp_hw_gemm_time(const tp_hw *hw, tp_dtype dtype, int64_t m, int
  * bytes / memory bandwidth plus the kernel launch latency, times
  * ranks_per_device. */
 TP_API tp_status tp_hw_elementwise_time(const tp_hw *hw, uint64_t bytes, double *seconds);
+/* Whether asynchronous collectives on link class `link` move data beside
+ * compute ("async_progress" of the link, default true: NCCL's kernels, an
+ * MPI with a progress thread), or only inside the wait on them (false: the
+ * shm backend and an MPI without a progress thread, on the CPU), where the
+ * step-time walk charges them. false for NULL or an unknown class. */
+TP_API bool tp_hw_async_progress(const tp_hw *hw, tp_link_class link);
+
 /* Seconds of one collective of `kind` over a group of group_size ranks on
  * link class `link`, `bytes` as comm-debug counts them: the link's
  * algorithm's latency steps times its latency plus the bytes each rank

@@ -145,10 +145,17 @@ static tp_status tp__hw_read_link(const tp__hw_ctx *c, json_t *links, const char
     snprintf(at, sizeof at, "links.%s", name);
     json_t *o = tp__hw_obj(links, name);
     TP_CHECK(tp__hw_need_obj(c, o, at));
-    static const char *const keys[] = {"latency", "bandwidth", "algorithm", NULL};
+    static const char *const keys[] = {"latency", "bandwidth", "algorithm", "async_progress", NULL};
     TP_CHECK(tp__hw_known(c, o, at, keys));
     TP_CHECK(tp__hw_num(c, o, at, "latency", 0, false, INFINITY, &l->latency));
     TP_CHECK(tp__hw_num(c, o, at, "bandwidth", 0, true, INFINITY, &l->bandwidth));
+    json_t *ap = json_object_get(o, "async_progress");
+    if (ap && !json_is_boolean(ap)) {
+        char field[80];
+        snprintf(field, sizeof field, "%s.async_progress", at);
+        return tp__hw_bad(c, field, "must be true or false");
+    }
+    l->async_progress = !ap || json_is_true(ap);
     json_t *a = json_object_get(o, "algorithm");
     const char *s = json_is_string(a) ? json_string_value(a) : "";
     if (!strcmp(s, "ring"))
@@ -273,6 +280,12 @@ const char *tp_hw_name(const tp_hw *hw)
 int tp_hw_devices_per_node(const tp_hw *hw)
 {
     return hw ? hw->devices_per_node : 0;
+}
+
+bool tp_hw_async_progress(const tp_hw *hw, tp_link_class link)
+{
+    return hw && (link == TP_LINK_INTRA_NODE || link == TP_LINK_INTER_NODE) &&
+           hw->link[link].async_progress;
 }
 
 int tp_hw_ranks_per_device(const tp_hw *hw)
@@ -412,8 +425,9 @@ tp_status tp_hw_collective_time(const tp_hw *hw, tp_coll_kind kind, int group_si
 
 static json_t *tp__hw_link_json(const tp__hw_link *l)
 {
-    return json_pack("{s:f, s:f, s:s}", "latency", l->latency, "bandwidth", l->bandwidth,
-                     "algorithm", l->algo == TP_ALGO_RING ? "ring" : "tree");
+    return json_pack("{s:f, s:f, s:s, s:b}", "latency", l->latency, "bandwidth", l->bandwidth,
+                     "algorithm", l->algo == TP_ALGO_RING ? "ring" : "tree", "async_progress",
+                     l->async_progress);
 }
 
 static json_t *tp__hw_json(const tp_hw *hw)

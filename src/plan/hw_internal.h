@@ -14,6 +14,8 @@ typedef struct {
     double latency;   /* seconds per algorithm step */
     double bandwidth; /* bytes per second over a rank's busiest link */
     tp_coll_algo algo;
+    bool async_progress; /* asynchronous collectives move data beside compute
+                          * (false: only inside the wait on them) */
 } tp__hw_link;
 
 struct tp_hw {

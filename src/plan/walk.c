@@ -18,11 +18,15 @@ typedef void (*tp__plan_visit)(const tp_plan_event *e, const tp__plan_span *s, v
 typedef struct {
     double compute, comm; /* when each lane is free */
     double *async_end;    /* per event index: end of an asynchronous collective */
+    double *deferred;     /* per event index: the time of an asynchronous collective on a
+                           * link without async progress, until its wait charges it */
 } tp__plan_lanes;
 
-static tp_status tp__plan_event_time(const tp_hw *hw, const tp_plan_event *e, double *t)
+static tp_status tp__plan_event_time(const tp_hw *hw, const tp_plan_event *e, double *t,
+                                     bool *defer)
 {
     *t = 0;
+    *defer = false;
     if (e->kind == TP_PLAN_GEMM)
         return tp_hw_gemm_time(hw, e->dtype, e->m, e->n, e->k, t);
     if (e->kind == TP_PLAN_ELEMENTWISE)
@@ -37,10 +41,23 @@ static tp_status tp__plan_event_time(const tp_hw *hw, const tp_plan_event *e, do
     int r[2] = {(int)ranks[0], (int)ranks[1]};
     tp_link_class link;
     TP_CHECK(tp_hw_group_link(hw, r, 2, &link));
+    *defer = e->async && !hw->link[link].async_progress;
     return tp_hw_collective_time(hw, e->coll, e->group_size, link, e->bytes, t);
 }
 
-static void tp__plan_step(tp__plan_lanes *l, const tp_plan_event *e, double t, size_t i,
+/* A collective moves its data on the communication lane from when both
+ * lanes are free: the compute lane waits for it (a synchronous one) or goes
+ * on. */
+static double tp__plan_comm(tp__plan_lanes *l, double t, tp_plan_result *r)
+{
+    double start = l->compute > l->comm ? l->compute : l->comm;
+    l->comm = start + t;
+    r->exposed_comm_s += l->comm - l->compute;
+    l->compute = l->comm;
+    return start;
+}
+
+static void tp__plan_step(tp__plan_lanes *l, const tp_plan_event *e, double t, bool defer, size_t i,
                           tp_plan_result *r, tp__plan_span *s)
 {
     if (e->kind == TP_PLAN_GEMM || e->kind == TP_PLAN_ELEMENTWISE) {
@@ -56,20 +73,25 @@ static void tp__plan_step(tp__plan_lanes *l, const tp_plan_event *e, double t, s
         }
         return;
     }
-    /* a collective starts when both the data (compute) and the link are ready */
-    double start = l->compute > l->comm ? l->compute : l->comm;
-    *s = (tp__plan_span){1, start, t};
-    l->comm = start + t;
     r->comm_s += t;
     r->collectives++;
     r->coll_count[e->coll]++;
     r->coll_bytes[e->coll] += e->bytes;
     r->coll_s[e->coll] += t;
+    if (defer) {
+        /* nothing moves it until its wait (or the step's end) */
+        *s = (tp__plan_span){1, l->compute, 0};
+        l->deferred[i] = t;
+        return;
+    }
+    /* a collective starts when both the data (compute) and the link are ready */
+    double start = l->compute > l->comm ? l->compute : l->comm;
+    *s = (tp__plan_span){1, start, t};
     if (e->async) {
+        l->comm = start + t;
         l->async_end[i] = l->comm;
     } else {
-        r->exposed_comm_s += l->comm - l->compute;
-        l->compute = l->comm;
+        tp__plan_comm(l, t, r);
     }
 }
 
@@ -77,16 +99,21 @@ static tp_status tp__plan_walk(const tp_plan_trace *tr, const tp_hw *hw, tp_plan
                                tp__plan_visit visit, void *ctx)
 {
     memset(r, 0, sizeof *r);
-    tp__plan_lanes l = {0, 0, tp__calloc(tr->n ? tr->n : 1, sizeof(double))};
-    if (!l.async_end)
+    tp__plan_lanes l = {0, 0, tp__calloc(tr->n ? tr->n : 1, sizeof(double)),
+                        tp__calloc(tr->n ? tr->n : 1, sizeof(double))};
+    if (!l.async_end || !l.deferred) {
+        tp__free(l.async_end);
+        tp__free(l.deferred);
         return tp__error(TP_ERR_NO_MEMORY, "tp_plan_walk: out of memory");
+    }
     tp_status st = TP_OK;
     tp_dtype most = TP_F32;
     double most_flops = -1, by_dtype[TP_DTYPE_COUNT] = {0};
     for (size_t i = 0; i < tr->n && st == TP_OK; i++) {
         const tp_plan_event *e = &tr->ev[i];
         double t = 0;
-        st = tp__plan_event_time(hw, e, &t);
+        bool defer = false;
+        st = tp__plan_event_time(hw, e, &t, &defer);
         if (st != TP_OK) {
             tp__error_prefix("tp_plan_walk: event %zu", i);
             break;
@@ -95,25 +122,40 @@ static tp_status tp__plan_walk(const tp_plan_trace *tr, const tp_hw *hw, tp_plan
             size_t j = i;
             while (j-- > 0 && !(tr->ev[j].kind == TP_PLAN_COLLECTIVE && tr->ev[j].id == e->id))
                 ;
-            double end = j < i ? l.async_end[j] : 0;
-            tp__plan_span s = {0, l.compute, end > l.compute ? end - l.compute : 0};
-            if (end > l.compute) {
-                r->exposed_comm_s += end - l.compute;
-                l.compute = end;
+            double before = l.compute;
+            if (j < i && l.deferred[j] > 0) {
+                /* the wait moves the data now */
+                tp__plan_comm(&l, l.deferred[j], r);
+                l.deferred[j] = 0;
+            } else {
+                double end = j < i ? l.async_end[j] : 0;
+                if (end > l.compute) {
+                    r->exposed_comm_s += end - l.compute;
+                    l.compute = end;
+                }
             }
+            tp__plan_span s = {0, before, l.compute - before};
             r->waits++;
             if (visit)
                 visit(e, &s, ctx);
             continue;
         }
         tp__plan_span s;
-        tp__plan_step(&l, e, t, i, r, &s);
+        tp__plan_step(&l, e, t, defer, i, r, &s);
         if (e->kind == TP_PLAN_GEMM)
             by_dtype[e->dtype] += 2.0 * (double)e->m * (double)e->n * (double)e->k;
         if (visit)
             visit(e, &s, ctx);
     }
+    /* work never waited on moves at the step's end (without async progress)
+     * and ends the step when it completes */
+    for (size_t i = 0; st == TP_OK && i < tr->n; i++)
+        if (l.deferred[i] > 0) {
+            double start = l.compute > l.comm ? l.compute : l.comm;
+            l.comm = start + l.deferred[i];
+        }
     tp__free(l.async_end);
+    tp__free(l.deferred);
     if (st != TP_OK)
         return st;
     /* work never waited on ends the step when it completes */
