@@ -398,3 +398,29 @@ Test(plan, out_of_memory_is_reported, .timeout = 30)
     tp_tensor_release(buf);
     cr_assert_eq(tp_comm_free(world), TP_OK);
 }
+
+/* A copy onto a meta tensor moves nothing but costs its time in a planned
+ * step (DDP's bucket copies go through tp_tensor_copy): one element-wise
+ * event of dst's elements, read and written; none outside a trace. */
+Test(plan, records_copies_onto_meta, .timeout = 30)
+{
+    int64_t shape[2] = {3, 5};
+    tp_tensor *a = NULL, *b = NULL;
+    cr_assert_eq(tp_tensor_empty(TP_F32, TP_META, 2, shape, &a), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_tensor_empty(TP_BF16, TP_META, 2, shape, &b), TP_OK, "%s", tp_last_error());
+    tp_plan_trace *t = NULL;
+    cr_assert_eq(tp_plan_trace_create(&t), TP_OK);
+    cr_assert_eq(tp_tensor_copy(b, a), TP_OK, "%s", tp_last_error()); /* no trace yet */
+    cr_assert_eq(tp_plan_trace_begin(t), TP_OK);
+    cr_assert_eq(tp_tensor_copy(b, a), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_plan_trace_end(t), TP_OK);
+    cr_assert_eq(tp_tensor_copy(b, a), TP_OK, "%s", tp_last_error()); /* after it */
+    cr_assert_eq(tp_plan_trace_count(t), 1);
+    const tp_plan_event *e = tp_plan_trace_event(t, 0);
+    cr_assert_eq(e->kind, TP_PLAN_ELEMENTWISE);
+    cr_assert_eq(e->bytes, 15u * 2u * 2u, "15 bf16 elements read and written: %llu bytes",
+                 (unsigned long long)e->bytes);
+    tp_plan_trace_free(t);
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+}

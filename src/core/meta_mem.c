@@ -168,6 +168,20 @@ static size_t mm_rounded(size_t n)
 
 static _Atomic(const char *(*)(void)) mm_scope_source;
 
+static _Atomic(void (*)(tp_dtype, int64_t)) mm_copy_observer;
+
+void tp__meta_set_copy_observer(void (*observer)(tp_dtype dtype, int64_t elems))
+{
+    atomic_store_explicit(&mm_copy_observer, observer, memory_order_release);
+}
+
+void tp__meta_note_copy(tp_dtype dtype, int64_t elems)
+{
+    void (*f)(tp_dtype, int64_t) = atomic_load_explicit(&mm_copy_observer, memory_order_acquire);
+    if (f)
+        f(dtype, elems);
+}
+
 void tp__meta_mem_set_scope_source(const char *(*current_scope)(void))
 {
     atomic_store_explicit(&mm_scope_source, current_scope, memory_order_release);

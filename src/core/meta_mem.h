@@ -14,6 +14,15 @@
  * scope; until then every storage counts in the root, TP_COMM_DEBUG_GLOBAL. */
 void tp__meta_mem_set_scope_source(const char *(*current_scope)(void));
 
+/* Who hears of a copy onto a meta tensor (tp_tensor_copy and the like,
+ * which move no data there): the step recorder (tp/plan.h, a layer above
+ * core) registers itself when a trace begins, so that a copy costs its
+ * element-wise time in a simulated step (DDP's bucket copies) as the meta
+ * kernels' copies do. NULL: nobody. */
+void tp__meta_set_copy_observer(void (*observer)(tp_dtype dtype, int64_t elems));
+/* Tells the observer of a copy of elems elements of dtype onto meta. */
+void tp__meta_note_copy(tp_dtype dtype, int64_t elems);
+
 /* Counts a meta storage at addr of nbytes, in the calling thread's current
  * comm-debug scope. TP_ERR_NO_MEMORY naming fn when the table cannot grow. */
 tp_status tp__meta_mem_alloc(const char *fn, uintptr_t addr, size_t nbytes);

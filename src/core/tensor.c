@@ -4,9 +4,10 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "core/core.h"
 #include "core/cache.h"
+#include "core/core.h"
 #include "core/dtype_elem.h"
+#include "core/meta_mem.h"
 
 #define TP__SHAPE_BUF 200 /* "[" + 8 x (20 digits + ", ") + "]" */
 
@@ -986,8 +987,12 @@ static tp_status tp__copy(const char *fn, tp_tensor *dst, const tp_tensor *src)
         }
     }
     tp_device dd = dst->storage->device, sd = src->storage->device;
-    if (dd.type == TP_DEVICE_META)
-        return TP_OK; /* a meta dst takes the shape only: nothing to write */
+    if (dd.type == TP_DEVICE_META) {
+        /* a meta dst takes the shape only: nothing to write, but a step being
+         * planned pays the copy's time */
+        tp__meta_note_copy(dst->dtype, tp__numel(dst));
+        return TP_OK;
+    }
     if (sd.type == TP_DEVICE_META)
         return tp__meta_refuse(fn, "src");
     if (dd.type == TP_DEVICE_CPU && sd.type == TP_DEVICE_CPU) {

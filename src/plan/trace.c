@@ -5,6 +5,7 @@
 #include "collectives/observer.h"
 #include "core/core.h"
 #include "core/log.h"
+#include "core/meta_mem.h"
 #include "tp/comm_debug.h"
 
 static _Thread_local tp_plan_trace *tp__plan_active;
@@ -33,6 +34,12 @@ void tp_plan_trace_free(tp_plan_trace *trace)
     tp__free(trace);
 }
 
+/* A copy onto a meta tensor (core's tp_tensor_copy): read and written. */
+static void tp__plan_meta_copy(tp_dtype dtype, int64_t elems)
+{
+    tp__plan_elementwise(dtype, elems, 2, false);
+}
+
 tp_status tp_plan_trace_begin(tp_plan_trace *trace)
 {
     TP_ARG_CHECK(trace, "tp_plan_trace_begin: trace is NULL");
@@ -42,6 +49,7 @@ tp_status tp_plan_trace_begin(tp_plan_trace *trace)
     trace->lost = false;
     tp__plan_active = trace;
     tp__comm_set_observer(&tp__plan_observer);
+    tp__meta_set_copy_observer(tp__plan_meta_copy);
     return TP_OK;
 }
 
