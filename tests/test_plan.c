@@ -98,6 +98,20 @@ Test(plan, walk_sync_by_hand, .timeout = 30)
     tp_hw_free(hw);
 }
 
+/* A 4 ms GEMM, an asynchronous bucket over ranks 0 and 4, another 4 ms GEMM
+ * and 1 ms of element-wise work, then the wait on the bucket. */
+static tp_plan_trace *bucket_trace(void)
+{
+    tp_plan_trace *t = NULL;
+    cr_assert_eq(tp_plan_trace_create(&t), TP_OK);
+    add_gemm(t, 1000, 1000, 1000);
+    add_coll(t, 1, 2, 4, 1000000, true);
+    add_gemm(t, 1000, 1000, 1000);
+    add_ew(t, 1000000, TP_PLAN_BACKWARD);
+    add_wait(t, 1);
+    return t;
+}
+
 /* An asynchronous bucket over ranks 0 and 4 (two nodes: inter-node ring,
  * 2 steps * 1e-6 + 2 * 1/2 * 1e6 / 1e8 = 10.002 ms) issued after a 4 ms
  * GEMM: it runs beside the next 4 ms GEMM and 1 ms of element-wise work,
@@ -107,13 +121,7 @@ Test(plan, walk_sync_by_hand, .timeout = 30)
 Test(plan, walk_async_bucket_overlap, .timeout = 30)
 {
     tp_hw *hw = round_hw();
-    tp_plan_trace *t = NULL;
-    cr_assert_eq(tp_plan_trace_create(&t), TP_OK);
-    add_gemm(t, 1000, 1000, 1000);
-    add_coll(t, 1, 2, 4, 1000000, true);
-    add_gemm(t, 1000, 1000, 1000);
-    add_ew(t, 1000000, TP_PLAN_BACKWARD);
-    add_wait(t, 1);
+    tp_plan_trace *t = bucket_trace();
     tp_plan_result r;
     cr_assert_eq(tp_plan_walk(t, hw, &r), TP_OK, "%s", tp_last_error());
     near(r.compute_s, 9e-3, "compute");
@@ -157,13 +165,7 @@ Test(plan, walk_async_without_progress_moves_at_the_wait, .timeout = 30)
     cr_assert(tp_hw_async_progress(on, TP_LINK_INTER_NODE), "async progress is the default");
     cr_assert(!tp_hw_async_progress(NULL, TP_LINK_INTRA_NODE));
     cr_assert(!tp_hw_async_progress(on, (tp_link_class)2));
-    tp_plan_trace *t = NULL;
-    cr_assert_eq(tp_plan_trace_create(&t), TP_OK);
-    add_gemm(t, 1000, 1000, 1000);
-    add_coll(t, 1, 2, 4, 1000000, true);
-    add_gemm(t, 1000, 1000, 1000);
-    add_ew(t, 1000000, TP_PLAN_BACKWARD);
-    add_wait(t, 1);
+    tp_plan_trace *t = bucket_trace();
     tp_plan_result r;
     cr_assert_eq(tp_plan_walk(t, hw, &r), TP_OK, "%s", tp_last_error());
     near(r.compute_s, 9e-3, "compute");
