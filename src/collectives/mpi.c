@@ -249,7 +249,6 @@ typedef struct mpi_state {
     unsigned ring_seq; /* ring collectives issued (their tags; every rank counts alike) */
     size_t direct_bytes;       /* TP_MPI_DIRECT_BYTES and TP_MPI_RING as they were when the */
     bool ring_on;              /* communicator was made (not read again per call) */
-    _Atomic(mpi_work *) spare; /* a finished work object kept for the next call */
 } mpi_state;
 
 /* Requests a direct collective keeps inside its work object: up to
@@ -790,11 +789,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
         return tp__error(TP_ERR_NOT_SUPPORTED,
                          "backend 'mpi': %zu elements per rank exceed MPI's int count", d->count);
 
-    mpi_work *w = atomic_exchange(&S->spare, NULL);
-    if (w)
-        memset(w, 0, sizeof *w);
-    else
-        w = tp__calloc(1, sizeof *w);
+    mpi_work *w = tp__calloc(1, sizeof *w);
     if (!w)
         return state_fail(
             S, tp__error(TP_ERR_NO_MEMORY, "backend 'mpi': out of memory for the work object"));
@@ -899,21 +894,6 @@ static tp_status mpi_work_wait(void *state, void *work, double timeout_s)
     return st;
 }
 
-/* A finished work object: its resources go, the object itself is kept for
- * the next collective when S has none spare (a small collective costs
- * ~0.6 us over shared memory, and the allocation a tenth of that). */
-static void work_recycle(mpi_state *S, mpi_work *w)
-{
-    mpi_work *none = NULL;
-    if (w->ring || (w->reqs != &w->req && w->reqs != w->inl) || w->tmp ||
-        !atomic_compare_exchange_strong(&S->spare, &none, w)) {
-        work_destroy(w);
-        return;
-    }
-    tp_tensor_release(w->keep[0]);
-    tp_tensor_release(w->keep[1]);
-}
-
 static void mpi_work_free(void *state, void *work)
 {
     mpi_state *S = state;
@@ -932,7 +912,7 @@ static void mpi_work_free(void *state, void *work)
     }
     pthread_mutex_unlock(&S->mu);
     if (w)
-        work_recycle(S, w);
+        work_destroy(w);
 }
 
 static tp_status state_create(MPI_Comm comm, mpi_state **out)
@@ -1025,7 +1005,6 @@ static void mpi_free(void *state)
         mpi_faulted++;
     pthread_mutex_destroy(&S->mu);
     tp__abort_destroy(&S->abort);
-    tp__free(atomic_load(&S->spare));
     tp__free(S);
     if (--mpi_live == 0)
         mpi_teardown_locked();
