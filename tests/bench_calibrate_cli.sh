@@ -19,6 +19,15 @@ for args in "-w 1" "-w 65" "-r 0" "-o" "--bogus" "--backend tcp" "--backend"; do
     grep -q "usage:" "$tmp/out" || fail "'$args' prints no usage"
 done
 
+# --backend mpi in one process: a clear refusal (libtp with MPI), or the
+# world's error (without)
+"$bench" -q -r 1 --backend mpi >"$tmp/out" 2>&1
+rc=$?
+if ! { [ $rc -eq 2 ] && grep -q "needs mpirun -np 2 or more" "$tmp/out"; } &&
+    ! { [ $rc -eq 1 ] && grep -q 'tp_comm_create_world("mpi")' "$tmp/out"; }; then
+    fail "--backend mpi alone exits $rc: $(cat "$tmp/out")"
+fi
+
 "$bench" -q -r 1 -o "$tmp/hw.json" >"$tmp/out" 2>&1 || fail "a run exits $?: $(cat "$tmp/out")"
 grep -q "^wrote $tmp/hw.json (this-machine, read back)" "$tmp/out" || fail "no 'wrote ... read back' line"
 [ "$(grep -cE '^ *[0-9]+ B ' "$tmp/out")" -eq 4 ] || fail "not 4 all_reduce points (4 KiB to 256 KiB)"
