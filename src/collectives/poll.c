@@ -15,7 +15,7 @@ static inline void cpu_relax(void)
 
 tp_status tp__poll_until(tp__poll_fn poll, void *ctx, double timeout_s, const tp__pace *pace)
 {
-    unsigned every = pace->every ? pace->every : 1, left = 1;
+    unsigned every = pace->every ? pace->every : 1, left = every;
     double t0 = -1;
     for (;;) {
         bool done = false;

@@ -34,8 +34,10 @@ typedef struct tp__pace {
 /* Calls poll(ctx, &done) until it reports done or fails, and returns its
  * status then. Returns TP_ERR_TIMEOUT, recording no message, once
  * timeout_s have passed since the first test: the caller words the
- * timeout and aborts what must not wait any longer. The first test comes
- * before any clock read, so an operation already complete costs one call. */
+ * timeout and aborts what must not wait any longer. The clock is first read
+ * at the `every`-th test, and the waiting counts from there (the tests
+ * before it take microseconds): an operation that completes within them
+ * costs no clock read at all. */
 tp_status tp__poll_until(tp__poll_fn poll, void *ctx, double timeout_s, const tp__pace *pace);
 
 #endif /* TP_COLL_POLL_H */
