@@ -238,6 +238,12 @@ tp_status tp_comm_split(tp_comm *comm, int color, int key, tp_comm **out)
 }
 
 static _Thread_local int tp__split_hint;
+static _Thread_local const tp_coll_desc *tp__blocking_desc;
+
+bool tp__comm_blocking_call(const tp_coll_desc *desc)
+{
+    return desc && desc == tp__blocking_desc;
+}
 
 tp_status tp__comm_split_sized(tp_comm *comm, int color, int key, int size, tp_comm **out)
 {
@@ -578,7 +584,9 @@ static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
     void *impl = NULL;
     if (st == TP_OK) {
         tp_clear_error();
+        tp__blocking_desc = work ? NULL : d;
         st = comm->ops.collective(comm->state, d, &impl);
+        tp__blocking_desc = NULL;
         if (st != TP_OK && !tp_last_error()[0]) /* a user backend's bare status */
             tp__error(st, "backend '%s' %s %s", comm->ops.name,
                       st == TP_ERR_NOT_SUPPORTED ? "does not implement"

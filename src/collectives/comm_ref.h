@@ -22,6 +22,15 @@ tp_status tp__comm_split_sized(tp_comm *comm, int color, int key, int size, tp_c
  * outside one. */
 int tp__comm_split_size_hint(void);
 
+/* Whether `desc` is the descriptor of a blocking call (work == NULL) that
+ * the dispatch layer is issuing on this thread. `collective` may complete
+ * such a call before returning (*work = NULL, as the backend contract
+ * allows), and a built-in backend that knows it is blocking can then keep
+ * its work on the stack: no allocation, no work list, no references. A
+ * descriptor of anyone else (a user calling a backend table directly, the
+ * descriptor check's own exchange) never matches. */
+bool tp__comm_blocking_call(const tp_coll_desc *desc);
+
 /* Plan traces (tp/plan.h) place a group in the world by the world-rank
  * distance between its consecutive members: a mesh knows it for its dims'
  * groups (the product of the later dims' sizes, times its own group's

@@ -73,6 +73,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -260,7 +261,6 @@ struct mpi_work {
     MPI_Request req;   /* a collective's one request */
     MPI_Request *reqs; /* &req, the direct path's messages (mpi_direct.c: inl or
                         * allocated) or the ring's current step's (mpi_ring.c) */
-    MPI_Request inl[MPI_INLINE_REQS];
     tp__mpi_copy copy; /* direct path: the own block's copy left for the wait */
     int nreq;
     bool direct;        /* reductions: tmp holds every rank's contribution */
@@ -284,6 +284,7 @@ struct mpi_work {
      * request MPI never completes (abort, timeout) may still write into them
      * after the caller freed its handles */
     tp_tensor *keep[2];
+    MPI_Request inl[MPI_INLINE_REQS]; /* last: not cleared, filled as posted */
 };
 
 static bool abort_on_failure(void)
@@ -327,7 +328,8 @@ static void list_remove(mpi_work **head, mpi_work *w)
     }
 }
 
-static void work_destroy(mpi_work *w)
+/* Frees what w holds, not w itself (a blocking call's work is on the stack). */
+static void work_clear(mpi_work *w)
 {
     if (w->ring)
         tp__mpi_ring_free(w->ring); /* w->reqs is its */
@@ -336,6 +338,11 @@ static void work_destroy(mpi_work *w)
     tp_tensor_release(w->keep[0]);
     tp_tensor_release(w->keep[1]);
     tp__cpu_cache_free(w->tmp);
+}
+
+static void work_destroy(mpi_work *w)
+{
+    work_clear(w);
     tp__free(w);
 }
 
@@ -775,6 +782,52 @@ static int post_ring(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
     return rc;
 }
 
+/* A blocking call's work (on the stack) that MPI still owns after a failed
+ * wait moves to the heap, onto S's zombies, holding references on the
+ * caller's tensors: MPI may still write them, and a ring goes on driving
+ * itself for peers that join late. Without memory for the move the tensors
+ * are kept for good rather than ever freed under MPI. */
+static void work_abandon_local(mpi_state *S, mpi_work *local, const tp_coll_desc *d)
+{
+    tp_tensor *send = tp_tensor_retain((tp_tensor *)d->send);
+    tp_tensor *recv = d->recv != d->send ? tp_tensor_retain(d->recv) : NULL;
+    mpi_work *w = tp__malloc(sizeof *w);
+    if (!w)
+        return; /* the references above are never dropped */
+    *w = *local;
+    if (local->reqs == &local->req)
+        w->reqs = &w->req;
+    else if (local->reqs == local->inl)
+        w->reqs = w->inl;
+    w->keep[0] = send;
+    w->keep[1] = recv;
+    pthread_mutex_lock(&S->mu);
+    w->next = S->zombies;
+    S->zombies = w;
+    stale_add(w);
+    pthread_mutex_unlock(&S->mu);
+}
+
+/* A blocking call (tp__comm_blocking_call) runs to its end here, its work
+ * on the stack: no allocation, no work list, no tensor references, which
+ * are a tenth of a 4 KiB exchange's time. */
+static tp_status run_blocking(mpi_state *S, mpi_work *w, const tp_coll_desc *d)
+{
+    bool fin = false;
+    tp_status st = req_wait(S, w->ring, &w->copy, w->nreq, w->reqs, d->timeout_s,
+                            tp_coll_kind_name(w->kind), &fin);
+    if (st == TP_OK) {
+        w->complete = true;
+        work_finish(S, w);
+        st = w->status;
+    }
+    if (st == TP_OK || fin)
+        work_clear(w); /* MPI is done with the requests */
+    else
+        work_abandon_local(S, w, d);
+    return st;
+}
+
 static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
 {
     mpi_state *S = state;
@@ -789,10 +842,13 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
         return tp__error(TP_ERR_NOT_SUPPORTED,
                          "backend 'mpi': %zu elements per rank exceed MPI's int count", d->count);
 
-    mpi_work *w = tp__calloc(1, sizeof *w);
+    bool blocking = tp__comm_blocking_call(d);
+    mpi_work local;
+    mpi_work *w = blocking ? &local : tp__malloc(sizeof *w);
     if (!w)
         return state_fail(
             S, tp__error(TP_ERR_NO_MEMORY, "backend 'mpi': out of memory for the work object"));
+    memset(w, 0, offsetof(mpi_work, inl));
     w->req = MPI_REQUEST_NULL;
     w->reqs = &w->req;
     w->nreq = 1;
@@ -802,15 +858,19 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     w->count = d->count;
     w->send = d->sendbuf;
     w->result = d->recvbuf;
-    w->keep[0] = tp_tensor_retain((tp_tensor *)d->send);
-    w->keep[1] = d->recv != d->send ? tp_tensor_retain(d->recv) : NULL;
+    if (!blocking) {
+        w->keep[0] = tp_tensor_retain((tp_tensor *)d->send);
+        w->keep[1] = d->recv != d->send ? tp_tensor_retain(d->recv) : NULL;
+    }
 
     bool direct = tp__mpi_direct_fits(d, S->size, S->direct_bytes);
     bool ring = tp__mpi_ring_fits(d, S->size, direct, S->ring_on);
     int rc = direct ? post_direct(S, d, w) : ring ? post_ring(S, d, w) : post_nbc(S, d, w);
     tp_status st = TP_OK;
     if (rc == POST_INVALID) {
-        work_destroy(w);
+        work_clear(w);
+        if (!blocking)
+            tp__free(w);
         return tp__error(TP_ERR_INVALID_ARG, "backend 'mpi': invalid collective kind");
     }
     if (rc == POST_NO_MEMORY) {
@@ -822,6 +882,8 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     }
     TP_MPI_CHECK_GOTO(direct || ring ? "MPI_Isend/MPI_Irecv" : mpi_call_names[d->kind], rc, st,
                       fail);
+    if (blocking)
+        return run_blocking(S, w, d);
     pthread_mutex_lock(&S->mu);
     w->next = S->active;
     S->active = w;
@@ -832,12 +894,18 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
 fail:
     if ((direct || w->ring) && w->nreq > 0) {
         /* some messages went out: MPI owns them and their buffers now */
-        pthread_mutex_lock(&S->mu);
-        w->next = S->zombies;
-        S->zombies = w;
-        pthread_mutex_unlock(&S->mu);
+        if (blocking) {
+            work_abandon_local(S, w, d);
+        } else {
+            pthread_mutex_lock(&S->mu);
+            w->next = S->zombies;
+            S->zombies = w;
+            pthread_mutex_unlock(&S->mu);
+        }
     } else {
-        work_destroy(w);
+        work_clear(w);
+        if (!blocking)
+            tp__free(w);
     }
     return state_fail(S, st);
 }
