@@ -250,6 +250,9 @@ typedef struct mpi_state {
     unsigned ring_seq; /* ring collectives issued (their tags; every rank counts alike) */
     size_t direct_bytes;       /* TP_MPI_DIRECT_BYTES and TP_MPI_RING as they were when the */
     bool ring_on;              /* communicator was made (not read again per call) */
+    bool split;                /* 2-4 KiB direct messages go as halves: the world's
+                                * measured answer (tp__mpi_direct_decide_split),
+                                * which its splits inherit */
 } mpi_state;
 
 /* Requests a direct collective keeps inside its work object: up to
@@ -758,8 +761,8 @@ static int post_direct(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
         return POST_NO_MEMORY;
     w->direct = true;
     mpi_lock();
-    int rc = tp__mpi_direct_post(d, S->comm, S->rank, S->size, mpi_dtype(d->dtype), w->tmp, w->reqs,
-                                 &w->nreq, &w->copy);
+    int rc = tp__mpi_direct_post(d, S->comm, S->rank, S->size, mpi_dtype(d->dtype), S->split,
+                                 w->tmp, w->reqs, &w->nreq, &w->copy);
     mpi_unlock();
     tp__mpi_copy_step(&w->copy); /* the first chunk, while the messages start */
     return rc;
@@ -1122,6 +1125,7 @@ static tp_status mpi_split(void *state, int color, int key, double timeout_s, vo
     st = state_create(nc, &N);
     if (st == TP_OK) {
         N->timeout_s = timeout_s;
+        N->split = S->split;
         mpi_live++;
     }
     else
@@ -1192,6 +1196,9 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
         MPI_Comm_free(&comm);
         goto fail;
     }
+    TP_MPI_CHECK_GOTO("measuring the 2-4 KiB message split",
+                      tp__mpi_direct_decide_split(comm, S->rank, S->size, &S->split), st,
+                      fail_state);
     /* ranks sharing this node's cores decide how politely to wait */
     if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
         MPI_SUCCESS) {
@@ -1206,6 +1213,11 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
     *size = S->size;
     mpi_unlock();
     goto out;
+fail_state:
+    pthread_mutex_destroy(&S->mu);
+    tp__abort_destroy(&S->abort);
+    tp__free(S);
+    MPI_Comm_free(&comm);
 fail:
     if (mpi_live == 0)
         mpi_teardown_locked();

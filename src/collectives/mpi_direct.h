@@ -44,8 +44,18 @@ typedef struct tp__mpi_copy {
  * whole copy is done. */
 bool tp__mpi_copy_step(tp__mpi_copy *c);
 
+/* Whether a message of just over 2 KiB to 4 KiB goes as two halves on
+ * `comm` (rank `rank` of `size`), the same answer on every rank: rank 0's
+ * TP_MPI_SPLIT when it is "0" or "1", else measured by ranks 0 and 1 (a
+ * 4 KiB exchange, whole and as halves, 16 times each, interleaved; halves
+ * when their fastest is 10% below the whole message's) and broadcast by
+ * rank 0. Collective over comm, blocking, about 40 exchanges; call it once,
+ * before comm carries anything else, under the backend's lock. Returns
+ * MPI's code (*split false on failure). */
+int tp__mpi_direct_decide_split(MPI_Comm comm, int rank, int size, bool *split);
+
 /* Posts the receives and sends of `d` on `comm` as rank `rank` of `size`
- * (type dt) into reqs, setting *nreq to how many were posted (even when a
+ * (type dt; a message of 2-4 KiB as two halves when `split`) into reqs, setting *nreq to how many were posted (even when a
  * call failed). This rank's own block of an all_gather or all_to_all is
  * left in *copy for the caller (a chunk now, the rest during the wait); a
  * reduction's own contribution is copied here where it needs to be. A
@@ -53,7 +63,8 @@ bool tp__mpi_copy_step(tp__mpi_copy *c);
  * the call is out of place (rank 0 copies its own there). Returns MPI's
  * code. */
 int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size, MPI_Datatype dt,
-                        void *scratch, MPI_Request *reqs, int *nreq, tp__mpi_copy *copy);
+                        bool split, void *scratch, MPI_Request *reqs, int *nreq,
+                        tp__mpi_copy *copy);
 
 /* Once every request of `d` completed: the reduction of the contributions,
  * in rank order (every rank computes the same expression, so the same
