@@ -29,7 +29,8 @@
  * Waiting. tp_work_wait polls MPI_Test, which is also what drives MPI's
  * progress, until completion or the timeout: busy, like MPI_Wait, yielding
  * the core when the node runs more ranks than cores and MPI does not yield
- * by itself. tp_comm_split first waits (with the communicator's timeout, as
+ * by itself. A blocking call (work == NULL) waits inside `collective`, its
+ * work object on the stack (run_blocking), and hands back no work. tp_comm_split first waits (with the communicator's timeout, as
  * shm does) on a non-blocking barrier, so that a missing peer is a timeout
  * rather than a hang inside MPI_Comm_split.
  *
