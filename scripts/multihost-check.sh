@@ -123,16 +123,11 @@ exec ip netns exec "\$ns" /bin/sh -c "\$*"
 EOF
 printf '%s slots=2\n%s slots=2\n' $hosta $hostb >"$tmp/hosts"
 # mpirun in the first host; TCP only; the runtime's own connections probed
-# every second, so a cut link ends the job in seconds instead of 5+ minutes.
-# Two TCP connections per pair of ranks (btl_tcp_links 2): with OpenMPI
-# 4.1's one, an exchange of 16 MiB or more each way over the shaped link
-# drops to half rate after a few calls and stays there (a 32 MiB
-# MPI_Sendrecv: 280 ms, then 557 ms), where a raw TCP socket carrying both
-# directions keeps 281 ms; with two it stays at 281 ms (docs/multihost.md)
+# every second, so a cut link ends the job in seconds instead of 5+ minutes
 cat >"$tmp/mpirun" <<EOF
 #!/bin/sh
 exec ip netns exec $nsa mpirun --allow-run-as-root --hostfile $tmp/hosts \\
-    --mca plm_rsh_agent $tmp/rsh --mca pml ob1 --mca btl tcp,self --mca btl_tcp_links 2 \\
+    --mca plm_rsh_agent $tmp/rsh --mca pml ob1 --mca btl tcp,self \\
     --mca btl_tcp_if_include 10.251.0.0/24 --mca oob_tcp_if_include 10.251.0.0/24 \\
     --mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1 \\
     --mca oob_tcp_keepalive_probes 3 --bind-to none --map-by node "\$@"
