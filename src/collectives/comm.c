@@ -584,9 +584,12 @@ static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
     void *impl = NULL;
     if (st == TP_OK) {
         tp_clear_error();
+        /* saved and restored: a user backend may issue libtp collectives
+         * of its own from inside `collective` */
+        const tp_coll_desc *outer = tp__blocking_desc;
         tp__blocking_desc = work ? NULL : d;
         st = comm->ops.collective(comm->state, d, &impl);
-        tp__blocking_desc = NULL;
+        tp__blocking_desc = outer;
         if (st != TP_OK && !tp_last_error()[0]) /* a user backend's bare status */
             tp__error(st, "backend '%s' %s %s", comm->ops.name,
                       st == TP_ERR_NOT_SUPPORTED ? "does not implement"
