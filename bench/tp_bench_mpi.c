@@ -1,15 +1,23 @@
 /*
  * tp-bench-mpi: libtp's mpi backend against the MPI it calls, in one
  * process per rank under mpirun. For every collective and size it times, in
- * turn (A B C A B C ...), libtp's blocking call (work = NULL) on an "mpi"
- * world, the same MPI's blocking call (MPI_Allreduce, ...) and its
- * non-blocking call waited for with an MPI_Test loop (MPI_Iallreduce, ...),
- * each on its own duplicate of MPI_COMM_WORLD, and prints per point the
- * median time per call of each and the ratio libtp / best of the two bare
- * calls, as the median over repetitions with its min-max.
+ * turn, libtp's blocking call (work = NULL) on an "mpi" world, the same MPI's
+ * blocking call (MPI_Allreduce, ...) and its non-blocking call waited for with
+ * an MPI_Test loop (MPI_Iallreduce, ...), each on its own duplicate of
+ * MPI_COMM_WORLD; each repetition starts with the next of the three (A B C,
+ * B C A, C A B, ...) so that no form always runs first. Per point it prints
+ * the median time per call of each and the ratio libtp / the better bare
+ * form: the bare form (blocking or non-blocking) with the lower median is
+ * chosen once per point, and the ratio is the median over repetitions of
+ * libtp's time over that form's time in the same repetition, with its
+ * min-max. (Dividing by the lower of the two bare times inside each
+ * repetition instead would bias the ratio upwards: the minimum of two noisy
+ * times of the same cost is below either.) --self times MPI's blocking call
+ * in libtp's place, an A/A run that shows the method's own noise.
  *
  *   mpirun -np 2 tp-bench-mpi [-b 4K] [-e 64M] [-f 4] [-R 5] [--target-s 0.2]
  *                             [--collective all_reduce,all_gather,...] [--csv FILE]
+ *                             [--self]
  *
  * Sizes follow nccl-tests (and ../shared/peers/mpi_coll.c): float32, the
  * size is the larger buffer of a rank (all_gather's output, reduce_scatter's
@@ -39,6 +47,7 @@ typedef struct bench {
     tp_tensor *send, *recv;
     float *sbuf, *rbuf;
     size_t count; /* elements of the larger buffer */
+    bool self;    /* --self: MPI's blocking call in libtp's place */
 } bench;
 
 static int64_t elems(size_t n)
@@ -50,7 +59,7 @@ static int64_t elems(size_t n)
 static int call(bench *b, int c, int v)
 {
     size_t n = b->count, k = n / (size_t)b->size;
-    if (v == V_TP) {
+    if (v == V_TP && !b->self) {
         switch (c) {
         case C_ALL_REDUCE:
             return tp_all_reduce(b->world, b->send, b->recv, TP_SUM, NULL);
@@ -66,7 +75,7 @@ static int call(bench *b, int c, int v)
     }
     MPI_Comm m = b->comm[v];
     MPI_Request req = MPI_REQUEST_NULL;
-    MPI_Request *r = v == V_NONBLOCKING ? &req : NULL;
+    MPI_Request *r = v == V_NONBLOCKING ? &req : NULL; /* V_TP here: --self */
     int rc;
     switch (c) {
     case C_ALL_REDUCE:
@@ -185,32 +194,37 @@ static int point(bench *b, int c, size_t bytes, int reps, double target, FILE *c
     double t[V_COUNT][MAX_REPS], ratio[MAX_REPS];
     for (int v = 0; v < V_COUNT; v++)
         loop(b, c, v, n < 10 ? n : 10); /* warm-up */
-    for (int rep = 0; rep < reps; rep++) {
-        for (int v = 0; v < V_COUNT; v++)
+    for (int rep = 0; rep < reps; rep++)
+        for (int j = 0; j < V_COUNT; j++) {
+            int v = (rep + j) % V_COUNT;
             t[v][rep] = loop(b, c, v, n);
-        ratio[rep] = t[V_TP][rep] / fmin(t[V_BLOCKING][rep], t[V_NONBLOCKING][rep]);
+        }
+    double med[V_COUNT], fast[V_COUNT], sorted[MAX_REPS];
+    for (int v = 0; v < V_COUNT; v++) {
+        memcpy(sorted, t[v], (size_t)reps * sizeof *sorted);
+        med[v] = median(sorted, reps);
+        fast[v] = sorted[0];
+    }
+    int best = med[V_NONBLOCKING] < med[V_BLOCKING] ? V_NONBLOCKING : V_BLOCKING;
+    for (int rep = 0; rep < reps; rep++) {
+        ratio[rep] = t[V_TP][rep] / t[best][rep];
         if (csv && b->rank == 0)
-            fprintf(csv, "%s,%zu,%d,%d,%.3f,%.3f,%.3f,%.4f\n", coll_names[c], bytes, rep, n,
+            fprintf(csv, "%s,%zu,%d,%d,%.3f,%.3f,%.3f,%s,%.4f\n", coll_names[c], bytes, rep, n,
                     t[V_TP][rep] * 1e6, t[V_BLOCKING][rep] * 1e6, t[V_NONBLOCKING][rep] * 1e6,
-                    ratio[rep]);
+                    best == V_BLOCKING ? "blocking" : "nonblocking", ratio[rep]);
     }
     double lo = ratio[0], hi = ratio[0];
     for (int rep = 1; rep < reps; rep++) {
         lo = fmin(lo, ratio[rep]);
         hi = fmax(hi, ratio[rep]);
     }
-    double med[V_COUNT];
-    for (int v = 0; v < V_COUNT; v++)
-        med[v] = median(t[v], reps);
-    double fast[V_COUNT];
-    for (int v = 0; v < V_COUNT; v++)
-        fast[v] = t[v][0]; /* sorted by median() */
     double mr = median(ratio, reps);
     double fr = fast[V_TP] / fmin(fast[V_BLOCKING], fast[V_NONBLOCKING]);
     if (b->rank == 0)
-        printf("%-15s %10zu %6d %11.2f %11.2f %11.2f %7.3f  %.3f-%.3f %8.3f  %s\n",
+        printf("%-15s %10zu %6d %11.2f %11.2f %11.2f %-8s %7.3f  %.3f-%.3f %8.3f  %s\n",
                coll_names[c], bytes, n, med[V_TP] * 1e6, med[V_BLOCKING] * 1e6,
-               med[V_NONBLOCKING] * 1e6, mr, lo, hi, fr, wrong ? "WRONG" : "ok");
+               med[V_NONBLOCKING] * 1e6, best == V_BLOCKING ? "blocking" : "nonblock", mr, lo, hi,
+               fr, wrong ? "WRONG" : "ok");
     fflush(stdout);
     return wrong ? 1 : 0;
 }
@@ -234,6 +248,7 @@ typedef struct opts {
     int reps;
     bool coll[C_COUNT];
     const char *csv;
+    bool self;
 } opts;
 
 static int parse(int argc, char **argv, opts *o)
@@ -242,6 +257,10 @@ static int parse(int argc, char **argv, opts *o)
     bool any = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--self") == 0) {
+            o->self = true;
+            continue;
+        }
         if (!v)
             return -1;
         i++;
@@ -276,10 +295,10 @@ int main(int argc, char **argv)
     opts o;
     if (parse(argc, argv, &o) != 0) {
         fprintf(stderr, "usage: mpirun -np N tp-bench-mpi [-b 4K] [-e 64M] [-f 4] [-R 5] "
-                        "[--target-s 0.2] [--collective LIST] [--csv FILE]\n");
+                        "[--target-s 0.2] [--collective LIST] [--csv FILE] [--self]\n");
         return 64;
     }
-    bench b = {0};
+    bench b = {.self = o.self};
     if (tp_comm_create_world("mpi", NULL, &b.world) != TP_OK) {
         fprintf(stderr, "tp-bench-mpi: tp_comm_create_world(\"mpi\"): %s\n", tp_last_error());
         return 2;
@@ -292,13 +311,15 @@ int main(int argc, char **argv)
     if (o.csv && b.rank == 0 && !(csv = fopen(o.csv, "w")))
         fprintf(stderr, "tp-bench-mpi: cannot write %s\n", o.csv);
     if (csv)
-        fprintf(csv, "coll,bytes,rep,calls,tp_us,blocking_us,nonblocking_us,ratio\n");
+        fprintf(csv, "coll,bytes,rep,calls,tp_us,blocking_us,nonblocking_us,against,ratio\n");
     if (b.rank == 0)
-        printf("# tp-bench-mpi: %d ranks, f32 sum, %d repetitions; ratio = libtp / best of MPI's "
-               "blocking and non-blocking call (median, min-max over repetitions)\n"
-               "# %-13s %10s %6s %11s %11s %11s %7s  %-11s %8s\n",
-               b.size, o.reps, "collective", "bytes", "calls", "libtp_us", "blocking_us",
-               "nonblock_us", "ratio", "spread", "fastest");
+        printf("# tp-bench-mpi: %d ranks, f32 sum, %d repetitions; ratio = %s / the better of "
+               "MPI's blocking and non-blocking call (`against`, by median; median and min-max "
+               "of the ratio over repetitions)\n"
+               "# %-13s %10s %6s %11s %11s %11s %-8s %7s  %-11s %8s\n",
+               b.size, o.reps, o.self ? "MPI's blocking call again (--self)" : "libtp",
+               "collective", "bytes", "calls", o.self ? "self_us" : "libtp_us", "blocking_us",
+               "nonblock_us", "against", "ratio", "spread", "fastest");
     int status = 0;
     for (int c = 0; c < C_COUNT && status < 2; c++)
         for (size_t s = o.lo; o.coll[c] && s <= o.hi && status < 2; s = (size_t)(s * o.factor)) {

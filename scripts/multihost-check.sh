@@ -20,6 +20,8 @@
 #   BENCH_MAX=4M           largest size of the benchmark (64M for the table of
 #                          docs/multihost.md: ~15 minutes over a 1 Gbit link)
 #   BENCH_REPS=3           its repetitions
+#   BENCH_ARGS=""          more tp-bench-mpi options (e.g. "--collective
+#                          all_reduce -b 128K", "--self" for its A/A run)
 #   FAULT_TIMEOUT=5        TP_COMM timeout of the fault cases (seconds)
 # Exit status: 0 every step passed (or skipped: no namespaces); 1 a step
 # failed; 2 setup error; 64 bad usage.
@@ -42,6 +44,7 @@ suites=${SUITES-mesh dtensor ops_linear ops_elementwise ops_view ops_reduce ops_
 link=${LINK-1ms 1gbit}
 bench_max=${BENCH_MAX:-4M}
 bench_reps=${BENCH_REPS:-3}
+read -r -a bench_args <<<"${BENCH_ARGS:-}"
 fault_timeout=${FAULT_TIMEOUT:-5}
 
 skip() {
@@ -178,7 +181,7 @@ step example_transformer_dpxtp_np4 600 "$tmp/mpirun" -np 4 \
 step example_transformer_tp_np4_1host 600 mpirun --allow-run-as-root --oversubscribe \
     --bind-to none -np 4 "$build/examples/tp-example-transformer" -b mpi -r 4 -s 20
 step bench_np2 1800 "$tmp/mpirun" -np 2 "$build/bench/tp-bench-mpi" -b 4K -e "$bench_max" \
-    -f 4 -R "$bench_reps" --target-s 0.2
+    -f 4 -R "$bench_reps" --target-s 0.2 "${bench_args[@]}"
 
 fault=$repo/tests/mpi/fault_exit.sh
 for m in kill stop; do
@@ -197,7 +200,7 @@ printf '%s\n' "${summary[@]}"
 echo
 echo "-- transformer TP, 4 ranks, 20 steps (and each process's 1-rank reference): wall time"
 printf '%s\n' "${summary[@]}" | grep example_transformer_tp
-echo "-- tp-bench-mpi over the two hosts, link $link_desc (ratio = libtp / best bare MPI call)"
+echo "-- tp-bench-mpi over the two hosts, link $link_desc (ratio = libtp / the better bare MPI call)"
 grep -v '^multihost' "$tmp/bench_np2.log" | grep -E '^(#|[a-z_]+ +[0-9])'
 echo "-- faults: when the job ended after the fault"
 for m in kill stop cut; do
