@@ -651,15 +651,16 @@ static tp_status req_poll(void *ctx, bool *done)
 static tp_status req_wait(mpi_state *S, tp__mpi_ring *ring, tp__mpi_copy *copy, int n,
                           MPI_Request *reqs, double timeout_s, const char *what, bool *done)
 {
-    /* the first tests, where a small exchange completes: MPI_Testall alone,
-     * while nothing else needs a turn (no ring, no copy, no stale ring, no
-     * lock) */
-    if (!ring && (!copy || copy->left == 0) && !mpi_serialize &&
-        atomic_load_explicit(&mpi_nstale, memory_order_relaxed) == 0) {
+    /* the first tests, where a small exchange completes: MPI_Testall and
+     * the local copy's next chunk alone, while nothing else needs a turn (no
+     * ring, no stale ring, no lock). An all_gather or all_to_all's own block
+     * (a copy of one chunk at most below 64 KiB) goes at the first test. */
+    if (!ring && !mpi_serialize && atomic_load_explicit(&mpi_nstale, memory_order_relaxed) == 0) {
         for (int i = 0; i < 64 && !tp__abort_is_set(&S->abort); i++) {
+            bool copied = !copy || tp__mpi_copy_step(copy);
             int flag = 0;
             int rc = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
-            if (rc != MPI_SUCCESS || flag) {
+            if (rc != MPI_SUCCESS || (flag && copied)) {
                 *done = true; /* an error is final, as in req_test */
                 return rc == MPI_SUCCESS ? TP_OK : state_fail(S, tp__mpi_error(rc, what));
             }
