@@ -265,7 +265,7 @@ struct mpi_work {
     MPI_Request req;   /* a collective's one request */
     MPI_Request *reqs; /* &req, the direct path's messages (mpi_direct.c: inl or
                         * allocated) or the ring's current step's (mpi_ring.c) */
-    tp__mpi_copy copy; /* direct path: the own block's copy left for the wait */
+    tp__mpi_copy copy; /* direct path: the own block's copy, done by work_finish */
     int nreq;
     bool direct;        /* reductions: tmp holds every rank's contribution */
     tp__mpi_ring *ring; /* the ring path's schedule (reqs points into it), or NULL */
@@ -554,6 +554,10 @@ static void avg_divide(void *buf, tp_dtype dt, size_t n, int size)
  * place and finish avg. */
 static void work_finish(mpi_state *S, mpi_work *w)
 {
+    if (w->copy.left) { /* the own block of a direct all_gather or all_to_all */
+        memcpy(w->copy.to, w->copy.from, w->copy.left);
+        w->copy.left = 0;
+    }
     if (w->direct && w->tmp) {
         tp_coll_desc d = {.kind = w->kind,
                           .dtype = w->dtype,
@@ -583,16 +587,14 @@ static void work_finish(mpi_state *S, mpi_work *w)
 }
 
 /* One MPI_Test of the requests, or with a ring one step of its progress
- * (which posts the next step's messages once the current ones completed),
- * after the next chunk of the local copy when there is one (NULL: none);
+ * (which posts the next step's messages once the current ones completed);
  * *done once everything completed. */
-static tp_status req_test(mpi_state *S, tp__mpi_ring *ring, tp__mpi_copy *copy, int n,
-                          MPI_Request *reqs, bool *done, const char *what)
+static tp_status req_test(mpi_state *S, tp__mpi_ring *ring, int n, MPI_Request *reqs, bool *done,
+                          const char *what)
 {
     int flag = 0;
     bool fin = false;
     tp_status st = TP_OK;
-    bool copied = !copy || tp__mpi_copy_step(copy);
     mpi_lock();
     int rc =
         ring ? tp__mpi_ring_progress(ring, &fin) : MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
@@ -600,7 +602,7 @@ static tp_status req_test(mpi_state *S, tp__mpi_ring *ring, tp__mpi_copy *copy, 
     stale_progress();
     *done = true; /* an error is final */
     TP_MPI_CHECK_GOTO(what, rc, st, fail);
-    *done = copied && (ring ? fin : flag != 0);
+    *done = ring ? fin : flag != 0;
     return TP_OK;
 fail:
     return state_fail(S, st);
@@ -620,7 +622,6 @@ static bool mpi_library_yields(void)
 typedef struct req_wait_ctx {
     mpi_state *S;
     tp__mpi_ring *ring;
-    tp__mpi_copy *copy;
     int n;
     MPI_Request *reqs;
     const char *what;
@@ -631,7 +632,7 @@ typedef struct req_wait_ctx {
 static tp_status req_poll(void *ctx, bool *done)
 {
     req_wait_ctx *q = ctx;
-    TP_CHECK(req_test(q->S, q->ring, q->copy, q->n, q->reqs, &q->done, q->what));
+    TP_CHECK(req_test(q->S, q->ring, q->n, q->reqs, &q->done, q->what));
     *done = q->done;
     if (!q->done && tp__abort_is_set(&q->S->abort))
         return tp__abort_error(&q->S->abort);
@@ -648,19 +649,16 @@ static tp_status req_poll(void *ctx, bool *done)
  * itself. The clock is read every 64th
  * test only (a test costs 0.05-0.1 us, the clock 0.02-0.05 us: 7% of a
  * 4 KiB all_gather's profile when read on every test, 4% on every 16th). */
-static tp_status req_wait(mpi_state *S, tp__mpi_ring *ring, tp__mpi_copy *copy, int n,
-                          MPI_Request *reqs, double timeout_s, const char *what, bool *done)
+static tp_status req_wait(mpi_state *S, tp__mpi_ring *ring, int n, MPI_Request *reqs,
+                          double timeout_s, const char *what, bool *done)
 {
-    /* the first tests, where a small exchange completes: MPI_Testall and
-     * the local copy's next chunk alone, while nothing else needs a turn (no
-     * ring, no stale ring, no lock). An all_gather or all_to_all's own block
-     * (a copy of one chunk at most below 64 KiB) goes at the first test. */
+    /* the first tests, where a small exchange completes: MPI_Testall alone,
+     * while nothing else needs a turn (no ring, no stale ring, no lock) */
     if (!ring && !mpi_serialize && atomic_load_explicit(&mpi_nstale, memory_order_relaxed) == 0) {
         for (int i = 0; i < 64 && !tp__abort_is_set(&S->abort); i++) {
-            bool copied = !copy || tp__mpi_copy_step(copy);
             int flag = 0;
             int rc = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
-            if (rc != MPI_SUCCESS || (flag && copied)) {
+            if (rc != MPI_SUCCESS || flag) {
                 *done = true; /* an error is final, as in req_test */
                 return rc == MPI_SUCCESS ? TP_OK : state_fail(S, tp__mpi_error(rc, what));
             }
@@ -668,7 +666,7 @@ static tp_status req_wait(mpi_state *S, tp__mpi_ring *ring, tp__mpi_copy *copy, 
     }
     const tp__pace pace = {
         .spin_s = mpi_yield ? 0 : HUGE_VAL, .yield_s = HUGE_VAL, .every = 64, .no_pause = true};
-    req_wait_ctx q = {.S = S, .ring = ring, .copy = copy, .n = n, .reqs = reqs, .what = what};
+    req_wait_ctx q = {.S = S, .ring = ring, .n = n, .reqs = reqs, .what = what};
     tp_status st = tp__poll_until(req_poll, &q, timeout_s, &pace);
     *done = q.done;
     if (st != TP_ERR_TIMEOUT)
@@ -780,7 +778,6 @@ static int post_direct(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
     int rc = tp__mpi_direct_post(d, S->comm, S->rank, S->size, mpi_dtype(d->dtype), S->split,
                                  w->tmp, w->reqs, &w->nreq, &w->copy);
     mpi_unlock();
-    tp__mpi_copy_step(&w->copy); /* the first chunk, while the messages start */
     return rc;
 }
 
@@ -833,8 +830,8 @@ static void work_abandon_local(mpi_state *S, mpi_work *local, const tp_coll_desc
 static tp_status run_blocking(mpi_state *S, mpi_work *w, const tp_coll_desc *d)
 {
     bool fin = false;
-    tp_status st = req_wait(S, w->ring, &w->copy, w->nreq, w->reqs, d->timeout_s,
-                            tp_coll_kind_name(w->kind), &fin);
+    tp_status st =
+        req_wait(S, w->ring, w->nreq, w->reqs, d->timeout_s, tp_coll_kind_name(w->kind), &fin);
     if (st == TP_OK) {
         w->complete = true;
         work_finish(S, w);
@@ -939,7 +936,7 @@ static tp_status mpi_work_test(void *state, void *work, bool *done)
         return w->status;
     }
     bool fin = false;
-    tp_status st = req_test(S, w->ring, &w->copy, w->nreq, w->reqs, &fin, mpi_call_names[w->kind]);
+    tp_status st = req_test(S, w->ring, w->nreq, w->reqs, &fin, mpi_call_names[w->kind]);
     if (st != TP_OK) {
         w->complete = w->finished = true;
         w->status = st;
@@ -966,8 +963,8 @@ static tp_status mpi_work_wait(void *state, void *work, double timeout_s)
     if (w->finished)
         return w->status;
     bool fin = false;
-    tp_status st = req_wait(S, w->ring, &w->copy, w->nreq, w->reqs, timeout_s,
-                            tp_coll_kind_name(w->kind), &fin);
+    tp_status st =
+        req_wait(S, w->ring, w->nreq, w->reqs, timeout_s, tp_coll_kind_name(w->kind), &fin);
     if (st == TP_OK) {
         w->complete = true;
         work_finish(S, w);
@@ -1042,8 +1039,8 @@ static void mpi_free(void *state)
         if (w->complete)
             continue;
         bool done = false;
-        if (req_wait(S, w->ring, &w->copy, w->nreq, w->reqs, timeout, tp_coll_kind_name(w->kind),
-                     &done) == TP_OK) {
+        if (req_wait(S, w->ring, w->nreq, w->reqs, timeout, tp_coll_kind_name(w->kind), &done) ==
+            TP_OK) {
             w->complete = true;
             work_finish(S, w);
         } else if (done) {
@@ -1124,7 +1121,7 @@ static tp_status mpi_split(void *state, int color, int key, double timeout_s, vo
     tp_status st = TP_OK;
     TP_MPI_CHECK_GOTO("MPI_Ibarrier (split)", rc, st, fail);
     bool fin = false;
-    st = req_wait(S, NULL, NULL, 1, &req, timeout_s, "comm_split", &fin);
+    st = req_wait(S, NULL, 1, &req, timeout_s, "comm_split", &fin);
     if (st != TP_OK)
         return st; /* the barrier request stays with MPI; S is aborted */
 

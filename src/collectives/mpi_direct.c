@@ -170,18 +170,6 @@ static const char *own_contribution(const tp_coll_desc *d, int rank)
     return d->kind == TP_COLL_ALL_REDUCE ? d->sendbuf : (const char *)d->sendbuf + (size_t)rank * b;
 }
 
-bool tp__mpi_copy_step(tp__mpi_copy *c)
-{
-    size_t n = c->left < TP__MPI_COPY_CHUNK ? c->left : TP__MPI_COPY_CHUNK;
-    if (n) {
-        memcpy(c->to, c->from, n);
-        c->to += n;
-        c->from += n;
-        c->left -= n;
-    }
-    return c->left == 0;
-}
-
 int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size, MPI_Datatype dt,
                         bool split, void *scratch, MPI_Request *reqs, int *nreq, tp__mpi_copy *copy)
 {

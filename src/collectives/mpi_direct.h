@@ -27,22 +27,19 @@ int tp__mpi_direct_max_requests(int size);
  * into the result. */
 size_t tp__mpi_direct_scratch(const tp_coll_desc *d, int size);
 
-/* A copy of this rank's own block that the wait does a chunk at a time
- * between its tests: a copy of megabytes in one go would stall MPI's
- * progress, which moves the messages (20% of a 4 MiB all_gather over
+/* The copy of this rank's own block into an all_gather's or all_to_all's
+ * result, made once MPI has completed the exchange, as MPI's own
+ * algorithms do: copying while the messages travel, even a chunk between
+ * two tests, slows MPI's progress where the transport itself is CPU-bound
+ * (TCP between two hosts: a 4-16 MiB all_gather took 1.05-1.08 of MPI's
+ * blocking call copying 64 KiB between tests, 0.98-1.00 copying after),
+ * and before posting it delays the peer (20% of a 4 MiB all_gather over
  * shared memory). */
 typedef struct tp__mpi_copy {
     const char *from;
     char *to;
     size_t left; /* bytes still to copy */
 } tp__mpi_copy;
-
-/* The chunk tp__mpi_copy_step copies. */
-#define TP__MPI_COPY_CHUNK ((size_t)64 << 10)
-
-/* Copies the next chunk of c (nothing when none is left); true once the
- * whole copy is done. */
-bool tp__mpi_copy_step(tp__mpi_copy *c);
 
 /* Whether a message of just over 2 KiB to 4 KiB goes as two halves on
  * `comm` (rank `rank` of `size`), the same answer on every rank: rank 0's
@@ -55,9 +52,10 @@ bool tp__mpi_copy_step(tp__mpi_copy *c);
 int tp__mpi_direct_decide_split(MPI_Comm comm, int rank, int size, bool *split);
 
 /* Posts the receives and sends of `d` on `comm` as rank `rank` of `size`
- * (type dt; a message of 2-4 KiB as two halves when `split`) into reqs, setting *nreq to how many were posted (even when a
- * call failed). This rank's own block of an all_gather or all_to_all is
- * left in *copy for the caller (a chunk now, the rest during the wait); a
+ * (type dt; a message of 2-4 KiB as two halves when `split`) into reqs,
+ * setting *nreq to how many were posted (even when a call failed). This
+ * rank's own block of an all_gather or all_to_all is left in *copy for the
+ * caller, to copy once the requests completed; a
  * reduction's own contribution is copied here where it needs to be. A
  * reduction receives rank 0's contribution straight into the result where
  * the call is out of place (rank 0 copies its own there). Returns MPI's
