@@ -23,6 +23,9 @@
 #   BENCH_ARGS=""          more tp-bench-mpi options (e.g. "--collective
 #                          all_reduce -b 128K", "--self" for its A/A run)
 #   FAULT_TIMEOUT=5        TP_COMM timeout of the fault cases (seconds)
+#   TCP_PUT=0              1 keeps OpenMPI's TCP "put" protocol for large
+#                          messages (its default; docs/multihost.md,
+#                          "Transports": it halves a large two-way exchange)
 # Exit status: 0 every step passed (or skipped: no namespaces); 1 a step
 # failed; 2 setup error; 64 bad usage.
 set -uo pipefail
@@ -46,6 +49,11 @@ bench_max=${BENCH_MAX:-4M}
 bench_reps=${BENCH_REPS:-3}
 read -r -a bench_args <<<"${BENCH_ARGS:-}"
 fault_timeout=${FAULT_TIMEOUT:-5}
+# OpenMPI's TCP transport sends the rest of a large message as one emulated
+# RDMA put, which holds the connection until it is through: the other
+# direction's handshake waits behind it (docs/multihost.md, "Transports")
+tcp_flags="--mca btl_tcp_flags send,inplace,need-ack,need-csum"
+[ "${TCP_PUT:-0}" = 1 ] && tcp_flags=
 
 skip() {
     echo "multihost-check: SKIP: $*"
@@ -130,7 +138,7 @@ printf '%s slots=2\n%s slots=2\n' $hosta $hostb >"$tmp/hosts"
 cat >"$tmp/mpirun" <<EOF
 #!/bin/sh
 exec ip netns exec $nsa mpirun --allow-run-as-root --hostfile $tmp/hosts \\
-    --mca plm_rsh_agent $tmp/rsh --mca pml ob1 --mca btl tcp,self \\
+    --mca plm_rsh_agent $tmp/rsh --mca pml ob1 --mca btl tcp,self $tcp_flags \\
     --mca btl_tcp_if_include 10.251.0.0/24 --mca oob_tcp_if_include 10.251.0.0/24 \\
     --mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1 \\
     --mca oob_tcp_keepalive_probes 3 --bind-to none --map-by node "\$@"
@@ -162,7 +170,7 @@ step() { # step NAME LIMIT COMMAND...: runs it, logs to $tmp/NAME.log, records
     echo "multihost-check: $name: exit $rc, $took s"
 }
 
-echo "multihost-check: hosts $hosta ($nsa) and $hostb ($nsb), TCP"
+echo "multihost-check: hosts $hosta ($nsa) and $hostb ($nsb), TCP${tcp_flags:+ without put}"
 step mpi_comm_np2 600 "$tmp/mpirun" -np 2 "$build/tests/test_mpi_comm"
 step mpi_comm_np4 600 "$tmp/mpirun" -np 4 "$build/tests/test_mpi_comm"
 for t in $suites; do
