@@ -43,7 +43,7 @@ static const char *const coll_names[C_COUNT] = {"all_reduce", "all_gather", "red
 typedef struct bench {
     int rank, size;
     tp_comm *world;
-    MPI_Comm comm[V_COUNT]; /* V_TP's is only for the barriers between loops */
+    MPI_Comm comm[V_COUNT]; /* V_TP's: the barriers between loops, and --self's calls */
     tp_tensor *send, *recv;
     float *sbuf, *rbuf;
     size_t count; /* elements of the larger buffer */
