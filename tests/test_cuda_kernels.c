@@ -516,6 +516,13 @@ static const kcase cases[] = {
      1e-5,
      64,
      {T_IN(16384), T_IN(320), T_IN(81920), T_ACC(16384), T_ACC(320), T_ACC(40)}},
+    /* an output large enough for cuBLASLt's bias epilogue (kernels/cuda.cu) */
+    {"linear_fwd epilogue",
+     r_linear_fwd,
+     {2048, 64, 128},
+     1e-5,
+     0,
+     {T_IN(131072), T_IN(8192), T_IN(128), T_OUT(262144)}},
     {"copy", r_copy, {101}, 0, 0, {T_IN(101), T_OUT(101)}},
     {"fill", r_fill, {101, 0.3}, 0, 0, {T_OUT(101)}},
     {"add", r_add, {1000}, 0, 0, {T_IN(1000), T_IN(1000), T_OUT(1000)}},
