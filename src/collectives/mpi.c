@@ -339,9 +339,13 @@ static void work_clear(mpi_work *w)
         tp__mpi_ring_free(w->ring); /* w->reqs is its */
     else if (w->reqs != &w->req && w->reqs != w->inl)
         tp__free(w->reqs);
-    tp_tensor_release(w->keep[0]);
-    tp_tensor_release(w->keep[1]);
-    tp__cpu_cache_free(w->tmp);
+    /* a blocking call's work holds none of these: no calls for it */
+    if (w->keep[0])
+        tp_tensor_release(w->keep[0]);
+    if (w->keep[1])
+        tp_tensor_release(w->keep[1]);
+    if (w->tmp)
+        tp__cpu_cache_free(w->tmp);
 }
 
 static void work_destroy(mpi_work *w)
@@ -880,7 +884,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     }
 
     bool direct = tp__mpi_direct_fits(d, S->size, S->direct_bytes);
-    bool ring = tp__mpi_ring_fits(d, S->size, direct, S->ring_on);
+    bool ring = !direct && tp__mpi_ring_fits(d, S->size, direct, S->ring_on);
     int rc = direct ? post_direct(S, d, w) : ring ? post_ring(S, d, w) : post_nbc(S, d, w);
     tp_status st = TP_OK;
     if (rc == POST_INVALID) {
