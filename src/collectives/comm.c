@@ -278,32 +278,62 @@ static bool tp__overlap(const void *a, size_t alen, const void *b, size_t blen)
     return alen && blen && x < y + blen && y < x + alen;
 }
 
-static tp_status tp__check_buf(const char *fn, const char *what, const tp_tensor *t,
-                               const tp_comm *comm)
+/* What the checks of one buffer found, so that tp__prepare asks each tensor
+ * once. */
+typedef struct tp__buf {
+    char *data;
+    size_t numel;
+    tp_device device;
+} tp__buf;
+
+/* The checks of tp__check_buf in order, each with its message, for a buffer
+ * that failed there: out of line, off the path of a call that passes. */
+__attribute__((noinline, cold)) static tp_status
+tp__refuse_buf(const char *fn, const char *what, const tp_tensor *t, const tp_comm *comm)
 {
     TP_ARG_CHECK(t, "%s: %s is NULL", fn, what);
     TP_ARG_CHECK((unsigned)t->dtype < TP_DTYPE_COUNT, "%s: %s has an invalid dtype", fn, what);
     TP_ARG_CHECK(tp_tensor_is_contiguous(t), "%s: %s is not contiguous", fn, what);
+    /* what is left to fail: a device the backend does not take */
     tp_device dev = tp_tensor_device(t);
-    if (!(comm->ops.device_mask & (1u << dev.type)))
-        return tp__error(TP_ERR_NOT_SUPPORTED, "%s: backend '%s' cannot move %s tensors (%s)%s", fn,
-                         comm->ops.name,
-                         dev.type == TP_DEVICE_CUDA   ? "CUDA"
-                         : dev.type == TP_DEVICE_META ? "meta"
-                                                      : "CPU",
-                         what,
-                         comm->ops.device_mask == 1u << TP_DEVICE_META
-                             ? "; a simulated world takes meta tensors only (TP_META)"
-                             : "");
+    return tp__error(TP_ERR_NOT_SUPPORTED, "%s: backend '%s' cannot move %s tensors (%s)%s", fn,
+                     comm->ops.name,
+                     dev.type == TP_DEVICE_CUDA   ? "CUDA"
+                     : dev.type == TP_DEVICE_META ? "meta"
+                                                  : "CPU",
+                     what,
+                     comm->ops.device_mask == 1u << TP_DEVICE_META
+                         ? "; a simulated world takes meta tensors only (TP_META)"
+                         : "");
+}
+
+/* A buffer the backend can take: not NULL, a valid dtype, contiguous (which
+ * a tensor without storage of its own, a DTensor, is not), on a device of
+ * the backend's mask. Reads the tensor's fields directly, once, on every
+ * collective's path. */
+static inline tp_status tp__check_buf(const char *fn, const char *what, const tp_tensor *t,
+                                      const tp_comm *comm, tp__buf *b)
+{
+    int64_t numel;
+    if (TP_UNLIKELY(!t || (unsigned)t->dtype >= TP_DTYPE_COUNT || !t->storage ||
+                    !tp__contiguous_numel(t, &numel) ||
+                    !(comm->ops.device_mask & (1u << t->storage->device.type)))) {
+        *b = (tp__buf){0}; /* never read: the refusal is an error */
+        return tp__refuse_buf(fn, what, t, comm);
+    }
+    b->data = (char *)t->storage->data + (size_t)t->offset * tp__dtype_traits_table[t->dtype].size;
+    b->numel = (size_t)numel;
+    b->device = t->storage->device;
     return TP_OK;
 }
 
-static tp_status tp__check_pair(const char *fn, const tp_tensor *send, const tp_tensor *recv)
+static tp_status tp__check_pair(const char *fn, const tp_tensor *send, const tp_tensor *recv,
+                                const tp__buf *bs, const tp__buf *br)
 {
     if (send->dtype != recv->dtype)
         return tp__error(TP_ERR_INVALID_ARG, "%s: send is %s but recv is %s", fn,
                          tp_dtype_name(send->dtype), tp_dtype_name(recv->dtype));
-    if (!tp__device_eq(tp_tensor_device(send), tp_tensor_device(recv)))
+    if (!tp__device_eq(bs->device, br->device))
         return tp__error(TP_ERR_INVALID_ARG, "%s: send and recv are on different devices", fn);
     return TP_OK;
 }
@@ -312,25 +342,26 @@ static tp_status tp__check_pair(const char *fn, const tp_tensor *send, const tp_
 static tp_status tp__prepare_scatter(tp_comm *comm, const char *fn, const tp_tensor *send,
                                      tp_tensor *recv, int root, tp_coll_desc *d)
 {
-    TP_CHECK(tp__check_buf(fn, "recv", recv, comm));
+    tp__buf br, bs;
+    TP_CHECK(tp__check_buf(fn, "recv", recv, comm, &br));
     if (root < 0 || root >= comm->size)
         return tp__error(TP_ERR_INVALID_ARG, "%s: root %d out of range for %d ranks", fn, root,
                          comm->size);
-    size_t es = tp_dtype_size(recv->dtype), n = (size_t)comm->size;
-    size_t nr = (size_t)tp_tensor_numel(recv);
-    char *pr = tp_tensor_data(recv);
+    size_t es = tp__dtype_size(recv->dtype), n = (size_t)comm->size;
+    size_t nr = br.numel;
+    char *pr = br.data;
     d->dtype = recv->dtype;
-    d->device = tp_tensor_device(recv);
+    d->device = br.device;
     d->count = nr;
     d->recvbuf = pr;
     d->recv = recv;
     if (comm->rank != root)
         return TP_OK;
     TP_ARG_CHECK(send, "%s: send is NULL on root %d", fn, root);
-    TP_CHECK(tp__check_buf(fn, "send", send, comm));
-    TP_CHECK(tp__check_pair(fn, send, recv));
-    size_t ns = (size_t)tp_tensor_numel(send);
-    const char *ps = tp_tensor_data(send);
+    TP_CHECK(tp__check_buf(fn, "send", send, comm, &bs));
+    TP_CHECK(tp__check_pair(fn, send, recv, &bs, &br));
+    size_t ns = bs.numel;
+    const char *ps = bs.data;
     if (ns != nr * n)
         return tp__error(TP_ERR_INVALID_ARG,
                          "%s: send has %zu elements, expected %zu (recv %zu x %zu ranks)", fn, ns,
@@ -362,18 +393,19 @@ static tp_status tp__prepare(tp_comm *comm, tp_coll_kind kind, const char *fn,
         return tp__prepare_scatter(comm, fn, send, recv, root, d);
     if (kind == TP_COLL_ALL_REDUCE || kind == TP_COLL_REDUCE_SCATTER)
         TP_ARG_CHECK((unsigned)op < TP_REDUCE_OP_COUNT, "%s: invalid reduce op %d", fn, (int)op);
-    TP_CHECK(tp__check_buf(fn, kind == TP_COLL_BROADCAST ? "buffer" : "send", send, comm));
+    tp__buf bs, br = {0}; /* broadcast has no recv */
+    TP_CHECK(tp__check_buf(fn, kind == TP_COLL_BROADCAST ? "buffer" : "send", send, comm, &bs));
     if (kind != TP_COLL_BROADCAST) {
-        TP_CHECK(tp__check_buf(fn, "recv", recv, comm));
-        TP_CHECK(tp__check_pair(fn, send, recv));
+        TP_CHECK(tp__check_buf(fn, "recv", recv, comm, &br));
+        TP_CHECK(tp__check_pair(fn, send, recv, &bs, &br));
     }
-    size_t es = tp_dtype_size(send->dtype);
+    size_t es = tp__dtype_size(send->dtype);
     size_t n = (size_t)comm->size;
-    size_t ns = (size_t)tp_tensor_numel(send), nr = recv ? (size_t)tp_tensor_numel(recv) : 0;
-    const char *ps = tp_tensor_data(send);
-    char *pr = recv ? tp_tensor_data(recv) : NULL;
+    size_t ns = bs.numel, nr = br.numel;
+    const char *ps = bs.data;
+    char *pr = br.data;
     d->dtype = send->dtype;
-    d->device = tp_tensor_device(send);
+    d->device = bs.device;
     d->sendbuf = ps;
     d->recvbuf = pr;
     d->send = send;
@@ -431,7 +463,7 @@ static tp_status tp__prepare(tp_comm *comm, tp_coll_kind kind, const char *fn,
 
 static size_t tp__debug_bytes(const tp_coll_desc *d, int size)
 {
-    size_t es = tp_dtype_size(d->dtype);
+    size_t es = tp__dtype_size(d->dtype);
     switch (d->kind) {
     case TP_COLL_ALL_GATHER:
     case TP_COLL_REDUCE_SCATTER:
@@ -571,12 +603,12 @@ static tp_status tp__issue(tp_comm *comm, tp_coll_kind kind, const char *fn,
         if (!w)
             return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the work handle", fn);
     }
-    tp__comm_debug_record(kind, tp__debug_bytes(d, comm->size));
+    size_t bytes = tp__debug_bytes(d, comm->size);
+    tp__comm_debug_record(kind, bytes);
     const tp__coll_observer *obs = atomic_load_explicit(&tp__observer, memory_order_acquire);
-    uint64_t plan_id =
-        obs ? obs->collective(kind, comm->size, comm->rank, comm->global_rank, comm->global_stride,
-                              tp__debug_bytes(d, comm->size), work != NULL)
-            : 0;
+    uint64_t plan_id = obs ? obs->collective(kind, comm->size, comm->rank, comm->global_rank,
+                                             comm->global_stride, bytes, work != NULL)
+                           : 0;
 
     tp_status st = TP_OK;
     if (comm->check && !comm->ops.checks_descriptors && comm->size > 1)

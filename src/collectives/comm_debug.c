@@ -262,12 +262,11 @@ static void tp__cd_clear(tp_comm_debug *d)
 
 /* ---- recording ----------------------------------------------------------- */
 
-void tp__comm_debug_record(tp_coll_kind kind, size_t bytes)
+/* The counting itself, out of line so that a thread with no active counter,
+ * every collective's path, does not pay this function's register saves. */
+__attribute__((noinline)) static void tp__cd_record(tp__cd_thread *t, tp_comm_debug *d,
+                                                    tp_coll_kind kind, size_t bytes)
 {
-    tp__cd_thread *t = &tp__cd;
-    tp_comm_debug *d = t->active;
-    if (__builtin_expect(d == NULL, 1))
-        return;
     if ((unsigned)kind >= TP_COLL_KIND_COUNT)
         return; /* the dispatch layer validated it; never index out of range */
     tp_phase ph = t->phase;
@@ -288,6 +287,15 @@ void tp__comm_debug_record(tp_coll_kind kind, size_t bytes)
         }
         d->scopes[v - 1]->counts[ph][kind]++;
     }
+}
+
+void tp__comm_debug_record(tp_coll_kind kind, size_t bytes)
+{
+    tp__cd_thread *t = &tp__cd;
+    tp_comm_debug *d = t->active;
+    if (__builtin_expect(d == NULL, 1))
+        return;
+    tp__cd_record(t, d, kind, bytes);
 }
 
 /* ---- lifetime and activation --------------------------------------------- */

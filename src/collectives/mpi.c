@@ -339,9 +339,13 @@ static void work_clear(mpi_work *w)
         tp__mpi_ring_free(w->ring); /* w->reqs is its */
     else if (w->reqs != &w->req && w->reqs != w->inl)
         tp__free(w->reqs);
-    tp_tensor_release(w->keep[0]);
-    tp_tensor_release(w->keep[1]);
-    tp__cpu_cache_free(w->tmp);
+    /* a blocking call's work holds none of these: no calls for it */
+    if (w->keep[0])
+        tp_tensor_release(w->keep[0]);
+    if (w->keep[1])
+        tp_tensor_release(w->keep[1]);
+    if (w->tmp)
+        tp__cpu_cache_free(w->tmp);
 }
 
 static void work_destroy(mpi_work *w)
@@ -550,14 +554,10 @@ static void avg_divide(void *buf, tp_dtype dt, size_t n, int size)
     }
 }
 
-/* MPI completed the request: move an in-place reduce_scatter result into
- * place and finish avg. */
-static void work_finish(mpi_state *S, mpi_work *w)
+/* The reductions' part of work_finish: out of line, so that an all_gather
+ * or all_to_all, which has none of it, finishes with its copy. */
+__attribute__((noinline)) static void work_finish_reduce(mpi_state *S, mpi_work *w)
 {
-    if (w->copy.left) { /* the own block of a direct all_gather or all_to_all */
-        memcpy(w->copy.to, w->copy.from, w->copy.left);
-        w->copy.left = 0;
-    }
     if (w->direct && w->tmp) {
         tp_coll_desc d = {.kind = w->kind,
                           .dtype = w->dtype,
@@ -582,6 +582,22 @@ static void work_finish(mpi_state *S, mpi_work *w)
     }
     if (w->op == TP_AVG && (w->kind == TP_COLL_ALL_REDUCE || w->kind == TP_COLL_REDUCE_SCATTER))
         avg_divide(w->result, w->dtype, w->count, S->size);
+    w->finished = true;
+    w->status = TP_OK;
+}
+
+/* MPI completed the request: copy a direct all_gather's or all_to_all's own
+ * block, move an in-place reduce_scatter result into place, finish avg. */
+static inline void work_finish(mpi_state *S, mpi_work *w)
+{
+    if (w->copy.left) { /* the own block of a direct all_gather or all_to_all */
+        memcpy(w->copy.to, w->copy.from, w->copy.left);
+        w->copy.left = 0;
+    }
+    if (w->tmp || w->op == TP_AVG) {
+        work_finish_reduce(S, w);
+        return;
+    }
     w->finished = true;
     w->status = TP_OK;
 }
@@ -880,7 +896,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     }
 
     bool direct = tp__mpi_direct_fits(d, S->size, S->direct_bytes);
-    bool ring = tp__mpi_ring_fits(d, S->size, direct, S->ring_on);
+    bool ring = !direct && tp__mpi_ring_fits(d, S->size, direct, S->ring_on);
     int rc = direct ? post_direct(S, d, w) : ring ? post_ring(S, d, w) : post_nbc(S, d, w);
     tp_status st = TP_OK;
     if (rc == POST_INVALID) {

@@ -52,55 +52,40 @@ size_t tp__mpi_direct_limit(void)
     return 32768;
 }
 
-static bool is_reduction(tp_coll_kind k)
+/* Whether a message of k elements (b bytes) goes as two halves when the
+ * communicator's answer is `split`: when it would just miss the eager size. */
+static bool as_halves(bool split, size_t b, int k)
 {
-    return k == TP_COLL_ALL_REDUCE || k == TP_COLL_REDUCE_SCATTER;
+    return split && b > SPLIT_FROM && b <= SPLIT_TO && k > 1;
 }
 
-bool tp__mpi_direct_fits(const tp_coll_desc *d, int size, size_t limit)
+static int post_one(bool send, void *buf, int k, MPI_Datatype dt, int j, MPI_Comm comm,
+                    MPI_Request *req)
 {
-    switch (d->kind) {
-    case TP_COLL_ALL_REDUCE:
-    case TP_COLL_ALL_GATHER:
-    case TP_COLL_REDUCE_SCATTER:
-    case TP_COLL_ALL_TO_ALL:
-    case TP_COLL_BROADCAST:
-        break;
-    default:
-        return false;
-    }
-    size_t block = d->count * tp_dtype_size(d->dtype);
-    if (size < 2 || block == 0 || limit == 0)
-        return false;
-    /* two ranks: an all_gather, all_to_all or broadcast is one exchange
-     * (one message) at any size, which is what MPI's own algorithms do too */
-    if (size == 2 && !is_reduction(d->kind))
-        return true;
-    /* every rank sends (size - 1) blocks of count elements (broadcast: root) */
-    return (size_t)(size - 1) * block <= limit;
+    return send ? MPI_Isend(buf, k, dt, j, DIRECT_TAG, comm, req)
+                : MPI_Irecv(buf, k, dt, j, DIRECT_TAG, comm, req);
 }
 
-int tp__mpi_direct_max_requests(int size)
+/* Out of line: the rare case, kept off the loop that posts the messages. */
+__attribute__((noinline)) static int post_halves(bool send, char *buf, int k, size_t b,
+                                                 MPI_Datatype dt, int j, MPI_Comm comm,
+                                                 MPI_Request *reqs, int *n)
 {
-    return 4 * (size - 1); /* a receive and a send per peer, each maybe as halves */
-}
-
-/* One message of k elements of dt (b bytes) from or to peer j: as two
- * halves when `split` and it would just miss the eager size. */
-static int post_msg(bool send, void *buf, int k, size_t b, MPI_Datatype dt, int j, MPI_Comm comm,
-                    bool split, MPI_Request *reqs, int *n)
-{
-    int h = split && b > SPLIT_FROM && b <= SPLIT_TO && k > 1 ? k / 2 : k, rc = MPI_SUCCESS;
-    size_t hb = b / (size_t)k * (size_t)h;
-    for (int part = 0; part < 2 && rc == MPI_SUCCESS; part++) {
-        int cnt = part == 0 ? h : k - h;
-        char *p = (char *)buf + (part == 0 ? 0 : hb);
-        if (cnt == 0)
-            break;
-        rc = send ? MPI_Isend(p, cnt, dt, j, DIRECT_TAG, comm, &reqs[(*n)++])
-                  : MPI_Irecv(p, cnt, dt, j, DIRECT_TAG, comm, &reqs[(*n)++]);
-    }
+    int h = k / 2;
+    int rc = post_one(send, buf, h, dt, j, comm, &reqs[(*n)++]);
+    if (rc == MPI_SUCCESS)
+        rc = post_one(send, buf + b / (size_t)k * (size_t)h, k - h, dt, j, comm, &reqs[(*n)++]);
     return rc;
+}
+
+/* One message of k elements of dt (b bytes) from or to peer j, as two halves
+ * when `halves` (as_halves). */
+static inline int post_msg(bool send, void *buf, int k, size_t b, MPI_Datatype dt, int j,
+                           MPI_Comm comm, bool halves, MPI_Request *reqs, int *n)
+{
+    if (halves)
+        return post_halves(send, buf, k, b, dt, j, comm, reqs, n);
+    return post_one(send, buf, k, dt, j, comm, &reqs[(*n)++]);
 }
 
 /* One exchange of a SPLIT_TO-byte message each way between this rank and
@@ -110,9 +95,10 @@ static double time_exchange(MPI_Comm comm, int peer, char *buf, bool split)
     MPI_Request reqs[4];
     int n = 0;
     double t0 = MPI_Wtime();
-    int rc = post_msg(false, buf, SPLIT_TO, SPLIT_TO, MPI_BYTE, peer, comm, split, reqs, &n);
+    bool halves = as_halves(split, SPLIT_TO, SPLIT_TO);
+    int rc = post_msg(false, buf, SPLIT_TO, SPLIT_TO, MPI_BYTE, peer, comm, halves, reqs, &n);
     if (rc == MPI_SUCCESS)
-        rc = post_msg(true, buf + SPLIT_TO, SPLIT_TO, SPLIT_TO, MPI_BYTE, peer, comm, split, reqs,
+        rc = post_msg(true, buf + SPLIT_TO, SPLIT_TO, SPLIT_TO, MPI_BYTE, peer, comm, halves, reqs,
                       &n);
     if (n > 0 && MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
         rc = MPI_ERR_OTHER;
@@ -157,16 +143,11 @@ int tp__mpi_direct_decide_split(MPI_Comm comm, int rank, int size, bool *split)
     return rc;
 }
 
-size_t tp__mpi_direct_scratch(const tp_coll_desc *d, int size)
-{
-    return is_reduction(d->kind) ? (size_t)size * d->count * tp_dtype_size(d->dtype) : 0;
-}
-
 /* A reduction's own contribution: its whole send buffer (all_reduce) or
  * the block of its own rank (reduce_scatter). */
 static const char *own_contribution(const tp_coll_desc *d, int rank)
 {
-    size_t b = d->count * tp_dtype_size(d->dtype);
+    size_t b = d->count * tp__dtype_size(d->dtype);
     return d->kind == TP_COLL_ALL_REDUCE ? d->sendbuf : (const char *)d->sendbuf + (size_t)rank * b;
 }
 
@@ -174,15 +155,16 @@ int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size
                         bool split, void *scratch, MPI_Request *reqs, int *nreq, tp__mpi_copy *copy)
 {
     *copy = (tp__mpi_copy){0};
-    size_t b = d->count * tp_dtype_size(d->dtype);
+    size_t b = d->count * tp__dtype_size(d->dtype);
     int k = (int)d->count, n = 0, rc = MPI_SUCCESS;
     const char *sb = d->sendbuf;
     char *rb = d->recvbuf, *t = scratch;
     /* a reduction adds the contributions in rank order into the result:
      * rank 0's goes there first, straight from the wire where it can */
-    bool red = is_reduction(d->kind);
+    bool red = tp__mpi_direct_is_reduction(d->kind);
     const char *own = red ? own_contribution(d, rank) : NULL;
     bool in_place = red && own == rb;
+    bool halves = as_halves(split, b, k);
     for (int j = 0; j < size && rc == MPI_SUCCESS; j++) {
         if (j == rank)
             continue;
@@ -211,9 +193,9 @@ int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size
             break;
         }
         if (into)
-            rc = post_msg(false, into, k, b, dt, j, comm, split, reqs, &n);
+            rc = post_msg(false, into, k, b, dt, j, comm, halves, reqs, &n);
         if (from && rc == MPI_SUCCESS)
-            rc = post_msg(true, (void *)from, k, b, dt, j, comm, split, reqs, &n);
+            rc = post_msg(true, (void *)from, k, b, dt, j, comm, halves, reqs, &n);
     }
     *nreq = n;
     if (rc != MPI_SUCCESS)
@@ -243,7 +225,7 @@ int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size
 int tp__mpi_direct_reduce(const tp_coll_desc *d, const void *scratch, int rank, int size,
                           MPI_Datatype dt, MPI_Op op)
 {
-    size_t b = d->count * tp_dtype_size(d->dtype);
+    size_t b = d->count * tp__dtype_size(d->dtype);
     const char *t = scratch, *own = own_contribution(d, rank);
     char *result = d->recvbuf;
     bool in_place = own == result;

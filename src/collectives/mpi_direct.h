@@ -13,19 +13,55 @@
  * a communicator is made rather than on every call. */
 size_t tp__mpi_direct_limit(void);
 
+/* The questions below are asked on every collective of the mpi backend:
+ * inline, as the dispatch layer's checks are. */
+
+static inline bool tp__mpi_direct_is_reduction(tp_coll_kind k)
+{
+    return k == TP_COLL_ALL_REDUCE || k == TP_COLL_REDUCE_SCATTER;
+}
+
 /* Whether the collective `d` on `size` ranks takes the direct path under
  * `limit` (tp__mpi_direct_limit): every rank decides alike from what every
  * rank passes alike (kind, count, dtype, group size). */
-bool tp__mpi_direct_fits(const tp_coll_desc *d, int size, size_t limit);
+static inline bool tp__mpi_direct_fits(const tp_coll_desc *d, int size, size_t limit)
+{
+    switch (d->kind) {
+    case TP_COLL_ALL_REDUCE:
+    case TP_COLL_ALL_GATHER:
+    case TP_COLL_REDUCE_SCATTER:
+    case TP_COLL_ALL_TO_ALL:
+    case TP_COLL_BROADCAST:
+        break;
+    default:
+        return false;
+    }
+    size_t block = d->count * tp__dtype_size(d->dtype);
+    if (size < 2 || block == 0 || limit == 0)
+        return false;
+    /* two ranks: an all_gather, all_to_all or broadcast is one exchange
+     * (one message) at any size, which is what MPI's own algorithms do too */
+    if (size == 2 && !tp__mpi_direct_is_reduction(d->kind))
+        return true;
+    /* every rank sends (size - 1) blocks of count elements (broadcast: root) */
+    return (size_t)(size - 1) * block <= limit;
+}
 
 /* Messages this rank posts for `d`, at most: the length of the request array
  * tp__mpi_direct_post fills. */
-int tp__mpi_direct_max_requests(int size);
+static inline int tp__mpi_direct_max_requests(int size)
+{
+    return 4 * (size - 1); /* a receive and a send per peer, each maybe as halves */
+}
 
 /* Bytes of the scratch buffer a reduction needs (0 for the others): a slot
  * per rank, in rank order, for the contributions that cannot go straight
  * into the result. */
-size_t tp__mpi_direct_scratch(const tp_coll_desc *d, int size);
+static inline size_t tp__mpi_direct_scratch(const tp_coll_desc *d, int size)
+{
+    return tp__mpi_direct_is_reduction(d->kind) ? (size_t)size * d->count * tp__dtype_size(d->dtype)
+                                                : 0;
+}
 
 /* The copy of this rank's own block into an all_gather's or all_to_all's
  * result, made once MPI has completed the exchange, as MPI's own

@@ -118,6 +118,13 @@ static inline const tp__dtype_traits *tp__dtype_traits_of(tp_dtype dtype)
     return (unsigned)dtype < TP_DTYPE_COUNT ? &tp__dtype_traits_table[dtype] : NULL;
 }
 
+/* tp_dtype_size without the call: 0 for an invalid dtype. */
+static inline size_t tp__dtype_size(tp_dtype dtype)
+{
+    const tp__dtype_traits *tr = tp__dtype_traits_of(dtype);
+    return tr ? tr->size : 0;
+}
+
 #include "convert.h"
 
 /* Reads/writes element i of a contiguous buffer of dtype as a double (the

@@ -95,4 +95,41 @@ static inline tp_tensor *tp__tensor_local(const tp_tensor *t)
     return t->storage ? (tp_tensor *)t : t->ext_ops->local(t);
 }
 
+/* ---- layout, for the library's own hot paths ----------------------------- */
+
+/* The number of elements of t (the product of its shape). */
+static inline int64_t tp__numel(const tp_tensor *t)
+{
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++)
+        n *= t->shape[i];
+    return n;
+}
+
+/* Whether t's strides are those of a fresh tensor of its shape (dims of size
+ * 1 aside, and any strides once a dim is 0); when they are, *numel gets
+ * tp__numel(t) from the same pass, which a caller that validates a buffer
+ * needs next. */
+static inline bool tp__contiguous_numel(const tp_tensor *t, int64_t *numel)
+{
+    int64_t expect = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] == 0) {
+            *numel = 0;
+            return true; /* no elements: any strides describe them */
+        }
+        if (t->shape[i] != 1 && t->stride[i] != expect)
+            return false;
+        expect *= t->shape[i];
+    }
+    *numel = expect;
+    return true;
+}
+
+static inline bool tp__is_contiguous(const tp_tensor *t)
+{
+    int64_t numel;
+    return tp__contiguous_numel(t, &numel);
+}
+
 #endif /* TP_CORE_H */

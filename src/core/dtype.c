@@ -33,8 +33,7 @@ const tp__dtype_traits tp__dtype_traits_table[TP_DTYPE_COUNT] = {
 
 size_t tp_dtype_size(tp_dtype dtype)
 {
-    const tp__dtype_traits *tr = tp__dtype_traits_of(dtype);
-    return tr ? tr->size : 0;
+    return tp__dtype_size(dtype);
 }
 
 const char *tp_dtype_name(tp_dtype dtype)

@@ -301,14 +301,6 @@ int64_t tp_tensor_size(const tp_tensor *t, int d)
 
 const int64_t *tp_tensor_strides(const tp_tensor *t) { return t ? t->stride : NULL; }
 
-static int64_t tp__numel(const tp_tensor *t)
-{
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++)
-        n *= t->shape[i];
-    return n;
-}
-
 int64_t tp_tensor_numel(const tp_tensor *t) { return t ? tp__numel(t) : 0; }
 
 tp_dtype tp_tensor_dtype(const tp_tensor *t) { return t ? t->dtype : TP_DTYPE_COUNT; }
@@ -335,19 +327,6 @@ void *tp_tensor_data(const tp_tensor *t)
     if (!t || !t->storage)
         return NULL;
     return (char *)t->storage->data + (size_t)t->offset * tp_dtype_size(t->dtype);
-}
-
-static bool tp__is_contiguous(const tp_tensor *t)
-{
-    int64_t expect = 1;
-    for (int i = t->ndim - 1; i >= 0; i--) {
-        if (t->shape[i] == 0)
-            return true; /* no elements: any strides describe them */
-        if (t->shape[i] != 1 && t->stride[i] != expect)
-            return false;
-        expect *= t->shape[i];
-    }
-    return true;
 }
 
 bool tp_tensor_is_contiguous(const tp_tensor *t)
