@@ -239,6 +239,27 @@ fail:
 
 typedef struct mpi_work mpi_work;
 
+/* A blocking two-rank exchange's messages (all_gather, all_to_all,
+ * broadcast) kept as persistent requests for the buffers they name: made
+ * the first time those buffers come, started again (MPI_Startall) every
+ * time they come back, inactive in between. The last MPI_PERSIST_SLOTS sets
+ * of buffers are kept, the least recently used made over; freed with the
+ * communicator. TP_MPI_PERSISTENT=0 posts them afresh every time. */
+enum { MPI_PERSIST_SLOTS = 4, MPI_PERSIST_REQS = 4 /* a receive and a send, each maybe halves */ };
+
+typedef struct mpi_persist {
+    int nreq;      /* 0: a free slot */
+    unsigned used; /* the state's clock at its last start */
+    tp_coll_kind kind;
+    tp_dtype dtype;
+    int root;
+    size_t count;
+    const void *send;
+    void *recv;
+    tp__mpi_copy copy; /* the own block's copy, as posting found it */
+    MPI_Request reqs[MPI_PERSIST_REQS];
+} mpi_persist;
+
 typedef struct mpi_state {
     MPI_Comm comm;
     int rank, size;
@@ -249,11 +270,14 @@ typedef struct mpi_state {
     mpi_work *active;  /* work handed out and not yet freed */
     mpi_work *zombies; /* freed before MPI completed it (after a timeout or abort) */
     unsigned ring_seq; /* ring collectives issued (their tags; every rank counts alike) */
-    size_t direct_bytes;       /* TP_MPI_DIRECT_BYTES and TP_MPI_RING as they were when the */
-    bool ring_on;              /* communicator was made (not read again per call) */
+    size_t direct_bytes;       /* TP_MPI_DIRECT_BYTES, TP_MPI_RING and TP_MPI_PERSISTENT as */
+    bool ring_on;              /* they were when the communicator was made (not read again */
+    bool persist_on;           /* per call) */
     bool split;                /* 2-4 KiB direct messages go as halves: the world's
                                 * measured answer (tp__mpi_direct_decide_split),
                                 * which its splits inherit */
+    unsigned persist_clock;
+    mpi_persist persist[MPI_PERSIST_SLOTS];
 } mpi_state;
 
 /* Requests a direct collective keeps inside its work object: up to
@@ -266,6 +290,7 @@ struct mpi_work {
     MPI_Request *reqs; /* &req, the direct path's messages (mpi_direct.c: inl or
                         * allocated) or the ring's current step's (mpi_ring.c) */
     tp__mpi_copy copy; /* direct path: the own block's copy, done by work_finish */
+    mpi_persist *persist; /* reqs are this slot's, started (post_persistent) */
     int nreq;
     bool direct;        /* reductions: tmp holds every rank's contribution */
     tp__mpi_ring *ring; /* the ring path's schedule (reqs points into it), or NULL */
@@ -337,7 +362,7 @@ static void work_clear(mpi_work *w)
 {
     if (w->ring)
         tp__mpi_ring_free(w->ring); /* w->reqs is its */
-    else if (w->reqs != &w->req && w->reqs != w->inl)
+    else if (w->reqs != &w->req && w->reqs != w->inl && !w->persist)
         tp__free(w->reqs);
     /* a blocking call's work holds none of these: no calls for it */
     if (w->keep[0])
@@ -780,8 +805,83 @@ static int post_nbc(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
 }
 
 /* The direct path (mpi_direct.c): point-to-point messages into w->reqs. */
-static int post_direct(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
+/* Frees a slot's requests (inactive: MPI owns nothing of them), under the
+ * lock. */
+static void persist_free(mpi_persist *p)
 {
+    for (int i = 0; i < p->nreq; i++)
+        if (p->reqs[i] != MPI_REQUEST_NULL)
+            (void)MPI_Request_free(&p->reqs[i]);
+    p->nreq = 0;
+}
+
+/* A blocking call whose persistent requests MPI may still hold (its wait
+ * failed, or MPI_Startall did): the work takes the handles into its own
+ * array, as any other work's requests, and the slot forgets them (the
+ * communicator is failed: the requests are left to MPI, never freed). */
+static void persist_detach(mpi_work *w)
+{
+    if (!w->persist)
+        return;
+    memcpy(w->inl, w->reqs, (size_t)w->nreq * sizeof *w->inl);
+    w->reqs = w->inl;
+    w->persist->nreq = 0;
+    w->persist = NULL;
+}
+
+/* A blocking exchange on two ranks through the slot of its buffers (made
+ * over, the least recently used one, when none has them), started. Returns
+ * MPI's code; w->nreq is 0 when nothing was started. */
+static int post_persistent(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
+{
+    mpi_persist *p = NULL, *lru = &S->persist[0];
+    for (int i = 0; i < MPI_PERSIST_SLOTS; i++) {
+        mpi_persist *q = &S->persist[i];
+        if (q->nreq && q->send == d->sendbuf && q->recv == d->recvbuf && q->count == d->count &&
+            q->kind == d->kind && q->dtype == d->dtype && q->root == d->root) {
+            p = q;
+            break;
+        }
+        if (lru->nreq && (!q->nreq || q->used < lru->used))
+            lru = q;
+    }
+    w->direct = true;
+    w->nreq = 0;
+    int rc = MPI_SUCCESS;
+    mpi_lock();
+    if (!p) {
+        p = lru;
+        persist_free(p);
+        int n = 0;
+        rc = tp__mpi_direct_post(d, S->comm, S->rank, S->size, mpi_dtype(d->dtype), S->split, true,
+                                 NULL, p->reqs, &n, &p->copy);
+        p->nreq = n;
+        if (rc != MPI_SUCCESS) {
+            persist_free(p); /* made, never started */
+            mpi_unlock();
+            return rc;
+        }
+        p->kind = d->kind;
+        p->dtype = d->dtype;
+        p->root = d->root;
+        p->count = d->count;
+        p->send = d->sendbuf;
+        p->recv = d->recvbuf;
+    }
+    p->used = ++S->persist_clock;
+    w->persist = p;
+    w->reqs = p->reqs;
+    w->nreq = p->nreq;
+    w->copy = p->copy;
+    rc = p->nreq ? MPI_Startall(p->nreq, p->reqs) : MPI_SUCCESS;
+    mpi_unlock();
+    return rc;
+}
+
+static int post_direct(mpi_state *S, const tp_coll_desc *d, mpi_work *w, bool blocking)
+{
+    if (blocking && S->size == 2 && S->persist_on && !tp__mpi_direct_is_reduction(d->kind))
+        return post_persistent(S, d, w);
     int max = tp__mpi_direct_max_requests(S->size);
     size_t scratch = tp__mpi_direct_scratch(d, S->size);
     w->nreq = 0; /* nothing posted: a failure below leaves MPI nothing */
@@ -791,7 +891,7 @@ static int post_direct(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
         return POST_NO_MEMORY;
     w->direct = true;
     mpi_lock();
-    int rc = tp__mpi_direct_post(d, S->comm, S->rank, S->size, mpi_dtype(d->dtype), S->split,
+    int rc = tp__mpi_direct_post(d, S->comm, S->rank, S->size, mpi_dtype(d->dtype), S->split, false,
                                  w->tmp, w->reqs, &w->nreq, &w->copy);
     mpi_unlock();
     return rc;
@@ -853,6 +953,8 @@ static tp_status run_blocking(mpi_state *S, mpi_work *w, const tp_coll_desc *d)
         work_finish(S, w);
         st = w->status;
     }
+    if (st != TP_OK)
+        persist_detach(w); /* the communicator is failed: its slots go with it */
     if (st == TP_OK || fin)
         work_clear(w); /* MPI is done with the requests */
     else
@@ -897,7 +999,9 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
 
     bool direct = tp__mpi_direct_fits(d, S->size, S->direct_bytes);
     bool ring = !direct && tp__mpi_ring_fits(d, S->size, direct, S->ring_on);
-    int rc = direct ? post_direct(S, d, w) : ring ? post_ring(S, d, w) : post_nbc(S, d, w);
+    int rc = direct ? post_direct(S, d, w, blocking)
+             : ring ? post_ring(S, d, w)
+                    : post_nbc(S, d, w);
     tp_status st = TP_OK;
     if (rc == POST_INVALID) {
         work_clear(w);
@@ -924,6 +1028,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
     *work = w;
     return TP_OK;
 fail:
+    persist_detach(w);
     if ((direct || w->ring) && w->nreq > 0) {
         /* some messages went out: MPI owns them and their buffers now */
         if (blocking) {
@@ -1032,6 +1137,8 @@ static tp_status state_create(MPI_Comm comm, mpi_state **out)
     tp__abort_init(&S->abort);
     S->direct_bytes = tp__mpi_direct_limit();
     S->ring_on = tp__mpi_ring_enabled();
+    const char *persist = getenv("TP_MPI_PERSISTENT");
+    S->persist_on = !(persist && strcmp(persist, "0") == 0);
     *out = S;
     return TP_OK;
 fail:
@@ -1099,6 +1206,8 @@ static void mpi_free(void *state)
      * OpenMPI there (mca_pml_ob1_isend on a freed communicator), so a faulted
      * communicator is left to MPI, deliberately unfreed; MPI_Finalize tolerates
      * the pending request, and a late peer's collective may even complete. */
+    for (int i = 0; i < MPI_PERSIST_SLOTS && !fin; i++)
+        persist_free(&S->persist[i]); /* inactive: every blocking call completed or detached */
     if (!fin && !faulted)
         MPI_Comm_free(&S->comm);
     else if (!fin)

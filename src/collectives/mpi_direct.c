@@ -59,33 +59,45 @@ static bool as_halves(bool split, size_t b, int k)
     return split && b > SPLIT_FROM && b <= SPLIT_TO && k > 1;
 }
 
-static int post_one(bool send, void *buf, int k, MPI_Datatype dt, int j, MPI_Comm comm,
+/* How a message is posted: a receive or a send, started now or made as a
+ * persistent request (MPI_Recv_init / MPI_Send_init) for MPI_Startall. */
+enum { POST_RECV = 0, POST_SEND = 1, POST_RECV_INIT = 2, POST_SEND_INIT = 3 };
+
+static int post_one(int how, void *buf, int k, MPI_Datatype dt, int j, MPI_Comm comm,
                     MPI_Request *req)
 {
-    return send ? MPI_Isend(buf, k, dt, j, DIRECT_TAG, comm, req)
-                : MPI_Irecv(buf, k, dt, j, DIRECT_TAG, comm, req);
+    switch (how) {
+    case POST_SEND:
+        return MPI_Isend(buf, k, dt, j, DIRECT_TAG, comm, req);
+    case POST_RECV_INIT:
+        return MPI_Recv_init(buf, k, dt, j, DIRECT_TAG, comm, req);
+    case POST_SEND_INIT:
+        return MPI_Send_init(buf, k, dt, j, DIRECT_TAG, comm, req);
+    default:
+        return MPI_Irecv(buf, k, dt, j, DIRECT_TAG, comm, req);
+    }
 }
 
 /* Out of line: the rare case, kept off the loop that posts the messages. */
-__attribute__((noinline)) static int post_halves(bool send, char *buf, int k, size_t b,
+__attribute__((noinline)) static int post_halves(int how, char *buf, int k, size_t b,
                                                  MPI_Datatype dt, int j, MPI_Comm comm,
                                                  MPI_Request *reqs, int *n)
 {
     int h = k / 2;
-    int rc = post_one(send, buf, h, dt, j, comm, &reqs[(*n)++]);
+    int rc = post_one(how, buf, h, dt, j, comm, &reqs[(*n)++]);
     if (rc == MPI_SUCCESS)
-        rc = post_one(send, buf + b / (size_t)k * (size_t)h, k - h, dt, j, comm, &reqs[(*n)++]);
+        rc = post_one(how, buf + b / (size_t)k * (size_t)h, k - h, dt, j, comm, &reqs[(*n)++]);
     return rc;
 }
 
 /* One message of k elements of dt (b bytes) from or to peer j, as two halves
  * when `halves` (as_halves). */
-static inline int post_msg(bool send, void *buf, int k, size_t b, MPI_Datatype dt, int j,
+static inline int post_msg(int how, void *buf, int k, size_t b, MPI_Datatype dt, int j,
                            MPI_Comm comm, bool halves, MPI_Request *reqs, int *n)
 {
     if (halves)
-        return post_halves(send, buf, k, b, dt, j, comm, reqs, n);
-    return post_one(send, buf, k, dt, j, comm, &reqs[(*n)++]);
+        return post_halves(how, buf, k, b, dt, j, comm, reqs, n);
+    return post_one(how, buf, k, dt, j, comm, &reqs[(*n)++]);
 }
 
 /* One exchange of a SPLIT_TO-byte message each way between this rank and
@@ -96,10 +108,10 @@ static double time_exchange(MPI_Comm comm, int peer, char *buf, bool split)
     int n = 0;
     double t0 = MPI_Wtime();
     bool halves = as_halves(split, SPLIT_TO, SPLIT_TO);
-    int rc = post_msg(false, buf, SPLIT_TO, SPLIT_TO, MPI_BYTE, peer, comm, halves, reqs, &n);
+    int rc = post_msg(POST_RECV, buf, SPLIT_TO, SPLIT_TO, MPI_BYTE, peer, comm, halves, reqs, &n);
     if (rc == MPI_SUCCESS)
-        rc = post_msg(true, buf + SPLIT_TO, SPLIT_TO, SPLIT_TO, MPI_BYTE, peer, comm, halves, reqs,
-                      &n);
+        rc = post_msg(POST_SEND, buf + SPLIT_TO, SPLIT_TO, SPLIT_TO, MPI_BYTE, peer, comm, halves,
+                      reqs, &n);
     if (n > 0 && MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
         rc = MPI_ERR_OTHER;
     return rc == MPI_SUCCESS ? MPI_Wtime() - t0 : -1;
@@ -152,8 +164,11 @@ static const char *own_contribution(const tp_coll_desc *d, int rank)
 }
 
 int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size, MPI_Datatype dt,
-                        bool split, void *scratch, MPI_Request *reqs, int *nreq, tp__mpi_copy *copy)
+                        bool split, bool persistent, void *scratch, MPI_Request *reqs, int *nreq,
+                        tp__mpi_copy *copy)
 {
+    int recv = persistent ? POST_RECV_INIT : POST_RECV,
+        send = persistent ? POST_SEND_INIT : POST_SEND;
     *copy = (tp__mpi_copy){0};
     size_t b = d->count * tp__dtype_size(d->dtype);
     int k = (int)d->count, n = 0, rc = MPI_SUCCESS;
@@ -193,9 +208,9 @@ int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size
             break;
         }
         if (into)
-            rc = post_msg(false, into, k, b, dt, j, comm, halves, reqs, &n);
+            rc = post_msg(recv, into, k, b, dt, j, comm, halves, reqs, &n);
         if (from && rc == MPI_SUCCESS)
-            rc = post_msg(true, (void *)from, k, b, dt, j, comm, halves, reqs, &n);
+            rc = post_msg(send, (void *)from, k, b, dt, j, comm, halves, reqs, &n);
     }
     *nreq = n;
     if (rc != MPI_SUCCESS)

@@ -89,7 +89,10 @@ int tp__mpi_direct_decide_split(MPI_Comm comm, int rank, int size, bool *split);
 
 /* Posts the receives and sends of `d` on `comm` as rank `rank` of `size`
  * (type dt; a message of 2-4 KiB as two halves when `split`) into reqs,
- * setting *nreq to how many were posted (even when a call failed). This
+ * setting *nreq to how many were posted (even when a call failed); with
+ * `persistent`, makes them as persistent requests instead, inactive, for
+ * MPI_Startall (a reduction's own contribution is then not copied: only
+ * the other collectives take that form). This
  * rank's own block of an all_gather or all_to_all is left in *copy for the
  * caller, to copy once the requests completed; a
  * reduction's own contribution is copied here where it needs to be. A
@@ -97,7 +100,7 @@ int tp__mpi_direct_decide_split(MPI_Comm comm, int rank, int size, bool *split);
  * the call is out of place (rank 0 copies its own there). Returns MPI's
  * code. */
 int tp__mpi_direct_post(const tp_coll_desc *d, MPI_Comm comm, int rank, int size, MPI_Datatype dt,
-                        bool split, void *scratch, MPI_Request *reqs, int *nreq,
+                        bool split, bool persistent, void *scratch, MPI_Request *reqs, int *nreq,
                         tp__mpi_copy *copy);
 
 /* Once every request of `d` completed: the reduction of the contributions,

@@ -12,6 +12,8 @@
  * flight at once; splits (parity colors, reversed keys, color -1, a split of
  * a split); aborts (local abort, pending work, a peer that learns of it by
  * timing out, a rank out of memory); meshes with per-dim all_reduce / all_gather and a slice; the
+ * same buffers passed again and again (the persistent requests of a
+ * two-rank world), the
  * descriptor check (a mismatched count or op on the last rank gives every
  * rank TP_ERR_MISMATCH); DTensor redistribution; a Colwise + Rowwise MLP
  * against the plain module, with the comm-debug counts of DESIGN.md.
@@ -540,6 +542,131 @@ static void test_same_bits(tp_comm *world)
             check_same_bits(world, TP_F32, TP_SUM, ks[i], ip);
             check_same_bits(world, TP_BF16, TP_SUM, ks[i], ip);
             check_same_bits(world, TP_F64, TP_PRODUCT, ks[i], ip);
+        }
+    }
+}
+
+/* A value every rank can compute: what rank q writes at element i of set s
+ * in round t (exact in f32). */
+static float persist_value(int q, int s, int t, int64_t i)
+{
+    return (float)((q * 1009 + s * 101 + t * 13 + i) % 4093);
+}
+
+/* Whether the k-element block of got equals rank q's values; counts wrong
+ * elements into *bad. */
+static void persist_block(const float *got, int q, int s, int t, int64_t k, long *bad)
+{
+    for (int64_t i = 0; i < k; i++)
+        *bad += got[i] != persist_value(q, s, t, i);
+}
+
+/* The same buffers again and again, as a training loop passes them: on two
+ * ranks a blocking all_gather, all_to_all or broadcast keeps its messages as
+ * persistent requests per set of buffers (mpi.c keeps 4 sets), started again
+ * each time the buffers come back. Each round writes new values into 6 sets
+ * taken in turn (more than are kept, so sets come back after being made
+ * over) and checks every result: in place and not, the broadcast's root
+ * moving, messages whole, as halves (3 KiB, where the world splits) and of
+ * 16 KiB; then every tensor is freed and made again, where the allocator may
+ * hand the same addresses back. Any world size (the persistent path is for
+ * two ranks; the others check the same results). */
+static void test_persistent(tp_comm *world)
+{
+    enum { SETS = 6, ROUNDS = 3 };
+    static const int64_t ks[] = {5, 768, 4096};
+    int n = tp_comm_size(world), r = tp_comm_rank(world);
+    for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++) {
+        for (int again = 0; again < 2; again++) {
+            int64_t k = ks[ki], nk = k * n;
+            tp_tensor *ag_s[SETS] = {0}, *ag_r[SETS] = {0}, *ip_r[SETS] = {0}, *ip_s[SETS] = {0};
+            tp_tensor *a2a_s[SETS] = {0}, *a2a_r[SETS] = {0}, *bc[SETS] = {0};
+            tp_status st = TP_OK;
+            for (int s = 0; s < SETS && st == TP_OK; s++) {
+                st = tp_tensor_zeros(TP_F32, TP_CPU, 1, &k, &ag_s[s]);
+                if (st == TP_OK)
+                    st = tp_tensor_zeros(TP_F32, TP_CPU, 1, &nk, &ag_r[s]);
+                if (st == TP_OK)
+                    st = tp_tensor_zeros(TP_F32, TP_CPU, 1, &nk, &ip_r[s]);
+                if (st == TP_OK)
+                    st = tp_tensor_narrow(ip_r[s], 0, (int64_t)r * k, k, &ip_s[s]);
+                if (st == TP_OK)
+                    st = tp_tensor_zeros(TP_F32, TP_CPU, 1, &nk, &a2a_s[s]);
+                if (st == TP_OK)
+                    st = tp_tensor_zeros(TP_F32, TP_CPU, 1, &nk, &a2a_r[s]);
+                if (st == TP_OK)
+                    st = tp_tensor_zeros(TP_F32, TP_CPU, 1, &k, &bc[s]);
+            }
+            EXPECT(st == TP_OK, "persistent: buffers: %s", tp_last_error());
+            for (int t = 0; t < ROUNDS && st == TP_OK; t++) {
+                for (int s = 0; s < SETS; s++) {
+                    char label[120];
+                    snprintf(label, sizeof label, "persistent (k=%lld, pass %d, round %d, set %d)",
+                             (long long)k, again, t, s);
+                    long bad = 0;
+                    /* all_gather, out of place */
+                    float *x = tp_tensor_data(ag_s[s]), *y = tp_tensor_data(ag_r[s]);
+                    for (int64_t i = 0; i < k; i++)
+                        x[i] = persist_value(r, s, t, i);
+                    for (int64_t i = 0; i < nk; i++)
+                        y[i] = -1;
+                    st = tp_all_gather(world, ag_s[s], ag_r[s], NULL);
+                    EXPECT(st == TP_OK, "%s: all_gather -> %s (%s)", label, tp_status_name(st),
+                           tp_last_error());
+                    for (int q = 0; q < n && st == TP_OK; q++)
+                        persist_block(y + (int64_t)q * k, q, s, t, k, &bad);
+                    EXPECT(bad == 0, "%s: all_gather: %ld elements wrong", label, bad);
+                    /* all_gather, in place */
+                    bad = 0;
+                    y = tp_tensor_data(ip_r[s]);
+                    for (int64_t i = 0; i < nk; i++)
+                        y[i] = i / k == r ? persist_value(r, s, t + 1, i % k) : -1;
+                    st = tp_all_gather(world, ip_s[s], ip_r[s], NULL);
+                    EXPECT(st == TP_OK, "%s: in-place all_gather -> %s (%s)", label,
+                           tp_status_name(st), tp_last_error());
+                    for (int q = 0; q < n && st == TP_OK; q++)
+                        persist_block(y + (int64_t)q * k, q, s, t + 1, k, &bad);
+                    EXPECT(bad == 0, "%s: in-place all_gather: %ld elements wrong", label, bad);
+                    /* all_to_all: block q goes to rank q, which finds rank r's
+                     * values of set s + q there */
+                    bad = 0;
+                    x = tp_tensor_data(a2a_s[s]);
+                    y = tp_tensor_data(a2a_r[s]);
+                    for (int64_t i = 0; i < nk; i++) {
+                        x[i] = persist_value(r, s + (int)(i / k), t, i % k);
+                        y[i] = -1;
+                    }
+                    st = tp_all_to_all(world, a2a_s[s], a2a_r[s], NULL);
+                    EXPECT(st == TP_OK, "%s: all_to_all -> %s (%s)", label, tp_status_name(st),
+                           tp_last_error());
+                    for (int q = 0; q < n && st == TP_OK; q++)
+                        persist_block(y + (int64_t)q * k, q, s + r, t, k, &bad);
+                    EXPECT(bad == 0, "%s: all_to_all: %ld elements wrong", label, bad);
+                    /* broadcast from a root that moves with the round */
+                    bad = 0;
+                    int root = (s + t) % n;
+                    x = tp_tensor_data(bc[s]);
+                    for (int64_t i = 0; i < k; i++)
+                        x[i] = r == root ? persist_value(root, s, t, i) : -1;
+                    st = tp_broadcast(world, bc[s], root, NULL);
+                    EXPECT(st == TP_OK, "%s: broadcast -> %s (%s)", label, tp_status_name(st),
+                           tp_last_error());
+                    if (st == TP_OK)
+                        persist_block(x, root, s, t, k, &bad);
+                    EXPECT(bad == 0, "%s: broadcast from %d: %ld elements wrong", label, root, bad);
+                    if (st != TP_OK)
+                        break;
+                }
+            }
+            for (int s = 0; s < SETS; s++) {
+                tp_tensor_release(ag_s[s]);
+                tp_tensor_release(ag_r[s]);
+                tp_tensor_release(ip_s[s]);
+                tp_tensor_release(ip_r[s]);
+                tp_tensor_release(a2a_s[s]);
+                tp_tensor_release(a2a_r[s]);
+                tp_tensor_release(bc[s]);
+            }
         }
     }
 }
@@ -1361,6 +1488,7 @@ int main(int argc, char **argv)
     double t0 = now_s();
     test_collectives(world);
     test_same_bits(world);
+    test_persistent(world);
     test_misc(world);
     test_split(world);
     test_abort(world);

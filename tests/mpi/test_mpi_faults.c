@@ -135,7 +135,8 @@ static void check_world(tp_comm *world, const char *label)
  * stale request: the late data arrives, and MPI sends the next round on the
  * freed communicator's behalf). Then a split nobody else joins, one freed
  * with its work still pending, and a split of a split that nobody else
- * joins. */
+ * joins; last, a split whose rank 0 times out on an all_gather that two
+ * ranks send as persistent requests, nobody else joining. */
 static void split_faults(tp_comm *world)
 {
     int n = tp_comm_size(world), r = tp_comm_rank(world);
@@ -218,6 +219,49 @@ static void split_faults(tp_comm *world)
         tp_comm_free(d);
     }
     check_world(world, "after a split with absent peers");
+
+    /* the persistent requests of a two-rank world (mpi.c): two all_gathers
+     * of the same buffers complete, the second starting the requests the
+     * first made; rank 0's third finds no peer, times out with them started,
+     * and the communicator it faulted frees at once */
+    tp_comm *e = NULL;
+    EXPECT(tp_comm_split(world, 0, r, &e) == TP_OK, "split: %s", tp_last_error());
+    if (!e)
+        return;
+    int64_t one = 1, all = n;
+    tp_tensor *x = NULL, *y = NULL;
+    EXPECT(tp_tensor_zeros(TP_F32, TP_CPU, 1, &one, &x) == TP_OK &&
+               tp_tensor_zeros(TP_F32, TP_CPU, 1, &all, &y) == TP_OK,
+           "tensors: %s", tp_last_error());
+    for (int i = 0; i < 2 && x && y; i++) {
+        *(float *)tp_tensor_data(x) = (float)(r + i);
+        tp_status st = tp_all_gather(e, x, y, NULL);
+        long bad = 0;
+        for (int q = 0; q < n && st == TP_OK; q++)
+            bad += ((const float *)tp_tensor_data(y))[q] != (float)(q + i);
+        EXPECT(st == TP_OK && bad == 0, "persistent all_gather %d -> %s (%s), %ld wrong", i,
+               tp_status_name(st), tp_last_error(), bad);
+    }
+    if (r == 0 && x && y) {
+        EXPECT(tp_comm_set_timeout(e, 0.3) == TP_OK, "set_timeout");
+        double t0 = now_s();
+        tp_status st = tp_all_gather(e, x, y, NULL);
+        double waited = now_s() - t0;
+        EXPECT(st == TP_ERR_TIMEOUT && strstr(tp_last_error(), "timed out after 0.3 s"),
+               "persistent all_gather, absent peers -> %s (%s), expected TP_ERR_TIMEOUT",
+               tp_status_name(st), tp_last_error());
+        EXPECT(waited >= 0.25 && waited < 10,
+               "persistent all_gather: timed out after %.2f s, limit 0.3 s", waited);
+        EXPECT(tp_comm_is_aborted(e), "persistent all_gather: not aborted after the timeout");
+        tp_tensor_release(x); /* the requests keep their buffers alive */
+        tp_tensor_release(y);
+        free_promptly(e, "persistent all_gather, absent peers");
+    } else {
+        tp_tensor_release(x);
+        tp_tensor_release(y);
+        tp_comm_free(e);
+    }
+    check_world(world, "after a persistent all_gather with absent peers");
 }
 
 int main(int argc, char **argv)
