@@ -630,6 +630,15 @@ static inline void work_finish(mpi_state *S, mpi_work *w)
 /* One MPI_Test of the requests, or with a ring one step of its progress
  * (which posts the next step's messages once the current ones completed);
  * *done once everything completed. */
+/* MPI_Testall, or MPI_Test for one request: OpenMPI's MPI_Test looks at the
+ * request again after the progress it makes, MPI_Testall only on its next
+ * call, one call later than a blocking wait would notice. */
+static inline int test_all(int n, MPI_Request *reqs, int *flag)
+{
+    return n == 1 ? MPI_Test(reqs, flag, MPI_STATUS_IGNORE)
+                  : MPI_Testall(n, reqs, flag, MPI_STATUSES_IGNORE);
+}
+
 static tp_status req_test(mpi_state *S, tp__mpi_ring *ring, int n, MPI_Request *reqs, bool *done,
                           const char *what)
 {
@@ -637,8 +646,7 @@ static tp_status req_test(mpi_state *S, tp__mpi_ring *ring, int n, MPI_Request *
     bool fin = false;
     tp_status st = TP_OK;
     mpi_lock();
-    int rc =
-        ring ? tp__mpi_ring_progress(ring, &fin) : MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
+    int rc = ring ? tp__mpi_ring_progress(ring, &fin) : test_all(n, reqs, &flag);
     mpi_unlock();
     stale_progress();
     *done = true; /* an error is final */
@@ -698,7 +706,7 @@ static tp_status req_wait(mpi_state *S, tp__mpi_ring *ring, int n, MPI_Request *
     if (!ring && !mpi_serialize && atomic_load_explicit(&mpi_nstale, memory_order_relaxed) == 0) {
         for (int i = 0; i < 64 && !tp__abort_is_set(&S->abort); i++) {
             int flag = 0;
-            int rc = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
+            int rc = test_all(n, reqs, &flag);
             if (rc != MPI_SUCCESS || flag) {
                 *done = true; /* an error is final, as in req_test */
                 return rc == MPI_SUCCESS ? TP_OK : state_fail(S, tp__mpi_error(rc, what));
