@@ -87,6 +87,7 @@
 #include "collectives/mpi_ring.h"
 #include "collectives/poll.h"
 #include "core/cache.h"
+#include "core/log.h"
 
 /* ---- process-wide MPI state ----------------------------------------------- */
 
@@ -276,6 +277,7 @@ typedef struct mpi_state {
     bool split;                /* 2-4 KiB direct messages go as halves: the world's
                                 * measured answer (tp__mpi_direct_decide_split),
                                 * which its splits inherit */
+    bool apart;                /* two ranks on two nodes (pair_apart) */
     unsigned persist_clock;
     mpi_persist persist[MPI_PERSIST_SLOTS];
 } mpi_state;
@@ -1064,7 +1066,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
         w->keep[1] = d->recv != d->send ? tp_tensor_retain(d->recv) : NULL;
     }
 
-    bool direct = tp__mpi_direct_fits(d, S->size, S->direct_bytes);
+    bool direct = tp__mpi_direct_fits(d, S->size, S->direct_bytes, S->apart);
     bool ring = !direct && tp__mpi_ring_fits(d, S->size, direct, S->ring_on);
     int rc = direct ? post_direct(S, d, w, blocking)
              : ring ? post_ring(S, d, w)
@@ -1297,6 +1299,31 @@ static void mpi_abort(void *state, const char *reason)
     state_abort(S, why);
 }
 
+/* Whether the two ranks of `comm` share no node, from the size of this
+ * rank's MPI_COMM_TYPE_SHARED part of it (`local`: 1 when apart); the same
+ * answer on both ranks. */
+static bool pair_apart(int size, int local)
+{
+    bool apart = size == 2 && local == 1;
+    if (apart && TP_LOG_ON(TP_LOG_INFO))
+        tp__log(TP_LOG_INFO, "mpi: the two ranks are on two nodes: every collective of theirs "
+                             "goes as one exchange (the direct path)");
+    return apart;
+}
+
+/* The size of this rank's MPI_COMM_TYPE_SHARED part of `comm` (its ranks
+ * on this node). Collective over comm. Returns MPI's code. */
+static int node_ranks(MPI_Comm comm, int *local)
+{
+    MPI_Comm node = MPI_COMM_NULL;
+    int rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    if (rc == MPI_SUCCESS) {
+        rc = MPI_Comm_size(node, local);
+        MPI_Comm_free(&node);
+    }
+    return rc;
+}
+
 static tp_status mpi_split(void *state, int color, int key, double timeout_s, void **new_state,
                            int *new_rank, int *new_size)
 {
@@ -1324,6 +1351,16 @@ static tp_status mpi_split(void *state, int color, int key, double timeout_s, vo
     TP_MPI_CHECK_GOTO("MPI_Comm_split", rc, st, fail);
     if (nc == MPI_COMM_NULL)
         return TP_OK;
+    /* a two-rank split asks whether its ranks share a node (both ask) */
+    int nsize = 0, local = 0;
+    mpi_lock();
+    rc = MPI_Comm_size(nc, &nsize);
+    if (rc == MPI_SUCCESS && nsize == 2)
+        rc = node_ranks(nc, &local);
+    if (rc != MPI_SUCCESS)
+        MPI_Comm_free(&nc);
+    mpi_unlock();
+    TP_MPI_CHECK_GOTO("MPI_Comm_split_type (split)", rc, st, fail);
     mpi_state *N = NULL;
     pthread_mutex_lock(&mpi_mu);
     mpi_lock();
@@ -1331,6 +1368,7 @@ static tp_status mpi_split(void *state, int color, int key, double timeout_s, vo
     if (st == TP_OK) {
         N->timeout_s = timeout_s;
         N->split = S->split;
+        N->apart = pair_apart(N->size, local);
         mpi_live++;
     }
     else
@@ -1357,7 +1395,7 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
 {
     tp_status st = TP_OK;
     MPI_Comm parent = options ? *(const MPI_Comm *)options : MPI_COMM_WORLD;
-    MPI_Comm comm = MPI_COMM_NULL, node = MPI_COMM_NULL;
+    MPI_Comm comm = MPI_COMM_NULL;
     mpi_state *S = NULL;
     pthread_mutex_lock(&mpi_mu);
     int inited = 0, fin = 0, level = MPI_THREAD_SINGLE;
@@ -1404,14 +1442,12 @@ static tp_status mpi_init_world(void *options, void **state, int *rank, int *siz
     TP_MPI_CHECK_GOTO("measuring the 2-4 KiB message split",
                       tp__mpi_direct_decide_split(comm, S->rank, S->size, &S->split), st,
                       fail_state);
-    /* ranks sharing this node's cores decide how politely to wait */
-    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
-        MPI_SUCCESS) {
-        int local = 1;
-        MPI_Comm_size(node, &local);
-        mpi_yield = local > ncpu() && !mpi_library_yields();
-        MPI_Comm_free(&node);
-    }
+    /* ranks sharing this node's cores decide how politely to wait, and two
+     * ranks whether they share a node at all */
+    int local = 0;
+    TP_MPI_CHECK_GOTO("MPI_Comm_split_type", node_ranks(comm, &local), st, fail_state);
+    mpi_yield = local > ncpu() && !mpi_library_yields();
+    S->apart = pair_apart(S->size, local);
     mpi_live++;
     *state = S;
     *rank = S->rank;

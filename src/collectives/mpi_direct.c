@@ -6,7 +6,8 @@
  * sent per rank, 32 KiB by default; 0 turns the path off) therefore goes as
  * one round of MPI_Isend/MPI_Irecv between every pair of ranks that
  * exchange data, on libtp's own duplicate communicator (so under a tag no
- * other traffic uses), completed with MPI_Testall like any other request.
+ * other traffic uses), completed with MPI_Testall (MPI_Test for one) like
+ * any other request.
  * On two ranks an all_gather, all_to_all or broadcast takes this path at any
  * size: it is one message each way, what MPI's blocking algorithms send for
  * two ranks too, without libnbc's schedule.
