@@ -21,6 +21,10 @@ static inline bool tp__mpi_direct_is_reduction(tp_coll_kind k)
     return k == TP_COLL_ALL_REDUCE || k == TP_COLL_REDUCE_SCATTER;
 }
 
+/* The largest reduction (bytes per rank) that two ranks on two nodes send
+ * as one exchange (tp__mpi_direct_fits). */
+#define TP__MPI_APART_DIRECT_MAX ((size_t)4 << 20)
+
 /* Whether the collective `d` on `size` ranks takes the direct path under
  * `limit` (tp__mpi_direct_limit), `apart` when the two ranks of a two-rank
  * group share no node: every rank decides alike from what every rank
@@ -41,14 +45,19 @@ static inline bool tp__mpi_direct_fits(const tp_coll_desc *d, int size, size_t l
     if (size < 2 || block == 0 || limit == 0)
         return false;
     /* two ranks: an all_gather, all_to_all or broadcast is one exchange
-     * (one message) at any size, which is what MPI's own algorithms do too.
-     * A reduction too when the two share no node: a link, not memory, is
-     * the bottleneck there, and one exchange of the whole vector moves the
-     * bytes the ring's two steps of halves move, without the pause between
-     * the steps (a 1 MiB all_reduce over 1 Gbit/s TCP: 0.91 of MPI_Allreduce
-     * against the ring's 1.02-1.045); between ranks that share memory the
-     * ring's half-sized reductions win */
-    if (size == 2 && (apart || !tp__mpi_direct_is_reduction(d->kind)))
+     * (one message) at any size, which is what MPI's own algorithms do too */
+    if (size == 2 && !tp__mpi_direct_is_reduction(d->kind))
+        return true;
+    /* a reduction too, up to TP__MPI_APART_DIRECT_MAX, when the two share
+     * no node: a link, not memory, is the bottleneck there, and one exchange
+     * of the whole vector moves the bytes the ring's two steps of halves
+     * move, without the pause between the steps; above it the reduction
+     * after the exchange, which nothing overlaps, costs more than the pause
+     * (1 Gbit/s TCP, all_reduce against MPI_Allreduce, direct / ring: 1 MiB
+     * 0.87-0.93 / 1.00-1.045, 4 MiB 0.99-1.06 / 0.93-1.01, 16 MiB 0.95-0.99
+     * / 0.96-0.98, the ring 2% faster); between ranks that share memory the
+     * ring's half-sized reductions win at every size */
+    if (size == 2 && apart && block <= TP__MPI_APART_DIRECT_MAX)
         return true;
     /* every rank sends (size - 1) blocks of count elements (broadcast: root) */
     return (size_t)(size - 1) * block <= limit;
