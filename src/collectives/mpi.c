@@ -629,9 +629,6 @@ static inline void work_finish(mpi_state *S, mpi_work *w)
     w->status = TP_OK;
 }
 
-/* One MPI_Test of the requests, or with a ring one step of its progress
- * (which posts the next step's messages once the current ones completed);
- * *done once everything completed. */
 /* MPI_Testall, or MPI_Test for one request: OpenMPI's MPI_Test looks at the
  * request again after the progress it makes, MPI_Testall only on its next
  * call, one call later than a blocking wait would notice. */
@@ -641,6 +638,9 @@ static inline int test_all(int n, MPI_Request *reqs, int *flag)
                   : MPI_Testall(n, reqs, flag, MPI_STATUSES_IGNORE);
 }
 
+/* One MPI_Test of the requests, or with a ring one step of its progress
+ * (which posts the next step's messages once the current ones completed);
+ * *done once everything completed. */
 static tp_status req_test(mpi_state *S, tp__mpi_ring *ring, int n, MPI_Request *reqs, bool *done,
                           const char *what)
 {
@@ -839,9 +839,23 @@ static void persist_detach(mpi_work *w)
     w->persist = NULL;
 }
 
-/* A blocking exchange on two ranks through the slot of its buffers (made
- * over, the least recently used one, when none has them), started. Returns
- * MPI's code; w->nreq is 0 when nothing was started. */
+/* Whether a blocking call `d` goes through a persistent slot: an
+ * all_gather, all_to_all or broadcast on two ranks, the slots on. */
+static inline bool persist_applies(const mpi_state *S, const tp_coll_desc *d, bool blocking)
+{
+    return blocking && S->size == 2 && S->persist_on && !tp__mpi_direct_is_reduction(d->kind);
+}
+
+/* w takes slot p's requests (started, or about to be). */
+static void persist_attach(mpi_work *w, mpi_persist *p)
+{
+    w->direct = true;
+    w->persist = p;
+    w->reqs = p->reqs;
+    w->nreq = p->nreq;
+    w->copy = p->copy;
+}
+
 static bool persist_matches(const mpi_persist *q, const tp_coll_desc *d)
 {
     return q->nreq && q->send == d->sendbuf && q->recv == d->recvbuf && q->count == d->count &&
@@ -857,6 +871,9 @@ static inline mpi_persist *persist_find(mpi_state *S, const tp_coll_desc *d)
     return NULL;
 }
 
+/* A blocking exchange on two ranks through the slot of its buffers (made
+ * over, the least recently used one, when none has them), started. Returns
+ * MPI's code; w->nreq is 0 when nothing was started. */
 static int post_persistent(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
 {
     mpi_persist *p = persist_find(S, d), *lru = &S->persist[0];
@@ -889,10 +906,7 @@ static int post_persistent(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
         p->recv = d->recvbuf;
     }
     p->used = ++S->persist_clock;
-    w->persist = p;
-    w->reqs = p->reqs;
-    w->nreq = p->nreq;
-    w->copy = p->copy;
+    persist_attach(w, p);
     rc = p->nreq ? MPI_Startall(p->nreq, p->reqs) : MPI_SUCCESS;
     mpi_unlock();
     return rc;
@@ -900,7 +914,7 @@ static int post_persistent(mpi_state *S, const tp_coll_desc *d, mpi_work *w)
 
 static int post_direct(mpi_state *S, const tp_coll_desc *d, mpi_work *w, bool blocking)
 {
-    if (blocking && S->size == 2 && S->persist_on && !tp__mpi_direct_is_reduction(d->kind))
+    if (persist_applies(S, d, blocking))
         return post_persistent(S, d, w);
     int max = tp__mpi_direct_max_requests(S->size);
     size_t scratch = tp__mpi_direct_scratch(d, S->size);
@@ -1019,10 +1033,7 @@ static tp_status run_persist_hit(mpi_state *S, mpi_persist *p, const tp_coll_des
         }
     }
     work_init(local, d);
-    local->direct = true;
-    local->persist = p;
-    local->reqs = p->reqs;
-    local->nreq = p->nreq;
+    persist_attach(local, p);
     persist_detach(local); /* the communicator is failed: its slots go with it */
     if (rc != MPI_SUCCESS) {
         st = tp__mpi_error(rc, "MPI_Startall");
@@ -1051,7 +1062,7 @@ static tp_status mpi_collective(void *state, const tp_coll_desc *d, void **work)
 
     bool blocking = tp__comm_blocking_call(d);
     mpi_work local;
-    if (blocking && S->size == 2 && S->persist_on && !tp__mpi_direct_is_reduction(d->kind)) {
+    if (persist_applies(S, d, blocking)) {
         mpi_persist *p = persist_find(S, d);
         if (p)
             return run_persist_hit(S, p, d, &local);
@@ -1306,8 +1317,10 @@ static bool pair_apart(int size, int local)
 {
     bool apart = size == 2 && local == 1;
     if (apart && TP_LOG_ON(TP_LOG_INFO))
-        tp__log(TP_LOG_INFO, "mpi: the two ranks are on two nodes: every collective of theirs "
-                             "goes as one exchange (the direct path)");
+        tp__log(TP_LOG_INFO,
+                "mpi: the two ranks are on two nodes: their collectives go as one exchange (the "
+                "direct path), reductions up to %zu MiB per rank",
+                TP__MPI_APART_DIRECT_MAX >> 20);
     return apart;
 }
 

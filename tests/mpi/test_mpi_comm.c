@@ -37,7 +37,8 @@
 
 static int g_rank = -1, g_size = 0;
 /* two ranks on two nodes: the backend's direct path takes their reductions
- * at every size (mpi_direct.h), as scripts/multihost-check.sh runs them */
+ * up to 4 MiB per rank (mpi_direct.h), as scripts/multihost-check.sh runs
+ * them */
 static bool g_apart;
 static long g_pass, g_fail;
 
