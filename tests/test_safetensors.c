@@ -663,6 +663,8 @@ typedef struct {
     int n, layout;
     tp_dtype dtype;
     char path[128];
+    char dir[64];        /* tp_safetensors_save_sharded into it when shard_bytes > 0 */
+    size_t shard_bytes;
     tp_test_slot slot[TP_TEST_MAX_RANKS];
     tp_status st[TP_TEST_MAX_RANKS];
     int64_t gathers[TP_TEST_MAX_RANKS], all_reduces[TP_TEST_MAX_RANKS];
@@ -681,7 +683,10 @@ static tp_status save_body(tp_comm *world, void *arg)
     if (st == TP_OK)
         st = tp_comm_debug_begin(dbg);
     if (st == TP_OK)
-        run->st[r] = tp_safetensors_save(m, run->path, run->n - 1);
+        run->st[r] = run->shard_bytes
+                         ? tp_safetensors_save_sharded(m, run->dir, NULL, run->shard_bytes,
+                                                       run->n - 1)
+                         : tp_safetensors_save(m, run->path, run->n - 1);
     if (st == TP_OK)
         st = tp_comm_debug_end(dbg);
     RANK_EXPECT(s, st == TP_OK, "comm debug: %s", tp_last_error());
@@ -755,6 +760,103 @@ ParameterizedTestParameters(safetensors, save)
 ParameterizedTest(save_case *c, safetensors, save, .timeout = 60)
 {
     save_round_trip(c->n, c->layout, c->dtype);
+}
+
+/* Sharded as transformers shards: 200 bytes put lin.weight (192 bytes in f32)
+ * alone and lin.bias with emb.weight (24 + 160) in a second file; the index
+ * lists both; one all_reduce whatever the number of files. */
+ParameterizedTestParameters(safetensors, save_sharded)
+{
+    static int worlds[] = {1, 3};
+    return cr_make_param_array(int, worlds, 2);
+}
+
+ParameterizedTest(int *n, safetensors, save_sharded, .timeout = 60)
+{
+    save_run run = {.n = *n, .layout = 0, .dtype = TP_F32, .shard_bytes = 200};
+    tmp_dir(run.dir, sizeof run.dir);
+    tp_test_run(*n, save_body, &run, run.slot);
+    for (int r = 0; r < *n; r++)
+        cr_assert_eq(run.all_reduces[r], 1, "rank %d: %lld all_reduces", r,
+                     (long long)run.all_reduces[r]);
+    char path[200];
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", run.dir);
+    size_t len = 0;
+    char *index = (char *)read_all(path, &len);
+    cr_assert_not_null(strstr(index, "\"total_size\": 376"), "%s", index);
+    cr_assert_not_null(strstr(index, "\"lin.weight\": \"model-00001-of-00002.safetensors\""));
+    cr_assert_not_null(strstr(index, "\"lin.bias\": \"model-00002-of-00002.safetensors\""));
+    cr_assert_not_null(strstr(index, "\"emb.weight\": \"model-00002-of-00002.safetensors\""));
+    free(index);
+    char first[64];
+    snprintf(first, sizeof first, "%s", run.dir);
+    tp_module *want = NULL, *got = NULL;
+    CHECK_OK(make_model(TP_F32, 0, &want));
+    CHECK_OK(tp_module_init(want, 1234));
+    CHECK_OK(make_model(TP_F32, 7, &got));
+    CHECK_OK(tp_safetensors_load(got, path, NULL));
+    for (int i = 0; i < 3; i++) {
+        bool eq = false;
+        CHECK_OK(tp_tensor_equal(param(got, names3[i]), param(want, names3[i]), &eq));
+        cr_assert(eq, "n %d: %s differs after the sharded round trip", *n, names3[i]);
+    }
+    /* no limit: one model.safetensors, no index */
+    run = (save_run){.n = 1, .layout = 0, .dtype = TP_F32};
+    tmp_dir(run.dir, sizeof run.dir);
+    tp_module *m = NULL;
+    CHECK_OK(make_model(TP_F32, 0, &m));
+    CHECK_OK(tp_module_init(m, 1234));
+    CHECK_OK(tp_safetensors_save_sharded(m, run.dir, "model", 0, 0));
+    snprintf(path, sizeof path, "%s/model.safetensors", run.dir);
+    CHECK_OK(tp_safetensors_load(got, path, NULL));
+    char cmd[200];
+    snprintf(cmd, sizeof cmd, "test $(ls '%s' | wc -l) -eq 1", run.dir);
+    cr_assert_eq(system(cmd), 0, "expected one file in %s", run.dir);
+    CHECK_ERR(tp_safetensors_save_sharded(m, run.dir, "a/b", 0, 0), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_safetensors_save_sharded(m, run.dir, NULL, 0, 1), TP_ERR_INVALID_ARG);
+    tp_module_free(m);
+    tp_module_free(want);
+    tp_module_free(got);
+    rm_dir(run.dir);
+    rm_dir(first);
+}
+
+/* Plain tensors by name: written, read back bit for bit, refusals named. */
+Test(safetensors, read_write_tensors, .timeout = 30)
+{
+    char dir[64], path[160];
+    tmp_dir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/t.safetensors", dir);
+    const int64_t s1[3] = {2, 3, 5}, s2[1] = {4};
+    tp_tensor *a = NULL, *b = NULL, *c = NULL, *back = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 3, s1, &a));
+    CHECK_OK(tp_tensor_fill_random(a, TP_RNG_UNIFORM, -1, 1, 5, NULL, NULL));
+    const int64_t ids[4] = {7, -1, 1LL << 40, 0};
+    CHECK_OK(tp_tensor_from_data(TP_I64, 1, s2, ids, &b));
+    CHECK_OK(tp_tensor_to(a, TP_BF16, TP_CPU, &c));
+    const char *names[3] = {"logits", "ids", "half"};
+    tp_tensor *ts[3] = {a, b, c};
+    CHECK_OK(tp_safetensors_write(path, 3, names, ts));
+    for (int i = 0; i < 3; i++) {
+        CHECK_OK(tp_safetensors_read(path, names[i], &back));
+        bool eq = false;
+        CHECK_OK(tp_tensor_equal(back, ts[i], &eq));
+        cr_assert(eq, "%s differs after the round trip", names[i]);
+        tp_tensor_release(back);
+        back = NULL;
+    }
+    CHECK_ERR(tp_safetensors_read(path, "nope", &back), TP_ERR_INVALID_ARG);
+    cr_assert_not_null(strstr(tp_last_error(), "nope"));
+    cr_assert_null(back);
+    const char *twice[2] = {"x", "x"};
+    CHECK_ERR(tp_safetensors_write(path, 2, twice, ts), TP_ERR_INVALID_ARG);
+    cr_assert_not_null(strstr(tp_last_error(), "named twice"));
+    snprintf(path, sizeof path, "%s/missing.safetensors", dir);
+    CHECK_ERR(tp_safetensors_read(path, "logits", &back), TP_ERR_BACKEND);
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    tp_tensor_release(c);
+    rm_dir(dir);
 }
 
 Test(safetensors, save_plain_and_failure, .timeout = 30)

@@ -97,6 +97,33 @@ TP_API tp_status tp_safetensors_load(tp_module *m, const char *path,
  */
 TP_API tp_status tp_safetensors_save(tp_module *m, const char *path, int root);
 
+/*
+ * tp_safetensors_save into the directory `dir` (which must exist) in the
+ * layout transformers' save_pretrained writes: "<prefix>.safetensors" when
+ * every parameter fits in max_shard_bytes (0: no limit), else
+ * "<prefix>-0000k-of-0000n.safetensors" (parameters in named_parameters
+ * order, a new file when the next one would pass the limit, a parameter
+ * larger than the limit in a file of its own) and
+ * "<prefix>.safetensors.index.json" ({"metadata": {"total_size": bytes},
+ * "weight_map": {fqn: file}}), written last. prefix NULL: "model". Each file
+ * is atomic as tp_safetensors_save's; a failure leaves the files already
+ * renamed into place and no index. Collective as tp_safetensors_save (one
+ * all_reduce at the end, whatever the number of files).
+ */
+TP_API tp_status tp_safetensors_save_sharded(tp_module *m, const char *dir, const char *prefix,
+                                             size_t max_shard_bytes, int root);
+
+/* Reads the tensor `name` of a .safetensors file into a new plain CPU tensor
+ * of the file's dtype and shape (F32, F64, F16, BF16, I32, I64; others are
+ * TP_ERR_NOT_SUPPORTED). A name the file lacks is TP_ERR_INVALID_ARG; the
+ * header is checked as tp_safetensors_load checks it. Local. */
+TP_API tp_status tp_safetensors_read(const char *path, const char *name, tp_tensor **out);
+/* Writes n plain tensors (any device, dtypes the format holds) under their
+ * names as one .safetensors file, atomically, laid out as
+ * tp_safetensors_save lays out parameters. Names must be distinct. Local. */
+TP_API tp_status tp_safetensors_write(const char *path, int n, const char *const *names,
+                                      tp_tensor *const *tensors);
+
 /* Bytes the calling thread has read from safetensors data buffers (tensor
  * data, not headers) since it started: instrumentation, e.g. to check that a
  * rank reads only its shard. */

@@ -544,3 +544,208 @@ tp_status tp_safetensors_save(tp_module *m, const char *path, int root)
     tp__st_plist_free(&l);
     return st;
 }
+
+/* The index of a sharded save: {"metadata": {"total_size": N}, "weight_map":
+ * {fqn: file}}, as transformers writes it. */
+static tp_status tp__st_write_index(const char *fn, const char *path, const tp__st_plist *l,
+                                    const int *shard_of, int nshards, const char *prefix,
+                                    uint64_t total)
+{
+    json_t *root = json_object(), *meta = json_object(), *map = json_object();
+    bool bad = !root || !meta || !map || json_object_set(root, "metadata", meta) ||
+               json_object_set(root, "weight_map", map) ||
+               json_object_set_new(meta, "total_size", json_integer((json_int_t)total));
+    for (int i = 0; i < l->n && !bad; i++) {
+        char file[512];
+        snprintf(file, sizeof file, "%s-%05d-of-%05d.safetensors", prefix, shard_of[i] + 1,
+                 nshards);
+        bad = json_object_set_new(map, l->v[i].fqn, json_string(file)) != 0;
+    }
+    char *text = bad ? NULL : json_dumps(root, JSON_INDENT(2) | JSON_SORT_KEYS);
+    json_decref(map);
+    json_decref(meta);
+    json_decref(root);
+    if (!text)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory building the index", fn);
+    tp__st_writer w = {.fd = -1};
+    static _Atomic unsigned serial;
+    int k = snprintf(w.tmp, sizeof w.tmp, "%s.tmp.%ld.%u", path, (long)getpid(), serial++);
+    tp_status st = TP_OK;
+    if (k < 0 || (size_t)k >= sizeof w.tmp) {
+        free(text);
+        return tp__error(TP_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
+    }
+    w.fd = open(w.tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (w.fd < 0)
+        st = tp__error(TP_ERR_BACKEND, "%s: cannot create '%s': %s", fn, w.tmp, strerror(errno));
+    else
+        st = tp__st_pwrite(w.tmp, w.fd, text, strlen(text), 0);
+    free(text);
+    return tp__st_end_file(path, &w, st);
+}
+
+tp_status tp_safetensors_save_sharded(tp_module *m, const char *dir, const char *prefix,
+                                      size_t max_shard_bytes, int root)
+{
+    const char *fn = "tp_safetensors_save_sharded";
+    TP_ARG_CHECK(m, "%s: module is NULL", fn);
+    TP_ARG_CHECK(dir, "%s: dir is NULL", fn);
+    if (!prefix)
+        prefix = "model";
+    TP_ARG_CHECK(*prefix && !strchr(prefix, '/') && strlen(prefix) < 256,
+                 "%s: prefix \"%s\" must be a non-empty file name", fn, prefix);
+    TP_ARG_CHECK(strlen(dir) + strlen(prefix) < 4096 - 64, "%s: dir '%s' is too long", fn, dir);
+    tp__st_plist l;
+    TP_CHECK(tp__st_params(fn, m, &l));
+    int size = l.mesh ? tp_comm_size(tp_mesh_group(l.mesh)) : 1;
+    if (root < 0 || root >= size) {
+        tp__st_plist_free(&l);
+        return tp__error(TP_ERR_INVALID_ARG, "%s: root %d is not a rank of the %s (size %d)", fn,
+                         root, l.mesh ? "module's mesh" : "caller (no DTensor parameters)", size);
+    }
+    const bool writer = !l.mesh || tp_comm_rank(tp_mesh_group(l.mesh)) == root;
+    int64_t one = 1;
+    tp_tensor *flag = NULL;
+    int *shard_of = tp__calloc((size_t)(l.n ? l.n : 1), sizeof *shard_of);
+    tp_status st = shard_of ? TP_OK : tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    if (st == TP_OK && l.mesh)
+        st = tp_tensor_empty(TP_I32, TP_CPU, 1, &one, &flag);
+    if (st != TP_OK) {
+        tp__free(shard_of);
+        tp__st_plist_free(&l);
+        return st;
+    }
+    /* transformers' split: parameters in order, a new file when the next one
+     * would pass the limit; a parameter larger than the limit alone */
+    int nshards = l.n ? 1 : 0;
+    uint64_t in_shard = 0, total = 0;
+    for (int i = 0; i < l.n; i++) {
+        uint64_t b = (uint64_t)tp_tensor_numel(l.v[i].p) * tp_dtype_size(tp_tensor_dtype(l.v[i].p));
+        if (max_shard_bytes && in_shard > 0 && in_shard + b > max_shard_bytes) {
+            nshards++;
+            in_shard = 0;
+        }
+        shard_of[i] = nshards - 1;
+        in_shard += b;
+        total += b;
+    }
+    if (nshards <= 1)
+        nshards = 1;
+    char path[4096];
+    /* every rank walks every shard: the gathers are collective */
+    for (int s = 0, lo = 0; s < nshards; s++) {
+        int hi = lo;
+        while (hi < l.n && shard_of[hi] == s)
+            hi++;
+        tp__st_plist sub = l;
+        sub.v = l.v + lo;
+        sub.n = hi - lo;
+        if (nshards == 1)
+            snprintf(path, sizeof path, "%s/%s.safetensors", dir, prefix);
+        else
+            snprintf(path, sizeof path, "%s/%s-%05d-of-%05d.safetensors", dir, prefix, s + 1,
+                     nshards);
+        tp__st_writer w = {.fd = -1};
+        tp_status fst = st;
+        if (writer && fst == TP_OK) {
+            fst = tp__st_layout(&sub, &w);
+            if (fst == TP_OK)
+                fst = tp__st_begin_file(path, &sub, &w);
+        }
+        tp_status gst = tp__st_write_values(&sub, &w, fst);
+        fst = tp__st_end_file(path, &w, gst);
+        tp__free(w.begin);
+        tp__free(w.order);
+        if (st == TP_OK)
+            st = fst;
+        /* a rank that does not write fails only in a gather: a collective
+         * the others saw fail too */
+        if (gst != TP_OK && !writer)
+            break;
+        lo = hi;
+    }
+    if (writer && st == TP_OK && nshards > 1) {
+        snprintf(path, sizeof path, "%s/%s.safetensors.index.json", dir, prefix);
+        st = tp__st_write_index(fn, path, &l, shard_of, nshards, prefix, total);
+    }
+    st = tp__st_agree(fn, l.mesh, flag, st);
+    tp__free(shard_of);
+    tp_tensor_release(flag);
+    tp__st_plist_free(&l);
+    return st;
+}
+
+/* ---- plain tensors by name ------------------------------------------------------- */
+
+tp_status tp_safetensors_read(const char *path, const char *name, tp_tensor **out)
+{
+    const char *fn = "tp_safetensors_read";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    TP_ARG_CHECK(path && name, "%s: %s is NULL", fn, path ? "name" : "path");
+    tp__st_file f;
+    TP_CHECK(tp__st_file_open(path, &f));
+    tp_status st = TP_OK;
+    const tp__st_entry *e = NULL;
+    for (int i = 0; i < f.n && !e; i++)
+        if (!strcmp(f.e[i].name, name))
+            e = &f.e[i];
+    tp_tensor *t = NULL;
+    if (!e)
+        st = tp__error(TP_ERR_INVALID_ARG, "%s: '%s' holds no tensor '%s'", fn, path, name);
+    else if (e->dtype < 0)
+        st = tp__error(TP_ERR_NOT_SUPPORTED, "%s: '%s' in '%s' has dtype %s, which libtp does "
+                                             "not load", fn, name, path, e->dtype_name);
+    else
+        st = tp_tensor_empty((tp_dtype)e->dtype, TP_CPU, e->ndim, e->shape, &t);
+    if (st == TP_OK && e->end > e->begin)
+        st = tp__st_pread(&f, tp_tensor_data(t), (size_t)(e->end - e->begin),
+                          f.data_start + e->begin, true);
+    tp__st_file_close(&f);
+    if (st != TP_OK) {
+        tp_tensor_release(t);
+        return st;
+    }
+    *out = t;
+    return TP_OK;
+}
+
+tp_status tp_safetensors_write(const char *path, int n, const char *const *names,
+                               tp_tensor *const *tensors)
+{
+    const char *fn = "tp_safetensors_write";
+    TP_ARG_CHECK(path, "%s: path is NULL", fn);
+    TP_ARG_CHECK(n >= 0 && (n == 0 || (names && tensors)), "%s: %d tensors with NULL arrays", fn,
+                 n);
+    tp__st_plist l = {.fn = fn};
+    tp_status st = TP_OK;
+    for (int i = 0; i < n && st == TP_OK; i++) {
+        if (!names[i] || !tensors[i]) {
+            st = tp__error(TP_ERR_INVALID_ARG, "%s: entry %d has a NULL %s", fn, i,
+                           names[i] ? "tensor" : "name");
+            break;
+        }
+        if (tp_tensor_is_dtensor(tensors[i]) || !tp__st_dtype_name(tp_tensor_dtype(tensors[i]))) {
+            st = tp__error(TP_ERR_INVALID_ARG, "%s: '%s' must be a plain tensor of a dtype the "
+                                               "format holds", fn, names[i]);
+            break;
+        }
+        for (int j = 0; j < i && st == TP_OK; j++)
+            if (!strcmp(names[i], names[j]))
+                st = tp__error(TP_ERR_INVALID_ARG, "%s: '%s' is named twice", fn, names[i]);
+        if (st == TP_OK)
+            st = tp__st_collect(names[i], tensors[i], &l);
+    }
+    tp__st_writer w = {.fd = -1};
+    if (st == TP_OK)
+        st = tp__st_layout(&l, &w);
+    if (st == TP_OK)
+        st = tp__st_begin_file(path, &l, &w);
+    if (st == TP_OK)
+        st = tp__st_write_values(&l, &w, st);
+    st = tp__st_end_file(path, &w, st);
+    tp__free(w.begin);
+    tp__free(w.order);
+    tp__st_plist_free(&l);
+    return st;
+}
