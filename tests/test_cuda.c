@@ -113,7 +113,7 @@ static void check_op(const char *name, op_fn op, const void *ctx, int n, tp_tens
     tp_tensor *yc = NULL, *yg = NULL, *gc[4] = {0}, *gg[4] = {0};
     run_on(TP_CPU, op, ctx, n, cpu, diff, &yc, gc);
     run_on(DEV, op, ctx, n, cpu, diff, &yg, gg);
-    char what[96];
+    char what[128]; /* a name of up to 95 characters and the suffix */
     snprintf(what, sizeof what, "%s forward", name);
     expect_close(what, yg, yc, rtol, atol);
     for (int i = 0; i < n; i++) {
@@ -166,6 +166,16 @@ static tp_status op_relu(tp_tensor *const *in, const void *c, tp_tensor **y)
 static tp_status op_gelu(tp_tensor *const *in, const void *c, tp_tensor **y)
 {
     return tp_gelu(in[0], *(const tp_gelu_approx *)c, y);
+}
+static tp_status op_silu(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_silu(in[0], y);
+}
+static tp_status op_swiglu(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    (void)c;
+    return tp_swiglu(in[0], in[1], y);
 }
 static tp_status op_dropout(tp_tensor *const *in, const void *c, tp_tensor **y)
 {
@@ -286,6 +296,14 @@ Test(cuda, elementwise, .timeout = 120)
     check_op("gelu (exact)", op_gelu, &ex, 1, ge, 1u, RTOL, ATOL);
     tp_tensor *gt[1] = {rnd(3, s, -4, 4, 7)};
     check_op("gelu (tanh)", op_gelu, &th, 1, gt, 1u, RTOL, ATOL);
+    tp_tensor *si[1] = {rnd(3, s, -12, 12, 13)};
+    check_op("silu", op_silu, NULL, 1, si, 1u, RTOL, ATOL);
+    tp_tensor *sw[2] = {rnd(3, s, -12, 12, 14), rnd(3, s, -2, 2, 15)};
+    check_op("swiglu", op_swiglu, NULL, 2, sw, 3u, RTOL, ATOL);
+    tp_tensor *sg[2] = {rnd(3, s, -6, 6, 16), rnd(3, s, -2, 2, 17)};
+    check_op("swiglu, d gate", op_swiglu, NULL, 2, sg, 1u, RTOL, ATOL);
+    tp_tensor *su[2] = {rnd(3, s, -6, 6, 18), rnd(3, s, -2, 2, 19)};
+    check_op("swiglu, d up", op_swiglu, NULL, 2, su, 2u, RTOL, ATOL);
     tp_tensor *rs[1] = {rnd(3, s, -2, 2, 8)};
     check_op("reshape", op_reshape, NULL, 1, rs, 1u, RTOL, ATOL);
     const int last2[2] = {1, 2}, outer[2] = {0, 2};

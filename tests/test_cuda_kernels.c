@@ -305,6 +305,26 @@ static tp_status r_gelu_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void 
 {
     return K->gelu_bwd(d, t, p[0], p[1], p[2], I(0), a[1] != 0);
 }
+static tp_status r_silu_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                            const double *a)
+{
+    return K->silu_fwd(d, t, p[0], p[1], I(0));
+}
+static tp_status r_silu_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                            const double *a)
+{
+    return K->silu_bwd(d, t, p[0], p[1], p[2], I(0));
+}
+static tp_status r_swiglu_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                              const double *a)
+{
+    return K->swiglu_fwd(d, t, p[0], p[1], p[2], I(0));
+}
+static tp_status r_swiglu_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                              const double *a)
+{
+    return K->swiglu_bwd(d, t, p[0], p[1], p[2], p[3], p[4], I(0));
+}
 static tp_status r_sum_dim(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
 {
     return K->sum_dim(d, t, p[0], p[1], I(0), I(1), I(2), a[3]);
@@ -468,6 +488,10 @@ static tp_status r_adam(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
     {                               \
         'U', true, false, (n), 0, 0 \
     }
+#define T_WIDE(n)                      \
+    {                                  \
+        'T', false, false, (n), -12, 12 \
+    }
 #define NONE                     \
     {                            \
         0, false, false, 0, 0, 0 \
@@ -547,6 +571,29 @@ static const kcase cases[] = {
     /* whole 16-byte packs and a tail of single elements */
     {"gelu_fwd tail", r_gelu_fwd, {1003, 0}, 2e-6, 0, {T_IN(1003), T_OUT(1003)}},
     {"gelu_bwd tail", r_gelu_bwd, {1003, 1}, 2e-6, 0, {T_IN(1003), T_IN(1003), T_OUT(1003)}},
+    /* SiLU and SwiGLU over [-12, 12] (gates) and [-1, 1]: packs and a tail, and
+     * swiglu_bwd with either gradient NULL */
+    {"silu_fwd", r_silu_fwd, {1003}, 2e-6, 0, {T_WIDE(1003), T_OUT(1003)}},
+    {"silu_bwd", r_silu_bwd, {1003}, 2e-6, 0, {T_WIDE(1003), T_IN(1003), T_OUT(1003)}},
+    {"swiglu_fwd", r_swiglu_fwd, {1003}, 2e-6, 0, {T_WIDE(1003), T_IN(1003), T_OUT(1003)}},
+    {"swiglu_bwd",
+     r_swiglu_bwd,
+     {1003},
+     2e-6,
+     0,
+     {T_WIDE(1003), T_IN(1003), T_IN(1003), T_OUT(1003), T_OUT(1003)}},
+    {"swiglu_bwd gate alone",
+     r_swiglu_bwd,
+     {1000},
+     2e-6,
+     0,
+     {T_WIDE(1000), T_IN(1000), T_IN(1000), T_OUT(1000), NONE}},
+    {"swiglu_bwd up alone",
+     r_swiglu_bwd,
+     {1000},
+     2e-6,
+     0,
+     {T_WIDE(1000), T_IN(1000), T_IN(1000), NONE, T_OUT(1000)}},
     {"sum_dim rows", r_sum_dim, {3, 400, 1, 1}, 1e-5, 0, {T_IN(1200), T_OUT(3)}},
     {"sum_dim columns", r_sum_dim, {1, 40, 6, 4}, 1e-5, 0, {T_IN(240), T_OUT(6)}},
     {"sum_dim strided", r_sum_dim, {3, 7, 5, 2}, 1e-5, 0, {T_IN(105), T_OUT(15)}},
@@ -702,6 +749,10 @@ Test(cuda_kernels, the_cases_cover_every_entry, .timeout = 30)
         {r_vocab_ce_bwd, "vocab_ce_bwd"},
         {r_sgd, "sgd_step"},
         {r_adam, "adam_step"},
+        {r_silu_fwd, "silu_fwd"},
+        {r_silu_bwd, "silu_bwd"},
+        {r_swiglu_fwd, "swiglu_fwd"},
+        {r_swiglu_bwd, "swiglu_bwd"},
     };
     cr_assert_eq(sizeof map / sizeof map[0], (size_t)(TP__KOP_COUNT - 1));
     for (int op = 1; op < TP__KOP_COUNT; op++) {

@@ -3,8 +3,8 @@
  * entry answering another dtype with TP_ERR_NOT_SUPPORTED naming the op and
  * the dtype (and writing nothing), the device lookup, and the entries whose CPU
  * kernels are new (copy, fill, gather, the divided sums, the loss-gradient
- * spread, the vocab-parallel loss, the optimizer steps) against double
- * references. The kernels themselves are tested in test_kernels.c.
+ * spread, the vocab-parallel loss, the optimizer steps, SiLU and SwiGLU)
+ * against double references. The kernels themselves are tested in test_kernels.c.
  *
  * The bf16 and f16 forms of every entry are tested in test_kernels_dtype.c.
  *
@@ -89,6 +89,10 @@ Test(kernel_table, other_dtypes_are_not_supported_and_write_nothing, .timeout = 
     EXPECT_MSG("cpu kernels: mul_bcast does not take f64");
     cr_assert_eq(K->sgd_step(CPU, TP_I32, y, a, 4, 0.5), TP_ERR_NOT_SUPPORTED);
     EXPECT_MSG("cpu kernels: sgd_step does not take i32");
+    cr_assert_eq(K->silu_fwd(CPU, TP_F64, a, y, 4), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: silu_fwd does not take f64");
+    cr_assert_eq(K->swiglu_bwd(CPU, TP_I64, a, b, a, y, y, 4), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: swiglu_bwd does not take i64");
     cr_assert(!memcmp(y, untouched, sizeof y), "a refused entry wrote its output");
     cr_assert_eq(K->add(CPU, TP_F32, a, b, y, 4), TP_OK);
     for (int i = 0; i < 4; i++)
@@ -258,4 +262,88 @@ Test(kernel_table, sgd_and_adam_steps, .timeout = 30)
         float pi = (float)((double)p0[i] - step * (double)mi / (sqrt((double)vi) / bc2 + eps));
         cr_assert(m[i] == mi && v[i] == vi && p[i] == pi, "element %d", i);
     }
+}
+
+/* SiLU and SwiGLU in f32 through the table against double formulas (the
+ * sigmoid from exp(-|x|) in both): over [-12, 12] and far out, zeros,
+ * infinities and NaN; swiglu_bwd with either gradient NULL writing the same
+ * bits as with both, and in place. */
+static void sig_ref(double x, double *s, double *om)
+{
+    double e = exp(-fabs(x)), d = 1.0 / (1.0 + e);
+    *s = x >= 0 ? d : e * d;
+    *om = x >= 0 ? e * d : d;
+}
+
+static void expect_near(const char *what, int64_t i, float got, double want, double scale)
+{
+    cr_assert(fabs((double)got - want) <= 2e-6 * scale + 1e-37,
+              "%s[%lld] = %.9g, want %.9g", what, (long long)i, (double)got, want);
+}
+
+Test(kernel_table, silu_and_swiglu, .timeout = 30)
+{
+    enum { N = 1037 }; /* a vector tail */
+    static float x[N], u[N], gy[N], y[N], gx[N], gg[N], gu[N], gg1[N], gu1[N];
+    for (int i = 0; i < N; i++) {
+        x[i] = -12.0f + 24.0f * (float)i / (float)(N - 1);
+        u[i] = (float)((i * 7) % 11) * 0.5f - 2.5f;
+        gy[i] = 1.0f - 0.001f * (float)i;
+    }
+    const float far[10] = {-1000.0f, -104.5f, -100.0f, -90.0f, 0.0f, -0.0f, 90.0f, 1000.0f,
+                           3e38f, -3e38f};
+    memcpy(x, far, sizeof far);
+    cr_assert_eq(K->silu_fwd(CPU, TP_F32, x, y, N), TP_OK);
+    cr_assert_eq(K->silu_bwd(CPU, TP_F32, x, gy, gx, N), TP_OK);
+    for (int i = 0; i < N; i++) {
+        double s, om;
+        sig_ref(x[i], &s, &om);
+        double d = s + (double)x[i] * s * om, terms = s + fabs((double)x[i] * s * om);
+        expect_near("silu", i, y[i], (double)x[i] * s, fabs((double)x[i] * s));
+        expect_near("silu_bwd", i, gx[i], gy[i] * d, fabs(gy[i]) * terms);
+        cr_assert(!isnan(y[i]) && !isnan(gx[i]), "NaN at x = %g", x[i]);
+    }
+    cr_assert(y[0] == 0.0f && signbit(y[0]), "silu(-1000) = %g", y[0]);
+    cr_assert(y[4] == 0.0f && gx[4] == 0.5f * gy[4]);
+    cr_assert(y[7] == 1000.0f && gx[7] == gy[7]);
+    cr_assert(y[8] == 3e38f && y[9] == 0.0f);
+    cr_assert_eq(K->swiglu_fwd(CPU, TP_F32, x, u, y, N), TP_OK);
+    cr_assert_eq(K->swiglu_bwd(CPU, TP_F32, x, u, gy, gg, gu, N), TP_OK);
+    for (int i = 0; i < N; i++) {
+        if (fabsf(x[i]) > 1e4f) /* silu(3e38) * up overflows */
+            continue;
+        double s, om;
+        sig_ref(x[i], &s, &om);
+        double silu = (double)x[i] * s, d = s + (double)x[i] * s * om,
+               terms = s + fabs((double)x[i] * s * om);
+        expect_near("swiglu", i, y[i], silu * u[i], fabs(silu * u[i]));
+        expect_near("swiglu_bwd gate", i, gg[i], (double)gy[i] * u[i] * d,
+                    fabs((double)gy[i] * u[i]) * terms);
+        expect_near("swiglu_bwd up", i, gu[i], (double)gy[i] * silu, fabs((double)gy[i] * silu));
+    }
+    /* one gradient alone: the same bits */
+    memset(gg1, 0x7f, sizeof gg1);
+    memset(gu1, 0x7f, sizeof gu1);
+    cr_assert_eq(K->swiglu_bwd(CPU, TP_F32, x, u, gy, gg1, NULL, N), TP_OK);
+    cr_assert_eq(K->swiglu_bwd(CPU, TP_F32, x, u, gy, NULL, gu1, N), TP_OK);
+    cr_assert(!memcmp(gg, gg1, sizeof gg) && !memcmp(gu, gu1, sizeof gu));
+    cr_assert_eq(K->swiglu_bwd(CPU, TP_F32, x, u, gy, NULL, NULL, N), TP_OK);
+    cr_assert_eq(K->swiglu_bwd(CPU, TP_F32, NULL, NULL, NULL, NULL, NULL, 0), TP_OK);
+    /* in place: the gradients over gate and up, silu over x */
+    memcpy(gg1, x, sizeof x);
+    memcpy(gu1, u, sizeof u);
+    cr_assert_eq(K->swiglu_bwd(CPU, TP_F32, gg1, gu1, gy, gg1, gu1, N), TP_OK);
+    cr_assert(!memcmp(gg, gg1, sizeof gg) && !memcmp(gu, gu1, sizeof gu), "in place");
+    memcpy(gg1, x, sizeof x);
+    cr_assert_eq(K->swiglu_fwd(CPU, TP_F32, gg1, u, gg1, N), TP_OK);
+    cr_assert(!memcmp(y, gg1, sizeof y), "swiglu_fwd in place");
+    /* infinities and NaN */
+    const float sp[3] = {INFINITY, -INFINITY, NAN}, one[3] = {1, 1, 1};
+    float sy[3], sg[3];
+    cr_assert_eq(K->silu_fwd(CPU, TP_F32, sp, sy, 3), TP_OK);
+    cr_assert_eq(K->silu_bwd(CPU, TP_F32, sp, one, sg, 3), TP_OK);
+    cr_assert(sy[0] == INFINITY && sg[0] == 1.0f, "silu(inf) = %g, grad %g", sy[0], sg[0]);
+    cr_assert(sy[1] == 0.0f && signbit(sy[1]) && fabsf(sg[1]) < 1e-40f, "silu(-inf) = %g, %g",
+              sy[1], sg[1]);
+    cr_assert(isnan(sy[2]) && isnan(sg[2]));
 }

@@ -254,6 +254,10 @@ Test(kernels_dtype, supports_f32_bf16_f16_and_refuses_the_rest, .timeout = 60)
     cr_assert_eq(K->adam_step(CPU, TP_I32, a, NULL, NULL, a, 4, 0, 0, 0, 0, 0),
                  TP_ERR_NOT_SUPPORTED);
     cr_assert_str_eq(tp_last_error(), "cpu kernels: adam_step does not take i32");
+    cr_assert_eq(K->silu_bwd(CPU, TP_F64, a, a, a, 4), TP_ERR_NOT_SUPPORTED);
+    cr_assert_str_eq(tp_last_error(), "cpu kernels: silu_bwd does not take f64");
+    cr_assert_eq(K->swiglu_fwd(CPU, TP_I32, a, a, a, 4), TP_ERR_NOT_SUPPORTED);
+    cr_assert_str_eq(tp_last_error(), "cpu kernels: swiglu_fwd does not take i32");
     cr_assert(a[0] == 1 && a[3] == 4, "a refused entry wrote");
 }
 
@@ -377,6 +381,86 @@ Test(kernels_dtype, relu_and_gelu, .timeout = 60)
         for (int i = 0; i < NE; i++)
             r[i] = gelu_ref(x[i], false);
         expect_close("gelu_fwd in place", dt, dx, r, NULL, NE);
+    }
+}
+
+/* sigmoid and 1 - sigmoid in double from exp(-|x|) */
+static void sig_ref(double x, double *s, double *om)
+{
+    double e = exp(-fabs(x)), d = 1.0 / (1.0 + e);
+    *s = x >= 0 ? d : e * d;
+    *om = x >= 0 ? e * d : d;
+}
+
+/* silu'(x) = s + x s (1 - s); *abs: |s| + |x s (1 - s)| (it cancels near
+ * x = -1.28, and the f32 kernel's error is relative to the terms) */
+static double silu_grad_ref(double x, double *abs)
+{
+    double s, om;
+    sig_ref(x, &s, &om);
+    *abs = s + fabs(x * s * om);
+    return s + x * s * om;
+}
+
+/* SiLU and SwiGLU forward and backward (both gradients, each alone, and in
+ * place), each output rounded once: swiglu_bwd's five buffers go through
+ * the elementwise driver's smaller chunks (608 elements), which NE crosses
+ * four times. */
+Test(kernels_dtype, silu_and_swiglu, .timeout = 60)
+{
+    double *x = gen(NE, 61, 8), *u = gen(NE, 62, 2), *gy = gen(NE, 63, 1), *r = dzeros(NE),
+           *sl = dzeros(NE), *r2 = dzeros(NE);
+    FOR_DT(dt)
+    {
+        void *dx = mk(dt, x, NE), *du = mk(dt, u, NE), *dg = mk(dt, gy, NE), *y = mk(dt, NULL, NE),
+             *y2 = mk(dt, NULL, NE), *y3 = mk(dt, NULL, NE);
+        OK(K->silu_fwd(CPU, dt, dx, y, NE));
+        for (int i = 0; i < NE; i++) {
+            double s, om;
+            sig_ref(x[i], &s, &om);
+            r[i] = x[i] * s;
+        }
+        expect_close("silu_fwd", dt, y, r, NULL, NE);
+        OK(K->silu_bwd(CPU, dt, dx, dg, y, NE));
+        for (int i = 0; i < NE; i++) {
+            r[i] = gy[i] * silu_grad_ref(x[i], &sl[i]);
+            sl[i] *= TINY_REL * fabs(gy[i]);
+        }
+        expect_close("silu_bwd", dt, y, r, sl, NE);
+        OK(K->swiglu_fwd(CPU, dt, dx, du, y, NE));
+        for (int i = 0; i < NE; i++) {
+            double s, om;
+            sig_ref(x[i], &s, &om);
+            r[i] = x[i] * s * u[i];
+        }
+        expect_close("swiglu_fwd", dt, y, r, NULL, NE);
+        OK(K->swiglu_bwd(CPU, dt, dx, du, dg, y, y2, NE));
+        for (int i = 0; i < NE; i++) {
+            double s, om;
+            sig_ref(x[i], &s, &om);
+            r[i] = gy[i] * u[i] * silu_grad_ref(x[i], &sl[i]);
+            sl[i] *= TINY_REL * fabs(gy[i] * u[i]);
+            r2[i] = gy[i] * x[i] * s;
+        }
+        expect_close("swiglu_bwd gate", dt, y, r, sl, NE);
+        expect_close("swiglu_bwd up", dt, y2, r2, NULL, NE);
+        size_t nb = NE * tp_dtype_size(dt);
+        OK(K->swiglu_bwd(CPU, dt, dx, du, dg, y3, NULL, NE));
+        cr_assert(!memcmp(y3, y, nb), "swiglu_bwd gate alone %s", tp_dtype_name(dt));
+        OK(K->swiglu_bwd(CPU, dt, dx, du, dg, NULL, y3, NE));
+        cr_assert(!memcmp(y3, y2, nb), "swiglu_bwd up alone %s", tp_dtype_name(dt));
+        /* in place: the gradients over gate and up */
+        OK(K->swiglu_bwd(CPU, dt, dx, du, dg, dx, du, NE));
+        cr_assert(!memcmp(dx, y, nb) && !memcmp(du, y2, nb), "swiglu_bwd in place %s",
+                  tp_dtype_name(dt));
+        void *dx2 = mk(dt, x, NE);
+        OK(K->silu_fwd(CPU, dt, dx2, dx2, NE));
+        for (int i = 0; i < NE; i++) {
+            double s, om;
+            sig_ref(x[i], &s, &om);
+            r[i] = x[i] * s;
+        }
+        expect_close("silu_fwd in place", dt, dx2, r, NULL, NE);
     }
 }
 
@@ -1153,11 +1237,14 @@ Test(kernels_dtype, scratch_allocation_failure_is_no_memory_and_leaks_nothing, .
     const size_t ebytes[1] = {FROWS * FD * 2};
     fail_each_scratch("embedding_bwd", run_embedding_bwd, eb, 2, 1, ebytes, 5);
 
-    /* the elementwise entries convert on the stack: no allocation at all */
+    /* the elementwise entries convert on the stack: no allocation at all,
+     * also for swiglu_bwd's five buffers (smaller chunks) */
     FA = (failing_alloc){0, 0, 0};
     tp_allocator a = {fa_alloc, fa_free, &FA};
     OK(tp_set_allocator(&a));
     tp_status st = K->gelu_fwd(CPU, TP_F16, nb[0], nb[5], FR * FC, false);
+    if (st == TP_OK)
+        st = K->swiglu_bwd(CPU, TP_F16, nb[0], nb[4], nb[4], nb[5], ny, FR * FC);
     long attempted = FA.count;
     tp_set_allocator(NULL);
     cr_assert_eq(st, TP_OK);

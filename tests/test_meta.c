@@ -45,6 +45,8 @@ enum {
     OP_EMBEDDING,
     OP_CROSS_ENTROPY,
     OP_SDPA,
+    OP_SILU,
+    OP_SWIGLU,
     OP_COUNT
 };
 
@@ -52,7 +54,7 @@ static const char *const op_names[OP_COUNT] = {
     "add",     "mul",       "scale",         "relu",       "gelu",     "dropout",
     "reshape", "flatten",   "transpose",     "permute",    "sum",      "mean",
     "sum_all", "mean_all",  "softmax",       "layer_norm", "rms_norm", "linear",
-    "matmul",  "embedding", "cross_entropy", "sdpa"};
+    "matmul",  "embedding", "cross_entropy", "sdpa",       "silu",     "swiglu"};
 
 #define MAX_IN 3
 
@@ -198,6 +200,15 @@ static void make_case(int op, uint64_t seed, bool mesh, case_spec *c)
         c->a[0] = (int64_t)rnd(&r, 2); /* causal */
         break;
     }
+    case OP_SWIGLU: { /* up of gate's shape, or (sometimes) not */
+        int64_t b[TP_MAX_DIMS];
+        memcpy(b, sh, sizeof b);
+        if (rnd(&r, 5) == 0)
+            b[nd - 1]++;
+        c->nin = 2;
+        c->in[1] = float_in(nd, b);
+        break;
+    }
     default:
         break;
     }
@@ -297,6 +308,10 @@ static tp_status run_op(const case_spec *c, tp_tensor **x, tp_tensor **y)
     }
     case OP_SDPA:
         return tp_scaled_dot_product_attention(x[0], x[1], x[2], a[0] != 0, 0.0, y);
+    case OP_SILU:
+        return tp_silu(x[0], y);
+    case OP_SWIGLU:
+        return tp_swiglu(x[0], x[1], y);
     default:
         return TP_ERR_INVALID_ARG;
     }

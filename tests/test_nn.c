@@ -2630,3 +2630,65 @@ Test(nn, tied_weights_names, .timeout = 30)
     tp_module_free(tied);
     tp_module_free(view);
 }
+
+static tp_status count_param(const char *fqn, tp_tensor *p, void *ctx)
+{
+    (void)fqn;
+    (void)p;
+    ++*(int *)ctx;
+    return TP_OK;
+}
+
+/* SiLU as a module: its forward is tp_silu (forward and gradient), it has no
+ * parameters, and it sits in a Sequential between two Linears as the MLP of
+ * a Llama-family model without the gate would. */
+Test(nn, silu_module, .timeout = 30)
+{
+    tp_module *silu = NULL, *seq = NULL, *a = NULL, *b = NULL;
+    CHECK_OK(tp_nn_silu_create(&silu));
+    cr_assert_str_eq(tp_module_type_name(silu), "SiLU");
+    cr_assert_eq(tp_module_kind_of(silu), TP_MODULE_SILU);
+    int np = 0;
+    CHECK_OK(tp_module_named_parameters(silu, count_param, &np));
+    cr_assert_eq(np, 0, "SiLU has %d parameters", np);
+    tp_tensor *x = mk(3, (int64_t[]){2, 3, 4}, 5), *x2 = NULL, *y = NULL, *r = NULL;
+    CHECK_OK(tp_tensor_clone(x, &x2));
+    CHECK_OK(tp_tensor_set_requires_grad(x, true));
+    CHECK_OK(tp_tensor_set_requires_grad(x2, true));
+    y = call1(silu, x);
+    CHECK_OK(tp_silu(x2, &r));
+    assert_equal(y, r, "SiLU");
+    tp_tensor *g = mk(3, (int64_t[]){2, 3, 4}, 6);
+    CHECK_OK(tp_backward(y, g));
+    CHECK_OK(tp_backward(r, g));
+    assert_equal(tp_tensor_grad(x), tp_tensor_grad(x2), "SiLU gradient");
+    tp_tensor_release(y);
+    tp_tensor_release(r);
+    /* one input, no keywords */
+    tp_tensor *two[2] = {x, x}, *o = (tp_tensor *)0x1;
+    CHECK_ERR(tp_module_forward(silu, 2, two, 0, NULL, &o), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "SiLU takes 1 input, got 2"), "%s", tp_last_error());
+    cr_assert_null(o);
+    CHECK_ERR(tp_nn_silu_create(NULL), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "tp_nn_silu_create: out is NULL"), "%s", tp_last_error());
+
+    /* Linear(4, 6) -> SiLU -> Linear(6, 2) */
+    CHECK_OK(tp_nn_sequential_create(&seq));
+    CHECK_OK(tp_nn_linear_create(4, 6, true, &a));
+    CHECK_OK(tp_nn_linear_create(6, 2, true, &b));
+    CHECK_OK(tp_module_add_child(seq, "0", a));
+    CHECK_OK(tp_module_add_child(seq, "1", silu));
+    CHECK_OK(tp_module_add_child(seq, "2", b));
+    CHECK_OK(tp_module_init(seq, 9));
+    cr_assert_eq(tp_module_find(seq, "1"), silu);
+    y = call1(seq, x2);
+    tp_tensor *h = NULL, *hs = NULL;
+    CHECK_OK(tp_linear(x2, tp_module_parameter(a, "weight"), tp_module_parameter(a, "bias"), &h));
+    CHECK_OK(tp_silu(h, &hs));
+    CHECK_OK(tp_linear(hs, tp_module_parameter(b, "weight"), tp_module_parameter(b, "bias"), &r));
+    assert_equal(y, r, "Sequential with SiLU");
+    tp_tensor *tps[] = {x, x2, y, r, g, h, hs};
+    for (size_t i = 0; i < sizeof tps / sizeof tps[0]; i++)
+        tp_tensor_release(tps[i]);
+    tp_module_free(seq);
+}

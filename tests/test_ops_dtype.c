@@ -94,6 +94,16 @@ static tp_status op_gelu(const dcase *c, tp_tensor *const *in, tp_tensor **y)
 {
     return tp_gelu(in[0], c->param != 0 ? TP_GELU_TANH : TP_GELU_EXACT, y);
 }
+static tp_status op_silu(const dcase *c, tp_tensor *const *in, tp_tensor **y)
+{
+    (void)c;
+    return tp_silu(in[0], y);
+}
+static tp_status op_swiglu(const dcase *c, tp_tensor *const *in, tp_tensor **y)
+{
+    (void)c;
+    return tp_swiglu(in[0], in[1], y);
+}
 static tp_status op_scale(const dcase *c, tp_tensor *const *in, tp_tensor **y)
 {
     return tp_scale(in[0], c->param, y);
@@ -278,6 +288,31 @@ static double f_scale(double x, double s, double *d)
 {
     *d = s;
     return x * s;
+}
+/* silu from exp(-|x|): sigmoid and 1 - sigmoid without overflow */
+static double f_silu(double x, double p, double *d)
+{
+    (void)p;
+    double e = exp(-fabs(x)), q = 1.0 / (1.0 + e), sg = x >= 0 ? q : e * q,
+           om = x >= 0 ? e * q : q;
+    *d = sg * (1 + x * om);
+    return x * sg;
+}
+static void ref_silu(const dcase *c, const double *const *in, const double *gy, double *y,
+                     double *const *g)
+{
+    ref_unary(c, in, gy, y, g, f_silu);
+}
+/* y = silu(gate) up; d gate = gy up silu'(gate), d up = gy silu(gate) */
+static void ref_swiglu(const dcase *c, const double *const *in, const double *gy, double *y,
+                       double *const *g)
+{
+    for (int64_t i = 0; i < in_numel(c, 0); i++) {
+        double d = 0, s = f_silu(in[0][i], 0, &d);
+        y[i] = s * in[1][i];
+        g[0][i] = gy[i] * in[1][i] * d;
+        g[1][i] = gy[i] * s;
+    }
 }
 static void ref_relu(const dcase *c, const double *const *in, const double *gy, double *y,
                      double *const *g)
@@ -693,6 +728,15 @@ static const dcase cases[] = {
     {"relu", 1, {2}, {{5, 7}}, 0, 0, false, {S_(0)}, op_relu, ref_relu, false, 0, 1, 0, 0, 0},
     {"gelu exact", 1, {2}, {{5, 7}}, 0, 0, false, {S_(1)}, op_gelu, ref_gelu, false, 0, 1, 0, 0, 0},
     {"gelu tanh", 1, {2}, {{5, 7}}, 0, 0, false, {R_}, op_gelu, ref_gelu, false, 0, 1, 1, 0, 0},
+    {"silu", 1, {2}, {{5, 7}}, 0, 0, false, {S_(1)}, op_silu, ref_silu, false, 0, 1, 0, 0, 0},
+    {"silu of a Partial", 1, {2}, {{5, 7}}, 0, 0, false, {P_}, op_silu, ref_silu, false, 0, 1, 0, 0,
+     0},
+    {"swiglu S(-1)", 2, {2, 2}, {{5, 7}, {5, 7}}, 0, 0, false, {S_(-1), S_(-1)}, op_swiglu,
+     ref_swiglu, false, 0, 1, 0, 0, 0},
+    {"swiglu S(0) and R", 2, {2, 2}, {{5, 7}, {5, 7}}, 0, 0, false, {S_(0), R_}, op_swiglu,
+     ref_swiglu, false, 0, 1, 0, 0, 0},
+    {"swiglu of a Partial gate", 2, {2, 2}, {{5, 7}, {5, 7}}, 0, 0, false, {P_, R_}, op_swiglu,
+     ref_swiglu, false, 0, 1, 0, 0, 0},
     {"scale of a Partial",
      1,
      {2},
@@ -1313,6 +1357,8 @@ Test(ops_dtype, mixed_dtypes_are_invalid, .timeout = 30)
     CHECK_MSG(tp_layer_norm(xb, gh, NULL, 1e-5, &y), TP_ERR_INVALID_ARG,
               "layer_norm: x is bf16 but weight is f16; the dtypes must match");
     CHECK_MSG(tp_rms_norm(xb, gh, 1e-5, &y), TP_ERR_INVALID_ARG, "the dtypes must match");
+    CHECK_MSG(tp_swiglu(xb, xf, &y), TP_ERR_INVALID_ARG,
+              "swiglu: gate is bf16 but up is f32; the dtypes must match");
     CHECK_MSG(tp_scaled_dot_product_attention(xb, xb, xf, false, 0, &y), TP_ERR_INVALID_ARG,
               "q is bf16 but v is f32; the dtypes must match");
     tp_cross_entropy_options o = TP_CROSS_ENTROPY_DEFAULTS;
@@ -1335,6 +1381,8 @@ Test(ops_dtype, f64_is_not_supported, .timeout = 30)
     CHECK_MSG(tp_linear(x, w, NULL, &y), TP_ERR_NOT_SUPPORTED, "linear: x is f64");
     CHECK_MSG(tp_add(x, x, &y), TP_ERR_NOT_SUPPORTED, "add: a is f64");
     CHECK_MSG(tp_softmax(x, -1, &y), TP_ERR_NOT_SUPPORTED, "softmax: x is f64");
+    CHECK_MSG(tp_silu(x, &y), TP_ERR_NOT_SUPPORTED, "silu: x is f64");
+    CHECK_MSG(tp_swiglu(x, x, &y), TP_ERR_NOT_SUPPORTED, "swiglu: gate is f64");
     CHECK_MSG(tp_transpose(x, 0, 1, &y), TP_ERR_NOT_SUPPORTED, "transpose: x is f64");
     CHECK_MSG(tp_cross_entropy(x, t, NULL, &y), TP_ERR_NOT_SUPPORTED,
               "cross_entropy: logits is f64");

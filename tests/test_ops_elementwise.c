@@ -1,15 +1,16 @@
 /* Elementwise and shape ops (add, mul, scale, relu, gelu, dropout, reshape,
- * transpose).
+ * transpose, silu, swiglu).
  *
  * On DTensors every op equals the single-rank computation on plain tensors,
  * forward (full_tensor) and every input gradient, for each sharding strategy
  * and for layouts that need redistribution, on 1-D meshes of 1..4 ranks and on
  * 2x2 and 2x3 meshes, with uneven shapes (including a dim smaller than the
  * mesh). Inputs are small integers (Partial inputs are split into integer
- * terms), so the comparison is exact for every op but gelu, which is compared
- * with tp_tensor_allclose(rtol 1e-5, atol 1e-6). The plain ops themselves are
- * checked against hand-written loops, gelu against the double-precision
- * formulas (rtol 1e-5, atol 1e-6). */
+ * terms), so the comparison is exact for every op but gelu, silu and swiglu,
+ * compared with tp_tensor_allclose(rtol 1e-5, atol 1e-6). The plain ops
+ * themselves are checked against hand-written loops, gelu, silu and swiglu
+ * against the double-precision formulas. */
+#include <float.h>
 #include <math.h>
 
 #include "tp_test_dtensor.h"
@@ -26,7 +27,9 @@ typedef enum {
     OP_GELU,
     OP_DROPOUT,
     OP_RESHAPE,
-    OP_TRANSPOSE
+    OP_TRANSPOSE,
+    OP_SILU,
+    OP_SWIGLU
 } op_kind;
 
 typedef struct ew_case {
@@ -72,6 +75,8 @@ static tp_status apply(const ew_case *c, tp_tensor *a, tp_tensor *b, tp_tensor *
     case OP_DROPOUT: return tp_dropout(a, c->p, 1234, c->training, y);
     case OP_RESHAPE: return tp_reshape(a, c->rnd, c->rshape, y);
     case OP_TRANSPOSE: return tp_transpose(a, c->d0, c->d1, y);
+    case OP_SILU: return tp_silu(a, y);
+    case OP_SWIGLU: return tp_swiglu(a, b, y);
     }
     return TP_ERR_INVALID_ARG;
 }
@@ -87,7 +92,8 @@ static tp_status same_values(const ew_case *c, const tp_tensor *x, const tp_tens
 static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, const ew_case *cs)
 {
     static const char *names[] = {"add",     "mul",     "scale",   "relu",
-                                  "gelu",    "dropout", "reshape", "transpose"};
+                                  "gelu",    "dropout", "reshape", "transpose",
+                                  "silu",    "swiglu"};
     ew_case lc = *cs; /* the label prefixed with the op's name */
     const ew_case *c = &lc;
     int m = tp_mesh_ndim(mesh), first = m == 1 ? 1 : 0;
@@ -1188,4 +1194,571 @@ Test(ops_elementwise, no_grad_records_nothing, .timeout = 30)
     tp_tensor_release(a);
     tp_tensor_release(y);
     tp_tensor_release(z);
+}
+
+/* ---- silu and swiglu ----------------------------------------------------------------
+ * Distributed against single-rank (through check_case), the plain ops against
+ * the double formulas (large |x|, zeros, infinities, NaN), both gradients of
+ * swiglu alone and together, the Llama MLP with colwise gate/up and rowwise
+ * down projections (no collective until the output is reduced), and the
+ * argument errors. */
+
+/* on the meshes of the distributed tests: 0 collectives for Shard and
+ * Replicate inputs with one placement, forward and backward */
+static tp_status silu_swiglu_body(tp_test_slot *s, tp_mesh *mesh, ew_ctx *c)
+{
+    (void)c;
+    const double T = 1e-5;
+    ew_case cases[] = {
+        {"S(0)", OP_SILU, X1, .pl = {{S_(1), S_(0)}}, .check_out = true, .out = {S_(1), S_(0)},
+         QUIET, .check_grad = true, .grad = {{S_(1), S_(0)}}, .tol = T},
+        {"S(-1)", OP_SILU, X1, .pl = {{R_, S_(-1)}}, .check_out = true, .out = {R_, S_(2)},
+         QUIET, .check_grad = true, .grad = {{R_, S_(2)}}, .tol = T},
+        {"nested S(2)", OP_SILU, X1, .pl = {{S_(2), S_(2)}}, .check_out = true,
+         .out = {S_(2), S_(2)}, QUIET, .tol = T},
+        {"R", OP_SILU, X1, .pl = {{R_, R_}}, .check_out = true, .out = {R_, R_}, QUIET,
+         .check_grad = true, .grad = {{R_, R_}}, .tol = T},
+        /* Partial: reduce_scatter to S(0) forward (fewer bytes than an
+         * all_reduce), its all_gather backward */
+        {"P (reduced first)", OP_SILU, X1, .pl = {{S_(1), P_}}, .check_out = true,
+         .out = {S_(1), S_(0)}, .check_coll = true, .coll = {1, 1}, .bwd_coll = {1, 1},
+         .bwd_direct = true, .tol = T},
+        {"small S(0)", OP_SILU, .n_in = 1, .nd = {2}, .shape = {{2, 9}}, .pl = {{S_(1), S_(0)}},
+         .check_out = true, .out = {S_(1), S_(0)}, QUIET, .tol = T},
+        {"S(0) S(0)", OP_SWIGLU, SAME2, .pl = {{S_(1), S_(0)}, {S_(1), S_(0)}},
+         .check_out = true, .out = {S_(1), S_(0)}, QUIET, .check_grad = true,
+         .grad = {{S_(1), S_(0)}, {S_(1), S_(0)}}, .tol = T},
+        /* gate_proj and up_proj colwise */
+        {"S(-1) S(-1)", OP_SWIGLU, SAME2, .pl = {{R_, S_(-1)}, {R_, S_(-1)}},
+         .check_out = true, .out = {R_, S_(2)}, QUIET, .check_grad = true,
+         .grad = {{R_, S_(2)}, {R_, S_(2)}}, .tol = T},
+        {"nested S(2) S(2)", OP_SWIGLU, SAME2, .pl = {{S_(2), S_(2)}, {S_(2), S_(2)}},
+         .check_out = true, .out = {S_(2), S_(2)}, QUIET, .check_grad = true,
+         .grad = {{S_(2), S_(2)}, {S_(2), S_(2)}}, .tol = T},
+        {"R R", OP_SWIGLU, SAME2, .pl = {{R_, R_}, {R_, R_}}, .check_out = true,
+         .out = {R_, R_}, QUIET, .check_grad = true, .grad = {{R_, R_}, {R_, R_}}, .tol = T},
+        {"small S(0) S(0)", OP_SWIGLU, .n_in = 2, .nd = {2, 2}, .shape = {{2, 9}, {2, 9}},
+         .pl = {{S_(1), S_(0)}, {S_(1), S_(0)}}, .check_out = true, .out = {S_(1), S_(0)},
+         QUIET, .tol = T},
+        /* different placements: the Replicate operand is chunked locally (its
+         * gradient gathered back in the backward, one all_gather per mesh dim) */
+        {"S(0) S(1) + R R (up chunked)", OP_SWIGLU, SAME2, .pl = {{S_(0), S_(1)}, {R_, R_}},
+         .check_out = true, .out = {S_(0), S_(1)}, .no_comm = true, .check_coll = true,
+         .coll = {0, 0}, .bwd_coll = {2, 1}, .bwd_direct = true, .check_grad = true,
+         .grad = {{S_(0), S_(1)}, {R_, R_}}, .tol = T},
+        {"R + S(2) (gate chunked)", OP_SWIGLU, SAME2, .pl = {{R_, R_}, {R_, S_(2)}},
+         .check_out = true, .out = {R_, S_(2)}, .no_comm = true, .check_coll = true,
+         .coll = {0, 0}, .bwd_coll = {1, 1}, .bwd_direct = true, .tol = T},
+        /* two shards: one all_to_all each way */
+        {"S(0) + S(2) (up to S(0))", OP_SWIGLU, SAME2, .pl = {{R_, S_(0)}, {R_, S_(2)}},
+         .check_out = true, .out = {R_, S_(0)}, .check_coll = true, .coll = {1, 1},
+         .bwd_coll = {1, 1}, .bwd_direct = true, .check_grad = true,
+         .grad = {{R_, S_(0)}, {R_, S_(2)}}, .tol = T},
+        /* Partial gate: reduce_scattered to up's shard */
+        {"P + S(0) (gate reduced)", OP_SWIGLU, SAME2, .pl = {{S_(1), P_}, {S_(1), S_(0)}},
+         .check_out = true, .out = {S_(1), S_(0)}, .check_coll = true, .coll = {1, 1},
+         .bwd_coll = {1, 1}, .bwd_direct = true, .tol = T},
+        /* Partial up with a Replicate gate: reduce_scatter, the gate chunked;
+         * backward both gradients gathered */
+        {"R + P (up reduced)", OP_SWIGLU, SAME2, .pl = {{R_, R_}, {R_, P_}},
+         .check_out = true, .out = {R_, S_(0)}, .check_coll = true, .coll = {1, 1},
+         .bwd_coll = {2, 2}, .bwd_direct = true, .tol = T},
+        {"P + P", OP_SWIGLU, SAME2, .pl = {{P_, R_}, {P_, R_}}, .check_out = true,
+         .out = {S_(0), R_}, .check_coll = true, .coll = {2, 0}, .bwd_coll = {2, 0},
+         .bwd_direct = true, .tol = T},
+    };
+    return run_cases(s, mesh, cases, NCASES(cases));
+}
+
+ParameterizedTestParameters(ops_elementwise, silu_swiglu)
+{
+    static ew_mesh meshes[] = {{1, {1}}, {1, {2}}, {1, {3}}, {1, {4}}, {2, {2, 2}}, {2, {2, 3}}};
+    return cr_make_param_array(ew_mesh, meshes, NCASES(meshes));
+}
+ParameterizedTest(ew_mesh *em, ops_elementwise, silu_swiglu, .timeout = 120)
+{
+    run_on_mesh(em, silu_swiglu_body);
+}
+
+/* sigmoid(x) and 1 - sigmoid(x) in double, neither overflowing nor cancelling */
+static void sig_ref(double x, double *s, double *om)
+{
+    double e = exp(-fabs(x)), d = 1.0 / (1.0 + e);
+    *s = x >= 0 ? d : e * d;
+    *om = x >= 0 ? e * d : d;
+}
+
+static double silu_ref(double x)
+{
+    double s, om;
+    sig_ref(x, &s, &om);
+    return x * s;
+}
+
+/* silu'(x) = s + x s (1 - s); *terms: |s| + |x s (1 - s)| (the derivative
+ * cancels near x = -1.28, where the f32 error is relative to the terms) */
+static double silu_ref_grad(double x, double *terms)
+{
+    double s, om;
+    sig_ref(x, &s, &om);
+    *terms = s + fabs(x * s * om);
+    return s + x * s * om;
+}
+
+/* |got - want| within rtol of `scale` (|want| or the terms) plus a subnormal's
+ * worth (silu of x below -88 is subnormal in f32) */
+static bool near_ref(float got, double want, double scale)
+{
+    return isfinite(got) && fabs((double)got - want) <= 2e-6 * scale + 1e-37;
+}
+
+/* the finite inputs of the plain tests: a sweep of [-20, 20] and beyond */
+static int silu_inputs(float *x, bool huge)
+{
+    int n = 0;
+    for (int i = 0; i <= 400; i++)
+        x[n++] = -20.0f + 0.1f * (float)i;
+    const float far[] = {-1000, -105, -104, -103.5f, -100, -88, -87, -30, -1.2784645f,
+                         30,    87,   88,   100,     104,  105, 1000, 0, -0.0f,
+                         1e-30f, -1e-30f, 1e-3f, -1e-3f};
+    for (size_t k = 0; k < NCASES(far); k++)
+        x[n++] = far[k];
+    if (huge) {
+        x[n++] = 3e38f;
+        x[n++] = -3e38f;
+        x[n++] = FLT_MAX;
+        x[n++] = -FLT_MAX;
+    }
+    return n;
+}
+
+static tp_tensor *vec_t(const float *v, int64_t n)
+{
+    tp_tensor *t = NULL;
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 1, &n, &t));
+    memcpy(tp_tensor_data(t), v, sizeof(float) * (size_t)n);
+    return t;
+}
+
+Test(ops_elementwise, plain_silu_matches_formula, .timeout = 30)
+{
+    float xv[512], gv[512];
+    int n = silu_inputs(xv, true);
+    for (int i = 0; i < n; i++)
+        gv[i] = 1.0f + 0.01f * (float)(i % 50);
+    tp_tensor *x = vec_t(xv, n), *g = vec_t(gv, n), *y = NULL;
+    CHECK_OK(tp_tensor_set_requires_grad(x, true));
+    CHECK_OK(tp_silu(x, &y));
+    cr_assert(tp_tensor_has_grad_fn(y));
+    const float *py = tp_tensor_data(y), *gx = tp_tensor_data(grad_of(y, g, x));
+    for (int i = 0; i < n; i++) {
+        double wy = silu_ref(xv[i]), terms, wg = gv[i] * silu_ref_grad(xv[i], &terms);
+        cr_assert(near_ref(py[i], wy, fabs(wy)), "silu(%.9g) = %.9g, want %.9g", xv[i], py[i],
+                  wy);
+        cr_assert(near_ref(gx[i], wg, gv[i] * terms), "silu'(%.9g) * %g = %.9g, want %.9g",
+                  xv[i], gv[i], gx[i], wg);
+    }
+    /* exact where it must be: silu(0) = 0 with gradient 1/2, large positive x
+     * passes through, large negative x gives -0 (or less than a subnormal) */
+    for (int i = 0; i < n; i++) {
+        if (xv[i] == 0.0f)
+            cr_assert(py[i] == 0.0f && gx[i] == 0.5f * gv[i], "silu(0) = %g, grad %g", py[i],
+                      gx[i]);
+        if (xv[i] >= 30.0f)
+            cr_assert(py[i] == xv[i] && gx[i] == gv[i], "silu(%g) = %g, grad %g", xv[i], py[i],
+                      gx[i]);
+        if (xv[i] <= -104.0f)
+            cr_assert(py[i] == 0.0f && signbit(py[i]) && fabsf(gx[i]) < 1e-40f,
+                      "silu(%g) = %g, grad %g", xv[i], py[i], gx[i]);
+        if (xv[i] == -100.0f)
+            cr_assert(py[i] <= 0.0f && py[i] > -1e-40f, "silu(-100) = %g", py[i]);
+    }
+    tp_tensor_release(x);
+    tp_tensor_release(g);
+    tp_tensor_release(y);
+
+    /* infinities and NaN */
+    const float sv[4] = {INFINITY, -INFINITY, NAN, 100.0f}, one[4] = {1, 1, 1, 1};
+    x = vec_t(sv, 4);
+    g = vec_t(one, 4);
+    CHECK_OK(tp_tensor_set_requires_grad(x, true));
+    CHECK_OK(tp_silu(x, &y));
+    py = tp_tensor_data(y);
+    gx = tp_tensor_data(grad_of(y, g, x));
+    cr_assert(py[0] == INFINITY && gx[0] == 1.0f, "silu(inf) = %g, grad %g", py[0], gx[0]);
+    cr_assert(py[1] == 0.0f && signbit(py[1]) && fabsf(gx[1]) < 1e-40f,
+              "silu(-inf) = %g, grad %g", py[1], gx[1]);
+    cr_assert(isnan(py[2]) && isnan(gx[2]), "silu(NaN) = %g, grad %g", py[2], gx[2]);
+    cr_assert(py[3] == 100.0f && gx[3] == 1.0f, "silu(100) = %g, grad %g", py[3], gx[3]);
+    tp_tensor_release(x);
+    tp_tensor_release(g);
+    tp_tensor_release(y);
+}
+
+/* which of gate and up require grad: both, gate alone, up alone */
+static void swiglu_run(const float *gv, const float *uv, const float *dy, int64_t n, int which,
+                       tp_tensor **y, tp_tensor **ggate, tp_tensor **gup)
+{
+    tp_tensor *gate = vec_t(gv, n), *up = vec_t(uv, n), *g = vec_t(dy, n);
+    if (which != 2)
+        CHECK_OK(tp_tensor_set_requires_grad(gate, true));
+    if (which != 1)
+        CHECK_OK(tp_tensor_set_requires_grad(up, true));
+    CHECK_OK(tp_swiglu(gate, up, y));
+    cr_assert(tp_tensor_has_grad_fn(*y));
+    CHECK_OK(tp_backward(*y, g));
+    *ggate = tp_tensor_grad(gate) ? tp_tensor_retain(tp_tensor_grad(gate)) : NULL;
+    *gup = tp_tensor_grad(up) ? tp_tensor_retain(tp_tensor_grad(up)) : NULL;
+    cr_assert((*ggate != NULL) == (which != 2) && (*gup != NULL) == (which != 1),
+              "which %d: gradients %p %p", which, (void *)*ggate, (void *)*gup);
+    tp_tensor_release(gate);
+    tp_tensor_release(up);
+    tp_tensor_release(g);
+}
+
+Test(ops_elementwise, plain_swiglu_matches_formula, .timeout = 30)
+{
+    static const float ups[7] = {-2.5f, -1.0f, 0.0f, 0.5f, 1.0f, 3.0f, 7.25f};
+    float gv[512], uv[512], dy[512];
+    int n = silu_inputs(gv, false);
+    for (int i = 0; i < n; i++) {
+        uv[i] = ups[i % 7];
+        dy[i] = 1.0f - 0.02f * (float)(i % 31);
+    }
+    tp_tensor *y[3], *gg[3], *gu[3];
+    for (int w = 0; w < 3; w++)
+        swiglu_run(gv, uv, dy, n, w, &y[w], &gg[w], &gu[w]);
+    const float *py = tp_tensor_data(y[0]), *pgg = tp_tensor_data(gg[0]),
+                *pgu = tp_tensor_data(gu[0]);
+    for (int i = 0; i < n; i++) {
+        double s = silu_ref(gv[i]), terms, d = silu_ref_grad(gv[i], &terms);
+        double wy = s * uv[i], wgg = (double)dy[i] * uv[i] * d, wgu = (double)dy[i] * s;
+        cr_assert(near_ref(py[i], wy, fabs(wy)), "swiglu(%.9g, %g) = %.9g, want %.9g", gv[i],
+                  uv[i], py[i], wy);
+        cr_assert(near_ref(pgg[i], wgg, fabs((double)dy[i] * uv[i]) * terms),
+                  "d gate at (%.9g, %g) = %.9g, want %.9g", gv[i], uv[i], pgg[i], wgg);
+        cr_assert(near_ref(pgu[i], wgu, fabs(wgu)), "d up at (%.9g, %g) = %.9g, want %.9g",
+                  gv[i], uv[i], pgu[i], wgu);
+    }
+    /* one gradient alone is the same bits as both together (the kernel's
+     * other output NULL), and so is the output */
+    size_t bytes = sizeof(float) * (size_t)n;
+    cr_assert(!memcmp(tp_tensor_data(y[1]), py, bytes) && !memcmp(tp_tensor_data(y[2]), py, bytes));
+    cr_assert(!memcmp(tp_tensor_data(gg[1]), pgg, bytes), "d gate alone differs");
+    cr_assert(!memcmp(tp_tensor_data(gu[2]), pgu, bytes), "d up alone differs");
+    /* swiglu(gate, up) = silu(gate) * up: the same operations, the same bits */
+    tp_tensor *gate = vec_t(gv, n), *up = vec_t(uv, n), *sg = NULL, *ref = NULL;
+    CHECK_OK(tp_silu(gate, &sg));
+    CHECK_OK(tp_mul(sg, up, &ref));
+    cr_assert(!memcmp(tp_tensor_data(ref), py, bytes), "swiglu differs from silu(gate) * up");
+    for (int w = 0; w < 3; w++) {
+        tp_tensor_release(y[w]);
+        tp_tensor_release(gg[w]);
+        tp_tensor_release(gu[w]);
+    }
+    tp_tensor_release(gate);
+    tp_tensor_release(up);
+    tp_tensor_release(sg);
+    tp_tensor_release(ref);
+    /* empty tensors */
+    tp_tensor *e0 = NULL, *e1 = NULL, *ey = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){0, 4}, &e0));
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){0, 4}, &e1));
+    CHECK_OK(tp_swiglu(e0, e1, &ey));
+    cr_assert(tp_tensor_ndim(ey) == 2 && tp_tensor_shape(ey)[0] == 0 &&
+              tp_tensor_shape(ey)[1] == 4);
+    tp_tensor_release(e0);
+    tp_tensor_release(e1);
+    tp_tensor_release(ey);
+}
+
+Test(ops_elementwise, silu_swiglu_errors, .timeout = 30)
+{
+    tp_tensor *a = rand_t(2, (int64_t[]){3, 4}, 1), *b = rand_t(2, (int64_t[]){3, 4}, 2),
+              *t43 = rand_t(2, (int64_t[]){4, 3}, 3), *r4 = rand_t(1, (int64_t[]){4}, 4),
+              *hb = NULL, *ai = NULL, *nc = NULL, *y = (tp_tensor *)&y;
+    CHECK_ERR(tp_silu(NULL, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("silu: x is NULL");
+    cr_assert_null(y);
+    CHECK_ERR(tp_silu(a, NULL), TP_ERR_INVALID_ARG);
+    CHECK_MSG("silu: out is NULL");
+    y = (tp_tensor *)&y;
+    CHECK_ERR(tp_swiglu(NULL, b, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("swiglu: gate is NULL");
+    cr_assert_null(y);
+    CHECK_ERR(tp_swiglu(a, NULL, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("swiglu: up is NULL");
+    CHECK_ERR(tp_swiglu(a, b, NULL), TP_ERR_INVALID_ARG);
+    CHECK_MSG("swiglu: out is NULL");
+    /* one shape, no broadcasting */
+    y = (tp_tensor *)&y;
+    CHECK_ERR(tp_swiglu(a, t43, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("swiglu: gate of shape [3, 4] and up of shape [4, 3] differ");
+    cr_assert_null(y);
+    CHECK_ERR(tp_swiglu(a, r4, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("swiglu: gate of shape [3, 4] and up of shape [4] differ (swiglu does not "
+              "broadcast)");
+    CHECK_ERR(tp_swiglu(r4, a, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("swiglu: gate of shape [4] and up of shape [3, 4] differ");
+    /* one dtype; float dtypes only */
+    CHECK_OK(tp_tensor_to(b, TP_BF16, TP_CPU, &hb));
+    CHECK_ERR(tp_swiglu(a, hb, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("swiglu: gate is f32 but up is bf16; the dtypes must match");
+    CHECK_ERR(tp_swiglu(hb, a, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("swiglu: gate is bf16 but up is f32; the dtypes must match");
+    CHECK_OK(tp_tensor_zeros(TP_I64, TP_CPU, 2, (int64_t[]){3, 4}, &ai));
+    CHECK_ERR(tp_silu(ai, &y), TP_ERR_NOT_SUPPORTED);
+    CHECK_MSG("silu: x is i64");
+    CHECK_ERR(tp_swiglu(ai, ai, &y), TP_ERR_NOT_SUPPORTED);
+    CHECK_MSG("swiglu: gate is i64");
+    /* contiguous inputs */
+    CHECK_OK(tp_tensor_narrow(a, 1, 0, 3, &nc));
+    CHECK_ERR(tp_swiglu(nc, nc, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("swiglu: gate is not contiguous");
+    CHECK_ERR(tp_silu(nc, &y), TP_ERR_INVALID_ARG);
+    CHECK_MSG("silu: x is not contiguous");
+    cr_assert_null(y);
+    tp_tensor *ts[] = {a, b, t43, r4, hb, ai, nc};
+    for (size_t k = 0; k < NCASES(ts); k++)
+        tp_tensor_release(ts[k]);
+}
+
+/* Mixing plain tensors and DTensors, and a shape mismatch between DTensors
+ * (refused before any collective). */
+static tp_status silu_swiglu_errors_body(tp_test_slot *s, tp_mesh *mesh, ew_ctx *c)
+{
+    (void)c;
+    int m = tp_mesh_ndim(mesh);
+    tp_placement ss[2] = {S_(-1), S_(-1)}, rr[2] = {R_, R_};
+    tp_tensor *a = NULL, *b = NULL, *da = NULL, *db = NULL, *dr = NULL, *y = NULL;
+    RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){4, 6}, 1, &a));
+    RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){6, 4}, 2, &b));
+    RANK_OK(s, tp_dtensor_distribute(mesh, a, m, ss, -1, &da));
+    RANK_OK(s, tp_dtensor_distribute(mesh, b, m, ss, -1, &db));
+    RANK_OK(s, tp_dtensor_distribute(mesh, a, m, rr, -1, &dr));
+    tp_status st = tp_swiglu(a, da, &y);
+    RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && y == NULL &&
+                       strstr(tp_last_error(), "swiglu: gate is a plain tensor but up is a DTensor"),
+                "swiglu mixing: %s %s", tp_status_name(st), tp_last_error());
+    st = tp_swiglu(dr, a, &y);
+    RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && y == NULL &&
+                       strstr(tp_last_error(), "swiglu: gate is a DTensor but up is a plain tensor"),
+                "swiglu mixing: %s %s", tp_status_name(st), tp_last_error());
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    RANK_OK(s, tp_comm_debug_begin(dbg));
+    st = tp_swiglu(da, db, &y);
+    RANK_OK(s, tp_comm_debug_end(dbg));
+    RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && y == NULL &&
+                       strstr(tp_last_error(), "swiglu: gate of shape [4, 6] and up of shape "
+                                               "[6, 4] differ"),
+                "swiglu shapes: %s %s", tp_status_name(st), tp_last_error());
+    RANK_EXPECT(s, tp_comm_debug_total(dbg) == 0, "a refused swiglu issued %lld collectives",
+                (long long)tp_comm_debug_total(dbg));
+    tp_comm_debug_free(dbg);
+    st = tp_silu(NULL, &y);
+    RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && y == NULL, "silu(NULL): %s", tp_status_name(st));
+    tp_tensor *ts[] = {a, b, da, db, dr};
+    for (size_t k = 0; k < NCASES(ts); k++)
+        tp_tensor_release(ts[k]);
+    return TP_OK;
+}
+
+ParameterizedTestParameters(ops_elementwise, silu_swiglu_distributed_errors)
+{
+    static ew_mesh meshes[] = {{1, {1}}, {1, {3}}, {2, {2, 2}}};
+    return cr_make_param_array(ew_mesh, meshes, NCASES(meshes));
+}
+ParameterizedTest(ew_mesh *em, ops_elementwise, silu_swiglu_distributed_errors, .timeout = 60)
+{
+    run_on_mesh(em, silu_swiglu_errors_body);
+}
+
+/* The Llama MLP, down_proj(swiglu(gate_proj(x), up_proj(x))), with gate_proj
+ * and up_proj colwise (W S(0): outputs S(-1)) and down_proj rowwise (W S(1):
+ * output Partial), x replicated and not requiring grad: no collective until
+ * the output is reduced (one all_reduce), none in the backward; the output
+ * and the three weight gradients equal the single-rank ones. The
+ * intermediate size 10 is uneven on 3 and 4 ranks. */
+enum { MLP_T = 6, MLP_H = 8, MLP_I = 10 };
+
+typedef struct {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} mlp_ctx;
+
+/* values k/4, |k| <= 4: the products of gate_proj and up_proj stay exact */
+static void quarter(tp_tensor *t)
+{
+    float *v = tp_tensor_data(t);
+    for (int64_t i = 0; i < tp_tensor_numel(t); i++)
+        v[i] *= 0.25f;
+}
+
+static tp_status mlp_forward(tp_tensor *x, tp_tensor *const *w, tp_tensor **out, tp_tensor **h)
+{
+    tp_tensor *g = NULL, *u = NULL;
+    tp_status st = tp_linear(x, w[0], NULL, &g);
+    if (st == TP_OK)
+        st = tp_linear(x, w[1], NULL, &u);
+    if (st == TP_OK)
+        st = tp_swiglu(g, u, h);
+    if (st == TP_OK)
+        st = tp_linear(*h, w[2], NULL, out);
+    tp_tensor_release(g);
+    tp_tensor_release(u);
+    return st;
+}
+
+static tp_status mlp_rank(tp_comm *comm, void *arg)
+{
+    mlp_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(comm)];
+    int64_t n = tp_comm_size(comm);
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(comm, 1, &n, NULL, &mesh));
+    const int64_t wsh[3][2] = {{MLP_I, MLP_H}, {MLP_I, MLP_H}, {MLP_H, MLP_I}};
+    const tp_placement wpl[3] = {S_(0), S_(0), S_(1)}, rep = R_;
+    tp_tensor *x = NULL, *dx = NULL, *w[3] = {0}, *dw[3] = {0}, *y = NULL, *h = NULL,
+              *dy = NULL, *dh = NULL, *yfull = NULL, *g = NULL;
+    RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){MLP_T, MLP_H}, 1, &x));
+    quarter(x);
+    RANK_OK(s, tp_dtensor_distribute(mesh, x, 1, &rep, -1, &dx));
+    for (int i = 0; i < 3; i++) {
+        RANK_OK(s, tp_test_global_tensor(2, wsh[i], 10 + (uint64_t)i, &w[i]));
+        quarter(w[i]);
+        RANK_OK(s, tp_dtensor_distribute(mesh, w[i], 1, &wpl[i], -1, &dw[i]));
+        RANK_OK(s, tp_tensor_set_requires_grad(w[i], true));
+        RANK_OK(s, tp_tensor_set_requires_grad(dw[i], true));
+    }
+    /* single rank */
+    RANK_OK(s, mlp_forward(x, w, &y, &h));
+    RANK_OK(s, tp_test_global_tensor(2, (int64_t[]){MLP_T, MLP_H}, 20, &g));
+    RANK_OK(s, tp_backward(y, g));
+    /* distributed, counted */
+    tp_comm_debug *dbg = NULL;
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    RANK_OK(s, tp_comm_debug_begin(dbg));
+    tp_status st = mlp_forward(dx, dw, &dy, &dh);
+    int64_t before = tp_comm_debug_total(dbg);
+    if (st == TP_OK)
+        st = tp_dtensor_full_tensor(dy, &yfull);
+    int64_t fwd = tp_comm_debug_total(dbg);
+    if (st == TP_OK)
+        st = tp_backward(yfull, g);
+    RANK_OK(s, tp_comm_debug_end(dbg));
+    RANK_OK(s, st);
+    int64_t total = tp_comm_debug_total(dbg), ar = tp_comm_debug_count(dbg, TP_COLL_ALL_REDUCE);
+    tp_comm_debug_free(dbg);
+    const tp_placement *hp = tp_dtensor_placements(dh);
+    RANK_EXPECT(s, hp[0].kind == TP_PLACEMENT_SHARD && hp[0].dim == 1,
+                "swiglu of colwise outputs is not S(-1)");
+    RANK_EXPECT(s, before == 0, "the MLP up to down_proj issued %lld collectives",
+                (long long)before);
+    int64_t want = n > 1 ? 1 : 0;
+    RANK_EXPECT(s, fwd == want && total == want && ar == want,
+                "forward %lld, total %lld collectives (%lld all_reduce), expected %lld all_reduce",
+                (long long)fwd, (long long)total, (long long)ar, (long long)want);
+    bool ok = false;
+    RANK_OK(s, tp_tensor_allclose(yfull, y, 1e-5, 1e-5, &ok));
+    RANK_EXPECT(s, ok, "MLP output differs from the single-rank one");
+    for (int i = 0; i < 3; i++) {
+        tp_tensor *gd = tp_tensor_grad(dw[i]), *gf = NULL;
+        RANK_EXPECT(s, gd != NULL, "weight %d got no gradient", i);
+        if (!gd)
+            continue;
+        RANK_EXPECT(s, tp_test_placement_eq(tp_dtensor_placements(gd)[0], wpl[i]),
+                    "weight %d's gradient is not in its placement", i);
+        RANK_OK(s, tp_dtensor_full_tensor(gd, &gf));
+        RANK_OK(s, tp_tensor_allclose(gf, tp_tensor_grad(w[i]), 1e-5, 1e-5, &ok));
+        RANK_EXPECT(s, ok, "gradient of weight %d differs", i);
+        tp_tensor_release(gf);
+    }
+    tp_tensor *ts[] = {x, dx, w[0], w[1], w[2], dw[0], dw[1], dw[2], y, h, dy, dh, yfull, g};
+    for (size_t k = 0; k < NCASES(ts); k++)
+        tp_tensor_release(ts[k]);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+ParameterizedTestParameters(ops_elementwise, llama_mlp_swiglu_no_collectives)
+{
+    static int worlds[] = {1, 2, 3, 4};
+    return cr_make_param_array(int, worlds, NCASES(worlds));
+}
+ParameterizedTest(int *world, ops_elementwise, llama_mlp_swiglu_no_collectives, .timeout = 60)
+{
+    mlp_ctx c;
+    memset(&c, 0, sizeof c);
+    tp_test_run(*world, mlp_rank, &c, c.slot);
+}
+
+/* A Partial input is reduced the cheapest way the dispatcher knows (as for
+ * gelu): reduce_scattered to a shard rather than all_reduced (half the
+ * bytes), the shard's all_gather in the backward; per kind, on 1-D meshes. */
+typedef struct {
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} pk_ctx;
+
+static tp_status partial_kinds_rank(tp_comm *comm, void *arg)
+{
+    pk_ctx *c = arg;
+    tp_test_slot *s = &c->slot[tp_comm_rank(comm)];
+    int64_t n = tp_comm_size(comm);
+    tp_mesh *mesh = NULL;
+    RANK_OK(s, tp_mesh_create(comm, 1, &n, NULL, &mesh));
+    const int64_t sh[2] = {6, 5};
+    const tp_placement P = P_;
+    for (int op = 0; op < 3; op++) { /* silu(P), swiglu(P, P), swiglu(R, P) */
+        tp_tensor *f[2] = {0}, *d[2] = {0}, *y = NULL, *g = NULL;
+        for (int i = 0; i < 2; i++) {
+            tp_placement pl = op == 2 && i == 0 ? tp_replicate() : P;
+            RANK_OK(s, tp_test_global_tensor(2, sh, 30 + (uint64_t)i, &f[i]));
+            RANK_OK(s, tp_test_make_dtensor(mesh, f[i], &pl, 40 + (uint64_t)i, &d[i]));
+            RANK_OK(s, tp_tensor_set_requires_grad(d[i], true));
+        }
+        tp_comm_debug *fw = NULL, *bw = NULL;
+        RANK_OK(s, tp_comm_debug_create(&fw));
+        RANK_OK(s, tp_comm_debug_create(&bw));
+        RANK_OK(s, tp_comm_debug_begin(fw));
+        tp_status st = op == 0 ? tp_silu(d[0], &y) : tp_swiglu(d[0], d[1], &y);
+        RANK_OK(s, tp_comm_debug_end(fw));
+        RANK_OK(s, st);
+        RANK_OK(s, tp_dtensor_distribute(mesh, f[0], 1, tp_dtensor_placements(y), -1, &g));
+        RANK_OK(s, tp_comm_debug_begin(bw));
+        st = tp_backward(y, g);
+        RANK_OK(s, tp_comm_debug_end(bw));
+        RANK_OK(s, st);
+        int np = op == 1 ? 2 : 1, w = n > 1;
+        int64_t frs = tp_comm_debug_count(fw, TP_COLL_REDUCE_SCATTER),
+                bag = tp_comm_debug_count(bw, TP_COLL_ALL_GATHER);
+        RANK_EXPECT(s, frs == w * np && tp_comm_debug_total(fw) == w * np,
+                    "op %d: forward %lld reduce_scatter of %lld collectives, expected %d", op,
+                    (long long)frs, (long long)tp_comm_debug_total(fw), w * np);
+        /* swiglu(R, P): the chunked gate's gradient is gathered too */
+        int wb = w * (op == 2 ? 2 : np);
+        RANK_EXPECT(s, bag == wb && tp_comm_debug_total(bw) == wb,
+                    "op %d: backward %lld all_gather of %lld collectives, expected %d", op,
+                    (long long)bag, (long long)tp_comm_debug_total(bw), wb);
+        RANK_EXPECT(s, tp_comm_debug_count(fw, TP_COLL_ALL_REDUCE) == 0,
+                    "op %d: a Partial input was all_reduced", op);
+        tp_comm_debug_free(fw);
+        tp_comm_debug_free(bw);
+        tp_tensor *ts[] = {f[0], f[1], d[0], d[1], y, g};
+        for (size_t k = 0; k < NCASES(ts); k++)
+            tp_tensor_release(ts[k]);
+    }
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+ParameterizedTestParameters(ops_elementwise, silu_swiglu_partial_kinds)
+{
+    static int worlds[] = {1, 2, 3, 4};
+    return cr_make_param_array(int, worlds, NCASES(worlds));
+}
+ParameterizedTest(int *world, ops_elementwise, silu_swiglu_partial_kinds, .timeout = 60)
+{
+    pk_ctx c;
+    memset(&c, 0, sizeof c);
+    tp_test_run(*world, partial_kinds_rank, &c, c.slot);
 }

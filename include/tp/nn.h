@@ -1,6 +1,6 @@
 /*
  * tp/nn.h - modules: Linear, Embedding, LayerNorm, RMSNorm, Dropout, Identity,
- * ReLU, GELU, Sequential, containers with named children and custom modules
+ * ReLU, GELU, SiLU, Sequential, containers with named children and custom modules
  * whose forward the user writes with library ops; parameters with dotted
  * fully qualified names (FQNs), forward pre-hooks and hooks, deterministic
  * initialisation, state dicts, SGD and Adam, and replication onto devices
@@ -49,7 +49,8 @@ typedef enum tp_module_kind {
     TP_MODULE_GELU,
     TP_MODULE_SEQUENTIAL, /* children run in order, output feeding input */
     TP_MODULE_CONTAINER,  /* named children, no forward of its own */
-    TP_MODULE_CUSTOM      /* forward written by the user */
+    TP_MODULE_CUSTOM,     /* forward written by the user */
+    TP_MODULE_SILU        /* SiLU (appended: the values above stay) */
 } tp_module_kind;
 
 /* A keyword input. */
@@ -78,6 +79,8 @@ TP_API tp_status tp_nn_dropout_create(double p, uint64_t seed, tp_module **out);
 TP_API tp_status tp_nn_identity_create(tp_module **out);
 TP_API tp_status tp_nn_relu_create(tp_module **out);
 TP_API tp_status tp_nn_gelu_create(tp_gelu_approx approx, tp_module **out);
+/* SiLU (type name "SiLU"): forward tp_silu on its one input; no parameters. */
+TP_API tp_status tp_nn_silu_create(tp_module **out);
 TP_API tp_status tp_nn_sequential_create(tp_module **out);
 TP_API tp_status tp_nn_container_create(tp_module **out);
 /* ctx is passed back through tp_module_ctx; ctx_free (may be NULL) runs once,

@@ -76,6 +76,31 @@ TP_API tp_status tp_relu(tp_tensor *x, tp_tensor **y);
 typedef enum tp_gelu_approx { TP_GELU_EXACT = 0, TP_GELU_TANH = 1 } tp_gelu_approx;
 TP_API tp_status tp_gelu(tp_tensor *x, tp_gelu_approx approx, tp_tensor **y);
 
+/* ---- silu and swiglu (ops_elementwise.c) ------------------------------------
+ * The Llama / Mistral / Qwen2 MLP, down_proj(silu(gate_proj(x)) * up_proj(x)).
+ *
+ * tp_silu: y = x * sigmoid(x) (torch.nn.functional.silu), new tensor of x's
+ * shape and dtype. The sigmoid is computed from exp(-|x|): no overflow at any
+ * x (silu(100) = 100, silu(-100) is -0 up to a subnormal), +inf -> inf, -inf
+ * -> -0, NaN -> NaN.
+ *
+ * tp_swiglu: y = silu(gate) * up, fused: one kernel forward, and one kernel
+ * backward that writes both gradients (d gate = gy up sig (1 + gate (1 -
+ * sig)), d up = gy silu(gate), sig = sigmoid(gate)). gate and up must have
+ * the same shape (no broadcasting: a mismatch is TP_ERR_INVALID_ARG naming
+ * both shapes, before any communication) and one dtype; both contiguous.
+ *
+ * Both take plain tensors or DTensors (not a mix). Strategies per mesh dim:
+ * Shard(d) and Replicate pass through with no collective, forward or
+ * backward (swiglu: gate and up with the same placement, as colwise
+ * gate_proj and up_proj give them, Shard(-1); where they differ, the
+ * cheapest redistribution to a common one: a Replicate operand is chunked
+ * locally to the other's shard, two different shards cost one all_to_all).
+ * Partial is reduced first (to a Shard when that moves fewer bytes than an
+ * all_reduce: one reduce_scatter forward and its all_gather backward). */
+TP_API tp_status tp_silu(tp_tensor *x, tp_tensor **y);
+TP_API tp_status tp_swiglu(tp_tensor *gate, tp_tensor *up, tp_tensor **y);
+
 /* Inverted dropout with probability p in [0, 1). The keep mask of element g
  * (global row-major index) depends only on (seed, g), so it is identical at
  * every parallel degree. training false (or p == 0): y = x. */

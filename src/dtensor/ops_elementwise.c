@@ -1,4 +1,4 @@
-/* Elementwise ops: add, mul, scale, relu, gelu, dropout (the view ops are in
+/* Elementwise ops: add, mul, scale, relu, gelu, dropout, silu, swiglu (the view ops are in
  * ops_view.c). Each is a tp__op_def (see ops_internal.h); the dispatcher picks
  * the strategy per mesh dim, redistributes, records the node and wraps the
  * local gradients in the strategy's grad placements. */
@@ -549,4 +549,106 @@ tp_status tp_dropout(tp_tensor *x, double p, uint64_t seed, bool training, tp_te
     tp_tensor *args[1] = {x};
     dropout_params prm = {training ? (float)p : 0.0f, seed};
     return tp__op_run(&dropout_def, args, &prm, sizeof prm, y);
+}
+
+/* ---- silu and swiglu ------------------------------------------------------------
+ * The Llama/Mistral/Qwen2 MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
+ * swiglu fuses silu(gate) * up into one kernel forward and one backward that
+ * writes both gradients. Neither commutes with a Partial reduction (silu is not
+ * linear; swiglu is linear in up alone, which a Partial up could use, but its
+ * output would then be Partial before down_proj's rowwise input wants S(-1)), so
+ * Partial inputs are reduced first, as gelu's are. */
+
+static tp_status silu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    TP_CHECK(like(in[0], false, out));
+    return op->k->silu_fwd(op->dev, op->dt, tp_tensor_data(in[0]), tp_tensor_data(*out),
+                           tp_tensor_numel(in[0]));
+}
+
+static tp_status silu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    if (!op->need_grad[0])
+        return TP_OK;
+    TP_CHECK(like(in[0], false, &g[0]));
+    return op->k->silu_bwd(op->dev, op->dt, tp_tensor_data(in[0]), tp_tensor_data(gy),
+                           tp_tensor_data(g[0]), tp_tensor_numel(in[0]));
+}
+
+static const tp__op_def silu_def = {
+    .name = "silu",
+    .n_inputs = 1,
+    .input_names = {"x"},
+    .dtype_kernel = TP__KOP_SILU_FWD,
+    .strategies = pointwise_strategies,
+    .out_shape = same_shape,
+    .forward = silu_fwd,
+    .backward = silu_bwd,
+};
+
+tp_status tp_silu(tp_tensor *x, tp_tensor **y)
+{
+    tp_tensor *args[1] = {x};
+    return tp__op_run(&silu_def, args, NULL, 0, y);
+}
+
+/* gate and up with one placement: Shard(d) for every dim d, or Replicate;
+ * their gradients keep it. Inputs that differ move to the cheapest of these
+ * (a Replicate operand is chunked locally to the other's shard). */
+static int swiglu_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    (void)mesh_dim;
+    int nd = tp__op_gndim(op, 0), n = 0;
+    for (int d = 0; d < nd && n + 1 < TP__OP_MAX_STRATS; d++)
+        s[n++] = (tp__strategy){{tp__S(d), tp__S(d)}, tp__S(d), {tp__S(d), tp__S(d)}};
+    s[n++] = (tp__strategy){{tp__R(), tp__R()}, tp__R(), {tp__R(), tp__R()}};
+    return n;
+}
+
+static tp_status swiglu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    TP_ASSERT(has_shape(in[1], in[0]->ndim, in[0]->shape));
+    TP_CHECK(like(in[0], false, out));
+    return op->k->swiglu_fwd(op->dev, op->dt, tp_tensor_data(in[0]), tp_tensor_data(in[1]),
+                             tp_tensor_data(*out), tp_tensor_numel(in[0]));
+}
+
+static tp_status swiglu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    for (int i = 0; i < 2; i++)
+        if (op->need_grad[i])
+            TP_CHECK(like(in[i], false, &g[i]));
+    if (!g[0] && !g[1])
+        return TP_OK;
+    return op->k->swiglu_bwd(op->dev, op->dt, tp_tensor_data(in[0]), tp_tensor_data(in[1]),
+                             tp_tensor_data(gy), g[0] ? tp_tensor_data(g[0]) : NULL,
+                             g[1] ? tp_tensor_data(g[1]) : NULL, tp_tensor_numel(in[0]));
+}
+
+static const tp__op_def swiglu_def = {
+    .name = "swiglu",
+    .n_inputs = 2,
+    .input_names = {"gate", "up"},
+    .dtype_kernel = TP__KOP_SWIGLU_FWD,
+    .strategies = swiglu_strategies,
+    .out_shape = same_shape,
+    .forward = swiglu_fwd,
+    .backward = swiglu_bwd,
+};
+
+tp_status tp_swiglu(tp_tensor *gate, tp_tensor *up, tp_tensor **y)
+{
+    TP_ARG_CHECK(y, "swiglu: out is NULL");
+    *y = NULL;
+    /* shapes first, so that a mismatch fails before any redistribution */
+    if (gate && up && !has_shape(up, gate->ndim, gate->shape)) {
+        char s1[128], s2[128];
+        return tp__error(TP_ERR_INVALID_ARG,
+                         "swiglu: gate of shape %s and up of shape %s differ (swiglu does not "
+                         "broadcast)",
+                         tp__shape_str(gate->ndim, gate->shape, s1, sizeof s1),
+                         tp__shape_str(up->ndim, up->shape, s2, sizeof s2));
+    }
+    tp_tensor *args[2] = {gate, up};
+    return tp__op_run(&swiglu_def, args, NULL, 0, y);
 }

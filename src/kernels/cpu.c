@@ -1153,3 +1153,93 @@ TP__CLONED(tp__k_adam_step,
         p[k] = (float)((double)p[k] - step_size * (double)m[k] / denom);
     }
 }
+
+/* ---- SiLU and SwiGLU -------------------------------------------------------------
+ * sigmoid(v) = 1 / (1 + e) for v >= 0 and e / (1 + e) below, e = exp(-|v|) in
+ * (0, 1]: nothing overflows, and 1 - sigmoid comes out as the other of the two
+ * (no cancellation). v is clamped to [-104, 104] first (exp(-104) is below
+ * float's smallest subnormal), so the gradient's v (1 - sig) stays finite at
+ * +-inf; silu itself is -0 below -104 (|silu| < 1e-43 there, and -inf * 0 would
+ * be NaN) and v * 1 = v above. NaN gives NaN. Cloned like GELU. */
+
+#define TP__SILU_CLAMP 104.0f
+
+/* sigmoid(v) into *s and 1 - sigmoid(v) into *om, for a clamped v */
+static inline void tp__sigmoid2(float v, float *s, float *om)
+{
+    float e = tp__expf(-fabsf(v));
+    float d = 1.0f / (1.0f + e);
+    float de = e * d;
+    int pos = v >= 0.0f;
+    *s = tp__sel(pos, d, de);
+    *om = tp__sel(pos, de, d);
+}
+
+static inline float tp__silu_clamp(float v)
+{
+    return tp__sel(v < -TP__SILU_CLAMP, -TP__SILU_CLAMP,
+                   tp__sel(v > TP__SILU_CLAMP, TP__SILU_CLAMP, v));
+}
+
+/* silu(v) given sigmoid(clamped v) */
+static inline float tp__silu_of(float v, float s)
+{
+    return tp__sel(v < -TP__SILU_CLAMP, -0.0f, v * s);
+}
+
+TP__CLONED(tp__k_silu_fwd, (const float *x, float *y, int64_t n), (x, y, n))
+{
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i], s, om;
+        tp__sigmoid2(tp__silu_clamp(v), &s, &om);
+        y[i] = tp__silu_of(v, s);
+    }
+}
+
+TP__CLONED(tp__k_silu_bwd, (const float *x, const float *gy, float *gx, int64_t n),
+           (x, gy, gx, n))
+{
+    for (int64_t i = 0; i < n; i++) {
+        float vc = tp__silu_clamp(x[i]), s, om;
+        tp__sigmoid2(vc, &s, &om);
+        gx[i] = gy[i] * (s * (1.0f + vc * om));
+    }
+}
+
+TP__CLONED(tp__k_swiglu_fwd, (const float *gate, const float *up, float *y, int64_t n),
+           (gate, up, y, n))
+{
+    for (int64_t i = 0; i < n; i++) {
+        float v = gate[i], s, om;
+        tp__sigmoid2(tp__silu_clamp(v), &s, &om);
+        y[i] = tp__silu_of(v, s) * up[i];
+    }
+}
+
+/* one loop per set of wanted outputs, so that each vectorizes */
+TP__CLONED(tp__k_swiglu_bwd,
+           (const float *gate, const float *up, const float *gy, float *ggate, float *gup,
+            int64_t n),
+           (gate, up, gy, ggate, gup, n))
+{
+    if (ggate && gup) {
+        for (int64_t i = 0; i < n; i++) {
+            float v = gate[i], vc = tp__silu_clamp(v), u = up[i], g = gy[i], s, om;
+            tp__sigmoid2(vc, &s, &om);
+            ggate[i] = g * u * (s * (1.0f + vc * om));
+            gup[i] = g * tp__silu_of(v, s);
+        }
+    } else if (ggate) {
+        for (int64_t i = 0; i < n; i++) {
+            float vc = tp__silu_clamp(gate[i]), s, om;
+            tp__sigmoid2(vc, &s, &om);
+            ggate[i] = gy[i] * up[i] * (s * (1.0f + vc * om));
+        }
+    } else if (gup) {
+        for (int64_t i = 0; i < n; i++) {
+            float v = gate[i], s, om;
+            tp__sigmoid2(tp__silu_clamp(v), &s, &om);
+            gup[i] = gy[i] * tp__silu_of(v, s);
+        }
+    }
+}

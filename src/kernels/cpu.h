@@ -185,4 +185,13 @@ void tp__k_sgd_step(float *p, const float *g, int64_t n, double lr);
 void tp__k_adam_step(float *p, float *m, float *v, const float *g, int64_t n, double beta1,
                      double beta2, double step_size, double bc2_sqrt, double eps);
 
+/* SiLU, y = x sigmoid(x), and its gradient gx = gy sig (1 + x (1 - sig)). */
+void tp__k_silu_fwd(const float *x, float *y, int64_t n);
+void tp__k_silu_bwd(const float *x, const float *gy, float *gx, int64_t n);
+/* SwiGLU: y = silu(gate) * up; backward ggate = gy up silu'(gate), gup = gy
+ * silu(gate) in one pass, either output NULL when not needed. */
+void tp__k_swiglu_fwd(const float *gate, const float *up, float *y, int64_t n);
+void tp__k_swiglu_bwd(const float *gate, const float *up, const float *gy, float *ggate,
+                      float *gup, int64_t n);
+
 #endif /* TP_KERNELS_CPU_H */

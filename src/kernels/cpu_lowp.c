@@ -255,8 +255,12 @@ void tp__lp_elementwise(tp_dtype dtype, int64_t n, int nbuf, void *const *p, con
     }
     tp__lp f;
     float *buf[TP__LP_MAXBUF];
-    for (int64_t off = 0; off < n; off += TP__LP_CHUNK) {
-        int64_t len = n - off < TP__LP_CHUNK ? n - off : TP__LP_CHUNK;
+    /* whole cache lines per buffer, all of them in the arena */
+    const int64_t chunk = nbuf * TP__LP_CHUNK <= TP__LP_ARENA
+                              ? TP__LP_CHUNK
+                              : (int64_t)(TP__LP_ARENA / nbuf) & ~(int64_t)15;
+    for (int64_t off = 0; off < n; off += chunk) {
+        int64_t len = n - off < chunk ? n - off : chunk;
         tp__lp_begin(&f, TP__KOP_NONE, dtype);
         for (int i = 0; i < nbuf; i++) {
             uint16_t *q = p[i] ? (uint16_t *)p[i] + off : NULL;

@@ -25,9 +25,9 @@
 #include "kernels/kernels.h"
 
 enum {
-    TP__LP_CHUNK = 1024, /* elements per chunk of the elementwise driver */
-    TP__LP_MAXBUF = 3,   /* buffers of the op's dtype per elementwise entry */
-    TP__LP_ARENA = TP__LP_MAXBUF * TP__LP_CHUNK,
+    TP__LP_CHUNK = 1024, /* elements per chunk of the elementwise driver (up to 3 buffers) */
+    TP__LP_MAXBUF = 5,   /* buffers of the op's dtype per elementwise entry */
+    TP__LP_ARENA = 3 * TP__LP_CHUNK,
     TP__LP_MAX = 8 /* buffers per frame */
 };
 
@@ -79,8 +79,9 @@ tp_status tp__lp_end(tp__lp *f);
  * dtype, modes[i] 'i' (input), 'o' (output) or 'u' (read and written); fn
  * runs the f32 kernel on elements [off, off + len) given their f32 copies
  * buf[i] (f32: the buffers themselves, one call for all n). Chunked through
- * the frame's stack arena: no allocation, cannot fail; in place when an
- * output is an input. */
+ * the frame's stack arena (TP__LP_CHUNK elements, fewer for more than three
+ * buffers): no allocation, cannot fail; in place when an output is an input.
+ * A NULL buffer stays NULL. */
 typedef void (*tp__lp_ew_fn)(float *const *buf, int64_t off, int64_t len, const void *ctx);
 void tp__lp_elementwise(tp_dtype dtype, int64_t n, int nbuf, void *const *p, const char *modes,
                         tp__lp_ew_fn fn, const void *ctx);

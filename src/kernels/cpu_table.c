@@ -848,6 +848,62 @@ static tp_status cpu_adam_step(tp_device dev, tp_dtype dtype, void *p, float *m,
     return TP_OK;
 }
 
+/* ---- SiLU and SwiGLU -------------------------------------------------------------- */
+
+static void ew_silu_fwd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_silu_fwd(b[0], b[1], n);
+}
+
+static tp_status cpu_silu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n)
+{
+    CPU_CHECK(SILU_FWD);
+    tp__lp_elementwise(dtype, n, 2, CPU_BUFS((void *)x, y), "io", ew_silu_fwd, NULL);
+    return TP_OK;
+}
+
+static void ew_silu_bwd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_silu_bwd(b[0], b[1], b[2], n);
+}
+
+static tp_status cpu_silu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
+                              void *gx, int64_t n)
+{
+    CPU_CHECK(SILU_BWD);
+    tp__lp_elementwise(dtype, n, 3, CPU_BUFS((void *)x, (void *)gy, gx), "iio", ew_silu_bwd, NULL);
+    return TP_OK;
+}
+
+static void ew_swiglu_fwd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_swiglu_fwd(b[0], b[1], b[2], n);
+}
+
+static tp_status cpu_swiglu_fwd(tp_device dev, tp_dtype dtype, const void *gate, const void *up,
+                                void *y, int64_t n)
+{
+    CPU_CHECK(SWIGLU_FWD);
+    tp__lp_elementwise(dtype, n, 3, CPU_BUFS((void *)gate, (void *)up, y), "iio", ew_swiglu_fwd,
+                       NULL);
+    return TP_OK;
+}
+
+static void ew_swiglu_bwd(float *const *b, int64_t off, int64_t n, const void *ctx)
+{
+    tp__k_swiglu_bwd(b[0], b[1], b[2], b[3], b[4], n);
+}
+
+/* five buffers: the driver's chunks shrink to fit its stack arena */
+static tp_status cpu_swiglu_bwd(tp_device dev, tp_dtype dtype, const void *gate, const void *up,
+                                const void *gy, void *ggate, void *gup, int64_t n)
+{
+    CPU_CHECK(SWIGLU_BWD);
+    tp__lp_elementwise(dtype, n, 5, CPU_BUFS((void *)gate, (void *)up, (void *)gy, ggate, gup),
+                       "iiioo", ew_swiglu_bwd, NULL);
+    return TP_OK;
+}
+
 #define CPU_ENTRY(NAME, field) .field = cpu_##field,
 const tp__kernels tp__kernels_cpu = {
     .name = "cpu",

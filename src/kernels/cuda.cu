@@ -2201,6 +2201,210 @@ tp_status cuda_adam_step(tp_device dev, tp_dtype dtype, void *p, float *m, float
                         mp<T>(p), m, v, cp<T>(g), n, beta1, beta2, step_size, bc2_sqrt, eps));
 }
 
+/* ---- SiLU and SwiGLU ------------------------------------------------------------
+ * The CPU engine's formulas (cpu.c): v clamped to [-104, 104], e = exp(-|v|),
+ * sigmoid and 1 - sigmoid as 1 / (1 + e) and e / (1 + e) by the sign of v (no
+ * overflow, no cancellation), silu -0 below -104. The gradient of the gate is
+ * gy up sig (1 + v (1 - sig)), of up gy silu(gate). */
+
+__device__ __forceinline__ float silu_clamp(float v)
+{
+    return v < -104.0f ? -104.0f : (v > 104.0f ? 104.0f : v); /* NaN stays NaN */
+}
+
+/* sigmoid(vc) into s, 1 - sigmoid(vc) into om, for a clamped vc */
+__device__ __forceinline__ void sigmoid2(float vc, float &s, float &om)
+{
+    float e = expf(-fabsf(vc));
+    float d = 1.0f / (1.0f + e);
+    float de = e * d;
+    bool pos = vc >= 0.0f;
+    s = pos ? d : de;
+    om = pos ? de : d;
+}
+
+__device__ __forceinline__ float silu_f(float v)
+{
+    float s, om;
+    sigmoid2(silu_clamp(v), s, om);
+    return v < -104.0f ? -0.0f : v * s;
+}
+
+/* d silu / dv */
+__device__ __forceinline__ float silu_d(float v)
+{
+    float vc = silu_clamp(v), s, om;
+    sigmoid2(vc, s, om);
+    return s * (1.0f + vc * om);
+}
+
+template <class T> __global__ void k_silu_fwd(const T *x, T *y, int64_t n)
+{
+    GRID_STRIDE(i, n) y[i] = stf<T>(silu_f(ldf(x[i])));
+}
+
+template <class T> __global__ void k_silu_fwd_vec(const T *x, T *y, int64_t n)
+{
+    const int N = Pack<T>::N;
+    int64_t packs = n / N;
+    GRID_STRIDE(i, packs)
+    {
+        Pack<T> a = reinterpret_cast<const Pack<T> *>(x)[i], o;
+#pragma unroll
+        for (int k = 0; k < N; k++)
+            o.v[k] = stf<T>(silu_f(ldf(a.v[k])));
+        reinterpret_cast<Pack<T> *>(y)[i] = o;
+    }
+    TAIL_STRIDE(i, packs * N, n) y[i] = stf<T>(silu_f(ldf(x[i])));
+}
+
+template <class T> __global__ void k_silu_bwd(const T *x, const T *gy, T *gx, int64_t n)
+{
+    GRID_STRIDE(i, n) gx[i] = stf<T>(ldf(gy[i]) * silu_d(ldf(x[i])));
+}
+
+template <class T> __global__ void k_silu_bwd_vec(const T *x, const T *gy, T *gx, int64_t n)
+{
+    const int N = Pack<T>::N;
+    int64_t packs = n / N;
+    GRID_STRIDE(i, packs)
+    {
+        Pack<T> a = reinterpret_cast<const Pack<T> *>(x)[i];
+        Pack<T> g = reinterpret_cast<const Pack<T> *>(gy)[i], o;
+#pragma unroll
+        for (int k = 0; k < N; k++)
+            o.v[k] = stf<T>(ldf(g.v[k]) * silu_d(ldf(a.v[k])));
+        reinterpret_cast<Pack<T> *>(gx)[i] = o;
+    }
+    TAIL_STRIDE(i, packs * N, n) gx[i] = stf<T>(ldf(gy[i]) * silu_d(ldf(x[i])));
+}
+
+template <class T> __global__ void k_swiglu_fwd(const T *gate, const T *up, T *y, int64_t n)
+{
+    GRID_STRIDE(i, n) y[i] = stf<T>(silu_f(ldf(gate[i])) * ldf(up[i]));
+}
+
+template <class T> __global__ void k_swiglu_fwd_vec(const T *gate, const T *up, T *y, int64_t n)
+{
+    const int N = Pack<T>::N;
+    int64_t packs = n / N;
+    GRID_STRIDE(i, packs)
+    {
+        Pack<T> a = reinterpret_cast<const Pack<T> *>(gate)[i];
+        Pack<T> b = reinterpret_cast<const Pack<T> *>(up)[i], o;
+#pragma unroll
+        for (int k = 0; k < N; k++)
+            o.v[k] = stf<T>(silu_f(ldf(a.v[k])) * ldf(b.v[k]));
+        reinterpret_cast<Pack<T> *>(y)[i] = o;
+    }
+    TAIL_STRIDE(i, packs * N, n) y[i] = stf<T>(silu_f(ldf(gate[i])) * ldf(up[i]));
+}
+
+/* one element's two gradients (ggate, gup), from f32 gate, up and gy */
+__device__ __forceinline__ void swiglu_grads(float v, float u, float g, float &gg, float &gu)
+{
+    float vc = silu_clamp(v), s, om;
+    sigmoid2(vc, s, om);
+    gg = g * u * (s * (1.0f + vc * om));
+    gu = g * (v < -104.0f ? -0.0f : v * s);
+}
+
+/* ggate or gup NULL: not written (the branch is uniform over the grid) */
+template <class T>
+__global__ void k_swiglu_bwd(const T *gate, const T *up, const T *gy, T *ggate, T *gup, int64_t n)
+{
+    GRID_STRIDE(i, n)
+    {
+        float gg, gu;
+        swiglu_grads(ldf(gate[i]), ldf(up[i]), ldf(gy[i]), gg, gu);
+        if (ggate)
+            ggate[i] = stf<T>(gg);
+        if (gup)
+            gup[i] = stf<T>(gu);
+    }
+}
+
+template <class T>
+__global__ void k_swiglu_bwd_vec(const T *gate, const T *up, const T *gy, T *ggate, T *gup,
+                                 int64_t n)
+{
+    const int N = Pack<T>::N;
+    int64_t packs = n / N;
+    GRID_STRIDE(i, packs)
+    {
+        Pack<T> a = reinterpret_cast<const Pack<T> *>(gate)[i];
+        Pack<T> b = reinterpret_cast<const Pack<T> *>(up)[i];
+        Pack<T> g = reinterpret_cast<const Pack<T> *>(gy)[i], og, ou;
+#pragma unroll
+        for (int k = 0; k < N; k++) {
+            float gg, gu;
+            swiglu_grads(ldf(a.v[k]), ldf(b.v[k]), ldf(g.v[k]), gg, gu);
+            og.v[k] = stf<T>(gg);
+            ou.v[k] = stf<T>(gu);
+        }
+        if (ggate)
+            reinterpret_cast<Pack<T> *>(ggate)[i] = og;
+        if (gup)
+            reinterpret_cast<Pack<T> *>(gup)[i] = ou;
+    }
+    TAIL_STRIDE(i, packs * N, n)
+    {
+        float gg, gu;
+        swiglu_grads(ldf(gate[i]), ldf(up[i]), ldf(gy[i]), gg, gu);
+        if (ggate)
+            ggate[i] = stf<T>(gg);
+        if (gup)
+            gup[i] = stf<T>(gu);
+    }
+}
+
+tp_status cuda_silu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n)
+{
+    if (vec_ok(x, y))
+        return TYPED(dtype, launch("silu (CUDA)", TP__KOP_SILU_FWD, dtype, dev,
+                                   n > 0 ? n / Pack<T>::N + 1 : 0, false, k_silu_fwd_vec<T>,
+                                   cp<T>(x), mp<T>(y), n));
+    return TYPED(dtype, launch("silu (CUDA)", TP__KOP_SILU_FWD, dtype, dev, n, false,
+                               k_silu_fwd<T>, cp<T>(x), mp<T>(y), n));
+}
+
+tp_status cuda_silu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy, void *gx,
+                        int64_t n)
+{
+    if (vec_ok(x, gy, gx))
+        return TYPED(dtype, launch("silu backward (CUDA)", TP__KOP_SILU_BWD, dtype, dev,
+                                   n > 0 ? n / Pack<T>::N + 1 : 0, false, k_silu_bwd_vec<T>,
+                                   cp<T>(x), cp<T>(gy), mp<T>(gx), n));
+    return TYPED(dtype, launch("silu backward (CUDA)", TP__KOP_SILU_BWD, dtype, dev, n, false,
+                               k_silu_bwd<T>, cp<T>(x), cp<T>(gy), mp<T>(gx), n));
+}
+
+tp_status cuda_swiglu_fwd(tp_device dev, tp_dtype dtype, const void *gate, const void *up,
+                          void *y, int64_t n)
+{
+    if (vec_ok(gate, up, y))
+        return TYPED(dtype, launch("swiglu (CUDA)", TP__KOP_SWIGLU_FWD, dtype, dev,
+                                   n > 0 ? n / Pack<T>::N + 1 : 0, false, k_swiglu_fwd_vec<T>,
+                                   cp<T>(gate), cp<T>(up), mp<T>(y), n));
+    return TYPED(dtype, launch("swiglu (CUDA)", TP__KOP_SWIGLU_FWD, dtype, dev, n, false,
+                               k_swiglu_fwd<T>, cp<T>(gate), cp<T>(up), mp<T>(y), n));
+}
+
+tp_status cuda_swiglu_bwd(tp_device dev, tp_dtype dtype, const void *gate, const void *up,
+                          const void *gy, void *ggate, void *gup, int64_t n)
+{
+    if (!ggate && !gup) /* nothing wanted: only the dtype check */
+        n = 0;
+    if (vec_ok(gate, up, gy) && vec_ok(ggate, gup)) /* NULL is aligned */
+        return TYPED(dtype, launch("swiglu backward (CUDA)", TP__KOP_SWIGLU_BWD, dtype, dev,
+                                   n > 0 ? n / Pack<T>::N + 1 : 0, false, k_swiglu_bwd_vec<T>,
+                                   cp<T>(gate), cp<T>(up), cp<T>(gy), mp<T>(ggate), mp<T>(gup),
+                                   n));
+    return TYPED(dtype, launch("swiglu backward (CUDA)", TP__KOP_SWIGLU_BWD, dtype, dev, n, false,
+                               k_swiglu_bwd<T>, cp<T>(gate), cp<T>(up), cp<T>(gy), mp<T>(ggate),
+                               mp<T>(gup), n));
+}
+
 #define CUDA_ENTRY(NAME, field) .field = cuda_##field,
 const tp__kernels cuda_table = {
     .name = "cuda",

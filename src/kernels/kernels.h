@@ -38,7 +38,7 @@
  * instead of overwriting it.
  *
  * In place: the elementwise entries (add, mul, scale, accumulate, relu, gelu,
- * dropout, softmax fwd/bwd) accept an output equal to one of their inputs
+ * silu, swiglu, dropout, softmax fwd/bwd) accept an output equal to one of their inputs
  * (the same pointer, not a partial overlap); so do add_bcast and mul_bcast
  * for an operand with the output's shape and contiguous strides. Every other
  * entry's outputs must not overlap its inputs. */
@@ -101,6 +101,10 @@ typedef enum tp__kop {
     TP__KOP_VOCAB_CE_BWD,
     TP__KOP_SGD_STEP,
     TP__KOP_ADAM_STEP,
+    TP__KOP_SILU_FWD,
+    TP__KOP_SILU_BWD,
+    TP__KOP_SWIGLU_FWD,
+    TP__KOP_SWIGLU_BWD,
     TP__KOP_COUNT
 } tp__kop;
 
@@ -312,6 +316,22 @@ typedef struct tp__kernels {
     tp_status (*adam_step)(tp_device dev, tp_dtype dtype, void *p, float *m, float *v,
                            const void *g, int64_t n, double beta1, double beta2,
                            double step_size, double bc2_sqrt, double eps);
+
+    /* ---- SiLU and the SwiGLU gate (elementwise on n elements) -------------------- */
+
+    /* y = x sigmoid(x), the sigmoid from exp(-|x|) (no overflow at any x:
+     * silu(-100) is -0 or a subnormal, silu(100) = 100). */
+    tp_status (*silu_fwd)(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n);
+    /* gx = gy sig (1 + x (1 - sig)), sig = sigmoid(x) */
+    tp_status (*silu_bwd)(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
+                          void *gx, int64_t n);
+    /* y = silu(gate) * up */
+    tp_status (*swiglu_fwd)(tp_device dev, tp_dtype dtype, const void *gate, const void *up,
+                            void *y, int64_t n);
+    /* ggate = gy up sig (1 + gate (1 - sig)), gup = gy silu(gate), in one pass;
+     * either output may be NULL (not needed). */
+    tp_status (*swiglu_bwd)(tp_device dev, tp_dtype dtype, const void *gate, const void *up,
+                            const void *gy, void *ggate, void *gup, int64_t n);
 } tp__kernels;
 
 /* The entries of a table in its order, X(NAME, field) for TP__KOP_NAME and
@@ -359,7 +379,11 @@ typedef struct tp__kernels {
     X(VOCAB_CE_LOSS, vocab_ce_loss)                                            \
     X(VOCAB_CE_BWD, vocab_ce_bwd)                                              \
     X(SGD_STEP, sgd_step)                                                      \
-    X(ADAM_STEP, adam_step)
+    X(ADAM_STEP, adam_step)                                                    \
+    X(SILU_FWD, silu_fwd)                                                      \
+    X(SILU_BWD, silu_bwd)                                                      \
+    X(SWIGLU_FWD, swiglu_fwd)                                                  \
+    X(SWIGLU_BWD, swiglu_bwd)
 
 /* The engines' tables: the CPU's always; the CUDA one is NULL in a build
  * without CUDA (cuda_none.c). */

@@ -351,6 +351,34 @@ static tp_status meta_adam_step(tp_device dev, tp_dtype dtype, void *p, float *m
     return meta_ok(TP__KOP_ADAM_STEP, dtype);
 }
 
+static tp_status meta_silu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n)
+{
+    META_EW(dtype, n, 2);
+    return meta_ok(TP__KOP_SILU_FWD, dtype);
+}
+
+static tp_status meta_silu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
+                               void *gx, int64_t n)
+{
+    META_EW(dtype, n, 3);
+    return meta_ok(TP__KOP_SILU_BWD, dtype);
+}
+
+static tp_status meta_swiglu_fwd(tp_device dev, tp_dtype dtype, const void *gate, const void *up,
+                                 void *y, int64_t n)
+{
+    META_EW(dtype, n, 3);
+    return meta_ok(TP__KOP_SWIGLU_FWD, dtype);
+}
+
+/* the gradients wanted: one or two outputs besides the three inputs */
+static tp_status meta_swiglu_bwd(tp_device dev, tp_dtype dtype, const void *gate, const void *up,
+                                 const void *gy, void *ggate, void *gup, int64_t n)
+{
+    META_EW(dtype, n, 3 + (ggate != NULL) + (gup != NULL));
+    return meta_ok(TP__KOP_SWIGLU_BWD, dtype);
+}
+
 #define TP__META_ENTRY(NAME, field) .field = meta_##field,
 const tp__kernels tp__kernels_meta = {
     .name = "meta", .supports = meta_supports, TP__KERNEL_ENTRIES(TP__META_ENTRY)};

@@ -153,6 +153,13 @@ static tp_status tp__gelu_forward(tp_module *self, int nargs, tp_tensor *const *
     return tp_gelu(args[0], self->cfg.gelu, out);
 }
 
+static tp_status tp__silu_forward(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                                  const tp_kwarg *kw, tp_tensor **out)
+{
+    TP__ONE_INPUT(self);
+    return tp_silu(args[0], out);
+}
+
 /* An empty Sequential returns its input, as PyTorch's does. */
 static tp_status tp__sequential_forward(tp_module *self, int nargs, tp_tensor *const *args,
                                         int nkw, const tp_kwarg *kw, tp_tensor **out)
@@ -303,6 +310,11 @@ tp_status tp_nn_gelu_create(tp_gelu_approx approx, tp_module **out)
     TP_CHECK(tp__module_new(fn, TP_MODULE_GELU, "GELU", tp__gelu_forward, out));
     (*out)->cfg.gelu = approx;
     return TP_OK;
+}
+
+tp_status tp_nn_silu_create(tp_module **out)
+{
+    return tp__simple_create("tp_nn_silu_create", TP_MODULE_SILU, "SiLU", tp__silu_forward, out);
 }
 
 tp_status tp_nn_sequential_create(tp_module **out)
