@@ -101,6 +101,7 @@ typedef enum tp__kop {
     TP__KOP_VOCAB_CE_BWD,
     TP__KOP_SGD_STEP,
     TP__KOP_ADAM_STEP,
+    TP__KOP_ATTN_SOFTMAX,
     TP__KOP_COUNT
 } tp__kop;
 
@@ -312,6 +313,22 @@ typedef struct tp__kernels {
     tp_status (*adam_step)(tp_device dev, tp_dtype dtype, void *p, float *m, float *v,
                            const void *g, int64_t n, double beta1, double beta2,
                            double step_size, double bc2_sqrt, double eps);
+
+    /* ---- attention (ops_attention.c) ------------------------------------------------ */
+
+    /* The attention probabilities in place over `batch` blocks of [rows, Sk]
+     * scores, rows = n_rep * Sq: the query rows of n_rep heads one after the
+     * other, so row r of a block is query i = r % Sq. Query i sees key j iff
+     * (!causal or j <= key_offset + i) and (pad NULL or pad[b / pad_div, j]
+     * != 0 for block b; pad is [batch / pad_div, Sk] of pad_dtype, TP_I64 or
+     * TP_I32, on dev). Each row becomes the softmax (max-subtracted, f32,
+     * the sum in double) of its visible scores, 0 at every other key; a row
+     * with no visible key, or whose visible scores are all -inf, becomes 0
+     * (PyTorch's _safe_softmax), never NaN. softmax_bwd is its backward (a
+     * zero row gets zero gradients). */
+    tp_status (*attn_softmax)(tp_device dev, tp_dtype dtype, void *s, int64_t batch,
+                              int64_t rows, int64_t Sq, int64_t Sk, int64_t key_offset,
+                              bool causal, const void *pad, tp_dtype pad_dtype, int64_t pad_div);
 } tp__kernels;
 
 /* The entries of a table in its order, X(NAME, field) for TP__KOP_NAME and
@@ -359,7 +376,8 @@ typedef struct tp__kernels {
     X(VOCAB_CE_LOSS, vocab_ce_loss)                                            \
     X(VOCAB_CE_BWD, vocab_ce_bwd)                                              \
     X(SGD_STEP, sgd_step)                                                      \
-    X(ADAM_STEP, adam_step)
+    X(ADAM_STEP, adam_step)                                                    \
+    X(ATTN_SOFTMAX, attn_softmax)
 
 /* The engines' tables: the CPU's always; the CUDA one is NULL in a build
  * without CUDA (cuda_none.c). */
