@@ -512,6 +512,42 @@ Test(cuda, attention, .timeout = 120)
     }
 }
 
+static tp_status op_sdpa_with(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    tp_sdpa_options o = *(const tp_sdpa_options *)c;
+    o.key_padding = in[3];
+    return tp_scaled_dot_product_attention_with(in[0], in[1], in[2], &o, y);
+}
+
+/* 8 query heads over 2 kv heads, 4 queries after 5 cached keys (over 256
+ * keys in a second case: more than a block's threads), Dv != D, left padding
+ * in i64 and i32 that leaves batch 1's first queries no key */
+Test(cuda, attention_grouped_offset_padding, .timeout = 120)
+{
+    need_cuda();
+    const int64_t sks[2] = {9, 300};
+    for (int c = 0; c < 2; c++)
+        for (int i32 = 0; i32 < 2; i32++) {
+            const int64_t sk = sks[c], off = sk - 4;
+            const int64_t qs[4] = {2, 8, 4, 8}, ks[4] = {2, 2, sk, 8}, vs[4] = {2, 2, sk, 5},
+                          ps[2] = {2, sk};
+            tp_tensor *pad = NULL;
+            CHECK_OK(tp_tensor_zeros(i32 ? TP_I32 : TP_I64, TP_CPU, 2, ps, &pad));
+            for (int64_t j = 0; j < 2 * sk; j++) { /* batch 1: off + 2 keys of padding */
+                int64_t v = j < sk || j - sk >= off + 2;
+                if (i32)
+                    ((int32_t *)tp_tensor_data(pad))[j] = (int32_t)v;
+                else
+                    ((int64_t *)tp_tensor_data(pad))[j] = v;
+            }
+            tp_tensor *in[4] = {rnd(4, qs, -1, 1, 4), rnd(4, ks, -1, 1, 5), rnd(4, vs, -1, 1, 6),
+                                pad};
+            tp_sdpa_options o = {.causal = true, .key_offset = off};
+            check_op(i32 ? "attention grouped (i32 padding)" : "attention grouped", op_sdpa_with,
+                     &o, 4, in, 7u, 1e-4, 1e-5);
+        }
+}
+
 Test(cuda, large_sizes_use_grid_stride_loops, .timeout = 300)
 {
     need_cuda();

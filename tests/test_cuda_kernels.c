@@ -446,6 +446,13 @@ static tp_status r_adam(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
     return K->adam_step(d, t, p[0], p[1], p[2], p[3], I(0), 0.9, 0.999, 0.01, 0.5, 1e-8);
 }
 
+static tp_status r_attn_softmax(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                const double *a)
+{
+    return K->attn_softmax(d, t, p[0], I(0), I(1), I(2), I(3), I(4), a[5] != 0, p[1], TP_I64,
+                           I(6));
+}
+
 /* ---- the cases -------------------------------------------------------------------- */
 
 #define T_IN(n)                       \
@@ -696,6 +703,28 @@ static const kcase cases[] = {
      1e-7,
      0,
      {T_ACC(1000), F_ACC(1000, -1, 1), F_ACC(1000, 0, 1), T_IN(1000)}},
+    /* attn_softmax {batch, rows, Sq, Sk, key_offset, causal, pad_div}: pads
+     * of 0/1 (rows with no visible key come out 0) */
+    {"attn_softmax causal", r_attn_softmax, {2, 6, 6, 6, 0, 1, 1}, 1e-7, 0, {T_ACC(72), NONE}},
+    {"attn_softmax grouped offset pad",
+     r_attn_softmax,
+     {4, 6, 3, 9, 6, 1, 2},
+     1e-7,
+     0,
+     {T_ACC(216), I_IN(18, 0, 2)}},
+    /* more keys than a block has threads */
+    {"attn_softmax decode pad",
+     r_attn_softmax,
+     {4, 4, 1, 300, 299, 1, 1},
+     1e-7,
+     0,
+     {T_ACC(4800), I_IN(1200, 0, 2)}},
+    {"attn_softmax padding only",
+     r_attn_softmax,
+     {8, 2, 2, 3, 0, 0, 1},
+     1e-7,
+     0,
+     {T_ACC(48), I_IN(24, 0, 2)}},
 };
 
 #define NCASES (sizeof cases / sizeof cases[0])
@@ -753,6 +782,7 @@ Test(cuda_kernels, the_cases_cover_every_entry, .timeout = 30)
         {r_silu_bwd, "silu_bwd"},
         {r_swiglu_fwd, "swiglu_fwd"},
         {r_swiglu_bwd, "swiglu_bwd"},
+        {r_attn_softmax, "attn_softmax"},
     };
     cr_assert_eq(sizeof map / sizeof map[0], (size_t)(TP__KOP_COUNT - 1));
     for (int op = 1; op < TP__KOP_COUNT; op++) {

@@ -347,3 +347,29 @@ Test(kernel_table, silu_and_swiglu, .timeout = 30)
               sy[1], sg[1]);
     cr_assert(isnan(sy[2]) && isnan(sg[2]));
 }
+
+/* attn_softmax: refuses the dtypes the others refuse, writing nothing; on
+ * f32 a padded causal block against hand-worked rows */
+Test(kernel_table, attn_softmax_refusals_and_a_small_block, .timeout = 30)
+{
+    float s[6] = {1, 2, 3, 4, 5, 6};
+    const float kept[6] = {1, 2, 3, 4, 5, 6};
+    const int64_t pad[3] = {0, 1, 1};
+    cr_assert_eq(K->attn_softmax(CPU, TP_F64, s, 1, 2, 2, 3, 0, true, pad, TP_I64, 1),
+                 TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: attn_softmax does not take f64");
+    cr_assert_eq(K->attn_softmax(CPU, TP_I64, s, 1, 2, 2, 3, 0, true, pad, TP_I64, 1),
+                 TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: attn_softmax does not take i64");
+    cr_assert(!memcmp(s, kept, sizeof s), "a refused entry wrote its scores");
+    /* query 0 sees key 0 only, which is padding: all 0; query 1 sees key 1 */
+    cr_assert_eq(K->attn_softmax(CPU, TP_F32, s, 1, 2, 2, 3, 0, true, pad, TP_I64, 1), TP_OK);
+    const float want[6] = {0, 0, 0, 0, 1, 0};
+    for (int i = 0; i < 6; i++)
+        cr_assert_eq(s[i], want[i], "[%d] %g, want %g", i, (double)s[i], (double)want[i]);
+    /* key_offset 1: query 0 sees keys 0 and 1 (key 1 only, key 0 padded) */
+    float t[3] = {0.5f, -1, 7};
+    cr_assert_eq(K->attn_softmax(CPU, TP_F32, t, 1, 1, 1, 3, 1, true, pad, TP_I64, 1), TP_OK);
+    cr_assert(t[0] == 0 && t[1] == 1 && t[2] == 0, "%g %g %g", (double)t[0], (double)t[1],
+              (double)t[2]);
+}

@@ -1897,3 +1897,116 @@ Test(kernels, silu_swiglu_dense_sweep, .timeout = 60)
     }
     free(x), free(y), free(g), free(gx), free(u), free(gu), free(sy), free(sgg);
 }
+
+/* ---- attention softmax ---------------------------------------------------------------- */
+
+/* The masked safe softmax in double: `batch` blocks of [rows, Sk], row r of
+ * a block being query r % Sq; key j visible iff (!causal or j <= off + i)
+ * and the block's pad row (b / pad_div) is not 0 there; a row with nothing
+ * visible (or only -inf) is 0. */
+static void ref_attn_softmax(const double *x, double *y, int64_t batch, int64_t rows, int64_t Sq,
+                             int64_t Sk, int64_t off, bool causal, const int64_t *pad,
+                             int64_t pad_div)
+{
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t r = 0; r < rows; r++) {
+            const double *xr = x + (b * rows + r) * Sk;
+            double *yr = y + (b * rows + r) * Sk, mx = -INFINITY, sum = 0;
+            int64_t i = r % Sq;
+            for (int64_t j = 0; j < Sk; j++) {
+                bool vis = (!causal || j <= off + i) && (!pad || pad[b / pad_div * Sk + j] != 0);
+                yr[j] = vis ? xr[j] : -INFINITY;
+                mx = fmax(mx, yr[j]);
+            }
+            for (int64_t j = 0; j < Sk; j++)
+                sum += (yr[j] = mx == -INFINITY ? 0 : exp(yr[j] - mx));
+            for (int64_t j = 0; j < Sk; j++)
+                yr[j] = sum > 0 ? yr[j] / sum : 0;
+        }
+}
+
+typedef struct {
+    int64_t batch, n_rep, Sq, Sk, off;
+    bool causal, pad;
+    int64_t pad_div;
+} attn_geo;
+
+/* Every geometry the attention op hands the kernel: none, square causal,
+ * grouped rows with a key offset (chunked prefill), decode (Sq 1), an
+ * offset past the keys, padding alone and with causal; the pads (left
+ * padding of b % 4 keys, one pad row all 0) leave rows with no key. Against
+ * the double reference; without masks bit for bit softmax_fwd, square causal
+ * causal_mask + softmax_fwd to an ulp; i32 pads as i64; a call on rows
+ * [r0, r0 + nr) as the same rows of a whole call. */
+Test(kernels, attn_softmax_masks_offsets_groups_and_empty_rows, .timeout = 60)
+{
+    const attn_geo geos[] = {
+        {2, 1, 7, 7, 0, false, false, 1}, {3, 1, 17, 17, 0, true, false, 1},
+        {4, 3, 5, 9, 4, true, true, 2},   {4, 4, 1, 17, 16, true, true, 1},
+        {2, 2, 3, 9, 30, true, false, 1}, {6, 1, 4, 6, 0, false, true, 3},
+        {4, 2, 6, 6, 0, true, true, 1},
+    };
+    for (size_t gi = 0; gi < sizeof geos / sizeof geos[0]; gi++) {
+        const attn_geo *g = &geos[gi];
+        int64_t rows = g->n_rep * g->Sq, n = g->batch * rows * g->Sk;
+        int64_t npad = g->batch / g->pad_div * g->Sk;
+        float *x = falloc(n), *y = falloc(n), *z = falloc(n);
+        double *xd = dalloc(n), *yd = dalloc(n);
+        int64_t *pad = calloc((size_t)npad, sizeof *pad);
+        int32_t *pad32 = calloc((size_t)npad, sizeof *pad32);
+        fill(x, n, 900 + gi, -6, 6);
+        x[1] = -INFINITY; /* a visible -inf key (0 after the softmax) */
+        for (int64_t p = 0; p < npad; p++) {
+            int64_t b = p / g->Sk, j = p % g->Sk;
+            pad[p] = b == 1 ? 0 : j >= b % 4 ? 1 + (p % 3) : 0;
+            pad32[p] = (int32_t)pad[p];
+        }
+        to_double(x, xd, n);
+        const int64_t *pp = g->pad ? pad : NULL;
+        char what[96];
+        snprintf(what, sizeof what, "attn_softmax geometry %zu", gi);
+        memcpy(y, x, (size_t)n * sizeof *y);
+        tp__k_attn_softmax(y, 0, g->batch * rows, rows, g->Sq, g->Sk, g->off, g->causal, pp,
+                           false, g->pad_div);
+        ref_attn_softmax(xd, yd, g->batch, rows, g->Sq, g->Sk, g->off, g->causal, pp, g->pad_div);
+        check_close(what, y, yd, n, 1e-5, 1e-7);
+        bool empty_row = false;
+        for (int64_t r = 0; r < g->batch * rows; r++) {
+            double s = 0;
+            for (int64_t j = 0; j < g->Sk; j++)
+                s += y[r * g->Sk + j];
+            empty_row |= s == 0;
+        }
+        cr_assert(empty_row == g->pad, "%s: rows with no key %s", what,
+                  g->pad ? "missing" : "where none should be");
+        if (g->pad) {
+            memcpy(z, x, (size_t)n * sizeof *z);
+            tp__k_attn_softmax(z, 0, g->batch * rows, rows, g->Sq, g->Sk, g->off, g->causal,
+                               pad32, true, g->pad_div);
+            check_same("attn_softmax i32 pad", z, y, n);
+        }
+        if (!g->pad && !g->causal) {
+            tp__k_softmax_fwd(x, z, g->batch * rows, g->Sk);
+            check_same("attn_softmax without masks vs softmax_fwd", y, z, n);
+        }
+        if (!g->pad && g->causal && g->off == 0 && g->Sq == g->Sk && g->n_rep == 1) {
+            memcpy(z, x, (size_t)n * sizeof *z);
+            tp__k_causal_mask(z, g->batch, g->Sq);
+            tp__k_softmax_fwd(z, z, g->batch * rows, g->Sk);
+            /* the same exps; the double sums may differ in their last bit */
+            double *zd = dalloc(n);
+            to_double(z, zd, n);
+            check_close("attn_softmax causal vs causal_mask + softmax_fwd", y, zd, n, 0x1p-22, 0);
+            free(zd);
+        }
+        int64_t r0 = rows + 1, nr = g->batch * rows - r0; /* a block's tail onwards */
+        if (nr > 0) {
+            memcpy(z, x, (size_t)n * sizeof *z);
+            tp__k_attn_softmax(z + r0 * g->Sk, r0, nr, rows, g->Sq, g->Sk, g->off, g->causal, pp,
+                               false, g->pad_div);
+            check_same("attn_softmax on a row range", z + r0 * g->Sk, y + r0 * g->Sk,
+                       nr * g->Sk);
+        }
+        free(x), free(y), free(z), free(xd), free(yd), free(pad), free(pad32);
+    }
+}

@@ -1250,3 +1250,40 @@ Test(kernels_dtype, scratch_allocation_failure_is_no_memory_and_leaks_nothing, .
     cr_assert_eq(st, TP_OK);
     cr_assert_eq(attempted, 0);
 }
+
+/* attn_softmax in every dtype and chunking (the unit driver hands the kernel
+ * row ranges; each row must still find its query and its pad row): 3 blocks
+ * of 2 heads x 4 queries over 70 keys, causal with key offset 66; block 1
+ * left-padded by 68 keys (its first two queries see nothing), block 2 all
+ * padding. */
+Test(kernels_dtype, attn_softmax_masks_and_empty_rows, .timeout = 60)
+{
+    enum { B = 3, NREP = 2, SQ = 4, SK = 70, OFF = 66, ROWS = NREP * SQ };
+    double *x = gen(B * ROWS * SK, 48, 4), *r = dzeros(B * ROWS * SK), *s = dzeros(B * ROWS * SK);
+    int64_t pad[B * SK];
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < SK; j++)
+            pad[b * SK + j] = b == 2 ? 0 : b == 1 ? j >= 68 : 1;
+    for (int b = 0; b < B; b++)
+        for (int q = 0; q < ROWS; q++) {
+            const double *xr = x + (b * ROWS + q) * SK;
+            double *rr = r + (b * ROWS + q) * SK, mx = -INFINITY, sum = 0;
+            for (int j = 0; j < SK; j++)
+                if (j <= OFF + q % SQ && pad[b * SK + j])
+                    mx = fmax(mx, xr[j]);
+            for (int j = 0; j < SK; j++)
+                if (j <= OFF + q % SQ && pad[b * SK + j])
+                    sum += exp(xr[j] - mx);
+            for (int j = 0; j < SK; j++) {
+                bool vis = j <= OFF + q % SQ && pad[b * SK + j];
+                rr[j] = vis ? exp(xr[j] - mx) / sum : 0;
+                s[(b * ROWS + q) * SK + j] = SK * U23 * rr[j];
+            }
+        }
+    FOR_DT(dt)
+    {
+        void *dx = mk(dt, x, B * ROWS * SK);
+        OK(K->attn_softmax(CPU, dt, dx, B, ROWS, SQ, SK, OFF, true, pad, TP_I64, 1));
+        expect_close("attn_softmax", dt, dx, r, s, B * ROWS * SK);
+    }
+}

@@ -162,6 +162,12 @@ static tp_status op_sdpa(const dcase *c, tp_tensor *const *in, tp_tensor **y)
     (void)c;
     return tp_scaled_dot_product_attention(in[0], in[1], in[2], true, 0.0, y);
 }
+/* grouped heads, causal with key_offset = param, key_padding in[3] */
+static tp_status op_sdpa_gqa(const dcase *c, tp_tensor *const *in, tp_tensor **y)
+{
+    tp_sdpa_options o = {.causal = true, .key_offset = (int64_t)c->param, .key_padding = in[3]};
+    return tp_scaled_dot_product_attention_with(in[0], in[1], in[2], &o, y);
+}
 
 /* ---- the f64 references ------------------------------------------------------ */
 
@@ -576,6 +582,78 @@ static void ref_sdpa(const dcase *c, const double *const *in, const double *gy, 
     free(s);
     free(p);
     free(dp);
+    free(ds);
+}
+
+/* grouped attention: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv],
+ * pad [B, Sk]; query head h reads kv head h / (Hq / Hkv); query i sees key j
+ * iff j <= param + i and pad[b, j] != 0; a row seeing nothing is 0 */
+static void ref_sdpa_gqa(const dcase *c, const double *const *in, const double *gy, double *y,
+                         double *const *g)
+{
+    const int64_t B = c->shape[0][0], Hq = c->shape[0][1], Sq = c->shape[0][2],
+                  D = c->shape[0][3], Hkv = c->shape[1][1], Sk = c->shape[1][2],
+                  Dv = c->shape[2][3], off = (int64_t)c->param, rep = Hq / Hkv;
+    const double sc = 1.0 / sqrt((double)D);
+    double *p = malloc(sizeof(double) * (size_t)(Sq * Sk)),
+           *ds = malloc(sizeof(double) * (size_t)(Sq * Sk));
+    for (int64_t i = 0; i < in_numel(c, 1); i++)
+        g[1][i] = 0;
+    for (int64_t i = 0; i < in_numel(c, 2); i++)
+        g[2][i] = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hq; h++) {
+            const int64_t hk = b * Hkv + h / rep, hq = b * Hq + h;
+            const double *q = in[0] + hq * Sq * D, *k = in[1] + hk * Sk * D,
+                         *v = in[2] + hk * Sk * Dv, *pad = in[3] + b * Sk, *go = gy + hq * Sq * Dv;
+            double *o = y + hq * Sq * Dv, *gq = g[0] + hq * Sq * D, *gk = g[1] + hk * Sk * D,
+                   *gv = g[2] + hk * Sk * Dv;
+            for (int64_t i = 0; i < Sq; i++) {
+                double m = -INFINITY, sum = 0;
+                for (int64_t j = 0; j < Sk; j++) {
+                    double t = 0;
+                    for (int64_t d = 0; d < D; d++)
+                        t += q[i * D + d] * k[j * D + d];
+                    p[i * Sk + j] = j <= off + i && pad[j] != 0 ? t * sc : -INFINITY;
+                    m = fmax(m, p[i * Sk + j]);
+                }
+                for (int64_t j = 0; j < Sk; j++)
+                    sum += (p[i * Sk + j] = m == -INFINITY ? 0 : exp(p[i * Sk + j] - m));
+                for (int64_t j = 0; j < Sk; j++)
+                    p[i * Sk + j] = sum > 0 ? p[i * Sk + j] / sum : 0;
+            }
+            for (int64_t i = 0; i < Sq; i++)
+                for (int64_t d = 0; d < Dv; d++) {
+                    double t = 0;
+                    for (int64_t j = 0; j < Sk; j++)
+                        t += p[i * Sk + j] * v[j * Dv + d];
+                    o[i * Dv + d] = t;
+                }
+            for (int64_t j = 0; j < Sk; j++)
+                for (int64_t d = 0; d < Dv; d++)
+                    for (int64_t i = 0; i < Sq; i++)
+                        gv[j * Dv + d] += p[i * Sk + j] * go[i * Dv + d];
+            for (int64_t i = 0; i < Sq; i++)
+                for (int64_t j = 0; j < Sk; j++) {
+                    double t = 0;
+                    for (int64_t d = 0; d < Dv; d++)
+                        t += go[i * Dv + d] * v[j * Dv + d];
+                    ds[i * Sk + j] = t;
+                }
+            softmax_rows_bwd(p, ds, ds, Sq, Sk);
+            for (int64_t i = 0; i < Sq; i++)
+                for (int64_t d = 0; d < D; d++) {
+                    double t = 0;
+                    for (int64_t j = 0; j < Sk; j++)
+                        t += ds[i * Sk + j] * k[j * D + d];
+                    gq[i * D + d] = t * sc;
+                }
+            for (int64_t j = 0; j < Sk; j++)
+                for (int64_t d = 0; d < D; d++)
+                    for (int64_t i = 0; i < Sq; i++)
+                        gk[j * D + d] += ds[i * Sk + j] * q[i * D + d] * sc;
+        }
+    free(p);
     free(ds);
 }
 
@@ -1044,6 +1122,25 @@ static const dcase cases[] = {
      4,
      5,
      0,
+     0,
+     4},
+    /* 4 query heads over 2 kv heads, 3 queries after 3 cached keys, Dv 3,
+     * random 0/1 key padding (rows with no key come out 0); heads shard on
+     * 2 ranks, on 3 and 4 the inputs are gathered */
+    {"attention grouped, key offset and padding",
+     4,
+     {4, 4, 4, 2},
+     {{2, 4, 3, 5}, {2, 2, 6, 5}, {2, 2, 6, 3}, {2, 6}},
+     8u,
+     2,
+     false,
+     {S_(1), S_(1), S_(1), R_},
+     op_sdpa_gqa,
+     ref_sdpa_gqa,
+     false,
+     4,
+     8,
+     3,
      0,
      4},
 };

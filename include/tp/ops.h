@@ -223,11 +223,70 @@ TP_API tp_status tp_cross_entropy(tp_tensor *logits, tp_tensor *target,
 
 /* ---- attention (ops_attention.c) -------------------------------------------
  * out[..., s, :] = softmax(q k^T * scale (+ causal mask)) v over the last two
- * dims [seq, head_dim] of q, k, v (same shape); scale 0 means 1/sqrt(head_dim).
- * Strategies: any leading (batch or head) dim sharded alike on q, k, v passes
- * through; all R -> R. */
+ * dims [seq, head_dim]; scale 0 means 1/sqrt(head_dim). The same as
+ * tp_scaled_dot_product_attention_with (below) with {causal, scale} and no
+ * key offset or padding: q, k, v of the same shape as before, and everything
+ * that function takes (grouped kv heads, Sq != Sk with the causal diagonal
+ * at the top left, as PyTorch's is_causal). */
 TP_API tp_status tp_scaled_dot_product_attention(tp_tensor *q, tp_tensor *k, tp_tensor *v,
                                                  bool causal, double scale, tp_tensor **out);
+
+/* ---- attention for the Llama family: GQA, KV-cache offsets, padding ----------
+ * Options of tp_scaled_dot_product_attention_with; all zero (or a NULL
+ * pointer) is the default: not causal, scale 1/sqrt(head_dim), no offset, no
+ * padding. */
+typedef struct tp_sdpa_options {
+    bool causal;            /* query i sees keys j <= key_offset + i */
+    double scale;           /* 0: 1/sqrt(head_dim); negative: TP_ERR_INVALID_ARG */
+    int64_t key_offset;     /* keys cached before the first query (the causal
+                             * diagonal's shift); 0 for self-attention with Sq == Sk.
+                             * Only the causal mask reads it. >= 0. */
+    tp_tensor *key_padding; /* optional [B, Sk] i64 or i32 (HF's attention_mask):
+                             * key j of batch b is never attended where it is 0;
+                             * borrowed for the call (kept by autograd). NULL: none */
+} tp_sdpa_options;
+
+/*
+ * out = safe_softmax(q k^T * scale + mask) v, PyTorch's math attention
+ * (scaled_dot_product_attention with enable_gqa) as HF Llama calls it.
+ *   q [..., Hq, Sq, D], k [..., Hkv, Sk, D], v [..., Hkv, Sk, Dv] ->
+ *   out [..., Hq, Sq, Dv]  (Dv may differ from D; the leading dims "..."
+ *   must be equal on q, k and v).
+ * Grouped-query / multi-query attention: Hq must be a multiple of Hkv; query
+ * head h uses kv head h / (Hq / Hkv), as HF's repeat_kv (Hkv == Hq: plain
+ * multi-head attention; Hkv == 1: multi-query). With 2-D or 3-D inputs there
+ * is no head dim: every leading dim must match.
+ * Masks: with causal, query i (0-based in q) sees key j iff j <= key_offset +
+ * i: a KV cache of key_offset earlier tokens puts the queries at positions
+ * key_offset .. key_offset + Sq - 1 of the keys (decode: Sq 1, key_offset
+ * Sk - 1; chunked prefill: key_offset = tokens before the chunk). key_padding
+ * (needs 4-D q [B, H, Sq, D]) hides the keys where it is 0, for every head
+ * and query of batch b (left or right padding alike).
+ * A row whose keys are all masked (a padded query under causal left padding,
+ * say) outputs 0 and passes zero gradients, as PyTorch >= 2.5's math
+ * attention (_safe_softmax) does; tp_softmax of an all -inf row is still NaN.
+ * Gradients: q, k, v (f32, bf16, f16, one dtype); key_padding never gets one.
+ * The probabilities are kept for the backward only when a gradient is
+ * wanted.
+ * Errors (TP_ERR_INVALID_ARG naming the counts and shapes): Hq not a multiple
+ * of Hkv ("12 query heads are not a multiple of 5 key/value heads"),
+ * different leading dims, head_dim of q and k, key counts of k and v, or kv
+ * heads of k and v, negative scale or key_offset, a key_padding that is not
+ * [B, Sk] i64/i32 or with q not 4-D; mixed dtypes as every op.
+ * Strategies, per mesh dim: a leading dim (before the head dim) sharded alike
+ * on q, k, v -> out sharded on it (key_padding Shard(0) when it is the batch
+ * dim, else Replicate); the head dim sharded alike on q, k, v -> out sharded
+ * on it, when Hq == Hkv (any mesh size, uneven chunks included) or when the
+ * mesh dim's size divides the heads left on each rank (Hkv, and so Hq, after
+ * earlier mesh dims), so that each rank's local group mapping is the global
+ * one; all Replicate -> Replicate. Inputs already in one of these layouts
+ * move nothing; others are redistributed to the cheapest (counted).
+ * Collective: on DTensors every rank of the mesh must call.
+ */
+TP_API tp_status tp_scaled_dot_product_attention_with(tp_tensor *q, tp_tensor *k, tp_tensor *v,
+                                                      const tp_sdpa_options *opts,
+                                                      tp_tensor **out);
+/* ---- end of attention for the Llama family ---- */
 
 #ifdef __cplusplus
 }

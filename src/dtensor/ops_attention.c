@@ -1,54 +1,119 @@
-/* Scaled dot-product attention over the last two dims, with an optional
- * causal mask: out = softmax(q k^T * scale + mask) v, per leading index. */
+/* Scaled dot-product attention over the last two dims, PyTorch's math
+ * attention with grouped kv heads (enable_gqa / HF repeat_kv), different
+ * query and key lengths (a causal diagonal moved by key_offset) and a key
+ * padding mask: out = safe_softmax(q k^T * scale + mask) v.
+ *
+ * The n_rep query heads of one kv head are contiguous in q, so each (leading
+ * index, kv head) pair is one group: its queries are one [n_rep * Sq, D]
+ * matrix, the scores one GEMM against K^T, and in the backward dK and dV one
+ * GEMM each, the sum over the group's query heads falling out of the
+ * product. The mask and the softmax are one pass of the attn_softmax
+ * kernel per group, while the group's scores are still in cache. */
 #include <math.h>
 #include <string.h>
 
 #include "dtensor/ops_internal.h"
 
+static const char *const FN = "scaled_dot_product_attention";
+
 typedef struct {
     bool causal;
     double scale; /* 0: 1/sqrt(D) */
+    int64_t key_offset;
 } sdpa_params;
+
+/* The head dim (grouped), or -1 for 2-D and 3-D inputs (no head dim). */
+static int head_dim_of(int nd)
+{
+    return nd >= 4 ? nd - 3 : -1;
+}
+
+/* Whether the head dim may be sharded on mesh_dim: always for as many kv as
+ * query heads (each rank's q and kv chunks are the same heads, even when
+ * uneven); else when the heads that earlier mesh dims left on a rank (the
+ * dispatcher chooses the mesh dims in order, so op->in_pl holds their
+ * choices) split evenly over this one, so that every rank's local group
+ * mapping (local q head h uses local kv head h / n_rep) is the global one. */
+static bool heads_shardable(const tp__op *op, int mesh_dim, int hd)
+{
+    int64_t hq = tp__op_gshape(op, 0)[hd], hkv = tp__op_gshape(op, 1)[hd];
+    if (hq == hkv)
+        return true;
+    for (int e = 0; e < mesh_dim; e++) {
+        tp_placement p = op->in_pl[0][e];
+        if (p.kind == TP_PLACEMENT_SHARD && p.dim == hd) {
+            int64_t w = tp_mesh_size(op->mesh, e);
+            hq /= w;
+            hkv /= w;
+        }
+    }
+    int64_t w = tp_mesh_size(op->mesh, mesh_dim);
+    return hkv > 0 && hkv % w == 0;
+}
 
 static int sdpa_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
 {
-    (void)mesh_dim;
-    int nd = tp__op_gndim(op, 0), n = 0;
-    /* any leading (batch or head) dim may be sharded, the same on q, k, v */
-    for (int d = 0; d + 2 < nd; d++)
-        s[n++] = (tp__strategy){{tp__S(d), tp__S(d), tp__S(d)}, tp__S(d),
-                                {tp__S(d), tp__S(d), tp__S(d)}};
-    s[n++] = (tp__strategy){{tp__R(), tp__R(), tp__R()}, tp__R(), {tp__R(), tp__R(), tp__R()}};
+    int nd = tp__op_gndim(op, 0), hd = head_dim_of(nd), n = 0;
+    int nlead = hd >= 0 ? hd : nd - 2;
+    /* a leading dim sharded alike on q, k, v; key_padding [B, Sk] follows
+     * the batch dim (it exists only for 4-D q, whose one leading dim is B) */
+    for (int d = 0; d < nlead; d++) {
+        tp_placement pad = d == 0 ? tp__S(0) : tp__R();
+        s[n++] = (tp__strategy){{tp__S(d), tp__S(d), tp__S(d), pad}, tp__S(d),
+                                {tp__S(d), tp__S(d), tp__S(d), tp__R()}};
+    }
+    if (hd >= 0 && heads_shardable(op, mesh_dim, hd))
+        s[n++] = (tp__strategy){{tp__S(hd), tp__S(hd), tp__S(hd), tp__R()}, tp__S(hd),
+                                {tp__S(hd), tp__S(hd), tp__S(hd), tp__R()}};
+    s[n++] = (tp__strategy){{tp__R(), tp__R(), tp__R(), tp__R()}, tp__R(),
+                            {tp__R(), tp__R(), tp__R(), tp__R()}};
     return n;
 }
 
+/* q's shape with v's last dim */
 static tp_status sdpa_shape(const tp__op *op, int *ndim, int64_t *shape)
 {
-    const char *fn = op->def->name;
     int nd = tp__op_gndim(op, 0);
-    TP_ARG_CHECK(nd >= 2, "%s: q must have at least 2 dims [..., seq, head_dim]", fn);
-    for (int i = 1; i < 3; i++) {
-        TP_ARG_CHECK(tp__op_gndim(op, i) == nd, "%s: %s has %d dims, q has %d", fn,
-                     op->def->input_names[i], tp__op_gndim(op, i), nd);
-        TP_ARG_CHECK(!memcmp(tp__op_gshape(op, i), tp__op_gshape(op, 0),
-                             sizeof(int64_t) * (size_t)nd),
-                     "%s: q, k and v must have the same shape", fn);
-    }
     *ndim = nd;
     memcpy(shape, tp__op_gshape(op, 0), sizeof(int64_t) * (size_t)nd);
+    shape[nd - 1] = tp__op_gshape(op, 2)[nd - 1];
     return TP_OK;
 }
 
-static float sdpa_scale(const tp__op *op, int64_t d)
+/* The local geometry: G groups (leading indices x kv heads) of M = n_rep *
+ * Sq query rows each. */
+typedef struct {
+    int64_t G, n_rep, M, Sq, Sk, D, Dv;
+    int64_t pad_div; /* groups per key_padding row: the local kv heads */
+    float scale;
+} sdpa_geom;
+
+static void sdpa_geom_of(const tp__op *op, tp_tensor *const *in, sdpa_geom *g)
 {
     const sdpa_params *p = TP__OP_PARAMS(op, const sdpa_params);
-    return p->scale != 0 ? (float)p->scale : (float)(1.0 / sqrt((double)d));
+    const tp_tensor *q = in[0], *k = in[1], *v = in[2];
+    int nd = q->ndim, hd = head_dim_of(nd);
+    g->Sq = q->shape[nd - 2];
+    g->D = q->shape[nd - 1];
+    g->Sk = k->shape[nd - 2];
+    g->Dv = v->shape[nd - 1];
+    /* n_rep from the global shapes: a rank may hold no heads */
+    g->n_rep = hd >= 0 && tp__op_gshape(op, 1)[hd] > 0
+                   ? tp__op_gshape(op, 0)[hd] / tp__op_gshape(op, 1)[hd]
+                   : 1;
+    g->G = 1;
+    for (int i = 0; i + 2 < nd; i++)
+        g->G *= k->shape[i];
+    g->pad_div = hd >= 0 && k->shape[hd] > 0 ? k->shape[hd] : 1;
+    TP_ASSERT(hd < 0 || q->shape[hd] == g->n_rep * k->shape[hd]);
+    g->M = g->n_rep * g->Sq;
+    g->scale = p->scale != 0 ? (float)p->scale : (float)(1.0 / sqrt((double)g->D));
 }
 
-/* The element e of a buffer of the op's dtype. */
-static void *at(const tp__op *op, const void *base, int64_t e)
+/* The element e of a buffer of dtype dt. */
+static void *at(tp_dtype dt, const void *base, int64_t e)
 {
-    return (char *)base + e * (int64_t)tp_dtype_size(op->dt);
+    return (char *)base + e * (int64_t)tp_dtype_size(dt);
 }
 
 /* C = alpha op(A) op(B) (beta 0) with the op's engine, in the op's dtype
@@ -60,118 +125,186 @@ static tp_status gemm(const tp__op *op, bool ta, bool tb, int64_t m, int64_t n, 
     return op->k->gemm(op->dev, op->dt, ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
 }
 
-/* B (the product of the leading dims), S and D of q */
-static void sdpa_dims(const tp_tensor *q, int64_t *B, int64_t *S, int64_t *D)
-{
-    int nd = q->ndim;
-    *S = q->shape[nd - 2];
-    *D = q->shape[nd - 1];
-    *B = 1;
-    for (int i = 0; i + 2 < nd; i++)
-        *B *= q->shape[i];
-}
-
-/* The probabilities (the softmax of the scores, in the op's dtype, as
- * PyTorch's math attention keeps them) are saved for the backward. */
+/* The probabilities (the masked safe softmax of the scores, in the op's
+ * dtype, as PyTorch's math attention keeps them) are saved for the backward
+ * when a gradient is wanted; otherwise one group's scores are scratch. */
 static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
 {
     const sdpa_params *p = TP__OP_PARAMS(op, const sdpa_params);
-    tp_tensor *q = in[0], *k = in[1], *v = in[2];
-    int64_t B, S, D;
-    sdpa_dims(q, &B, &S, &D);
-    float scale = sdpa_scale(op, D);
-    int64_t pshape[2] = {B * S, S};
+    tp_tensor *q = in[0], *k = in[1], *v = in[2], *pad = in[3];
+    sdpa_geom g;
+    sdpa_geom_of(op, in, &g);
+    int64_t oshape[TP_MAX_DIMS];
+    memcpy(oshape, q->shape, sizeof(int64_t) * (size_t)q->ndim);
+    oshape[q->ndim - 1] = g.Dv;
+    bool keep = tp__needs_grad(op->def->n_inputs, op->in); /* as tp__op_run records a node */
+    int64_t pshape[2] = {(keep ? g.G : 1) * g.M, g.Sk};
     tp_tensor *probs = NULL;
-    TP_CHECK(tp__new(op->dt, op->dev, q->ndim, q->shape, false, out));
+    TP_CHECK(tp__new(op->dt, op->dev, q->ndim, oshape, false, out));
     tp_status st = tp__new(op->dt, op->dev, 2, pshape, false, &probs);
+    const tp_dtype dt = op->dt;
     const void *qd = tp_tensor_data(q), *kd = tp_tensor_data(k), *vd = tp_tensor_data(v);
+    const void *padd = pad ? tp_tensor_data(pad) : NULL;
+    const size_t pes = pad ? tp_dtype_size(pad->dtype) : 0;
     void *od = tp_tensor_data(*out), *pd = probs ? tp_tensor_data(probs) : NULL;
-    for (int64_t b = 0; b < B && st == TP_OK; b++) {
-        void *sc = at(op, pd, b * S * S);
-        int64_t o = b * S * D;
-        st = gemm(op, false, true, S, S, D, scale, at(op, qd, o), D, at(op, kd, o), D, sc, S);
-        if (st == TP_OK && p->causal)
-            st = op->k->causal_mask(op->dev, op->dt, sc, 1, S);
-        if (st == TP_OK && S > 0)
-            st = op->k->softmax_fwd(op->dev, op->dt, sc, sc, S, S);
+    for (int64_t b = 0; b < g.G && st == TP_OK; b++) {
+        void *sc = at(dt, pd, keep ? b * g.M * g.Sk : 0);
+        const void *kb = at(dt, kd, b * g.Sk * g.D), *vb = at(dt, vd, b * g.Sk * g.Dv);
+        /* this group's padding row: its batch entry's */
+        const void *padb = padd ? (const char *)padd + (size_t)(b / g.pad_div * g.Sk) * pes : NULL;
+        st = gemm(op, false, true, g.M, g.Sk, g.D, g.scale, at(dt, qd, b * g.M * g.D), g.D, kb,
+                  g.D, sc, g.Sk);
+        if (st == TP_OK && g.M > 0 && g.Sk > 0)
+            st = op->k->attn_softmax(op->dev, dt, sc, 1, g.M, g.Sq, g.Sk, p->key_offset,
+                                     p->causal, padb, pad ? pad->dtype : TP_I64, 1);
         if (st == TP_OK)
-            st = gemm(op, false, false, S, D, S, 1.0f, sc, S, at(op, vd, o), D, at(op, od, o), D);
+            st = gemm(op, false, false, g.M, g.Dv, g.Sk, 1.0f, sc, g.Sk, vb, g.Dv,
+                      at(dt, od, b * g.M * g.Dv), g.Dv);
     }
-    if (st != TP_OK) {
+    if (st != TP_OK || !keep) {
         tp_tensor_release(probs);
-        tp_tensor_release(*out);
-        *out = NULL;
+        if (st != TP_OK) {
+            tp_tensor_release(*out);
+            *out = NULL;
+        }
         return st;
     }
     op->saved[0] = probs;
     return TP_OK;
 }
 
-/* One leading index's backward: dv = p^T dout; dp = dout v^T; ds = softmax
- * backward; dq = ds k * scale; dk = ds^T q * scale. o: the element offset of
- * this index's [S, D] blocks. */
-static tp_status sdpa_bwd_one(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g,
-                              void *dpd, int64_t b, int64_t S, int64_t D, float scale)
-{
-    int64_t o = b * S * D;
-    const void *pb = at(op, tp_tensor_data(op->saved[0]), b * S * S);
-    const void *gob = at(op, tp_tensor_data(gy), o);
-    tp_status st =
-        gemm(op, true, false, S, D, S, 1.0f, pb, S, gob, D, at(op, tp_tensor_data(g[2]), o), D);
-    if (st == TP_OK)
-        st = gemm(op, false, true, S, S, D, 1.0f, gob, D, at(op, tp_tensor_data(in[2]), o), D, dpd,
-                  S);
-    if (st == TP_OK && S > 0)
-        st = op->k->softmax_bwd(op->dev, op->dt, pb, dpd, dpd, S, S);
-    if (st == TP_OK)
-        st = gemm(op, false, false, S, D, S, scale, dpd, S, at(op, tp_tensor_data(in[1]), o), D,
-                  at(op, tp_tensor_data(g[0]), o), D);
-    if (st == TP_OK)
-        st = gemm(op, true, false, S, D, S, scale, dpd, S, at(op, tp_tensor_data(in[0]), o), D,
-                  at(op, tp_tensor_data(g[1]), o), D);
-    return st;
-}
-
+/* Per group: dv = p^T dout; ds = softmax backward of dout v^T; dq = ds k *
+ * scale; dk = ds^T q * scale; each over the group's n_rep * Sq rows, so dk
+ * and dv sum over its query heads. Only the gradients wanted are made. */
 static tp_status sdpa_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
 {
-    tp_tensor *q = in[0];
-    int64_t B, S, D;
-    sdpa_dims(q, &B, &S, &D);
-    float scale = sdpa_scale(op, D);
+    sdpa_geom m;
+    sdpa_geom_of(op, in, &m);
+    const tp_dtype dt = op->dt;
+    const bool want_q = op->need_grad[0], want_k = op->need_grad[1], want_v = op->need_grad[2];
     for (int i = 0; i < 3; i++)
-        TP_CHECK(tp__new(op->dt, op->dev, q->ndim, q->shape, false, &g[i]));
-    int64_t ss[2] = {S, S};
-    tp_tensor *dp = NULL;
-    TP_CHECK(tp__new(op->dt, op->dev, 2, ss, false, &dp));
+        if (op->need_grad[i])
+            TP_CHECK(tp__new(dt, op->dev, in[i]->ndim, in[i]->shape, false, &g[i]));
+    tp_tensor *ds = NULL;
+    int64_t dsshape[2] = {m.M, m.Sk};
+    if (want_q || want_k)
+        TP_CHECK(tp__new(dt, op->dev, 2, dsshape, false, &ds));
+    const void *qd = tp_tensor_data(in[0]), *kd = tp_tensor_data(in[1]),
+               *vd = tp_tensor_data(in[2]), *pd = tp_tensor_data(op->saved[0]),
+               *god = tp_tensor_data(gy);
+    void *dsd = ds ? tp_tensor_data(ds) : NULL;
     tp_status st = TP_OK;
-    for (int64_t b = 0; b < B && st == TP_OK; b++)
-        st = sdpa_bwd_one(op, in, gy, g, tp_tensor_data(dp), b, S, D, scale);
-    tp_tensor_release(dp);
-    /* only the inputs that need a gradient keep one */
-    for (int i = 0; i < 3; i++)
-        if (!op->need_grad[i]) {
-            tp_tensor_release(g[i]);
-            g[i] = NULL;
-        }
+    for (int64_t b = 0; b < m.G && st == TP_OK; b++) {
+        const void *pb = at(dt, pd, b * m.M * m.Sk), *gob = at(dt, god, b * m.M * m.Dv);
+        const void *qb = at(dt, qd, b * m.M * m.D), *kb = at(dt, kd, b * m.Sk * m.D);
+        if (want_v)
+            st = gemm(op, true, false, m.Sk, m.Dv, m.M, 1.0f, pb, m.Sk, gob, m.Dv,
+                      at(dt, tp_tensor_data(g[2]), b * m.Sk * m.Dv), m.Dv);
+        if (st != TP_OK || !ds)
+            continue;
+        st = gemm(op, false, true, m.M, m.Sk, m.Dv, 1.0f, gob, m.Dv,
+                  at(dt, vd, b * m.Sk * m.Dv), m.Dv, dsd, m.Sk);
+        if (st == TP_OK && m.M > 0 && m.Sk > 0)
+            st = op->k->softmax_bwd(op->dev, dt, pb, dsd, dsd, m.M, m.Sk);
+        if (st == TP_OK && want_q)
+            st = gemm(op, false, false, m.M, m.D, m.Sk, m.scale, dsd, m.Sk, kb, m.D,
+                      at(dt, tp_tensor_data(g[0]), b * m.M * m.D), m.D);
+        if (st == TP_OK && want_k)
+            st = gemm(op, true, false, m.Sk, m.D, m.M, m.scale, dsd, m.Sk, qb, m.D,
+                      at(dt, tp_tensor_data(g[1]), b * m.Sk * m.D), m.D);
+    }
+    tp_tensor_release(ds);
     return st;
 }
 
 static const tp__op_def sdpa_def = {
     .name = "scaled_dot_product_attention",
-    .n_inputs = 3,
-    .input_names = {"q", "k", "v"},
-    .dtype_kernel = TP__KOP_SOFTMAX_FWD,
+    .n_inputs = 4,
+    .input_names = {"q", "k", "v", "key_padding"},
+    .optional_mask = 1u << 3,
+    .nondiff_mask = 1u << 3,
+    .dtype_kernel = TP__KOP_ATTN_SOFTMAX,
     .strategies = sdpa_strategies,
     .out_shape = sdpa_shape,
     .forward = sdpa_fwd,
     .backward = sdpa_bwd,
 };
 
+/* All the argument checks, on the global shapes (a DTensor's shape is its
+ * logical one), before anything is redistributed. */
+static tp_status sdpa_check(const tp_tensor *q, const tp_tensor *k, const tp_tensor *v,
+                            const tp_sdpa_options *o)
+{
+    TP_ARG_CHECK(q, "%s: q is NULL", FN);
+    TP_ARG_CHECK(k, "%s: k is NULL", FN);
+    TP_ARG_CHECK(v, "%s: v is NULL", FN);
+    TP_ARG_CHECK(o->scale >= 0, "%s: scale %g is negative", FN, o->scale);
+    TP_ARG_CHECK(o->key_offset >= 0, "%s: key_offset %lld is negative", FN,
+                 (long long)o->key_offset);
+    int nd = q->ndim, hd = head_dim_of(nd);
+    TP_ARG_CHECK(nd >= 2, "%s: q must have at least 2 dims [..., seq, head_dim], it has %d", FN,
+                 nd);
+    const tp_tensor *kv[2] = {k, v};
+    const char *names[2] = {"k", "v"};
+    char b1[96], b2[96];
+    for (int i = 0; i < 2; i++) {
+        TP_ARG_CHECK(kv[i]->ndim == nd, "%s: %s has %d dims, q has %d", FN, names[i],
+                     kv[i]->ndim, nd);
+        int nlead = hd >= 0 ? hd : nd - 2;
+        for (int d = 0; d < nlead; d++)
+            TP_ARG_CHECK(kv[i]->shape[d] == q->shape[d],
+                         "%s: q, k and v must have the same leading dims: q %s, %s %s", FN,
+                         tp__shape_str(nd, q->shape, b1, sizeof b1), names[i],
+                         tp__shape_str(nd, kv[i]->shape, b2, sizeof b2));
+    }
+    TP_ARG_CHECK(k->shape[nd - 1] == q->shape[nd - 1],
+                 "%s: q and k must have the same head_dim: q %s, k %s", FN,
+                 tp__shape_str(nd, q->shape, b1, sizeof b1),
+                 tp__shape_str(nd, k->shape, b2, sizeof b2));
+    TP_ARG_CHECK(v->shape[nd - 2] == k->shape[nd - 2],
+                 "%s: k has %lld keys but v has %lld (k %s, v %s)", FN,
+                 (long long)k->shape[nd - 2], (long long)v->shape[nd - 2],
+                 tp__shape_str(nd, k->shape, b1, sizeof b1),
+                 tp__shape_str(nd, v->shape, b2, sizeof b2));
+    if (hd >= 0) {
+        int64_t hq = q->shape[hd], hkv = k->shape[hd];
+        TP_ARG_CHECK(v->shape[hd] == hkv, "%s: k has %lld key/value heads but v has %lld", FN,
+                     (long long)hkv, (long long)v->shape[hd]);
+        TP_ARG_CHECK(hkv > 0 ? hq % hkv == 0 : hq == 0,
+                     "%s: %lld query heads are not a multiple of %lld key/value heads", FN,
+                     (long long)hq, (long long)hkv);
+    }
+    const tp_tensor *pad = o->key_padding;
+    if (pad) {
+        TP_ARG_CHECK(nd == 4, "%s: key_padding needs 4-D q [batch, heads, seq, head_dim], q is %s",
+                     FN, tp__shape_str(nd, q->shape, b1, sizeof b1));
+        TP_ARG_CHECK(pad->dtype == TP_I64 || pad->dtype == TP_I32,
+                     "%s: key_padding is %s; it must be i64 or i32 (0 = padding)", FN,
+                     tp_dtype_name(pad->dtype));
+        int64_t want[2] = {q->shape[0], k->shape[2]};
+        TP_ARG_CHECK(pad->ndim == 2 && pad->shape[0] == want[0] && pad->shape[1] == want[1],
+                     "%s: key_padding is %s, expected [batch, keys] = %s", FN,
+                     tp__shape_str(pad->ndim, pad->shape, b1, sizeof b1),
+                     tp__shape_str(2, want, b2, sizeof b2));
+    }
+    return TP_OK;
+}
+
+tp_status tp_scaled_dot_product_attention_with(tp_tensor *q, tp_tensor *k, tp_tensor *v,
+                                               const tp_sdpa_options *opts, tp_tensor **out)
+{
+    TP_ARG_CHECK(out, "%s: out is NULL", FN);
+    *out = NULL;
+    const tp_sdpa_options o = opts ? *opts : (tp_sdpa_options){0};
+    TP_CHECK(sdpa_check(q, k, v, &o));
+    sdpa_params p = {o.causal, o.scale, o.key_offset};
+    tp_tensor *args[4] = {q, k, v, o.key_padding};
+    return tp__op_run(&sdpa_def, args, &p, sizeof p, out);
+}
+
 tp_status tp_scaled_dot_product_attention(tp_tensor *q, tp_tensor *k, tp_tensor *v, bool causal,
                                           double scale, tp_tensor **out)
 {
-    TP_ARG_CHECK(scale >= 0, "scaled_dot_product_attention: scale %g is negative", scale);
-    sdpa_params p = {causal, scale};
-    tp_tensor *args[3] = {q, k, v};
-    return tp__op_run(&sdpa_def, args, &p, sizeof p, out);
+    tp_sdpa_options o = {.causal = causal, .scale = scale};
+    return tp_scaled_dot_product_attention_with(q, k, v, &o, out);
 }

@@ -679,6 +679,45 @@ void tp__k_causal_mask(float *s, int64_t batch, int64_t S)
     }
 }
 
+/* Masked keys become -inf (the pad loops branch-free, so they vectorize),
+ * then the softmax of the visible prefix [0, lim); keys past it are 0. A
+ * row whose maximum is -inf (nothing visible) is all 0: PyTorch's
+ * _safe_softmax, where softmax_fwd would give NaN. */
+TP__CLONED(tp__k_attn_softmax,
+           (float *s, int64_t r0, int64_t nr, int64_t rows, int64_t Sq, int64_t Sk,
+            int64_t key_offset, bool causal, const void *pad, bool pad_i32, int64_t pad_div),
+           (s, r0, nr, rows, Sq, Sk, key_offset, causal, pad, pad_i32, pad_div))
+{
+    for (int64_t u = 0; u < nr; u++) {
+        int64_t r = r0 + u, b = r / rows, i = r % rows % Sq;
+        float *restrict x = s + u * Sk;
+        int64_t lim = Sk;
+        if (causal && key_offset < Sk - i - 1)
+            lim = key_offset + i + 1;
+        if (pad && pad_i32) {
+            const int32_t *restrict p = (const int32_t *)pad + b / pad_div * Sk;
+            for (int64_t j = 0; j < lim; j++)
+                x[j] = tp__sel(p[j] != 0, x[j], -INFINITY);
+        } else if (pad) {
+            const int64_t *restrict p = (const int64_t *)pad + b / pad_div * Sk;
+            for (int64_t j = 0; j < lim; j++)
+                x[j] = tp__sel(p[j] != 0, x[j], -INFINITY);
+        }
+        float mx = tp__rowmax(x, lim);
+        if (mx == -INFINITY)
+            lim = 0;
+        for (int64_t j = 0; j < lim; j++)
+            x[j] = tp__expf(x[j] - mx);
+        for (int64_t j = lim; j < Sk; j++)
+            x[j] = 0.0f;
+        if (lim > 0) {
+            float inv = (float)(1.0 / tp__dsum(x, lim));
+            for (int64_t j = 0; j < lim; j++)
+                x[j] *= inv;
+        }
+    }
+}
+
 /* ---- layout ------------------------------------------------------------------- */
 
 void tp__k_transpose_last2(const float *x, float *y, int64_t batch, int64_t r, int64_t c)

@@ -193,5 +193,12 @@ void tp__k_silu_bwd(const float *x, const float *gy, float *gx, int64_t n);
 void tp__k_swiglu_fwd(const float *gate, const float *up, float *y, int64_t n);
 void tp__k_swiglu_bwd(const float *gate, const float *up, const float *gy, float *ggate,
                       float *gup, int64_t n);
+/* The attention probabilities (kernels.h attn_softmax) of rows r0 .. r0 + nr
+ * - 1 of the blocks of [rows, Sk] scores, in place, s pointing at row r0
+ * (block b = r / rows, query (r % rows) % Sq); pad (NULL: none) int32 when
+ * pad_i32, else int64. */
+void tp__k_attn_softmax(float *s, int64_t r0, int64_t nr, int64_t rows, int64_t Sq, int64_t Sk,
+                        int64_t key_offset, bool causal, const void *pad, bool pad_i32,
+                        int64_t pad_div);
 
 #endif /* TP_KERNELS_CPU_H */

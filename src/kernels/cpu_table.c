@@ -904,6 +904,31 @@ static tp_status cpu_swiglu_bwd(tp_device dev, tp_dtype dtype, const void *gate,
     return TP_OK;
 }
 
+/* ---- attention ----------------------------------------------------------------------- */
+
+typedef struct attn_ctx {
+    int64_t rows, Sq, Sk, key_offset, pad_div;
+    const void *pad;
+    bool causal, pad_i32;
+} attn_ctx;
+
+static void u_attn_softmax(float *const *b, int64_t u0, int64_t nu, const void *ctx)
+{
+    const attn_ctx *c = ctx;
+    tp__k_attn_softmax(b[0], u0, nu, c->rows, c->Sq, c->Sk, c->key_offset, c->causal, c->pad,
+                       c->pad_i32, c->pad_div);
+}
+
+static tp_status cpu_attn_softmax(tp_device dev, tp_dtype dtype, void *s, int64_t batch,
+                                  int64_t rows, int64_t Sq, int64_t Sk, int64_t key_offset,
+                                  bool causal, const void *pad, tp_dtype pad_dtype,
+                                  int64_t pad_div)
+{
+    CPU_CHECK(ATTN_SOFTMAX);
+    attn_ctx c = {rows, Sq, Sk, key_offset, pad_div, pad, causal, pad_dtype == TP_I32};
+    return UNITS(ATTN_SOFTMAX, batch * rows, &c, u_attn_softmax, PER(s, Sk, 'u'));
+}
+
 #define CPU_ENTRY(NAME, field) .field = cpu_##field,
 const tp__kernels tp__kernels_cpu = {
     .name = "cpu",

@@ -788,6 +788,51 @@ template <class T> __global__ void k_causal_mask(T *s, int64_t batch, int64_t S)
     }
 }
 
+/* Whether key j of a row is visible: inside the causal prefix (lim) and not
+ * padding (p32 / p64: the row's padding, at most one non-NULL). */
+__device__ __forceinline__ bool attn_visible(int64_t j, int64_t lim, const int32_t *p32,
+                                             const int64_t *p64)
+{
+    return j < lim && (p32 ? p32[j] != 0 : p64 ? p64[j] != 0 : true);
+}
+
+/* One block per row of the [nrows = batch * rows, Sk] scores (kernels.h
+ * attn_softmax): the max and the sum over the visible keys, then every key
+ * written (0 where masked). m is the block's reduction, so `empty` is the
+ * same in every thread and block_sum runs in all of them. */
+template <class T>
+__global__ void k_attn_softmax(T *s, int64_t nrows, int64_t rows, int64_t Sq, int64_t Sk,
+                               int64_t key_offset, bool causal, const void *pad, bool pad_i32,
+                               int64_t pad_div)
+{
+    __shared__ double shd[32];
+    __shared__ float shf[32];
+    for (int64_t r = blockIdx.x; r < nrows; r += gridDim.x) {
+        T *sr = s + r * Sk;
+        int64_t b = r / rows, i = r % rows % Sq;
+        int64_t lim = causal && key_offset < Sk - i - 1 ? key_offset + i + 1 : Sk;
+        const int32_t *p32 = pad && pad_i32 ? (const int32_t *)pad + b / pad_div * Sk : NULL;
+        const int64_t *p64 = pad && !pad_i32 ? (const int64_t *)pad + b / pad_div * Sk : NULL;
+        float m = -INFINITY;
+        for (int64_t c = threadIdx.x; c < lim; c += blockDim.x)
+            if (attn_visible(c, lim, p32, p64))
+                m = fmaxf(m, ldf(sr[c]));
+        m = block_max(m, shf);
+        bool empty = m == -INFINITY;
+        double sum = 0;
+        for (int64_t c = threadIdx.x; c < lim && !empty; c += blockDim.x)
+            if (attn_visible(c, lim, p32, p64))
+                sum += (double)expf(ldf(sr[c]) - m);
+        sum = block_sum(sum, shd);
+        float inv = empty ? 0.0f : (float)(1.0 / sum);
+        /* each thread rewrites only the columns it read: in place is safe */
+        for (int64_t c = threadIdx.x; c < Sk; c += blockDim.x)
+            sr[c] = stf<T>(!empty && attn_visible(c, lim, p32, p64) ? expf(ldf(sr[c]) - m) * inv
+                                                                     : 0.0f);
+        __syncthreads();
+    }
+}
+
 /* 32 x 32 tiles through shared memory: coalesced reads and writes (the tile
  * holds floats: every T converts to float and back exactly) */
 template <class T>
@@ -2403,6 +2448,18 @@ tp_status cuda_swiglu_bwd(tp_device dev, tp_dtype dtype, const void *gate, const
     return TYPED(dtype, launch("swiglu backward (CUDA)", TP__KOP_SWIGLU_BWD, dtype, dev, n, false,
                                k_swiglu_bwd<T>, cp<T>(gate), cp<T>(up), cp<T>(gy), mp<T>(ggate),
                                mp<T>(gup), n));
+}
+
+/* attention */
+
+tp_status cuda_attn_softmax(tp_device dev, tp_dtype dtype, void *s, int64_t batch, int64_t rows,
+                            int64_t Sq, int64_t Sk, int64_t key_offset, bool causal,
+                            const void *pad, tp_dtype pad_dtype, int64_t pad_div)
+{
+    return TYPED(dtype, launch("attention softmax (CUDA)", TP__KOP_ATTN_SOFTMAX, dtype, dev,
+                               Sk > 0 ? batch * rows : 0, true, k_attn_softmax<T>, mp<T>(s),
+                               batch * rows, rows, Sq, Sk, key_offset, causal, pad,
+                               pad_dtype == TP_I32, pad_div));
 }
 
 #define CUDA_ENTRY(NAME, field) .field = cuda_##field,

@@ -105,6 +105,7 @@ typedef enum tp__kop {
     TP__KOP_SILU_BWD,
     TP__KOP_SWIGLU_FWD,
     TP__KOP_SWIGLU_BWD,
+    TP__KOP_ATTN_SOFTMAX,
     TP__KOP_COUNT
 } tp__kop;
 
@@ -332,6 +333,21 @@ typedef struct tp__kernels {
      * either output may be NULL (not needed). */
     tp_status (*swiglu_bwd)(tp_device dev, tp_dtype dtype, const void *gate, const void *up,
                             const void *gy, void *ggate, void *gup, int64_t n);
+    /* ---- attention (ops_attention.c) ------------------------------------------------ */
+
+    /* The attention probabilities in place over `batch` blocks of [rows, Sk]
+     * scores, rows = n_rep * Sq: the query rows of n_rep heads one after the
+     * other, so row r of a block is query i = r % Sq. Query i sees key j iff
+     * (!causal or j <= key_offset + i) and (pad NULL or pad[b / pad_div, j]
+     * != 0 for block b; pad is [batch / pad_div, Sk] of pad_dtype, TP_I64 or
+     * TP_I32, on dev). Each row becomes the softmax (max-subtracted, f32,
+     * the sum in double) of its visible scores, 0 at every other key; a row
+     * with no visible key, or whose visible scores are all -inf, becomes 0
+     * (PyTorch's _safe_softmax), never NaN. softmax_bwd is its backward (a
+     * zero row gets zero gradients). */
+    tp_status (*attn_softmax)(tp_device dev, tp_dtype dtype, void *s, int64_t batch,
+                              int64_t rows, int64_t Sq, int64_t Sk, int64_t key_offset,
+                              bool causal, const void *pad, tp_dtype pad_dtype, int64_t pad_div);
 } tp__kernels;
 
 /* The entries of a table in its order, X(NAME, field) for TP__KOP_NAME and
@@ -383,7 +399,8 @@ typedef struct tp__kernels {
     X(SILU_FWD, silu_fwd)                                                      \
     X(SILU_BWD, silu_bwd)                                                      \
     X(SWIGLU_FWD, swiglu_fwd)                                                  \
-    X(SWIGLU_BWD, swiglu_bwd)
+    X(SWIGLU_BWD, swiglu_bwd)                                                  \
+    X(ATTN_SOFTMAX, attn_softmax)
 
 /* The engines' tables: the CPU's always; the CUDA one is NULL in a build
  * without CUDA (cuda_none.c). */

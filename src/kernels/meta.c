@@ -379,6 +379,15 @@ static tp_status meta_swiglu_bwd(tp_device dev, tp_dtype dtype, const void *gate
     return meta_ok(TP__KOP_SWIGLU_BWD, dtype);
 }
 
+static tp_status meta_attn_softmax(tp_device dev, tp_dtype dtype, void *s, int64_t batch,
+                                   int64_t rows, int64_t Sq, int64_t Sk, int64_t key_offset,
+                                   bool causal, const void *pad, tp_dtype pad_dtype,
+                                   int64_t pad_div)
+{
+    META_EW(dtype, batch * rows * Sk, 2);
+    return meta_ok(TP__KOP_ATTN_SOFTMAX, dtype);
+}
+
 #define TP__META_ENTRY(NAME, field) .field = meta_##field,
 const tp__kernels tp__kernels_meta = {
     .name = "meta", .supports = meta_supports, TP__KERNEL_ENTRIES(TP__META_ENTRY)};
