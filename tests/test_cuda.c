@@ -247,6 +247,19 @@ static tp_status op_sdpa(tp_tensor *const *in, const void *c, tp_tensor **y)
     return tp_scaled_dot_product_attention(in[0], in[1], in[2], *(const bool *)c, 0, y);
 }
 
+/* in[0] x [B, H, S, D], in[1] i64 positions [B, S]: cos and sin computed
+ * where the positions are (the rope_cos_sin kernel), then the embedding */
+static tp_status op_rope(tp_tensor *const *in, const void *c, tp_tensor **y)
+{
+    tp_tensor *co = NULL, *si = NULL;
+    tp_status st = tp_rope_cos_sin(c, in[1], tp_tensor_dtype(in[0]), &co, &si);
+    if (st == TP_OK)
+        st = tp_rotary_embedding(in[0], co, si, y);
+    tp_tensor_release(co);
+    tp_tensor_release(si);
+    return st;
+}
+
 /* i64 CPU tensor of integers in [a, b) */
 static tp_tensor *rnd_idx(int nd, const int64_t *shape, int64_t a, int64_t b, uint64_t seed)
 {
@@ -546,6 +559,30 @@ Test(cuda, attention_grouped_offset_padding, .timeout = 120)
             check_op(i32 ? "attention grouped (i32 padding)" : "attention grouped", op_sdpa_with,
                      &o, 4, in, 7u, 1e-4, 1e-5);
         }
+}
+
+/* positions up to 100000: the same f32 angles, sincosf against the CPU's
+ * double cos and sin */
+Test(cuda, rotary_embedding, .timeout = 120)
+{
+    need_cuda();
+    const int64_t xs[4] = {2, 3, 5, 64}, ps[2] = {2, 5};
+    const tp_rope_config cfgs[2] = {{TP_ROPE_LLAMA3, 64, 500000, 8, 1, 4, 8192, 0},
+                                    {TP_ROPE_DYNAMIC, 64, 10000, 2, 0, 0, 0, 4096}};
+    for (int k = 0; k < 2; k++) {
+        tp_tensor *in[2] = {rnd(4, xs, -1, 1, 1), rnd_idx(2, ps, 0, 100001, 2)};
+        check_op(k ? "rotary_embedding (dynamic)" : "rotary_embedding (llama3)", op_rope, &cfgs[k],
+                 2, in, 1u, RTOL, ATOL);
+    }
+    /* a negative position is found on the host copy, before any kernel */
+    tp_tensor *p = rnd_idx(2, ps, 0, 10, 3), *dp = NULL, *co = NULL, *si = NULL;
+    CHECK_OK(tp_tensor_set(p, (int64_t[]){1, 4}, -2));
+    dp = to_dev(p, DEV);
+    CHECK_ERR(tp_rope_cos_sin(&cfgs[0], dp, TP_F32, &co, &si), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "position_ids[1, 4] = -2 is negative"), "%s",
+              tp_last_error());
+    tp_tensor_release(dp);
+    tp_tensor_release(p);
 }
 
 Test(cuda, large_sizes_use_grid_stride_loops, .timeout = 300)

@@ -445,6 +445,23 @@ static tp_status r_adam(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
 {
     return K->adam_step(d, t, p[0], p[1], p[2], p[3], I(0), 0.9, 0.999, 0.01, 0.5, 1e-8);
 }
+/* a: B, H, S, D, cos_batch_stride */
+static tp_status r_rope_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                            const double *a)
+{
+    return K->rope_fwd(d, t, p[0], p[1], p[2], p[3], I(0), I(1), I(2), I(3), I(4));
+}
+static tp_status r_rope_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                            const double *a)
+{
+    return K->rope_bwd(d, t, p[0], p[1], p[2], p[3], I(0), I(1), I(2), I(3), I(4));
+}
+/* a: n, D, scaling */
+static tp_status r_rope_cos_sin(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                const double *a)
+{
+    return K->rope_cos_sin(d, t, p[0], p[1], p[2], p[3], I(0), I(1), (float)a[2]);
+}
 
 static tp_status r_attn_softmax(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
                                 const double *a)
@@ -725,6 +742,31 @@ static const kcase cases[] = {
      1e-7,
      0,
      {T_ACC(48), I_IN(24, 0, 2)}},
+    /* cos and sin with halves that differ (the general formula); the f32
+     * arithmetic is the CPU's, rounding for rounding */
+    {"rope_fwd", r_rope_fwd, {2, 3, 5, 8, 40}, 1e-7, 0, {T_IN(240), T_IN(80), T_IN(80), T_OUT(240)}},
+    {"rope_fwd cos broadcast over the batch",
+     r_rope_fwd,
+     {3, 2, 70, 130, 0},
+     1e-7,
+     0,
+     {T_IN(54600), T_IN(9100), T_IN(9100), T_OUT(54600)}},
+    {"rope_bwd", r_rope_bwd, {2, 3, 5, 8, 40}, 1e-7, 0, {T_IN(240), T_IN(80), T_IN(80), T_OUT(240)}},
+    {"rope_bwd cos broadcast over the batch",
+     r_rope_bwd,
+     {3, 2, 70, 130, 0},
+     1e-7,
+     0,
+     {T_IN(54600), T_IN(9100), T_IN(9100), T_OUT(54600)}},
+    /* angles up to 1e5 rad: the same f32 product; sincosf against cos/sin in double */
+    {"rope_cos_sin",
+     r_rope_cos_sin,
+     {50, 64, 1},
+     1e-7,
+     0,
+     {I_IN(50, 0, 100001), F_IN(32, 0.0001, 1), T_OUT(3200), T_OUT(3200)}},
+    {"rope_cos_sin scaled", r_rope_cos_sin, {7, 6, 0.75}, 1e-7, 0,
+     {I_IN(7, 0, 20), F_IN(3, 0.01, 1), T_OUT(42), T_OUT(42)}},
 };
 
 #define NCASES (sizeof cases / sizeof cases[0])
@@ -783,6 +825,9 @@ Test(cuda_kernels, the_cases_cover_every_entry, .timeout = 30)
         {r_swiglu_fwd, "swiglu_fwd"},
         {r_swiglu_bwd, "swiglu_bwd"},
         {r_attn_softmax, "attn_softmax"},
+        {r_rope_fwd, "rope_fwd"},
+        {r_rope_bwd, "rope_bwd"},
+        {r_rope_cos_sin, "rope_cos_sin"},
     };
     cr_assert_eq(sizeof map / sizeof map[0], (size_t)(TP__KOP_COUNT - 1));
     for (int op = 1; op < TP__KOP_COUNT; op++) {

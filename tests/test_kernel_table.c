@@ -3,8 +3,9 @@
  * entry answering another dtype with TP_ERR_NOT_SUPPORTED naming the op and
  * the dtype (and writing nothing), the device lookup, and the entries whose CPU
  * kernels are new (copy, fill, gather, the divided sums, the loss-gradient
- * spread, the vocab-parallel loss, the optimizer steps, SiLU and SwiGLU)
- * against double references. The kernels themselves are tested in test_kernels.c.
+ * spread, the vocab-parallel loss, the optimizer steps, SiLU and SwiGLU,
+ * the rotary embedding) against double references. The kernels themselves
+ * are tested in test_kernels.c.
  *
  * The bf16 and f16 forms of every entry are tested in test_kernels_dtype.c.
  *
@@ -372,4 +373,71 @@ Test(kernel_table, attn_softmax_refusals_and_a_small_block, .timeout = 30)
     cr_assert_eq(K->attn_softmax(CPU, TP_F32, t, 1, 1, 1, 3, 1, true, pad, TP_I64, 1), TP_OK);
     cr_assert(t[0] == 0 && t[1] == 1 && t[2] == 0, "%g %g %g", (double)t[0], (double)t[1],
               (double)t[2]);
+}
+
+/* The rotary embedding, forward and backward, against the formulas in double
+ * (one f32 rounding per product and sum: within 2^-23 of the absolute
+ * terms), with cos/sin per batch and broadcast over it, halves that differ,
+ * in place; cos/sin of the f32 angle against double; other dtypes refused. */
+static void rope_ref(const float *x, const float *c, const float *s, double *y, int64_t B,
+                     int64_t H, int64_t S, int64_t D, int64_t cbs, bool bwd, double *abs)
+{
+    const int64_t h = D / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < H * S; r++) {
+            const float *xr = x + (b * H * S + r) * D;
+            const float *cr = c + b * cbs + (r % S) * D, *sr = s + b * cbs + (r % S) * D;
+            double *yr = y + (b * H * S + r) * D, *ar = abs + (b * H * S + r) * D;
+            for (int64_t i = 0; i < D; i++) {
+                /* forward: y = x c + rotate_half(x) s; backward: the transpose */
+                double other = i < h ? (bwd ? (double)xr[i + h] * sr[i + h]
+                                            : -(double)xr[i + h] * sr[i])
+                                     : (bwd ? -(double)xr[i - h] * sr[i - h]
+                                            : (double)xr[i - h] * sr[i]);
+                yr[i] = (double)xr[i] * cr[i] + other;
+                ar[i] = fabs((double)xr[i] * cr[i]) + fabs(other);
+            }
+        }
+}
+
+Test(kernel_table, rope_fwd_bwd_and_cos_sin, .timeout = 30)
+{
+    enum { B = 2, H = 3, S = 5, D = 12, N = B * H * S * D, NC = B * S * D };
+    static float x[N], c[NC], s[NC], y[N], yi[N];
+    static double r[N], a[N];
+    rnd(x, N, 11);
+    rnd(c, NC, 12);
+    rnd(s, NC, 13);
+    for (int bwd = 0; bwd < 2; bwd++)
+        for (int64_t cbs = 0; cbs <= S * D; cbs += S * D) {
+            tp_status st = bwd ? K->rope_bwd(CPU, TP_F32, x, c, s, y, B, H, S, D, cbs)
+                               : K->rope_fwd(CPU, TP_F32, x, c, s, y, B, H, S, D, cbs);
+            cr_assert_eq(st, TP_OK);
+            rope_ref(x, c, s, r, B, H, S, D, cbs, bwd, a);
+            for (int i = 0; i < N; i++)
+                cr_assert(fabs(y[i] - r[i]) <= 0x1p-23 * a[i], "%s cbs %lld [%d]: %.9g, want %.17g",
+                          bwd ? "rope_bwd" : "rope_fwd", (long long)cbs, i, (double)y[i], r[i]);
+            memcpy(yi, x, sizeof x); /* in place: the same values */
+            st = bwd ? K->rope_bwd(CPU, TP_F32, yi, c, s, yi, B, H, S, D, cbs)
+                     : K->rope_fwd(CPU, TP_F32, yi, c, s, yi, B, H, S, D, cbs);
+            cr_assert_eq(st, TP_OK);
+            cr_assert(!memcmp(yi, y, sizeof y), "%s in place differs", bwd ? "bwd" : "fwd");
+        }
+
+    const int64_t pos[4] = {0, 3, 4097, 100000};
+    const float inv[3] = {1.0f, 0.0316227749f, 0.001f};
+    float co[24], si[24];
+    cr_assert_eq(K->rope_cos_sin(CPU, TP_F32, pos, inv, co, si, 4, 6, 0.5f), TP_OK);
+    for (int p = 0; p < 4; p++)
+        for (int i = 0; i < 6; i++) {
+            float f = (float)pos[p] * inv[i % 3];
+            cr_assert_eq(co[p * 6 + i], (float)cos((double)f) * 0.5f, "cos [%d, %d]", p, i);
+            cr_assert_eq(si[p * 6 + i], (float)sin((double)f) * 0.5f, "sin [%d, %d]", p, i);
+        }
+    cr_assert_eq(K->rope_fwd(CPU, TP_F64, x, c, s, y, B, H, S, D, 0), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: rope_fwd does not take f64");
+    cr_assert_eq(K->rope_bwd(CPU, TP_I32, x, c, s, y, B, H, S, D, 0), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: rope_bwd does not take i32");
+    cr_assert_eq(K->rope_cos_sin(CPU, TP_I64, pos, inv, co, si, 4, 6, 1.0f), TP_ERR_NOT_SUPPORTED);
+    EXPECT_MSG("cpu kernels: rope_cos_sin does not take i64");
 }

@@ -1287,3 +1287,93 @@ Test(kernels_dtype, attn_softmax_masks_and_empty_rows, .timeout = 60)
         expect_close("attn_softmax", dt, dx, r, s, B * ROWS * SK);
     }
 }
+
+/* ---- rotary position embedding ------------------------------------------------------------ */
+
+/* y (or, bwd, gx) of the rotary embedding in double and the sums of the
+ * absolute terms times 2 U23 (two f32 roundings before the dtype's one). */
+static void rope_ref(const double *x, const double *c, const double *s, double *y, double *slack,
+                     int64_t B, int64_t H, int64_t S, int64_t D, int64_t cbs, bool bwd)
+{
+    const int64_t h = D / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < H * S; r++) {
+            const int64_t e = (b * H * S + r) * D, ce = b * cbs + (r % S) * D;
+            for (int64_t i = 0; i < D; i++) {
+                double o = i < h ? (bwd ? x[e + i + h] * s[ce + i + h] : -x[e + i + h] * s[ce + i])
+                                 : (bwd ? -x[e + i - h] * s[ce + i - h] : x[e + i - h] * s[ce + i]);
+                y[e + i] = x[e + i] * c[ce + i] + o;
+                slack[e + i] = 2 * U23 * (fabs(x[e + i] * c[ce + i]) + fabs(o));
+            }
+        }
+}
+
+/* Whole rows through the stack (head dim 16: 64 rows a chunk, S = 70 leaves
+ * a tail), a head dim wider than the stack chunk (2200: pairs 512 at a time,
+ * a tail of 76), cos per batch and broadcast, in place; no allocation. */
+Test(kernels_dtype, rope_fwd_bwd_rows_wide_rows_and_in_place, .timeout = 60)
+{
+    static const int64_t shapes[2][4] = {{2, 3, 70, 16}, {2, 2, 3, 2200}};
+    for (int k = 0; k < 2; k++) {
+        const int64_t B = shapes[k][0], H = shapes[k][1], S = shapes[k][2], D = shapes[k][3];
+        const int64_t n = B * H * S * D, nc = B * S * D;
+        double *x = gen(n, 61, 1), *c = gen(nc, 62, 1), *s = gen(nc, 63, 1);
+        double *r = dzeros(n), *sl = dzeros(n);
+        FOR_DT(dt)
+        {
+            for (int bwd = 0; bwd < 2; bwd++)
+                for (int bc = 0; bc < 2; bc++) {
+                    const int64_t cbs = bc ? 0 : S * D;
+                    void *dx = mk(dt, x, n), *dc = mk(dt, c, nc), *ds = mk(dt, s, nc);
+                    void *y = mk(dt, NULL, n);
+                    FA = (failing_alloc){0, 0, -1};
+                    tp_allocator a = {fa_alloc, fa_free, &FA};
+                    OK(tp_set_allocator(&a));
+                    tp_status st = bwd ? K->rope_bwd(CPU, dt, dx, dc, ds, y, B, H, S, D, cbs)
+                                       : K->rope_fwd(CPU, dt, dx, dc, ds, y, B, H, S, D, cbs);
+                    tp_set_allocator(NULL);
+                    OK(st);
+                    cr_assert_eq(FA.count, 0, "the rotary embedding allocated");
+                    rope_ref(x, c, s, r, sl, B, H, S, D, cbs, bwd);
+                    expect_close(bwd ? "rope_bwd" : "rope_fwd", dt, y, r, sl, n);
+                    OK(bwd ? K->rope_bwd(CPU, dt, dx, dc, ds, dx, B, H, S, D, cbs)
+                           : K->rope_fwd(CPU, dt, dx, dc, ds, dx, B, H, S, D, cbs));
+                    cr_assert(!memcmp(dx, y, (size_t)n * tp_dtype_size(dt)), "in place differs");
+                }
+        }
+    }
+}
+
+/* cos and sin of the f32 angle, rounded to f32 and then once to the dtype,
+ * both halves, for angles up to 1e5 rad; a head dim past the stack chunk. */
+Test(kernels_dtype, rope_cos_sin_both_halves, .timeout = 60)
+{
+    enum { N = 9, D = 1030, H2 = D / 2 };
+    int64_t pos[N];
+    float inv[H2];
+    for (int i = 0; i < N; i++)
+        pos[i] = (int64_t)(tp_rng_uniform(64, (uint64_t)i) * 100001.0);
+    for (int i = 0; i < H2; i++)
+        inv[i] = (float)pow(10000.0, -2.0 * i / D);
+    double *rc = dzeros(N * D), *rs = dzeros(N * D), *slc = dzeros(N * D), *sls = dzeros(N * D);
+    for (int r = 0; r < N; r++)
+        for (int i = 0; i < D; i++) {
+            float f = (float)pos[r] * inv[i % H2];
+            rc[r * D + i] = 0.75 * cos((double)f);
+            rs[r * D + i] = 0.75 * sin((double)f);
+            slc[r * D + i] = 0x1p-23 * fabs(rc[r * D + i]); /* the f32 value's roundings */
+            sls[r * D + i] = 0x1p-23 * fabs(rs[r * D + i]);
+        }
+    FOR_DT(dt)
+    {
+        void *co = mk(dt, NULL, N * D), *si = mk(dt, NULL, N * D);
+        OK(K->rope_cos_sin(CPU, dt, pos, inv, co, si, N, D, 0.75f));
+        expect_close("rope_cos_sin cos", dt, co, rc, slc, N * D);
+        expect_close("rope_cos_sin sin", dt, si, rs, sls, N * D);
+        for (int r = 0; r < N; r++)
+            cr_assert(!memcmp((char *)co + (size_t)(r * D) * tp_dtype_size(dt),
+                              (char *)co + (size_t)(r * D + H2) * tp_dtype_size(dt),
+                              (size_t)H2 * tp_dtype_size(dt)),
+                      "%s: the halves of row %d differ", tp_dtype_name(dt), r);
+    }
+}

@@ -169,6 +169,12 @@ static tp_status op_sdpa_gqa(const dcase *c, tp_tensor *const *in, tp_tensor **y
     return tp_scaled_dot_product_attention_with(in[0], in[1], in[2], &o, y);
 }
 
+static tp_status op_rope(const dcase *c, tp_tensor *const *in, tp_tensor **y)
+{
+    (void)c;
+    return tp_rotary_embedding(in[0], in[1], in[2], y);
+}
+
 /* ---- the f64 references ------------------------------------------------------ */
 
 /* y[r, o] = sum_k x[r, k] w[o, k] (+ b[o]) */
@@ -657,6 +663,26 @@ static void ref_sdpa_gqa(const dcase *c, const double *const *in, const double *
     free(ds);
 }
 
+/* y = x cos + rotate_half(x) sin, x [B, H, S, D], cos/sin [1 or B, S, D];
+ * the gradient of x is the transpose: g cos + rotate_half^T(g sin) */
+static void ref_rope(const dcase *c, const double *const *in, const double *gy, double *y,
+                     double *const *g)
+{
+    const int64_t B = c->shape[0][0], H = c->shape[0][1], S = c->shape[0][2], D = c->shape[0][3];
+    const int64_t Bc = c->shape[1][0], h = D / 2;
+    const double *x = in[0], *co = in[1], *si = in[2];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < H * S; r++) {
+            const int64_t e = (b * H * S + r) * D, ce = ((Bc == 1 ? 0 : b) * S + r % S) * D;
+            for (int64_t i = 0; i < D; i++) {
+                double rot = i < h ? -x[e + i + h] : x[e + i - h];
+                double rtg = i < h ? gy[e + i + h] * si[ce + i + h] : -gy[e + i - h] * si[ce + i - h];
+                y[e + i] = x[e + i] * co[ce + i] + rot * si[ce + i];
+                g[0][e + i] = gy[e + i] * co[ce + i] + rtg;
+            }
+        }
+}
+
 /* ---- the cases ---------------------------------------------------------------- */
 
 #define R_                                \
@@ -1143,6 +1169,39 @@ static const dcase cases[] = {
      3,
      0,
      4},
+    /* the halves of cos and sin differ here: the general formula */
+    {"rotary_embedding heads-sharded",
+     3,
+     {4, 3, 3},
+     {{2, 3, 4, 6}, {1, 4, 6}, {1, 4, 6}},
+     0,
+     0,
+     false,
+     {S_(1), R_, R_},
+     op_rope,
+     ref_rope,
+     false,
+     0,
+     4,
+     0,
+     6u,
+     0},
+    {"rotary_embedding sequence-sharded",
+     3,
+     {4, 3, 3},
+     {{2, 3, 5, 6}, {2, 5, 6}, {2, 5, 6}},
+     0,
+     0,
+     false,
+     {S_(2), S_(1), S_(1)},
+     op_rope,
+     ref_rope,
+     false,
+     0,
+     4,
+     0,
+     6u,
+     0},
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 

@@ -288,6 +288,134 @@ TP_API tp_status tp_scaled_dot_product_attention_with(tp_tensor *q, tp_tensor *k
                                                       tp_tensor **out);
 /* ---- end of attention for the Llama family ---- */
 
+/* ---- rotary position embedding (ops_rope.c) --------------------------------
+ * RoPE exactly as Hugging Face transformers 5.x computes it for Llama,
+ * Mistral and Qwen2 (modeling_llama.py: LlamaRotaryEmbedding, rotate_half,
+ * apply_rotary_pos_emb; modeling_rope_utils.py: the rope types below). The
+ * whole head dim rotates (partial_rotary_factor 1), in the half-split layout
+ * of rotate_half: element i pairs with element i + head_dim/2. */
+
+typedef enum tp_rope_type {
+    TP_ROPE_DEFAULT = 0, /* "default": inv_freq[i] = 1 / theta^(2i / head_dim) */
+    TP_ROPE_LINEAR,      /* "linear": the default's inv_freq / factor */
+    TP_ROPE_DYNAMIC,     /* "dynamic" (NTK): theta grows with the sequence length */
+    TP_ROPE_LLAMA3       /* "llama3" (Llama 3.1+): low frequencies / factor, smoothed band */
+} tp_rope_type;
+
+/* HF's rope_parameters (or the 4.x rope_theta / rope_scaling) of a config.
+ * Fields a type does not use are ignored. */
+typedef struct tp_rope_config {
+    tp_rope_type type;
+    int64_t head_dim;        /* the rotary dim: the whole head_dim, positive and even */
+    double theta;            /* rope_theta (> 0); 0 means 10000 */
+    double factor;           /* linear, dynamic, llama3: >= 1 (default: unused) */
+    double low_freq_factor;  /* llama3: > 0 */
+    double high_freq_factor; /* llama3: > low_freq_factor */
+    int64_t original_max_position_embeddings; /* llama3: > 0 */
+    int64_t max_position_embeddings;          /* dynamic: > 0 */
+} tp_rope_config;
+
+/*
+ * inv_freq[head_dim / 2] (caller's buffer) and the attention scaling
+ * (*attention_scaling, may be NULL: 1 for these four types) that HF's
+ * rope init function of cfg->type gives, computed in f32 step by step as
+ * torch does on the CPU: e = (float)(2i) / head_dim, p = theta^e (in double,
+ * rounded to f32), inv = 1.0f / p; linear divides by (float)factor; llama3
+ * then applies its wavelength thresholds and smoothing in f32 (torch.where),
+ * so every step but the power is bit for bit torch's. torch's CPU power (SLEEF,
+ * 1 ulp) and its CUDA one both differ from the correctly rounded one by an
+ * ulp now and then, so inv_freq agrees with HF's to 1-2 ulp (exactly in most
+ * elements; tests/fixtures/rope_hf_fixture.h).
+ *
+ * seq_len (>= 0) matters only for dynamic: at seq_len <= max_position_
+ * embeddings, the inv_freq LlamaRotaryEmbedding is built with (HF's
+ * _compute_dynamic_ntk_parameters without seq_len: theta unchanged); above
+ * it, the one its forward recomputes with the tensor seq_len it passes
+ * (theta * ((factor * seq_len / max_position_embeddings) - (factor - 1))
+ * ^ (head_dim / (head_dim - 2)), in f32 as torch computes it on that
+ * tensor). dynamic needs head_dim > 2 (HF divides by head_dim - 2).
+ *
+ * Errors: TP_ERR_INVALID_ARG naming the field and its value (cfg or
+ * inv_freq NULL, an unknown type, head_dim odd or <= 0, theta < 0 or not
+ * finite, factor < 1 for a scaled type, llama3 with low_freq_factor <= 0,
+ * high_freq_factor <= low_freq_factor or original_max_position_embeddings
+ * <= 0, dynamic with max_position_embeddings <= 0 or head_dim 2, seq_len <
+ * 0). Nothing is written on error. Not collective.
+ */
+TP_API tp_status tp_rope_inv_freq(const tp_rope_config *cfg, int64_t seq_len, float *inv_freq,
+                                  double *attention_scaling);
+
+/*
+ * cos and sin [B, S, head_dim] of dtype (f32, bf16, f16) on position_ids'
+ * device from i64 position_ids [B, S] (>= 0), as LlamaRotaryEmbedding.forward:
+ * freqs = (float)position * inv_freq[i] (one f32 product), emb =
+ * cat(freqs, freqs), cos = cos(emb) * attention_scaling in f32, rounded
+ * once to dtype (HF's .to(x.dtype)); likewise sin. The angle is HF's f32
+ * product bit for bit where inv_freq is (positions up to 2^24 convert to
+ * f32 exactly; the angle's own rounding at large positions, 0.004 rad at
+ * 1e5, is HF's too), and its cos and sin are within an f32 ulp of HF's.
+ *
+ * dynamic: seq_len = max(position_ids) + 1 of this call (stateless).
+ * HF's module keeps state: it recomputes inv_freq when a call's seq_len
+ * exceeds the largest seen so far (max_seq_len_cached, initially
+ * max_position_embeddings) and keeps that inv_freq for later, shorter calls
+ * until one falls below max_position_embeddings, which restores the
+ * original. So after a long sequence, a shorter one that is still above
+ * max_position_embeddings gets the longer one's frequencies from HF (those
+ * of tp_rope_inv_freq at max_seq_len_cached) but its own here. On the meta
+ * device (no values) seq_len counts as 0.
+ *
+ * The positions are read on the host (a device-to-host copy for CUDA
+ * position_ids, as tp_embedding does) to check them and for dynamic's
+ * maximum; inv_freq (head_dim / 2 floats) is computed there and copied to
+ * the device, whose kernel (rope_cos_sin) computes cos and sin.
+ *
+ * DTensor position_ids: cos and sin are DTensors with the same placements
+ * (Shard(0): batch, Shard(1): sequence, Replicate), each rank computing its
+ * block, no communication. Partial position_ids are TP_ERR_NOT_SUPPORTED,
+ * and so is dynamic with sharded position_ids (the maximum would need the
+ * whole tensor: pass them Replicate).
+ *
+ * Outputs: two new tensors (or DTensors), not requiring grad; both NULL on
+ * error. Errors: as tp_rope_inv_freq for cfg; TP_ERR_INVALID_ARG for a
+ * NULL argument, position_ids not i64 or not 2-D, a negative position
+ * (naming its index and value); TP_ERR_NOT_SUPPORTED for a dtype the
+ * device's engine does not take.
+ */
+TP_API tp_status tp_rope_cos_sin(const tp_rope_config *cfg, tp_tensor *position_ids, tp_dtype dtype,
+                                 tp_tensor **cos, tp_tensor **sin);
+
+/*
+ * y = x * cos + rotate_half(x) * sin (HF apply_rotary_pos_emb for one of q
+ * or k), rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). x [B, H, S, D]
+ * (HF's layout after transpose(1, 2)), D even; cos and sin [B, S, D] or
+ * [1, S, D] (broadcast over B), broadcast over H, of x's dtype and device
+ * (from tp_rope_cos_sin). In f32 every product and the sum round as in
+ * PyTorch (results equal HF's f32 ones bit for bit); in bf16/f16 each
+ * element is computed in f32 and rounded once (PyTorch rounds each of its
+ * four steps to the dtype).
+ *
+ * Differentiable in x: gx = gy * cos + rotate_half^T(gy * sin). cos and sin
+ * never get gradients.
+ *
+ * Strategies per mesh dim (no communication for any of them):
+ *   x Shard(1) (heads: tensor parallel), cos, sin Replicate -> y Shard(1);
+ *   x Shard(0) (batch), cos, sin Shard(0) when their batch dim is B
+ *     (Replicate when it is 1) -> y Shard(0);
+ *   x Shard(2) (sequence), cos, sin Shard(1) -> y Shard(2);
+ *   x Partial, cos, sin Replicate -> y Partial (y is linear in x);
+ *   all Replicate -> Replicate.
+ * Other layouts are redistributed to the cheapest of these (a Shard(3) of
+ * x, the head dim, costs one collective forward).
+ *
+ * Errors: TP_ERR_INVALID_ARG, before any communication, for a NULL
+ * argument, x not 4-D or with an odd last dim, cos or sin not 3-D, their
+ * shapes differing, a seq or head dim other than x's, a batch dim other
+ * than 1 or B, dtypes or devices that differ, plain and DTensor arguments
+ * mixed; TP_ERR_NOT_SUPPORTED for a dtype the engine does not take.
+ */
+TP_API tp_status tp_rotary_embedding(tp_tensor *x, tp_tensor *cos, tp_tensor *sin, tp_tensor **y);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1282,3 +1282,57 @@ TP__CLONED(tp__k_swiglu_bwd,
         }
     }
 }
+
+/* ---- rotary position embedding ---------------------------------------------------- */
+
+/* One row's pairs (i, i + h): each pair is loaded before either element is
+ * stored, so y may be x. The products and the sum round to f32 one by one
+ * (C11 does not contract them into an FMA), as PyTorch's x * cos +
+ * rotate_half(x) * sin does in f32. */
+static void tp__rope_row(const float *x, const float *c, const float *s, float *y, int64_t h,
+                         bool bwd)
+{
+    if (!bwd)
+        for (int64_t i = 0; i < h; i++) {
+            float a = x[i], b = x[i + h];
+            y[i] = a * c[i] - b * s[i];
+            y[i + h] = b * c[i + h] + a * s[i + h];
+        }
+    else
+        for (int64_t i = 0; i < h; i++) {
+            float a = x[i], b = x[i + h];
+            y[i] = a * c[i] + b * s[i + h];
+            y[i + h] = b * c[i + h] - a * s[i];
+        }
+}
+
+void tp__k_rope(const float *x, const float *cosb, const float *sinb, float *y, int64_t B,
+                int64_t H, int64_t S, int64_t D, int64_t cos_batch_stride, bool bwd)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t hd = 0; hd < H; hd++)
+            for (int64_t s = 0; s < S; s++) {
+                int64_t row = ((b * H + hd) * S + s) * D, cs = b * cos_batch_stride + s * D;
+                tp__rope_row(x + row, cosb + cs, sinb + cs, y + row, D / 2, bwd);
+            }
+}
+
+/* cos and sin of the f32 angle evaluated in double and rounded to f32: the
+ * nearest f32 value but for a rare double rounding, at any angle (glibc
+ * reduces large arguments exactly: positions up to 1e5 and beyond). */
+void tp__k_rope_cos_sin(const int64_t *pos, const float *inv_freq, float *cosb, float *sinb,
+                        int64_t n, int64_t D, float scaling)
+{
+    const int64_t h = D / 2;
+    for (int64_t r = 0; r < n; r++) {
+        const float p = (float)pos[r];
+        float *cr = cosb + r * D, *sr = sinb + r * D;
+        for (int64_t i = 0; i < h; i++) {
+            const float f = p * inv_freq[i];
+            const float c = (float)cos((double)f) * scaling,
+                        s = (float)sin((double)f) * scaling;
+            cr[i] = cr[i + h] = c;
+            sr[i] = sr[i + h] = s;
+        }
+    }
+}

@@ -201,4 +201,15 @@ void tp__k_attn_softmax(float *s, int64_t r0, int64_t nr, int64_t rows, int64_t 
                         int64_t key_offset, bool causal, const void *pad, bool pad_i32,
                         int64_t pad_div);
 
+/* Rotary position embedding (the rope_fwd / rope_bwd entries): x, y [B, H,
+ * S, D], cos, sin [*, S, D] with batch stride cos_batch_stride (0:
+ * broadcast over B); bwd: gx from gy by the transpose. y may be x. */
+void tp__k_rope(const float *x, const float *cosb, const float *sinb, float *y, int64_t B,
+                int64_t H, int64_t S, int64_t D, int64_t cos_batch_stride, bool bwd);
+/* cos, sin [n, D] from positions pos[n] and inv_freq[D/2] (the rope_cos_sin
+ * entry): cos(f) with f = (float)pos * inv_freq[i] in f32, evaluated in
+ * double and rounded to f32, times scaling in f32. */
+void tp__k_rope_cos_sin(const int64_t *pos, const float *inv_freq, float *cosb, float *sinb,
+                        int64_t n, int64_t D, float scaling);
+
 #endif /* TP_KERNELS_CPU_H */

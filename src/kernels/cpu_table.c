@@ -929,6 +929,129 @@ static tp_status cpu_attn_softmax(tp_device dev, tp_dtype dtype, void *s, int64_
     return UNITS(ATTN_SOFTMAX, batch * rows, &c, u_attn_softmax, PER(s, Sk, 'u'));
 }
 
+/* ---- rotary position embedding ------------------------------------------------------ */
+
+/* bf16 and f16 go through f32 copies on the stack, like the elementwise
+ * entries (no allocation, cannot fail): rows of a (b, h) run of up to
+ * ROPE_CHUNK elements, or, for a head dim wider than that, a row's pairs
+ * (i, i + D/2) ROPE_CHUNK / 2 at a time. cos and sin are converted once per
+ * chunk of positions and serve every head. */
+enum { ROPE_CHUNK = 1024 };
+
+typedef struct rope_bufs {
+    float x[ROPE_CHUNK], c[ROPE_CHUNK], s[ROPE_CHUNK], y[ROPE_CHUNK];
+} rope_bufs;
+
+static const void *rope_at(const void *p, tp_dtype dtype, int64_t e)
+{
+    return (const char *)p + e * (int64_t)tp_dtype_size(dtype);
+}
+
+/* Positions [s0, s0 + r) of batch b, whole rows (D <= ROPE_CHUNK). */
+static void rope_rows(tp_dtype dtype, const void *x, const void *cosb, const void *sinb, void *y,
+                      int64_t b, int64_t H, int64_t S, int64_t D, int64_t cbs, int64_t s0,
+                      int64_t r, bool bwd, rope_bufs *f)
+{
+    tp__lp_load(dtype, f->c, rope_at(cosb, dtype, b * cbs + s0 * D), r * D);
+    tp__lp_load(dtype, f->s, rope_at(sinb, dtype, b * cbs + s0 * D), r * D);
+    for (int64_t hd = 0; hd < H; hd++) {
+        int64_t e = ((b * H + hd) * S + s0) * D;
+        tp__lp_load(dtype, f->x, rope_at(x, dtype, e), r * D);
+        tp__k_rope(f->x, f->c, f->s, f->y, 1, 1, r, D, 0, bwd);
+        tp__lp_store(dtype, (char *)y + e * (int64_t)tp_dtype_size(dtype), f->y, r * D);
+    }
+}
+
+/* One row's pairs [j, j + m) and [h + j, h + j + m) as a row of 2m. */
+static void rope_pairs(tp_dtype dtype, const void *x, const void *cosb, const void *sinb, void *y,
+                       int64_t e, int64_t ce, int64_t h, int64_t j, int64_t m, bool bwd,
+                       rope_bufs *f)
+{
+    const void *src[3] = {x, cosb, sinb};
+    float *dst[3] = {f->x, f->c, f->s};
+    const int64_t at[3] = {e, ce, ce};
+    for (int k = 0; k < 3; k++) {
+        tp__lp_load(dtype, dst[k], rope_at(src[k], dtype, at[k] + j), m);
+        tp__lp_load(dtype, dst[k] + m, rope_at(src[k], dtype, at[k] + h + j), m);
+    }
+    tp__k_rope(f->x, f->c, f->s, f->y, 1, 1, 1, 2 * m, 0, bwd);
+    tp__lp_store(dtype, (char *)y + (e + j) * (int64_t)tp_dtype_size(dtype), f->y, m);
+    tp__lp_store(dtype, (char *)y + (e + h + j) * (int64_t)tp_dtype_size(dtype), f->y + m, m);
+}
+
+static tp_status cpu_rope(tp__kop op, tp_dtype dtype, const void *x, const void *cosb,
+                          const void *sinb, void *y, int64_t B, int64_t H, int64_t S, int64_t D,
+                          int64_t cbs, bool bwd)
+{
+    if (!cpu_supports(op, dtype))
+        return unsupported(op, dtype);
+    if (dtype == TP_F32) {
+        tp__k_rope(x, cosb, sinb, y, B, H, S, D, cbs, bwd);
+        return TP_OK;
+    }
+    if (B <= 0 || H <= 0 || S <= 0 || D <= 0)
+        return TP_OK;
+    rope_bufs f;
+    const int64_t h = D / 2;
+    for (int64_t b = 0; b < B; b++) {
+        if (D <= ROPE_CHUNK) {
+            const int64_t per = ROPE_CHUNK / D;
+            for (int64_t s0 = 0; s0 < S; s0 += per)
+                rope_rows(dtype, x, cosb, sinb, y, b, H, S, D, cbs, s0,
+                          S - s0 < per ? S - s0 : per, bwd, &f);
+            continue;
+        }
+        for (int64_t hd = 0; hd < H; hd++)
+            for (int64_t s = 0; s < S; s++)
+                for (int64_t j = 0; j < h; j += ROPE_CHUNK / 2)
+                    rope_pairs(dtype, x, cosb, sinb, y, ((b * H + hd) * S + s) * D,
+                               b * cbs + s * D, h, j,
+                               h - j < ROPE_CHUNK / 2 ? h - j : ROPE_CHUNK / 2, bwd, &f);
+    }
+    return TP_OK;
+}
+
+static tp_status cpu_rope_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *cos,
+                              const void *sin, void *y, int64_t B, int64_t H, int64_t S, int64_t D,
+                              int64_t cos_batch_stride)
+{
+    return cpu_rope(TP__KOP_ROPE_FWD, dtype, x, cos, sin, y, B, H, S, D, cos_batch_stride, false);
+}
+
+static tp_status cpu_rope_bwd(tp_device dev, tp_dtype dtype, const void *gy, const void *cos,
+                              const void *sin, void *gx, int64_t B, int64_t H, int64_t S,
+                              int64_t D, int64_t cos_batch_stride)
+{
+    return cpu_rope(TP__KOP_ROPE_BWD, dtype, gy, cos, sin, gx, B, H, S, D, cos_batch_stride, true);
+}
+
+/* bf16 and f16: a row's pairs ROPE_CHUNK / 2 at a time through the f32
+ * kernel on the stack (its [1, 2m] result holds each value twice), each
+ * value stored to both halves. */
+static tp_status cpu_rope_cos_sin(tp_device dev, tp_dtype dtype, const int64_t *pos,
+                                  const float *inv_freq, void *cos, void *sin, int64_t n,
+                                  int64_t D, float scaling)
+{
+    CPU_CHECK(ROPE_COS_SIN);
+    if (dtype == TP_F32) {
+        tp__k_rope_cos_sin(pos, inv_freq, cos, sin, n, D, scaling);
+        return TP_OK;
+    }
+    float c[ROPE_CHUNK], s[ROPE_CHUNK];
+    const int64_t h = D / 2, es = (int64_t)tp_dtype_size(dtype);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < h; j += ROPE_CHUNK / 2) {
+            const int64_t m = h - j < ROPE_CHUNK / 2 ? h - j : ROPE_CHUNK / 2;
+            tp__k_rope_cos_sin(pos + r, inv_freq + j, c, s, 1, 2 * m, scaling);
+            for (int64_t half = 0; half < 2; half++) {
+                int64_t e = r * D + half * h + j;
+                tp__lp_store(dtype, (char *)cos + e * es, c, m);
+                tp__lp_store(dtype, (char *)sin + e * es, s, m);
+            }
+        }
+    return TP_OK;
+}
+
 #define CPU_ENTRY(NAME, field) .field = cpu_##field,
 const tp__kernels tp__kernels_cpu = {
     .name = "cpu",

@@ -1243,6 +1243,57 @@ __global__ void k_adam(T *p, float *m, float *v, const T *g, int64_t n, double b
     }
 }
 
+/* ---- rotary position embedding ------------------------------------------------------ */
+
+/* One thread per pair (i, i + D/2) of a row of [B, H, S, D]: both elements
+ * are read before either is written (y may be x). __fmul_rn / __fadd_rn keep
+ * the products and the sum separately rounded, as PyTorch's x * cos +
+ * rotate_half(x) * sin and the CPU engine: no contraction into an FMA, so f32
+ * results equal the CPU's bit for bit. */
+template <class T, bool BWD>
+__global__ void k_rope(const T *x, const T *cosb, const T *sinb, T *y, int64_t B, int64_t H,
+                       int64_t S, int64_t D, int64_t cbs)
+{
+    const int64_t h = D / 2;
+    GRID_STRIDE(e, B * H * S * h)
+    {
+        int64_t i = e % h, row = e / h, s = row % S, b = row / (H * S);
+        const T *xr = x + row * D, *cr = cosb + b * cbs + s * D, *sr = sinb + b * cbs + s * D;
+        float a = ldf(xr[i]), c = ldf(xr[i + h]);
+        float y1, y2;
+        if (!BWD) {
+            y1 = __fsub_rn(__fmul_rn(a, ldf(cr[i])), __fmul_rn(c, ldf(sr[i])));
+            y2 = __fadd_rn(__fmul_rn(c, ldf(cr[i + h])), __fmul_rn(a, ldf(sr[i + h])));
+        } else {
+            y1 = __fadd_rn(__fmul_rn(a, ldf(cr[i])), __fmul_rn(c, ldf(sr[i + h])));
+            y2 = __fsub_rn(__fmul_rn(c, ldf(cr[i + h])), __fmul_rn(a, ldf(sr[i])));
+        }
+        y[row * D + i] = stf<T>(y1);
+        y[row * D + i + h] = stf<T>(y2);
+    }
+}
+
+/* One thread per (position, frequency): the f32 angle, then sincosf (the
+ * accurate one: this file is not built with fast math) and the scaling,
+ * stored to both halves of the row. */
+template <class T>
+__global__ void k_rope_cos_sin(const int64_t *pos, const float *inv_freq, T *cosb, T *sinb,
+                               int64_t n, int64_t D, float scaling)
+{
+    const int64_t h = D / 2;
+    GRID_STRIDE(e, n * h)
+    {
+        int64_t r = e / h, i = e % h;
+        float f = __fmul_rn((float)pos[r], inv_freq[i]), sv, cv;
+        sincosf(f, &sv, &cv);
+        T ct = stf<T>(__fmul_rn(cv, scaling)), st = stf<T>(__fmul_rn(sv, scaling));
+        cosb[r * D + i] = ct;
+        cosb[r * D + i + h] = ct;
+        sinb[r * D + i] = st;
+        sinb[r * D + i + h] = st;
+    }
+}
+
 /* ---- cuBLAS handles: one per thread and device, bound to the thread's stream -- */
 
 /* A product with an epilogue, as cuBLASLt's heuristic chose its algorithm
@@ -2460,6 +2511,35 @@ tp_status cuda_attn_softmax(tp_device dev, tp_dtype dtype, void *s, int64_t batc
                                Sk > 0 ? batch * rows : 0, true, k_attn_softmax<T>, mp<T>(s),
                                batch * rows, rows, Sq, Sk, key_offset, causal, pad,
                                pad_dtype == TP_I32, pad_div));
+}
+
+/* rotary position embedding */
+
+tp_status cuda_rope_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *cos,
+                        const void *sin, void *y, int64_t B, int64_t H, int64_t S, int64_t D,
+                        int64_t cos_batch_stride)
+{
+    return TYPED(dtype, launch("rotary_embedding (CUDA)", TP__KOP_ROPE_FWD, dtype, dev,
+                               B * H * S * (D / 2), false, k_rope<T, false>, cp<T>(x), cp<T>(cos),
+                               cp<T>(sin), mp<T>(y), B, H, S, D, cos_batch_stride));
+}
+
+tp_status cuda_rope_bwd(tp_device dev, tp_dtype dtype, const void *gy, const void *cos,
+                        const void *sin, void *gx, int64_t B, int64_t H, int64_t S, int64_t D,
+                        int64_t cos_batch_stride)
+{
+    return TYPED(dtype, launch("rotary_embedding backward (CUDA)", TP__KOP_ROPE_BWD, dtype, dev,
+                               B * H * S * (D / 2), false, k_rope<T, true>, cp<T>(gy),
+                               cp<T>(cos), cp<T>(sin), mp<T>(gx), B, H, S, D, cos_batch_stride));
+}
+
+tp_status cuda_rope_cos_sin(tp_device dev, tp_dtype dtype, const int64_t *pos,
+                            const float *inv_freq, void *cos, void *sin, int64_t n, int64_t D,
+                            float scaling)
+{
+    return TYPED(dtype, launch("rope_cos_sin (CUDA)", TP__KOP_ROPE_COS_SIN, dtype, dev,
+                               n * (D / 2), false, k_rope_cos_sin<T>, pos, inv_freq, mp<T>(cos),
+                               mp<T>(sin), n, D, scaling));
 }
 
 #define CUDA_ENTRY(NAME, field) .field = cuda_##field,

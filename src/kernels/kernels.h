@@ -106,6 +106,9 @@ typedef enum tp__kop {
     TP__KOP_SWIGLU_FWD,
     TP__KOP_SWIGLU_BWD,
     TP__KOP_ATTN_SOFTMAX,
+    TP__KOP_ROPE_FWD,
+    TP__KOP_ROPE_BWD,
+    TP__KOP_ROPE_COS_SIN,
     TP__KOP_COUNT
 } tp__kop;
 
@@ -348,6 +351,34 @@ typedef struct tp__kernels {
     tp_status (*attn_softmax)(tp_device dev, tp_dtype dtype, void *s, int64_t batch,
                               int64_t rows, int64_t Sq, int64_t Sk, int64_t key_offset,
                               bool causal, const void *pad, tp_dtype pad_dtype, int64_t pad_div);
+
+    /* ---- rotary position embedding (HF transformers' apply_rotary_pos_emb) -------- */
+
+    /* x, y [B, H, S, D] (D even, h = D/2); cos, sin [*, S, D] whose batch b
+     * starts at element b * cos_batch_stride (0: one [S, D] block for every
+     * b). Per row, for i < h (c, s: the row of cos and sin at (b, s)):
+     *   y[i]     = x[i] c[i]         - x[i + h] s[i]
+     *   y[i + h] = x[i + h] c[i + h] + x[i] s[i + h]
+     * each product and the sum rounded to f32 in turn, as PyTorch's
+     * x * cos + rotate_half(x) * sin in f32 (no fused multiply-add). The
+     * backward (gx from gy, the transpose):
+     *   gx[i]     = gy[i] c[i]         + gy[i + h] s[i + h]
+     *   gx[i + h] = gy[i + h] c[i + h] - gy[i] s[i]
+     * y may be x (gx may be gy): each pair is read before it is written. */
+    tp_status (*rope_fwd)(tp_device dev, tp_dtype dtype, const void *x, const void *cos,
+                          const void *sin, void *y, int64_t B, int64_t H, int64_t S, int64_t D,
+                          int64_t cos_batch_stride);
+    tp_status (*rope_bwd)(tp_device dev, tp_dtype dtype, const void *gy, const void *cos,
+                          const void *sin, void *gx, int64_t B, int64_t H, int64_t S, int64_t D,
+                          int64_t cos_batch_stride);
+    /* cos, sin [n, D] of dtype from int64 positions pos[n] and f32
+     * inv_freq[D/2], both on dev: for i < D/2, f = (float)pos[r] *
+     * inv_freq[i] (one f32 product), cos[r, i] = cos[r, i + D/2] = cos(f) *
+     * scaling in f32, rounded once to dtype (the CPU evaluates cos in double,
+     * CUDA with cosf; both within 2 ulp of f32), likewise sin. */
+    tp_status (*rope_cos_sin)(tp_device dev, tp_dtype dtype, const int64_t *pos,
+                              const float *inv_freq, void *cos, void *sin, int64_t n, int64_t D,
+                              float scaling);
 } tp__kernels;
 
 /* The entries of a table in its order, X(NAME, field) for TP__KOP_NAME and
@@ -400,7 +431,10 @@ typedef struct tp__kernels {
     X(SILU_BWD, silu_bwd)                                                      \
     X(SWIGLU_FWD, swiglu_fwd)                                                  \
     X(SWIGLU_BWD, swiglu_bwd)                                                  \
-    X(ATTN_SOFTMAX, attn_softmax)
+    X(ATTN_SOFTMAX, attn_softmax)                                              \
+    X(ROPE_FWD, rope_fwd)                                                      \
+    X(ROPE_BWD, rope_bwd)                                                      \
+    X(ROPE_COS_SIN, rope_cos_sin)
 
 /* The engines' tables: the CPU's always; the CUDA one is NULL in a build
  * without CUDA (cuda_none.c). */

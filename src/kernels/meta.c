@@ -388,6 +388,30 @@ static tp_status meta_attn_softmax(tp_device dev, tp_dtype dtype, void *s, int64
     return meta_ok(TP__KOP_ATTN_SOFTMAX, dtype);
 }
 
+static tp_status meta_rope_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *cos,
+                               const void *sin, void *y, int64_t B, int64_t H, int64_t S, int64_t D,
+                               int64_t cos_batch_stride)
+{
+    META_EW(dtype, B * H * S * D, 4);
+    return meta_ok(TP__KOP_ROPE_FWD, dtype);
+}
+
+static tp_status meta_rope_bwd(tp_device dev, tp_dtype dtype, const void *gy, const void *cos,
+                               const void *sin, void *gx, int64_t B, int64_t H, int64_t S,
+                               int64_t D, int64_t cos_batch_stride)
+{
+    META_EW(dtype, B * H * S * D, 4);
+    return meta_ok(TP__KOP_ROPE_BWD, dtype);
+}
+
+static tp_status meta_rope_cos_sin(tp_device dev, tp_dtype dtype, const int64_t *pos,
+                                   const float *inv_freq, void *cos, void *sin, int64_t n,
+                                   int64_t D, float scaling)
+{
+    META_EW(dtype, n * D, 2);
+    return meta_ok(TP__KOP_ROPE_COS_SIN, dtype);
+}
+
 #define TP__META_ENTRY(NAME, field) .field = meta_##field,
 const tp__kernels tp__kernels_meta = {
     .name = "meta", .supports = meta_supports, TP__KERNEL_ENTRIES(TP__META_ENTRY)};
