@@ -47,6 +47,7 @@
 #include "tp/hw.h"
 #include "tp/mesh.h"
 #include "tp/meta_memory.h"
+#include "tp/models.h"
 #include "tp/nn.h"
 #include "tp/ops.h"
 #include "tp/plan.h"

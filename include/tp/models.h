@@ -1,0 +1,224 @@
+/*
+ * tp/models.h - the Llama family (Llama, Mistral, Qwen2) from Hugging Face
+ * configs and checkpoints: the config, the model as a module tree whose
+ * names are the Hugging Face state-dict names, its forward and causal-LM
+ * loss, the standard tensor-parallel plan, and model directories loaded and
+ * saved as `save_pretrained` writes them. docs/models.md is the guide.
+ *
+ * The model computes what transformers 5.x's LlamaForCausalLM,
+ * MistralForCausalLM and Qwen2ForCausalLM compute (pre-norm decoder layers:
+ * RMSNorm, attention with rotary embeddings and grouped kv heads, RMSNorm,
+ * SwiGLU MLP; a final RMSNorm and the lm_head).
+ */
+#ifndef TP_MODELS_H
+#define TP_MODELS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tp/mesh.h"
+#include "tp/nn.h"
+#include "tp/ops.h"
+#include "tp/status.h"
+#include "tp/styles.h"
+#include "tp/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum tp_llm_arch { TP_LLM_LLAMA = 0, TP_LLM_MISTRAL, TP_LLM_QWEN2 } tp_llm_arch;
+
+#define TP_LLM_MAX_EOS 8
+
+/*
+ * A model's config.json. Both forms found on the hub are read: transformers
+ * 4.x (`torch_dtype`, top-level `rope_theta` and `rope_scaling`, which may be
+ * null) and 5.x (`dtype`, `rope_parameters`, `layer_types`).
+ */
+typedef struct tp_llm_config {
+    tp_llm_arch arch;
+    int64_t vocab_size;
+    int64_t hidden_size;
+    int64_t intermediate_size;
+    int64_t num_hidden_layers;
+    int64_t num_attention_heads;
+    int64_t num_key_value_heads;     /* default: num_attention_heads */
+    int64_t head_dim;                /* default: hidden_size / num_attention_heads */
+    int64_t max_position_embeddings; /* default: the architecture's */
+    double rms_norm_eps;             /* default 1e-6 */
+    tp_rope_config rope;             /* type, theta and scaling; head_dim filled in */
+    bool tie_word_embeddings;        /* lm_head.weight is model.embed_tokens.weight */
+    bool attention_bias;             /* q/k/v/o biases (Llama's attention_bias) */
+    bool qkv_bias;                   /* q/k/v biases, none on o (Qwen2) */
+    bool mlp_bias;                   /* gate/up/down biases (Llama's mlp_bias) */
+    int64_t sliding_window;          /* Mistral's window (0: none): sequences
+                                        longer than it are refused */
+    tp_dtype dtype;                  /* the checkpoint's dtype; TP_F32 when absent */
+    int64_t bos_token_id;            /* -1: none */
+    int n_eos;                       /* eos_token_id: an id or a list */
+    int64_t eos_token_id[TP_LLM_MAX_EOS];
+    int64_t pad_token_id;            /* -1: none */
+} tp_llm_config;
+
+/*
+ * Parses config.json text into *out. Accepted: architectures
+ * LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (or, without
+ * `architectures`, model_type llama, mistral, qwen2); hidden_act "silu";
+ * rope types default, linear, dynamic and llama3. Keys that do not change the
+ * result are ignored (initializer_range, use_cache, pretraining_tp, Qwen2's
+ * sliding_window while use_sliding_window is false, ...). Refused with
+ * TP_ERR_NOT_SUPPORTED naming the key and its value: another architecture or
+ * activation, another rope type or a partial_rotary_factor other than 1,
+ * Qwen2's use_sliding_window true (or sliding_attention in layer_types),
+ * attention_dropout other than 0. A missing required key (vocab_size,
+ * hidden_size, intermediate_size, num_hidden_layers, num_attention_heads), a
+ * value of the wrong JSON type, a size that is not positive, heads that the
+ * kv heads do not divide, an odd head_dim, or malformed JSON are
+ * TP_ERR_INVALID_ARG naming the key (JSON errors with line and column).
+ */
+TP_API tp_status tp_llm_config_parse(const char *json_text, tp_llm_config *out);
+/* tp_llm_config_parse of PATH/config.json when path is a directory, else of
+ * the file at path. A file that cannot be read is TP_ERR_BACKEND naming it. */
+TP_API tp_status tp_llm_config_load(const char *path, tp_llm_config *out);
+/* The config as config.json text in the transformers 5.x form (what
+ * save_pretrained writes), which transformers' from_pretrained reads back to
+ * the same model. *json is malloc'ed (free()). */
+TP_API tp_status tp_llm_config_to_json(const tp_llm_config *cfg, char **json);
+/* "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM". */
+TP_API const char *tp_llm_arch_name(tp_llm_arch arch);
+
+/* ---- the model ----------------------------------------------------------------- */
+
+/*
+ * Builds the model as a module tree on the calling thread's default device
+ * (tp_nn_set_default_device), parameters f32 and zero until loaded
+ * (tp_llm_load) or initialized (tp_module_init); tp_module_to_dtype casts.
+ * The names are the Hugging Face state-dict names:
+ *
+ *   <arch> (root)                       forward(input_ids; position_ids, attention_mask)
+ *     model                LlamaModel
+ *       embed_tokens       Embedding(vocab_size, hidden_size)
+ *       layers.N           LlamaDecoderLayer
+ *         input_layernorm            RMSNorm(hidden_size, rms_norm_eps)
+ *         self_attn                  LlamaAttention: forward(x; cos, sin, attention_mask)
+ *           q_proj, k_proj, v_proj, o_proj   Linear
+ *         post_attention_layernorm   RMSNorm
+ *         mlp                        LlamaMLP
+ *           gate_proj, up_proj, down_proj    Linear
+ *       norm               RMSNorm
+ *     lm_head              Linear(hidden_size, vocab_size, no bias); with
+ *                          tie_word_embeddings its weight is embed_tokens'
+ *
+ * cfg is copied. TP_ERR_INVALID_ARG names a field that cannot be built.
+ */
+TP_API tp_status tp_llm_create(const tp_llm_config *cfg, tp_module **out);
+/* The config a model was built from (borrowed), or NULL when `model` is not
+ * a root tp_llm_create made. */
+TP_API const tp_llm_config *tp_llm_config_of(const tp_module *model);
+
+/*
+ * The logits [B, S, vocab_size] of input_ids [B, S] (a plain i64 tensor on
+ * the model's device, the same on every rank; ids outside [0, vocab_size)
+ * are TP_ERR_INVALID_ARG naming the position). position_ids (plain i64
+ * [B, S]) may be NULL: 0..S-1 on every row, as transformers' forward.
+ * attention_mask (plain i64/i32 [B, S], 1 = token, 0 = padding, as
+ * transformers') may be NULL; padded keys are never attended, and the logits
+ * at padded positions carry no meaning. The logits are a plain tensor, or
+ * under the standard plan with loss parallelism a DTensor sharded on the
+ * vocab dim (tp_llm_loss takes either). Collective under a plan: every rank
+ * of the mesh calls it with the same inputs. Differentiable in the
+ * parameters.
+ */
+TP_API tp_status tp_llm_forward(tp_module *model, tp_tensor *input_ids, tp_tensor *position_ids,
+                                tp_tensor *attention_mask, tp_tensor **logits);
+
+/*
+ * Hugging Face's causal-LM loss with labels = input_ids: the mean cross
+ * entropy of logits[b, s] against input_ids[b, s + 1] over the B * (S - 1)
+ * predicted positions (the shift happens inside; the last position of each
+ * row predicts nothing). logits: what tp_llm_forward returned; input_ids:
+ * the plain i64 CPU tensor given to it (S >= 2). With logits sharded on the
+ * vocab dim the loss is vocab-parallel: 3 all_reduces forward, none
+ * backward. A 0-d tensor, differentiable.
+ */
+TP_API tp_status tp_llm_loss(tp_tensor *logits, tp_tensor *input_ids, tp_tensor **loss);
+
+/* ---- the standard plan ---------------------------------------------------------- */
+
+typedef struct tp_llm_plan_options {
+    /* Sequence parallelism: the norms and residual stream sharded on the
+     * sequence dim (SequenceParallel), self_attn and mlp gathering their
+     * input (PrepareModuleInput S(1) -> R), o_proj and down_proj
+     * reduce-scattering onto it, embed_tokens reduce-scattering its output. */
+    bool sequence_parallel;
+    /* Default (TP_FLAG_DEFAULT) on: lm_head's output stays a DTensor sharded
+     * on the vocab dim for the vocab-parallel loss. TP_FLAG_FALSE: lm_head
+     * gathers the logits into a plain [B, S, vocab] tensor. */
+    tp_flag loss_parallel;
+} tp_llm_plan_options;
+
+/*
+ * The standard tensor-parallel plan, as an editable list of plan entries
+ * (FQN patterns and styles, owned by the plan): 
+ *
+ *   model.embed_tokens                    Rowwise(input R; SP: output S(1))
+ *   model.layers.*.self_attn.[qkv]_proj   Colwise
+ *   model.layers.*.self_attn.o_proj       Rowwise (SP: output S(1))
+ *   model.layers.*.mlp.gate_proj, up_proj Colwise
+ *   model.layers.*.mlp.down_proj          Rowwise (SP: output S(1))
+ *   lm_head                               Colwise(output S(-1), a DTensor: loss parallel)
+ *   with SP: model.layers.*.input_layernorm, post_attention_layernorm and
+ *   model.norm SequenceParallel; model.layers.*.self_attn and mlp
+ *   PrepareModuleInput(S(1) -> R); lm_head takes S(1).
+ *
+ * Copy the entries into an array of your own to edit them (the styles stay
+ * the plan's: free the plan after parallelizing). opts NULL: defaults.
+ */
+typedef struct tp_llm_plan tp_llm_plan;
+TP_API tp_status tp_llm_plan_create(const tp_llm_plan_options *opts, tp_llm_plan **out);
+TP_API int tp_llm_plan_size(const tp_llm_plan *plan);
+TP_API const tp_plan_entry *tp_llm_plan_entries(const tp_llm_plan *plan);
+TP_API void tp_llm_plan_free(tp_llm_plan *plan);
+
+/*
+ * Collective over the 1-D mesh (a tp slice): tp_parallelize_module with the
+ * plan (n == 0: the standard plan with default options), after checking that
+ * the heads split: num_attention_heads and num_key_value_heads must be
+ * multiples of the mesh size (TP_ERR_INVALID_ARG / TP_ERR_NOT_SUPPORTED
+ * naming the counts). Tied embeddings stay tied (both weights Shard(0) on
+ * the vocab dim). opts as tp_parallelize_module's.
+ */
+TP_API tp_status tp_llm_parallelize(tp_module *model, tp_mesh *mesh, int n,
+                                    const tp_plan_entry *plan, const tp_parallelize_options *opts);
+
+/* ---- model directories ---------------------------------------------------------- */
+
+/*
+ * Loads a Hugging Face model directory's weights (model.safetensors, or the
+ * shards model.safetensors.index.json lists) into the model, parallelized or
+ * not: tp_safetensors_load, strict, each rank reading only its shard, values
+ * converted to the parameters' dtype. Tensors the model does not have are
+ * refused by name, except the rotary inv_freq buffers of older checkpoints
+ * and a tied model's lm_head.weight, which are skipped. The config is the
+ * caller's (tp_llm_config_load of the same directory). Collective as
+ * tp_safetensors_load.
+ */
+TP_API tp_status tp_llm_load(tp_module *model, const char *dir);
+
+/*
+ * Saves the model as a directory transformers' from_pretrained loads:
+ * config.json (5.x form, dtype of the parameters), generation_config.json
+ * (bos, eos, pad) and the weights (tp_safetensors_save_sharded, prefix
+ * "model", max_shard_bytes 0: one file). The directory is created if
+ * missing. Collective: mesh rank 0 writes; two all_reduces agree on the
+ * outcome (one after the configs, one after the weights).
+ */
+TP_API tp_status tp_llm_save(tp_module *model, const char *dir, size_t max_shard_bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TP_MODELS_H */

@@ -1,0 +1,29 @@
+/* Internal to src/models. Not installed. */
+#ifndef TP_MODELS_INTERNAL_H
+#define TP_MODELS_INTERNAL_H
+
+#include <stdint.h>
+
+#include "tp/models.h"
+
+#define TP__LLM_MAGIC 0x6c6c6d31u /* "llm1" */
+
+/* The context of a model's root and of its "model" child. */
+typedef struct tp__llm {
+    uint32_t magic;
+    tp_llm_config cfg;
+} tp__llm;
+
+/* The context of an attention module. */
+typedef struct tp__llm_attn {
+    int64_t head_dim;
+} tp__llm_attn;
+
+/* The context of a model root tp_llm_create made, else NULL. */
+const tp__llm *tp__llm_of(const tp_module *m);
+
+/* TP_ERR_INVALID_ARG naming the field unless cfg describes a model that can
+ * be built (what tp_llm_config_parse checks, for configs filled by hand). */
+tp_status tp__llm_config_check(const char *fn, const tp_llm_config *cfg);
+
+#endif /* TP_MODELS_INTERNAL_H */

@@ -1,0 +1,638 @@
+/* The Llama family against transformers: the small random models of
+ * tests/fixtures/hf (make_models.py) loaded at tp 1, 2, 4 (8 where the heads
+ * allow), their logits, loss and every gradient checked against
+ * transformers' (ref.safetensors), with and without sequence parallelism;
+ * the collective counts of a step against PyTorch's (torch_counts.json);
+ * configs in both forms and their refusals; saving and loading back. */
+#include <math.h>
+#include <stdarg.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include "tp_test.h"
+
+/* Criterion parameters hold no pointers: models by index. */
+enum { LLAMA, LLAMA_BF16, MISTRAL, QWEN2, N_MODELS };
+static const char *const model_names[N_MODELS] = {"llama", "llama_bf16", "mistral", "qwen2"};
+
+static const char *model_dir(int model, char *buf, size_t len)
+{
+    const char *dir = getenv("TP_FIXTURES");
+    snprintf(buf, len, "%s/hf/%s", dir ? dir : "tests/fixtures", model_names[model]);
+    return buf;
+}
+
+static tp_status ref_tensor(int model, const char *name, tp_tensor **out)
+{
+    char dir[512], path[600];
+    snprintf(path, sizeof path, "%s/ref.safetensors", model_dir(model, dir, sizeof dir));
+    return tp_safetensors_read(path, name, out);
+}
+
+/* largest |a - b| and largest |b| over two f32 CPU tensors of one size */
+static void max_diff(const tp_tensor *a, const tp_tensor *b, double *diff, double *scale)
+{
+    const float *x = tp_tensor_data(a), *y = tp_tensor_data(b);
+    *diff = 0;
+    *scale = 0;
+    for (int64_t i = 0; i < tp_tensor_numel(b); i++) {
+        double d = fabs((double)x[i] - y[i]);
+        *diff = d > *diff || isnan(d) ? d : *diff;
+        *scale = fmax(*scale, fabs((double)y[i]));
+    }
+}
+
+/* A DTensor's (or plain tensor's) full value as a plain f32 CPU tensor. */
+static tp_status full_f32(tp_tensor *t, tp_tensor **out)
+{
+    tp_tensor *full = NULL;
+    if (tp_tensor_is_dtensor(t)) {
+        tp_no_grad_begin();
+        tp_status st = tp_dtensor_full_tensor(t, &full);
+        tp_no_grad_end();
+        TP_TEST_TRY(st);
+    } else {
+        full = tp_tensor_retain(t);
+    }
+    tp_status st = tp_tensor_to(full, TP_F32, TP_CPU, out);
+    tp_tensor_release(full);
+    return st;
+}
+
+/* ---- configs ------------------------------------------------------------------ */
+
+Test(models, fixture_configs, .timeout = 30)
+{
+    char dir[512];
+    tp_llm_config c;
+    CHECK_OK(tp_llm_config_load(model_dir(LLAMA, dir, sizeof dir), &c));
+    cr_assert_eq(c.arch, TP_LLM_LLAMA);
+    cr_assert_eq(c.vocab_size, 131);
+    cr_assert_eq(c.hidden_size, 64);
+    cr_assert_eq(c.num_attention_heads, 8);
+    cr_assert_eq(c.num_key_value_heads, 2);
+    cr_assert_eq(c.head_dim, 16);
+    cr_assert_eq(c.rope.type, TP_ROPE_LLAMA3);
+    cr_assert_eq(c.rope.factor, 8.0);
+    cr_assert_eq(c.rope.original_max_position_embeddings, 32);
+    cr_assert_eq(c.rms_norm_eps, 1e-5);
+    cr_assert(!c.tie_word_embeddings);
+    cr_assert_eq(c.dtype, TP_F32);
+    cr_assert_eq(c.bos_token_id, 1);
+    cr_assert_eq(c.n_eos, 1);
+    cr_assert_eq(c.eos_token_id[0], 2);
+    /* the 4.x form: torch_dtype, rope_theta and rope_scaling at the top */
+    CHECK_OK(tp_llm_config_load(model_dir(LLAMA_BF16, dir, sizeof dir), &c));
+    cr_assert_eq(c.dtype, TP_BF16);
+    cr_assert_eq(c.rope.type, TP_ROPE_LINEAR);
+    cr_assert_eq(c.rope.theta, 500000.0);
+    cr_assert_eq(c.rope.factor, 2.0);
+    cr_assert_eq(c.head_dim, 8);
+    cr_assert(c.tie_word_embeddings && c.mlp_bias && !c.attention_bias);
+    CHECK_OK(tp_llm_config_load(model_dir(MISTRAL, dir, sizeof dir), &c));
+    cr_assert_eq(c.arch, TP_LLM_MISTRAL);
+    cr_assert_eq(c.sliding_window, 4096);
+    cr_assert_eq(c.rope.type, TP_ROPE_DEFAULT);
+    cr_assert_eq(c.rope.theta, 1e6);
+    cr_assert_eq(c.num_key_value_heads, 1);
+    CHECK_OK(tp_llm_config_load(model_dir(QWEN2, dir, sizeof dir), &c));
+    cr_assert_eq(c.arch, TP_LLM_QWEN2);
+    cr_assert(c.qkv_bias && c.tie_word_embeddings);
+    cr_assert_eq(c.sliding_window, 0, "Qwen2's window is off (use_sliding_window false)");
+    cr_assert_eq(c.rope.type, TP_ROPE_DYNAMIC);
+    cr_assert_eq(c.max_position_embeddings, 8);
+}
+
+/* Each config is a minimal valid one with one change; the error names the key. */
+typedef struct {
+    const char *json;
+    tp_status code;
+    const char *needle;
+} bad_config;
+
+#define BASE "\"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 16, " \
+             "\"num_hidden_layers\": 1, \"num_attention_heads\": 2"
+
+Test(models, config_refusals, .timeout = 30)
+{
+    static const bad_config cases[] = {
+        {"{\"architectures\": [\"GPT2LMHeadModel\"], " BASE "}", TP_ERR_NOT_SUPPORTED,
+         "GPT2LMHeadModel"},
+        {"{\"model_type\": \"gemma\", " BASE "}", TP_ERR_NOT_SUPPORTED, "gemma"},
+        {"{\"model_type\": \"llama\", \"hidden_act\": \"gelu\", " BASE "}",
+         TP_ERR_NOT_SUPPORTED, "hidden_act"},
+        {"{\"model_type\": \"llama\", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4}, "
+         BASE "}", TP_ERR_NOT_SUPPORTED, "yarn"},
+        {"{\"model_type\": \"llama\", \"rope_parameters\": {\"rope_type\": \"longrope\"}, "
+         BASE "}", TP_ERR_NOT_SUPPORTED, "longrope"},
+        {"{\"model_type\": \"llama\", \"partial_rotary_factor\": 0.5, " BASE "}",
+         TP_ERR_NOT_SUPPORTED, "partial_rotary_factor"},
+        {"{\"model_type\": \"qwen2\", \"use_sliding_window\": true, " BASE "}",
+         TP_ERR_NOT_SUPPORTED, "use_sliding_window"},
+        {"{\"model_type\": \"llama\", \"layer_types\": [\"sliding_attention\"], " BASE "}",
+         TP_ERR_NOT_SUPPORTED, "layer_types"},
+        {"{\"model_type\": \"llama\", \"attention_dropout\": 0.1, " BASE "}",
+         TP_ERR_NOT_SUPPORTED, "attention_dropout"},
+        {"{\"model_type\": \"llama\", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8},"
+         BASE "}", TP_ERR_INVALID_ARG, "low_freq_factor"},
+        {"{\"model_type\": \"llama\", \"rope_scaling\": {\"rope_type\": \"linear\"}, " BASE "}",
+         TP_ERR_INVALID_ARG, "factor"},
+        {"{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, "
+         "\"num_hidden_layers\": 1, \"num_attention_heads\": 2}", TP_ERR_INVALID_ARG, "vocab_size"},
+        {"{\"model_type\": \"llama\", \"num_key_value_heads\": 3, " BASE "}", TP_ERR_INVALID_ARG,
+         "num_key_value_heads"},
+        {"{\"model_type\": \"llama\", \"head_dim\": 5, " BASE "}", TP_ERR_INVALID_ARG, "head_dim"},
+        {"{\"model_type\": \"llama\", \"vocab_size\": \"10\", \"hidden_size\": 8}",
+         TP_ERR_INVALID_ARG, "vocab_size"},
+        {"{\"model_type\": \"llama\", " BASE ", \"num_hidden_layers\": 0}", TP_ERR_INVALID_ARG,
+         "num_hidden_layers"},
+        {"{\"model_type\": \"llama\", \"torch_dtype\": \"float8\", " BASE "}",
+         TP_ERR_NOT_SUPPORTED, "float8"},
+        {"{\"model_type\": \"llama\", " BASE, TP_ERR_INVALID_ARG, "line"},
+        {"[1, 2]", TP_ERR_INVALID_ARG, "object"},
+        {"{" BASE "}", TP_ERR_INVALID_ARG, "model_type"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        tp_llm_config c;
+        tp_clear_error();
+        tp_status st = tp_llm_config_parse(cases[i].json, &c);
+        cr_assert_eq(st, cases[i].code, "case %zu: %s, expected %s (%s)", i, tp_status_name(st),
+                     tp_status_name(cases[i].code), tp_last_error());
+        cr_assert_not_null(strstr(tp_last_error(), cases[i].needle),
+                           "case %zu: \"%s\" does not name %s", i, tp_last_error(),
+                           cases[i].needle);
+    }
+    tp_llm_config c;
+    CHECK_OK(tp_llm_config_parse("{\"model_type\": \"mistral\", \"sliding_window\": null, "
+                                 "\"unknown_key\": [1], " BASE "}", &c));
+    cr_assert_eq(c.arch, TP_LLM_MISTRAL);
+    cr_assert_eq(c.num_key_value_heads, 2);
+    cr_assert_eq(c.head_dim, 4);
+    cr_assert_eq(c.sliding_window, 0);
+    cr_assert_eq(c.n_eos, 0);
+    CHECK_ERR(tp_llm_config_parse(NULL, &c), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_llm_config_load("/no/such/dir", &c), TP_ERR_BACKEND);
+    cr_assert_not_null(strstr(tp_last_error(), "/no/such/dir"));
+}
+
+/* to_json then parse gives the same config, for every fixture */
+Test(models, config_json_round_trip, .timeout = 30)
+{
+    for (int m = 0; m < N_MODELS; m++) {
+        char dir[512], *text = NULL;
+        tp_llm_config a, b;
+        CHECK_OK(tp_llm_config_load(model_dir(m, dir, sizeof dir), &a));
+        CHECK_OK(tp_llm_config_to_json(&a, &text));
+        CHECK_OK(tp_llm_config_parse(text, &b));
+        free(text);
+        cr_assert(!memcmp(&a, &b, sizeof a) || (a.arch == b.arch && a.vocab_size == b.vocab_size &&
+                                                a.rope.type == b.rope.type &&
+                                                a.rope.theta == b.rope.theta &&
+                                                a.rope.factor == b.rope.factor &&
+                                                a.head_dim == b.head_dim &&
+                                                a.tie_word_embeddings == b.tie_word_embeddings &&
+                                                a.qkv_bias == b.qkv_bias &&
+                                                a.sliding_window == b.sliding_window &&
+                                                a.dtype == b.dtype && a.n_eos == b.n_eos),
+                  "%s: the config changed through JSON", model_names[m]);
+    }
+}
+
+/* ---- the model against transformers ------------------------------------------------ */
+
+typedef struct {
+    int model, tp;
+    bool sp, grads;
+    tp_dtype dtype;
+} run_case;
+
+/* Each rank checks what it computed (under MPI only its own slot reaches the
+ * verdict): the logits, the loss and every gradient in full. */
+typedef struct {
+    run_case c;
+    double logit_tol, loss_tol, grad_tol;
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} run_state;
+
+typedef struct {
+    run_state *s;
+    tp_test_slot *slot;
+    double err;          /* largest |g - ref| / max |ref| over the parameters */
+    char worst[128];
+} grad_ctx;
+
+static tp_status check_grad(const char *fqn, tp_tensor *p, void *ctx)
+{
+    grad_ctx *g = ctx;
+    char name[300];
+    snprintf(name, sizeof name, "grad.%s", fqn);
+    tp_tensor *ref = NULL, *got = NULL;
+    TP_TEST_TRY(ref_tensor(g->s->c.model, name, &ref));
+    tp_status st = tp_tensor_grad(p) ? full_f32(tp_tensor_grad(p), &got) : TP_ERR_STATE;
+    if (st == TP_OK) {
+        double d, sc;
+        RANK_EXPECT(g->slot, tp_tensor_numel(got) == tp_tensor_numel(ref), "%s: %lld elements",
+                    name, (long long)tp_tensor_numel(got));
+        max_diff(got, ref, &d, &sc);
+        double e = d / (sc > 0 ? sc : 1);
+        if (!(e <= g->err)) {
+            g->err = e;
+            snprintf(g->worst, sizeof g->worst, "%s", fqn);
+        }
+    } else {
+        RANK_EXPECT(g->slot, 0, "%s has no gradient", fqn);
+    }
+    tp_tensor_release(got);
+    tp_tensor_release(ref);
+    return TP_OK;
+}
+
+static tp_status model_body(tp_comm *world, void *arg)
+{
+    run_state *s = arg;
+    const int r = tp_comm_rank(world);
+    tp_test_slot *slot = &s->slot[r];
+    char dir[512];
+    model_dir(s->c.model, dir, sizeof dir);
+    tp_llm_config cfg;
+    tp_mesh *mesh = NULL;
+    tp_module *model = NULL;
+    tp_llm_plan *plan = NULL;
+    tp_tensor *ids = NULL, *logits = NULL, *full = NULL, *ref = NULL, *loss = NULL;
+    RANK_OK(slot, tp_llm_config_load(dir, &cfg));
+    RANK_OK(slot, tp_llm_create(&cfg, &model));
+    if (s->c.dtype != TP_F32)
+        RANK_OK(slot, tp_module_to_dtype(model, s->c.dtype));
+    const int64_t shape[1] = {s->c.tp};
+    RANK_OK(slot, tp_mesh_create(world, 1, shape, (const char *[]){"tp"}, &mesh));
+    const tp_llm_plan_options po = {.sequence_parallel = s->c.sp};
+    RANK_OK(slot, tp_llm_plan_create(&po, &plan));
+    RANK_OK(slot, tp_llm_parallelize(model, mesh, tp_llm_plan_size(plan), tp_llm_plan_entries(plan),
+                                     &(tp_parallelize_options){.src_data_rank =
+                                                                   TP_SRC_DATA_RANK_NONE}));
+    RANK_OK(slot, tp_llm_load(model, dir));
+    RANK_OK(slot, ref_tensor(s->c.model, "input_ids", &ids));
+    RANK_OK(slot, tp_llm_forward(model, ids, NULL, NULL, &logits));
+    RANK_OK(slot, full_f32(logits, &full));
+    RANK_OK(slot, ref_tensor(s->c.model, "logits", &ref));
+    RANK_EXPECT(slot, tp_tensor_numel(full) == tp_tensor_numel(ref), "logits: %lld elements",
+                (long long)tp_tensor_numel(full));
+    const char *name = model_names[s->c.model], *sp = s->c.sp ? " sp" : "";
+    double diff = 0, scale = 0;
+    max_diff(full, ref, &diff, &scale);
+    RANK_EXPECT(slot, diff <= s->logit_tol * scale, "%s tp %d%s %s rank %d: logits differ by %g "
+                "(largest logit %g)", name, s->c.tp, sp, tp_dtype_name(s->c.dtype), r, diff,
+                scale);
+    if (s->c.grads) {
+        RANK_OK(slot, tp_llm_loss(logits, ids, &loss));
+        tp_tensor *lf = NULL, *lref = NULL;
+        RANK_OK(slot, full_f32(loss, &lf));
+        RANK_OK(slot, ref_tensor(s->c.model, "loss", &lref));
+        const double got = *(const float *)tp_tensor_data(lf),
+                     want = *(const float *)tp_tensor_data(lref);
+        RANK_EXPECT(slot, fabs(got - want) <= s->loss_tol * fabs(want),
+                    "%s tp %d%s rank %d: loss %.7f, transformers %.7f", name, s->c.tp, sp, r, got,
+                    want);
+        tp_tensor_release(lf);
+        tp_tensor_release(lref);
+        RANK_OK(slot, tp_backward(loss, NULL));
+        grad_ctx g = {s, slot, 0, ""};
+        RANK_OK(slot, tp_module_named_parameters(model, check_grad, &g));
+        RANK_EXPECT(slot, g.err <= s->grad_tol, "%s tp %d%s rank %d: the gradient of %s differs "
+                    "by %g of its largest entry", name, s->c.tp, sp, r, g.worst, g.err);
+    }
+    tp_tensor_release(loss);
+    tp_tensor_release(ref);
+    tp_tensor_release(full);
+    tp_tensor_release(logits);
+    tp_tensor_release(ids);
+    tp_llm_plan_free(plan);
+    tp_module_free(model);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+static void run_model(const run_case *c, double logit_tol, double loss_tol, double grad_tol)
+{
+    run_state s = {.c = *c, .logit_tol = logit_tol, .loss_tol = loss_tol, .grad_tol = grad_tol};
+    tp_test_run(c->tp, model_body, &s, s.slot);
+}
+
+ParameterizedTestParameters(models, f32_against_transformers)
+{
+    /* tp up to what the kv heads allow: llama and qwen2 have 2, llama_bf16 4,
+     * mistral 1 */
+    static run_case cases[] = {
+        {LLAMA, 1, false, true, TP_F32},      {LLAMA, 2, false, true, TP_F32},
+        {LLAMA, 2, true, true, TP_F32},       {LLAMA_BF16, 1, false, true, TP_F32},
+        {LLAMA_BF16, 2, true, true, TP_F32},  {LLAMA_BF16, 4, false, true, TP_F32},
+        {LLAMA_BF16, 4, true, true, TP_F32},  {MISTRAL, 1, false, true, TP_F32},
+        {QWEN2, 1, false, true, TP_F32},      {QWEN2, 2, false, true, TP_F32},
+        {QWEN2, 2, true, true, TP_F32},
+    };
+    return cr_make_param_array(run_case, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(run_case *c, models, f32_against_transformers, .timeout = 120)
+{
+    run_model(c, 1e-4, 1e-4, 1e-3);
+}
+
+/* ---- collective counts against PyTorch -------------------------------------------- */
+
+/* torch_counts.json (tests/fixtures/hf/torch_counts.py): PyTorch 2.15's
+ * CommDebugMode counts of one forward with the vocab-parallel loss and one
+ * backward of a 2-layer Llama under this plan, the same at tp 2 and 4 */
+typedef struct {
+    int64_t fwd[TP_COLL_KIND_COUNT], bwd[TP_COLL_KIND_COUNT];
+} step_counts;
+
+typedef struct {
+    int tp;
+    bool sp;
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} count_run;
+
+static step_counts pytorch_counts(bool sp)
+{
+    step_counts want = {{0}, {0}};
+    if (sp) {
+        want.fwd[TP_COLL_ALL_GATHER] = 5;
+        want.fwd[TP_COLL_REDUCE_SCATTER] = 5;
+        want.fwd[TP_COLL_ALL_REDUCE] = 3;
+        want.bwd[TP_COLL_ALL_GATHER] = 5;
+        want.bwd[TP_COLL_REDUCE_SCATTER] = 5;
+    } else {
+        want.fwd[TP_COLL_ALL_REDUCE] = 8;
+        want.bwd[TP_COLL_ALL_REDUCE] = 11;
+    }
+    return want;
+}
+
+static tp_status count_body(tp_comm *world, void *arg)
+{
+    count_run *c = arg;
+    const int r = tp_comm_rank(world);
+    tp_test_slot *slot = &c->slot[r];
+    char dir[512];
+    model_dir(LLAMA_BF16, dir, sizeof dir);
+    tp_llm_config cfg;
+    tp_mesh *mesh = NULL;
+    tp_module *model = NULL;
+    tp_llm_plan *plan = NULL;
+    tp_comm_debug *fwd = NULL, *bwd = NULL;
+    tp_tensor *ids = NULL, *logits = NULL, *loss = NULL;
+    RANK_OK(slot, tp_llm_config_load(dir, &cfg));
+    RANK_OK(slot, tp_llm_create(&cfg, &model));
+    const int64_t shape[1] = {c->tp};
+    RANK_OK(slot, tp_mesh_create(world, 1, shape, (const char *[]){"tp"}, &mesh));
+    RANK_OK(slot, tp_llm_plan_create(&(tp_llm_plan_options){.sequence_parallel = c->sp}, &plan));
+    RANK_OK(slot, tp_llm_parallelize(model, mesh, tp_llm_plan_size(plan), tp_llm_plan_entries(plan),
+                                     NULL));
+    RANK_OK(slot, tp_llm_load(model, dir));
+    RANK_OK(slot, ref_tensor(LLAMA_BF16, "input_ids", &ids));
+    RANK_OK(slot, tp_comm_debug_create(&fwd));
+    RANK_OK(slot, tp_comm_debug_create(&bwd));
+    RANK_OK(slot, tp_comm_debug_begin(fwd));
+    RANK_OK(slot, tp_llm_forward(model, ids, NULL, NULL, &logits));
+    RANK_OK(slot, tp_llm_loss(logits, ids, &loss));
+    RANK_OK(slot, tp_comm_debug_end(fwd));
+    RANK_OK(slot, tp_comm_debug_begin(bwd));
+    RANK_OK(slot, tp_backward(loss, NULL));
+    RANK_OK(slot, tp_comm_debug_end(bwd));
+    const step_counts want = pytorch_counts(c->sp);
+    for (int k = 0; k < TP_COLL_KIND_COUNT; k++) {
+        const int64_t f = tp_comm_debug_count(fwd, (tp_coll_kind)k),
+                      b = tp_comm_debug_count(bwd, (tp_coll_kind)k);
+        const char *kind = tp_coll_kind_name((tp_coll_kind)k), *sp = c->sp ? " sp" : "";
+        RANK_EXPECT(slot, f == want.fwd[k], "tp %d%s rank %d: forward %s %lld, PyTorch %lld",
+                    c->tp, sp, r, kind, (long long)f, (long long)want.fwd[k]);
+        RANK_EXPECT(slot, b == want.bwd[k], "tp %d%s rank %d: backward %s %lld, PyTorch %lld",
+                    c->tp, sp, r, kind, (long long)b, (long long)want.bwd[k]);
+    }
+    tp_comm_debug_free(fwd);
+    tp_comm_debug_free(bwd);
+    tp_tensor_release(loss);
+    tp_tensor_release(logits);
+    tp_tensor_release(ids);
+    tp_llm_plan_free(plan);
+    tp_module_free(model);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+ParameterizedTestParameters(models, collective_counts_equal_pytorch)
+{
+    static count_run cases[] = {{.tp = 2}, {.tp = 4}, {.tp = 2, .sp = true}, {.tp = 4, .sp = true}};
+    return cr_make_param_array(count_run, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(count_run *c, models, collective_counts_equal_pytorch, .timeout = 120)
+{
+    tp_test_run(c->tp, count_body, c, c->slot);
+}
+
+/* ---- tp-llm ----------------------------------------------------------------------- */
+
+/* The tool's runs are whole processes: not repeated on every process of an
+ * MPI run of this file (test_models_mpi); they run mpirun themselves. */
+#ifndef TP_TEST_MPI
+
+/* Runs a shell command line; its exit status. */
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...)
+{
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    int rc = system(cmd);
+    return rc == -1 ? -1 : WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
+}
+
+static const char *tp_llm(void)
+{
+    const char *p = getenv("TP_LLM");
+    return p ? p : "build/tools/tp-llm";
+}
+
+/* The ids of ref.safetensors as the @FILE tp-llm reads: one line a sequence. */
+static void write_ids(int model, const char *name, const char *path)
+{
+    tp_tensor *ids = NULL;
+    CHECK_OK(ref_tensor(model, name, &ids));
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    const int64_t *d = tp_tensor_data(ids), S = tp_tensor_size(ids, 1);
+    for (int64_t i = 0; i < tp_tensor_numel(ids); i++)
+        fprintf(f, "%lld%s", (long long)d[i], (i + 1) % S ? "," : "\n");
+    fclose(f);
+    tp_tensor_release(ids);
+}
+
+static void compare_file(const char *path, const char *name, int model, const char *ref_name,
+                         double tol, const char *what)
+{
+    tp_tensor *got = NULL, *ref = NULL;
+    CHECK_OK(tp_safetensors_read(path, name, &got));
+    CHECK_OK(ref_tensor(model, ref_name, &ref));
+    cr_assert_eq(tp_tensor_numel(got), tp_tensor_numel(ref), "%s: %s has %lld elements", what,
+                 name, (long long)tp_tensor_numel(got));
+    double d, sc;
+    max_diff(got, ref, &d, &sc);
+    cr_assert(d <= tol * sc, "%s: %s differs by %g (largest %g)", what, name, d, sc);
+    tp_tensor_release(got);
+    tp_tensor_release(ref);
+}
+
+typedef struct {
+    int model, tp;
+    bool sp;
+} cli_case;
+
+ParameterizedTestParameters(models, tp_llm_against_transformers)
+{
+    static cli_case cases[] = {{LLAMA, 2, false}, {LLAMA_BF16, 4, true}, {QWEN2, 2, false},
+                               {MISTRAL, 1, false}};
+    return cr_make_param_array(cli_case, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(cli_case *c, models, tp_llm_against_transformers, .timeout = 120)
+{
+    char tmp[64], dir[512], ids[128], out[128], grads[128];
+    snprintf(tmp, sizeof tmp, "/tmp/tp_llm_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmp));
+    snprintf(ids, sizeof ids, "%s/ids.txt", tmp);
+    snprintf(out, sizeof out, "%s/logits.safetensors", tmp);
+    snprintf(grads, sizeof grads, "%s/grads.safetensors", tmp);
+    write_ids(c->model, "input_ids", ids);
+    model_dir(c->model, dir, sizeof dir);
+    cr_assert_eq(sh("%s logits --model %s --tokens @%s --out %s --tp %d%s >/dev/null", tp_llm(),
+                    dir, ids, out, c->tp, c->sp ? " --sp" : ""), 0);
+    compare_file(out, "logits", c->model, "logits", 1e-4, "tp-llm logits");
+    cr_assert_eq(sh("%s train --model %s --data %s --steps 1 --lr 0 --grads-out %s --tp %d%s "
+                    ">/dev/null", tp_llm(), dir, ids, grads, c->tp, c->sp ? " --sp" : ""), 0);
+    /* gradients under their Hugging Face names */
+    const char *names[] = {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                           "model.layers.1.self_attn.k_proj.weight",
+                           "model.layers.1.mlp.down_proj.weight", "model.norm.weight"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char refname[128];
+        snprintf(refname, sizeof refname, "grad.%s", names[i]);
+        compare_file(grads, names[i], c->model, refname, 1e-3, "tp-llm --grads-out");
+    }
+    sh("rm -rf '%s'", tmp);
+}
+
+/* The three AdamW steps of make_models.py (lr 1e-3, weight decay 0.01):
+ * the same losses, at tp 2 with dp 2 as well */
+Test(models, tp_llm_train_steps, .timeout = 180)
+{
+    char tmp[64], dir[512], ids[128], save[128], log[128];
+    snprintf(tmp, sizeof tmp, "/tmp/tp_llm_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmp));
+    snprintf(ids, sizeof ids, "%s/ids.txt", tmp);
+    snprintf(save, sizeof save, "%s/saved", tmp);
+    snprintf(log, sizeof log, "%s/log.txt", tmp);
+    write_ids(LLAMA_BF16, "input_ids", ids);
+    model_dir(LLAMA_BF16, dir, sizeof dir);
+    tp_tensor *want = NULL;
+    CHECK_OK(ref_tensor(LLAMA_BF16, "train_loss", &want));
+    for (int dp = 1; dp <= 2; dp++) {
+        cr_assert_eq(sh("%s train --model %s --data %s --steps 3 --tp 2 --dp %d --save %s "
+                        "--max-shard-bytes 60000 > %s", tp_llm(), dir, ids, dp, save, log), 0);
+        FILE *f = fopen(log, "r");
+        cr_assert_not_null(f);
+        for (int s = 0; s < 3; s++) {
+            int step = -1;
+            double loss = 0;
+            cr_assert_eq(fscanf(f, "step %d loss %lf\n", &step, &loss), 2, "dp %d: step %d", dp,
+                         s);
+            double ref = ((const float *)tp_tensor_data(want))[s];
+            cr_assert(fabs(loss - ref) <= 1e-4 * ref, "dp %d step %d: loss %.6f, transformers "
+                      "%.6f", dp, s, loss, ref);
+        }
+        fclose(f);
+    }
+    /* the saved directory: sharded with an index, and it loads back */
+    char path[300];
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", save);
+    struct stat sb;
+    cr_assert_eq(stat(path, &sb), 0, "no index in %s", save);
+    tp_llm_config cfg;
+    tp_module *m = NULL;
+    CHECK_OK(tp_llm_config_load(save, &cfg));
+    cr_assert(cfg.tie_word_embeddings);
+    CHECK_OK(tp_llm_create(&cfg, &m));
+    CHECK_OK(tp_llm_load(m, save));
+    tp_module_free(m);
+    tp_tensor_release(want);
+    sh("rm -rf '%s'", tmp);
+}
+
+Test(models, tp_llm_bad_input, .timeout = 60)
+{
+    char tmp[64], dir[512], path[128];
+    snprintf(tmp, sizeof tmp, "/tmp/tp_llm_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmp));
+    snprintf(path, sizeof path, "%s/out.safetensors", tmp);
+    model_dir(LLAMA, dir, sizeof dir);
+    const char *t = tp_llm();
+    cr_assert_eq(sh("%s logits --model /no/such --tokens 1,2 --out %s 2>/dev/null", t, path), 2);
+    cr_assert_eq(sh("%s logits --model %s --tokens 1,131 --out %s 2>/dev/null", t, dir, path), 2);
+    cr_assert_eq(sh("%s logits --model %s --tokens 1,x --out %s 2>/dev/null", t, dir, path), 2);
+    cr_assert_eq(sh("%s logits --model %s --tokens @/no/file --out %s 2>/dev/null", t, dir, path),
+                 2);
+    cr_assert_eq(sh("%s logits --model %s --tokens 1,2 --out %s --tp 4 2>/dev/null", t, dir, path),
+                 2);
+    cr_assert_eq(sh("%s logits --model %s --tokens 1,2 --out %s --tp 3 2>/dev/null", t, dir, path),
+                 2);
+    cr_assert_eq(sh("%s train --model %s --data /no/file --steps 1 2>/dev/null", t, dir), 2);
+    cr_assert_eq(sh("%s frobnicate 2>/dev/null", t), 2);
+    cr_assert_eq(sh("printf '1,2,3\\n4,5\\n' > %s/ragged && %s train --model %s --data %s/ragged "
+                    "--steps 1 2>/dev/null", tmp, t, dir, tmp), 2);
+    /* a checkpoint that is cut short */
+    cr_assert_eq(sh("mkdir %s/cut && cp %s/config.json %s/cut/ && head -c 1000 "
+                    "%s/model.safetensors > %s/cut/model.safetensors && %s logits --model %s/cut "
+                    "--tokens 1,2 --out %s 2>/dev/null", tmp, dir, tmp, dir, tmp, t, tmp, path),
+                 2);
+    sh("rm -rf '%s'", tmp);
+}
+
+/* tp-llm under mpirun, one process per rank: tp 2, and tp 2 x dp 2 */
+Test(models, tp_llm_mpi, .timeout = 300)
+{
+    const char *mpirun = getenv("MPIRUN");
+    if (!mpirun || !*mpirun) {
+        cr_log_warn("no MPIRUN: skipped");
+        return;
+    }
+    char tmp[64], dir[512], ids[128], out[128], grads[128];
+    snprintf(tmp, sizeof tmp, "/tmp/tp_llm_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmp));
+    snprintf(ids, sizeof ids, "%s/ids.txt", tmp);
+    snprintf(out, sizeof out, "%s/logits.safetensors", tmp);
+    snprintf(grads, sizeof grads, "%s/grads.safetensors", tmp);
+    write_ids(QWEN2, "input_ids", ids);
+    model_dir(QWEN2, dir, sizeof dir);
+    /* OpenMPI's own allocations at exit are not the tool's leaks */
+    const char *env = "ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0";
+    cr_assert_eq(sh("%s %s --allow-run-as-root --oversubscribe -np 2 %s logits --model %s "
+                    "--tokens @%s --out %s --tp 2 --backend mpi >/dev/null", env, mpirun, tp_llm(),
+                    dir, ids, out), 0);
+    compare_file(out, "logits", QWEN2, "logits", 1e-4, "tp-llm logits under mpirun");
+    cr_assert_eq(sh("%s %s --allow-run-as-root --oversubscribe -np 4 %s train --model %s --data %s "
+                    "--steps 1 --tp 2 --dp 2 --grads-out %s --backend mpi >/dev/null", env, mpirun,
+                    tp_llm(), dir, ids, grads), 0);
+    compare_file(grads, "model.layers.0.self_attn.q_proj.bias", QWEN2,
+                 "grad.model.layers.0.self_attn.q_proj.bias", 1e-3, "tp-llm --grads-out, mpi");
+    compare_file(grads, "model.embed_tokens.weight", QWEN2, "grad.model.embed_tokens.weight", 1e-3,
+                 "tp-llm --grads-out, mpi");
+    /* the process count must be tp x dp */
+    cr_assert_eq(sh("%s %s --allow-run-as-root --oversubscribe -np 2 %s logits --model %s "
+                    "--tokens 1,2 --out %s --tp 4 --backend mpi 2>/dev/null", env, mpirun, tp_llm(),
+                    dir, out), 2);
+    sh("rm -rf '%s'", tmp);
+}
+#endif /* TP_TEST_MPI */

@@ -1,0 +1,565 @@
+/*
+ * tp-llm: a Hugging Face Llama, Mistral or Qwen2 model directory, sharded
+ * with libtp's standard tensor-parallel plan, run and trained.
+ *
+ *   tp-llm logits --model DIR --tokens IDS --out FILE          [common options]
+ *   tp-llm train  --model DIR --data FILE --steps N [--lr L] [--weight-decay W]
+ *                 [--save DIR] [--max-shard-bytes B] [--grads-out FILE]  [common options]
+ *
+ * common: --tp N, --dp M, --backend shm|mpi, --device cpu|cuda,
+ *         --dtype f32|bf16|f16, --threads K, --sp (sequence parallelism)
+ *
+ * IDS is a comma-separated list of ids (one sequence) or @FILE; FILE (for
+ * --data too) holds one sequence per line, ids separated by commas or
+ * spaces, every line the same length: a batch. `logits` writes the logits of
+ * every position as one f32 tensor "logits" [batch, seq, vocab] to a
+ * safetensors file. `train` takes AdamW steps on the causal-LM loss (labels =
+ * the input ids, shifted inside), printing each step's loss; --grads-out
+ * writes the gradients of the first backward (full, f32, Hugging Face names).
+ * Bad input exits 2 with a message naming it; with --backend shm the ranks
+ * are threads (tp x dp of them), with mpi one process each under
+ * `mpirun -np tp*dp`.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+#include <tp.h>
+
+#define EXIT_BAD 2
+
+typedef enum { CMD_LOGITS, CMD_TRAIN } command;
+
+typedef struct {
+    command cmd;
+    const char *model, *tokens, *out, *data, *save, *grads_out;
+    int tp, dp, threads;
+    long steps;
+    double lr, weight_decay;
+    size_t max_shard;
+    bool mpi, cuda, sp;
+    tp_dtype dtype;
+    /* read before the ranks start */
+    tp_llm_config cfg;
+    int64_t batch, seq;
+    int64_t *ids;
+} options;
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: tp-llm logits --model DIR --tokens IDS --out FILE [options]\n"
+            "       tp-llm train --model DIR --data FILE --steps N [--lr L] [--weight-decay W]\n"
+            "                    [--save DIR] [--max-shard-bytes B] [--grads-out FILE] [options]\n"
+            "options: --tp N --dp M --backend shm|mpi --device cpu|cuda --dtype f32|bf16|f16\n"
+            "         --threads K --sp\n"
+            "IDS: ids separated by commas, or @FILE with one sequence per line (a batch)\n");
+}
+
+static int bad(const char *fmt, const char *a)
+{
+    fprintf(stderr, "tp-llm: ");
+    fprintf(stderr, fmt, a);
+    fprintf(stderr, "\n");
+    return EXIT_BAD;
+}
+
+static bool parse_long(const char *s, long lo, long hi, long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        return false;
+    *out = v;
+    return true;
+}
+
+static bool parse_double(const char *s, double *out)
+{
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !(v == v))
+        return false;
+    *out = v;
+    return true;
+}
+
+/* ---- token input ------------------------------------------------------------------ */
+
+/* One line of ids into ids (grown); *n ids read. Returns false naming the
+ * problem in err. */
+static bool parse_line(const char *line, int64_t **ids, int64_t *n, int64_t *cap, char *err,
+                       size_t errlen)
+{
+    const char *p = line;
+    *n = 0;
+    for (;;) {
+        while (*p == ' ' || *p == '\t' || *p == ',' || *p == '\r')
+            p++;
+        if (!*p || *p == '\n')
+            return true;
+        char *end = NULL;
+        errno = 0;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || errno) {
+            snprintf(err, errlen, "'%.20s' is not a token id", p);
+            return false;
+        }
+        if (*n == *cap) {
+            int64_t nc = *cap ? *cap * 2 : 64;
+            int64_t *g = realloc(*ids, sizeof *g * (size_t)nc);
+            if (!g) {
+                snprintf(err, errlen, "out of memory");
+                return false;
+            }
+            *ids = g;
+            *cap = nc;
+        }
+        (*ids)[(*n)++] = v;
+        p = end;
+        if (*p && *p != ' ' && *p != '\t' && *p != ',' && *p != '\r' && *p != '\n') {
+            snprintf(err, errlen, "'%.20s' is not a token id", p);
+            return false;
+        }
+    }
+}
+
+/* IDS (a list, or @FILE) or a --data FILE into o->ids [batch, seq]. */
+static int read_tokens(options *o, const char *spec, bool file)
+{
+    char err[160];
+    int64_t cap = 0, n = 0, *row = NULL, rcap = 0;
+    o->batch = o->seq = 0;
+    if (!file && spec[0] != '@') {
+        if (!parse_line(spec, &o->ids, &n, &cap, err, sizeof err))
+            return bad("--tokens: %s", err);
+        o->batch = 1;
+        o->seq = n;
+    } else {
+        const char *path = file ? spec : spec + 1;
+        FILE *f = fopen(path, "r");
+        if (!f) {
+            fprintf(stderr, "tp-llm: cannot open %s: %s\n", path, strerror(errno));
+            return EXIT_BAD;
+        }
+        char *line = NULL;
+        size_t lcap = 0;
+        int rc = 0;
+        while (getline(&line, &lcap, f) >= 0) {
+            int64_t k = 0;
+            if (!parse_line(line, &row, &k, &rcap, err, sizeof err)) {
+                fprintf(stderr, "tp-llm: %s line %lld: %s\n", path, (long long)o->batch + 1, err);
+                rc = EXIT_BAD;
+                break;
+            }
+            if (k == 0)
+                continue;
+            if (o->batch > 0 && k != o->seq) {
+                fprintf(stderr, "tp-llm: %s line %lld has %lld ids, the first line %lld: every "
+                                "sequence of a batch must have the same length\n",
+                        path, (long long)o->batch + 1, (long long)k, (long long)o->seq);
+                rc = EXIT_BAD;
+                break;
+            }
+            o->seq = k;
+            int64_t *g = realloc(o->ids, sizeof *g * (size_t)((o->batch + 1) * k));
+            if (!g) {
+                rc = bad("%s", "out of memory");
+                break;
+            }
+            o->ids = g;
+            memcpy(o->ids + o->batch * k, row, sizeof *row * (size_t)k);
+            o->batch++;
+        }
+        free(line);
+        free(row);
+        fclose(f);
+        if (rc)
+            return rc;
+    }
+    if (o->batch == 0 || o->seq == 0)
+        return bad("%s holds no token ids", file ? spec : "--tokens");
+    for (int64_t i = 0; i < o->batch * o->seq; i++)
+        if (o->ids[i] < 0 || o->ids[i] >= o->cfg.vocab_size) {
+            fprintf(stderr, "tp-llm: token id %lld (sequence %lld, position %lld) is outside the "
+                            "vocabulary [0, %lld)\n",
+                    (long long)o->ids[i], (long long)(i / o->seq), (long long)(i % o->seq),
+                    (long long)o->cfg.vocab_size);
+            return EXIT_BAD;
+        }
+    return 0;
+}
+
+/* ---- options ------------------------------------------------------------------------ */
+
+static int parse_args(int argc, char **argv, options *o)
+{
+    memset(o, 0, sizeof *o);
+    o->tp = o->dp = 1;
+    o->lr = 1e-3;
+    o->weight_decay = 0.01;
+    o->max_shard = (size_t)5 << 30;
+    o->steps = -1;
+    if (argc < 2) {
+        usage(stderr);
+        return EXIT_BAD;
+    }
+    if (!strcmp(argv[1], "logits"))
+        o->cmd = CMD_LOGITS;
+    else if (!strcmp(argv[1], "train"))
+        o->cmd = CMD_TRAIN;
+    else if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        usage(stdout);
+        exit(0);
+    } else if (!strcmp(argv[1], "generate")) {
+        return bad("%s: not built yet (logits and train are)", argv[1]);
+    } else {
+        usage(stderr);
+        return bad("unknown command '%s'", argv[1]);
+    }
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        long n = 0;
+        if (!strcmp(a, "--sp")) {
+            o->sp = true;
+            continue;
+        }
+        if (!v)
+            return bad("%s needs a value", a);
+        i++;
+        if (!strcmp(a, "--model"))
+            o->model = v;
+        else if (!strcmp(a, "--tokens") && o->cmd == CMD_LOGITS)
+            o->tokens = v;
+        else if (!strcmp(a, "--out") && o->cmd == CMD_LOGITS)
+            o->out = v;
+        else if (!strcmp(a, "--data") && o->cmd == CMD_TRAIN)
+            o->data = v;
+        else if (!strcmp(a, "--save") && o->cmd == CMD_TRAIN)
+            o->save = v;
+        else if (!strcmp(a, "--grads-out") && o->cmd == CMD_TRAIN)
+            o->grads_out = v;
+        else if (!strcmp(a, "--steps") && o->cmd == CMD_TRAIN) {
+            if (!parse_long(v, 0, 1L << 40, &o->steps))
+                return bad("--steps '%s' is not a count >= 0", v);
+        } else if (!strcmp(a, "--lr") && o->cmd == CMD_TRAIN) {
+            if (!parse_double(v, &o->lr) || o->lr < 0)
+                return bad("--lr '%s' is not a rate >= 0", v);
+        } else if (!strcmp(a, "--weight-decay") && o->cmd == CMD_TRAIN) {
+            if (!parse_double(v, &o->weight_decay) || o->weight_decay < 0)
+                return bad("--weight-decay '%s' is not >= 0", v);
+        } else if (!strcmp(a, "--max-shard-bytes") && o->cmd == CMD_TRAIN) {
+            if (!parse_long(v, 1, 1L << 50, &n))
+                return bad("--max-shard-bytes '%s' is not a positive size", v);
+            o->max_shard = (size_t)n;
+        } else if (!strcmp(a, "--tp") || !strcmp(a, "--dp") || !strcmp(a, "--threads")) {
+            if (!parse_long(v, 1, 4096, &n))
+                return bad("%s needs a count >= 1", a);
+            *(a[2] == 't' && a[3] == 'p' ? &o->tp : a[2] == 'd' ? &o->dp : &o->threads) = (int)n;
+        } else if (!strcmp(a, "--backend")) {
+            if (strcmp(v, "shm") && strcmp(v, "mpi"))
+                return bad("--backend '%s': shm or mpi", v);
+            o->mpi = !strcmp(v, "mpi");
+        } else if (!strcmp(a, "--device")) {
+            if (strcmp(v, "cpu") && strcmp(v, "cuda"))
+                return bad("--device '%s': cpu or cuda", v);
+            o->cuda = !strcmp(v, "cuda");
+        } else if (!strcmp(a, "--dtype")) {
+            if (!strcmp(v, "f32"))
+                o->dtype = TP_F32;
+            else if (!strcmp(v, "bf16"))
+                o->dtype = TP_BF16;
+            else if (!strcmp(v, "f16"))
+                o->dtype = TP_F16;
+            else
+                return bad("--dtype '%s': f32, bf16 or f16", v);
+        } else {
+            return bad("unknown option '%s' (tp-llm --help)", a);
+        }
+    }
+    if (!o->model)
+        return bad("%s", "--model DIR is required");
+    if (o->cmd == CMD_LOGITS && (!o->tokens || !o->out))
+        return bad("%s", "logits needs --tokens IDS and --out FILE");
+    if (o->cmd == CMD_TRAIN && (!o->data || o->steps < 0))
+        return bad("%s", "train needs --data FILE and --steps N");
+    tp_status st = tp_llm_config_load(o->model, &o->cfg);
+    if (st != TP_OK) {
+        fprintf(stderr, "tp-llm: %s\n", tp_last_error());
+        return EXIT_BAD;
+    }
+    int rc = read_tokens(o, o->cmd == CMD_LOGITS ? o->tokens : o->data, o->cmd == CMD_TRAIN);
+    if (rc)
+        return rc;
+    if (o->cfg.num_attention_heads % o->tp || o->cfg.num_key_value_heads % o->tp) {
+        fprintf(stderr, "tp-llm: --tp %d does not split %lld attention heads and %lld key/value "
+                        "heads\n", o->tp, (long long)o->cfg.num_attention_heads,
+                (long long)o->cfg.num_key_value_heads);
+        return EXIT_BAD;
+    }
+    if (o->batch % o->dp) {
+        fprintf(stderr, "tp-llm: --dp %d does not divide the batch of %lld sequences\n", o->dp,
+                (long long)o->batch);
+        return EXIT_BAD;
+    }
+    if (o->cmd == CMD_TRAIN && o->seq < 2)
+        return bad("%s", "train needs sequences of at least 2 tokens");
+    if (o->sp && o->seq % o->tp) {
+        fprintf(stderr, "tp-llm: --sp shards the %lld-token sequence over --tp %d: it must "
+                        "divide it\n", (long long)o->seq, o->tp);
+        return EXIT_BAD;
+    }
+    return 0;
+}
+
+/* ---- the ranks ---------------------------------------------------------------------- */
+
+typedef struct {
+    options *o;
+    int world_rank;
+} rank_ctx;
+
+#define TRY(expr)                                                               \
+    do {                                                                        \
+        st = (expr);                                                            \
+        if (st != TP_OK)                                                        \
+            goto out;                                                           \
+    } while (0)
+
+/* A DTensor's or plain tensor's full value as a plain f32 CPU tensor. */
+static tp_status full_f32(tp_tensor *t, tp_tensor **out)
+{
+    tp_tensor *full = NULL;
+    tp_status st = TP_OK;
+    if (tp_tensor_is_dtensor(t)) {
+        tp_no_grad_begin();
+        st = tp_dtensor_full_tensor(t, &full);
+        tp_no_grad_end();
+    } else {
+        full = tp_tensor_retain(t);
+    }
+    if (st == TP_OK)
+        st = tp_tensor_to(full, TP_F32, TP_CPU, out);
+    tp_tensor_release(full);
+    return st;
+}
+
+typedef struct {
+    int n, cap;
+    char **names;
+    tp_tensor **t;
+} named_list;
+
+static tp_status collect_grad(const char *fqn, tp_tensor *p, void *ctx)
+{
+    named_list *l = ctx;
+    tp_tensor *g = tp_tensor_grad(p), *full = NULL;
+    if (!g)
+        return TP_OK; /* a parameter the loss does not reach */
+    tp_status st = full_f32(g, &full);
+    if (st != TP_OK)
+        return st;
+    if (l->n == l->cap) {
+        int nc = l->cap ? 2 * l->cap : 64;
+        char **nn = realloc(l->names, sizeof *nn * (size_t)nc);
+        if (nn)
+            l->names = nn;
+        tp_tensor **nt = nn ? realloc(l->t, sizeof *nt * (size_t)nc) : NULL;
+        if (!nt) {
+            tp_tensor_release(full);
+            return TP_ERR_NO_MEMORY;
+        }
+        l->t = nt;
+        l->cap = nc;
+    }
+    l->names[l->n] = strdup(fqn);
+    l->t[l->n++] = full;
+    return l->names[l->n - 1] ? TP_OK : TP_ERR_NO_MEMORY;
+}
+
+static void named_list_free(named_list *l)
+{
+    for (int i = 0; i < l->n; i++) {
+        free(l->names[i]);
+        tp_tensor_release(l->t[i]);
+    }
+    free(l->names);
+    free(l->t);
+}
+
+/* This dp group's rows of the batch, on the device. */
+static tp_status local_ids(const options *o, int64_t dp_coord, tp_device dev, tp_tensor **out)
+{
+    const int64_t rows = o->batch / o->dp, shape[2] = {rows, o->seq};
+    tp_tensor *cpu = NULL;
+    tp_status st = tp_tensor_from_data(TP_I64, 2, shape, o->ids + dp_coord * rows * o->seq, &cpu);
+    if (st != TP_OK || dev.type == TP_DEVICE_CPU) {
+        *out = cpu;
+        return st;
+    }
+    st = tp_tensor_to(cpu, TP_I64, dev, out);
+    tp_tensor_release(cpu);
+    return st;
+}
+
+static tp_status run_rank(tp_comm *world, void *arg)
+{
+    rank_ctx *rc = arg;
+    options *o = rc->o;
+    const int rank = tp_comm_rank(world);
+    tp_status st = TP_OK;
+    tp_mesh *mesh = NULL, *tpm = NULL;
+    tp_module *model = NULL;
+    tp_llm_plan *plan = NULL;
+    tp_ddp *ddp = NULL;
+    tp_adam *adam = NULL;
+    tp_tensor *ids = NULL, *ids_cpu = NULL, *logits = NULL, *full = NULL, *gathered = NULL,
+              *loss = NULL;
+    named_list grads = {0};
+    tp_device dev = TP_CPU;
+    if (o->cuda) {
+        int n = tp_cuda_device_count();
+        if (n <= 0) {
+            st = TP_ERR_NOT_SUPPORTED;
+            fprintf(stderr, "tp-llm: --device cuda: no CUDA device\n");
+            goto out;
+        }
+        dev = TP_CUDA(rank % n);
+    }
+    const char *names[2] = {"dp", "tp"};
+    const int64_t shape[2] = {o->dp, o->tp};
+    TRY(tp_mesh_create(world, 2, shape, names, &mesh));
+    TRY(tp_mesh_slice(mesh, 1, (const char *[]){"tp"}, &tpm));
+    const int64_t dp_coord = tp_mesh_coord(mesh, 0);
+    if (o->cuda)
+        TRY(tp_nn_set_default_device(dev));
+    TRY(tp_llm_create(&o->cfg, &model));
+    if (o->dtype != TP_F32)
+        TRY(tp_module_to_dtype(model, o->dtype));
+    const tp_llm_plan_options po = {.sequence_parallel = o->sp};
+    TRY(tp_llm_plan_create(&po, &plan));
+    const tp_parallelize_options par = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
+    TRY(tp_llm_parallelize(model, tpm, tp_llm_plan_size(plan), tp_llm_plan_entries(plan),
+                           &par));
+    TRY(tp_llm_load(model, o->model));
+    TRY(local_ids(o, dp_coord, dev, &ids));
+    TRY(local_ids(o, dp_coord, TP_CPU, &ids_cpu));
+
+    if (o->cmd == CMD_LOGITS) {
+        tp_no_grad_begin();
+        st = tp_llm_forward(model, ids, NULL, NULL, &logits);
+        tp_no_grad_end();
+        TRY(st);
+        TRY(full_f32(logits, &full));
+        const int64_t gshape[3] = {o->batch, o->seq, o->cfg.vocab_size};
+        TRY(tp_tensor_empty(TP_F32, TP_CPU, 3, gshape, &gathered));
+        if (o->dp > 1)
+            TRY(tp_all_gather(tp_mesh_comm(mesh, 0), full, gathered, NULL));
+        else
+            TRY(tp_tensor_copy(gathered, full));
+        if (rank == 0) {
+            const char *nm = "logits";
+            TRY(tp_safetensors_write(o->out, 1, &nm, &gathered));
+        }
+        goto out;
+    }
+
+    if (o->dp > 1) {
+        const tp_ddp_options dopts = {.params_everywhere = true};
+        TRY(tp_ddp_create(model, tp_mesh_comm(mesh, 0), &dopts, &ddp));
+    }
+    const tp_adam_options ao = {.lr = o->lr, .weight_decay = o->weight_decay, .decoupled = true};
+    TRY(tp_adam_create_with(model, &ao, &adam));
+    TRY(tp_adam_set_lr(adam, o->lr)); /* options take 0 as "the default" */
+    for (long step = 0; step < o->steps; step++) {
+        tp_module_zero_grad(model);
+        TRY(tp_llm_forward(model, ids, NULL, NULL, &logits));
+        TRY(tp_llm_loss(logits, ids_cpu, &loss));
+        TRY(full_f32(loss, &full));
+        if (o->dp > 1)
+            TRY(tp_all_reduce(tp_mesh_comm(mesh, 0), full, full, TP_AVG, NULL));
+        if (rank == 0) {
+            printf("step %ld loss %.6f\n", step, (double)*(const float *)tp_tensor_data(full));
+            fflush(stdout);
+        }
+        tp_tensor_release(full);
+        full = NULL;
+        TRY(tp_backward(loss, NULL));
+        tp_tensor_release(loss);
+        tp_tensor_release(logits);
+        loss = logits = NULL;
+        if (step == 0 && o->grads_out) {
+            if (ddp)
+                TRY(tp_ddp_sync(ddp));
+            TRY(tp_module_named_parameters(model, collect_grad, &grads));
+            if (rank == 0)
+                TRY(tp_safetensors_write(o->grads_out, grads.n, (const char *const *)grads.names,
+                                         grads.t));
+        }
+        TRY(tp_adam_step(adam));
+    }
+    if (o->save) {
+        /* the dp groups hold the same weights: the first one saves */
+        if (dp_coord == 0)
+            TRY(tp_llm_save(model, o->save, o->max_shard));
+    }
+out:
+    if (st != TP_OK && tp_last_error()[0])
+        fprintf(stderr, "tp-llm: rank %d: %s\n", rank, tp_last_error());
+    named_list_free(&grads);
+    tp_tensor_release(loss);
+    tp_tensor_release(gathered);
+    tp_tensor_release(full);
+    tp_tensor_release(logits);
+    tp_tensor_release(ids_cpu);
+    tp_tensor_release(ids);
+    tp_adam_free(adam);
+    tp_ddp_free(ddp);
+    tp_llm_plan_free(plan);
+    tp_module_free(model);
+    tp_mesh_free(tpm);
+    tp_mesh_free(mesh);
+    if (st != TP_OK && o->mpi)
+        tp_comm_abort(world, "tp-llm: a rank failed");
+    return st;
+}
+
+int main(int argc, char **argv)
+{
+    options o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc) {
+        free(o.ids);
+        return rc;
+    }
+    if (o.threads)
+        openblas_set_num_threads(o.threads);
+    rank_ctx ctx = {&o, 0};
+    tp_status st;
+    if (o.mpi) {
+        tp_comm *world = NULL;
+        st = tp_comm_create_world("mpi", NULL, &world);
+        if (st == TP_OK && tp_comm_size(world) != o.tp * o.dp) {
+            fprintf(stderr, "tp-llm: mpirun started %d processes; --tp %d x --dp %d needs %d\n",
+                    tp_comm_size(world), o.tp, o.dp, o.tp * o.dp);
+            st = TP_ERR_INVALID_ARG;
+        } else if (st == TP_OK) {
+            st = run_rank(world, &ctx);
+        } else {
+            fprintf(stderr, "tp-llm: %s\n", tp_last_error());
+        }
+        tp_comm_free(world);
+    } else {
+        st = tp_run_local(o.tp * o.dp, run_rank, &ctx);
+    }
+    free(o.ids);
+    if (st == TP_OK)
+        return 0;
+    return st == TP_ERR_INVALID_ARG || st == TP_ERR_NOT_SUPPORTED || st == TP_ERR_MISMATCH
+               ? EXIT_BAD
+               : 1;
+}
