@@ -956,3 +956,132 @@ ParameterizedTest(attn_param *ap, ops_view, attention_block, .timeout = 120)
     c.p = *ap;
     tp_test_run(ap->w, attn_rank, &c, c.slot);
 }
+
+/* ---- narrow ------------------------------------------------------------------------- */
+
+/* y = x[..., start:start+len, ...] along dim, and the gradient: g in the
+ * slice, zeros elsewhere (index loops) */
+Test(ops_view, plain_narrow, .timeout = 30)
+{
+    const int64_t shape[3] = {3, 5, 4};
+    for (int dim = 0; dim < 3; dim++) {
+        const int64_t start = 1, len = shape[dim] - 2;
+        tp_tensor *x = rand_t(3, shape, 11), *y = NULL, *g = NULL;
+        CHECK_OK(tp_tensor_set_requires_grad(x, true));
+        CHECK_OK(tp_narrow(x, dim - 3, start, len, &y)); /* negative dims count from the end */
+        int64_t ys[3] = {shape[0], shape[1], shape[2]};
+        ys[dim] = len;
+        expect_shape(y, 3, ys, "narrow");
+        CHECK_OK(tp_test_global_tensor(3, ys, 12, &g));
+        CHECK_OK(tp_backward(y, g));
+        const float *xv = tp_tensor_data(x), *yv = tp_tensor_data(y), *gv = tp_tensor_data(g),
+                    *gx = tp_tensor_data(tp_tensor_grad(x));
+        for (int64_t i = 0; i < shape[0]; i++)
+            for (int64_t j = 0; j < shape[1]; j++)
+                for (int64_t k = 0; k < shape[2]; k++) {
+                    int64_t idx[3] = {i, j, k}, o = idx[dim] - start;
+                    bool in = o >= 0 && o < len;
+                    idx[dim] = o;
+                    int64_t yi = (idx[0] * ys[1] + idx[1]) * ys[2] + idx[2],
+                            xi = (i * shape[1] + j) * shape[2] + k;
+                    if (in)
+                        cr_assert_eq(yv[yi], xv[xi], "dim %d: y at %lld", dim, (long long)yi);
+                    cr_assert_eq(gx[xi], in ? gv[yi] : 0.0f, "dim %d: dx at %lld", dim,
+                                 (long long)xi);
+                }
+        tp_tensor_release(g);
+        tp_tensor_release(y);
+        tp_tensor_release(x);
+    }
+    tp_tensor *x = rand_t(3, shape, 1), *y = NULL;
+    CHECK_ERR(tp_narrow(x, 1, 3, 3, &y), TP_ERR_INVALID_ARG);
+    cr_assert_not_null(strstr(tp_last_error(), "[3, 6)"), "%s", tp_last_error());
+    CHECK_ERR(tp_narrow(x, 3, 0, 1, &y), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_narrow(x, 0, -1, 1, &y), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_narrow(NULL, 0, 0, 1, &y), TP_ERR_INVALID_ARG);
+    cr_assert_null(y);
+    CHECK_OK(tp_narrow(x, 2, 4, 0, &y)); /* an empty slice */
+    cr_assert_eq(tp_tensor_numel(y), 0);
+    tp_tensor_release(y);
+    tp_tensor_release(x);
+}
+
+/* On DTensors: a shard of another dim passes with no collective; a shard of
+ * the narrowed dim is gathered first (one all_gather forward, none
+ * backward: the gather's backward takes the local chunk); values and
+ * gradients equal the plain op's. */
+typedef struct {
+    int n;
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} narrow_run;
+
+static tp_status narrow_rank(tp_comm *w, void *arg)
+{
+    narrow_run *run = arg;
+    tp_test_slot *s = &run->slot[tp_comm_rank(w)];
+    tp_mesh *mesh = NULL;
+    const int64_t n = run->n, shape[3] = {6, 7, 4}, ys[3] = {6, 3, 4};
+    RANK_OK(s, tp_mesh_create(w, 1, &n, NULL, &mesh));
+    for (int sd = 0; sd < 3; sd++) {
+        tp_tensor *full = NULL, *x = NULL, *y = NULL, *yf = NULL, *ref = NULL, *g = NULL,
+                  *dg = NULL, *gxf = NULL, *px = NULL;
+        RANK_OK(s, tp_test_global_tensor(3, shape, 21, &full));
+        const tp_placement pl[1] = {sd == 2 ? tp_replicate() : tp_shard(sd == 0 ? 0 : 1)};
+        RANK_OK(s, tp_dtensor_distribute(mesh, full, 1, pl, -1, &x));
+        RANK_OK(s, tp_tensor_set_requires_grad(x, true));
+        tp_comm_debug *dbg = NULL;
+        RANK_OK(s, tp_comm_debug_create(&dbg));
+        RANK_OK(s, tp_comm_debug_begin(dbg));
+        RANK_OK(s, tp_narrow(x, 1, 2, 3, &y));
+        RANK_OK(s, tp_comm_debug_end(dbg));
+        const int64_t want_ag = sd == 1 && n > 1 ? 1 : 0;
+        RANK_EXPECT(s, tp_comm_debug_count(dbg, TP_COLL_ALL_GATHER) == want_ag &&
+                           tp_comm_debug_total(dbg) == want_ag,
+                    "shard dim %d: %lld collectives, want %lld all_gather", sd,
+                    (long long)tp_comm_debug_total(dbg), (long long)want_ag);
+        const tp_placement want_out = sd == 0 ? tp_shard(0) : tp_replicate();
+        RANK_EXPECT(s, tp_test_placement_eq(tp_dtensor_placements(y)[0], want_out),
+                    "shard dim %d: output placement", sd);
+        RANK_OK(s, tp_dtensor_full_tensor(y, &yf));
+        RANK_OK(s, tp_tensor_clone(full, &px));
+        RANK_OK(s, tp_narrow(px, 1, 2, 3, &ref));
+        bool eq = false;
+        RANK_OK(s, tp_tensor_equal(yf, ref, &eq));
+        RANK_EXPECT(s, eq, "shard dim %d: values differ from the plain op", sd);
+        /* backward: the gradient in x's layout, the slice of g, zeros elsewhere */
+        RANK_OK(s, tp_test_global_tensor(3, ys, 22, &g));
+        RANK_OK(s, tp_dtensor_distribute(mesh, g, 1, tp_dtensor_placements(y), -1, &dg));
+        RANK_OK(s, tp_comm_debug_begin(dbg));
+        RANK_OK(s, tp_backward(y, dg));
+        RANK_OK(s, tp_comm_debug_end(dbg));
+        /* the gather's backward takes the local chunk: no collective */
+        RANK_EXPECT(s, tp_comm_debug_total(dbg) == 0, "shard dim %d: backward %lld collectives",
+                    sd, (long long)tp_comm_debug_total(dbg));
+        RANK_OK(s, tp_dtensor_full_tensor(tp_tensor_grad(x), &gxf));
+        const float *gv = tp_tensor_data(g), *gx = tp_tensor_data(gxf);
+        for (int64_t i = 0; i < 6 * 7 * 4; i++) {
+            int64_t j = i / 4 % 7;
+            float want = j >= 2 && j < 5 ? gv[(i / 28 * 3 + (j - 2)) * 4 + i % 4] : 0.0f;
+            RANK_EXPECT(s, gx[i] == want, "shard dim %d: dx[%lld] %g, want %g", sd, (long long)i,
+                        (double)gx[i], (double)want);
+        }
+        tp_tensor *all[] = {full, x, y, yf, ref, g, dg, gxf, px};
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+            tp_tensor_release(all[i]);
+        tp_comm_debug_free(dbg);
+    }
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+ParameterizedTestParameters(ops_view, narrow_distributed)
+{
+    static int worlds[] = {1, 2, 3, 4};
+    return cr_make_param_array(int, worlds, 4);
+}
+
+ParameterizedTest(int *n, ops_view, narrow_distributed, .timeout = 60)
+{
+    narrow_run run = {.n = *n};
+    tp_test_run(*n, narrow_rank, &run, run.slot);
+}

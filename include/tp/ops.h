@@ -144,6 +144,14 @@ TP_API tp_status tp_transpose(tp_tensor *x, int d0, int d1, tp_tensor **y);
  * once; a contiguous copy). */
 TP_API tp_status tp_permute(tp_tensor *x, int ndim, const int *dims, tp_tensor **y);
 
+/* `length` entries of `dim` from `start` (torch.narrow), as a contiguous
+ * copy; [start, start + length) must lie within the dim (else
+ * TP_ERR_INVALID_ARG naming the range and the size). Strategies: a shard of
+ * another dim, Replicate and Partial pass through; a shard of `dim` is
+ * replicated first (an all_gather). The backward writes the gradient into
+ * zeros of x's shape, with no communication. */
+TP_API tp_status tp_narrow(tp_tensor *x, int dim, int64_t start, int64_t length, tp_tensor **y);
+
 /* ---- reductions and normalizations (ops_reduce.c) --------------------------
  * sum/mean over dim (keepdim keeps it with size 1) or over everything (a 0-d
  * result). A dim sharded by the input gives a Partial(sum) output (mean

@@ -365,3 +365,112 @@ tp_status tp_permute(tp_tensor *x, int ndim, const int *dims, tp_tensor **y)
     tp_tensor *args[1] = {x};
     return tp__op_run(&permute_def, args, &pp, sizeof pp, y);
 }
+
+/* ---- narrow ---------------------------------------------------------------------
+ * torch.narrow: `length` entries of `dim` from `start`, as a contiguous copy
+ * (ops take contiguous inputs). A shard of another dim passes through; a
+ * shard of `dim` is replicated first (the slice crosses shard boundaries);
+ * Replicate and Partial pass (narrow is linear). The backward writes the
+ * gradient into zeros of the input's shape: no communication. */
+
+typedef struct {
+    int dim;
+    int64_t start, length;
+} narrow_params;
+
+static int narrow_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    const narrow_params *np = TP__OP_PARAMS(op, const narrow_params);
+    tp_placement cur = tp_dtensor_placements(op->arg[0])[mesh_dim];
+    if (cur.kind == TP_PLACEMENT_SHARD && cur.dim == np->dim)
+        cur = tp__R();
+    s[0] = (tp__strategy){{cur}, cur, {grad_placement(cur)}};
+    return 1;
+}
+
+static tp_status narrow_shape(const tp__op *op, int *ndim, int64_t *shape)
+{
+    const narrow_params *np = TP__OP_PARAMS(op, const narrow_params);
+    *ndim = tp__op_gndim(op, 0);
+    memcpy(shape, tp__op_gshape(op, 0), sizeof(int64_t) * (size_t)*ndim);
+    shape[np->dim] = np->length;
+    return TP_OK;
+}
+
+/* Copies the `length` rows of dim between a tensor with `size` of them
+ * (base, at `start`) and one holding just those (part), per outer index:
+ * into part when `to_part`, else back into base. */
+static tp_status narrow_copy(tp__op *op, void *base, void *part, const int64_t *shape, int dim,
+                             bool to_part)
+{
+    const narrow_params *np = TP__OP_PARAMS(op, const narrow_params);
+    int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim; d++)
+        outer *= shape[d];
+    for (int d = dim + 1; d < op->in[0]->ndim; d++)
+        inner *= shape[d];
+    const size_t es = tp_dtype_size(op->dt);
+    const int64_t size = shape[dim], block = np->length * inner;
+    tp_status st = TP_OK;
+    for (int64_t o = 0; o < outer && st == TP_OK && block > 0; o++) {
+        char *b = (char *)base + (size_t)((o * size + np->start) * inner) * es;
+        char *p = (char *)part + (size_t)(o * block) * es;
+        st = to_part ? op->k->copy(op->dev, op->dt, p, b, block)
+                     : op->k->copy(op->dev, op->dt, b, p, block);
+    }
+    return st;
+}
+
+static tp_status narrow_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    const narrow_params *np = TP__OP_PARAMS(op, const narrow_params);
+    int64_t shape[TP_MAX_DIMS];
+    memcpy(shape, in[0]->shape, sizeof(int64_t) * (size_t)in[0]->ndim);
+    shape[np->dim] = np->length;
+    TP_CHECK(tp__new(op->dt, op->dev, in[0]->ndim, shape, false, out));
+    tp_status st = narrow_copy(op, tp_tensor_data(in[0]), tp_tensor_data(*out), in[0]->shape,
+                               np->dim, true);
+    if (st != TP_OK) {
+        tp_tensor_release(*out);
+        *out = NULL;
+    }
+    return st;
+}
+
+static tp_status narrow_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    if (!op->need_grad[0])
+        return TP_OK;
+    const narrow_params *np = TP__OP_PARAMS(op, const narrow_params);
+    TP_CHECK(tp__new(op->dt, op->dev, in[0]->ndim, in[0]->shape, true, &g[0]));
+    return narrow_copy(op, tp_tensor_data(g[0]), tp_tensor_data(gy), in[0]->shape, np->dim,
+                       false);
+}
+
+static const tp__op_def narrow_def = {
+    .name = "narrow",
+    .n_inputs = 1,
+    .input_names = {"x"},
+    .dtype_kernel = TP__KOP_COPY,
+    .strategies = narrow_strategies,
+    .out_shape = narrow_shape,
+    .forward = narrow_fwd,
+    .backward = narrow_bwd,
+};
+
+tp_status tp_narrow(tp_tensor *x, int dim, int64_t start, int64_t length, tp_tensor **y)
+{
+    const char *fn = "narrow";
+    TP_ARG_CHECK(y, "%s: out is NULL", fn);
+    *y = NULL;
+    TP_ARG_CHECK(x, "%s: x is NULL", fn);
+    const int nd = tp_tensor_ndim(x), d = tp__wrap_dim(dim, nd);
+    TP_ARG_CHECK(d >= 0, "%s: dim %d is out of range for %d dims", fn, dim, nd);
+    const int64_t size = tp_tensor_size(x, d);
+    TP_ARG_CHECK(start >= 0 && length >= 0 && start <= size - length,
+                 "%s: [%lld, %lld) is not within dim %d of size %lld", fn, (long long)start,
+                 (long long)(start + length), d, (long long)size);
+    narrow_params np = {d, start, length};
+    tp_tensor *args[1] = {x};
+    return tp__op_run(&narrow_def, args, &np, sizeof np, y);
+}
