@@ -295,10 +295,12 @@ static int parse_args(int argc, char **argv, options *o)
     int rc = read_tokens(o, o->cmd == CMD_LOGITS ? o->tokens : o->data, o->cmd == CMD_TRAIN);
     if (rc)
         return rc;
-    if (o->cfg.num_attention_heads % o->tp || o->cfg.num_key_value_heads % o->tp) {
+    if (o->cfg.num_attention_heads % o->tp ||
+        (o->cfg.num_key_value_heads % o->tp && o->tp % o->cfg.num_key_value_heads)) {
         fprintf(stderr, "tp-llm: --tp %d does not split %lld attention heads and %lld key/value "
-                        "heads\n", o->tp, (long long)o->cfg.num_attention_heads,
-                (long long)o->cfg.num_key_value_heads);
+                        "heads (tp must divide the attention heads, and divide the kv heads "
+                        "or be a multiple of them)\n", o->tp,
+                (long long)o->cfg.num_attention_heads, (long long)o->cfg.num_key_value_heads);
         return EXIT_BAD;
     }
     if (o->batch % o->dp) {

@@ -184,11 +184,18 @@ TP_API void tp_llm_plan_free(tp_llm_plan *plan);
 
 /*
  * Collective over the 1-D mesh (a tp slice): tp_parallelize_module with the
- * plan (n == 0: the standard plan with default options), after checking that
- * the heads split: num_attention_heads and num_key_value_heads must be
- * multiples of the mesh size (TP_ERR_INVALID_ARG / TP_ERR_NOT_SUPPORTED
- * naming the counts). Tied embeddings stay tied (both weights Shard(0) on
- * the vocab dim). opts as tp_parallelize_module's.
+ * plan (n == 0: the standard plan with default options). num_attention_heads
+ * must be a multiple of the mesh size. The kv heads split likewise when the
+ * mesh size divides them; when it is a multiple of them instead, each rank
+ * keeps the kv head its query heads read (as vLLM does): k_proj and v_proj
+ * are left out of the plan and their parameters made Replicate (from
+ * opts->src_data_rank), each rank computing its head from rows of them; the
+ * gradient of those weights is Partial (each rank's share), reduced by the
+ * optimizer step. Other counts are TP_ERR_INVALID_ARG naming them, before
+ * any communication. In that replicated case the plan's patterns are
+ * resolved against the model (opts->unmatched is not filled; an entry that
+ * matches no module is an error unless allow_unmatched). Tied embeddings
+ * stay tied (both weights Shard(0) on the vocab dim).
  */
 TP_API tp_status tp_llm_parallelize(tp_module *model, tp_mesh *mesh, int n,
                                     const tp_plan_entry *plan, const tp_parallelize_options *opts);

@@ -18,6 +18,7 @@
 #include "models/models_internal.h"
 #include "nn/nn_internal.h"
 #include "tp/autograd.h"
+#include "tp/comm_debug.h"
 #include "tp/dtensor.h"
 
 #define CHECK(expr) TP_CHECK_GOTO(expr, st, out)
@@ -84,6 +85,60 @@ static tp_status split_heads(const char *what, tp_tensor *x, int64_t head_dim, t
     return st;
 }
 
+/* One replicated projection's output for this rank's kv head: rows
+ * [kv_head * D, (kv_head + 1) * D) of its weight (and bias), whose gradient
+ * (this rank's share) flows back as Partial: the optimizer's reduction sums
+ * the ranks' shares into the full gradient. */
+static tp_status kv_proj(tp_module *self, const tp__llm_attn *a, const char *name, tp_tensor *x,
+                         tp_tensor **out)
+{
+    tp_module *lin = tp_module_child(self, name);
+    const tp_placement partial = tp_partial(TP_SUM);
+    tp_tensor *w = NULL, *wg = NULL, *b = NULL, *bg = NULL;
+    tp_status st = tp_comm_debug_push_scope(name);
+    if (st != TP_OK)
+        return st;
+    CHECK(tp_dtensor_to_local(tp_module_parameter(lin, "weight"), 1, &partial, &w));
+    CHECK(tp_narrow(w, 0, a->kv_head * a->head_dim, a->head_dim, &wg));
+    if (tp_module_parameter(lin, "bias")) {
+        CHECK(tp_dtensor_to_local(tp_module_parameter(lin, "bias"), 1, &partial, &b));
+        CHECK(tp_narrow(b, 0, a->kv_head * a->head_dim, a->head_dim, &bg));
+    }
+    CHECK(tp_linear(x, wg, bg, out));
+out:
+    tp_comm_debug_pop_scope();
+    tp_tensor_release(bg);
+    tp_tensor_release(b);
+    tp_tensor_release(wg);
+    tp_tensor_release(w);
+    return st;
+}
+
+/* k and v when tp exceeds the kv heads: each rank computes the kv head its
+ * query heads read (as vLLM does), from weights replicated over the mesh.
+ * The input's gradient from these projections is this rank's share, so the
+ * input is taken as a Replicate DTensor whose local gradient is Partial: its
+ * reduction (one all_reduce for both, or the sequence-parallel gather's
+ * reduce_scatter, shared with q_proj's) sums the shares. */
+static tp_status replicated_kv(tp_module *self, const tp__llm_attn *a, tp_tensor *x,
+                               tp_tensor **k, tp_tensor **v)
+{
+    const tp_placement rep = tp_replicate(), partial = tp_partial(TP_SUM);
+    tp_tensor *xd = NULL, *xl = NULL;
+    tp_status st = TP_OK;
+    if (tp_tensor_is_dtensor(x))
+        xd = tp_tensor_retain(x);
+    else
+        CHECK(tp_dtensor_from_local(a->mesh, x, 1, &rep, NULL, &xd));
+    CHECK(tp_dtensor_to_local(xd, 1, &partial, &xl));
+    CHECK(kv_proj(self, a, "k_proj", xl, k));
+    CHECK(kv_proj(self, a, "v_proj", xl, v));
+out:
+    tp_tensor_release(xl);
+    tp_tensor_release(xd);
+    return st;
+}
+
 static tp_status attention_forward(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
                                    const tp_kwarg *kw, tp_tensor **out)
 {
@@ -98,8 +153,12 @@ static tp_status attention_forward(tp_module *self, int nargs, tp_tensor *const 
     tp_tensor *q = NULL, *k = NULL, *v = NULL, *qh = NULL, *kh = NULL, *vh = NULL, *qr = NULL,
               *kr = NULL, *o = NULL, *ot = NULL, *merged = NULL;
     CHECK(call(self, "q_proj", args[0], &q));
-    CHECK(call(self, "k_proj", args[0], &k));
-    CHECK(call(self, "v_proj", args[0], &v));
+    if (a->kv_head >= 0) {
+        CHECK(replicated_kv(self, a, args[0], &k, &v));
+    } else {
+        CHECK(call(self, "k_proj", args[0], &k));
+        CHECK(call(self, "v_proj", args[0], &v));
+    }
     CHECK(split_heads("q_proj's output", q, a->head_dim, &qh));
     CHECK(split_heads("k_proj's output", k, a->head_dim, &kh));
     CHECK(split_heads("v_proj's output", v, a->head_dim, &vh));
@@ -329,9 +388,19 @@ static tp_status add_norm(tp_module *parent, const char *name, const tp_llm_conf
     return adopt(parent, name, m);
 }
 
-/* A custom module with a malloc'ed copy of ctx (n bytes). */
+void tp__llm_attn_free(void *ctx)
+{
+    tp__llm_attn *a = ctx;
+    if (a)
+        tp_mesh_free(a->mesh);
+    tp__free(a);
+}
+
+/* A custom module with a malloc'ed copy of ctx (n bytes), freed by
+ * ctx_free (NULL: tp__free). */
 static tp_status add_custom(tp_module *parent, const char *name, const char *type,
-                            tp_forward_fn fwd, const void *ctx, size_t n, tp_module **out)
+                            tp_forward_fn fwd, const void *ctx, size_t n,
+                            void (*ctx_free)(void *), tp_module **out)
 {
     void *copy = NULL;
     if (n) {
@@ -340,7 +409,8 @@ static tp_status add_custom(tp_module *parent, const char *name, const char *typ
         memcpy(copy, ctx, n);
     }
     tp_module *m = NULL;
-    tp_status st = tp_nn_custom_create(type, fwd, copy, copy ? tp__free : NULL, &m);
+    tp_status st = tp_nn_custom_create(type, fwd, copy, copy ? (ctx_free ? ctx_free : tp__free)
+                                                            : NULL, &m);
     if (st != TP_OK) {
         tp__free(copy);
         return st;
@@ -356,17 +426,17 @@ static tp_status build_layer(tp_module *layers, int64_t i, const tp_llm_config *
     char name[24];
     snprintf(name, sizeof name, "%lld", (long long)i);
     tp_module *l = NULL, *attn = NULL, *mlp = NULL;
-    TP_CHECK(add_custom(layers, name, "LlamaDecoderLayer", layer_forward, NULL, 0, &l));
-    const tp__llm_attn actx = {c->head_dim};
+    TP_CHECK(add_custom(layers, name, "LlamaDecoderLayer", layer_forward, NULL, 0, NULL, &l));
+    const tp__llm_attn actx = {c->head_dim, -1, NULL};
     TP_CHECK(add_custom(l, "self_attn", "LlamaAttention", attention_forward, &actx, sizeof actx,
-                        &attn));
+                        tp__llm_attn_free, &attn));
     const int64_t hd = c->head_dim, H = c->hidden_size;
     const bool qkvb = c->attention_bias || c->qkv_bias;
     TP_CHECK(add_linear(attn, "q_proj", H, c->num_attention_heads * hd, qkvb));
     TP_CHECK(add_linear(attn, "k_proj", H, c->num_key_value_heads * hd, qkvb));
     TP_CHECK(add_linear(attn, "v_proj", H, c->num_key_value_heads * hd, qkvb));
     TP_CHECK(add_linear(attn, "o_proj", c->num_attention_heads * hd, H, c->attention_bias));
-    TP_CHECK(add_custom(l, "mlp", "LlamaMLP", mlp_forward, NULL, 0, &mlp));
+    TP_CHECK(add_custom(l, "mlp", "LlamaMLP", mlp_forward, NULL, 0, NULL, &mlp));
     TP_CHECK(add_linear(mlp, "gate_proj", H, c->intermediate_size, c->mlp_bias));
     TP_CHECK(add_linear(mlp, "up_proj", H, c->intermediate_size, c->mlp_bias));
     TP_CHECK(add_linear(mlp, "down_proj", c->intermediate_size, H, c->mlp_bias));
@@ -389,8 +459,8 @@ tp_status tp_llm_create(const tp_llm_config *cfg, tp_module **out)
     tp_status st;
     tp_module *root = NULL, *model = NULL, *layers = NULL, *emb = NULL, *head = NULL;
     CHECK(add_custom(NULL, NULL, tp_llm_arch_name(cfg->arch), causal_lm_forward, &ctx, sizeof ctx,
-                     &root));
-    CHECK(add_custom(root, "model", "LlamaModel", model_forward, &ctx, sizeof ctx, &model));
+                     NULL, &root));
+    CHECK(add_custom(root, "model", "LlamaModel", model_forward, &ctx, sizeof ctx, NULL, &model));
     CHECK(tp_nn_embedding_create(cfg->vocab_size, cfg->hidden_size, &emb));
     st = adopt(model, "embed_tokens", emb);
     CHECK(st);

@@ -17,7 +17,16 @@ typedef struct tp__llm {
 /* The context of an attention module. */
 typedef struct tp__llm_attn {
     int64_t head_dim;
+    /* Key/value heads replicated over the ranks that share one (tp larger
+     * than the kv heads): the kv head this rank computes, and the tp mesh
+     * (retained); -1 and NULL when k_proj and v_proj are sharded by the plan
+     * or not parallelized. */
+    int64_t kv_head;
+    tp_mesh *mesh;
 } tp__llm_attn;
+
+/* Frees an attention context (releasing its mesh). */
+void tp__llm_attn_free(void *ctx);
 
 /* The context of a model root tp_llm_create made, else NULL. */
 const tp__llm *tp__llm_of(const tp_module *m);

@@ -1,6 +1,8 @@
 /* The standard tensor-parallel plan of the Llama family (as torchtitan and
  * transformers' base_model_tp_plan lay it out), tp_llm_parallelize, and the
  * causal-LM loss. */
+#include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "core/base.h"
@@ -110,18 +112,124 @@ const tp_plan_entry *tp_llm_plan_entries(const tp_llm_plan *plan)
     return plan ? plan->e : NULL;
 }
 
-/* The heads of one projection split over tp ranks: a clear error where they
- * cannot be. */
-static tp_status check_heads(const char *fn, const tp_llm_config *c, int64_t tp)
+/* How the heads split over tp ranks: the query heads evenly; the kv heads
+ * evenly, or, where tp is a multiple of them, replicated over the tp / Hkv
+ * ranks that share one (*replicate). Anything else is a clear error. */
+static tp_status check_heads(const char *fn, const tp_llm_config *c, int64_t tp, bool *replicate)
 {
-    TP_ARG_CHECK(c->num_attention_heads % tp == 0,
-                 "%s: %lld attention heads cannot be split over tp %lld ranks", fn,
-                 (long long)c->num_attention_heads, (long long)tp);
-    if (c->num_key_value_heads % tp != 0)
-        return tp__error(TP_ERR_NOT_SUPPORTED,
-                         "%s: %lld key/value heads cannot be split over tp %lld ranks (kv heads "
-                         "replicated over the ranks that share one are not built yet)",
-                         fn, (long long)c->num_key_value_heads, (long long)tp);
+    const long long hq = c->num_attention_heads, hkv = c->num_key_value_heads, t = tp;
+    TP_ARG_CHECK(hq % t == 0, "%s: %lld attention heads cannot be split over tp %lld ranks", fn,
+                 hq, t);
+    *replicate = hkv % t != 0;
+    TP_ARG_CHECK(!*replicate || t % hkv == 0,
+                 "%s: %lld key/value heads can neither be split over tp %lld ranks nor "
+                 "replicated over them (tp must divide the kv heads or be a multiple of them)",
+                 fn, hkv, t);
+    return TP_OK;
+}
+
+/* The FQNs of the modules below m (m's own is prefix) into a list. */
+typedef struct {
+    char **v;
+    int n;
+    size_t cap;
+} fqn_list;
+
+static void fqn_list_free(fqn_list *l)
+{
+    for (int i = 0; i < l->n; i++)
+        tp__free(l->v[i]);
+    tp__free(l->v);
+}
+
+static tp_status collect_fqns(tp_module *m, const char *prefix, fqn_list *l)
+{
+    for (int i = 0; i < tp_module_num_children(m); i++) {
+        const char *name = NULL;
+        tp_module *c = tp_module_child_at(m, i, &name);
+        char fqn[512];
+        int k = snprintf(fqn, sizeof fqn, "%s%s%s", prefix, *prefix ? "." : "", name);
+        TP_ARG_CHECK(k > 0 && (size_t)k < sizeof fqn, "tp_llm_parallelize: FQN too long");
+        if (!tp__grow_array((void **)&l->v, (size_t)l->n, &l->cap, sizeof *l->v) ||
+            !(l->v[l->n] = tp__strdup(fqn)))
+            return tp__error(TP_ERR_NO_MEMORY, "tp_llm_parallelize: out of memory");
+        l->n++;
+        TP_CHECK(collect_fqns(c, l->v[l->n - 1], l));
+    }
+    return TP_OK;
+}
+
+static bool is_kv_proj(const char *fqn)
+{
+    return tp_fqn_match("model.layers.*.self_attn.k_proj", fqn) ||
+           tp_fqn_match("model.layers.*.self_attn.v_proj", fqn);
+}
+
+/* The plan with kv projections left out: one entry per matching module of
+ * `fqns` (patterns resolved; the entries borrow the strings), k_proj and
+ * v_proj skipped. An entry that matches nothing is the error
+ * tp_parallelize_module would give, unless allowed. */
+static tp_status plan_without_kv(const char *fn, const fqn_list *fqns, int n,
+                                 const tp_plan_entry *plan, bool allow_unmatched,
+                                 tp_plan_entry **out, int *nout)
+{
+    tp_plan_entry *e = tp__calloc((size_t)n * (size_t)(fqns->n + 1) + 1, sizeof *e);
+    if (!e)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    int ne = 0;
+    for (int i = 0; i < n; i++) {
+        bool matched = false;
+        if (!plan[i].fqn[0]) { /* "" is the model itself */
+            e[ne++] = plan[i];
+            continue;
+        }
+        for (int j = 0; j < fqns->n; j++) {
+            if (!tp_fqn_match(plan[i].fqn, fqns->v[j]))
+                continue;
+            matched = true;
+            if (!is_kv_proj(fqns->v[j]))
+                e[ne++] = (tp_plan_entry){fqns->v[j], plan[i].style};
+        }
+        if (!matched && !allow_unmatched) {
+            tp__free(e);
+            return tp__error(TP_ERR_INVALID_ARG, "%s: plan entry %d ('%s') matched no module",
+                             fn, i, plan[i].fqn);
+        }
+    }
+    *out = e;
+    *nout = ne;
+    return TP_OK;
+}
+
+/* k_proj and v_proj of every layer: parameters Replicate over the mesh
+ * (from src_data_rank, as a style distributes them), and each attention
+ * told which kv head its rank computes. */
+static tp_status replicate_kv(tp_module *model, const tp_llm_config *c, tp_mesh *mesh, int src)
+{
+    const int64_t tp = tp_mesh_size(mesh, 0),
+                  kv_head = tp_mesh_coord(mesh, 0) / (tp / c->num_key_value_heads);
+    const tp_placement rep = tp_replicate();
+    tp_module *layers = tp_module_find(model, "model.layers");
+    for (int i = 0; i < tp_module_num_children(layers); i++) {
+        tp_module *attn = tp_module_child(tp_module_child_at(layers, i, NULL), "self_attn");
+        for (int j = 0; j < 2; j++) {
+            tp_module *lin = tp_module_child(attn, j ? "v_proj" : "k_proj");
+            for (int k = 0; k < 2; k++) {
+                const char *pn = k ? "bias" : "weight";
+                tp_tensor *p = tp_module_parameter(lin, pn), *d = NULL;
+                if (!p || tp_tensor_is_dtensor(p))
+                    continue;
+                TP_CHECK(tp_dtensor_distribute(mesh, p, 1, &rep, src, &d));
+                tp_status st = tp_module_set_parameter(lin, pn, d);
+                tp_tensor_release(d);
+                TP_CHECK(st);
+            }
+        }
+        tp__llm_attn *a = tp_module_ctx(attn);
+        if (!a->mesh)
+            a->mesh = tp_mesh_retain(mesh);
+        a->kv_head = kv_head;
+    }
     return TP_OK;
 }
 
@@ -135,14 +243,42 @@ tp_status tp_llm_parallelize(tp_module *model, tp_mesh *mesh, int n, const tp_pl
     TP_ARG_CHECK(tp_mesh_ndim(mesh) == 1, "%s: the mesh has %d dims; pass its 1-D tp slice "
                  "(tp_mesh_slice)", fn, tp_mesh_ndim(mesh));
     TP_ARG_CHECK(n >= 0 && (n == 0 || plan), "%s: %d plan entries at %p", fn, n, (void *)plan);
-    TP_CHECK(check_heads(fn, &m->cfg, tp_mesh_size(mesh, 0)));
+    bool replicate = false;
+    TP_CHECK(check_heads(fn, &m->cfg, tp_mesh_size(mesh, 0), &replicate));
+    const tp_parallelize_options o = opts ? *opts : (tp_parallelize_options){0};
+    TP_ARG_CHECK(o.src_data_rank == TP_SRC_DATA_RANK_NONE ||
+                     (o.src_data_rank >= 0 && o.src_data_rank < tp_mesh_size(mesh, 0)),
+                 "%s: src_data_rank %d is not a rank of the mesh", fn, o.src_data_rank);
     tp_llm_plan *std = NULL;
     if (n == 0) {
         TP_CHECK(tp_llm_plan_create(NULL, &std));
         n = std->n;
         plan = std->e;
     }
-    tp_status st = tp_parallelize_module(model, mesh, n, plan, opts);
+    tp_plan_entry *eff = NULL;
+    int neff = n;
+    tp_status st = TP_OK;
+    if (replicate) {
+        fqn_list fqns = {0};
+        st = collect_fqns(model, "", &fqns);
+        if (st == TP_OK)
+            st = plan_without_kv(fn, &fqns, n, plan, o.allow_unmatched, &eff, &neff);
+        if (st == TP_OK) {
+            tp_parallelize_options po = o;
+            po.unmatched = NULL;
+            po.n_unmatched = NULL;
+            if (o.n_unmatched)
+                *o.n_unmatched = 0;
+            st = tp_parallelize_module(model, mesh, neff, eff, &po);
+        }
+        if (st == TP_OK)
+            st = replicate_kv(model, &m->cfg, mesh,
+                              o.src_data_rank == TP_SRC_DATA_RANK_NONE ? -1 : o.src_data_rank);
+        tp__free(eff);
+        fqn_list_free(&fqns);
+    } else {
+        st = tp_parallelize_module(model, mesh, n, plan, opts);
+    }
     tp_llm_plan_free(std);
     if (st != TP_OK || !m->cfg.tie_word_embeddings)
         return st;
