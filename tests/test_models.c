@@ -204,6 +204,7 @@ typedef struct {
     int model, tp;
     bool sp, grads;
     tp_dtype dtype;
+    bool cuda; /* rank r on cuda:(r % devices); every rank shares one GPU */
 } run_case;
 
 /* Each rank checks what it computed (under MPI only its own slot reaches the
@@ -260,7 +261,11 @@ static tp_status model_body(tp_comm *world, void *arg)
     tp_llm_plan *plan = NULL;
     tp_tensor *ids = NULL, *logits = NULL, *full = NULL, *ref = NULL, *loss = NULL;
     RANK_OK(slot, tp_llm_config_load(dir, &cfg));
-    RANK_OK(slot, tp_llm_create(&cfg, &model));
+    const tp_device dev = s->c.cuda ? TP_CUDA(r % tp_cuda_device_count()) : TP_CPU;
+    RANK_OK(slot, tp_nn_set_default_device(dev));
+    tp_status cst = tp_llm_create(&cfg, &model);
+    RANK_OK(slot, tp_nn_set_default_device(TP_CPU));
+    RANK_OK(slot, cst);
     if (s->c.dtype != TP_F32)
         RANK_OK(slot, tp_module_to_dtype(model, s->c.dtype));
     const int64_t shape[1] = {s->c.tp};
@@ -272,7 +277,11 @@ static tp_status model_body(tp_comm *world, void *arg)
                                                                    TP_SRC_DATA_RANK_NONE}));
     RANK_OK(slot, tp_llm_load(model, dir));
     RANK_OK(slot, ref_tensor(s->c.model, "input_ids", &ids));
-    RANK_OK(slot, tp_llm_forward(model, ids, NULL, NULL, &logits));
+    tp_tensor *ids_dev = NULL;
+    RANK_OK(slot, tp_tensor_to(ids, TP_I64, dev, &ids_dev));
+    tp_status fst = tp_llm_forward(model, ids_dev, NULL, NULL, &logits);
+    tp_tensor_release(ids_dev);
+    RANK_OK(slot, fst);
     RANK_OK(slot, full_f32(logits, &full));
     RANK_OK(slot, ref_tensor(s->c.model, "logits", &ref));
     RANK_EXPECT(slot, tp_tensor_numel(full) == tp_tensor_numel(ref), "logits: %lld elements",
@@ -323,16 +332,16 @@ ParameterizedTestParameters(models, f32_against_transformers)
     /* kv heads: llama and qwen2 2, llama_bf16 4, mistral 1; where tp
      * exceeds them each rank keeps the kv head its query heads read */
     static run_case cases[] = {
-        {LLAMA, 1, false, true, TP_F32},      {LLAMA, 2, false, true, TP_F32},
-        {LLAMA, 2, true, true, TP_F32},       {LLAMA, 4, false, true, TP_F32},
-        {LLAMA, 8, true, true, TP_F32},       {LLAMA_BF16, 1, false, true, TP_F32},
-        {LLAMA_BF16, 2, true, true, TP_F32},  {LLAMA_BF16, 4, false, true, TP_F32},
-        {LLAMA_BF16, 4, true, true, TP_F32},  {LLAMA_BF16, 8, false, true, TP_F32},
-        {MISTRAL, 1, false, true, TP_F32},    {MISTRAL, 2, false, true, TP_F32},
-        {MISTRAL, 4, true, true, TP_F32},     {MISTRAL, 8, false, true, TP_F32},
-        {QWEN2, 1, false, true, TP_F32},      {QWEN2, 2, false, true, TP_F32},
-        {QWEN2, 2, true, true, TP_F32},       {QWEN2, 4, false, true, TP_F32},
-        {QWEN2, 4, true, true, TP_F32},
+        {LLAMA, 1, false, true, TP_F32, false},      {LLAMA, 2, false, true, TP_F32, false},
+        {LLAMA, 2, true, true, TP_F32, false},       {LLAMA, 4, false, true, TP_F32, false},
+        {LLAMA, 8, true, true, TP_F32, false},       {LLAMA_BF16, 1, false, true, TP_F32, false},
+        {LLAMA_BF16, 2, true, true, TP_F32, false},  {LLAMA_BF16, 4, false, true, TP_F32, false},
+        {LLAMA_BF16, 4, true, true, TP_F32, false},  {LLAMA_BF16, 8, false, true, TP_F32, false},
+        {MISTRAL, 1, false, true, TP_F32, false},    {MISTRAL, 2, false, true, TP_F32, false},
+        {MISTRAL, 4, true, true, TP_F32, false},     {MISTRAL, 8, false, true, TP_F32, false},
+        {QWEN2, 1, false, true, TP_F32, false},      {QWEN2, 2, false, true, TP_F32, false},
+        {QWEN2, 2, true, true, TP_F32, false},       {QWEN2, 4, false, true, TP_F32, false},
+        {QWEN2, 4, true, true, TP_F32, false},
     };
     return cr_make_param_array(run_case, cases, sizeof cases / sizeof cases[0]);
 }
@@ -349,9 +358,9 @@ ParameterizedTest(run_case *c, models, f32_against_transformers, .timeout = 120)
 ParameterizedTestParameters(models, low_precision_logits)
 {
     static run_case cases[] = {
-        {LLAMA, 2, false, false, TP_BF16},     {LLAMA_BF16, 4, false, false, TP_BF16},
-        {MISTRAL, 4, true, false, TP_BF16},    {QWEN2, 2, false, false, TP_F16},
-        {LLAMA, 8, false, false, TP_F16},
+        {LLAMA, 2, false, false, TP_BF16, false},     {LLAMA_BF16, 4, false, false, TP_BF16, false},
+        {MISTRAL, 4, true, false, TP_BF16, false},    {QWEN2, 2, false, false, TP_F16, false},
+        {LLAMA, 8, false, false, TP_F16, false},
     };
     return cr_make_param_array(run_case, cases, sizeof cases / sizeof cases[0]);
 }
@@ -359,6 +368,28 @@ ParameterizedTestParameters(models, low_precision_logits)
 ParameterizedTest(run_case *c, models, low_precision_logits, .timeout = 120)
 {
     run_model(c, c->dtype == TP_BF16 ? 3e-2 : 4e-3, 0, 0);
+}
+
+/* The same on the GPU: the shm ranks (threads) share the device, as on a
+ * one-GPU machine; f32 within the CPU's bounds (no TF32), bf16 within its
+ * bound. Skipped visibly without a CUDA device. */
+ParameterizedTestParameters(models, cuda_against_transformers)
+{
+    static run_case cases[] = {
+        {LLAMA, 1, false, true, TP_F32, true},    {QWEN2, 2, true, true, TP_F32, true},
+        {MISTRAL, 4, false, true, TP_F32, true},  {LLAMA_BF16, 2, false, false, TP_BF16, true},
+        {LLAMA, 4, true, false, TP_BF16, true},
+    };
+    return cr_make_param_array(run_case, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(run_case *c, models, cuda_against_transformers, .timeout = 300)
+{
+    if (tp_cuda_device_count() <= 0)
+        cr_skip_test("no CUDA device: %s", TP_HAVE_CUDA ? "libtp has CUDA but the machine shows "
+                                                          "no device"
+                                                        : "libtp was built without CUDA");
+    run_model(c, c->dtype == TP_BF16 ? 3e-2 : 1e-4, 1e-4, 1e-3);
 }
 
 /* Heads that tp can neither split nor replicate: refused on every rank,
