@@ -392,6 +392,70 @@ ParameterizedTest(run_case *c, models, cuda_against_transformers, .timeout = 300
     run_model(c, c->dtype == TP_BF16 ? 3e-2 : 1e-4, 1e-4, 1e-3);
 }
 
+/* Each rank reads only its shard: at tp 2 the bytes read (the thread's
+ * tp_safetensors_bytes_read) are exactly its parameters' local elements in
+ * the file's dtype (bf16, over three files); the tied weight is read once
+ * and stays one tensor. */
+typedef struct {
+    int tp;
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} bytes_run;
+
+typedef struct {
+    uint64_t bytes;
+} local_bytes;
+
+static tp_status count_local(const char *fqn, tp_tensor *p, void *ctx)
+{
+    (void)fqn;
+    local_bytes *b = ctx;
+    b->bytes += 2 * (uint64_t)tp_tensor_numel(tp_tensor_is_dtensor(p) ? tp_dtensor_local(p) : p);
+    return TP_OK;
+}
+
+static tp_status bytes_body(tp_comm *world, void *arg)
+{
+    bytes_run *c = arg;
+    const int r = tp_comm_rank(world);
+    tp_test_slot *slot = &c->slot[r];
+    char dir[512];
+    model_dir(LLAMA_BF16, dir, sizeof dir);
+    tp_llm_config cfg;
+    tp_module *model = NULL;
+    tp_mesh *mesh = NULL;
+    RANK_OK(slot, tp_llm_config_load(dir, &cfg));
+    RANK_OK(slot, tp_llm_create(&cfg, &model));
+    const int64_t shape[1] = {c->tp};
+    RANK_OK(slot, tp_mesh_create(world, 1, shape, NULL, &mesh));
+    RANK_OK(slot, tp_llm_parallelize(model, mesh, 0, NULL, NULL));
+    local_bytes want = {0};
+    RANK_OK(slot, tp_module_named_parameters(model, count_local, &want));
+    const uint64_t before = tp_safetensors_bytes_read();
+    RANK_OK(slot, tp_llm_load(model, dir));
+    const uint64_t got = tp_safetensors_bytes_read() - before;
+    RANK_EXPECT(slot, got == want.bytes, "tp %d rank %d read %llu bytes of tensor data; its "
+                "shard is %llu", c->tp, r, (unsigned long long)got,
+                (unsigned long long)want.bytes);
+    RANK_EXPECT(slot, tp_module_parameter(tp_module_find(model, "lm_head"), "weight") ==
+                          tp_module_parameter(tp_module_find(model, "model.embed_tokens"),
+                                              "weight"),
+                "the tied weight is two tensors after the load");
+    tp_mesh_free(mesh);
+    tp_module_free(model);
+    return TP_OK;
+}
+
+ParameterizedTestParameters(models, each_rank_reads_its_shard)
+{
+    static bytes_run cases[] = {{.tp = 1}, {.tp = 2}, {.tp = 4}};
+    return cr_make_param_array(bytes_run, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(bytes_run *c, models, each_rank_reads_its_shard, .timeout = 60)
+{
+    tp_test_run(c->tp, bytes_body, c, c->slot);
+}
+
 /* Heads that tp can neither split nor replicate: refused on every rank,
  * naming the counts, before any communication */
 typedef struct {
