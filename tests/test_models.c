@@ -456,6 +456,73 @@ ParameterizedTest(bytes_run *c, models, each_rank_reads_its_shard, .timeout = 60
     tp_test_run(c->tp, bytes_body, c, c->slot);
 }
 
+/* A left-padded batch with transformers' attention_mask (positions 0..S-1,
+ * as its forward takes them without position ids): the logits of every
+ * unpadded position equal transformers' */
+typedef struct {
+    int model, tp;
+    tp_test_slot slot[TP_TEST_MAX_RANKS];
+} pad_run;
+
+static tp_status pad_body(tp_comm *world, void *arg)
+{
+    pad_run *c = arg;
+    const int r = tp_comm_rank(world);
+    tp_test_slot *slot = &c->slot[r];
+    char dir[512];
+    model_dir(c->model, dir, sizeof dir);
+    tp_llm_config cfg;
+    tp_module *model = NULL;
+    tp_mesh *mesh = NULL;
+    tp_tensor *ids = NULL, *mask = NULL, *ref = NULL, *logits = NULL, *full = NULL;
+    RANK_OK(slot, tp_llm_config_load(dir, &cfg));
+    RANK_OK(slot, tp_llm_create(&cfg, &model));
+    const int64_t shape[1] = {c->tp};
+    RANK_OK(slot, tp_mesh_create(world, 1, shape, NULL, &mesh));
+    RANK_OK(slot, tp_llm_parallelize(model, mesh, 0, NULL, NULL));
+    RANK_OK(slot, tp_llm_load(model, dir));
+    RANK_OK(slot, ref_tensor(c->model, "pad_input_ids", &ids));
+    RANK_OK(slot, ref_tensor(c->model, "pad_mask", &mask));
+    RANK_OK(slot, ref_tensor(c->model, "pad_logits", &ref));
+    RANK_OK(slot, tp_llm_forward(model, ids, NULL, mask, &logits));
+    RANK_OK(slot, full_f32(logits, &full));
+    const int64_t B = tp_tensor_size(ids, 0), S = tp_tensor_size(ids, 1), V = cfg.vocab_size;
+    const int64_t *m = tp_tensor_data(mask);
+    const float *got = tp_tensor_data(full), *want = tp_tensor_data(ref);
+    double diff = 0, scale = 0;
+    int64_t compared = 0;
+    for (int64_t i = 0; i < B * S; i++) {
+        if (!m[i])
+            continue;
+        compared++;
+        for (int64_t v = 0; v < V; v++) {
+            diff = fmax(diff, fabs((double)got[i * V + v] - want[i * V + v]));
+            scale = fmax(scale, fabs((double)want[i * V + v]));
+        }
+    }
+    RANK_EXPECT(slot, compared == B * S - 4 && diff <= 1e-4 * scale,
+                "%s tp %d: %lld positions, logits differ by %g (largest %g)",
+                model_names[c->model], c->tp, (long long)compared, diff, scale);
+    tp_tensor *all[] = {ids, mask, ref, logits, full};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        tp_tensor_release(all[i]);
+    tp_mesh_free(mesh);
+    tp_module_free(model);
+    return TP_OK;
+}
+
+ParameterizedTestParameters(models, padded_batch)
+{
+    static pad_run cases[] = {{.model = LLAMA, .tp = 1}, {.model = QWEN2, .tp = 2},
+                              {.model = MISTRAL, .tp = 4}};
+    return cr_make_param_array(pad_run, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(pad_run *c, models, padded_batch, .timeout = 60)
+{
+    tp_test_run(c->tp, pad_body, c, c->slot);
+}
+
 /* Heads that tp can neither split nor replicate: refused on every rank,
  * naming the counts, before any communication */
 typedef struct {
