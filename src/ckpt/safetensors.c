@@ -508,20 +508,31 @@ static tp_status tp__st_end_file(const char *path, tp__st_writer *w, tp_status s
     return st;
 }
 
+/* The parameters to save, with root checked against the ranks of their mesh
+ * (the caller without one), and whether this rank writes. */
+static tp_status tp__st_save_params(const char *fn, tp_module *m, int root, tp__st_plist *l,
+                                    bool *writer)
+{
+    TP_CHECK(tp__st_params(fn, m, l));
+    int size = l->mesh ? tp_comm_size(tp_mesh_group(l->mesh)) : 1;
+    if (root < 0 || root >= size) {
+        bool mesh = l->mesh != NULL;
+        tp__st_plist_free(l);
+        return tp__error(TP_ERR_INVALID_ARG, "%s: root %d is not a rank of the %s (size %d)", fn,
+                         root, mesh ? "module's mesh" : "caller (no DTensor parameters)", size);
+    }
+    *writer = !l->mesh || tp_comm_rank(tp_mesh_group(l->mesh)) == root;
+    return TP_OK;
+}
+
 tp_status tp_safetensors_save(tp_module *m, const char *path, int root)
 {
     const char *fn = "tp_safetensors_save";
     TP_ARG_CHECK(m, "%s: module is NULL", fn);
     TP_ARG_CHECK(path, "%s: path is NULL", fn);
     tp__st_plist l;
-    TP_CHECK(tp__st_params(fn, m, &l));
-    int size = l.mesh ? tp_comm_size(tp_mesh_group(l.mesh)) : 1;
-    if (root < 0 || root >= size) {
-        tp__st_plist_free(&l);
-        return tp__error(TP_ERR_INVALID_ARG, "%s: root %d is not a rank of the %s (size %d)", fn,
-                         root, l.mesh ? "module's mesh" : "caller (no DTensor parameters)", size);
-    }
-    bool writer = !l.mesh || tp_comm_rank(tp_mesh_group(l.mesh)) == root;
+    bool writer = false;
+    TP_CHECK(tp__st_save_params(fn, m, root, &l, &writer));
     int64_t one = 1;
     tp_tensor *flag = NULL;
     tp_status st = l.mesh ? tp_tensor_empty(TP_I32, TP_CPU, 1, &one, &flag) : TP_OK;
@@ -596,14 +607,8 @@ tp_status tp_safetensors_save_sharded(tp_module *m, const char *dir, const char 
                  "%s: prefix \"%s\" must be a non-empty file name", fn, prefix);
     TP_ARG_CHECK(strlen(dir) + strlen(prefix) < 4096 - 64, "%s: dir '%s' is too long", fn, dir);
     tp__st_plist l;
-    TP_CHECK(tp__st_params(fn, m, &l));
-    int size = l.mesh ? tp_comm_size(tp_mesh_group(l.mesh)) : 1;
-    if (root < 0 || root >= size) {
-        tp__st_plist_free(&l);
-        return tp__error(TP_ERR_INVALID_ARG, "%s: root %d is not a rank of the %s (size %d)", fn,
-                         root, l.mesh ? "module's mesh" : "caller (no DTensor parameters)", size);
-    }
-    const bool writer = !l.mesh || tp_comm_rank(tp_mesh_group(l.mesh)) == root;
+    bool writer = false;
+    TP_CHECK(tp__st_save_params(fn, m, root, &l, &writer));
     int64_t one = 1;
     tp_tensor *flag = NULL;
     int *shard_of = tp__calloc((size_t)(l.n ? l.n : 1), sizeof *shard_of);
