@@ -676,7 +676,8 @@ static void ref_rope(const dcase *c, const double *const *in, const double *gy, 
             const int64_t e = (b * H * S + r) * D, ce = ((Bc == 1 ? 0 : b) * S + r % S) * D;
             for (int64_t i = 0; i < D; i++) {
                 double rot = i < h ? -x[e + i + h] : x[e + i - h];
-                double rtg = i < h ? gy[e + i + h] * si[ce + i + h] : -gy[e + i - h] * si[ce + i - h];
+                double rtg = i < h ? gy[e + i + h] * si[ce + i + h]
+                                   : -gy[e + i - h] * si[ce + i - h];
                 y[e + i] = x[e + i] * co[ce + i] + rot * si[ce + i];
                 g[0][e + i] = gy[e + i] * co[ce + i] + rtg;
             }

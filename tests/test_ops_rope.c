@@ -590,7 +590,8 @@ Test(ops_rope, rotary_embedding_errors, .timeout = 30)
               "x is [2, 3, 5, 7]; its head dim must be even");
     tp_tensor *c4 = zeros(TP_F32, 4, xs), *cb3 = zeros(TP_F32, 3, (int64_t[]){3, 5, 8}),
               *cs4 = zeros(TP_F32, 3, (int64_t[]){2, 4, 8}),
-              *cd = zeros(TP_F32, 3, (int64_t[]){1, 5, 6}), *c1 = zeros(TP_F32, 3, (int64_t[]){1, 5, 8});
+              *cd = zeros(TP_F32, 3, (int64_t[]){1, 5, 6}),
+              *c1 = zeros(TP_F32, 3, (int64_t[]){1, 5, 8});
     CHECK_MSG(tp_rotary_embedding(x, c4, c4, &y), TP_ERR_INVALID_ARG,
               "cos is [2, 3, 5, 8]; it must be 3-D [batch or 1, seq, head_dim]");
     CHECK_MSG(tp_rotary_embedding(x, c, c1, &y), TP_ERR_INVALID_ARG,
@@ -621,7 +622,8 @@ Test(ops_rope, rotary_embedding_errors, .timeout = 30)
     CHECK_OK(tp_rotary_embedding(xe, ce, ce, &y));
     cr_assert_eq(tp_tensor_numel(y), 0);
     tp_tensor_release(y);
-    tp_tensor *all[] = {x, c, s, x3, xo, c4, cb3, cs4, cd, c1, cbf, xbf, x64, c64, wide, nc, xe, ce};
+    tp_tensor *all[] = {x,   c,   s,   x3,  xo,   c4, cb3, cs4, cd,
+                        c1, cbf, xbf, x64, c64, wide, nc, xe,  ce};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         tp_tensor_release(all[i]);
 }
@@ -807,7 +809,9 @@ static tp_status dist_body(tp_comm *w, void *arg)
     const tp_placement rr[2] = {R, R};
     RANK_OK(s, tp_dtensor_distribute(mesh, c1, m, rr, -1, &dcs));
     st = tp_rotary_embedding(x, dcs, dcs, &y);
-    RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && strstr(tp_last_error(), "x is a plain tensor but cos is a DTensor"),
+    RANK_EXPECT(s,
+                st == TP_ERR_INVALID_ARG &&
+                    strstr(tp_last_error(), "x is a plain tensor but cos is a DTensor"),
                 "mixed: %s (%s)", tp_status_name(st), tp_last_error());
     tp_tensor *all[] = {pos, dp, pp, x, c1, dcs};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)

@@ -203,8 +203,9 @@ tp_status tp_rope_cos_sin(const tp_rope_config *cfg, tp_tensor *position_ids, tp
     TP_ARG_CHECK(position_ids, "%s: position_ids is NULL", fn);
     TP_ARG_CHECK(position_ids->dtype == TP_I64, "%s: position_ids are %s; they must be i64", fn,
                  tp_dtype_name(position_ids->dtype));
-    TP_ARG_CHECK(position_ids->ndim == 2, "%s: position_ids have %d dims; they must be [batch, seq]",
-                 fn, position_ids->ndim);
+    TP_ARG_CHECK(position_ids->ndim == 2,
+                 "%s: position_ids have %d dims; they must be [batch, seq]", fn,
+                 position_ids->ndim);
     const tp__dist *dist = tp__dist_of(position_ids);
     if (dist)
         TP_CHECK(rope_check_placements(fn, cfg, dist));
@@ -281,7 +282,8 @@ static int rope_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
     int n = 0;
     s[n++] = (tp__strategy){{tp__S(1), R, R}, tp__S(1), {tp__S(1), R, R}};
     s[n++] = (tp__strategy){{tp__S(0), cb, cb}, tp__S(0), {tp__S(0), cb, cb}};
-    s[n++] = (tp__strategy){{tp__S(2), tp__S(1), tp__S(1)}, tp__S(2), {tp__S(2), tp__S(1), tp__S(1)}};
+    s[n++] = (tp__strategy){{tp__S(2), tp__S(1), tp__S(1)}, tp__S(2),
+                            {tp__S(2), tp__S(1), tp__S(1)}};
     s[n++] = (tp__strategy){{P, R, R}, P, {R, R, R}};
     s[n++] = (tp__strategy){{R, R, R}, R, {R, R, R}};
     return n;

@@ -375,7 +375,7 @@ typedef struct tp__kernels {
      * inv_freq[D/2], both on dev: for i < D/2, f = (float)pos[r] *
      * inv_freq[i] (one f32 product), cos[r, i] = cos[r, i + D/2] = cos(f) *
      * scaling in f32, rounded once to dtype (the CPU evaluates cos in double,
-     * CUDA with cosf; both within 2 ulp of f32), likewise sin. */
+     * CUDA with sincosf; both within 2 ulp of f32), likewise sin. */
     tp_status (*rope_cos_sin)(tp_device dev, tp_dtype dtype, const int64_t *pos,
                               const float *inv_freq, void *cos, void *sin, int64_t n, int64_t D,
                               float scaling);
