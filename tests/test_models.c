@@ -59,6 +59,52 @@ static tp_status full_f32(tp_tensor *t, tp_tensor **out)
     return st;
 }
 
+/* A fixture model on `dev` in `dtype`, parallelized over world (a 1-D tp
+ * mesh) with the standard plan (SP when sp), its weights loaded when `load`. */
+typedef struct {
+    tp_llm_config cfg;
+    tp_mesh *mesh;
+    tp_module *model;
+} fixture_model;
+
+static void fixture_close(fixture_model *f)
+{
+    tp_module_free(f->model);
+    tp_mesh_free(f->mesh);
+    memset(f, 0, sizeof *f);
+}
+
+static tp_status fixture_open(tp_comm *world, int model, bool sp, tp_dtype dtype, tp_device dev,
+                              bool load, fixture_model *f)
+{
+    char dir[512];
+    model_dir(model, dir, sizeof dir);
+    memset(f, 0, sizeof *f);
+    tp_llm_plan *plan = NULL;
+    TP_TEST_TRY(tp_llm_config_load(dir, &f->cfg));
+    TP_TEST_TRY(tp_nn_set_default_device(dev));
+    tp_status st = tp_llm_create(&f->cfg, &f->model);
+    TP_TEST_TRY(tp_nn_set_default_device(TP_CPU));
+    if (st == TP_OK && dtype != TP_F32)
+        st = tp_module_to_dtype(f->model, dtype);
+    const int64_t tp = tp_comm_size(world);
+    if (st == TP_OK)
+        st = tp_mesh_create(world, 1, &tp, (const char *[]){"tp"}, &f->mesh);
+    if (st == TP_OK)
+        st = tp_llm_plan_create(&(tp_llm_plan_options){.sequence_parallel = sp}, &plan);
+    /* every rank reads its own values from the files: nothing to send */
+    if (st == TP_OK)
+        st = tp_llm_parallelize(f->model, f->mesh, tp_llm_plan_size(plan),
+                                tp_llm_plan_entries(plan),
+                                &(tp_parallelize_options){.src_data_rank = TP_SRC_DATA_RANK_NONE});
+    tp_llm_plan_free(plan);
+    if (st == TP_OK && load)
+        st = tp_llm_load(f->model, dir);
+    if (st != TP_OK)
+        fixture_close(f);
+    return st;
+}
+
 /* ---- configs ------------------------------------------------------------------ */
 
 Test(models, fixture_configs, .timeout = 30)
@@ -253,29 +299,11 @@ static tp_status model_body(tp_comm *world, void *arg)
     run_state *s = arg;
     const int r = tp_comm_rank(world);
     tp_test_slot *slot = &s->slot[r];
-    char dir[512];
-    model_dir(s->c.model, dir, sizeof dir);
-    tp_llm_config cfg;
-    tp_mesh *mesh = NULL;
-    tp_module *model = NULL;
-    tp_llm_plan *plan = NULL;
+    fixture_model f;
     tp_tensor *ids = NULL, *logits = NULL, *full = NULL, *ref = NULL, *loss = NULL;
-    RANK_OK(slot, tp_llm_config_load(dir, &cfg));
     const tp_device dev = s->c.cuda ? TP_CUDA(r % tp_cuda_device_count()) : TP_CPU;
-    RANK_OK(slot, tp_nn_set_default_device(dev));
-    tp_status cst = tp_llm_create(&cfg, &model);
-    RANK_OK(slot, tp_nn_set_default_device(TP_CPU));
-    RANK_OK(slot, cst);
-    if (s->c.dtype != TP_F32)
-        RANK_OK(slot, tp_module_to_dtype(model, s->c.dtype));
-    const int64_t shape[1] = {s->c.tp};
-    RANK_OK(slot, tp_mesh_create(world, 1, shape, (const char *[]){"tp"}, &mesh));
-    const tp_llm_plan_options po = {.sequence_parallel = s->c.sp};
-    RANK_OK(slot, tp_llm_plan_create(&po, &plan));
-    RANK_OK(slot, tp_llm_parallelize(model, mesh, tp_llm_plan_size(plan), tp_llm_plan_entries(plan),
-                                     &(tp_parallelize_options){.src_data_rank =
-                                                                   TP_SRC_DATA_RANK_NONE}));
-    RANK_OK(slot, tp_llm_load(model, dir));
+    RANK_OK(slot, fixture_open(world, s->c.model, s->c.sp, s->c.dtype, dev, true, &f));
+    tp_module *model = f.model;
     RANK_OK(slot, ref_tensor(s->c.model, "input_ids", &ids));
     tp_tensor *ids_dev = NULL;
     RANK_OK(slot, tp_tensor_to(ids, TP_I64, dev, &ids_dev));
@@ -315,9 +343,7 @@ static tp_status model_body(tp_comm *world, void *arg)
     tp_tensor_release(full);
     tp_tensor_release(logits);
     tp_tensor_release(ids);
-    tp_llm_plan_free(plan);
-    tp_module_free(model);
-    tp_mesh_free(mesh);
+    fixture_close(&f);
     return TP_OK;
 }
 
@@ -420,28 +446,21 @@ static tp_status bytes_body(tp_comm *world, void *arg)
     tp_test_slot *slot = &c->slot[r];
     char dir[512];
     model_dir(LLAMA_BF16, dir, sizeof dir);
-    tp_llm_config cfg;
-    tp_module *model = NULL;
-    tp_mesh *mesh = NULL;
-    RANK_OK(slot, tp_llm_config_load(dir, &cfg));
-    RANK_OK(slot, tp_llm_create(&cfg, &model));
-    const int64_t shape[1] = {c->tp};
-    RANK_OK(slot, tp_mesh_create(world, 1, shape, NULL, &mesh));
-    RANK_OK(slot, tp_llm_parallelize(model, mesh, 0, NULL, NULL));
+    fixture_model f;
+    RANK_OK(slot, fixture_open(world, LLAMA_BF16, false, TP_F32, TP_CPU, false, &f));
     local_bytes want = {0};
-    RANK_OK(slot, tp_module_named_parameters(model, count_local, &want));
+    RANK_OK(slot, tp_module_named_parameters(f.model, count_local, &want));
     const uint64_t before = tp_safetensors_bytes_read();
-    RANK_OK(slot, tp_llm_load(model, dir));
+    RANK_OK(slot, tp_llm_load(f.model, dir));
     const uint64_t got = tp_safetensors_bytes_read() - before;
     RANK_EXPECT(slot, got == want.bytes, "tp %d rank %d read %llu bytes of tensor data; its "
                 "shard is %llu", c->tp, r, (unsigned long long)got,
                 (unsigned long long)want.bytes);
-    RANK_EXPECT(slot, tp_module_parameter(tp_module_find(model, "lm_head"), "weight") ==
-                          tp_module_parameter(tp_module_find(model, "model.embed_tokens"),
+    RANK_EXPECT(slot, tp_module_parameter(tp_module_find(f.model, "lm_head"), "weight") ==
+                          tp_module_parameter(tp_module_find(f.model, "model.embed_tokens"),
                                               "weight"),
                 "the tied weight is two tensors after the load");
-    tp_mesh_free(mesh);
-    tp_module_free(model);
+    fixture_close(&f);
     return TP_OK;
 }
 
@@ -469,18 +488,11 @@ static tp_status pad_body(tp_comm *world, void *arg)
     pad_run *c = arg;
     const int r = tp_comm_rank(world);
     tp_test_slot *slot = &c->slot[r];
-    char dir[512];
-    model_dir(c->model, dir, sizeof dir);
-    tp_llm_config cfg;
-    tp_module *model = NULL;
-    tp_mesh *mesh = NULL;
+    fixture_model f;
     tp_tensor *ids = NULL, *mask = NULL, *ref = NULL, *logits = NULL, *full = NULL;
-    RANK_OK(slot, tp_llm_config_load(dir, &cfg));
-    RANK_OK(slot, tp_llm_create(&cfg, &model));
-    const int64_t shape[1] = {c->tp};
-    RANK_OK(slot, tp_mesh_create(world, 1, shape, NULL, &mesh));
-    RANK_OK(slot, tp_llm_parallelize(model, mesh, 0, NULL, NULL));
-    RANK_OK(slot, tp_llm_load(model, dir));
+    RANK_OK(slot, fixture_open(world, c->model, false, TP_F32, TP_CPU, true, &f));
+    const tp_llm_config cfg = f.cfg;
+    tp_module *model = f.model;
     RANK_OK(slot, ref_tensor(c->model, "pad_input_ids", &ids));
     RANK_OK(slot, ref_tensor(c->model, "pad_mask", &mask));
     RANK_OK(slot, ref_tensor(c->model, "pad_logits", &ref));
@@ -506,8 +518,7 @@ static tp_status pad_body(tp_comm *world, void *arg)
     tp_tensor *all[] = {ids, mask, ref, logits, full};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         tp_tensor_release(all[i]);
-    tp_mesh_free(mesh);
-    tp_module_free(model);
+    fixture_close(&f);
     return TP_OK;
 }
 
@@ -628,22 +639,11 @@ static tp_status count_body(tp_comm *world, void *arg)
     count_run *c = arg;
     const int r = tp_comm_rank(world);
     tp_test_slot *slot = &c->slot[r];
-    char dir[512];
-    model_dir(c->model, dir, sizeof dir);
-    tp_llm_config cfg;
-    tp_mesh *mesh = NULL;
-    tp_module *model = NULL;
-    tp_llm_plan *plan = NULL;
+    fixture_model f;
     tp_comm_debug *fwd = NULL, *bwd = NULL;
     tp_tensor *ids = NULL, *logits = NULL, *loss = NULL;
-    RANK_OK(slot, tp_llm_config_load(dir, &cfg));
-    RANK_OK(slot, tp_llm_create(&cfg, &model));
-    const int64_t shape[1] = {c->tp};
-    RANK_OK(slot, tp_mesh_create(world, 1, shape, (const char *[]){"tp"}, &mesh));
-    RANK_OK(slot, tp_llm_plan_create(&(tp_llm_plan_options){.sequence_parallel = c->sp}, &plan));
-    RANK_OK(slot, tp_llm_parallelize(model, mesh, tp_llm_plan_size(plan), tp_llm_plan_entries(plan),
-                                     NULL));
-    RANK_OK(slot, tp_llm_load(model, dir));
+    RANK_OK(slot, fixture_open(world, c->model, c->sp, TP_F32, TP_CPU, true, &f));
+    tp_module *model = f.model;
     RANK_OK(slot, ref_tensor(c->model, "input_ids", &ids));
     RANK_OK(slot, tp_comm_debug_create(&fwd));
     RANK_OK(slot, tp_comm_debug_create(&bwd));
@@ -656,22 +656,20 @@ static tp_status count_body(tp_comm *world, void *arg)
     RANK_OK(slot, tp_comm_debug_end(bwd));
     const step_counts want = pytorch_counts(c->sp, c->model);
     for (int k = 0; k < TP_COLL_KIND_COUNT; k++) {
-        const int64_t f = tp_comm_debug_count(fwd, (tp_coll_kind)k),
-                      b = tp_comm_debug_count(bwd, (tp_coll_kind)k);
+        const int64_t nf = tp_comm_debug_count(fwd, (tp_coll_kind)k),
+                      nb = tp_comm_debug_count(bwd, (tp_coll_kind)k);
         const char *kind = tp_coll_kind_name((tp_coll_kind)k), *sp = c->sp ? " sp" : "";
-        RANK_EXPECT(slot, f == want.fwd[k], "tp %d%s rank %d: forward %s %lld, PyTorch %lld",
-                    c->tp, sp, r, kind, (long long)f, (long long)want.fwd[k]);
-        RANK_EXPECT(slot, b == want.bwd[k], "tp %d%s rank %d: backward %s %lld, PyTorch %lld",
-                    c->tp, sp, r, kind, (long long)b, (long long)want.bwd[k]);
+        RANK_EXPECT(slot, nf == want.fwd[k], "tp %d%s rank %d: forward %s %lld, PyTorch %lld",
+                    c->tp, sp, r, kind, (long long)nf, (long long)want.fwd[k]);
+        RANK_EXPECT(slot, nb == want.bwd[k], "tp %d%s rank %d: backward %s %lld, PyTorch %lld",
+                    c->tp, sp, r, kind, (long long)nb, (long long)want.bwd[k]);
     }
     tp_comm_debug_free(fwd);
     tp_comm_debug_free(bwd);
     tp_tensor_release(loss);
     tp_tensor_release(logits);
     tp_tensor_release(ids);
-    tp_llm_plan_free(plan);
-    tp_module_free(model);
-    tp_mesh_free(mesh);
+    fixture_close(&f);
     return TP_OK;
 }
 
