@@ -901,3 +901,49 @@ Test(models, tp_llm_mpi, .timeout = 300)
     sh("rm -rf '%s'", tmp);
 }
 #endif /* TP_TEST_MPI */
+
+/* Only a model tp_llm_create made is taken, whatever a module is called */
+static tp_status no_forward(tp_module *self, int nargs, tp_tensor *const *args, int nkw,
+                            const tp_kwarg *kw, tp_tensor **out)
+{
+    (void)self, (void)nargs, (void)args, (void)nkw, (void)kw, (void)out;
+    return TP_ERR_STATE;
+}
+
+Test(models, other_modules_refused, .timeout = 30)
+{
+    tp_module *m = NULL, *model = NULL, *head = NULL;
+    static char ctx[1];
+    CHECK_OK(tp_nn_custom_create("LlamaForCausalLM", no_forward, ctx, NULL, &m));
+    CHECK_OK(tp_nn_container_create(&model));
+    CHECK_OK(tp_module_add_child(m, "model", model));
+    CHECK_OK(tp_nn_linear_create(4, 4, false, &head));
+    CHECK_OK(tp_module_add_child(m, "lm_head", head));
+    cr_assert_null(tp_llm_config_of(m));
+    cr_assert_null(tp_llm_config_of(NULL));
+    tp_tensor *logits = NULL;
+    CHECK_ERR(tp_llm_forward(m, NULL, NULL, NULL, &logits), TP_ERR_INVALID_ARG);
+    cr_assert_not_null(strstr(tp_last_error(), "not a model tp_llm_create made"));
+    CHECK_ERR(tp_llm_load(m, "/tmp"), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_llm_save(m, "/tmp/x", 0), TP_ERR_INVALID_ARG);
+    CHECK_ERR(tp_llm_parallelize(m, NULL, 0, NULL, NULL), TP_ERR_INVALID_ARG);
+    tp_module_free(m);
+    /* a real one is known, and refuses ids outside the vocabulary by position */
+    char dir[512];
+    tp_llm_config cfg;
+    CHECK_OK(tp_llm_config_load(model_dir(LLAMA, dir, sizeof dir), &cfg));
+    CHECK_OK(tp_llm_create(&cfg, &m));
+    cr_assert_not_null(tp_llm_config_of(m));
+    cr_assert_eq(tp_llm_config_of(m)->vocab_size, 131);
+    const int64_t bad[4] = {1, 2, 131, 3}, shape[2] = {2, 2};
+    tp_tensor *ids = NULL;
+    CHECK_OK(tp_tensor_from_data(TP_I64, 2, shape, bad, &ids));
+    CHECK_ERR(tp_llm_forward(m, ids, NULL, NULL, &logits), TP_ERR_INVALID_ARG);
+    cr_assert_not_null(strstr(tp_last_error(), "input_ids[1][0] is 131"), "%s", tp_last_error());
+    tp_tensor_release(ids);
+    tp_module_free(m);
+    tp_llm_config broken = cfg;
+    broken.num_key_value_heads = 3;
+    CHECK_ERR(tp_llm_create(&broken, &m), TP_ERR_INVALID_ARG);
+    cr_assert_null(m);
+}

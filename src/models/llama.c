@@ -16,7 +16,7 @@
 
 #include "core/base.h"
 #include "models/models_internal.h"
-#include "nn/nn_internal.h"
+#include "nn/nn_ext.h"
 #include "tp/autograd.h"
 #include "tp/comm_debug.h"
 #include "tp/dtensor.h"
@@ -233,6 +233,10 @@ out:
 }
 
 /* ---- the model ---------------------------------------------------------------- */
+
+/* The key of the attachment that marks a model's root (its value: the
+ * root's context): a user's custom module may hold any context. */
+static const char llm_key;
 
 /* position_ids [B, S] = 0..S-1 on every row, on `device`. */
 static tp_status default_positions(int64_t B, int64_t S, tp_device device, tp_tensor **out)
@@ -453,13 +457,13 @@ tp_status tp_llm_create(const tp_llm_config *cfg, tp_module **out)
     TP_CHECK(tp__llm_config_check(fn, cfg));
     tp__llm ctx;
     memset(&ctx, 0, sizeof ctx);
-    ctx.magic = TP__LLM_MAGIC;
     ctx.cfg = *cfg;
     ctx.cfg.rope.head_dim = cfg->head_dim;
     tp_status st;
     tp_module *root = NULL, *model = NULL, *layers = NULL, *emb = NULL, *head = NULL;
     CHECK(add_custom(NULL, NULL, tp_llm_arch_name(cfg->arch), causal_lm_forward, &ctx, sizeof ctx,
                      NULL, &root));
+    CHECK(tp__module_attach(root, &llm_key, tp_module_ctx(root), NULL));
     CHECK(add_custom(root, "model", "LlamaModel", model_forward, &ctx, sizeof ctx, NULL, &model));
     CHECK(tp_nn_embedding_create(cfg->vocab_size, cfg->hidden_size, &emb));
     st = adopt(model, "embed_tokens", emb);
@@ -482,12 +486,7 @@ out:
 
 const tp__llm *tp__llm_of(const tp_module *m)
 {
-    /* the forward function says whose context it is: a user's custom module
-     * may hold any context */
-    if (!m || m->forward != causal_lm_forward)
-        return NULL;
-    const tp__llm *c = tp_module_ctx(m);
-    return c && c->magic == TP__LLM_MAGIC ? c : NULL;
+    return m ? tp__module_attached(m, &llm_key) : NULL;
 }
 
 const tp_llm_config *tp_llm_config_of(const tp_module *model)

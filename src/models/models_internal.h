@@ -6,11 +6,8 @@
 
 #include "tp/models.h"
 
-#define TP__LLM_MAGIC 0x6c6c6d31u /* "llm1" */
-
 /* The context of a model's root and of its "model" child. */
 typedef struct tp__llm {
-    uint32_t magic;
     tp_llm_config cfg;
 } tp__llm;
 
@@ -28,7 +25,8 @@ typedef struct tp__llm_attn {
 /* Frees an attention context (releasing its mesh). */
 void tp__llm_attn_free(void *ctx);
 
-/* The context of a model root tp_llm_create made, else NULL. */
+/* The context of a model root tp_llm_create made (an attachment marks it),
+ * else NULL. */
 const tp__llm *tp__llm_of(const tp_module *m);
 
 /* TP_ERR_INVALID_ARG naming the field unless cfg describes a model that can
