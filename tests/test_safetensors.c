@@ -190,20 +190,27 @@ typedef struct {
     size_t file_elem;
 } dtype_case;
 
+/* Each case twice: all or nothing through scratch, and streamed (straight
+ * into the parameters, or through one tensor's scratch when converting):
+ * the same values, the same bytes read. */
 static void load_plain(const dtype_case *c)
 {
-    char path[512];
-    tp_module *m = NULL;
-    tp_test_slot s = {0};
-    CHECK_OK(make_model(c->param_dtype, -1, &m));
-    uint64_t before = tp_safetensors_bytes_read();
-    CHECK_OK(tp_safetensors_load(m, fixture(fixture_names[c->file], path, sizeof path), NULL));
-    uint64_t read = tp_safetensors_bytes_read() - before;
-    expect_all(&s, m, (expect_t){true, c->fine, 0}, fixture_names[c->file]);
-    tp_module_free(m);
-    tp_test_assert_slots(&s, 1);
-    cr_assert_eq(read, (48 + 6 + 40) * c->file_elem, "%s: read %llu bytes", fixture_names[c->file],
-                 (unsigned long long)read);
+    for (int stream = 0; stream < 2; stream++) {
+        char path[512];
+        tp_module *m = NULL;
+        tp_test_slot s = {0};
+        CHECK_OK(make_model(c->param_dtype, -1, &m));
+        uint64_t before = tp_safetensors_bytes_read();
+        const tp_safetensors_load_options o = {.strict = true, .stream = stream};
+        CHECK_OK(tp_safetensors_load(m, fixture(fixture_names[c->file], path, sizeof path), &o));
+        uint64_t read = tp_safetensors_bytes_read() - before;
+        expect_all(&s, m, (expect_t){true, c->fine, 0}, fixture_names[c->file]);
+        tp_module_free(m);
+        tp_test_assert_slots(&s, 1);
+        cr_assert_eq(read, (48 + 6 + 40) * c->file_elem, "%s%s: read %llu bytes",
+                     fixture_names[c->file], stream ? " streamed" : "",
+                     (unsigned long long)read);
+    }
 }
 
 ParameterizedTestParameters(safetensors, dtypes)
@@ -320,6 +327,19 @@ static tp_status dist_body(tp_comm *world, void *arg)
     expect_all(s, m, c->bad ? (expect_t){false, false, -1} : (expect_t){true, c->fine, 0},
                "after load");
     tp_comm_debug_free(dbg);
+    tp_module_free(m);
+    m = NULL;
+    if (c->bad)
+        return TP_OK;
+    /* streamed into a fresh model: the same values, the same bytes */
+    RANK_OK(s, make_sharded(world, c->layout, TP_F32, &m));
+    before = tp_safetensors_bytes_read();
+    const tp_safetensors_load_options so = {.strict = true, .stream = true};
+    RANK_OK(s, tp_safetensors_load(m, p, &so));
+    RANK_EXPECT(s, (int64_t)(tp_safetensors_bytes_read() - before) == run->want_reads[r],
+                "streamed: %lld bytes read, want %lld",
+                (long long)(tp_safetensors_bytes_read() - before), (long long)run->want_reads[r]);
+    expect_all(s, m, (expect_t){true, c->fine, 0}, "after a streamed load");
     tp_module_free(m);
     return TP_OK;
 }

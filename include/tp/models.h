@@ -205,8 +205,11 @@ TP_API tp_status tp_llm_parallelize(tp_module *model, tp_mesh *mesh, int n,
 /*
  * Loads a Hugging Face model directory's weights (model.safetensors, or the
  * shards model.safetensors.index.json lists) into the model, parallelized or
- * not: tp_safetensors_load, strict, each rank reading only its shard, values
- * converted to the parameters' dtype. Tensors the model does not have are
+ * not: tp_safetensors_load, strict and streamed (each rank reads only its
+ * shard, straight into the parameters or through one tensor's scratch when
+ * the dtype converts: its peak is its shard plus one tensor), values
+ * converted to the parameters' dtype. Every name, shape and dtype is checked
+ * before any tensor data is read. Tensors the model does not have are
  * refused by name, except the rotary inv_freq buffers of older checkpoints
  * and a tied model's lm_head.weight, which are skipped. The config is the
  * caller's (tp_llm_config_load of the same directory). Collective as

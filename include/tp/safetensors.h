@@ -41,6 +41,18 @@ typedef struct tp_safetensors_load_options {
      * every parameter must be named (TP_ERR_INVALID_ARG listing them). false:
      * unknown names are ignored and parameters not named keep their values. */
     bool strict;
+    /* false (default): all or nothing, as below: every tensor is read into
+     * scratch first, so a rank's peak is twice its shard. true: every
+     * header, name, shape and dtype is still checked first, before any
+     * tensor data is read; then each tensor is read and committed in turn,
+     * straight into the parameter when the file has its dtype and it lives
+     * on the CPU, else through one tensor's scratch: the peak is the
+     * parameters plus one tensor. A read failure part-way (an I/O error: a
+     * short file is caught by the checks) leaves the parameters before it
+     * loaded; the status says which tensor failed, and the ranks agree as
+     * below (TP_ERR_MISMATCH where another rank failed). For loading into a
+     * fresh model, whose values nobody needs if the load fails. */
+    bool stream;
 } tp_safetensors_load_options;
 
 /*

@@ -269,7 +269,45 @@ static tp_status tp__st_read_param(const char *fn, const tp__st_files *fs, tp__s
     return st;
 }
 
-/* Everything before the agreement: open, match, read into scratch. */
+/* Streams parameter pa's block straight into it: read into the parameter's
+ * own memory when the file has its dtype and it lives on the CPU, else
+ * through one scratch copy (tp__st_read_param) committed and dropped at
+ * once. */
+static tp_status tp__st_stream_param(const char *fn, const tp__st_files *fs, tp__st_param *pa)
+{
+    const tp__st_file *f = &fs->f[pa->file];
+    const tp__st_entry *e = &f->e[pa->entry];
+    tp_tensor *local = tp_tensor_is_dtensor(pa->p) ? tp_dtensor_local(pa->p) : pa->p;
+    bool partial = false;
+    if (tp_tensor_is_dtensor(pa->p))
+        for (int d = 0; d < tp_mesh_ndim(tp_dtensor_mesh(pa->p)); d++)
+            partial = partial || tp_dtensor_placements(pa->p)[d].kind == TP_PLACEMENT_PARTIAL;
+    if (!partial && e->dtype == (int)tp_tensor_dtype(local) &&
+        tp_tensor_device(local).type == TP_DEVICE_CPU && tp_tensor_is_contiguous(local)) {
+        int64_t offset[TP_MAX_DIMS] = {0};
+        if (tp_tensor_is_dtensor(pa->p)) {
+            int64_t shape[TP_MAX_DIMS];
+            tp_mesh *mesh = tp_dtensor_mesh(pa->p);
+            TP_CHECK(tp_dtensor_shard_extent(mesh, e->ndim, e->shape, tp_mesh_ndim(mesh),
+                                             tp_dtensor_placements(pa->p), NULL, shape, offset));
+        }
+        tp_status st = tp__st_read_block(f, e, tp_tensor_shape(local), offset,
+                                         tp_tensor_data(local));
+        if (st != TP_OK)
+            tp__error_prefix("%s: tensor '%s' in '%s'", fn, e->name, f->path);
+        return st;
+    }
+    TP_CHECK(tp__st_read_param(fn, fs, pa));
+    tp_status st = tp_tensor_copy(local, pa->value);
+    tp_tensor_release(pa->value);
+    pa->value = NULL;
+    if (st != TP_OK)
+        tp__error_prefix("%s: committing '%s'", fn, pa->fqn);
+    return st;
+}
+
+/* Everything before the agreement: open, match, read into scratch (or,
+ * streaming, into the parameters). */
 static tp_status tp__st_stage(const char *path, const tp_safetensors_load_options *o,
                               tp__st_plist *l, tp__st_files *fs)
 {
@@ -281,7 +319,8 @@ static tp_status tp__st_stage(const char *path, const tp_safetensors_load_option
     TP_CHECK(tp__st_match_all(path, fs, l, o));
     for (int i = 0; i < l->n; i++)
         if (l->v[i].file >= 0)
-            TP_CHECK(tp__st_read_param(l->fn, fs, &l->v[i]));
+            TP_CHECK(o->stream ? tp__st_stream_param(l->fn, fs, &l->v[i])
+                               : tp__st_read_param(l->fn, fs, &l->v[i]));
     return TP_OK;
 }
 

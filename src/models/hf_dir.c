@@ -103,8 +103,10 @@ tp_status tp_llm_load(tp_module *model, const char *dir)
             return tp__error(TP_ERR_BACKEND, "%s: %s holds neither model.safetensors nor "
                                              "model.safetensors.index.json", fn, dir);
     }
+    /* streamed: a rank's peak is its shard plus one tensor, not twice its
+     * shard (the model is fresh: a failed load leaves nothing worth keeping) */
     const tp_safetensors_load_options o = {.map_name = map_name, .map_ctx = (void *)m,
-                                           .strict = true};
+                                           .strict = true, .stream = true};
     return tp_safetensors_load(model, path, &o);
 }
 
