@@ -14,18 +14,20 @@
 #                 torch.set_num_threads(-T)
 # run alternately: libtp tp 1, transformers, libtp tp 2, libtp tp 4 (-t),
 # repeated -r times; each run keeps the median of -n passes after -w untimed
-# ones. The Markdown table gives each side's median over the repetitions
+# ones. The Markdown tables give each side's median over the repetitions
 # with the min-max, libtp tp 1 / transformers (below 1: libtp faster) as the
 # median [min-max] of the ratios inside each repetition, and the speedups of
 # tp 2 and tp 4 over tp 1, likewise; and the ratio of the CPU time the two
 # processes spent over a pass (all their threads: on a loaded machine the
 # wall times grow with the other processes' share of the cores, the CPU times
 # much less). The machine's cores are counted: ranks
-# beyond them share cores (oversubscribed), and the table says so.
+# beyond them share cores (oversubscribed), and the table says so. A second
+# table lists every run's wall and CPU time and their ratio (the cores it
+# had).
 #
 # usage: bench/compare_llm.sh [-b BUILD] [-c CONFIG] [-B BATCH] [-S SEQ]
 #                             [-T THREADS] [-t TPS] [-r REPS] [-n ITERS]
-#                             [-w WARMUP] [-o OUT]
+#                             [-w WARMUP] [-o OUT] [-R CSV]
 #   -b BUILD    build directory with bench/tp-bench-llm (default build)
 #   -c CONFIG   100m, 1b, tiny or a config.json (default 100m)
 #   -B BATCH, -S SEQ   sequences and tokens each (default 8 x 512;
@@ -36,6 +38,7 @@
 #   -n ITERS    timed passes per run (default 1); -w WARMUP untimed (default 1)
 #   -o OUT      output stem (default bench/results/compare_llm-<date>): OUT.md
 #               the table, OUT.csv one row per run and pass, OUT/ the raw files
+#   -R CSV      run nothing: the tables of an earlier run's OUT.csv
 #   -h, --help  this text
 # environment: TORCH_PYTHON  a python with torch and transformers (default:
 #              /root/hfenv/bin/python if present, else python3). Without them
@@ -45,12 +48,12 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
-build=build config=100m batch=8 seq=512 threads=1 tps="2 4" reps=3 iters=1 warmup=1 out=""
+build=build config=100m batch=8 seq=512 threads=1 tps="2 4" reps=3 iters=1 warmup=1 out="" rerender=""
 # shellcheck source=bench/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bench_name=compare_llm
-bench_usage="bench/compare_llm.sh [-b BUILD] [-c CONFIG] [-B BATCH] [-S SEQ] [-T THREADS] [-t TPS] [-r REPS] [-n ITERS] [-w WARMUP] [-o OUT]"
-while getopts ":b:c:B:S:T:t:r:n:w:o:h-:" opt; do
+bench_usage="bench/compare_llm.sh [-b BUILD] [-c CONFIG] [-B BATCH] [-S SEQ] [-T THREADS] [-t TPS] [-r REPS] [-n ITERS] [-w WARMUP] [-o OUT] [-R CSV]"
+while getopts ":b:c:B:S:T:t:r:n:w:o:R:h-:" opt; do
     case $opt in
     b) build=$OPTARG ;;
     c) config=$OPTARG ;;
@@ -62,6 +65,7 @@ while getopts ":b:c:B:S:T:t:r:n:w:o:h-:" opt; do
     n) iters=$OPTARG ;;
     w) warmup=$OPTARG ;;
     o) out=$OPTARG ;;
+    R) rerender=$OPTARG ;;
     *) bench_getopt "$opt" ;;
     esac
 done
@@ -72,6 +76,85 @@ for v in "$batch" "$seq" "$threads" "$reps" "$iters"; do [[ $v =~ ^[1-9][0-9]*$ 
 for t in $tps; do [[ $t =~ ^[2-9]$|^[1-9][0-9]+$ ]] || bench_bad "-t: '$t' is not a degree >= 2"; done
 [ "$seq" -ge 2 ] || bench_bad "-S must be at least 2 (the loss predicts the next token)"
 case $build in /*) ;; *) build=$repo/$build ;; esac
+
+# The Markdown tables of a CSV this script wrote (its repetitions, degrees
+# and threads read from it): the summary, then every run's wall and CPU time.
+render() {
+    awk -F, -v cores="$(nproc)" '
+        function sortv(a, n,    i, j, x) { for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j >= 1 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x } }
+        function stats(list, fmt,    v, n, j) {
+            n = split(list, v, " ")
+            if (!n) return "-"
+            for (j = 1; j <= n; j++) v[j] += 0
+            sortv(v, n)
+            return sprintf(fmt " [" fmt "-" fmt "]", n % 2 ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2, v[1], v[n])
+        }
+        NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next }
+        {
+            who = $(c["impl"]) == "torch" ? "torch" : "tp" $(c["tp"])
+            r = $(c["rep"]) + 0
+            reps = r > reps ? r : reps
+            t[who, $(c["pass"]), r] = $(c["time_ms"]) / 1000
+            t["cpu:" who, $(c["pass"]), r] = $(c["cpu_ms"]) / 1000
+            th[who] = $(c["threads"])
+            if (who != "torch" && who != "tp1" && !(who in seen)) { seen[who] = 1; tps[++n] = $(c["tp"]) + 0 }
+            runs[++nrun] = r SUBSEP who SUBSEP $(c["pass"])
+        }
+        function times(who, pass,    k, v) {
+            v = ""
+            for (k = 1; k <= reps; k++) if ((who, pass, k) in t) v = v " " t[who, pass, k]
+            return stats(v, "%.4g")
+        }
+        function ratio(a, b, pass,    k, v) {
+            v = ""
+            for (k = 1; k <= reps; k++)
+                if ((a, pass, k) in t && (b, pass, k) in t && t[b, pass, k] > 0) v = v " " t[a, pass, k] / t[b, pass, k]
+            return stats(v, "%.2f")
+        }
+        END {
+            line = sprintf("| pass | libtp tp 1, %d thread%s (s) | transformers, %d thread%s (s) | libtp / transformers | CPU time: libtp / transformers |",
+                           th["tp1"], th["tp1"] == 1 ? "" : "s", th["torch"], th["torch"] == 1 ? "" : "s")
+            sep = "| --- | --- | --- | --- | --- |"
+            for (i = 1; i <= n; i++) {
+                line = line sprintf(" libtp tp %d (s) | speedup tp %d / tp 1 |", tps[i], tps[i])
+                sep = sep " --- | --- |"
+            }
+            print line; print sep
+            for (p = 1; p <= 2; p++) {
+                pass = p == 1 ? "fwd" : "fwd+bwd"
+                row = sprintf("| %s | %s | %s | %sx | %sx |", pass, times("tp1", pass), times("torch", pass),
+                              ratio("tp1", "torch", pass), ratio("cpu:tp1", "cpu:torch", pass))
+                for (i = 1; i <= n; i++)
+                    row = row sprintf(" %s | %sx |", times("tp" tps[i], pass), ratio("tp1", "tp" tps[i], pass))
+                print row
+            }
+            print ""
+            for (i = 1; i <= n; i++)
+                if (tps[i] > cores)
+                    printf "tp %d: %d rank threads on %d cores: oversubscribed, the ranks take turns on the cores.\n", tps[i], tps[i], cores
+            if (th["tp1"] > cores || th["torch"] > cores)
+                printf "%d threads on %d cores: oversubscribed.\n", (th["tp1"] > th["torch"]) ? th["tp1"] : th["torch"], cores
+            print ""
+            print "Every run: wall and CPU time of its pass (s), and CPU / wall: the cores it had on average"
+            print "(a run of N threads that shows less than N shared the cores with other processes)."
+            print ""
+            print "| rep | run | threads | pass | wall (s) | CPU (s) | CPU / wall |"
+            print "| --- | --- | --- | --- | --- | --- | --- |"
+            for (k = 1; k <= nrun; k++) {
+                split(runs[k], f, SUBSEP)
+                w = t[f[2], f[3], f[1]]; cpu = t["cpu:" f[2], f[3], f[1]]
+                name = (f[2] == "torch") ? "transformers" : ("libtp tp " substr(f[2], 3))
+                nth = (f[2] == "torch" || f[2] == "tp1") ? th[f[2]] : (substr(f[2], 3) " x 1")
+                printf "| %d | %s | %s | %s | %.2f | %.2f | %.2f |\n", f[1], name, nth, f[3], w, cpu, (w > 0) ? cpu / w : 0
+            }
+        }' "$1"
+}
+
+if [ -n "$rerender" ]; then
+    [ -f "$rerender" ] || bench_bad "-R: no file '$rerender'"
+    render "$rerender"
+    exit 0
+fi
 
 py=${TORCH_PYTHON:-}
 if [ -z "$py" ]; then
@@ -144,56 +227,7 @@ cpu=$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | sed 's/^ /
     echo "transformers: $threads thread(s); libtp tp N: N ranks, one BLAS thread each."
     echo "Load average (1, 5, 15 min) before: $load_before, after: $load_after; $(($(date +%s) - start)) s."
     echo
-    awk -F, -v reps="$reps" -v tps="$tps" -v threads="$threads" -v cores="$cores" '
-        function sortv(a, n,    i, j, x) { for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j >= 1 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x } }
-        function stats(list, fmt,    v, n, j) {
-            n = split(list, v, " ")
-            if (!n) return "-"
-            for (j = 1; j <= n; j++) v[j] += 0
-            sortv(v, n)
-            return sprintf(fmt " [" fmt "-" fmt "]", n % 2 ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2, v[1], v[n])
-        }
-        NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next }
-        {
-            who = $(c["impl"]) == "torch" ? "torch" : "tp" $(c["tp"])
-            t[who, $(c["pass"]), $(c["rep"])] = $(c["time_ms"]) / 1000
-            t["cpu:" who, $(c["pass"]), $(c["rep"])] = $(c["cpu_ms"]) / 1000
-        }
-        function times(who, pass,    k, v) {
-            v = ""
-            for (k = 1; k <= reps; k++) if ((who, pass, k) in t) v = v " " t[who, pass, k]
-            return stats(v, "%.4g")
-        }
-        function ratio(a, b, pass,    k, v) {
-            v = ""
-            for (k = 1; k <= reps; k++)
-                if ((a, pass, k) in t && (b, pass, k) in t && t[b, pass, k] > 0) v = v " " t[a, pass, k] / t[b, pass, k]
-            return stats(v, "%.2f")
-        }
-        END {
-            n = split(tps, tp, " ")
-            line = "| pass | libtp tp 1 (s) | transformers (s) | libtp / transformers | CPU time: libtp / transformers |"
-            sep = "| --- | --- | --- | --- | --- |"
-            for (i = 1; i <= n; i++) {
-                line = line sprintf(" libtp tp %d (s) | speedup tp %d / tp 1 |", tp[i], tp[i])
-                sep = sep " --- | --- |"
-            }
-            print line; print sep
-            for (p = 1; p <= 2; p++) {
-                pass = p == 1 ? "fwd" : "fwd+bwd"
-                row = sprintf("| %s | %s | %s | %sx | %sx |", pass, times("tp1", pass), times("torch", pass),
-                              ratio("tp1", "torch", pass), ratio("cpu:tp1", "cpu:torch", pass))
-                for (i = 1; i <= n; i++)
-                    row = row sprintf(" %s | %sx |", times("tp" tp[i], pass), ratio("tp1", "tp" tp[i], pass))
-                print row
-            }
-            for (i = 1; i <= n; i++)
-                if (tp[i] > cores)
-                    printf "\ntp %d: %d rank threads on %d cores: oversubscribed, the ranks take turns on the cores.", tp[i], tp[i], cores
-            if (threads > cores)
-                printf "\n%d threads on %d cores: oversubscribed.", threads, cores
-            print ""
-        }' "$csv"
+    render "$csv"
     echo
     echo "csv: $csv; raw runs: $raw/"
 } | tee "$md"
