@@ -182,6 +182,17 @@ static int load_config(options *o)
     return 0;
 }
 
+static bool takes_value(const char *a)
+{
+    static const char *const valued[] = {"--config", "--model", "-b", "-s", "--tp", "--threads",
+                                         "-p", "-r", "-w", "--csv", "--backend", "--dump-config",
+                                         "--save", "--load", "--max-shard-bytes"};
+    for (size_t i = 0; i < sizeof valued / sizeof valued[0]; i++)
+        if (!strcmp(a, valued[i]))
+            return true;
+    return false;
+}
+
 static int parse_args(int argc, char **argv, options *o)
 {
     memset(o, 0, sizeof *o);
@@ -206,17 +217,12 @@ static int parse_args(int argc, char **argv, options *o)
             o->no_drop = true;
             continue;
         }
-        if (strncmp(a, "-", 1))
+        if (a[0] != '-')
             return bad("unexpected argument '%s'", a);
-        if (!v) {
-            if (strcmp(a, "--config") && strcmp(a, "--model") && strcmp(a, "-b") &&
-                strcmp(a, "-s") && strcmp(a, "--tp") && strcmp(a, "--threads") &&
-                strcmp(a, "-p") && strcmp(a, "-r") && strcmp(a, "-w") && strcmp(a, "--csv") &&
-                strcmp(a, "--backend") && strcmp(a, "--dump-config") && strcmp(a, "--save") &&
-                strcmp(a, "--load") && strcmp(a, "--max-shard-bytes"))
-                return bad("unknown option '%s'", a);
+        if (!takes_value(a))
+            return bad("unknown option '%s'", a);
+        if (!v)
             return bad("%s needs a value", a);
-        }
         i++;
         if (!strcmp(a, "--config"))
             o->config = v;
@@ -263,8 +269,6 @@ static int parse_args(int argc, char **argv, options *o)
             if (strcmp(v, "shm") && strcmp(v, "mpi"))
                 return bad("--backend '%s': shm or mpi", v);
             o->mpi = !strcmp(v, "mpi");
-        } else {
-            return bad("unknown option '%s'", a);
         }
     }
     if (!!o->dump + !!o->save + !!o->load > 1)
@@ -911,20 +915,22 @@ static int run_load(options *o)
     if (o->cfg.num_attention_heads % tp || o->cfg.num_key_value_heads % tp) {
         fprintf(stderr, "tp-bench-llm: --tp %d does not divide %lld heads and %lld kv heads\n",
                 tp, (long long)o->cfg.num_attention_heads, (long long)o->cfg.num_key_value_heads);
-        return EXIT_BAD;
+        rc = EXIT_BAD;
+        goto done;
     }
     r->drop_all = !o->no_drop && access("/proc/sys/vm/drop_caches", W_OK) == 0;
     const bool drop_wanted = r->drop_all;
     int world_rank = 0;
     openblas_set_num_threads(1);
     tp_status st = run_ranks(o, tp, load_rank, r, &world_rank);
-    int status = 0;
-    if (world_rank != 0)
+    if (world_rank != 0) {
+        rc = st != TP_OK;
         goto done;
+    }
     if (st != TP_OK) {
         fprintf(stderr, "tp-bench-llm: --load %s: %s (%s)\n", o->load, tp_status_name(st),
                 tp_last_error());
-        status = 1;
+        rc = 1;
         goto done;
     }
     char line[512];
@@ -992,7 +998,7 @@ done:
     for (int i = 0; i < r->files.n; i++)
         free(r->files.path[i]);
     free(r);
-    return status;
+    return rc;
 }
 
 int main(int argc, char **argv)

@@ -3,8 +3,9 @@
 # command line exits 2 with the usage; a run at tp 1, 2, 4 (one timed pass)
 # prints a row per tp and pass with a positive time, writes the CSV, and
 # skips a tp that does not divide the heads; --dump-config writes a
-# config.json tp-bench-llm reads back; --save writes a sharded checkpoint and
-# --load times it and prints the disk and memory tables.
+# config.json tp-bench-llm reads back; --save writes a sharded checkpoint,
+# --model runs on its weights, and --load times it and prints the disk and
+# memory tables.
 #   tests/bench_llm_cli.sh BUILD/bench/tp-bench-llm
 set -uo pipefail
 bench=$1
@@ -55,6 +56,10 @@ grep -q '"hidden_size": *64' "$tmp/cfg.json" || fail "the dumped config: $(head 
     fail "--save exits $?: $(cat "$tmp/out")"
 [ "$(ls "$tmp/ckpt"/*.safetensors 2>/dev/null | wc -l)" -gt 1 ] || fail "--save wrote no shards: $(ls "$tmp/ckpt")"
 [ -f "$tmp/ckpt/model.safetensors.index.json" ] || fail "--save wrote no index"
+# the checkpoint's weights under --model, at tp 1 and 2
+"$bench" --model "$tmp/ckpt" -b 1 -s 8 --tp 1,2 -p fwd+bwd -r 1 -w 0 >"$tmp/out" 2>&1 ||
+    fail "--model exits $?: $(cat "$tmp/out")"
+[ "$(grep -c '^  [12] .* fwd+bwd ' "$tmp/out")" -eq 2 ] || fail "--model: not two fwd+bwd rows: $(cat "$tmp/out")"
 "$bench" --load "$tmp/ckpt" --tp 2 -r 1 --no-drop >"$tmp/out" 2>&1 || fail "--load exits $?: $(cat "$tmp/out")"
 grep -q "^  cold " "$tmp/out" || fail "--load: no cold row: $(cat "$tmp/out")"
 grep -q "^  warm " "$tmp/out" || fail "--load: no warm row"
