@@ -1,0 +1,1020 @@
+/*
+ * tp-bench-llm: a Llama model (tp/models.h) on the CPU in f32: the forward,
+ * and the forward + backward of the causal-LM loss, at tensor-parallel
+ * degrees 1, 2 and 4 (ranks as threads of the shm backend, or one MPI
+ * process each), and the loading of a sharded Hugging Face checkpoint
+ * against the disk's read rate and each rank's shard.
+ *
+ *   tp-bench-llm [--config NAME|FILE | --model DIR] [-b B] [-s S] [--tp LIST]
+ *                [--threads K] [-p fwd|fwd+bwd|both] [-r REPS] [-w WARMUP]
+ *                [--csv FILE] [--plan-at-1] [--backend shm|mpi]
+ *   tp-bench-llm --dump-config FILE [--config NAME|FILE]
+ *   tp-bench-llm --save DIR [--config NAME|FILE] [--max-shard-bytes B]
+ *   tp-bench-llm --load DIR [--tp N] [-r REPS] [--backend shm|mpi] [--no-drop]
+ *
+ * Models: --config 100m (default; the ~100M-parameter Llama of issue 32:
+ * hidden 768, 12 layers, 12 heads, 4 kv heads, intermediate 2048, vocab
+ * 32000, 124.7M parameters with the untied lm_head), 1b (hidden 1536, 8
+ * layers, intermediate 4096, 12 heads, 4 kv heads, vocab 32000: 300M
+ * parameters, 1.12 GiB in f32, the loading benchmark's), tiny (hidden 64, 2
+ * layers, 4 heads, vocab 256: the smoke test's), or a config.json (a file or
+ * a directory holding one); parameters from tp_module_init (seed 1). --model
+ * DIR loads DIR's weights as well (tp_llm_load).
+ *
+ * A pass: a barrier, then the work, then a barrier; each rank times from its
+ * exit of the first to its exit of the second and a pass counts as the
+ * slowest rank's. fwd: tp_llm_forward under no-grad (the logits of every
+ * position, as transformers' model(input_ids)); fwd+bwd: tp_llm_forward,
+ * tp_llm_loss (labels = the ids), tp_backward, tp_module_zero_grad. The ids
+ * are pseudo-random in [0, vocab) and the same on every rank. -w untimed
+ * passes, then -r timed ones: the table shows the median [min .. max], the
+ * tokens per second of the median and the speedup of the median over tp 1
+ * (when tp 1 ran), and the peak of libtp's tensor memory during the timed
+ * passes (tp_memory_stats: all ranks of the process together).
+ *
+ * tp 1 runs the plain model (no DTensors), as a single-process user runs
+ * it; --plan-at-1 parallelizes it over a mesh of one rank instead (the
+ * DTensor dispatch then costs what it costs). tp must divide the attention
+ * and the key/value heads (4 kv heads: tp 1, 2, 4); others are skipped
+ * with a note. --threads K: OpenBLAS threads (default 1); the setting is
+ * process-wide (openblas_set_num_threads), so with shm ranks every rank's
+ * GEMMs draw on the same pool of K threads; nominal threads = tp x K.
+ *
+ * --load DIR: the model of DIR's config.json built at --tp N (default 4),
+ * then per repetition: the page cache dropped (echo 3 >
+ * /proc/sys/vm/drop_caches where this process may, else
+ * posix_fadvise(DONTNEED) of each file, which only drops what the kernel
+ * can: the output says which), the checkpoint's files read with plain 8 MiB
+ * read()s (the disk's rate), the cache dropped again and tp_llm_load timed
+ * (cold); then the files read again and the load timed again (both from the
+ * page cache: warm). Memory during a load: tp_memory_stats' peak of tensor
+ * bytes, and the process's peak resident set (VmHWM of /proc/self/status,
+ * reset through /proc/self/clear_refs before the load) above its resident
+ * set before it, against the rank's shard (its parameters' bytes) and its
+ * largest parameter. Both are per process: with --backend mpi (mpirun -np
+ * N) that is per rank; with shm the ranks' sum. --save DIR writes the
+ * model of --config, initialized, as a checkpoint (tp_llm_save, shards of at
+ * most --max-shard-bytes; default 256 MiB) for --load.
+ *
+ * Exit status: 0 done; 1 a run failed; 2 bad usage.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cblas.h>
+#include <tp.h>
+
+#include "bench_util.h"
+
+#define EXIT_BAD 2
+#define MAX_REPS 64
+#define MAX_TP 8
+
+static const struct preset {
+    const char *name, *json;
+} presets[] = {
+    {"100m", "{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 32000, "
+             "\"hidden_size\": 768, \"intermediate_size\": 2048, \"num_hidden_layers\": 12, "
+             "\"num_attention_heads\": 12, \"num_key_value_heads\": 4, "
+             "\"max_position_embeddings\": 2048, \"rms_norm_eps\": 1e-6, "
+             "\"rope_theta\": 10000.0, \"tie_word_embeddings\": false, \"hidden_act\": \"silu\"}"},
+    {"1b", "{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 32000, "
+           "\"hidden_size\": 1536, \"intermediate_size\": 4096, \"num_hidden_layers\": 8, "
+           "\"num_attention_heads\": 12, \"num_key_value_heads\": 4, "
+           "\"max_position_embeddings\": 2048, \"rms_norm_eps\": 1e-6, "
+           "\"rope_theta\": 10000.0, \"tie_word_embeddings\": false, \"hidden_act\": \"silu\"}"},
+    {"tiny", "{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 256, "
+             "\"hidden_size\": 64, \"intermediate_size\": 128, \"num_hidden_layers\": 2, "
+             "\"num_attention_heads\": 4, \"num_key_value_heads\": 4, "
+             "\"max_position_embeddings\": 512, \"rms_norm_eps\": 1e-6, "
+             "\"rope_theta\": 10000.0, \"tie_word_embeddings\": false, \"hidden_act\": \"silu\"}"},
+};
+
+typedef struct {
+    const char *config, *model, *csv, *dump, *save, *load;
+    long batch, seq;
+    int tps[MAX_TP], ntp;
+    int threads, reps, warmup;
+    bool fwd, bwd, plan_at_1, mpi, no_drop;
+    long max_shard;
+    tp_llm_config cfg;
+    char cfg_name[256];
+    int64_t *ids;
+} options;
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: tp-bench-llm [--config 100m|1b|tiny|FILE | --model DIR] [-b BATCH] [-s SEQ]\n"
+            "                    [--tp LIST] [--threads K] [-p fwd|fwd+bwd|both] [-r REPS]\n"
+            "                    [-w WARMUP] [--csv FILE] [--plan-at-1] [--backend shm|mpi]\n"
+            "       tp-bench-llm --dump-config FILE [--config NAME|FILE]\n"
+            "       tp-bench-llm --save DIR [--config NAME|FILE] [--max-shard-bytes B]\n"
+            "       tp-bench-llm --load DIR [--tp N] [-r REPS] [--backend shm|mpi] [--no-drop]\n"
+            "defaults: --config 100m -b 8 -s 512 --tp 1,2,4 --threads 1 -p both -r 3 -w 1;\n"
+            "--load: --tp 4 -r 3; --save: --max-shard-bytes 268435456\n");
+}
+
+static int bad(const char *fmt, const char *a)
+{
+    fprintf(stderr, "tp-bench-llm: ");
+    fprintf(stderr, fmt, a);
+    fprintf(stderr, "\n");
+    usage(stderr);
+    return EXIT_BAD;
+}
+
+static bool parse_long(const char *s, long lo, long hi, long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        return false;
+    *out = v;
+    return true;
+}
+
+static bool parse_tps(const char *s, options *o)
+{
+    char buf[128];
+    if (strlen(s) >= sizeof buf)
+        return false;
+    strcpy(buf, s);
+    o->ntp = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        long v;
+        if (o->ntp == MAX_TP || !parse_long(t, 1, 64, &v))
+            return false;
+        o->tps[o->ntp++] = (int)v;
+    }
+    return o->ntp > 0;
+}
+
+static int load_config(options *o)
+{
+    const char *spec = o->model ? o->model : o->config ? o->config : "100m";
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
+        if (!strcmp(spec, presets[i].name)) {
+            if (tp_llm_config_parse(presets[i].json, &o->cfg) != TP_OK) {
+                fprintf(stderr, "tp-bench-llm: preset %s: %s\n", spec, tp_last_error());
+                return 1;
+            }
+            snprintf(o->cfg_name, sizeof o->cfg_name, "%s", spec);
+            return 0;
+        }
+    struct stat sb;
+    if (stat(spec, &sb) != 0)
+        return bad("--config '%s': neither 100m, 1b, tiny nor a config.json file or directory",
+                   spec);
+    if (tp_llm_config_load(spec, &o->cfg) != TP_OK) {
+        fprintf(stderr, "tp-bench-llm: %s\n", tp_last_error());
+        return EXIT_BAD;
+    }
+    snprintf(o->cfg_name, sizeof o->cfg_name, "%s", spec);
+    return 0;
+}
+
+static bool takes_value(const char *a)
+{
+    static const char *const valued[] = {"--config", "--model", "-b", "-s", "--tp", "--threads",
+                                         "-p", "-r", "-w", "--csv", "--backend", "--dump-config",
+                                         "--save", "--load", "--max-shard-bytes"};
+    for (size_t i = 0; i < sizeof valued / sizeof valued[0]; i++)
+        if (!strcmp(a, valued[i]))
+            return true;
+    return false;
+}
+
+static int parse_args(int argc, char **argv, options *o)
+{
+    memset(o, 0, sizeof *o);
+    o->batch = 8;
+    o->seq = 512;
+    o->threads = 1;
+    o->reps = 3;
+    o->warmup = 1;
+    o->fwd = o->bwd = true;
+    o->max_shard = 256L << 20;
+    bool tp_given = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        long n = 0;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            exit(0);
+        } else if (!strcmp(a, "--plan-at-1")) {
+            o->plan_at_1 = true;
+            continue;
+        } else if (!strcmp(a, "--no-drop")) {
+            o->no_drop = true;
+            continue;
+        }
+        if (a[0] != '-')
+            return bad("unexpected argument '%s'", a);
+        if (!takes_value(a))
+            return bad("unknown option '%s'", a);
+        if (!v)
+            return bad("%s needs a value", a);
+        i++;
+        if (!strcmp(a, "--config"))
+            o->config = v;
+        else if (!strcmp(a, "--model"))
+            o->model = v;
+        else if (!strcmp(a, "--csv"))
+            o->csv = v;
+        else if (!strcmp(a, "--dump-config"))
+            o->dump = v;
+        else if (!strcmp(a, "--save"))
+            o->save = v;
+        else if (!strcmp(a, "--load"))
+            o->load = v;
+        else if (!strcmp(a, "-b") || !strcmp(a, "-s")) {
+            if (!parse_long(v, 1, 1L << 20, &n))
+                return bad("%s needs a count >= 1", a);
+            *(a[1] == 'b' ? &o->batch : &o->seq) = n;
+        } else if (!strcmp(a, "--tp")) {
+            if (!parse_tps(v, o))
+                return bad("--tp '%s' is not a list of counts in 1..64 (e.g. 1,2,4)", v);
+            tp_given = true;
+        } else if (!strcmp(a, "--threads")) {
+            if (!parse_long(v, 1, 256, &n))
+                return bad("--threads '%s' is not a count in 1..256", v);
+            o->threads = (int)n;
+        } else if (!strcmp(a, "-r")) {
+            if (!parse_long(v, 1, MAX_REPS, &n))
+                return bad("-r '%s' is not a count in 1..64", v);
+            o->reps = (int)n;
+        } else if (!strcmp(a, "-w")) {
+            if (!parse_long(v, 0, 100, &n))
+                return bad("-w '%s' is not a count in 0..100", v);
+            o->warmup = (int)n;
+        } else if (!strcmp(a, "--max-shard-bytes")) {
+            if (!parse_long(v, 1, 1L << 50, &n))
+                return bad("--max-shard-bytes '%s' is not a positive size", v);
+            o->max_shard = n;
+        } else if (!strcmp(a, "-p")) {
+            o->fwd = !strcmp(v, "fwd") || !strcmp(v, "both");
+            o->bwd = !strcmp(v, "fwd+bwd") || !strcmp(v, "both");
+            if (!o->fwd && !o->bwd)
+                return bad("-p '%s': fwd, fwd+bwd or both", v);
+        } else if (!strcmp(a, "--backend")) {
+            if (strcmp(v, "shm") && strcmp(v, "mpi"))
+                return bad("--backend '%s': shm or mpi", v);
+            o->mpi = !strcmp(v, "mpi");
+        }
+    }
+    if (!!o->dump + !!o->save + !!o->load > 1)
+        return bad("%s", "--dump-config, --save and --load exclude each other");
+    if (o->model && o->config)
+        return bad("%s", "--model DIR and --config exclude each other");
+    if (o->load && (o->model || o->config))
+        return bad("%s", "--load DIR builds the model of DIR's config.json: no --config/--model");
+    if (!tp_given) {
+        o->ntp = 0;
+        if (o->load)
+            o->tps[o->ntp++] = 4;
+        else
+            for (int t = 1; t <= 4; t *= 2)
+                o->tps[o->ntp++] = t;
+    }
+    if (o->load && o->ntp != 1)
+        return bad("%s", "--load times one --tp N");
+    if (o->mpi && o->ntp != 1)
+        return bad("%s", "--backend mpi runs one --tp N (the mpirun -np)");
+    if (o->load) {
+        o->config = o->load;
+        int rc = load_config(o);
+        o->config = NULL;
+        return rc;
+    }
+    int rc = load_config(o);
+    if (rc)
+        return rc;
+    if (o->bwd && o->seq < 2 && !o->dump && !o->save)
+        return bad("%s", "fwd+bwd needs -s 2 or more (the loss predicts the next token)");
+    return 0;
+}
+
+static double param_count(const tp_llm_config *c)
+{
+    return (double)c->vocab_size * c->hidden_size * (c->tie_word_embeddings ? 1 : 2) +
+           (double)c->num_hidden_layers *
+               ((double)c->hidden_size * c->head_dim *
+                    (2 * c->num_attention_heads + 2 * c->num_key_value_heads) +
+                3.0 * c->hidden_size * c->intermediate_size + 2.0 * c->hidden_size) +
+           c->hidden_size;
+}
+
+static void config_line(const options *o, char *buf, size_t n)
+{
+    const tp_llm_config *c = &o->cfg;
+    snprintf(buf, n,
+             "%s %s (hidden %lld, %lld layers, %lld heads, %lld kv heads, intermediate %lld, "
+             "vocab %lld; %.1fM parameters)",
+             tp_llm_arch_name(c->arch), o->cfg_name, (long long)c->hidden_size,
+             (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
+             (long long)c->num_key_value_heads, (long long)c->intermediate_size,
+             (long long)c->vocab_size, param_count(c) / 1e6);
+}
+
+/* ---- shared by the rank functions ------------------------------------------------ */
+
+/* The model of o->cfg on a 1-D mesh over world: parallelized with the standard
+ * plan when the world has several ranks (or plan_at_1), then initialized
+ * (seed 1) or loaded from dir. */
+static tp_status build_model(tp_comm *w, const options *o, bool plan, const char *dir,
+                             tp_mesh **mesh, tp_module **model)
+{
+    tp_status st = TP_OK;
+    const int64_t n = tp_comm_size(w);
+    TRY(tp_mesh_create(w, 1, &n, (const char *[]){"tp"}, mesh));
+    TRY(tp_llm_create(&o->cfg, model));
+    if (plan) {
+        const tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
+        TRY(tp_llm_parallelize(*model, *mesh, 0, NULL, &po));
+    }
+    if (dir)
+        TRY(tp_llm_load(*model, dir));
+    else
+        TRY(tp_module_init(*model, 1));
+out:
+    return st;
+}
+
+/* The per-rank values v[0..n) replaced by their maximum over the world. */
+static tp_status max_over(tp_comm *w, double *v, int64_t n)
+{
+    if (tp_comm_size(w) == 1)
+        return TP_OK;
+    tp_tensor *t = NULL;
+    tp_status st = tp_tensor_from_blob(TP_F64, TP_CPU, 1, &n, v, NULL, NULL, &t);
+    if (st == TP_OK)
+        st = tp_all_reduce(w, t, t, TP_MAX, NULL);
+    tp_tensor_release(t);
+    return st;
+}
+
+/* ---- the timed passes ------------------------------------------------------------- */
+
+typedef struct {
+    const options *o;
+    int tp;
+    double fwd[MAX_REPS], bwd[MAX_REPS]; /* seconds, the slowest rank's */
+    double cpu_fwd[MAX_REPS], cpu_bwd[MAX_REPS]; /* CPU seconds of rank 0's process */
+    double peak_fwd, peak_bwd;           /* bytes above the start of the passes */
+    double loss;
+} perf_run;
+
+/* CPU seconds of this process, all its threads. */
+static double cpu_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static tp_status fwd_pass(tp_module *m, tp_tensor *ids)
+{
+    tp_tensor *logits = NULL;
+    tp_no_grad_begin();
+    tp_status st = tp_llm_forward(m, ids, NULL, NULL, &logits);
+    tp_no_grad_end();
+    tp_tensor_release(logits);
+    return st;
+}
+
+static tp_status bwd_pass(tp_module *m, tp_tensor *ids, double *loss_out)
+{
+    tp_tensor *logits = NULL, *loss = NULL;
+    tp_status st = tp_llm_forward(m, ids, NULL, NULL, &logits);
+    if (st == TP_OK)
+        st = tp_llm_loss(logits, ids, &loss);
+    if (st == TP_OK && loss_out) {
+        const tp_tensor *l = tp_tensor_is_dtensor(loss) ? tp_dtensor_local(loss) : loss;
+        *loss_out = *(const float *)tp_tensor_data(l);
+    }
+    if (st == TP_OK)
+        st = tp_backward(loss, NULL);
+    tp_tensor_release(loss);
+    tp_tensor_release(logits);
+    tp_module_zero_grad(m);
+    return st;
+}
+
+static tp_status perf_rank(tp_comm *w, void *arg)
+{
+    perf_run *r = arg;
+    const options *o = r->o;
+    const bool lead = tp_comm_rank(w) == 0;
+    tp_status st = TP_OK;
+    tp_mesh *mesh = NULL;
+    tp_module *model = NULL;
+    tp_tensor *ids = NULL;
+    double fwd[MAX_REPS] = {0}, bwd[MAX_REPS] = {0};
+    TRY(build_model(w, o, r->tp > 1 || o->plan_at_1, o->model, &mesh, &model));
+    TRY(tp_tensor_from_data(TP_I64, 2, (const int64_t[]){o->batch, o->seq}, o->ids, &ids));
+    for (int kind = 0; kind < 2; kind++) {
+        if (!(kind == 0 ? o->fwd : o->bwd))
+            continue;
+        double *times = kind == 0 ? fwd : bwd;
+        size_t base = 0;
+        for (int i = 0; i < o->warmup + o->reps; i++) {
+            if (i == o->warmup) {
+                TRY(tp_barrier(w, NULL));
+                if (lead) {
+                    tp_memory_info mi;
+                    tp_memory_stats(TP_CPU, &mi);
+                    base = mi.allocated;
+                    tp_memory_reset_peak(TP_CPU);
+                }
+            }
+            TRY(tp_barrier(w, NULL));
+            const double t0 = bench_now_s(), c0 = cpu_now_s();
+            if (kind == 0)
+                TRY(fwd_pass(model, ids));
+            else
+                TRY(bwd_pass(model, ids, i == 0 && lead ? &r->loss : NULL));
+            TRY(tp_barrier(w, NULL));
+            if (i >= o->warmup) {
+                times[i - o->warmup] = bench_now_s() - t0;
+                if (lead)
+                    (kind == 0 ? r->cpu_fwd : r->cpu_bwd)[i - o->warmup] = cpu_now_s() - c0;
+            }
+        }
+        TRY(tp_barrier(w, NULL));
+        if (lead) {
+            tp_memory_info mi;
+            tp_memory_stats(TP_CPU, &mi);
+            *(kind == 0 ? &r->peak_fwd : &r->peak_bwd) = (double)(mi.peak_allocated - base);
+        }
+        TRY(max_over(w, times, o->reps));
+    }
+    if (lead) {
+        memcpy(r->fwd, fwd, sizeof fwd);
+        memcpy(r->bwd, bwd, sizeof bwd);
+    }
+out:
+    tp_tensor_release(ids);
+    tp_module_free(model);
+    tp_mesh_free(mesh);
+    if (st != TP_OK && o->mpi)
+        tp_comm_abort(w, "tp-bench-llm: a rank failed");
+    return st;
+}
+
+/* Runs fn over tp ranks: threads (shm), or this process as one of mpirun's. */
+static tp_status run_ranks(const options *o, int tp, tp_rank_fn fn, void *arg, int *world_rank)
+{
+    *world_rank = 0;
+    if (!o->mpi)
+        return tp_run_local(tp, fn, arg);
+    tp_comm *world = NULL;
+    tp_status st = tp_comm_create_world("mpi", NULL, &world);
+    if (st != TP_OK) {
+        fprintf(stderr, "tp-bench-llm: --backend mpi: %s\n", tp_last_error());
+        return st;
+    }
+    *world_rank = tp_comm_rank(world);
+    if (tp_comm_size(world) != tp) {
+        if (*world_rank == 0)
+            fprintf(stderr, "tp-bench-llm: mpirun started %d processes; --tp %d needs %d\n",
+                    tp_comm_size(world), tp, tp);
+        st = TP_ERR_INVALID_ARG;
+    } else {
+        st = fn(world, arg);
+    }
+    tp_comm_free(world);
+    return st;
+}
+
+static void stats(double *v, int n, double *med, double *lo, double *hi)
+{
+    double c[MAX_REPS];
+    memcpy(c, v, sizeof *v * (size_t)n);
+    *med = bench_median(c, n); /* sorts c */
+    *lo = c[0];
+    *hi = c[n - 1];
+}
+
+static int run_perf(options *o)
+{
+    const int64_t nids = o->batch * o->seq;
+    o->ids = malloc(sizeof *o->ids * (size_t)nids);
+    if (!o->ids)
+        return 1;
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (int64_t i = 0; i < nids; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        o->ids[i] = (int64_t)(x % (uint64_t)o->cfg.vocab_size);
+    }
+    openblas_set_num_threads(o->threads);
+    FILE *csv = NULL;
+    char line[512];
+    config_line(o, line, sizeof line);
+    perf_run runs[MAX_TP];
+    bool ran[MAX_TP] = {false};
+    int status = 0, world_rank = 0;
+    double load[3] = {0, 0, 0};
+    bench_loadavg(load);
+    for (int k = 0; k < o->ntp; k++) {
+        const int tp = o->tps[k];
+        if (o->cfg.num_attention_heads % tp || o->cfg.num_key_value_heads % tp) {
+            printf("# tp %d skipped: it does not divide %lld attention heads and %lld kv heads\n",
+                   tp, (long long)o->cfg.num_attention_heads,
+                   (long long)o->cfg.num_key_value_heads);
+            continue;
+        }
+        memset(&runs[k], 0, sizeof runs[k]);
+        runs[k].o = o;
+        runs[k].tp = tp;
+        tp_status st = run_ranks(o, tp, perf_rank, &runs[k], &world_rank);
+        if (st != TP_OK) {
+            if (world_rank == 0)
+                fprintf(stderr, "tp-bench-llm: tp %d failed: %s (%s)\n", tp, tp_status_name(st),
+                        tp_last_error());
+            status = 1;
+            continue;
+        }
+        ran[k] = true;
+    }
+    if (world_rank != 0)
+        return status;
+    if (o->csv) {
+        csv = fopen(o->csv, "w");
+        if (!csv) {
+            fprintf(stderr, "tp-bench-llm: cannot write %s: %s\n", o->csv, strerror(errno));
+            return 1;
+        }
+        fprintf(csv, "impl,model,params,batch,seq,tp,threads,pass,time_ms,time_min_ms,time_max_ms,"
+                     "reps,warmup,tokens_per_s,peak_mib,loss,backend,cores,cpu_ms\n");
+    }
+    printf("# tp-bench-llm: %s\n", line);
+    printf("# batch %ld x seq %ld = %ld tokens, f32, CPU; %s ranks; OpenBLAS threads %d "
+           "(process-wide, shared by the ranks); %d cores; load average %.2f %.2f %.2f\n",
+           o->batch, o->seq, o->batch * o->seq, o->mpi ? "mpi" : "shm (threads)", o->threads,
+           bench_cores(), load[0], load[1], load[2]);
+    printf("# a pass: the slowest rank's; %d timed after %d untimed; median [min .. max]; "
+           "peak: libtp tensor bytes above the passes' start, all ranks; CPU: the median CPU "
+           "time of the process (%s) over a pass%s\n",
+           o->reps, o->warmup, o->mpi ? "rank 0's" : "all ranks and BLAS threads, spinning included",
+           o->plan_at_1 ? "; tp 1 under the plan (mesh of 1)" : "");
+    printf("%3s %8s %8s %12s %24s %12s %9s %10s %12s\n", "tp", "threads", "pass", "median ms",
+           "[min .. max] ms", "tokens/s", "vs tp 1", "peak MiB", "CPU ms");
+    double base[2] = {0, 0};
+    for (int k = 0; k < o->ntp; k++)
+        if (ran[k] && runs[k].tp == 1) {
+            double lo, hi;
+            if (o->fwd)
+                stats(runs[k].fwd, o->reps, &base[0], &lo, &hi);
+            if (o->bwd)
+                stats(runs[k].bwd, o->reps, &base[1], &lo, &hi);
+        }
+    for (int kind = 0; kind < 2; kind++) {
+        if (!(kind == 0 ? o->fwd : o->bwd))
+            continue;
+        for (int k = 0; k < o->ntp; k++) {
+            if (!ran[k])
+                continue;
+            const perf_run *r = &runs[k];
+            double med, lo, hi;
+            stats((double *)(kind == 0 ? r->fwd : r->bwd), o->reps, &med, &lo, &hi);
+            const double peak = (kind == 0 ? r->peak_fwd : r->peak_bwd) / 1048576.0;
+            double cpu, clo, chi;
+            stats((double *)(kind == 0 ? r->cpu_fwd : r->cpu_bwd), o->reps, &cpu, &clo, &chi);
+            char spread[64], speed[32];
+            snprintf(spread, sizeof spread, "[%.1f .. %.1f]", lo * 1e3, hi * 1e3);
+            if (base[kind] > 0)
+                snprintf(speed, sizeof speed, "%.2fx", base[kind] / med);
+            else
+                snprintf(speed, sizeof speed, "-");
+            printf("%3d %8d %8s %12.1f %24s %12.0f %9s %10.0f %12.1f\n", r->tp, o->threads,
+                   kind == 0 ? "fwd" : "fwd+bwd", med * 1e3, spread,
+                   (double)(o->batch * o->seq) / med, speed, peak, cpu * 1e3);
+            if (csv) {
+                char loss[32] = "";
+                if (kind == 1)
+                    snprintf(loss, sizeof loss, "%.6f", r->loss);
+                fprintf(csv, "libtp,%s,%.0f,%ld,%ld,%d,%d,%s,%.3f,%.3f,%.3f,%d,%d,%.1f,%.1f,%s,%s,%d,"
+                             "%.3f\n",
+                        o->cfg_name, param_count(&o->cfg), o->batch, o->seq, r->tp, o->threads,
+                        kind == 0 ? "fwd" : "fwd+bwd", med * 1e3, lo * 1e3, hi * 1e3, o->reps,
+                        o->warmup, (double)(o->batch * o->seq) / med, peak, loss,
+                        o->mpi ? "mpi" : "shm", bench_cores(), cpu * 1e3);
+            }
+        }
+    }
+    for (int k = 0; k < o->ntp && o->bwd; k++)
+        if (ran[k]) {
+            printf("# loss of the first pass (tp %d): %.6f\n", runs[k].tp, runs[k].loss);
+            break;
+        }
+    if (csv && fclose(csv) != 0) {
+        fprintf(stderr, "tp-bench-llm: cannot write %s\n", o->csv);
+        status = 1;
+    }
+    return status;
+}
+
+/* ---- --save and --dump-config ------------------------------------------------------ */
+
+static tp_status save_rank(tp_comm *w, void *arg)
+{
+    const options *o = arg;
+    tp_status st = TP_OK;
+    tp_mesh *mesh = NULL;
+    tp_module *model = NULL;
+    TRY(build_model(w, o, tp_comm_size(w) > 1, NULL, &mesh, &model));
+    TRY(tp_llm_save(model, o->save, (size_t)o->max_shard));
+out:
+    tp_module_free(model);
+    tp_mesh_free(mesh);
+    return st;
+}
+
+static int run_save(options *o)
+{
+    char line[512];
+    config_line(o, line, sizeof line);
+    const double t0 = bench_now_s();
+    int world_rank = 0;
+    tp_status st = run_ranks(o, o->tps[0], save_rank, o, &world_rank);
+    if (world_rank != 0)
+        return st != TP_OK;
+    if (st != TP_OK) {
+        fprintf(stderr, "tp-bench-llm: --save %s: %s (%s)\n", o->save, tp_status_name(st),
+                tp_last_error());
+        return 1;
+    }
+    printf("# tp-bench-llm: saved %s to %s (shards of at most %ld bytes) in %.1f s\n", line,
+           o->save, o->max_shard, bench_now_s() - t0);
+    return 0;
+}
+
+static int run_dump(options *o)
+{
+    char *json = NULL;
+    if (tp_llm_config_to_json(&o->cfg, &json) != TP_OK) {
+        fprintf(stderr, "tp-bench-llm: %s\n", tp_last_error());
+        return 1;
+    }
+    FILE *f = fopen(o->dump, "w");
+    bool ok = f && fputs(json, f) >= 0 && fputc('\n', f) != EOF;
+    ok = (f && fclose(f) == 0) && ok;
+    free(json);
+    if (!ok) {
+        fprintf(stderr, "tp-bench-llm: cannot write %s: %s\n", o->dump, strerror(errno));
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- --load ------------------------------------------------------------------------- */
+
+#define MAX_FILES 256
+#define CHUNK (8u << 20)
+
+typedef struct {
+    int n;
+    char *path[MAX_FILES];
+    double bytes;
+} file_list;
+
+static int cmp_str(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* The .safetensors files of dir, sorted. */
+static int list_files(const char *dir, file_list *fl)
+{
+    DIR *d = opendir(dir);
+    if (!d) {
+        fprintf(stderr, "tp-bench-llm: cannot open %s: %s\n", dir, strerror(errno));
+        return EXIT_BAD;
+    }
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        size_t n = strlen(e->d_name);
+        if (n < 12 || strcmp(e->d_name + n - 12, ".safetensors"))
+            continue;
+        if (fl->n == MAX_FILES)
+            break;
+        size_t len = strlen(dir) + n + 2;
+        fl->path[fl->n] = malloc(len);
+        snprintf(fl->path[fl->n], len, "%s/%s", dir, e->d_name);
+        struct stat sb;
+        if (stat(fl->path[fl->n], &sb) == 0)
+            fl->bytes += (double)sb.st_size;
+        fl->n++;
+    }
+    closedir(d);
+    qsort(fl->path, (size_t)fl->n, sizeof *fl->path, cmp_str);
+    if (fl->n == 0) {
+        fprintf(stderr, "tp-bench-llm: %s holds no .safetensors file\n", dir);
+        return EXIT_BAD;
+    }
+    return 0;
+}
+
+typedef struct {
+    const options *o;
+    file_list files;
+    bool drop_all; /* /proc/sys/vm/drop_caches is writable */
+    /* per repetition: disk read seconds (cold, warm), load seconds (cold, warm) */
+    double disk[2][MAX_REPS], load[2][MAX_REPS];
+    /* per rank (filled by rank 0 from the gathered rows): shard bytes, largest
+     * parameter, tensor-peak during the cold and warm loads (the highest
+     * over the repetitions), RSS peak above the RSS before the load */
+    double shard[MAX_TP * 8], largest[MAX_TP * 8], tpeak[MAX_TP * 8], rss[MAX_TP * 8];
+    double tbase[MAX_TP * 8];
+    int nranks;
+} load_run;
+
+static void drop_caches(load_run *r)
+{
+    for (int i = 0; i < r->files.n; i++) {
+        int fd = open(r->files.path[i], O_RDONLY);
+        if (fd < 0)
+            continue;
+        posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        close(fd);
+    }
+    if (r->drop_all) {
+        sync();
+        FILE *f = fopen("/proc/sys/vm/drop_caches", "w");
+        if (!f || fputs("3\n", f) < 0 || fclose(f) != 0)
+            r->drop_all = false;
+    }
+}
+
+static double read_files(const file_list *fl, char *buf)
+{
+    const double t0 = bench_now_s();
+    for (int i = 0; i < fl->n; i++) {
+        int fd = open(fl->path[i], O_RDONLY);
+        while (fd >= 0 && read(fd, buf, CHUNK) > 0)
+            ;
+        if (fd >= 0)
+            close(fd);
+    }
+    return bench_now_s() - t0;
+}
+
+/* kB of a "Key:" line of /proc/self/status, or -1. */
+static double proc_status_kb(const char *key)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    double v = -1;
+    size_t n = strlen(key);
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, key, n)) {
+            v = strtod(line + n, NULL);
+            break;
+        }
+    if (f)
+        fclose(f);
+    return v;
+}
+
+static bool reset_hwm(void)
+{
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    bool ok = f && fputs("5\n", f) >= 0;
+    return (f && fclose(f) == 0) && ok;
+}
+
+typedef struct {
+    double bytes, largest;
+} param_sizes;
+
+static tp_status add_param(const char *fqn, tp_tensor *p, void *ctx)
+{
+    (void)fqn;
+    param_sizes *s = ctx;
+    const tp_tensor *l = tp_tensor_is_dtensor(p) ? tp_dtensor_local(p) : p;
+    const double b = (double)tp_tensor_nbytes(l);
+    s->bytes += b;
+    s->largest = b > s->largest ? b : s->largest;
+    return TP_OK;
+}
+
+static tp_status load_rank(tp_comm *w, void *arg)
+{
+    load_run *r = arg;
+    const options *o = r->o;
+    const int rank = tp_comm_rank(w), n = tp_comm_size(w);
+    /* this process measures its own memory: every rank under mpi, rank 0
+     * for all the threads under shm */
+    const bool lead = rank == 0, measures = o->mpi || lead;
+    tp_status st = TP_OK;
+    tp_mesh *mesh = NULL;
+    tp_module *model = NULL;
+    char *buf = NULL;
+    /* per rank: shard, largest, tensor peak, tensor base, rss delta */
+    double row[5] = {0}, *rows = NULL;
+    tp_tensor *trow = NULL, *trows = NULL;
+    const int64_t n5 = 5, nall = 5 * (int64_t)n;
+    param_sizes ps = {0, 0};
+    TRY(build_model(w, o, n > 1, NULL, &mesh, &model)); /* tp_module_init: not the file's values */
+    TRY(tp_module_named_parameters(model, add_param, &ps));
+    row[0] = ps.bytes;
+    row[1] = ps.largest;
+    if (lead && !(buf = malloc(CHUNK))) {
+        st = TP_ERR_NO_MEMORY;
+        goto out;
+    }
+    for (int rep = 0; rep < o->reps; rep++)
+        for (int warm = 0; warm < 2; warm++) {
+            TRY(tp_barrier(w, NULL));
+            if (lead) {
+                if (!warm && !o->no_drop)
+                    drop_caches(r);
+                r->disk[warm][rep] = read_files(&r->files, buf);
+                if (!warm && !o->no_drop)
+                    drop_caches(r);
+            }
+            TRY(tp_barrier(w, NULL));
+            double rss0 = 0;
+            size_t base = 0;
+            if (measures) {
+                tp_memory_empty_cache(TP_CPU);
+                tp_memory_info mi;
+                tp_memory_stats(TP_CPU, &mi);
+                base = mi.allocated;
+                tp_memory_reset_peak(TP_CPU);
+                reset_hwm();
+                rss0 = proc_status_kb("VmRSS:");
+            }
+            TRY(tp_barrier(w, NULL));
+            const double t0 = bench_now_s();
+            TRY(tp_llm_load(model, o->load));
+            TRY(tp_barrier(w, NULL));
+            const double t = bench_now_s() - t0;
+            if (lead)
+                r->load[warm][rep] = t;
+            if (measures) {
+                tp_memory_info mi;
+                tp_memory_stats(TP_CPU, &mi);
+                const double hwm = proc_status_kb("VmHWM:");
+                row[2] = (double)mi.peak_allocated > row[2] ? (double)mi.peak_allocated : row[2];
+                row[3] = (double)base;
+                const double d = (hwm - rss0) * 1024.0;
+                row[4] = d > row[4] ? d : row[4];
+            }
+        }
+    /* every rank's row to rank 0 (shm: the memory figures are rank 0's, for
+     * the whole process) */
+    TRY(tp_tensor_from_blob(TP_F64, TP_CPU, 1, &n5, row, NULL, NULL, &trow));
+    TRY(tp_tensor_empty(TP_F64, TP_CPU, 1, &nall, &trows));
+    TRY(tp_all_gather(w, trow, trows, NULL));
+    rows = tp_tensor_data(trows);
+    if (lead) {
+        r->nranks = n;
+        for (int i = 0; i < n && i < MAX_TP * 8; i++) {
+            r->shard[i] = rows[5 * i];
+            r->largest[i] = rows[5 * i + 1];
+            r->tpeak[i] = rows[5 * i + 2];
+            r->tbase[i] = rows[5 * i + 3];
+            r->rss[i] = rows[5 * i + 4];
+        }
+    }
+out:
+    free(buf);
+    tp_tensor_release(trow);
+    tp_tensor_release(trows);
+    tp_module_free(model);
+    tp_mesh_free(mesh);
+    if (st != TP_OK && o->mpi)
+        tp_comm_abort(w, "tp-bench-llm: a rank failed");
+    return st;
+}
+
+static int run_load(options *o)
+{
+    load_run *r = calloc(1, sizeof *r);
+    if (!r)
+        return 1;
+    r->o = o;
+    int rc = list_files(o->load, &r->files);
+    if (rc) {
+        free(r);
+        return rc;
+    }
+    const int tp = o->tps[0];
+    if (o->cfg.num_attention_heads % tp || o->cfg.num_key_value_heads % tp) {
+        fprintf(stderr, "tp-bench-llm: --tp %d does not divide %lld heads and %lld kv heads\n",
+                tp, (long long)o->cfg.num_attention_heads, (long long)o->cfg.num_key_value_heads);
+        rc = EXIT_BAD;
+        goto done;
+    }
+    r->drop_all = !o->no_drop && access("/proc/sys/vm/drop_caches", W_OK) == 0;
+    const bool drop_wanted = r->drop_all;
+    int world_rank = 0;
+    openblas_set_num_threads(1);
+    tp_status st = run_ranks(o, tp, load_rank, r, &world_rank);
+    if (world_rank != 0) {
+        rc = st != TP_OK;
+        goto done;
+    }
+    if (st != TP_OK) {
+        fprintf(stderr, "tp-bench-llm: --load %s: %s (%s)\n", o->load, tp_status_name(st),
+                tp_last_error());
+        rc = 1;
+        goto done;
+    }
+    char line[512];
+    config_line(o, line, sizeof line);
+    const double gb = r->files.bytes;
+    printf("# tp-bench-llm --load: %s\n", line);
+    printf("# %s: %d safetensors file%s, %.1f MiB; tp %d, %s ranks; %d repetition(s); cold: %s\n",
+           o->load, r->files.n, r->files.n == 1 ? "" : "s", gb / 1048576.0, tp,
+           o->mpi ? "mpi (one process each)" : "shm (threads of one process)", o->reps,
+           o->no_drop         ? "not dropped (--no-drop: every figure is warm)"
+           : r->drop_all      ? "echo 3 > /proc/sys/vm/drop_caches before each"
+           : drop_wanted      ? "drop_caches failed midway, then posix_fadvise(DONTNEED) of each file"
+                              : "posix_fadvise(DONTNEED) of each file (no drop_caches: not root?)");
+    printf("%6s %28s %28s %26s %24s\n", "cache", "read() MB/s [min .. max]",
+           "tp_llm_load MB/s [min .. max]", "load s [min .. max]", "load/read [min .. max]");
+    for (int warm = 0; warm < 2; warm++) {
+        double rd[MAX_REPS], ld[MAX_REPS], lt[MAX_REPS], ratio[MAX_REPS];
+        for (int i = 0; i < o->reps; i++) {
+            rd[i] = gb / r->disk[warm][i] / 1e6;
+            ld[i] = gb / r->load[warm][i] / 1e6;
+            lt[i] = r->load[warm][i];
+            ratio[i] = ld[i] / rd[i];
+        }
+        double m[4], l[4], h[4];
+        stats(rd, o->reps, &m[0], &l[0], &h[0]);
+        stats(ld, o->reps, &m[1], &l[1], &h[1]);
+        stats(lt, o->reps, &m[2], &l[2], &h[2]);
+        stats(ratio, o->reps, &m[3], &l[3], &h[3]);
+        char c[4][64];
+        snprintf(c[0], sizeof c[0], "%.0f [%.0f .. %.0f]", m[0], l[0], h[0]);
+        snprintf(c[1], sizeof c[1], "%.0f [%.0f .. %.0f]", m[1], l[1], h[1]);
+        snprintf(c[2], sizeof c[2], "%.3f [%.3f .. %.3f]", m[2], l[2], h[2]);
+        snprintf(c[3], sizeof c[3], "%.2f [%.2f .. %.2f]", m[3], l[3], h[3]);
+        printf("%6s %28s %28s %26s %24s\n", warm ? "warm" : "cold", c[0], c[1], c[2], c[3]);
+    }
+    printf("# memory during a load (the highest over the loads): peak = tp_memory_stats "
+           "peak_allocated (the parameters included),\n# above = peak less the tensor bytes "
+           "held before the load (what the load adds); RSS+ = VmHWM above VmRSS before the load;\n"
+           "# shard = the rank's parameter bytes; +1 = shard + its largest parameter (the "
+           "issue's bound on the peak)\n");
+    printf("%6s %10s %12s %10s %10s %11s %10s %10s\n", "rank", "shard MiB", "largest MiB",
+           "peak MiB", "above MiB", "peak/shard", "peak/(+1)", "RSS+ MiB");
+    const double M = 1048576.0;
+    double sh = 0, big = 0;
+    for (int i = 0; i < r->nranks; i++) {
+        sh += r->shard[i];
+        big += r->largest[i];
+    }
+    for (int i = 0; i < (o->mpi ? r->nranks : 1); i++) {
+        const double s = o->mpi ? r->shard[i] : sh, l = o->mpi ? r->largest[i] : big;
+        char who[16];
+        if (o->mpi)
+            snprintf(who, sizeof who, "%d", i);
+        else
+            snprintf(who, sizeof who, "all");
+        printf("%6s %10.1f %12.1f %10.1f %10.1f %11.2f %10.2f %10.1f\n", who, s / M, l / M,
+               r->tpeak[i] / M, (r->tpeak[i] - r->tbase[i]) / M, r->tpeak[i] / s,
+               r->tpeak[i] / (s + l), r->rss[i] / M);
+    }
+    if (!o->mpi)
+        printf("# shm: one process, so the memory is all ranks' together (largest: the sum of "
+               "each rank's; per rank: mpirun -np %d tp-bench-llm --load DIR --tp %d "
+               "--backend mpi)\n", tp, tp);
+done:
+    for (int i = 0; i < r->files.n; i++)
+        free(r->files.path[i]);
+    free(r);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    options o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc)
+        return rc;
+    if (o.dump)
+        rc = run_dump(&o);
+    else if (o.save)
+        rc = run_save(&o);
+    else if (o.load)
+        rc = run_load(&o);
+    else
+        rc = run_perf(&o);
+    free(o.ids);
+    return rc;
+}
