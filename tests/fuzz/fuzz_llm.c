@@ -15,9 +15,11 @@
  *           embeddings and MLP biases, Mistral, Qwen2), written with its
  *           8-byte length and a data buffer of the model's f32 size (variant
  *           bit 7: 512 KiB, the size of the fixtures' models) less
- *           ((variant >> 3) & 15) bytes into a directory of its own, which
+ *           ((variant >> 3) & 7) bytes into a directory of its own, which
  *           tp_llm_load reads. Variant bit 2 (raw): the rest is the whole file.
- *   index   a variant byte (the model, as above), then the text of
+ *           Variant bit 6: the load goes into the model parallelized over 2
+ *           ranks (threads) instead.
+ *   index   a variant byte (the model and bit 6, as above), then the text of
  *           model.safetensors.index.json, written into a directory that
  *           holds the model saved as shards, as one model.safetensors, and
  *           odd neighbours (a directory, an empty file, a 3-byte file, a FIFO).
@@ -45,6 +47,9 @@
 #include <unistd.h>
 
 #include "fuzz_llm.h"
+#include "tp/comm.h"
+#include "tp/dtensor.h"
+#include "tp/mesh.h"
 #include "tp/models.h"
 #include "tp/safetensors.h"
 
@@ -55,18 +60,19 @@ enum { N_SMALL = 3 };
 static const char *const small_names[N_SMALL] = {"llama", "mistral", "qwen2"};
 /* Small enough that an input costs well under a millisecond, shaped to take
  * every loading path: tied lm_head (skipped by name), biases, bf16
- * parameters (converted from f32 files), grouped kv heads. */
+ * parameters (converted from f32 files), grouped kv heads, heads that split
+ * over 2 ranks and vocabularies that do not (uneven shards). */
 static const char *const small_configs[N_SMALL] = {
     "{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 7, \"hidden_size\": 8, "
     "\"intermediate_size\": 12, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
-    "\"num_key_value_heads\": 1, \"head_dim\": 4, \"max_position_embeddings\": 16, "
+    "\"num_key_value_heads\": 2, \"head_dim\": 4, \"max_position_embeddings\": 16, "
     "\"rms_norm_eps\": 1e-05, \"mlp_bias\": true, \"tie_word_embeddings\": true, "
     "\"torch_dtype\": \"bfloat16\", \"rope_theta\": 500000.0, "
     "\"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}, \"hidden_act\": \"silu\", "
     "\"bos_token_id\": 1, \"eos_token_id\": [2, 3]}",
-    "{\"architectures\": [\"MistralForCausalLM\"], \"vocab_size\": 5, \"hidden_size\": 4, "
-    "\"intermediate_size\": 6, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
-    "\"num_key_value_heads\": 1, \"max_position_embeddings\": 16, \"sliding_window\": 8, "
+    "{\"architectures\": [\"MistralForCausalLM\"], \"vocab_size\": 5, \"hidden_size\": 8, "
+    "\"intermediate_size\": 6, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, "
+    "\"num_key_value_heads\": 2, \"max_position_embeddings\": 16, \"sliding_window\": 8, "
     "\"dtype\": \"float32\", \"rope_theta\": 10000.0, \"hidden_act\": \"silu\"}",
     "{\"architectures\": [\"Qwen2ForCausalLM\"], \"model_type\": \"qwen2\", \"vocab_size\": 6, "
     "\"hidden_size\": 8, \"intermediate_size\": 8, \"num_hidden_layers\": 1, "
@@ -204,6 +210,8 @@ static tp_status hash_params(const char *fqn, tp_tensor *p, void *ctx)
     uint64_t *h = ctx;
     for (const char *s = fqn; *s; s++)
         *h = (*h ^ (unsigned char)*s) * 0x100000001b3ull;
+    if (tp_tensor_is_dtensor(p))
+        p = tp_dtensor_local(p);
     const unsigned char *b = tp_tensor_data(p);
     for (size_t i = 0; i < tp_tensor_nbytes(p); i++)
         *h = (*h ^ b[i]) * 0x100000001b3ull;
@@ -493,12 +501,84 @@ static void load_into(small_model *s, const char *dir)
         die("a failed tp_llm_load changed the parameters (%s)", tp_last_error());
 }
 
+/* The same load into the model parallelized over 2 ranks (threads of the shm
+ * backend, the standard plan): each rank reads its shard of each parameter,
+ * Shard(1) ones row by row, and the ranks agree through one all_reduce. */
+enum { TP_RANKS = 2 };
+
+typedef struct {
+    int arch;
+    const char *dir;
+    tp_status st[TP_RANKS];
+    char msg[TP_RANKS][512];
+    bool changed[TP_RANKS];
+} tp_job;
+
+static tp_status tp_rank(tp_comm *world, void *arg)
+{
+    tp_job *j = arg;
+    const int r = tp_comm_rank(world);
+    tp_llm_config c;
+    tp_module *m = NULL;
+    tp_mesh *mesh = NULL;
+    const int64_t shape[1] = {TP_RANKS};
+    TRY(tp_llm_config_parse(small_configs[j->arch], &c));
+    TRY(tp_llm_create(&c, &m));
+    if (c.dtype != TP_F32)
+        TRY(tp_module_to_dtype(m, c.dtype));
+    TRY(tp_mesh_create(world, 1, shape, (const char *[]){"tp"}, &mesh));
+    /* zeros everywhere: nothing to send */
+    const tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
+    TRY(tp_llm_parallelize(m, mesh, 0, NULL, &po));
+    const uint64_t before = params_hash(m);
+    tp_clear_error();
+    j->st[r] = tp_llm_load(m, j->dir);
+    snprintf(j->msg[r], sizeof j->msg[r], "%s", tp_last_error());
+    j->changed[r] = params_hash(m) != before;
+    tp_module_free(m);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+static void load_parallel(int arch, const char *dir)
+{
+    tp_job j = {.arch = arch, .dir = dir};
+    TRY(tp_run_local(TP_RANKS, tp_rank, &j));
+    for (int r = 0; r < TP_RANKS; r++) {
+        tp_status st = j.st[r];
+        if (verbose)
+            fprintf(stderr, "fuzz_llm: tp_llm_load rank %d: %s%s%s\n", r, tp_status_name(st),
+                    st ? ": " : "", st ? j.msg[r] : "");
+        /* every rank reads the same files: they fail alike, or one of them
+         * reads what the other could not and sees TP_ERR_MISMATCH */
+        if (st != TP_OK && st != TP_ERR_INVALID_ARG && st != TP_ERR_NOT_SUPPORTED &&
+            st != TP_ERR_BACKEND && st != TP_ERR_MISMATCH)
+            die("tp_llm_load on rank %d returned %s: %s", r, tp_status_name(st), j.msg[r]);
+        if (st != TP_OK && !j.msg[r][0])
+            die("tp_llm_load on rank %d returned %s without a message", r, tp_status_name(st));
+        if (st != TP_OK && j.changed[r])
+            die("a failed tp_llm_load changed rank %d's parameters (%s)", r, j.msg[r]);
+        if ((st == TP_OK) != (j.st[0] == TP_OK))
+            die("tp_llm_load: rank 0 returned %s, rank %d %s", tp_status_name(j.st[0]), r,
+                tp_status_name(st));
+    }
+}
+
+static void load(int arch, const char *dir, bool parallel)
+{
+    if (parallel)
+        load_parallel(arch, dir);
+    else
+        load_into(&models[arch], dir);
+}
+
 static void fuzz_header(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return;
     const unsigned v = data[0];
-    small_model *s = &models[(v & 3) % N_SMALL];
+    const int arch = (v & 3) % N_SMALL;
+    small_model *s = &models[arch];
     data++;
     size--;
     char path[700];
@@ -509,7 +589,7 @@ static void fuzz_header(const uint8_t *data, size_t size)
         unsigned char len[8];
         for (int i = 0; i < 8; i++)
             len[i] = (unsigned char)((uint64_t)size >> (8 * i));
-        const size_t cut = (v >> 3) & 15, all = v & 0x80 ? (size_t)512 << 10 : s->f32_bytes,
+        const size_t cut = (v >> 3) & 7, all = v & 0x80 ? (size_t)512 << 10 : s->f32_bytes,
                      n = all > cut ? all - cut : 0;
         /* finite in every float dtype, whatever the alignment */
         unsigned char *buf = malloc(n ? n : 1);
@@ -519,18 +599,18 @@ static void fuzz_header(const uint8_t *data, size_t size)
         write_file(path, len, 8, data, size, buf, n);
         free(buf);
     }
-    load_into(s, s->header_dir);
+    load(arch, s->header_dir, v & 0x40);
 }
 
 static void fuzz_index(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return;
-    small_model *s = &models[(data[0] & 3) % N_SMALL];
+    const int arch = (data[0] & 3) % N_SMALL;
     char path[700];
-    snprintf(path, sizeof path, "%s/model.safetensors.index.json", s->index_dir);
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", models[arch].index_dir);
     write_file(path, data + 1, size - 1, NULL, 0, NULL, 0);
-    load_into(s, s->index_dir);
+    load(arch, models[arch].index_dir, data[0] & 0x40);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -581,6 +661,36 @@ static char *st_header(const char *path, size_t *len)
     return all;
 }
 
+static tp_status sum_nbytes(const char *fqn, tp_tensor *p, void *ctx)
+{
+    (void)fqn;
+    *(size_t *)ctx += tp_tensor_nbytes(p);
+    return TP_OK;
+}
+
+/* The tied Llama's header with the two tensors its loading skips by name: a
+ * separate lm_head.weight and a rotary inv_freq buffer, after the data. */
+static void write_skipped_seed(const char *out, const char *json, size_t n)
+{
+    size_t end = 0;
+    TRY(tp_module_named_parameters(models[0].model, sum_nbytes, &end));
+    char extra[512];
+    int k = snprintf(extra, sizeof extra,
+                     "\"lm_head.weight\":{\"dtype\":\"BF16\",\"shape\":[7,8],"
+                     "\"data_offsets\":[%zu,%zu]},"
+                     "\"model.layers.1.self_attn.rotary_emb.inv_freq\":{\"dtype\":\"F32\","
+                     "\"shape\":[2],\"data_offsets\":[%zu,%zu]},",
+                     end, end + 112, end + 112, end + 120);
+    char *text = malloc(n + (size_t)k + 1);
+    if (!text || n < 1 || json[0] != '{' || end + 120 > models[0].f32_bytes)
+        die("cannot make the skipped-names seed");
+    text[0] = '{';
+    memcpy(text + 1, extra, (size_t)k);
+    memcpy(text + 1 + k, json + 1, n - 1);
+    write_seed(out, MODE_HEADER, "small-llama-skipped", 0, text, n + (size_t)k);
+    free(text);
+}
+
 int tp_fuzz_llm_write_seeds(const char *out, const char *fixtures)
 {
     setup();
@@ -594,13 +704,24 @@ int tp_fuzz_llm_write_seeds(const char *out, const char *fixtures)
         if (!(text = st_header(path, &n)))
             die("cannot read %s", path);
         write_seed(out, MODE_HEADER, name, a, text, n);
+        char tp2[160];
+        snprintf(tp2, sizeof tp2, "%s-tp2", name);
+        write_seed(out, MODE_HEADER, tp2, a | 0x40, text, n);
+        if (a == 0)
+            write_skipped_seed(out, text, n);
         free(text);
         snprintf(path, sizeof path, "%s/model.safetensors.index.json", models[a].index_dir);
         if (!(text = read_file(path, &n)))
             die("cannot read %s", path);
         write_seed(out, MODE_INDEX, name, a, text, n);
+        if (a == 2)
+            write_seed(out, MODE_INDEX, "small-qwen2-tp2", a | 0x40, text, n);
         free(text);
     }
+    /* the whole model and a shard of it: every tensor of the shard named twice */
+    const char *twice = "{\"weight_map\": {\"model.norm.weight\": \"model.safetensors\", "
+                        "\"lm_head.weight\": \"model-00003-of-00003.safetensors\"}}";
+    write_seed(out, MODE_INDEX, "small-mistral-twice", 1, twice, strlen(twice));
     /* the fixtures (Hugging Face's own files): configs of both transformers
      * forms, a header transformers wrote, a shard's header (BF16) and an
      * index, each with the small model of its architecture */
