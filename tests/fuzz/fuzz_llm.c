@@ -5,7 +5,8 @@
  * An input is one mode byte (its value mod 3; FUZZ_LLM_MODE=config|header|index
  * forces one), then:
  *
- *   config  the text of a config.json, for tp_llm_config_parse. A config that
+ *   config  the text of a config.json, written into a directory that
+ *           tp_llm_config_load (tp_llm_config_parse) reads. A config that
  *           parses must survive tp_llm_config_to_json and parse back to the
  *           same fields, and is built (tp_llm_create, within the allocation
  *           budget below) and freed; a small one also runs on three tokens
@@ -348,6 +349,10 @@ static void setup(void)
     static const tp_allocator bounded = {bounded_alloc, bounded_free, NULL};
     TRY(tp_set_allocator(&bounded));
     make_scratch();
+    char p[300];
+    snprintf(p, sizeof p, "%s/config", scratch);
+    if (mkdir(p, 0755) != 0)
+        die("mkdir %s: %s", p, strerror(errno));
     static bool registered;
     if (!registered && atexit(tp_fuzz_llm_cleanup) == 0)
         registered = true;
@@ -463,17 +468,16 @@ static void build_and_run(const tp_llm_config *c)
 
 static void fuzz_config(const uint8_t *data, size_t size)
 {
-    char *text = malloc(size + 1);
-    if (!text)
-        die("out of memory");
-    memcpy(text, data, size);
-    text[size] = '\0';
+    /* through the file, as a model directory is read */
+    char path[300];
+    snprintf(path, sizeof path, "%s/config/config.json", scratch);
+    write_file(path, data, size, NULL, 0, NULL, 0);
+    snprintf(path, sizeof path, "%s/config", scratch);
     tp_llm_config c;
     tp_clear_error();
-    tp_status st = tp_llm_config_parse(text, &c);
-    free(text);
-    report("tp_llm_config_parse", st);
-    check_status("tp_llm_config_parse", st, parse_errors, 2);
+    tp_status st = tp_llm_config_load(path, &c);
+    report("tp_llm_config_load", st);
+    check_status("tp_llm_config_load", st, parse_errors, 2);
     if (st != TP_OK)
         return;
     char *json = NULL;
@@ -691,6 +695,42 @@ static void write_skipped_seed(const char *out, const char *json, size_t n)
     free(text);
 }
 
+/* The header of small model `arch` saved in `dtype`: a file whose values
+ * the load converts to the parameters' dtype (malloc'ed). */
+static char *converted_header(int arch, tp_dtype dtype, size_t *n)
+{
+    tp_llm_config c;
+    tp_module *m = NULL;
+    char path[300];
+    snprintf(path, sizeof path, "%s/converted.safetensors", scratch);
+    TRY(tp_llm_config_parse(small_configs[arch], &c));
+    TRY(tp_llm_create(&c, &m));
+    TRY(tp_module_to_dtype(m, dtype));
+    TRY(tp_safetensors_save(m, path, 0));
+    tp_module_free(m);
+    char *text = st_header(path, n);
+    if (!text)
+        die("cannot read %s", path);
+    unlink(path);
+    return text;
+}
+
+/* A seed of `text` with the first `from` replaced by `to` (as long). */
+static void write_seed_replaced(const char *out, int mode, const char *name, int variant,
+                                char *text, size_t n, const char *from, const char *to)
+{
+    char *at = strstr(text, from);
+    if (!at || strlen(from) != strlen(to))
+        die("seed %s: no '%s' to replace", name, from);
+    char *copy = malloc(n);
+    if (!copy)
+        die("out of memory");
+    memcpy(copy, text, n);
+    memcpy(copy + (at - text), to, strlen(to));
+    write_seed(out, mode, name, variant, copy, n);
+    free(copy);
+}
+
 int tp_fuzz_llm_write_seeds(const char *out, const char *fixtures)
 {
     setup();
@@ -704,11 +744,12 @@ int tp_fuzz_llm_write_seeds(const char *out, const char *fixtures)
         if (!(text = st_header(path, &n)))
             die("cannot read %s", path);
         write_seed(out, MODE_HEADER, name, a, text, n);
-        char tp2[160];
-        snprintf(tp2, sizeof tp2, "%s-tp2", name);
-        write_seed(out, MODE_HEADER, tp2, a | 0x40, text, n);
         if (a == 0)
             write_skipped_seed(out, text, n);
+        if (a == 1) {
+            write_seed(out, MODE_HEADER, "small-mistral-tp2", a | 0x40, text, n);
+            write_seed_replaced(out, MODE_HEADER, "small-mistral-i32", a, text, n, "F32", "I32");
+        }
         free(text);
         snprintf(path, sizeof path, "%s/model.safetensors.index.json", models[a].index_dir);
         if (!(text = read_file(path, &n)))
@@ -718,13 +759,31 @@ int tp_fuzz_llm_write_seeds(const char *out, const char *fixtures)
             write_seed(out, MODE_INDEX, "small-qwen2-tp2", a | 0x40, text, n);
         free(text);
     }
+    /* files in another dtype than the parameters: converted, refused as not
+     * convertible (integers), refused as a dtype libtp does not load */
+    text = converted_header(1, TP_F16, &n);
+    write_seed(out, MODE_HEADER, "small-mistral-f16", 1, text, n);
+    write_seed_replaced(out, MODE_HEADER, "small-mistral-i16", 1, text, n, "F16", "I16");
+    free(text);
+    text = converted_header(0, TP_F32, &n);
+    write_seed(out, MODE_HEADER, "small-llama-f32", 0, text, n);
+    free(text);
+    text = converted_header(2, TP_BF16, &n);
+    write_seed(out, MODE_HEADER, "small-qwen2-bf16-tp2", 2 | 0x40, text, n);
+    free(text);
+    /* integral reals where integers are expected, as some tools write them */
+    const char *reals = "{\"model_type\": \"qwen2\", \"vocab_size\": 6.0, \"hidden_size\": 8, "
+                        "\"intermediate_size\": 8.0, \"num_hidden_layers\": 1, "
+                        "\"num_attention_heads\": 2, \"partial_rotary_factor\": 1.0, "
+                        "\"layer_types\": [\"full_attention\"], \"eos_token_id\": [1, 2]}";
+    write_seed(out, MODE_CONFIG, "small-qwen2-reals", -1, reals, strlen(reals));
     /* the whole model and a shard of it: every tensor of the shard named twice */
     const char *twice = "{\"weight_map\": {\"model.norm.weight\": \"model.safetensors\", "
                         "\"lm_head.weight\": \"model-00003-of-00003.safetensors\"}}";
     write_seed(out, MODE_INDEX, "small-mistral-twice", 1, twice, strlen(twice));
     /* the fixtures (Hugging Face's own files): configs of both transformers
-     * forms, a header transformers wrote, a shard's header (BF16) and an
-     * index, each with the small model of its architecture */
+     * forms, a shard's header transformers wrote (BF16) and an index, each
+     * with the small model of its architecture */
     static const char *const dirs[] = {"llama", "llama_bf16", "mistral", "qwen2"};
     for (size_t i = 0; i < sizeof dirs / sizeof *dirs; i++) {
         snprintf(path, sizeof path, "%s/%s/config.json", fixtures, dirs[i]);
@@ -734,11 +793,6 @@ int tp_fuzz_llm_write_seeds(const char *out, const char *fixtures)
         write_seed(out, MODE_CONFIG, name, -1, text, n);
         free(text);
     }
-    snprintf(path, sizeof path, "%s/qwen2/model.safetensors", fixtures);
-    if (!(text = st_header(path, &n)))
-        die("cannot read %s", path);
-    write_seed(out, MODE_HEADER, "hf-qwen2", 0x80 | 2, text, n);
-    free(text);
     snprintf(path, sizeof path, "%s/llama_bf16/model-00003-of-00003.safetensors", fixtures);
     if (!(text = st_header(path, &n)))
         die("cannot read %s", path);
