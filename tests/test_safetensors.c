@@ -589,6 +589,34 @@ Test(safetensors, short_and_missing_files, .timeout = 30)
     rm_dir(dir);
 }
 
+/* Only regular files are read: a FIFO named by an index (or given itself)
+ * once blocked open() for a writer that never came; a directory is refused
+ * by name rather than by a failed read. */
+Test(safetensors, not_regular_files, .timeout = 10)
+{
+    char dir[64], path[128], fifo[128], idx[128];
+    tmp_dir(dir, sizeof dir);
+    snprintf(fifo, sizeof fifo, "%s/fifo.safetensors", dir);
+    cr_assert_eq(mkfifo(fifo, 0644), 0);
+    expect_refused(fifo, NULL, TP_ERR_BACKEND,
+                   (const char *const[]){fifo, "not a regular file", NULL});
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    const char *to_fifo = "{\"weight_map\":{\"lin.weight\":\"fifo.safetensors\"}}";
+    write_bytes(path, to_fifo, strlen(to_fifo));
+    expect_refused(path, NULL, TP_ERR_BACKEND,
+                   (const char *const[]){fifo, "not a regular file", NULL});
+    const char *to_dir = "{\"weight_map\":{\"lin.weight\":\"..\"}}";
+    write_bytes(path, to_dir, strlen(to_dir));
+    expect_refused(path, NULL, TP_ERR_BACKEND, (const char *const[]){"/..", "not a regular file",
+                                                                     NULL});
+    /* the index itself a FIFO */
+    snprintf(idx, sizeof idx, "%s/fifo.index.json", dir);
+    cr_assert_eq(mkfifo(idx, 0644), 0);
+    expect_refused(idx, NULL, TP_ERR_BACKEND, (const char *const[]){idx, "not a regular file",
+                                                                    NULL});
+    rm_dir(dir);
+}
+
 Test(safetensors, truncated_fixture, .timeout = 30)
 {
     char dir[64], path[128], src[512];

@@ -77,8 +77,9 @@ typedef struct tp_safetensors_load_options {
  * match dtype x shape or lie beyond the end of the file (a truncated file),
  * a shape that is not the parameter's global shape, a dtype not convertible,
  * the same parameter named twice: TP_ERR_INVALID_ARG; a file that cannot be
- * opened or read: TP_ERR_BACKEND; unsupported dtypes and Partial
- * parameters: TP_ERR_NOT_SUPPORTED.
+ * opened or read, or is not a regular file (a directory, a FIFO: never
+ * waited on): TP_ERR_BACKEND; unsupported dtypes and Partial parameters:
+ * TP_ERR_NOT_SUPPORTED.
  *
  * Collective when m has DTensor parameters (they must share one mesh, as
  * tp_parallelize_module makes them): every rank of that mesh calls it, and

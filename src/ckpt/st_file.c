@@ -61,6 +61,14 @@ tp_status tp__st_pread(const tp__st_file *f, void *buf, size_t n, uint64_t off, 
     return TP_OK;
 }
 
+/* Opens for reading without waiting: a FIFO named as a checkpoint file would
+ * block open() until some writer came (the caller then refuses anything but a
+ * regular file); regular files ignore O_NONBLOCK. */
+static int tp__st_open_regular(const char *path)
+{
+    return open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+}
+
 void tp__st_file_close(tp__st_file *f)
 {
     if (!f)
@@ -180,6 +188,8 @@ static tp_status tp__st_header_text(tp__st_file *f, char **out)
     struct stat sb;
     if (fstat(f->fd, &sb) != 0)
         return tp__error(TP_ERR_BACKEND, "cannot stat '%s': %s", f->path, strerror(errno));
+    if (!S_ISREG(sb.st_mode))
+        return tp__error(TP_ERR_BACKEND, "'%s' is not a regular file", f->path);
     uint64_t fsize = (uint64_t)sb.st_size;
     unsigned char lenb[8];
     if (fsize < 8)
@@ -262,7 +272,7 @@ tp_status tp__st_file_open(const char *path, tp__st_file *f)
     f->fd = -1;
     if (!(f->path = tp__strdup(path)))
         return tp__error(TP_ERR_NO_MEMORY, "opening '%s': out of memory", path);
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    f->fd = tp__st_open_regular(path);
     if (f->fd < 0) {
         tp_status st = tp__error(TP_ERR_BACKEND, "cannot open '%s': %s", path, strerror(errno));
         tp__st_file_close(f);
@@ -284,13 +294,15 @@ tp_status tp__st_file_open(const char *path, tp__st_file *f)
 static tp_status tp__st_slurp(const char *path, char **out, size_t *len)
 {
     tp__st_file f = {.fd = -1, .path = (char *)path};
-    f.fd = open(path, O_RDONLY | O_CLOEXEC);
+    f.fd = tp__st_open_regular(path);
     if (f.fd < 0)
         return tp__error(TP_ERR_BACKEND, "cannot open '%s': %s", path, strerror(errno));
     struct stat sb;
     tp_status st = TP_OK;
-    if (fstat(f.fd, &sb) != 0 || (uint64_t)sb.st_size > TP__ST_MAX_HEADER)
-        st = tp__error(TP_ERR_INVALID_ARG, "'%s': cannot stat it or larger than %u bytes", path,
+    if (fstat(f.fd, &sb) != 0 || !S_ISREG(sb.st_mode))
+        st = tp__error(TP_ERR_BACKEND, "'%s': cannot stat it or not a regular file", path);
+    else if ((uint64_t)sb.st_size > TP__ST_MAX_HEADER)
+        st = tp__error(TP_ERR_INVALID_ARG, "'%s' is larger than %u bytes", path,
                        TP__ST_MAX_HEADER);
     char *text = st == TP_OK ? tp__malloc((size_t)sb.st_size + 1) : NULL;
     if (st == TP_OK && !text)

@@ -40,6 +40,7 @@ static void bf16_store(uint16_t *restrict dst, const float *restrict src, int64_
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define LP_F16C 1
 
@@ -67,7 +68,10 @@ static bool have_f16c(void)
     static atomic_int have = -1; /* -1: not asked yet; every thread finds the same */
     int h = atomic_load_explicit(&have, memory_order_relaxed);
     if (h < 0) {
-        h = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+        /* F16C from cpuid itself: clang 14's __builtin_cpu_supports does not
+         * know "f16c"; "avx" says the OS saves the ymm registers */
+        unsigned a, b, c, d;
+        h = __builtin_cpu_supports("avx") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
         atomic_store_explicit(&have, h, memory_order_relaxed);
     }
     return h;
