@@ -589,6 +589,33 @@ Test(safetensors, short_and_missing_files, .timeout = 30)
     rm_dir(dir);
 }
 
+/* Shapes whose element count passes 2^64: the count once wrapped (here to 0,
+ * which matched empty offsets) and the header passed its check. An empty
+ * tensor with large other sizes stays readable, as tp_tensor_empty makes it. */
+Test(safetensors, shape_overflow, .timeout = 10)
+{
+    char dir[64], path[128];
+    tmp_dir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/wrap.safetensors", dir);
+    write_st(path,
+             HDR_LIN("F32", "[0,192]") "\"emb.weight\":{\"dtype\":\"F32\",\"shape\":[16777216,"
+                                       "16777216,65536],\"data_offsets\":[216,216]}}",
+             0, 376);
+    expect_refused(path, NULL, TP_ERR_INVALID_ARG,
+                   (const char *const[]){path, "emb.weight", "shape too large", NULL});
+    tp_tensor *t = NULL;
+    CHECK_ERR(tp_safetensors_read(path, "emb.weight", &t), TP_ERR_INVALID_ARG);
+    cr_assert_not_null(strstr(tp_last_error(), "shape too large"), "%s", tp_last_error());
+    snprintf(path, sizeof path, "%s/empty.safetensors", dir);
+    write_st(path, "{\"e\":{\"dtype\":\"F32\",\"shape\":[0,1099511627776,1048576],"
+                   "\"data_offsets\":[0,0]}}", 0, 0);
+    CHECK_OK(tp_safetensors_read(path, "e", &t));
+    cr_assert_eq(tp_tensor_numel(t), 0);
+    cr_assert_eq(tp_tensor_shape(t)[1], 1099511627776LL);
+    tp_tensor_release(t);
+    rm_dir(dir);
+}
+
 /* Only regular files are read: a FIFO named by an index (or given itself)
  * once blocked open() for a writer that never came; a directory is refused
  * by name rather than by a failed read. */

@@ -116,7 +116,11 @@ static tp_status tp__st_parse_entry(const tp__st_file *f, const char *name, json
     if (e->ndim > TP_MAX_DIMS)
         return tp__error(TP_ERR_NOT_SUPPORTED, "tensor '%s' in '%s': %d dims (at most %d)", name, p,
                          e->ndim, TP_MAX_DIMS);
-    uint64_t numel = 1;
+    /* span, the product of the sizes other than 0, is checked before each
+     * multiplication, as tp_tensor_empty checks it (a 0 does not excuse the
+     * others): numel checked after its product alone let [2^24, 2^24, 2^16]
+     * wrap to 0 elements and pass */
+    uint64_t numel = 1, span = 1;
     for (int d = 0; d < e->ndim; d++) {
         json_t *x = json_array_get(sh, (size_t)d);
         if (!json_is_integer(x) || json_integer_value(x) < 0 ||
@@ -124,6 +128,10 @@ static tp_status tp__st_parse_entry(const tp__st_file *f, const char *name, json
             return tp__error(TP_ERR_INVALID_ARG, "tensor '%s' in '%s': bad shape entry %d", name, p,
                              d);
         e->shape[d] = json_integer_value(x);
+        const uint64_t s = e->shape[d] ? (uint64_t)e->shape[d] : 1;
+        if (span > (uint64_t)INT64_MAX / s)
+            return tp__error(TP_ERR_INVALID_ARG, "tensor '%s' in '%s': shape too large", name, p);
+        span *= s;
         numel *= (uint64_t)e->shape[d];
         if (numel > (1ULL << 48))
             return tp__error(TP_ERR_INVALID_ARG, "tensor '%s' in '%s': shape too large", name, p);
