@@ -715,19 +715,21 @@ static char *converted_header(int arch, tp_dtype dtype, size_t *n)
     return text;
 }
 
-/* A seed of `text` with the first `from` replaced by `to` (as long). */
+/* A seed of `text` with the first `from` replaced by `to`. */
 static void write_seed_replaced(const char *out, int mode, const char *name, int variant,
-                                char *text, size_t n, const char *from, const char *to)
+                                const char *text, size_t n, const char *from, const char *to)
 {
-    char *at = strstr(text, from);
-    if (!at || strlen(from) != strlen(to))
+    const char *at = strstr(text, from);
+    if (!at)
         die("seed %s: no '%s' to replace", name, from);
-    char *copy = malloc(n);
+    const size_t head = (size_t)(at - text), nf = strlen(from), nt = strlen(to);
+    char *copy = malloc(n - nf + nt);
     if (!copy)
         die("out of memory");
-    memcpy(copy, text, n);
-    memcpy(copy + (at - text), to, strlen(to));
-    write_seed(out, mode, name, variant, copy, n);
+    memcpy(copy, text, head);
+    memcpy(copy + head, to, nt);
+    memcpy(copy + head + nt, at + nf, n - head - nf);
+    write_seed(out, mode, name, variant, copy, n - nf + nt);
     free(copy);
 }
 
@@ -749,6 +751,16 @@ int tp_fuzz_llm_write_seeds(const char *out, const char *fixtures)
         if (a == 1) {
             write_seed(out, MODE_HEADER, "small-mistral-tp2", a | 0x40, text, n);
             write_seed_replaced(out, MODE_HEADER, "small-mistral-i32", a, text, n, "F32", "I32");
+            /* what byte mutations of a JSON object rarely reach: more dims
+             * than a tensor has, a shape of 2^80 elements, metadata that is
+             * not an object, a header that is not an object */
+            write_seed_replaced(out, MODE_HEADER, "small-mistral-9dims", a, text, n,
+                                "\"shape\":[5,8]", "\"shape\":[1,1,1,1,1,1,1,5,8]");
+            write_seed_replaced(out, MODE_HEADER, "small-mistral-2e80", a, text, n,
+                                "\"shape\":[5,8]", "\"shape\":[1099511627776,1099511627776]");
+            write_seed_replaced(out, MODE_HEADER, "small-mistral-metadata", a, text, n,
+                                "{\"format\":\"pt\"}", "\"pt\"");
+            write_seed(out, MODE_HEADER, "array", a, "[]", 2);
         }
         free(text);
         snprintf(path, sizeof path, "%s/model.safetensors.index.json", models[a].index_dir);
