@@ -16,11 +16,13 @@
  *           embeddings and MLP biases, Mistral, Qwen2), written with its
  *           8-byte length and a data buffer of the model's f32 size (variant
  *           bit 7: 512 KiB, the size of the fixtures' models) less
- *           ((variant >> 3) & 7) bytes into a directory of its own, which
+ *           ((variant >> 3) & 3) bytes into a directory of its own, which
  *           tp_llm_load reads. Variant bit 2 (raw): the rest is the whole file.
  *           Variant bit 6: the load goes into the model parallelized over 2
- *           ranks (threads) instead.
- *   index   a variant byte (the model and bit 6, as above), then the text of
+ *           ranks (threads) instead. Variant bit 5: tp_safetensors_load of
+ *           the same file, all or nothing, rather than tp_llm_load, which
+ *           streams.
+ *   index   a variant byte (the model and bits 5 and 6, as above), then the text of
  *           model.safetensors.index.json, written into a directory that
  *           holds the model saved as shards, as one model.safetensors, and
  *           odd neighbours (a directory, an empty file, a 3-byte file, a FIFO).
@@ -494,13 +496,45 @@ static void fuzz_config(const uint8_t *data, size_t size)
 
 /* ---- model directories ------------------------------------------------------------ */
 
-static void load_into(small_model *s, const char *dir)
+/* tp_llm_load's name map, for the staged load below. */
+static bool skip_names(const char *file_name, char *fqn, size_t cap, void *ctx)
+{
+    (void)fqn;
+    (void)cap;
+    const tp_llm_config *c = ctx;
+    const char *inv = ".rotary_emb.inv_freq";
+    size_t n = strlen(file_name), k = strlen(inv);
+    if (n >= k && !strcmp(file_name + n - k, inv))
+        return false;
+    return !(c->tie_word_embeddings && !strcmp(file_name, "lm_head.weight"));
+}
+
+/* tp_llm_load (streamed: every check first, then each tensor straight into
+ * its parameter), or with `staged` tp_safetensors_load of the same file with
+ * the same names, all or nothing (every tensor read into scratch first). */
+static tp_status load_dir(tp_module *m, const char *dir, bool staged)
+{
+    if (!staged)
+        return tp_llm_load(m, dir);
+    char path[700];
+    struct stat sb;
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    if (stat(path, &sb) != 0)
+        snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    const tp_safetensors_load_options o = {.map_name = skip_names,
+                                           .map_ctx = (void *)tp_llm_config_of(m),
+                                           .strict = true};
+    return tp_safetensors_load(m, path, &o);
+}
+
+static void load_into(small_model *s, const char *dir, bool staged)
 {
     const uint64_t before = params_hash(s->model);
     tp_clear_error();
-    tp_status st = tp_llm_load(s->model, dir);
-    report("tp_llm_load", st);
+    tp_status st = load_dir(s->model, dir, staged);
+    report(staged ? "tp_safetensors_load" : "tp_llm_load", st);
     check_status("tp_llm_load", st, load_errors, 3);
+    /* streamed too: only an I/O error part-way may leave a load half done */
     if (st != TP_OK && params_hash(s->model) != before)
         die("a failed tp_llm_load changed the parameters (%s)", tp_last_error());
 }
@@ -513,6 +547,7 @@ enum { TP_RANKS = 2 };
 typedef struct {
     int arch;
     const char *dir;
+    bool staged;
     tp_status st[TP_RANKS];
     char msg[TP_RANKS][512];
     bool changed[TP_RANKS];
@@ -536,7 +571,7 @@ static tp_status tp_rank(tp_comm *world, void *arg)
     TRY(tp_llm_parallelize(m, mesh, 0, NULL, &po));
     const uint64_t before = params_hash(m);
     tp_clear_error();
-    j->st[r] = tp_llm_load(m, j->dir);
+    j->st[r] = load_dir(m, j->dir, j->staged);
     snprintf(j->msg[r], sizeof j->msg[r], "%s", tp_last_error());
     j->changed[r] = params_hash(m) != before;
     tp_module_free(m);
@@ -544,9 +579,9 @@ static tp_status tp_rank(tp_comm *world, void *arg)
     return TP_OK;
 }
 
-static void load_parallel(int arch, const char *dir)
+static void load_parallel(int arch, const char *dir, bool staged)
 {
-    tp_job j = {.arch = arch, .dir = dir};
+    tp_job j = {.arch = arch, .dir = dir, .staged = staged};
     TRY(tp_run_local(TP_RANKS, tp_rank, &j));
     for (int r = 0; r < TP_RANKS; r++) {
         tp_status st = j.st[r];
@@ -568,12 +603,13 @@ static void load_parallel(int arch, const char *dir)
     }
 }
 
-static void load(int arch, const char *dir, bool parallel)
+/* Variant bits: 0x40 on 2 ranks, 0x20 staged. */
+static void load(int arch, const char *dir, unsigned variant)
 {
-    if (parallel)
-        load_parallel(arch, dir);
+    if (variant & 0x40)
+        load_parallel(arch, dir, variant & 0x20);
     else
-        load_into(&models[arch], dir);
+        load_into(&models[arch], dir, variant & 0x20);
 }
 
 static void fuzz_header(const uint8_t *data, size_t size)
@@ -593,7 +629,7 @@ static void fuzz_header(const uint8_t *data, size_t size)
         unsigned char len[8];
         for (int i = 0; i < 8; i++)
             len[i] = (unsigned char)((uint64_t)size >> (8 * i));
-        const size_t cut = (v >> 3) & 7, all = v & 0x80 ? (size_t)512 << 10 : s->f32_bytes,
+        const size_t cut = (v >> 3) & 3, all = v & 0x80 ? (size_t)512 << 10 : s->f32_bytes,
                      n = all > cut ? all - cut : 0;
         /* finite in every float dtype, whatever the alignment */
         unsigned char *buf = malloc(n ? n : 1);
@@ -603,7 +639,7 @@ static void fuzz_header(const uint8_t *data, size_t size)
         write_file(path, len, 8, data, size, buf, n);
         free(buf);
     }
-    load(arch, s->header_dir, v & 0x40);
+    load(arch, s->header_dir, v);
 }
 
 static void fuzz_index(const uint8_t *data, size_t size)
@@ -614,7 +650,7 @@ static void fuzz_index(const uint8_t *data, size_t size)
     char path[700];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", models[arch].index_dir);
     write_file(path, data + 1, size - 1, NULL, 0, NULL, 0);
-    load(arch, models[arch].index_dir, data[0] & 0x40);
+    load(arch, models[arch].index_dir, data[0]);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -769,12 +805,15 @@ int tp_fuzz_llm_write_seeds(const char *out, const char *fixtures)
         write_seed(out, MODE_INDEX, name, a, text, n);
         if (a == 2)
             write_seed(out, MODE_INDEX, "small-qwen2-tp2", a | 0x40, text, n);
+        if (a == 0)
+            write_seed(out, MODE_INDEX, "small-llama-staged", a | 0x20, text, n);
         free(text);
     }
     /* files in another dtype than the parameters: converted, refused as not
      * convertible (integers), refused as a dtype libtp does not load */
     text = converted_header(1, TP_F16, &n);
     write_seed(out, MODE_HEADER, "small-mistral-f16", 1, text, n);
+    write_seed(out, MODE_HEADER, "small-mistral-f16-staged", 1 | 0x20, text, n);
     write_seed_replaced(out, MODE_HEADER, "small-mistral-i16", 1, text, n, "F16", "I16");
     free(text);
     text = converted_header(0, TP_F32, &n);
@@ -782,6 +821,7 @@ int tp_fuzz_llm_write_seeds(const char *out, const char *fixtures)
     free(text);
     text = converted_header(2, TP_BF16, &n);
     write_seed(out, MODE_HEADER, "small-qwen2-bf16-tp2", 2 | 0x40, text, n);
+    write_seed(out, MODE_HEADER, "small-qwen2-bf16-tp2-staged", 2 | 0x60, text, n);
     free(text);
     /* integral reals where integers are expected, as some tools write them */
     const char *reals = "{\"model_type\": \"qwen2\", \"vocab_size\": 6.0, \"hidden_size\": 8, "
