@@ -11,7 +11,7 @@
 #   --bundle ARCHIVE  run a scripts/gpu-bundle.sh archive instead of building
 #                     (for a GPU machine without libtp's build dependencies)
 #   --out DIR         where the report goes (default: $OUT when set, else gpu-report)
-#   --gpu-only        only the GPU suites (cuda, cuda_kernels, shm_cuda, nccl, replicate,
+#   --gpu-only        only the GPU suites (cuda, cuda_kernels, shm_cuda, nccl, replicate, models,
 #                     cuda_dist*, the examples on CUDA, the GPU bench checks)
 #   --skip-bench      no benchmarks
 #   --profile-mlp     also time every kernel of one bf16 TP MLP pass with ncu
