@@ -197,6 +197,12 @@ Test(models, config_refusals, .timeout = 30)
         {"{\"model_type\": \"llama\", " BASE, TP_ERR_INVALID_ARG, "line"},
         {"[1, 2]", TP_ERR_INVALID_ARG, "object"},
         {"{" BASE "}", TP_ERR_INVALID_ARG, "model_type"},
+        {"{\"model_type\": \"llama\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 16, \"num_hidden_layers\": 1, "
+         "\"num_attention_heads\": 4611686018427387904, \"num_key_value_heads\": 1, "
+         "\"head_dim\": 4}", TP_ERR_INVALID_ARG, "overflows"},
+        {"{\"model_type\": \"llama\", \"bos_token_id\": -5, " BASE "}", TP_ERR_INVALID_ARG,
+         "bos_token_id"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         tp_llm_config c;

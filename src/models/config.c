@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -258,6 +259,11 @@ static tp_status parse_tokens(json_t *root, tp_llm_config *c)
     c->bos_token_id = c->pad_token_id = -1;
     TP_CHECK(get_int(root, "bos_token_id", false, &c->bos_token_id));
     TP_CHECK(get_int(root, "pad_token_id", false, &c->pad_token_id));
+    /* -1 is "none" (what null reads as); other negative ids name no token */
+    TP_ARG_CHECK(c->bos_token_id >= -1, FN ": \"bos_token_id\" %lld is negative",
+                 (long long)c->bos_token_id);
+    TP_ARG_CHECK(c->pad_token_id >= -1, FN ": \"pad_token_id\" %lld is negative",
+                 (long long)c->pad_token_id);
     json_t *eos = get(root, "eos_token_id");
     c->n_eos = 0;
     if (!eos)
@@ -297,6 +303,10 @@ static tp_status parse_root(json_t *root, tp_llm_config *c)
                  FN ": \"hidden_size\" %lld is not a multiple of \"num_attention_heads\" %lld "
                     "and there is no \"head_dim\"",
                  (long long)c->hidden_size, (long long)c->num_attention_heads);
+    /* the projections' sizes must not overflow (kv heads <= heads) */
+    TP_ARG_CHECK(c->num_attention_heads <= INT64_MAX / c->head_dim,
+                 FN ": \"num_attention_heads\" %lld x \"head_dim\" %lld overflows",
+                 (long long)c->num_attention_heads, (long long)c->head_dim);
     TP_ARG_CHECK(c->head_dim % 2 == 0, FN ": \"head_dim\" %lld is odd (rotary embeddings "
                                           "rotate halves)", (long long)c->head_dim);
     TP_ARG_CHECK(c->num_attention_heads % c->num_key_value_heads == 0,

@@ -3,6 +3,7 @@
  * loaded into a (parallelized) model and saved from one. */
 #include <errno.h>
 #include <jansson.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,9 @@ tp_status tp__llm_config_check(const char *fn, const tp_llm_config *c)
                  "%s: num_attention_heads %lld is not a multiple of num_key_value_heads %lld", fn,
                  (long long)c->num_attention_heads, (long long)c->num_key_value_heads);
     TP_ARG_CHECK(c->head_dim % 2 == 0, "%s: head_dim %lld is odd", fn, (long long)c->head_dim);
+    TP_ARG_CHECK(c->num_attention_heads <= INT64_MAX / c->head_dim,
+                 "%s: num_attention_heads %lld x head_dim %lld overflows", fn,
+                 (long long)c->num_attention_heads, (long long)c->head_dim);
     TP_ARG_CHECK(c->rms_norm_eps > 0, "%s: rms_norm_eps %g must be positive", fn, c->rms_norm_eps);
     TP_ARG_CHECK(c->sliding_window >= 0, "%s: sliding_window %lld is negative", fn,
                  (long long)c->sliding_window);
