@@ -741,3 +741,79 @@ Test(ops_attention, distributed_argument_errors, .timeout = 60)
     memset(slots, 0, sizeof slots);
     tp_test_run(2, mixing_body, slots, slots);
 }
+
+/* ---- strided k, v and key_padding ------------------------------------------------------ */
+
+/* A KV cache hands attention a view of its first Sk positions: k, v
+ * [B, Hkv, Sk, D] inside [B, Hkv, L, D] storage, and key_padding [B, Sk]
+ * inside [B, L]. Such views are read in place (the rows' and groups'
+ * strides), views that do not fold into groups of rows (a narrow of the
+ * head dim) through a copy, and both give the contiguous inputs' output and
+ * gradients exactly. */
+static tp_tensor *view_of(tp_tensor *big, int dim, int64_t len)
+{
+    tp_tensor *v = NULL;
+    CHECK_OK(tp_tensor_narrow(big, dim, 0, len, &v));
+    return v;
+}
+
+static void strided_case(int dim, int64_t extra, bool grad)
+{
+    const int64_t B = 2, Hq = 4, Hkv = 2, Sq = 3, Sk = 5, D = 8;
+    int64_t qs[4] = {B, Hq, Sq, D}, ks[4] = {B, Hkv, Sk, D}, ps[2] = {B, Sk + extra};
+    ks[dim] += extra;
+    tp_tensor *q = NULL, *kb = NULL, *vb = NULL, *pb = NULL;
+    CHECK_OK(rand_tensor(4, qs, 1, &q));
+    CHECK_OK(rand_tensor(4, ks, 2, &kb));
+    CHECK_OK(rand_tensor(4, ks, 3, &vb));
+    CHECK_OK(tp_tensor_zeros(TP_I64, TP_CPU, 2, ps, &pb));
+    CHECK_OK(tp_tensor_fill(pb, 1));
+    const int64_t i0[2] = {0, 0}, i1[2] = {0, 1};
+    CHECK_OK(tp_tensor_set(pb, i0, 0)); /* batch 0 left-padded by 2 */
+    CHECK_OK(tp_tensor_set(pb, i1, 0));
+    tp_tensor *k = view_of(kb, dim, ks[dim] - extra), *v = view_of(vb, dim, ks[dim] - extra),
+              *pad = view_of(pb, 1, Sk);
+    cr_assert((dim == 0 || !tp_tensor_is_contiguous(k)) && !tp_tensor_is_contiguous(pad));
+    tp_tensor *kc = NULL, *vc = NULL, *pc = NULL, *qc = NULL;
+    CHECK_OK(tp_tensor_clone(k, &kc));
+    CHECK_OK(tp_tensor_clone(v, &vc));
+    CHECK_OK(tp_tensor_clone(pad, &pc));
+    CHECK_OK(tp_tensor_clone(q, &qc));
+    tp_tensor *ins[2][3] = {{q, k, v}, {qc, kc, vc}};
+    for (int s = 0; s < 2 && grad; s++)
+        for (int i = 0; i < 3; i++)
+            CHECK_OK(tp_tensor_set_requires_grad(ins[s][i], true));
+    tp_sdpa_options o = {.causal = true, .key_offset = Sk - Sq, .key_padding = pad};
+    tp_tensor *a = NULL, *b = NULL;
+    CHECK_OK(tp_scaled_dot_product_attention_with(q, k, v, &o, &a));
+    o.key_padding = pc;
+    CHECK_OK(tp_scaled_dot_product_attention_with(qc, kc, vc, &o, &b));
+    bool eq = false;
+    CHECK_OK(tp_tensor_equal(a, b, &eq));
+    cr_assert(eq, "dim %d: the strided inputs' output differs", dim);
+    if (grad) {
+        tp_tensor *la = NULL, *lb = NULL;
+        CHECK_OK(tp_sum_all(a, &la));
+        CHECK_OK(tp_sum_all(b, &lb));
+        CHECK_OK(tp_backward(la, NULL));
+        CHECK_OK(tp_backward(lb, NULL));
+        for (int i = 0; i < 3; i++) {
+            CHECK_OK(tp_tensor_equal(tp_tensor_grad(ins[0][i]), tp_tensor_grad(ins[1][i]), &eq));
+            cr_assert(eq, "dim %d: the gradient of input %d differs", dim, i);
+        }
+        tp_tensor_release(la);
+        tp_tensor_release(lb);
+    }
+    tp_tensor *all[] = {a, b, q, kb, vb, pb, k, v, pad, kc, vc, pc, qc};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        tp_tensor_release(all[i]);
+}
+
+Test(ops_attention, strided_kv_and_padding_read_in_place, .timeout = 30)
+{
+    strided_case(2, 7, false); /* a cache's prefix: groups L rows apart */
+    strided_case(2, 7, true);
+    strided_case(3, 8, true);  /* rows 2D apart */
+    strided_case(0, 1, false); /* a batch prefix: contiguous groups */
+    strided_case(1, 2, true);  /* heads of a wider tensor: copied */
+}

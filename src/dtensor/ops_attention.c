@@ -86,7 +86,82 @@ typedef struct {
     int64_t G, n_rep, M, Sq, Sk, D, Dv;
     int64_t pad_div; /* groups per key_padding row: the local kv heads */
     float scale;
+    /* where the rows of k, v and key_padding lie: group b's key j at
+     * b * k_gs + j * k_ld (elements); a KV cache hands a view of its first
+     * Sk positions, whose groups lie max_len rows apart */
+    int64_t k_gs, k_ld, v_gs, v_ld, pad_ld;
 } sdpa_geom;
+
+/* Whether t's rows lie as groups of equally spaced rows: unit last stride,
+ * rows `*ld` apart, and the leading dims (all but the last two) folding into
+ * one group stride `*gs`. True for contiguous tensors (gs = rows * cols,
+ * ld = cols) and for a narrow of the row dim of one (a cache's prefix). */
+static bool grouped_rows(const tp_tensor *t, int64_t *gs, int64_t *ld)
+{
+    const int nd = t->ndim;
+    const int64_t *sh = t->shape, *st = t->stride;
+    if (sh[nd - 1] > 1 && st[nd - 1] != 1)
+        return false;
+    *ld = sh[nd - 2] > 1 ? st[nd - 2] : sh[nd - 1];
+    if (*ld < sh[nd - 1])
+        return false;
+    *gs = *ld * sh[nd - 2];
+    int d = nd - 3;
+    while (d >= 0 && sh[d] == 1)
+        d--;
+    if (d < 0)
+        return true;
+    *gs = st[d];
+    int64_t next = st[d] * sh[d]; /* the stride that folds the next dim out into d */
+    for (int e = d - 1; e >= 0; e--) {
+        if (sh[e] == 1)
+            continue;
+        if (st[e] != next)
+            return false;
+        next = st[e] * sh[e];
+    }
+    return true;
+}
+
+/* The inputs as the kernels read them: q contiguous, k and v as
+ * grouped_rows, key_padding rows with a unit stride; an input laid out
+ * otherwise is copied into tmp[i] (released by the caller) and read from
+ * there. */
+static tp_status sdpa_layout(tp_tensor *const *in, tp_tensor **use, tp_tensor **tmp,
+                             sdpa_geom *g)
+{
+    for (int i = 0; i < 4; i++) {
+        use[i] = in[i];
+        tmp[i] = NULL;
+        if (!in[i])
+            continue;
+        int64_t gs = 0, ld = 0;
+        bool ok = i == 0 ? tp_tensor_is_contiguous(in[i])
+                         : i == 3 ? in[i]->shape[1] <= 1 || in[i]->stride[1] == 1
+                                  : grouped_rows(in[i], &gs, &ld);
+        if (!ok) {
+            tp_status st = tp_tensor_clone(in[i], &tmp[i]);
+            if (st != TP_OK) {
+                while (i-- > 0)
+                    tp_tensor_release(tmp[i]);
+                return st;
+            }
+            use[i] = tmp[i];
+            if (i == 1 || i == 2)
+                grouped_rows(use[i], &gs, &ld);
+        }
+        if (i == 1) {
+            g->k_gs = gs;
+            g->k_ld = ld;
+        } else if (i == 2) {
+            g->v_gs = gs;
+            g->v_ld = ld;
+        } else if (i == 3) {
+            g->pad_ld = use[i]->shape[0] > 1 ? use[i]->stride[0] : use[i]->shape[1];
+        }
+    }
+    return TP_OK;
+}
 
 static void sdpa_geom_of(const tp__op *op, tp_tensor *const *in, sdpa_geom *g)
 {
@@ -134,14 +209,21 @@ static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     tp_tensor *q = in[0], *k = in[1], *v = in[2], *pad = in[3];
     sdpa_geom g;
     sdpa_geom_of(op, in, &g);
+    tp_tensor *use[4], *tmp[4];
+    TP_CHECK(sdpa_layout(in, use, tmp, &g));
+    q = use[0];
+    k = use[1];
+    v = use[2];
+    pad = use[3];
     int64_t oshape[TP_MAX_DIMS];
     memcpy(oshape, q->shape, sizeof(int64_t) * (size_t)q->ndim);
     oshape[q->ndim - 1] = g.Dv;
     bool keep = tp__needs_grad(op->def->n_inputs, op->in); /* as tp__op_run records a node */
     int64_t pshape[2] = {(keep ? g.G : 1) * g.M, g.Sk};
     tp_tensor *probs = NULL;
-    TP_CHECK(tp__new(op->dt, op->dev, q->ndim, oshape, false, out));
-    tp_status st = tp__new(op->dt, op->dev, 2, pshape, false, &probs);
+    tp_status st = tp__new(op->dt, op->dev, q->ndim, oshape, false, out);
+    if (st == TP_OK)
+        st = tp__new(op->dt, op->dev, 2, pshape, false, &probs);
     const tp_dtype dt = op->dt;
     const void *qd = tp_tensor_data(q), *kd = tp_tensor_data(k), *vd = tp_tensor_data(v);
     const void *padd = pad ? tp_tensor_data(pad) : NULL;
@@ -149,18 +231,21 @@ static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     void *od = tp_tensor_data(*out), *pd = probs ? tp_tensor_data(probs) : NULL;
     for (int64_t b = 0; b < g.G && st == TP_OK; b++) {
         void *sc = at(dt, pd, keep ? b * g.M * g.Sk : 0);
-        const void *kb = at(dt, kd, b * g.Sk * g.D), *vb = at(dt, vd, b * g.Sk * g.Dv);
+        const void *kb = at(dt, kd, b * g.k_gs), *vb = at(dt, vd, b * g.v_gs);
         /* this group's padding row: its batch entry's */
-        const void *padb = padd ? (const char *)padd + (size_t)(b / g.pad_div * g.Sk) * pes : NULL;
+        const void *padb =
+            padd ? (const char *)padd + (size_t)(b / g.pad_div * g.pad_ld) * pes : NULL;
         st = gemm(op, false, true, g.M, g.Sk, g.D, g.scale, at(dt, qd, b * g.M * g.D), g.D, kb,
-                  g.D, sc, g.Sk);
+                  g.k_ld, sc, g.Sk);
         if (st == TP_OK && g.M > 0 && g.Sk > 0)
             st = op->k->attn_softmax(op->dev, dt, sc, 1, g.M, g.Sq, g.Sk, p->key_offset,
                                      p->causal, padb, pad ? pad->dtype : TP_I64, 1);
         if (st == TP_OK)
-            st = gemm(op, false, false, g.M, g.Dv, g.Sk, 1.0f, sc, g.Sk, vb, g.Dv,
+            st = gemm(op, false, false, g.M, g.Dv, g.Sk, 1.0f, sc, g.Sk, vb, g.v_ld,
                       at(dt, od, b * g.M * g.Dv), g.Dv);
     }
+    for (int i = 0; i < 4; i++)
+        tp_tensor_release(tmp[i]);
     if (st != TP_OK || !keep) {
         tp_tensor_release(probs);
         if (st != TP_OK) {
@@ -180,40 +265,45 @@ static tp_status sdpa_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
 {
     sdpa_geom m;
     sdpa_geom_of(op, in, &m);
+    tp_tensor *use[4], *tmp[4];
+    TP_CHECK(sdpa_layout(in, use, tmp, &m));
+    in = use;
     const tp_dtype dt = op->dt;
+    tp_status st = TP_OK;
     const bool want_q = op->need_grad[0], want_k = op->need_grad[1], want_v = op->need_grad[2];
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 3 && st == TP_OK; i++)
         if (op->need_grad[i])
-            TP_CHECK(tp__new(dt, op->dev, in[i]->ndim, in[i]->shape, false, &g[i]));
+            st = tp__new(dt, op->dev, in[i]->ndim, in[i]->shape, false, &g[i]);
     tp_tensor *ds = NULL;
     int64_t dsshape[2] = {m.M, m.Sk};
-    if (want_q || want_k)
-        TP_CHECK(tp__new(dt, op->dev, 2, dsshape, false, &ds));
+    if (st == TP_OK && (want_q || want_k))
+        st = tp__new(dt, op->dev, 2, dsshape, false, &ds);
     const void *qd = tp_tensor_data(in[0]), *kd = tp_tensor_data(in[1]),
                *vd = tp_tensor_data(in[2]), *pd = tp_tensor_data(op->saved[0]),
                *god = tp_tensor_data(gy);
     void *dsd = ds ? tp_tensor_data(ds) : NULL;
-    tp_status st = TP_OK;
     for (int64_t b = 0; b < m.G && st == TP_OK; b++) {
         const void *pb = at(dt, pd, b * m.M * m.Sk), *gob = at(dt, god, b * m.M * m.Dv);
-        const void *qb = at(dt, qd, b * m.M * m.D), *kb = at(dt, kd, b * m.Sk * m.D);
+        const void *qb = at(dt, qd, b * m.M * m.D), *kb = at(dt, kd, b * m.k_gs);
         if (want_v)
             st = gemm(op, true, false, m.Sk, m.Dv, m.M, 1.0f, pb, m.Sk, gob, m.Dv,
                       at(dt, tp_tensor_data(g[2]), b * m.Sk * m.Dv), m.Dv);
         if (st != TP_OK || !ds)
             continue;
-        st = gemm(op, false, true, m.M, m.Sk, m.Dv, 1.0f, gob, m.Dv,
-                  at(dt, vd, b * m.Sk * m.Dv), m.Dv, dsd, m.Sk);
+        st = gemm(op, false, true, m.M, m.Sk, m.Dv, 1.0f, gob, m.Dv, at(dt, vd, b * m.v_gs),
+                  m.v_ld, dsd, m.Sk);
         if (st == TP_OK && m.M > 0 && m.Sk > 0)
             st = op->k->softmax_bwd(op->dev, dt, pb, dsd, dsd, m.M, m.Sk);
         if (st == TP_OK && want_q)
-            st = gemm(op, false, false, m.M, m.D, m.Sk, m.scale, dsd, m.Sk, kb, m.D,
+            st = gemm(op, false, false, m.M, m.D, m.Sk, m.scale, dsd, m.Sk, kb, m.k_ld,
                       at(dt, tp_tensor_data(g[0]), b * m.M * m.D), m.D);
         if (st == TP_OK && want_k)
             st = gemm(op, true, false, m.Sk, m.D, m.M, m.scale, dsd, m.Sk, qb, m.D,
                       at(dt, tp_tensor_data(g[1]), b * m.Sk * m.D), m.D);
     }
     tp_tensor_release(ds);
+    for (int i = 0; i < 4; i++)
+        tp_tensor_release(tmp[i]);
     return st;
 }
 
@@ -224,6 +314,7 @@ static const tp__op_def sdpa_def = {
     .optional_mask = 1u << 3,
     .nondiff_mask = 1u << 3,
     .dtype_kernel = TP__KOP_ATTN_SOFTMAX,
+    .strided_ok = true, /* sdpa_layout reads views or copies them */
     .strategies = sdpa_strategies,
     .out_shape = sdpa_shape,
     .forward = sdpa_fwd,
