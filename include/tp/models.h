@@ -227,6 +227,159 @@ TP_API tp_status tp_llm_load(tp_module *model, const char *dir);
  */
 TP_API tp_status tp_llm_save(tp_module *model, const char *dir, size_t max_shard_bytes);
 
+/* ---- generation: the KV cache, decoding and sampling ----------------------------------- */
+
+/*
+ * A KV cache: per decoder layer, the rotated keys and the values of every
+ * position seen, for the kv heads this rank computes, as
+ * [max_batch, local kv heads, max_len, head_dim] tensors on the model's
+ * device in its dtype (embed_tokens' weight's), and the attention mask of
+ * those positions. Allocated once (tp_memory_stats and the meta device count
+ * it as any tensor); tp_llm_forward_cached appends to it.
+ */
+typedef struct tp_llm_cache tp_llm_cache;
+
+/*
+ * A cache for `model` as it is now: create it after tp_llm_parallelize and
+ * tp_module_to_dtype / tp_module_to_device (a model changed afterwards is
+ * refused by tp_llm_forward_cached). max_batch sequences of up to max_len
+ * positions (prompt and new tokens, padding included), both positive.
+ * Local: no communication. TP_ERR_INVALID_ARG names a bad argument;
+ * TP_ERR_NO_MEMORY (or the device's error) when the tensors do not fit.
+ */
+TP_API tp_status tp_llm_cache_create(tp_module *model, int64_t max_batch, int64_t max_len,
+                                     tp_llm_cache **out);
+TP_API void tp_llm_cache_free(tp_llm_cache *cache);
+/* Empties the cache: the next tp_llm_forward_cached starts new sequences. */
+TP_API void tp_llm_cache_reset(tp_llm_cache *cache);
+/* Positions filled (0 after create and reset), and the batch in use. */
+TP_API int64_t tp_llm_cache_length(const tp_llm_cache *cache);
+TP_API int64_t tp_llm_cache_batch(const tp_llm_cache *cache);
+/* Bytes of the cache's tensors on this rank. */
+TP_API size_t tp_llm_cache_nbytes(const tp_llm_cache *cache);
+
+/*
+ * The forward of input_ids [B, S] (plain i64 on the CPU, the same on every
+ * rank) after the cache's positions: the model attends over the cached
+ * keys and values and the new ones, which it appends (S positions). The
+ * first call after create or reset (the prefill) sets the batch B
+ * (<= max_batch); later calls (S = 1 to decode one token) must keep it.
+ * attention_mask: NULL (every new token real) or plain i64/i32 [B, S] on
+ * the CPU of 0s (padding: never attended) and 1s, for the new positions
+ * only; the cache keeps the earlier ones. Position ids follow the mask as
+ * transformers' generate makes them: a sequence's real tokens are numbered
+ * 0, 1, 2, ... however much padding precedes them.
+ *
+ * logits_to_keep: the logits of the last logits_to_keep positions (0: all
+ * S), gathered: a plain [B, logits_to_keep, vocab_size] tensor on the
+ * model's device on every rank (under the standard plan: one all_gather of
+ * the vocab shards). No gradient is recorded. Collective under a plan: one
+ * all_reduce for the embedding and two per layer (o_proj, down_proj), plus
+ * the all_gather; a plan with sequence parallelism is refused (decoding
+ * runs one token at a time).
+ *
+ * Errors (TP_ERR_INVALID_ARG naming them, the cache unchanged): a cache of
+ * another model, or made before the model's dtype, device or plan changed;
+ * B past max_batch or unlike the prefill's; S + length past max_len
+ * ("... exceeds the cache's max_len"); ids outside [0, vocab_size); a mask
+ * of another shape or with values other than 0 and 1.
+ */
+TP_API tp_status tp_llm_forward_cached(tp_module *model, tp_llm_cache *cache,
+                                       tp_tensor *input_ids, tp_tensor *attention_mask,
+                                       int64_t logits_to_keep, tp_tensor **logits);
+
+/*
+ * How the next token is chosen from a row of logits, in transformers'
+ * order: greedy (do_sample false: the first largest logit), or sampling from
+ * softmax(logits / temperature) restricted to the top_k largest (0: all)
+ * and then to the smallest set of the most likely tokens whose probability
+ * reaches top_p (1: all). seed and the step number pick the random numbers
+ * (Philox, one per row and step): the same seed gives the same tokens on
+ * every rank, backend and tp degree for the same logits.
+ * Zero-initialized: greedy. temperature 0 reads as 1 and top_p 0 as 1.
+ */
+typedef struct tp_llm_sampling {
+    bool do_sample;
+    double temperature; /* > 0 (0: 1) */
+    int64_t top_k;      /* >= 0 (0: off) */
+    double top_p;       /* in (0, 1] (0: 1) */
+    uint64_t seed;
+} tp_llm_sampling;
+
+/*
+ * Chooses one token per row of logits ([B, V] or [B, 1, V], plain, f32,
+ * bf16 or f16, on any device) into ids[0..B-1]; step numbers the draw
+ * (generation passes the index of the new token). Local. Bad options
+ * (a negative or NaN temperature, top_k < 0, top_p outside [0, 1]) are
+ * TP_ERR_INVALID_ARG naming them.
+ */
+TP_API tp_status tp_llm_sample(tp_tensor *logits, const tp_llm_sampling *sampling,
+                               uint64_t step, int64_t *ids);
+
+/* A model directory's generation_config.json, over config.json's tokens. */
+typedef struct tp_llm_generation_config {
+    int n_eos;
+    int64_t eos_token_id[TP_LLM_MAX_EOS];
+    int64_t pad_token_id;   /* -1: none */
+    int64_t bos_token_id;   /* -1: none */
+    tp_llm_sampling sampling; /* do_sample, temperature, top_k (transformers' default 50), top_p */
+    int64_t max_new_tokens; /* -1: not given */
+} tp_llm_generation_config;
+
+/*
+ * Fills *out from cfg's tokens and transformers' defaults (greedy,
+ * temperature 1, top_k 50, top_p 1), then from dir/generation_config.json
+ * when the file exists (a missing file is not an error: older models lack
+ * it). Keys of the wrong type are TP_ERR_INVALID_ARG naming the file and
+ * the key.
+ */
+TP_API tp_status tp_llm_generation_config_load(const char *dir, const tp_llm_config *cfg,
+                                               tp_llm_generation_config *out);
+
+typedef struct tp_llm_generate_options {
+    int64_t max_new_tokens;       /* > 0 */
+    tp_llm_sampling sampling;     /* zero: greedy */
+    /* the ids that end a sequence: n_eos of eos_token_ids; n_eos 0: the
+     * config's eos_token_id (none: the sequences run to max_new_tokens) */
+    int n_eos;
+    const int64_t *eos_token_ids;
+    /* what follows a sequence's end while others go on: >= 0 that id, -1 the
+     * config's pad_token_id, else its first eos id, else 0 (transformers') */
+    int64_t pad_token_id;
+    /* optional: a cache to use (reset first; max_batch >= B and max_len >=
+     * S + max_new_tokens); NULL: one is made for the call and freed */
+    tp_llm_cache *cache;
+} tp_llm_generate_options;
+
+typedef struct tp_llm_generate_stats {
+    double prefill_s;       /* the prompt's forward and the first token: time to first token */
+    double decode_s;        /* the decode steps, together */
+    int64_t decode_steps;   /* the forwards of one token per sequence */
+    double step_p50_s;      /* a decode step's median and 99th percentile */
+    double step_p99_s;
+    size_t cache_bytes;     /* tp_llm_cache_nbytes of the cache used */
+} tp_llm_generate_stats;
+
+/*
+ * Generates up to max_new_tokens tokens after each prompt of input_ids
+ * [B, S] (plain i64 on the CPU; prompts of different lengths are
+ * left-padded, attention_mask [B, S] marking the padding with 0s, as
+ * transformers' generate takes them): a prefill of the prompts, then one
+ * decode step per new token, each choosing with tp_llm_sample. A sequence
+ * ends at an eos id (kept in its output); generation stops when every
+ * sequence has ended or after max_new_tokens. *tokens: plain i64 CPU
+ * [B, T] (T <= max_new_tokens) of the new tokens, the pad id after a
+ * sequence's end: transformers' generate(...)[:, S:]. Every rank gets the
+ * same tokens (they are chosen from logits gathered to every rank with the
+ * same random numbers). stats may be NULL. Collective under a plan, as
+ * tp_llm_forward_cached; errors as it and tp_llm_sample, plus
+ * max_new_tokens < 1, a prompt with no real token, and a given cache too
+ * small.
+ */
+TP_API tp_status tp_llm_generate(tp_module *model, tp_tensor *input_ids,
+                                 tp_tensor *attention_mask, const tp_llm_generate_options *opts,
+                                 tp_tensor **tokens, tp_llm_generate_stats *stats);
+
 #ifdef __cplusplus
 }
 #endif

@@ -10,6 +10,7 @@
 #include "dtensor/grad_pending.h"
 #include "tp/comm_debug.h"
 #include "tp/dtensor.h"
+#include "tp/ops.h"
 
 /* The layout of a DTensor (part of its extension, tp__ext below). */
 typedef struct tp__dist {
@@ -150,5 +151,12 @@ tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool r
  * shape, dtype and device. */
 tp_status tp__scatter_dim(tp_comm *comm, tp_tensor *cur, const int64_t *shape, int ndim,
                           tp_dtype dtype, tp_device dev, int k, int root, tp_tensor **out);
+
+/* tp_scaled_dot_product_attention_with whose scores scratch (no gradient
+ * wanted) is sized for at least key_capacity keys: a KV cache's decode
+ * steps, whose key count grows by one each, then reuse one cached block. */
+tp_status tp__sdpa_with_capacity(tp_tensor *q, tp_tensor *k, tp_tensor *v,
+                                 const tp_sdpa_options *opts, int64_t key_capacity,
+                                 tp_tensor **out);
 
 #endif /* TP_DTENSOR_INTERNAL_H */

@@ -20,6 +20,7 @@ typedef struct {
     bool causal;
     double scale; /* 0: 1/sqrt(D) */
     int64_t key_offset;
+    int64_t key_capacity; /* the no-grad scores scratch is sized for this many keys */
 } sdpa_params;
 
 /* The head dim (grouped), or -1 for 2-D and 3-D inputs (no head dim). */
@@ -219,7 +220,11 @@ static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     memcpy(oshape, q->shape, sizeof(int64_t) * (size_t)q->ndim);
     oshape[q->ndim - 1] = g.Dv;
     bool keep = tp__needs_grad(op->def->n_inputs, op->in); /* as tp__op_run records a node */
-    int64_t pshape[2] = {(keep ? g.G : 1) * g.M, g.Sk};
+    /* without a gradient one group's scores are scratch, sized for
+     * key_capacity keys when that is more: a decode step over a growing
+     * cache then asks the allocator for the same size every time */
+    int64_t pshape[2] = {(keep ? g.G : 1) * g.M,
+                         keep || p->key_capacity < g.Sk ? g.Sk : p->key_capacity};
     tp_tensor *probs = NULL;
     tp_status st = tp__new(op->dt, op->dev, q->ndim, oshape, false, out);
     if (st == TP_OK)
@@ -381,16 +386,23 @@ static tp_status sdpa_check(const tp_tensor *q, const tp_tensor *k, const tp_ten
     return TP_OK;
 }
 
-tp_status tp_scaled_dot_product_attention_with(tp_tensor *q, tp_tensor *k, tp_tensor *v,
-                                               const tp_sdpa_options *opts, tp_tensor **out)
+tp_status tp__sdpa_with_capacity(tp_tensor *q, tp_tensor *k, tp_tensor *v,
+                                 const tp_sdpa_options *opts, int64_t key_capacity,
+                                 tp_tensor **out)
 {
     TP_ARG_CHECK(out, "%s: out is NULL", FN);
     *out = NULL;
     const tp_sdpa_options o = opts ? *opts : (tp_sdpa_options){0};
     TP_CHECK(sdpa_check(q, k, v, &o));
-    sdpa_params p = {o.causal, o.scale, o.key_offset};
+    sdpa_params p = {o.causal, o.scale, o.key_offset, key_capacity};
     tp_tensor *args[4] = {q, k, v, o.key_padding};
     return tp__op_run(&sdpa_def, args, &p, sizeof p, out);
+}
+
+tp_status tp_scaled_dot_product_attention_with(tp_tensor *q, tp_tensor *k, tp_tensor *v,
+                                               const tp_sdpa_options *opts, tp_tensor **out)
+{
+    return tp__sdpa_with_capacity(q, k, v, opts, 0, out);
 }
 
 tp_status tp_scaled_dot_product_attention(tp_tensor *q, tp_tensor *k, tp_tensor *v, bool causal,

@@ -407,6 +407,77 @@ tp_status tp_llm_config_load(const char *path, tp_llm_config *out)
     return st;
 }
 
+/* generation_config.json's keys over *g (absent keys keep their value). */
+static tp_status parse_generation(json_t *root, tp_llm_generation_config *g)
+{
+    TP_ARG_CHECK(json_is_object(root), FN ": generation_config.json must hold a JSON object");
+    tp_llm_config tok;
+    memset(&tok, 0, sizeof tok);
+    TP_CHECK(parse_tokens(root, &tok));
+    if (get(root, "eos_token_id")) {
+        g->n_eos = tok.n_eos;
+        memcpy(g->eos_token_id, tok.eos_token_id, sizeof g->eos_token_id);
+    }
+    if (get(root, "bos_token_id"))
+        g->bos_token_id = tok.bos_token_id;
+    if (get(root, "pad_token_id"))
+        g->pad_token_id = tok.pad_token_id;
+    TP_CHECK(get_bool(root, "do_sample", &g->sampling.do_sample));
+    TP_CHECK(get_num(root, "temperature", &g->sampling.temperature));
+    TP_CHECK(get_num(root, "top_p", &g->sampling.top_p));
+    TP_CHECK(get_int(root, "top_k", false, &g->sampling.top_k));
+    TP_CHECK(get_int(root, "max_new_tokens", false, &g->max_new_tokens));
+    TP_ARG_CHECK(g->sampling.temperature > 0, FN ": \"temperature\" %g must be positive",
+                 g->sampling.temperature);
+    TP_ARG_CHECK(g->sampling.top_p > 0 && g->sampling.top_p <= 1,
+                 FN ": \"top_p\" %g is outside (0, 1]", g->sampling.top_p);
+    TP_ARG_CHECK(g->sampling.top_k >= 0, FN ": \"top_k\" %lld is negative",
+                 (long long)g->sampling.top_k);
+    TP_ARG_CHECK(g->max_new_tokens >= -1, FN ": \"max_new_tokens\" %lld is negative",
+                 (long long)g->max_new_tokens);
+    return TP_OK;
+}
+
+tp_status tp_llm_generation_config_load(const char *dir, const tp_llm_config *cfg,
+                                        tp_llm_generation_config *out)
+{
+    const char *fn = "tp_llm_generation_config_load";
+    TP_ARG_CHECK(dir, "%s: dir is NULL", fn);
+    TP_ARG_CHECK(cfg, "%s: cfg is NULL", fn);
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    tp_llm_generation_config g;
+    memset(&g, 0, sizeof g);
+    g.n_eos = cfg->n_eos;
+    memcpy(g.eos_token_id, cfg->eos_token_id, sizeof g.eos_token_id);
+    g.pad_token_id = cfg->pad_token_id;
+    g.bos_token_id = cfg->bos_token_id;
+    g.sampling = (tp_llm_sampling){.temperature = 1.0, .top_k = 50, .top_p = 1.0};
+    g.max_new_tokens = -1;
+    char file[4096];
+    int n = snprintf(file, sizeof file, "%s/generation_config.json", dir);
+    TP_ARG_CHECK(n > 0 && (size_t)n < sizeof file, "%s: path too long", fn);
+    struct stat sb;
+    if (stat(file, &sb) != 0 && errno == ENOENT) {
+        *out = g;
+        return TP_OK;
+    }
+    char *text = NULL;
+    TP_CHECK(read_text(fn, file, &text));
+    json_error_t jerr;
+    json_t *root = json_loads(text, 0, &jerr);
+    tp__free(text);
+    tp_status st = root ? parse_generation(root, &g)
+                        : tp__error(TP_ERR_INVALID_ARG, "%s: line %d, column %d: %s", fn,
+                                    jerr.line, jerr.column, jerr.text);
+    json_decref(root);
+    if (st != TP_OK) {
+        tp__error_prefix("%s", file);
+        return st;
+    }
+    *out = g;
+    return TP_OK;
+}
+
 static const char *dtype_json(tp_dtype d)
 {
     return d == TP_BF16 ? "bfloat16" : d == TP_F16 ? "float16" : "float32";

@@ -167,7 +167,10 @@ static tp_status attention_forward(tp_module *self, int nargs, tp_tensor *const 
     const tp_sdpa_options so = {.causal = true,
                                 .scale = 1.0 / sqrt((double)a->head_dim),
                                 .key_padding = kwarg(nkw, kw, "attention_mask")};
-    CHECK(tp_scaled_dot_product_attention_with(qr, kr, vh, &so, &o)); /* [B, H, S, D] */
+    if (a->run && a->run->cache)
+        CHECK(tp__llm_cache_attend(a->run->cache, a->layer, qr, kr, vh, so.scale, &o));
+    else
+        CHECK(tp_scaled_dot_product_attention_with(qr, kr, vh, &so, &o)); /* [B, H, S, D] */
     CHECK(tp_transpose(o, 1, 2, &ot));                               /* [B, S, H, D] */
     const int64_t shape[3] = {tp_tensor_size(ot, 0), tp_tensor_size(ot, 1),
                               tp_tensor_size(ot, 2) * a->head_dim};
@@ -425,13 +428,23 @@ static tp_status add_custom(tp_module *parent, const char *name, const char *typ
     return TP_OK;
 }
 
-static tp_status build_layer(tp_module *layers, int64_t i, const tp_llm_config *c)
+/* The root's context owns the run state its children share. */
+static void root_free(void *ctx)
+{
+    tp__llm *m = ctx;
+    if (m)
+        tp__free(m->run);
+    tp__free(m);
+}
+
+static tp_status build_layer(tp_module *layers, int64_t i, const tp_llm_config *c,
+                             tp__llm_run *run)
 {
     char name[24];
     snprintf(name, sizeof name, "%lld", (long long)i);
     tp_module *l = NULL, *attn = NULL, *mlp = NULL;
     TP_CHECK(add_custom(layers, name, "LlamaDecoderLayer", layer_forward, NULL, 0, NULL, &l));
-    const tp__llm_attn actx = {c->head_dim, -1, NULL};
+    const tp__llm_attn actx = {c->head_dim, -1, NULL, i, run};
     TP_CHECK(add_custom(l, "self_attn", "LlamaAttention", attention_forward, &actx, sizeof actx,
                         tp__llm_attn_free, &attn));
     const int64_t hd = c->head_dim, H = c->hidden_size;
@@ -459,10 +472,16 @@ tp_status tp_llm_create(const tp_llm_config *cfg, tp_module **out)
     memset(&ctx, 0, sizeof ctx);
     ctx.cfg = *cfg;
     ctx.cfg.rope.head_dim = cfg->head_dim;
+    if (!(ctx.run = tp__calloc(1, sizeof *ctx.run)))
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     tp_status st;
     tp_module *root = NULL, *model = NULL, *layers = NULL, *emb = NULL, *head = NULL;
-    CHECK(add_custom(NULL, NULL, tp_llm_arch_name(cfg->arch), causal_lm_forward, &ctx, sizeof ctx,
-                     NULL, &root));
+    st = add_custom(NULL, NULL, tp_llm_arch_name(cfg->arch), causal_lm_forward, &ctx, sizeof ctx,
+                    root_free, &root);
+    if (st != TP_OK) {
+        tp__free(ctx.run);
+        return st;
+    }
     CHECK(tp__module_attach(root, &llm_key, tp_module_ctx(root), NULL));
     CHECK(add_custom(root, "model", "LlamaModel", model_forward, &ctx, sizeof ctx, NULL, &model));
     CHECK(tp_nn_embedding_create(cfg->vocab_size, cfg->hidden_size, &emb));
@@ -471,7 +490,7 @@ tp_status tp_llm_create(const tp_llm_config *cfg, tp_module **out)
     CHECK(tp_nn_container_create(&layers));
     CHECK(adopt(model, "layers", layers));
     for (int64_t i = 0; i < cfg->num_hidden_layers; i++)
-        CHECK(build_layer(layers, i, cfg));
+        CHECK(build_layer(layers, i, cfg, ctx.run));
     CHECK(add_norm(model, "norm", cfg));
     CHECK(tp_nn_linear_create(cfg->hidden_size, cfg->vocab_size, false, &head));
     CHECK(adopt(root, "lm_head", head));
