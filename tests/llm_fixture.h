@@ -104,4 +104,28 @@ static inline tp_status fixture_open(tp_comm *world, int model, bool sp, tp_dtyp
     return st;
 }
 
+#ifndef TP_TEST_MPI
+#include <stdarg.h>
+#include <sys/wait.h>
+
+/* Runs a shell command line; its exit status. */
+static inline int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static inline int sh(const char *fmt, ...)
+{
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    int rc = system(cmd);
+    return rc == -1 ? -1 : WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
+}
+
+static inline const char *tp_llm(void)
+{
+    const char *p = getenv("TP_LLM");
+    return p ? p : "build/tools/tp-llm";
+}
+#endif /* TP_TEST_MPI */
+
 #endif /* TP_TEST_LLM_FIXTURE_H */

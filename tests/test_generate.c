@@ -781,3 +781,198 @@ Test(generate, generation_config, .timeout = 30)
 }
 
 #endif /* TP_TEST_MPI */
+
+/* ---- tp-llm generate ------------------------------------------------------------------------ */
+
+#ifndef TP_TEST_MPI
+
+/* The prompts of gen_ref without their padding, one a line (of different
+ * lengths), as tp-llm generate reads them. */
+static void write_prompts(int model, const char *path)
+{
+    tp_tensor *ids = NULL, *mask = NULL;
+    CHECK_OK(gen_ref(model, "gen_input_ids", &ids));
+    CHECK_OK(gen_ref(model, "gen_mask", &mask));
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    const int64_t *d = tp_tensor_data(ids), *m = tp_tensor_data(mask), S = tp_tensor_size(ids, 1);
+    for (int64_t b = 0; b < tp_tensor_size(ids, 0); b++) {
+        bool first = true;
+        for (int64_t s = 0; s < S; s++)
+            if (m[b * S + s]) {
+                fprintf(f, "%s%lld", first ? "" : ",", (long long)d[b * S + s]);
+                first = false;
+            }
+        fputc('\n', f);
+    }
+    fclose(f);
+    tp_tensor_release(ids);
+    tp_tensor_release(mask);
+}
+
+/* What tp-llm prints for a reference: each row up to its first eos. */
+static void expected_lines(int model, const char *name, int64_t eos, char *buf, size_t len)
+{
+    tp_tensor *t = NULL;
+    CHECK_OK(gen_ref(model, name, &t));
+    const int64_t T = tp_tensor_size(t, 1), *d = tp_tensor_data(t);
+    size_t n = 0;
+    for (int64_t b = 0; b < tp_tensor_size(t, 0); b++) {
+        for (int64_t i = 0; i < T; i++) {
+            n += (size_t)snprintf(buf + n, len - n, "%s%lld", i ? "," : "", (long long)d[b * T + i]);
+            if (d[b * T + i] == eos)
+                break;
+        }
+        n += (size_t)snprintf(buf + n, len - n, "\n");
+    }
+    tp_tensor_release(t);
+}
+
+static void read_file(const char *path, char *buf, size_t len)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    size_t n = fread(buf, 1, len - 1, f);
+    buf[n] = 0;
+    fclose(f);
+}
+
+typedef struct {
+    int model, tp;
+    bool mpi;
+} cli_case;
+
+/* tp-llm generate --greedy prints transformers' tokens, with the config's
+ * eos and with --eos ending a row early, at tp 1, 2, 4 on shm and 2, 4 under
+ * mpirun; its stderr has the figures. */
+ParameterizedTestParameters(generate, tp_llm_generate_greedy)
+{
+    static cli_case cases[] = {
+        {LLAMA, 1, false},  {LLAMA, 2, false},  {LLAMA, 4, false},      {MISTRAL, 4, false},
+        {QWEN2, 2, false},  {LLAMA, 2, true},   {LLAMA_BF16, 4, true},  {QWEN2, 4, true},
+    };
+    return cr_make_param_array(cli_case, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(cli_case *c, generate, tp_llm_generate_greedy, .timeout = 300)
+{
+    const char *mpirun = getenv("MPIRUN");
+    if (c->mpi && (!mpirun || !*mpirun))
+        cr_skip_test("no MPIRUN (a build without MPI, or under ThreadSanitizer)");
+    char tmp[64], dir[512], prompts[128], out[128], err[128], launch[1024];
+    snprintf(tmp, sizeof tmp, "/tmp/tp_gen_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmp));
+    snprintf(prompts, sizeof prompts, "%s/prompts.txt", tmp);
+    snprintf(out, sizeof out, "%s/out.txt", tmp);
+    snprintf(err, sizeof err, "%s/err.txt", tmp);
+    write_prompts(c->model, prompts);
+    model_dir(c->model, dir, sizeof dir);
+    if (c->mpi)
+        snprintf(launch, sizeof launch,
+                 "ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0 %s "
+                 "--allow-run-as-root --oversubscribe -np %d %s", mpirun, c->tp, tp_llm());
+    else
+        snprintf(launch, sizeof launch, "%s", tp_llm());
+    tp_tensor *eos = NULL;
+    CHECK_OK(gen_ref(c->model, "gen_eos_id", &eos));
+    const int64_t eos_id = *(const int64_t *)tp_tensor_data(eos);
+    tp_tensor_release(eos);
+    char want[2048], got[2048];
+    for (int pass = 0; pass < 2; pass++) {
+        char extra[64] = "";
+        if (pass)
+            snprintf(extra, sizeof extra, "--eos %lld", (long long)eos_id);
+        cr_assert_eq(sh("%s generate --model %s --tokens @%s --max-new-tokens 12 --greedy --tp %d "
+                        "%s %s >%s 2>%s", launch, dir, prompts, c->tp,
+                        c->mpi ? "--backend mpi" : "", extra, out, err), 0,
+                     "tp-llm generate failed");
+        expected_lines(c->model, pass ? "gen_greedy_eos" : "gen_greedy", pass ? eos_id : 2, want,
+                       sizeof want);
+        read_file(out, got, sizeof got);
+        cr_assert_str_eq(got, want, "%s tp %d%s%s", model_names[c->model], c->tp,
+                         c->mpi ? " mpi" : "", pass ? " --eos" : "");
+    }
+    read_file(err, got, sizeof got);
+    cr_assert(strstr(got, "time to first token") && strstr(got, "tokens/s") &&
+                  strstr(got, "median") && strstr(got, "p99") && strstr(got, "peak memory") &&
+                  strstr(got, "KV cache"),
+              "stderr lacks a figure: %s", got);
+    sh("rm -rf '%s'", tmp);
+}
+
+/* Sampled: the same seed prints the same tokens at tp 1, 2 and 4 and under
+ * mpirun; another seed others. */
+Test(generate, tp_llm_generate_sampled, .timeout = 300)
+{
+    char tmp[64], dir[512], prompts[128], a[2048], b[2048], path[160];
+    snprintf(tmp, sizeof tmp, "/tmp/tp_gen_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmp));
+    snprintf(prompts, sizeof prompts, "%s/prompts.txt", tmp);
+    write_prompts(LLAMA, prompts);
+    model_dir(LLAMA, dir, sizeof dir);
+    const char *mpirun = getenv("MPIRUN");
+    const char *runs[] = {"--tp 1 --seed 7", "--tp 2 --seed 7", "--tp 4 --seed 7",
+                          "--tp 2 --seed 7 --backend mpi", "--tp 2 --seed 8"};
+    for (int i = 0; i < 5; i++) {
+        const bool mpi = strstr(runs[i], "mpi") != NULL;
+        if (mpi && (!mpirun || !*mpirun))
+            continue;
+        char launch[1024];
+        if (mpi)
+            snprintf(launch, sizeof launch,
+                     "ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0 %s "
+                     "--allow-run-as-root --oversubscribe -np 2 %s", mpirun, tp_llm());
+        else
+            snprintf(launch, sizeof launch, "%s", tp_llm());
+        snprintf(path, sizeof path, "%s/out%d.txt", tmp, i);
+        cr_assert_eq(sh("%s generate --model %s --tokens @%s --max-new-tokens 16 --temperature "
+                        "1.2 --top-k 40 --top-p 0.95 --eos 1 %s >%s 2>/dev/null", launch, dir,
+                        prompts, runs[i], path), 0, "%s", runs[i]);
+        read_file(path, i ? b : a, sizeof a);
+        if (i > 0 && i < 4)
+            cr_assert_str_eq(b, a, "%s printed other tokens than --tp 1", runs[i]);
+        if (i == 4)
+            cr_assert_str_neq(b, a, "another seed printed the same tokens");
+    }
+    sh("rm -rf '%s'", tmp);
+}
+
+/* Bad input exits 2 naming it. */
+Test(generate, tp_llm_generate_bad_input, .timeout = 60)
+{
+    char tmp[64], dir[512], err[128], text[1024];
+    snprintf(tmp, sizeof tmp, "/tmp/tp_gen_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmp));
+    snprintf(err, sizeof err, "%s/err.txt", tmp);
+    model_dir(LLAMA, dir, sizeof dir);
+    const char *t = tp_llm();
+    const struct {
+        const char *args, *says;
+    } cases[] = {
+        {"--tokens @%s/empty --max-new-tokens 4", "line 2 holds no token ids: an empty prompt"},
+        {"--tokens 1,2,3 --max-new-tokens 4 --cache-len 5", "exceed --cache-len 5"},
+        {"--tokens 1,131 --max-new-tokens 4", "token id 131 (sequence 0, position 1) is outside"},
+        {"--tokens 1,2 --max-new-tokens 4 --top-p 0", "--top-p '0' is outside (0, 1]"},
+        {"--tokens 1,2 --max-new-tokens 4 --top-p 1.5", "--top-p '1.5' is outside (0, 1]"},
+        {"--tokens 1,2 --max-new-tokens 4 --temperature 0", "--temperature '0' is not > 0"},
+        {"--tokens 1,2 --max-new-tokens 4 --top-k -1", "--top-k '-1'"},
+        {"--tokens 1,2 --max-new-tokens 0", "--max-new-tokens needs a count >= 1"},
+        {"--tokens 1,2", "generate needs --tokens IDS and --max-new-tokens K"},
+        {"--tokens 1,2 --max-new-tokens 4 --greedy --seed 3", "--greedy samples nothing"},
+        {"--tokens 1,2 --max-new-tokens 4 --sp", "generate takes neither --dp nor --sp"},
+        {"--tokens 1,2 --max-new-tokens 4 --eos 999", "--eos '999'"},
+    };
+    sh("printf '1,2\\n\\n3\\n' > %s/empty", tmp);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char args[256];
+        snprintf(args, sizeof args, cases[i].args, tmp);
+        cr_assert_eq(sh("%s generate --model %s %s >/dev/null 2>%s", t, dir, args, err), 2, "%s",
+                     args);
+        read_file(err, text, sizeof text);
+        cr_assert(strstr(text, cases[i].says), "%s: stderr \"%s\" lacks \"%s\"", args, text,
+                  cases[i].says);
+    }
+    sh("rm -rf '%s'", tmp);
+}
+
+#endif /* TP_TEST_MPI */

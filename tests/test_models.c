@@ -608,25 +608,6 @@ ParameterizedTest(count_run *c, models, collective_counts_equal_pytorch, .timeou
  * MPI run of this file (test_models_mpi); they run mpirun themselves. */
 #ifndef TP_TEST_MPI
 
-/* Runs a shell command line; its exit status. */
-static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int sh(const char *fmt, ...)
-{
-    char cmd[4096];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof cmd, fmt, ap);
-    va_end(ap);
-    int rc = system(cmd);
-    return rc == -1 ? -1 : WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
-}
-
-static const char *tp_llm(void)
-{
-    const char *p = getenv("TP_LLM");
-    return p ? p : "build/tools/tp-llm";
-}
-
 /* The ids of ref.safetensors as the @FILE tp-llm reads: one line a sequence. */
 static void write_ids(int model, const char *name, const char *path)
 {

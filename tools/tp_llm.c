@@ -5,6 +5,9 @@
  *   tp-llm logits --model DIR --tokens IDS --out FILE          [common options]
  *   tp-llm train  --model DIR --data FILE --steps N [--lr L] [--weight-decay W]
  *                 [--save DIR] [--max-shard-bytes B] [--grads-out FILE]  [common options]
+ *   tp-llm generate --model DIR --tokens IDS --max-new-tokens K
+ *                 [--greedy | --temperature T --top-k K --top-p P --seed S]
+ *                 [--eos IDS] [--cache-len N]                             [common options]
  *
  * common: --tp N, --dp M, --backend shm|mpi, --device cpu|cuda,
  *         --dtype f32|bf16|f16, --threads K, --sp (sequence parallelism)
@@ -16,6 +19,18 @@
  * safetensors file. `train` takes AdamW steps on the causal-LM loss (labels =
  * the input ids, shifted inside), printing each step's loss; --grads-out
  * writes the gradients of the first backward (full, f32, Hugging Face names).
+ * `generate` continues each sequence of IDS (here the lines of @FILE may
+ * differ in length: prompts of different lengths, left-padded into one
+ * batch) by up to K tokens through a KV cache (--cache-len positions, by
+ * default the longest prompt plus K), stopping a sequence at an eos id of
+ * generation_config.json / config.json (or --eos); it prints one line per
+ * sequence holding only its new ids, comma-separated (the eos included),
+ * and on stderr the time to first token, decode tokens/s, the per-token
+ * latency (median, p99) and memory. Without --greedy or a sampling option
+ * it decodes as generation_config.json says (greedy when it says nothing);
+ * any of --temperature, --top-k, --top-p, --seed samples, the others taken
+ * from generation_config.json (top-k 50, temperature 1, top-p 1 by
+ * default). generate takes neither --dp nor --sp.
  * Bad input exits 2 with a message naming it; with --backend shm the ranks
  * are threads (tp x dp of them), with mpi one process each under
  * `mpirun -np tp*dp`.
@@ -30,7 +45,7 @@
 
 #define EXIT_BAD 2
 
-typedef enum { CMD_LOGITS, CMD_TRAIN } command;
+typedef enum { CMD_LOGITS, CMD_TRAIN, CMD_GENERATE } command;
 
 typedef struct {
     command cmd;
@@ -41,10 +56,19 @@ typedef struct {
     size_t max_shard;
     bool mpi, cuda, sp;
     tp_dtype dtype;
+    /* generate */
+    long max_new, cache_len;
+    bool greedy, sample_set;
+    tp_llm_sampling sampling;
+    const char *eos_spec;
+    int n_eos;
+    int64_t eos[TP_LLM_MAX_EOS];
     /* read before the ranks start */
     tp_llm_config cfg;
+    tp_llm_generation_config gen;
     int64_t batch, seq;
     int64_t *ids;
+    int64_t *mask; /* generate: 1 on prompt tokens, 0 on the left padding */
 } options;
 
 static void usage(FILE *f)
@@ -53,9 +77,13 @@ static void usage(FILE *f)
             "usage: tp-llm logits --model DIR --tokens IDS --out FILE [options]\n"
             "       tp-llm train --model DIR --data FILE --steps N [--lr L] [--weight-decay W]\n"
             "                    [--save DIR] [--max-shard-bytes B] [--grads-out FILE] [options]\n"
+            "       tp-llm generate --model DIR --tokens IDS --max-new-tokens K\n"
+            "                    [--greedy | --temperature T --top-k K --top-p P --seed S]\n"
+            "                    [--eos IDS] [--cache-len N] [options]\n"
             "options: --tp N --dp M --backend shm|mpi --device cpu|cuda --dtype f32|bf16|f16\n"
             "         --threads K --sp\n"
-            "IDS: ids separated by commas, or @FILE with one sequence per line (a batch)\n");
+            "IDS: ids separated by commas, or @FILE with one sequence per line (a batch;\n"
+            "     for generate the lines may differ in length)\n");
 }
 
 static int bad(const char *fmt, const char *a)
@@ -128,11 +156,40 @@ static bool parse_line(const char *line, int64_t **ids, int64_t *n, int64_t *cap
     }
 }
 
-/* IDS (a list, or @FILE) or a --data FILE into o->ids [batch, seq]. */
+/* The prompts of generate, each left-padded with `pad` to the longest: ids
+ * [batch, seq] and the mask. lens[i] is prompt i's length. */
+static int left_pad(options *o, const int64_t *lens, int64_t pad)
+{
+    int64_t S = 0;
+    for (int64_t b = 0; b < o->batch; b++)
+        S = lens[b] > S ? lens[b] : S;
+    int64_t *ids = malloc(sizeof *ids * (size_t)(o->batch * S)),
+            *mask = calloc((size_t)(o->batch * S), sizeof *mask);
+    if (!ids || !mask) {
+        free(ids);
+        free(mask);
+        return bad("%s", "out of memory");
+    }
+    for (int64_t b = 0, at = 0; b < o->batch; at += lens[b], b++)
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t off = s - (S - lens[b]);
+            ids[b * S + s] = off >= 0 ? o->ids[at + off] : pad;
+            mask[b * S + s] = off >= 0;
+        }
+    free(o->ids);
+    o->ids = ids;
+    o->mask = mask;
+    o->seq = S;
+    return 0;
+}
+
+/* IDS (a list, or @FILE) or a --data FILE into o->ids [batch, seq]; for
+ * generate, lines of any length (none empty), left-padded. */
 static int read_tokens(options *o, const char *spec, bool file)
 {
     char err[160];
-    int64_t cap = 0, n = 0, *row = NULL, rcap = 0;
+    int64_t cap = 0, n = 0, *row = NULL, rcap = 0, *lens = NULL, total = 0;
+    const bool ragged = o->cmd == CMD_GENERATE;
     o->batch = o->seq = 0;
     if (!file && spec[0] != '@') {
         if (!parse_line(spec, &o->ids, &n, &cap, err, sizeof err))
@@ -156,8 +213,31 @@ static int read_tokens(options *o, const char *spec, bool file)
                 rc = EXIT_BAD;
                 break;
             }
+            if (k == 0 && ragged) {
+                fprintf(stderr, "tp-llm: %s line %lld holds no token ids: an empty prompt\n",
+                        path, (long long)o->batch + 1);
+                rc = EXIT_BAD;
+                break;
+            }
             if (k == 0)
                 continue;
+            if (ragged) {
+                int64_t *g = realloc(o->ids, sizeof *g * (size_t)(total + k)),
+                        *gl = g ? realloc(lens, sizeof *gl * (size_t)(o->batch + 1)) : NULL;
+                if (g)
+                    o->ids = g;
+                if (gl)
+                    lens = gl;
+                if (!g || !gl) {
+                    rc = bad("%s", "out of memory");
+                    break;
+                }
+                memcpy(o->ids + total, row, sizeof *row * (size_t)k);
+                total += k;
+                lens[o->batch++] = k;
+                o->seq = k > o->seq ? k : o->seq;
+                continue;
+            }
             if (o->batch > 0 && k != o->seq) {
                 fprintf(stderr, "tp-llm: %s line %lld has %lld ids, the first line %lld: every "
                                 "sequence of a batch must have the same length\n",
@@ -178,23 +258,84 @@ static int read_tokens(options *o, const char *spec, bool file)
         free(line);
         free(row);
         fclose(f);
-        if (rc)
+        if (rc) {
+            free(lens);
             return rc;
-    }
-    if (o->batch == 0 || o->seq == 0)
-        return bad("%s holds no token ids", file ? spec : "--tokens");
-    for (int64_t i = 0; i < o->batch * o->seq; i++)
-        if (o->ids[i] < 0 || o->ids[i] >= o->cfg.vocab_size) {
-            fprintf(stderr, "tp-llm: token id %lld (sequence %lld, position %lld) is outside the "
-                            "vocabulary [0, %lld)\n",
-                    (long long)o->ids[i], (long long)(i / o->seq), (long long)(i % o->seq),
-                    (long long)o->cfg.vocab_size);
-            return EXIT_BAD;
         }
-    return 0;
+    }
+    if (o->batch == 0 || o->seq == 0) {
+        free(lens);
+        return bad("%s holds no token ids", file ? spec : "--tokens");
+    }
+    if (ragged && !lens) { /* one sequence from --tokens */
+        lens = malloc(sizeof *lens);
+        if (!lens)
+            return bad("%s", "out of memory");
+        lens[0] = o->seq;
+    }
+    /* checked before padding: the positions are the prompt's own */
+    for (int64_t b = 0, at = 0; b < o->batch; at += ragged ? lens[b] : o->seq, b++)
+        for (int64_t s = 0; s < (ragged ? lens[b] : o->seq); s++)
+            if (o->ids[at + s] < 0 || o->ids[at + s] >= o->cfg.vocab_size) {
+                fprintf(stderr, "tp-llm: token id %lld (sequence %lld, position %lld) is outside "
+                                "the vocabulary [0, %lld)\n",
+                        (long long)o->ids[at + s], (long long)b, (long long)s,
+                        (long long)o->cfg.vocab_size);
+                free(lens);
+                return EXIT_BAD;
+            }
+    int rc = 0;
+    if (ragged) {
+        const int64_t pad = o->gen.pad_token_id >= 0 ? o->gen.pad_token_id
+                            : o->gen.n_eos > 0      ? o->gen.eos_token_id[0]
+                                                    : 0;
+        rc = left_pad(o, lens, pad);
+    }
+    free(lens);
+    return rc;
 }
 
 /* ---- options ------------------------------------------------------------------------ */
+
+/* generate's decoding: --greedy, the sampling options over
+ * generation_config.json's, or generation_config.json's alone; the eos ids
+ * of --eos or of the configs. */
+static int choose_decoding(options *o)
+{
+    /* given: what the options set (-1: not given) */
+    const tp_llm_sampling given = o->sampling;
+    o->sampling = o->greedy ? (tp_llm_sampling){0} : o->gen.sampling;
+    if (o->sample_set) {
+        o->sampling.do_sample = true;
+        if (given.temperature > 0)
+            o->sampling.temperature = given.temperature;
+        if (given.top_p > 0)
+            o->sampling.top_p = given.top_p;
+        if (given.top_k >= 0)
+            o->sampling.top_k = given.top_k;
+        o->sampling.seed = given.seed;
+    }
+    o->n_eos = o->gen.n_eos;
+    memcpy(o->eos, o->gen.eos_token_id, sizeof o->eos);
+    if (o->eos_spec) {
+        int64_t *ids = NULL, n = 0, cap = 0;
+        char err[160];
+        if (!parse_line(o->eos_spec, &ids, &n, &cap, err, sizeof err) || n == 0 ||
+            n > TP_LLM_MAX_EOS) {
+            free(ids);
+            return bad("--eos '%s': 1 to 8 token ids separated by commas", o->eos_spec);
+        }
+        for (int64_t i = 0; i < n; i++)
+            if (ids[i] < 0 || ids[i] >= o->cfg.vocab_size) {
+                free(ids);
+                return bad("--eos '%s': an id is outside the vocabulary", o->eos_spec);
+            }
+        o->n_eos = (int)n;
+        memcpy(o->eos, ids, sizeof *ids * (size_t)n);
+        free(ids);
+    }
+    return 0;
+}
 
 static int parse_args(int argc, char **argv, options *o)
 {
@@ -204,6 +345,7 @@ static int parse_args(int argc, char **argv, options *o)
     o->weight_decay = 0.01;
     o->max_shard = (size_t)5 << 30;
     o->steps = -1;
+    o->sampling = (tp_llm_sampling){.temperature = -1, .top_k = -1, .top_p = -1};
     if (argc < 2) {
         usage(stderr);
         return EXIT_BAD;
@@ -216,7 +358,7 @@ static int parse_args(int argc, char **argv, options *o)
         usage(stdout);
         exit(0);
     } else if (!strcmp(argv[1], "generate")) {
-        return bad("%s: not built yet (logits and train are)", argv[1]);
+        o->cmd = CMD_GENERATE;
     } else {
         usage(stderr);
         return bad("unknown command '%s'", argv[1]);
@@ -228,13 +370,47 @@ static int parse_args(int argc, char **argv, options *o)
             o->sp = true;
             continue;
         }
+        if (!strcmp(a, "--greedy") && o->cmd == CMD_GENERATE) {
+            o->greedy = true;
+            continue;
+        }
         if (!v)
             return bad("%s needs a value", a);
         i++;
         if (!strcmp(a, "--model"))
             o->model = v;
-        else if (!strcmp(a, "--tokens") && o->cmd == CMD_LOGITS)
+        else if (!strcmp(a, "--tokens") && o->cmd != CMD_TRAIN)
             o->tokens = v;
+        else if (!strcmp(a, "--eos") && o->cmd == CMD_GENERATE)
+            o->eos_spec = v;
+        else if ((!strcmp(a, "--max-new-tokens") || !strcmp(a, "--cache-len")) &&
+                 o->cmd == CMD_GENERATE) {
+            if (!parse_long(v, 1, 1L << 40, &n))
+                return bad("%s needs a count >= 1", a);
+            *(a[2] == 'm' ? &o->max_new : &o->cache_len) = n;
+        } else if (!strcmp(a, "--temperature") && o->cmd == CMD_GENERATE) {
+            if (!parse_double(v, &o->sampling.temperature) || !(o->sampling.temperature > 0))
+                return bad("--temperature '%s' is not > 0", v);
+            o->sample_set = true;
+        } else if (!strcmp(a, "--top-p") && o->cmd == CMD_GENERATE) {
+            if (!parse_double(v, &o->sampling.top_p) || !(o->sampling.top_p > 0) ||
+                o->sampling.top_p > 1)
+                return bad("--top-p '%s' is outside (0, 1]", v);
+            o->sample_set = true;
+        } else if (!strcmp(a, "--top-k") && o->cmd == CMD_GENERATE) {
+            if (!parse_long(v, 0, 1L << 40, &n))
+                return bad("--top-k '%s' is not a count >= 0 (0: off)", v);
+            o->sampling.top_k = n;
+            o->sample_set = true;
+        } else if (!strcmp(a, "--seed") && o->cmd == CMD_GENERATE) {
+            char *end = NULL;
+            errno = 0;
+            unsigned long long seed = strtoull(v, &end, 10);
+            if (errno || end == v || *end || v[0] == '-')
+                return bad("--seed '%s' is not a number >= 0", v);
+            o->sampling.seed = seed;
+            o->sample_set = true;
+        }
         else if (!strcmp(a, "--out") && o->cmd == CMD_LOGITS)
             o->out = v;
         else if (!strcmp(a, "--data") && o->cmd == CMD_TRAIN)
@@ -287,12 +463,29 @@ static int parse_args(int argc, char **argv, options *o)
         return bad("%s", "logits needs --tokens IDS and --out FILE");
     if (o->cmd == CMD_TRAIN && (!o->data || o->steps < 0))
         return bad("%s", "train needs --data FILE and --steps N");
+    if (o->cmd == CMD_GENERATE) {
+        if (!o->tokens || !o->max_new)
+            return bad("%s", "generate needs --tokens IDS and --max-new-tokens K");
+        if (o->greedy && o->sample_set)
+            return bad("%s", "--greedy samples nothing: drop --temperature, --top-k, --top-p "
+                             "and --seed, or --greedy");
+        if (o->dp > 1 || o->sp)
+            return bad("%s", "generate takes neither --dp nor --sp (a decode step is one token "
+                             "per sequence on the tp ranks)");
+    }
     tp_status st = tp_llm_config_load(o->model, &o->cfg);
+    if (st == TP_OK && o->cmd == CMD_GENERATE)
+        st = tp_llm_generation_config_load(o->model, &o->cfg, &o->gen);
     if (st != TP_OK) {
         fprintf(stderr, "tp-llm: %s\n", tp_last_error());
         return EXIT_BAD;
     }
-    int rc = read_tokens(o, o->cmd == CMD_LOGITS ? o->tokens : o->data, o->cmd == CMD_TRAIN);
+    if (o->cmd == CMD_GENERATE) {
+        int rc = choose_decoding(o);
+        if (rc)
+            return rc;
+    }
+    int rc = read_tokens(o, o->cmd == CMD_TRAIN ? o->data : o->tokens, o->cmd == CMD_TRAIN);
     if (rc)
         return rc;
     if (o->cfg.num_attention_heads % o->tp ||
@@ -310,6 +503,11 @@ static int parse_args(int argc, char **argv, options *o)
     }
     if (o->cmd == CMD_TRAIN && o->seq < 2)
         return bad("%s", "train needs sequences of at least 2 tokens");
+    if (o->cmd == CMD_GENERATE && o->cache_len && o->seq + o->max_new > o->cache_len) {
+        fprintf(stderr, "tp-llm: a prompt of %lld tokens and %ld new ones exceed --cache-len "
+                        "%ld\n", (long long)o->seq, o->max_new, o->cache_len);
+        return EXIT_BAD;
+    }
     if (o->sp && o->seq % o->tp) {
         fprintf(stderr, "tp-llm: --sp shards the %lld-token sequence over --tp %d: it must "
                         "divide it\n", (long long)o->seq, o->tp);
@@ -408,6 +606,82 @@ static tp_status local_ids(const options *o, int64_t dp_coord, tp_device dev, tp
     return st;
 }
 
+static tp_status add_local_bytes(const char *fqn, tp_tensor *p, void *ctx)
+{
+    (void)fqn;
+    *(size_t *)ctx += tp_tensor_nbytes(tp_tensor_is_dtensor(p) ? tp_dtensor_local(p) : p);
+    return TP_OK;
+}
+
+static double mib(size_t n)
+{
+    return (double)n / (1024.0 * 1024.0);
+}
+
+/* generate on one rank: every rank generates the same tokens; rank 0
+ * prints them and the timings, each rank its memory. */
+static tp_status generate_rank(const options *o, tp_module *model, int rank, tp_device dev,
+                               tp_tensor *ids)
+{
+    tp_tensor *mask = NULL, *toks = NULL;
+    tp_llm_cache *cache = NULL;
+    tp_llm_generate_stats stats;
+    const int64_t shape[2] = {o->batch, o->seq};
+    const int64_t len = o->cache_len ? o->cache_len : o->seq + o->max_new;
+    tp_status st = tp_tensor_from_data(TP_I64, 2, shape, o->mask, &mask);
+    if (st == TP_OK)
+        st = tp_llm_cache_create(model, o->batch, len, &cache);
+    const tp_llm_generate_options go = {.max_new_tokens = o->max_new,
+                                        .sampling = o->sampling,
+                                        .n_eos = o->n_eos > 0 ? o->n_eos : -1,
+                                        .eos_token_ids = o->eos,
+                                        .pad_token_id = o->gen.pad_token_id,
+                                        .cache = cache};
+    if (st == TP_OK)
+        st = tp_llm_generate(model, ids, mask, &go, &toks, &stats);
+    size_t weights = 0;
+    if (st == TP_OK)
+        st = tp_module_named_parameters(model, add_local_bytes, &weights);
+    if (st == TP_OK && rank == 0) {
+        const int64_t T = tp_tensor_size(toks, 1);
+        const int64_t *d = tp_tensor_data(toks);
+        for (int64_t b = 0; b < o->batch; b++) {
+            for (int64_t t = 0; t < T; t++) {
+                printf("%s%lld", t ? "," : "", (long long)d[b * T + t]);
+                bool end = false;
+                for (int i = 0; i < o->n_eos; i++)
+                    end |= d[b * T + t] == o->eos[i];
+                if (end)
+                    break;
+            }
+            printf("\n");
+        }
+        fflush(stdout);
+        const double tok_s = stats.decode_s > 0
+                                 ? (double)(o->batch * stats.decode_steps) / stats.decode_s
+                                 : 0;
+        tp_memory_info mi;
+        tp_memory_stats(dev, &mi);
+        fprintf(stderr,
+                "tp-llm: %lld sequences, %lld new tokens each at most: time to first token "
+                "%.2f ms, decode %.1f tokens/s (%lld steps), per-token latency median %.3f ms, "
+                "p99 %.3f ms\n"
+                "tp-llm: peak memory %.1f MiB (%s)\n",
+                (long long)o->batch, (long long)o->max_new, stats.prefill_s * 1e3, tok_s,
+                (long long)stats.decode_steps, stats.step_p50_s * 1e3, stats.step_p99_s * 1e3,
+                mib(mi.peak_allocated),
+                o->mpi ? "this process: rank 0"
+                       : o->tp > 1 ? "the process: every rank, as threads of it" : "rank 0");
+    }
+    if (st == TP_OK)
+        fprintf(stderr, "tp-llm: rank %d holds %.3f MiB of weights and a %.3f MiB KV cache\n",
+                rank, mib(weights), mib(stats.cache_bytes));
+    tp_tensor_release(toks);
+    tp_tensor_release(mask);
+    tp_llm_cache_free(cache);
+    return st;
+}
+
 static tp_status run_rank(tp_comm *world, void *arg)
 {
     rank_ctx *rc = arg;
@@ -451,6 +725,10 @@ static tp_status run_rank(tp_comm *world, void *arg)
     TRY(local_ids(o, dp_coord, dev, &ids));
     TRY(local_ids(o, dp_coord, TP_CPU, &ids_cpu));
 
+    if (o->cmd == CMD_GENERATE) {
+        TRY(generate_rank(o, model, rank, dev, ids_cpu));
+        goto out;
+    }
     if (o->cmd == CMD_LOGITS) {
         tp_no_grad_begin();
         st = tp_llm_forward(model, ids, NULL, NULL, &logits);
@@ -536,6 +814,7 @@ int main(int argc, char **argv)
     int rc = parse_args(argc, argv, &o);
     if (rc) {
         free(o.ids);
+        free(o.mask);
         return rc;
     }
     if (o.threads)
@@ -559,6 +838,7 @@ int main(int argc, char **argv)
         st = tp_run_local(o.tp * o.dp, run_rank, &ctx);
     }
     free(o.ids);
+    free(o.mask);
     if (st == TP_OK)
         return 0;
     return st == TP_ERR_INVALID_ARG || st == TP_ERR_NOT_SUPPORTED || st == TP_ERR_MISMATCH
