@@ -175,6 +175,7 @@ Test(kernels, gemm_all_transposes_and_leading_dims, .timeout = 60)
 {
     static const int64_t mnk[][3] = {
         {1, 1, 1}, {3, 17, 5}, {17, 3, 129}, {129, 17, 3}, {1, 129, 17}, {17, 1, 1},
+        {1, 1000, 300}, {300, 1, 40}, {1, 7, 1}, /* matrix-vector products (sgemv) */
     };
     for (size_t s = 0; s < sizeof mnk / sizeof mnk[0]; s++)
         for (int t = 0; t < 4; t++)
