@@ -8,6 +8,8 @@
  *   tp-bench-llm [--config NAME|FILE | --model DIR] [-b B] [-s S] [--tp LIST]
  *                [--threads K] [-p fwd|fwd+bwd|both] [-r REPS] [-w WARMUP]
  *                [--csv FILE] [--plan-at-1] [--backend shm|mpi]
+ *   tp-bench-llm -p decode [--new-tokens N] [--config NAME|FILE | --model DIR] [-b B]
+ *                [-s PROMPT] [--tp LIST] [--threads K] [-r REPS] [-w WARMUP] [--csv FILE]
  *   tp-bench-llm --dump-config FILE [--config NAME|FILE]
  *   tp-bench-llm --save DIR [--config NAME|FILE] [--max-shard-bytes B]
  *   tp-bench-llm --load DIR [--tp N] [-r REPS] [--backend shm|mpi] [--no-drop]
@@ -40,6 +42,22 @@
  * process-wide (openblas_set_num_threads), so with shm ranks every rank's
  * GEMMs draw on the same pool of K threads; nominal threads = tp x K.
  *
+ * -p decode: generation through the KV cache (tp_llm_generate, greedy, no
+ * eos: every sequence runs N new tokens, default 128) of -b prompts of -s
+ * pseudo-random tokens. Per repetition: the time to first token (the
+ * prompt's forward and the first token), decode tokens/s (batch x decode
+ * steps / their time, the slowest rank's) and the median and p99 of a
+ * decode step. Beside them, measured in the same run on this thread:
+ *  - GEMMs by hand: the BLAS calls of one decode step at this tp
+ *    degree (one rank's shards of q, k, v, o, gate, up, down per layer, the
+ *    attention's two products per kv head over the cache at its mean
+ *    length, and the lm_head's vocab shard; sgemv for one row, as the
+ *    library calls it), timed alone (median of 20);
+ *  - host time: the same decode steps run on the meta device (no
+ *    arithmetic, no data: what the library does around the kernels) as
+ *    rank 0 of a sim world of tp ranks (collectives complete at once), per
+ *    step and per layer (median of 50 steps after 5).
+ *
  * --load DIR: the model of DIR's config.json built at --tp N (default 4),
  * then per repetition: the page cache dropped (echo 3 >
  * /proc/sys/vm/drop_caches where this process may, else
@@ -61,6 +79,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,7 +121,8 @@ typedef struct {
     long batch, seq;
     int tps[MAX_TP], ntp;
     int threads, reps, warmup;
-    bool fwd, bwd, plan_at_1, mpi, no_drop;
+    bool fwd, bwd, plan_at_1, mpi, no_drop, decode;
+    long new_tokens;
     long max_shard;
     tp_llm_config cfg;
     char cfg_name[256];
@@ -115,6 +135,8 @@ static void usage(FILE *f)
             "usage: tp-bench-llm [--config 100m|1b|tiny|FILE | --model DIR] [-b BATCH] [-s SEQ]\n"
             "                    [--tp LIST] [--threads K] [-p fwd|fwd+bwd|both] [-r REPS]\n"
             "                    [-w WARMUP] [--csv FILE] [--plan-at-1] [--backend shm|mpi]\n"
+            "       tp-bench-llm -p decode [--new-tokens N] [--config NAME|FILE | --model DIR]\n"
+            "                    [-b B] [-s PROMPT] [--tp LIST] [--threads K] [-r R] [-w W] [--csv F]\n"
             "       tp-bench-llm --dump-config FILE [--config NAME|FILE]\n"
             "       tp-bench-llm --save DIR [--config NAME|FILE] [--max-shard-bytes B]\n"
             "       tp-bench-llm --load DIR [--tp N] [-r REPS] [--backend shm|mpi] [--no-drop]\n"
@@ -186,7 +208,8 @@ static bool takes_value(const char *a)
 {
     static const char *const valued[] = {"--config", "--model", "-b", "-s", "--tp", "--threads",
                                          "-p", "-r", "-w", "--csv", "--backend", "--dump-config",
-                                         "--save", "--load", "--max-shard-bytes"};
+                                         "--save", "--load", "--max-shard-bytes",
+                                         "--new-tokens"};
     for (size_t i = 0; i < sizeof valued / sizeof valued[0]; i++)
         if (!strcmp(a, valued[i]))
             return true;
@@ -203,6 +226,7 @@ static int parse_args(int argc, char **argv, options *o)
     o->warmup = 1;
     o->fwd = o->bwd = true;
     o->max_shard = 256L << 20;
+    o->new_tokens = 128;
     bool tp_given = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -260,11 +284,16 @@ static int parse_args(int argc, char **argv, options *o)
             if (!parse_long(v, 1, 1L << 50, &n))
                 return bad("--max-shard-bytes '%s' is not a positive size", v);
             o->max_shard = n;
+        } else if (!strcmp(a, "--new-tokens")) {
+            if (!parse_long(v, 2, 1L << 20, &n))
+                return bad("--new-tokens '%s' is not a count >= 2", v);
+            o->new_tokens = n;
         } else if (!strcmp(a, "-p")) {
+            o->decode = !strcmp(v, "decode");
             o->fwd = !strcmp(v, "fwd") || !strcmp(v, "both");
             o->bwd = !strcmp(v, "fwd+bwd") || !strcmp(v, "both");
-            if (!o->fwd && !o->bwd)
-                return bad("-p '%s': fwd, fwd+bwd or both", v);
+            if (!o->fwd && !o->bwd && !o->decode)
+                return bad("-p '%s': fwd, fwd+bwd, both or decode", v);
         } else if (!strcmp(a, "--backend")) {
             if (strcmp(v, "shm") && strcmp(v, "mpi"))
                 return bad("--backend '%s': shm or mpi", v);
@@ -504,12 +533,14 @@ static void stats(double *v, int n, double *med, double *lo, double *hi)
     *hi = c[n - 1];
 }
 
-static int run_perf(options *o)
+/* o->ids: batch x seq pseudo-random ids in [0, vocab), the same every run;
+ * and the OpenBLAS threads. false when memory runs out. */
+static bool make_ids(options *o)
 {
     const int64_t nids = o->batch * o->seq;
     o->ids = malloc(sizeof *o->ids * (size_t)nids);
     if (!o->ids)
-        return 1;
+        return false;
     uint64_t x = 0x9e3779b97f4a7c15ull;
     for (int64_t i = 0; i < nids; i++) {
         x ^= x << 13;
@@ -518,6 +549,13 @@ static int run_perf(options *o)
         o->ids[i] = (int64_t)(x % (uint64_t)o->cfg.vocab_size);
     }
     openblas_set_num_threads(o->threads);
+    return true;
+}
+
+static int run_perf(options *o)
+{
+    if (!make_ids(o))
+        return 1;
     FILE *csv = NULL;
     char line[512];
     config_line(o, line, sizeof line);
@@ -618,6 +656,279 @@ static int run_perf(options *o)
             printf("# loss of the first pass (tp %d): %.6f\n", runs[k].tp, runs[k].loss);
             break;
         }
+    if (csv && fclose(csv) != 0) {
+        fprintf(stderr, "tp-bench-llm: cannot write %s\n", o->csv);
+        status = 1;
+    }
+    return status;
+}
+
+/* ---- -p decode ------------------------------------------------------------------------ */
+
+typedef struct {
+    const options *o;
+    int tp;
+    /* per timed repetition: the slowest rank's */
+    double ttft[MAX_REPS], tok_s[MAX_REPS], p50[MAX_REPS], p99[MAX_REPS];
+    double cache_mib;
+} decode_run;
+
+static tp_status decode_rank(tp_comm *w, void *arg)
+{
+    decode_run *r = arg;
+    const options *o = r->o;
+    const bool lead = tp_comm_rank(w) == 0;
+    tp_status st = TP_OK;
+    tp_mesh *mesh = NULL;
+    tp_module *model = NULL;
+    tp_tensor *ids = NULL, *toks = NULL;
+    tp_llm_cache *cache = NULL;
+    TRY(build_model(w, o, r->tp > 1 || o->plan_at_1, o->model, &mesh, &model));
+    TRY(tp_tensor_from_data(TP_I64, 2, (const int64_t[]){o->batch, o->seq}, o->ids, &ids));
+    TRY(tp_llm_cache_create(model, o->batch, o->seq + o->new_tokens, &cache));
+    const tp_llm_generate_options go = {
+        .max_new_tokens = o->new_tokens, .n_eos = -1, .cache = cache};
+    for (int i = 0; i < o->warmup + o->reps; i++) {
+        tp_llm_generate_stats gs;
+        TRY(tp_barrier(w, NULL));
+        TRY(tp_llm_generate(model, ids, NULL, &go, &toks, &gs));
+        tp_tensor_release(toks);
+        toks = NULL;
+        double v[4] = {gs.prefill_s, gs.decode_s / (double)gs.decode_steps, gs.step_p50_s,
+                       gs.step_p99_s};
+        TRY(max_over(w, v, 4));
+        if (i >= o->warmup && lead) {
+            const int k = i - o->warmup;
+            r->ttft[k] = v[0];
+            r->tok_s[k] = (double)o->batch / v[1];
+            r->p50[k] = v[2];
+            r->p99[k] = v[3];
+        }
+    }
+    if (lead)
+        r->cache_mib = (double)tp_llm_cache_nbytes(cache) / 1048576.0;
+out:
+    tp_llm_cache_free(cache);
+    tp_tensor_release(ids);
+    tp_module_free(model);
+    tp_mesh_free(mesh);
+    if (st != TP_OK && o->mpi)
+        tp_comm_abort(w, "tp-bench-llm: a rank failed");
+    return st;
+}
+
+/* Buffers filled with small values (touched: untouched pages read as the
+ * one zero page, faster than memory). */
+static float *filled(size_t n)
+{
+    float *p = malloc(sizeof *p * (n ? n : 1));
+    for (size_t i = 0; p && i < n; i++)
+        p[i] = (float)((i % 97) * 1e-3);
+    return p;
+}
+
+/* y[m, n] = x[m, k] op(w) (w [n, k] when wt, else [k, n]): sgemm, or sgemv
+ * for one row, as the library's CPU engine calls them. */
+static void mm(int m, int n, int k, const float *x, const float *w, bool wt, float *y)
+{
+    if (m == 1)
+        cblas_sgemv(CblasRowMajor, wt ? CblasNoTrans : CblasTrans, wt ? n : k, wt ? k : n, 1.0f,
+                    w, k * wt + n * !wt, x, 1, 0.0f, y, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, wt ? CblasTrans : CblasNoTrans, m, n, k, 1.0f,
+                    x, k, w, wt ? k : n, 0.0f, y, n);
+}
+
+/* The GEMMs of one decode step of rank 0 at degree tp, by hand: seconds,
+ * the median of 20 after 3. NaN when memory runs out. */
+static double gemms_by_hand(const options *o, int tp)
+{
+    const tp_llm_config *c = &o->cfg;
+    const int64_t B = o->batch, H = c->hidden_size, D = c->head_dim, L = c->num_hidden_layers;
+    const int64_t hq = c->num_attention_heads / tp, hkv = c->num_key_value_heads / tp;
+    const int64_t F = c->intermediate_size / tp, V = (c->vocab_size + tp - 1) / tp;
+    const int64_t len = o->seq + o->new_tokens / 2, rep = hq / hkv;
+    const int64_t nw[7] = {hq * D * H, hkv * D * H, hkv * D * H, H * hq * D, F * H, F * H, H * F};
+    float *w[64][7] = {{0}}, *kv[64][2] = {{0}}, *head = filled((size_t)(V * H));
+    float *x = filled((size_t)(B * (H > F ? (H > hq * D ? H : hq * D) : F))),
+          *y = filled((size_t)(B * (V > F ? (V > H ? V : H) : F))),
+          *sc = filled((size_t)(rep * len));
+    bool ok = head && x && y && sc && L <= 64;
+    for (int64_t l = 0; l < L && ok; l++) {
+        for (int j = 0; j < 7 && ok; j++)
+            ok = (w[l][j] = filled((size_t)nw[j])) != NULL;
+        for (int j = 0; j < 2 && ok; j++)
+            ok = (kv[l][j] = filled((size_t)(B * hkv * len * D))) != NULL;
+    }
+    double times[23], med = NAN;
+    /* out x in weights, as Linear keeps them: y = x W^T */
+    const int64_t outs[7] = {hq * D, hkv * D, hkv * D, H, F, F, H}, ins[7] = {H, H, H, hq * D, H, H, F};
+    for (int it = 0; it < 23 && ok; it++) {
+        const double t0 = bench_now_s();
+        for (int64_t l = 0; l < L; l++) {
+            for (int j = 0; j < 7; j++)
+                mm((int)B, (int)outs[j], (int)ins[j], x, w[l][j], true, y);
+            for (int64_t g = 0; g < B * hkv; g++) {
+                mm((int)rep, (int)len, (int)D, x, kv[l][0] + g * len * D, true, sc);
+                mm((int)rep, (int)D, (int)len, sc, kv[l][1] + g * len * D, false, y);
+            }
+        }
+        mm((int)B, (int)V, (int)H, x, head, true, y);
+        times[it] = bench_now_s() - t0;
+    }
+    if (ok)
+        med = bench_median(times + 3, 20);
+    for (int64_t l = 0; l < L && l < 64; l++) {
+        for (int j = 0; j < 7; j++)
+            free(w[l][j]);
+        free(kv[l][0]);
+        free(kv[l][1]);
+    }
+    free(head);
+    free(x);
+    free(y);
+    free(sc);
+    return med;
+}
+
+/* What the library does around the kernels in one decode step: the steps
+ * on the meta device as rank 0 of a sim world of tp ranks. Seconds per
+ * step (median of 50 after 5); NaN on failure (printed). */
+static double host_on_meta(const options *o, int tp)
+{
+    tp_status st = TP_OK;
+    tp_comm *w = NULL;
+    tp_mesh *mesh = NULL;
+    tp_module *model = NULL;
+    tp_llm_cache *cache = NULL;
+    tp_tensor *ids = NULL, *step = NULL, *logits = NULL;
+    double times[55], med = NAN;
+    tp_sim_options so = {.world_size = tp, .rank = 0};
+    TRY(tp_comm_create_world("sim", &so, &w));
+    TRY(tp_nn_set_default_device(TP_META));
+    st = tp_llm_create(&o->cfg, &model);
+    tp_nn_set_default_device(TP_CPU);
+    TRY(st);
+    if (tp > 1 || o->plan_at_1) {
+        const int64_t n = tp;
+        TRY(tp_mesh_create(w, 1, &n, (const char *[]){"tp"}, &mesh));
+        const tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
+        TRY(tp_llm_parallelize(model, mesh, 0, NULL, &po));
+    }
+    TRY(tp_llm_cache_create(model, o->batch, o->seq + 56, &cache));
+    TRY(tp_tensor_from_data(TP_I64, 2, (const int64_t[]){o->batch, o->seq}, o->ids, &ids));
+    TRY(tp_tensor_zeros(TP_I64, TP_CPU, 2, (const int64_t[]){o->batch, 1}, &step));
+    TRY(tp_llm_forward_cached(model, cache, ids, NULL, 1, &logits));
+    for (int i = 0; i < 55; i++) {
+        tp_tensor_release(logits);
+        logits = NULL;
+        const double t0 = bench_now_s();
+        TRY(tp_llm_forward_cached(model, cache, step, NULL, 1, &logits));
+        times[i] = bench_now_s() - t0;
+    }
+    med = bench_median(times + 5, 50);
+out:
+    if (st != TP_OK)
+        fprintf(stderr, "tp-bench-llm: host time on meta at tp %d: %s\n", tp, tp_last_error());
+    tp_tensor_release(logits);
+    tp_tensor_release(step);
+    tp_tensor_release(ids);
+    tp_llm_cache_free(cache);
+    tp_module_free(model);
+    tp_mesh_free(mesh);
+    tp_comm_free(w);
+    return med;
+}
+
+static int run_decode(options *o)
+{
+    if (!make_ids(o))
+        return 1;
+    FILE *csv = NULL;
+    char line[512];
+    config_line(o, line, sizeof line);
+    decode_run runs[MAX_TP];
+    double gemm[MAX_TP], host[MAX_TP];
+    bool ran[MAX_TP] = {false};
+    int status = 0, world_rank = 0;
+    double load[3] = {0, 0, 0};
+    bench_loadavg(load);
+    for (int k = 0; k < o->ntp; k++) {
+        const int tp = o->tps[k];
+        if (o->cfg.num_attention_heads % tp || o->cfg.num_key_value_heads % tp) {
+            printf("# tp %d skipped: it does not divide %lld attention heads and %lld kv heads\n",
+                   tp, (long long)o->cfg.num_attention_heads,
+                   (long long)o->cfg.num_key_value_heads);
+            continue;
+        }
+        memset(&runs[k], 0, sizeof runs[k]);
+        runs[k].o = o;
+        runs[k].tp = tp;
+        tp_status st = run_ranks(o, tp, decode_rank, &runs[k], &world_rank);
+        if (st != TP_OK) {
+            if (world_rank == 0)
+                fprintf(stderr, "tp-bench-llm: tp %d failed: %s (%s)\n", tp, tp_status_name(st),
+                        tp_last_error());
+            status = 1;
+            continue;
+        }
+        ran[k] = true;
+        if (world_rank == 0) {
+            gemm[k] = gemms_by_hand(o, tp);
+            host[k] = host_on_meta(o, tp);
+        }
+    }
+    if (world_rank != 0)
+        return status;
+    if (o->csv) {
+        csv = fopen(o->csv, "w");
+        if (!csv) {
+            fprintf(stderr, "tp-bench-llm: cannot write %s: %s\n", o->csv, strerror(errno));
+            return 1;
+        }
+        fprintf(csv, "impl,model,tp,threads,batch,prompt,new_tokens,ttft_ms,decode_tok_s,"
+                     "tok_ms_p50,tok_ms_p99,rep,gemm_ms,host_us_per_layer\n");
+    }
+    printf("# tp-bench-llm -p decode: %s\n", line);
+    printf("# batch %ld, prompts of %ld tokens, %ld new tokens (greedy, no eos), f32, CPU; %s "
+           "ranks; OpenBLAS threads %d; %d cores; load average %.2f %.2f %.2f\n",
+           o->batch, o->seq, o->new_tokens, o->mpi ? "mpi" : "shm (threads)", o->threads,
+           bench_cores(), load[0], load[1], load[2]);
+    printf("# %d timed generations after %d; median [min .. max]; a step: the slowest rank's; "
+           "GEMMs by hand: one step's at the mean cache length, alone on one thread; host: "
+           "a step on the meta device (no arithmetic)\n", o->reps, o->warmup);
+    printf("%3s %10s %24s %9s %10s %10s %9s %11s %10s %14s %9s\n", "tp", "ttft ms",
+           "decode tok/s [min..max]", "vs tp 1", "p50 ms", "p99 ms", "cache MiB", "GEMMs ms",
+           "host ms", "host us/layer", "GEMM/p50");
+    double base = 0;
+    for (int k = 0; k < o->ntp; k++)
+        if (ran[k] && runs[k].tp == 1) {
+            double lo, hi;
+            stats(runs[k].tok_s, o->reps, &base, &lo, &hi);
+        }
+    const double L = (double)o->cfg.num_hidden_layers;
+    for (int k = 0; k < o->ntp; k++) {
+        if (!ran[k])
+            continue;
+        const decode_run *r = &runs[k];
+        double ttft, tok, lo, hi, p50, p99, x0, x1;
+        stats((double *)r->ttft, o->reps, &ttft, &x0, &x1);
+        stats((double *)r->tok_s, o->reps, &tok, &lo, &hi);
+        stats((double *)r->p50, o->reps, &p50, &x0, &x1);
+        stats((double *)r->p99, o->reps, &p99, &x0, &x1);
+        char spread[64], speed[32] = "-";
+        snprintf(spread, sizeof spread, "%.1f [%.1f..%.1f]", tok, lo, hi);
+        if (base > 0)
+            snprintf(speed, sizeof speed, "%.2fx", tok / base);
+        printf("%3d %10.2f %24s %9s %10.3f %10.3f %9.1f %11.3f %10.3f %14.2f %9.2f\n", r->tp,
+               ttft * 1e3, spread, speed, p50 * 1e3, p99 * 1e3, r->cache_mib, gemm[k] * 1e3,
+               host[k] * 1e3, host[k] / L * 1e6, gemm[k] / p50);
+        for (int i = 0; csv && i < o->reps; i++)
+            fprintf(csv, "libtp,%s,%d,%d,%ld,%ld,%ld,%.3f,%.2f,%.4f,%.4f,%d,%.4f,%.3f\n",
+                    o->cfg_name, r->tp, o->threads, o->batch, o->seq, o->new_tokens,
+                    r->ttft[i] * 1e3, r->tok_s[i], r->p50[i] * 1e3, r->p99[i] * 1e3, i + 1,
+                    gemm[k] * 1e3, host[k] / L * 1e6);
+    }
     if (csv && fclose(csv) != 0) {
         fprintf(stderr, "tp-bench-llm: cannot write %s\n", o->csv);
         status = 1;
@@ -1013,6 +1324,8 @@ int main(int argc, char **argv)
         rc = run_save(&o);
     else if (o.load)
         rc = run_load(&o);
+    else if (o.decode)
+        rc = run_decode(&o);
     else
         rc = run_perf(&o);
     free(o.ids);

@@ -324,7 +324,7 @@ tp_status tp_llm_forward_cached(tp_module *model, tp_llm_cache *c, tp_tensor *id
     if (!keep)
         keep = S;
     const int64_t pshape[2] = {B, S};
-    tp_tensor *pos = NULL, *pos_dev = NULL, *h = NULL, *hk = NULL, *lg = NULL;
+    tp_tensor *pos = NULL, *pos_dev = NULL, *ids_dev = NULL, *h = NULL, *hk = NULL, *lg = NULL;
     bool any_pad = false, grad_off = false;
     const bool padded_before = c->padded;
     tp_status st;
@@ -341,10 +341,13 @@ tp_status tp_llm_forward_cached(tp_module *model, tp_llm_cache *c, tp_tensor *id
         tp_tensor_release(src);
         CHECK(st);
     }
-    if (c->device.type != TP_DEVICE_CPU)
+    if (c->device.type != TP_DEVICE_CPU) {
         CHECK(tp_tensor_to(pos, TP_I64, c->device, &pos_dev));
-    else
+        CHECK(tp_tensor_to(ids, TP_I64, c->device, &ids_dev));
+    } else {
         pos_dev = tp_tensor_retain(pos);
+        ids_dev = tp_tensor_retain(ids);
+    }
     c->call_batch = B;
     c->call_len = c->len;
     c->padded = (c->len && c->padded) || any_pad;
@@ -352,7 +355,7 @@ tp_status tp_llm_forward_cached(tp_module *model, tp_llm_cache *c, tp_tensor *id
     tp_no_grad_begin();
     grad_off = true;
     const tp_kwarg kw = {"position_ids", pos_dev};
-    CHECK(tp_module_forward(tp_module_child(model, "model"), 1, &ids, 1, &kw, &h));
+    CHECK(tp_module_forward(tp_module_child(model, "model"), 1, &ids_dev, 1, &kw, &h));
     if (keep < S)
         CHECK(tp_narrow(h, 1, S - keep, keep, &hk));
     else
@@ -374,6 +377,7 @@ out:
     tp_tensor_release(lg);
     tp_tensor_release(hk);
     tp_tensor_release(h);
+    tp_tensor_release(ids_dev);
     tp_tensor_release(pos_dev);
     tp_tensor_release(pos);
     return st;
