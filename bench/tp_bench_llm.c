@@ -57,6 +57,9 @@
  *    arithmetic, no data: what the library does around the kernels) as
  *    rank 0 of a sim world of tp ranks (collectives complete at once), per
  *    step and per layer (median of 50 steps after 5).
+ * --device cuda puts the model and its cache on the GPU (rank r on device r
+ * modulo the devices: shm ranks share one GPU), --dtype bf16|f16 casts it;
+ * the GEMMs by hand are then not run (the CPU's BLAS says nothing there).
  *
  * --load DIR: the model of DIR's config.json built at --tp N (default 4),
  * then per repetition: the page cache dropped (echo 3 >
@@ -121,8 +124,9 @@ typedef struct {
     long batch, seq;
     int tps[MAX_TP], ntp;
     int threads, reps, warmup;
-    bool fwd, bwd, plan_at_1, mpi, no_drop, decode;
+    bool fwd, bwd, plan_at_1, mpi, no_drop, decode, cuda;
     long new_tokens;
+    tp_dtype dtype; /* -p decode's model dtype */
     long max_shard;
     tp_llm_config cfg;
     char cfg_name[256];
@@ -137,6 +141,7 @@ static void usage(FILE *f)
             "                    [-w WARMUP] [--csv FILE] [--plan-at-1] [--backend shm|mpi]\n"
             "       tp-bench-llm -p decode [--new-tokens N] [--config NAME|FILE | --model DIR]\n"
             "                    [-b B] [-s PROMPT] [--tp LIST] [--threads K] [-r R] [-w W] [--csv F]\n"
+            "                    [--device cpu|cuda] [--dtype f32|bf16|f16]\n"
             "       tp-bench-llm --dump-config FILE [--config NAME|FILE]\n"
             "       tp-bench-llm --save DIR [--config NAME|FILE] [--max-shard-bytes B]\n"
             "       tp-bench-llm --load DIR [--tp N] [-r REPS] [--backend shm|mpi] [--no-drop]\n"
@@ -209,7 +214,7 @@ static bool takes_value(const char *a)
     static const char *const valued[] = {"--config", "--model", "-b", "-s", "--tp", "--threads",
                                          "-p", "-r", "-w", "--csv", "--backend", "--dump-config",
                                          "--save", "--load", "--max-shard-bytes",
-                                         "--new-tokens"};
+                                         "--new-tokens", "--device", "--dtype"};
     for (size_t i = 0; i < sizeof valued / sizeof valued[0]; i++)
         if (!strcmp(a, valued[i]))
             return true;
@@ -284,6 +289,15 @@ static int parse_args(int argc, char **argv, options *o)
             if (!parse_long(v, 1, 1L << 50, &n))
                 return bad("--max-shard-bytes '%s' is not a positive size", v);
             o->max_shard = n;
+        } else if (!strcmp(a, "--device")) {
+            if (strcmp(v, "cpu") && strcmp(v, "cuda"))
+                return bad("--device '%s': cpu or cuda", v);
+            o->cuda = !strcmp(v, "cuda");
+        } else if (!strcmp(a, "--dtype")) {
+            if (!strcmp(v, "f32") || !strcmp(v, "bf16") || !strcmp(v, "f16"))
+                o->dtype = v[0] == 'b' ? TP_BF16 : v[1] == '1' ? TP_F16 : TP_F32;
+            else
+                return bad("--dtype '%s': f32, bf16 or f16", v);
         } else if (!strcmp(a, "--new-tokens")) {
             if (!parse_long(v, 2, 1L << 20, &n))
                 return bad("--new-tokens '%s' is not a count >= 2", v);
@@ -300,6 +314,8 @@ static int parse_args(int argc, char **argv, options *o)
             o->mpi = !strcmp(v, "mpi");
         }
     }
+    if ((o->cuda || o->dtype != TP_F32) && !o->decode)
+        return bad("%s", "--device and --dtype are -p decode's");
     if (!!o->dump + !!o->save + !!o->load > 1)
         return bad("%s", "--dump-config, --save and --load exclude each other");
     if (o->model && o->config)
@@ -683,7 +699,20 @@ static tp_status decode_rank(tp_comm *w, void *arg)
     tp_module *model = NULL;
     tp_tensor *ids = NULL, *toks = NULL;
     tp_llm_cache *cache = NULL;
-    TRY(build_model(w, o, r->tp > 1 || o->plan_at_1, o->model, &mesh, &model));
+    if (o->cuda) {
+        const int n = tp_cuda_device_count();
+        if (n <= 0) {
+            fprintf(stderr, "tp-bench-llm: --device cuda: no CUDA device\n");
+            st = TP_ERR_NOT_SUPPORTED;
+            goto out;
+        }
+        TRY(tp_nn_set_default_device(TP_CUDA(tp_comm_rank(w) % n)));
+    }
+    st = build_model(w, o, r->tp > 1 || o->plan_at_1, o->model, &mesh, &model);
+    tp_nn_set_default_device(TP_CPU);
+    TRY(st);
+    if (o->dtype != TP_F32)
+        TRY(tp_module_to_dtype(model, o->dtype));
     TRY(tp_tensor_from_data(TP_I64, 2, (const int64_t[]){o->batch, o->seq}, o->ids, &ids));
     TRY(tp_llm_cache_create(model, o->batch, o->seq + o->new_tokens, &cache));
     const tp_llm_generate_options go = {
@@ -874,7 +903,7 @@ static int run_decode(options *o)
         }
         ran[k] = true;
         if (world_rank == 0) {
-            gemm[k] = gemms_by_hand(o, tp);
+            gemm[k] = o->cuda ? NAN : gemms_by_hand(o, tp);
             host[k] = host_on_meta(o, tp);
         }
     }
@@ -887,13 +916,14 @@ static int run_decode(options *o)
             return 1;
         }
         fprintf(csv, "impl,model,tp,threads,batch,prompt,new_tokens,ttft_ms,decode_tok_s,"
-                     "tok_ms_p50,tok_ms_p99,rep,gemm_ms,host_us_per_layer\n");
+                     "tok_ms_p50,tok_ms_p99,rep,gemm_ms,host_us_per_layer,device,dtype\n");
     }
     printf("# tp-bench-llm -p decode: %s\n", line);
-    printf("# batch %ld, prompts of %ld tokens, %ld new tokens (greedy, no eos), f32, CPU; %s "
+    printf("# batch %ld, prompts of %ld tokens, %ld new tokens (greedy, no eos), %s, %s; %s "
            "ranks; OpenBLAS threads %d; %d cores; load average %.2f %.2f %.2f\n",
-           o->batch, o->seq, o->new_tokens, o->mpi ? "mpi" : "shm (threads)", o->threads,
-           bench_cores(), load[0], load[1], load[2]);
+           o->batch, o->seq, o->new_tokens, tp_dtype_name(o->dtype), o->cuda ? "CUDA" : "CPU",
+           o->mpi ? "mpi" : "shm (threads)", o->threads, bench_cores(), load[0], load[1],
+           load[2]);
     printf("# %d timed generations after %d; median [min .. max]; a step: the slowest rank's; "
            "GEMMs by hand: one step's at the mean cache length, alone on one thread; host: "
            "a step on the meta device (no arithmetic)\n", o->reps, o->warmup);
@@ -924,10 +954,11 @@ static int run_decode(options *o)
                ttft * 1e3, spread, speed, p50 * 1e3, p99 * 1e3, r->cache_mib, gemm[k] * 1e3,
                host[k] * 1e3, host[k] / L * 1e6, gemm[k] / p50);
         for (int i = 0; csv && i < o->reps; i++)
-            fprintf(csv, "libtp,%s,%d,%d,%ld,%ld,%ld,%.3f,%.2f,%.4f,%.4f,%d,%.4f,%.3f\n",
+            fprintf(csv, "libtp,%s,%d,%d,%ld,%ld,%ld,%.3f,%.2f,%.4f,%.4f,%d,%.4f,%.3f,%s,%s\n",
                     o->cfg_name, r->tp, o->threads, o->batch, o->seq, o->new_tokens,
                     r->ttft[i] * 1e3, r->tok_s[i], r->p50[i] * 1e3, r->p99[i] * 1e3, i + 1,
-                    gemm[k] * 1e3, host[k] / L * 1e6);
+                    gemm[k] * 1e3, host[k] / L * 1e6, o->cuda ? "cuda" : "cpu",
+                    tp_dtype_name(o->dtype));
     }
     if (csv && fclose(csv) != 0) {
         fprintf(stderr, "tp-bench-llm: cannot write %s\n", o->csv);

@@ -23,7 +23,7 @@ SYNTH = re.compile(r"Synthesis: Tested: (\d+) \| Passing: (\d+) \| Failing: (\d+
 SKIP = re.compile(r"^\[SKIP\] (\S+): (.*)$", re.M)
 GPU_SKIP = re.compile(r"no CUDA device|without CUDA|without NCCL")
 MPI_LINE = re.compile(r"^mpi: (\d+) passed, (\d+) failed", re.M)
-GPU_SUITES = {"cuda", "cuda_kernels", "shm_cuda", "nccl", "replicate", "models"}
+GPU_SUITES = {"cuda", "cuda_kernels", "shm_cuda", "nccl", "replicate", "models", "generate"}
 
 
 # GPU suites whose Criterion tests run several processes at once here (their
@@ -338,6 +338,10 @@ def main():
              [b("tp-bench-layers"), "--device", "cuda", "-l", "mlp,mlp-gemm", "-p", "fwd+bwd",
               "-t", "8192", "-H", "2048", "-g", "1,2,4", "--dtype", "bf16", "-n", "5", "-w", "2",
               "-R", "3", "--csv", os.path.join(a.out, "bench-layers-cuda.csv")]),
+            ("decode: the 100M Llama in bf16 on one GPU, tp 1 and 2 (threads sharing it)",
+             [b("tp-bench-llm"), "-p", "decode", "--device", "cuda", "--dtype", "bf16", "-b", "1",
+              "-s", "128", "--new-tokens", "128", "--tp", "1,2", "-r", "3", "-w", "1",
+              "--csv", os.path.join(a.out, "bench-decode-cuda.csv")]),
         ]
         for g in (2, 4):
             comm_csvs.append(os.path.join(a.out, f"bench-comm-shm-cuda-g{g}.csv"))

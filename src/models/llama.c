@@ -78,6 +78,10 @@ static tp_status split_heads(const char *what, tp_tensor *x, int64_t head_dim, t
     TP_ARG_CHECK(n % head_dim == 0, "LlamaAttention: %s has %lld features, not a multiple of "
                  "head_dim %lld", what, (long long)n, (long long)head_dim);
     const int64_t shape[4] = {tp_tensor_size(x, 0), tp_tensor_size(x, 1), n / head_dim, head_dim};
+    if (shape[1] == 1) { /* one position (a decode step): the swap moves nothing */
+        const int64_t heads_first[4] = {shape[0], shape[2], 1, head_dim};
+        return tp_reshape(x, 4, heads_first, out);
+    }
     tp_tensor *r = NULL;
     TP_CHECK(tp_reshape(x, 4, shape, &r));
     tp_status st = tp_transpose(r, 1, 2, out);
@@ -171,9 +175,12 @@ static tp_status attention_forward(tp_module *self, int nargs, tp_tensor *const 
         CHECK(tp__llm_cache_attend(a->run->cache, a->layer, qr, kr, vh, so.scale, &o));
     else
         CHECK(tp_scaled_dot_product_attention_with(qr, kr, vh, &so, &o)); /* [B, H, S, D] */
-    CHECK(tp_transpose(o, 1, 2, &ot));                               /* [B, S, H, D] */
-    const int64_t shape[3] = {tp_tensor_size(ot, 0), tp_tensor_size(ot, 1),
-                              tp_tensor_size(ot, 2) * a->head_dim};
+    if (tp_tensor_size(o, 2) == 1) /* one position: [B, H, 1, D] is [B, 1, H, D] */
+        ot = tp_tensor_retain(o);
+    else
+        CHECK(tp_transpose(o, 1, 2, &ot)); /* [B, S, H, D] */
+    const int64_t shape[3] = {tp_tensor_size(o, 0), tp_tensor_size(o, 2),
+                              tp_tensor_size(o, 1) * a->head_dim};
     CHECK(tp_reshape(ot, 3, shape, &merged));
     CHECK(call(self, "o_proj", merged, out));
 out:
