@@ -43,6 +43,8 @@ static struct {
     mm_scope *sc;
     size_t nsc, capsc;
     uint32_t last_scope;
+    uint32_t *scidx; /* scope name hash -> index + 1 (0: empty), load <= 1/2 */
+    size_t scidx_cap;
     size_t allocated, peak;
     uint64_t seq, peak_seq, window_seq, num_allocs;
     bool peak_dirty;
@@ -116,15 +118,54 @@ static void mm_remove(size_t i)
     g.n--;
 }
 
-/* The index of scope `name`, interned; -1 when out of memory. */
+static size_t mm_name_hash(const char *name, size_t cap)
+{
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (const unsigned char *p = (const unsigned char *)name; *p; p++)
+        h = (h ^ *p) * 1099511628211ull;
+    return (size_t)(h ^ (h >> 29)) & (cap - 1);
+}
+
+/* The slot of `name` in the scope index: its entry, or the empty slot
+ * where it would go. */
+static size_t mm_scidx_slot(const uint32_t *idx, size_t cap, const char *name)
+{
+    size_t i = mm_name_hash(name, cap);
+    while (idx[i] && strcmp(g.sc[idx[i] - 1].name, name) != 0)
+        i = (i + 1) & (cap - 1);
+    return i;
+}
+
+/* Room in the scope index for one more name; false when out of memory. */
+static bool mm_scidx_reserve(void)
+{
+    if (2 * (g.nsc + 1) <= g.scidx_cap)
+        return true;
+    size_t cap = g.scidx_cap ? 2 * g.scidx_cap : 64;
+    uint32_t *idx = calloc(cap, sizeof *idx); /* libc, as the entry table */
+    if (!idx)
+        return false;
+    for (size_t i = 0; i < g.nsc; i++)
+        idx[mm_scidx_slot(idx, cap, g.sc[i].name)] = (uint32_t)i + 1;
+    free(g.scidx);
+    g.scidx = idx;
+    g.scidx_cap = cap;
+    return true;
+}
+
+/* The index of scope `name`, interned; -1 when out of memory. A module
+ * tree of a deep model has thousands of scopes, each allocation looks its
+ * scope up: by hash, not by a scan. */
 static int64_t mm_scope_of(const char *name)
 {
     if (g.nsc && strcmp(g.sc[g.last_scope].name, name) == 0)
         return g.last_scope;
-    for (size_t i = 0; i < g.nsc; i++)
-        if (strcmp(g.sc[i].name, name) == 0)
-            return g.last_scope = (uint32_t)i;
-    if (g.nsc >= UINT32_MAX)
+    if (g.nsc) {
+        const uint32_t hit = g.scidx[mm_scidx_slot(g.scidx, g.scidx_cap, name)];
+        if (hit)
+            return g.last_scope = hit - 1;
+    }
+    if (g.nsc >= UINT32_MAX - 1 || !mm_scidx_reserve())
         return -1;
     if (g.nsc == g.capsc) { /* libc, as the entry table */
         size_t cap = g.capsc ? 2 * g.capsc : 16;
@@ -139,6 +180,7 @@ static int64_t mm_scope_of(const char *name)
         return -1;
     memset(&g.sc[g.nsc], 0, sizeof g.sc[g.nsc]);
     g.sc[g.nsc].name = copy;
+    g.scidx[mm_scidx_slot(g.scidx, g.scidx_cap, copy)] = (uint32_t)g.nsc + 1;
     g.last_scope = (uint32_t)g.nsc;
     return (int64_t)g.nsc++;
 }
