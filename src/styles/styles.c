@@ -417,12 +417,29 @@ static tp_status tp__to_placement(tp_tensor **t, tp_placement p)
     return TP_OK;
 }
 
-/* Prepares one input in place: *slot is a borrowed-by-the-array reference
- * (release the old, store a new one). `what` names it for messages. */
-static tp_status tp__prepare_input(const tp__hook_ctx *c, tp_module *m, tp_tensor **slot,
-                                   tp_layout in, tp_layout want, const char *what)
+/* Which input a message names: positional input `index`, or the keyword
+ * input `kw` when it is not NULL. Formatted only for a message: the hooks
+ * run on every forward. */
+typedef struct {
+    int index;
+    const char *kw;
+} tp__input_name;
+
+static const char *tp__input_what(tp__input_name n, char *buf, size_t len)
 {
-    char wb[300];
+    if (n.kw)
+        snprintf(buf, len, "input_kwarg_layouts['%.60s']", n.kw);
+    else
+        snprintf(buf, len, "input_layouts[%d]", n.index);
+    return buf;
+}
+
+/* Prepares one input in place: *slot is a borrowed-by-the-array reference
+ * (release the old, store a new one). `name` names it for messages. */
+static tp_status tp__prepare_input(const tp__hook_ctx *c, tp_module *m, tp_tensor **slot,
+                                   tp_layout in, tp_layout want, tp__input_name name)
+{
+    char wb[300], what[96];
     tp_tensor *x = *slot;
     if (!in.set)
         return TP_OK;
@@ -434,7 +451,8 @@ static tp_status tp__prepare_input(const tp__hook_ctx *c, tp_module *m, tp_tenso
                              c->style, tp__style_where(c->fqn, wb, sizeof wb),
                              tp_module_type_name(m));
         return tp__error(TP_ERR_INVALID_ARG, "%s at %s: %s is set but the input is None",
-                         c->style, tp__style_where(c->fqn, wb, sizeof wb), what);
+                         c->style, tp__style_where(c->fqn, wb, sizeof wb),
+                         tp__input_what(name, what, sizeof what));
     }
     tp_tensor *dt = NULL;
     tp_status st;
@@ -474,7 +492,8 @@ static tp_status tp__prepare_input(const tp__hook_ctx *c, tp_module *m, tp_tenso
     }
     if (st != TP_OK) {
         tp_tensor_release(dt);
-        tp__error_prefix("%s at %s: %s", c->style, tp__style_where(c->fqn, wb, sizeof wb), what);
+        tp__error_prefix("%s at %s: %s", c->style, tp__style_where(c->fqn, wb, sizeof wb),
+                         tp__input_what(name, what, sizeof what));
         return st;
     }
     tp_tensor_release(*slot);
@@ -494,9 +513,8 @@ static tp_status tp__pre_hook(tp_module *m, int nargs, tp_tensor **args, int nkw
                          c->style, tp__style_where(c->fqn, wb, sizeof wb), nargs, c->n_in);
     if (c->n_in > 0)
         for (int i = 0; i < nargs; i++) {
-            char what[48];
-            snprintf(what, sizeof what, "input_layouts[%d]", i);
-            TP_CHECK(tp__prepare_input(c, m, &args[i], c->in[i], c->want[i], what));
+            const tp__input_name name = {i, NULL};
+            TP_CHECK(tp__prepare_input(c, m, &args[i], c->in[i], c->want[i], name));
         }
     for (int k = 0; k < c->n_kw; k++) {
         for (int j = 0; j < nkw; j++) {
@@ -504,9 +522,8 @@ static tp_status tp__pre_hook(tp_module *m, int nargs, tp_tensor **args, int nkw
                 continue;
             if (!kw[j].value) /* an absent or None keyword input passes */
                 break;
-            char what[96];
-            snprintf(what, sizeof what, "input_kwarg_layouts['%.60s']", c->kwname[k]);
-            TP_CHECK(tp__prepare_input(c, m, &kw[j].value, c->kwin[k], c->kwwant[k], what));
+            const tp__input_name name = {0, c->kwname[k]};
+            TP_CHECK(tp__prepare_input(c, m, &kw[j].value, c->kwin[k], c->kwwant[k], name));
             break;
         }
     }
