@@ -7,9 +7,10 @@
  * Each of TP rank threads (default 2) builds the model from config.json,
  * parallelizes it (q/k/v and gate/up colwise, o and down rowwise, lm_head
  * colwise with the loss vocab-parallel), loads only its shard of the
- * weights, prints the next-token prediction of a fixed batch, then takes
- * three AdamW steps on the causal-LM loss, printing each loss. The same in
- * a command: tp-llm (tools/tp_llm.c).
+ * weights, prints the next-token prediction of a fixed batch, takes three
+ * AdamW steps on the causal-LM loss, printing each loss, then continues
+ * each sequence by 8 tokens through a KV cache (greedy). The same in a
+ * command: tp-llm logits, train and generate (tools/tp_llm.c).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,7 +51,7 @@ static tp_status rank_main(tp_comm *world, void *arg)
     tp_mesh *mesh = NULL;
     tp_module *model = NULL;
     tp_adam *adam = NULL;
-    tp_tensor *ids = NULL, *logits = NULL, *full = NULL, *loss = NULL;
+    tp_tensor *ids = NULL, *logits = NULL, *full = NULL, *loss = NULL, *tokens = NULL;
 
     /* the model, its tp mesh and the standard plan */
     CHECK(tp_llm_config_load(model_dir, &cfg));
@@ -98,7 +99,20 @@ static tp_status rank_main(tp_comm *world, void *arg)
         tp_tensor_release(logits);
         loss = logits = NULL;
     }
+
+    /* 8 new tokens after each sequence: the prompt's forward fills a KV
+     * cache of this rank's kv heads, then one token per step; every rank
+     * gets the same tokens */
+    const tp_llm_generate_options go = {.max_new_tokens = 8, .n_eos = -1};
+    CHECK(tp_llm_generate(model, ids, NULL, &go, &tokens, NULL));
+    for (int64_t b = 0; rank == 0 && b < B; b++) {
+        printf("sequence %lld continues:", (long long)b);
+        for (int64_t t = 0; t < tp_tensor_size(tokens, 1); t++)
+            printf(" %lld", (long long)((const int64_t *)tp_tensor_data(tokens))[b * 8 + t]);
+        printf("\n");
+    }
 out:
+    tp_tensor_release(tokens);
     tp_tensor_release(loss);
     tp_tensor_release(logits);
     tp_tensor_release(full);
