@@ -549,6 +549,11 @@ Test(generate, generate_refusals, .timeout = 60)
     CHECK_MSG(tp_llm_generate(m, p, NULL, &o, &toks, NULL), "max_new_tokens 0 must be positive");
     o.max_new_tokens = 4;
     CHECK_MSG(tp_llm_generate(m, p, zero, &o, &toks, NULL), "prompt 0 has no real token");
+    tp_tensor *right = ids_of(2, 3, 1);
+    const int64_t last[2] = {1, 2};
+    CHECK_OK(tp_tensor_set(right, last, 0));
+    CHECK_MSG(tp_llm_generate(m, p, right, &o, &toks, NULL), "prompt 1 ends with padding");
+    tp_tensor_release(right);
     o.sampling = (tp_llm_sampling){.do_sample = true, .top_p = 1.5};
     CHECK_MSG(tp_llm_generate(m, p, NULL, &o, &toks, NULL), "top_p 1.5 is outside (0, 1]");
     o.sampling = (tp_llm_sampling){0};

@@ -373,8 +373,8 @@ typedef struct tp_llm_generate_stats {
  * same tokens (they are chosen from logits gathered to every rank with the
  * same random numbers). stats may be NULL. Collective under a plan, as
  * tp_llm_forward_cached; errors as it and tp_llm_sample, plus
- * max_new_tokens < 1, a prompt with no real token, and a given cache too
- * small.
+ * max_new_tokens < 1, a prompt with no real token or padded on the right,
+ * and a given cache too small.
  */
 TP_API tp_status tp_llm_generate(tp_module *model, tp_tensor *input_ids,
                                  tp_tensor *attention_mask, const tp_llm_generate_options *opts,

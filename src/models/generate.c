@@ -597,6 +597,12 @@ tp_status tp_llm_generate(tp_module *model, tp_tensor *ids, tp_tensor *mask,
                           : ((const int64_t *)tp_tensor_data(mask))[b * S + s] != 0;
             TP_ARG_CHECK(any, "%s: prompt %lld has no real token (its attention_mask row is "
                          "all 0)", fn, (long long)b);
+            const int64_t last = tp_tensor_dtype(mask) == TP_I32
+                                     ? ((const int32_t *)tp_tensor_data(mask))[b * S + S - 1]
+                                     : ((const int64_t *)tp_tensor_data(mask))[b * S + S - 1];
+            TP_ARG_CHECK(last != 0, "%s: prompt %lld ends with padding (attention_mask 0 at "
+                         "its last position): the next token follows the last position, so "
+                         "prompts are padded on the left", fn, (long long)b);
         }
     }
     tp_llm_cache *cache = opts->cache, *own = NULL;
