@@ -125,19 +125,8 @@ if [ -n "$rerender" ]; then
     exit 0
 fi
 
-py=${TORCH_PYTHON:-}
-if [ -z "$py" ]; then
-    if [ -x /root/hfenv/bin/python ]; then py=/root/hfenv/bin/python; else py=python3; fi
-fi
-if ! "$py" -c "import torch, transformers" 2>/dev/null; then
-    echo "compare_decode: SKIP: no torch with transformers for '$py' (set TORCH_PYTHON to a python that has them)"
-    exit 0
-fi
-versions=$("$py" -c "import torch, transformers; print('PyTorch', torch.__version__, '+ transformers', transformers.__version__)")
-bench=$build/bench/tp-bench-llm
-if [ ! -x "$bench" ]; then
-    ninja -C "$build" bench/tp-bench-llm >/dev/null || { echo "compare_decode: cannot build $bench" >&2; exit 1; }
-fi
+bench_transformers
+bench_llm_bin "$build"
 
 stamp=$(date +%Y%m%d-%H%M%S)
 [ -n "$out" ] || out=$repo/bench/results/compare_decode-$stamp

@@ -9,6 +9,12 @@
 #                    that starts with ':' and ends with "h-:": -h and --help,
 #                    unknown options, a missing value; use as the last case:
 #                    *) bench_getopt "$opt" ;;
+# bench_transformers sets py (a python with torch and transformers: $TORCH_PYTHON,
+#                    else /root/hfenv/bin/python if present, else python3) and
+#                    versions ("PyTorch X + transformers Y"); without them says
+#                    "NAME: SKIP: ..." and exits 0
+# bench_llm_bin BUILD sets bench to BUILD/bench/tp-bench-llm, building it when
+#                    missing (exit 1 when that fails)
 # bench_awk_header   awk source of header(NAMES): maps the header row's names
 #                    to column numbers in c[] (c["size_bytes"] = 9), so CSVs
 #                    are read by name and a column added or moved changes
@@ -34,6 +40,25 @@ bench_getopt() {
     :) bench_bad "option -$OPTARG needs a value" ;;
     *) bench_bad "unknown option -$OPTARG" ;;
     esac
+}
+
+bench_transformers() {
+    py=${TORCH_PYTHON:-}
+    if [ -z "$py" ]; then
+        if [ -x /root/hfenv/bin/python ]; then py=/root/hfenv/bin/python; else py=python3; fi
+    fi
+    if ! "$py" -c "import torch, transformers" 2>/dev/null; then
+        echo "$bench_name: SKIP: no torch with transformers for '$py' (set TORCH_PYTHON to a python that has them)"
+        exit 0
+    fi
+    versions=$("$py" -c "import torch, transformers; print('PyTorch', torch.__version__, '+ transformers', transformers.__version__)")
+}
+
+bench_llm_bin() {
+    bench=$1/bench/tp-bench-llm
+    if [ ! -x "$bench" ]; then
+        ninja -C "$1" bench/tp-bench-llm >/dev/null || { echo "$bench_name: cannot build $bench" >&2; exit 1; }
+    fi
 }
 
 # shellcheck disable=SC2016

@@ -540,6 +540,29 @@ static tp_status run_ranks(const options *o, int tp, tp_rank_fn fn, void *arg, i
     return st;
 }
 
+/* Runs fn (its per-degree state `run`, whose options and degree the caller
+ * set) at degree o->tps[k], unless that degree cannot split the heads (a
+ * note); false when skipped or failed (then *status 1 and a message). */
+static bool run_degree(const options *o, int k, tp_rank_fn fn, void *run, int *world_rank,
+                       int *status)
+{
+    const int tp = o->tps[k];
+    if (o->cfg.num_attention_heads % tp || o->cfg.num_key_value_heads % tp) {
+        printf("# tp %d skipped: it does not divide %lld attention heads and %lld kv heads\n", tp,
+               (long long)o->cfg.num_attention_heads, (long long)o->cfg.num_key_value_heads);
+        return false;
+    }
+    tp_status st = run_ranks(o, tp, fn, run, world_rank);
+    if (st != TP_OK) {
+        if (*world_rank == 0)
+            fprintf(stderr, "tp-bench-llm: tp %d failed: %s (%s)\n", tp, tp_status_name(st),
+                    tp_last_error());
+        *status = 1;
+        return false;
+    }
+    return true;
+}
+
 static void stats(double *v, int n, double *med, double *lo, double *hi)
 {
     double c[MAX_REPS];
@@ -581,25 +604,11 @@ static int run_perf(options *o)
     double load[3] = {0, 0, 0};
     bench_loadavg(load);
     for (int k = 0; k < o->ntp; k++) {
-        const int tp = o->tps[k];
-        if (o->cfg.num_attention_heads % tp || o->cfg.num_key_value_heads % tp) {
-            printf("# tp %d skipped: it does not divide %lld attention heads and %lld kv heads\n",
-                   tp, (long long)o->cfg.num_attention_heads,
-                   (long long)o->cfg.num_key_value_heads);
-            continue;
-        }
         memset(&runs[k], 0, sizeof runs[k]);
         runs[k].o = o;
-        runs[k].tp = tp;
-        tp_status st = run_ranks(o, tp, perf_rank, &runs[k], &world_rank);
-        if (st != TP_OK) {
-            if (world_rank == 0)
-                fprintf(stderr, "tp-bench-llm: tp %d failed: %s (%s)\n", tp, tp_status_name(st),
-                        tp_last_error());
-            status = 1;
+        runs[k].tp = o->tps[k];
+        if (!(ran[k] = run_degree(o, k, perf_rank, &runs[k], &world_rank, &status)))
             continue;
-        }
-        ran[k] = true;
     }
     if (world_rank != 0)
         return status;
@@ -883,28 +892,14 @@ static int run_decode(options *o)
     double load[3] = {0, 0, 0};
     bench_loadavg(load);
     for (int k = 0; k < o->ntp; k++) {
-        const int tp = o->tps[k];
-        if (o->cfg.num_attention_heads % tp || o->cfg.num_key_value_heads % tp) {
-            printf("# tp %d skipped: it does not divide %lld attention heads and %lld kv heads\n",
-                   tp, (long long)o->cfg.num_attention_heads,
-                   (long long)o->cfg.num_key_value_heads);
-            continue;
-        }
         memset(&runs[k], 0, sizeof runs[k]);
         runs[k].o = o;
-        runs[k].tp = tp;
-        tp_status st = run_ranks(o, tp, decode_rank, &runs[k], &world_rank);
-        if (st != TP_OK) {
-            if (world_rank == 0)
-                fprintf(stderr, "tp-bench-llm: tp %d failed: %s (%s)\n", tp, tp_status_name(st),
-                        tp_last_error());
-            status = 1;
+        runs[k].tp = o->tps[k];
+        if (!(ran[k] = run_degree(o, k, decode_rank, &runs[k], &world_rank, &status)))
             continue;
-        }
-        ran[k] = true;
         if (world_rank == 0) {
-            gemm[k] = o->cuda ? NAN : gemms_by_hand(o, tp);
-            host[k] = host_on_meta(o, tp);
+            gemm[k] = o->cuda ? NAN : gemms_by_hand(o, o->tps[k]);
+            host[k] = host_on_meta(o, o->tps[k]);
         }
     }
     if (world_rank != 0)
