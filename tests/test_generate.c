@@ -730,6 +730,62 @@ Test(generate, sampling_matches_the_softmax, .timeout = 60)
                     kept, V, q999[nkeep - 1]);
 }
 
+/* top_p over a 2000-token vocabulary (the library drops the tokens that
+ * surely fall out before it sorts the rest): every draw lies in the set
+ * transformers keeps, found here by sorting everything, and every kept
+ * token above 1% is drawn. */
+static int cmp_prob_asc(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+Test(generate, sampling_top_p_keeps_transformers_set, .timeout = 60)
+{
+    const int64_t V = 2000;
+    tp_tensor *l = logit_rows(1, V, 21);
+    const float *d = tp_tensor_data(l);
+    double *p = malloc(sizeof *p * (size_t)V), *sorted = malloc(sizeof *sorted * (size_t)V);
+    cr_assert(p && sorted);
+    double z = 0, mx = -INFINITY;
+    for (int64_t i = 0; i < V; i++)
+        mx = fmax(mx, d[i]);
+    for (int64_t i = 0; i < V; i++)
+        z += (p[i] = exp(d[i] - mx));
+    for (int64_t i = 0; i < V; i++)
+        sorted[i] = (p[i] /= z);
+    qsort(sorted, (size_t)V, sizeof *sorted, cmp_prob_asc);
+    const double top_p = 0.7;
+    double cum = 0, cut = 0; /* tokens with probability <= cut are dropped */
+    for (int64_t i = 0; i < V - 1; i++) {
+        cum += sorted[i];
+        if (cum > 1 - top_p)
+            break;
+        cut = sorted[i];
+    }
+    int64_t kept = 0;
+    for (int64_t i = 0; i < V; i++)
+        kept += p[i] > cut;
+    cr_assert(kept > 1 && kept < V / 4, "the case keeps %lld tokens", (long long)kept);
+    int *hits = calloc((size_t)V, sizeof *hits);
+    const tp_llm_sampling s = {.do_sample = true, .top_p = top_p, .seed = 3};
+    for (int i = 0; i < 4000; i++) {
+        int64_t id = -1;
+        CHECK_OK(tp_llm_sample(l, &s, (uint64_t)i, &id));
+        cr_assert(id >= 0 && id < V && p[id] > cut,
+                  "draw %d is token %lld of probability %g, which transformers drops", i,
+                  (long long)id, id >= 0 && id < V ? p[id] : -1.0);
+        hits[id]++;
+    }
+    for (int64_t i = 0; i < V; i++)
+        cr_assert(p[i] < 0.01 || hits[i] > 0, "token %lld (probability %g) never drawn",
+                  (long long)i, p[i]);
+    free(hits);
+    free(sorted);
+    free(p);
+    tp_tensor_release(l);
+}
+
 #endif /* TP_TEST_MPI */
 
 /* Sampled generation gives every rank the tokens of the model run alone

@@ -386,7 +386,8 @@ out:
 /* ---- choosing the next token --------------------------------------------------------- */
 
 typedef struct {
-    float score;
+    float score; /* logit / temperature */
+    float w;     /* exp(score - the largest score): the unnormalized probability */
     int64_t id;
 } cand;
 
@@ -457,7 +458,7 @@ static int64_t choose_row(const float *row, int64_t V, const tp_llm_sampling *s,
     float mx = -INFINITY;
     for (int64_t i = 0; i < V; i++)
         if (row[i] >= thresh) {
-            cs[n++] = (cand){(float)(row[i] / t), i};
+            cs[n++] = (cand){(float)(row[i] / t), 0.0f, i};
             if (cs[n - 1].score > mx)
                 mx = cs[n - 1].score;
         }
@@ -465,28 +466,40 @@ static int64_t choose_row(const float *row, int64_t V, const tp_llm_sampling *s,
         return n ? cs[0].id : 0;
     double total = 0;
     for (int64_t i = 0; i < n; i++)
-        total += exp((double)cs[i].score - mx);
+        total += cs[i].w = expf(cs[i].score - mx);
     if (top_p < 1.0) {
-        /* transformers' rule: in ascending order, drop tokens while the
-         * cumulative probability stays <= 1 - top_p; the most likely stays */
-        qsort(cs, (size_t)n, sizeof *cs, by_score_desc);
+        /* transformers' rule: in ascending order of probability, drop tokens
+         * while the cumulative probability stays <= 1 - top_p; the most
+         * likely stays. The tokens under (1 - top_p) / n each add up to less
+         * than 1 - top_p together and come first in that order: they are
+         * dropped before the sort, which orders only the rest (a few
+         * hundred of a 32k vocabulary where a model is sure, not all) */
+        const double floor_w = (1.0 - top_p) / (double)n * total, limit = (1.0 - top_p) * total;
         double cum = 0;
-        int64_t keep = n;
-        for (int64_t i = n - 1; i > 0; i--) {
-            cum += exp((double)cs[i].score - mx) / total;
-            if (cum > 1.0 - top_p)
+        int64_t m = 0;
+        for (int64_t i = 0; i < n; i++) {
+            if (cs[i].w < floor_w)
+                cum += cs[i].w;
+            else
+                cs[m++] = cs[i];
+        }
+        qsort(cs, (size_t)m, sizeof *cs, by_score_desc);
+        int64_t keep = m;
+        for (int64_t i = m - 1; i > 0; i--) {
+            cum += cs[i].w;
+            if (cum > limit)
                 break;
             keep = i;
         }
         n = keep;
         total = 0;
         for (int64_t i = 0; i < n; i++)
-            total += exp((double)cs[i].score - mx);
+            total += cs[i].w;
     }
     const double target = u * total;
     double cum = 0;
     for (int64_t i = 0; i < n; i++) {
-        cum += exp((double)cs[i].score - mx);
+        cum += cs[i].w;
         if (cum > target)
             return cs[i].id;
     }
