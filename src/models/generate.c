@@ -35,8 +35,9 @@ struct tp_llm_cache {
     int64_t *seen_next;  /* the same after the call in flight */
     int64_t len, batch;
     bool padded;         /* a 0 among the mask's first len positions */
-    /* the call in flight: its batch and the positions before it */
-    int64_t call_batch, call_len;
+    /* the call in flight's batch (len advances only when the call succeeds:
+     * during it, len is the positions before it) */
+    int64_t call_batch;
 };
 
 /* ---- the cache -------------------------------------------------------------------- */
@@ -177,11 +178,11 @@ static tp_status append(tp_llm_cache *c, tp_tensor *buf, tp_tensor *x, tp_tensor
 {
     const int64_t B = c->call_batch, S = tp_tensor_size(x, 2);
     tp_tensor *dst = NULL;
-    TP_CHECK(window(buf, 2, B, c->call_len, S, &dst));
+    TP_CHECK(window(buf, 2, B, c->len, S, &dst));
     tp_status st = tp_tensor_copy(dst, x);
     tp_tensor_release(dst);
     if (st == TP_OK)
-        st = window(buf, 2, B, 0, c->call_len + S, all);
+        st = window(buf, 2, B, 0, c->len + S, all);
     return st;
 }
 
@@ -220,7 +221,7 @@ tp_status tp__llm_cache_attend(tp_llm_cache *c, int64_t layer, tp_tensor *q, tp_
     if (c->padded)
         CHECK(window(c->mask, 1, c->call_batch, 0, tp_tensor_size(ka, 2), &pad));
     const tp_sdpa_options o = {
-        .causal = true, .scale = scale, .key_offset = c->call_len, .key_padding = pad};
+        .causal = true, .scale = scale, .key_offset = c->len, .key_padding = pad};
     CHECK(tp__sdpa_with_capacity(q, ka, va, &o, c->max_len, out));
 out:
     tp_tensor_release(pad);
@@ -349,7 +350,6 @@ tp_status tp_llm_forward_cached(tp_module *model, tp_llm_cache *c, tp_tensor *id
         ids_dev = tp_tensor_retain(ids);
     }
     c->call_batch = B;
-    c->call_len = c->len;
     c->padded = (c->len && c->padded) || any_pad;
     m->run->cache = c;
     tp_no_grad_begin();
