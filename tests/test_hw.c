@@ -61,6 +61,18 @@ Test(hw, presets_load, .timeout = 30)
         tp_hw_free(hw);
     }
     cr_assert_eq(n, 2);
+    /* memory: nvidia-smi's total, 81559 MiB (H100 SXM 80 GB) and 81920 MiB (A100 SXM 80 GB) */
+    const struct {
+        const char *name;
+        double bytes;
+    } mem[] = {{"h100-sxm-ndr", 81559.0 * 1048576}, {"a100-sxm-hdr", 81920.0 * 1048576}};
+    for (int i = 0; i < 2; i++) {
+        tp_hw *hw = NULL;
+        cr_assert_eq(tp_hw_preset(mem[i].name, &hw), TP_OK);
+        cr_assert_eq(tp_hw_memory_bytes(hw), mem[i].bytes, "%s: %.17g bytes", mem[i].name,
+                     tp_hw_memory_bytes(hw));
+        tp_hw_free(hw);
+    }
     /* H100's bf16 8192^3: 2 * 8192^3 / (989e12 * 0.75) + 4e-6 */
     tp_hw *h = NULL;
     double t = 0;
@@ -236,6 +248,39 @@ Test(hw, ranks_per_device, .timeout = 30)
     tp_hw_free(hw);
 }
 
+/* memory_bytes: optional (0 when absent), read, kept by tp_hw_share_devices,
+ * written only when given, and read back the same. */
+Test(hw, memory_bytes, .timeout = 30)
+{
+    tp_hw *hw = load_base(), *m = NULL, *sh = NULL, *back = NULL;
+    cr_assert_eq(tp_hw_memory_bytes(hw), 0, "a description that does not say");
+    cr_assert_eq(tp_hw_memory_bytes(NULL), 0);
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&buf, &len);
+    cr_assert_eq(tp_hw_write_json(hw, mem), TP_OK);
+    fclose(mem);
+    cr_assert_null(strstr(buf, "memory_bytes"), "written though not given: %s", buf);
+    free(buf);
+    char *text = edited("\"devices_per_node\": 4",
+                        "\"devices_per_node\": 4, \"memory_bytes\": 34359738368");
+    cr_assert_eq(tp_hw_load_string(text, "mem", &m), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_hw_memory_bytes(m), 34359738368.0);
+    cr_assert_eq(tp_hw_share_devices(m, 2, &sh), TP_OK);
+    cr_assert_eq(tp_hw_memory_bytes(sh), 34359738368.0);
+    mem = open_memstream(&buf, &len);
+    cr_assert_eq(tp_hw_write_json(m, mem), TP_OK);
+    fclose(mem);
+    cr_assert_eq(tp_hw_load_string(buf, "written", &back), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_hw_memory_bytes(back), 34359738368.0, "%s", buf);
+    free(buf);
+    free(text);
+    tp_hw_free(back);
+    tp_hw_free(sh);
+    tp_hw_free(m);
+    tp_hw_free(hw);
+}
+
 /* Written out and read back, a description answers every question alike. */
 Test(hw, json_round_trip, .timeout = 30)
 {
@@ -252,6 +297,7 @@ Test(hw, json_round_trip, .timeout = 30)
         cr_assert_eq(tp_hw_load_file(path, &b), TP_OK, "%s", tp_last_error());
         unlink(path);
         cr_assert_str_eq(tp_hw_name(b), tp_hw_name(a));
+        cr_assert_eq(tp_hw_memory_bytes(b), tp_hw_memory_bytes(a));
         for (int64_t d = 1; d <= 16384; d *= 4) {
             double ta = 0, tb = 1;
             cr_assert_eq(tp_hw_gemm_time(a, TP_BF16, d, 2 * d, d, &ta), TP_OK);
@@ -313,6 +359,14 @@ static const bad_case bad_cases[] = {
      "ranks_per_device must be an integer from 1 to 65536"},
     {"\"devices_per_node\": 4", "\"devices_per_node\": 4, \"ranks_per_device\": 1.5",
      "ranks_per_device must be an integer from 1 to 65536"},
+    {"\"devices_per_node\": 4", "\"devices_per_node\": 4, \"memory_bytes\": 0",
+     "memory_bytes must be a number > 0"},
+    {"\"devices_per_node\": 4", "\"devices_per_node\": 4, \"memory_bytes\": -8e10",
+     "memory_bytes must be a number > 0"},
+    {"\"devices_per_node\": 4", "\"devices_per_node\": 4, \"memory_bytes\": \"80GB\"",
+     "memory_bytes must be a number > 0"},
+    {"\"devices_per_node\": 4", "\"devices_per_node\": 4, \"memory_gib\": 80",
+     "memory_gib is not a known key"},
     {"\"name\": \"round\"", "\"name\": \"\"", "name must be a non-empty string"},
     {"\"inter_node\": {", "\"inter\": {", "links.inter is not a known key"},
     {NULL, "[1, 2]", "the top level must be an object"},

@@ -74,6 +74,11 @@ TP_API int tp_hw_devices_per_node(const tp_hw *hw);
  * take turns: every kernel's time (GEMM and element-wise) is multiplied by
  * it, and a node holds devices_per_node x ranks_per_device ranks. */
 TP_API int tp_hw_ranks_per_device(const tp_hw *hw);
+/* One device's memory in bytes ("memory_bytes", optional), the limit a
+ * plan's per-rank peak is held against; 0 when the description does not
+ * say. The presets give what nvidia-smi reports as the device's total
+ * (docs/plan.md). 0 for NULL. */
+TP_API double tp_hw_memory_bytes(const tp_hw *hw);
 /* A copy of hw with ranks_per_device set (1 to 65536), for a job whose
  * placement differs from the file's; free it with tp_hw_free.
  * TP_ERR_INVALID_ARG for NULL or a count out of range. */

@@ -52,7 +52,7 @@ static tp_status tp__hw_num(const tp__hw_ctx *c, json_t *obj, const char *at, co
                             double lo, bool lo_open, double hi, double *out)
 {
     char field[160];
-    snprintf(field, sizeof field, "%s.%s", at, key);
+    snprintf(field, sizeof field, "%s%s%s", at, at[0] ? "." : "", key);
     json_t *v = json_object_get(obj, key);
     if (!v)
         return tp__hw_bad(c, field, "is missing");
@@ -174,8 +174,9 @@ static tp_status tp__hw_read(const tp__hw_ctx *c, json_t *root, tp_hw *hw)
 {
     if (!json_is_object(root))
         return tp__hw_bad(c, "the top level", "must be an object");
-    static const char *const keys[] = {
-        "name", "description", "devices_per_node", "ranks_per_device", "compute", "links", NULL};
+    static const char *const keys[] = {"name", "description", "devices_per_node",
+                                       "ranks_per_device", "memory_bytes", "compute", "links",
+                                       NULL};
     TP_CHECK(tp__hw_known(c, root, "", keys));
     json_t *name = json_object_get(root, "name"), *desc = json_object_get(root, "description");
     if (!json_is_string(name) || !json_string_value(name)[0])
@@ -194,6 +195,8 @@ static tp_status tp__hw_read(const tp__hw_ctx *c, json_t *root, tp_hw *hw)
         return tp__hw_bad(c, "ranks_per_device", "must be an integer from 1 to %d",
                           TP__HW_MAX_RANKS_PER_DEVICE);
     hw->ranks_per_device = rpd ? (int)json_integer_value(rpd) : 1;
+    if (json_object_get(root, "memory_bytes"))
+        TP_CHECK(tp__hw_num(c, root, "", "memory_bytes", 0, true, INFINITY, &hw->memory_bytes));
     TP_CHECK(tp__hw_read_compute(c, tp__hw_obj(root, "compute"), hw));
     json_t *links = tp__hw_obj(root, "links");
     TP_CHECK(tp__hw_need_obj(c, links, "links"));
@@ -291,6 +294,11 @@ bool tp_hw_async_progress(const tp_hw *hw, tp_link_class link)
 int tp_hw_ranks_per_device(const tp_hw *hw)
 {
     return hw ? hw->ranks_per_device : 0;
+}
+
+double tp_hw_memory_bytes(const tp_hw *hw)
+{
+    return hw ? hw->memory_bytes : 0;
 }
 
 tp_status tp_hw_share_devices(const tp_hw *hw, int ranks_per_device, tp_hw **out)
@@ -440,12 +448,20 @@ static json_t *tp__hw_json(const tp_hw *hw)
         json_array_append_new(gemm,
                               json_pack("{s:I, s:f}", "min_dim", (json_int_t)hw->gemm[i].min_dim,
                                         "efficiency", hw->gemm[i].efficiency));
-    return json_pack("{s:s, s:s, s:i, s:i, s:{s:o, s:o, s:f, s:f}, s:{s:o, s:o}}", "name", hw->name,
-                     "description", hw->description, "devices_per_node", hw->devices_per_node,
-                     "ranks_per_device", hw->ranks_per_device, "compute", "peak_flops", peaks,
-                     "gemm_efficiency", gemm, "memory_bandwidth", hw->mem_bw, "kernel_latency",
-                     hw->kernel_lat, "links", "intra_node", tp__hw_link_json(&hw->link[0]),
-                     "inter_node", tp__hw_link_json(&hw->link[1]));
+    json_t *root =
+        json_pack("{s:s, s:s, s:i, s:i, s:{s:o, s:o, s:f, s:f}, s:{s:o, s:o}}", "name", hw->name,
+                  "description", hw->description, "devices_per_node", hw->devices_per_node,
+                  "ranks_per_device", hw->ranks_per_device, "compute", "peak_flops", peaks,
+                  "gemm_efficiency", gemm, "memory_bandwidth", hw->mem_bw, "kernel_latency",
+                  hw->kernel_lat, "links", "intra_node", tp__hw_link_json(&hw->link[0]),
+                  "inter_node", tp__hw_link_json(&hw->link[1]));
+    /* optional: a description that does not say has no key (0 would not load) */
+    if (root && hw->memory_bytes > 0 &&
+        json_object_set_new(root, "memory_bytes", json_real(hw->memory_bytes)) != 0) {
+        json_decref(root);
+        return NULL;
+    }
+    return root;
 }
 
 tp_status tp_hw_write_json(const tp_hw *hw, FILE *f)

@@ -23,6 +23,7 @@ struct tp_hw {
     char description[512];
     int devices_per_node;
     int ranks_per_device;              /* ranks time-sharing one device (1: a device each) */
+    double memory_bytes;               /* one device's memory; 0: not given */
     double peak_flops[TP_DTYPE_COUNT]; /* 0: not given */
     struct {
         int64_t min_dim;

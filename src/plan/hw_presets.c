@@ -1,7 +1,9 @@
 /* The built-in hardware descriptions (tp_hw_preset), in the file format of
  * docs/plan.md. Vendor peaks (dense, no sparsity) and typical achieved
  * efficiencies and link figures: estimates to plan with before a machine is
- * at hand, not measurements of one. */
+ * at hand, not measurements of one. Memory is the device's total as nvidia-smi
+ * reports it (H100 SXM 80 GB: 81559 MiB; A100 SXM 80 GB: 81920 MiB), of which
+ * the CUDA context takes a few hundred MiB before any tensor. */
 #include <string.h>
 
 #include "plan/hw_internal.h"
@@ -21,7 +23,7 @@ static const struct {
      "{\"name\": \"h100-sxm-ndr\","
      " \"description\": \"8 H100 SXM5 per node (NVLink 4 through NVSwitch, 450 GB/s each way per "
      "GPU), one 400 Gb/s InfiniBand NDR port per GPU between nodes\","
-     " \"devices_per_node\": 8,"
+     " \"devices_per_node\": 8, \"memory_bytes\": 85520809984,"
      " \"compute\": {\"peak_flops\": {\"f32\": 67e12, \"f64\": 67e12, \"bf16\": 989e12,"
      " \"f16\": 989e12}, \"gemm_efficiency\": " TP__HW_GEMM_ROWS ","
      " \"memory_bandwidth\": 3.35e12, \"kernel_latency\": 4e-6},"
@@ -32,7 +34,7 @@ static const struct {
      "{\"name\": \"a100-sxm-hdr\","
      " \"description\": \"8 A100 SXM4 80 GB per node (NVLink 3 through NVSwitch, 300 GB/s each "
      "way per GPU), one 200 Gb/s InfiniBand HDR port per GPU between nodes\","
-     " \"devices_per_node\": 8,"
+     " \"devices_per_node\": 8, \"memory_bytes\": 85899345920,"
      " \"compute\": {\"peak_flops\": {\"f32\": 19.5e12, \"f64\": 19.5e12, \"bf16\": 312e12,"
      " \"f16\": 312e12}, \"gemm_efficiency\": " TP__HW_GEMM_ROWS ","
      " \"memory_bandwidth\": 2.039e12, \"kernel_latency\": 4e-6},"
