@@ -36,6 +36,26 @@ expect_bad "h100-sxm-ndr" "${small[@]}" --hw no-such-machine
 echo '{"name": "x", "bandwith": 1}' >"$tmp/typo.json"
 expect_bad "bandwith" "${small[@]}" --hw "$tmp/typo.json"
 
+echo '{"name": "x", "devices_per_node": 8, "memory_bytes": 0}' >"$tmp/nomem.json"
+expect_bad "memory_bytes must be a number > 0" "${small[@]}" --hw "$tmp/nomem.json"
+expect_bad '--memory-gib: "-1" is not a number > 0' "${small[@]}" --memory-gib -1
+
+# the memory limit: the hardware's memory_bytes (the preset: nvidia-smi's
+# 81559 MiB), --memory-gib over it, 80 GiB for a description without one
+"$plan" "${small[@]}" >"$tmp/mem" 2>&1 || fail "the default run exits $?"
+grep -qF "fits in 79.65 GiB (h100-sxm-ndr's memory_bytes)" "$tmp/mem" \
+    || fail "the limit is not the preset's memory: $(grep memory "$tmp/mem")"
+"$plan" "${small[@]}" --hw a100-sxm-hdr --memory-gib 0.0001 >"$tmp/mem" 2>&1 || fail "--memory-gib exits $?"
+grep -qF "does NOT fit in 0.00 GiB (--memory-gib)" "$tmp/mem" \
+    || fail "--memory-gib does not override: $(grep memory "$tmp/mem")"
+"$plan" "${small[@]}" --hw a100-sxm-hdr --json >"$tmp/mem.json" 2>&1 || fail "--json exits $?"
+python3 - "$tmp/mem.json" <<'PY' || fail "the JSON limit is not the A100 preset's"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["memory_limit_bytes"] == 81920 * 2**20, d
+assert d["memory_limit_from"] == "a100-sxm-hdr's memory_bytes", d
+PY
+
 # the table
 "$plan" "${small[@]}" --mesh dp=2,tp=4 >"$tmp/table" 2>&1 || fail "the table run exits $?: $(cat "$tmp/table")"
 grep -qE '^collective +count +MiB +time_s$' "$tmp/table" || fail "no collective table header"
@@ -84,6 +104,9 @@ cat >"$tmp/slow.json" <<'HW'
  "links": {"intra_node": {"latency": 1e-6, "bandwidth": 4e11, "algorithm": "ring"},
    "inter_node": {"latency": 1e-5, "bandwidth": 4e8, "algorithm": "ring"}}}
 HW
+"$plan" "${small[@]}" --hw "$tmp/slow.json" >"$tmp/mem" 2>&1 || fail "the slow.json run exits $?"
+grep -qF "fits in 80.00 GiB (default: slow-inter gives no memory_bytes)" "$tmp/mem" \
+    || fail "no 80 GiB default: $(grep memory "$tmp/mem")"
 "$plan" "${small[@]}" --mesh dp=2,tp=8 --hw "$tmp/slow.json" --sweep --json >"$tmp/sweep.json" \
     2>"$tmp/err" || fail "the sweep exits $?: $(cat "$tmp/err")"
 python3 - "$tmp/sweep.json" <<'PY' || fail "sweep checks failed"

@@ -20,7 +20,9 @@
 typedef struct opts {
     plan_cfg cfg;
     const char *hw, *trace;
-    double memory_gib;
+    double memory_gib;   /* --memory-gib; 0: not given */
+    double memory_limit; /* bytes a rank may hold: --memory-gib, else the hardware's */
+    const char *memory_from; /* where memory_limit came from, for the output */
     bool json, sweep;
 } opts;
 
@@ -168,6 +170,26 @@ static tp_status load_hw(const char *name, tp_hw **out)
     return tp_hw_preset(name, out);
 }
 
+/* The bytes a rank may hold: --memory-gib, else the hardware description's
+ * memory_bytes, else 80 GiB (an 80 GB part), saying which. */
+static void set_memory_limit(opts *o, const tp_hw *hw)
+{
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    static char from[160];
+    if (o->memory_gib > 0) {
+        o->memory_limit = o->memory_gib * gib;
+        o->memory_from = "--memory-gib";
+    } else if (tp_hw_memory_bytes(hw) > 0) {
+        o->memory_limit = tp_hw_memory_bytes(hw);
+        snprintf(from, sizeof from, "%s's memory_bytes", tp_hw_name(hw));
+        o->memory_from = from;
+    } else {
+        o->memory_limit = 80 * gib;
+        snprintf(from, sizeof from, "default: %s gives no memory_bytes", tp_hw_name(hw));
+        o->memory_from = from;
+    }
+}
+
 /* Per-rank bytes: the meta device's peak where it reports one, else
  * parameters, gradients and Adam's two f32 moments (and f32 master weights
  * for 16-bit parameters); activations are then not counted. */
@@ -180,7 +202,7 @@ static void plan_memory(const plan_step *s, tp_dtype dtype, plan_eval *e)
                                    : 2 * s->param_bytes + 8 * n + (dtype != TP_F32 ? 4 * n : 0);
 }
 
-static tp_status evaluate(const plan_cfg *c, const tp_hw *hw, double mem_gib, const char *trace,
+static tp_status evaluate(const plan_cfg *c, const tp_hw *hw, double mem_limit, const char *trace,
                           plan_eval *e)
 {
     plan_step s;
@@ -198,7 +220,7 @@ static tp_status evaluate(const plan_cfg *c, const tp_hw *hw, double mem_gib, co
             st = TP_ERR_BACKEND;
     }
     plan_memory(&s, c->dtype, e);
-    e->fits = (double)e->mem_bytes <= mem_gib * 1024.0 * 1024.0 * 1024.0;
+    e->fits = (double)e->mem_bytes <= mem_limit;
     e->tokens_per_s = e->r.step_s > 0 ? (double)(c->dp * c->batch * c->seq) / e->r.step_s : 0;
     plan_step_free(&s);
     return st;
@@ -221,10 +243,11 @@ static void print_table(const opts *o, const tp_hw *hw, const plan_eval *e)
     printf("mesh: dp=%lld,tp=%lld (%lld ranks), %s, hardware %s, rank %lld\n", (long long)c->dp,
            (long long)c->tp, (long long)(c->dp * c->tp), style_name(c), tp_hw_name(hw),
            (long long)c->rank);
-    printf("memory per rank: %.2f GiB (%s), %lld parameter elements; %s %.0f GiB\n",
+    printf("memory per rank: %.2f GiB (%s), %lld parameter elements; %s %.2f GiB (%s)\n",
            (double)e->mem_bytes / gib,
            e->mem_measured ? "meta peak" : "params+grads+Adam, no activations",
-           (long long)e->params, e->fits ? "fits in" : "does NOT fit in", o->memory_gib);
+           (long long)e->params, e->fits ? "fits in" : "does NOT fit in",
+           o->memory_limit / gib, o->memory_from);
     printf("%-15s %8s %14s %12s\n", "collective", "count", "MiB", "time_s");
     for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
         if (e->r.coll_count[k])
@@ -266,11 +289,10 @@ static void print_json(const opts *o, const tp_hw *hw, const plan_eval *e, int n
     const plan_cfg *c = &o->cfg;
     printf("{\"hardware\": \"%s\", \"model\": {\"layers\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
            "\"heads\": %lld, \"vocab\": %lld, \"seq\": %lld, \"batch\": %lld, \"dtype\": \"%s\"}, "
-           "\"memory_limit_bytes\": %.0f, \"%s\": ",
+           "\"memory_limit_bytes\": %.0f, \"memory_limit_from\": \"%s\", \"%s\": ",
            tp_hw_name(hw), (long long)c->layers, (long long)c->hidden, (long long)c->ffn,
            (long long)c->heads, (long long)c->vocab, (long long)c->seq, (long long)c->batch,
-           tp_dtype_name(c->dtype), o->memory_gib * 1024.0 * 1024.0 * 1024.0,
-           o->sweep ? "sweep" : "plan");
+           tp_dtype_name(c->dtype), o->memory_limit, o->memory_from, o->sweep ? "sweep" : "plan");
     if (o->sweep)
         printf("[");
     for (int i = 0; i < n; i++) {
@@ -304,14 +326,14 @@ static int sweep(const opts *o, const tp_hw *hw)
             c.rank = 0;
             if (plan_cfg_check(&c))
                 continue;
-            if (evaluate(&c, hw, o->memory_gib, NULL, &e[n]) != TP_OK)
+            if (evaluate(&c, hw, o->memory_limit, NULL, &e[n]) != TP_OK)
                 return fprintf(stderr, "tp-plan: %s\n", tp_last_error()), 1;
             n++;
         }
     if (!n)
         return fprintf(stderr, "tp-plan: --sweep: no TP degree fits the configuration\n"), 1;
     qsort(e, (size_t)n, sizeof *e, by_throughput);
-    if (o->trace && evaluate(&e[0].cfg, hw, o->memory_gib, o->trace, &e[0]) != TP_OK)
+    if (o->trace && evaluate(&e[0].cfg, hw, o->memory_limit, o->trace, &e[0]) != TP_OK)
         return fprintf(stderr, "tp-plan: --trace: %s\n", tp_last_error()), 1;
     if (o->json) {
         print_json(o, hw, e, n);
@@ -340,8 +362,7 @@ int main(int argc, char **argv)
                       .dp = 64,
                       .tp = 8,
                       .sp = true},
-              .hw = "h100-sxm-ndr",
-              .memory_gib = 80};
+              .hw = "h100-sxm-ndr"};
     int rc = parse_args(argc, argv, &o);
     if (rc)
         return rc;
@@ -350,11 +371,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "tp-plan: --hw: %s\n", tp_last_error());
         return 2;
     }
+    set_memory_limit(&o, hw);
     if (o.sweep) {
         rc = sweep(&o, hw);
     } else {
         plan_eval e;
-        if (evaluate(&o.cfg, hw, o.memory_gib, o.trace, &e) != TP_OK) {
+        if (evaluate(&o.cfg, hw, o.memory_limit, o.trace, &e) != TP_OK) {
             fprintf(stderr, "tp-plan: %s\n", tp_last_error());
             rc = 1;
         } else if (o.json) {
