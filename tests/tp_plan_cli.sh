@@ -4,9 +4,14 @@
 # writing a Chrome trace-event file with compute and communication lanes,
 # --sweep ranking a constructed case whose best TP degree is known, and bad
 # configurations and options exiting 2 with the field or option named.
+# With --config, a Hugging Face config.json's model (the fixtures): its
+# parameter count against the config's and the checkpoint's, a
+# Llama-3-70B-shaped config planned in seconds, the size options over the
+# config's values, and bad configs and layouts exiting 2.
 #   tests/tp_plan_cli.sh BUILD/tools/tp-plan
 set -uo pipefail
 plan=$1
+fixtures=$(cd "$(dirname "$0")" && pwd)/fixtures
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fails=0
@@ -122,6 +127,123 @@ PY
 "$plan" "${small[@]}" --mesh dp=2,tp=8 --hw "$tmp/slow.json" --sweep >"$tmp/sweep" 2>&1 \
     || fail "the sweep table exits $?"
 grep -qE '^1 +2 +8 ' "$tmp/sweep" || fail "the sweep table does not rank dp 2 x tp 8 first"
+
+# --config: the fixtures at tp 1 and 2. The model's parameter count (global
+# shapes, a tied weight once) is the one the config implies and the one its
+# checkpoint holds; at tp 1 a rank holds all of it, at tp 2 less.
+for m in llama llama_bf16 mistral qwen2; do
+    for t in 1 2; do
+        "$plan" --config "$fixtures/hf/$m/config.json" --seq 64 --mesh dp=2,tp=$t --json \
+            >"$tmp/hf-$m-$t.json" 2>"$tmp/err" || fail "--config $m at tp $t exits $?: $(cat "$tmp/err")"
+    done
+done
+cat >"$tmp/count.py" <<'PY'
+import json, os, struct
+
+def from_config(c):
+    """Parameter elements of transformers' *ForCausalLM for config c."""
+    H, F, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    nh = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or nh
+    hd = c.get("head_dim") or H // nh
+    attn = H * nh * hd + 2 * H * kv * hd + nh * hd * H
+    if c.get("attention_bias"):
+        attn += nh * hd + 2 * kv * hd + H
+    if c["architectures"][0] == "Qwen2ForCausalLM":
+        attn += nh * hd + 2 * kv * hd
+    mlp = 3 * H * F + (2 * F + H if c.get("mlp_bias") else 0)
+    head = 0 if c.get("tie_word_embeddings") else V * H
+    return V * H + L * (attn + mlp + 2 * H) + H + head
+
+def from_checkpoint(d):
+    """Elements of the tensors in the model directory's safetensors files."""
+    index = os.path.join(d, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
+        else ["model.safetensors"]
+    n = 0
+    for f in files:
+        with open(os.path.join(d, f), "rb") as fh:
+            hdr = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        for k, v in hdr.items():
+            if k != "__metadata__" and not k.endswith("rotary_emb.inv_freq"):
+                p = 1
+                for x in v["shape"]:
+                    p *= x
+                n += p
+    return n
+PY
+python3 - "$fixtures/hf" "$tmp" <<'PY' || fail "--config parameter counts"
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+from count import from_config, from_checkpoint
+for m in ["llama", "llama_bf16", "mistral", "qwen2"]:
+    d = os.path.join(sys.argv[1], m)
+    c = json.load(open(os.path.join(d, "config.json")))
+    want = from_config(c)
+    assert want == from_checkpoint(d), (m, want, from_checkpoint(d))
+    for t in (1, 2):
+        j = json.load(open(os.path.join(sys.argv[2], f"hf-{m}-{t}.json")))
+        p = j["plan"]
+        assert p["params_total"] == want, (m, t, p["params_total"], want)
+        assert (p["params"] == want) if t == 1 else (want / 2 <= p["params"] < want), (m, t, p)
+        assert j["model"]["kv_heads"] == c["num_key_value_heads"], (m, j["model"])
+        assert j["model"]["vocab"] == c["vocab_size"] and j["model"]["layers"] == 2, (m, j["model"])
+        assert p["tp"] == t and p["step_s"] > 0, (m, p)
+    print(f"{m}: {want} parameters at tp 1 and 2")
+PY
+
+# A Llama-3-70B-shaped config at dp 32 x tp 8, seq 8192: in under 5 s, the
+# model's 70.55 G parameters; at 8 x 80 GB it does not fit (no FSDP or
+# activation recompute yet), and the table says so.
+l70=$fixtures/plan/llama3-70b.json
+t0=$(date +%s.%N)
+"$plan" --config "$l70" --mesh dp=32,tp=8 --seq 8192 --batch 1 --hw h100-sxm-ndr --dtype bf16 \
+    >"$tmp/70b" 2>&1 || fail "the 70B plan exits $?: $(cat "$tmp/70b")"
+t1=$(date +%s.%N)
+cat "$tmp/70b"
+awk -v a="$t0" -v b="$t1" 'BEGIN { t = b - a; printf "70B --config plan: %.2f s\n", t; exit !(t < 5) }' \
+    || fail "the 70B --config plan took 5 s or more"
+grep -qF "(of 70553706496 in the model)" "$tmp/70b" || fail "the 70B model: not 70553706496 parameters"
+grep -qF "kv heads 8, head_dim 128, vocab 128256" "$tmp/70b" || fail "the 70B model line"
+grep -qF "does NOT fit in 79.65 GiB (h100-sxm-ndr's memory_bytes)" "$tmp/70b" \
+    || fail "the 70B memory line"
+grep -qE '^step time [0-9.]+ s = compute ' "$tmp/70b" || fail "no 70B step time"
+# the size options over the config's: 2 of its layers, then another shape
+"$plan" --config "$l70" --layers 2 --seq 512 --mesh dp=2,tp=8 --json >"$tmp/70b-2.json" 2>"$tmp/err" \
+    || fail "--config --layers 2 exits $?: $(cat "$tmp/err")"
+"$plan" --config "$l70" --layers 2 --hidden 1024 --heads 16 --kv-heads 4 --ffn 2048 --vocab 32000 \
+    --seq 512 --mesh dp=2,tp=4 --dtype f32 --json >"$tmp/small-70b.json" 2>"$tmp/err" \
+    || fail "--config with the size options exits $?: $(cat "$tmp/err")"
+python3 - "$l70" "$tmp" <<'PY' || fail "--config with the size options"
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from count import from_config
+c = json.load(open(sys.argv[1]))
+p = json.load(open(sys.argv[2] + "/70b-2.json"))["plan"]
+assert p["params_total"] == from_config(dict(c, num_hidden_layers=2)), p
+j = json.load(open(sys.argv[2] + "/small-70b.json"))
+small = dict(c, num_hidden_layers=2, hidden_size=1024, num_attention_heads=16,
+             num_key_value_heads=4, intermediate_size=2048, vocab_size=32000, head_dim=64)
+assert j["plan"]["params_total"] == from_config(small), (j["plan"]["params_total"], from_config(small))
+assert j["model"]["head_dim"] == 64 and j["model"]["kv_heads"] == 4 and j["model"]["dtype"] == "f32", j["model"]
+PY
+
+# bad configs and layouts: exit 2, the problem named
+expect_bad "cannot open $tmp/none.json" --config "$tmp/none.json"
+echo '{"hidden_size": 64,' >"$tmp/cut.json"
+expect_bad "config.json is not valid JSON" --config "$tmp/cut.json"
+sed 's/LlamaForCausalLM/GPT2LMHeadModel/' "$l70" >"$tmp/gpt2.json"
+expect_bad 'architectures "GPT2LMHeadModel" is not supported' --config "$tmp/gpt2.json"
+expect_bad "num_attention_heads (64) must be divisible by tp (3)" --config "$l70" --mesh dp=1,tp=3
+expect_bad "num_key_value_heads (6) must be divisible by tp (4), or tp by it" \
+    --config "$l70" --hidden 768 --heads 12 --kv-heads 6 --mesh dp=1,tp=4
+expect_bad '"vocab_size" is 0; it must be positive' --config "$l70" --vocab 0
+expect_bad '"num_attention_heads" 12 is not a multiple of "num_key_value_heads" 8' --config "$l70" --heads 12
+expect_bad "seq (100) must be divisible by tp (8) with sequence parallelism" --config "$l70" --seq 100 --mesh dp=1,tp=8
+expect_bad "seq must be >= 2, got 1" --config "$l70" --seq 1 --mesh dp=1,tp=1
+expect_bad "seq (8192) exceeds the config's sliding_window (4096)" \
+    --config "$fixtures/hf/mistral" --seq 8192 --mesh dp=1,tp=1
+expect_bad "--kv-heads: needs --config" "${small[@]}" --kv-heads 2
 
 if [ $fails -ne 0 ]; then
     cat "$tmp/table" "$tmp/sweep" 2>/dev/null

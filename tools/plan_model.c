@@ -19,21 +19,33 @@ static double pm_now(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-const char *plan_cfg_check(const plan_cfg *c)
+/* Sizes of at least `min`: NULL, else msg naming the first that is not. */
+typedef struct {
+    const char *name;
+    int64_t v, min;
+} pm_size;
+
+static const char *check_sizes(const pm_size *f, size_t nf, char *msg, size_t n)
 {
-    static char msg[160];
-    const struct {
-        const char *name;
-        int64_t v, min;
-    } f[] = {{"layers", c->layers, 1}, {"hidden", c->hidden, 1}, {"ffn", c->ffn, 1},
-             {"heads", c->heads, 1},   {"vocab", c->vocab, 0},   {"seq", c->seq, 1},
-             {"batch", c->batch, 1},   {"dp", c->dp, 1},         {"tp", c->tp, 1}};
-    for (size_t i = 0; i < sizeof f / sizeof *f; i++)
+    for (size_t i = 0; i < nf; i++)
         if (f[i].v < f[i].min) {
-            snprintf(msg, sizeof msg, "%s must be >= %lld, got %lld", f[i].name,
-                     (long long)f[i].min, (long long)f[i].v);
+            snprintf(msg, n, "%s must be >= %lld, got %lld", f[i].name, (long long)f[i].min,
+                     (long long)f[i].v);
             return msg;
         }
+    return NULL;
+}
+
+/* The decoder's sizes and their divisibility. */
+static const char *decoder_check(const plan_cfg *c, char *msg, size_t n)
+{
+    const pm_size f[] = {{"layers", c->layers, 1}, {"hidden", c->hidden, 1},
+                         {"ffn", c->ffn, 1},       {"heads", c->heads, 1},
+                         {"vocab", c->vocab, 0},   {"seq", c->seq, 1},
+                         {"batch", c->batch, 1},   {"dp", c->dp, 1},
+                         {"tp", c->tp, 1}};
+    if (check_sizes(f, sizeof f / sizeof *f, msg, n))
+        return msg;
     const struct {
         const char *a, *b;
         int64_t x, y;
@@ -43,18 +55,60 @@ const char *plan_cfg_check(const plan_cfg *c)
              {"seq", "tp", c->seq, c->tp}};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++)
         if (d[i].x % d[i].y) {
-            snprintf(msg, sizeof msg, "%s (%lld) must be divisible by %s (%lld)", d[i].a,
+            snprintf(msg, n, "%s (%lld) must be divisible by %s (%lld)", d[i].a,
                      (long long)d[i].x, d[i].b, (long long)d[i].y);
             return msg;
         }
     if (c->vocab && c->vocab % c->tp) {
-        snprintf(msg, sizeof msg, "vocab (%lld) must be divisible by tp (%lld)",
-                 (long long)c->vocab, (long long)c->tp);
+        snprintf(msg, n, "vocab (%lld) must be divisible by tp (%lld)", (long long)c->vocab,
+                 (long long)c->tp);
         return msg;
     }
     if (c->loss_parallel && !c->vocab)
         return "loss parallel needs a vocabulary (vocab > 0)";
-    if (c->dp * c->tp > 65536)
+    return NULL;
+}
+
+/* A config's model: its own sizes were checked when it was read
+ * (tp_llm_config_parse); these are what tp_llm_parallelize and the step
+ * would refuse of the layout, named as the config names them. Vocabulary
+ * and intermediate size need not divide by tp (the last shard is smaller). */
+static const char *llm_check(const plan_cfg *c, char *msg, size_t n)
+{
+    const pm_size f[] = {{"seq", c->seq, 2}, {"batch", c->batch, 1}, {"dp", c->dp, 1},
+                         {"tp", c->tp, 1}};
+    if (check_sizes(f, sizeof f / sizeof *f, msg, n)) /* seq 2: the loss predicts the next token */
+        return msg;
+    const tp_llm_config *m = c->llm;
+    const long long tp = c->tp, hq = m->num_attention_heads, hkv = m->num_key_value_heads,
+                    seq = c->seq;
+    if (hq % tp)
+        snprintf(msg, n, "num_attention_heads (%lld) must be divisible by tp (%lld)", hq, tp);
+    else if (hkv % tp && tp % hkv)
+        snprintf(msg, n,
+                 "num_key_value_heads (%lld) must be divisible by tp (%lld), or tp by it "
+                 "(each rank then keeps the kv head its query heads read)",
+                 hkv, tp);
+    else if (c->sp && seq % tp)
+        snprintf(msg, n, "seq (%lld) must be divisible by tp (%lld) with sequence parallelism",
+                 seq, tp);
+    else if (m->sliding_window > 0 && seq > m->sliding_window)
+        snprintf(msg, n,
+                 "seq (%lld) exceeds the config's sliding_window (%lld), which libtp does not "
+                 "apply",
+                 seq, (long long)m->sliding_window);
+    else
+        return NULL;
+    return msg;
+}
+
+const char *plan_cfg_check(const plan_cfg *c)
+{
+    static char msg[200];
+    const char *bad = c->llm ? llm_check(c, msg, sizeof msg) : decoder_check(c, msg, sizeof msg);
+    if (bad)
+        return bad;
+    if (c->dp > 65536 || c->tp > 65536 || c->dp * c->tp > 65536)
         return "dp x tp must be <= 65536 (the sim backend's largest world)";
     if (c->rank < 0 || c->rank >= c->dp * c->tp)
         return "rank must be in [0, dp x tp)";
@@ -315,18 +369,40 @@ static tp_status parallelize(const plan_cfg *c, tp_module *model, tp_mesh *tpm)
     return st;
 }
 
+/* A config's model under the standard plan, SP and loss parallelism as c
+ * asks. */
+static tp_status parallelize_llm(const plan_cfg *c, tp_module *model, tp_mesh *tpm)
+{
+    const tp_llm_plan_options po = {.sequence_parallel = c->sp,
+                                    .loss_parallel =
+                                        c->loss_parallel ? TP_FLAG_TRUE : TP_FLAG_FALSE};
+    tp_llm_plan *plan = NULL;
+    PM_TRY(tp_llm_plan_create(&po, &plan));
+    tp_status st = tp_llm_parallelize(model, tpm, tp_llm_plan_size(plan),
+                                      tp_llm_plan_entries(plan), NULL);
+    tp_llm_plan_free(plan);
+    return st;
+}
+
 static tp_status count_param(const char *fqn, tp_tensor *p, void *ctx)
 {
     plan_step *s = ctx;
     const tp_tensor *l = tp_tensor_is_dtensor(p) ? tp_dtensor_local(p) : p;
     s->params += tp_tensor_numel(l);
+    s->params_total += tp_tensor_numel(p); /* a DTensor's numel is the global one */
     s->param_bytes += (uint64_t)tp_tensor_numel(l) * tp_dtype_size(tp_tensor_dtype(l));
     return TP_OK;
 }
 
-/* The step's input (tokens, or activations) and, with a vocabulary, targets. */
+/* The step's input (tokens, or activations) and, with a vocabulary, targets.
+ * A config's model takes the tokens twice: on the device for its forward,
+ * on the CPU for tp_llm_loss, which shifts them into the labels. */
 static tp_status make_inputs(const plan_cfg *c, tp_device dev, tp_tensor **x, tp_tensor **target)
 {
+    if (c->llm) {
+        PM_TRY(tp_tensor_zeros(TP_I64, dev, 2, (int64_t[]){c->batch, c->seq}, x));
+        return tp_tensor_zeros(TP_I64, TP_CPU, 2, (int64_t[]){c->batch, c->seq}, target);
+    }
     if (c->vocab) {
         PM_TRY(tp_tensor_zeros(TP_I64, dev, 2, (int64_t[]){c->batch, c->seq}, x));
         return tp_tensor_zeros(TP_I64, dev, 1, (int64_t[]){c->batch * c->seq}, target);
@@ -363,7 +439,7 @@ static tp_status pm_setup(const plan_cfg *c, tp_device dev, pm_run *r, plan_step
     PM_TRY(tp_mesh_create(r->world, 2, (int64_t[]){c->dp, c->tp}, names, &r->mesh));
     PM_TRY(tp_mesh_slice(r->mesh, 1, &tpn, &r->tpm));
     PM_TRY(tp_nn_set_default_device(dev));
-    tp_status st = make_model(c, &r->model);
+    tp_status st = c->llm ? tp_llm_create(c->llm, &r->model) : make_model(c, &r->model);
     tp_nn_set_default_device(TP_CPU);
     PM_TRY(st);
     if (c->dtype != TP_F32)
@@ -371,14 +447,15 @@ static tp_status pm_setup(const plan_cfg *c, tp_device dev, pm_run *r, plan_step
     PM_TRY(tp_module_init(r->model, 1));
     out->t_build = pm_now() - t0;
     t0 = pm_now();
-    PM_TRY(parallelize(c, r->model, r->tpm));
+    PM_TRY(c->llm ? parallelize_llm(c, r->model, r->tpm) : parallelize(c, r->model, r->tpm));
     tp_ddp_options dopt = {.params_everywhere = true};
     if (c->dp > 1)
         PM_TRY(tp_ddp_create(r->model, tp_mesh_comm(r->mesh, 0), &dopt, &r->ddp));
     PM_TRY(tp_adam_create(r->model, 1e-4, 0.9, 0.95, 1e-8, &r->opt));
     PM_TRY(tp_module_named_parameters(r->model, count_param, out));
     PM_TRY(make_inputs(c, dev, &r->x, &r->target));
-    if (c->loss_parallel) { /* the vocabulary-parallel loss takes a replicated DTensor target */
+    if (c->loss_parallel && !c->llm) { /* the vocabulary-parallel loss takes a replicated
+                                         * DTensor target (tp_llm_loss makes its own) */
         tp_placement rep = tp_replicate();
         tp_tensor *t = NULL;
         PM_TRY(tp_dtensor_from_local(r->tpm, r->target, 1, &rep, NULL, &t));
@@ -397,11 +474,16 @@ static tp_status pm_setup(const plan_cfg *c, tp_device dev, pm_run *r, plan_step
 static tp_status pm_step(const plan_cfg *c, pm_run *r, plan_step *out)
 {
     double t0 = pm_now();
-    PM_TRY(tp_module_call(r->model, r->x, &r->y));
-    if (c->vocab)
-        PM_TRY(tp_cross_entropy(r->y, r->target, NULL, &r->loss));
-    else
-        PM_TRY(tp_mean_all(r->y, &r->loss));
+    if (c->llm) {
+        PM_TRY(tp_llm_forward(r->model, r->x, NULL, NULL, &r->y));
+        PM_TRY(tp_llm_loss(r->y, r->target, &r->loss));
+    } else {
+        PM_TRY(tp_module_call(r->model, r->x, &r->y));
+        if (c->vocab)
+            PM_TRY(tp_cross_entropy(r->y, r->target, NULL, &r->loss));
+        else
+            PM_TRY(tp_mean_all(r->y, &r->loss));
+    }
     double t1 = pm_now();
     PM_TRY(tp_backward(r->loss, NULL));
     double t2 = pm_now();

@@ -6,6 +6,11 @@
  * embedding (rowwise), a final RMSNorm and a colwise output projection whose
  * logits feed a cross entropy (vocabulary-parallel with loss_parallel).
  * With vocab 0 the loss is the mean of the last block's output.
+ *
+ * Or, with plan_cfg.llm, a Hugging Face config's model as src/models builds
+ * it (tp_llm_create: grouped kv heads, SwiGLU, the config's vocabulary and
+ * tied embeddings), parallelized with the standard plan (tp_llm_plan_create),
+ * its step tp_llm_forward and tp_llm_loss: the same step around it.
  */
 #ifndef TP_TOOLS_PLAN_MODEL_H
 #define TP_TOOLS_PLAN_MODEL_H
@@ -21,6 +26,10 @@ typedef struct plan_cfg {
     int64_t dp, tp, rank;
     bool sp;            /* sequence parallel between the TP regions */
     bool loss_parallel; /* the logits stay sharded on the vocabulary (needs vocab) */
+    /* NULL: the decoder above. Else the model of this config (borrowed, must
+     * outlive the calls), whose sizes are then the model's: layers, hidden,
+     * ffn, heads and vocab are not read. */
+    const tp_llm_config *llm;
 } plan_cfg;
 
 /* What one simulated step gave. */
@@ -28,13 +37,15 @@ typedef struct plan_step {
     tp_comm_debug *dbg;   /* the step's collectives (forward to optimizer) */
     tp_plan_trace *trace; /* the step's kernels, collectives and waits */
     double t_build, t_setup, t_forward, t_backward, t_optim; /* wall seconds */
-    int64_t params;                                          /* this rank's parameter elements */
+    int64_t params;       /* this rank's parameter elements */
+    int64_t params_total; /* the model's (global shapes; a tied weight once) */
     uint64_t param_bytes; /* this rank's parameters, in their dtype */
     uint64_t peak_bytes;  /* tp_memory_stats(TP_META) peak, 0 when not known */
 } plan_step;
 
 /* NULL when c is valid; else a static message naming the field at fault
- * ("heads (6) must be divisible by tp (4)"). */
+ * ("heads (6) must be divisible by tp (4)"; with llm, the config's key:
+ * "num_attention_heads (6) must be divisible by tp (4)"). */
 const char *plan_cfg_check(const plan_cfg *c);
 
 /* Plays one training step (build on meta, parallelize, DDP over dp, Adam;

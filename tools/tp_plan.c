@@ -7,6 +7,7 @@
  * split into compute and exposed communication, tokens/s and MFU, as a table
  * or as JSON; --sweep tries every TP degree and SP choice that fits in memory
  * and ranks them; --trace writes the step as a Chrome trace-event file.
+ * --config plans a Hugging Face config.json's model instead (src/models).
  * Usage: tp-plan --help; docs/plan.md.
  */
 #include <errno.h>
@@ -17,11 +18,19 @@
 
 #include "plan_model.h"
 
+/* The size options, in parse_args' table order: bits of opts.given. */
+enum { G_LAYERS, G_HIDDEN, G_FFN, G_HEADS, G_VOCAB, G_KV_HEADS };
+
 typedef struct opts {
     plan_cfg cfg;
     const char *hw, *trace;
-    double memory_gib;   /* --memory-gib; 0: not given */
-    double memory_limit; /* bytes a rank may hold: --memory-gib, else the hardware's */
+    const char *config;      /* --config: a Hugging Face config.json, or NULL */
+    tp_llm_config llm;       /* its model, once read (cfg.llm points here) */
+    int64_t kv_heads;        /* --kv-heads (with --config only) */
+    unsigned given;          /* 1 << G_*: the size options given */
+    bool dtype_given;        /* --dtype given (with --config: over the config's) */
+    double memory_gib;       /* --memory-gib; 0: not given */
+    double memory_limit;     /* bytes a rank may hold: --memory-gib, else the hardware's */
     const char *memory_from; /* where memory_limit came from, for the output */
     bool json, sweep;
 } opts;
@@ -30,7 +39,7 @@ typedef struct opts {
 typedef struct plan_eval {
     plan_cfg cfg;
     tp_plan_result r;
-    int64_t params;
+    int64_t params, params_total; /* this rank's parameter elements, the model's */
     uint64_t mem_bytes;
     bool mem_measured; /* from the meta accounting, else the estimate */
     double tokens_per_s;
@@ -38,10 +47,30 @@ typedef struct plan_eval {
 } plan_eval;
 
 static const char usage[] =
-    "usage: tp-plan [--layers N] [--hidden N] [--ffn N] [--heads N] [--vocab N] [--seq N]\n"
-    "               [--batch N] [--dtype f32|bf16|f16] [--mesh dp=D,tp=T] [--sp|--no-sp]\n"
-    "               [--loss-parallel] [--hw PRESET|FILE] [--memory-gib G] [--rank R]\n"
-    "               [--json] [--sweep] [--trace FILE]\n";
+    "usage: tp-plan [--config FILE] [--layers N] [--hidden N] [--ffn N] [--heads N]\n"
+    "               [--kv-heads N] [--vocab N] [--seq N] [--batch N] [--dtype f32|bf16|f16]\n"
+    "               [--mesh dp=D,tp=T] [--sp|--no-sp] [--loss-parallel] [--hw PRESET|FILE]\n"
+    "               [--memory-gib G] [--rank R] [--json] [--sweep] [--trace FILE]\n";
+
+static const char help[] =
+    "\n"
+    "Predicts one training step (forward, backward, DDP over dp, Adam) of one rank of a\n"
+    "dp x tp world on HARDWARE: memory per rank, collectives, step time, tokens/s, MFU.\n"
+    "  --config FILE     a Hugging Face config.json (Llama, Mistral, Qwen2; or a model\n"
+    "                    directory) planned as libtp builds it: kv heads, SwiGLU, vocabulary\n"
+    "                    and tied embeddings the config's, the standard TP plan. --layers,\n"
+    "                    --hidden, --ffn, --heads, --kv-heads and --vocab given with it\n"
+    "                    override its values, --dtype its dtype (the default)\n"
+    "  without --config  a Llama-shaped decoder of the size options (gated GELU MLP, one kv\n"
+    "                    head per head; no vocabulary unless --vocab): 80 layers, hidden\n"
+    "                    8192, ffn 28672, 64 heads, vocab 0 unless given\n"
+    "  --seq 4096 --batch 1 --dtype bf16 --mesh dp=64,tp=8 --sp --hw h100-sxm-ndr --rank 0\n"
+    "                    the defaults of the others\n"
+    "  --memory-gib G    the memory a rank may use (default: the --hw description's\n"
+    "                    memory_bytes, else 80)\n"
+    "  --sweep           every power-of-two TP degree (with and without SP) at dp x tp ranks\n"
+    "  --json            the output as JSON; --trace FILE: the step as a Chrome trace\n"
+    "docs/plan.md describes the model, the hardware files and the output.\n";
 
 static int fail(const char *fmt, const char *what)
 {
@@ -111,19 +140,75 @@ static int parse_flag(opts *o, const char *a)
     return 0;
 }
 
+/* --config: the file's model with the size options given over its values,
+ * then checked again as the library checks a config.json (written out and
+ * read back), so that an override is refused as the file's key would be. */
+static int load_config(opts *o)
+{
+    tp_llm_config *m = &o->llm;
+    plan_cfg *c = &o->cfg;
+    if (tp_llm_config_load(o->config, m) != TP_OK)
+        return fail("--config: %s", tp_last_error());
+    const bool default_hd = m->head_dim * m->num_attention_heads == m->hidden_size,
+               mha = m->num_key_value_heads == m->num_attention_heads;
+    const struct {
+        int bit;
+        int64_t *dst, v;
+    } over[] = {{G_LAYERS, &m->num_hidden_layers, c->layers},
+                {G_HIDDEN, &m->hidden_size, c->hidden},
+                {G_FFN, &m->intermediate_size, c->ffn},
+                {G_HEADS, &m->num_attention_heads, c->heads},
+                {G_VOCAB, &m->vocab_size, c->vocab},
+                {G_KV_HEADS, &m->num_key_value_heads, o->kv_heads}};
+    for (size_t i = 0; i < sizeof over / sizeof *over; i++)
+        if (o->given & 1u << over[i].bit)
+            *over[i].dst = over[i].v;
+    /* new heads keep a config without grouping so, and a head_dim that was
+     * hidden / heads stays that */
+    if (mha && (o->given & 1u << G_HEADS) && !(o->given & 1u << G_KV_HEADS))
+        m->num_key_value_heads = m->num_attention_heads;
+    if (default_hd && (o->given & (1u << G_HIDDEN | 1u << G_HEADS)) &&
+        m->num_attention_heads > 0 && m->hidden_size % m->num_attention_heads == 0)
+        m->head_dim = m->hidden_size / m->num_attention_heads;
+    if (o->given) {
+        char *text = NULL;
+        tp_status st = tp_llm_config_to_json(m, &text);
+        if (st == TP_OK)
+            st = tp_llm_config_parse(text, m);
+        free(text);
+        if (st != TP_OK)
+            return fail("--config with the size options: %s", tp_last_error());
+    }
+    c->layers = m->num_hidden_layers;
+    c->hidden = m->hidden_size;
+    c->ffn = m->intermediate_size;
+    c->heads = m->num_attention_heads;
+    c->vocab = m->vocab_size;
+    if (!o->dtype_given)
+        c->dtype = m->dtype;
+    c->llm = m;
+    return 0;
+}
+
 static int parse_args(int argc, char **argv, opts *o)
 {
     plan_cfg *c = &o->cfg;
     const struct {
         const char *flag;
         int64_t *v;
-    } ints[] = {{"--layers", &c->layers}, {"--hidden", &c->hidden}, {"--ffn", &c->ffn},
-                {"--heads", &c->heads},   {"--vocab", &c->vocab},   {"--seq", &c->seq},
-                {"--batch", &c->batch},   {"--rank", &c->rank}};
+    } ints[] = {[G_LAYERS] = {"--layers", &c->layers},
+                [G_HIDDEN] = {"--hidden", &c->hidden},
+                [G_FFN] = {"--ffn", &c->ffn},
+                [G_HEADS] = {"--heads", &c->heads},
+                [G_VOCAB] = {"--vocab", &c->vocab},
+                [G_KV_HEADS] = {"--kv-heads", &o->kv_heads},
+                {"--seq", &c->seq},
+                {"--batch", &c->batch},
+                {"--rank", &c->rank}};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            printf("%s", usage);
+            printf("%s%s", usage, help);
             exit(0);
         }
         if (parse_flag(o, a) == 0)
@@ -138,10 +223,15 @@ static int parse_args(int argc, char **argv, opts *o)
         if (k < sizeof ints / sizeof *ints) {
             if (!parse_i64(v, ints[k].v))
                 return fail("%s: not an integer", a);
+            if (k <= G_KV_HEADS)
+                o->given |= 1u << k;
+        } else if (strcmp(a, "--config") == 0) {
+            o->config = v;
         } else if (strcmp(a, "--mesh") == 0) {
             rc = parse_mesh(v, c);
         } else if (strcmp(a, "--dtype") == 0) {
             rc = parse_dtype(v, &c->dtype);
+            o->dtype_given = true;
         } else if (strcmp(a, "--hw") == 0) {
             o->hw = v;
         } else if (strcmp(a, "--trace") == 0) {
@@ -156,6 +246,14 @@ static int parse_args(int argc, char **argv, opts *o)
         }
         if (rc)
             return rc;
+    }
+    if (o->config) {
+        int rc = load_config(o);
+        if (rc)
+            return rc;
+    } else if (o->given & 1u << G_KV_HEADS) {
+        return fail("%s: needs --config (the built-in decoder has a kv head per head)",
+                    "--kv-heads");
     }
     const char *bad = plan_cfg_check(c);
     if (bad)
@@ -220,6 +318,7 @@ static tp_status evaluate(const plan_cfg *c, const tp_hw *hw, double mem_limit, 
             st = TP_ERR_BACKEND;
     }
     plan_memory(&s, c->dtype, e);
+    e->params_total = s.params_total;
     e->fits = (double)e->mem_bytes <= mem_limit;
     e->tokens_per_s = e->r.step_s > 0 ? (double)(c->dp * c->batch * c->seq) / e->r.step_s : 0;
     plan_step_free(&s);
@@ -236,18 +335,31 @@ static void print_table(const opts *o, const tp_hw *hw, const plan_eval *e)
 {
     const plan_cfg *c = &e->cfg;
     const double gib = 1024.0 * 1024.0 * 1024.0, mib = 1024.0 * 1024.0;
-    printf("model: %lld layers, hidden %lld, ffn %lld, heads %lld, vocab %lld, seq %lld, "
-           "batch %lld, %s\n",
-           (long long)c->layers, (long long)c->hidden, (long long)c->ffn, (long long)c->heads,
-           (long long)c->vocab, (long long)c->seq, (long long)c->batch, tp_dtype_name(c->dtype));
+    const tp_llm_config *m = c->llm;
+    if (m)
+        printf("model: %s (%s): %lld layers, hidden %lld, SwiGLU intermediate %lld, heads %lld, "
+               "kv heads %lld, head_dim %lld, vocab %lld%s, seq %lld, batch %lld, %s\n",
+               o->config, tp_llm_arch_name(m->arch), (long long)m->num_hidden_layers,
+               (long long)m->hidden_size, (long long)m->intermediate_size,
+               (long long)m->num_attention_heads, (long long)m->num_key_value_heads,
+               (long long)m->head_dim, (long long)m->vocab_size,
+               m->tie_word_embeddings ? " (tied embeddings)" : "", (long long)c->seq,
+               (long long)c->batch, tp_dtype_name(c->dtype));
+    else
+        printf("model: %lld layers, hidden %lld, ffn %lld, heads %lld, vocab %lld, seq %lld, "
+               "batch %lld, %s\n",
+               (long long)c->layers, (long long)c->hidden, (long long)c->ffn, (long long)c->heads,
+               (long long)c->vocab, (long long)c->seq, (long long)c->batch,
+               tp_dtype_name(c->dtype));
     printf("mesh: dp=%lld,tp=%lld (%lld ranks), %s, hardware %s, rank %lld\n", (long long)c->dp,
            (long long)c->tp, (long long)(c->dp * c->tp), style_name(c), tp_hw_name(hw),
            (long long)c->rank);
-    printf("memory per rank: %.2f GiB (%s), %lld parameter elements; %s %.2f GiB (%s)\n",
+    printf("memory per rank: %.2f GiB (%s), %lld parameter elements (of %lld in the model); "
+           "%s %.2f GiB (%s)\n",
            (double)e->mem_bytes / gib,
            e->mem_measured ? "meta peak" : "params+grads+Adam, no activations",
-           (long long)e->params, e->fits ? "fits in" : "does NOT fit in",
-           o->memory_limit / gib, o->memory_from);
+           (long long)e->params, (long long)e->params_total,
+           e->fits ? "fits in" : "does NOT fit in", o->memory_limit / gib, o->memory_from);
     printf("%-15s %8s %14s %12s\n", "collective", "count", "MiB", "time_s");
     for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
         if (e->r.coll_count[k])
@@ -266,13 +378,15 @@ static void print_json_eval(const plan_eval *e)
     const plan_cfg *c = &e->cfg;
     printf("{\"dp\": %lld, \"tp\": %lld, \"sp\": %s, \"loss_parallel\": %s, \"rank\": %lld, "
            "\"memory_bytes\": %llu, \"memory_measured\": %s, \"fits\": %s, \"params\": %lld, "
-           "\"step_s\": %.9g, \"compute_s\": %.9g, \"exposed_comm_s\": %.9g, \"comm_s\": %.9g, "
-           "\"tokens_per_s\": %.9g, \"mfu\": %.9g, \"collectives\": {",
+           "\"params_total\": %lld, \"step_s\": %.9g, \"compute_s\": %.9g, "
+           "\"exposed_comm_s\": %.9g, \"comm_s\": %.9g, \"tokens_per_s\": %.9g, \"mfu\": %.9g, "
+           "\"collectives\": {",
            (long long)c->dp, (long long)c->tp, c->sp ? "true" : "false",
            c->loss_parallel ? "true" : "false", (long long)c->rank,
            (unsigned long long)e->mem_bytes, e->mem_measured ? "true" : "false",
-           e->fits ? "true" : "false", (long long)e->params, e->r.step_s, e->r.compute_s,
-           e->r.exposed_comm_s, e->r.comm_s, e->tokens_per_s, e->r.mfu);
+           e->fits ? "true" : "false", (long long)e->params, (long long)e->params_total,
+           e->r.step_s, e->r.compute_s, e->r.exposed_comm_s, e->r.comm_s, e->tokens_per_s,
+           e->r.mfu);
     const char *sep = "";
     for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
         if (e->r.coll_count[k]) {
@@ -284,15 +398,45 @@ static void print_json_eval(const plan_eval *e)
     printf("}}");
 }
 
+/* s as a JSON string (a path or a name from a file may hold anything). */
+static void print_json_str(const char *s)
+{
+    putchar('"');
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\')
+            printf("\\%c", ch);
+        else if (ch < 0x20)
+            printf("\\u%04x", ch);
+        else
+            putchar(ch);
+    }
+    putchar('"');
+}
+
 static void print_json(const opts *o, const tp_hw *hw, const plan_eval *e, int n)
 {
     const plan_cfg *c = &o->cfg;
-    printf("{\"hardware\": \"%s\", \"model\": {\"layers\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
-           "\"heads\": %lld, \"vocab\": %lld, \"seq\": %lld, \"batch\": %lld, \"dtype\": \"%s\"}, "
-           "\"memory_limit_bytes\": %.0f, \"memory_limit_from\": \"%s\", \"%s\": ",
-           tp_hw_name(hw), (long long)c->layers, (long long)c->hidden, (long long)c->ffn,
-           (long long)c->heads, (long long)c->vocab, (long long)c->seq, (long long)c->batch,
-           tp_dtype_name(c->dtype), o->memory_limit, o->memory_from, o->sweep ? "sweep" : "plan");
+    const tp_llm_config *m = c->llm;
+    printf("{\"hardware\": ");
+    print_json_str(tp_hw_name(hw));
+    printf(", \"model\": {");
+    if (m) {
+        printf("\"config\": ");
+        print_json_str(o->config);
+        printf(", \"arch\": \"%s\", \"kv_heads\": %lld, \"head_dim\": %lld, "
+               "\"tie_word_embeddings\": %s, ",
+               tp_llm_arch_name(m->arch), (long long)m->num_key_value_heads,
+               (long long)m->head_dim, m->tie_word_embeddings ? "true" : "false");
+    }
+    printf("\"layers\": %lld, \"hidden\": %lld, \"ffn\": %lld, \"heads\": %lld, \"vocab\": %lld, "
+           "\"seq\": %lld, \"batch\": %lld, \"dtype\": \"%s\"}, \"memory_limit_bytes\": %.0f, "
+           "\"memory_limit_from\": ",
+           (long long)c->layers, (long long)c->hidden, (long long)c->ffn, (long long)c->heads,
+           (long long)c->vocab, (long long)c->seq, (long long)c->batch, tp_dtype_name(c->dtype),
+           o->memory_limit);
+    print_json_str(o->memory_from);
+    printf(", \"%s\": ", o->sweep ? "sweep" : "plan");
     if (o->sweep)
         printf("[");
     for (int i = 0; i < n; i++) {
