@@ -432,9 +432,10 @@ Test(comm_debug, scope_count_seen_and_never_seen, .timeout = CD_TIMEOUT)
               TP_ERR_INVALID_ARG);
     CHECK_ERR(tp_comm_debug_scope_count(d, "Global", TP_PHASE_COUNT, TP_COLL_ANY, NULL),
               TP_ERR_INVALID_ARG);
-    CHECK_ERR(tp_comm_debug_scope_count(d, "Global", (tp_phase)3, TP_COLL_ANY, &n),
+    CHECK_ERR(tp_comm_debug_scope_count(d, "Global", (tp_phase)(TP_PHASE_COUNT + 1),
+                                        TP_COLL_ANY, &n),
               TP_ERR_INVALID_ARG);
-    cr_assert(strstr(tp_last_error(), "phase 3"), "message: %s", tp_last_error());
+    cr_assert(strstr(tp_last_error(), "phase 4"), "message: %s", tp_last_error());
     CHECK_ERR(tp_comm_debug_scope_count(d, "Global", TP_PHASE_COUNT,
                                         (tp_coll_kind)(TP_COLL_ANY + 1), &n),
               TP_ERR_INVALID_ARG);

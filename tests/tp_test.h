@@ -221,7 +221,7 @@ static inline bool tp_test_scope_count_is(tp_test_slot *slot, const tp_comm_debu
                                           const char *fqn, tp_phase phase, tp_coll_kind kind,
                                           int64_t want, const char *what)
 {
-    static const char *const phases[] = {"forward", "backward", "both phases"};
+    static const char *const phases[] = {"forward", "backward", "recompute", "every phase"};
     const char *ph = (unsigned)phase <= TP_PHASE_COUNT ? phases[phase] : "?";
     const char *k = kind == TP_COLL_ANY ? "collectives" : tp_coll_kind_name(kind);
     int64_t got = -1;

@@ -86,10 +86,72 @@ TP_API bool tp_tensor_has_grad_fn(const tp_tensor *t);
  */
 TP_API tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad);
 
+/*
+ * The gradients of `out` with respect to `inputs` (torch.autograd.grad):
+ * reverse mode from out seeded with grad_out (NULL: ones, out must then
+ * have one element), like tp_backward, but what reaches inputs[i] is
+ * returned in grads[i] (a new reference; NULL when no gradient reaches it)
+ * instead of being added into tp_tensor_grad(inputs[i]); leaves not listed
+ * receive nothing, and no gradient hook runs. Every input must require grad
+ * and be a leaf (no recorded op produced it: TP_ERR_INVALID_ARG otherwise,
+ * naming it; tp_tensor_detach makes a leaf of any tensor). The graph is
+ * freed as it is walked, as by tp_backward. May be called inside a backward
+ * (from a custom function's backward, below): that is how a recomputed
+ * forward is differentiated. On failure every grads[i] is NULL.
+ */
+TP_API tp_status tp_autograd_grad(tp_tensor *out, const tp_tensor *grad_out, int n,
+                                  tp_tensor *const *inputs, tp_tensor **grads);
+
+/* ---- custom functions ---------------------------------------------------------
+ *
+ * An op whose forward the caller computed without recording (inside
+ * tp_no_grad_begin/end) and whose backward it supplies, the way
+ * torch.autograd.Function extends autograd: data parallelism's parameter
+ * gathers and activation recomputation (tp_module_set_recompute) are built
+ * on it.
+ *
+ *   tp_no_grad_begin(); y = f(x, w) ...; tp_no_grad_end();
+ *   tp_function_attach(y, "f", 2, (tp_tensor *[]){x, w}, f_backward, ctx, free);
+ *
+ * backward(ctx, grad_out, n, grad_in) runs once, inside tp_backward (or
+ * tp_autograd_grad), in a no-grad scope (tp_enable_grad_begin lifts it),
+ * in the backward phase of comm-debug and in the scopes that were open when
+ * the function was attached. grad_out is the summed gradient of out (its
+ * global shape; a DTensor's placements are whatever its consumers
+ * produced); grad_in has n entries, all NULL: set grad_in[i] (a new
+ * reference, inputs[i]'s shape and layout) for each input a gradient flows
+ * to, and leave the others NULL. What is set for an input that does not
+ * require grad is dropped. A failing status stops the backward.
+ */
+typedef tp_status (*tp_function_backward_fn)(void *ctx, tp_tensor *grad_out, int n,
+                                             tp_tensor **grad_in);
+/* Makes `out` the output of a recorded op named `name` (a string that
+ * outlives the graph, a literal) with inputs[0..n) (any n >= 0; the graph
+ * holds a reference on those that require grad). out must not require grad
+ * yet (TP_ERR_INVALID_ARG: compute it without recording, or attach to
+ * tp_tensor_detach's copy). When grad is disabled or no input requires grad,
+ * nothing is attached and ctx_free(ctx) runs at once. Otherwise ctx belongs
+ * to the graph from here: ctx_free (may be NULL) runs once, when the node
+ * has run its backward or the graph is released. On failure the caller
+ * keeps ctx. */
+TP_API tp_status tp_function_attach(tp_tensor *out, const char *name, int n,
+                                    tp_tensor *const *inputs, tp_function_backward_fn backward,
+                                    void *ctx, void (*ctx_free)(void *ctx));
+
+/* A new handle over t's data (plain: the same storage region; DTensor: the
+ * same local shard, mesh and placements) without t's autograd state: it
+ * requires no grad and has no grad_fn (torch's detach). */
+TP_API tp_status tp_tensor_detach(tp_tensor *t, tp_tensor **out);
+
 /* No-grad scopes (per thread, nestable): ops inside record nothing. */
 TP_API void tp_no_grad_begin(void);
 TP_API void tp_no_grad_end(void);
 TP_API bool tp_grad_enabled(void);
+/* Enables recording on this thread whatever no-grad scopes are open (as
+ * inside a backward) until tp_enable_grad_end(token) restores them; the
+ * token is what begin returned. Pairs nest. */
+TP_API int tp_enable_grad_begin(void);
+TP_API void tp_enable_grad_end(int token);
 
 #ifdef __cplusplus
 }

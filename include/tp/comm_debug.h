@@ -4,9 +4,9 @@
  * A counter records every collective issued on the calling thread (one rank)
  * while it is active, including collectives issued inside redistribute and
  * backward. Each record carries the collective kind, its size in bytes, the
- * phase (forward or backward) and the scopes open on the thread: a count is
- * added to every open scope (the current one and those that enclose it, each
- * once) and to "Global".
+ * phase (forward, backward, or a forward recomputed in backward) and the
+ * scopes open on the thread: a count is added to every open scope (the
+ * current one and those that enclose it, each once) and to "Global".
  *
  * Scope names. "Global" is the root of everything: it holds every record,
  * and collectives outside any scope count only there. tp_module_forward
@@ -80,7 +80,16 @@ extern "C" {
 
 typedef struct tp_comm_debug tp_comm_debug;
 
-typedef enum tp_phase { TP_PHASE_FORWARD = 0, TP_PHASE_BACKWARD = 1, TP_PHASE_COUNT } tp_phase;
+/* TP_PHASE_RECOMPUTE: a forward run again during backward by activation
+ * recomputation (tp_module_set_recompute): what it issues is counted there,
+ * not in forward or backward, so those two read as without recomputation.
+ * TP_PHASE_COUNT in a query means every phase. */
+typedef enum tp_phase {
+    TP_PHASE_FORWARD = 0,
+    TP_PHASE_BACKWARD = 1,
+    TP_PHASE_RECOMPUTE = 2,
+    TP_PHASE_COUNT
+} tp_phase;
 
 /* Special kind for queries: every kind. */
 #define TP_COLL_ANY TP_COLL_KIND_COUNT
@@ -108,7 +117,8 @@ TP_API tp_comm_debug *tp_comm_debug_active(void);
 
 /* ---- phase and scopes (per thread) --------------------------------------- */
 
-/* Values other than TP_PHASE_FORWARD / TP_PHASE_BACKWARD are ignored. */
+/* Values other than TP_PHASE_FORWARD, TP_PHASE_BACKWARD and
+ * TP_PHASE_RECOMPUTE are ignored. */
 TP_API void tp_comm_debug_set_phase(tp_phase phase);
 TP_API tp_phase tp_comm_debug_phase(void);
 
@@ -129,14 +139,14 @@ TP_API const char *tp_comm_debug_current_scope(void);
 
 /* ---- queries ------------------------------------------------------------- */
 
-/* Collectives of `kind` (or TP_COLL_ANY), both phases. */
+/* Collectives of `kind` (or TP_COLL_ANY), every phase. */
 TP_API int64_t tp_comm_debug_count(const tp_comm_debug *debug, tp_coll_kind kind);
 /* All collectives recorded. */
 TP_API int64_t tp_comm_debug_total(const tp_comm_debug *debug);
 /* Bytes recorded for `kind` (or TP_COLL_ANY). */
 TP_API int64_t tp_comm_debug_bytes(const tp_comm_debug *debug, tp_coll_kind kind);
 /* The checked query: *count = collectives of `kind` (or TP_COLL_ANY) in
- * phase `phase` (or TP_PHASE_COUNT for both) counted in scope `fqn`
+ * phase `phase` (or TP_PHASE_COUNT for all) counted in scope `fqn`
  * ("Global", "" for the root module, "net1", "layers.0.attention.wq", ...),
  * which includes what ran inside it. TP_OK with 0 for a scope seen without
  * collectives; TP_ERR_INVALID_ARG (*count 0) for a scope the counter never
@@ -154,7 +164,8 @@ TP_API int64_t tp_comm_debug_module_count(const tp_comm_debug *debug, const char
 
 /* Writes the per-scope counts as JSON:
  * {"Global": {"forward": {"all_reduce": 1}, "backward": {...}}, "": ...,
- * "net1": ...} with scopes by FQN ("" the root module) in the order they
+ * "net1": ...} ("recompute": {...} after backward where a scope has
+ * recomputed collectives) with scopes by FQN ("" the root module) in the order they
  * were first seen; kinds with a zero count are left out. TP_ERR_BACKEND if
  * writing to f fails. */
 TP_API tp_status tp_comm_debug_write_json(const tp_comm_debug *debug, FILE *f);

@@ -187,6 +187,59 @@ TP_API tp_status tp_module_to(tp_module *m, tp_device device);
  */
 TP_API tp_status tp_module_to_dtype(tp_module *m, tp_dtype dtype);
 
+/* ---- activation recomputation --------------------------------------------------
+ *
+ * Activation checkpointing (torch.utils.checkpoint, Megatron's activation
+ * recomputation), here called recompute (tp_checkpoint_* is the on-disk
+ * format). A module set to recompute runs its forward without keeping what
+ * its backward needs, and runs it again during backward, just before its
+ * gradients are needed:
+ *
+ *   TP_RECOMPUTE_FULL       keeps the module's inputs only; backward
+ *                           recomputes the whole forward (its collectives
+ *                           included)
+ *   TP_RECOMPUTE_SELECTIVE  also keeps the outputs of its GEMMs (linear,
+ *                           matmul), attention and collectives, which the
+ *                           recompute reuses: it redoes only the cheap
+ *                           element-wise work (norms, activations, rotary,
+ *                           residuals, softmax inputs) and issues no
+ *                           collective
+ *
+ * Gradients are bit-identical to running without recomputation: the
+ * recompute runs the same kernels on the same values, and each Dropout
+ * module of the subtree replays the mask it drew in the forward (its
+ * counter is rewound, then set back). Set on the units of a model (each
+ * transformer block: tp_module_set_recompute_every on the container of the
+ * blocks); the module's own hooks (a style's input and output preparation,
+ * data parallelism's) run once, outside the recomputed part, its
+ * children's run again. Collectives a recompute issues are counted by
+ * comm-debug in TP_PHASE_RECOMPUTE, so the forward and backward counts
+ * read as without it. Only while grad is enabled: under tp_no_grad_begin
+ * (evaluation, generation) the module runs as usual. The module must
+ * outlive the recorded graph (as its parameters do). A forward of the
+ * module must compute the same function when run again: one that draws
+ * random numbers other than through Dropout modules, or reads state that
+ * changes between forward and backward, does not. */
+typedef enum tp_recompute_mode {
+    TP_RECOMPUTE_NONE = 0,
+    TP_RECOMPUTE_FULL = 1,
+    TP_RECOMPUTE_SELECTIVE = 2,
+} tp_recompute_mode;
+
+/* Sets m's mode (its children keep theirs; a child set too is recomputed
+ * inside m's recompute, and again in its own backward). TP_ERR_INVALID_ARG
+ * for NULL or an unknown mode. */
+TP_API tp_status tp_module_set_recompute(tp_module *m, tp_recompute_mode mode);
+/* m's mode (TP_RECOMPUTE_NONE for NULL). */
+TP_API tp_recompute_mode tp_module_recompute(const tp_module *m);
+/* Per-layer selection: child i of parent (in registration order; the
+ * blocks of a model, "model.layers") gets `mode` when i % every == 0 and
+ * TP_RECOMPUTE_NONE otherwise (every 1: all of them; every 2: blocks 0, 2,
+ * 4, ...), as torchtitan's ac_freq selects them. TP_ERR_INVALID_ARG for a
+ * NULL parent, every < 1 or an unknown mode, nothing changed. */
+TP_API tp_status tp_module_set_recompute_every(tp_module *parent, int every,
+                                               tp_recompute_mode mode);
+
 /* Training mode of m and its subtree (default true); in evaluation mode
  * Dropout is the identity. */
 TP_API void tp_module_set_training(tp_module *m, bool training);

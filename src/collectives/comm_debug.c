@@ -753,8 +753,8 @@ tp_status tp_comm_debug_scope_count(const tp_comm_debug *debug, const char *fqn,
     TP_ARG_CHECK(debug, "%s: debug is NULL", fn);
     TP_ARG_CHECK(fqn, "%s: fqn is NULL", fn);
     TP_ARG_CHECK((unsigned)phase <= TP_PHASE_COUNT,
-                 "%s: phase %d is not TP_PHASE_FORWARD, TP_PHASE_BACKWARD or TP_PHASE_COUNT "
-                 "(both)", fn, (int)phase);
+                 "%s: phase %d is not TP_PHASE_FORWARD, TP_PHASE_BACKWARD, "
+                 "TP_PHASE_RECOMPUTE or TP_PHASE_COUNT (all)", fn, (int)phase);
     TP_ARG_CHECK((unsigned)kind <= TP_COLL_ANY,
                  "%s: kind %d is not a tp_coll_kind or TP_COLL_ANY", fn, (int)kind);
     uintptr_t owner = atomic_load_explicit(&((tp_comm_debug *)debug)->owner,
@@ -812,9 +812,19 @@ static void tp__cd_json_string(tp__cd_out *o, const char *s)
     tp__cd_putc(o, '"');
 }
 
-static const char *const tp__cd_phase_json[TP_PHASE_COUNT] = {"forward", "backward"};
-static const char *const tp__cd_phase_table[TP_PHASE_COUNT] = {"FORWARD PASS",
-                                                               "BACKWARD PASS"};
+static const char *const tp__cd_phase_json[TP_PHASE_COUNT] = {"forward", "backward",
+                                                              "recompute"};
+static const char *const tp__cd_phase_table[TP_PHASE_COUNT] = {"FORWARD PASS", "BACKWARD PASS",
+                                                               "RECOMPUTE (IN BACKWARD)"};
+
+/* Whether phase p has a count: "recompute" is written only where it does. */
+static bool tp__cd_phase_any(const int64_t counts[TP_PHASE_COUNT][TP_COLL_KIND_COUNT], int p)
+{
+    for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
+        if (counts[p][k])
+            return true;
+    return false;
+}
 
 static void tp__cd_json_scope(tp__cd_out *o, const char *fqn,
                               const int64_t counts[TP_PHASE_COUNT][TP_COLL_KIND_COUNT],
@@ -824,6 +834,8 @@ static void tp__cd_json_scope(tp__cd_out *o, const char *fqn,
     tp__cd_json_string(o, fqn);
     tp__cd_printf(o, ": {");
     for (int p = 0; p < TP_PHASE_COUNT; p++) {
+        if (p == TP_PHASE_RECOMPUTE && !tp__cd_phase_any(counts, p))
+            continue;
         tp__cd_printf(o, "%s\"%s\": {", p ? ", " : "", tp__cd_phase_json[p]);
         bool first = true;
         for (int k = 0; k < TP_COLL_KIND_COUNT; k++) {

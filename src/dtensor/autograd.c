@@ -232,6 +232,8 @@ void tp__node_release(tp__node *n)
         return;
     tp__node_drop_graph(n);
     tp__comm_debug_saved_free(n->scope);
+    if (n->inputs != n->inputs_inline)
+        tp__free(n->inputs);
     tp__free(n);
 }
 
@@ -242,18 +244,24 @@ static int tp__enter_scope(const tp__node *n) { return tp__comm_debug_enter(n->s
 
 static void tp__leave_scope(int pushed) { tp__comm_debug_leave(pushed); }
 
-tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn backward, int n,
-                          tp_tensor *const *inputs, tp__node **node_out)
+/* A node of n inputs (any n >= 0) attached to out. */
+static tp_status tp__node_attach_n(tp_tensor *out, const char *name, tp__backward_fn backward,
+                                   int n, tp_tensor *const *inputs, tp__node **node_out)
 {
-    TP_ASSERT(n <= TP__NODE_MAX_INPUTS);
     tp__node *node = tp__calloc(1, sizeof *node);
     tp__autograd *ag = node ? tp__meta(out) : NULL;
-    if (!node || !ag) {
+    tp_tensor **in = node ? node->inputs_inline : NULL;
+    if (node && n > TP__NODE_MAX_INPUTS)
+        in = tp__calloc((size_t)n, sizeof *in);
+    if (!node || !ag || !in) {
         tp__free(node);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the autograd node", name);
     }
+    node->inputs = in;
     atomic_init(&node->refcount, 1);
     if (tp__comm_debug_save(&node->scope) != TP_OK) {
+        if (in != node->inputs_inline)
+            tp__free(in);
         tp__free(node);
         return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory for the autograd node", name);
     }
@@ -267,6 +275,13 @@ tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn back
     if (node_out)
         *node_out = node;
     return TP_OK;
+}
+
+tp_status tp__node_attach(tp_tensor *out, const char *name, tp__backward_fn backward, int n,
+                          tp_tensor *const *inputs, tp__node **node_out)
+{
+    TP_ASSERT(n <= TP__NODE_MAX_INPUTS);
+    return tp__node_attach_n(out, name, backward, n, inputs, node_out);
 }
 
 /* ---- gradient sums -------------------------------------------------------- */
@@ -507,12 +522,39 @@ static bool tp__leaves_push(tp__leaves *s, tp_tensor *leaf)
     return true;
 }
 
+/* tp_autograd_grad: the gradients reaching these leaves are summed into
+ * grads[] instead of the leaves' own; other leaves receive nothing and no
+ * hook runs. */
+typedef struct tp__capture {
+    int n;
+    tp_tensor *const *leaves;
+    tp_tensor **grads;
+} tp__capture;
+
+static tp_status tp__capture_add(tp__capture *c, tp_tensor *leaf, tp_tensor *g)
+{
+    for (int j = 0; j < c->n; j++) {
+        if (c->leaves[j] != leaf)
+            continue;
+        if (!c->grads[j]) {
+            c->grads[j] = tp_tensor_retain(g);
+            return TP_OK;
+        }
+        tp_tensor *sum = NULL;
+        TP_CHECK(tp__grad_add(c->grads[j], g, &sum));
+        tp_tensor_release(c->grads[j]);
+        c->grads[j] = sum;
+        return TP_OK;
+    }
+    return TP_OK;
+}
+
 /* Counts, for every node reachable from root, how many edges lead into it
  * (node->pending), holding each in *all; leaves with hooks get their count
  * too (leaf_pending) and a reference in *leaves, so that their hooks run
  * after their last contribution. */
 static tp_status tp__backward_count(const char *fn, tp__node *root, tp__nodes *all,
-                                    tp__leaves *leaves)
+                                    tp__leaves *leaves, const tp__capture *capture)
 {
     tp_status st = TP_OK;
     tp__nodes stack = {0};
@@ -528,7 +570,7 @@ static tp_status tp__backward_count(const char *fn, tp__node *root, tp__nodes *a
             if (!p) {
                 tp_tensor *leaf = n->inputs[i];
                 tp__autograd *lag = tp__ag_of(leaf);
-                if (lag && lag->hooks && lag->leaf_pending++ == 0 &&
+                if (!capture && lag && lag->hooks && lag->leaf_pending++ == 0 &&
                     !tp__leaves_push(leaves, leaf)) {
                     lag->leaf_pending = 0;
                     st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
@@ -552,7 +594,8 @@ static tp_status tp__backward_count(const char *fn, tp__node *root, tp__nodes *a
 /* Runs the counted graph from root, whose gradient is g0 (taken): each node
  * once all the edges into it have delivered, in the backward phase, each in
  * its own comm-debug scope, recording nothing. */
-static tp_status tp__backward_run(const char *fn, tp__node *root, tp_tensor *g0)
+static tp_status tp__backward_run(const char *fn, tp__node *root, tp_tensor *g0,
+                                  tp__capture *capture)
 {
     tp_status st = TP_OK;
     tp__nodes ready = {0};
@@ -570,7 +613,12 @@ static tp_status tp__backward_run(const char *fn, tp__node *root, tp_tensor *g0)
         st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
     while (ready.n && st == TP_OK) {
         tp__node *n = ready.v[--ready.n];
-        tp_tensor *gin[TP__NODE_MAX_INPUTS] = {0};
+        tp_tensor *gin_inline[TP__NODE_MAX_INPUTS] = {0}, **gin = gin_inline;
+        if (n->n_inputs > TP__NODE_MAX_INPUTS &&
+            !(gin = tp__calloc((size_t)n->n_inputs, sizeof *gin))) {
+            st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+            break;
+        }
         int pushed = tp__enter_scope(n);
         st = n->backward(n, n->grad_acc, gin);
         tp__leave_scope(pushed);
@@ -584,6 +632,8 @@ static tp_status tp__backward_run(const char *fn, tp__node *root, tp_tensor *g0)
                     st = tp__accumulate_node(p, gin[i]);
                     if (st == TP_OK && --p->pending == 0 && !tp__nodes_push(&ready, p))
                         st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+                } else if (capture) {
+                    st = tp__capture_add(capture, in, gin[i]);
                 } else {
                     st = tp__accumulate_leaf(in, gin[i]);
                     if (st == TP_OK && tp__ag_of(in)->hooks)
@@ -592,6 +642,8 @@ static tp_status tp__backward_run(const char *fn, tp__node *root, tp_tensor *g0)
             }
             tp_tensor_release(gin[i]);
         }
+        if (gin != gin_inline)
+            tp__free(gin);
         tp__node_drop_graph(n);
     }
     tp_no_grad_end();
@@ -604,33 +656,42 @@ static tp_status tp__backward_run(const char *fn, tp__node *root, tp_tensor *g0)
     return st;
 }
 
-tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
+/* The gradient of root's graph seeded with grad (NULL: ones for a one-element
+ * loss), into the leaves (capture NULL) or into capture->grads. */
+static tp_status tp__backward_from(const char *fn, tp_tensor *loss, const tp_tensor *grad,
+                                   tp__capture *capture)
 {
-    const char *fn = "tp_backward";
-    TP_ARG_CHECK(loss, "%s: loss is NULL", fn);
+    TP_ARG_CHECK(loss, "%s: %s is NULL", fn, capture ? "out" : "loss");
     if (!tp_tensor_requires_grad(loss))
-        return tp__error(TP_ERR_INVALID_ARG, "%s: loss does not require grad", fn);
+        return tp__error(TP_ERR_INVALID_ARG, "%s: %s does not require grad", fn,
+                         capture ? "out" : "loss");
     tp_tensor *g0 = NULL;
     if (grad) {
         TP_ARG_CHECK(grad->ndim == loss->ndim &&
                          !memcmp(grad->shape, loss->shape, sizeof(int64_t) * (size_t)loss->ndim),
-                     "%s: grad shape differs from loss shape", fn);
+                     "%s: grad shape differs from %s shape", fn, capture ? "out" : "loss");
         TP_ARG_CHECK(!tp__dist_of(grad) == !tp__dist_of(loss),
-                     "%s: grad and loss must both be DTensors or both plain", fn);
+                     "%s: grad and %s must both be DTensors or both plain", fn,
+                     capture ? "out" : "loss");
         g0 = tp_tensor_retain((tp_tensor *)grad);
     } else {
         TP_ARG_CHECK(tp_tensor_numel(loss) == 1,
-                     "%s: loss has %lld elements; pass grad for a non-scalar loss", fn,
-                     (long long)tp_tensor_numel(loss));
+                     "%s: %s has %lld elements; pass grad for a non-scalar one", fn,
+                     capture ? "out" : "loss", (long long)tp_tensor_numel(loss));
         TP_CHECK(tp__ones_like(loss, &g0));
     }
     tp__node *root = tp__grad_fn(loss);
     if (!root) {
         tp_no_grad_begin();
-        tp_status st = tp__accumulate_leaf(loss, g0);
-        tp__ag_of(loss)->leaf_pending = 0;
-        if (st == TP_OK)
-            st = tp__leaf_done(loss);
+        tp_status st;
+        if (capture) {
+            st = tp__capture_add(capture, loss, g0);
+        } else {
+            st = tp__accumulate_leaf(loss, g0);
+            tp__ag_of(loss)->leaf_pending = 0;
+            if (st == TP_OK)
+                st = tp__leaf_done(loss);
+        }
         tp_no_grad_end();
         tp_tensor_release(g0);
         return st;
@@ -643,9 +704,9 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
 
     tp__nodes all = {0};
     tp__leaves leaves = {0}; /* leaves with hooks, and their pending counts */
-    tp_status st = tp__backward_count(fn, root, &all, &leaves);
+    tp_status st = tp__backward_count(fn, root, &all, &leaves, capture);
     if (st == TP_OK) {
-        st = tp__backward_run(fn, root, g0);
+        st = tp__backward_run(fn, root, g0, capture);
         g0 = NULL;
     }
 
@@ -664,3 +725,126 @@ tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
     tp__free(all.v);
     return st;
 }
+
+tp_status tp_backward(tp_tensor *loss, const tp_tensor *grad)
+{
+    return tp__backward_from("tp_backward", loss, grad, NULL);
+}
+
+tp_status tp_autograd_grad(tp_tensor *out, const tp_tensor *grad_out, int n,
+                           tp_tensor *const *inputs, tp_tensor **grads)
+{
+    const char *fn = "tp_autograd_grad";
+    TP_ARG_CHECK(n >= 0, "%s: n %d is negative", fn, n);
+    TP_ARG_CHECK(n == 0 || (inputs && grads), "%s: %s is NULL with %d inputs", fn,
+                 inputs ? "grads" : "inputs", n);
+    for (int i = 0; i < n; i++)
+        grads[i] = NULL;
+    for (int i = 0; i < n; i++) {
+        TP_ARG_CHECK(inputs[i], "%s: inputs[%d] is NULL", fn, i);
+        TP_ARG_CHECK(tp_tensor_requires_grad(inputs[i]), "%s: inputs[%d] does not require grad",
+                     fn, i);
+        TP_ARG_CHECK(!tp_tensor_has_grad_fn(inputs[i]),
+                     "%s: inputs[%d] is the output of a recorded op; gradients are taken with "
+                     "respect to leaves (detach it and record from there)", fn, i);
+    }
+    tp__capture c = {n, inputs, grads};
+    tp_status st = tp__backward_from(fn, out, grad_out, &c);
+    if (st != TP_OK)
+        for (int i = 0; i < n; i++) {
+            tp_tensor_release(grads[i]);
+            grads[i] = NULL;
+        }
+    return st;
+}
+
+/* ---- custom functions, detach, grad mode --------------------------------------- */
+
+typedef struct tp__function {
+    tp_function_backward_fn backward;
+    void *ctx;
+    void (*ctx_free)(void *ctx);
+} tp__function;
+
+static tp_status tp__function_backward(tp__node *node, tp_tensor *grad_out, tp_tensor **grad_in)
+{
+    tp__function *f = node->saved;
+    tp_status st = f->backward(f->ctx, grad_out, node->n_inputs, grad_in);
+    if (st != TP_OK && !tp_last_error()[0])
+        tp__error(st, "the backward of %s failed", node->name);
+    if (st == TP_OK)
+        for (int i = 0; i < node->n_inputs; i++)
+            if (grad_in[i] && !node->inputs[i]) { /* no gradient flows there */
+                tp_tensor_release(grad_in[i]);
+                grad_in[i] = NULL;
+            }
+    return st;
+}
+
+static void tp__function_free(tp__node *node)
+{
+    tp__function *f = node->saved;
+    if (f && f->ctx_free)
+        f->ctx_free(f->ctx);
+    tp__free(f);
+}
+
+tp_status tp_function_attach(tp_tensor *out, const char *name, int n, tp_tensor *const *inputs,
+                             tp_function_backward_fn backward, void *ctx,
+                             void (*ctx_free)(void *ctx))
+{
+    const char *fn = "tp_function_attach";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    TP_ARG_CHECK(name, "%s: name is NULL", fn);
+    TP_ARG_CHECK(backward, "%s: backward is NULL", fn);
+    TP_ARG_CHECK(n >= 0, "%s: n %d is negative", fn, n);
+    TP_ARG_CHECK(n == 0 || inputs, "%s: inputs is NULL with %d inputs", fn, n);
+    for (int i = 0; i < n; i++)
+        TP_ARG_CHECK(inputs[i], "%s: inputs[%d] is NULL", fn, i);
+    TP_ARG_CHECK(!tp_tensor_requires_grad(out),
+                 "%s (%s): out already requires grad (it was recorded, or is a leaf); compute "
+                 "it inside tp_no_grad_begin/end or pass tp_tensor_detach's copy", fn, name);
+    for (int i = 0; i < n; i++)
+        TP_ARG_CHECK(inputs[i] != out, "%s (%s): inputs[%d] is out itself", fn, name, i);
+    if (!tp__needs_grad(n, inputs)) {
+        if (ctx_free)
+            ctx_free(ctx);
+        return TP_OK;
+    }
+    tp__function *f = tp__calloc(1, sizeof *f);
+    if (!f)
+        return tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    tp__node *node = NULL;
+    tp_status st = tp__node_attach_n(out, name, tp__function_backward, n, inputs, &node);
+    if (st != TP_OK) {
+        tp__free(f);
+        return st;
+    }
+    f->backward = backward;
+    f->ctx = ctx;
+    f->ctx_free = ctx_free;
+    node->saved = f;
+    node->free_saved = tp__function_free;
+    return TP_OK;
+}
+
+tp_status tp_tensor_detach(tp_tensor *t, tp_tensor **out)
+{
+    const char *fn = "tp_tensor_detach";
+    TP_ARG_CHECK(out, "%s: out is NULL", fn);
+    *out = NULL;
+    TP_ARG_CHECK(t, "%s: t is NULL", fn);
+    tp__dist *d = tp__dist_of(t);
+    if (!d)
+        return tp__tensor_alias(t, out);
+    return tp__dtensor_wrap(d->mesh, d->local, d->placements, t->ndim, t->shape, out);
+}
+
+int tp_enable_grad_begin(void)
+{
+    int saved = tp__no_grad_depth;
+    tp__no_grad_depth = 0;
+    return saved;
+}
+
+void tp_enable_grad_end(int saved) { tp__no_grad_depth = saved > 0 ? saved : 0; }

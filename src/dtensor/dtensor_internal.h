@@ -59,7 +59,9 @@ struct tp__node {
     tp__backward_fn backward;
     void (*free_saved)(tp__node *node);
     int n_inputs;
-    tp_tensor *inputs[TP__NODE_MAX_INPUTS]; /* retained; NULL where no grad flows */
+    tp_tensor **inputs; /* retained; NULL where no grad flows: inputs_inline, or
+                         * allocated for a custom function of more inputs */
+    tp_tensor *inputs_inline[TP__NODE_MAX_INPUTS];
     void *saved;
     tp_tensor *saved_t[4]; /* retained tensors for the backward, released with the graph */
     bool released;

@@ -353,8 +353,13 @@ tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *
     }
     if (st == TP_OK)
         st = def->out_shape(&op, &op.out_ndim, op.out_shape);
-    if (st == TP_OK)
+    if (st == TP_OK && def->recompute_keep && tp__stash_replaying()) {
+        st = tp__stash_take(fn, &y, op.saved, TP__OP_MAX_SAVED); /* selective recompute */
+    } else if (st == TP_OK) {
         st = def->forward(&op, locals, &y);
+        if (st == TP_OK && def->recompute_keep)
+            st = tp__stash_put(fn, y, op.saved, TP__OP_MAX_SAVED);
+    }
     if (st == TP_OK && op.distributed)
         st = tp__dtensor_wrap(op.mesh, y, op.out_pl, op.out_ndim, op.out_shape, &res);
     else if (st == TP_OK)

@@ -7,6 +7,7 @@
 #define TP_OPS_INTERNAL_H
 
 #include "dtensor/dtensor_internal.h"
+#include "dtensor/stash.h"
 #include "kernels/kernels.h"
 #include "tp/ops.h"
 
@@ -34,6 +35,8 @@ typedef struct tp__op_def {
      * TP__KOP_NONE: the copy kernel decides (views). */
     tp__kop dtype_kernel;
     bool strided_ok;          /* local inputs may be non-contiguous views (read by strides) */
+    /* selective recomputation keeps the output (GEMMs; stash.h) */
+    bool recompute_keep;
     /* fills up to TP__OP_MAX_STRATS strategies for one mesh dim; returns the
      * count. NULL: the op has no distributed form. */
     int (*strategies)(const tp__op *op, int mesh_dim, tp__strategy *out);

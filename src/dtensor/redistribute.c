@@ -23,6 +23,7 @@
 
 #include "dtensor/debug_log.h"
 #include "dtensor/dtensor_internal.h"
+#include "dtensor/stash.h"
 #include "kernels/kernels.h"
 
 typedef struct {
@@ -621,6 +622,8 @@ static tp_status tp__redist_bwd(tp__node *node, tp_tensor *g, tp_tensor **gin)
     return tp__redistribute(g, want, false, &gin[0]);
 }
 
+static const char tp__redistribute_tag[] = "redistribute";
+
 tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool record,
                            tp_tensor **out)
 {
@@ -633,9 +636,15 @@ tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool r
     memcpy(cur, d->placements, sizeof cur);
     for (int i = 0; i < plan.n; i++)
         TP_CHECK(tp__step_check(fn, &plan.s[i]));
-    tp_tensor *local = tp_tensor_retain(d->local);
+    tp_tensor *local = NULL;
     tp_status st = TP_OK;
-    for (int i = 0; i < plan.n && st == TP_OK; i++) {
+    /* selective recompute: a redistribution that moves data is kept */
+    bool replay = plan.n > 0 && tp__stash_replaying();
+    if (replay)
+        st = tp__stash_take(tp__redistribute_tag, &local, NULL, 0);
+    else
+        local = tp_tensor_retain(d->local);
+    for (int i = 0; i < plan.n && st == TP_OK && !replay; i++) {
         tp_tensor *next = NULL;
         const tp__step *s = &plan.s[i];
         if (TP_LOG_ON(TP_LOG_INFO))
@@ -651,6 +660,8 @@ tp_status tp__redistribute(tp_tensor *dt, const tp_placement *placements, bool r
             cur[plan.s[i].mesh_dim] = plan.s[i].to;
         }
     }
+    if (st == TP_OK && plan.n > 0 && !replay)
+        st = tp__stash_put(tp__redistribute_tag, local, NULL, 0);
     tp_tensor *res = NULL;
     if (st == TP_OK)
         st = tp__dtensor_wrap(d->mesh, local, placements, dt->ndim, dt->shape, &res);

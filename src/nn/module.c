@@ -937,7 +937,9 @@ tp_status tp_module_forward(tp_module *m, int nargs, tp_tensor *const *args, int
             st = h(m, nargs, a, nkw, k, m->pre_hooks[i].ctx);
     }
     if (st == TP_OK) {
-        st = m->forward(m, nargs, a, nkw, k, &res);
+        st = m->recompute != TP_RECOMPUTE_NONE && tp_grad_enabled()
+                 ? tp__recompute_forward(m, nargs, a, nkw, k, &res)
+                 : m->forward(m, nargs, a, nkw, k, &res);
         if (st == TP_OK && !res)
             st = tp__error(TP_ERR_STATE, "%s: the forward of %s returned no output", fn,
                            m->type_name);

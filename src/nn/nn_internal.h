@@ -100,6 +100,7 @@ struct tp_module {
     size_t cap_attached;
     tp__attachment *attached; /* owned: upper layers' state (nn_ext.h) */
     bool training; /* dropout active (default true) */
+    tp_recompute_mode recompute; /* activation recomputation of this module (recompute.c) */
     /* The logical device (tp_module_device): {CPU, 0} for every module
      * created by the library; a replica's modules hold the device they were
      * replicated to (replicate.c), which for the CPU names a logical device
@@ -110,6 +111,12 @@ struct tp_module {
 /* The FQN of m relative to root ("" for root itself) into buf; returns its
  * full length (see module.c). */
 size_t tp__module_fqn(const tp_module *root, const tp_module *m, char *buf, size_t len);
+
+/* m's forward (m->forward, between its hooks) with m->recompute applied:
+ * run without recording and recorded as one function that runs it again in
+ * backward (recompute.c). Called only while grad is enabled. */
+tp_status tp__recompute_forward(tp_module *m, int nargs, tp_tensor **args, int nkw,
+                                tp_kwarg *kw, tp_tensor **out);
 
 /* Runs the step pre-hooks of m's subtree, depth first (optimizers call it
  * before updating). */

@@ -113,6 +113,7 @@ static tp_status tp__replicate_tree(tp__rep *r, const tp_module *src, tp_module 
     m->ctx_ref = tp__ctx_ref_retain(src->ctx_ref);
     m->next_hook_id = src->next_hook_id;
     m->training = src->training;
+    m->recompute = src->recompute;
     m->device = r->dev;
     m->type_name = tp__strdup(src->type_name);
     m->name = tp__strdup(src->name);

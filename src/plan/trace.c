@@ -148,7 +148,7 @@ static void tp__plan_record(tp_plan_event *e)
 {
     tp_plan_trace *t = tp__plan_active;
     if (e->phase != TP_PLAN_OPTIMIZER)
-        e->phase = tp_comm_debug_phase() == TP_PHASE_BACKWARD ? TP_PLAN_BACKWARD : TP_PLAN_FORWARD;
+        e->phase = tp_comm_debug_phase() == TP_PHASE_FORWARD ? TP_PLAN_FORWARD : TP_PLAN_BACKWARD;
     if (!tp__plan_push(t, e))
         t->lost = true;
 }
