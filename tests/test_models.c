@@ -716,6 +716,9 @@ Test(models, tp_llm_train_steps, .timeout = 180)
     check_train(LLAMA_BF16, "--tp 2", NULL, tmp);
     check_train(LLAMA_BF16, "--tp 2 --dp 2 --max-shard-bytes 60000", save, tmp);
     check_train(MISTRAL, "--tp 4 --sp", NULL, tmp);
+    /* activation recomputation changes no loss (DDP's hooks fire through it) */
+    check_train(LLAMA_BF16, "--tp 2 --dp 2 --recompute full", NULL, tmp);
+    check_train(MISTRAL, "--tp 4 --sp --recompute selective:2", NULL, tmp);
     /* the saved directory: sharded with an index, and it loads back */
     char path[300];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", save);
@@ -750,6 +753,10 @@ Test(models, tp_llm_bad_input, .timeout = 60)
                  2);
     cr_assert_eq(sh("%s train --model %s --data /no/file --steps 1 2>/dev/null", t, dir), 2);
     cr_assert_eq(sh("%s frobnicate 2>/dev/null", t), 2);
+    cr_assert_eq(sh("%s train --model %s --data x --steps 1 --recompute sometimes 2>/dev/null", t,
+                    dir), 2);
+    cr_assert_eq(sh("%s train --model %s --data x --steps 1 --recompute full:0 2>/dev/null", t,
+                    dir), 2);
     cr_assert_eq(sh("printf '1,2,3\\n4,5\\n' > %s/ragged && %s train --model %s --data %s/ragged "
                     "--steps 1 2>/dev/null", tmp, t, dir, tmp), 2);
     /* a checkpoint that is cut short */

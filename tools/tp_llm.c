@@ -4,7 +4,8 @@
  *
  *   tp-llm logits --model DIR --tokens IDS --out FILE          [common options]
  *   tp-llm train  --model DIR --data FILE --steps N [--lr L] [--weight-decay W]
- *                 [--save DIR] [--max-shard-bytes B] [--grads-out FILE]  [common options]
+ *                 [--save DIR] [--max-shard-bytes B] [--grads-out FILE]
+ *                 [--recompute none|full|selective[:K]]                   [common options]
  *   tp-llm generate --model DIR --tokens IDS --max-new-tokens K
  *                 [--greedy | --temperature T --top-k K --top-p P --seed S]
  *                 [--eos IDS] [--cache-len N]                             [common options]
@@ -18,7 +19,9 @@
  * every position as one f32 tensor "logits" [batch, seq, vocab] to a
  * safetensors file. `train` takes AdamW steps on the causal-LM loss (labels =
  * the input ids, shifted inside), printing each step's loss; --grads-out
- * writes the gradients of the first backward (full, f32, Hugging Face names).
+ * writes the gradients of the first backward (full, f32, Hugging Face names);
+ * --recompute recomputes the decoder blocks' activations in backward
+ * (every K-th block with :K; tp_module_set_recompute).
  * `generate` continues each sequence of IDS (here the lines of @FILE may
  * differ in length: prompts of different lengths, left-padded into one
  * batch) by up to K tokens through a KV cache (--cache-len positions, by
@@ -53,6 +56,8 @@ typedef struct {
     int tp, dp, threads;
     long steps;
     double lr, weight_decay;
+    tp_recompute_mode recompute; /* of the decoder blocks, every recompute_every-th */
+    long recompute_every;
     size_t max_shard;
     bool mpi, cuda, sp;
     tp_dtype dtype;
@@ -76,7 +81,8 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: tp-llm logits --model DIR --tokens IDS --out FILE [options]\n"
             "       tp-llm train --model DIR --data FILE --steps N [--lr L] [--weight-decay W]\n"
-            "                    [--save DIR] [--max-shard-bytes B] [--grads-out FILE] [options]\n"
+            "                    [--save DIR] [--max-shard-bytes B] [--grads-out FILE]\n"
+            "                    [--recompute none|full|selective[:K]] [options]\n"
             "       tp-llm generate --model DIR --tokens IDS --max-new-tokens K\n"
             "                    [--greedy | --temperature T --top-k K --top-p P --seed S]\n"
             "                    [--eos IDS] [--cache-len N] [options]\n"
@@ -428,6 +434,21 @@ static int parse_args(int argc, char **argv, options *o)
         } else if (!strcmp(a, "--weight-decay") && o->cmd == CMD_TRAIN) {
             if (!parse_double(v, &o->weight_decay) || o->weight_decay < 0)
                 return bad("--weight-decay '%s' is not >= 0", v);
+        } else if (!strcmp(a, "--recompute") && o->cmd == CMD_TRAIN) {
+            const char *colon = strchr(v, ':');
+            size_t len = colon ? (size_t)(colon - v) : strlen(v);
+            if (len == 4 && !strncmp(v, "none", 4))
+                o->recompute = TP_RECOMPUTE_NONE;
+            else if (len == 4 && !strncmp(v, "full", 4))
+                o->recompute = TP_RECOMPUTE_FULL;
+            else if (len == 9 && !strncmp(v, "selective", 9))
+                o->recompute = TP_RECOMPUTE_SELECTIVE;
+            else
+                return bad("--recompute '%s': none, full or selective, with :K for every K-th "
+                           "block", v);
+            o->recompute_every = 1;
+            if (colon && !parse_long(colon + 1, 1, 1L << 30, &o->recompute_every))
+                return bad("--recompute '%s': K (after ':') is not a count >= 1", v);
         } else if (!strcmp(a, "--max-shard-bytes") && o->cmd == CMD_TRAIN) {
             if (!parse_long(v, 1, 1L << 50, &n))
                 return bad("--max-shard-bytes '%s' is not a positive size", v);
@@ -748,6 +769,9 @@ static tp_status run_rank(tp_comm *world, void *arg)
         goto out;
     }
 
+    if (o->recompute != TP_RECOMPUTE_NONE)
+        TRY(tp_module_set_recompute_every(tp_module_find(model, "model.layers"),
+                                          (int)o->recompute_every, o->recompute));
     if (o->dp > 1) {
         const tp_ddp_options dopts = {.params_everywhere = true};
         TRY(tp_ddp_create(model, tp_mesh_comm(mesh, 0), &dopts, &ddp));
