@@ -7,7 +7,8 @@
 # With --config, a Hugging Face config.json's model (the fixtures): its
 # parameter count against the config's and the checkpoint's, a
 # Llama-3-70B-shaped config planned in seconds, the size options over the
-# config's values, and bad configs and layouts exiting 2.
+# config's values, and bad configs and layouts exiting 2. --ac: what
+# activation recomputation keeps and costs.
 #   tests/tp_plan_cli.sh BUILD/tools/tp-plan
 set -uo pipefail
 plan=$1
@@ -119,7 +120,7 @@ import json, sys
 s = json.load(open(sys.argv[1]))["sweep"]
 assert s[0]["tp"] == 8, [(e["tp"], e["sp"], e["tokens_per_s"]) for e in s]
 assert sorted({e["tp"] for e in s}) == [1, 2, 4, 8], s
-assert len(s) == 7, len(s)  # tp 1 once, 2, 4 and 8 with and without SP
+assert len(s) == 21, len(s)  # tp 1 once, 2, 4 and 8 with and without SP; each AC mode
 r = [e["tokens_per_s"] for e in s]
 assert r == sorted(r, reverse=True), r
 assert all(e["dp"] * e["tp"] == 16 for e in s)
@@ -244,6 +245,39 @@ expect_bad "seq must be >= 2, got 1" --config "$l70" --seq 1 --mesh dp=1,tp=1
 expect_bad "seq (8192) exceeds the config's sliding_window (4096)" \
     --config "$fixtures/hf/mistral" --seq 8192 --mesh dp=1,tp=1
 expect_bad "--kv-heads: needs --config" "${small[@]}" --kv-heads 2
+
+# --ac: activation recomputation of the blocks. Full keeps less than none
+# (the meta peak), its recompute time is reported apart and its GEMMs are
+# not model FLOPs (MFU below none's while tokens/s is too); the sweep tries
+# every mode.
+for ac in none selective full full:2; do
+    "$plan" "${small[@]}" --seq 2048 --batch 4 --mesh dp=2,tp=2 --ac "$ac" --json >"$tmp/ac_$ac.json" ||
+        fail "--ac $ac exits $?"
+done
+python3 - "$tmp" <<'PY' || fail "--ac: the JSON disagrees (above)"
+import json, sys
+d = sys.argv[1]
+r = {a: json.load(open(f"{d}/ac_{a}.json"))["plan"] for a in ("none", "selective", "full", "full:2")}
+assert r["none"]["ac"] == "none" and r["full"]["ac"] == "full", r["full"]["ac"]
+assert r["full:2"]["ac_every"] == 2, r["full:2"]["ac_every"]
+assert r["full"]["memory_bytes"] < r["none"]["memory_bytes"], (r["full"]["memory_bytes"], r["none"]["memory_bytes"])
+assert r["selective"]["memory_bytes"] < r["none"]["memory_bytes"]
+assert r["full"]["memory_bytes"] <= r["full:2"]["memory_bytes"] <= r["none"]["memory_bytes"]
+assert r["full"]["compute_s"] > r["none"]["compute_s"]
+# the same model FLOPs: MFU scales with 1 / step time
+f = r["full"]["mfu"] * r["full"]["step_s"] / (r["none"]["mfu"] * r["none"]["step_s"])
+assert abs(f - 1) < 1e-6, f
+PY
+"$plan" "${small[@]}" --mesh dp=2,tp=2 --ac full | grep -q "TP+SP+AC(full)" ||
+    fail "--ac full: the style does not say AC(full)"
+"$plan" "${small[@]}" --mesh dp=2,tp=2 --ac full | grep -q ", recompute [0-9.]* s" ||
+    fail "--ac full: no recompute time in the table"
+"$plan" "${small[@]}" --mesh dp=2,tp=2 --sweep >"$tmp/sweep_ac"
+for style in "AC(selective)" "AC(full)"; do
+    grep -qF "$style" "$tmp/sweep_ac" || fail "--sweep: no $style layout"
+done
+expect_bad '--ac: "some" is not none, selective or full' "${small[@]}" --ac some
+expect_bad '--ac: K in "full:0" is not a count >= 1' "${small[@]}" --ac full:0
 
 if [ $fails -ne 0 ]; then
     cat "$tmp/table" "$tmp/sweep" 2>/dev/null

@@ -448,6 +448,13 @@ static tp_status pm_setup(const plan_cfg *c, tp_device dev, pm_run *r, plan_step
     out->t_build = pm_now() - t0;
     t0 = pm_now();
     PM_TRY(c->llm ? parallelize_llm(c, r->model, r->tpm) : parallelize(c, r->model, r->tpm));
+    if (c->ac != TP_RECOMPUTE_NONE) { /* the blocks' container */
+        tp_module *blocks = c->llm ? tp_module_find(r->model, "model.layers")
+                            : c->vocab ? tp_module_find(r->model, "layers")
+                                       : r->model;
+        PM_TRY(tp_module_set_recompute_every(blocks, c->ac_every > 1 ? (int)c->ac_every : 1,
+                                             c->ac));
+    }
     tp_ddp_options dopt = {.params_everywhere = true};
     if (c->dp > 1)
         PM_TRY(tp_ddp_create(r->model, tp_mesh_comm(r->mesh, 0), &dopt, &r->ddp));

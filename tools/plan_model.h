@@ -30,6 +30,10 @@ typedef struct plan_cfg {
      * outlive the calls), whose sizes are then the model's: layers, hidden,
      * ffn, heads and vocab are not read. */
     const tp_llm_config *llm;
+    /* activation recomputation of the decoder blocks (tp_module_set_recompute):
+     * every ac_every-th block (0 or 1: all of them) */
+    tp_recompute_mode ac;
+    int64_t ac_every;
 } plan_cfg;
 
 /* What one simulated step gave. */

@@ -50,7 +50,8 @@ static const char usage[] =
     "usage: tp-plan [--config FILE] [--layers N] [--hidden N] [--ffn N] [--heads N]\n"
     "               [--kv-heads N] [--vocab N] [--seq N] [--batch N] [--dtype f32|bf16|f16]\n"
     "               [--mesh dp=D,tp=T] [--sp|--no-sp] [--loss-parallel] [--hw PRESET|FILE]\n"
-    "               [--memory-gib G] [--rank R] [--json] [--sweep] [--trace FILE]\n";
+    "               [--ac none|selective|full[:K]] [--memory-gib G] [--rank R] [--json]\n"
+    "               [--sweep] [--trace FILE]\n";
 
 static const char help[] =
     "\n"
@@ -66,9 +67,13 @@ static const char help[] =
     "                    8192, ffn 28672, 64 heads, vocab 0 unless given\n"
     "  --seq 4096 --batch 1 --dtype bf16 --mesh dp=64,tp=8 --sp --hw h100-sxm-ndr --rank 0\n"
     "                    the defaults of the others\n"
+    "  --ac MODE[:K]     activation recomputation of the blocks (every K-th with :K):\n"
+    "                    none (default), selective (keeps GEMM and collective outputs),\n"
+    "                    full (keeps each block's input)\n"
     "  --memory-gib G    the memory a rank may use (default: the --hw description's\n"
     "                    memory_bytes, else 80)\n"
-    "  --sweep           every power-of-two TP degree (with and without SP) at dp x tp ranks\n"
+    "  --sweep           every power-of-two TP degree, with and without SP, with each\n"
+    "                    --ac mode, at dp x tp ranks\n"
     "  --json            the output as JSON; --trace FILE: the step as a Chrome trace\n"
     "docs/plan.md describes the model, the hardware files and the output.\n";
 
@@ -110,6 +115,35 @@ static int parse_mesh(const char *s, plan_cfg *c)
             return fail("--mesh: the size of %s is not an integer", tok);
     }
     return 0;
+}
+
+/* "none", "selective" or "full", with ":K" for every K-th block */
+static int parse_ac(const char *s, plan_cfg *c)
+{
+    const char *colon = strchr(s, ':');
+    size_t len = colon ? (size_t)(colon - s) : strlen(s);
+    static const struct {
+        const char *name;
+        tp_recompute_mode mode;
+    } modes[] = {{"none", TP_RECOMPUTE_NONE},
+                 {"selective", TP_RECOMPUTE_SELECTIVE},
+                 {"full", TP_RECOMPUTE_FULL}};
+    size_t i = 0;
+    while (i < 3 && (strlen(modes[i].name) != len || strncmp(s, modes[i].name, len)))
+        i++;
+    if (i == 3)
+        return fail("--ac: \"%s\" is not none, selective or full (with :K for every K-th "
+                    "block)", s);
+    c->ac = modes[i].mode;
+    c->ac_every = 1;
+    if (colon && (!parse_i64(colon + 1, &c->ac_every) || c->ac_every < 1))
+        return fail("--ac: K in \"%s\" is not a count >= 1", s);
+    return 0;
+}
+
+static const char *ac_name(tp_recompute_mode m)
+{
+    return m == TP_RECOMPUTE_FULL ? "full" : m == TP_RECOMPUTE_SELECTIVE ? "selective" : "none";
 }
 
 static int parse_dtype(const char *s, tp_dtype *d)
@@ -229,6 +263,8 @@ static int parse_args(int argc, char **argv, opts *o)
             o->config = v;
         } else if (strcmp(a, "--mesh") == 0) {
             rc = parse_mesh(v, c);
+        } else if (strcmp(a, "--ac") == 0) {
+            rc = parse_ac(v, c);
         } else if (strcmp(a, "--dtype") == 0) {
             rc = parse_dtype(v, &c->dtype);
             o->dtype_given = true;
@@ -327,8 +363,16 @@ static tp_status evaluate(const plan_cfg *c, const tp_hw *hw, double mem_limit, 
 
 static const char *style_name(const plan_cfg *c)
 {
-    return c->sp ? (c->loss_parallel ? "TP+SP+loss" : "TP+SP")
-                 : (c->loss_parallel ? "TP+loss" : "TP");
+    static _Thread_local char buf[64];
+    const char *tp = c->sp ? (c->loss_parallel ? "TP+SP+loss" : "TP+SP")
+                           : (c->loss_parallel ? "TP+loss" : "TP");
+    if (c->ac == TP_RECOMPUTE_NONE)
+        return tp;
+    if (c->ac_every > 1)
+        snprintf(buf, sizeof buf, "%s+AC(%s:%lld)", tp, ac_name(c->ac), (long long)c->ac_every);
+    else
+        snprintf(buf, sizeof buf, "%s+AC(%s)", tp, ac_name(c->ac));
+    return buf;
 }
 
 static void print_table(const opts *o, const tp_hw *hw, const plan_eval *e)
@@ -368,21 +412,26 @@ static void print_table(const opts *o, const tp_hw *hw, const plan_eval *e)
     printf("step time %.6f s = compute %.6f s + exposed communication %.6f s "
            "(communication %.6f s in all)\n",
            e->r.step_s, e->r.compute_s, e->r.exposed_comm_s, e->r.comm_s);
-    printf("compute by phase: forward %.6f s, backward %.6f s, optimizer %.6f s\n", e->r.phase_s[0],
+    printf("compute by phase: forward %.6f s, backward %.6f s, optimizer %.6f s", e->r.phase_s[0],
            e->r.phase_s[1], e->r.phase_s[2]);
+    if (e->r.phase_s[TP_PLAN_RECOMPUTE] > 0)
+        printf(", recompute %.6f s", e->r.phase_s[TP_PLAN_RECOMPUTE]);
+    printf("\n");
     printf("tokens/s %.1f, MFU %.1f%%\n", e->tokens_per_s, 100.0 * e->r.mfu);
 }
 
 static void print_json_eval(const plan_eval *e)
 {
     const plan_cfg *c = &e->cfg;
-    printf("{\"dp\": %lld, \"tp\": %lld, \"sp\": %s, \"loss_parallel\": %s, \"rank\": %lld, "
+    printf("{\"dp\": %lld, \"tp\": %lld, \"sp\": %s, \"loss_parallel\": %s, \"ac\": \"%s\", "
+           "\"ac_every\": %lld, \"rank\": %lld, "
            "\"memory_bytes\": %llu, \"memory_measured\": %s, \"fits\": %s, \"params\": %lld, "
            "\"params_total\": %lld, \"step_s\": %.9g, \"compute_s\": %.9g, "
            "\"exposed_comm_s\": %.9g, \"comm_s\": %.9g, \"tokens_per_s\": %.9g, \"mfu\": %.9g, "
            "\"collectives\": {",
            (long long)c->dp, (long long)c->tp, c->sp ? "true" : "false",
-           c->loss_parallel ? "true" : "false", (long long)c->rank,
+           c->loss_parallel ? "true" : "false", ac_name(c->ac),
+           (long long)(c->ac_every > 1 ? c->ac_every : 1), (long long)c->rank,
            (unsigned long long)e->mem_bytes, e->mem_measured ? "true" : "false",
            e->fits ? "true" : "false", (long long)e->params, (long long)e->params_total,
            e->r.step_s, e->r.compute_s, e->r.exposed_comm_s, e->r.comm_s, e->tokens_per_s,
@@ -459,21 +508,26 @@ static int by_throughput(const void *a, const void *b)
 static int sweep(const opts *o, const tp_hw *hw)
 {
     int64_t world = o->cfg.dp * o->cfg.tp;
-    plan_eval e[16];
+    static const tp_recompute_mode acs[] = {TP_RECOMPUTE_NONE, TP_RECOMPUTE_SELECTIVE,
+                                            TP_RECOMPUTE_FULL};
+    plan_eval e[64];
     int n = 0;
     for (int64_t t = 1; t <= world && t <= 64; t *= 2)
-        for (int sp = 0; sp < (t > 1 ? 2 : 1) && world % t == 0; sp++) {
-            plan_cfg c = o->cfg;
-            c.tp = t;
-            c.dp = world / t;
-            c.sp = sp;
-            c.rank = 0;
-            if (plan_cfg_check(&c))
-                continue;
-            if (evaluate(&c, hw, o->memory_limit, NULL, &e[n]) != TP_OK)
-                return fprintf(stderr, "tp-plan: %s\n", tp_last_error()), 1;
-            n++;
-        }
+        for (int sp = 0; sp < (t > 1 ? 2 : 1) && world % t == 0; sp++)
+            for (int a = 0; a < 3; a++) {
+                plan_cfg c = o->cfg;
+                c.tp = t;
+                c.dp = world / t;
+                c.sp = sp;
+                c.ac = acs[a];
+                c.ac_every = 1;
+                c.rank = 0;
+                if (plan_cfg_check(&c))
+                    continue;
+                if (evaluate(&c, hw, o->memory_limit, NULL, &e[n]) != TP_OK)
+                    return fprintf(stderr, "tp-plan: %s\n", tp_last_error()), 1;
+                n++;
+            }
     if (!n)
         return fprintf(stderr, "tp-plan: --sweep: no TP degree fits the configuration\n"), 1;
     qsort(e, (size_t)n, sizeof *e, by_throughput);
@@ -483,10 +537,10 @@ static int sweep(const opts *o, const tp_hw *hw)
         print_json(o, hw, e, n);
         return 0;
     }
-    printf("%-4s %-5s %-6s %-11s %-10s %-12s %-8s %s\n", "rank", "dp", "tp", "style", "mem_GiB",
+    printf("%-4s %-5s %-6s %-22s %-10s %-12s %-8s %s\n", "rank", "dp", "tp", "style", "mem_GiB",
            "step_s", "MFU_%", "tokens/s");
     for (int i = 0; i < n; i++)
-        printf("%-4d %-5lld %-6lld %-11s %-10.2f %-12.6f %-8.1f %.1f%s\n", i + 1,
+        printf("%-4d %-5lld %-6lld %-22s %-10.2f %-12.6f %-8.1f %.1f%s\n", i + 1,
                (long long)e[i].cfg.dp, (long long)e[i].cfg.tp, style_name(&e[i].cfg),
                (double)e[i].mem_bytes / (1024.0 * 1024.0 * 1024.0), e[i].r.step_s,
                100.0 * e[i].r.mfu, e[i].tokens_per_s, e[i].fits ? "" : "  (does not fit)");

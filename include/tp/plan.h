@@ -49,6 +49,8 @@ typedef enum tp_plan_phase {
     TP_PLAN_FORWARD = 0,
     TP_PLAN_BACKWARD = 1,
     TP_PLAN_OPTIMIZER = 2, /* optimizer kernels (SGD, Adam updates) */
+    TP_PLAN_RECOMPUTE = 3, /* a forward run again in backward (activation recomputation):
+                            * timed like backward, its GEMMs not model FLOPs */
     TP_PLAN_PHASE_COUNT
 } tp_plan_phase;
 
@@ -98,7 +100,8 @@ typedef struct tp_plan_result {
     double comm_s;                       /* every collective, one after another */
     double exposed_comm_s;               /* the part of comm_s compute did not hide */
     double phase_s[TP_PLAN_PHASE_COUNT]; /* compute time by phase */
-    double gemm_flops;                   /* 2 m n k summed over the GEMMs */
+    double gemm_flops;                   /* 2 m n k summed over the GEMMs, recomputed
+                                          * ones left out (model FLOPs) */
     double model_flops_per_s;            /* gemm_flops / step_s */
     double mfu; /* model_flops_per_s / the peak of the GEMMs' dtype (the most used) */
     int64_t gemms, elementwise, collectives, waits; /* event counts */

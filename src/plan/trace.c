@@ -148,7 +148,9 @@ static void tp__plan_record(tp_plan_event *e)
 {
     tp_plan_trace *t = tp__plan_active;
     if (e->phase != TP_PLAN_OPTIMIZER)
-        e->phase = tp_comm_debug_phase() == TP_PHASE_FORWARD ? TP_PLAN_FORWARD : TP_PLAN_BACKWARD;
+        e->phase = tp_comm_debug_phase() == TP_PHASE_FORWARD     ? TP_PLAN_FORWARD
+                   : tp_comm_debug_phase() == TP_PHASE_RECOMPUTE ? TP_PLAN_RECOMPUTE
+                                                                 : TP_PLAN_BACKWARD;
     if (!tp__plan_push(t, e))
         t->lost = true;
 }

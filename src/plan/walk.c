@@ -67,7 +67,8 @@ static void tp__plan_step(tp__plan_lanes *l, const tp_plan_event *e, double t, b
         r->phase_s[e->phase] += t;
         if (e->kind == TP_PLAN_GEMM) {
             r->gemms++;
-            r->gemm_flops += 2.0 * (double)e->m * (double)e->n * (double)e->k;
+            if (e->phase != TP_PLAN_RECOMPUTE)
+                r->gemm_flops += 2.0 * (double)e->m * (double)e->n * (double)e->k;
         } else {
             r->elementwise++;
         }
@@ -203,7 +204,8 @@ static const char *tp__plan_event_name(const tp_plan_event *e)
 
 static void tp__plan_chrome_visit(const tp_plan_event *e, const tp__plan_span *s, void *ctx)
 {
-    static const char *const phase[TP_PLAN_PHASE_COUNT] = {"forward", "backward", "optimizer"};
+    static const char *const phase[TP_PLAN_PHASE_COUNT] = {"forward", "backward", "optimizer",
+                                                            "recompute"};
     tp__plan_chrome *c = ctx;
     if (e->kind == TP_PLAN_WAIT && s->dur <= 0)
         return;
