@@ -203,6 +203,89 @@ TP_API tp_step_graph *tp_ddp_graph(tp_ddp *ddp);
 TP_API tp_comm *tp_ddp_comm(const tp_ddp *ddp);
 TP_API tp_module *tp_ddp_module(const tp_ddp *ddp);
 
+/* ---- fully sharded data parallel --------------------------------------------
+ *
+ * FSDP2's fully_shard on libtp's DTensors. Each parameter of a unit (a
+ * module and its subtree, less the units inside it) is kept sharded on dim 0
+ * over the mesh's "dp" dim: the parameter the module, the optimizers, the
+ * gradient clipping and the checkpoints see is a DTensor holding this rank's
+ * rows of it. Around the unit's forward its parameters are gathered:
+ *
+ *   for each block: tp_fully_shard(block, mesh, &opts);
+ *   tp_fully_shard(model, mesh, &opts);          // the root: the rest
+ *   tp_adam_create(model, ...);                   // after sharding: it steps the shards
+ *   for (...) { forward; loss; tp_backward; tp_adam_step; tp_module_zero_grad }
+ *
+ * - Before a unit's forward: one all_gather over dp of its parameters (one
+ *   flat buffer per unit, in param_dtype), copied out into each parameter's
+ *   unsharded tensor (the TP shard the module computes with), which the
+ *   module holds while it runs.
+ * - After it: the unsharded tensors' memory is freed (reshard after forward;
+ *   not for the root, whose parameters backward needs first, nor with
+ *   keep_after_forward), and gathered again when backward reaches the unit.
+ * - In backward, once every unsharded parameter of the unit has its
+ *   gradient: one reduce_scatter over dp (in reduce_dtype) averages them
+ *   into the sharded parameters' gradients, and the unsharded memory is
+ *   freed again.
+ * - Prefetch: the unit that runs next (in forward order, learnt in the
+ *   first step; in backward, the reverse) has its all_gather issued before
+ *   the current unit computes.
+ * - The optimizer step first finishes a reduce_scatter that is still due
+ *   (parameters that got no gradient this step contribute zeros).
+ *
+ * Collectives of a step with reshard after forward, N units: forward N
+ * all_gathers, backward N - 1 all_gathers and N reduce_scatters (PyTorch
+ * 2.15's fully_shard issues the same for the same model and mesh).
+ *
+ * Meshes. `mesh` is a 1-D mesh (its one dim is dp; the parameters are plain
+ * tensors) or a 2-D mesh with dims "dp" and "tp" whose "tp" dim is the mesh
+ * the parameters' TP placements live on (tp_mesh_slice(mesh, 1, {"tp"}):
+ * same size, same coordinate). A sharded parameter is a DTensor on the
+ * (tp, dp) view of the mesh (tp_mesh_slice(mesh, 2, {"tp", "dp"})) with
+ * placements [its TP placement, Shard(0)]: the nesting order (the TP shard
+ * first, then its rows over dp) that PyTorch writes as _StridedShard(0) on
+ * dp when both shard dim 0. Uneven dim 0: rank r holds rows
+ * [r c, min((r + 1) c, n)) of the n rows of its TP shard, c = ceil(n / dp),
+ * padded to c in the flat buffers, as FSDP2 pads. Parameters that do not
+ * require grad are left as they are.
+ *
+ * HSDP (replicate over one mesh dim, shard over another) is not built.
+ */
+typedef struct tp_fsdp_options {
+    /* false (default): a unit's parameters are freed after its forward and
+     * gathered again in backward (FSDP2's reshard_after_forward=True);
+     * true: kept from the forward to the backward (one all_gather a step) */
+    bool keep_after_forward;
+    /* true: no prefetching of the next unit's all_gather */
+    bool no_prefetch;
+    /* the dtype the parameters are gathered and computed in (FSDP2's
+     * MixedPrecisionPolicy.param_dtype), when has_param_dtype: the shards
+     * keep theirs (f32 masters of a bf16 computation) */
+    bool has_param_dtype;
+    tp_dtype param_dtype;
+    /* the dtype gradients are reduce_scattered in (reduce_dtype), when
+     * has_reduce_dtype; else param_dtype */
+    bool has_reduce_dtype;
+    tp_dtype reduce_dtype;
+} tp_fsdp_options;
+
+/*
+ * Collective over mesh: makes `unit` a fully sharded unit (see above). Call
+ * it on the inner units first (each transformer block), then on the root.
+ * Every parameter of the unit's subtree that requires grad and is not in a
+ * unit already is sharded; they must share one dtype and one device, be
+ * plain (1-D mesh) or DTensors on the mesh's tp dim with Shard or Replicate
+ * placements, and a parameter tied between two units is refused (shard the
+ * module that holds both). TP_ERR_INVALID_ARG naming the parameter or the
+ * mesh at fault, TP_ERR_STATE for a module sharded already; nothing
+ * changed then. Parameters replaced by the call: create optimizers after
+ * it. The unit's state lives with the module (freed with it); the module
+ * must outlive the graphs it records. opts NULL: defaults.
+ */
+TP_API tp_status tp_fully_shard(tp_module *unit, tp_mesh *mesh, const tp_fsdp_options *opts);
+/* Whether m is a fully sharded unit. */
+TP_API bool tp_module_is_fully_sharded(const tp_module *m);
+
 #ifdef __cplusplus
 }
 #endif

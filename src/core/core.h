@@ -73,6 +73,17 @@ struct tp_tensor {
 tp_status tp__infer_sizes(const char *fn, int64_t total, int n, const int64_t *sizes, int first,
                           int64_t *out, int64_t *numel);
 
+/* Storage resharding (fully sharded data parallel, dp/fsdp.c): drop frees
+ * the bytes of t's storage (libtp's own, no deleter) and keeps its header,
+ * so that every tensor over it, those an autograd graph saved included,
+ * sees bytes again once restore has allocated them anew (the same size, the
+ * contents undefined). Dropping a dropped storage, or one that is not
+ * libtp's, and restoring one that is not dropped do nothing. Only for
+ * storage whose user guarantees nothing reads it meanwhile. */
+void tp__storage_drop(tp_tensor *t);
+tp_status tp__storage_restore(tp_tensor *t);
+bool tp__storage_dropped(const tp_tensor *t);
+
 /* A new plain header over t's storage region (t has storage): the same
  * dtype, shape, strides and offset, no extension state. */
 tp_status tp__tensor_alias(const tp_tensor *t, tp_tensor **out);

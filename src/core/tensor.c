@@ -100,9 +100,32 @@ static void tp__storage_release(tp_storage *s)
         return;
     if (s->deleter)
         s->deleter(s->data, s->deleter_ctx);
-    else if (s->owned)
+    else if (s->owned && s->data) /* NULL: dropped (tp__storage_drop) */
         tp__device_mem_of(s->device.type)->free(s->device.index, s->data);
     tp__free(s);
+}
+
+void tp__storage_drop(tp_tensor *t)
+{
+    tp_storage *s = t ? t->storage : NULL;
+    if (!s || !s->owned || s->deleter || !s->data || !s->nbytes)
+        return;
+    tp__device_mem_of(s->device.type)->free(s->device.index, s->data);
+    s->data = NULL;
+}
+
+bool tp__storage_dropped(const tp_tensor *t)
+{
+    return t && t->storage && !t->storage->data && t->storage->nbytes;
+}
+
+tp_status tp__storage_restore(tp_tensor *t)
+{
+    tp_storage *s = t->storage;
+    if (!tp__storage_dropped(t))
+        return TP_OK;
+    return tp__device_mem_of(s->device.type)
+        ->alloc("tp__storage_restore", s->device.index, s->nbytes, false, &s->data);
 }
 
 static tp_status tp__storage_new(const char *fn, const tp__device_mem *mem, tp_device dev,
