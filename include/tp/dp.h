@@ -253,8 +253,10 @@ TP_API tp_module *tp_ddp_module(const tp_ddp *ddp);
  */
 typedef struct tp_fsdp_options {
     /* false (default): a unit's parameters are freed after its forward and
-     * gathered again in backward (FSDP2's reshard_after_forward=True);
-     * true: kept from the forward to the backward (one all_gather a step) */
+     * gathered again in backward, the root's excepted (FSDP2's default,
+     * reshard_after_forward=None; its explicit True reshards the root too);
+     * true: kept from the forward to the backward (one all_gather a step,
+     * FSDP2's False) */
     bool keep_after_forward;
     /* true: no prefetching of the next unit's all_gather */
     bool no_prefetch;

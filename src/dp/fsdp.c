@@ -89,6 +89,48 @@ static tp_status flat_rows(tp_tensor *flat, int64_t at, const fsdp_param *p, int
     return st;
 }
 
+/* Copies between the rank-major flat buffer `flat` ([D, shard_numel]: rank
+ * k's shard of p at k * shard_numel + p->off, c rows, padded) and p's whole
+ * TP shard `full` (p->rows rows, contiguous): into full when to_full, else
+ * out of it. At most two copies: the full chunks as one strided copy, the
+ * short last one apart. */
+static tp_status copy_chunks(fsdp_unit *u, fsdp_param *p, tp_tensor *flat, tp_tensor *full,
+                             bool to_full)
+{
+    const int64_t whole = p->c ? p->rows / p->c : 0, tail = p->rows - whole * p->c;
+    tp_tensor *fl2 = NULL, *a = NULL, *b = NULL, *bv = NULL;
+    tp_status st = tp_tensor_view(flat, 2, (int64_t[]){u->D, u->shard_numel}, &fl2);
+    if (st == TP_OK && whole) { /* chunks 0 .. whole-1: [whole, c * rn] both ways */
+        st = tp_tensor_narrow(fl2, 1, p->off, p->c * p->rn, &a);
+        tp_tensor *a2 = NULL;
+        if (st == TP_OK)
+            st = tp_tensor_narrow(a, 0, 0, whole, &a2);
+        tp_tensor_release(a);
+        a = a2;
+        if (st == TP_OK)
+            st = tp_tensor_narrow(full, 0, 0, whole * p->c, &b);
+        if (st == TP_OK)
+            st = tp_tensor_view(b, 2, (int64_t[]){whole, p->c * p->rn}, &bv);
+        if (st == TP_OK)
+            st = to_full ? tp_tensor_copy(bv, a) : tp_tensor_copy(a, bv);
+        tp_tensor_release(a);
+        tp_tensor_release(b);
+        tp_tensor_release(bv);
+        a = b = bv = NULL;
+    }
+    if (st == TP_OK && tail) { /* chunk `whole`: the short one */
+        st = flat_rows(flat, whole * u->shard_numel + p->off, p, tail, &a);
+        if (st == TP_OK)
+            st = tp_tensor_narrow(full, 0, whole * p->c, tail, &b);
+        if (st == TP_OK)
+            st = to_full ? tp_tensor_copy(b, a) : tp_tensor_copy(a, b);
+        tp_tensor_release(a);
+        tp_tensor_release(b);
+    }
+    tp_tensor_release(fl2);
+    return st;
+}
+
 /* Rows of chunk k of the TP shard's dim 0 (torch.chunk over D). */
 static int64_t chunk_rows(const fsdp_param *p, int64_t k)
 {
@@ -136,19 +178,8 @@ static tp_status gather_finish(fsdp_unit *u)
             st = make_unsharded(u, p);
         else
             st = tp__storage_restore(p->u_local);
-        for (int64_t k = 0; k < u->D && st == TP_OK; k++) {
-            const int64_t r = chunk_rows(p, k);
-            if (!r)
-                continue;
-            tp_tensor *src = NULL, *dst = NULL;
-            st = flat_rows(u->recv, k * u->shard_numel + p->off, p, r, &src);
-            if (st == TP_OK)
-                st = tp_tensor_narrow(p->u_local, 0, k * p->c, r, &dst);
-            if (st == TP_OK)
-                st = tp_tensor_copy(dst, src);
-            tp_tensor_release(src);
-            tp_tensor_release(dst);
-        }
+        if (st == TP_OK)
+            st = copy_chunks(u, p, u->recv, p->u_local, true);
         if (st == TP_OK)
             st = set_slots(p, p->unsharded);
     }
@@ -211,20 +242,12 @@ static tp_status reduce_grads(fsdp_unit *u)
         tp_tensor *g = tp_tensor_grad(p->unsharded);
         if (!g)
             continue;
-        tp_tensor *gl = tp_tensor_is_dtensor(g) ? tp_dtensor_local(g) : g;
-        for (int64_t k = 0; k < u->D && st == TP_OK; k++) {
-            const int64_t r = chunk_rows(p, k);
-            if (!r)
-                continue;
-            tp_tensor *src = NULL, *dst = NULL;
-            st = tp_tensor_narrow(gl, 0, k * p->c, r, &src);
-            if (st == TP_OK)
-                st = flat_rows(send, k * u->shard_numel + p->off, p, r, &dst);
-            if (st == TP_OK)
-                st = tp_tensor_copy(dst, src);
-            tp_tensor_release(src);
-            tp_tensor_release(dst);
-        }
+        tp_tensor *gl = tp_tensor_is_dtensor(g) ? tp_dtensor_local(g) : g, *gc = NULL;
+        /* a gradient the backward left strided is copied whole first */
+        st = tp_tensor_is_contiguous(gl) ? TP_OK : tp_tensor_to(gl, u->reduce_dtype, u->dev, &gc);
+        if (st == TP_OK)
+            st = copy_chunks(u, p, send, gc ? gc : gl, false);
+        tp_tensor_release(gc);
     }
     if (st == TP_OK)
         st = tp_reduce_scatter(u->dp, send, recv, TP_AVG, NULL);
