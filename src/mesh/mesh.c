@@ -305,6 +305,12 @@ tp_status tp_mesh_slice(tp_mesh *mesh, int nnames, const char *const *names, tp_
         return st;
     }
     (*out)->owns_group = true;
+    /* each dim's members are as far apart in the world as in the parent's
+     * dim, whatever order the slice names them in (a (tp, dp) view of a
+     * (dp, tp) mesh): what plans time a collective's link by */
+    for (int i = 0; i < nnames; i++)
+        if ((*out)->comms[i] != group || nnames == 1)
+            tp__comm_set_global_stride((*out)->comms[i], mesh_dim_stride(mesh, sel[i]));
     return TP_OK;
 }
 
