@@ -36,6 +36,11 @@ bool tp_fqn_match(const char *pattern, const char *fqn)
     /* "" is the module itself and nothing else ("*" matches children only) */
     if (!pattern[0] || !fqn[0])
         return !pattern[0] && !fqn[0];
+    /* a pattern without fnmatch's special characters matches itself alone
+     * (plans resolved to module names, as tp_llm_parallelize's, are all
+     * literal: the whole-tree match of a 70B model is then string compares) */
+    if (!strpbrk(pattern, "*?[\\"))
+        return strcmp(pattern, fqn) == 0;
     const char *p = pattern, *f = fqn;
     for (;;) {
         const char *pe = strchr(p, '.'), *fe = strchr(f, '.');
