@@ -70,7 +70,8 @@ grep -qE '^collective +count +MiB +time_s$' "$tmp/table" || fail "no collective 
 grep -qE '^all_gather +17 +1\.250 ' "$tmp/table" || fail "not 17 all_gathers of 1.25 MiB in all (SP, 2 layers)"
 grep -qE '^step time [0-9.]+ s = compute [0-9.]+ s \+ exposed communication [0-9.]+ s' "$tmp/table" \
     || fail "no step time line"
-grep -qE '^tokens/s [0-9.]+, MFU [0-9.]+%$' "$tmp/table" || fail "no tokens/s and MFU line"
+grep -qE '^tokens/s [0-9.]+ \([0-9.]+ per device\), MFU [0-9.]+%$' "$tmp/table" \
+    || fail "no tokens/s and MFU line"
 grep -qE '^memory per rank: ' "$tmp/table" || fail "no memory line"
 
 # JSON, the same numbers; the trace file
@@ -120,7 +121,9 @@ import json, sys
 s = json.load(open(sys.argv[1]))["sweep"]
 assert s[0]["tp"] == 8, [(e["tp"], e["sp"], e["tokens_per_s"]) for e in s]
 assert sorted({e["tp"] for e in s}) == [1, 2, 4, 8], s
-assert len(s) == 21, len(s)  # tp 1 once, 2, 4 and 8 with and without SP; each AC mode
+# tp 1 once, 2, 4 and 8 with and without SP; DDP and FSDP; each AC mode
+assert len(s) == 42, len(s)
+assert {e["fsdp"] for e in s} == {True, False}
 r = [e["tokens_per_s"] for e in s]
 assert r == sorted(r, reverse=True), r
 assert all(e["dp"] * e["tp"] == 16 for e in s)

@@ -448,16 +448,23 @@ static tp_status pm_setup(const plan_cfg *c, tp_device dev, pm_run *r, plan_step
     out->t_build = pm_now() - t0;
     t0 = pm_now();
     PM_TRY(c->llm ? parallelize_llm(c, r->model, r->tpm) : parallelize(c, r->model, r->tpm));
-    if (c->ac != TP_RECOMPUTE_NONE) { /* the blocks' container */
-        tp_module *blocks = c->llm ? tp_module_find(r->model, "model.layers")
-                            : c->vocab ? tp_module_find(r->model, "layers")
-                                       : r->model;
+    /* the blocks' container */
+    tp_module *blocks = c->llm ? tp_module_find(r->model, "model.layers")
+                        : c->vocab ? tp_module_find(r->model, "layers")
+                                   : r->model;
+    if (c->ac != TP_RECOMPUTE_NONE)
         PM_TRY(tp_module_set_recompute_every(blocks, c->ac_every > 1 ? (int)c->ac_every : 1,
                                              c->ac));
-    }
-    tp_ddp_options dopt = {.params_everywhere = true};
-    if (c->dp > 1)
+    if (c->fsdp) { /* every block a unit, then the root */
+        const tp_fsdp_options fo = {.keep_after_forward = c->keep_after_forward};
+        for (int i = 0; i < tp_module_num_children(blocks); i++)
+            PM_TRY(tp_fully_shard(tp_module_child_at(blocks, i, NULL), r->mesh, &fo));
+        if (blocks != r->model)
+            PM_TRY(tp_fully_shard(r->model, r->mesh, &fo));
+    } else if (c->dp > 1) {
+        tp_ddp_options dopt = {.params_everywhere = true};
         PM_TRY(tp_ddp_create(r->model, tp_mesh_comm(r->mesh, 0), &dopt, &r->ddp));
+    }
     PM_TRY(tp_adam_create(r->model, 1e-4, 0.9, 0.95, 1e-8, &r->opt));
     PM_TRY(tp_module_named_parameters(r->model, count_param, out));
     PM_TRY(make_inputs(c, dev, &r->x, &r->target));

@@ -34,6 +34,10 @@ typedef struct plan_cfg {
      * every ac_every-th block (0 or 1: all of them) */
     tp_recompute_mode ac;
     int64_t ac_every;
+    /* fully sharded data parallel over dp (each block a unit, then the
+     * root) instead of DDP; keep_after_forward: FSDP2's
+     * reshard_after_forward=False */
+    bool fsdp, keep_after_forward;
 } plan_cfg;
 
 /* What one simulated step gave. */

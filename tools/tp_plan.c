@@ -32,7 +32,7 @@ typedef struct opts {
     double memory_gib;       /* --memory-gib; 0: not given */
     double memory_limit;     /* bytes a rank may hold: --memory-gib, else the hardware's */
     const char *memory_from; /* where memory_limit came from, for the output */
-    bool json, sweep;
+    bool json, sweep, reshard_given;
 } opts;
 
 /* One evaluated configuration. */
@@ -50,8 +50,8 @@ static const char usage[] =
     "usage: tp-plan [--config FILE] [--layers N] [--hidden N] [--ffn N] [--heads N]\n"
     "               [--kv-heads N] [--vocab N] [--seq N] [--batch N] [--dtype f32|bf16|f16]\n"
     "               [--mesh dp=D,tp=T] [--sp|--no-sp] [--loss-parallel] [--hw PRESET|FILE]\n"
-    "               [--ac none|selective|full[:K]] [--memory-gib G] [--rank R] [--json]\n"
-    "               [--sweep] [--trace FILE]\n";
+    "               [--ac none|selective|full[:K]] [--fsdp [--reshard-after-forward on|off]]\n"
+    "               [--memory-gib G] [--rank R] [--json] [--sweep] [--trace FILE]\n";
 
 static const char help[] =
     "\n"
@@ -70,10 +70,13 @@ static const char help[] =
     "  --ac MODE[:K]     activation recomputation of the blocks (every K-th with :K):\n"
     "                    none (default), selective (keeps GEMM and collective outputs),\n"
     "                    full (keeps each block's input)\n"
+    "  --fsdp            fully sharded data parallel over dp (each block a unit, then the\n"
+    "                    root; tp_fully_shard) instead of DDP; --reshard-after-forward off\n"
+    "                    keeps a unit's gathered parameters from forward to backward\n"
     "  --memory-gib G    the memory a rank may use (default: the --hw description's\n"
     "                    memory_bytes, else 80)\n"
-    "  --sweep           every power-of-two TP degree, with and without SP, with each\n"
-    "                    --ac mode, at dp x tp ranks\n"
+    "  --sweep           every power-of-two TP degree, with and without SP, DDP or FSDP,\n"
+    "                    with each --ac mode, at dp x tp ranks\n"
     "  --json            the output as JSON; --trace FILE: the step as a Chrome trace\n"
     "docs/plan.md describes the model, the hardware files and the output.\n";
 
@@ -169,6 +172,8 @@ static int parse_flag(opts *o, const char *a)
         o->cfg.sp = false;
     else if (strcmp(a, "--loss-parallel") == 0)
         o->cfg.loss_parallel = true;
+    else if (strcmp(a, "--fsdp") == 0)
+        o->cfg.fsdp = true;
     else
         return -1;
     return 0;
@@ -265,6 +270,11 @@ static int parse_args(int argc, char **argv, opts *o)
             rc = parse_mesh(v, c);
         } else if (strcmp(a, "--ac") == 0) {
             rc = parse_ac(v, c);
+        } else if (strcmp(a, "--reshard-after-forward") == 0) {
+            if (strcmp(v, "on") && strcmp(v, "off"))
+                return fail("--reshard-after-forward: \"%s\" is not on or off", v);
+            c->keep_after_forward = strcmp(v, "off") == 0;
+            o->reshard_given = true;
         } else if (strcmp(a, "--dtype") == 0) {
             rc = parse_dtype(v, &c->dtype);
             o->dtype_given = true;
@@ -291,6 +301,8 @@ static int parse_args(int argc, char **argv, opts *o)
         return fail("%s: needs --config (the built-in decoder has a kv head per head)",
                     "--kv-heads");
     }
+    if (o->reshard_given && !c->fsdp)
+        return fail("%s: needs --fsdp", "--reshard-after-forward");
     const char *bad = plan_cfg_check(c);
     if (bad)
         return fail("invalid configuration: %s", bad);
@@ -366,12 +378,13 @@ static const char *style_name(const plan_cfg *c)
     static _Thread_local char buf[64];
     const char *tp = c->sp ? (c->loss_parallel ? "TP+SP+loss" : "TP+SP")
                            : (c->loss_parallel ? "TP+loss" : "TP");
-    if (c->ac == TP_RECOMPUTE_NONE)
-        return tp;
-    if (c->ac_every > 1)
-        snprintf(buf, sizeof buf, "%s+AC(%s:%lld)", tp, ac_name(c->ac), (long long)c->ac_every);
-    else
-        snprintf(buf, sizeof buf, "%s+AC(%s)", tp, ac_name(c->ac));
+    int n = snprintf(buf, sizeof buf, "%s%s",
+                     !c->fsdp ? "" : c->keep_after_forward ? "FSDP(keep)+" : "FSDP+", tp);
+    if (c->ac != TP_RECOMPUTE_NONE && c->ac_every > 1)
+        snprintf(buf + n, sizeof buf - (size_t)n, "+AC(%s:%lld)", ac_name(c->ac),
+                 (long long)c->ac_every);
+    else if (c->ac != TP_RECOMPUTE_NONE)
+        snprintf(buf + n, sizeof buf - (size_t)n, "+AC(%s)", ac_name(c->ac));
     return buf;
 }
 
@@ -417,21 +430,23 @@ static void print_table(const opts *o, const tp_hw *hw, const plan_eval *e)
     if (e->r.phase_s[TP_PLAN_RECOMPUTE] > 0)
         printf(", recompute %.6f s", e->r.phase_s[TP_PLAN_RECOMPUTE]);
     printf("\n");
-    printf("tokens/s %.1f, MFU %.1f%%\n", e->tokens_per_s, 100.0 * e->r.mfu);
+    printf("tokens/s %.1f (%.1f per device), MFU %.1f%%\n", e->tokens_per_s,
+           e->tokens_per_s / (double)(c->dp * c->tp), 100.0 * e->r.mfu);
 }
 
 static void print_json_eval(const plan_eval *e)
 {
     const plan_cfg *c = &e->cfg;
     printf("{\"dp\": %lld, \"tp\": %lld, \"sp\": %s, \"loss_parallel\": %s, \"ac\": \"%s\", "
-           "\"ac_every\": %lld, \"rank\": %lld, "
+           "\"ac_every\": %lld, \"fsdp\": %s, \"reshard_after_forward\": %s, \"rank\": %lld, "
            "\"memory_bytes\": %llu, \"memory_measured\": %s, \"fits\": %s, \"params\": %lld, "
            "\"params_total\": %lld, \"step_s\": %.9g, \"compute_s\": %.9g, "
            "\"exposed_comm_s\": %.9g, \"comm_s\": %.9g, \"tokens_per_s\": %.9g, \"mfu\": %.9g, "
            "\"collectives\": {",
            (long long)c->dp, (long long)c->tp, c->sp ? "true" : "false",
            c->loss_parallel ? "true" : "false", ac_name(c->ac),
-           (long long)(c->ac_every > 1 ? c->ac_every : 1), (long long)c->rank,
+           (long long)(c->ac_every > 1 ? c->ac_every : 1), c->fsdp ? "true" : "false",
+           c->fsdp && !c->keep_after_forward ? "true" : "false", (long long)c->rank,
            (unsigned long long)e->mem_bytes, e->mem_measured ? "true" : "false",
            e->fits ? "true" : "false", (long long)e->params, (long long)e->params_total,
            e->r.step_s, e->r.compute_s, e->r.exposed_comm_s, e->r.comm_s, e->tokens_per_s,
@@ -510,24 +525,26 @@ static int sweep(const opts *o, const tp_hw *hw)
     int64_t world = o->cfg.dp * o->cfg.tp;
     static const tp_recompute_mode acs[] = {TP_RECOMPUTE_NONE, TP_RECOMPUTE_SELECTIVE,
                                             TP_RECOMPUTE_FULL};
-    plan_eval e[64];
+    plan_eval e[128];
     int n = 0;
     for (int64_t t = 1; t <= world && t <= 64; t *= 2)
         for (int sp = 0; sp < (t > 1 ? 2 : 1) && world % t == 0; sp++)
-            for (int a = 0; a < 3; a++) {
-                plan_cfg c = o->cfg;
-                c.tp = t;
-                c.dp = world / t;
-                c.sp = sp;
-                c.ac = acs[a];
-                c.ac_every = 1;
-                c.rank = 0;
-                if (plan_cfg_check(&c))
-                    continue;
-                if (evaluate(&c, hw, o->memory_limit, NULL, &e[n]) != TP_OK)
-                    return fprintf(stderr, "tp-plan: %s\n", tp_last_error()), 1;
-                n++;
-            }
+            for (int fsdp = 0; fsdp < (world / t > 1 ? 2 : 1); fsdp++)
+                for (int a = 0; a < 3; a++) {
+                    plan_cfg c = o->cfg;
+                    c.tp = t;
+                    c.dp = world / t;
+                    c.sp = sp;
+                    c.fsdp = fsdp;
+                    c.ac = acs[a];
+                    c.ac_every = 1;
+                    c.rank = 0;
+                    if (plan_cfg_check(&c))
+                        continue;
+                    if (evaluate(&c, hw, o->memory_limit, NULL, &e[n]) != TP_OK)
+                        return fprintf(stderr, "tp-plan: %s\n", tp_last_error()), 1;
+                    n++;
+                }
     if (!n)
         return fprintf(stderr, "tp-plan: --sweep: no TP degree fits the configuration\n"), 1;
     qsort(e, (size_t)n, sizeof *e, by_throughput);
