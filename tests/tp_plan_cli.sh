@@ -279,6 +279,42 @@ PY
 for style in "AC(selective)" "AC(full)"; do
     grep -qF "$style" "$tmp/sweep_ac" || fail "--sweep: no $style layout"
 done
+# --fsdp: a rank holds half the parameter elements at dp 2 and issues one
+# all_gather per unit forward and one but the root's backward (3 units: 5),
+# one reduce_scatter per unit (3) over DDP's counts; keeping the gathered
+# parameters drops the backward ones
+for f in ddp fsdp keep; do
+    case $f in ddp) a=() ;; fsdp) a=(--fsdp) ;; keep) a=(--fsdp --reshard-after-forward off) ;; esac
+    "$plan" "${small[@]}" --mesh dp=2,tp=2 "${a[@]}" --json >"$tmp/f_$f.json" || fail "--$f exits $?"
+done
+python3 - "$tmp" <<'PY' || fail "--fsdp: the JSON disagrees (above)"
+import json, sys
+d = sys.argv[1]
+r = {f: json.load(open(f"{d}/f_{f}.json"))["plan"] for f in ("ddp", "fsdp", "keep")}
+assert not r["ddp"]["fsdp"] and r["fsdp"]["fsdp"] and r["fsdp"]["reshard_after_forward"]
+assert not r["keep"]["reshard_after_forward"]
+assert 2 * r["fsdp"]["params"] == r["ddp"]["params"], (r["fsdp"]["params"], r["ddp"]["params"])
+c = {f: r[f]["collectives"] for f in r}
+ag = lambda f: c[f]["all_gather"]["count"]
+rs = lambda f: c[f]["reduce_scatter"]["count"]
+assert ag("fsdp") == ag("ddp") + 5 and rs("fsdp") == rs("ddp") + 3, (c["ddp"], c["fsdp"])
+assert ag("keep") == ag("ddp") + 3, c["keep"]
+PY
+"$plan" --config "$l70" --mesh dp=32,tp=8 --sp --loss-parallel --fsdp --ac full --seq 8192 \
+    --batch 16 --dtype bf16 --hw h100-sxm-ndr >"$tmp/fit70" 2>&1 || fail "the 70B FSDP plan exits $?"
+grep -q "fits in 79.65 GiB" "$tmp/fit70" || fail "70B at FSDP 32 x TP 8: $(grep memory "$tmp/fit70")"
+grep -qE "^tokens/s [0-9.]+ \([0-9.]+ per device\)" "$tmp/fit70" || fail "70B: no tokens/s per device"
+for w in dp=8,tp=8 dp=32,tp=8 dp=128,tp=8; do
+    start=$(date +%s.%N)
+    "$plan" --config "$l70" --mesh "$w" --loss-parallel --seq 8192 --dtype bf16 --sweep \
+        >"$tmp/sw70" 2>&1 || fail "the 70B sweep at $w finds no fitting layout (exit $?)"
+    t=$(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.2f}')" \
+        "$start" "$(date +%s.%N)")
+    echo "70B --sweep at $w: $t s (goal: under 5 s; a timing, reported, not asserted)"
+done
+expect_bad "--reshard-after-forward: needs --fsdp" "${small[@]}" --reshard-after-forward off
+expect_bad '--reshard-after-forward: "maybe" is not on or off' "${small[@]}" --fsdp \
+    --reshard-after-forward maybe
 expect_bad '--ac: "some" is not none, selective or full' "${small[@]}" --ac some
 expect_bad '--ac: K in "full:0" is not a count >= 1' "${small[@]}" --ac full:0
 
