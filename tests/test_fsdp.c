@@ -28,6 +28,7 @@ typedef struct {
     tp_tensor *param[MAX_PARAMS];
     tp_tensor *grad[MAX_PARAMS];
     int64_t coll[3][TP_COLL_KIND_COUNT]; /* the last step's, by phase */
+    int64_t gather_bytes, scatter_bytes;  /* the last step's all_gather / reduce_scatter bytes */
 } record_t;
 
 static void record_free(record_t *r)
@@ -133,6 +134,11 @@ static tp_status run_body(tp_comm *world, void *arg)
             RANK_OK(slot, tp_fully_shard(tp_module_child_at(layers, i, NULL), mesh, &fo));
         RANK_OK(slot, tp_fully_shard(model, mesh, &fo));
         RANK_EXPECT(slot, tp_module_is_fully_sharded(model), "the root is no unit");
+        /* the module shows f32 shards whatever the compute dtype */
+        tp_tensor *w = tp_module_parameter(tp_module_find(model, "lm_head"), "weight");
+        RANK_EXPECT(slot, tp_tensor_dtype(w) == TP_F32 && tp_tensor_is_dtensor(w) &&
+                              tp_mesh_ndim(tp_dtensor_mesh(w)) == 2,
+                    "lm_head.weight is not an f32 shard on the (tp, dp) mesh");
     }
     tp_adam *opt = NULL;
     const tp_adam_options ao = {.lr = 1e-3, .weight_decay = 0.01, .decoupled = true};
@@ -156,6 +162,8 @@ static tp_status run_body(tp_comm *world, void *arg)
             for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
                 RANK_OK(slot, tp_comm_debug_scope_count(dbg, TP_COMM_DEBUG_GLOBAL, (tp_phase)p,
                                                         (tp_coll_kind)k, &rec->coll[p][k]));
+        rec->gather_bytes = tp_comm_debug_bytes(dbg, TP_COLL_ALL_GATHER);
+        rec->scatter_bytes = tp_comm_debug_bytes(dbg, TP_COLL_REDUCE_SCATTER);
         /* the loss of this rank's rows; averaged over dp below */
         RANK_OK(slot, full_f32(loss, &lf));
         double l = *(const float *)tp_tensor_data(lf);
@@ -305,6 +313,48 @@ ParameterizedTest(fsdp_case *c, fsdp, against_ddp_and_one_rank, .timeout = 300)
     for (int r = 0; r < c->dp * c->tp; r++) {
         record_free(&many.rec[r]);
         record_free(&ddp.rec[r]);
+    }
+    record_free(&one.rec[0]);
+}
+
+/* Mixed precision: parameters gathered and computed in bf16 from f32
+ * shards, gradients reduce_scattered in f32 (FSDP2's MixedPrecisionPolicy
+ * (bf16, f32)). Against the f32 run on one rank: losses and first-step
+ * gradients within bf16's bounds (docs/API.md "Precision": 3e-2); the
+ * all_gathers move half the bytes of the f32 FSDP run, the reduce_scatters
+ * the same. */
+Test(fsdp, mixed_precision, .timeout = 240)
+{
+    static run_state one, f32, bf16;
+    const fsdp_case ref = {LLAMA, 1, 1, false, false, false, false};
+    const fsdp_case full = {LLAMA, 2, 2, false, false, false, false};
+    const fsdp_case mixed = {LLAMA, 2, 2, false, false, true, false};
+    run(&ref, &one);
+    run(&full, &f32);
+    run(&mixed, &bf16);
+    const record_t *a = &one.rec[0];
+    for (int r = 0; r < 4; r++) {
+        if (!tp_test_rank_is_local(r))
+            continue;
+        const record_t *b = &bf16.rec[r], *f = &f32.rec[r];
+        for (int s = 0; s < STEPS; s++)
+            cr_assert(fabs(a->loss[s] - b->loss[s]) <= 3e-2 * fabs(a->loss[s]),
+                      "rank %d step %d: loss %.6f in bf16, %.6f in f32", r, s, b->loss[s],
+                      a->loss[s]);
+        for (int i = 0; i < a->n; i++) {
+            const double eg = rel_diff(a->grad[i], b->grad[i]);
+            cr_assert(eg <= 3e-2, "rank %d: the gradient of %s differs by %g in bf16", r,
+                      a->fqn[i], eg);
+        }
+        /* TP's own all_gathers are none here (no SP): all of them are FSDP's */
+        cr_assert_eq(2 * b->gather_bytes, f->gather_bytes, "rank %d: all_gather bytes %lld in "
+                     "bf16, %lld in f32", r, (long long)b->gather_bytes,
+                     (long long)f->gather_bytes);
+        cr_assert_eq(b->scatter_bytes, f->scatter_bytes, "rank %d: reduce_scatter bytes", r);
+    }
+    for (int r = 0; r < 4; r++) {
+        record_free(&bf16.rec[r]);
+        record_free(&f32.rec[r]);
     }
     record_free(&one.rec[0]);
 }
