@@ -17,6 +17,7 @@ typedef struct {
     bool recompute;  /* full recompute of every block as well */
     bool bf16;       /* param_dtype bf16, reduce_dtype f32 */
     bool ddp;        /* DDP over dp instead of FSDP */
+    bool no_prefetch;
 } fsdp_case;
 
 /* One run's record: the loss of each step, the full parameters after the
@@ -29,6 +30,7 @@ typedef struct {
     tp_tensor *grad[MAX_PARAMS];
     int64_t coll[3][TP_COLL_KIND_COUNT]; /* the last step's, by phase */
     int64_t gather_bytes, scatter_bytes;  /* the last step's all_gather / reduce_scatter bytes */
+    int async_gathers, sync_gathers;      /* the last step's all_gathers, as the trace saw them */
 } record_t;
 
 static void record_free(record_t *r)
@@ -123,7 +125,8 @@ static tp_status run_body(tp_comm *world, void *arg)
                                 .has_param_dtype = c->bf16,
                                 .param_dtype = TP_BF16,
                                 .has_reduce_dtype = c->bf16,
-                                .reduce_dtype = TP_F32};
+                                .reduce_dtype = TP_F32,
+                                .no_prefetch = c->no_prefetch};
     const int units = (int)cfg.num_hidden_layers + 1;
     tp_ddp *ddp = NULL;
     if (sharded && c->ddp) {
@@ -151,6 +154,9 @@ static tp_status run_body(tp_comm *world, void *arg)
     tp_memory_info m1;
     for (int step = 0; step < STEPS; step++) {
         tp_tensor *logits = NULL, *loss = NULL, *lf = NULL;
+        tp_plan_trace *trace = NULL;
+        RANK_OK(slot, tp_plan_trace_create(&trace));
+        RANK_OK(slot, tp_plan_trace_begin(trace));
         RANK_OK(slot, tp_comm_debug_begin(dbg));
         tp_comm_debug_set_phase(TP_PHASE_FORWARD);
         RANK_OK(slot, tp_llm_forward(model, ids, NULL, NULL, &logits));
@@ -158,6 +164,14 @@ static tp_status run_body(tp_comm *world, void *arg)
         RANK_OK(slot, tp_backward(loss, NULL));
         tp_comm_debug_set_phase(TP_PHASE_FORWARD);
         RANK_OK(slot, tp_comm_debug_end(dbg));
+        RANK_OK(slot, tp_plan_trace_end(trace));
+        rec->async_gathers = rec->sync_gathers = 0;
+        for (size_t i = 0; i < tp_plan_trace_count(trace); i++) {
+            const tp_plan_event *e = tp_plan_trace_event(trace, i);
+            if (e->kind == TP_PLAN_COLLECTIVE && e->coll == TP_COLL_ALL_GATHER)
+                ++*(e->async ? &rec->async_gathers : &rec->sync_gathers);
+        }
+        tp_plan_trace_free(trace);
         for (int p = 0; p < 3; p++)
             for (int k = 0; k < TP_COLL_KIND_COUNT; k++)
                 RANK_OK(slot, tp_comm_debug_scope_count(dbg, TP_COMM_DEBUG_GLOBAL, (tp_phase)p,
@@ -234,11 +248,11 @@ static double rel_diff(const tp_tensor *a, const tp_tensor *b)
 ParameterizedTestParameters(fsdp, against_ddp_and_one_rank)
 {
     static fsdp_case cases[] = {
-        {LLAMA, 2, 1, false, false, false, false}, {LLAMA, 3, 1, false, false, false, false},
-        {LLAMA, 2, 2, false, false, false, false}, {LLAMA, 3, 2, false, false, false, false},
-        {LLAMA, 4, 2, false, false, false, false}, {LLAMA, 2, 2, true, false, false, false},
-        {LLAMA, 2, 2, false, true, false, false},  {MISTRAL, 2, 4, false, false, false, false},
-        {QWEN2, 2, 2, false, false, false, false}, {LLAMA_BF16, 2, 2, false, false, false, false},
+        {LLAMA, 2, 1, false, false, false, false, false}, {LLAMA, 3, 1, false, false, false, false, false},
+        {LLAMA, 2, 2, false, false, false, false, false}, {LLAMA, 3, 2, false, false, false, false, false},
+        {LLAMA, 4, 2, false, false, false, false, false}, {LLAMA, 2, 2, true, false, false, false, false},
+        {LLAMA, 2, 2, false, true, false, false, false},  {MISTRAL, 2, 4, false, false, false, false, false},
+        {QWEN2, 2, 2, false, false, false, false, false}, {LLAMA_BF16, 2, 2, false, false, false, false, false},
     };
     return cr_make_param_array(fsdp_case, cases, sizeof cases / sizeof cases[0]);
 }
@@ -317,6 +331,39 @@ ParameterizedTest(fsdp_case *c, fsdp, against_ddp_and_one_rank, .timeout = 300)
     record_free(&one.rec[0]);
 }
 
+/* Prefetch: from the second step on (the first records the units' order),
+ * each unit's pre-forward issues the next unit's all_gather as work, and
+ * the first block to run backward the next one's (the root stays gathered):
+ * 2 + 1 of the 5 all_gathers asynchronous. Without prefetch, none; the
+ * results are the same bytes either way. */
+Test(fsdp, prefetch, .timeout = 240)
+{
+    static run_state on, off;
+    const fsdp_case pf = {LLAMA, 2, 2, false, false, false, false, false};
+    const fsdp_case npf = {LLAMA, 2, 2, false, false, false, false, true};
+    run(&pf, &on);
+    run(&npf, &off);
+    for (int r = 0; r < 4; r++) {
+        if (!tp_test_rank_is_local(r))
+            continue;
+        const record_t *a = &on.rec[r], *b = &off.rec[r];
+        cr_assert_eq(a->async_gathers, 3, "rank %d: %d all_gathers prefetched, %d not", r,
+                     a->async_gathers, a->sync_gathers);
+        cr_assert_eq(a->sync_gathers, 2, "rank %d", r);
+        cr_assert_eq(b->async_gathers, 0, "rank %d: no_prefetch issued %d as work", r,
+                     b->async_gathers);
+        cr_assert_eq(b->sync_gathers, 5, "rank %d", r);
+        for (int s = 0; s < STEPS; s++)
+            cr_assert_eq(a->loss[s], b->loss[s], "rank %d step %d", r, s);
+        for (int i = 0; i < a->n; i++)
+            cr_assert_eq(rel_diff(a->param[i], b->param[i]), 0.0, "rank %d: %s", r, a->fqn[i]);
+    }
+    for (int r = 0; r < 4; r++) {
+        record_free(&on.rec[r]);
+        record_free(&off.rec[r]);
+    }
+}
+
 /* Mixed precision: parameters gathered and computed in bf16 from f32
  * shards, gradients reduce_scattered in f32 (FSDP2's MixedPrecisionPolicy
  * (bf16, f32)). Against the f32 run on one rank: losses and first-step
@@ -326,9 +373,9 @@ ParameterizedTest(fsdp_case *c, fsdp, against_ddp_and_one_rank, .timeout = 300)
 Test(fsdp, mixed_precision, .timeout = 240)
 {
     static run_state one, f32, bf16;
-    const fsdp_case ref = {LLAMA, 1, 1, false, false, false, false};
-    const fsdp_case full = {LLAMA, 2, 2, false, false, false, false};
-    const fsdp_case mixed = {LLAMA, 2, 2, false, false, true, false};
+    const fsdp_case ref = {LLAMA, 1, 1, false, false, false, false, false};
+    const fsdp_case full = {LLAMA, 2, 2, false, false, false, false, false};
+    const fsdp_case mixed = {LLAMA, 2, 2, false, false, true, false, false};
     run(&ref, &one);
     run(&full, &f32);
     run(&mixed, &bf16);
@@ -366,8 +413,8 @@ Test(fsdp, mixed_precision, .timeout = 240)
 Test(fsdp, holds_shards_between_steps, .timeout = 120)
 {
     static run_state ddp, many;
-    const fsdp_case d = {LLAMA, 4, 1, false, false, false, true};
-    const fsdp_case f = {LLAMA, 4, 1, false, false, false, false};
+    const fsdp_case d = {LLAMA, 4, 1, false, false, false, true, false};
+    const fsdp_case f = {LLAMA, 4, 1, false, false, false, false, false};
     run(&d, &ddp);
     run(&f, &many);
     const double held_ddp = (double)(ddp.held - ddp.before),
