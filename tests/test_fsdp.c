@@ -18,6 +18,7 @@ typedef struct {
     bool bf16;       /* param_dtype bf16, reduce_dtype f32 */
     bool ddp;        /* DDP over dp instead of FSDP */
     bool no_prefetch;
+    int rep; /* HSDP: a "dp_replicate" dim of this size (0: none) */
 } fsdp_case;
 
 /* One run's record: the loss of each step, the full parameters after the
@@ -106,10 +107,15 @@ static tp_status run_body(tp_comm *world, void *arg)
     tp_mesh *mesh = NULL, *tpm = NULL;
     tp_llm_plan *plan = NULL;
     RANK_OK(slot, tp_llm_create(&cfg, &model));
-    const bool sharded = c->dp * c->tp > 1;
-    if (sharded) {
+    const int rep = c->rep > 1 ? c->rep : 1;
+    const bool sharded = rep * c->dp * c->tp > 1;
+    if (sharded && rep > 1)
+        RANK_OK(slot, tp_mesh_create(world, 3, (int64_t[]){rep, c->dp, c->tp},
+                                     (const char *[]){"dp_replicate", "dp", "tp"}, &mesh));
+    else if (sharded)
         RANK_OK(slot, tp_mesh_create(world, 2, (int64_t[]){c->dp, c->tp},
                                      (const char *[]){"dp", "tp"}, &mesh));
+    if (sharded) {
         RANK_OK(slot, tp_mesh_slice(mesh, 1, (const char *[]){"tp"}, &tpm));
         RANK_OK(slot, tp_llm_plan_create(&(tp_llm_plan_options){0}, &plan));
         RANK_OK(slot, tp_llm_parallelize(model, tpm, tp_llm_plan_size(plan),
@@ -140,13 +146,17 @@ static tp_status run_body(tp_comm *world, void *arg)
         /* the module shows f32 shards whatever the compute dtype */
         tp_tensor *w = tp_module_parameter(tp_module_find(model, "lm_head"), "weight");
         RANK_EXPECT(slot, tp_tensor_dtype(w) == TP_F32 && tp_tensor_is_dtensor(w) &&
-                              tp_mesh_ndim(tp_dtensor_mesh(w)) == 2,
-                    "lm_head.weight is not an f32 shard on the (tp, dp) mesh");
+                              tp_mesh_ndim(tp_dtensor_mesh(w)) == (rep > 1 ? 3 : 2),
+                    "lm_head.weight is not an f32 shard on the ([dp_replicate,] tp, dp) mesh");
     }
     tp_adam *opt = NULL;
     const tp_adam_options ao = {.lr = 1e-3, .weight_decay = 0.01, .decoupled = true};
     RANK_OK(slot, tp_adam_create_with(model, &ao, &opt));
-    const int64_t rows = BATCH / c->dp, dp_rank = sharded ? tp_mesh_coord(mesh, 0) : 0;
+    /* the batch splits over every data-parallel rank: dp_replicate x dp */
+    const int64_t rows = BATCH / (rep * c->dp),
+                  dp_rank = !sharded ? 0
+                            : rep > 1 ? tp_mesh_coord(mesh, 0) * c->dp + tp_mesh_coord(mesh, 1)
+                                      : tp_mesh_coord(mesh, 0);
     tp_tensor *ids = NULL;
     RANK_OK(slot, batch_ids(cfg.vocab_size, dp_rank * rows, rows, &ids));
     tp_comm_debug *dbg = NULL;
@@ -182,11 +192,12 @@ static tp_status run_body(tp_comm *world, void *arg)
         RANK_OK(slot, full_f32(loss, &lf));
         double l = *(const float *)tp_tensor_data(lf);
         tp_tensor_release(lf);
-        if (sharded && c->dp > 1) {
+        if (sharded && rep * c->dp > 1) {
             tp_tensor *t = NULL;
             RANK_OK(slot, tp_tensor_empty(TP_F64, TP_CPU, 1, (int64_t[]){1}, &t));
             *(double *)tp_tensor_data(t) = l;
-            RANK_OK(slot, tp_all_reduce(tp_mesh_comm(mesh, 0), t, t, TP_AVG, NULL));
+            for (int d = 0; d < (rep > 1 ? 2 : 1); d++) /* over dp_replicate and dp */
+                RANK_OK(slot, tp_all_reduce(tp_mesh_comm(mesh, d), t, t, TP_AVG, NULL));
             l = *(const double *)tp_tensor_data(t);
             tp_tensor_release(t);
         }
@@ -223,6 +234,8 @@ static tp_status run_body(tp_comm *world, void *arg)
     return TP_OK;
 }
 
+static int ranks_of(const fsdp_case *c) { return (c->rep > 1 ? c->rep : 1) * c->dp * c->tp; }
+
 static void run(const fsdp_case *c, run_state *s)
 {
     memset(s, 0, sizeof *s);
@@ -230,12 +243,12 @@ static void run(const fsdp_case *c, run_state *s)
     tp_memory_info mi;
     CHECK_OK(tp_memory_stats(TP_CPU, &mi));
     s->before = mi.allocated;
-    if (c->dp * c->tp == 1) { /* the reference: in every process, also under mpirun */
+    if (ranks_of(c) == 1) { /* the reference: in every process, also under mpirun */
         CHECK_OK(tp_run_local(1, run_body, s));
         tp_test_assert_slots(s->slot, 1);
         return;
     }
-    tp_test_run(c->dp * c->tp, run_body, s, s->slot);
+    tp_test_run(ranks_of(c), run_body, s, s->slot);
 }
 
 static double rel_diff(const tp_tensor *a, const tp_tensor *b)
@@ -248,11 +261,11 @@ static double rel_diff(const tp_tensor *a, const tp_tensor *b)
 ParameterizedTestParameters(fsdp, against_ddp_and_one_rank)
 {
     static fsdp_case cases[] = {
-        {LLAMA, 2, 1, false, false, false, false, false}, {LLAMA, 3, 1, false, false, false, false, false},
-        {LLAMA, 2, 2, false, false, false, false, false}, {LLAMA, 3, 2, false, false, false, false, false},
-        {LLAMA, 4, 2, false, false, false, false, false}, {LLAMA, 2, 2, true, false, false, false, false},
-        {LLAMA, 2, 2, false, true, false, false, false},  {MISTRAL, 2, 4, false, false, false, false, false},
-        {QWEN2, 2, 2, false, false, false, false, false}, {LLAMA_BF16, 2, 2, false, false, false, false, false},
+        {LLAMA, 2, 1, false, false, false, false, false, 0}, {LLAMA, 3, 1, false, false, false, false, false, 0},
+        {LLAMA, 2, 2, false, false, false, false, false, 0}, {LLAMA, 3, 2, false, false, false, false, false, 0},
+        {LLAMA, 4, 2, false, false, false, false, false, 0}, {LLAMA, 2, 2, true, false, false, false, false, 0},
+        {LLAMA, 2, 2, false, true, false, false, false, 0},  {MISTRAL, 2, 4, false, false, false, false, false, 0},
+        {QWEN2, 2, 2, false, false, false, false, false, 0}, {LLAMA_BF16, 2, 2, false, false, false, false, false, 0},
     };
     return cr_make_param_array(fsdp_case, cases, sizeof cases / sizeof cases[0]);
 }
@@ -331,6 +344,55 @@ ParameterizedTest(fsdp_case *c, fsdp, against_ddp_and_one_rank, .timeout = 300)
     record_free(&one.rec[0]);
 }
 
+/* HSDP: dp_replicate 2 x dp 2 x tp 2. The parameters are sharded over dp
+ * only (half of what FSDP over the 4 data-parallel ranks shards them to)
+ * and the reduce_scattered gradients all_reduced over dp_replicate: one
+ * all_reduce per unit more in backward. The same losses, gradients and
+ * parameters as FSDP at dp 4 x tp 2 and as one rank. */
+Test(fsdp, hsdp, .timeout = 240)
+{
+    static run_state one, fsdp4, hsdp;
+    const fsdp_case ref = {LLAMA, 1, 1, false, false, false, false, false, 0};
+    const fsdp_case f4 = {LLAMA, 4, 2, false, false, false, false, false, 0};
+    const fsdp_case h = {LLAMA, 2, 2, false, false, false, false, false, 2};
+    run(&ref, &one);
+    run(&f4, &fsdp4);
+    run(&h, &hsdp);
+    const record_t *a = &one.rec[0];
+    for (int r = 0; r < 8; r++) {
+        if (!tp_test_rank_is_local(r))
+            continue;
+        const record_t *b = &hsdp.rec[r], *f = &fsdp4.rec[r];
+        for (int s = 0; s < STEPS; s++) {
+            cr_assert(fabs(a->loss[s] - b->loss[s]) <= 1e-5 * fabs(a->loss[s]),
+                      "rank %d step %d: loss %.8f, one rank %.8f", r, s, b->loss[s], a->loss[s]);
+            cr_assert(fabs(f->loss[s] - b->loss[s]) <= 1e-6 * fabs(f->loss[s]),
+                      "rank %d step %d: loss %.8f, FSDP over 4 %.8f", r, s, b->loss[s],
+                      f->loss[s]);
+        }
+        for (int i = 0; i < a->n; i++) {
+            cr_assert(rel_diff(a->grad[i], b->grad[i]) <= 1e-5, "rank %d: %s's gradient", r,
+                      a->fqn[i]);
+            cr_assert(rel_diff(a->param[i], b->param[i]) <= 1e-4, "rank %d: %s", r, a->fqn[i]);
+            cr_assert(rel_diff(f->param[i], b->param[i]) <= 1e-6, "rank %d: %s against FSDP",
+                      r, a->fqn[i]);
+        }
+        const int64_t *fw = b->coll[TP_PHASE_FORWARD], *bw = b->coll[TP_PHASE_BACKWARD],
+                      *fbw = f->coll[TP_PHASE_BACKWARD];
+        cr_assert_eq(fw[TP_COLL_ALL_GATHER], 3);
+        cr_assert_eq(bw[TP_COLL_ALL_GATHER], 2);
+        cr_assert_eq(bw[TP_COLL_REDUCE_SCATTER], 3);
+        cr_assert_eq(bw[TP_COLL_ALL_REDUCE], fbw[TP_COLL_ALL_REDUCE] + 3,
+                     "rank %d: %lld backward all_reduces, FSDP %lld", r,
+                     (long long)bw[TP_COLL_ALL_REDUCE], (long long)fbw[TP_COLL_ALL_REDUCE]);
+    }
+    for (int r = 0; r < 8; r++) {
+        record_free(&hsdp.rec[r]);
+        record_free(&fsdp4.rec[r]);
+    }
+    record_free(&one.rec[0]);
+}
+
 /* Prefetch: from the second step on (the first records the units' order),
  * each unit's pre-forward issues the next unit's all_gather as work, and
  * the first block to run backward the next one's (the root stays gathered):
@@ -339,8 +401,8 @@ ParameterizedTest(fsdp_case *c, fsdp, against_ddp_and_one_rank, .timeout = 300)
 Test(fsdp, prefetch, .timeout = 240)
 {
     static run_state on, off;
-    const fsdp_case pf = {LLAMA, 2, 2, false, false, false, false, false};
-    const fsdp_case npf = {LLAMA, 2, 2, false, false, false, false, true};
+    const fsdp_case pf = {LLAMA, 2, 2, false, false, false, false, false, 0};
+    const fsdp_case npf = {LLAMA, 2, 2, false, false, false, false, true, 0};
     run(&pf, &on);
     run(&npf, &off);
     for (int r = 0; r < 4; r++) {
@@ -373,9 +435,9 @@ Test(fsdp, prefetch, .timeout = 240)
 Test(fsdp, mixed_precision, .timeout = 240)
 {
     static run_state one, f32, bf16;
-    const fsdp_case ref = {LLAMA, 1, 1, false, false, false, false, false};
-    const fsdp_case full = {LLAMA, 2, 2, false, false, false, false, false};
-    const fsdp_case mixed = {LLAMA, 2, 2, false, false, true, false, false};
+    const fsdp_case ref = {LLAMA, 1, 1, false, false, false, false, false, 0};
+    const fsdp_case full = {LLAMA, 2, 2, false, false, false, false, false, 0};
+    const fsdp_case mixed = {LLAMA, 2, 2, false, false, true, false, false, 0};
     run(&ref, &one);
     run(&full, &f32);
     run(&mixed, &bf16);
@@ -413,8 +475,8 @@ Test(fsdp, mixed_precision, .timeout = 240)
 Test(fsdp, holds_shards_between_steps, .timeout = 120)
 {
     static run_state ddp, many;
-    const fsdp_case d = {LLAMA, 4, 1, false, false, false, true, false};
-    const fsdp_case f = {LLAMA, 4, 1, false, false, false, false, false};
+    const fsdp_case d = {LLAMA, 4, 1, false, false, false, true, false, 0};
+    const fsdp_case f = {LLAMA, 4, 1, false, false, false, false, false, 0};
     run(&d, &ddp);
     run(&f, &many);
     const double held_ddp = (double)(ddp.held - ddp.before),
@@ -464,8 +526,8 @@ static tp_status refusals_body(tp_comm *world, void *arg)
     } while (0)
     REFUSE(tp_fully_shard(NULL, dp, NULL), TP_ERR_INVALID_ARG, "unit is NULL");
     REFUSE(tp_fully_shard(a, NULL, NULL), TP_ERR_INVALID_ARG, "mesh is NULL");
-    REFUSE(tp_fully_shard(a, three, NULL), TP_ERR_INVALID_ARG, "HSDP");
-    REFUSE(tp_fully_shard(a, named, NULL), TP_ERR_INVALID_ARG, "dims \"dp\" and \"tp\"");
+    REFUSE(tp_fully_shard(a, three, NULL), TP_ERR_INVALID_ARG, "\"dp_replicate\" dim (HSDP)");
+    REFUSE(tp_fully_shard(a, named, NULL), TP_ERR_INVALID_ARG, "a mesh of a \"dp\" dim");
     tp_fsdp_options bad = {.has_param_dtype = true, .param_dtype = TP_I64};
     REFUSE(tp_fully_shard(a, dp, &bad), TP_ERR_INVALID_ARG, "param_dtype i64 is not f32");
     RANK_EXPECT(slot, !tp_module_is_fully_sharded(a), "a refusal shards nothing");

@@ -238,7 +238,8 @@ TP_API tp_module *tp_ddp_module(const tp_ddp *ddp);
  * 2.15's fully_shard issues the same for the same model and mesh).
  *
  * Meshes. `mesh` is a 1-D mesh (its one dim is dp; the parameters are plain
- * tensors) or a 2-D mesh with dims "dp" and "tp" whose "tp" dim is the mesh
+ * tensors), or a mesh with a "dp" dim and a "tp" dim (and for HSDP a
+ * "dp_replicate" dim, below) whose "tp" dim is the mesh
  * the parameters' TP placements live on (tp_mesh_slice(mesh, 1, {"tp"}):
  * same size, same coordinate). A sharded parameter is a DTensor on the
  * (tp, dp) view of the mesh (tp_mesh_slice(mesh, 2, {"tp", "dp"})) with
@@ -249,7 +250,13 @@ TP_API tp_module *tp_ddp_module(const tp_ddp *ddp);
  * padded to c in the flat buffers, as FSDP2 pads. Parameters that do not
  * require grad are left as they are.
  *
- * HSDP (replicate over one mesh dim, shard over another) is not built.
+ * HSDP (FSDP2's fully_shard on a 2-D (replicate, shard) mesh): a mesh dim
+ * named "dp_replicate" beside "dp" (and "tp") holds replicas of the shards:
+ * gathers run over dp only, and each unit's reduce_scattered gradients are
+ * all_reduced (averaged) over dp_replicate, one all_reduce per unit in
+ * backward. The sharded parameters then live on the (dp_replicate, tp, dp)
+ * view with Replicate on dp_replicate. The batch splits over
+ * dp_replicate x dp.
  */
 typedef struct tp_fsdp_options {
     /* false (default): a unit's parameters are freed after its forward and
@@ -279,7 +286,8 @@ typedef struct tp_fsdp_options {
  * plain (1-D mesh) or DTensors on the mesh's tp dim with Shard or Replicate
  * placements, and a parameter tied between two units is refused (shard the
  * module that holds both). TP_ERR_INVALID_ARG naming the parameter or the
- * mesh at fault, TP_ERR_STATE for a module sharded already; nothing
+ * mesh at fault (a mesh other than dp, (dp, tp), (dp_replicate, dp) or
+ * (dp_replicate, dp, tp) in any order), TP_ERR_STATE for a module sharded already; nothing
  * changed then. Parameters replaced by the call: create optimizers after
  * it. The unit's state lives with the module (freed with it); the module
  * must outlive the graphs it records. opts NULL: defaults.

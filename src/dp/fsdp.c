@@ -50,6 +50,9 @@ struct fsdp_unit {
     tp_mesh *mesh;   /* the sharded parameters' mesh: (tp, dp) or dp; retained */
     tp_comm *dp;     /* borrowed from mesh */
     int dp_dim;      /* its index in mesh */
+    int tp_dim;      /* -1: no tp dim */
+    int rep_dim;     /* HSDP's dp_replicate dim, -1: none */
+    tp_comm *rep;    /* its communicator (borrowed), NULL without */
     int64_t D;
     int n;
     fsdp_param *p;
@@ -143,6 +146,14 @@ static tp_status set_slots(fsdp_param *p, tp_tensor *t)
     for (int s = 0; s < p->n_slots; s++)
         TP_CHECK(tp_module_set_parameter(p->owner[s], p->name[s], t));
     return TP_OK;
+}
+
+/* A sharded parameter's (or gradient's) placements on u->mesh: q on tp,
+ * Shard(0) on dp, Replicate on dp_replicate. */
+static void placements_of(const fsdp_unit *u, tp_placement q, tp_placement *pl)
+{
+    for (int d = 0; d < tp_mesh_ndim(u->mesh); d++)
+        pl[d] = d == u->dp_dim ? tp_shard(0) : d == u->tp_dim ? q : tp_replicate();
 }
 
 /* ---- gather ------------------------------------------------------------------- */
@@ -251,22 +262,23 @@ static tp_status reduce_grads(fsdp_unit *u)
     }
     if (st == TP_OK)
         st = tp_reduce_scatter(u->dp, send, recv, TP_AVG, NULL);
+    if (st == TP_OK && u->rep) /* HSDP: the shards' replicas average theirs */
+        st = tp_all_reduce(u->rep, recv, recv, TP_AVG, NULL);
     tp_tensor_release(send);
     for (int i = 0; i < u->n && st == TP_OK; i++) {
         fsdp_param *p = &u->p[i];
         tp_tensor *g = tp_tensor_grad(p->unsharded);
         if (!g)
             continue;
-        tp_placement pl[2] = {p->tp_mesh ? tp_dtensor_placements(g)[0] : tp_replicate(),
-                              tp_shard(0)};
+        tp_placement pl[TP_MESH_MAX_DIMS];
+        placements_of(u, p->tp_mesh ? tp_dtensor_placements(g)[0] : tp_replicate(), pl);
         tp_tensor *view = NULL, *local = NULL, *dg = NULL;
-        const tp_placement *use = tp_mesh_ndim(u->mesh) == 2 ? pl : &pl[1];
         st = flat_rows(recv, p->off, p, p->my_rows, &view);
         if (st == TP_OK)
             st = tp_tensor_to(view, u->dtype, u->dev, &local);
         if (st == TP_OK) {
             tp_from_local_options fo = {.global_shape = p->gshape};
-            st = tp_dtensor_from_local(u->mesh, local, tp_mesh_ndim(u->mesh), use, &fo, &dg);
+            st = tp_dtensor_from_local(u->mesh, local, tp_mesh_ndim(u->mesh), pl, &fo, &dg);
         }
         tp_tensor *prev = st == TP_OK ? tp_tensor_grad(p->sharded) : NULL;
         if (st == TP_OK && prev) { /* gradient accumulation over several backwards */
@@ -572,11 +584,11 @@ static tp_status build_shards(fsdp_unit *u, int64_t dp_rank)
             st = tp_tensor_copy(view, src);
         tp_tensor_release(src);
         if (st == TP_OK) {
-            tp_placement pl[2] = {p->q, tp_shard(0)};
-            const tp_placement *use = tp_mesh_ndim(u->mesh) == 2 ? pl : &pl[1];
+            tp_placement pl[TP_MESH_MAX_DIMS];
+            placements_of(u, p->q, pl);
             tp_from_local_options fo = {.global_shape = p->gshape};
             tp_no_grad_begin();
-            st = tp_dtensor_from_local(u->mesh, view, tp_mesh_ndim(u->mesh), use, &fo,
+            st = tp_dtensor_from_local(u->mesh, view, tp_mesh_ndim(u->mesh), pl, &fo,
                                        &p->sharded);
             tp_no_grad_end();
         }
@@ -610,10 +622,11 @@ tp_status tp_fully_shard(tp_module *unit, tp_mesh *mesh, const tp_fsdp_options *
     const tp_fsdp_options o = opts ? *opts : (tp_fsdp_options){0};
     const int nd = tp_mesh_ndim(mesh);
     const int dp_dim = nd == 1 ? 0 : tp_mesh_dim_index(mesh, "dp");
-    const int tp_dim = nd == 2 ? tp_mesh_dim_index(mesh, "tp") : -1;
-    TP_ARG_CHECK(nd == 1 || (nd == 2 && dp_dim >= 0 && tp_dim >= 0),
-                 "%s: the mesh has %d dims; pass a 1-D dp mesh or a 2-D mesh with dims \"dp\" "
-                 "and \"tp\" (HSDP's replicate dim is not supported)", fn, nd);
+    const int tp_dim = nd == 1 ? -1 : tp_mesh_dim_index(mesh, "tp");
+    const int rep_dim = nd == 1 ? -1 : tp_mesh_dim_index(mesh, "dp_replicate");
+    TP_ARG_CHECK(nd == 1 || (dp_dim >= 0 && nd == 1 + (tp_dim >= 0) + (rep_dim >= 0)),
+                 "%s: the mesh has %d dims; pass a 1-D dp mesh, or a mesh of a \"dp\" dim "
+                 "with a \"tp\" dim, a \"dp_replicate\" dim (HSDP) or both", fn, nd);
     for (int k = 0; k < 2; k++) {
         const bool has = k ? o.has_reduce_dtype : o.has_param_dtype;
         const tp_dtype d = k ? o.reduce_dtype : o.param_dtype;
@@ -634,14 +647,24 @@ tp_status tp_fully_shard(tp_module *unit, tp_mesh *mesh, const tp_fsdp_options *
     tp_status st = collect(&w, unit, "");
     for (int i = 0; i < u->n && st == TP_OK; i++)
         st = describe(u, &u->p[i], mesh, tp_dim);
-    /* collective from here: every rank has validated the same module */
-    if (st == TP_OK && nd == 2)
-        st = tp_mesh_slice(mesh, 2, (const char *[]){"tp", "dp"}, &u->mesh);
+    /* collective from here: every rank has validated the same module. The
+     * sharded parameters' mesh: (dp_replicate, tp, dp), those present */
+    const char *names[3];
+    int nn = 0;
+    u->rep_dim = u->tp_dim = -1;
+    if (rep_dim >= 0)
+        u->rep_dim = nn, names[nn++] = "dp_replicate";
+    if (tp_dim >= 0)
+        u->tp_dim = nn, names[nn++] = "tp";
+    u->dp_dim = nn;
+    names[nn++] = "dp";
+    if (st == TP_OK && nd > 1)
+        st = tp_mesh_slice(mesh, nn, names, &u->mesh);
     else if (st == TP_OK)
         u->mesh = tp_mesh_retain(mesh);
     if (st == TP_OK) {
-        u->dp_dim = nd == 2 ? 1 : 0;
         u->dp = tp_mesh_comm(u->mesh, u->dp_dim);
+        u->rep = u->rep_dim >= 0 ? tp_mesh_comm(u->mesh, u->rep_dim) : NULL;
         u->param_dtype = o.has_param_dtype ? o.param_dtype : u->dtype;
         u->reduce_dtype = o.has_reduce_dtype ? o.reduce_dtype : u->param_dtype;
         if (u->n)
