@@ -28,6 +28,41 @@ tp_status tp__ck_list_add(tp__ck_list *l, int p, tp__ck_kind kind, tp_tensor *lo
     return TP_OK;
 }
 
+/* Whether b lays the ranks out as a does: one mesh, or two of the same
+ * dims (sizes and names) with this rank at the same coordinate, so that the
+ * rank of a's group is the rank of b's at every coordinate. The units of
+ * tp_fully_shard each slice their own (tp, dp) mesh from the one given: a
+ * sharded model's parameters are on several such meshes. */
+static bool tp__ck_same_layout(const tp_mesh *a, const tp_mesh *b)
+{
+    if (a == b)
+        return true;
+    const int nd = tp_mesh_ndim(a);
+    if (!a || !b || tp_mesh_ndim(b) != nd || tp_mesh_rank(a) != tp_mesh_rank(b))
+        return false;
+    for (int d = 0; d < nd; d++)
+        if (tp_mesh_size(a, d) != tp_mesh_size(b, d) ||
+            tp_mesh_coord(a, d) != tp_mesh_coord(b, d) ||
+            strcmp(tp_mesh_dim_name(a, d), tp_mesh_dim_name(b, d)) != 0)
+            return false;
+    return true;
+}
+
+/* "(tp 2, dp 2)" into buf. */
+static const char *tp__ck_mesh_str(const tp_mesh *m, char *buf, size_t len)
+{
+    size_t at = 0;
+    buf[0] = '\0';
+    for (int d = 0; d < tp_mesh_ndim(m) && at < len; d++) {
+        int k = snprintf(buf + at, len - at, "%s%s %lld", d ? ", " : "(", tp_mesh_dim_name(m, d),
+                         (long long)tp_mesh_size(m, d));
+        at += k > 0 ? (size_t)k : 0;
+    }
+    if (at < len)
+        snprintf(buf + at, len - at, ")");
+    return buf;
+}
+
 static tp_status tp__ck_collect(const char *fqn, tp_tensor *p, void *ctx)
 {
     tp__ck_list *l = ctx;
@@ -41,11 +76,17 @@ static tp_status tp__ck_collect(const char *fqn, tp_tensor *p, void *ctx)
     if (!tp_tensor_is_dtensor(p))
         return TP_OK;
     tp_mesh *mesh = tp_dtensor_mesh(p);
-    if (mesh != l->mesh)
+    if (!tp__ck_same_layout(l->mesh, mesh)) {
+        char a[96], b[96];
         return tp__error(TP_ERR_INVALID_ARG,
-                         "%s: parameter '%s' is on another mesh than the parameters before it "
-                         "(a checkpoint needs every DTensor parameter on one mesh)",
-                         l->fn, fqn);
+                         "%s: parameter '%s' is on a mesh %s, another parameter on %s: a "
+                         "checkpoint needs every DTensor parameter on one mesh, or on meshes of "
+                         "one layout (the same dims and sizes, this rank at the same "
+                         "coordinate); a model with tp_fully_shard units needs its root "
+                         "fully sharded too",
+                         l->fn, fqn, tp__ck_mesh_str(mesh, a, sizeof a),
+                         tp__ck_mesh_str(l->mesh, b, sizeof b));
+    }
     const tp_placement *pl = tp_dtensor_placements(p);
     for (int d = 0; d < tp_mesh_ndim(mesh); d++)
         if (pl[d].kind == TP_PLACEMENT_PARTIAL)
