@@ -29,7 +29,7 @@ typedef struct {
     tp__st_param *v;
     int n;
     size_t cap;
-    tp_mesh *mesh; /* of the first DTensor parameter; NULL: none */
+    tp_mesh *mesh; /* of the DTensor parameters, the largest; NULL: none */
 } tp__st_plist;
 
 typedef struct {
@@ -49,7 +49,11 @@ static tp_status tp__st_collect(const char *fqn, tp_tensor *p, void *ctx)
     e->p = p;
     e->file = e->entry = -1;
     l->n++;
-    if (!l->mesh && tp_tensor_is_dtensor(p))
+    /* the mesh spanning the most ranks: with fully sharded units (blocks on
+     * the (tp, dp) mesh, the rest on tp) its group holds every rank once,
+     * and its rank 0 is the one writer */
+    if (tp_tensor_is_dtensor(p) &&
+        (!l->mesh || tp_mesh_numel(tp_dtensor_mesh(p)) > tp_mesh_numel(l->mesh)))
         l->mesh = tp_dtensor_mesh(p);
     return TP_OK;
 }

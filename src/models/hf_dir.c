@@ -185,7 +185,9 @@ static tp_status find_mesh(const char *fqn, tp_tensor *p, void *ctx)
 {
     (void)fqn;
     tp_mesh **mesh = ctx;
-    if (!*mesh && tp_tensor_is_dtensor(p))
+    /* the largest, as tp_safetensors_save_sharded picks: one writer */
+    if (tp_tensor_is_dtensor(p) &&
+        (!*mesh || tp_mesh_numel(tp_dtensor_mesh(p)) > tp_mesh_numel(*mesh)))
         *mesh = tp_dtensor_mesh(p);
     return TP_OK;
 }
