@@ -461,8 +461,11 @@ static tp_status ckpt_body(tp_comm *world, void *arg)
         double loss = 0;
         RANK_OK(slot, trainer_open(world, c->c.model, c->c.src, true, adam_opts.lr, &t));
         RANK_OK(slot, trainer_step(&t, &loss));
-        RANK_OK(slot, tp_checkpoint_save(c->dir, t.model, &(tp_checkpoint_optim){.adam = t.opt},
-                                         NULL));
+        /* DDP: the checkpoint is collective over the tp mesh; one replica
+         * saves it */
+        if (c->c.src.mode != M_DDP || tp_mesh_coord(t.mesh, 0) == 0)
+            RANK_OK(slot, tp_checkpoint_save(c->dir, t.model,
+                                             &(tp_checkpoint_optim){.adam = t.opt}, NULL));
         snap_t s = {0};
         RANK_OK(slot, snap(t.model, false, &s));
         if (rank == 0) {
