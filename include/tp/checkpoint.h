@@ -99,8 +99,10 @@ typedef struct tp_checkpoint_options {
 /*
  * Saves m (and optim's state, optim may be NULL) as a checkpoint directory
  * at `dir`. Collective over the group of the mesh of m's DTensor parameters
- * (they must share one mesh, as tp_parallelize_module makes them), or over
- * opts->comm: every rank calls it with the same arguments (the same dir, on
+ * (they must share one mesh, as tp_parallelize_module makes them, or meshes
+ * of one layout: the same dims, sizes and names, this rank at the same
+ * coordinate, as the units of a tp_fully_shard model each slice their own
+ * (tp, dp) mesh), or over opts->comm: every rank calls it with the same arguments (the same dir, on
  * a file system every rank sees). Without DTensor parameters and comm, the
  * caller saves alone.
  *
@@ -119,7 +121,8 @@ typedef struct tp_checkpoint_options {
  *
  * Errors, the same status and message on every rank (the failing rank's
  * message is broadcast): NULL m or dir, an optimizer of another module, both
- * optimizers set, DTensor parameters on several meshes, a comm that is not
+ * optimizers set, DTensor parameters on meshes of different layouts (a
+ * model whose blocks are fully sharded and its root not), a comm that is not
  * the mesh's group, a bad meta key: TP_ERR_INVALID_ARG; a Partial
  * parameter: TP_ERR_NOT_SUPPORTED (reduce it first); a directory that cannot
  * be created or written, a full disk: TP_ERR_BACKEND naming the path; ranks
