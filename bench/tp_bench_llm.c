@@ -10,6 +10,9 @@
  *                [--csv FILE] [--plan-at-1] [--backend shm|mpi]
  *   tp-bench-llm -p decode [--new-tokens N] [--config NAME|FILE | --model DIR] [-b B]
  *                [-s PROMPT] [--tp LIST] [--threads K] [-r REPS] [-w WARMUP] [--csv FILE]
+ *   tp-bench-llm -p train [--dp N] [--tp N] [--fsdp [--fsdp-ends] | --ddp-bucket-view]
+ *                [--recompute none|selective|full[:K]] [--count-memory] [--config NAME|FILE] [-b B] [-s S] [--threads K]
+ *                [-r REPS] [-w WARMUP] [--csv FILE]
  *   tp-bench-llm --dump-config FILE [--config NAME|FILE]
  *   tp-bench-llm --save DIR [--config NAME|FILE] [--max-shard-bytes B]
  *   tp-bench-llm --load DIR [--tp N] [-r REPS] [--backend shm|mpi] [--no-drop]
@@ -60,6 +63,31 @@
  * --device cuda puts the model and its cache on the GPU (rank r on device r
  * modulo the devices: shm ranks share one GPU), --dtype bf16|f16 casts it;
  * the GEMMs by hand are then not run (the CPU's BLAS says nothing there).
+ *
+ * -p train: training steps (tp_llm_forward, tp_llm_loss, tp_backward,
+ * tp_adam_step (AdamW, betas 0.9/0.999), tp_module_zero_grad) of the model
+ * on a dp x tp mesh of shm rank threads (--dp N, default 1; --tp N, default
+ * 1), parallelized with the standard plan over tp as tests/test_fsdp.c does,
+ * then data parallel over dp: DDP (tp_ddp_create, 25 MiB buckets,
+ * gradients copied into them) by default, or with --fsdp fully sharded
+ * (tp_fully_shard of every block, then of the root; reshard after forward
+ * and prefetch on, the defaults); --fsdp-ends also makes model.embed_tokens
+ * a unit before the blocks and lm_head one after them (as torchtitan does:
+ * the root then holds the final norm only); --ddp-bucket-view: DDP's
+ * gradients are views into its buckets (gradient_as_bucket_view). -b is the global batch, split over dp;
+ * the tp ranks of a dp rank share its rows. --recompute MODE[:K] sets
+ * activation recomputation on the blocks (tp_module_set_recompute_every on
+ * model.layers: every K-th, default every one). Per step the slowest
+ * rank's time (-w untimed steps, then -r timed). Memory per rank: held
+ * (tensor bytes live between steps: parameters, gradients, Adam's state,
+ * DDP buckets), kept (live once the loss is computed, less held: what the
+ * forward keeps for the backward, the logits and the loss's own included,
+ * and under FSDP the root's gathered parameters) and the peak of the timed
+ * steps. With --count-memory these are each rank thread's own tensor
+ * blocks, counted by an allocator installed for the run (tp_set_allocator:
+ * no caching, so its step times are not the usual ones; the largest rank's
+ * figures are shown); without it, tp_memory_stats(TP_CPU) of the process
+ * divided by the ranks (held and peak only).
  *
  * --load DIR: the model of DIR's config.json built at --tp N (default 4),
  * then per repetition: the page cache dropped (echo 3 >
@@ -125,6 +153,9 @@ typedef struct {
     int tps[MAX_TP], ntp;
     int threads, reps, warmup;
     bool fwd, bwd, plan_at_1, mpi, no_drop, decode, cuda;
+    bool train, fsdp, count_memory, fsdp_ends, ddp_view; /* -p train */
+    int dp, recompute_every;
+    tp_recompute_mode recompute;
     long new_tokens;
     tp_dtype dtype; /* -p decode's model dtype */
     long max_shard;
@@ -142,6 +173,9 @@ static void usage(FILE *f)
             "       tp-bench-llm -p decode [--new-tokens N] [--config NAME|FILE | --model DIR]\n"
             "                    [-b B] [-s PROMPT] [--tp LIST] [--threads K] [-r R] [-w W] [--csv F]\n"
             "                    [--device cpu|cuda] [--dtype f32|bf16|f16]\n"
+            "       tp-bench-llm -p train [--dp N] [--tp N] [--fsdp [--fsdp-ends] | --ddp-bucket-view]\n"
+            "                    [--recompute none|selective|full[:K]] [--count-memory] [--config NAME|FILE] [-b B] [-s S] [-r R] [-w W]\n"
+            "                    [--csv F]\n"
             "       tp-bench-llm --dump-config FILE [--config NAME|FILE]\n"
             "       tp-bench-llm --save DIR [--config NAME|FILE] [--max-shard-bytes B]\n"
             "       tp-bench-llm --load DIR [--tp N] [-r REPS] [--backend shm|mpi] [--no-drop]\n"
@@ -214,7 +248,8 @@ static bool takes_value(const char *a)
     static const char *const valued[] = {"--config", "--model", "-b", "-s", "--tp", "--threads",
                                          "-p", "-r", "-w", "--csv", "--backend", "--dump-config",
                                          "--save", "--load", "--max-shard-bytes",
-                                         "--new-tokens", "--device", "--dtype"};
+                                         "--new-tokens", "--device", "--dtype", "--dp",
+                                         "--recompute"};
     for (size_t i = 0; i < sizeof valued / sizeof valued[0]; i++)
         if (!strcmp(a, valued[i]))
             return true;
@@ -244,6 +279,18 @@ static int parse_args(int argc, char **argv, options *o)
             continue;
         } else if (!strcmp(a, "--no-drop")) {
             o->no_drop = true;
+            continue;
+        } else if (!strcmp(a, "--fsdp")) {
+            o->fsdp = true;
+            continue;
+        } else if (!strcmp(a, "--count-memory")) {
+            o->count_memory = true;
+            continue;
+        } else if (!strcmp(a, "--fsdp-ends")) {
+            o->fsdp_ends = true;
+            continue;
+        } else if (!strcmp(a, "--ddp-bucket-view")) {
+            o->ddp_view = true;
             continue;
         }
         if (a[0] != '-')
@@ -302,17 +349,69 @@ static int parse_args(int argc, char **argv, options *o)
             if (!parse_long(v, 2, 1L << 20, &n))
                 return bad("--new-tokens '%s' is not a count >= 2", v);
             o->new_tokens = n;
+        } else if (!strcmp(a, "--dp")) {
+            if (!parse_long(v, 1, 64, &n))
+                return bad("--dp '%s' is not a count in 1..64", v);
+            o->dp = (int)n;
+        } else if (!strcmp(a, "--recompute")) {
+            const char *colon = strchr(v, ':');
+            const size_t len = colon ? (size_t)(colon - v) : strlen(v);
+            long every = 1;
+            if (len == 4 && !strncmp(v, "none", 4))
+                o->recompute = TP_RECOMPUTE_NONE;
+            else if (len == 4 && !strncmp(v, "full", 4))
+                o->recompute = TP_RECOMPUTE_FULL;
+            else if (len == 9 && !strncmp(v, "selective", 9))
+                o->recompute = TP_RECOMPUTE_SELECTIVE;
+            else
+                return bad("--recompute '%s': none, full or selective, with :K for every K-th block",
+                           v);
+            if (colon && !parse_long(colon + 1, 1, 1L << 20, &every))
+                return bad("--recompute '%s': K (after ':') is not a count >= 1", v);
+            o->recompute_every = (int)every;
         } else if (!strcmp(a, "-p")) {
+            o->train = !strcmp(v, "train");
+            if (o->train) {
+                o->fwd = o->bwd = false;
+                continue;
+            }
             o->decode = !strcmp(v, "decode");
             o->fwd = !strcmp(v, "fwd") || !strcmp(v, "both");
             o->bwd = !strcmp(v, "fwd+bwd") || !strcmp(v, "both");
             if (!o->fwd && !o->bwd && !o->decode)
-                return bad("-p '%s': fwd, fwd+bwd, both or decode", v);
+                return bad("-p '%s': fwd, fwd+bwd, both, decode or train", v);
         } else if (!strcmp(a, "--backend")) {
             if (strcmp(v, "shm") && strcmp(v, "mpi"))
                 return bad("--backend '%s': shm or mpi", v);
             o->mpi = !strcmp(v, "mpi");
         }
+    }
+    if ((o->dp || o->fsdp || o->count_memory || o->recompute_every || o->fsdp_ends ||
+         o->ddp_view) && !o->train)
+        return bad("%s", "--dp, --fsdp, --fsdp-ends, --ddp-bucket-view, --recompute and "
+                         "--count-memory are -p train's");
+    if (o->fsdp_ends && !o->fsdp)
+        return bad("%s", "--fsdp-ends is --fsdp's");
+    if (o->ddp_view && o->fsdp)
+        return bad("%s", "--ddp-bucket-view is DDP's (not with --fsdp)");
+    if (o->train) {
+        if (!o->dp)
+            o->dp = 1;
+        if (!o->recompute_every)
+            o->recompute_every = 1;
+        if (o->mpi)
+            return bad("%s", "-p train runs shm rank threads (no --backend mpi)");
+        if (!tp_given)
+            o->tps[0] = 1, o->ntp = 1;
+        if (o->ntp != 1)
+            return bad("%s", "-p train runs one --tp N (on a dp x tp mesh)");
+        if (o->dp * o->tps[0] > 64)
+            return bad("%s", "-p train: dp x tp is at most 64 ranks");
+        if (o->batch % o->dp)
+            return bad("%s", "-p train: -b (the global batch) must be a multiple of --dp");
+        if (o->fsdp && o->dp < 2)
+            return bad("%s", "--fsdp shards over dp: needs --dp 2 or more");
+        tp_given = true;
     }
     if ((o->cuda || o->dtype != TP_F32) && !o->decode)
         return bad("%s", "--device and --dtype are -p decode's");
@@ -343,7 +442,7 @@ static int parse_args(int argc, char **argv, options *o)
     int rc = load_config(o);
     if (rc)
         return rc;
-    if (o->bwd && o->seq < 2 && !o->dump && !o->save)
+    if ((o->bwd || o->train) && o->seq < 2 && !o->dump && !o->save)
         return bad("%s", "fwd+bwd needs -s 2 or more (the loss predicts the next token)");
     return 0;
 }
@@ -685,6 +784,308 @@ static int run_perf(options *o)
         fprintf(stderr, "tp-bench-llm: cannot write %s\n", o->csv);
         status = 1;
     }
+    return status;
+}
+
+/* ---- -p train: a training step under DDP or FSDP, with recompute --------------------- */
+
+/* Per-rank tensor memory for --count-memory: an allocator (tp_set_allocator)
+ * that charges each storage block to the rank thread that allocated it, as
+ * tests/test_meta_memory.c does (tp_memory_stats(TP_CPU) is process-wide, and
+ * shm ranks are threads of one process). With a user allocator libtp takes
+ * each storage block as one 64-byte aligned allocation of a 64-byte header
+ * plus the block's capacity, the bytes tp_memory_stats counts; other
+ * allocations ask for less alignment and are not counted. Every allocation
+ * carries a 64-byte (or `alignment`-byte) prefix that says where it came
+ * from, so a free costs no lookup. Blocks allocated outside a rank thread
+ * are not counted. */
+typedef struct {
+    _Atomic long long live, peak;
+} rank_ctr;
+
+static rank_ctr g_ctr[64];
+static _Thread_local rank_ctr *tl_ctr;
+
+typedef struct {
+    void *raw;
+    rank_ctr *ctr;
+    size_t bytes;
+} blk_hdr;
+
+static void ctr_peak(rank_ctr *c, long long now)
+{
+    long long p = c->peak;
+    while (now > p && !__atomic_compare_exchange_n(&c->peak, &p, now, false, __ATOMIC_RELAXED,
+                                                   __ATOMIC_RELAXED))
+        ;
+}
+
+static void *ctr_alloc(void *ctx, size_t size, size_t alignment)
+{
+    (void)ctx;
+    size_t pad = alignment > 64 ? alignment : 64;
+    size_t total = pad + (size + pad - 1) / pad * pad;
+    char *raw = aligned_alloc(pad, total ? total : pad);
+    if (!raw)
+        return NULL;
+    char *p = raw + pad;
+    blk_hdr *h = (blk_hdr *)(void *)(p - sizeof(blk_hdr));
+    h->raw = raw;
+    h->ctr = alignment == 64 && size >= 64 ? tl_ctr : NULL;
+    h->bytes = size - 64;
+    if (h->ctr)
+        ctr_peak(h->ctr, __atomic_add_fetch(&h->ctr->live, (long long)h->bytes, __ATOMIC_RELAXED));
+    return p;
+}
+
+static void ctr_free(void *ctx, void *p)
+{
+    (void)ctx;
+    if (!p)
+        return;
+    blk_hdr *h = (blk_hdr *)(void *)((char *)p - sizeof(blk_hdr));
+    if (h->ctr)
+        __atomic_sub_fetch(&h->ctr->live, (long long)h->bytes, __ATOMIC_RELAXED);
+    free(h->raw);
+}
+
+typedef struct {
+    const options *o;
+    /* per timed step, the slowest rank's seconds */
+    double step[MAX_REPS];
+    /* per rank (bytes; --count-memory: that rank's, else the process's / ranks):
+     * held between steps, kept from the forward for the backward (live after
+     * the loss, less held), and the peak of the timed steps */
+    double held[64], kept[64], peak[64];
+    double loss;
+} train_run;
+
+/* A step: forward, loss, backward, optimizer step, zero_grad. *kept: the
+ * bytes live after the loss (before the backward), when asked. */
+static tp_status train_step(tp_module *m, tp_adam *opt, tp_tensor *ids, double *loss_out,
+                            long long *kept)
+{
+    tp_tensor *logits = NULL, *loss = NULL;
+    tp_status st = tp_llm_forward(m, ids, NULL, NULL, &logits);
+    if (st == TP_OK)
+        st = tp_llm_loss(logits, ids, &loss);
+    if (st == TP_OK && kept && tl_ctr)
+        *kept = tl_ctr->live;
+    if (st == TP_OK && loss_out) {
+        const tp_tensor *l = tp_tensor_is_dtensor(loss) ? tp_dtensor_local(loss) : loss;
+        *loss_out = *(const float *)tp_tensor_data(l);
+    }
+    tp_tensor_release(logits); /* the graph keeps what it needs */
+    if (st == TP_OK)
+        st = tp_backward(loss, NULL);
+    tp_tensor_release(loss);
+    if (st == TP_OK)
+        st = tp_adam_step(opt);
+    tp_module_zero_grad(m);
+    return st;
+}
+
+static tp_status train_rank(tp_comm *w, void *arg)
+{
+    train_run *r = arg;
+    const options *o = r->o;
+    const int rank = tp_comm_rank(w), n = tp_comm_size(w);
+    const bool lead = rank == 0;
+    tp_status st = TP_OK;
+    tp_mesh *mesh = NULL, *tpm = NULL;
+    tp_module *model = NULL;
+    tp_ddp *ddp = NULL;
+    tp_adam *opt = NULL;
+    tp_tensor *ids = NULL;
+    double times[MAX_REPS] = {0};
+    long long kept = 0;
+    if (o->count_memory)
+        tl_ctr = &g_ctr[rank];
+    TRY(tp_mesh_create(w, 2, (const int64_t[]){o->dp, o->tps[0]}, (const char *[]){"dp", "tp"},
+                       &mesh));
+    TRY(tp_mesh_slice(mesh, 1, (const char *[]){"tp"}, &tpm));
+    TRY(tp_llm_create(&o->cfg, &model));
+    if (o->tps[0] > 1) {
+        const tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
+        TRY(tp_llm_parallelize(model, tpm, 0, NULL, &po));
+    }
+    TRY(tp_module_init(model, 1));
+    tp_module *layers = tp_module_find(model, "model.layers");
+    if (o->recompute != TP_RECOMPUTE_NONE)
+        TRY(tp_module_set_recompute_every(layers, o->recompute_every, o->recompute));
+    if (o->fsdp) {
+        const tp_fsdp_options fo = {0}; /* reshard after forward, prefetch */
+        if (o->fsdp_ends) /* torchtitan's: the embedding a unit before the blocks */
+            TRY(tp_fully_shard(tp_module_find(model, "model.embed_tokens"), mesh, &fo));
+        for (int i = 0; i < tp_module_num_children(layers); i++)
+            TRY(tp_fully_shard(tp_module_child_at(layers, i, NULL), mesh, &fo));
+        if (o->fsdp_ends) /* and the output projection one after them */
+            TRY(tp_fully_shard(tp_module_find(model, "lm_head"), mesh, &fo));
+        TRY(tp_fully_shard(model, mesh, &fo));
+    } else if (o->dp > 1) {
+        const tp_ddp_options dopts = {.params_everywhere = true,
+                                      .gradient_as_bucket_view = o->ddp_view};
+        TRY(tp_ddp_create(model, tp_mesh_comm(mesh, 0), &dopts, &ddp));
+    }
+    const tp_adam_options ao = {
+        .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01,
+        .decoupled = true};
+    TRY(tp_adam_create_with(model, &ao, &opt));
+    /* this dp rank's rows of the global batch */
+    const int64_t rows = o->batch / o->dp, dpr = tp_mesh_coord(mesh, 0);
+    TRY(tp_tensor_from_data(TP_I64, 2, (const int64_t[]){rows, o->seq}, o->ids + dpr * rows * o->seq,
+                            &ids));
+    for (int i = 0; i < o->warmup + o->reps; i++) {
+        const bool timed = i >= o->warmup;
+        if (i == o->warmup) { /* between steps: the held bytes, then the peak from here */
+            TRY(tp_barrier(w, NULL));
+            if (o->count_memory) {
+                r->held[rank] = (double)tl_ctr->live;
+                __atomic_store_n(&tl_ctr->peak, tl_ctr->live, __ATOMIC_RELAXED);
+            } else if (lead) {
+                tp_memory_info mi;
+                tp_memory_stats(TP_CPU, &mi);
+                r->held[0] = (double)mi.allocated / n;
+                tp_memory_reset_peak(TP_CPU);
+            }
+            TRY(tp_barrier(w, NULL));
+        }
+        TRY(tp_barrier(w, NULL));
+        const double t0 = bench_now_s();
+        TRY(train_step(model, opt, ids, i == 0 && lead ? &r->loss : NULL,
+                       i == o->warmup ? &kept : NULL));
+        TRY(tp_barrier(w, NULL));
+        if (timed)
+            times[i - o->warmup] = bench_now_s() - t0;
+    }
+    TRY(tp_barrier(w, NULL));
+    if (o->count_memory) {
+        r->peak[rank] = (double)tl_ctr->peak;
+        r->kept[rank] = (double)kept - r->held[rank];
+    } else if (lead) {
+        tp_memory_info mi;
+        tp_memory_stats(TP_CPU, &mi);
+        r->peak[0] = (double)mi.peak_allocated / n;
+    }
+    TRY(max_over(w, times, o->reps));
+    if (lead)
+        memcpy(r->step, times, sizeof times);
+out:
+    tp_tensor_release(ids);
+    tp_adam_free(opt);
+    tp_ddp_free(ddp);
+    tp_module_free(model);
+    tp_mesh_free(tpm);
+    tp_mesh_free(mesh);
+    tl_ctr = NULL;
+    return st;
+}
+
+static const char *recompute_name(tp_recompute_mode m)
+{
+    return m == TP_RECOMPUTE_FULL ? "full" : m == TP_RECOMPUTE_SELECTIVE ? "selective" : "none";
+}
+
+static int run_train(options *o)
+{
+    if (!make_ids(o))
+        return 1;
+    const int tp = o->tps[0], ranks = o->dp * tp;
+    char line[512], mode[64];
+    config_line(o, line, sizeof line);
+    if (o->recompute != TP_RECOMPUTE_NONE && o->recompute_every > 1)
+        snprintf(mode, sizeof mode, "%s:%d", recompute_name(o->recompute), o->recompute_every);
+    else
+        snprintf(mode, sizeof mode, "%s", recompute_name(o->recompute));
+    const char *par = o->fsdp ? (o->fsdp_ends ? "fsdp+ends" : "fsdp")
+                      : o->dp > 1 ? (o->ddp_view ? "ddp+view" : "ddp") : "none";
+    if (o->cfg.num_attention_heads % tp || o->cfg.num_key_value_heads % tp) {
+        fprintf(stderr, "tp-bench-llm: --tp %d does not divide the heads\n", tp);
+        return EXIT_BAD;
+    }
+    train_run *r = calloc(1, sizeof *r);
+    if (!r)
+        return 1;
+    r->o = o;
+    double load[3] = {0, 0, 0};
+    bench_loadavg(load);
+    if (o->count_memory && tp_set_allocator(&(tp_allocator){ctr_alloc, ctr_free, NULL}) != TP_OK)
+        return 1;
+    memset(g_ctr, 0, sizeof g_ctr);
+    tp_status st = tp_run_local(ranks, train_rank, r);
+    if (o->count_memory)
+        tp_set_allocator(NULL);
+    if (st != TP_OK) {
+        fprintf(stderr, "tp-bench-llm: -p train dp %d tp %d %s recompute %s failed: %s (%s)\n",
+                o->dp, tp, par, mode, tp_status_name(st), tp_last_error());
+        free(r);
+        return 1;
+    }
+    /* per-rank memory: --count-memory's are each rank's; the largest is shown */
+    const int nmem = o->count_memory ? ranks : 1;
+    double held = 0, kept = 0, peak = 0;
+    for (int k = 0; k < nmem; k++) {
+        held = r->held[k] > held ? r->held[k] : held;
+        kept = r->kept[k] > kept ? r->kept[k] : kept;
+        peak = r->peak[k] > peak ? r->peak[k] : peak;
+    }
+    double med, lo, hi;
+    stats(r->step, o->reps, &med, &lo, &hi);
+    const double mib = 1048576.0;
+    printf("# tp-bench-llm -p train: %s\n", line);
+    printf("# dp %d x tp %d = %d shm rank threads, %s over dp, recompute %s of the blocks; "
+           "global batch %ld (%ld per dp rank) x seq %ld, f32, AdamW; OpenBLAS threads %d; "
+           "%d cores; load average %.2f %.2f %.2f\n",
+           o->dp, tp, ranks,
+           o->fsdp ? (o->fsdp_ends ? "FSDP (units: the embedding, every block, lm_head, then the "
+                                     "root; reshard after forward)"
+                                   : "FSDP (every block a unit, then the root; reshard after "
+                                     "forward)")
+           : o->dp > 1 ? (o->ddp_view ? "DDP (gradients as bucket views)" : "DDP")
+                       : "nothing",
+           mode, o->batch, o->batch / o->dp, o->seq, o->threads, bench_cores(), load[0], load[1],
+           load[2]);
+    printf("# a step: forward, loss, backward, optimizer step, zero_grad, the slowest rank's; %d "
+           "timed after %d untimed; memory per rank: %s\n",
+           o->reps, o->warmup,
+           o->count_memory ? "each rank thread's own tensor blocks (counting allocator, no "
+                             "caching: the times are not the library's usual ones), the largest "
+                             "rank's"
+                           : "tp_memory_stats(TP_CPU) of the process / ranks (use "
+                             "--count-memory for each rank's own)");
+    printf("%5s %5s %10s %8s %12s %24s %10s %10s %10s\n", "dp", "tp", "parallel", "recomp",
+           "step ms", "[min .. max] ms", "held MiB", "kept MiB", "peak MiB");
+    char spread[64], k[32] = "-";
+    snprintf(spread, sizeof spread, "[%.1f .. %.1f]", lo * 1e3, hi * 1e3);
+    if (o->count_memory)
+        snprintf(k, sizeof k, "%.1f", kept / mib);
+    printf("%5d %5d %10s %8s %12.1f %24s %10.1f %10s %10.1f\n", o->dp, tp, par, mode, med * 1e3,
+           spread, held / mib, k, peak / mib);
+    printf("# steps ms:");
+    for (int i = 0; i < o->reps; i++)
+        printf(" %.1f", r->step[i] * 1e3);
+    printf("\n# loss of the first step: %.6f\n", r->loss);
+    int status = 0;
+    if (o->csv) {
+        FILE *csv = fopen(o->csv, "w");
+        if (!csv) {
+            fprintf(stderr, "tp-bench-llm: cannot write %s: %s\n", o->csv, strerror(errno));
+            free(r);
+            return 1;
+        }
+        fprintf(csv, "impl,model,params,batch,seq,dp,tp,parallel,recompute,threads,step_ms,"
+                     "step_min_ms,step_max_ms,reps,warmup,held_mib,kept_mib,peak_mib,"
+                     "mem_per_rank,loss,cores\n");
+        fprintf(csv, "libtp,%s,%.0f,%ld,%ld,%d,%d,%s,%s,%d,%.3f,%.3f,%.3f,%d,%d,%.3f,%.3f,%.3f,%s,"
+                     "%.6f,%d\n",
+                o->cfg_name, param_count(&o->cfg), o->batch, o->seq, o->dp, tp, par, mode,
+                o->threads, med * 1e3, lo * 1e3, hi * 1e3, o->reps, o->warmup, held / mib,
+                o->count_memory ? kept / mib : NAN, peak / mib,
+                o->count_memory ? "counted" : "process/ranks", r->loss, bench_cores());
+        if (fclose(csv) != 0)
+            status = 1;
+    }
+    free(r);
     return status;
 }
 
@@ -1352,6 +1753,8 @@ int main(int argc, char **argv)
         rc = run_load(&o);
     else if (o.decode)
         rc = run_decode(&o);
+    else if (o.train)
+        rc = run_train(&o);
     else
         rc = run_perf(&o);
     free(o.ids);
