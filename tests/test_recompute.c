@@ -336,7 +336,10 @@ Test(recompute, detach_and_enable_grad, .timeout = 30)
     CHECK_OK(tp_tensor_detach(y, &d));
     cr_assert(!tp_tensor_requires_grad(d) && !tp_tensor_has_grad_fn(d));
     cr_assert_eq(tp_tensor_data(d), tp_tensor_data(y), "the same data");
-    CHECK_ERR(tp_tensor_detach(NULL, &d), TP_ERR_INVALID_ARG);
+    tp_tensor *none = NULL;
+    CHECK_ERR(tp_tensor_detach(NULL, &none), TP_ERR_INVALID_ARG);
+    cr_assert_null(none);
+    tp_tensor_release(d);
     tp_no_grad_begin();
     tp_no_grad_begin();
     cr_assert(!tp_grad_enabled());

@@ -115,7 +115,9 @@ tp_status tp__stash_take(const char *tag, tp_tensor **y, tp_tensor **saved, int 
                          "did not run the same ops again",
                          tag, s->pos, e->tag);
     s->pos++;
-    *y = tp_tensor_retain(e->y);
+    /* a new handle: the kept tensor may be the first run's output itself,
+     * which autograd state (the recompute's own node) hangs on now */
+    TP_CHECK(tp__tensor_alias(e->y, y));
     for (int j = 0; j < n; j++)
         saved[j] = e->saved[j] ? tp_tensor_retain(e->saved[j]) : NULL;
     return TP_OK;
