@@ -19,6 +19,7 @@ typedef struct {
     bool ddp;        /* DDP over dp instead of FSDP */
     bool no_prefetch;
     int rep; /* HSDP: a "dp_replicate" dim of this size (0: none) */
+    bool llm_plan; /* tp_llm_fully_shard (embed_tokens and lm_head units too) */
 } fsdp_case;
 
 /* One run's record: the loss of each step, the full parameters after the
@@ -138,6 +139,8 @@ static tp_status run_body(tp_comm *world, void *arg)
     if (sharded && c->ddp) {
         const tp_ddp_options dopts = {.params_everywhere = true};
         RANK_OK(slot, tp_ddp_create(model, tp_mesh_comm(mesh, 0), &dopts, &ddp));
+    } else if (sharded && c->llm_plan) {
+        RANK_OK(slot, tp_llm_fully_shard(model, mesh, &fo));
     } else if (sharded) {
         for (int i = 0; i < tp_module_num_children(layers); i++)
             RANK_OK(slot, tp_fully_shard(tp_module_child_at(layers, i, NULL), mesh, &fo));
@@ -261,11 +264,20 @@ static double rel_diff(const tp_tensor *a, const tp_tensor *b)
 ParameterizedTestParameters(fsdp, against_ddp_and_one_rank)
 {
     static fsdp_case cases[] = {
-        {LLAMA, 2, 1, false, false, false, false, false, 0}, {LLAMA, 3, 1, false, false, false, false, false, 0},
-        {LLAMA, 2, 2, false, false, false, false, false, 0}, {LLAMA, 3, 2, false, false, false, false, false, 0},
-        {LLAMA, 4, 2, false, false, false, false, false, 0}, {LLAMA, 2, 2, true, false, false, false, false, 0},
-        {LLAMA, 2, 2, false, true, false, false, false, 0},  {MISTRAL, 2, 4, false, false, false, false, false, 0},
-        {QWEN2, 2, 2, false, false, false, false, false, 0}, {LLAMA_BF16, 2, 2, false, false, false, false, false, 0},
+        {.model = LLAMA, .dp = 2, .tp = 1},
+        {.model = LLAMA, .dp = 3, .tp = 1},
+        {.model = LLAMA, .dp = 2, .tp = 2},
+        {.model = LLAMA, .dp = 3, .tp = 2},
+        {.model = LLAMA, .dp = 4, .tp = 2},
+        {.model = LLAMA, .dp = 2, .tp = 2, .keep = true},
+        {.model = LLAMA, .dp = 2, .tp = 2, .recompute = true},
+        {.model = MISTRAL, .dp = 2, .tp = 4},
+        {.model = QWEN2, .dp = 2, .tp = 2},
+        {.model = LLAMA_BF16, .dp = 2, .tp = 2},
+        /* tp_llm_fully_shard: embed_tokens and lm_head units (llama), or not
+         * (qwen2's are tied) */
+        {.model = LLAMA, .dp = 2, .tp = 2, .llm_plan = true},
+        {.model = QWEN2, .dp = 2, .tp = 2, .llm_plan = true},
     };
     return cr_make_param_array(fsdp_case, cases, sizeof cases / sizeof cases[0]);
 }
@@ -325,7 +337,10 @@ ParameterizedTest(fsdp_case *c, fsdp, against_ddp_and_one_rank, .timeout = 300)
         /* a step's collectives over dp: one all_gather per unit in forward,
          * one per unit but the root in backward (none when kept), one
          * reduce_scatter per unit; TP's own are all_reduces */
-        const int64_t units = 3; /* two blocks and the root */
+        /* two blocks and the root; embed_tokens and lm_head too with the
+         * model's plan, unless tied */
+        const bool tied = c->model == QWEN2 || c->model == LLAMA_BF16; /* their configs */
+        const int64_t units = c->llm_plan && !tied ? 5 : 3;
         const int64_t *f = b->coll[TP_PHASE_FORWARD], *bw = b->coll[TP_PHASE_BACKWARD];
         cr_assert_eq(f[TP_COLL_ALL_GATHER], units, "rank %d: %lld forward all_gathers", r,
                      (long long)f[TP_COLL_ALL_GATHER]);
@@ -352,9 +367,9 @@ ParameterizedTest(fsdp_case *c, fsdp, against_ddp_and_one_rank, .timeout = 300)
 Test(fsdp, hsdp, .timeout = 240)
 {
     static run_state one, fsdp4, hsdp;
-    const fsdp_case ref = {LLAMA, 1, 1, false, false, false, false, false, 0};
-    const fsdp_case f4 = {LLAMA, 4, 2, false, false, false, false, false, 0};
-    const fsdp_case h = {LLAMA, 2, 2, false, false, false, false, false, 2};
+    const fsdp_case ref = {.model = LLAMA, .dp = 1, .tp = 1};
+    const fsdp_case f4 = {.model = LLAMA, .dp = 4, .tp = 2};
+    const fsdp_case h = {.model = LLAMA, .dp = 2, .tp = 2, .rep = 2};
     run(&ref, &one);
     run(&f4, &fsdp4);
     run(&h, &hsdp);
@@ -401,8 +416,8 @@ Test(fsdp, hsdp, .timeout = 240)
 Test(fsdp, prefetch, .timeout = 240)
 {
     static run_state on, off;
-    const fsdp_case pf = {LLAMA, 2, 2, false, false, false, false, false, 0};
-    const fsdp_case npf = {LLAMA, 2, 2, false, false, false, false, true, 0};
+    const fsdp_case pf = {.model = LLAMA, .dp = 2, .tp = 2};
+    const fsdp_case npf = {.model = LLAMA, .dp = 2, .tp = 2, .no_prefetch = true};
     run(&pf, &on);
     run(&npf, &off);
     for (int r = 0; r < 4; r++) {
@@ -435,9 +450,9 @@ Test(fsdp, prefetch, .timeout = 240)
 Test(fsdp, mixed_precision, .timeout = 240)
 {
     static run_state one, f32, bf16;
-    const fsdp_case ref = {LLAMA, 1, 1, false, false, false, false, false, 0};
-    const fsdp_case full = {LLAMA, 2, 2, false, false, false, false, false, 0};
-    const fsdp_case mixed = {LLAMA, 2, 2, false, false, true, false, false, 0};
+    const fsdp_case ref = {.model = LLAMA, .dp = 1, .tp = 1};
+    const fsdp_case full = {.model = LLAMA, .dp = 2, .tp = 2};
+    const fsdp_case mixed = {.model = LLAMA, .dp = 2, .tp = 2, .bf16 = true};
     run(&ref, &one);
     run(&full, &f32);
     run(&mixed, &bf16);
@@ -475,8 +490,8 @@ Test(fsdp, mixed_precision, .timeout = 240)
 Test(fsdp, holds_shards_between_steps, .timeout = 120)
 {
     static run_state ddp, many;
-    const fsdp_case d = {LLAMA, 4, 1, false, false, false, true, false, 0};
-    const fsdp_case f = {LLAMA, 4, 1, false, false, false, false, false, 0};
+    const fsdp_case d = {.model = LLAMA, .dp = 4, .tp = 1, .ddp = true};
+    const fsdp_case f = {.model = LLAMA, .dp = 4, .tp = 1};
     run(&d, &ddp);
     run(&f, &many);
     const double held_ddp = (double)(ddp.held - ddp.before),

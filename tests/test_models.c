@@ -719,6 +719,9 @@ Test(models, tp_llm_train_steps, .timeout = 180)
     /* activation recomputation changes no loss (DDP's hooks fire through it) */
     check_train(LLAMA_BF16, "--tp 2 --dp 2 --recompute full", NULL, tmp);
     check_train(MISTRAL, "--tp 4 --sp --recompute selective:2", NULL, tmp);
+    /* fully sharded over dp: the same losses (tied embeddings: one unit) */
+    check_train(LLAMA_BF16, "--tp 2 --dp 2 --fsdp --recompute full", NULL, tmp);
+    check_train(LLAMA, "--dp 2 --fsdp", NULL, tmp);
     /* the saved directory: sharded with an index, and it loads back */
     char path[300];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", save);

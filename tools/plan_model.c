@@ -455,8 +455,10 @@ static tp_status pm_setup(const plan_cfg *c, tp_device dev, pm_run *r, plan_step
     if (c->ac != TP_RECOMPUTE_NONE)
         PM_TRY(tp_module_set_recompute_every(blocks, c->ac_every > 1 ? (int)c->ac_every : 1,
                                              c->ac));
-    if (c->fsdp) { /* every block a unit, then the root */
-        const tp_fsdp_options fo = {.keep_after_forward = c->keep_after_forward};
+    const tp_fsdp_options fo = {.keep_after_forward = c->keep_after_forward};
+    if (c->fsdp && c->llm) { /* the model's own: blocks, embed_tokens, lm_head, root */
+        PM_TRY(tp_llm_fully_shard(r->model, r->mesh, &fo));
+    } else if (c->fsdp) { /* every block a unit, then the root */
         for (int i = 0; i < tp_module_num_children(blocks); i++)
             PM_TRY(tp_fully_shard(tp_module_child_at(blocks, i, NULL), r->mesh, &fo));
         if (blocks != r->model)

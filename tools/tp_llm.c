@@ -5,7 +5,7 @@
  *   tp-llm logits --model DIR --tokens IDS --out FILE          [common options]
  *   tp-llm train  --model DIR --data FILE --steps N [--lr L] [--weight-decay W]
  *                 [--save DIR] [--max-shard-bytes B] [--grads-out FILE]
- *                 [--recompute none|full|selective[:K]]                   [common options]
+ *                 [--recompute none|full|selective[:K]] [--fsdp]          [common options]
  *   tp-llm generate --model DIR --tokens IDS --max-new-tokens K
  *                 [--greedy | --temperature T --top-k K --top-p P --seed S]
  *                 [--eos IDS] [--cache-len N]                             [common options]
@@ -21,7 +21,9 @@
  * the input ids, shifted inside), printing each step's loss; --grads-out
  * writes the gradients of the first backward (full, f32, Hugging Face names);
  * --recompute recomputes the decoder blocks' activations in backward
- * (every K-th block with :K; tp_module_set_recompute).
+ * (every K-th block with :K; tp_module_set_recompute); --fsdp shards the
+ * parameters, gradients and Adam state over --dp (tp_llm_fully_shard)
+ * instead of replicating them (DDP).
  * `generate` continues each sequence of IDS (here the lines of @FILE may
  * differ in length: prompts of different lengths, left-padded into one
  * batch) by up to K tokens through a KV cache (--cache-len positions, by
@@ -58,6 +60,7 @@ typedef struct {
     double lr, weight_decay;
     tp_recompute_mode recompute; /* of the decoder blocks, every recompute_every-th */
     long recompute_every;
+    bool fsdp; /* fully sharded over --dp instead of DDP */
     size_t max_shard;
     bool mpi, cuda, sp;
     tp_dtype dtype;
@@ -82,7 +85,7 @@ static void usage(FILE *f)
             "usage: tp-llm logits --model DIR --tokens IDS --out FILE [options]\n"
             "       tp-llm train --model DIR --data FILE --steps N [--lr L] [--weight-decay W]\n"
             "                    [--save DIR] [--max-shard-bytes B] [--grads-out FILE]\n"
-            "                    [--recompute none|full|selective[:K]] [options]\n"
+            "                    [--recompute none|full|selective[:K]] [--fsdp] [options]\n"
             "       tp-llm generate --model DIR --tokens IDS --max-new-tokens K\n"
             "                    [--greedy | --temperature T --top-k K --top-p P --seed S]\n"
             "                    [--eos IDS] [--cache-len N] [options]\n"
@@ -378,6 +381,10 @@ static int parse_args(int argc, char **argv, options *o)
         }
         if (!strcmp(a, "--greedy") && o->cmd == CMD_GENERATE) {
             o->greedy = true;
+            continue;
+        }
+        if (!strcmp(a, "--fsdp") && o->cmd == CMD_TRAIN) {
+            o->fsdp = true;
             continue;
         }
         if (!v)
@@ -772,7 +779,9 @@ static tp_status run_rank(tp_comm *world, void *arg)
     if (o->recompute != TP_RECOMPUTE_NONE)
         TRY(tp_module_set_recompute_every(tp_module_find(model, "model.layers"),
                                           (int)o->recompute_every, o->recompute));
-    if (o->dp > 1) {
+    if (o->fsdp) {
+        TRY(tp_llm_fully_shard(model, mesh, NULL));
+    } else if (o->dp > 1) {
         const tp_ddp_options dopts = {.params_everywhere = true};
         TRY(tp_ddp_create(model, tp_mesh_comm(mesh, 0), &dopts, &ddp));
     }

@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "tp/dp.h"
 #include "tp/mesh.h"
 #include "tp/nn.h"
 #include "tp/ops.h"
@@ -199,6 +200,18 @@ TP_API void tp_llm_plan_free(tp_llm_plan *plan);
  */
 TP_API tp_status tp_llm_parallelize(tp_module *model, tp_mesh *mesh, int n,
                                     const tp_plan_entry *plan, const tp_parallelize_options *opts);
+
+/*
+ * Collective over mesh: fully sharded data parallel for the model
+ * (tp/dp.h, tp_fully_shard), as torchtitan applies it to Llama: each
+ * decoder block a unit, model.embed_tokens and lm_head units of their own
+ * (one unit, the root, when the embeddings are tied), then the root (the
+ * final norm and what else is left). mesh is the (dp, tp) mesh whose tp
+ * slice the model was parallelized on (or a 1-D dp mesh for a model
+ * without TP; "dp_replicate" for HSDP). Parallelize first, shard second,
+ * create the optimizer third. Errors as tp_fully_shard's, naming the unit.
+ */
+TP_API tp_status tp_llm_fully_shard(tp_module *model, tp_mesh *mesh, const tp_fsdp_options *opts);
 
 /* ---- model directories ---------------------------------------------------------- */
 

@@ -223,6 +223,11 @@ static tp_status prefetch(fsdp_unit *u, int step)
     const int k = u->index + step;
     if (k < 0 || k >= r->n_order || r->order[k]->state != FSDP_SHARDED)
         return TP_OK;
+    /* in backward, only a unit whose gradients are still to come (the
+     * root's may all be in already, its parameters used at the end of the
+     * forward) */
+    if (step < 0 && !r->order[k]->reduce_due)
+        return TP_OK;
     return gather_start(r->order[k], true);
 }
 

@@ -361,3 +361,34 @@ out:
     tp_tensor_release(tgt);
     return st;
 }
+
+/* ---- fully sharded data parallel ------------------------------------------------- */
+
+tp_status tp_llm_fully_shard(tp_module *model, tp_mesh *mesh, const tp_fsdp_options *opts)
+{
+    const char *fn = "tp_llm_fully_shard";
+    TP_ARG_CHECK(model, "%s: model is NULL", fn);
+    const tp_llm_config *cfg = tp_llm_config_of(model);
+    TP_ARG_CHECK(cfg, "%s: the module is not a model tp_llm_create made", fn);
+    tp_module *layers = tp_module_find(model, "model.layers");
+    for (int i = 0; i < tp_module_num_children(layers); i++) {
+        tp_status st = tp_fully_shard(tp_module_child_at(layers, i, NULL), mesh, opts);
+        if (st != TP_OK) {
+            tp__error_prefix("%s: model.layers.%d", fn, i);
+            return st;
+        }
+    }
+    /* tied embeddings are one parameter: the root holds it */
+    const char *ends[2] = {"model.embed_tokens", "lm_head"};
+    for (int i = 0; i < 2 && !cfg->tie_word_embeddings; i++) {
+        tp_status st = tp_fully_shard(tp_module_find(model, ends[i]), mesh, opts);
+        if (st != TP_OK) {
+            tp__error_prefix("%s: %s", fn, ends[i]);
+            return st;
+        }
+    }
+    tp_status st = tp_fully_shard(model, mesh, opts);
+    if (st != TP_OK)
+        tp__error_prefix("%s: the root", fn);
+    return st;
+}
