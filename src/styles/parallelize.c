@@ -4,6 +4,7 @@
  * applied, so a plan that fails validation leaves the module unchanged. */
 #include <fnmatch.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "styles/styles_internal.h"
@@ -107,6 +108,39 @@ static tp_status tp__collect(tp__mod_list *l, tp_module *m, const char *fqn)
     return TP_OK;
 }
 
+static int tp__entry_cmp(const void *a, const void *b)
+{
+    return strcmp((*(tp__mod_entry *const *)a)->fqn, (*(tp__mod_entry *const *)b)->fqn);
+}
+
+/* The first module of l at or after index `from` (tree order) that pattern
+ * pat matches, or -1. A literal pattern (plans resolved to module names, a
+ * model's thousand entries) is looked up in by_fqn (l's entries sorted by
+ * FQN, FQNs unique in a tree) instead of matched against every module. */
+static int tp__next_match(const tp__mod_list *l, tp__mod_entry *const *by_fqn, const char *pat,
+                          int from)
+{
+    if (by_fqn && !strpbrk(pat, "*?[\\")) {
+        int lo = 0, hi = l->n - 1;
+        while (lo <= hi) {
+            int mid = lo + (hi - lo) / 2, c = strcmp(pat, by_fqn[mid]->fqn);
+            if (!c) {
+                int i = (int)(by_fqn[mid] - l->v);
+                return i >= from ? i : -1;
+            }
+            if (c < 0)
+                hi = mid - 1;
+            else
+                lo = mid + 1;
+        }
+        return -1;
+    }
+    for (int i = from; i < l->n; i++)
+        if (tp_fqn_match(pat, l->v[i].fqn))
+            return i;
+    return -1;
+}
+
 tp_status tp_parallelize_module(tp_module *module, tp_mesh *mesh, int n,
                                 const tp_plan_entry *plan, const tp_parallelize_options *opts)
 {
@@ -132,20 +166,26 @@ tp_status tp_parallelize_module(tp_module *module, tp_mesh *mesh, int n,
     tp__mod_list l = {0};
     tp_status st = tp__collect(&l, module, "");
     int *hits = NULL;
+    tp__mod_entry **by_fqn = NULL;
     if (st == TP_OK && n > 0) {
         hits = tp__calloc((size_t)n, sizeof *hits);
-        if (!hits)
+        by_fqn = tp__malloc((size_t)l.n * sizeof *by_fqn);
+        if (!hits || !by_fqn)
             st = tp__error(TP_ERR_NO_MEMORY, "%s: out of memory", fn);
+    }
+    if (st == TP_OK && by_fqn) {
+        for (int i = 0; i < l.n; i++)
+            by_fqn[i] = &l.v[i];
+        qsort(by_fqn, (size_t)l.n, sizeof *by_fqn, tp__entry_cmp);
     }
 
     /* 1. match every entry and validate every (entry, module) pair */
     int n_unmatched = 0, first_unmatched = -1;
     for (int e = 0; e < n && st == TP_OK; e++) {
         const tp_style *s = plan[e].style;
-        for (int i = 0; i < l.n && st == TP_OK; i++) {
+        for (int i = tp__next_match(&l, by_fqn, plan[e].fqn, 0); i >= 0 && st == TP_OK;
+             i = tp__next_match(&l, by_fqn, plan[e].fqn, i + 1)) {
             tp__mod_entry *me = &l.v[i];
-            if (!tp_fqn_match(plan[e].fqn, me->fqn))
-                continue;
             hits[e]++;
             st = tp__style_check(s, me->m, me->fqn);
             if (st != TP_OK || !tp__style_shards_params(s))
@@ -179,10 +219,11 @@ tp_status tp_parallelize_module(tp_module *module, tp_mesh *mesh, int n,
 
     /* 2. apply, entry by entry, modules in tree order */
     for (int e = 0; e < n && st == TP_OK; e++)
-        for (int i = 0; i < l.n && st == TP_OK; i++)
-            if (tp_fqn_match(plan[e].fqn, l.v[i].fqn))
-                st = tp__style_apply(plan[e].style, l.v[i].m, l.v[i].fqn, mesh, src);
+        for (int i = tp__next_match(&l, by_fqn, plan[e].fqn, 0); i >= 0 && st == TP_OK;
+             i = tp__next_match(&l, by_fqn, plan[e].fqn, i + 1))
+            st = tp__style_apply(plan[e].style, l.v[i].m, l.v[i].fqn, mesh, src);
 
+    tp__free(by_fqn);
     tp__free(hits);
     tp__mod_list_free(&l);
     return st;
