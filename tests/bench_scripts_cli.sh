@@ -12,7 +12,8 @@ fails=0
 fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 
 for script in compare_backends.sh compare_gloo.sh compare_mpi.sh compare_torch.sh make_figures.sh \
-              plot_comm.sh plot_layers.sh compare_llm.sh load_llm.sh; do
+              plot_comm.sh plot_layers.sh compare_llm.sh load_llm.sh compare_decode.sh \
+              compare_fsdp.sh; do
     s=$dir/$script
     [ -f "$s" ] || { fail "$script: not in $dir"; continue; }
     grep -q '^set -euo' "$s" || { fail "$script: no 'set -euo' line ending its header"; continue; }

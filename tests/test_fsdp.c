@@ -508,6 +508,68 @@ Test(fsdp, holds_shards_between_steps, .timeout = 120)
 }
 #endif
 
+/* A root whose parameters all belong to inner units: nothing to gather or
+ * reduce for it; the inner units train as one rank would. */
+static tp_status empty_root_body(tp_comm *world, void *arg)
+{
+    tp_test_slot *slot = &((tp_test_slot *)arg)[tp_comm_rank(world)];
+    tp_mesh *dp = NULL;
+    RANK_OK(slot, tp_mesh_create(world, 1, (int64_t[]){2}, (const char *[]){"dp"}, &dp));
+    tp_module *seq = NULL, *a = NULL, *b = NULL;
+    RANK_OK(slot, tp_nn_sequential_create(&seq));
+    RANK_OK(slot, tp_nn_linear_create(4, 6, true, &a));
+    RANK_OK(slot, tp_nn_linear_create(6, 3, true, &b));
+    RANK_OK(slot, tp_module_add_child(seq, "a", a));
+    RANK_OK(slot, tp_module_add_child(seq, "b", b));
+    RANK_OK(slot, tp_module_init(seq, 2));
+    /* the full gradient of the whole batch, before sharding */
+    tp_tensor *x = NULL, *y = NULL, *loss = NULL, *full = NULL;
+    RANK_OK(slot, tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){2, 4}, &x));
+    RANK_OK(slot, tp_tensor_fill_random(x, TP_RNG_UNIFORM, -1, 1, 9, NULL, NULL));
+    RANK_OK(slot, tp_module_call(seq, x, &y));
+    RANK_OK(slot, tp_mean_all(y, &loss));
+    RANK_OK(slot, tp_backward(loss, NULL));
+    RANK_OK(slot, tp_tensor_to(tp_tensor_grad(tp_module_parameter(a, "weight")), TP_F32, TP_CPU,
+                               &full));
+    tp_module_zero_grad(seq);
+    tp_tensor_release(loss);
+    tp_tensor_release(y);
+    RANK_OK(slot, tp_fully_shard(a, dp, NULL));
+    RANK_OK(slot, tp_fully_shard(b, dp, NULL));
+    RANK_OK(slot, tp_fully_shard(seq, dp, NULL)); /* no parameter of its own */
+    /* each rank its row: the average of the two is the whole batch's mean */
+    tp_tensor *row = NULL;
+    RANK_OK(slot, tp_tensor_narrow(x, 0, tp_comm_rank(world), 1, &row));
+    for (int step = 0; step < 2; step++) {
+        RANK_OK(slot, tp_module_call(seq, row, &y));
+        RANK_OK(slot, tp_mean_all(y, &loss));
+        RANK_OK(slot, tp_backward(loss, NULL));
+        tp_tensor *g = NULL;
+        RANK_OK(slot, tp_dtensor_full_tensor(tp_tensor_grad(tp_module_parameter(a, "weight")),
+                                             &g));
+        double d = 0, scale = 0;
+        max_diff(g, full, &d, &scale);
+        RANK_EXPECT(slot, d <= 1e-6 * scale, "step %d: a.weight's gradient differs by %g", step,
+                    d);
+        tp_tensor_release(g);
+        tp_module_zero_grad(seq);
+        tp_tensor_release(loss);
+        tp_tensor_release(y);
+    }
+    tp_tensor_release(row);
+    tp_tensor_release(full);
+    tp_tensor_release(x);
+    tp_module_free(seq);
+    tp_mesh_free(dp);
+    return TP_OK;
+}
+
+Test(fsdp, root_without_parameters, .timeout = 30)
+{
+    tp_test_slot slot[2] = {0};
+    tp_test_run(2, empty_root_body, slot, slot);
+}
+
 static tp_status refusals_body(tp_comm *world, void *arg)
 {
     tp_test_slot *slot = arg;

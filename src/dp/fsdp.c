@@ -29,7 +29,9 @@ typedef struct fsdp_param {
     tp_module *owner[FSDP_MAX_TIES];
     char *name[FSDP_MAX_TIES];
     char fqn[160];
-    const tp_tensor *orig; /* the parameter before sharding (identity only) */
+    /* the parameter before sharding, for identity only (a tie with an outer
+     * unit's slot, which then still holds it alive): not a reference */
+    const tp_tensor *orig;
     tp_mesh *tp_mesh;      /* retained; NULL for a plain parameter */
     tp_placement q;        /* its placement on tp (Replicate when plain) */
     int ndim;
@@ -208,6 +210,10 @@ static tp_status gather_finish(fsdp_unit *u)
 
 static tp_status unshard(fsdp_unit *u)
 {
+    if (!u->n) { /* a unit whose parameters all went to inner units */
+        u->state = FSDP_UNSHARDED;
+        return TP_OK;
+    }
     if (u->state == FSDP_SHARDED)
         TP_CHECK(gather_start(u, false));
     return u->state == FSDP_GATHERING ? gather_finish(u) : TP_OK;
@@ -221,7 +227,7 @@ static tp_status prefetch(fsdp_unit *u, int step)
     if (!u->prefetch || !r->order_done || u->index < 0)
         return TP_OK;
     const int k = u->index + step;
-    if (k < 0 || k >= r->n_order || r->order[k]->state != FSDP_SHARDED)
+    if (k < 0 || k >= r->n_order || r->order[k]->state != FSDP_SHARDED || !r->order[k]->n)
         return TP_OK;
     /* in backward, only a unit whose gradients are still to come (the
      * root's may all be in already, its parameters used at the end of the
