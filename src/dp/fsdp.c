@@ -256,13 +256,26 @@ static tp_status reduce_grads(fsdp_unit *u)
     u->pending = 0;
     tp_tensor *send = NULL, *recv = NULL;
     const int64_t n = u->D * u->shard_numel;
-    tp_status st = tp_tensor_zeros(u->reduce_dtype, u->dev, 1, &n, &send);
+    tp_status st = tp_tensor_empty(u->reduce_dtype, u->dev, 1, &n, &send);
     if (st == TP_OK)
         st = tp_tensor_empty(u->reduce_dtype, u->dev, 1, &u->shard_numel, &recv);
     for (int i = 0; i < u->n && st == TP_OK; i++) {
         fsdp_param *p = &u->p[i];
         tp_tensor *g = tp_tensor_grad(p->unsharded);
-        if (!g)
+        /* zeros where no gradient goes: the padding of short chunks, and a
+         * parameter that got none its whole share */
+        for (int64_t k = 0; k < u->D && st == TP_OK; k++) {
+            const int64_t from = g ? chunk_rows(p, k) : 0;
+            tp_tensor *pad = NULL;
+            if (from == p->c)
+                continue;
+            st = tp_tensor_narrow(send, 0, k * u->shard_numel + p->off + from * p->rn,
+                                  (p->c - from) * p->rn, &pad);
+            if (st == TP_OK)
+                st = tp_tensor_fill(pad, 0.0);
+            tp_tensor_release(pad);
+        }
+        if (!g || st != TP_OK)
             continue;
         tp_tensor *gl = tp_tensor_is_dtensor(g) ? tp_dtensor_local(g) : g, *gc = NULL;
         /* a gradient the backward left strided is copied whole first */
@@ -285,7 +298,11 @@ static tp_status reduce_grads(fsdp_unit *u)
         placements_of(u, p->tp_mesh ? tp_dtensor_placements(g)[0] : tp_replicate(), pl);
         tp_tensor *view = NULL, *local = NULL, *dg = NULL;
         st = flat_rows(recv, p->off, p, p->my_rows, &view);
-        if (st == TP_OK)
+        /* the gradient is its rows of recv, in the shards' dtype: no copy
+         * when the reduction ran in it */
+        if (st == TP_OK && u->reduce_dtype == u->dtype)
+            local = tp_tensor_retain(view);
+        else if (st == TP_OK)
             st = tp_tensor_to(view, u->dtype, u->dev, &local);
         if (st == TP_OK) {
             tp_from_local_options fo = {.global_shape = p->gshape};
