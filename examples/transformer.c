@@ -115,6 +115,9 @@ enum { MAX_STEPS = 100, MAX_PARAMS = 64, MAX_RUNS = 32 };
 static tp_dtype g_dtype = TP_F32;
 /* -b nccl: the TP runs communicate through an nccl world, one GPU per rank. */
 static bool g_nccl = false;
+/* --fsdp: with -d, fully sharded data parallel (tp_fully_shard of every
+ * block, then of the model) instead of the DDP */
+static bool g_fsdp = false;
 
 /* A TP run vs the 1-rank run of the same dtype: f32 agrees to rounding; in
  * bf16/f16 the Partial sums of the row-wise layers are rounded per rank
@@ -755,7 +758,19 @@ static tp_status transformer_rank(tp_comm *world, void *arg)
     /* --device cuda: the same values, moved before the DDP and Adam exist */
     if (cfg->cuda)
         CHECK(tp_module_to(model, dev));
-    if (dp_comm) {
+    if (dp_comm && g_fsdp) {
+        /* each block a unit, then the model (the embeddings, the final norm
+         * and the output projection): parameters, gradients and Adam's state
+         * sharded over "dp", gathered around each unit's forward and
+         * backward. Low-precision parameters are gathered as they are, their
+         * gradients reduce_scattered in f32 */
+        const tp_fsdp_options fo = {.has_reduce_dtype = cfg->dtype != TP_F32,
+                                    .reduce_dtype = TP_F32};
+        tp_module *layers = tp_module_child(model, "layers");
+        for (int i = 0; i < tp_module_num_children(layers); i++)
+            CHECK(tp_fully_shard(tp_module_child_at(layers, i, NULL), mesh, &fo));
+        CHECK(tp_fully_shard(model, mesh, &fo));
+    } else if (dp_comm) {
         /* every dp group initialized the same parameters: nothing to send.
          * Buckets of 16 KiB (PyTorch's 25 MiB default would hold this whole
          * model): a few all_reduces, launched as they fill during backward.
@@ -1041,7 +1056,7 @@ static tp_status print_comm_table(const run *r)
     print_module_scopes(r->debug, model, TP_COMM_DEBUG_ROOT, 2);
     print_scope(r->debug, "loss", "loss (cross entropy)", 1);
     print_scope(r->debug, "Adam", "Adam (optimizer step)", 1);
-    if (r->dp)
+    if (r->dp && !g_fsdp)
         print_scope(r->debug, UNSCOPED, "DDP gradient hooks (dp)", 1);
     if (scope_missing) { /* the query printed which scope and those seen */
         fprintf(stderr, "the table names a scope training step 0 never entered\n");
@@ -1051,7 +1066,12 @@ static tp_status print_comm_table(const run *r)
     if (scope_count(r->debug, "Adam", TP_PHASE_COUNT, TP_COLL_ALL_REDUCE) > 0)
         printf("  (the optimizer step counts as forward: it sums the Partial gradients of the\n"
                "  replicated sequence-parallel parameters, the norms and pos_embeddings)\n");
-    if (r->dp)
+    if (r->dp && g_fsdp)
+        printf("  (dp, fully sharded: a unit's all_gather over dp counts in the scope of\n"
+               "  the unit whose hook issued it: its own, or the unit before when it was\n"
+               "  prefetched; its reduce_scatter of the gradients in the backward of the op\n"
+               "  that produced its last gradient)\n");
+    else if (r->dp)
         printf("  (dp: the DDP's gradient hooks launch one all_reduce per bucket during\n"
                "  backward, outside any module scope; the Adam step waits for them in its\n"
                "  pre-hook. Its broadcast is first-step only: rank 0's gradient-ready order,\n"
@@ -1192,13 +1212,15 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: tp-example-transformer [-r RANKS] [-d DP] [-s STEPS] [-t] [-b shm|mpi|nccl]\n"
             "                              [--dtype f32|bf16|f16] [--device cpu|cuda]\n"
-            "                              [--save DIR] [--load DIR] [--resume-check]\n"
+            "                              [--save DIR] [--load DIR] [--resume-check] [--fsdp]\n"
             "  -b mpi    under mpirun: the TP runs use one process per rank\n"
             "  -b nccl   with --device cuda: one GPU per rank (threads, an nccl world)\n"
             "  -r RANKS  rank count of the TP runs; RANKS / DP must divide the %d heads\n"
             "            (default: 1, 2 and 4 times DP)\n"
             "  -d DP     data parallel x tensor parallel: a (\"dp\", \"tp\") mesh of\n"
             "            [DP, RANKS / DP], the batch of %d split over dp (DP divides both)\n"
+            "  --fsdp    with -d: fully sharded data parallel over \"dp\" (every block a\n"
+            "            unit, then the model: tp_fully_shard) instead of the DDP\n"
             "  -s STEPS  Adam steps (default 3)\n"
             "  -t        also print the full comm-debug table of every run\n"
             "  --dtype   train in f32 (default), bf16 or f16 (f32 master weights and\n"
@@ -1392,6 +1414,8 @@ int main(int argc, char **argv)
             i++;
         } else if (!strcmp(argv[i], "--resume-check")) {
             check_resume = true;
+        } else if (!strcmp(argv[i], "--fsdp")) {
+            g_fsdp = true;
         } else if (!strcmp(argv[i], "--dtype")) {
             if (parse_dtype(i + 1 < argc ? argv[++i] : NULL, &g_dtype) != 0)
                 return 2;
@@ -1449,6 +1473,10 @@ int main(int argc, char **argv)
         }
     }
 
+    if (g_fsdp && !dp) {
+        fprintf(stderr, "--fsdp shards over the \"dp\" dim: add -d DP\n");
+        return 2;
+    }
     if (check_resume && (use_mpi || save_dir || load_dir || 2 * steps > MAX_STEPS)) {
         fprintf(stderr,
                 "--resume-check runs threads and a checkpoint of its own (not with -b "
@@ -1538,7 +1566,7 @@ int main(int argc, char **argv)
         printf(" fwd %s; bwd %s", kinds_str(r->debug, TP_COMM_DEBUG_GLOBAL, TP_PHASE_FORWARD,
                                               fwd, sizeof fwd),
                kinds_str(r->debug, TP_COMM_DEBUG_GLOBAL, TP_PHASE_BACKWARD, bwd, sizeof bwd));
-        if (r->dp) {
+        if (r->dp && !g_fsdp) {
             /* the DDP's all_reduces, as the counter saw them: one per bucket */
             const int64_t dp_ar =
                 scope_count(r->debug, UNSCOPED, TP_PHASE_BACKWARD, TP_COLL_ALL_REDUCE);
