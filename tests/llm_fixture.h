@@ -58,6 +58,19 @@ static inline tp_status full_f32(tp_tensor *t, tp_tensor **out)
     return st;
 }
 
+/* Rows [first, first + rows) of a fixed batch of token sequences (ids
+ * below vocab, `seq` each): what the data-parallel tests split over dp. */
+static inline tp_status fixture_batch_ids(int64_t vocab, int64_t first, int64_t rows,
+                                          int64_t seq, tp_tensor **out)
+{
+    TP_TEST_TRY(tp_tensor_empty(TP_I64, TP_CPU, 2, (int64_t[]){rows, seq}, out));
+    int64_t *d = tp_tensor_data(*out);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t s = 0; s < seq; s++)
+            d[r * seq + s] = ((first + r) * 131 + s * 17 + 5) % vocab;
+    return TP_OK;
+}
+
 /* A fixture model on `dev` in `dtype`, parallelized over world (a 1-D tp
  * mesh) with the standard plan (SP when sp), its weights loaded when `load`. */
 typedef struct {

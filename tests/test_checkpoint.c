@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "tp_test.h"
+#include "tp_test_fs.h"
 
 /* ---- the model ------------------------------------------------------------------ */
 
@@ -354,27 +355,6 @@ static tp_status load_rank(tp_comm *world, void *arg)
     return TP_OK;
 }
 
-/* Removes a directory tree of depth <= 2 (checkpoint dirs in a test dir). */
-static void rm_tree(const char *path)
-{
-    DIR *d = opendir(path);
-    struct dirent *e;
-    while (d && (e = readdir(d))) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-            continue;
-        char sub[600];
-        snprintf(sub, sizeof sub, "%s/%s", path, e->d_name);
-        struct stat sb;
-        if (lstat(sub, &sb) == 0 && S_ISDIR(sb.st_mode))
-            rm_tree(sub);
-        else
-            unlink(sub);
-    }
-    if (d)
-        closedir(d);
-    rmdir(path);
-}
-
 static int count_entries(const char *path)
 {
     DIR *d = opendir(path);
@@ -417,7 +397,7 @@ static void run_reshard(int w1, int p1, int w2, int p2, tp_dtype dt, bool sgd, i
     memset(j->slots, 0, sizeof j->slots);
     j->plan = p2;
     tp_test_run(w2, load_rank, j, j->slots);
-    rm_tree(base);
+    tp_test_rm_tree(base);
     free(j);
 }
 
@@ -736,7 +716,7 @@ ParameterizedTest(err_case *c, checkpoint, errors, .timeout = 60)
         cr_assert(strstr(e->msg[r], "tp_checkpoint_load") || c->want == TP_OK, "rank %d: %s", r,
                   e->msg[r]);
     }
-    rm_tree(base);
+    tp_test_rm_tree(base);
     free(e);
 }
 
@@ -809,7 +789,7 @@ Test(checkpoint, replace_existing, .timeout = 60)
         cr_assert_eq(count_entries(base), 1, "after save %d: only the checkpoint", salt);
         run_dir(4, dir_load_rank, j);
     }
-    rm_tree(base);
+    tp_test_rm_tree(base);
     free(j);
 }
 
@@ -851,7 +831,7 @@ Test(checkpoint, unwritable_dir, .timeout = 60)
     }
     cr_assert_eq(count_entries(base), 2);
     cr_assert_eq(count_entries(j->dir), 1, "the directory is untouched");
-    rm_tree(base);
+    tp_test_rm_tree(base);
     free(j);
 }
 
@@ -875,7 +855,7 @@ Test(checkpoint, alloc_failure_mid_save, .timeout = 120)
     run_dir(1, dir_save_rank, j);
     cr_assert_eq(j->st[0], TP_OK, "%s", j->msg[0]);
     alloc_failures(j, base, 1);
-    rm_tree(base);
+    tp_test_rm_tree(base);
     free(j);
 }
 
@@ -986,7 +966,7 @@ Test(checkpoint, bytes_read, .timeout = 60)
     cr_assert_eq(got, need + matrices, "read %llu bytes, needed %llu + %llu to check",
                  (unsigned long long)got, (unsigned long long)need, (unsigned long long)matrices);
     cr_assert_lt(need, 2 * total);
-    rm_tree(base);
+    tp_test_rm_tree(base);
     free(d);
     free(j);
 }
@@ -1026,7 +1006,7 @@ Test(checkpoint, load_peak_memory, .timeout = 60)
         cr_assert(!s.failed, "%s", s.msg);
         tp_module_free(m);
     }
-    rm_tree(base);
+    tp_test_rm_tree(base);
     free(j);
 }
 
@@ -1138,5 +1118,5 @@ Test(checkpoint, blocks_over_one_chunk, .timeout = 120)
         cr_assert(equal, "pass %d: a failed load changed the model", pass);
     }
     cr_assert_eq(tp_set_allocator(NULL), TP_OK);
-    rm_tree(base);
+    tp_test_rm_tree(base);
 }

@@ -44,17 +44,6 @@ static void record_free(record_t *r)
     memset(r, 0, sizeof *r);
 }
 
-/* The fixed token batch: BATCH sequences of SEQ ids below vocab. */
-static tp_status batch_ids(int64_t vocab, int64_t first, int64_t rows, tp_tensor **out)
-{
-    TP_TEST_TRY(tp_tensor_empty(TP_I64, TP_CPU, 2, (int64_t[]){rows, SEQ}, out));
-    int64_t *d = tp_tensor_data(*out);
-    for (int64_t r = 0; r < rows; r++)
-        for (int s = 0; s < SEQ; s++)
-            d[r * SEQ + s] = ((first + r) * 131 + s * 17 + 5) % vocab;
-    return TP_OK;
-}
-
 static tp_status full_copy(tp_tensor *t, tp_tensor **out)
 {
     if (!t) {
@@ -161,7 +150,7 @@ static tp_status run_body(tp_comm *world, void *arg)
                             : rep > 1 ? tp_mesh_coord(mesh, 0) * c->dp + tp_mesh_coord(mesh, 1)
                                       : tp_mesh_coord(mesh, 0);
     tp_tensor *ids = NULL;
-    RANK_OK(slot, batch_ids(cfg.vocab_size, dp_rank * rows, rows, &ids));
+    RANK_OK(slot, fixture_batch_ids(cfg.vocab_size, dp_rank * rows, rows, SEQ, &ids));
     tp_comm_debug *dbg = NULL;
     RANK_OK(slot, tp_comm_debug_create(&dbg));
     tp_memory_info m1;

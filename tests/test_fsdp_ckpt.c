@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "tp_test.h"
+#include "tp_test_fs.h"
 #include "llm_fixture.h"
 
 enum { BATCH = 12, SEQ = 8, MAX_PARAMS = 64 };
@@ -53,17 +54,6 @@ static void trainer_close(trainer *t)
     memset(t, 0, sizeof *t);
 }
 
-/* BATCH fixed sequences; this rank's BATCH / dp of them. */
-static tp_status batch_ids(int64_t vocab, int64_t first, int64_t rows, tp_tensor **out)
-{
-    TP_TEST_TRY(tp_tensor_empty(TP_I64, TP_CPU, 2, (int64_t[]){rows, SEQ}, out));
-    int64_t *d = tp_tensor_data(*out);
-    for (int64_t r = 0; r < rows; r++)
-        for (int s = 0; s < SEQ; s++)
-            d[r * SEQ + s] = ((first + r) * 131 + s * 17 + 5) % vocab;
-    return TP_OK;
-}
-
 /* The fixture model laid out as l (its weights loaded when `load`), with
  * AdamW (adam_lr: its learning rate) created after the wrapping. */
 static tp_status trainer_open(tp_comm *world, int model, layout l, bool load, double adam_lr,
@@ -104,7 +94,7 @@ static tp_status trainer_open(tp_comm *world, int model, layout l, bool load, do
     TP_TEST_TRY(tp_adam_create_with(t->model, &ao, &t->opt));
     const int64_t rows = BATCH / (l.mode == M_ONE ? 1 : l.dp);
     const int64_t first = l.mode == M_ONE ? 0 : tp_mesh_coord(t->mesh, 0) * rows;
-    return batch_ids(t->cfg.vocab_size, first, rows, &t->ids);
+    return fixture_batch_ids(t->cfg.vocab_size, first, rows, SEQ, &t->ids);
 }
 
 /* Forward and backward on this rank's rows (the loss scaled by gs when
@@ -398,26 +388,6 @@ ParameterizedTest(model_case *mc, fsdp_ckpt, grad_scaler, .timeout = 300)
 
 #ifndef TP_TEST_MPI /* the tests below share a directory between the ranks */
 
-static void rm_tree(const char *path)
-{
-    DIR *d = opendir(path);
-    struct dirent *e;
-    while (d && (e = readdir(d))) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-            continue;
-        char sub[700];
-        snprintf(sub, sizeof sub, "%s/%s", path, e->d_name);
-        struct stat sb;
-        if (lstat(sub, &sb) == 0 && S_ISDIR(sb.st_mode))
-            rm_tree(sub);
-        else
-            unlink(sub);
-    }
-    if (d)
-        closedir(d);
-    rmdir(path);
-}
-
 /* One AdamW step on this rank's rows. */
 static tp_status trainer_step(trainer *t, double *loss)
 {
@@ -545,7 +515,7 @@ ParameterizedTest(ckpt_case *cc, fsdp_ckpt, reshard, .timeout = 300)
     memset(c.slot, 0, sizeof c.slot);
     c.load_side = true;
     run_on(cc->dst, ckpt_body, &c, c.slot);
-    rm_tree(base);
+    tp_test_rm_tree(base);
     char s[64], d[64], what[256];
     layout_str(cc->src, s, sizeof s);
     layout_str(cc->dst, d, sizeof d);
@@ -624,7 +594,7 @@ Test(fsdp_ckpt, refuses_root_not_sharded, .timeout = 60)
     if (d)
         closedir(d);
     cr_assert_eq(n, 1, "%d entries in %s after the refused save", n, base);
-    rm_tree(base);
+    tp_test_rm_tree(base);
 }
 
 /* ---- 4. the Hugging Face saver -------------------------------------------------------- */
@@ -754,7 +724,7 @@ ParameterizedTest(hf_case *mc, fsdp_ckpt, hf_save, .timeout = 300)
             for (int r = 0; r < TP_TEST_MAX_RANKS; r++)
                 snap_free(&runs[k]->params[r]);
     }
-    rm_tree(base);
+    tp_test_rm_tree(base);
 }
 
 #endif /* TP_TEST_MPI */
