@@ -23,7 +23,8 @@ SYNTH = re.compile(r"Synthesis: Tested: (\d+) \| Passing: (\d+) \| Failing: (\d+
 SKIP = re.compile(r"^\[SKIP\] (\S+): (.*)$", re.M)
 GPU_SKIP = re.compile(r"no CUDA device|without CUDA|without NCCL")
 MPI_LINE = re.compile(r"^mpi: (\d+) passed, (\d+) failed", re.M)
-GPU_SUITES = {"cuda", "cuda_kernels", "shm_cuda", "nccl", "replicate", "models", "generate"}
+GPU_SUITES = {"cuda", "cuda_kernels", "shm_cuda", "nccl", "replicate", "models", "generate",
+              "fsdp"}
 
 
 # GPU suites whose Criterion tests run several processes at once here (their
