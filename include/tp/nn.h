@@ -199,11 +199,12 @@ TP_API tp_status tp_module_to_dtype(tp_module *m, tp_dtype dtype);
  *                           recomputes the whole forward (its collectives
  *                           included)
  *   TP_RECOMPUTE_SELECTIVE  also keeps the outputs of its GEMMs (linear,
- *                           matmul), attention and collectives, which the
- *                           recompute reuses: it redoes only the cheap
- *                           element-wise work (norms, activations, rotary,
- *                           residuals, softmax inputs) and issues no
- *                           collective
+ *                           matmul) and of its redistributions (the
+ *                           collectives), which the recompute reuses: it
+ *                           redoes attention (as Megatron-LM's selective
+ *                           recomputation does) and the element-wise work
+ *                           (norms, activations, rotary, residuals), and
+ *                           issues no GEMM and no collective
  *
  * Gradients are bit-identical to running without recomputation: the
  * recompute runs the same kernels on the same values, and each Dropout
