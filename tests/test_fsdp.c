@@ -618,7 +618,7 @@ static tp_status refusals_body(tp_comm *world, void *arg)
     struct {
         tp_status st, want;
         const char *msg;
-    } c[8];
+    } c[10];
     int n = 0;
 #define REFUSE(expr, code, text)                                                                 \
     do {                                                                                         \
@@ -642,6 +642,20 @@ static tp_status refusals_body(tp_comm *world, void *arg)
     /* b's weight is a's: tied across the unit a and the root */
     REFUSE(tp_fully_shard(root, dp, NULL), TP_ERR_INVALID_ARG, "'b.weight' is tied");
     RANK_EXPECT(slot, !tp_module_is_fully_sharded(root), "the refused root is no unit");
+    /* a TP-sharded parameter needs the mesh's tp dim */
+    tp_module *col = NULL;
+    tp_mesh *tp1 = NULL;
+    tp_style *cs = NULL;
+    RANK_OK(slot, tp_nn_linear_create(4, 4, false, &col));
+    RANK_OK(slot, tp_mesh_create(world, 1, (int64_t[]){1}, (const char *[]){"tp"}, &tp1));
+    RANK_OK(slot, tp_colwise_parallel_create(NULL, &cs));
+    RANK_OK(slot, tp_parallelize_module(col, tp1, 1, &(tp_plan_entry){"", cs}, NULL));
+    REFUSE(tp_fully_shard(col, dp, NULL), TP_ERR_INVALID_ARG,
+           "'weight' is a DTensor but the mesh has no \"tp\" dim");
+    RANK_EXPECT(slot, !tp_module_is_fully_sharded(col), "the refused Linear is no unit");
+    tp_style_free(cs);
+    tp_mesh_free(tp1);
+    tp_module_free(col);
 #undef REFUSE
     tp_module_free(root);
     tp_mesh_free(named);

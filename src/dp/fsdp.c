@@ -474,7 +474,6 @@ typedef struct {
     fsdp_unit *u;
     size_t cap;
     tp_module *top;
-    char prefix[160];
 } walk_ctx;
 
 /* Whether t is the parameter, before sharding, of a unit inside m. */
