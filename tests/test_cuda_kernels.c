@@ -43,7 +43,7 @@ static void need_cuda(void)
  * int64, 'U' one byte (masks); 0: a NULL argument. Host values are kept as
  * double-free f32 (T values already rounded to the dtype), or int64/uint8. */
 
-#define MAXB 10
+#define MAXB 12
 
 typedef struct bspec {
     char kind;
@@ -59,7 +59,7 @@ typedef tp_status (*kfn)(const tp__kernels *K, tp_device dev, tp_dtype dt, void 
 typedef struct kcase {
     const char *name;
     kfn run;
-    double a[8]; /* sizes and scalars, as run() reads them */
+    double a[12]; /* sizes and scalars, as run() reads them */
     double atol;
     double mag; /* extra eps_d * mag: entries that round more than once (atomics) */
     bspec b[MAXB];
@@ -470,6 +470,46 @@ static tp_status r_attn_softmax(const tp__kernels *K, tp_device d, tp_dtype t, v
                            I(6));
 }
 
+/* fused attention {G, M, Sq, Sk, D, Dv, key_offset, causal, cap, pad_div}:
+ * group b's keys at b * cap rows of k and v (cap > Sk: a cache's prefix),
+ * the padding [G / pad_div, Sk] */
+static tp__attn_geom flash_geom(const double *a, const void *pad)
+{
+    const int64_t D = I(4), Dv = I(5), cap = I(8);
+    return (tp__attn_geom){.G = I(0),
+                           .M = I(1),
+                           .Sq = I(2),
+                           .Sk = I(3),
+                           .D = D,
+                           .Dv = Dv,
+                           .k_gs = cap * D,
+                           .k_ld = D,
+                           .v_gs = cap * Dv,
+                           .v_ld = Dv,
+                           .key_offset = I(6),
+                           .pad = pad,
+                           .pad_dtype = TP_I64,
+                           .pad_div = I(9),
+                           .pad_ld = I(3),
+                           .scale = (float)(1.0 / sqrt((double)D)),
+                           .causal = a[7] != 0};
+}
+
+static tp_status r_flash_attn_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                  const double *a)
+{
+    const tp__attn_geom g = flash_geom(a, p[5]);
+    return K->flash_attn_fwd(d, t, &g, p[0], p[1], p[2], p[3], p[4]);
+}
+
+static tp_status r_flash_attn_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                  const double *a)
+{
+    const tp__attn_geom g = flash_geom(a, p[10]);
+    return K->flash_attn_bwd(d, t, &g, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
+                             p[9]);
+}
+
 /* ---- the cases -------------------------------------------------------------------- */
 
 #define T_IN(n)                       \
@@ -742,6 +782,57 @@ static const kcase cases[] = {
      1e-7,
      0,
      {T_ACC(48), I_IN(24, 0, 2)}},
+    /* fused attention: the tensor-core forward in bf16 and f16 (head dims 64
+     * and 128, over several row and key tiles, grouped rows straddling a
+     * tile, a decode row over a cache's prefix) and the general form (f32,
+     * other head dims, Dv != D); P is rounded to the dtype before P V, as
+     * flash attention does: mag 1.5 allows it on outputs below 1 */
+    {"flash fwd causal GQA D128",
+     r_flash_attn_fwd,
+     {2, 300, 150, 150, 128, 128, 0, 1, 150, 1},
+     1e-5,
+     1.5,
+     {T_IN(76800), T_IN(38400), T_IN(38400), T_OUT(76800), F_OUT(600), NONE}},
+    {"flash fwd padded D64",
+     r_flash_attn_fwd,
+     {4, 140, 70, 200, 64, 64, 0, 0, 200, 2},
+     1e-5,
+     1.5,
+     {T_IN(35840), T_IN(51200), T_IN(51200), T_OUT(35840), F_OUT(560), I_IN(400, 0, 2)}},
+    {"flash fwd decode over a cache D128",
+     r_flash_attn_fwd,
+     {2, 4, 1, 300, 128, 128, 299, 1, 512, 1},
+     1e-5,
+     1.5,
+     {T_IN(1024), T_IN(131072), T_IN(131072), T_OUT(1024), F_OUT(8), NONE}},
+    {"flash fwd general D80",
+     r_flash_attn_fwd,
+     {2, 80, 40, 90, 80, 80, 50, 1, 90, 1},
+     1e-5,
+     1.5,
+     {T_IN(12800), T_IN(14400), T_IN(14400), T_OUT(12800), F_OUT(160), NONE}},
+    {"flash fwd general Dv 32 != D 64",
+     r_flash_attn_fwd,
+     {2, 60, 30, 70, 64, 32, 0, 1, 70, 2},
+     1e-5,
+     1.5,
+     {T_IN(7680), T_IN(8960), T_IN(4480), T_OUT(3840), F_OUT(120), I_IN(70, 0, 2)}},
+    /* the backward {q, k, v, out, lse, gout, delta, gq, gk, gv, pad} on
+     * independent inputs (lse in [3, 4] keeps p below 1) */
+    {"flash bwd causal GQA D128",
+     r_flash_attn_bwd,
+     {2, 300, 150, 150, 128, 128, 0, 1, 150, 1},
+     1e-5,
+     4,
+     {T_IN(76800), T_IN(38400), T_IN(38400), T_IN(76800), F_IN(600, 3, 4), T_IN(76800),
+      F_OUT(600), T_OUT(76800), T_OUT(38400), T_OUT(38400), NONE}},
+    {"flash bwd padded decode Dv 32",
+     r_flash_attn_bwd,
+     {2, 4, 1, 100, 64, 32, 99, 1, 128, 1},
+     1e-5,
+     4,
+     {T_IN(512), T_IN(16384), T_IN(8192), T_IN(256), F_IN(8, 3, 4), T_IN(256), F_OUT(8),
+      T_OUT(512), T_OUT(12800), T_OUT(6400), I_IN(200, 0, 2)}},
     /* cos and sin with halves that differ (the general formula); the f32
      * arithmetic is the CPU's, rounding for rounding */
     {"rope_fwd",
@@ -839,6 +930,8 @@ Test(cuda_kernels, the_cases_cover_every_entry, .timeout = 30)
         {r_swiglu_fwd, "swiglu_fwd"},
         {r_swiglu_bwd, "swiglu_bwd"},
         {r_attn_softmax, "attn_softmax"},
+        {r_flash_attn_fwd, "flash_attn_fwd"},
+        {r_flash_attn_bwd, "flash_attn_bwd"},
         {r_rope_fwd, "rope_fwd"},
         {r_rope_bwd, "rope_bwd"},
         {r_rope_cos_sin, "rope_cos_sin"},

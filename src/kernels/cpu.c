@@ -1353,3 +1353,160 @@ void tp__k_rope_cos_sin(const int64_t *pos, const float *inv_freq, float *cosb, 
         }
     }
 }
+
+/* ---- fused attention ------------------------------------------------------------
+ *
+ * Flash attention's algorithm on the CPU (Dao et al., FlashAttention-2): a
+ * block of query rows meets the keys block by block; each row keeps its
+ * running maximum m and sum l, and its output is rescaled by exp(m_old -
+ * m_new) whenever the maximum grows, so only one [TP__FLASH_BR,
+ * TP__FLASH_BC] block of scores exists at a time. The backward recomputes
+ * each block's probabilities from the row's lse = m + log l. */
+
+/* The last key (exclusive) any row of [r0, r0 + nr) may see. */
+static int64_t flash_key_limit(const tp__flash_group *g, int64_t r0, int64_t nr)
+{
+    if (!g->causal)
+        return g->Sk;
+    int64_t first = r0 % g->Sq, imax = nr >= g->Sq || first + nr > g->Sq ? g->Sq - 1
+                                                                        : first + nr - 1;
+    int64_t lim = imax + g->key_offset + 1;
+    return lim < g->Sk ? lim : g->Sk;
+}
+
+/* Whether key j is hidden from row r (causal diagonal, padding). */
+static inline bool flash_masked(const tp__flash_group *g, int64_t r, int64_t j)
+{
+    if (g->causal && j > r % g->Sq + g->key_offset)
+        return true;
+    if (g->pad)
+        return g->pad_i32 ? ((const int32_t *)g->pad)[j] == 0
+                          : ((const int64_t *)g->pad)[j] == 0;
+    return false;
+}
+
+/* The scores of rows [r0, r0 + nr) against keys [c0, c0 + nc) into s
+ * (ld TP__FLASH_BC), masked keys -inf. */
+static void flash_scores(const tp__flash_group *g, const float *q, const float *k, int64_t r0,
+                         int64_t nr, int64_t c0, int64_t nc, float *s)
+{
+    tp__k_gemm(false, true, nr, nc, g->D, g->scale, q + r0 * g->D, g->D, k + c0 * g->k_ld,
+               g->k_ld, 0.0f, s, TP__FLASH_BC);
+    if (!g->causal && !g->pad)
+        return;
+    for (int64_t u = 0; u < nr; u++)
+        for (int64_t j = 0; j < nc; j++)
+            if (flash_masked(g, r0 + u, c0 + j))
+                s[u * TP__FLASH_BC + j] = -INFINITY;
+}
+
+void tp__k_flash_fwd(const tp__flash_group *g, const float *q, const float *k, const float *v,
+                     float *out, float *lse, float *scratch)
+{
+    float *s = scratch, *mx = scratch + 2 * TP__FLASH_BR * TP__FLASH_BC, *l = mx + TP__FLASH_BR;
+    const int64_t Dv = g->Dv;
+    for (int64_t r0 = 0; r0 < g->M; r0 += TP__FLASH_BR) {
+        const int64_t nr = g->M - r0 < TP__FLASH_BR ? g->M - r0 : TP__FLASH_BR;
+        float *o = out + r0 * Dv;
+        memset(o, 0, (size_t)(nr * Dv) * sizeof *o);
+        for (int64_t u = 0; u < nr; u++) {
+            mx[u] = -INFINITY;
+            l[u] = 0.0f;
+        }
+        const int64_t lim = flash_key_limit(g, r0, nr);
+        for (int64_t c0 = 0; c0 < lim; c0 += TP__FLASH_BC) {
+            const int64_t nc = lim - c0 < TP__FLASH_BC ? lim - c0 : TP__FLASH_BC;
+            flash_scores(g, q, k, r0, nr, c0, nc, s);
+            for (int64_t u = 0; u < nr; u++) {
+                float *su = s + u * TP__FLASH_BC, bm = -INFINITY;
+                for (int64_t j = 0; j < nc; j++)
+                    bm = su[j] > bm ? su[j] : bm;
+                const float mn = bm > mx[u] ? bm : mx[u];
+                if (mn == -INFINITY) { /* nothing visible yet: p = 0 */
+                    memset(su, 0, (size_t)nc * sizeof *su);
+                    continue;
+                }
+                const float corr = expf(mx[u] - mn); /* 0 when mx was -inf */
+                float sum = 0.0f;
+                for (int64_t j = 0; j < nc; j++) {
+                    su[j] = expf(su[j] - mn);
+                    sum += su[j];
+                }
+                l[u] = l[u] * corr + sum;
+                mx[u] = mn;
+                if (corr != 1.0f)
+                    for (int64_t d = 0; d < Dv; d++)
+                        o[u * Dv + d] *= corr;
+            }
+            tp__k_gemm(false, false, nr, Dv, nc, 1.0f, s, TP__FLASH_BC, v + c0 * g->v_ld,
+                       g->v_ld, 1.0f, o, Dv);
+        }
+        for (int64_t u = 0; u < nr; u++) {
+            if (l[u] == 0.0f) { /* no visible key: PyTorch's safe softmax gives 0 */
+                memset(o + u * Dv, 0, (size_t)Dv * sizeof *o);
+                lse[r0 + u] = -INFINITY;
+                continue;
+            }
+            const float inv = 1.0f / l[u];
+            for (int64_t d = 0; d < Dv; d++)
+                o[u * Dv + d] *= inv;
+            lse[r0 + u] = mx[u] + logf(l[u]);
+        }
+    }
+}
+
+void tp__k_flash_bwd(const tp__flash_group *g, const float *q, const float *k, const float *v,
+                     const float *out, const float *lse, const float *gout, float *delta,
+                     float *gq, float *gk, float *gv, float *scratch)
+{
+    float *p = scratch, *dp = scratch + TP__FLASH_BR * TP__FLASH_BC;
+    const int64_t M = g->M, D = g->D, Dv = g->Dv;
+    for (int64_t r = 0; r < M; r++) {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < Dv; d++)
+            acc += gout[r * Dv + d] * out[r * Dv + d];
+        delta[r] = acc;
+    }
+    if (gq)
+        memset(gq, 0, (size_t)(M * D) * sizeof *gq);
+    if (gk)
+        memset(gk, 0, (size_t)(g->Sk * D) * sizeof *gk);
+    if (gv)
+        memset(gv, 0, (size_t)(g->Sk * Dv) * sizeof *gv);
+    for (int64_t c0 = 0; c0 < g->Sk; c0 += TP__FLASH_BC) {
+        const int64_t nc = g->Sk - c0 < TP__FLASH_BC ? g->Sk - c0 : TP__FLASH_BC;
+        for (int64_t r0 = 0; r0 < M; r0 += TP__FLASH_BR) {
+            const int64_t nr = M - r0 < TP__FLASH_BR ? M - r0 : TP__FLASH_BR;
+            if (flash_key_limit(g, r0, nr) <= c0)
+                continue; /* every key of the block is past every row's diagonal */
+            flash_scores(g, q, k, r0, nr, c0, nc, p);
+            for (int64_t u = 0; u < nr; u++) {
+                float *pu = p + u * TP__FLASH_BC;
+                const float ls = lse[r0 + u];
+                for (int64_t j = 0; j < nc; j++)
+                    pu[j] = ls == -INFINITY ? 0.0f : expf(pu[j] - ls);
+            }
+            const float *go = gout + r0 * Dv;
+            if (gv)
+                tp__k_gemm(true, false, nc, Dv, nr, 1.0f, p, TP__FLASH_BC, go, Dv, 1.0f,
+                           gv + c0 * Dv, Dv);
+            if (!gq && !gk)
+                continue;
+            tp__k_gemm(false, true, nr, nc, Dv, 1.0f, go, Dv, v + c0 * g->v_ld, g->v_ld, 0.0f,
+                       dp, TP__FLASH_BC);
+            for (int64_t u = 0; u < nr; u++) {
+                float *pu = p + u * TP__FLASH_BC;
+                const float *du = dp + u * TP__FLASH_BC;
+                const float dl = delta[r0 + u];
+                for (int64_t j = 0; j < nc; j++)
+                    pu[j] *= du[j] - dl; /* p becomes ds */
+            }
+            if (gq)
+                tp__k_gemm(false, false, nr, D, nc, g->scale, p, TP__FLASH_BC, k + c0 * g->k_ld,
+                           g->k_ld, 1.0f, gq + r0 * D, D);
+            if (gk)
+                tp__k_gemm(true, false, nc, D, nr, g->scale, p, TP__FLASH_BC, q + r0 * D, D,
+                           1.0f, gk + c0 * D, D);
+        }
+    }
+}

@@ -201,6 +201,31 @@ void tp__k_attn_softmax(float *s, int64_t r0, int64_t nr, int64_t rows, int64_t 
                         int64_t key_offset, bool causal, const void *pad, bool pad_i32,
                         int64_t pad_div);
 
+/* Fused attention (the flash_attn_fwd / _bwd entries) over one group:
+ * q [M, D], out and gout [M, Dv], gq [M, D] contiguous; group key j at k + j
+ * * k_ld (v + j * v_ld); gk [Sk, D] and gv [Sk, Dv] contiguous; pad the
+ * group's row of the padding mask (NULL: none; int32 when pad_i32, else
+ * int64); lse and delta the group's M rows. Query blocks of TP__FLASH_BR rows
+ * against key blocks of TP__FLASH_BC keys, each product one sgemm; scratch
+ * holds tp__flash_scratch_floats() floats. The backward's outputs may be
+ * NULL (not wanted); it overwrites those it is given. */
+enum { TP__FLASH_BR = 64, TP__FLASH_BC = 128 };
+typedef struct tp__flash_group {
+    int64_t M, Sq, Sk, D, Dv, k_ld, v_ld, key_offset;
+    const void *pad;
+    bool pad_i32, causal;
+    float scale;
+} tp__flash_group;
+static inline int64_t tp__flash_scratch_floats(void)
+{
+    return 2 * TP__FLASH_BR * TP__FLASH_BC + 2 * TP__FLASH_BR;
+}
+void tp__k_flash_fwd(const tp__flash_group *g, const float *q, const float *k, const float *v,
+                     float *out, float *lse, float *scratch);
+void tp__k_flash_bwd(const tp__flash_group *g, const float *q, const float *k, const float *v,
+                     const float *out, const float *lse, const float *gout, float *delta,
+                     float *gq, float *gk, float *gv, float *scratch);
+
 /* Rotary position embedding (the rope_fwd / rope_bwd entries): x, y [B, H,
  * S, D], cos, sin [*, S, D] with batch stride cos_batch_stride (0:
  * broadcast over B); bwd: gx from gy by the transpose. y may be x. */

@@ -28,7 +28,7 @@ enum {
     TP__LP_CHUNK = 1024, /* elements per chunk of the elementwise driver (up to 3 buffers) */
     TP__LP_MAXBUF = 5,   /* buffers of the op's dtype per elementwise entry */
     TP__LP_ARENA = 3 * TP__LP_CHUNK,
-    TP__LP_MAX = 8 /* buffers per frame */
+    TP__LP_MAX = 10 /* buffers per frame (fused attention's backward: 9) */
 };
 
 typedef struct tp__lp_out_rec {

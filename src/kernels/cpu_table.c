@@ -929,6 +929,89 @@ static tp_status cpu_attn_softmax(tp_device dev, tp_dtype dtype, void *s, int64_
     return UNITS(ATTN_SOFTMAX, batch * rows, &c, u_attn_softmax, PER(s, Sk, 'u'));
 }
 
+/* ---- fused attention: one group at a time through cpu.c's f32 kernel; for
+ * bf16 and f16 the group's q, k, v (out, gout) are f32 copies and its outputs
+ * rounded once at the group's end. */
+
+static const void *flash_at(tp_dtype dt, const void *p, int64_t e)
+{
+    return (const char *)p + e * (int64_t)tp_dtype_size(dt);
+}
+
+static tp__flash_group flash_group(const tp__attn_geom *g, int64_t b)
+{
+    tp__flash_group fg = {g->M, g->Sq, g->Sk, g->D, g->Dv, g->k_ld, g->v_ld, g->key_offset,
+                          NULL, g->pad_dtype == TP_I32, g->causal, g->scale};
+    if (g->pad)
+        fg.pad = flash_at(g->pad_dtype, g->pad, b / g->pad_div * g->pad_ld);
+    return fg;
+}
+
+static tp_status cpu_flash_attn_fwd(tp_device dev, tp_dtype dtype, const tp__attn_geom *g,
+                                    const void *q, const void *k, const void *v, void *out,
+                                    float *lse)
+{
+    CPU_CHECK(FLASH_ATTN_FWD);
+    for (int64_t b = 0; b < g->G; b++) {
+        tp__flash_group fg = flash_group(g, b);
+        tp__lp f;
+        tp__lp_begin(&f, TP__KOP_FLASH_ATTN_FWD, dtype);
+        int64_t ld;
+        const float *fq = tp__lp_in_mat(&f, flash_at(dtype, q, b * g->M * g->D), g->M, g->D,
+                                        g->D, &ld);
+        const float *fk =
+            tp__lp_in_mat(&f, flash_at(dtype, k, b * g->k_gs), g->Sk, g->D, g->k_ld, &fg.k_ld);
+        const float *fv =
+            tp__lp_in_mat(&f, flash_at(dtype, v, b * g->v_gs), g->Sk, g->Dv, g->v_ld, &fg.v_ld);
+        float *fo = tp__lp_out_mat(&f, (void *)flash_at(dtype, out, b * g->M * g->Dv), g->M,
+                                   g->Dv, g->Dv, false, &ld);
+        float *scratch =
+            tp__lp_scratch(&f, (size_t)tp__flash_scratch_floats() * sizeof(float));
+        if (tp__lp_ok(&f))
+            tp__k_flash_fwd(&fg, fq, fk, fv, fo, lse + b * g->M, scratch);
+        TP_CHECK(tp__lp_end(&f));
+    }
+    return TP_OK;
+}
+
+static tp_status cpu_flash_attn_bwd(tp_device dev, tp_dtype dtype, const tp__attn_geom *g,
+                                    const void *q, const void *k, const void *v,
+                                    const void *out, const float *lse, const void *gout,
+                                    float *delta, void *gq, void *gk, void *gv)
+{
+    CPU_CHECK(FLASH_ATTN_BWD);
+    const int64_t M = g->M, D = g->D, Dv = g->Dv, Sk = g->Sk;
+    for (int64_t b = 0; b < g->G; b++) {
+        tp__flash_group fg = flash_group(g, b);
+        tp__lp f;
+        tp__lp_begin(&f, TP__KOP_FLASH_ATTN_BWD, dtype);
+        int64_t ld;
+        const float *fq = tp__lp_in_mat(&f, flash_at(dtype, q, b * M * D), M, D, D, &ld);
+        const float *fk =
+            tp__lp_in_mat(&f, flash_at(dtype, k, b * g->k_gs), Sk, D, g->k_ld, &fg.k_ld);
+        const float *fv =
+            tp__lp_in_mat(&f, flash_at(dtype, v, b * g->v_gs), Sk, Dv, g->v_ld, &fg.v_ld);
+        const float *fo = tp__lp_in_mat(&f, flash_at(dtype, out, b * M * Dv), M, Dv, Dv, &ld);
+        const float *fgo = tp__lp_in_mat(&f, flash_at(dtype, gout, b * M * Dv), M, Dv, Dv, &ld);
+        float *fgq = gq ? tp__lp_out_mat(&f, (void *)flash_at(dtype, gq, b * M * D), M, D, D,
+                                         false, &ld)
+                        : NULL;
+        float *fgk = gk ? tp__lp_out_mat(&f, (void *)flash_at(dtype, gk, b * Sk * D), Sk, D, D,
+                                         false, &ld)
+                        : NULL;
+        float *fgv = gv ? tp__lp_out_mat(&f, (void *)flash_at(dtype, gv, b * Sk * Dv), Sk, Dv,
+                                         Dv, false, &ld)
+                        : NULL;
+        float *scratch =
+            tp__lp_scratch(&f, (size_t)tp__flash_scratch_floats() * sizeof(float));
+        if (tp__lp_ok(&f))
+            tp__k_flash_bwd(&fg, fq, fk, fv, fo, lse + b * M, fgo, delta + b * M, fgq, fgk, fgv,
+                            scratch);
+        TP_CHECK(tp__lp_end(&f));
+    }
+    return TP_OK;
+}
+
 /* ---- rotary position embedding ------------------------------------------------------ */
 
 /* bf16 and f16 go through f32 copies on the stack, like the elementwise

@@ -27,6 +27,7 @@
 
 #include "core/cuda_rt.h"
 #include "core/philox.h"
+#include "kernels/cuda_flash.h"
 #include "kernels/kernels.h"
 
 #define TP__KC_MAX_DEVICES 64 /* as core/cuda_rt.c */
@@ -2511,6 +2512,20 @@ tp_status cuda_attn_softmax(tp_device dev, tp_dtype dtype, void *s, int64_t batc
                                Sk > 0 ? batch * rows : 0, true, k_attn_softmax<T>, mp<T>(s),
                                batch * rows, rows, Sq, Sk, key_offset, causal, pad,
                                pad_dtype == TP_I32, pad_div));
+}
+
+tp_status cuda_flash_attn_fwd(tp_device dev, tp_dtype dtype, const tp__attn_geom *g,
+                              const void *q, const void *k, const void *v, void *out, float *lse)
+{
+    return tp__cuda_flash_attn_fwd(dev, dtype, g, q, k, v, out, lse);
+}
+
+tp_status cuda_flash_attn_bwd(tp_device dev, tp_dtype dtype, const tp__attn_geom *g,
+                              const void *q, const void *k, const void *v, const void *out,
+                              const float *lse, const void *gout, float *delta, void *gq,
+                              void *gk, void *gv)
+{
+    return tp__cuda_flash_attn_bwd(dev, dtype, g, q, k, v, out, lse, gout, delta, gq, gk, gv);
 }
 
 /* rotary position embedding */

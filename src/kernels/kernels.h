@@ -106,11 +106,35 @@ typedef enum tp__kop {
     TP__KOP_SWIGLU_FWD,
     TP__KOP_SWIGLU_BWD,
     TP__KOP_ATTN_SOFTMAX,
+    TP__KOP_FLASH_ATTN_FWD,
+    TP__KOP_FLASH_ATTN_BWD,
     TP__KOP_ROPE_FWD,
     TP__KOP_ROPE_BWD,
     TP__KOP_ROPE_COS_SIN,
     TP__KOP_COUNT
 } tp__kop;
+
+/* The geometry of a fused attention (flash_attn_fwd / _bwd): G groups (a
+ * leading index and kv head) of M = n_rep * Sq query rows, the query rows of
+ * the group's n_rep query heads one after the other (row r is query r % Sq),
+ * against Sk keys. Query i sees key j iff (!causal or j <= key_offset + i)
+ * and (pad NULL or pad[(b / pad_div) * pad_ld + j] != 0 in group b; pad of
+ * pad_dtype, TP_I64 or TP_I32, on the device). Group b's key j lies at
+ * element b * k_gs + j * k_ld of k (likewise v): a KV cache's prefix is read
+ * in place. */
+typedef struct tp__attn_geom {
+    int64_t G, M, Sq, Sk, D, Dv;
+    int64_t k_gs, k_ld, v_gs, v_ld;
+    int64_t key_offset;
+    const void *pad;
+    tp_dtype pad_dtype;
+    int64_t pad_div, pad_ld;
+    float scale;
+    bool causal;
+} tp__attn_geom;
+
+/* The widest head the fused attention takes (q/k and v alike). */
+#define TP__FLASH_MAX_HEAD_DIM 256
 
 typedef struct tp__kernels {
     const char *name; /* "cpu", "cuda", "meta" */
@@ -352,6 +376,27 @@ typedef struct tp__kernels {
                               int64_t rows, int64_t Sq, int64_t Sk, int64_t key_offset,
                               bool causal, const void *pad, tp_dtype pad_dtype, int64_t pad_div);
 
+    /* Fused attention (flash attention): the output and each query row's
+     * log-sum-exp without the [rows, Sk] scores in memory, tiled over keys
+     * with an online softmax; the backward recomputes the probabilities
+     * from lse. Same masking as attn_softmax (tp__attn_geom); a row with no
+     * visible key gets out 0 and lse -inf (and zero gradients).
+     *   fwd: out[b, r] = sum_j p_rj v_j, p = softmax_j(scale q_r . k_j)
+     *        lse[b * M + r] = log sum_j exp(scale q_r . k_j), f32
+     *   bwd: gq, gk, gv (each may be NULL: not wanted; overwritten) from
+     *        gout, with out and lse of the forward; gk, gv [G, Sk, D(v)]
+     *        contiguous, gq like q. delta is f32 scratch of G * M.
+     * q, out, gout and gq are contiguous [G, M, D(v)]; k and v are read at
+     * the geometry's strides. f32 accumulation throughout; only the outputs
+     * are rounded to the dtype. D and Dv at most TP__FLASH_MAX_HEAD_DIM. */
+    tp_status (*flash_attn_fwd)(tp_device dev, tp_dtype dtype, const tp__attn_geom *g,
+                                const void *q, const void *k, const void *v, void *out,
+                                float *lse);
+    tp_status (*flash_attn_bwd)(tp_device dev, tp_dtype dtype, const tp__attn_geom *g,
+                                const void *q, const void *k, const void *v, const void *out,
+                                const float *lse, const void *gout, float *delta, void *gq,
+                                void *gk, void *gv);
+
     /* ---- rotary position embedding (HF transformers' apply_rotary_pos_emb) -------- */
 
     /* x, y [B, H, S, D] (D even, h = D/2); cos, sin [*, S, D] whose batch b
@@ -432,6 +477,8 @@ typedef struct tp__kernels {
     X(SWIGLU_FWD, swiglu_fwd)                                                  \
     X(SWIGLU_BWD, swiglu_bwd)                                                  \
     X(ATTN_SOFTMAX, attn_softmax)                                              \
+    X(FLASH_ATTN_FWD, flash_attn_fwd)                                          \
+    X(FLASH_ATTN_BWD, flash_attn_bwd)                                          \
     X(ROPE_FWD, rope_fwd)                                                      \
     X(ROPE_BWD, rope_bwd)                                                      \
     X(ROPE_COS_SIN, rope_cos_sin)

@@ -388,6 +388,40 @@ static tp_status meta_attn_softmax(tp_device dev, tp_dtype dtype, void *s, int64
     return meta_ok(TP__KOP_ATTN_SOFTMAX, dtype);
 }
 
+/* Fused attention: the products of the math form (scores, probabilities
+ * times values; the backward also recomputes the scores), the elementwise
+ * work on the inputs and outputs only. */
+static tp_status meta_flash_attn_fwd(tp_device dev, tp_dtype dtype, const tp__attn_geom *g,
+                                     const void *q, const void *k, const void *v, void *out,
+                                     float *lse)
+{
+    for (int64_t b = 0; b < g->G; b++) {
+        META_GEMM(dtype, g->M, g->Sk, g->D);
+        META_GEMM(dtype, g->M, g->Dv, g->Sk);
+    }
+    META_EW(dtype, g->G * (g->M * (g->D + g->Dv) + g->Sk * (g->D + g->Dv)), 1);
+    return meta_ok(TP__KOP_FLASH_ATTN_FWD, dtype);
+}
+
+static tp_status meta_flash_attn_bwd(tp_device dev, tp_dtype dtype, const tp__attn_geom *g,
+                                     const void *q, const void *k, const void *v,
+                                     const void *out, const float *lse, const void *gout,
+                                     float *delta, void *gq, void *gk, void *gv)
+{
+    for (int64_t b = 0; b < g->G; b++) {
+        META_GEMM(dtype, g->M, g->Sk, g->D);
+        META_GEMM(dtype, g->M, g->Sk, g->Dv);
+        if (gv)
+            META_GEMM(dtype, g->Sk, g->Dv, g->M);
+        if (gq)
+            META_GEMM(dtype, g->M, g->D, g->Sk);
+        if (gk)
+            META_GEMM(dtype, g->Sk, g->D, g->M);
+    }
+    META_EW(dtype, g->G * (2 * g->M * (g->D + g->Dv) + 2 * g->Sk * (g->D + g->Dv)), 1);
+    return meta_ok(TP__KOP_FLASH_ATTN_BWD, dtype);
+}
+
 static tp_status meta_rope_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *cos,
                                const void *sin, void *y, int64_t B, int64_t H, int64_t S, int64_t D,
                                int64_t cos_batch_stride)

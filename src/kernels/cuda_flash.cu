@@ -1,0 +1,600 @@
+/* Fused causal attention on CUDA (kernels.h flash_attn_fwd / _bwd): flash
+ * attention as FlashAttention-2 lays it out (Dao, 2023), written for libtp.
+ *
+ * Two forms:
+ *  - the tensor-core forward for bf16 and f16 with a head dim of 64 or 128
+ *    (q/k and v alike) and 16-byte aligned rows: a block of 4 warps takes 64
+ *    query rows of a group, each warp 16 of them; the keys come in tiles of
+ *    64 through shared memory; S = Q K^T and O += P V are mma.sync
+ *    m16n8k16 products with f32 accumulators, and P goes from S's
+ *    accumulator registers to the second product's operand registers
+ *    without touching memory. The softmax is online in the log2 domain:
+ *    each row keeps its running max and sum, and O is rescaled when the
+ *    max grows.
+ *  - the general form (every dtype, any head dim up to
+ *    TP__FLASH_MAX_HEAD_DIM, any stride): one warp per query row for the
+ *    forward and the query gradient, one warp per key for the key and
+ *    value gradients; each lane holds D / 32 of a row's elements. It is
+ *    also the backward of every dtype for now.
+ *
+ * Both keep f32 throughout and round only the outputs; neither holds more
+ * than one tile of scores, so memory is linear in the sequence. Masking is
+ * the geometry's (causal diagonal moved by key_offset, key padding); a row
+ * with no visible key gets 0 and lse -inf, as PyTorch's safe softmax. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "core/cuda_rt.h"
+#include "kernels/cuda_flash.h"
+#include "kernels/kernels.h"
+
+namespace {
+
+/* ---- element access ------------------------------------------------------------ */
+
+__device__ __forceinline__ float ld_f(float v) { return v; }
+__device__ __forceinline__ float ld_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float ld_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <class T> __device__ __forceinline__ T st_f(float v);
+template <> __device__ __forceinline__ float st_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half st_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 st_f<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
+
+/* Whether padding hides key j from group b. */
+__device__ __forceinline__ bool padded(const tp__attn_geom &g, int64_t b, int64_t j)
+{
+    if (!g.pad)
+        return false;
+    const int64_t e = b / g.pad_div * g.pad_ld + j;
+    return g.pad_dtype == TP_I32 ? static_cast<const int32_t *>(g.pad)[e] == 0
+                                 : static_cast<const int64_t *>(g.pad)[e] == 0;
+}
+
+/* The keys [0, lim) query position i may see on the causal diagonal. */
+__device__ __forceinline__ int64_t causal_limit(const tp__attn_geom &g, int64_t i)
+{
+    if (!g.causal)
+        return g.Sk;
+    const int64_t lim = i + g.key_offset + 1;
+    return lim < g.Sk ? lim : g.Sk;
+}
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* ---- the general form ------------------------------------------------------------ */
+
+const int kRowWarps = 8;                          /* rows (or keys) per block */
+const int kPer = TP__FLASH_MAX_HEAD_DIM / 32;    /* a row's elements per lane */
+
+/* A row of n elements spread over the warp: lane l holds elements l, l + 32, ... */
+template <class T>
+__device__ __forceinline__ void load_row(const T *p, int64_t n, int lane, float s, float *r)
+{
+#pragma unroll
+    for (int t = 0; t < kPer; t++) {
+        const int64_t d = lane + 32 * t;
+        r[t] = d < n ? ld_f(p[d]) * s : 0.0f;
+    }
+}
+
+template <class T>
+__device__ __forceinline__ float dot_row(const float *r, const T *p, int64_t n, int lane)
+{
+    float s = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kPer; t++) {
+        const int64_t d = lane + 32 * t;
+        if (d < n)
+            s += r[t] * ld_f(p[d]);
+    }
+    return warp_sum(s);
+}
+
+template <class T>
+__device__ __forceinline__ void store_row(T *p, int64_t n, int lane, const float *r, float s)
+{
+#pragma unroll
+    for (int t = 0; t < kPer; t++) {
+        const int64_t d = lane + 32 * t;
+        if (d < n)
+            p[d] = st_f<T>(r[t] * s);
+    }
+}
+
+/* One warp per query row: the online softmax key by key. */
+template <class T>
+__global__ void k_flash_fwd_rows(tp__attn_geom g, const T *q, const T *k, const T *v, T *out,
+                                 float *lse)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * kRowWarps + (threadIdx.x >> 5);
+    if (row >= g.M)
+        return;
+    for (int64_t b = blockIdx.y; b < g.G; b += gridDim.y) {
+        float qr[kPer], acc[kPer];
+        load_row(q + (b * g.M + row) * g.D, g.D, lane, g.scale, qr);
+#pragma unroll
+        for (int t = 0; t < kPer; t++)
+            acc[t] = 0.0f;
+        float m = -INFINITY, l = 0.0f;
+        const int64_t lim = causal_limit(g, row % g.Sq);
+        for (int64_t j = 0; j < lim; j++) {
+            if (padded(g, b, j))
+                continue;
+            const float s = dot_row(qr, k + b * g.k_gs + j * g.k_ld, g.D, lane);
+            if (s == -INFINITY)
+                continue;
+            const float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
+            const T *vr = v + b * g.v_gs + j * g.v_ld;
+            l = l * corr + p;
+#pragma unroll
+            for (int t = 0; t < kPer; t++) {
+                const int64_t d = lane + 32 * t;
+                acc[t] = acc[t] * corr + (d < g.Dv ? p * ld_f(vr[d]) : 0.0f);
+            }
+            m = mn;
+        }
+        store_row(out + (b * g.M + row) * g.Dv, g.Dv, lane, acc, l > 0.0f ? 1.0f / l : 0.0f);
+        if (lane == 0)
+            lse[b * g.M + row] = l > 0.0f ? m + logf(l) : -INFINITY;
+    }
+}
+
+/* One warp per query row: delta = gout . out, and gq. */
+template <class T>
+__global__ void k_flash_bwd_rows(tp__attn_geom g, const T *q, const T *k, const T *v,
+                                 const T *out, const float *lse, const T *gout, float *delta,
+                                 T *gq)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * kRowWarps + (threadIdx.x >> 5);
+    if (row >= g.M)
+        return;
+    for (int64_t b = blockIdx.y; b < g.G; b += gridDim.y) {
+        const int64_t r = b * g.M + row;
+        float go[kPer], qr[kPer], acc[kPer];
+        load_row(gout + r * g.Dv, g.Dv, lane, 1.0f, go);
+        const float dl = dot_row(go, out + r * g.Dv, g.Dv, lane);
+        if (lane == 0)
+            delta[r] = dl;
+        if (!gq)
+            continue;
+        load_row(q + r * g.D, g.D, lane, g.scale, qr);
+#pragma unroll
+        for (int t = 0; t < kPer; t++)
+            acc[t] = 0.0f;
+        const float ls = lse[r];
+        const int64_t lim = ls == -INFINITY ? 0 : causal_limit(g, row % g.Sq);
+        for (int64_t j = 0; j < lim; j++) {
+            if (padded(g, b, j))
+                continue;
+            const T *kr = k + b * g.k_gs + j * g.k_ld;
+            const float p = expf(dot_row(qr, kr, g.D, lane) - ls);
+            const float ds = p * (dot_row(go, v + b * g.v_gs + j * g.v_ld, g.Dv, lane) - dl);
+#pragma unroll
+            for (int t = 0; t < kPer; t++) {
+                const int64_t d = lane + 32 * t;
+                if (d < g.D)
+                    acc[t] += ds * ld_f(kr[d]);
+            }
+        }
+        store_row(gq + r * g.D, g.D, lane, acc, g.scale);
+    }
+}
+
+/* One warp per key: gk and gv over the rows that see it. */
+template <class T>
+__global__ void k_flash_bwd_keys(tp__attn_geom g, const T *q, const T *k, const T *v,
+                                 const float *lse, const T *gout, const float *delta, T *gk,
+                                 T *gv)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t j = (int64_t)blockIdx.x * kRowWarps + (threadIdx.x >> 5);
+    if (j >= g.Sk)
+        return;
+    for (int64_t b = blockIdx.y; b < g.G; b += gridDim.y) {
+        float kr[kPer], vr[kPer], ak[kPer], av[kPer];
+        load_row(k + b * g.k_gs + j * g.k_ld, g.D, lane, g.scale, kr);
+        load_row(v + b * g.v_gs + j * g.v_ld, g.Dv, lane, 1.0f, vr);
+#pragma unroll
+        for (int t = 0; t < kPer; t++)
+            ak[t] = av[t] = 0.0f;
+        const bool hidden = padded(g, b, j);
+        for (int64_t row = 0; row < g.M && !hidden; row++) {
+            if (g.causal && j > row % g.Sq + g.key_offset)
+                continue;
+            const int64_t r = b * g.M + row;
+            const float ls = lse[r];
+            if (ls == -INFINITY)
+                continue;
+            const T *qr = q + r * g.D, *go = gout + r * g.Dv;
+            const float p = expf(dot_row(kr, qr, g.D, lane) - ls);
+            const float ds = p * (dot_row(vr, go, g.Dv, lane) - delta[r]);
+#pragma unroll
+            for (int t = 0; t < kPer; t++) {
+                const int64_t d = lane + 32 * t;
+                if (d < g.Dv)
+                    av[t] += p * ld_f(go[d]);
+                if (d < g.D)
+                    ak[t] += ds * ld_f(qr[d]);
+            }
+        }
+        if (gk)
+            store_row(gk + (b * g.Sk + j) * g.D, g.D, lane, ak, g.scale);
+        if (gv)
+            store_row(gv + (b * g.Sk + j) * g.Dv, g.Dv, lane, av, 1.0f);
+    }
+}
+
+/* ---- the tensor-core forward ------------------------------------------------------ */
+
+const int kBr = 64, kBc = 64, kMmaThreads = 128;
+
+template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi)
+{
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi)
+{
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+/* c += a b: A 16x16 row-major, B 16x8 column-major, C 16x8 f32 (the PTX
+ * ISA's m16n8k16 fragment layouts). */
+template <class T> __device__ __forceinline__ void mma(float *c, const uint32_t *a, const uint32_t *b);
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float *c, const uint32_t *a, const uint32_t *b)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma<__half>(float *c, const uint32_t *a, const uint32_t *b)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* Four 8x8 matrices of 16-bit elements from shared memory: lane l gives the
+ * address of row l % 8 of matrix l / 8; r[i] receives matrix i's elements
+ * (row l / 4, columns 2 (l % 4) and + 1), or with .trans its transpose's. */
+__device__ __forceinline__ void ldsm4(uint32_t *r, const void *p)
+{
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm4_t(uint32_t *r, const void *p)
+{
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+/* rows [0, n) of a tile of kRows rows of D elements from src (row r at src +
+ * r * ld) into shared memory at row stride LD, 16 bytes at a time; rows past
+ * n are zero. */
+template <class T, int D, int LD, int kRows>
+__device__ __forceinline__ void load_tile(T *dst, const T *src, int64_t ld, int64_t n)
+{
+    constexpr int kChunks = D / 8; /* 16-byte chunks per row */
+    for (int c = threadIdx.x; c < kRows * kChunks; c += kMmaThreads) {
+        const int r = c / kChunks, e = (c % kChunks) * 8;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < n)
+            val = *reinterpret_cast<const uint4 *>(src + r * ld + e);
+        *reinterpret_cast<uint4 *>(dst + r * LD + e) = val;
+    }
+}
+
+template <int D> constexpr size_t mma_smem_bytes()
+{
+    return (size_t)(kBr + 2 * kBc) * (D + 8) * 2;
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(kMmaThreads)
+    k_flash_fwd_mma(tp__attn_geom g, const T *q, const T *k, const T *v, T *out, float *lse)
+{
+    constexpr int LD = D + 8; /* 16 bytes of padding: ldmatrix rows hit distinct banks */
+    extern __shared__ __align__(16) unsigned char smem[];
+    T *sQ = reinterpret_cast<T *>(smem), *sK = sQ + kBr * LD, *sV = sK + kBc * LD;
+    __shared__ unsigned char visible[kBc];
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gi = lane >> 2, ti = lane & 3; /* the fragment's row group and column pair */
+    const int64_t b = blockIdx.y, r0 = (int64_t)blockIdx.x * kBr;
+    const int64_t nr = g.M - r0 < kBr ? g.M - r0 : kBr;
+    load_tile<T, D, LD, kBr>(sQ, q + (b * g.M + r0) * D, D, nr);
+
+    const int64_t rowA = r0 + warp * 16 + gi, rowB = rowA + 8;
+    const int64_t iA = rowA % g.Sq, iB = rowB % g.Sq;
+    /* the block's last visible key (exclusive) */
+    int64_t lim = g.Sk;
+    if (g.causal) {
+        const int64_t first = r0 % g.Sq;
+        const int64_t imax = nr >= g.Sq || first + nr > g.Sq ? g.Sq - 1 : first + nr - 1;
+        lim = imax + g.key_offset + 1 < g.Sk ? imax + g.key_offset + 1 : g.Sk;
+    }
+    const float sl2 = g.scale * 1.4426950408889634f; /* scores in the log2 domain */
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++)
+        o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
+
+    for (int64_t c0 = 0; c0 < lim; c0 += kBc) {
+        const int64_t nc = g.Sk - c0 < kBc ? g.Sk - c0 : kBc;
+        __syncthreads(); /* the previous tile's readers are done */
+        load_tile<T, D, LD, kBc>(sK, k + b * g.k_gs + c0 * g.k_ld, g.k_ld, nc);
+        load_tile<T, D, LD, kBc>(sV, v + b * g.v_gs + c0 * g.v_ld, g.v_ld, nc);
+        if (threadIdx.x < kBc)
+            visible[threadIdx.x] = threadIdx.x < nc && !padded(g, b, c0 + threadIdx.x);
+        __syncthreads();
+
+        float s[kBc / 8][4];
+#pragma unroll
+        for (int i = 0; i < kBc / 8; i++)
+            s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t a[4];
+            ldsm4(a, sQ + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int nt = 0; nt < kBc / 16; nt++) {
+                uint32_t bb[4];
+                ldsm4(bb, sK + (nt * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + kk * 16 +
+                              ((lane >> 3) & 1) * 8);
+                mma<T>(s[2 * nt], a, bb);
+                mma<T>(s[2 * nt + 1], a, bb + 2);
+            }
+        }
+        /* scale into the log2 domain and mask; the row max */
+        float xA = mA, xB = mB;
+#pragma unroll
+        for (int nt = 0; nt < kBc / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int kj = nt * 8 + 2 * ti + (e & 1);
+                const int64_t key = c0 + kj, i = e < 2 ? iA : iB;
+                float x = s[nt][e] * sl2;
+                if (!visible[kj] || (g.causal && key > i + g.key_offset))
+                    x = -INFINITY;
+                s[nt][e] = x;
+                if (e < 2)
+                    xA = fmaxf(xA, x);
+                else
+                    xB = fmaxf(xB, x);
+            }
+        xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, 1));
+        xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, 2));
+        xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, 1));
+        xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, 2));
+        /* a row with nothing visible so far keeps max -inf: its p are 0 */
+        const float baseA = xA == -INFINITY ? 0.0f : xA, baseB = xB == -INFINITY ? 0.0f : xB;
+        const float cA = xA == -INFINITY ? 1.0f : exp2f(mA - xA);
+        const float cB = xB == -INFINITY ? 1.0f : exp2f(mB - xB);
+        float sumA = 0.0f, sumB = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kBc / 8; nt++) {
+            s[nt][0] = exp2f(s[nt][0] - baseA);
+            s[nt][1] = exp2f(s[nt][1] - baseA);
+            s[nt][2] = exp2f(s[nt][2] - baseB);
+            s[nt][3] = exp2f(s[nt][3] - baseB);
+            sumA += s[nt][0] + s[nt][1];
+            sumB += s[nt][2] + s[nt][3];
+        }
+        lA = lA * cA + sumA; /* this lane's share; the quad's are summed at the end */
+        lB = lB * cB + sumB;
+        mA = xA;
+        mB = xB;
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) {
+            o[i][0] *= cA;
+            o[i][1] *= cA;
+            o[i][2] *= cB;
+            o[i][3] *= cB;
+        }
+        /* O += P V: P's accumulators are the A operand of the next product */
+#pragma unroll
+        for (int kc = 0; kc < kBc / 16; kc++) {
+            const uint32_t a[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
+                                   pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                                   pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                                   pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+            for (int dt = 0; dt < D / 16; dt++) {
+                uint32_t bb[4];
+                ldsm4_t(bb, sV + (kc * 16 + (lane & 15)) * LD + dt * 16 + (lane >> 4) * 8);
+                mma<T>(o[2 * dt], a, bb);
+                mma<T>(o[2 * dt + 1], a, bb + 2);
+            }
+        }
+    }
+    lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+    lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+    const float invA = lA > 0.0f ? 1.0f / lA : 0.0f, invB = lB > 0.0f ? 1.0f / lB : 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+        const int col = i * 8 + 2 * ti;
+        if (rowA < g.M)
+            *reinterpret_cast<uint32_t *>(out + (b * g.M + rowA) * D + col) =
+                pack2<T>(o[i][0] * invA, o[i][1] * invA);
+        if (rowB < g.M)
+            *reinterpret_cast<uint32_t *>(out + (b * g.M + rowB) * D + col) =
+                pack2<T>(o[i][2] * invB, o[i][3] * invB);
+    }
+    if (ti == 0) {
+        const float ln2 = 0.6931471805599453f;
+        if (rowA < g.M)
+            lse[b * g.M + rowA] = lA > 0.0f ? mA * ln2 + logf(lA) : -INFINITY;
+        if (rowB < g.M)
+            lse[b * g.M + rowB] = lB > 0.0f ? mB * ln2 + logf(lB) : -INFINITY;
+    }
+}
+
+/* ---- the entries ----------------------------------------------------------------- */
+
+template <class F> cudaError_t by_dtype(tp_dtype dtype, F &&f)
+{
+    switch (dtype) {
+    case TP_BF16:
+        return f(__nv_bfloat16());
+    case TP_F16:
+        return f(__half());
+    default:
+        return f(0.0f);
+    }
+}
+
+bool aligned16(const void *p)
+{
+    return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+/* The tensor-core forward takes the geometry. */
+bool mma_fits(tp_dtype dtype, const tp__attn_geom *g, const void *q, const void *k,
+              const void *v, const void *out)
+{
+    return (dtype == TP_BF16 || dtype == TP_F16) && g->D == g->Dv &&
+           (g->D == 64 || g->D == 128) && g->G <= 65535 && aligned16(q) && aligned16(k) &&
+           aligned16(v) && aligned16(out) && g->k_gs % 8 == 0 && g->k_ld % 8 == 0 &&
+           g->v_gs % 8 == 0 && g->v_ld % 8 == 0 && (g->M + kBr - 1) / kBr <= INT32_MAX;
+}
+
+template <class T, int D>
+cudaError_t launch_mma(cudaStream_t s, const tp__attn_geom *g, const void *q, const void *k,
+                       const void *v, void *out, float *lse)
+{
+    const size_t bytes = mma_smem_bytes<D>();
+    cudaError_t e = cudaFuncSetAttribute(k_flash_fwd_mma<T, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (e != cudaSuccess)
+        return e;
+    dim3 grid((unsigned)((g->M + kBr - 1) / kBr), (unsigned)g->G);
+    k_flash_fwd_mma<T, D><<<grid, kMmaThreads, bytes, s>>>(
+        *g, static_cast<const T *>(q), static_cast<const T *>(k), static_cast<const T *>(v),
+        static_cast<T *>(out), lse);
+    return cudaGetLastError();
+}
+
+dim3 rows_grid(int64_t n, int64_t G)
+{
+    int64_t x = (n + kRowWarps - 1) / kRowWarps;
+    return dim3((unsigned)(x > 0 ? x : 1), (unsigned)(G < 65535 ? (G > 0 ? G : 1) : 65535));
+}
+
+struct Scope {
+    const char *fn;
+    int dev, prev;
+    cudaStream_t s;
+};
+
+tp_status scope_begin(Scope *sc, const char *fn, tp_device dev)
+{
+    sc->fn = fn;
+    sc->dev = dev.index;
+    tp_status st = tp__cuda_enter(fn, dev.index, &sc->prev);
+    if (st != TP_OK)
+        return st;
+    st = tp__cuda_stream(fn, dev.index, &sc->s);
+    if (st != TP_OK)
+        tp__cuda_leave(sc->prev, dev.index);
+    return st;
+}
+
+tp_status scope_end(Scope *sc, cudaError_t err)
+{
+    if (err == cudaSuccess)
+        err = cudaGetLastError();
+    else
+        (void)cudaGetLastError();
+    tp__cuda_leave(sc->prev, sc->dev);
+    return err == cudaSuccess ? TP_OK : tp__cuda_fail(sc->fn, "kernel launch", err);
+}
+
+bool takes(tp_dtype dtype)
+{
+    return dtype == TP_F32 || dtype == TP_BF16 || dtype == TP_F16;
+}
+
+} /* namespace */
+
+extern "C" tp_status tp__cuda_flash_attn_fwd(tp_device dev, tp_dtype dtype,
+                                             const tp__attn_geom *g, const void *q,
+                                             const void *k, const void *v, void *out,
+                                             float *lse)
+{
+    if (!takes(dtype))
+        return tp__kernels_unsupported(tp__kernels_cuda, TP__KOP_FLASH_ATTN_FWD, dtype);
+    if (g->G <= 0 || g->M <= 0)
+        return TP_OK;
+    Scope sc;
+    TP_CHECK(scope_begin(&sc, "flash attention (CUDA)", dev));
+    cudaError_t err = by_dtype(dtype, [&](auto tag) -> cudaError_t {
+        using T = decltype(tag);
+        if constexpr (!std::is_same<T, float>::value) {
+            if (mma_fits(dtype, g, q, k, v, out))
+                return g->D == 64 ? launch_mma<T, 64>(sc.s, g, q, k, v, out, lse)
+                                  : launch_mma<T, 128>(sc.s, g, q, k, v, out, lse);
+        }
+        k_flash_fwd_rows<T><<<rows_grid(g->M, g->G), kRowWarps * 32, 0, sc.s>>>(
+            *g, static_cast<const T *>(q), static_cast<const T *>(k), static_cast<const T *>(v),
+            static_cast<T *>(out), lse);
+        return cudaGetLastError();
+    });
+    return scope_end(&sc, err);
+}
+
+extern "C" tp_status tp__cuda_flash_attn_bwd(tp_device dev, tp_dtype dtype,
+                                             const tp__attn_geom *g, const void *q,
+                                             const void *k, const void *v, const void *out,
+                                             const float *lse, const void *gout, float *delta,
+                                             void *gq, void *gk, void *gv)
+{
+    if (!takes(dtype))
+        return tp__kernels_unsupported(tp__kernels_cuda, TP__KOP_FLASH_ATTN_BWD, dtype);
+    if (g->G <= 0)
+        return TP_OK;
+    Scope sc;
+    TP_CHECK(scope_begin(&sc, "flash attention backward (CUDA)", dev));
+    cudaError_t err = by_dtype(dtype, [&](auto tag) -> cudaError_t {
+        using T = decltype(tag);
+        const T *tq = static_cast<const T *>(q), *tk = static_cast<const T *>(k),
+                *tv = static_cast<const T *>(v), *to = static_cast<const T *>(out),
+                *tg = static_cast<const T *>(gout);
+        if (g->M > 0)
+            k_flash_bwd_rows<T><<<rows_grid(g->M, g->G), kRowWarps * 32, 0, sc.s>>>(
+                *g, tq, tk, tv, to, lse, tg, delta, static_cast<T *>(gq));
+        if (g->Sk > 0 && (gk || gv))
+            k_flash_bwd_keys<T><<<rows_grid(g->Sk, g->G), kRowWarps * 32, 0, sc.s>>>(
+                *g, tq, tk, tv, lse, tg, delta, static_cast<T *>(gk), static_cast<T *>(gv));
+        return cudaGetLastError();
+    });
+    return scope_end(&sc, err);
+}
