@@ -561,6 +561,109 @@ Test(cuda, attention_grouped_offset_padding, .timeout = 120)
         }
 }
 
+/* The fused attention on the GPU (AUTO in bf16 and f16: the tensor-core
+ * forward for head dims 64 and 128, the general kernels otherwise, and the
+ * backward) and the math form in the same dtype, both against the CPU's f32
+ * math attention on the same rounded inputs: causal grouped heads over
+ * several tiles, a decode row over a cache's prefix (strided k and v), key
+ * padding leaving rows empty. Bound: 2% of each value plus 1% of the
+ * largest (bf16 keeps 8 bits; P is rounded before P V). */
+static void flash_case(tp_dtype dt, int64_t B, int64_t hq, int64_t hkv, int64_t sq, int64_t sk,
+                       int64_t cap, int64_t D, int64_t off, bool padded, uint64_t seed)
+{
+    const int64_t qs[4] = {B, hq, sq, D}, ks[4] = {B, hkv, cap, D}, ps[2] = {B, sk};
+    tp_tensor *h[4] = {rnd(4, qs, -1, 1, seed), rnd(4, ks, -1, 1, seed + 1),
+                       rnd(4, ks, -1, 1, seed + 2), rnd(4, qs, -1, 1, seed + 3)};
+    tp_tensor *pad = NULL, *dpad = NULL;
+    if (padded) { /* batch b's first 37 b keys are padding */
+        CHECK_OK(tp_tensor_zeros(TP_I64, TP_CPU, 2, ps, &pad));
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < sk; j++)
+                ((int64_t *)tp_tensor_data(pad))[b * sk + j] = j >= 37 * b;
+        dpad = to_dev(pad, DEV);
+    }
+    /* the dtype's values, as f32 on the CPU and as dt on the GPU */
+    tp_tensor *c[4], *d[4];
+    for (int i = 0; i < 4; i++) {
+        tp_tensor *r = NULL;
+        CHECK_OK(tp_tensor_to(h[i], dt, TP_CPU, &r));
+        CHECK_OK(tp_tensor_to(r, TP_F32, TP_CPU, &c[i]));
+        CHECK_OK(tp_tensor_to(r, dt, DEV, &d[i]));
+        tp_tensor_release(r);
+    }
+    tp_tensor *want[4], *got[2][4];
+    tp_sdpa_options o = {.causal = true, .key_offset = off, .key_padding = pad};
+    for (int i = 0; i < 3; i++) {
+        CHECK_OK(tp_tensor_set_requires_grad(c[i], true));
+        CHECK_OK(tp_tensor_set_requires_grad(d[i], true));
+    }
+    /* k and v: their first sk positions, a cache's prefix */
+    tp_tensor *ck = NULL, *cvv = NULL;
+    CHECK_OK(tp_tensor_narrow(c[1], 2, 0, sk, &ck));
+    CHECK_OK(tp_tensor_narrow(c[2], 2, 0, sk, &cvv));
+    CHECK_OK(tp_scaled_dot_product_attention_with(c[0], ck, cvv, &o, &want[0]));
+    CHECK_OK(tp_backward(want[0], c[3]));
+    for (int i = 0; i < 3; i++)
+        want[1 + i] = tp_tensor_retain(tp_tensor_grad(c[i]));
+    tp_tensor_release(ck);
+    tp_tensor_release(cvv);
+    o.key_padding = dpad;
+    for (int f = 0; f < 2; f++) {
+        o.backend = f ? TP_SDPA_BACKEND_AUTO : TP_SDPA_BACKEND_MATH;
+        for (int i = 0; i < 3; i++)
+            tp_tensor_zero_grad(d[i]);
+        tp_tensor *y = NULL, *dk = NULL, *dvv = NULL;
+        CHECK_OK(tp_tensor_narrow(d[1], 2, 0, sk, &dk));
+        CHECK_OK(tp_tensor_narrow(d[2], 2, 0, sk, &dvv));
+        CHECK_OK(tp_scaled_dot_product_attention_with(d[0], dk, dvv, &o, &y));
+        CHECK_OK(tp_backward(y, d[3]));
+        CHECK_OK(tp_tensor_to(y, TP_F32, TP_CPU, &got[f][0]));
+        tp_tensor_release(y);
+        tp_tensor_release(dk);
+        tp_tensor_release(dvv);
+        for (int i = 0; i < 3; i++)
+            CHECK_OK(tp_tensor_to(tp_tensor_grad(d[i]), TP_F32, TP_CPU, &got[f][1 + i]));
+    }
+    const char *names[4] = {"out", "dq", "dk", "dv"};
+    for (int i = 0; i < 4; i++) {
+        const float *w = tp_tensor_data(want[i]);
+        const int64_t n = tp_tensor_numel(want[i]);
+        double amax = 0;
+        for (int64_t e = 0; e < n; e++)
+            amax = fmax(amax, fabs(w[e]));
+        for (int f = 0; f < 2; f++) {
+            cr_assert_eq(tp_tensor_numel(got[f][i]), n);
+            const float *y = tp_tensor_data(got[f][i]);
+            for (int64_t e = 0; e < n; e++)
+                cr_assert(fabs(y[e] - w[e]) <= 0.02 * fabs(w[e]) + 0.01 * amax,
+                          "%s D %lld Sq %lld Sk %lld, %s %s[%lld]: %g, CPU f32 %g",
+                          tp_dtype_name(dt), (long long)D, (long long)sq, (long long)sk,
+                          f ? "flash" : "math", names[i], (long long)e, y[e], w[e]);
+            tp_tensor_release(got[f][i]);
+        }
+        tp_tensor_release(want[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        tp_tensor_release(h[i]);
+        tp_tensor_release(c[i]);
+        tp_tensor_release(d[i]);
+    }
+    tp_tensor_release(pad);
+    tp_tensor_release(dpad);
+}
+
+Test(cuda, attention_flash_low_precision, .timeout = 300)
+{
+    need_cuda();
+    const tp_dtype dts[2] = {TP_BF16, TP_F16};
+    for (int k = 0; k < 2; k++) {
+        flash_case(dts[k], 2, 8, 2, 150, 150, 150, 128, 0, false, 10);  /* tiles, GQA */
+        flash_case(dts[k], 2, 4, 4, 100, 100, 100, 64, 0, true, 20);    /* padding */
+        flash_case(dts[k], 1, 8, 2, 1, 300, 512, 128, 299, false, 30);  /* decode, cache */
+        flash_case(dts[k], 2, 4, 2, 33, 90, 128, 48, 57, true, 40);     /* general kernel */
+    }
+}
+
 /* positions up to 100000: the same f32 angles, sincosf against the CPU's
  * double cos and sin */
 Test(cuda, rotary_embedding, .timeout = 120)

@@ -241,9 +241,12 @@ static tp_status make_inputs(const geo *g, uint64_t seed, tp_dtype pad_dt, input
     return TP_OK;
 }
 
+/* The backend the plain checks ask for (the flash tests set FLASH). */
+static tp_sdpa_backend backend;
+
 static tp_sdpa_options opts_of(const geo *g, tp_tensor *pad)
 {
-    return (tp_sdpa_options){g->causal, g->scale, g->off, pad};
+    return (tp_sdpa_options){g->causal, g->scale, g->off, pad, backend};
 }
 
 /* Runs g plainly and checks it against the reference; out_i64 receives the
@@ -342,6 +345,130 @@ Test(ops_attention, plain_matches_reference, .timeout = 60)
         tp_tensor_release(o64);
         tp_tensor_release(o32);
     }
+}
+
+/* The fused (flash) form against the same reference: every geometry above,
+ * and ones whose query rows and keys span several of its tiles (64 rows,
+ * 128 keys), grouped heads whose rows straddle a tile, a decode row over a
+ * long cache, padding across tiles. */
+static const geo flash_geos[] = {
+    {4, {1}, 4, 2, 150, 150, 16, 16, true, 0, 0, false, 0, "tiles: causal GQA 4/2, S 150", false},
+    {4, {2}, 2, 2, 70, 300, 8, 12, false, 0, 0, true, 100, "tiles: padding over 3 key tiles",
+     false},
+    {4, {1}, 8, 1, 1, 400, 32, 32, true, 0, 399, false, 0, "decode over a 400-key cache", false},
+    {4, {2}, 6, 3, 33, 290, 8, 8, true, 0.2, 257, true, 130, "chunked prefill, padded, tiles",
+     false},
+    {4, {1}, 2, 2, 130, 130, 260 - 4, 8, true, 0, 0, false, 0, "D 256", false},
+};
+
+Test(ops_attention, flash_matches_reference, .timeout = 120)
+{
+    backend = TP_SDPA_BACKEND_FLASH;
+    for (size_t c = 0; c < sizeof plain_geos / sizeof plain_geos[0]; c++)
+        check_plain(&plain_geos[c], plain_geos[c].pad ? TP_I32 : TP_I64, NULL);
+    for (size_t c = 0; c < sizeof flash_geos / sizeof flash_geos[0]; c++)
+        check_plain(&flash_geos[c], TP_I64, NULL);
+    backend = TP_SDPA_BACKEND_AUTO;
+}
+
+/* What the backward keeps: the math form the [rows, Sk] probabilities, the
+ * fused one an f32 log-sum-exp per query row (and a reference to the output
+ * it returns anyway). Measured as the bytes the forward leaves allocated. */
+Test(ops_attention, flash_keeps_memory_linear_in_keys, .timeout = 60)
+{
+    const geo g = {4, {1}, 4, 2, 256, 256, 16, 16, true, 0, 0, false, 0, "keep", false};
+    int64_t kept[2];
+    for (int f = 0; f < 2; f++) {
+        inputs in;
+        CHECK_OK(make_inputs(&g, 3, TP_I64, &in));
+        backend = f ? TP_SDPA_BACKEND_FLASH : TP_SDPA_BACKEND_MATH;
+        tp_sdpa_options o = opts_of(&g, NULL);
+        tp_memory_info before, after;
+        CHECK_OK(tp_memory_stats(TP_CPU, &before));
+        tp_tensor *out = NULL;
+        CHECK_OK(tp_scaled_dot_product_attention_with(in.q, in.k, in.v, &o, &out));
+        CHECK_OK(tp_memory_stats(TP_CPU, &after));
+        kept[f] = (int64_t)after.allocated - (int64_t)before.allocated;
+        tp_tensor_release(out);
+        inputs_free(&in);
+    }
+    backend = TP_SDPA_BACKEND_AUTO;
+    const int64_t outb = 4 * 256 * 16 * 4, probs = 4 * 256 * 256 * 4, lse = 4 * 256 * 4;
+    cr_assert_eq(kept[0], outb + probs, "math keeps %lld bytes", (long long)kept[0]);
+    cr_assert_eq(kept[1], outb + lse, "flash keeps %lld bytes", (long long)kept[1]);
+}
+
+/* bf16 and f16 through the fused form agree with the math form in the same
+ * dtype within the dtype's rounding (both accumulate in f32). */
+Test(ops_attention, flash_low_precision_matches_math, .timeout = 60)
+{
+    const geo g = {4, {2}, 4, 2, 70, 140, 16, 16, true, 0, 70, true, 20, "lowp", false};
+    const tp_dtype dts[2] = {TP_BF16, TP_F16};
+    for (int d = 0; d < 2; d++) {
+        inputs in;
+        CHECK_OK(make_inputs(&g, 5, TP_I64, &in));
+        tp_tensor *x[3] = {in.q, in.k, in.v}, *lx[3] = {NULL, NULL, NULL}, *res[2][4];
+        for (int i = 0; i < 3; i++) {
+            CHECK_OK(tp_tensor_to(x[i], dts[d], TP_CPU, &lx[i]));
+            CHECK_OK(tp_tensor_set_requires_grad(lx[i], true));
+        }
+        tp_tensor *lg = NULL;
+        CHECK_OK(tp_tensor_to(in.g, dts[d], TP_CPU, &lg));
+        for (int f = 0; f < 2; f++) {
+            backend = f ? TP_SDPA_BACKEND_FLASH : TP_SDPA_BACKEND_MATH;
+            tp_sdpa_options o = opts_of(&g, in.pad);
+            CHECK_OK(tp_scaled_dot_product_attention_with(lx[0], lx[1], lx[2], &o, &res[f][0]));
+            CHECK_OK(tp_backward(res[f][0], lg));
+            for (int i = 0; i < 3; i++) {
+                CHECK_OK(tp_tensor_to(tp_tensor_grad(lx[i]), TP_F32, TP_CPU, &res[f][1 + i]));
+                tp_tensor_zero_grad(lx[i]);
+            }
+            tp_tensor *o32 = NULL;
+            CHECK_OK(tp_tensor_to(res[f][0], TP_F32, TP_CPU, &o32));
+            tp_tensor_release(res[f][0]);
+            res[f][0] = o32;
+        }
+        backend = TP_SDPA_BACKEND_AUTO;
+        const char *names[4] = {"out", "dq", "dk", "dv"};
+        for (int i = 0; i < 4; i++) {
+            const float *a = tp_tensor_data(res[0][i]), *b = tp_tensor_data(res[1][i]);
+            int64_t n = tp_tensor_numel(res[0][i]);
+            double amax = 0;
+            for (int64_t e = 0; e < n; e++)
+                amax = fmax(amax, fabs(a[e]));
+            for (int64_t e = 0; e < n; e++)
+                cr_assert(fabs(a[e] - b[e]) <= 0.02 * fabs(a[e]) + 0.01 * amax,
+                          "%s %s[%lld]: math %g, flash %g", tp_dtype_name(dts[d]), names[i],
+                          (long long)e, a[e], b[e]);
+            tp_tensor_release(res[0][i]);
+            tp_tensor_release(res[1][i]);
+        }
+        for (int i = 0; i < 3; i++)
+            tp_tensor_release(lx[i]);
+        tp_tensor_release(lg);
+        inputs_free(&in);
+    }
+}
+
+Test(ops_attention, flash_refusals, .timeout = 30)
+{
+    int64_t qs[4] = {1, 2, 3, 300}, vs[4] = {1, 2, 3, 8};
+    tp_tensor *q = NULL, *v = NULL, *out = NULL;
+    CHECK_OK(rand_tensor(4, qs, 1, &q));
+    CHECK_OK(rand_tensor(4, vs, 2, &v));
+    tp_sdpa_options o = {.backend = TP_SDPA_BACKEND_FLASH};
+    CHECK_ERR(tp_scaled_dot_product_attention_with(q, q, v, &o, &out), TP_ERR_NOT_SUPPORTED);
+    cr_assert(strstr(tp_last_error(), "head dims up to 256"), "%s", tp_last_error());
+    cr_assert_null(out);
+    o.backend = TP_SDPA_BACKEND_AUTO; /* the math form takes it */
+    CHECK_OK(tp_scaled_dot_product_attention_with(q, q, v, &o, &out));
+    tp_tensor_release(out);
+    out = NULL;
+    o.backend = (tp_sdpa_backend)7;
+    CHECK_ERR(tp_scaled_dot_product_attention_with(q, q, v, &o, &out), TP_ERR_INVALID_ARG);
+    cr_assert(strstr(tp_last_error(), "backend 7"), "%s", tp_last_error());
+    tp_tensor_release(q);
+    tp_tensor_release(v);
 }
 
 /* The old entry point is the new one with {causal, scale}. */

@@ -240,9 +240,27 @@ TP_API tp_status tp_scaled_dot_product_attention(tp_tensor *q, tp_tensor *k, tp_
                                                  bool causal, double scale, tp_tensor **out);
 
 /* ---- attention for the Llama family: GQA, KV-cache offsets, padding ----------
- * Options of tp_scaled_dot_product_attention_with; all zero (or a NULL
+ * How the attention is computed (PyTorch's sdpa_kernel backends):
+ *   MATH   the scores as a [Sq, Sk] matrix per head, their softmax kept for
+ *          the backward: PyTorch's math attention, to the rounding.
+ *   FLASH  fused (flash attention): tiles of keys with an online softmax,
+ *          only the output and one f32 log-sum-exp per query row kept; the
+ *          backward recomputes the probabilities. Memory linear in Sk.
+ *          Head dims up to 256 (else TP_ERR_NOT_SUPPORTED). CUDA runs it on
+ *          tensor cores in bf16 and f16 for head dims 64 and 128.
+ *   AUTO   FLASH on CUDA in bf16 and f16, MATH elsewhere (the CPU, f32),
+ *          unless the environment variable TP_SDPA_BACKEND (math, flash,
+ *          auto; read at the first call) says otherwise.
+ * Both agree within the dtype's rounding (f32 accumulation throughout). */
+typedef enum tp_sdpa_backend {
+    TP_SDPA_BACKEND_AUTO = 0,
+    TP_SDPA_BACKEND_MATH,
+    TP_SDPA_BACKEND_FLASH
+} tp_sdpa_backend;
+
+/* Options of tp_scaled_dot_product_attention_with; all zero (or a NULL
  * pointer) is the default: not causal, scale 1/sqrt(head_dim), no offset, no
- * padding. */
+ * padding, backend AUTO. */
 typedef struct tp_sdpa_options {
     bool causal;            /* query i sees keys j <= key_offset + i */
     double scale;           /* 0: 1/sqrt(head_dim); negative: TP_ERR_INVALID_ARG */
@@ -252,6 +270,7 @@ typedef struct tp_sdpa_options {
     tp_tensor *key_padding; /* optional [B, Sk] i64 or i32 (HF's attention_mask):
                              * key j of batch b is never attended where it is 0;
                              * borrowed for the call (kept by autograd). NULL: none */
+    tp_sdpa_backend backend; /* AUTO (0), MATH or FLASH, above */
 } tp_sdpa_options;
 
 /*
@@ -274,8 +293,8 @@ typedef struct tp_sdpa_options {
  * say) outputs 0 and passes zero gradients, as PyTorch >= 2.5's math
  * attention (_safe_softmax) does; tp_softmax of an all -inf row is still NaN.
  * Gradients: q, k, v (f32, bf16, f16, one dtype); key_padding never gets one.
- * The probabilities are kept for the backward only when a gradient is
- * wanted.
+ * What the backward needs (MATH: the probabilities; FLASH: the output and
+ * the log-sum-exps) is kept only when a gradient is wanted.
  * Errors (TP_ERR_INVALID_ARG naming the counts and shapes): Hq not a multiple
  * of Hkv ("12 query heads are not a multiple of 5 key/value heads"),
  * different leading dims, head_dim of q and k, key counts of k and v, or kv

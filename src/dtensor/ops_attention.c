@@ -10,8 +10,11 @@
  * product. The mask and the softmax are one pass of the attn_softmax
  * kernel per group, while the group's scores are still in cache. */
 #include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "core/log.h"
 #include "dtensor/ops_internal.h"
 
 static const char *const FN = "scaled_dot_product_attention";
@@ -21,6 +24,8 @@ typedef struct {
     double scale; /* 0: 1/sqrt(D) */
     int64_t key_offset;
     int64_t key_capacity; /* the no-grad scores scratch is sized for this many keys */
+    tp_sdpa_backend backend; /* as asked; the forward resolves AUTO */
+    bool flash;              /* set by the forward: the fused kernels ran */
 } sdpa_params;
 
 /* The head dim (grouped), or -1 for 2-D and 3-D inputs (no head dim). */
@@ -201,6 +206,99 @@ static tp_status gemm(const tp__op *op, bool ta, bool tb, int64_t m, int64_t n, 
     return op->k->gemm(op->dev, op->dt, ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
 }
 
+/* TP_SDPA_BACKEND from the environment, read once: AUTO when unset. */
+static tp_sdpa_backend env_backend(void)
+{
+    static _Atomic int cached = -1;
+    int b = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (b >= 0)
+        return (tp_sdpa_backend)b;
+    const char *e = getenv("TP_SDPA_BACKEND");
+    b = e && strcmp(e, "math") == 0    ? TP_SDPA_BACKEND_MATH
+        : e && strcmp(e, "flash") == 0 ? TP_SDPA_BACKEND_FLASH
+                                       : TP_SDPA_BACKEND_AUTO;
+    if (e && *e && b == TP_SDPA_BACKEND_AUTO && strcmp(e, "auto") != 0)
+        tp__log(TP_LOG_WARN, "%s: TP_SDPA_BACKEND=%s is none of auto, math, flash; using auto",
+                FN, e);
+    atomic_store_explicit(&cached, b, memory_order_relaxed);
+    return (tp_sdpa_backend)b;
+}
+
+/* Whether this call runs the fused kernels: FLASH asks for them (refused
+ * for a head wider than they take); AUTO takes them on CUDA in bf16 and
+ * f16, where they are the fast form, and the math form elsewhere. */
+static tp_status sdpa_use_flash(const tp__op *op, const sdpa_geom *g, bool *flash)
+{
+    const sdpa_params *p = TP__OP_PARAMS(op, const sdpa_params);
+    tp_sdpa_backend b = p->backend == TP_SDPA_BACKEND_AUTO ? env_backend() : p->backend;
+    const bool fits = g->D <= TP__FLASH_MAX_HEAD_DIM && g->Dv <= TP__FLASH_MAX_HEAD_DIM;
+    if (b == TP_SDPA_BACKEND_FLASH && !fits)
+        return tp__error(TP_ERR_NOT_SUPPORTED,
+                         "%s: the flash backend takes head dims up to %d; q/k have %lld, v %lld",
+                         FN, TP__FLASH_MAX_HEAD_DIM, (long long)g->D, (long long)g->Dv);
+    if (b == TP_SDPA_BACKEND_AUTO)
+        b = op->dev.type == TP_DEVICE_CUDA && op->dt != TP_F32 && fits ? TP_SDPA_BACKEND_FLASH
+                                                                         : TP_SDPA_BACKEND_MATH;
+    *flash = b == TP_SDPA_BACKEND_FLASH;
+    return TP_OK;
+}
+
+static tp__attn_geom flash_geom(const tp__op *op, const sdpa_geom *g, const tp_tensor *pad)
+{
+    const sdpa_params *p = TP__OP_PARAMS(op, const sdpa_params);
+    return (tp__attn_geom){.G = g->G,
+                           .M = g->M,
+                           .Sq = g->Sq,
+                           .Sk = g->Sk,
+                           .D = g->D,
+                           .Dv = g->Dv,
+                           .k_gs = g->k_gs,
+                           .k_ld = g->k_ld,
+                           .v_gs = g->v_gs,
+                           .v_ld = g->v_ld,
+                           .key_offset = p->key_offset,
+                           .pad = pad ? tp_tensor_data(pad) : NULL,
+                           .pad_dtype = pad ? pad->dtype : TP_I64,
+                           .pad_div = g->pad_div,
+                           .pad_ld = g->pad_ld,
+                           .scale = g->scale,
+                           .causal = p->causal};
+}
+
+/* The fused forward: the output and each row's log-sum-exp (f32 [G * M]),
+ * both kept for the backward when a gradient is wanted; no scores in
+ * memory. */
+static tp_status sdpa_flash_fwd(tp__op *op, tp_tensor *const *use, const sdpa_geom *g,
+                                bool keep, tp_tensor **out)
+{
+    tp_tensor *q = use[0];
+    int64_t oshape[TP_MAX_DIMS];
+    memcpy(oshape, q->shape, sizeof(int64_t) * (size_t)q->ndim);
+    oshape[q->ndim - 1] = g->Dv;
+    int64_t lshape[1] = {g->G * g->M};
+    tp_tensor *lse = NULL;
+    tp_status st = tp__new(op->dt, op->dev, q->ndim, oshape, false, out);
+    if (st == TP_OK)
+        st = tp__f32(op->dev, 1, lshape, false, &lse);
+    if (st == TP_OK) {
+        const tp__attn_geom fg = flash_geom(op, g, use[3]);
+        st = op->k->flash_attn_fwd(op->dev, op->dt, &fg, tp_tensor_data(q),
+                                   tp_tensor_data(use[1]), tp_tensor_data(use[2]),
+                                   tp_tensor_data(*out), tp_tensor_data(lse));
+    }
+    if (st != TP_OK || !keep) {
+        tp_tensor_release(lse);
+        if (st != TP_OK) {
+            tp_tensor_release(*out);
+            *out = NULL;
+        }
+        return st;
+    }
+    op->saved[0] = lse;
+    op->saved[1] = tp_tensor_retain(*out);
+    return TP_OK;
+}
+
 /* The probabilities (the masked safe softmax of the scores, in the op's
  * dtype, as PyTorch's math attention keeps them) are saved for the backward
  * when a gradient is wanted; otherwise one group's scores are scratch. */
@@ -212,6 +310,17 @@ static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     sdpa_geom_of(op, in, &g);
     tp_tensor *use[4], *tmp[4];
     TP_CHECK(sdpa_layout(in, use, tmp, &g));
+    bool keep = tp__needs_grad(op->def->n_inputs, op->in); /* as tp__op_run records a node */
+    bool flash = false;
+    tp_status st = sdpa_use_flash(op, &g, &flash);
+    if (st != TP_OK || flash) {
+        if (st == TP_OK)
+            st = sdpa_flash_fwd(op, use, &g, keep, out);
+        TP__OP_PARAMS(op, sdpa_params)->flash = flash;
+        for (int i = 0; i < 4; i++)
+            tp_tensor_release(tmp[i]);
+        return st;
+    }
     q = use[0];
     k = use[1];
     v = use[2];
@@ -219,14 +328,13 @@ static tp_status sdpa_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     int64_t oshape[TP_MAX_DIMS];
     memcpy(oshape, q->shape, sizeof(int64_t) * (size_t)q->ndim);
     oshape[q->ndim - 1] = g.Dv;
-    bool keep = tp__needs_grad(op->def->n_inputs, op->in); /* as tp__op_run records a node */
     /* without a gradient one group's scores are scratch, sized for
      * key_capacity keys when that is more: a decode step over a growing
      * cache then asks the allocator for the same size every time */
     int64_t pshape[2] = {(keep ? g.G : 1) * g.M,
                          keep || p->key_capacity < g.Sk ? g.Sk : p->key_capacity};
     tp_tensor *probs = NULL;
-    tp_status st = tp__new(op->dt, op->dev, q->ndim, oshape, false, out);
+    st = tp__new(op->dt, op->dev, q->ndim, oshape, false, out);
     if (st == TP_OK)
         st = tp__new(op->dt, op->dev, 2, pshape, false, &probs);
     const tp_dtype dt = op->dt;
@@ -279,6 +387,25 @@ static tp_status sdpa_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_te
     for (int i = 0; i < 3 && st == TP_OK; i++)
         if (op->need_grad[i])
             st = tp__new(dt, op->dev, in[i]->ndim, in[i]->shape, false, &g[i]);
+    if (TP__OP_PARAMS(op, const sdpa_params)->flash) {
+        /* the fused backward recomputes the probabilities from lse */
+        tp_tensor *delta = NULL;
+        int64_t dshape[1] = {m.G * m.M};
+        if (st == TP_OK)
+            st = tp__f32(op->dev, 1, dshape, false, &delta);
+        if (st == TP_OK) {
+            const tp__attn_geom fg = flash_geom(op, &m, in[3]);
+            st = op->k->flash_attn_bwd(
+                op->dev, dt, &fg, tp_tensor_data(in[0]), tp_tensor_data(in[1]),
+                tp_tensor_data(in[2]), tp_tensor_data(op->saved[1]), tp_tensor_data(op->saved[0]),
+                tp_tensor_data(gy), tp_tensor_data(delta), want_q ? tp_tensor_data(g[0]) : NULL,
+                want_k ? tp_tensor_data(g[1]) : NULL, want_v ? tp_tensor_data(g[2]) : NULL);
+        }
+        tp_tensor_release(delta);
+        for (int i = 0; i < 4; i++)
+            tp_tensor_release(tmp[i]);
+        return st;
+    }
     tp_tensor *ds = NULL;
     int64_t dsshape[2] = {m.M, m.Sk};
     if (st == TP_OK && (want_q || want_k))
@@ -335,6 +462,10 @@ static tp_status sdpa_check(const tp_tensor *q, const tp_tensor *k, const tp_ten
     TP_ARG_CHECK(k, "%s: k is NULL", FN);
     TP_ARG_CHECK(v, "%s: v is NULL", FN);
     TP_ARG_CHECK(o->scale >= 0, "%s: scale %g is negative", FN, o->scale);
+    TP_ARG_CHECK(o->backend == TP_SDPA_BACKEND_AUTO || o->backend == TP_SDPA_BACKEND_MATH ||
+                     o->backend == TP_SDPA_BACKEND_FLASH,
+                 "%s: backend %d is none of TP_SDPA_BACKEND_AUTO, _MATH, _FLASH", FN,
+                 (int)o->backend);
     TP_ARG_CHECK(o->key_offset >= 0, "%s: key_offset %lld is negative", FN,
                  (long long)o->key_offset);
     int nd = q->ndim, hd = head_dim_of(nd);
@@ -394,7 +525,7 @@ tp_status tp__sdpa_with_capacity(tp_tensor *q, tp_tensor *k, tp_tensor *v,
     *out = NULL;
     const tp_sdpa_options o = opts ? *opts : (tp_sdpa_options){0};
     TP_CHECK(sdpa_check(q, k, v, &o));
-    sdpa_params p = {o.causal, o.scale, o.key_offset, key_capacity};
+    sdpa_params p = {o.causal, o.scale, o.key_offset, key_capacity, o.backend, false};
     tp_tensor *args[4] = {q, k, v, o.key_padding};
     return tp__op_run(&sdpa_def, args, &p, sizeof p, out);
 }
