@@ -818,7 +818,8 @@ static const kcase cases[] = {
      1.5,
      {T_IN(7680), T_IN(8960), T_IN(4480), T_OUT(3840), F_OUT(120), I_IN(70, 0, 2)}},
     /* the backward {q, k, v, out, lse, gout, delta, gq, gk, gv, pad} on
-     * independent inputs (lse in [3, 4] keeps p below 1) */
+     * independent inputs (lse in [3, 4] keeps p below 1): the tensor-core
+     * kernels (D 128 causal grouped, D 64 padded), the general ones */
     {"flash bwd causal GQA D128",
      r_flash_attn_bwd,
      {2, 300, 150, 150, 128, 128, 0, 1, 150, 1},
@@ -826,6 +827,13 @@ static const kcase cases[] = {
      4,
      {T_IN(76800), T_IN(38400), T_IN(38400), T_IN(76800), F_IN(600, 3, 4), T_IN(76800),
       F_OUT(600), T_OUT(76800), T_OUT(38400), T_OUT(38400), NONE}},
+    {"flash bwd padded D64",
+     r_flash_attn_bwd,
+     {4, 140, 70, 200, 64, 64, 0, 0, 200, 2},
+     1e-5,
+     4,
+     {T_IN(35840), T_IN(51200), T_IN(51200), T_IN(35840), F_IN(560, 3, 4), T_IN(35840),
+      F_OUT(560), T_OUT(35840), T_OUT(51200), T_OUT(51200), I_IN(400, 0, 2)}},
     {"flash bwd padded decode Dv 32",
      r_flash_attn_bwd,
      {2, 4, 1, 100, 64, 32, 99, 1, 128, 1},

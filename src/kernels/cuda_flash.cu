@@ -11,11 +11,11 @@
  *    without touching memory. The softmax is online in the log2 domain:
  *    each row keeps its running max and sum, and O is rescaled when the
  *    max grows.
+ *    The backward on tensor cores takes the same geometries (below).
  *  - the general form (every dtype, any head dim up to
  *    TP__FLASH_MAX_HEAD_DIM, any stride): one warp per query row for the
  *    forward and the query gradient, one warp per key for the key and
- *    value gradients; each lane holds D / 32 of a row's elements. It is
- *    also the backward of every dtype for now.
+ *    value gradients; each lane holds D / 32 of a row's elements.
  *
  * Both keep f32 throughout and round only the outputs; neither holds more
  * than one tile of scores, so memory is linear in the sequence. Masking is
@@ -458,6 +458,277 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
 }
 
+/* ---- the tensor-core backward ------------------------------------------------------
+ *
+ * Two kernels, neither with atomics: the rows' (dQ) recomputes S = Q K^T
+ * and dP = dO V^T tile by tile as the forward does, dS = P (dP - delta),
+ * and accumulates dQ += dS K in registers; the keys' (dK, dV) holds a block
+ * of 64 keys (16 per warp) and walks the query rows 32 at a time:
+ * S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q with
+ * P^T and dS^T handed from the accumulators to the operands in registers.
+ * Seven products where FlashAttention-2's single kernel has five (it adds
+ * dQ with atomics): deterministic, and no f32 dQ scratch. */
+
+const int kKeyRows = 32; /* query rows per step of the keys' kernel */
+
+template <int D> constexpr size_t dq_smem_bytes()
+{
+    return (size_t)(2 * kBr + 2 * kBc) * (D + 8) * 2;
+}
+template <int D> constexpr size_t dkv_smem_bytes()
+{
+    return (size_t)(2 * kBc + 2 * kKeyRows) * (D + 8) * 2;
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(kMmaThreads)
+    k_flash_bwd_dq_mma(tp__attn_geom g, const T *q, const T *k, const T *v, const float *lse,
+                       const T *gout, const float *delta, T *gq)
+{
+    constexpr int LD = D + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T *sQ = reinterpret_cast<T *>(smem), *sO = sQ + kBr * LD, *sK = sO + kBr * LD,
+      *sV = sK + kBc * LD;
+    __shared__ unsigned char visible[kBc];
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gi = lane >> 2, ti = lane & 3;
+    const int64_t b = blockIdx.y, r0 = (int64_t)blockIdx.x * kBr;
+    const int64_t nr = g.M - r0 < kBr ? g.M - r0 : kBr;
+    load_tile<T, D, LD, kBr>(sQ, q + (b * g.M + r0) * D, D, nr);
+    load_tile<T, D, LD, kBr>(sO, gout + (b * g.M + r0) * D, D, nr);
+
+    const float log2e = 1.4426950408889634f, sl2 = g.scale * log2e;
+    const int64_t rowA = r0 + warp * 16 + gi, rowB = rowA + 8;
+    const int64_t iA = rowA % g.Sq, iB = rowB % g.Sq;
+    /* -inf (no row, or no visible key) makes every p of the row 0 */
+    const float lA = rowA < g.M ? lse[b * g.M + rowA] * log2e : -INFINITY;
+    const float lB = rowB < g.M ? lse[b * g.M + rowB] * log2e : -INFINITY;
+    const float dA = rowA < g.M ? delta[b * g.M + rowA] : 0.0f;
+    const float dB = rowB < g.M ? delta[b * g.M + rowB] : 0.0f;
+    int64_t lim = g.Sk;
+    if (g.causal) {
+        const int64_t first = r0 % g.Sq;
+        const int64_t imax = nr >= g.Sq || first + nr > g.Sq ? g.Sq - 1 : first + nr - 1;
+        lim = imax + g.key_offset + 1 < g.Sk ? imax + g.key_offset + 1 : g.Sk;
+    }
+    float dq[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++)
+        dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f;
+
+    for (int64_t c0 = 0; c0 < lim; c0 += kBc) {
+        const int64_t nc = g.Sk - c0 < kBc ? g.Sk - c0 : kBc;
+        __syncthreads();
+        load_tile<T, D, LD, kBc>(sK, k + b * g.k_gs + c0 * g.k_ld, g.k_ld, nc);
+        load_tile<T, D, LD, kBc>(sV, v + b * g.v_gs + c0 * g.v_ld, g.v_ld, nc);
+        if (threadIdx.x < kBc)
+            visible[threadIdx.x] = threadIdx.x < nc && !padded(g, b, c0 + threadIdx.x);
+        __syncthreads();
+
+        float s[kBc / 8][4], dp[kBc / 8][4];
+#pragma unroll
+        for (int i = 0; i < kBc / 8; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                s[i][e] = dp[i][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t aq[4], ao[4];
+            ldsm4(aq, sQ + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+            ldsm4(ao, sO + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int nt = 0; nt < kBc / 16; nt++) {
+                const int off = (nt * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + kk * 16 +
+                                ((lane >> 3) & 1) * 8;
+                uint32_t bk[4], bv[4];
+                ldsm4(bk, sK + off);
+                ldsm4(bv, sV + off);
+                mma<T>(s[2 * nt], aq, bk);
+                mma<T>(s[2 * nt + 1], aq, bk + 2);
+                mma<T>(dp[2 * nt], ao, bv);
+                mma<T>(dp[2 * nt + 1], ao, bv + 2);
+            }
+        }
+        /* ds = p (dp - delta), p = exp(s scale - lse); 0 where masked */
+#pragma unroll
+        for (int nt = 0; nt < kBc / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int kj = nt * 8 + 2 * ti + (e & 1);
+                const bool a = e < 2;
+                const int64_t key = c0 + kj, i = a ? iA : iB;
+                const float l = a ? lA : lB;
+                const bool vis =
+                    visible[kj] && l != -INFINITY && !(g.causal && key > i + g.key_offset);
+                const float p = vis ? exp2f(s[nt][e] * sl2 - l) : 0.0f;
+                s[nt][e] = p * (dp[nt][e] - (a ? dA : dB));
+            }
+        /* dQ += dS K */
+#pragma unroll
+        for (int kc = 0; kc < kBc / 16; kc++) {
+            const uint32_t a[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
+                                   pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                                   pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                                   pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+            for (int dt = 0; dt < D / 16; dt++) {
+                uint32_t bb[4];
+                ldsm4_t(bb, sK + (kc * 16 + (lane & 15)) * LD + dt * 16 + (lane >> 4) * 8);
+                mma<T>(dq[2 * dt], a, bb);
+                mma<T>(dq[2 * dt + 1], a, bb + 2);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+        const int col = i * 8 + 2 * ti;
+        if (rowA < g.M)
+            *reinterpret_cast<uint32_t *>(gq + (b * g.M + rowA) * D + col) =
+                pack2<T>(dq[i][0] * g.scale, dq[i][1] * g.scale);
+        if (rowB < g.M)
+            *reinterpret_cast<uint32_t *>(gq + (b * g.M + rowB) * D + col) =
+                pack2<T>(dq[i][2] * g.scale, dq[i][3] * g.scale);
+    }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(kMmaThreads)
+    k_flash_bwd_dkv_mma(tp__attn_geom g, const T *q, const T *k, const T *v, const float *lse,
+                        const T *gout, const float *delta, T *gk, T *gv)
+{
+    constexpr int LD = D + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T *sK = reinterpret_cast<T *>(smem), *sV = sK + kBc * LD, *sQ = sV + kBc * LD,
+      *sO = sQ + kKeyRows * LD;
+    __shared__ unsigned char visible[kBc];
+    __shared__ float sL[kKeyRows], sD[kKeyRows];
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gi = lane >> 2, ti = lane & 3;
+    const int64_t b = blockIdx.y, c0 = (int64_t)blockIdx.x * kBc;
+    const int64_t nc = g.Sk - c0 < kBc ? g.Sk - c0 : kBc;
+    load_tile<T, D, LD, kBc>(sK, k + b * g.k_gs + c0 * g.k_ld, g.k_ld, nc);
+    load_tile<T, D, LD, kBc>(sV, v + b * g.v_gs + c0 * g.v_ld, g.v_ld, nc);
+    if (threadIdx.x < kBc)
+        visible[threadIdx.x] = threadIdx.x < nc && !padded(g, b, c0 + threadIdx.x);
+
+    const float log2e = 1.4426950408889634f, sl2 = g.scale * log2e;
+    /* this thread's keys: rows gi and gi + 8 of the warp's 16 */
+    const int kjA = warp * 16 + gi, kjB = kjA + 8;
+    const int64_t keyA = c0 + kjA, keyB = c0 + kjB;
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            dk[i][e] = dv[i][e] = 0.0f;
+
+    for (int64_t r0 = 0; r0 < g.M; r0 += kKeyRows) {
+        const int64_t nr = g.M - r0 < kKeyRows ? g.M - r0 : kKeyRows;
+        if (g.causal) { /* rows whose diagonal ends before this key block see none of it */
+            const int64_t first = r0 % g.Sq;
+            const int64_t imax = nr >= g.Sq || first + nr > g.Sq ? g.Sq - 1 : first + nr - 1;
+            if (imax + g.key_offset < c0)
+                continue;
+        }
+        __syncthreads(); /* the previous rows' readers are done */
+        load_tile<T, D, LD, kKeyRows>(sQ, q + (b * g.M + r0) * D, D, nr);
+        load_tile<T, D, LD, kKeyRows>(sO, gout + (b * g.M + r0) * D, D, nr);
+        if (threadIdx.x < kKeyRows) {
+            const bool in = threadIdx.x < nr;
+            sL[threadIdx.x] = in ? lse[b * g.M + r0 + threadIdx.x] * log2e : -INFINITY;
+            sD[threadIdx.x] = in ? delta[b * g.M + r0 + threadIdx.x] : 0.0f;
+        }
+        __syncthreads();
+
+        /* S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys by 32 rows */
+        float st[kKeyRows / 8][4], dpt[kKeyRows / 8][4];
+#pragma unroll
+        for (int i = 0; i < kKeyRows / 8; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                st[i][e] = dpt[i][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t ak[4], av[4];
+            ldsm4(ak, sK + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+            ldsm4(av, sV + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int nt = 0; nt < kKeyRows / 16; nt++) {
+                const int off = (nt * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + kk * 16 +
+                                ((lane >> 3) & 1) * 8;
+                uint32_t bq[4], bo[4];
+                ldsm4(bq, sQ + off);
+                ldsm4(bo, sO + off);
+                mma<T>(st[2 * nt], ak, bq);
+                mma<T>(st[2 * nt + 1], ak, bq + 2);
+                mma<T>(dpt[2 * nt], av, bo);
+                mma<T>(dpt[2 * nt + 1], av, bo + 2);
+            }
+        }
+        /* P^T and dS^T in place */
+#pragma unroll
+        for (int nt = 0; nt < kKeyRows / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int rl = nt * 8 + 2 * ti + (e & 1);
+                const bool a = e < 2;
+                const int kj = a ? kjA : kjB;
+                const int64_t key = a ? keyA : keyB, row = r0 + rl;
+                const float l = sL[rl];
+                const bool vis = visible[kj] && l != -INFINITY &&
+                                 !(g.causal && key > row % g.Sq + g.key_offset);
+                const float p = vis ? exp2f(st[nt][e] * sl2 - l) : 0.0f;
+                st[nt][e] = p;
+                dpt[nt][e] = p * (dpt[nt][e] - sD[rl]);
+            }
+        /* dV += P^T dO, dK += dS^T Q */
+#pragma unroll
+        for (int kc = 0; kc < kKeyRows / 16; kc++) {
+            const uint32_t ap[4] = {pack2<T>(st[2 * kc][0], st[2 * kc][1]),
+                                    pack2<T>(st[2 * kc][2], st[2 * kc][3]),
+                                    pack2<T>(st[2 * kc + 1][0], st[2 * kc + 1][1]),
+                                    pack2<T>(st[2 * kc + 1][2], st[2 * kc + 1][3])};
+            const uint32_t ad[4] = {pack2<T>(dpt[2 * kc][0], dpt[2 * kc][1]),
+                                    pack2<T>(dpt[2 * kc][2], dpt[2 * kc][3]),
+                                    pack2<T>(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
+                                    pack2<T>(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
+#pragma unroll
+            for (int dt = 0; dt < D / 16; dt++) {
+                const int off = (kc * 16 + (lane & 15)) * LD + dt * 16 + (lane >> 4) * 8;
+                uint32_t bo[4], bq[4];
+                ldsm4_t(bo, sO + off);
+                ldsm4_t(bq, sQ + off);
+                mma<T>(dv[2 * dt], ap, bo);
+                mma<T>(dv[2 * dt + 1], ap, bo + 2);
+                mma<T>(dk[2 * dt], ad, bq);
+                mma<T>(dk[2 * dt + 1], ad, bq + 2);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+        const int col = i * 8 + 2 * ti;
+        if (keyA < g.Sk) {
+            if (gk)
+                *reinterpret_cast<uint32_t *>(gk + (b * g.Sk + keyA) * D + col) =
+                    pack2<T>(dk[i][0] * g.scale, dk[i][1] * g.scale);
+            if (gv)
+                *reinterpret_cast<uint32_t *>(gv + (b * g.Sk + keyA) * D + col) =
+                    pack2<T>(dv[i][0], dv[i][1]);
+        }
+        if (keyB < g.Sk) {
+            if (gk)
+                *reinterpret_cast<uint32_t *>(gk + (b * g.Sk + keyB) * D + col) =
+                    pack2<T>(dk[i][2] * g.scale, dk[i][3] * g.scale);
+            if (gv)
+                *reinterpret_cast<uint32_t *>(gv + (b * g.Sk + keyB) * D + col) =
+                    pack2<T>(dv[i][2], dv[i][3]);
+        }
+    }
+}
+
 /* ---- the entries ----------------------------------------------------------------- */
 
 template <class F> cudaError_t by_dtype(tp_dtype dtype, F &&f)
@@ -500,6 +771,38 @@ cudaError_t launch_mma(cudaStream_t s, const tp__attn_geom *g, const void *q, co
     k_flash_fwd_mma<T, D><<<grid, kMmaThreads, bytes, s>>>(
         *g, static_cast<const T *>(q), static_cast<const T *>(k), static_cast<const T *>(v),
         static_cast<T *>(out), lse);
+    return cudaGetLastError();
+}
+
+template <class T, int D>
+cudaError_t launch_bwd_dq(cudaStream_t s, const tp__attn_geom *g, const T *q, const T *k,
+                          const T *v, const float *lse, const T *gout, const float *delta,
+                          void *gq)
+{
+    const size_t bytes = dq_smem_bytes<D>();
+    cudaError_t e = cudaFuncSetAttribute(k_flash_bwd_dq_mma<T, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (e != cudaSuccess)
+        return e;
+    dim3 grid((unsigned)((g->M + kBr - 1) / kBr), (unsigned)g->G);
+    k_flash_bwd_dq_mma<T, D><<<grid, kMmaThreads, bytes, s>>>(*g, q, k, v, lse, gout, delta,
+                                                              static_cast<T *>(gq));
+    return cudaGetLastError();
+}
+
+template <class T, int D>
+cudaError_t launch_bwd_dkv(cudaStream_t s, const tp__attn_geom *g, const T *q, const T *k,
+                           const T *v, const float *lse, const T *gout, const float *delta,
+                           void *gk, void *gv)
+{
+    const size_t bytes = dkv_smem_bytes<D>();
+    cudaError_t e = cudaFuncSetAttribute(k_flash_bwd_dkv_mma<T, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (e != cudaSuccess)
+        return e;
+    dim3 grid((unsigned)((g->Sk + kBc - 1) / kBc), (unsigned)g->G);
+    k_flash_bwd_dkv_mma<T, D><<<grid, kMmaThreads, bytes, s>>>(
+        *g, q, k, v, lse, gout, delta, static_cast<T *>(gk), static_cast<T *>(gv));
     return cudaGetLastError();
 }
 
@@ -588,6 +891,26 @@ extern "C" tp_status tp__cuda_flash_attn_bwd(tp_device dev, tp_dtype dtype,
         const T *tq = static_cast<const T *>(q), *tk = static_cast<const T *>(k),
                 *tv = static_cast<const T *>(v), *to = static_cast<const T *>(out),
                 *tg = static_cast<const T *>(gout);
+        if constexpr (!std::is_same<T, float>::value) {
+            if (mma_fits(dtype, g, q, k, v, out) && aligned16(gout) && aligned16(gq) &&
+                aligned16(gk) && aligned16(gv) && (g->Sk + kBc - 1) / kBc <= INT32_MAX) {
+                /* delta first (the rows' kernel without gq), then the two */
+                if (g->M > 0)
+                    k_flash_bwd_rows<T><<<rows_grid(g->M, g->G), kRowWarps * 32, 0, sc.s>>>(
+                        *g, tq, tk, tv, to, lse, tg, delta, static_cast<T *>(nullptr));
+                cudaError_t e = cudaGetLastError();
+                if (e == cudaSuccess && gq && g->M > 0)
+                    e = g->D == 64 ? launch_bwd_dq<T, 64>(sc.s, g, tq, tk, tv, lse, tg, delta, gq)
+                                   : launch_bwd_dq<T, 128>(sc.s, g, tq, tk, tv, lse, tg, delta,
+                                                           gq);
+                if (e == cudaSuccess && (gk || gv) && g->Sk > 0)
+                    e = g->D == 64
+                            ? launch_bwd_dkv<T, 64>(sc.s, g, tq, tk, tv, lse, tg, delta, gk, gv)
+                            : launch_bwd_dkv<T, 128>(sc.s, g, tq, tk, tv, lse, tg, delta, gk,
+                                                     gv);
+                return e;
+            }
+        }
         if (g->M > 0)
             k_flash_bwd_rows<T><<<rows_grid(g->M, g->G), kRowWarps * 32, 0, sc.s>>>(
                 *g, tq, tk, tv, to, lse, tg, delta, static_cast<T *>(gq));
