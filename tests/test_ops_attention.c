@@ -7,8 +7,9 @@
  * 5-D inputs; against PyTorch 2.15's math attention (fixtures/sdpa_torch.h,
  * made by fixtures/make_sdpa_torch.py); the distributed op against the
  * plain one with batch and heads sharded on 1-4 ranks and a 2x2 mesh, with
- * the exact collectives each layout costs; the argument errors. Tolerance:
- * f32 softmax and GEMMs, rtol 1e-4, atol 1e-5. */
+ * the exact collectives each layout costs; the argument errors. The math
+ * and the fused (flash) backends alike, and what each keeps for the
+ * backward. Tolerance: f32 softmax and GEMMs, rtol 1e-4, atol 1e-5. */
 #include <math.h>
 
 #include "tp_test.h"
@@ -241,8 +242,9 @@ static tp_status make_inputs(const geo *g, uint64_t seed, tp_dtype pad_dt, input
     return TP_OK;
 }
 
-/* The backend the plain checks ask for (the flash tests set FLASH). */
-static tp_sdpa_backend backend;
+/* The backend the plain checks ask for: MATH, FLASH in the flash tests
+ * (AUTO is FLASH on the CPU: auto_is_flash_on_the_cpu). */
+static tp_sdpa_backend backend = TP_SDPA_BACKEND_MATH;
 
 static tp_sdpa_options opts_of(const geo *g, tp_tensor *pad)
 {
@@ -368,12 +370,13 @@ Test(ops_attention, flash_matches_reference, .timeout = 120)
         check_plain(&plain_geos[c], plain_geos[c].pad ? TP_I32 : TP_I64, NULL);
     for (size_t c = 0; c < sizeof flash_geos / sizeof flash_geos[0]; c++)
         check_plain(&flash_geos[c], TP_I64, NULL);
-    backend = TP_SDPA_BACKEND_AUTO;
+    backend = TP_SDPA_BACKEND_MATH;
 }
 
 /* What the backward keeps: the math form the [rows, Sk] probabilities, the
- * fused one an f32 log-sum-exp per query row (and a reference to the output
- * it returns anyway). Measured as the bytes the forward leaves allocated. */
+ * fused one an f32 log-sum-exp per query row (and an alias of the output it
+ * returns anyway). Measured as the bytes the forward leaves allocated, and
+ * all given back when the output is released without a backward. */
 Test(ops_attention, flash_keeps_memory_linear_in_keys, .timeout = 60)
 {
     const geo g = {4, {1}, 4, 2, 256, 256, 16, 16, true, 0, 0, false, 0, "keep", false};
@@ -389,10 +392,16 @@ Test(ops_attention, flash_keeps_memory_linear_in_keys, .timeout = 60)
         CHECK_OK(tp_scaled_dot_product_attention_with(in.q, in.k, in.v, &o, &out));
         CHECK_OK(tp_memory_stats(TP_CPU, &after));
         kept[f] = (int64_t)after.allocated - (int64_t)before.allocated;
+        /* released without a backward, the output frees what the node kept:
+         * it keeps no reference to the output (no cycle) */
         tp_tensor_release(out);
+        CHECK_OK(tp_memory_stats(TP_CPU, &after));
+        cr_assert_eq(after.allocated, before.allocated, "%s: %lld bytes left after the release",
+                     f ? "flash" : "math",
+                     (long long)after.allocated - (long long)before.allocated);
         inputs_free(&in);
     }
-    backend = TP_SDPA_BACKEND_AUTO;
+    backend = TP_SDPA_BACKEND_MATH;
     const int64_t outb = 4 * 256 * 16 * 4, probs = 4 * 256 * 256 * 4, lse = 4 * 256 * 4;
     cr_assert_eq(kept[0], outb + probs, "math keeps %lld bytes", (long long)kept[0]);
     cr_assert_eq(kept[1], outb + lse, "flash keeps %lld bytes", (long long)kept[1]);
@@ -428,7 +437,7 @@ Test(ops_attention, flash_low_precision_matches_math, .timeout = 60)
             tp_tensor_release(res[f][0]);
             res[f][0] = o32;
         }
-        backend = TP_SDPA_BACKEND_AUTO;
+        backend = TP_SDPA_BACKEND_MATH;
         const char *names[4] = {"out", "dq", "dk", "dv"};
         for (int i = 0; i < 4; i++) {
             const float *a = tp_tensor_data(res[0][i]), *b = tp_tensor_data(res[1][i]);
@@ -448,6 +457,27 @@ Test(ops_attention, flash_low_precision_matches_math, .timeout = 60)
         tp_tensor_release(lg);
         inputs_free(&in);
     }
+}
+
+/* AUTO on the CPU is the fused form, bit for bit. */
+Test(ops_attention, auto_is_flash_on_the_cpu, .timeout = 30)
+{
+    const geo *g = &plain_geos[9];
+    inputs in;
+    CHECK_OK(make_inputs(g, 11, TP_I64, &in));
+    tp_tensor *r[2];
+    for (int f = 0; f < 2; f++) {
+        backend = f ? TP_SDPA_BACKEND_FLASH : TP_SDPA_BACKEND_AUTO;
+        tp_sdpa_options o = opts_of(g, in.pad);
+        CHECK_OK(tp_scaled_dot_product_attention_with(in.q, in.k, in.v, &o, &r[f]));
+    }
+    backend = TP_SDPA_BACKEND_MATH;
+    bool eq = false;
+    CHECK_OK(tp_tensor_equal(r[0], r[1], &eq));
+    cr_assert(eq);
+    tp_tensor_release(r[0]);
+    tp_tensor_release(r[1]);
+    inputs_free(&in);
 }
 
 Test(ops_attention, flash_refusals, .timeout = 30)
@@ -519,23 +549,31 @@ Test(ops_attention, matches_pytorch_math_attention, .timeout = 30)
     CHECK_OK(tp_tensor_set_requires_grad(q, true));
     CHECK_OK(tp_tensor_set_requires_grad(k, true));
     CHECK_OK(tp_tensor_set_requires_grad(v, true));
-    tp_sdpa_options o = {.causal = true, .key_offset = SDPA_T_OFF, .key_padding = pad};
-    CHECK_OK(tp_scaled_dot_product_attention_with(q, k, v, &o, &out));
-    CHECK_OK(tp_backward(out, g));
-    int64_t bad = -1;
-    cr_assert(close_to(out, sdpa_out, (int64_t)(sizeof sdpa_out / 8), &bad), "out[%lld]",
-              (long long)bad);
-    cr_assert(close_to(tp_tensor_grad(q), sdpa_dq, (int64_t)(sizeof sdpa_dq / 8), &bad),
-              "dq[%lld]", (long long)bad);
-    cr_assert(close_to(tp_tensor_grad(k), sdpa_dk, (int64_t)(sizeof sdpa_dk / 8), &bad),
-              "dk[%lld]", (long long)bad);
-    cr_assert(close_to(tp_tensor_grad(v), sdpa_dv, (int64_t)(sizeof sdpa_dv / 8), &bad),
-              "dv[%lld]", (long long)bad);
-    /* batch 1, query 0 sees keys 0..2, all padding: 0, as torch's */
-    const float *of = tp_tensor_data(out);
-    for (int h = 0; h < SDPA_T_HQ; h++)
-        for (int e = 0; e < SDPA_T_DV; e++)
-            cr_assert(of[((SDPA_T_HQ + h) * SDPA_T_SQ) * SDPA_T_DV + e] == 0.0f);
+    for (int f = 0; f < 2; f++) {
+        tp_sdpa_options o = {.causal = true, .key_offset = SDPA_T_OFF, .key_padding = pad,
+                             .backend = f ? TP_SDPA_BACKEND_FLASH : TP_SDPA_BACKEND_MATH};
+        tp_tensor_zero_grad(q);
+        tp_tensor_zero_grad(k);
+        tp_tensor_zero_grad(v);
+        CHECK_OK(tp_scaled_dot_product_attention_with(q, k, v, &o, &out));
+        CHECK_OK(tp_backward(out, g));
+        int64_t bad = -1;
+        cr_assert(close_to(out, sdpa_out, (int64_t)(sizeof sdpa_out / 8), &bad), "out[%lld]",
+                  (long long)bad);
+        cr_assert(close_to(tp_tensor_grad(q), sdpa_dq, (int64_t)(sizeof sdpa_dq / 8), &bad),
+                  "dq[%lld]", (long long)bad);
+        cr_assert(close_to(tp_tensor_grad(k), sdpa_dk, (int64_t)(sizeof sdpa_dk / 8), &bad),
+                  "dk[%lld]", (long long)bad);
+        cr_assert(close_to(tp_tensor_grad(v), sdpa_dv, (int64_t)(sizeof sdpa_dv / 8), &bad),
+                  "dv[%lld]", (long long)bad);
+        /* batch 1, query 0 sees keys 0..2, all padding: 0, as torch's */
+        const float *of = tp_tensor_data(out);
+        for (int h = 0; h < SDPA_T_HQ; h++)
+            for (int e = 0; e < SDPA_T_DV; e++)
+                cr_assert(of[((SDPA_T_HQ + h) * SDPA_T_SQ) * SDPA_T_DV + e] == 0.0f);
+        tp_tensor_release(out);
+        out = NULL;
+    }
     tp_tensor *all[] = {q, k, v, g, pad, out};
     for (size_t i = 0; i < 6; i++)
         tp_tensor_release(all[i]);
@@ -884,7 +922,7 @@ static tp_tensor *view_of(tp_tensor *big, int dim, int64_t len)
     return v;
 }
 
-static void strided_case(int dim, int64_t extra, bool grad)
+static void strided_case(int dim, int64_t extra, bool grad, tp_sdpa_backend be)
 {
     const int64_t B = 2, Hq = 4, Hkv = 2, Sq = 3, Sk = 5, D = 8;
     int64_t qs[4] = {B, Hq, Sq, D}, ks[4] = {B, Hkv, Sk, D}, ps[2] = {B, Sk + extra};
@@ -910,7 +948,8 @@ static void strided_case(int dim, int64_t extra, bool grad)
     for (int s = 0; s < 2 && grad; s++)
         for (int i = 0; i < 3; i++)
             CHECK_OK(tp_tensor_set_requires_grad(ins[s][i], true));
-    tp_sdpa_options o = {.causal = true, .key_offset = Sk - Sq, .key_padding = pad};
+    tp_sdpa_options o = {.causal = true, .key_offset = Sk - Sq, .key_padding = pad,
+                         .backend = be};
     tp_tensor *a = NULL, *b = NULL;
     CHECK_OK(tp_scaled_dot_product_attention_with(q, k, v, &o, &a));
     o.key_padding = pc;
@@ -938,9 +977,12 @@ static void strided_case(int dim, int64_t extra, bool grad)
 
 Test(ops_attention, strided_kv_and_padding_read_in_place, .timeout = 30)
 {
-    strided_case(2, 7, false); /* a cache's prefix: groups L rows apart */
-    strided_case(2, 7, true);
-    strided_case(3, 8, true);  /* rows 2D apart */
-    strided_case(0, 1, false); /* a batch prefix: contiguous groups */
-    strided_case(1, 2, true);  /* heads of a wider tensor: copied */
+    for (int f = 0; f < 2; f++) {
+        tp_sdpa_backend be = f ? TP_SDPA_BACKEND_FLASH : TP_SDPA_BACKEND_MATH;
+        strided_case(2, 7, false, be); /* a cache's prefix: groups L rows apart */
+        strided_case(2, 7, true, be);
+        strided_case(3, 8, true, be);  /* rows 2D apart */
+        strided_case(0, 1, false, be); /* a batch prefix: contiguous groups */
+        strided_case(1, 2, true, be);  /* heads of a wider tensor: copied */
+    }
 }

@@ -248,9 +248,11 @@ TP_API tp_status tp_scaled_dot_product_attention(tp_tensor *q, tp_tensor *k, tp_
  *          backward recomputes the probabilities. Memory linear in Sk.
  *          Head dims up to 256 (else TP_ERR_NOT_SUPPORTED). CUDA runs it on
  *          tensor cores in bf16 and f16 for head dims 64 and 128.
- *   AUTO   FLASH on CUDA in bf16 and f16, MATH elsewhere (the CPU, f32),
- *          unless the environment variable TP_SDPA_BACKEND (math, flash,
- *          auto; read at the first call) says otherwise.
+ *   AUTO   FLASH where it is the faster form: on the CPU (1.4x in f32,
+ *          1.9x in bf16 at seq 1-2k, bench/README.md) and on CUDA in bf16
+ *          and f16; MATH on CUDA in f32 (cuBLAS) and for head dims over 256.
+ *          The environment variable TP_SDPA_BACKEND (math, flash, auto;
+ *          read at the first call) overrides AUTO.
  * Both agree within the dtype's rounding (f32 accumulation throughout). */
 typedef enum tp_sdpa_backend {
     TP_SDPA_BACKEND_AUTO = 0,

@@ -225,8 +225,11 @@ static tp_sdpa_backend env_backend(void)
 }
 
 /* Whether this call runs the fused kernels: FLASH asks for them (refused
- * for a head wider than they take); AUTO takes them on CUDA in bf16 and
- * f16, where they are the fast form, and the math form elsewhere. */
+ * for a head wider than they take); AUTO takes them wherever they are the
+ * faster form: the CPU (every dtype; the meta engine plans as the CPU
+ * runs) and CUDA in bf16 and f16. CUDA f32 keeps the math form, whose
+ * products run on cuBLAS where the fused f32 kernels have no tensor
+ * cores. */
 static tp_status sdpa_use_flash(const tp__op *op, const sdpa_geom *g, bool *flash)
 {
     const sdpa_params *p = TP__OP_PARAMS(op, const sdpa_params);
@@ -237,8 +240,8 @@ static tp_status sdpa_use_flash(const tp__op *op, const sdpa_geom *g, bool *flas
                          "%s: the flash backend takes head dims up to %d; q/k have %lld, v %lld",
                          FN, TP__FLASH_MAX_HEAD_DIM, (long long)g->D, (long long)g->Dv);
     if (b == TP_SDPA_BACKEND_AUTO)
-        b = op->dev.type == TP_DEVICE_CUDA && op->dt != TP_F32 && fits ? TP_SDPA_BACKEND_FLASH
-                                                                         : TP_SDPA_BACKEND_MATH;
+        b = fits && (op->dev.type != TP_DEVICE_CUDA || op->dt != TP_F32) ? TP_SDPA_BACKEND_FLASH
+                                                                           : TP_SDPA_BACKEND_MATH;
     *flash = b == TP_SDPA_BACKEND_FLASH;
     return TP_OK;
 }
@@ -294,8 +297,16 @@ static tp_status sdpa_flash_fwd(tp__op *op, tp_tensor *const *use, const sdpa_ge
         }
         return st;
     }
+    /* an alias of the output's storage, not the output: the output holds
+     * this op's node, which must not hold the output back (a cycle) */
+    st = tp__tensor_alias(*out, &op->saved[1]);
+    if (st != TP_OK) {
+        tp_tensor_release(lse);
+        tp_tensor_release(*out);
+        *out = NULL;
+        return st;
+    }
     op->saved[0] = lse;
-    op->saved[1] = tp_tensor_retain(*out);
     return TP_OK;
 }
 
