@@ -339,10 +339,24 @@ def main():
              [b("tp-bench-layers"), "--device", "cuda", "-l", "mlp,mlp-gemm", "-p", "fwd+bwd",
               "-t", "8192", "-H", "2048", "-g", "1,2,4", "--dtype", "bf16", "-n", "5", "-w", "2",
               "-R", "3", "--csv", os.path.join(a.out, "bench-layers-cuda.csv")]),
+            ("fused attention against the math form: causal, bf16, 32/8 heads, head dim 128, "
+             "seq 4096 (targets: fwd >= 50%, fwd+bwd >= 35% of the dense peak)",
+             [b("tp-bench-attn"), "--cuda", "-b", "1", "-H", "32", "-K", "8", "-s", "4096",
+              "-D", "128", "-r", "5", "--csv", os.path.join(a.out, "bench-attn-cuda.csv")]),
+            ("fused attention at seq 16384: memory linear in the sequence",
+             [b("tp-bench-attn"), "--cuda", "-b", "1", "-H", "32", "-K", "8", "-s", "16384",
+              "-D", "128", "-r", "2", "--backend", "flash",
+              "--csv", os.path.join(a.out, "bench-attn-cuda-16k.csv")]),
             ("decode: the 100M Llama in bf16 on one GPU, tp 1 and 2 (threads sharing it)",
              [b("tp-bench-llm"), "-p", "decode", "--device", "cuda", "--dtype", "bf16", "-b", "1",
               "-s", "128", "--new-tokens", "128", "--tp", "1,2", "-r", "3", "-w", "1",
               "--csv", os.path.join(a.out, "bench-decode-cuda.csv")]),
+            ("decode as above with the math attention (TP_SDPA_BACKEND=math): the fused "
+             "attention's share",
+             ["/usr/bin/env", "TP_SDPA_BACKEND=math", b("tp-bench-llm"), "-p", "decode",
+              "--device", "cuda", "--dtype", "bf16", "-b", "1", "-s", "128", "--new-tokens",
+              "128", "--tp", "1,2", "-r", "3", "-w", "1",
+              "--csv", os.path.join(a.out, "bench-decode-cuda-math.csv")]),
         ]
         for g in (2, 4):
             comm_csvs.append(os.path.join(a.out, f"bench-comm-shm-cuda-g{g}.csv"))
@@ -357,6 +371,15 @@ def main():
               "all_reduce,all_gather"] + sweep + ["-R", "5", "--target-s", "0.05",
                                                   "--csv", comm_csvs[-1]]),
         ]
+        # PyTorch's flash attention on the same shapes, where torch is
+        # installed on the GPU machine (its wheels are too big to carry)
+        peer = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "bench", "torch_sdpa.py")
+        if os.path.exists(peer) and subprocess.run(
+                [sys.executable, "-c", "import torch"], capture_output=True).returncode == 0:
+            plan.append(("PyTorch's flash scaled_dot_product_attention, the same shapes",
+                         [sys.executable, peer, "-b", "1", "-H", "32", "-K", "8", "-s", "4096",
+                          "-D", "128", "-r", "5"]))
         if a.profile_mlp:
             ncu = shutil.which("ncu") or next(iter(sorted(
                 __import__("glob").glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
