@@ -44,7 +44,8 @@ static void usage(FILE *f)
             "                     [--fwd-only] [-r REPEATS] [--csv FILE]\n"
             "Defaults: CPU, f32, B 1, 8 heads, 8 kv heads, seq 1024, head dim 64, causal,\n"
             "both backends, 5 repeats (--cuda: bf16, 32 heads, 8 kv heads, seq 4096, head\n"
-            "dim 128). Exit status: 0 done, 2 bad usage or no CUDA device.\n");
+            "dim 128). Exit status: 0 done; 1 a run failed; 2 no CUDA device; 64 a bad\n"
+            "command line (the message names the option).\n");
 }
 
 static int parse(int argc, char **argv, opts *o)
@@ -70,8 +71,9 @@ static int parse(int argc, char **argv, opts *o)
                                       : NULL;
         if (num) {
             if (!v || !bench_parse_int(v, 1, 1 << 24, num)) {
-                fprintf(stderr, "tp-bench-attn: %s takes a positive integer\n", a);
-                return 2;
+                fprintf(stderr, "tp-bench-attn: %s takes a positive integer, not '%s'\n", a,
+                        v ? v : "");
+                return 64;
             }
             i++;
         } else if (!strcmp(a, "--cuda")) {
@@ -84,15 +86,16 @@ static int parse(int argc, char **argv, opts *o)
                                              : !strcmp(v, "f16")    ? TP_F16
                                                                     : TP_F64;
             if (o->dt == TP_F64) {
-                fprintf(stderr, "tp-bench-attn: -t takes f32, bf16 or f16, not %s\n", v);
-                return 2;
+                fprintf(stderr, "tp-bench-attn: -t takes f32, bf16 or f16, not '%s'\n", v);
+                return 64;
             }
             i++;
         } else if (!strcmp(a, "--backend") && v) {
             o->backends = !strcmp(v, "math") ? 1 : !strcmp(v, "flash") ? 2 : !strcmp(v, "both") ? 3 : 0;
             if (!o->backends) {
-                fprintf(stderr, "tp-bench-attn: --backend takes math, flash or both\n");
-                return 2;
+                fprintf(stderr, "tp-bench-attn: --backend takes math, flash or both, not '%s'\n",
+                        v);
+                return 64;
             }
             i++;
         } else if (!strcmp(a, "--csv") && v) {
@@ -102,15 +105,15 @@ static int parse(int argc, char **argv, opts *o)
             usage(stdout);
             exit(0);
         } else {
-            fprintf(stderr, "tp-bench-attn: unknown option %s\n", a);
+            fprintf(stderr, "tp-bench-attn: unknown option %s (or it lacks its value)\n", a);
             usage(stderr);
-            return 2;
+            return 64;
         }
     }
     if (o->Hq % o->Hkv) {
-        fprintf(stderr, "tp-bench-attn: %d heads are not a multiple of %d kv heads\n", o->Hq,
-                o->Hkv);
-        return 2;
+        fprintf(stderr, "tp-bench-attn: -H %d heads are not a multiple of -K %d kv heads\n",
+                o->Hq, o->Hkv);
+        return 64;
     }
     return 0;
 }
@@ -195,8 +198,10 @@ int main(int argc, char **argv)
     int rc = parse(argc, argv, &o);
     if (rc)
         return rc;
-    if (o.reps > 64)
-        o.reps = 64;
+    if (o.reps > 64) {
+        fprintf(stderr, "tp-bench-attn: -r %d: at most 64 repeats\n", o.reps);
+        return 64;
+    }
     char devname[256] = "cpu";
     double peak_tf = 0;
     if (o.dev.type == TP_DEVICE_CUDA) {
@@ -260,6 +265,8 @@ int main(int argc, char **argv)
            devname, tp_dtype_name(o.dt), o.B, o.Hq, o.Hkv, o.S, o.D,
            o.causal ? "causal" : "not causal", o.reps);
     FILE *csv = o.csv ? fopen(o.csv, "w") : NULL;
+    if (o.csv && !csv)
+        fprintf(stderr, "tp-bench-attn: --csv %s: cannot write it\n", o.csv);
     if (csv)
         fprintf(csv, "device,dtype,B,Hq,Hkv,S,D,causal,backend,pass,ms_median,ms_min,ms_max,"
                      "tflops_median,peak_fraction,extra_mib\n");
