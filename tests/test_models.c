@@ -850,3 +850,152 @@ Test(models, other_modules_refused, .timeout = 30)
     CHECK_ERR(tp_llm_create(&broken, &m), TP_ERR_INVALID_ARG);
     cr_assert_null(m);
 }
+
+/* ---- the fused attention's tensor-core head dims in a whole model -----------------
+ *
+ * A random Llama (2 layers, 4 query heads over 2 kv heads) at head dims 64
+ * and 128, which the CUDA engine's tensor-core attention kernels take, in
+ * bf16 on `dev` against the same weights (tp_module_init's seed) in f32 on
+ * the CPU: the logits of 2 x 160 tokens (three row tiles, two key tiles)
+ * within bf16's bound (3e-2 of the largest, docs/API.md), one training
+ * step's loss and every gradient (5e-2 of its largest entry), and the
+ * cached forward (a 159-token prefill, then one decode step through the
+ * fused decode path) against the uncached forward's last position. On the
+ * CPU the same runs the CPU's fused attention in bf16. */
+typedef struct {
+    tp_module *ref;
+    double err;
+    char worst[128], missing[128];
+} bf16_grads;
+
+static tp_status bf16_grad_check(const char *fqn, tp_tensor *p, void *ctx)
+{
+    bf16_grads *g = ctx;
+    char mod[128];
+    const char *dot = strrchr(fqn, '.');
+    snprintf(mod, sizeof mod, "%.*s", dot ? (int)(dot - fqn) : 0, fqn);
+    tp_module *m = dot ? tp_module_find(g->ref, mod) : g->ref;
+    tp_tensor *rp = m ? tp_module_parameter(m, dot ? dot + 1 : fqn) : NULL;
+    if (!rp || !tp_tensor_grad(rp) || !tp_tensor_grad(p)) {
+        snprintf(g->missing, sizeof g->missing, "%s", fqn);
+        return TP_OK;
+    }
+    tp_tensor *a = NULL, *b = NULL;
+    tp_status st = full_f32(tp_tensor_grad(p), &a);
+    if (st == TP_OK)
+        st = full_f32(tp_tensor_grad(rp), &b);
+    if (st == TP_OK) {
+        double d, sc;
+        max_diff(a, b, &d, &sc);
+        double e = d / (sc > 0 ? sc : 1);
+        if (!(e <= g->err)) {
+            g->err = e;
+            snprintf(g->worst, sizeof g->worst, "%s", fqn);
+        }
+    }
+    tp_tensor_release(a);
+    tp_tensor_release(b);
+    return st;
+}
+
+static void bf16_model_case(tp_device dev, int64_t head_dim)
+{
+    char json[512];
+    snprintf(json, sizeof json,
+             "{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 512, "
+             "\"hidden_size\": 256, \"intermediate_size\": 512, \"num_hidden_layers\": 2, "
+             "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": %lld, "
+             "\"max_position_embeddings\": 1024, \"rms_norm_eps\": 1e-5, "
+             "\"rope_theta\": 10000.0, \"tie_word_embeddings\": false}",
+             (long long)head_dim);
+    tp_llm_config cfg;
+    CHECK_OK(tp_llm_config_parse(json, &cfg));
+    tp_module *ref = NULL, *m = NULL;
+    CHECK_OK(tp_llm_create(&cfg, &ref));
+    CHECK_OK(tp_module_init(ref, 11));
+    CHECK_OK(tp_llm_create(&cfg, &m));
+    CHECK_OK(tp_module_init(m, 11));
+    CHECK_OK(tp_module_to(m, dev));
+    CHECK_OK(tp_module_to_dtype(m, TP_BF16));
+    const int64_t B = 2, S = 160, shape[2] = {B, S};
+    tp_tensor *ids = NULL, *ids_dev = NULL;
+    CHECK_OK(tp_tensor_empty(TP_I64, TP_CPU, 2, shape, &ids));
+    int64_t *idv = tp_tensor_data(ids);
+    for (int64_t i = 0; i < B * S; i++)
+        idv[i] = (i * 7919 + 13) % 512;
+    CHECK_OK(tp_tensor_to(ids, TP_I64, dev, &ids_dev));
+    tp_tensor *lr = NULL, *lg = NULL, *lgf = NULL, *loss_r = NULL, *loss_g = NULL;
+    CHECK_OK(tp_llm_forward(ref, ids, NULL, NULL, &lr));
+    CHECK_OK(tp_llm_forward(m, ids_dev, NULL, NULL, &lg));
+    CHECK_OK(full_f32(lg, &lgf));
+    double d = 0, sc = 0;
+    max_diff(lgf, lr, &d, &sc);
+    cr_assert(d <= 3e-2 * sc, "head dim %lld: bf16 logits differ by %g (largest %g)",
+              (long long)head_dim, d, sc);
+    /* a training step */
+    CHECK_OK(tp_llm_loss(lr, ids, &loss_r));
+    CHECK_OK(tp_llm_loss(lg, ids, &loss_g));
+    tp_tensor *lf = NULL;
+    CHECK_OK(full_f32(loss_g, &lf));
+    const double want = *(const float *)tp_tensor_data(loss_r),
+                 got = *(const float *)tp_tensor_data(lf);
+    cr_assert(fabs(got - want) <= 1e-2 * fabs(want), "head dim %lld: loss %.6f, f32 %.6f",
+              (long long)head_dim, got, want);
+    CHECK_OK(tp_backward(loss_r, NULL));
+    CHECK_OK(tp_backward(loss_g, NULL));
+    bf16_grads g = {ref, 0, "", ""};
+    CHECK_OK(tp_module_named_parameters(m, bf16_grad_check, &g));
+    cr_assert(!g.missing[0], "head dim %lld: %s has no gradient to compare", (long long)head_dim,
+              g.missing);
+    cr_assert(g.err <= 5e-2, "head dim %lld: the gradient of %s differs by %g of its largest",
+              (long long)head_dim, g.worst, g.err);
+    /* cached: a prefill of S - 1 tokens, then one decode step */
+    tp_llm_cache *cache = NULL;
+    CHECK_OK(tp_llm_cache_create(m, B, S + 8, &cache));
+    const int64_t ps[2] = {B, S - 1}, ls[2] = {B, 1};
+    tp_tensor *pre = NULL, *last = NULL, *out = NULL, *outf = NULL;
+    CHECK_OK(tp_tensor_empty(TP_I64, TP_CPU, 2, ps, &pre));
+    CHECK_OK(tp_tensor_empty(TP_I64, TP_CPU, 2, ls, &last));
+    for (int64_t b = 0; b < B; b++) {
+        memcpy((int64_t *)tp_tensor_data(pre) + b * (S - 1), idv + b * S,
+               (size_t)(S - 1) * sizeof(int64_t));
+        ((int64_t *)tp_tensor_data(last))[b] = idv[b * S + S - 1];
+    }
+    CHECK_OK(tp_llm_forward_cached(m, cache, pre, NULL, 1, &out));
+    tp_tensor_release(out);
+    CHECK_OK(tp_llm_forward_cached(m, cache, last, NULL, 1, &out));
+    CHECK_OK(full_f32(out, &outf));
+    const int64_t V = 512;
+    const float *dec = tp_tensor_data(outf), *full = tp_tensor_data(lgf);
+    double dd = 0, dsc = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t v = 0; v < V; v++) {
+            double w = full[(b * S + S - 1) * V + v];
+            dd = fmax(dd, fabs(dec[b * V + v] - w));
+            dsc = fmax(dsc, fabs(w));
+        }
+    cr_assert(dd <= 3e-2 * dsc, "head dim %lld: the decode step's logits differ by %g (largest %g)",
+              (long long)head_dim, dd, dsc);
+    tp_tensor *all[] = {ids, ids_dev, lr, lg, lgf, loss_r, loss_g, lf, pre, last, out, outf};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        tp_tensor_release(all[i]);
+    tp_llm_cache_free(cache);
+    tp_module_free(m);
+    tp_module_free(ref);
+}
+
+Test(models, cpu_bf16_head_dims_64_128, .timeout = 300)
+{
+    bf16_model_case(TP_CPU, 64);
+    bf16_model_case(TP_CPU, 128);
+}
+
+Test(models, cuda_bf16_head_dims_64_128, .timeout = 300)
+{
+    if (tp_cuda_device_count() <= 0)
+        cr_skip_test("no CUDA device: %s", TP_HAVE_CUDA ? "libtp has CUDA but the machine shows "
+                                                          "no device"
+                                                        : "libtp was built without CUDA");
+    bf16_model_case(TP_CUDA(0), 64);
+    bf16_model_case(TP_CUDA(0), 128);
+}
