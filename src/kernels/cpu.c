@@ -1374,30 +1374,48 @@ static int64_t flash_key_limit(const tp__flash_group *g, int64_t r0, int64_t nr)
     return lim < g->Sk ? lim : g->Sk;
 }
 
-/* Whether key j is hidden from row r (causal diagonal, padding). */
-static inline bool flash_masked(const tp__flash_group *g, int64_t r, int64_t j)
+/* exp(s[j] - m) in place, and their sum (vectorized: tp__expf). */
+static TP__VEC_CLONES float flash_exp(float *restrict s, int64_t n, float m)
 {
-    if (g->causal && j > r % g->Sq + g->key_offset)
-        return true;
-    if (g->pad)
-        return g->pad_i32 ? ((const int32_t *)g->pad)[j] == 0
-                          : ((const int64_t *)g->pad)[j] == 0;
-    return false;
+    float acc[8] = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) {
+            s[j + l] = tp__expf(s[j + l] - m);
+            acc[l] += s[j + l];
+        }
+    for (; j < n; j++) {
+        s[j] = tp__expf(s[j] - m);
+        acc[0] += s[j];
+    }
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
 /* The scores of rows [r0, r0 + nr) against keys [c0, c0 + nc) into s
- * (ld TP__FLASH_BC), masked keys -inf. */
+ * (ld TP__FLASH_BC), masked keys -inf: past each row's causal diagonal, and
+ * where the padding is 0 (added as a 0 / -inf bias row). */
 static void flash_scores(const tp__flash_group *g, const float *q, const float *k, int64_t r0,
                          int64_t nr, int64_t c0, int64_t nc, float *s)
 {
     tp__k_gemm(false, true, nr, nc, g->D, g->scale, q + r0 * g->D, g->D, k + c0 * g->k_ld,
                g->k_ld, 0.0f, s, TP__FLASH_BC);
-    if (!g->causal && !g->pad)
-        return;
-    for (int64_t u = 0; u < nr; u++)
-        for (int64_t j = 0; j < nc; j++)
-            if (flash_masked(g, r0 + u, c0 + j))
+    if (g->pad) {
+        float bias[TP__FLASH_BC];
+        for (int64_t j = 0; j < nc; j++) {
+            bool hide = g->pad_i32 ? ((const int32_t *)g->pad)[c0 + j] == 0
+                                   : ((const int64_t *)g->pad)[c0 + j] == 0;
+            bias[j] = hide ? -INFINITY : 0.0f;
+        }
+        for (int64_t u = 0; u < nr; u++)
+            for (int64_t j = 0; j < nc; j++)
+                s[u * TP__FLASH_BC + j] += bias[j];
+    }
+    if (g->causal)
+        for (int64_t u = 0; u < nr; u++) {
+            int64_t first = (r0 + u) % g->Sq + g->key_offset + 1 - c0; /* first hidden key */
+            for (int64_t j = first < 0 ? 0 : first; j < nc; j++)
                 s[u * TP__FLASH_BC + j] = -INFINITY;
+        }
 }
 
 void tp__k_flash_fwd(const tp__flash_group *g, const float *q, const float *k, const float *v,
@@ -1427,12 +1445,7 @@ void tp__k_flash_fwd(const tp__flash_group *g, const float *q, const float *k, c
                     continue;
                 }
                 const float corr = expf(mx[u] - mn); /* 0 when mx was -inf */
-                float sum = 0.0f;
-                for (int64_t j = 0; j < nc; j++) {
-                    su[j] = expf(su[j] - mn);
-                    sum += su[j];
-                }
-                l[u] = l[u] * corr + sum;
+                l[u] = l[u] * corr + flash_exp(su, nc, mn);
                 mx[u] = mn;
                 if (corr != 1.0f)
                     for (int64_t d = 0; d < Dv; d++)
@@ -1483,8 +1496,10 @@ void tp__k_flash_bwd(const tp__flash_group *g, const float *q, const float *k, c
             for (int64_t u = 0; u < nr; u++) {
                 float *pu = p + u * TP__FLASH_BC;
                 const float ls = lse[r0 + u];
-                for (int64_t j = 0; j < nc; j++)
-                    pu[j] = ls == -INFINITY ? 0.0f : expf(pu[j] - ls);
+                if (ls == -INFINITY) /* no visible key: p = 0 */
+                    memset(pu, 0, (size_t)nc * sizeof *pu);
+                else
+                    (void)flash_exp(pu, nc, ls);
             }
             const float *go = gout + r0 * Dv;
             if (gv)
