@@ -27,6 +27,7 @@
 
 #include "core/cuda_rt.h"
 #include "core/philox.h"
+#include "kernels/cuda_elem.cuh"
 #include "kernels/cuda_flash.h"
 #include "kernels/kernels.h"
 
@@ -187,16 +188,8 @@ __device__ float block_max(float v, float *sh)
  * cross-entropy row max, sums and picked logits) and Adam's m and v stay
  * float whatever T is. */
 
-__device__ __forceinline__ float ldf(float v) { return v; }
-__device__ __forceinline__ float ldf(__half v) { return __half2float(v); }
-__device__ __forceinline__ float ldf(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <class T> __device__ __forceinline__ T stf(float v);
-template <> __device__ __forceinline__ float stf<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half stf<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 stf<__nv_bfloat16>(float v)
-{
-    return __float2bfloat16_rn(v);
-}
+using tp_cuda::ldf; /* cuda_elem.cuh */
+using tp_cuda::stf;
 /* from double in one rounding (not through float) */
 template <class T> __device__ __forceinline__ T std_(double v);
 template <> __device__ __forceinline__ float std_<float>(double v)
@@ -262,20 +255,9 @@ template <class T> T *mp(void *p)
     return static_cast<T *>(p);
 }
 
-/* Calls f with a value of the element type of dtype (float for f32 and for
- * the dtypes the engine refuses, which enter() turns away before any
- * launch). The one place a tp_dtype becomes a C++ type. */
-template <class F> tp_status by_dtype(tp_dtype dtype, F &&f)
-{
-    switch (dtype) {
-    case TP_BF16:
-        return f(__nv_bfloat16());
-    case TP_F16:
-        return f(__half());
-    default:
-        return f(0.0f);
-    }
-}
+/* (tp_cuda::by_dtype, cuda_elem.cuh: the one place a tp_dtype becomes a
+ * C++ type; enter() turns refused dtypes away before any launch) */
+using tp_cuda::by_dtype;
 
 /* An entry's body with T the element type of `dtype`. */
 #define TYPED(dtype, ...)                           \

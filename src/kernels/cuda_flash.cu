@@ -30,24 +30,14 @@
 #include <type_traits>
 
 #include "core/cuda_rt.h"
+#include "kernels/cuda_elem.cuh"
 #include "kernels/cuda_flash.h"
 #include "kernels/kernels.h"
 
 namespace {
 
-/* ---- element access ------------------------------------------------------------ */
-
-__device__ __forceinline__ float ld_f(float v) { return v; }
-__device__ __forceinline__ float ld_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float ld_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <class T> __device__ __forceinline__ T st_f(float v);
-template <> __device__ __forceinline__ float st_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half st_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 st_f<__nv_bfloat16>(float v)
-{
-    return __float2bfloat16_rn(v);
-}
+using tp_cuda::ldf; /* cuda_elem.cuh */
+using tp_cuda::stf;
 
 /* Whether padding hides key j from group b. */
 __device__ __forceinline__ bool padded(const tp__attn_geom &g, int64_t b, int64_t j)
@@ -87,7 +77,7 @@ __device__ __forceinline__ void load_row(const T *p, int64_t n, int lane, float 
 #pragma unroll
     for (int t = 0; t < kPer; t++) {
         const int64_t d = lane + 32 * t;
-        r[t] = d < n ? ld_f(p[d]) * s : 0.0f;
+        r[t] = d < n ? ldf(p[d]) * s : 0.0f;
     }
 }
 
@@ -99,7 +89,7 @@ __device__ __forceinline__ float dot_row(const float *r, const T *p, int64_t n, 
     for (int t = 0; t < kPer; t++) {
         const int64_t d = lane + 32 * t;
         if (d < n)
-            s += r[t] * ld_f(p[d]);
+            s += r[t] * ldf(p[d]);
     }
     return warp_sum(s);
 }
@@ -111,7 +101,7 @@ __device__ __forceinline__ void store_row(T *p, int64_t n, int lane, const float
     for (int t = 0; t < kPer; t++) {
         const int64_t d = lane + 32 * t;
         if (d < n)
-            p[d] = st_f<T>(r[t] * s);
+            p[d] = stf<T>(r[t] * s);
     }
 }
 
@@ -144,7 +134,7 @@ __global__ void k_flash_fwd_rows(tp__attn_geom g, const T *q, const T *k, const 
 #pragma unroll
             for (int t = 0; t < kPer; t++) {
                 const int64_t d = lane + 32 * t;
-                acc[t] = acc[t] * corr + (d < g.Dv ? p * ld_f(vr[d]) : 0.0f);
+                acc[t] = acc[t] * corr + (d < g.Dv ? p * ldf(vr[d]) : 0.0f);
             }
             m = mn;
         }
@@ -189,7 +179,7 @@ __global__ void k_flash_bwd_rows(tp__attn_geom g, const T *q, const T *k, const 
             for (int t = 0; t < kPer; t++) {
                 const int64_t d = lane + 32 * t;
                 if (d < g.D)
-                    acc[t] += ds * ld_f(kr[d]);
+                    acc[t] += ds * ldf(kr[d]);
             }
         }
         store_row(gq + r * g.D, g.D, lane, acc, g.scale);
@@ -228,9 +218,9 @@ __global__ void k_flash_bwd_keys(tp__attn_geom g, const T *q, const T *k, const 
             for (int t = 0; t < kPer; t++) {
                 const int64_t d = lane + 32 * t;
                 if (d < g.Dv)
-                    av[t] += p * ld_f(go[d]);
+                    av[t] += p * ldf(go[d]);
                 if (d < g.D)
-                    ak[t] += ds * ld_f(qr[d]);
+                    ak[t] += ds * ldf(qr[d]);
             }
         }
         if (gk)
@@ -310,6 +300,124 @@ __device__ __forceinline__ void load_tile(T *dst, const T *src, int64_t ld, int6
     }
 }
 
+/* Fragment addresses (elements into a row-major shared tile of row stride
+ * LD), lane by lane, for ldmatrix.x4:
+ *   a_at:  the A operand of rows [r0, r0 + 16), columns [c0, c0 + 16)
+ *   b_at:  the B operand of two n8 tiles, n = tile rows [n0, n0 + 16),
+ *          k = columns [k0, k0 + 16) (S = Q K^T: K's rows are S's columns)
+ *   bt_at: the B operand with k = tile rows [k0, k0 + 16) and n = columns
+ *          [n0, n0 + 16), through ldmatrix .trans (O = P V: V's rows are k) */
+template <int LD> __device__ __forceinline__ int a_at(int lane, int r0, int c0)
+{
+    return (r0 + (lane & 15)) * LD + c0 + (lane >> 4) * 8;
+}
+template <int LD> __device__ __forceinline__ int b_at(int lane, int n0, int k0)
+{
+    return (n0 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + k0 + ((lane >> 3) & 1) * 8;
+}
+template <int LD> __device__ __forceinline__ int bt_at(int lane, int k0, int n0)
+{
+    return (k0 + (lane & 15)) * LD + n0 + (lane >> 4) * 8;
+}
+
+template <int N> __device__ __forceinline__ void zero(float (*acc)[4])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+}
+
+/* acc[N][4] += A B^T: A the warp's 16 rows at row `ar` of sA, B the first
+ * N * 8 rows of sB, both D wide (S = Q K^T, dP = dO V^T, and transposed). */
+template <class T, int D, int N>
+__device__ __forceinline__ void mma_abt(float (*acc)[4], const T *sA, int ar, const T *sB,
+                                        int lane)
+{
+    constexpr int LD = D + 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t a[4];
+        ldsm4(a, sA + a_at<LD>(lane, ar, kk * 16));
+#pragma unroll
+        for (int nt = 0; nt < N / 2; nt++) {
+            uint32_t bb[4];
+            ldsm4(bb, sB + b_at<LD>(lane, nt * 16, kk * 16));
+            mma<T>(acc[2 * nt], a, bb);
+            mma<T>(acc[2 * nt + 1], a, bb + 2);
+        }
+    }
+}
+
+/* acc[D / 8][4] += P B: P the warp's 16 x (N * 8) accumulators p[N][4]
+ * (rounded to T and handed over as A operands: a C fragment's layout is the
+ * A fragment's), B the first N * 8 rows of sB, D wide (O = P V, dQ = dS K,
+ * dV = P^T dO, dK = dS^T Q). */
+template <class T, int D, int N>
+__device__ __forceinline__ void mma_pb(float (*acc)[4], const float (*p)[4], const T *sB,
+                                       int lane)
+{
+    constexpr int LD = D + 8;
+#pragma unroll
+    for (int kc = 0; kc < N / 2; kc++) {
+        const uint32_t a[4] = {pack2<T>(p[2 * kc][0], p[2 * kc][1]),
+                               pack2<T>(p[2 * kc][2], p[2 * kc][3]),
+                               pack2<T>(p[2 * kc + 1][0], p[2 * kc + 1][1]),
+                               pack2<T>(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+#pragma unroll
+        for (int dt = 0; dt < D / 16; dt++) {
+            uint32_t bb[4];
+            ldsm4_t(bb, sB + bt_at<LD>(lane, kc * 16, dt * 16));
+            mma<T>(acc[2 * dt], a, bb);
+            mma<T>(acc[2 * dt + 1], a, bb + 2);
+        }
+    }
+}
+
+/* The keys [0, lim) any of the rows [r0, r0 + nr) may see (their positions
+ * r % Sq, the causal diagonal moved by key_offset). */
+__device__ __forceinline__ int64_t block_key_limit(const tp__attn_geom &g, int64_t r0,
+                                                   int64_t nr)
+{
+    if (!g.causal)
+        return g.Sk;
+    const int64_t first = r0 % g.Sq;
+    const int64_t imax = nr >= g.Sq || first + nr > g.Sq ? g.Sq - 1 : first + nr - 1;
+    return imax + g.key_offset + 1 < g.Sk ? imax + g.key_offset + 1 : g.Sk;
+}
+
+/* Rows ra and ra + 8 of a [rows, D] output from the warp's accumulators
+ * acc[D / 8][4] (columns 2 ti, 2 ti + 1 of each n8 tile), times sa and sb;
+ * rows at or past `rows` are not stored. */
+template <class T, int D>
+__device__ __forceinline__ void store_rows(T *out, int64_t rows, int64_t ra, const float (*acc)[4],
+                                           float sa, float sb, int ti)
+{
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+        const int col = i * 8 + 2 * ti;
+        if (ra < rows)
+            *reinterpret_cast<uint32_t *>(out + ra * D + col) =
+                pack2<T>(acc[i][0] * sa, acc[i][1] * sa);
+        if (ra + 8 < rows)
+            *reinterpret_cast<uint32_t *>(out + (ra + 8) * D + col) =
+                pack2<T>(acc[i][2] * sb, acc[i][3] * sb);
+    }
+}
+
+/* The key tile [c0, c0 + kBc) of group b into sK and sV (zero past Sk),
+ * and which of its keys the padding leaves visible. */
+template <class T, int D>
+__device__ __forceinline__ void load_keys(const tp__attn_geom &g, int64_t b, int64_t c0,
+                                          const T *k, const T *v, T *sK, T *sV,
+                                          unsigned char *visible)
+{
+    const int64_t nc = g.Sk - c0 < kBc ? g.Sk - c0 : kBc;
+    load_tile<T, D, D + 8, kBc>(sK, k + b * g.k_gs + c0 * g.k_ld, g.k_ld, nc);
+    load_tile<T, D, D + 8, kBc>(sV, v + b * g.v_gs + c0 * g.v_ld, g.v_ld, nc);
+    if (threadIdx.x < kBc)
+        visible[threadIdx.x] = threadIdx.x < nc && !padded(g, b, c0 + threadIdx.x);
+}
+
 template <int D> constexpr size_t mma_smem_bytes()
 {
     return (size_t)(kBr + 2 * kBc) * (D + 8) * 2;
@@ -332,46 +440,20 @@ __global__ void __launch_bounds__(kMmaThreads)
 
     const int64_t rowA = r0 + warp * 16 + gi, rowB = rowA + 8;
     const int64_t iA = rowA % g.Sq, iB = rowB % g.Sq;
-    /* the block's last visible key (exclusive) */
-    int64_t lim = g.Sk;
-    if (g.causal) {
-        const int64_t first = r0 % g.Sq;
-        const int64_t imax = nr >= g.Sq || first + nr > g.Sq ? g.Sq - 1 : first + nr - 1;
-        lim = imax + g.key_offset + 1 < g.Sk ? imax + g.key_offset + 1 : g.Sk;
-    }
+    const int64_t lim = block_key_limit(g, r0, nr);
     const float sl2 = g.scale * 1.4426950408889634f; /* scores in the log2 domain */
     float o[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; i++)
-        o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    zero<D / 8>(o);
     float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
 
     for (int64_t c0 = 0; c0 < lim; c0 += kBc) {
-        const int64_t nc = g.Sk - c0 < kBc ? g.Sk - c0 : kBc;
         __syncthreads(); /* the previous tile's readers are done */
-        load_tile<T, D, LD, kBc>(sK, k + b * g.k_gs + c0 * g.k_ld, g.k_ld, nc);
-        load_tile<T, D, LD, kBc>(sV, v + b * g.v_gs + c0 * g.v_ld, g.v_ld, nc);
-        if (threadIdx.x < kBc)
-            visible[threadIdx.x] = threadIdx.x < nc && !padded(g, b, c0 + threadIdx.x);
+        load_keys<T, D>(g, b, c0, k, v, sK, sV, visible);
         __syncthreads();
 
         float s[kBc / 8][4];
-#pragma unroll
-        for (int i = 0; i < kBc / 8; i++)
-            s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t a[4];
-            ldsm4(a, sQ + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-            for (int nt = 0; nt < kBc / 16; nt++) {
-                uint32_t bb[4];
-                ldsm4(bb, sK + (nt * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + kk * 16 +
-                              ((lane >> 3) & 1) * 8);
-                mma<T>(s[2 * nt], a, bb);
-                mma<T>(s[2 * nt + 1], a, bb + 2);
-            }
-        }
+        zero<kBc / 8>(s);
+        mma_abt<T, D, kBc / 8>(s, sQ, warp * 16, sK, lane);
         /* scale into the log2 domain and mask; the row max */
         float xA = mA, xB = mB;
 #pragma unroll
@@ -418,37 +500,14 @@ __global__ void __launch_bounds__(kMmaThreads)
             o[i][2] *= cB;
             o[i][3] *= cB;
         }
-        /* O += P V: P's accumulators are the A operand of the next product */
-#pragma unroll
-        for (int kc = 0; kc < kBc / 16; kc++) {
-            const uint32_t a[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
-                                   pack2<T>(s[2 * kc][2], s[2 * kc][3]),
-                                   pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                                   pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-#pragma unroll
-            for (int dt = 0; dt < D / 16; dt++) {
-                uint32_t bb[4];
-                ldsm4_t(bb, sV + (kc * 16 + (lane & 15)) * LD + dt * 16 + (lane >> 4) * 8);
-                mma<T>(o[2 * dt], a, bb);
-                mma<T>(o[2 * dt + 1], a, bb + 2);
-            }
-        }
+        mma_pb<T, D, kBc / 8>(o, s, sV, lane); /* O += P V */
     }
     lA += __shfl_xor_sync(0xffffffffu, lA, 1);
     lA += __shfl_xor_sync(0xffffffffu, lA, 2);
     lB += __shfl_xor_sync(0xffffffffu, lB, 1);
     lB += __shfl_xor_sync(0xffffffffu, lB, 2);
-    const float invA = lA > 0.0f ? 1.0f / lA : 0.0f, invB = lB > 0.0f ? 1.0f / lB : 0.0f;
-#pragma unroll
-    for (int i = 0; i < D / 8; i++) {
-        const int col = i * 8 + 2 * ti;
-        if (rowA < g.M)
-            *reinterpret_cast<uint32_t *>(out + (b * g.M + rowA) * D + col) =
-                pack2<T>(o[i][0] * invA, o[i][1] * invA);
-        if (rowB < g.M)
-            *reinterpret_cast<uint32_t *>(out + (b * g.M + rowB) * D + col) =
-                pack2<T>(o[i][2] * invB, o[i][3] * invB);
-    }
+    store_rows<T, D>(out + b * g.M * D, g.M, rowA, o, lA > 0.0f ? 1.0f / lA : 0.0f,
+                     lB > 0.0f ? 1.0f / lB : 0.0f, ti);
     if (ti == 0) {
         const float ln2 = 0.6931471805599453f;
         if (rowA < g.M)
@@ -506,50 +565,19 @@ __global__ void __launch_bounds__(kMmaThreads)
     const float lB = rowB < g.M ? lse[b * g.M + rowB] * log2e : -INFINITY;
     const float dA = rowA < g.M ? delta[b * g.M + rowA] : 0.0f;
     const float dB = rowB < g.M ? delta[b * g.M + rowB] : 0.0f;
-    int64_t lim = g.Sk;
-    if (g.causal) {
-        const int64_t first = r0 % g.Sq;
-        const int64_t imax = nr >= g.Sq || first + nr > g.Sq ? g.Sq - 1 : first + nr - 1;
-        lim = imax + g.key_offset + 1 < g.Sk ? imax + g.key_offset + 1 : g.Sk;
-    }
+    const int64_t lim = block_key_limit(g, r0, nr);
     float dq[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; i++)
-        dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f;
+    zero<D / 8>(dq);
 
     for (int64_t c0 = 0; c0 < lim; c0 += kBc) {
-        const int64_t nc = g.Sk - c0 < kBc ? g.Sk - c0 : kBc;
         __syncthreads();
-        load_tile<T, D, LD, kBc>(sK, k + b * g.k_gs + c0 * g.k_ld, g.k_ld, nc);
-        load_tile<T, D, LD, kBc>(sV, v + b * g.v_gs + c0 * g.v_ld, g.v_ld, nc);
-        if (threadIdx.x < kBc)
-            visible[threadIdx.x] = threadIdx.x < nc && !padded(g, b, c0 + threadIdx.x);
+        load_keys<T, D>(g, b, c0, k, v, sK, sV, visible);
         __syncthreads();
-
         float s[kBc / 8][4], dp[kBc / 8][4];
-#pragma unroll
-        for (int i = 0; i < kBc / 8; i++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                s[i][e] = dp[i][e] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t aq[4], ao[4];
-            ldsm4(aq, sQ + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
-            ldsm4(ao, sO + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-            for (int nt = 0; nt < kBc / 16; nt++) {
-                const int off = (nt * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + kk * 16 +
-                                ((lane >> 3) & 1) * 8;
-                uint32_t bk[4], bv[4];
-                ldsm4(bk, sK + off);
-                ldsm4(bv, sV + off);
-                mma<T>(s[2 * nt], aq, bk);
-                mma<T>(s[2 * nt + 1], aq, bk + 2);
-                mma<T>(dp[2 * nt], ao, bv);
-                mma<T>(dp[2 * nt + 1], ao, bv + 2);
-            }
-        }
+        zero<kBc / 8>(s);
+        zero<kBc / 8>(dp);
+        mma_abt<T, D, kBc / 8>(s, sQ, warp * 16, sK, lane);
+        mma_abt<T, D, kBc / 8>(dp, sO, warp * 16, sV, lane);
         /* ds = p (dp - delta), p = exp(s scale - lse); 0 where masked */
 #pragma unroll
         for (int nt = 0; nt < kBc / 8; nt++)
@@ -564,32 +592,9 @@ __global__ void __launch_bounds__(kMmaThreads)
                 const float p = vis ? exp2f(s[nt][e] * sl2 - l) : 0.0f;
                 s[nt][e] = p * (dp[nt][e] - (a ? dA : dB));
             }
-        /* dQ += dS K */
-#pragma unroll
-        for (int kc = 0; kc < kBc / 16; kc++) {
-            const uint32_t a[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
-                                   pack2<T>(s[2 * kc][2], s[2 * kc][3]),
-                                   pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                                   pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-#pragma unroll
-            for (int dt = 0; dt < D / 16; dt++) {
-                uint32_t bb[4];
-                ldsm4_t(bb, sK + (kc * 16 + (lane & 15)) * LD + dt * 16 + (lane >> 4) * 8);
-                mma<T>(dq[2 * dt], a, bb);
-                mma<T>(dq[2 * dt + 1], a, bb + 2);
-            }
-        }
+        mma_pb<T, D, kBc / 8>(dq, s, sK, lane); /* dQ += dS K */
     }
-#pragma unroll
-    for (int i = 0; i < D / 8; i++) {
-        const int col = i * 8 + 2 * ti;
-        if (rowA < g.M)
-            *reinterpret_cast<uint32_t *>(gq + (b * g.M + rowA) * D + col) =
-                pack2<T>(dq[i][0] * g.scale, dq[i][1] * g.scale);
-        if (rowB < g.M)
-            *reinterpret_cast<uint32_t *>(gq + (b * g.M + rowB) * D + col) =
-                pack2<T>(dq[i][2] * g.scale, dq[i][3] * g.scale);
-    }
+    store_rows<T, D>(gq + b * g.M * D, g.M, rowA, dq, g.scale, g.scale, ti);
 }
 
 template <class T, int D>
@@ -607,31 +612,20 @@ __global__ void __launch_bounds__(kMmaThreads)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gi = lane >> 2, ti = lane & 3;
     const int64_t b = blockIdx.y, c0 = (int64_t)blockIdx.x * kBc;
-    const int64_t nc = g.Sk - c0 < kBc ? g.Sk - c0 : kBc;
-    load_tile<T, D, LD, kBc>(sK, k + b * g.k_gs + c0 * g.k_ld, g.k_ld, nc);
-    load_tile<T, D, LD, kBc>(sV, v + b * g.v_gs + c0 * g.v_ld, g.v_ld, nc);
-    if (threadIdx.x < kBc)
-        visible[threadIdx.x] = threadIdx.x < nc && !padded(g, b, c0 + threadIdx.x);
+    load_keys<T, D>(g, b, c0, k, v, sK, sV, visible);
 
     const float log2e = 1.4426950408889634f, sl2 = g.scale * log2e;
     /* this thread's keys: rows gi and gi + 8 of the warp's 16 */
     const int kjA = warp * 16 + gi, kjB = kjA + 8;
     const int64_t keyA = c0 + kjA, keyB = c0 + kjB;
     float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            dk[i][e] = dv[i][e] = 0.0f;
+    zero<D / 8>(dk);
+    zero<D / 8>(dv);
 
     for (int64_t r0 = 0; r0 < g.M; r0 += kKeyRows) {
         const int64_t nr = g.M - r0 < kKeyRows ? g.M - r0 : kKeyRows;
-        if (g.causal) { /* rows whose diagonal ends before this key block see none of it */
-            const int64_t first = r0 % g.Sq;
-            const int64_t imax = nr >= g.Sq || first + nr > g.Sq ? g.Sq - 1 : first + nr - 1;
-            if (imax + g.key_offset < c0)
-                continue;
-        }
+        if (block_key_limit(g, r0, nr) <= c0)
+            continue; /* these rows' diagonals end before this key block */
         __syncthreads(); /* the previous rows' readers are done */
         load_tile<T, D, LD, kKeyRows>(sQ, q + (b * g.M + r0) * D, D, nr);
         load_tile<T, D, LD, kKeyRows>(sO, gout + (b * g.M + r0) * D, D, nr);
@@ -644,29 +638,10 @@ __global__ void __launch_bounds__(kMmaThreads)
 
         /* S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys by 32 rows */
         float st[kKeyRows / 8][4], dpt[kKeyRows / 8][4];
-#pragma unroll
-        for (int i = 0; i < kKeyRows / 8; i++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                st[i][e] = dpt[i][e] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t ak[4], av[4];
-            ldsm4(ak, sK + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
-            ldsm4(av, sV + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-            for (int nt = 0; nt < kKeyRows / 16; nt++) {
-                const int off = (nt * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + kk * 16 +
-                                ((lane >> 3) & 1) * 8;
-                uint32_t bq[4], bo[4];
-                ldsm4(bq, sQ + off);
-                ldsm4(bo, sO + off);
-                mma<T>(st[2 * nt], ak, bq);
-                mma<T>(st[2 * nt + 1], ak, bq + 2);
-                mma<T>(dpt[2 * nt], av, bo);
-                mma<T>(dpt[2 * nt + 1], av, bo + 2);
-            }
-        }
+        zero<kKeyRows / 8>(st);
+        zero<kKeyRows / 8>(dpt);
+        mma_abt<T, D, kKeyRows / 8>(st, sK, warp * 16, sQ, lane);
+        mma_abt<T, D, kKeyRows / 8>(dpt, sV, warp * 16, sO, lane);
         /* P^T and dS^T in place */
 #pragma unroll
         for (int nt = 0; nt < kKeyRows / 8; nt++)
@@ -683,65 +658,18 @@ __global__ void __launch_bounds__(kMmaThreads)
                 st[nt][e] = p;
                 dpt[nt][e] = p * (dpt[nt][e] - sD[rl]);
             }
-        /* dV += P^T dO, dK += dS^T Q */
-#pragma unroll
-        for (int kc = 0; kc < kKeyRows / 16; kc++) {
-            const uint32_t ap[4] = {pack2<T>(st[2 * kc][0], st[2 * kc][1]),
-                                    pack2<T>(st[2 * kc][2], st[2 * kc][3]),
-                                    pack2<T>(st[2 * kc + 1][0], st[2 * kc + 1][1]),
-                                    pack2<T>(st[2 * kc + 1][2], st[2 * kc + 1][3])};
-            const uint32_t ad[4] = {pack2<T>(dpt[2 * kc][0], dpt[2 * kc][1]),
-                                    pack2<T>(dpt[2 * kc][2], dpt[2 * kc][3]),
-                                    pack2<T>(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
-                                    pack2<T>(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
-#pragma unroll
-            for (int dt = 0; dt < D / 16; dt++) {
-                const int off = (kc * 16 + (lane & 15)) * LD + dt * 16 + (lane >> 4) * 8;
-                uint32_t bo[4], bq[4];
-                ldsm4_t(bo, sO + off);
-                ldsm4_t(bq, sQ + off);
-                mma<T>(dv[2 * dt], ap, bo);
-                mma<T>(dv[2 * dt + 1], ap, bo + 2);
-                mma<T>(dk[2 * dt], ad, bq);
-                mma<T>(dk[2 * dt + 1], ad, bq + 2);
-            }
-        }
+        mma_pb<T, D, kKeyRows / 8>(dv, st, sO, lane);  /* dV += P^T dO */
+        mma_pb<T, D, kKeyRows / 8>(dk, dpt, sQ, lane); /* dK += dS^T Q */
     }
-#pragma unroll
-    for (int i = 0; i < D / 8; i++) {
-        const int col = i * 8 + 2 * ti;
-        if (keyA < g.Sk) {
-            if (gk)
-                *reinterpret_cast<uint32_t *>(gk + (b * g.Sk + keyA) * D + col) =
-                    pack2<T>(dk[i][0] * g.scale, dk[i][1] * g.scale);
-            if (gv)
-                *reinterpret_cast<uint32_t *>(gv + (b * g.Sk + keyA) * D + col) =
-                    pack2<T>(dv[i][0], dv[i][1]);
-        }
-        if (keyB < g.Sk) {
-            if (gk)
-                *reinterpret_cast<uint32_t *>(gk + (b * g.Sk + keyB) * D + col) =
-                    pack2<T>(dk[i][2] * g.scale, dk[i][3] * g.scale);
-            if (gv)
-                *reinterpret_cast<uint32_t *>(gv + (b * g.Sk + keyB) * D + col) =
-                    pack2<T>(dv[i][2], dv[i][3]);
-        }
-    }
+    if (gk)
+        store_rows<T, D>(gk + b * g.Sk * D, g.Sk, keyA, dk, g.scale, g.scale, ti);
+    if (gv)
+        store_rows<T, D>(gv + b * g.Sk * D, g.Sk, keyA, dv, 1.0f, 1.0f, ti);
 }
 
 /* ---- the entries ----------------------------------------------------------------- */
 
-template <class F> cudaError_t by_dtype(tp_dtype dtype, F &&f)
-{
-    switch (dtype) {
-    case TP_BF16:
-        return f(__nv_bfloat16());
-    case TP_F16:
-        return f(__half());
-    default:
-        return f(0.0f);
-    }
-}
+using tp_cuda::by_dtype;
 
 bool aligned16(const void *p)
 {
