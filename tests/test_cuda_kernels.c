@@ -784,7 +784,8 @@ static const kcase cases[] = {
      {T_ACC(48), I_IN(24, 0, 2)}},
     /* fused attention: the tensor-core forward in bf16 and f16 (head dims 64
      * and 128, over several row and key tiles, grouped rows straddling a
-     * tile, a decode row over a cache's prefix) and the general form (f32,
+     * tile, a decode row over a cache's prefix; few row blocks split the
+     * keys, which a combine pass joins) and the general form (f32,
      * other head dims, Dv != D); P is rounded to the dtype before P V, as
      * flash attention does: mag 1.5 allows it on outputs below 1 */
     {"flash fwd causal GQA D128",
@@ -793,6 +794,13 @@ static const kcase cases[] = {
      1e-5,
      1.5,
      {T_IN(76800), T_IN(38400), T_IN(38400), T_OUT(76800), F_OUT(600), NONE}},
+    /* at most two key tiles: one pass over the keys (the others split them) */
+    {"flash fwd unsplit causal GQA D64",
+     r_flash_attn_fwd,
+     {2, 200, 100, 100, 64, 64, 0, 1, 100, 1},
+     1e-5,
+     1.5,
+     {T_IN(25600), T_IN(12800), T_IN(12800), T_OUT(25600), F_OUT(400), NONE}},
     {"flash fwd padded D64",
      r_flash_attn_fwd,
      {4, 140, 70, 200, 64, 64, 0, 0, 200, 2},

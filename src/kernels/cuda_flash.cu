@@ -10,7 +10,10 @@
  *    accumulator registers to the second product's operand registers
  *    without touching memory. The softmax is online in the log2 domain:
  *    each row keeps its running max and sum, and O is rescaled when the
- *    max grows.
+ *    max grows. When the row blocks are too few to fill the GPU (decoding:
+ *    a few query rows per kv head), the keys are split over more blocks
+ *    whose normalized shares a combine pass weighs by their log-sum-exps
+ *    (flash-decoding).
  *    The backward on tensor cores takes the same geometries (below).
  *  - the general form (every dtype, any head dim up to
  *    TP__FLASH_MAX_HEAD_DIM, any stride): one warp per query row for the
@@ -234,6 +237,10 @@ __global__ void k_flash_bwd_keys(tp__attn_geom g, const T *q, const T *k, const 
 
 const int kBr = 64, kBc = 64, kMmaThreads = 128;
 
+#define GRID_STRIDE_FLASH(i, n)                                                 \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);   \
+         i += (int64_t)blockDim.x * gridDim.x)
+
 template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
 template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi)
 {
@@ -423,9 +430,15 @@ template <int D> constexpr size_t mma_smem_bytes()
     return (size_t)(kBr + 2 * kBc) * (D + 8) * 2;
 }
 
+/* Split over keys (flash-decoding): blockIdx.z takes keys [z kchunk,
+ * (z + 1) kchunk) and writes its rows' output normalized over those keys,
+ * in f32, to opart[z] and their log-sum-exp to lpart[z]; k_flash_combine
+ * weighs the splits by exp(lse_z - lse). Without a split (opart NULL) the
+ * block covers every key and writes out and lse itself. */
 template <class T, int D>
 __global__ void __launch_bounds__(kMmaThreads)
-    k_flash_fwd_mma(tp__attn_geom g, const T *q, const T *k, const T *v, T *out, float *lse)
+    k_flash_fwd_mma(tp__attn_geom g, const T *q, const T *k, const T *v, T *out, float *lse,
+                    int64_t kchunk, float *opart, float *lpart)
 {
     constexpr int LD = D + 8; /* 16 bytes of padding: ldmatrix rows hit distinct banks */
     extern __shared__ __align__(16) unsigned char smem[];
@@ -440,13 +453,17 @@ __global__ void __launch_bounds__(kMmaThreads)
 
     const int64_t rowA = r0 + warp * 16 + gi, rowB = rowA + 8;
     const int64_t iA = rowA % g.Sq, iB = rowB % g.Sq;
-    const int64_t lim = block_key_limit(g, r0, nr);
+    int64_t lim = block_key_limit(g, r0, nr), cbeg = 0;
+    if (opart) {
+        cbeg = blockIdx.z * kchunk;
+        lim = cbeg + kchunk < lim ? cbeg + kchunk : lim;
+    }
     const float sl2 = g.scale * 1.4426950408889634f; /* scores in the log2 domain */
     float o[D / 8][4];
     zero<D / 8>(o);
     float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
 
-    for (int64_t c0 = 0; c0 < lim; c0 += kBc) {
+    for (int64_t c0 = cbeg; c0 < lim; c0 += kBc) {
         __syncthreads(); /* the previous tile's readers are done */
         load_keys<T, D>(g, b, c0, k, v, sK, sV, visible);
         __syncthreads();
@@ -506,14 +523,58 @@ __global__ void __launch_bounds__(kMmaThreads)
     lA += __shfl_xor_sync(0xffffffffu, lA, 2);
     lB += __shfl_xor_sync(0xffffffffu, lB, 1);
     lB += __shfl_xor_sync(0xffffffffu, lB, 2);
-    store_rows<T, D>(out + b * g.M * D, g.M, rowA, o, lA > 0.0f ? 1.0f / lA : 0.0f,
-                     lB > 0.0f ? 1.0f / lB : 0.0f, ti);
+    const float invA = lA > 0.0f ? 1.0f / lA : 0.0f, invB = lB > 0.0f ? 1.0f / lB : 0.0f;
+    float *ls = lse;
+    if (opart) { /* this split's share, in f32 */
+        const size_t rows = (size_t)g.G * g.M, at = (size_t)blockIdx.z * rows + b * g.M;
+        float *op = opart + at * D;
+        ls = lpart + (size_t)blockIdx.z * rows;
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) {
+            const int col = i * 8 + 2 * ti;
+            if (rowA < g.M) {
+                op[rowA * D + col] = o[i][0] * invA;
+                op[rowA * D + col + 1] = o[i][1] * invA;
+            }
+            if (rowB < g.M) {
+                op[rowB * D + col] = o[i][2] * invB;
+                op[rowB * D + col + 1] = o[i][3] * invB;
+            }
+        }
+    } else {
+        store_rows<T, D>(out + b * g.M * D, g.M, rowA, o, invA, invB, ti);
+    }
     if (ti == 0) {
         const float ln2 = 0.6931471805599453f;
         if (rowA < g.M)
-            lse[b * g.M + rowA] = lA > 0.0f ? mA * ln2 + logf(lA) : -INFINITY;
+            ls[b * g.M + rowA] = lA > 0.0f ? mA * ln2 + logf(lA) : -INFINITY;
         if (rowB < g.M)
-            lse[b * g.M + rowB] = lB > 0.0f ? mB * ln2 + logf(lB) : -INFINITY;
+            ls[b * g.M + rowB] = lB > 0.0f ? mB * ln2 + logf(lB) : -INFINITY;
+    }
+}
+
+/* The splits' shares of each row into out and lse: one thread per (row,
+ * column); a row no split saw gets 0 and -inf. */
+template <class T>
+__global__ void k_flash_combine(const float *opart, const float *lpart, int splits, int64_t rows,
+                                int64_t D, T *out, float *lse)
+{
+    GRID_STRIDE_FLASH(e, rows * D)
+    {
+        const int64_t r = e / D, d = e % D;
+        float mx = -INFINITY;
+        for (int z = 0; z < splits; z++)
+            mx = fmaxf(mx, lpart[z * rows + r]);
+        float acc = 0.0f, wsum = 0.0f;
+        if (mx != -INFINITY)
+            for (int z = 0; z < splits; z++) {
+                const float w = expf(lpart[z * rows + r] - mx);
+                wsum += w;
+                acc += w * opart[(z * rows + r) * D + d];
+            }
+        out[e] = stf<T>(wsum > 0.0f ? acc / wsum : 0.0f);
+        if (d == 0)
+            lse[r] = wsum > 0.0f ? mx + logf(wsum) : -INFINITY;
     }
 }
 
@@ -686,20 +747,86 @@ bool mma_fits(tp_dtype dtype, const tp__attn_geom *g, const void *q, const void 
            g->v_gs % 8 == 0 && g->v_ld % 8 == 0 && (g->M + kBr - 1) / kBr <= INT32_MAX;
 }
 
+struct Scope {
+    const char *fn;
+    int dev, prev;
+    cudaStream_t s;
+};
+
+tp_status scope_begin(Scope *sc, const char *fn, tp_device dev)
+{
+    sc->fn = fn;
+    sc->dev = dev.index;
+    tp_status st = tp__cuda_enter(fn, dev.index, &sc->prev);
+    if (st != TP_OK)
+        return st;
+    st = tp__cuda_stream(fn, dev.index, &sc->s);
+    if (st != TP_OK)
+        tp__cuda_leave(sc->prev, dev.index);
+    return st;
+}
+
+tp_status scope_end(Scope *sc, cudaError_t err)
+{
+    if (err == cudaSuccess)
+        err = cudaGetLastError();
+    else
+        (void)cudaGetLastError();
+    tp__cuda_leave(sc->prev, sc->dev);
+    return err == cudaSuccess ? TP_OK : tp__cuda_fail(sc->fn, "kernel launch", err);
+}
+
+/* Blocks that fill an H100/H200 twice over: fewer row blocks than this
+ * (decoding: a few rows per group) split the keys. */
+const int64_t kFillBlocks = 264;
+
 template <class T, int D>
-cudaError_t launch_mma(cudaStream_t s, const tp__attn_geom *g, const void *q, const void *k,
-                       const void *v, void *out, float *lse)
+cudaError_t launch_mma(const Scope &sc, const tp__attn_geom *g, const void *q, const void *k,
+                       const void *v, void *out, float *lse, tp_status *st)
 {
     const size_t bytes = mma_smem_bytes<D>();
     cudaError_t e = cudaFuncSetAttribute(k_flash_fwd_mma<T, D>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
     if (e != cudaSuccess)
         return e;
-    dim3 grid((unsigned)((g->M + kBr - 1) / kBr), (unsigned)g->G);
-    k_flash_fwd_mma<T, D><<<grid, kMmaThreads, bytes, s>>>(
-        *g, static_cast<const T *>(q), static_cast<const T *>(k), static_cast<const T *>(v),
-        static_cast<T *>(out), lse);
-    return cudaGetLastError();
+    const int64_t blocks = (g->M + kBr - 1) / kBr * g->G;
+    /* splits of at least two key tiles each, while the blocks do not fill the GPU */
+    int64_t splits = 1, kchunk = g->Sk;
+    if (blocks < kFillBlocks && g->Sk > 2 * kBc) {
+        splits = (g->Sk + 2 * kBc - 1) / (2 * kBc);
+        const int64_t room = kFillBlocks / blocks > 1 ? kFillBlocks / blocks : 1;
+        splits = splits < room ? splits : room;
+        splits = splits < 65535 ? splits : 65535;
+        kchunk = ((g->Sk + splits - 1) / splits + kBc - 1) / kBc * kBc;
+        splits = (g->Sk + kchunk - 1) / kchunk;
+    }
+    dim3 grid((unsigned)((g->M + kBr - 1) / kBr), (unsigned)g->G, (unsigned)splits);
+    const T *tq = static_cast<const T *>(q), *tk = static_cast<const T *>(k),
+            *tv = static_cast<const T *>(v);
+    if (splits == 1) {
+        k_flash_fwd_mma<T, D><<<grid, kMmaThreads, bytes, sc.s>>>(
+            *g, tq, tk, tv, static_cast<T *>(out), lse, kchunk, nullptr, nullptr);
+        return cudaGetLastError();
+    }
+    const size_t rows = (size_t)g->G * g->M;
+    void *part = NULL;
+    *st = tp__cuda_scratch(sc.fn, sc.dev, sc.s, (size_t)splits * rows * (D + 1) * sizeof(float),
+                           &part);
+    if (*st != TP_OK)
+        return cudaSuccess;
+    float *opart = static_cast<float *>(part), *lpart = opart + (size_t)splits * rows * D;
+    k_flash_fwd_mma<T, D><<<grid, kMmaThreads, bytes, sc.s>>>(
+        *g, tq, tk, tv, static_cast<T *>(out), lse, kchunk, opart, lpart);
+    e = cudaGetLastError();
+    if (e == cudaSuccess) {
+        const int64_t n = (int64_t)rows * D;
+        const unsigned cg = (unsigned)((n + 255) / 256 < 65535 ? (n + 255) / 256 : 65535);
+        k_flash_combine<T><<<cg, 256, 0, sc.s>>>(opart, lpart, (int)splits, (int64_t)rows, D,
+                                                 static_cast<T *>(out), lse);
+        e = cudaGetLastError();
+    }
+    tp__cuda_scratch_free(part, sc.s);
+    return e;
 }
 
 template <class T, int D>
@@ -740,35 +867,6 @@ dim3 rows_grid(int64_t n, int64_t G)
     return dim3((unsigned)(x > 0 ? x : 1), (unsigned)(G < 65535 ? (G > 0 ? G : 1) : 65535));
 }
 
-struct Scope {
-    const char *fn;
-    int dev, prev;
-    cudaStream_t s;
-};
-
-tp_status scope_begin(Scope *sc, const char *fn, tp_device dev)
-{
-    sc->fn = fn;
-    sc->dev = dev.index;
-    tp_status st = tp__cuda_enter(fn, dev.index, &sc->prev);
-    if (st != TP_OK)
-        return st;
-    st = tp__cuda_stream(fn, dev.index, &sc->s);
-    if (st != TP_OK)
-        tp__cuda_leave(sc->prev, dev.index);
-    return st;
-}
-
-tp_status scope_end(Scope *sc, cudaError_t err)
-{
-    if (err == cudaSuccess)
-        err = cudaGetLastError();
-    else
-        (void)cudaGetLastError();
-    tp__cuda_leave(sc->prev, sc->dev);
-    return err == cudaSuccess ? TP_OK : tp__cuda_fail(sc->fn, "kernel launch", err);
-}
-
 bool takes(tp_dtype dtype)
 {
     return dtype == TP_F32 || dtype == TP_BF16 || dtype == TP_F16;
@@ -787,18 +885,23 @@ extern "C" tp_status tp__cuda_flash_attn_fwd(tp_device dev, tp_dtype dtype,
         return TP_OK;
     Scope sc;
     TP_CHECK(scope_begin(&sc, "flash attention (CUDA)", dev));
+    tp_status st = TP_OK; /* a scratch allocation's failure (already recorded) */
     cudaError_t err = by_dtype(dtype, [&](auto tag) -> cudaError_t {
         using T = decltype(tag);
         if constexpr (!std::is_same<T, float>::value) {
             if (mma_fits(dtype, g, q, k, v, out))
-                return g->D == 64 ? launch_mma<T, 64>(sc.s, g, q, k, v, out, lse)
-                                  : launch_mma<T, 128>(sc.s, g, q, k, v, out, lse);
+                return g->D == 64 ? launch_mma<T, 64>(sc, g, q, k, v, out, lse, &st)
+                                  : launch_mma<T, 128>(sc, g, q, k, v, out, lse, &st);
         }
         k_flash_fwd_rows<T><<<rows_grid(g->M, g->G), kRowWarps * 32, 0, sc.s>>>(
             *g, static_cast<const T *>(q), static_cast<const T *>(k), static_cast<const T *>(v),
             static_cast<T *>(out), lse);
         return cudaGetLastError();
     });
+    if (st != TP_OK) {
+        (void)scope_end(&sc, cudaSuccess);
+        return st;
+    }
     return scope_end(&sc, err);
 }
 
