@@ -131,9 +131,7 @@ tp_status launch(const char *fn, tp__kop op, tp_dtype dtype, tp_device dev, int6
     return end(&L);
 }
 
-#define GRID_STRIDE(i, n)                                                       \
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);   \
-         i += (int64_t)blockDim.x * gridDim.x)
+/* GRID_STRIDE(i, n): cuda_elem.cuh */
 
 /* ---- block reductions (blockDim.x a multiple of 32, at most 1024) ------------ */
 

@@ -1,5 +1,5 @@
-/* What the CUDA engine's translation units (cuda.cu, cuda_flash.cu) share
- * about element types: loading a value of the op's dtype into f32, storing
+/* What the CUDA engine's translation units (cuda.cu, cuda_flash.cu) share:
+ * the grid-stride loop, loading a value of the op's dtype into f32, storing
  * an f32 result rounded once to nearest even, and the one place a tp_dtype
  * becomes a C++ type. Not installed. */
 #ifndef TP_KERNELS_CUDA_ELEM_CUH
@@ -9,6 +9,12 @@
 #include <cuda_fp16.h>
 
 #include "tp/tensor.h"
+
+/* for (i over [0, n)) spread over the whole grid, each thread striding by
+ * the grid's size. */
+#define GRID_STRIDE(i, n)                                                       \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);   \
+         i += (int64_t)blockDim.x * gridDim.x)
 
 namespace tp_cuda {
 

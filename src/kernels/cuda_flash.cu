@@ -20,8 +20,11 @@
  *    forward and the query gradient, one warp per key for the key and
  *    value gradients; each lane holds D / 32 of a row's elements.
  *
- * Both keep f32 throughout and round only the outputs; neither holds more
- * than one tile of scores, so memory is linear in the sequence. Masking is
+ * Both accumulate in f32. The general form rounds only its outputs; the
+ * tensor-core one also rounds the unnormalized probabilities (and in the
+ * backward dS) to the dtype as operands of their products, as
+ * FlashAttention does. Neither holds more than one tile of scores, so
+ * memory is linear in the sequence. Masking is
  * the geometry's (causal diagonal moved by key_offset, key padding); a row
  * with no visible key gets 0 and lse -inf, as PyTorch's safe softmax. */
 #include <cuda_bf16.h>
@@ -236,10 +239,6 @@ __global__ void k_flash_bwd_keys(tp__attn_geom g, const T *q, const T *k, const 
 /* ---- the tensor-core forward ------------------------------------------------------ */
 
 const int kBr = 64, kBc = 64, kMmaThreads = 128;
-
-#define GRID_STRIDE_FLASH(i, n)                                                 \
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);   \
-         i += (int64_t)blockDim.x * gridDim.x)
 
 template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
 template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi)
@@ -559,7 +558,7 @@ template <class T>
 __global__ void k_flash_combine(const float *opart, const float *lpart, int splits, int64_t rows,
                                 int64_t D, T *out, float *lse)
 {
-    GRID_STRIDE_FLASH(e, rows * D)
+    GRID_STRIDE(e, rows * D)
     {
         const int64_t r = e / D, d = e % D;
         float mx = -INFINITY;
