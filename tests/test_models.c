@@ -871,11 +871,7 @@ typedef struct {
 static tp_status bf16_grad_check(const char *fqn, tp_tensor *p, void *ctx)
 {
     bf16_grads *g = ctx;
-    char mod[128];
-    const char *dot = strrchr(fqn, '.');
-    snprintf(mod, sizeof mod, "%.*s", dot ? (int)(dot - fqn) : 0, fqn);
-    tp_module *m = dot ? tp_module_find(g->ref, mod) : g->ref;
-    tp_tensor *rp = m ? tp_module_parameter(m, dot ? dot + 1 : fqn) : NULL;
+    tp_tensor *rp = tp_test_param(g->ref, fqn);
     if (!rp || !tp_tensor_grad(rp) || !tp_tensor_grad(p)) {
         snprintf(g->missing, sizeof g->missing, "%s", fqn);
         return TP_OK;

@@ -2118,10 +2118,7 @@ typedef struct {
 static tp_status src_compare(const char *fqn, tp_tensor *param, void *arg)
 {
     src_cmp *c = arg;
-    char mod[64];
-    const char *dot = strrchr(fqn, '.');
-    snprintf(mod, sizeof mod, "%.*s", dot ? (int)(dot - fqn) : 0, fqn);
-    tp_tensor *full = tp_module_parameter(tp_module_find(c->ref, mod), dot ? dot + 1 : fqn);
+    tp_tensor *full = tp_test_param(c->ref, fqn);
     bool eq = false;
     if (full && tp_tensor_is_dtensor(param)) {
         tp_mesh *mesh = tp_dtensor_mesh(param);

@@ -233,6 +233,19 @@ static inline bool tp_test_scope_count_is(tp_test_slot *slot, const tp_comm_debu
     return st == TP_OK && got == want;
 }
 
+/* The parameter of root named by its FQN ("layers.0.attn.weight", or
+ * "weight" for root's own), as named_parameters reports it; NULL if none. */
+static inline tp_tensor *tp_test_param(tp_module *root, const char *fqn)
+{
+    const char *dot = strrchr(fqn, '.');
+    if (!dot)
+        return tp_module_parameter(root, fqn);
+    char mod[256];
+    snprintf(mod, sizeof mod, "%.*s", (int)(dot - fqn), fqn);
+    tp_module *m = tp_module_find(root, mod);
+    return m ? tp_module_parameter(m, dot + 1) : NULL;
+}
+
 /* World sizes every distributed test covers. */
 #define TP_TEST_WORLD_SIZES {1, 2, 3, 4, 8}
 #define TP_TEST_N_WORLD_SIZES 5
