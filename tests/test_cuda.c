@@ -561,10 +561,10 @@ Test(cuda, attention_grouped_offset_padding, .timeout = 120)
         }
 }
 
-/* The fused attention on the GPU (AUTO in bf16 and f16: the tensor-core
- * forward for head dims 64 and 128, the general kernels otherwise, and the
- * backward) and the math form in the same dtype, both against the CPU's f32
- * math attention on the same rounded inputs: causal grouped heads over
+/* The fused attention on the GPU (FLASH: the tensor-core kernels for head
+ * dims 64 and 128, the general ones otherwise) and the math form in the
+ * same dtype, both against the CPU's f32 math attention on the same rounded
+ * inputs, and AUTO's output equal to FLASH's: causal grouped heads over
  * several tiles, a decode row over a cache's prefix (strided k and v), key
  * padding leaving rows empty. Bound: 2% of each value plus 1% of the
  * largest (bf16 keeps 8 bits; P is rounded before P V). */
@@ -592,37 +592,55 @@ static void flash_case(tp_dtype dt, int64_t B, int64_t hq, int64_t hkv, int64_t 
         tp_tensor_release(r);
     }
     tp_tensor *want[4], *got[2][4];
-    tp_sdpa_options o = {.causal = true, .key_offset = off, .key_padding = pad};
-    for (int i = 0; i < 3; i++) {
-        CHECK_OK(tp_tensor_set_requires_grad(c[i], true));
-        CHECK_OK(tp_tensor_set_requires_grad(d[i], true));
-    }
-    /* k and v: their first sk positions, a cache's prefix */
-    tp_tensor *ck = NULL, *cvv = NULL;
-    CHECK_OK(tp_tensor_narrow(c[1], 2, 0, sk, &ck));
-    CHECK_OK(tp_tensor_narrow(c[2], 2, 0, sk, &cvv));
-    CHECK_OK(tp_scaled_dot_product_attention_with(c[0], ck, cvv, &o, &want[0]));
+    tp_sdpa_options o = {.causal = true, .key_offset = off, .key_padding = pad,
+                         .backend = TP_SDPA_BACKEND_MATH};
+    /* k and v: views of their first sk positions, a cache's prefix; the
+     * views are the leaves whose gradients are compared */
+    tp_tensor *cx[3] = {c[0], NULL, NULL};
+    CHECK_OK(tp_tensor_narrow(c[1], 2, 0, sk, &cx[1]));
+    CHECK_OK(tp_tensor_narrow(c[2], 2, 0, sk, &cx[2]));
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(tp_tensor_set_requires_grad(cx[i], true));
+    CHECK_OK(tp_scaled_dot_product_attention_with(cx[0], cx[1], cx[2], &o, &want[0]));
     CHECK_OK(tp_backward(want[0], c[3]));
     for (int i = 0; i < 3; i++)
-        want[1 + i] = tp_tensor_retain(tp_tensor_grad(c[i]));
-    tp_tensor_release(ck);
-    tp_tensor_release(cvv);
+        want[1 + i] = tp_tensor_retain(tp_tensor_grad(cx[i]));
+    tp_tensor_release(cx[1]);
+    tp_tensor_release(cx[2]);
     o.key_padding = dpad;
     for (int f = 0; f < 2; f++) {
-        o.backend = f ? TP_SDPA_BACKEND_AUTO : TP_SDPA_BACKEND_MATH;
+        o.backend = f ? TP_SDPA_BACKEND_FLASH : TP_SDPA_BACKEND_MATH;
+        tp_tensor *dx[3] = {d[0], NULL, NULL}, *y = NULL;
+        CHECK_OK(tp_tensor_narrow(d[1], 2, 0, sk, &dx[1]));
+        CHECK_OK(tp_tensor_narrow(d[2], 2, 0, sk, &dx[2]));
+        tp_tensor_zero_grad(d[0]);
         for (int i = 0; i < 3; i++)
-            tp_tensor_zero_grad(d[i]);
-        tp_tensor *y = NULL, *dk = NULL, *dvv = NULL;
-        CHECK_OK(tp_tensor_narrow(d[1], 2, 0, sk, &dk));
-        CHECK_OK(tp_tensor_narrow(d[2], 2, 0, sk, &dvv));
-        CHECK_OK(tp_scaled_dot_product_attention_with(d[0], dk, dvv, &o, &y));
+            CHECK_OK(tp_tensor_set_requires_grad(dx[i], true));
+        CHECK_OK(tp_scaled_dot_product_attention_with(dx[0], dx[1], dx[2], &o, &y));
         CHECK_OK(tp_backward(y, d[3]));
         CHECK_OK(tp_tensor_to(y, TP_F32, TP_CPU, &got[f][0]));
         tp_tensor_release(y);
-        tp_tensor_release(dk);
-        tp_tensor_release(dvv);
         for (int i = 0; i < 3; i++)
-            CHECK_OK(tp_tensor_to(tp_tensor_grad(d[i]), TP_F32, TP_CPU, &got[f][1 + i]));
+            CHECK_OK(tp_tensor_to(tp_tensor_grad(dx[i]), TP_F32, TP_CPU, &got[f][1 + i]));
+        tp_tensor_release(dx[1]);
+        tp_tensor_release(dx[2]);
+    }
+    { /* AUTO in bf16/f16 on CUDA is the fused form: the same output, bit for bit */
+        o.backend = TP_SDPA_BACKEND_AUTO;
+        tp_tensor *y = NULL, *yf = NULL, *dk = NULL, *dvv = NULL;
+        CHECK_OK(tp_tensor_narrow(d[1], 2, 0, sk, &dk));
+        CHECK_OK(tp_tensor_narrow(d[2], 2, 0, sk, &dvv));
+        tp_no_grad_begin();
+        tp_status st = tp_scaled_dot_product_attention_with(d[0], dk, dvv, &o, &y);
+        tp_no_grad_end();
+        CHECK_OK(st);
+        CHECK_OK(tp_tensor_to(y, TP_F32, TP_CPU, &yf));
+        bool eq = false;
+        CHECK_OK(tp_tensor_equal(yf, got[1][0], &eq));
+        cr_assert(eq, "%s D %lld: AUTO's output is not FLASH's", tp_dtype_name(dt), (long long)D);
+        tp_tensor *drop[] = {y, yf, dk, dvv};
+        for (size_t i = 0; i < 4; i++)
+            tp_tensor_release(drop[i]);
     }
     const char *names[4] = {"out", "dq", "dk", "dv"};
     for (int i = 0; i < 4; i++) {
