@@ -995,3 +995,34 @@ Test(models, cuda_bf16_head_dims_64_128, .timeout = 300)
     bf16_model_case(TP_CUDA(0), 64);
     bf16_model_case(TP_CUDA(0), 128);
 }
+
+/* The models call the attention with AUTO, which TP_SDPA_BACKEND overrides:
+ * models_math_attention sets it to math and reruns the comparisons with
+ * transformers. What an AUTO call keeps for its backward shows which form
+ * ran (the math one its [rows, Sk] probabilities, the fused one an f32 per
+ * row), so that run cannot pass on the fused form by mistake. */
+Test(models, follows_TP_SDPA_BACKEND, .timeout = 60)
+{
+    const char *e = getenv("TP_SDPA_BACKEND");
+    const bool math = e && strcmp(e, "math") == 0;
+    const int64_t shape[4] = {1, 2, 128, 16};
+    tp_tensor *x[3];
+    for (int i = 0; i < 3; i++) {
+        CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 4, shape, &x[i]));
+        CHECK_OK(tp_tensor_fill_random(x[i], TP_RNG_UNIFORM, -1, 1, 5 + (uint64_t)i, NULL, NULL));
+        CHECK_OK(tp_tensor_set_requires_grad(x[i], true));
+    }
+    tp_memory_info before, after;
+    CHECK_OK(tp_memory_stats(TP_CPU, &before));
+    tp_tensor *out = NULL;
+    const tp_sdpa_options o = {.causal = true};
+    CHECK_OK(tp_scaled_dot_product_attention_with(x[0], x[1], x[2], &o, &out));
+    CHECK_OK(tp_memory_stats(TP_CPU, &after));
+    const int64_t kept = (int64_t)after.allocated - (int64_t)before.allocated;
+    const int64_t outb = 2 * 128 * 16 * 4, want = outb + (math ? 2 * 128 * 128 * 4 : 2 * 128 * 4);
+    cr_assert_eq(kept, want, "TP_SDPA_BACKEND=%s: the attention kept %lld bytes, not %lld (%s)",
+                 e ? e : "(unset)", (long long)kept, (long long)want, math ? "math" : "fused");
+    tp_tensor_release(out);
+    for (int i = 0; i < 3; i++)
+        tp_tensor_release(x[i]);
+}
