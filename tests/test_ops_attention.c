@@ -459,6 +459,71 @@ Test(ops_attention, flash_low_precision_matches_math, .timeout = 60)
     }
 }
 
+/* Every allocation of a fused forward + backward failing in turn (outputs,
+ * lse, delta; in bf16 the f32 copies of each group): TP_ERR_NO_MEMORY,
+ * nothing leaked, until the whole step runs and every input has its
+ * gradient. */
+static tp_test_alloc A;
+
+/* returns how many allocations the step makes */
+static long flash_alloc_failures(tp_dtype dt)
+{
+    A = (tp_test_alloc){0, 0, -1};
+    tp_allocator al = {tp_test_alloc_fn, tp_test_free_fn, &A};
+    cr_assert_eq(tp_set_allocator(&al), TP_OK);
+    const int64_t qs[4] = {2, 4, 70, 16}, ks[4] = {2, 2, 140, 16};
+    tp_tensor *x[3];
+    for (int i = 0; i < 3; i++) {
+        tp_tensor *f = NULL;
+        CHECK_OK(rand_tensor(4, i ? ks : qs, 40 + (uint64_t)i, &f));
+        CHECK_OK(tp_tensor_to(f, dt, TP_CPU, &x[i]));
+        tp_tensor_release(f);
+        CHECK_OK(tp_tensor_set_requires_grad(x[i], true));
+    }
+    const tp_sdpa_options o = {.causal = true, .key_offset = 70,
+                               .backend = TP_SDPA_BACKEND_FLASH};
+    const long base = A.live;
+    bool done = false;
+    long k = 0;
+    for (; k < 400 && !done; k++) {
+        A.count = 0;
+        A.fail_at = k;
+        tp_tensor *y = NULL, *l = NULL;
+        tp_status st = tp_scaled_dot_product_attention_with(x[0], x[1], x[2], &o, &y);
+        if (st == TP_OK)
+            st = tp_sum_all(y, &l);
+        if (st == TP_OK)
+            st = tp_backward(l, NULL);
+        tp_tensor_release(y);
+        tp_tensor_release(l);
+        A.fail_at = -1;
+        done = st == TP_OK;
+        cr_assert(st == TP_OK || st == TP_ERR_NO_MEMORY, "%s, allocation %ld failing: %s (%s)",
+                  tp_dtype_name(dt), k, tp_status_name(st), tp_last_error());
+        for (int i = 0; i < 3; i++) {
+            if (done)
+                cr_assert(tp_tensor_grad(x[i]), "%s: input %d has no gradient",
+                          tp_dtype_name(dt), i);
+            tp_tensor_zero_grad(x[i]);
+        }
+        cr_assert_eq(A.live, base, "%s, allocation %ld failing: %ld blocks leaked",
+                     tp_dtype_name(dt), k, A.live - base);
+    }
+    cr_assert(done, "the step never succeeded");
+    for (int i = 0; i < 3; i++)
+        tp_tensor_release(x[i]);
+    cr_assert_eq(A.live, 0);
+    tp_set_allocator(NULL);
+    return k;
+}
+
+Test(ops_attention, flash_allocation_failures, .timeout = 60)
+{
+    const long f32 = flash_alloc_failures(TP_F32), bf16 = flash_alloc_failures(TP_BF16);
+    /* bf16 also allocates each group's f32 copies: their failures were hit */
+    cr_assert_gt(bf16, f32, "bf16 made %ld allocations, f32 %ld", bf16, f32);
+}
+
 /* AUTO on the CPU is the fused form, bit for bit. */
 Test(ops_attention, auto_is_flash_on_the_cpu, .timeout = 30)
 {
