@@ -33,6 +33,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "core/cuda_rt.h"
@@ -775,6 +776,23 @@ tp_status scope_end(Scope *sc, cudaError_t err)
     return err == cudaSuccess ? TP_OK : tp__cuda_fail(sc->fn, "kernel launch", err);
 }
 
+/* Lets `kernel` take `bytes` of dynamic shared memory (past the default
+ * 48 KiB) on device dev, once per device: the attribute is the function's
+ * on that device for the process's life, and setting it is a driver call
+ * each launch would otherwise pay. */
+template <class K>
+cudaError_t allow_smem(K kernel, size_t bytes, int dev, std::atomic<uint64_t> &done)
+{
+    const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t)1 << dev : 0;
+    if (bit && (done.load(std::memory_order_relaxed) & bit))
+        return cudaSuccess;
+    cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (e == cudaSuccess && bit)
+        done.fetch_or(bit, std::memory_order_relaxed);
+    return e;
+}
+
 /* Blocks that fill an H100/H200 twice over: fewer row blocks than this
  * (decoding: a few rows per group) split the keys. */
 const int64_t kFillBlocks = 264;
@@ -784,8 +802,8 @@ cudaError_t launch_mma(const Scope &sc, const tp__attn_geom *g, const void *q, c
                        const void *v, void *out, float *lse, tp_status *st)
 {
     const size_t bytes = mma_smem_bytes<D>();
-    cudaError_t e = cudaFuncSetAttribute(k_flash_fwd_mma<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    static std::atomic<uint64_t> done;
+    cudaError_t e = allow_smem(k_flash_fwd_mma<T, D>, bytes, sc.dev, done);
     if (e != cudaSuccess)
         return e;
     const int64_t blocks = (g->M + kBr - 1) / kBr * g->G;
@@ -829,33 +847,33 @@ cudaError_t launch_mma(const Scope &sc, const tp__attn_geom *g, const void *q, c
 }
 
 template <class T, int D>
-cudaError_t launch_bwd_dq(cudaStream_t s, const tp__attn_geom *g, const T *q, const T *k,
+cudaError_t launch_bwd_dq(const Scope &sc, const tp__attn_geom *g, const T *q, const T *k,
                           const T *v, const float *lse, const T *gout, const float *delta,
                           void *gq)
 {
     const size_t bytes = dq_smem_bytes<D>();
-    cudaError_t e = cudaFuncSetAttribute(k_flash_bwd_dq_mma<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    static std::atomic<uint64_t> done;
+    cudaError_t e = allow_smem(k_flash_bwd_dq_mma<T, D>, bytes, sc.dev, done);
     if (e != cudaSuccess)
         return e;
     dim3 grid((unsigned)((g->M + kBr - 1) / kBr), (unsigned)g->G);
-    k_flash_bwd_dq_mma<T, D><<<grid, kMmaThreads, bytes, s>>>(*g, q, k, v, lse, gout, delta,
-                                                              static_cast<T *>(gq));
+    k_flash_bwd_dq_mma<T, D><<<grid, kMmaThreads, bytes, sc.s>>>(*g, q, k, v, lse, gout, delta,
+                                                                 static_cast<T *>(gq));
     return cudaGetLastError();
 }
 
 template <class T, int D>
-cudaError_t launch_bwd_dkv(cudaStream_t s, const tp__attn_geom *g, const T *q, const T *k,
+cudaError_t launch_bwd_dkv(const Scope &sc, const tp__attn_geom *g, const T *q, const T *k,
                            const T *v, const float *lse, const T *gout, const float *delta,
                            void *gk, void *gv)
 {
     const size_t bytes = dkv_smem_bytes<D>();
-    cudaError_t e = cudaFuncSetAttribute(k_flash_bwd_dkv_mma<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    static std::atomic<uint64_t> done;
+    cudaError_t e = allow_smem(k_flash_bwd_dkv_mma<T, D>, bytes, sc.dev, done);
     if (e != cudaSuccess)
         return e;
     dim3 grid((unsigned)((g->Sk + kBc - 1) / kBc), (unsigned)g->G);
-    k_flash_bwd_dkv_mma<T, D><<<grid, kMmaThreads, bytes, s>>>(
+    k_flash_bwd_dkv_mma<T, D><<<grid, kMmaThreads, bytes, sc.s>>>(
         *g, q, k, v, lse, gout, delta, static_cast<T *>(gk), static_cast<T *>(gv));
     return cudaGetLastError();
 }
@@ -930,13 +948,13 @@ extern "C" tp_status tp__cuda_flash_attn_bwd(tp_device dev, tp_dtype dtype,
                         *g, tq, tk, tv, to, lse, tg, delta, static_cast<T *>(nullptr));
                 cudaError_t e = cudaGetLastError();
                 if (e == cudaSuccess && gq && g->M > 0)
-                    e = g->D == 64 ? launch_bwd_dq<T, 64>(sc.s, g, tq, tk, tv, lse, tg, delta, gq)
-                                   : launch_bwd_dq<T, 128>(sc.s, g, tq, tk, tv, lse, tg, delta,
+                    e = g->D == 64 ? launch_bwd_dq<T, 64>(sc, g, tq, tk, tv, lse, tg, delta, gq)
+                                   : launch_bwd_dq<T, 128>(sc, g, tq, tk, tv, lse, tg, delta,
                                                            gq);
                 if (e == cudaSuccess && (gk || gv) && g->Sk > 0)
                     e = g->D == 64
-                            ? launch_bwd_dkv<T, 64>(sc.s, g, tq, tk, tv, lse, tg, delta, gk, gv)
-                            : launch_bwd_dkv<T, 128>(sc.s, g, tq, tk, tv, lse, tg, delta, gk,
+                            ? launch_bwd_dkv<T, 64>(sc, g, tq, tk, tv, lse, tg, delta, gk, gv)
+                            : launch_bwd_dkv<T, 128>(sc, g, tq, tk, tv, lse, tg, delta, gk,
                                                      gv);
                 return e;
             }
