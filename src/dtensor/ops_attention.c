@@ -297,9 +297,7 @@ static tp_status sdpa_flash_fwd(tp__op *op, tp_tensor *const *use, const sdpa_ge
         }
         return st;
     }
-    /* an alias of the output's storage, not the output: the output holds
-     * this op's node, which must not hold the output back (a cycle) */
-    st = tp__tensor_alias(*out, &op->saved[1]);
+    st = tp__op_save_output(*out, &op->saved[1]);
     if (st != TP_OK) {
         tp_tensor_release(lse);
         tp_tensor_release(*out);

@@ -112,6 +112,13 @@ const char *tp__device_str(tp_device dev, char *buf, size_t len);
  * are on the same device. */
 tp_status tp__same_device(const char *fn, const char *an, const tp_tensor *a, const char *bn,
                           const tp_tensor *b);
+/* What a forward keeps of its own output for the backward: a second header
+ * over the output's storage, not the output, whose autograd state holds the
+ * op's node (keeping the output would be a cycle, never freed). */
+static inline tp_status tp__op_save_output(const tp_tensor *out, tp_tensor **saved)
+{
+    return tp__tensor_alias(out, saved);
+}
 /* rows = product of all dims but the last, for a contiguous tensor. */
 int64_t tp__rows(const tp_tensor *t);
 /* Checks the dtypes of the op's differentiable arguments (before any

@@ -238,13 +238,6 @@ static void rows_cols(const tp_tensor *t, int64_t *rows, int64_t *cols)
     *cols = t->ndim > 0 ? t->shape[t->ndim - 1] : 1;
 }
 
-/* A second header over the storage of t: a saved output must not be the
- * output's own header, whose autograd state holds the node (a cycle). */
-static tp_status save_view(tp_tensor *t, tp_tensor **saved)
-{
-    return tp_tensor_view(t, t->ndim, t->shape, saved);
-}
-
 /* ---- softmax --------------------------------------------------------------- */
 
 static tp_status softmax_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -256,7 +249,7 @@ static tp_status softmax_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
     if (rows > 0 && cols > 0)
         TP_CHECK(op->k->softmax_fwd(op->dev, op->dt, tp_tensor_data(x), tp_tensor_data(*out), rows,
                                     cols));
-    return save_view(*out, &op->saved[0]);
+    return tp__op_save_output(*out, &op->saved[0]);
 }
 
 static tp_status softmax_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
