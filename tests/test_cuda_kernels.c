@@ -230,6 +230,18 @@ static tp_status r_linear_bwd(const tp__kernels *K, tp_device d, tp_dtype t, voi
 {
     return K->linear_bwd(d, t, p[0], p[1], p[2], p[3], p[4], p[5], I(0), I(1), I(2), a[3] != 0);
 }
+/* a: rows, in, out, tanh_approx */
+static tp_status r_linear_gelu_fwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                   const double *a)
+{
+    return K->linear_gelu_fwd(d, t, p[0], p[1], p[2], p[3], p[4], I(0), I(1), I(2), a[3] != 0);
+}
+static tp_status r_linear_gelu_bwd(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                   const double *a)
+{
+    return K->linear_gelu_bwd(d, t, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], I(0), I(1),
+                              I(2), a[3] != 0);
+}
 static tp_status r_copy(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
 {
     return K->copy(d, t, p[1], p[0], I(0));
@@ -556,6 +568,21 @@ static tp_status r_flash_attn_bwd(const tp__kernels *K, tp_device d, tp_dtype t,
     {                                  \
         'T', false, false, (n), -12, 12 \
     }
+/* weights of a long product (pre-activations of order 1) */
+#define T_SMALL(n)                            \
+    {                                         \
+        'T', false, false, (n), -0.125, 0.125 \
+    }
+/* pre-activations: GELU's bend and both tails */
+#define T_PRE(n)                      \
+    {                                 \
+        'T', false, false, (n), -4, 4 \
+    }
+/* scratch the entry overwrites, not compared */
+#define T_TMP(n)                     \
+    {                                \
+        'T', false, false, (n), 0, 0 \
+    }
 #define NONE                     \
     {                            \
         0, false, false, 0, 0, 0 \
@@ -611,6 +638,91 @@ static const kcase cases[] = {
      1e-5,
      0,
      {T_IN(131072), T_IN(8192), T_IN(128), T_OUT(262144)}},
+    /* linear + GELU {rows, in, out, tanh}, forward {x, w, bias, y, aux}: tanh
+     * at an output of 2^18 elements (out a multiple of 8) takes cuBLASLt's
+     * GELU epilogue in bf16/f16 (f32 composes) in each of its four forms (y the GELU of the f32
+     * accumulator, one rounding); erf and small shapes the linear forward
+     * and the GELU kernel (in place in y without aux), whose y is the GELU
+     * of the rounded aux: u |gelu'(a) a| <= 1.13 u |a| more, mag 1.13
+     * max|aux| (max|aux| 3.70 and 5.29 here; the epilogue cases too, for
+     * a product that falls back or TP_CUDA_EPILOGUE=0) */
+    {"linear_gelu_fwd tanh epilogue",
+     r_linear_gelu_fwd,
+     {512, 256, 512, 1},
+     1e-5,
+     4.5,
+     {T_IN(131072), T_SMALL(131072), T_IN(512), T_OUT(262144), T_OUT(262144)}},
+    {"linear_gelu_fwd tanh epilogue no bias",
+     r_linear_gelu_fwd,
+     {512, 256, 512, 1},
+     1e-5,
+     4.5,
+     {T_IN(131072), T_SMALL(131072), NONE, T_OUT(262144), T_OUT(262144)}},
+    {"linear_gelu_fwd tanh epilogue no aux",
+     r_linear_gelu_fwd,
+     {512, 256, 512, 1},
+     1e-5,
+     4.5,
+     {T_IN(131072), T_SMALL(131072), T_IN(512), T_OUT(262144), NONE}},
+    {"linear_gelu_fwd tanh epilogue no bias no aux",
+     r_linear_gelu_fwd,
+     {512, 256, 512, 1},
+     1e-5,
+     4.5,
+     {T_IN(131072), T_SMALL(131072), NONE, T_OUT(262144), NONE}},
+    {"linear_gelu_fwd erf",
+     r_linear_gelu_fwd,
+     {37, 19, 45, 0},
+     1e-5,
+     6,
+     {T_IN(703), T_IN(855), T_IN(45), T_OUT(1665), T_OUT(1665)}},
+    {"linear_gelu_fwd erf in place",
+     r_linear_gelu_fwd,
+     {37, 19, 45, 0},
+     1e-5,
+     6,
+     {T_IN(703), T_IN(855), T_IN(45), T_OUT(1665), NONE}},
+    /* backward {x, w, aux, gy, gz, gx, gw, gb}: gz (one rounding; with gb,
+     * from the CUDA column pass that also sums it) checked alone, mag 0;
+     * the products and gb read the rounded gz where the CPU's f32 reads
+     * its f32 gz: u sum|terms| more, mag the largest sum|terms| of gz W
+     * (out terms), gz^T x and the column sums of gz (rows terms): 88, 95,
+     * 166 at 512 x 256 x 512 (atol for f32 sums of 512 terms: the CPU's
+     * alone is 7e-6 past the relative bound), 11, 9, 15 at 37 x 19 x 45 */
+    {"linear_gelu_bwd tanh gz",
+     r_linear_gelu_bwd,
+     {512, 256, 512, 1},
+     2e-6,
+     0,
+     {T_IN(131072), T_IN(131072), T_PRE(262144), T_IN(262144), T_OUT(262144), NONE, NONE,
+      T_TMP(512)}},
+    {"linear_gelu_bwd tanh",
+     r_linear_gelu_bwd,
+     {512, 256, 512, 1},
+     1e-4,
+     170,
+     {T_IN(131072), T_IN(131072), T_PRE(262144), T_IN(262144), T_TMP(262144), T_OUT(131072),
+      T_OUT(131072), T_OUT(512)}},
+    {"linear_gelu_bwd erf gz",
+     r_linear_gelu_bwd,
+     {37, 19, 45, 0},
+     2e-6,
+     0,
+     {T_IN(703), T_IN(855), T_PRE(1665), T_IN(1665), T_OUT(1665), NONE, NONE, T_TMP(45)}},
+    {"linear_gelu_bwd erf",
+     r_linear_gelu_bwd,
+     {37, 19, 45, 0},
+     1e-5,
+     15,
+     {T_IN(703), T_IN(855), T_PRE(1665), T_IN(1665), T_TMP(1665), T_OUT(703), T_OUT(855),
+      T_OUT(45)}},
+    /* without gb: the GELU backward kernel, then the one product */
+    {"linear_gelu_bwd erf gw alone",
+     r_linear_gelu_bwd,
+     {37, 19, 45, 0},
+     1e-5,
+     15,
+     {T_IN(703), T_IN(855), T_PRE(1665), T_IN(1665), T_TMP(1665), NONE, T_OUT(855), NONE}},
     {"copy", r_copy, {101}, 0, 0, {T_IN(101), T_OUT(101)}},
     {"fill", r_fill, {101, 0.3}, 0, 0, {T_OUT(101)}},
     {"add", r_add, {1000}, 0, 0, {T_IN(1000), T_IN(1000), T_OUT(1000)}},
@@ -902,6 +1014,8 @@ Test(cuda_kernels, the_cases_cover_every_entry, .timeout = 30)
         {r_gemm, "gemm"},
         {r_linear_fwd, "linear_fwd"},
         {r_linear_bwd, "linear_bwd"},
+        {r_linear_gelu_fwd, "linear_gelu_fwd"},
+        {r_linear_gelu_bwd, "linear_gelu_bwd"},
         {r_copy, "copy"},
         {r_fill, "fill"},
         {r_add, "add"},

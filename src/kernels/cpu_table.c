@@ -110,6 +110,35 @@ static tp_status cpu_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, co
     return tp__lp_end(&f);
 }
 
+/* The linear + GELU pair composes the unfused entries: on the CPU the
+ * products dominate, and a pass that fused the activation or its gradient
+ * with the bias gradient would save one sweep over [rows, out] of the
+ * work's (in + 2) sweeps. The results are the unfused layers' bit for bit. */
+static tp_status cpu_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n,
+                              bool tanh_approx);
+static tp_status cpu_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy,
+                              void *gx, int64_t n, bool tanh_approx);
+
+static tp_status cpu_linear_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x,
+                                     const void *w, const void *bias, void *y, void *aux,
+                                     int64_t rows, int64_t in, int64_t out, bool tanh_approx)
+{
+    CPU_CHECK(LINEAR_GELU_FWD);
+    void *pre = aux ? aux : y; /* the GELU may run in place */
+    TP_CHECK(cpu_linear_fwd(dev, dtype, x, w, bias, pre, rows, in, out));
+    return cpu_gelu_fwd(dev, dtype, pre, y, rows * out, tanh_approx);
+}
+
+static tp_status cpu_linear_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x,
+                                     const void *w, const void *aux, const void *gy, void *gz,
+                                     void *gx, void *gw, void *gb, int64_t rows, int64_t in,
+                                     int64_t out, bool tanh_approx)
+{
+    CPU_CHECK(LINEAR_GELU_BWD);
+    TP_CHECK(cpu_gelu_bwd(dev, dtype, aux, gy, gz, rows * out, tanh_approx));
+    return cpu_linear_bwd(dev, dtype, x, w, gz, gx, gw, gb, rows, in, out, false);
+}
+
 /* ---- elementwise ---------------------------------------------------------------- */
 
 static tp_status cpu_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, int64_t n)

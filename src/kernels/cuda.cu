@@ -503,18 +503,21 @@ __global__ void k_gelu_bwd_vec(const T *x, const T *gy, T *gx, int64_t n, bool t
 
 /* ---- column sums: 32 columns per block, 8 row lanes, double accumulators ---- */
 
-enum { COL_PLAIN = 0, COL_NORM = 1 };
+enum { COL_PLAIN = 0, COL_NORM = 1, COL_DGELU_TANH = 2, COL_DGELU_ERF = 3 };
 const int kColW = 32, kColH = 8;
 
 /* Column sums of term(r, c): PLAIN: y[r, c]; NORM: y[r, c] * ((x[r, c] -
- * mean[r]) * rstd[r]) with mean NULL meaning 0 (the norm weight gradients),
- * over the rows of chunk blockIdx.y (chunk_rows each), in double. With part
- * NULL (one chunk of every row) into g: g[c] (+)= the sum, divided by div
- * first when overwriting (not accumulate); else into part[chunk, c]. */
+ * mean[r]) * rstd[r]) with mean NULL meaning 0 (the norm weight gradients);
+ * DGELU_*: z[r, c] = y[r, c] gelu'(x[r, c]) rounded to T, stored as it is
+ * summed (a GELU's input gradient and its linear's bias gradient in one
+ * pass); over the rows of chunk blockIdx.y (chunk_rows each), in double.
+ * With part NULL (one chunk of every row) into g: g[c] (+)= the sum,
+ * divided by div first when overwriting (not accumulate); else into
+ * part[chunk, c]. */
 template <class T, int MODE>
 __global__ void k_colsum(const T *y, const T *x, const float *mean, const float *rstd, T *g,
                          double *part, int64_t rows, int64_t cols, int64_t chunk_rows,
-                         bool accumulate, double div)
+                         bool accumulate, double div, T *z)
 {
     __shared__ double sh[kColH][kColW + 1];
     int64_t r0 = (int64_t)blockIdx.y * chunk_rows;
@@ -539,6 +542,10 @@ __global__ void k_colsum(const T *y, const T *x, const float *mean, const float 
                 float v = ldf(y[r * cols + c]);
                 if (MODE == COL_PLAIN) {
                     acc += (double)v;
+                } else if (MODE == COL_DGELU_TANH || MODE == COL_DGELU_ERF) {
+                    T t = stf<T>(gelu_grad(ldf(x[r * cols + c]), v, MODE == COL_DGELU_TANH));
+                    z[r * cols + c] = t;
+                    acc += (double)ldf(t);
                 } else {
                     float m = mean ? mean[r] : 0.0f;
                     acc += (double)(v * ((ldf(x[r * cols + c]) - m) * rstd[r]));
@@ -583,7 +590,8 @@ const int64_t kBusyBlocks = 1024, kChunkRows = 256;
  * the split a function of the shape alone, so the result is deterministic). */
 template <class T, int MODE>
 tp_status launch_colsum(Launch *L, const T *y, const T *x, const float *mean, const float *rstd,
-                        T *g, int64_t rows, int64_t cols, bool accumulate, double div = 1.0)
+                        T *g, int64_t rows, int64_t cols, bool accumulate, double div = 1.0,
+                        T *z = NULL)
 {
     if (cols <= 0)
         return TP_OK;
@@ -595,7 +603,7 @@ tp_status launch_colsum(Launch *L, const T *y, const T *x, const float *mean, co
         chunks = by_rows;
     if (chunks < 2) {
         k_colsum<T, MODE><<<gx, block, 0, L->s>>>(y, x, mean, rstd, g, (double *)NULL, rows, cols,
-                                                  rows, accumulate, div);
+                                                  rows, accumulate, div, z);
         return TP_OK;
     }
     int64_t chunk_rows = (rows + chunks - 1) / chunks;
@@ -604,7 +612,7 @@ tp_status launch_colsum(Launch *L, const T *y, const T *x, const float *mean, co
     TP_CHECK(
         tp__cuda_scratch(L->fn, L->dev, L->s, (size_t)(chunks * cols) * sizeof(double), &part));
     k_colsum<T, MODE><<<dim3(gx, (unsigned)chunks), block, 0, L->s>>>(
-        y, x, mean, rstd, g, (double *)part, rows, cols, chunk_rows, accumulate, div);
+        y, x, mean, rstd, g, (double *)part, rows, cols, chunk_rows, accumulate, div, z);
     k_colsum_finish<T><<<grid_for(cols, kThreads), kThreads, 0, L->s>>>(
         (const double *)part, chunks, g, cols, accumulate, div);
     tp__cuda_scratch_free(part, L->s);
@@ -1490,12 +1498,14 @@ LtPlan *lt_plan(Handles *hs, const LtPlan *key, bool *found)
 }
 
 /* D[m, n] = op(A) op(B), column-major and contiguous (leading dims: the
- * stored rows), beta 0, with epilogue epi on its vector. *ran is false, with TP_OK and nothing queued,
- * when cuBLASLt has no algorithm for it. Sizes fit an int (the caller
- * checks). */
+ * stored rows), beta 0, with epilogue epi on its vector (NULL: none) and,
+ * for the *_AUX epilogues, aux: a second [m, n] output of D's type and
+ * leading dim (the activation's input). *ran is false, with TP_OK and
+ * nothing queued, when cuBLASLt has no algorithm for it. Sizes fit an int
+ * (the caller checks). */
 tp_status lt_gemm(Launch *L, tp_dtype dtype, cublasOperation_t opa, cublasOperation_t opb, int m,
                   int n, int k, const void *a, const void *b, void *d, cublasLtEpilogue_t epi,
-                  const void *vec, bool *ran)
+                  const void *vec, void *aux, bool *ran)
 {
     *ran = false;
     Handles *hs;
@@ -1523,6 +1533,8 @@ tp_status lt_gemm(Launch *L, tp_dtype dtype, cublasOperation_t opa, cublasOperat
     key.n = n;
     key.k = k;
     unsigned al_a = align_of(a), al_b = align_of(b), al_d = align_of(d);
+    if (aux && align_of(aux) < al_d) /* the heuristic sees D's; aux's is never above it */
+        al_d = align_of(aux);
     key.align = al_a | al_b << 9 | al_d << 18;
     bool found;
     LtPlan *plan = lt_plan(hs, &key, &found);
@@ -1550,12 +1562,26 @@ tp_status lt_gemm(Launch *L, tp_dtype dtype, cublasOperation_t opa, cublasOperat
             cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
     LT_STEP("cublasLtMatmulDescSetAttribute",
             cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
-    LT_STEP(
-        "cublasLtMatmulDescSetAttribute",
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vec, sizeof vec));
-    LT_STEP(
-        "cublasLtMatmulDescSetAttribute",
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &t, sizeof t));
+    if (vec) {
+        LT_STEP("cublasLtMatmulDescSetAttribute",
+                cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vec,
+                                               sizeof vec));
+        LT_STEP("cublasLtMatmulDescSetAttribute",
+                cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &t,
+                                               sizeof t));
+    }
+    if (aux) {
+        int64_t aux_ld = m;
+        LT_STEP("cublasLtMatmulDescSetAttribute",
+                cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                               &aux, sizeof aux));
+        LT_STEP("cublasLtMatmulDescSetAttribute",
+                cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                               &aux_ld, sizeof aux_ld));
+        LT_STEP("cublasLtMatmulDescSetAttribute",
+                cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                               &t, sizeof t));
+    }
     LT_STEP("cublasLtMatrixLayoutCreate",
             cublasLtMatrixLayoutCreate(&la, t, opa == CUBLAS_OP_N ? m : k,
                                        opa == CUBLAS_OP_N ? k : m, lda));
@@ -1717,7 +1743,7 @@ tp_status cuda_linear_fwd(tp_device dev, tp_dtype dtype, const void *x, const vo
         /* column-major y^T[out, rows] = W x^T + bias */
         bool ran;
         st = lt_gemm(&L, dtype, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)rows, (int)in, w, x, y,
-                     CUBLASLT_EPILOGUE_BIAS, bias, &ran);
+                     CUBLASLT_EPILOGUE_BIAS, bias, NULL, &ran);
         if (st != TP_OK || ran)
             return st == TP_OK ? end(&L) : fail(&L, st);
     }
@@ -1760,6 +1786,79 @@ tp_status cuda_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, const vo
         st = TYPED(dtype, colsum_on<T>(&L, cp<T>(gy), (const T *)NULL, NULL, NULL, mp<T>(gb), rows,
                                        out, accumulate));
     return st == TP_OK ? end(&L) : fail(&L, st);
+}
+
+/* The linear + GELU pair. Forward, tanh, bf16/f16: one cuBLASLt product whose epilogue
+ * adds the bias, keeps the sum in aux and writes its GELU (computed on the
+ * f32 accumulator) into y (without aux when no backward follows); that
+ * epilogue's GELU is the tanh form, evaluated to the accuracy a 16-bit
+ * output needs (not documented to f32's), so f32, erf,
+ * a shape below kLtMinElems, an aux or bias not 16-byte aligned, an aux
+ * leading dim (out) not a multiple of 8, or TP_CUDA_EPILOGUE=0 take the
+ * linear forward into aux and the GELU kernel. Backward: gz = gy gelu'(aux)
+ * and the bias gradient in one column pass (unfused under
+ * TP_CUDA_EPILOGUE=0: the GELU backward kernel, then the column sum), then
+ * the two products. */
+tp_status cuda_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, void *y, int64_t n,
+                        bool tanh_approx);
+tp_status cuda_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *gy, void *gx,
+                        int64_t n, bool tanh_approx);
+
+tp_status cuda_linear_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                               const void *bias, void *y, void *aux, int64_t rows, int64_t in,
+                               int64_t out, bool tanh_approx)
+{
+    if (tanh_approx && dtype != TP_F32 && lt_wanted(rows, in, out, bias) && out % 8 == 0 &&
+        (uintptr_t)aux % 16 == 0) {
+        /* without aux (no backward follows) the epilogue writes y alone */
+        cublasLtEpilogue_t epi = aux ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                             : CUBLASLT_EPILOGUE_GELU_AUX)
+                                     : (bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU);
+        Launch L;
+        tp_status st;
+        if (!enter("linear + gelu (CUDA)", TP__KOP_LINEAR_GELU_FWD, dtype, dev, true, &L, &st))
+            return st;
+        bool ran;
+        st = lt_gemm(&L, dtype, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)rows, (int)in, w, x, y,
+                     epi, bias, aux, &ran);
+        if (st != TP_OK || ran)
+            return st == TP_OK ? end(&L) : fail(&L, st);
+        (void)end(&L);
+    }
+    if (!cuda_supports(TP__KOP_LINEAR_GELU_FWD, dtype))
+        return tp__kernels_unsupported(tp__kernels_cuda, TP__KOP_LINEAR_GELU_FWD, dtype);
+    void *pre = aux ? aux : y; /* the GELU may run in place */
+    TP_CHECK(cuda_linear_fwd(dev, dtype, x, w, bias, pre, rows, in, out));
+    return cuda_gelu_fwd(dev, dtype, pre, y, rows * out, tanh_approx);
+}
+
+tp_status cuda_linear_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                               const void *aux, const void *gy, void *gz, void *gx, void *gw,
+                               void *gb, int64_t rows, int64_t in, int64_t out, bool tanh_approx)
+{
+    if (!cuda_supports(TP__KOP_LINEAR_GELU_BWD, dtype))
+        return tp__kernels_unsupported(tp__kernels_cuda, TP__KOP_LINEAR_GELU_BWD, dtype);
+    if (gb && lt_enabled() && rows > 0 && out > 0) {
+        Launch L;
+        tp_status st;
+        if (!enter("linear + gelu backward (CUDA)", TP__KOP_LINEAR_GELU_BWD, dtype, dev, true, &L,
+                   &st))
+            return st;
+        st = tanh_approx
+                 ? TYPED(dtype, (launch_colsum<T, COL_DGELU_TANH>(
+                                    &L, cp<T>(gy), cp<T>(aux), NULL, NULL, mp<T>(gb), rows, out,
+                                    false, 1.0, mp<T>(gz))))
+                 : TYPED(dtype, (launch_colsum<T, COL_DGELU_ERF>(
+                                    &L, cp<T>(gy), cp<T>(aux), NULL, NULL, mp<T>(gb), rows, out,
+                                    false, 1.0, mp<T>(gz))));
+        st = st == TP_OK ? end(&L) : fail(&L, st);
+        if (st != TP_OK)
+            return st;
+        gb = NULL;
+    } else {
+        TP_CHECK(cuda_gelu_bwd(dev, dtype, aux, gy, gz, rows * out, tanh_approx));
+    }
+    return cuda_linear_bwd(dev, dtype, x, w, gz, gx, gw, gb, rows, in, out, false);
 }
 
 /* elementwise */

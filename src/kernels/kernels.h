@@ -62,6 +62,8 @@ typedef enum tp__kop {
     TP__KOP_GEMM,
     TP__KOP_LINEAR_FWD,
     TP__KOP_LINEAR_BWD,
+    TP__KOP_LINEAR_GELU_FWD,
+    TP__KOP_LINEAR_GELU_BWD,
     TP__KOP_COPY,
     TP__KOP_FILL,
     TP__KOP_ADD,
@@ -161,6 +163,24 @@ typedef struct tp__kernels {
     tp_status (*linear_bwd)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                             const void *gy, void *gx, void *gw, void *gb, int64_t rows,
                             int64_t in, int64_t out, bool accumulate);
+    /* The linear + GELU of a colwise layer (tp_linear_gelu): aux[rows, out] =
+     * x W^T (+ bias), the pre-activation the backward reads (NULL when no
+     * backward follows: not kept), and y = gelu(aux) (tanh approximation
+     * when tanh_approx, else erf). Where the
+     * engine fuses the activation into the product (CUDA, bf16/f16, tanh: cuBLASLt's
+     * GELU_AUX_BIAS epilogue) y is gelu of the f32 accumulator, one rounding;
+     * elsewhere it is gelu of the rounded aux, as the two unfused ops give. */
+    tp_status (*linear_gelu_fwd)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                 const void *bias, void *y, void *aux, int64_t rows, int64_t in,
+                                 int64_t out, bool tanh_approx);
+    /* Its backward: gz[rows, out] = gy * gelu'(aux) (scratch of the caller's,
+     * overwritten; rounded to the dtype), then gx = gz W, gw = gz^T x and gb
+     * = the column sums of the rounded gz in double, each overwritten, each
+     * NULL when not wanted. On CUDA gz and gb come from one pass. */
+    tp_status (*linear_gelu_bwd)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                 const void *aux, const void *gy, void *gz, void *gx, void *gw,
+                                 void *gb, int64_t rows, int64_t in, int64_t out,
+                                 bool tanh_approx);
 
     /* ---- elementwise on n elements ------------------------------------------ */
 
@@ -433,6 +453,8 @@ typedef struct tp__kernels {
     X(GEMM, gemm)                                                              \
     X(LINEAR_FWD, linear_fwd)                                                  \
     X(LINEAR_BWD, linear_bwd)                                                  \
+    X(LINEAR_GELU_FWD, linear_gelu_fwd)                                        \
+    X(LINEAR_GELU_BWD, linear_gelu_bwd)                                        \
     X(COPY, copy)                                                              \
     X(FILL, fill)                                                              \
     X(ADD, add)                                                                \

@@ -63,6 +63,28 @@ static tp_status meta_linear_bwd(tp_device dev, tp_dtype dtype, const void *x, c
     return meta_ok(TP__KOP_LINEAR_BWD, dtype);
 }
 
+static tp_status meta_linear_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x,
+                                      const void *w, const void *bias, void *y, void *aux,
+                                      int64_t rows, int64_t in, int64_t out, bool tanh_approx)
+{
+    META_GEMM(dtype, rows, out, in);
+    META_EW(dtype, rows * out, 2);
+    return meta_ok(TP__KOP_LINEAR_GELU_FWD, dtype);
+}
+
+static tp_status meta_linear_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x,
+                                      const void *w, const void *aux, const void *gy, void *gz,
+                                      void *gx, void *gw, void *gb, int64_t rows, int64_t in,
+                                      int64_t out, bool tanh_approx)
+{
+    META_EW(dtype, rows * out, 3);
+    if (gx)
+        META_GEMM(dtype, rows, in, out);
+    if (gw)
+        META_GEMM(dtype, out, in, rows);
+    return meta_ok(TP__KOP_LINEAR_GELU_BWD, dtype);
+}
+
 static tp_status meta_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, int64_t n)
 {
     META_EW(dtype, n, 2);
