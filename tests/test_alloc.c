@@ -300,3 +300,49 @@ Test(alloc, meta_and_sim, .timeout = 30)
     tp_tensor_release(base);
     cr_assert_eq(C.live, 0);
 }
+
+/* ---- the fused linear + GELU, forward and backward ----------------------------
+ * Every allocation of the op, of its pre-activation, of the backward's
+ * scratch (bf16: the f32 copies of the CPU engine too) and of the gradients
+ * fails in turn: TP_ERR_NO_MEMORY, nothing leaked, the leaves' gradients
+ * dropped. */
+
+static tp_status op_linear_gelu_step(void *arg, tp_tensor **out)
+{
+    tp_tensor **t = arg; /* x, w, b, gy */
+    tp_tensor *y = NULL;
+    tp_status st = tp_linear_gelu(t[0], t[1], t[2], TP_GELU_TANH, &y);
+    if (st == TP_OK)
+        st = tp_backward(y, t[3]);
+    for (int i = 0; i < 3; i++)
+        tp_tensor_zero_grad(t[i]);
+    if (st != TP_OK) {
+        tp_tensor_release(y);
+        *out = NULL;
+        return st;
+    }
+    *out = y;
+    return TP_OK;
+}
+
+Test(alloc, linear_gelu_forward_backward, .timeout = 30)
+{
+    const int64_t shapes[4][2] = {{6, 5}, {8, 5}, {8, 1}, {6, 8}};
+    for (int d = 0; d < 2; d++) {
+        tp_dtype dt = d ? TP_BF16 : TP_F32;
+        tp_tensor *t[4] = {0};
+        for (int i = 0; i < 4; i++) {
+            cr_assert_eq(tp_tensor_empty(dt, TP_CPU, i == 2 ? 1 : 2, shapes[i], &t[i]), TP_OK);
+            cr_assert_eq(tp_tensor_fill_random(t[i], TP_RNG_UNIFORM, -1, 1, 3 + (uint64_t)i,
+                                               NULL, NULL),
+                         TP_OK);
+            if (i < 3)
+                cr_assert_eq(tp_tensor_set_requires_grad(t[i], true), TP_OK);
+        }
+        fail_each_allocation(d ? "tp_linear_gelu + backward (bf16)" : "tp_linear_gelu + backward",
+                             op_linear_gelu_step, t);
+        for (int i = 0; i < 4; i++)
+            tp_tensor_release(t[i]);
+    }
+    cr_assert_eq(C.live, 0);
+}

@@ -22,11 +22,28 @@ static tp_status mm2(tp_tensor *a, tp_tensor *b, tp_tensor *c, tp_tensor **y)
     (void)c;
     return tp_matmul(a, b, y);
 }
+static tp_status lin_gelu_tanh(tp_tensor *a, tp_tensor *b, tp_tensor *c, tp_tensor **y)
+{
+    return tp_linear_gelu(a, b, c, TP_GELU_TANH, y);
+}
+static tp_status lin_gelu_erf(tp_tensor *a, tp_tensor *b, tp_tensor *c, tp_tensor **y)
+{
+    return tp_linear_gelu(a, b, c, TP_GELU_EXACT, y);
+}
+
+/* Exact (the products of small integers), or within 1e-5 relative for the
+ * GELU, whose values are not integers (the gradient sums then run in
+ * another order on each layout). */
+static tp_status same(const tp_tensor *a, const tp_tensor *b, bool exact, bool *eq)
+{
+    return exact ? tp_tensor_equal(a, b, eq) : tp_tensor_allclose(a, b, 1e-5, 1e-4, eq);
+}
 
 static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, op3_fn op, int n_in,
                             const int *nds, const int64_t (*shapes)[3],
                             const tp_placement (*pl)[3], const char *label)
 {
+    bool exact = op == lin3 || op == mm2;
     int m = tp_mesh_ndim(mesh);
     tp_tensor *full[3] = {0}, *dt[3] = {0}, *yp = NULL, *yd = NULL, *yfull = NULL, *g = NULL;
     for (int i = 0; i < n_in; i++) {
@@ -44,7 +61,7 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, op3_fn op, int n_in,
     RANK_OK(s, tp_dtensor_full_tensor(yd, &yfull));
     RANK_OK(s, tp_backward(yfull, g));
     bool eq = false;
-    RANK_OK(s, tp_tensor_equal(yfull, yp, &eq));
+    RANK_OK(s, same(yfull, yp, exact, &eq));
     RANK_EXPECT(s, eq, "%s: output differs from the single-rank result", label);
     for (int i = 0; i < n_in; i++) {
         tp_tensor *gd = tp_tensor_grad(dt[i]), *gf = NULL;
@@ -52,7 +69,7 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, op3_fn op, int n_in,
         if (!gd)
             continue;
         RANK_OK(s, tp_dtensor_full_tensor(gd, &gf));
-        RANK_OK(s, tp_tensor_equal(gf, tp_tensor_grad(full[i]), &eq));
+        RANK_OK(s, same(gf, tp_tensor_grad(full[i]), exact, &eq));
         RANK_EXPECT(s, eq, "%s: gradient of input %d differs", label, i);
         tp_tensor_release(gf);
     }
@@ -102,6 +119,26 @@ static tp_status lin_body(tp_comm *w, void *arg)
                      with_bias ? " with bias" : "");
             TP_TEST_TRY(check_case(s, mesh, lin3, with_bias ? 3 : 2, nds, shapes,
                                 (const tp_placement(*)[3])pl, label));
+        }
+    }
+    /* linear + GELU: the same layouts; a rowwise one is moved to a layout
+     * whose output is not a partial sum first */
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        for (int v = 0; v < 4; v++) {
+            bool with_bias = v & 1, tanh_approx = v & 2;
+            tp_placement pl[3][3];
+            for (int d = 0; d < 3; d++) {
+                bool inner = d == c->mesh_ndim - 1;
+                pl[0][d] = inner ? cases[k].x : d == 0 ? S0 : R;
+                pl[1][d] = inner ? cases[k].w : R;
+                pl[2][d] = inner ? cases[k].b : R;
+            }
+            char label[128];
+            snprintf(label, sizeof label, "linear_gelu (%s) %s%s", tanh_approx ? "tanh" : "erf",
+                     cases[k].label, with_bias ? " with bias" : "");
+            TP_TEST_TRY(check_case(s, mesh, tanh_approx ? lin_gelu_tanh : lin_gelu_erf,
+                                   with_bias ? 3 : 2, nds, shapes, (const tp_placement(*)[3])pl,
+                                   label));
         }
     }
     /* matmul: a [5, 3, 7] b [7, 6] */
@@ -171,4 +208,145 @@ ParameterizedTest(lin_mesh *lm, ops_linear, equals_single_rank, .timeout = 120)
         n *= (int)lm->shape[d];
     }
     tp_test_run(n, lin_body, &c, c.slot);
+}
+
+/* ---- linear_gelu against the unfused pair ---------------------------------------- */
+
+/* x [5, 3, 7], W [6, 7], b [6] of dtype, uniform in [-2, 2), requiring grad. */
+static void gelu_inputs(tp_dtype dt, tp_tensor *t[3])
+{
+    const int64_t shapes[3][3] = {{5, 3, 7}, {6, 7}, {6}};
+    const int nds[3] = {3, 2, 1};
+    for (int i = 0; i < 3; i++) {
+        tp_tensor *f = NULL;
+        CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, nds[i], shapes[i], &f));
+        CHECK_OK(tp_tensor_fill_random(f, TP_RNG_UNIFORM, -2, 2, 40 + (uint64_t)i, NULL, NULL));
+        CHECK_OK(tp_tensor_to(f, dt, TP_CPU, &t[i]));
+        CHECK_OK(tp_tensor_set_requires_grad(t[i], true));
+        tp_tensor_release(f);
+    }
+}
+
+static bool bytes_equal(const tp_tensor *a, const tp_tensor *b)
+{
+    return a && b && tp_tensor_numel(a) == tp_tensor_numel(b) &&
+           tp_tensor_dtype(a) == tp_tensor_dtype(b) &&
+           !memcmp(tp_tensor_data(a), tp_tensor_data(b),
+                   (size_t)tp_tensor_numel(a) * tp_dtype_size(tp_tensor_dtype(a)));
+}
+
+/* On the CPU the fused op is the pair linear -> gelu bit for bit, forward
+ * and every gradient, in each dtype, approximation and with or without a
+ * bias (the contract tp/ops.h states; CUDA's tanh form differs by design). */
+Test(ops_linear, linear_gelu_equals_unfused_pair, .timeout = 30)
+{
+    const tp_dtype dts[3] = {TP_F32, TP_BF16, TP_F16};
+    for (int d = 0; d < 3; d++) {
+        for (int v = 0; v < 4; v++) {
+            tp_gelu_approx ap = v & 1 ? TP_GELU_TANH : TP_GELU_EXACT;
+            bool with_bias = v & 2;
+            tp_tensor *a[3] = {0}, *b[3] = {0}, *ya = NULL, *yl = NULL, *yb = NULL, *g = NULL,
+                      *gf = NULL;
+            gelu_inputs(dts[d], a);
+            gelu_inputs(dts[d], b);
+            CHECK_OK(tp_linear_gelu(a[0], a[1], with_bias ? a[2] : NULL, ap, &ya));
+            CHECK_OK(tp_linear(b[0], b[1], with_bias ? b[2] : NULL, &yl));
+            CHECK_OK(tp_gelu(yl, ap, &yb));
+            cr_assert(bytes_equal(ya, yb), "%s approx %d bias %d: output differs",
+                      tp_dtype_name(dts[d]), (int)ap, (int)with_bias);
+            CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 3, (int64_t[]){5, 3, 6}, &gf));
+            CHECK_OK(tp_tensor_fill_random(gf, TP_RNG_UNIFORM, -1, 1, 9, NULL, NULL));
+            CHECK_OK(tp_tensor_to(gf, dts[d], TP_CPU, &g));
+            CHECK_OK(tp_backward(ya, g));
+            CHECK_OK(tp_backward(yb, g));
+            for (int i = 0; i < (with_bias ? 3 : 2); i++)
+                cr_assert(bytes_equal(tp_tensor_grad(a[i]), tp_tensor_grad(b[i])),
+                          "%s approx %d bias %d: the gradient of input %d differs",
+                          tp_dtype_name(dts[d]), (int)ap, (int)with_bias, i);
+            cr_assert(with_bias || !tp_tensor_grad(a[2]), "an absent bias got a gradient");
+            for (int i = 0; i < 3; i++) {
+                tp_tensor_release(a[i]);
+                tp_tensor_release(b[i]);
+            }
+            tp_tensor_release(ya);
+            tp_tensor_release(yl);
+            tp_tensor_release(yb);
+            tp_tensor_release(g);
+            tp_tensor_release(gf);
+        }
+    }
+}
+
+/* The pre-activation is kept only for a backward: under no-grad (and with
+ * no input requiring grad) the op leaves its output alone in memory. */
+Test(ops_linear, linear_gelu_keeps_pre_activation_only_for_backward, .timeout = 30)
+{
+    tp_tensor *t[3] = {0}, *y = NULL, *probe = NULL;
+    gelu_inputs(TP_F32, t);
+    tp_memory_info m0, m1, m2;
+    /* the bytes of one output-sized block */
+    CHECK_OK(tp_memory_stats(TP_CPU, &m0));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 3, (int64_t[]){5, 3, 6}, &probe));
+    CHECK_OK(tp_memory_stats(TP_CPU, &m1));
+    size_t block = m1.allocated - m0.allocated;
+    tp_tensor_release(probe);
+    cr_assert_gt(block, 0);
+
+    CHECK_OK(tp_memory_stats(TP_CPU, &m0));
+    tp_no_grad_begin();
+    tp_status st = tp_linear_gelu(t[0], t[1], t[2], TP_GELU_TANH, &y);
+    tp_no_grad_end();
+    CHECK_OK(st);
+    CHECK_OK(tp_memory_stats(TP_CPU, &m1));
+    cr_assert_eq(m1.allocated - m0.allocated, block, "no-grad kept %zu bytes beyond y's %zu",
+                 m1.allocated - m0.allocated - block, block);
+    cr_assert(!tp_tensor_requires_grad(y));
+    tp_tensor_release(y);
+
+    CHECK_OK(tp_memory_stats(TP_CPU, &m0));
+    CHECK_OK(tp_linear_gelu(t[0], t[1], t[2], TP_GELU_TANH, &y));
+    CHECK_OK(tp_memory_stats(TP_CPU, &m2));
+    cr_assert_geq(m2.allocated - m0.allocated, 2 * block,
+                  "with grad the pre-activation is kept beside y");
+    tp_tensor_release(y); /* frees the graph, and the pre-activation with it */
+    CHECK_OK(tp_memory_stats(TP_CPU, &m1));
+    cr_assert_eq(m1.allocated, m0.allocated, "%zu bytes left after the output was released",
+                 m1.allocated - m0.allocated);
+    for (int i = 0; i < 3; i++)
+        tp_tensor_release(t[i]);
+}
+
+Test(ops_linear, linear_gelu_refusals, .timeout = 30)
+{
+    tp_tensor *t[3] = {0}, *y = NULL, *x5 = NULL, *b4 = NULL;
+    gelu_inputs(TP_F32, t);
+    tp_status st = tp_linear_gelu(t[0], t[1], t[2], TP_GELU_TANH, NULL);
+    cr_assert(st == TP_ERR_INVALID_ARG && strstr(tp_last_error(), "linear_gelu: out is NULL"),
+              "%s", tp_last_error());
+    st = tp_linear_gelu(t[0], t[1], t[2], (tp_gelu_approx)7, &y);
+    cr_assert(st == TP_ERR_INVALID_ARG && !y &&
+                  strstr(tp_last_error(),
+                         "linear_gelu: approx 7 is neither TP_GELU_EXACT nor TP_GELU_TANH"),
+              "%s", tp_last_error());
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 2, (int64_t[]){4, 5}, &x5));
+    st = tp_linear_gelu(x5, t[1], NULL, TP_GELU_TANH, &y);
+    cr_assert(st == TP_ERR_INVALID_ARG && !y &&
+                  strstr(tp_last_error(), "linear_gelu: input has 5 features, weight expects 7"),
+              "%s", tp_last_error());
+    CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, 1, (int64_t[]){4}, &b4));
+    st = tp_linear_gelu(t[0], t[1], b4, TP_GELU_TANH, &y);
+    cr_assert(st == TP_ERR_INVALID_ARG && !y &&
+                  strstr(tp_last_error(), "linear_gelu: bias must be [6]"),
+              "%s", tp_last_error());
+    st = tp_linear_gelu(NULL, t[1], NULL, TP_GELU_TANH, &y);
+    cr_assert(st == TP_ERR_INVALID_ARG && !y, "a NULL x: %s", tp_status_name(st));
+    tp_tensor *i64 = NULL;
+    CHECK_OK(tp_tensor_zeros(TP_I64, TP_CPU, 2, (int64_t[]){4, 7}, &i64));
+    st = tp_linear_gelu(i64, t[1], NULL, TP_GELU_TANH, &y);
+    cr_assert(st != TP_OK && !y, "an i64 x was taken");
+    tp_tensor_release(i64);
+    tp_tensor_release(x5);
+    tp_tensor_release(b4);
+    for (int i = 0; i < 3; i++)
+        tp_tensor_release(t[i]);
 }

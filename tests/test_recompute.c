@@ -65,13 +65,20 @@ static bool same_bytes(const tp_tensor *a, const tp_tensor *b)
 
 /* ---- plain modules ------------------------------------------------------------ */
 
-/* Sequential(Linear 16->32, GELU, Dropout 0.3, Linear 32->8), seeded. */
-static tp_module *mlp(double p)
+/* Sequential(Linear 16->32, GELU, Dropout 0.3, Linear 32->8), seeded;
+ * fused: the GELU fused into fc1 (tp_nn_linear_fuse_gelu) and act an
+ * Identity, the same parameters. */
+static tp_module *mlp_of(double p, bool fused)
 {
     tp_module *seq = NULL, *l1 = NULL, *act = NULL, *drop = NULL, *l2 = NULL;
     CHECK_OK(tp_nn_sequential_create(&seq));
     CHECK_OK(tp_nn_linear_create(16, 32, true, &l1));
-    CHECK_OK(tp_nn_gelu_create(TP_GELU_TANH, &act));
+    if (fused) {
+        CHECK_OK(tp_nn_linear_fuse_gelu(l1, TP_GELU_TANH));
+        CHECK_OK(tp_nn_identity_create(&act));
+    } else {
+        CHECK_OK(tp_nn_gelu_create(TP_GELU_TANH, &act));
+    }
     CHECK_OK(tp_nn_dropout_create(p, 7, &drop));
     CHECK_OK(tp_nn_linear_create(32, 8, true, &l2));
     CHECK_OK(tp_module_add_child(seq, "fc1", l1));
@@ -81,6 +88,8 @@ static tp_module *mlp(double p)
     CHECK_OK(tp_module_init(seq, 3));
     return seq;
 }
+
+static tp_module *mlp(double p) { return mlp_of(p, false); }
 
 static tp_tensor *input(uint64_t seed, bool requires_grad)
 {
@@ -96,9 +105,10 @@ static tp_tensor *input(uint64_t seed, bool requires_grad)
 
 /* Two training steps' gradients (of the parameters and of x) under `mode`
  * on the Sequential (or on a Sequential inside a container, outer). */
-static void mlp_steps(tp_recompute_mode mode, bool nested, grads_t g[2], tp_tensor *gx[2])
+static void mlp_steps(tp_recompute_mode mode, bool nested, bool fused, grads_t g[2],
+                      tp_tensor *gx[2])
 {
-    tp_module *m = mlp(0.3);
+    tp_module *m = mlp_of(0.3, fused);
     CHECK_OK(tp_module_set_recompute(m, mode));
     if (nested)
         CHECK_OK(tp_module_set_recompute(tp_module_find(m, "fc1"), TP_RECOMPUTE_FULL));
@@ -122,19 +132,24 @@ Test(recompute, plain_module_bit_identical, .timeout = 60)
 {
     grads_t ref[2] = {0};
     tp_tensor *rx[2] = {0};
-    mlp_steps(TP_RECOMPUTE_NONE, false, ref, rx);
-    const tp_recompute_mode modes[] = {TP_RECOMPUTE_FULL, TP_RECOMPUTE_SELECTIVE,
-                                       TP_RECOMPUTE_FULL};
-    for (int k = 0; k < 3; k++) {
+    mlp_steps(TP_RECOMPUTE_NONE, false, false, ref, rx);
+    /* and with the GELU fused into fc1 (on the CPU the fused op is the pair
+     * bit for bit): its pre-activation must reach the replay through the
+     * stash, which records under no-grad */
+    const tp_recompute_mode modes[] = {TP_RECOMPUTE_FULL,   TP_RECOMPUTE_SELECTIVE,
+                                       TP_RECOMPUTE_FULL,   TP_RECOMPUTE_NONE,
+                                       TP_RECOMPUTE_FULL,   TP_RECOMPUTE_SELECTIVE};
+    for (int k = 0; k < 6; k++) {
         grads_t g[2] = {0};
         tp_tensor *gx[2] = {0};
-        mlp_steps(modes[k], k == 2, g, gx);
+        bool fused = k >= 3;
+        mlp_steps(modes[k], k == 2, fused, g, gx);
         for (int step = 0; step < 2; step++) {
             /* the second step draws the Dropout masks that follow the first
              * step's: the recompute must leave the counter as it found it */
             const char *bad = grads_differ(&g[step], &ref[step]);
-            cr_assert(!bad, "mode %d%s, step %d: the gradient of %s differs", (int)modes[k],
-                      k == 2 ? " nested" : "", step, bad);
+            cr_assert(!bad, "mode %d%s%s, step %d: the gradient of %s differs", (int)modes[k],
+                      k == 2 ? " nested" : "", fused ? " fused" : "", step, bad);
             cr_assert(same_bytes(gx[step], rx[step]), "mode %d step %d: x's gradient differs",
                       (int)modes[k], step);
             grads_free(&g[step]);

@@ -1445,6 +1445,189 @@ ParameterizedTest(int *n, styles, mlp_counts, .timeout = 60)
     tp_test_run(*n, mlp_body, &c, c.slot);
 }
 
+/* ==== the MLP with its GELU fused into net1 ======================================= */
+
+/* Sequential(net1 Linear 10->16, [act GELU(tanh)], net2 Linear 16->10),
+ * seed 5; fused: the GELU fused into net1 (tp_nn_linear_fuse_gelu) and no
+ * act. With a mesh: net1 colwise, net2 rowwise (sequence parallel: S(0) in
+ * and out). */
+static tp_status make_gelu_mlp(tp_mesh *mesh, bool seq, bool fused, tp_module **out)
+{
+    tp_module *m = NULL, *child = NULL;
+    TP_TEST_TRY(tp_nn_sequential_create(&m));
+    tp_status st = tp_nn_linear_create(10, 16, true, &child);
+    if (st == TP_OK && fused)
+        st = tp_nn_linear_fuse_gelu(child, TP_GELU_TANH);
+    if (st == TP_OK)
+        st = tp_module_add_child(m, "net1", child), child = st == TP_OK ? NULL : child;
+    if (st == TP_OK && !fused) {
+        st = tp_nn_gelu_create(TP_GELU_TANH, &child);
+        if (st == TP_OK)
+            st = tp_module_add_child(m, "act", child), child = st == TP_OK ? NULL : child;
+    }
+    if (st == TP_OK)
+        st = tp_nn_linear_create(16, 10, true, &child);
+    if (st == TP_OK)
+        st = tp_module_add_child(m, "net2", child), child = st == TP_OK ? NULL : child;
+    if (st == TP_OK)
+        st = tp_module_init(m, 5);
+    tp_style *cs = NULL, *rs = NULL;
+    if (st == TP_OK && mesh) {
+        tp_colwise_options co = {0};
+        tp_rowwise_options ro = {0};
+        if (seq) {
+            co.input_layouts = tp_layout_of(tp_shard(0));
+            ro.output_layouts = tp_layout_of(tp_shard(0));
+        }
+        st = tp_colwise_parallel_create(&co, &cs);
+        if (st == TP_OK)
+            st = tp_rowwise_parallel_create(&ro, &rs);
+        if (st == TP_OK) {
+            tp_plan_entry plan[2] = {{"net1", cs}, {"net2", rs}};
+            st = tp_parallelize_module(m, mesh, 2, plan, NULL);
+        }
+    }
+    tp_style_free(cs);
+    tp_style_free(rs);
+    tp_module_free(child);
+    if (st != TP_OK) {
+        tp_module_free(m);
+        return st;
+    }
+    *out = m;
+    return TP_OK;
+}
+
+/* The full gradient of a parameter of m (a DTensor's gathered). */
+static tp_status param_grad(tp_module *m, const char *fqn, tp_tensor **out)
+{
+    char mod[32];
+    const char *dot = strchr(fqn, '.');
+    snprintf(mod, sizeof mod, "%.*s", (int)(dot - fqn), fqn);
+    tp_tensor *p = tp_module_parameter(tp_module_find(m, mod), dot + 1);
+    tp_tensor *g = p ? tp_tensor_grad(p) : NULL;
+    if (!g)
+        return TP_ERR_STATE;
+    if (tp_tensor_is_dtensor(g))
+        return tp_dtensor_full_tensor(g, out);
+    *out = tp_tensor_retain(g);
+    return TP_OK;
+}
+
+static tp_status fused_mlp_body(tp_comm *world, void *arg)
+{
+    sty_ctx *c = arg;
+    tp_test_slot *s = SLOT(c, world);
+    int w = c->w;
+    tp_mesh *mesh = NULL;
+    tp_comm_debug *dbg = NULL;
+    tp_tensor *x = NULL, *yr = NULL, *yf = NULL;
+    tp_module *ref = NULL, *m = NULL;
+    RANK_OK(s, mesh1d(world, &mesh));
+    RANK_OK(s, tp_comm_debug_create(&dbg));
+    RANK_OK(s, rand_t(2, (int64_t[]){8, 10}, 12, &x)); /* the same on every rank */
+
+    /* the unparallelized, unfused MLP against the fused one parallelized:
+     * the same values, and the MLP's collectives of DESIGN.md (forward one
+     * all_reduce, backward none) */
+    RANK_OK(s, make_gelu_mlp(NULL, false, false, &ref));
+    RANK_OK(s, run_counted(ref, x, true, dbg, &yr));
+    RANK_OK(s, make_gelu_mlp(mesh, false, true, &m));
+    RANK_OK(s, run_counted(m, x, true, dbg, &yf));
+    expect_phase(s, dbg, TP_PHASE_FORWARD, w, 1, 0, 0, "fused MLP");
+    expect_phase(s, dbg, TP_PHASE_BACKWARD, w, 0, 0, 0, "fused MLP");
+    RANK_EXPECT(s, tp_comm_debug_total(dbg) == (w > 1 ? 1 : 0), "fused MLP: %lld collectives",
+                (long long)tp_comm_debug_total(dbg));
+    TP_TEST_TRY(close_to(s, yf, yr, "fused MLP", "the output"));
+    const char *fqns[4] = {"net1.weight", "net1.bias", "net2.weight", "net2.bias"};
+    for (int i = 0; i < 4; i++) {
+        tp_tensor *gr = NULL, *gf = NULL;
+        RANK_OK(s, param_grad(ref, fqns[i], &gr));
+        RANK_OK(s, param_grad(m, fqns[i], &gf));
+        TP_TEST_TRY(close_to(s, gf, gr, "fused MLP", fqns[i]));
+        tp_tensor_release(gr);
+        tp_tensor_release(gf);
+    }
+    tp_tensor_release(yf);
+    yf = NULL;
+    tp_module_free(m);
+    m = NULL;
+
+    /* sequence parallel: all_gather + reduce_scatter forward, all_gather
+     * backward, as unfused */
+    RANK_OK(s, make_gelu_mlp(mesh, true, true, &m));
+    RANK_OK(s, run_counted(m, x, true, dbg, &yf));
+    expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 1, 1, "sequence-parallel fused MLP");
+    expect_phase(s, dbg, TP_PHASE_BACKWARD, w, 0, 1, 0, "sequence-parallel fused MLP");
+    expect_shape(s, yf, 2, (int64_t[]){8, 10}, "sequence-parallel fused MLP output");
+    tp_tensor_release(yf);
+    tp_module_free(m);
+    m = NULL;
+
+    /* RowwiseParallel on a fused Linear is refused before anything moves,
+     * and a Linear split along its input features cannot be fused */
+    RANK_OK(s, make_gelu_mlp(NULL, false, true, &m));
+    tp_style *rs = NULL;
+    RANK_OK(s, tp_rowwise_parallel_create(NULL, &rs));
+    tp_plan_entry bad = {"net1", rs};
+    tp_status st = tp_parallelize_module(m, mesh, 1, &bad, NULL);
+    RANK_EXPECT(s, st == TP_ERR_INVALID_ARG &&
+                       msg_has("RowwiseParallel cannot shard a Linear with a fused GELU at 'net1'"),
+                "rowwise on a fused Linear: %s %s", tp_status_name(st), tp_last_error());
+    tp_tensor *w1 = tp_module_parameter(tp_module_child(m, "net1"), "weight");
+    RANK_EXPECT(s, w1 && !tp_tensor_is_dtensor(w1), "the refused plan sharded net1.weight");
+    tp_plan_entry ok = {"net2", rs};
+    RANK_OK(s, tp_parallelize_module(m, mesh, 1, &ok, NULL));
+    st = tp_nn_linear_fuse_gelu(tp_module_child(m, "net2"), TP_GELU_TANH);
+    RANK_EXPECT(s, st == TP_ERR_INVALID_ARG && msg_has("split along its input features"),
+                "fusing a rowwise Linear: %s %s", tp_status_name(st), tp_last_error());
+    RANK_EXPECT(s, !tp_nn_linear_fused_gelu(tp_module_child(m, "net2"), NULL),
+                "the refused fusion took effect");
+    tp_gelu_approx ap = TP_GELU_EXACT;
+    RANK_EXPECT(s, tp_nn_linear_fused_gelu(tp_module_child(m, "net1"), &ap) && ap == TP_GELU_TANH,
+                "net1 is not reported fused (tanh)");
+    tp_style_free(rs);
+    tp_module_free(m);
+    m = NULL;
+
+    tp_module_free(ref);
+    tp_tensor_release(yr);
+    tp_tensor_release(x);
+    tp_comm_debug_free(dbg);
+    tp_mesh_free(mesh);
+    return TP_OK;
+}
+
+SIZES_PARAMS(fused_gelu_mlp, 1, 2, 3, 4, 8)
+ParameterizedTest(int *n, styles, fused_gelu_mlp, .timeout = 60)
+{
+    sty_ctx c = {.w = *n};
+    tp_test_run(*n, fused_mlp_body, &c, c.slot);
+}
+
+Test(styles, fuse_gelu_refusals, .timeout = 10)
+{
+    tp_module *g = NULL, *l = NULL;
+    CHECK_OK(tp_nn_gelu_create(TP_GELU_TANH, &g));
+    tp_status st = tp_nn_linear_fuse_gelu(g, TP_GELU_TANH);
+    cr_assert(st == TP_ERR_INVALID_ARG && msg_has("tp_nn_linear_fuse_gelu: the module is a GELU, "
+                                                  "not a Linear"),
+              "%s", tp_last_error());
+    st = tp_nn_linear_fuse_gelu(NULL, TP_GELU_TANH);
+    cr_assert(st == TP_ERR_INVALID_ARG && msg_has("linear is NULL"), "%s", tp_last_error());
+    CHECK_OK(tp_nn_linear_create(4, 4, false, &l));
+    st = tp_nn_linear_fuse_gelu(l, (tp_gelu_approx)3);
+    cr_assert(st == TP_ERR_INVALID_ARG && msg_has("approx 3 is neither"), "%s", tp_last_error());
+    cr_assert(!tp_nn_linear_fused_gelu(l, NULL) && !tp_nn_linear_fused_gelu(g, NULL) &&
+              !tp_nn_linear_fused_gelu(NULL, NULL));
+    CHECK_OK(tp_nn_linear_fuse_gelu(l, TP_GELU_EXACT));
+    cr_assert_str_eq(tp_module_type_name(l), "Linear");
+    tp_gelu_approx ap = TP_GELU_TANH;
+    cr_assert(tp_nn_linear_fused_gelu(l, &ap) && ap == TP_GELU_EXACT);
+    tp_module_free(g);
+    tp_module_free(l);
+}
+
 /* ==== FQN matching ============================================================= */
 
 Test(styles, fqn_match, .timeout = 10)

@@ -72,6 +72,22 @@ typedef tp_status (*tp_forward_fn)(tp_module *self, int nargs, tp_tensor *const 
 TP_API tp_status tp_nn_linear_create(int64_t in_features, int64_t out_features, bool bias,
                                      tp_module **out);
 TP_API tp_status tp_nn_embedding_create(int64_t num, int64_t dim, tp_module **out);
+/* Fuses the GELU that follows a Linear into it: from then on the Linear's
+ * forward is tp_linear_gelu(x, weight, bias, approx), GELU(Linear(x)) as one
+ * op (on CUDA one cuBLASLt product with the activation in its epilogue).
+ * Its type name, parameters, FQNs and state dict stay a Linear's, so
+ * checkpoints and parallelize plans written for the unfused model apply;
+ * the GELU module after it is the caller's to drop (or replace with
+ * Identity). ColwiseParallel applies (the output is S(-1), as before);
+ * RowwiseParallel does not (its output is a partial sum, whose GELU is not
+ * the GELU of the total): a Linear already split along its input features
+ * is TP_ERR_INVALID_ARG here, and RowwiseParallel on a fused Linear is
+ * refused by tp_parallelize_module. Not a Linear, or approx out of range:
+ * TP_ERR_INVALID_ARG. Calling it again changes the approximation. */
+TP_API tp_status tp_nn_linear_fuse_gelu(tp_module *linear, tp_gelu_approx approx);
+/* Whether m is a Linear with a fused GELU (its approximation into *approx
+ * when non-NULL). */
+TP_API bool tp_nn_linear_fused_gelu(const tp_module *m, tp_gelu_approx *approx);
 TP_API tp_status tp_nn_layer_norm_create(int64_t dim, bool affine, double eps, tp_module **out);
 TP_API tp_status tp_nn_rms_norm_create(int64_t dim, bool affine, double eps, tp_module **out);
 /* Dropout: the mask depends on (seed + call count, global element index). */

@@ -76,6 +76,23 @@ TP_API tp_status tp_relu(tp_tensor *x, tp_tensor **y);
 typedef enum tp_gelu_approx { TP_GELU_EXACT = 0, TP_GELU_TANH = 1 } tp_gelu_approx;
 TP_API tp_status tp_gelu(tp_tensor *x, tp_gelu_approx approx, tp_tensor **y);
 
+/* y = gelu(x W^T + b) as one op: the colwise half of a Megatron MLP
+ * (Linear, then GELU) fused, as apex's FusedDenseGeLU. Shapes, dtypes and
+ * errors as tp_linear. Strategies per mesh dim: linear's whose output is not
+ * a partial sum: x R, W S(0), b S(0) -> y S(-1) (colwise); x S(d) (a batch
+ * dim), W R, b R -> y S(d); all R -> R. A rowwise layout (x S(-1), W S(1))
+ * is therefore redistributed to one of these first; tp_nn_linear_fuse_gelu
+ * refuses RowwiseParallel for that reason. The backward keeps the
+ * pre-activation, as the unfused pair keeps the linear's output, and keeps
+ * nothing under tp_no_grad. On CUDA in bf16/f16 with TP_GELU_TANH the bias and the GELU
+ * ride in the product (cuBLASLt's GELU_AUX_BIAS epilogue: the GELU of the
+ * f32 accumulator, one rounding, where the pair rounds twice), and the
+ * backward's activation gradient and bias gradient share one pass; on the
+ * CPU, and on CUDA in f32 or for TP_GELU_EXACT, the result is the unfused pair's bit
+ * for bit. */
+TP_API tp_status tp_linear_gelu(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_gelu_approx approx,
+                                tp_tensor **y);
+
 /* ---- silu and swiglu (ops_elementwise.c) ------------------------------------
  * The Llama / Mistral / Qwen2 MLP, down_proj(silu(gate_proj(x)) * up_proj(x)).
  *

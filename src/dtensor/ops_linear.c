@@ -121,6 +121,96 @@ tp_status tp_linear(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_tensor **y)
     return tp__op_run(&linear_def, args, NULL, 0, y);
 }
 
+/* ---- linear + GELU: y = gelu(x W^T + b) -------------------------------------- */
+
+typedef struct linear_gelu_params {
+    tp_gelu_approx approx;
+} linear_gelu_params;
+
+/* linear's strategies whose output is not a partial sum (a GELU of partial
+ * sums is not the GELU of their total): colwise, a batch dim split, and
+ * everything replicated. */
+static int linear_gelu_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
+{
+    (void)mesh_dim;
+    int nd = tp__op_gndim(op, 0), n = 0;
+    s[n++] = (tp__strategy){{tp__R(), tp__S(0), tp__S(0)}, tp__S(nd - 1),
+                            {tp__P(), tp__S(0), tp__S(0)}};
+    for (int d = 0; d + 1 < nd; d++)
+        s[n++] = (tp__strategy){{tp__S(d), tp__R(), tp__R()}, tp__S(d),
+                                {tp__S(d), tp__P(), tp__P()}};
+    s[n++] = (tp__strategy){{tp__R(), tp__R(), tp__R()}, tp__R(), {tp__R(), tp__R(), tp__R()}};
+    return n;
+}
+
+static tp_status linear_gelu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
+{
+    tp_tensor *x = in[0], *w = in[1], *b = in[2];
+    bool tanh_approx = TP__OP_PARAMS(op, linear_gelu_params)->approx == TP_GELU_TANH;
+    int nd = x->ndim;
+    int64_t shape[TP_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof(int64_t) * (size_t)nd);
+    shape[nd - 1] = w->shape[0];
+    TP_CHECK(out_like(op, x, nd, shape, out));
+    /* the pre-activation is kept for a backward only (op->in: the inputs
+     * the node will hold, whose autograd state says whether it is recorded),
+     * and for the one that replays this forward from a selective
+     * recomputation's stash (recorded under no-grad) */
+    if (tp__needs_grad(3, op->in) || tp__stash_active())
+        TP_CHECK(out_like(op, x, nd, shape, &op->saved[0]));
+    return op->k->linear_gelu_fwd(op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
+                                  b ? tp_tensor_data(b) : NULL, tp_tensor_data(*out),
+                                  op->saved[0] ? tp_tensor_data(op->saved[0]) : NULL, tp__rows(x),
+                                  w->shape[1], w->shape[0], tanh_approx);
+}
+
+static tp_status linear_gelu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
+{
+    tp_tensor *x = in[0], *w = in[1], *aux = op->saved[0], *gz = NULL;
+    TP_ASSERT(aux);
+    bool tanh_approx = TP__OP_PARAMS(op, linear_gelu_params)->approx == TP_GELU_TANH;
+    if (op->need_grad[0])
+        TP_CHECK(out_like(op, x, x->ndim, x->shape, &g[0]));
+    if (op->need_grad[1])
+        TP_CHECK(out_like(op, x, 2, w->shape, &g[1]));
+    if (op->need_grad[2])
+        TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
+    TP_CHECK(out_like(op, x, aux->ndim, aux->shape, &gz));
+    void *gx = g[0] ? tp_tensor_data(g[0]) : NULL, *gw = g[1] ? tp_tensor_data(g[1]) : NULL,
+         *gb = g[2] ? tp_tensor_data(g[2]) : NULL;
+    tp_status st = op->k->linear_gelu_bwd(
+        op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w), tp_tensor_data(aux),
+        tp_tensor_data(gy), tp_tensor_data(gz), gx, gw, gb, tp__rows(x), w->shape[1],
+        w->shape[0], tanh_approx);
+    tp_tensor_release(gz);
+    return st;
+}
+
+static const tp__op_def linear_gelu_def = {
+    .name = "linear_gelu",
+    .n_inputs = 3,
+    .input_names = {"x", "weight", "bias"},
+    .optional_mask = 1u << 2,
+    .dtype_kernel = TP__KOP_LINEAR_GELU_FWD,
+    .recompute_keep = true,
+    .strategies = linear_gelu_strategies,
+    .out_shape = linear_shape,
+    .forward = linear_gelu_fwd,
+    .backward = linear_gelu_bwd,
+};
+
+tp_status tp_linear_gelu(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_gelu_approx approx,
+                         tp_tensor **y)
+{
+    TP_ARG_CHECK(y, "linear_gelu: out is NULL");
+    *y = NULL;
+    TP_ARG_CHECK(approx == TP_GELU_EXACT || approx == TP_GELU_TANH,
+                 "linear_gelu: approx %d is neither TP_GELU_EXACT nor TP_GELU_TANH", (int)approx);
+    tp_tensor *args[3] = {x, w, b};
+    linear_gelu_params p = {approx};
+    return tp__op_run(&linear_gelu_def, args, &p, sizeof p, y);
+}
+
 /* ---- matmul: y = a b, b 2-D ----------------------------------------------- */
 
 static int matmul_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)

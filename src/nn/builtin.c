@@ -89,6 +89,9 @@ static tp_status tp__linear_forward(tp_module *self, int nargs, tp_tensor *const
                                     int nkw, const tp_kwarg *kw, tp_tensor **out)
 {
     TP__ONE_INPUT(self);
+    if (self->cfg.linear.fused_gelu)
+        return tp_linear_gelu(args[0], tp_module_parameter(self, "weight"),
+                              tp_module_parameter(self, "bias"), self->cfg.linear.gelu, out);
     return tp_linear(args[0], tp_module_parameter(self, "weight"),
                      tp_module_parameter(self, "bias"), out);
 }
@@ -210,6 +213,40 @@ tp_status tp_nn_linear_create(int64_t in_features, int64_t out_features, bool bi
     }
     *out = m;
     return TP_OK;
+}
+
+tp_status tp_nn_linear_fuse_gelu(tp_module *linear, tp_gelu_approx approx)
+{
+    const char *fn = "tp_nn_linear_fuse_gelu";
+    TP_ARG_CHECK(linear, "%s: linear is NULL", fn);
+    TP_ARG_CHECK(linear->kind == TP_MODULE_LINEAR, "%s: the module is a %s, not a Linear", fn,
+                 linear->type_name);
+    TP_ARG_CHECK(approx == TP_GELU_EXACT || approx == TP_GELU_TANH,
+                 "%s: approx %d is neither TP_GELU_EXACT nor TP_GELU_TANH", fn, (int)approx);
+    /* a weight split along its input features makes the output a partial
+     * sum, whose GELU is not the GELU of the total */
+    tp_tensor *w = tp_module_parameter(linear, "weight");
+    if (w && tp_tensor_is_dtensor(w)) {
+        const tp_placement *pl = tp_dtensor_placements(w);
+        int nd = tp_mesh_ndim(tp_dtensor_mesh(w));
+        for (int i = 0; i < nd; i++)
+            TP_ARG_CHECK(!(pl[i].kind == TP_PLACEMENT_SHARD && pl[i].dim == 1),
+                         "%s: the weight is split along its input features (rowwise, mesh dim "
+                         "%d): the output is a partial sum, and a GELU cannot follow it fused",
+                         fn, i);
+    }
+    linear->cfg.linear.fused_gelu = true;
+    linear->cfg.linear.gelu = approx;
+    return TP_OK;
+}
+
+bool tp_nn_linear_fused_gelu(const tp_module *m, tp_gelu_approx *approx)
+{
+    if (!m || m->kind != TP_MODULE_LINEAR || !m->cfg.linear.fused_gelu)
+        return false;
+    if (approx)
+        *approx = m->cfg.linear.gelu;
+    return true;
 }
 
 tp_status tp_nn_embedding_create(int64_t num, int64_t dim, tp_module **out)

@@ -75,6 +75,8 @@ struct tp_module {
         struct {
             int64_t in, out;
             bool bias;
+            bool fused_gelu;     /* forward: tp_linear_gelu (tp_nn_linear_fuse_gelu) */
+            tp_gelu_approx gelu; /* its approximation */
         } linear;
         struct {
             int64_t num, dim;

@@ -608,6 +608,12 @@ tp_status tp__style_check(const tp_style *s, const tp_module *m, const char *fqn
     if (s->kind != TP__STY_COLWISE && s->kind != TP__STY_ROWWISE)
         return TP_OK;
     tp_module_kind k = tp_module_kind_of(m);
+    if (s->kind == TP__STY_ROWWISE && tp_nn_linear_fused_gelu(m, NULL))
+        return tp__error(TP_ERR_INVALID_ARG,
+                         "RowwiseParallel cannot shard a Linear with a fused GELU at %s: its "
+                         "output would be a partial sum, and the GELU of partial sums is not the "
+                         "GELU of their total",
+                         tp__style_where(fqn, wb, sizeof wb));
     if (k == TP_MODULE_LINEAR || k == TP_MODULE_EMBEDDING)
         return TP_OK;
     return tp__error(TP_ERR_INVALID_ARG, "%s only supports Linear and Embedding, got %s at %s",
