@@ -29,11 +29,22 @@
  *   layers:  colwise   Linear(H -> 4H), ColwiseParallel
  *            rowwise   Linear(4H -> H), RowwiseParallel (input sharded)
  *            mlp       colwise -> GELU -> rowwise (the Megatron MLP block)
+ *            mlp-fused the same block with the GELU fused into the first
+ *                      Linear (tp_nn_linear_fuse_gelu(net1, TP_GELU_TANH):
+ *                      tp_linear_gelu, on CUDA cuBLASLt's GELU_AUX_BIAS
+ *                      epilogue), no GELU module; colwise, then rowwise
+ *                      (not in the default)
  *            emb-col   Embedding(V, H) ColwiseParallel
  *            emb-row   Embedding(V, H) RowwiseParallel(input R)
  *            mlp-gemm  the sgemm calls of mlp's pass alone, by hand on this
  *                      rank's shards (no bias, activation, autograd or
- *                      collective): the floor for mlp (not in the default)
+ *                      collective): the floor for mlp and mlp-fused (not
+ *                      in the default)
+ *
+ * With --device cuda, after the sweep: mlp and mlp-fused each against
+ * mlp-gemm (bare/libtp, target >= 0.95); on any device, where mlp and
+ * mlp-fused both ran: fused/unfused time, the median of the runs' ratios
+ * (run r against run r) with their min-max.
  *
  * tp-bench-layers --help lists the options and their defaults;
  * tp-bench-layers --mlp-check times the MLP block 2048 -> 8192 -> 2048 on
@@ -60,8 +71,8 @@
 enum { BK_SHM, BK_MPI, BK_NCCL, BK_COUNT };
 static const char *backend_names[BK_COUNT] = {"shm", "mpi", "nccl"};
 
-enum { L_COLWISE, L_ROWWISE, L_MLP, L_EMB_COL, L_EMB_ROW, L_MLP_GEMM, L_COUNT };
-static const char *layer_names[L_COUNT] = {"colwise", "rowwise", "mlp",
+enum { L_COLWISE, L_ROWWISE, L_MLP, L_MLP_FUSED, L_EMB_COL, L_EMB_ROW, L_MLP_GEMM, L_COUNT };
+static const char *layer_names[L_COUNT] = {"colwise", "rowwise", "mlp", "mlp-fused",
                                            "emb-col", "emb-row", "mlp-gemm"};
 
 typedef struct {
@@ -99,6 +110,14 @@ static tp_status build(point *p, tp_mesh *mesh, int W, tp_module **root, tp_styl
         if (st == TP_OK) st = tp_nn_linear_create(4 * H, H, true, &b);
         if (st == TP_OK) st = tp_module_add_child(m, "2", b);
         break;
+    case L_MLP_FUSED: /* mlp with the GELU inside net1: "0" fused Linear, "1" Linear */
+        st = tp_nn_sequential_create(&m);
+        if (st == TP_OK) st = tp_nn_linear_create(H, 4 * H, true, &a);
+        if (st == TP_OK) st = tp_nn_linear_fuse_gelu(a, TP_GELU_TANH);
+        if (st == TP_OK) st = tp_module_add_child(m, "0", a);
+        if (st == TP_OK) st = tp_nn_linear_create(4 * H, H, true, &b);
+        if (st == TP_OK) st = tp_module_add_child(m, "1", b);
+        break;
     case L_EMB_COL:
     case L_EMB_ROW:
         st = tp_nn_embedding_create(p->vocab, H, &m);
@@ -124,6 +143,10 @@ static tp_status build(point *p, tp_mesh *mesh, int W, tp_module **root, tp_styl
         case L_MLP:
             plan[n++] = (tp_plan_entry){"0", styles[0]};
             plan[n++] = (tp_plan_entry){"2", styles[1]};
+            break;
+        case L_MLP_FUSED:
+            plan[n++] = (tp_plan_entry){"0", styles[0]};
+            plan[n++] = (tp_plan_entry){"1", styles[1]};
             break;
         }
         tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
@@ -647,6 +670,7 @@ static double flops(const point *p)
     case L_COLWISE:
     case L_ROWWISE: return p->backward ? 2 * gemm : gemm;
     case L_MLP:
+    case L_MLP_FUSED:
     case L_MLP_GEMM:
         return p->backward ? 5 * gemm : 2 * gemm;
     default: return 0; /* embeddings do no matrix products */
@@ -790,7 +814,7 @@ static const char *pass_names[P_COUNT] = {"fwd", "fwd+bwd"};
  * runs several times slower for its first few passes (malloc's mmap threshold
  * rises only as large blocks are freed, so until then every pass maps and
  * faults in fresh pages): see bench/README.md. */
-static const int default_warmup[L_COUNT] = {2, 2, 2, 8, 8, 2};
+static const int default_warmup[L_COUNT] = {2, 2, 2, 2, 8, 8, 2};
 
 #define MAX_LIST 8
 #define MAX_REPS 100
@@ -823,6 +847,8 @@ static void usage(FILE *f)
         "option          meaning                                               default\n"
         "  -l LIST       layers: colwise (Linear H->4H), rowwise (4H->H),      all five\n"
         "                mlp (colwise, GELU, rowwise), emb-col, emb-row;\n"
+        "                mlp-fused (mlp with the GELU fused into the\n"
+        "                colwise Linear: tp_nn_linear_fuse_gelu);\n"
         "                mlp-gemm (mlp's sgemm calls alone, by hand)\n"
         "  -p LIST       passes: fwd, fwd+bwd                                  fwd,fwd+bwd\n"
         "  -t LIST       tokens                                                512,2048\n"
@@ -834,8 +860,8 @@ static void usage(FILE *f)
         "  --device D    cpu, or cuda: shm ranks (threads), parameters,        cpu\n"
         "                inputs and buffers on GPU rank %% GPUs (all on one GPU\n"
         "                when there is one); mlp-gemm calls cublasGemmEx on\n"
-        "                each rank's stream; prints mlp against mlp-gemm and\n"
-        "                the GPU's peak\n"
+        "                each rank's stream; prints mlp and mlp-fused against\n"
+        "                mlp-gemm and the GPU's peak\n"
         "  -g LIST       rank counts                                           1,2 (mpi: 1,N)\n"
         "  -n N          timed passes per run; a run is their median           5 (--mlp-check 3)\n"
         "  -w N          untimed passes before them                            Linear layers %d,\n"
@@ -854,9 +880,14 @@ static void usage(FILE *f)
         "                shape, for quick runs (the targets are set for the default one)\n"
         "  -h, --help    this text\n"
         "\n"
+        "With mlp and mlp-fused both in -l, a line per point after the sweep gives\n"
+        "fused/unfused time: the median of the runs' ratios (run r against run r),\n"
+        "[min .. max].\n"
+        "\n"
         "LIST is comma-separated. Exit status: 0 done (all --mlp-check targets met); 1 an\n"
-        "--mlp-check target missed, or with --device cuda an mlp row slower than 0.95 of\n"
-        "its mlp-gemm row; 2 a libtp call failed, or no CUDA device; 64 bad command line.\n",
+        "--mlp-check target missed, or with --device cuda an mlp or mlp-fused row slower\n"
+        "than 0.95 of its mlp-gemm row; 2 a libtp call failed, or no CUDA device; 64 bad\n"
+        "command line.\n",
         default_warmup[L_COLWISE], default_warmup[L_EMB_COL], MAX_REPS);
 }
 
@@ -901,7 +932,7 @@ static int parse_args(int argc, char **argv, opts *o)
                 .ranks = {1, 2}, .vocab = 8192, .nt = 2, .nh = 3, .nr = 2, .iters = -1,
                 .warmup = -1, .reps = 3};
     for (int l = 0; l < L_COUNT; l++)
-        o->layers[l] = l != L_MLP_GEMM;
+        o->layers[l] = l != L_MLP_GEMM && l != L_MLP_FUSED;
     o->passes[P_FWD] = o->passes[P_BWD] = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -967,7 +998,7 @@ static int parse_args(int argc, char **argv, opts *o)
         if (!ok) {
             fprintf(stderr, "tp-bench-layers: %s '%s': %s\n", a, v,
                     !strcmp(a, "-l")
-                        ? "layers are colwise, rowwise, mlp, emb-col, emb-row, mlp-gemm"
+                        ? "layers are colwise, rowwise, mlp, mlp-fused, emb-col, emb-row, mlp-gemm"
                     : !strcmp(a, "-p")       ? "passes are fwd, fwd+bwd"
                     : !strcmp(a, "--device") ? "devices are cpu, cuda"
                     : !strcmp(a, "--dtype")  ? "dtypes are f32, bf16, f16"
@@ -1223,9 +1254,20 @@ static void run_failed(const opts *o, bool printer, const point *p, int64_t W, c
 
 /* ---- --device cuda: the GPU's name and peak, mlp against mlp-gemm --------- */
 
-/* The medians of the mlp (0) and mlp-gemm (1) rows, by pass, tokens, hidden
- * and rank count index; 0 where not run. */
-typedef double mlp_medians[2][P_COUNT][MAX_LIST][MAX_LIST][MAX_LIST];
+/* The mlp-like rows: mlp (0), mlp-gemm (1), mlp-fused (2). */
+enum { M_MLP, M_GEMM, M_FUSED, M_COUNT };
+
+static int mlp_kind(int layer)
+{
+    return layer == L_MLP ? M_MLP : layer == L_MLP_GEMM ? M_GEMM : layer == L_MLP_FUSED ? M_FUSED : -1;
+}
+
+/* Their medians and every run's time, by kind, pass, tokens, hidden and rank
+ * count index; 0 where not run (or a run failed). */
+typedef struct mlp_medians {
+    double med[M_COUNT][P_COUNT][MAX_LIST][MAX_LIST][MAX_LIST];
+    double run[M_COUNT][P_COUNT][MAX_LIST][MAX_LIST][MAX_LIST][MAX_REPS];
+} mlp_medians;
 
 /* GPU 0's name (commas dropped), or "unknown GPU". */
 static void gpu_name(char *buf, size_t len)
@@ -1241,10 +1283,11 @@ static void gpu_name(char *buf, size_t len)
             *c = ' ';
 }
 
-/* Per point with both rows: bare (mlp-gemm) time over libtp's (target
- * >= 0.95) and libtp's TFLOP/s against the GPU's dense peak. The two rows'
- * medians come from separate runs of the sweep. false if a target is missed. */
-static bool print_mlp_vs_gemm(const opts *o, mlp_medians med, const char *gpu)
+/* Per point with an mlp or mlp-fused row and an mlp-gemm row: bare (mlp-gemm)
+ * time over libtp's (target >= 0.95) and libtp's TFLOP/s against the GPU's
+ * dense peak. The rows' medians come from separate runs of the sweep. false
+ * if a target is missed. */
+static bool print_mlp_vs_gemm(const opts *o, const mlp_medians *med, const char *gpu)
 {
     const char *kind = o->dtype == TP_F32 ? (tp_cuda_allow_tf32() ? "tf32" : "f32") : "bf16";
     double peak = bench_gpu_peak_tflops(gpu, kind);
@@ -1253,30 +1296,62 @@ static bool print_mlp_vs_gemm(const opts *o, mlp_medians med, const char *gpu)
         printf("# %s: dense %s peak %.1f TFLOP/s\n", gpu, kind, peak);
     else
         printf("# %s: peak unknown\n", gpu);
+    static const int libtp_kinds[2] = {M_MLP, M_FUSED};
+    for (int bw = 0; bw < P_COUNT; bw++)
+        for (int ti = 0; ti < o->nt; ti++)
+            for (int hi = 0; hi < o->nh; hi++)
+                for (int ri = 0; ri < o->nr; ri++)
+                    for (int kk = 0; kk < 2; kk++) {
+                        int mk = libtp_kinds[kk];
+                        double tl = med->med[mk][bw][ti][hi][ri], tb = med->med[M_GEMM][bw][ti][hi][ri];
+                        if (tl <= 0 || tb <= 0)
+                            continue;
+                        point p = {.layer = mk == M_FUSED ? L_MLP_FUSED : L_MLP,
+                                   .tokens = o->tokens[ti],
+                                   .hidden = o->hidden[hi],
+                                   .backward = bw};
+                        double tf = flops(&p) / tl / 1e12, ratio = tb / tl;
+                        char pk[32] = "peak unknown";
+                        if (peak > 0)
+                            snprintf(pk, sizeof pk, "%.1f%% of peak", 100 * tf / peak);
+                        printf("# %s vs mlp-gemm %s T=%lld H=%lld ranks %lld: libtp %.3f ms, bare "
+                               "%.3f ms, bare/libtp %.3f (target >= 0.95) %s; libtp %.1f TFLOP/s, "
+                               "%s\n",
+                               layer_names[p.layer], pass_names[bw], (long long)p.tokens,
+                               (long long)p.hidden, (long long)o->ranks[ri], tl * 1e3, tb * 1e3,
+                               ratio, ratio >= 0.95 ? "PASS" : "FAIL", tf, pk);
+                        all = all && ratio >= 0.95;
+                    }
+    return all;
+}
+
+/* Per point with both an mlp and an mlp-fused row (any device): fused/unfused
+ * time, the median of the runs' ratios (run r of mlp-fused over run r of mlp)
+ * with their min-max, as the rows' speedup. The layers run one after the other
+ * in the sweep, so run r of the two is not a turn: the range holds the drift
+ * of the machine between them too. */
+static void print_fused_vs_mlp(const opts *o, const mlp_medians *med)
+{
+    int R = o->reps;
     for (int bw = 0; bw < P_COUNT; bw++)
         for (int ti = 0; ti < o->nt; ti++)
             for (int hi = 0; hi < o->nh; hi++)
                 for (int ri = 0; ri < o->nr; ri++) {
-                    double tl = med[0][bw][ti][hi][ri], tb = med[1][bw][ti][hi][ri];
-                    if (tl <= 0 || tb <= 0)
+                    double tu = med->med[M_MLP][bw][ti][hi][ri], tf = med->med[M_FUSED][bw][ti][hi][ri];
+                    if (tu <= 0 || tf <= 0)
                         continue;
-                    point p = {.layer = L_MLP,
-                               .tokens = o->tokens[ti],
-                               .hidden = o->hidden[hi],
-                               .backward = bw};
-                    double tf = flops(&p) / tl / 1e12, ratio = tb / tl;
-                    char pk[32] = "peak unknown";
-                    if (peak > 0)
-                        snprintf(pk, sizeof pk, "%.1f%% of peak", 100 * tf / peak);
-                    printf("# mlp vs mlp-gemm %s T=%lld H=%lld ranks %lld: libtp %.3f ms, bare "
-                           "%.3f ms, bare/libtp %.3f (target >= 0.95) %s; libtp %.1f TFLOP/s, "
-                           "%s\n",
-                           pass_names[bw], (long long)p.tokens, (long long)p.hidden,
-                           (long long)o->ranks[ri], tl * 1e3, tb * 1e3, ratio,
-                           ratio >= 0.95 ? "PASS" : "FAIL", tf, pk);
-                    all = all && ratio >= 0.95;
+                    const double *ru = med->run[M_MLP][bw][ti][hi][ri];
+                    const double *rf = med->run[M_FUSED][bw][ti][hi][ri];
+                    double v[MAX_REPS], lo, hi_;
+                    for (int r = 0; r < R; r++)
+                        v[r] = rf[r] / ru[r];
+                    min_max(v, R, &lo, &hi_);
+                    double m = bench_median(v, R);
+                    printf("# mlp-fused vs mlp %s T=%lld H=%lld ranks %lld: mlp %.3f ms, mlp-fused "
+                           "%.3f ms, fused/unfused %.3f [%.3f .. %.3f] (median of %d runs' ratios)\n",
+                           pass_names[bw], (long long)o->tokens[ti], (long long)o->hidden[hi],
+                           (long long)o->ranks[ri], tu * 1e3, tf * 1e3, m, lo, hi_, R);
                 }
-    return all;
 }
 
 int main(int argc, char **argv)
@@ -1416,7 +1491,7 @@ int main(int argc, char **argv)
                tp_dtype_name(o.dtype));
         print_load("before");
         warn_before(maxr, cores);
-        printf("%-8s %-8s %6s %6s %5s %10s %21s %8s %7s %14s %6s %7s %5s\n", "layer", "pass", "tokens",
+        printf("%-9s %-8s %6s %6s %5s %10s %21s %8s %7s %14s %6s %7s %5s\n", "layer", "pass", "tokens",
                "hidden", "ranks", "time(ms)", "[min .. max]", "GFLOP/s", "speedup", "[min .. max]",
                "coll%", "faults", "other");
         fflush(stdout);
@@ -1508,8 +1583,11 @@ int main(int argc, char **argv)
                         min_max(t[j], R, &tmin, &tmax);
                         memcpy(v, t[j], sizeof(double) * (size_t)R);
                         double tmed = bench_median(v, R);
-                        if (l == L_MLP || l == L_MLP_GEMM)
-                            med[l == L_MLP_GEMM][bw][ti][hi][idx[j]] = tmed;
+                        int mk = mlp_kind(l);
+                        if (mk >= 0) {
+                            med.med[mk][bw][ti][hi][idx[j]] = tmed;
+                            memcpy(med.run[mk][bw][ti][hi][idx[j]], t[j], sizeof(double) * (size_t)R);
+                        }
                         bool has_sp = base >= 0 && !failed[base];
                         if (has_sp) {
                             for (int r = 0; r < R; r++)
@@ -1531,7 +1609,7 @@ int main(int argc, char **argv)
                         }
                         if (other >= 0)
                             snprintf(oth, sizeof oth, "%.2f", other + steal);
-                        printf("%-8s %-8s %6lld %6lld %5lld %10.3f [%8.3f .. %8.3f] %8s %7s %14s %5.1f%% "
+                        printf("%-9s %-8s %6lld %6lld %5lld %10.3f [%8.3f .. %8.3f] %8s %7s %14s %5.1f%% "
                                "%7.0f %5s\n", layer_names[l], pass_names[bw], (long long)p0.tokens,
                                (long long)p0.hidden, (long long)W, tmed * 1e3, tmin * 1e3, tmax * 1e3, gf,
                                spb, spr, 100 * sh, fl, oth);
@@ -1564,8 +1642,10 @@ int main(int argc, char **argv)
         }
     }
     cpu_mark sweep1 = cpu_now(pw.world);
-    if (printer && o.cuda_dev && !print_mlp_vs_gemm(&o, med, gpu) && rc == 0)
+    if (printer && o.cuda_dev && !print_mlp_vs_gemm(&o, &med, gpu) && rc == 0)
         rc = 1;
+    if (printer)
+        print_fused_vs_mlp(&o, &med);
     if (printer) {
         print_load("after");
         warn_after(maxr, cores, sweep0, sweep1);

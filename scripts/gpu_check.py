@@ -335,8 +335,10 @@ def main():
               "--csv", os.path.join(a.out, "bench-gemm.csv")]),
             ("per-op host time with CUDA tensors against the bare launch",
              [b("tp-bench-ops"), "--cuda", "--csv", os.path.join(a.out, "bench-ops-cuda.csv")]),
-            ("TP MLP block in bf16 on 1, 2, 4 ranks of one GPU against cuBLAS by hand",
-             [b("tp-bench-layers"), "--device", "cuda", "-l", "mlp,mlp-gemm", "-p", "fwd+bwd",
+            ("TP MLP block in bf16 on 1, 2, 4 ranks of one GPU, unfused and with the GELU "
+             "fused into the colwise Linear, against cuBLAS by hand",
+             [b("tp-bench-layers"), "--device", "cuda", "-l", "mlp,mlp-fused,mlp-gemm", "-p",
+              "fwd+bwd",
               "-t", "8192", "-H", "2048", "-g", "1,2,4", "--dtype", "bf16", "-n", "5", "-w", "2",
               "-R", "3", "--csv", os.path.join(a.out, "bench-layers-cuda.csv")]),
             ("fused attention against the math form: causal, bf16, 32/8 heads, head dim 128, "

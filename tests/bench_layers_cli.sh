@@ -3,7 +3,9 @@
 # seconds): --help names every option with its default, bad values exit 64
 # naming the option, a sweep writes the repeated rows (median within min-max,
 # the 1-rank speedup 1) and the load lines, --mlp-check prints PASS/FAIL per
-# target and exits 0 or 1, and plot_layers.sh reads the CSV by column name
+# target and exits 0 or 1, -l mlp-fused (the block with its GELU fused into
+# the colwise Linear) prints its rows and, run with mlp, one fused/unfused
+# ratio line per point, and plot_layers.sh reads the CSV by column name
 # and draws one line per (layer, pass, tokens, hidden) in rank order; with
 # FAIL_FIRST (tests/bench_fail_first.c built as a shared library) preloaded,
 # a failed warm-up run of the 1-rank baseline is named and exits 2.
@@ -24,6 +26,7 @@ for dflt in "512,2048" "256,512,1024" "1,2 (mpi: 1,N)" "8192" "Linear layers 2" 
     grep -qF -- "$dflt" "$tmp/help" || fail "--help does not give the default '$dflt'"
 done
 grep -qE -- '-R N .* 3$' "$tmp/help" || fail "--help does not give -R's default 3"
+grep -q -- 'mlp-fused' "$tmp/help" || fail "--help does not name the layer mlp-fused"
 
 # ---- bad command lines: 64 and the option named ------------------------------
 bad() { # expected-text args...
@@ -46,6 +49,7 @@ bad "--csv" --csv
 bad "--dtype 'f64'" --dtype f64
 bad "(--dtype f32)" -l mlp-gemm --dtype bf16
 bad "(--dtype f32)" --mlp-check --dtype f16
+bad "mlp-fused" -l mlp-fuse
 
 # ---- a tiny sweep -------------------------------------------------------------
 "$bench" -l colwise,emb-row -t 16 -H 8 -V 64 -g 1,2 -n 2 -w 1 -R 2 --csv "$tmp/l.csv" >"$tmp/sweep" 2>&1 ||
@@ -79,6 +83,26 @@ awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) ix[$i] = i; next } { w[$ix["layer"]
 grep -q '^# dtype bf16' "$tmp/d" || fail "the bf16 sweep's header does not name its dtype"
 awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) ix[$i] = i; next } { rows++; bad += $ix["dtype"] != "bf16" }
          END { exit !(rows == 4 && bad == 0) }' "$tmp/d.csv" || fail "the bf16 sweep's CSV rows do not say bf16"
+
+# ---- mlp-fused: the block with the GELU fused into net1, beside mlp ------------
+"$bench" -l mlp,mlp-fused -t 16 -H 8 -g 1,2 -n 1 -w 1 -R 2 --csv "$tmp/fu.csv" >"$tmp/fu" 2>&1 ||
+    fail "the mlp,mlp-fused sweep exits $?: $(tail -n 3 "$tmp/fu")"
+n=$(grep -cE '^mlp-fused +(fwd|fwd\+bwd) +16 +8 +[12] ' "$tmp/fu")
+[ "$n" = 4 ] || fail "the mlp-fused sweep prints $n mlp-fused rows, want 4 (2 passes x 2 rank counts): $(tail -n 5 "$tmp/fu")"
+awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) ix[$i] = i; next } { r[$ix["layer"]]++ }
+         END { exit !(r["mlp"] == 4 && r["mlp-fused"] == 4) }' "$tmp/fu.csv" ||
+    fail "the mlp,mlp-fused CSV does not hold 4 rows of each: $(cut -d, -f1-5 "$tmp/fu.csv")"
+# fused/unfused per point: the median within its min-max
+awk '/^# mlp-fused vs mlp (fwd|fwd\+bwd) T=16 H=8 ranks [12]: .*fused\/unfused/ {
+         n++; s = $0; sub(/.*fused\/unfused /, "", s); gsub(/[][]/, "", s); split(s, v, " ")
+         if (!(v[1] > 0 && v[2] <= v[1] && v[1] <= v[4])) { print "FAIL: fused/unfused outside its range: " $0; bad++ } }
+     END { if (n != 4) { print "FAIL: " n " fused/unfused lines, want 4"; bad++ } exit bad > 0 }' "$tmp/fu" ||
+    fails=$((fails + 1))
+# alone (no mlp row to compare with): its rows, no ratio line
+"$bench" -l mlp-fused -p fwd+bwd -t 16 -H 8 -g 2 -n 1 -w 1 -R 1 >"$tmp/fa" 2>&1 ||
+    fail "-l mlp-fused alone exits $?: $(tail -n 3 "$tmp/fa")"
+grep -qE '^mlp-fused +fwd\+bwd +16 +8 +2 ' "$tmp/fa" || fail "-l mlp-fused alone prints no row: $(tail -n 3 "$tmp/fa")"
+grep -q 'fused/unfused' "$tmp/fa" && fail "-l mlp-fused alone prints a fused/unfused line"
 
 # ---- cores: the ones this process may run on, as nproc and tp-bench-comm count
 if command -v taskset >/dev/null && [ "$(nproc)" -gt 1 ]; then
