@@ -242,6 +242,12 @@ static tp_status r_linear_gelu_bwd(const tp__kernels *K, tp_device d, tp_dtype t
     return K->linear_gelu_bwd(d, t, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], I(0), I(1),
                               I(2), a[3] != 0);
 }
+static tp_status r_linear_bwd_dgelu(const tp__kernels *K, tp_device d, tp_dtype t, void **p,
+                                    const double *a)
+{
+    return K->linear_bwd_dgelu(d, t, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], I(0), I(1),
+                               I(2), a[3] != 0);
+}
 static tp_status r_copy(const tp__kernels *K, tp_device d, tp_dtype t, void **p, const double *a)
 {
     return K->copy(d, t, p[1], p[0], I(0));
@@ -723,6 +729,55 @@ static const kcase cases[] = {
      1e-5,
      15,
      {T_IN(703), T_IN(855), T_PRE(1665), T_IN(1665), T_TMP(1665), NONE, T_OUT(855), NONE}},
+    /* linear backward through a GELU {rows, in, out, tanh}, {x, w, gy, aux,
+     * gz, gb_act, gw, gb}: tanh at gz of 2^18 elements (in a multiple of 8)
+     * takes cuBLASLt's DGELU_BGRAD epilogue in bf16/f16 (DGELU without
+     * gb_act; f32 composes), gz = gelu'(aux) times the f32 accumulator, one
+     * rounding; erf and small shapes the product into gz, rounded, then the
+     * column pass (the GELU backward kernel without gb_act) over it: a
+     * second rounding, u |gelu'(aux) gy W| <= 1.13 u |gy W| more, mag 1.13
+     * max|gy W| (max|gy W| 3.27 at 512 x 512 x 256, 4.82 at 37 x 45 x 19;
+     * the epilogue cases too, for a product that falls back or
+     * TP_CUDA_EPILOGUE=0); gz's atol as linear_gelu_fwd's (products of as
+     * many terms of the same sizes). gb_act sums gz rounded up to twice
+     * where the CPU's f32 sums its f32 gz: 2 u sum|gz| more, mag twice the
+     * largest column sum|gz| (rows terms): 183 and 40.1 here (atol for f32
+     * sums of 512 terms, as linear_gelu_bwd's); gw and gb read the inputs
+     * and round once */
+    {"linear_bwd_dgelu tanh epilogue gz",
+     r_linear_bwd_dgelu,
+     {512, 512, 256, 1},
+     1e-5,
+     4,
+     {T_IN(262144), T_SMALL(131072), T_IN(131072), T_PRE(262144), T_OUT(262144), T_TMP(512),
+      T_TMP(131072), T_TMP(256)}},
+    {"linear_bwd_dgelu tanh epilogue",
+     r_linear_bwd_dgelu,
+     {512, 512, 256, 1},
+     1e-4,
+     370,
+     {T_IN(262144), T_SMALL(131072), T_IN(131072), T_PRE(262144), T_TMP(262144), T_OUT(512),
+      T_OUT(131072), T_OUT(256)}},
+    {"linear_bwd_dgelu tanh epilogue no gb_act",
+     r_linear_bwd_dgelu,
+     {512, 512, 256, 1},
+     1e-5,
+     4,
+     {T_IN(262144), T_SMALL(131072), T_IN(131072), T_PRE(262144), T_OUT(262144), NONE, NONE,
+      NONE}},
+    {"linear_bwd_dgelu erf",
+     r_linear_bwd_dgelu,
+     {37, 45, 19, 0},
+     1e-5,
+     81,
+     {T_IN(1665), T_IN(855), T_IN(703), T_PRE(1665), T_OUT(1665), T_OUT(45), T_OUT(855),
+      T_OUT(19)}},
+    {"linear_bwd_dgelu erf gz alone",
+     r_linear_bwd_dgelu,
+     {37, 45, 19, 0},
+     1e-5,
+     6,
+     {T_IN(1665), T_IN(855), T_IN(703), T_PRE(1665), T_OUT(1665), NONE, NONE, NONE}},
     {"copy", r_copy, {101}, 0, 0, {T_IN(101), T_OUT(101)}},
     {"fill", r_fill, {101, 0.3}, 0, 0, {T_OUT(101)}},
     {"add", r_add, {1000}, 0, 0, {T_IN(1000), T_IN(1000), T_OUT(1000)}},
@@ -1016,6 +1071,7 @@ Test(cuda_kernels, the_cases_cover_every_entry, .timeout = 30)
         {r_linear_bwd, "linear_bwd"},
         {r_linear_gelu_fwd, "linear_gelu_fwd"},
         {r_linear_gelu_bwd, "linear_gelu_bwd"},
+        {r_linear_bwd_dgelu, "linear_bwd_dgelu"},
         {r_copy, "copy"},
         {r_fill, "fill"},
         {r_add, "add"},

@@ -350,3 +350,103 @@ Test(ops_linear, linear_gelu_refusals, .timeout = 30)
     for (int i = 0; i < 3; i++)
         tp_tensor_release(t[i]);
 }
+
+/* ---- a linear after linear_gelu takes the GELU's backward into its product ---- */
+
+/* The MLP x -> linear_gelu(W1, b1) -> linear(W2, b2), fused, against
+ * linear -> gelu -> linear; extra: y1 also feeds the loss directly (a second
+ * consumer of its gradient, which rules the hand-over out). f32 on the CPU:
+ * every gradient equal bit for bit, and the backward's peak above its start
+ * (a block of [rows, F] is `act`). */
+typedef struct {
+    tp_tensor *g[5];
+    size_t peak;
+} mlp_run;
+
+static void mlp_backward(tp_dtype dt, bool fused, bool extra, mlp_run *out)
+{
+    const int64_t shapes[5][2] = {{256, 8}, {64, 8}, {64, 1}, {8, 64}, {8, 1}};
+    tp_tensor *t[5] = {0}, *y1 = NULL, *pre = NULL, *y2 = NULL, *loss = NULL, *s = NULL,
+              *tot = NULL;
+    for (int i = 0; i < 5; i++) {
+        tp_tensor *f = NULL;
+        CHECK_OK(tp_tensor_zeros(TP_F32, TP_CPU, shapes[i][1] == 1 ? 1 : 2, shapes[i], &f));
+        CHECK_OK(tp_tensor_fill_random(f, TP_RNG_UNIFORM, -1, 1, 60 + (uint64_t)i, NULL, NULL));
+        CHECK_OK(tp_tensor_to(f, dt, TP_CPU, &t[i]));
+        tp_tensor_release(f);
+        CHECK_OK(tp_tensor_set_requires_grad(t[i], true));
+    }
+    if (fused) {
+        CHECK_OK(tp_linear_gelu(t[0], t[1], t[2], TP_GELU_TANH, &y1));
+    } else {
+        CHECK_OK(tp_linear(t[0], t[1], t[2], &pre));
+        CHECK_OK(tp_gelu(pre, TP_GELU_TANH, &y1));
+    }
+    CHECK_OK(tp_linear(y1, t[3], t[4], &y2));
+    CHECK_OK(tp_sum_all(y2, &loss));
+    if (extra) {
+        CHECK_OK(tp_sum_all(y1, &s));
+        CHECK_OK(tp_add(loss, s, &tot));
+    }
+    tp_memory_info m0, m1;
+    CHECK_OK(tp_memory_reset_peak(TP_CPU));
+    CHECK_OK(tp_memory_stats(TP_CPU, &m0));
+    CHECK_OK(tp_backward(extra ? tot : loss, NULL));
+    CHECK_OK(tp_memory_stats(TP_CPU, &m1));
+    out->peak = m1.peak_allocated - m0.allocated;
+    for (int i = 0; i < 5; i++) {
+        CHECK_OK(tp_tensor_clone(tp_tensor_grad(t[i]), &out->g[i]));
+        tp_tensor_release(t[i]);
+    }
+    tp_tensor_release(y1);
+    tp_tensor_release(pre);
+    tp_tensor_release(y2);
+    tp_tensor_release(loss);
+    tp_tensor_release(s);
+    tp_tensor_release(tot);
+}
+
+Test(ops_linear, linear_after_linear_gelu_takes_its_backward, .timeout = 30)
+{
+    /* one [rows, F] = [256, 64] f32 block */
+    tp_memory_info a, b;
+    tp_tensor *probe = NULL;
+    CHECK_OK(tp_memory_stats(TP_CPU, &a));
+    CHECK_OK(tp_tensor_empty(TP_F32, TP_CPU, 2, (int64_t[]){256, 64}, &probe));
+    CHECK_OK(tp_memory_stats(TP_CPU, &b));
+    size_t act = b.allocated - a.allocated;
+    tp_tensor_release(probe);
+    for (int v = 0; v < 4; v++) {
+        bool extra = v & 1;
+        tp_dtype dt = v & 2 ? TP_BF16 : TP_F32;
+        mlp_run f = {0}, u = {0};
+        mlp_backward(dt, true, extra, &f);
+        mlp_backward(dt, false, extra, &u);
+        for (int i = 0; i < 5; i++)
+            cr_assert(bytes_equal(f.g[i], u.g[i]), "%s, %s: the gradient of input %d differs",
+                      tp_dtype_name(dt), extra ? "a second consumer" : "alone", i);
+        if (dt != TP_F32) { /* the memory figures below are f32's (no f32 scratch) */
+            for (int i = 0; i < 5; i++) {
+                tp_tensor_release(f.g[i]);
+                tp_tensor_release(u.g[i]);
+            }
+            continue;
+        }
+        if (extra)
+            /* no hand-over: the fused layer computes its own GELU backward,
+             * beside the incoming gradient, as the unfused pair does */
+            cr_assert_eq(f.peak, u.peak, "with a second consumer: peak %zu, unfused %zu", f.peak,
+                         u.peak);
+        else
+            /* handed over: the GELU's gradient is made in place of x's, so
+             * the two [rows, F] blocks of the unfused GELU backward (its
+             * incoming gradient and its own) are one; the peak moves to
+             * net1's backward, which adds its small gradients beside it */
+            cr_assert_leq(f.peak + act * 3 / 4, u.peak, "alone: peak %zu, unfused %zu, a block %zu",
+                          f.peak, u.peak, act);
+        for (int i = 0; i < 5; i++) {
+            tp_tensor_release(f.g[i]);
+            tp_tensor_release(u.g[i]);
+        }
+    }
+}

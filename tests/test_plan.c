@@ -426,3 +426,74 @@ Test(plan, records_copies_onto_meta, .timeout = 30)
     tp_tensor_release(a);
     tp_tensor_release(b);
 }
+
+/* ---- the TP MLP with net1's GELU fused -------------------------------------------
+ * Rank 1 of a simulated world of 4, on meta: net1 (64 -> 256) colwise, net2
+ * (256 -> 64) rowwise, 128 rows. Fused, net2's backward takes net1's GELU
+ * backward into its product (its gradient reaches net1 through from_local
+ * and to_local untouched), so the backward has no GELU-backward sweep over
+ * the rank's [128, 64] (three arrays: the GELU's input, the incoming
+ * gradient, its own); the unfused MLP has one. */
+static int gelu_bwd_sweeps(bool fused)
+{
+    tp_comm *world = NULL;
+    tp_mesh *mesh = NULL;
+    tp_sim_options so = {.world_size = 4, .rank = 1};
+    cr_assert_eq(tp_comm_create_world("sim", &so, &world), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_mesh_create(world, 1, (int64_t[]){4}, NULL, &mesh), TP_OK);
+    cr_assert_eq(tp_nn_set_default_device(TP_META), TP_OK);
+    tp_module *m = NULL, *a = NULL, *g = NULL, *b = NULL;
+    cr_assert_eq(tp_nn_sequential_create(&m), TP_OK);
+    cr_assert_eq(tp_nn_linear_create(64, 256, true, &a), TP_OK);
+    if (fused)
+        cr_assert_eq(tp_nn_linear_fuse_gelu(a, TP_GELU_TANH), TP_OK);
+    cr_assert_eq(tp_module_add_child(m, "net1", a), TP_OK);
+    if (!fused) {
+        cr_assert_eq(tp_nn_gelu_create(TP_GELU_TANH, &g), TP_OK);
+        cr_assert_eq(tp_module_add_child(m, "act", g), TP_OK);
+    }
+    cr_assert_eq(tp_nn_linear_create(256, 64, true, &b), TP_OK);
+    cr_assert_eq(tp_module_add_child(m, "net2", b), TP_OK);
+    tp_nn_set_default_device(TP_CPU);
+    tp_style *cs = NULL, *rs = NULL;
+    cr_assert_eq(tp_colwise_parallel_create(NULL, &cs), TP_OK);
+    cr_assert_eq(tp_rowwise_parallel_create(NULL, &rs), TP_OK);
+    tp_plan_entry plan[2] = {{"net1", cs}, {"net2", rs}};
+    tp_parallelize_options po = {.src_data_rank = TP_SRC_DATA_RANK_NONE};
+    cr_assert_eq(tp_parallelize_module(m, mesh, 2, plan, &po), TP_OK, "%s", tp_last_error());
+    tp_style_free(cs);
+    tp_style_free(rs);
+    tp_tensor *x = NULL, *y = NULL, *l = NULL;
+    cr_assert_eq(tp_tensor_empty(TP_F32, TP_META, 2, (int64_t[]){128, 64}, &x), TP_OK);
+    tp_plan_trace *t = NULL;
+    cr_assert_eq(tp_plan_trace_create(&t), TP_OK);
+    cr_assert_eq(tp_plan_trace_begin(t), TP_OK);
+    cr_assert_eq(tp_module_call(m, x, &y), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_sum_all(y, &l), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_backward(l, NULL), TP_OK, "%s", tp_last_error());
+    cr_assert_eq(tp_plan_trace_end(t), TP_OK);
+    int sweeps = 0, gemms = 0;
+    for (size_t i = 0; i < tp_plan_trace_count(t); i++) {
+        const tp_plan_event *e = tp_plan_trace_event(t, i);
+        if (e->phase != TP_PLAN_BACKWARD)
+            continue;
+        gemms += e->kind == TP_PLAN_GEMM;
+        sweeps += e->kind == TP_PLAN_ELEMENTWISE && e->bytes == 128 * 64 * 4 * 3;
+    }
+    /* either way net2's two products and net1's weight gradient (x needs none) */
+    cr_assert_eq(gemms, 3, "%s: %d products in the backward", fused ? "fused" : "unfused", gemms);
+    tp_plan_trace_free(t);
+    tp_tensor_release(l);
+    tp_tensor_release(y);
+    tp_tensor_release(x);
+    tp_module_free(m);
+    tp_mesh_free(mesh);
+    cr_assert_eq(tp_comm_free(world), TP_OK);
+    return sweeps;
+}
+
+Test(plan, fused_gelu_mlp_backward_has_no_gelu_sweep, .timeout = 30)
+{
+    cr_assert_eq(gelu_bwd_sweeps(false), 1, "the unfused MLP's GELU backward");
+    cr_assert_eq(gelu_bwd_sweeps(true), 0, "the fused MLP still sweeps for its GELU backward");
+}

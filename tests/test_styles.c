@@ -1447,15 +1447,15 @@ ParameterizedTest(int *n, styles, mlp_counts, .timeout = 60)
 
 /* ==== the MLP with its GELU fused into net1 ======================================= */
 
-/* Sequential(net1 Linear 10->16, [act GELU(tanh)], net2 Linear 16->10),
+/* Sequential(net1 Linear 10->F, [act GELU(tanh)], net2 Linear F->10),
  * seed 5; fused: the GELU fused into net1 (tp_nn_linear_fuse_gelu) and no
  * act. With a mesh: net1 colwise, net2 rowwise (sequence parallel: S(0) in
  * and out). */
-static tp_status make_gelu_mlp(tp_mesh *mesh, bool seq, bool fused, tp_module **out)
+static tp_status make_gelu_mlp(tp_mesh *mesh, bool seq, bool fused, int64_t F, tp_module **out)
 {
     tp_module *m = NULL, *child = NULL;
     TP_TEST_TRY(tp_nn_sequential_create(&m));
-    tp_status st = tp_nn_linear_create(10, 16, true, &child);
+    tp_status st = tp_nn_linear_create(10, F, true, &child);
     if (st == TP_OK && fused)
         st = tp_nn_linear_fuse_gelu(child, TP_GELU_TANH);
     if (st == TP_OK)
@@ -1466,7 +1466,7 @@ static tp_status make_gelu_mlp(tp_mesh *mesh, bool seq, bool fused, tp_module **
             st = tp_module_add_child(m, "act", child), child = st == TP_OK ? NULL : child;
     }
     if (st == TP_OK)
-        st = tp_nn_linear_create(16, 10, true, &child);
+        st = tp_nn_linear_create(F, 10, true, &child);
     if (st == TP_OK)
         st = tp_module_add_child(m, "net2", child), child = st == TP_OK ? NULL : child;
     if (st == TP_OK)
@@ -1530,9 +1530,9 @@ static tp_status fused_mlp_body(tp_comm *world, void *arg)
     /* the unparallelized, unfused MLP against the fused one parallelized:
      * the same values, and the MLP's collectives of DESIGN.md (forward one
      * all_reduce, backward none) */
-    RANK_OK(s, make_gelu_mlp(NULL, false, false, &ref));
+    RANK_OK(s, make_gelu_mlp(NULL, false, false, 16, &ref));
     RANK_OK(s, run_counted(ref, x, true, dbg, &yr));
-    RANK_OK(s, make_gelu_mlp(mesh, false, true, &m));
+    RANK_OK(s, make_gelu_mlp(mesh, false, true, 16, &m));
     RANK_OK(s, run_counted(m, x, true, dbg, &yf));
     expect_phase(s, dbg, TP_PHASE_FORWARD, w, 1, 0, 0, "fused MLP");
     expect_phase(s, dbg, TP_PHASE_BACKWARD, w, 0, 0, 0, "fused MLP");
@@ -1555,7 +1555,7 @@ static tp_status fused_mlp_body(tp_comm *world, void *arg)
 
     /* sequence parallel: all_gather + reduce_scatter forward, all_gather
      * backward, as unfused */
-    RANK_OK(s, make_gelu_mlp(mesh, true, true, &m));
+    RANK_OK(s, make_gelu_mlp(mesh, true, true, 16, &m));
     RANK_OK(s, run_counted(m, x, true, dbg, &yf));
     expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 1, 1, "sequence-parallel fused MLP");
     expect_phase(s, dbg, TP_PHASE_BACKWARD, w, 0, 1, 0, "sequence-parallel fused MLP");
@@ -1566,7 +1566,7 @@ static tp_status fused_mlp_body(tp_comm *world, void *arg)
 
     /* RowwiseParallel on a fused Linear is refused before anything moves,
      * and a Linear split along its input features cannot be fused */
-    RANK_OK(s, make_gelu_mlp(NULL, false, true, &m));
+    RANK_OK(s, make_gelu_mlp(NULL, false, true, 16, &m));
     tp_style *rs = NULL;
     RANK_OK(s, tp_rowwise_parallel_create(NULL, &rs));
     tp_plan_entry bad = {"net1", rs};

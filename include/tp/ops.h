@@ -84,12 +84,17 @@ TP_API tp_status tp_gelu(tp_tensor *x, tp_gelu_approx approx, tp_tensor **y);
  * is therefore redistributed to one of these first; tp_nn_linear_fuse_gelu
  * refuses RowwiseParallel for that reason. The backward keeps the
  * pre-activation, as the unfused pair keeps the linear's output, and keeps
- * nothing under tp_no_grad. On CUDA in bf16/f16 with TP_GELU_TANH the bias and the GELU
- * ride in the product (cuBLASLt's GELU_AUX_BIAS epilogue: the GELU of the
- * f32 accumulator, one rounding, where the pair rounds twice), and the
- * backward's activation gradient and bias gradient share one pass; on the
- * CPU, and on CUDA in f32 or for TP_GELU_EXACT, the result is the unfused pair's bit
- * for bit. */
+ * nothing under tp_no_grad.
+ * On CUDA in bf16/f16 with TP_GELU_TANH the bias and the GELU ride in the
+ * product (cuBLASLt's GELU_AUX_BIAS epilogue: the GELU of the f32
+ * accumulator, one rounding, where the pair rounds twice), and the
+ * backward's activation gradient and bias gradient share one pass. When y's
+ * only consumer is a tp_linear (the MLP's net2, also through the styles'
+ * to_local / from_local) and no other gradient reaches y, that linear's
+ * backward takes this GELU's backward and bias gradient into its
+ * input-gradient product (CUDA bf16/f16 tanh: cuBLASLt's DGELU_BGRAD
+ * epilogue). On the CPU, and on CUDA in f32 or for TP_GELU_EXACT, the
+ * result is the unfused pair's bit for bit. */
 TP_API tp_status tp_linear_gelu(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_gelu_approx approx,
                                 tp_tensor **y);
 

@@ -365,6 +365,7 @@ tp_status tp_dtensor_distribute(tp_mesh *mesh, const tp_tensor *full, int nplace
  * from_local turns the DTensor gradient into this rank's shard. */
 typedef struct {
     tp_placement src[TP_MESH_MAX_DIMS];
+    int mesh_ndim;
 } tp__from_local_saved;
 
 static tp_status tp__from_local_bwd(tp__node *node, tp_tensor *g, tp_tensor **gin)
@@ -379,6 +380,25 @@ static tp_status tp__from_local_bwd(tp__node *node, tp_tensor *g, tp_tensor **gi
     gin[0] = tp_tensor_retain(tp_dtensor_local(r));
     tp_tensor_release(r);
     return TP_OK;
+}
+
+/* The DTensor gradient passes when it already has the placements the
+ * backward asks for: the local shard is handed on as it is. */
+static bool tp__from_local_passes(const tp__node *node, const tp_placement *in, tp_placement *out,
+                                  tp_mesh **mesh, bool *plain)
+{
+    const tp__from_local_saved *sv = node->saved;
+    (void)out;
+    (void)mesh;
+    if (!in || !sv)
+        return false;
+    for (int i = 0; i < sv->mesh_ndim; i++) {
+        tp_placement want = sv->src[i].kind == TP_PLACEMENT_PARTIAL ? tp_replicate() : sv->src[i];
+        if (!tp__placement_eq(in[i], want))
+            return false;
+    }
+    *plain = true;
+    return true;
 }
 
 tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements,
@@ -475,8 +495,10 @@ tp_status tp_dtensor_from_local(tp_mesh *mesh, tp_tensor *local, int nplacements
             return st;
         }
         memcpy(sv->src, p, sizeof sv->src);
+        sv->mesh_ndim = m;
         node->saved = sv;
         node->free_saved = tp__node_free_saved;
+        node->grad_passes = tp__from_local_passes;
     }
     *out = dt;
     return TP_OK;
@@ -493,6 +515,19 @@ static tp_status tp__to_local_bwd(tp__node *node, tp_tensor *g, tp_tensor **gin)
 {
     tp__to_local_saved *sv = node->saved;
     return tp__dtensor_wrap(sv->mesh, g, sv->grad, sv->ndim, sv->global, &gin[0]);
+}
+
+/* A plain gradient is wrapped as it is, with the grad placements. */
+static bool tp__to_local_passes(const tp__node *node, const tp_placement *in, tp_placement *out,
+                                tp_mesh **mesh, bool *plain)
+{
+    const tp__to_local_saved *sv = node->saved;
+    if (in || !sv)
+        return false;
+    memcpy(out, sv->grad, sizeof sv->grad);
+    *mesh = sv->mesh;
+    *plain = false;
+    return true;
 }
 
 tp_status tp_dtensor_to_local(tp_tensor *dt, int ngrad, const tp_placement *grad_placements,
@@ -527,6 +562,7 @@ tp_status tp_dtensor_to_local(tp_tensor *dt, int ngrad, const tp_placement *grad
         memcpy(sv->grad, gp, sizeof sv->grad);
         node->saved = sv;
         node->free_saved = tp__node_free_saved;
+        node->grad_passes = tp__to_local_passes;
     }
     *out = a;
     return TP_OK;

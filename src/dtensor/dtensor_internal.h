@@ -66,6 +66,12 @@ struct tp__node {
     tp_tensor *saved_t[4]; /* retained tensors for the backward, released with the graph */
     bool released;
     tp__cd_saved *scope; /* comm-debug scopes at creation (NULL: none), re-entered in backward */
+    /* Whether a gradient of placements `in` (NULL: a plain tensor) reaches
+     * inputs[0] with its local data unchanged, and as what: placements into
+     * out on *mesh, or *plain. NULL: the node may change it. (from_local,
+     * to_local: the walk of tp__op_gelu_source.) */
+    bool (*grad_passes)(const tp__node *node, const tp_placement *in, tp_placement *out,
+                        tp_mesh **mesh, bool *plain);
     /* backward bookkeeping */
     int pending;
     tp_tensor *grad_acc;

@@ -278,6 +278,52 @@ static tp_status tp__op_backward(tp__node *node, tp_tensor *gy, tp_tensor **gin)
     return st;
 }
 
+tp__node *tp__op_gelu_source(const tp__op *op, int i)
+{
+    tp_tensor *t = op->in[i];
+    bool plain = !op->distributed;
+    tp_placement pl[TP_MESH_MAX_DIMS];
+    tp_mesh *mesh = op->mesh;
+    memcpy(pl, op->grad_pl[i], sizeof pl);
+    for (int hop = 0; t && hop < 8; hop++) {
+        tp__autograd *ag = tp__ag_of(t);
+        tp__node *p = ag ? ag->grad_fn : NULL;
+        /* p must expect this gradient alone: none delivered, none to come */
+        if (!p || p->released || p->pending != 1 || p->grad_acc)
+            return NULL;
+        if (p->backward == tp__op_backward) {
+            const tp__op *q = p->saved;
+            if (!q || !q->def->gelu_output || !q->saved[0] || !tp__device_eq(q->dev, op->dev) ||
+                q->dt != op->dt || q->distributed == plain)
+                return NULL;
+            if (q->distributed) {
+                if (q->mesh != mesh)
+                    return NULL;
+                /* its backward would redistribute any other layout */
+                for (int d = 0; d < q->mesh_ndim; d++) {
+                    tp_placement want = q->out_pl[d].kind == TP_PLACEMENT_PARTIAL
+                                            ? tp_replicate()
+                                            : q->out_pl[d];
+                    if (!tp__placement_eq(pl[d], want))
+                        return NULL;
+                }
+            }
+            return p;
+        }
+        tp_placement next[TP_MESH_MAX_DIMS];
+        bool next_plain = false;
+        tp_mesh *next_mesh = mesh;
+        if (!p->grad_passes || !p->grad_passes(p, plain ? NULL : pl, next, &next_mesh, &next_plain))
+            return NULL;
+        t = p->n_inputs > 0 ? p->inputs[0] : NULL;
+        plain = next_plain;
+        mesh = next_mesh;
+        if (!plain)
+            memcpy(pl, next, sizeof pl);
+    }
+    return NULL;
+}
+
 tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *params,
                      size_t plen, tp_tensor **out)
 {

@@ -37,6 +37,9 @@ typedef struct tp__op_def {
     bool strided_ok;          /* local inputs may be non-contiguous views (read by strides) */
     /* selective recomputation keeps the output (GEMMs; stash.h) */
     bool recompute_keep;
+    /* the output is a GELU whose backward a consumer's product may take
+     * over (tp_linear_gelu: tp__op_gelu_source) */
+    bool gelu_output;
     /* fills up to TP__OP_MAX_STRATS strategies for one mesh dim; returns the
      * count. NULL: the op has no distributed form. */
     int (*strategies)(const tp__op *op, int mesh_dim, tp__strategy *out);
@@ -77,6 +80,16 @@ struct tp__op {
  * redistribution, forward, recording. params (plen bytes) are copied. */
 tp_status tp__op_run(const tp__op_def *def, tp_tensor *const *args, const void *params,
                      size_t plen, tp_tensor **out);
+
+/* During op's backward: the node of the op with gelu_output whose output
+ * gradient is, alone and with its local data unchanged, the gradient op
+ * computes for its input i (the op's output reaches input i through nodes
+ * that pass a gradient on untouched, to_local and from_local with matching
+ * placements, and no node on the way expects another gradient), on op's
+ * device and in its dtype; NULL when there is none. The caller may then
+ * apply that op's GELU backward to the gradient it computes (the Megatron
+ * MLP's net2 backward taking net1's GELU into its product). */
+tp__node *tp__op_gelu_source(const tp__op *op, int i);
 
 /* Global shape of input i (DTensor: logical; plain: its shape). Valid in
  * strategies, out_shape, forward and backward. */

@@ -86,9 +86,65 @@ static tp_status linear_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
                              tp_tensor_data(*out), tp__rows(x), w->shape[1], w->shape[0]);
 }
 
+typedef struct linear_gelu_params {
+    tp_gelu_approx approx;
+    /* set by the consumer's backward that took this op's GELU backward
+     * into its product (linear_bwd): the gradient arriving is the GELU's
+     * input's, and saved[1] holds the bias gradient */
+    bool taken;
+} linear_gelu_params;
+
+/* The backward of a linear whose input x came out of a tp_linear_gelu that
+ * expects no other gradient (tp__op_gelu_source): the product that makes
+ * x's gradient applies the GELU's backward too, and sums that layer's bias
+ * gradient (on CUDA one cuBLASLt product); that layer's backward then
+ * starts from the GELU's input's gradient. false (nothing done) when x's
+ * gradient has no such source. */
+static tp_status linear_bwd_through_gelu(tp__op *op, tp_tensor *const *in, tp_tensor *gy,
+                                         tp_tensor **g, bool *done)
+{
+    *done = false;
+    tp__node *src = tp__op_gelu_source(op, 0);
+    if (!src)
+        return TP_OK;
+    tp__op *q = src->saved;
+    tp_tensor *x = in[0], *w = in[1], *aux = q->saved[0], *gb_act = NULL;
+    if (aux->ndim != x->ndim || memcmp(aux->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim))
+        return TP_OK; /* not the layout it would be handed on in */
+    linear_gelu_params *qp = TP__OP_PARAMS(q, linear_gelu_params);
+    TP_CHECK(out_like(op, x, x->ndim, x->shape, &g[0]));
+    if (op->need_grad[1])
+        TP_CHECK(out_like(op, x, 2, w->shape, &g[1]));
+    if (op->need_grad[2])
+        TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
+    tp_tensor *qb = src->inputs[2] ? tp__tensor_local(q->in[2]) : NULL;
+    if (qb)
+        TP_CHECK(out_like(op, x, 1, qb->shape, &gb_act));
+    tp_status st = op->k->linear_bwd_dgelu(
+        op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w), tp_tensor_data(gy),
+        tp_tensor_data(aux), tp_tensor_data(g[0]), gb_act ? tp_tensor_data(gb_act) : NULL,
+        g[1] ? tp_tensor_data(g[1]) : NULL, g[2] ? tp_tensor_data(g[2]) : NULL, tp__rows(x),
+        w->shape[1], w->shape[0], qp->approx == TP_GELU_TANH);
+    if (st != TP_OK) {
+        tp_tensor_release(gb_act);
+        return st;
+    }
+    tp_tensor_release(q->saved[1]);
+    q->saved[1] = gb_act;
+    qp->taken = true;
+    *done = true;
+    return TP_OK;
+}
+
 static tp_status linear_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_tensor **g)
 {
     tp_tensor *x = in[0], *w = in[1];
+    if (op->need_grad[0]) {
+        bool done = false;
+        TP_CHECK(linear_bwd_through_gelu(op, in, gy, g, &done));
+        if (done)
+            return TP_OK;
+    }
     if (op->need_grad[0])
         TP_CHECK(out_like(op, x, x->ndim, x->shape, &g[0]));
     if (op->need_grad[1])
@@ -122,10 +178,6 @@ tp_status tp_linear(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_tensor **y)
 }
 
 /* ---- linear + GELU: y = gelu(x W^T + b) -------------------------------------- */
-
-typedef struct linear_gelu_params {
-    tp_gelu_approx approx;
-} linear_gelu_params;
 
 /* linear's strategies whose output is not a partial sum (a GELU of partial
  * sums is not the GELU of their total): colwise, a batch dim split, and
@@ -168,11 +220,22 @@ static tp_status linear_gelu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy
 {
     tp_tensor *x = in[0], *w = in[1], *aux = op->saved[0], *gz = NULL;
     TP_ASSERT(aux);
-    bool tanh_approx = TP__OP_PARAMS(op, linear_gelu_params)->approx == TP_GELU_TANH;
+    const linear_gelu_params *p = TP__OP_PARAMS(op, linear_gelu_params);
+    bool tanh_approx = p->approx == TP_GELU_TANH;
     if (op->need_grad[0])
         TP_CHECK(out_like(op, x, x->ndim, x->shape, &g[0]));
     if (op->need_grad[1])
         TP_CHECK(out_like(op, x, 2, w->shape, &g[1]));
+    if (p->taken) {
+        /* the consumer's product applied the GELU's backward: gy is the
+         * pre-activation's gradient, saved[1] the bias gradient */
+        if (op->need_grad[2])
+            g[2] = tp_tensor_retain(op->saved[1]);
+        return op->k->linear_bwd(op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
+                                 tp_tensor_data(gy), g[0] ? tp_tensor_data(g[0]) : NULL,
+                                 g[1] ? tp_tensor_data(g[1]) : NULL, NULL, tp__rows(x),
+                                 w->shape[1], w->shape[0], false);
+    }
     if (op->need_grad[2])
         TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
     TP_CHECK(out_like(op, x, aux->ndim, aux->shape, &gz));
@@ -193,6 +256,7 @@ static const tp__op_def linear_gelu_def = {
     .optional_mask = 1u << 2,
     .dtype_kernel = TP__KOP_LINEAR_GELU_FWD,
     .recompute_keep = true,
+    .gelu_output = true,
     .strategies = linear_gelu_strategies,
     .out_shape = linear_shape,
     .forward = linear_gelu_fwd,
@@ -207,7 +271,7 @@ tp_status tp_linear_gelu(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_gelu_appro
     TP_ARG_CHECK(approx == TP_GELU_EXACT || approx == TP_GELU_TANH,
                  "linear_gelu: approx %d is neither TP_GELU_EXACT nor TP_GELU_TANH", (int)approx);
     tp_tensor *args[3] = {x, w, b};
-    linear_gelu_params p = {approx};
+    linear_gelu_params p = {approx, false};
     return tp__op_run(&linear_gelu_def, args, &p, sizeof p, y);
 }
 

@@ -139,6 +139,20 @@ static tp_status cpu_linear_gelu_bwd(tp_device dev, tp_dtype dtype, const void *
     return cpu_linear_bwd(dev, dtype, x, w, gz, gx, gw, gb, rows, in, out, false);
 }
 
+static tp_status cpu_linear_bwd_dgelu(tp_device dev, tp_dtype dtype, const void *x,
+                                      const void *w, const void *gy, const void *aux, void *gz,
+                                      void *gb_act, void *gw, void *gb, int64_t rows, int64_t in,
+                                      int64_t out, bool tanh_approx)
+{
+    CPU_CHECK(LINEAR_BWD_DGELU);
+    TP_CHECK(cpu_linear_bwd(dev, dtype, x, w, gy, gz, gw, gb, rows, in, out, false));
+    TP_CHECK(cpu_gelu_bwd(dev, dtype, aux, gz, gz, rows * in, tanh_approx));
+    if (!gb_act)
+        return TP_OK;
+    /* the column sums as the GELU's linear sums its bias gradient */
+    return cpu_linear_bwd(dev, dtype, NULL, NULL, gz, NULL, NULL, gb_act, rows, 0, in, false);
+}
+
 /* ---- elementwise ---------------------------------------------------------------- */
 
 static tp_status cpu_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, int64_t n)

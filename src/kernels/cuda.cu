@@ -538,6 +538,22 @@ __global__ void k_colsum(const T *y, const T *x, const float *mean, const float 
                     acc += (double)d;
                     acc += (double)e;
                 }
+            if (MODE == COL_DGELU_TANH || MODE == COL_DGELU_ERF)
+                /* likewise: four rows' two loads each in flight */
+                for (; r + 3 * kColH < r1; r += 4 * kColH) {
+                    float v[4], a[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        v[j] = ldf(y[(r + j * kColH) * cols + c]);
+                        a[j] = ldf(x[(r + j * kColH) * cols + c]);
+                    }
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        T t = stf<T>(gelu_grad(a[j], v[j], MODE == COL_DGELU_TANH));
+                        z[(r + j * kColH) * cols + c] = t;
+                        acc += (double)ldf(t);
+                    }
+                }
             for (; r < r1; r += kColH) {
                 float v = ldf(y[r * cols + c]);
                 if (MODE == COL_PLAIN) {
@@ -1447,7 +1463,9 @@ tp_status gemm_on(Launch *L, tp_dtype dtype, bool ta, bool tb, int64_t m, int64_
  * the broadcast costs less than cuBLASLt's host work per call. cuBLASLt's
  * heuristic picks each shape's algorithm once per thread (the last kLtPlans
  * shapes are kept); where it has none, and under TP_CUDA_EPILOGUE=0, the
- * broadcast and cublasGemmEx run as before.
+ * broadcast and cublasGemmEx run as before. tp_linear_gelu's bf16/f16 tanh
+ * GELU rides there too (GELU_AUX_BIAS: the pre-activation into a second
+ * output for the backward; GELU_BIAS without one).
  *
  * The bias gradient stays the column-sum kernel: cuBLASLt's BGRADB epilogue
  * ran as a reduction kernel of its own on the H200, slower than that one
@@ -1859,6 +1877,65 @@ tp_status cuda_linear_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, con
         TP_CHECK(cuda_gelu_bwd(dev, dtype, aux, gy, gz, rows * out, tanh_approx));
     }
     return cuda_linear_bwd(dev, dtype, x, w, gz, gx, gw, gb, rows, in, out, false);
+}
+
+/* A linear's backward whose input came out of a GELU. bf16/f16, tanh: gz =
+ * (gy W) gelu'(aux) and its column sums from one cuBLASLt product
+ * (DGELU_BGRAD; DGELU without the sums), under the conditions of the
+ * forward's epilogue (kLtMinElems, in a multiple of 8, 16-byte aligned
+ * buffers, TP_CUDA_EPILOGUE); else the product into gz and the column pass
+ * of linear_gelu_bwd over it in place (the GELU backward kernel without
+ * gb_act). The linear's gw and gb as linear_bwd's. */
+tp_status cuda_linear_bwd_dgelu(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                const void *gy, const void *aux, void *gz, void *gb_act, void *gw,
+                                void *gb, int64_t rows, int64_t in, int64_t out, bool tanh_approx)
+{
+    if (!cuda_supports(TP__KOP_LINEAR_BWD_DGELU, dtype))
+        return tp__kernels_unsupported(tp__kernels_cuda, TP__KOP_LINEAR_BWD_DGELU, dtype);
+    bool done = false;
+    if (tanh_approx && dtype != TP_F32 && lt_wanted(rows, out, in, gb_act) && in % 8 == 0 &&
+        (uintptr_t)aux % 16 == 0 && (uintptr_t)gz % 16 == 0) {
+        Launch L;
+        tp_status st;
+        if (!enter("linear backward + gelu (CUDA)", TP__KOP_LINEAR_BWD_DGELU, dtype, dev, true, &L,
+                   &st))
+            return st;
+        /* column-major gz^T[in, rows] = W^T-as-stored[in, out] gy^T[out, rows] */
+        st = lt_gemm(&L, dtype, CUBLAS_OP_N, CUBLAS_OP_N, (int)in, (int)rows, (int)out, w, gy, gz,
+                     gb_act ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU, gb_act,
+                     (void *)aux, &done);
+        st = st == TP_OK ? end(&L) : fail(&L, st);
+        if (st != TP_OK)
+            return st;
+    }
+    if (!done) {
+        TP_CHECK(cuda_linear_bwd(dev, dtype, NULL, w, gy, gz, NULL, NULL, rows, in, out, false));
+        if (gb_act && lt_enabled() && rows > 0 && in > 0) {
+            Launch L;
+            tp_status st;
+            if (!enter("linear backward + gelu (CUDA)", TP__KOP_LINEAR_BWD_DGELU, dtype, dev, true,
+                       &L, &st))
+                return st;
+            /* in place: each element is read, then written, by one thread */
+            st = tanh_approx ? TYPED(dtype, (launch_colsum<T, COL_DGELU_TANH>(
+                                                &L, cp<T>(gz), cp<T>(aux), NULL, NULL,
+                                                mp<T>(gb_act), rows, in, false, 1.0, mp<T>(gz))))
+                             : TYPED(dtype, (launch_colsum<T, COL_DGELU_ERF>(
+                                                &L, cp<T>(gz), cp<T>(aux), NULL, NULL,
+                                                mp<T>(gb_act), rows, in, false, 1.0, mp<T>(gz))));
+            st = st == TP_OK ? end(&L) : fail(&L, st);
+            if (st != TP_OK)
+                return st;
+        } else {
+            TP_CHECK(cuda_gelu_bwd(dev, dtype, aux, gz, gz, rows * in, tanh_approx));
+            if (gb_act)
+                TP_CHECK(cuda_linear_bwd(dev, dtype, NULL, NULL, gz, NULL, NULL, gb_act, rows, 0,
+                                         in, false));
+        }
+    }
+    if (!gw && !gb)
+        return TP_OK;
+    return cuda_linear_bwd(dev, dtype, x, NULL, gy, NULL, gw, gb, rows, in, out, false);
 }
 
 /* elementwise */

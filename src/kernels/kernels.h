@@ -64,6 +64,7 @@ typedef enum tp__kop {
     TP__KOP_LINEAR_BWD,
     TP__KOP_LINEAR_GELU_FWD,
     TP__KOP_LINEAR_GELU_BWD,
+    TP__KOP_LINEAR_BWD_DGELU,
     TP__KOP_COPY,
     TP__KOP_FILL,
     TP__KOP_ADD,
@@ -181,6 +182,19 @@ typedef struct tp__kernels {
                                  const void *aux, const void *gy, void *gz, void *gx, void *gw,
                                  void *gb, int64_t rows, int64_t in, int64_t out,
                                  bool tanh_approx);
+    /* The backward of a linear whose input came out of a GELU (net2 of the
+     * Megatron MLP, when tp_linear_gelu produced its input): gz[rows, in] =
+     * (gy W) * gelu'(aux) (aux [rows, in], the GELU's input; gz rounded
+     * once where the engine fuses it, else gy W rounded, then the GELU
+     * gradient rounded, as the two backward kernels give), gb_act[in] =
+     * the column sums of gz (the GELU's linear's bias gradient; NULL: not
+     * wanted), and the linear's own gw = gy^T x, gb = the column sums of gy
+     * (each NULL when not wanted); all overwritten. CUDA, bf16/f16, tanh:
+     * gz and gb_act from one cuBLASLt product (DGELU_BGRAD epilogue). */
+    tp_status (*linear_bwd_dgelu)(tp_device dev, tp_dtype dtype, const void *x, const void *w,
+                                  const void *gy, const void *aux, void *gz, void *gb_act,
+                                  void *gw, void *gb, int64_t rows, int64_t in, int64_t out,
+                                  bool tanh_approx);
 
     /* ---- elementwise on n elements ------------------------------------------ */
 
@@ -455,6 +469,7 @@ typedef struct tp__kernels {
     X(LINEAR_BWD, linear_bwd)                                                  \
     X(LINEAR_GELU_FWD, linear_gelu_fwd)                                        \
     X(LINEAR_GELU_BWD, linear_gelu_bwd)                                        \
+    X(LINEAR_BWD_DGELU, linear_bwd_dgelu)                                      \
     X(COPY, copy)                                                              \
     X(FILL, fill)                                                              \
     X(ADD, add)                                                                \

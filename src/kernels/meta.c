@@ -85,6 +85,19 @@ static tp_status meta_linear_gelu_bwd(tp_device dev, tp_dtype dtype, const void 
     return meta_ok(TP__KOP_LINEAR_GELU_BWD, dtype);
 }
 
+static tp_status meta_linear_bwd_dgelu(tp_device dev, tp_dtype dtype, const void *x,
+                                       const void *w, const void *gy, const void *aux, void *gz,
+                                       void *gb_act, void *gw, void *gb, int64_t rows, int64_t in,
+                                       int64_t out, bool tanh_approx)
+{
+    /* the GELU's input read beside the product (cuBLASLt's epilogue) */
+    META_GEMM(dtype, rows, in, out);
+    META_EW(dtype, rows * in, 1);
+    if (gw)
+        META_GEMM(dtype, out, in, rows);
+    return meta_ok(TP__KOP_LINEAR_BWD_DGELU, dtype);
+}
+
 static tp_status meta_copy(tp_device dev, tp_dtype dtype, void *dst, const void *src, int64_t n)
 {
     META_EW(dtype, n, 2);
