@@ -1,13 +1,15 @@
 /*
- * tp-bench-llm: a Llama model (tp/models.h) on the CPU in f32: the forward,
- * and the forward + backward of the causal-LM loss, at tensor-parallel
- * degrees 1, 2 and 4 (ranks as threads of the shm backend, or one MPI
- * process each), and the loading of a sharded Hugging Face checkpoint
- * against the disk's read rate and each rank's shard.
+ * tp-bench-llm: a Llama model (tp/models.h) on the CPU in f32 (or on CUDA
+ * devices in f32, bf16 or f16): the forward, and the forward + backward of
+ * the causal-LM loss, at tensor-parallel degrees 1, 2 and 4 (ranks as
+ * threads of the shm backend, or one MPI process each), and the loading of
+ * a sharded Hugging Face checkpoint against the disk's read rate and each
+ * rank's shard.
  *
  *   tp-bench-llm [--config NAME|FILE | --model DIR] [-b B] [-s S] [--tp LIST]
  *                [--threads K] [-p fwd|fwd+bwd|both] [-r REPS] [-w WARMUP]
  *                [--csv FILE] [--plan-at-1] [--backend shm|mpi]
+ *                [--device cpu|cuda] [--dtype f32|bf16|f16]
  *   tp-bench-llm -p decode [--new-tokens N] [--config NAME|FILE | --model DIR] [-b B]
  *                [-s PROMPT] [--tp LIST] [--threads K] [-r REPS] [-w WARMUP] [--csv FILE]
  *   tp-bench-llm -p train [--dp N] [--tp N] [--fsdp [--fsdp-ends] | --ddp-bucket-view]
@@ -22,9 +24,14 @@
  * 32000, 124.7M parameters with the untied lm_head), 1b (hidden 1536, 8
  * layers, intermediate 4096, 12 heads, 4 kv heads, vocab 32000: 300M
  * parameters, 1.12 GiB in f32, the loading benchmark's), tiny (hidden 64, 2
- * layers, 4 heads, vocab 256: the smoke test's), or a config.json (a file or
- * a directory holding one); parameters from tp_module_init (seed 1). --model
- * DIR loads DIR's weights as well (tp_llm_load).
+ * layers, 4 heads, vocab 256: the smoke test's), 8b-layer (one decoder
+ * layer of Llama-3-8B's shape: hidden 4096, 32 heads, 8 kv heads, head dim
+ * 128, intermediate 14336, rope theta 500000, eps 1e-5, 8192 positions;
+ * vocab 1024, so that the layer and not the embedding or lm_head is what a
+ * pass times: 226.5M parameters), 8b-stack (the same with 8 layers, for
+ * -p decode: 1.75G parameters, 3.3 GiB in bf16), or a config.json (a file
+ * or a directory holding one); parameters from tp_module_init (seed 1).
+ * --model DIR loads DIR's weights as well (tp_llm_load).
  *
  * A pass: a barrier, then the work, then a barrier; each rank times from its
  * exit of the first to its exit of the second and a pass counts as the
@@ -44,6 +51,35 @@
  * with a note. --threads K: OpenBLAS threads (default 1); the setting is
  * process-wide (openblas_set_num_threads), so with shm ranks every rank's
  * GEMMs draw on the same pool of K threads; nominal threads = tp x K.
+ *
+ * --device cuda (fwd, fwd+bwd, both) builds the model on the GPU (rank r on
+ * device r modulo the devices: shm ranks share one GPU, as -p decode's),
+ * --dtype bf16|f16 casts it (tp_module_to_dtype; --dtype is CUDA's: the CPU
+ * passes are f32), and a pass ends with tp_cuda_synchronize on every rank
+ * before its clock is read; the peak is tp_memory_stats of rank 0's
+ * device. Beside the passes, measured in the same run on the same GPU
+ * (device 0) once the model is freed, what a hand-written program would
+ * spend on the same pass:
+ *  - GEMMs by hand: the matrix products of one pass at rank 0's shards of
+ *    this degree (per layer q [T,H] x [hq*D,H]^T, k and v [T,H] x
+ *    [hkv*D,H]^T, o, gate and up [T,H] x [F,H]^T, down [T,F] x [H,F]^T,
+ *    then lm_head; fwd+bwd: each one's dX and dW products too; T = batch x
+ *    seq; colwise q, k, v, gate, up, lm_head and rowwise o, down sharded
+ *    over tp) as cublasGemmEx calls (bench_cuda.h: the model's dtype in and
+ *    out, f32 accumulation, CUBLAS_GEMM_DEFAULT) on buffers allocated before
+ *    the timing, each run between CUDA events;
+ *  - attention by hand: libtp's fused attention
+ *    (tp_scaled_dot_product_attention_with: causal, grouped kv heads, the
+ *    backend the model's calls get) on plain CUDA tensors q [B, hq, S, D],
+ *    k and v [B, hkv, S, D], one call per layer (fwd+bwd: each then
+ *    tp_backward with a random gradient), between tp_cuda_synchronize;
+ * both for every rank that shares device 0 (tp over the devices, rounded
+ * up), max(-w, 1) untimed runs, then -r timed. Per pass the table shows
+ * the model's median, the two by hand, and (GEMMs + attention) / model:
+ * the median [min .. max] of repetition i's by hand over the model's pass
+ * i (target for the fwd+bwd pass: >= 0.85; a missed target is a figure,
+ * not a failure). The CSV's rows then end in device, dtype and these.
+ * Without a CUDA device --device cuda exits 1 saying so.
  *
  * -p decode: generation through the KV cache (tp_llm_generate, greedy, no
  * eos: every sequence runs N new tokens, default 128) of -b prompts of -s
@@ -110,6 +146,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -121,6 +158,7 @@
 #include <cblas.h>
 #include <tp.h>
 
+#include "bench_cuda.h"
 #include "bench_util.h"
 
 #define EXIT_BAD 2
@@ -145,6 +183,20 @@ static const struct preset {
              "\"num_attention_heads\": 4, \"num_key_value_heads\": 4, "
              "\"max_position_embeddings\": 512, \"rms_norm_eps\": 1e-6, "
              "\"rope_theta\": 10000.0, \"tie_word_embeddings\": false, \"hidden_act\": \"silu\"}"},
+    /* Llama-3-8B's layer; a small vocabulary, so that the layers are what a
+     * pass times */
+    {"8b-layer", "{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 1024, "
+                 "\"hidden_size\": 4096, \"intermediate_size\": 14336, \"num_hidden_layers\": 1, "
+                 "\"num_attention_heads\": 32, \"num_key_value_heads\": 8, \"head_dim\": 128, "
+                 "\"max_position_embeddings\": 8192, \"rms_norm_eps\": 1e-5, "
+                 "\"rope_theta\": 500000.0, \"tie_word_embeddings\": false, "
+                 "\"hidden_act\": \"silu\"}"},
+    {"8b-stack", "{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 1024, "
+                 "\"hidden_size\": 4096, \"intermediate_size\": 14336, \"num_hidden_layers\": 8, "
+                 "\"num_attention_heads\": 32, \"num_key_value_heads\": 8, \"head_dim\": 128, "
+                 "\"max_position_embeddings\": 8192, \"rms_norm_eps\": 1e-5, "
+                 "\"rope_theta\": 500000.0, \"tie_word_embeddings\": false, "
+                 "\"hidden_act\": \"silu\"}"},
 };
 
 typedef struct {
@@ -157,7 +209,7 @@ typedef struct {
     int dp, recompute_every;
     tp_recompute_mode recompute;
     long new_tokens;
-    tp_dtype dtype; /* -p decode's model dtype */
+    tp_dtype dtype; /* the model's dtype (-p decode, or --device cuda) */
     long max_shard;
     tp_llm_config cfg;
     char cfg_name[256];
@@ -167,9 +219,10 @@ typedef struct {
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: tp-bench-llm [--config 100m|1b|tiny|FILE | --model DIR] [-b BATCH] [-s SEQ]\n"
-            "                    [--tp LIST] [--threads K] [-p fwd|fwd+bwd|both] [-r REPS]\n"
-            "                    [-w WARMUP] [--csv FILE] [--plan-at-1] [--backend shm|mpi]\n"
+            "usage: tp-bench-llm [--config 100m|1b|tiny|8b-layer|8b-stack|FILE | --model DIR]\n"
+            "                    [-b BATCH] [-s SEQ] [--tp LIST] [--threads K] [-p fwd|fwd+bwd|both]\n"
+            "                    [-r REPS] [-w WARMUP] [--csv FILE] [--plan-at-1] [--backend shm|mpi]\n"
+            "                    [--device cpu|cuda] [--dtype f32|bf16|f16 (with --device cuda)]\n"
             "       tp-bench-llm -p decode [--new-tokens N] [--config NAME|FILE | --model DIR]\n"
             "                    [-b B] [-s PROMPT] [--tp LIST] [--threads K] [-r R] [-w W] [--csv F]\n"
             "                    [--device cpu|cuda] [--dtype f32|bf16|f16]\n"
@@ -233,7 +286,8 @@ static int load_config(options *o)
         }
     struct stat sb;
     if (stat(spec, &sb) != 0)
-        return bad("--config '%s': neither 100m, 1b, tiny nor a config.json file or directory",
+        return bad("--config '%s': neither 100m, 1b, tiny, 8b-layer, 8b-stack nor a config.json "
+                   "file or directory",
                    spec);
     if (tp_llm_config_load(spec, &o->cfg) != TP_OK) {
         fprintf(stderr, "tp-bench-llm: %s\n", tp_last_error());
@@ -413,8 +467,11 @@ static int parse_args(int argc, char **argv, options *o)
             return bad("%s", "--fsdp shards over dp: needs --dp 2 or more");
         tp_given = true;
     }
-    if ((o->cuda || o->dtype != TP_F32) && !o->decode)
-        return bad("%s", "--device and --dtype are -p decode's");
+    if ((o->cuda || o->dtype != TP_F32) && (o->train || o->dump || o->save || o->load))
+        return bad("%s", "--device and --dtype are -p fwd, fwd+bwd, both and decode's");
+    if (o->dtype != TP_F32 && !o->cuda && !o->decode)
+        return bad("%s", "--dtype bf16|f16 of -p fwd, fwd+bwd and both needs --device cuda (the "
+                         "CPU passes are f32)");
     if (!!o->dump + !!o->save + !!o->load > 1)
         return bad("%s", "--dump-config, --save and --load exclude each other");
     if (o->model && o->config)
@@ -515,6 +572,12 @@ typedef struct {
     double cpu_fwd[MAX_REPS], cpu_bwd[MAX_REPS]; /* CPU seconds of rank 0's process */
     double peak_fwd, peak_bwd;           /* bytes above the start of the passes */
     double loss;
+    /* --device cuda: per pass kind (fwd, fwd+bwd) and timed repetition, the
+     * GEMMs and the attention by hand (seconds; NaN where they failed), the
+     * ranks on device 0 they count, and the GEMMs' FLOPs */
+    double hand_gemm[2][MAX_REPS], hand_attn[2][MAX_REPS];
+    int share;
+    double gemm_flop[2];
 } perf_run;
 
 /* CPU seconds of this process, all its threads. */
@@ -535,15 +598,20 @@ static tp_status fwd_pass(tp_module *m, tp_tensor *ids)
     return st;
 }
 
-static tp_status bwd_pass(tp_module *m, tp_tensor *ids, double *loss_out)
+/* ids: on the model's device, for the forward; labels: the same ids on the
+ * CPU, for the loss (the same tensor on the CPU). */
+static tp_status bwd_pass(tp_module *m, tp_tensor *ids, tp_tensor *labels, double *loss_out)
 {
     tp_tensor *logits = NULL, *loss = NULL;
     tp_status st = tp_llm_forward(m, ids, NULL, NULL, &logits);
     if (st == TP_OK)
-        st = tp_llm_loss(logits, ids, &loss);
+        st = tp_llm_loss(logits, labels, &loss);
     if (st == TP_OK && loss_out) {
         const tp_tensor *l = tp_tensor_is_dtensor(loss) ? tp_dtensor_local(loss) : loss;
-        *loss_out = *(const float *)tp_tensor_data(l);
+        if (tp_tensor_device(l).type == TP_DEVICE_CPU && tp_tensor_dtype(l) == TP_F32)
+            *loss_out = *(const float *)tp_tensor_data(l);
+        else /* a device's, or a low-precision one: one synchronous read */
+            st = tp_tensor_get(l, NULL, loss_out);
     }
     if (st == TP_OK)
         st = tp_backward(loss, NULL);
@@ -561,10 +629,23 @@ static tp_status perf_rank(tp_comm *w, void *arg)
     tp_status st = TP_OK;
     tp_mesh *mesh = NULL;
     tp_module *model = NULL;
-    tp_tensor *ids = NULL;
+    tp_tensor *ids = NULL, *ids_dev = NULL, *fwd_ids = NULL;
     double fwd[MAX_REPS] = {0}, bwd[MAX_REPS] = {0};
-    TRY(build_model(w, o, r->tp > 1 || o->plan_at_1, o->model, &mesh, &model));
+    tp_device dev = TP_CPU;
+    if (o->cuda) { /* main() saw a device: rank r on device r modulo the devices */
+        dev = TP_CUDA(tp_comm_rank(w) % tp_cuda_device_count());
+        TRY(tp_nn_set_default_device(dev));
+    }
+    st = build_model(w, o, r->tp > 1 || o->plan_at_1, o->model, &mesh, &model);
+    if (o->cuda)
+        tp_nn_set_default_device(TP_CPU);
+    TRY(st);
+    if (o->dtype != TP_F32)
+        TRY(tp_module_to_dtype(model, o->dtype));
     TRY(tp_tensor_from_data(TP_I64, 2, (const int64_t[]){o->batch, o->seq}, o->ids, &ids));
+    if (o->cuda) /* the forward's ids on the model's device; the loss's on the CPU */
+        TRY(tp_tensor_to(ids, TP_I64, dev, &ids_dev));
+    fwd_ids = ids_dev ? ids_dev : ids;
     for (int kind = 0; kind < 2; kind++) {
         if (!(kind == 0 ? o->fwd : o->bwd))
             continue;
@@ -575,17 +656,19 @@ static tp_status perf_rank(tp_comm *w, void *arg)
                 TRY(tp_barrier(w, NULL));
                 if (lead) {
                     tp_memory_info mi;
-                    tp_memory_stats(TP_CPU, &mi);
+                    tp_memory_stats(dev, &mi);
                     base = mi.allocated;
-                    tp_memory_reset_peak(TP_CPU);
+                    tp_memory_reset_peak(dev);
                 }
             }
             TRY(tp_barrier(w, NULL));
             const double t0 = bench_now_s(), c0 = cpu_now_s();
             if (kind == 0)
-                TRY(fwd_pass(model, ids));
+                TRY(fwd_pass(model, fwd_ids));
             else
-                TRY(bwd_pass(model, ids, i == 0 && lead ? &r->loss : NULL));
+                TRY(bwd_pass(model, fwd_ids, ids, i == 0 && lead ? &r->loss : NULL));
+            if (o->cuda) /* the pass's kernels are done before the clock is read */
+                TRY(tp_cuda_synchronize(dev.index));
             TRY(tp_barrier(w, NULL));
             if (i >= o->warmup) {
                 times[i - o->warmup] = bench_now_s() - t0;
@@ -596,7 +679,7 @@ static tp_status perf_rank(tp_comm *w, void *arg)
         TRY(tp_barrier(w, NULL));
         if (lead) {
             tp_memory_info mi;
-            tp_memory_stats(TP_CPU, &mi);
+            tp_memory_stats(dev, &mi);
             *(kind == 0 ? &r->peak_fwd : &r->peak_bwd) = (double)(mi.peak_allocated - base);
         }
         TRY(max_over(w, times, o->reps));
@@ -606,9 +689,12 @@ static tp_status perf_rank(tp_comm *w, void *arg)
         memcpy(r->bwd, bwd, sizeof bwd);
     }
 out:
+    tp_tensor_release(ids_dev);
     tp_tensor_release(ids);
     tp_module_free(model);
     tp_mesh_free(mesh);
+    if (o->cuda) /* everything freed before the by hand runs on the device */
+        tp_cuda_synchronize(dev.index);
     if (st != TP_OK && o->mpi)
         tp_comm_abort(w, "tp-bench-llm: a rank failed");
     return st;
@@ -671,6 +757,233 @@ static void stats(double *v, int n, double *med, double *lo, double *hi)
     *hi = c[n - 1];
 }
 
+/* ---- --device cuda: the pass by hand ----------------------------------------------- */
+
+#if TP_HAVE_CUDA
+/* The products of one pass at rank 0's shards of degree tp (bench_cuda.h's
+ * form), for `share` ranks: per rank, each layer's forward of q, k, v, o,
+ * gate, up and down, then lm_head's; with bwd then lm_head's dX and dW and
+ * each layer's (the last layer first, down to q). A new array of *n
+ * products, NULL when memory runs out; *flop: their FLOPs. */
+static bench_gemm *pass_gemms(const options *o, int tp, bool bwd, int share, int *n,
+                              double *flop)
+{
+    const tp_llm_config *c = &o->cfg;
+    const int T = (int)(o->batch * o->seq), H = (int)c->hidden_size, D = (int)c->head_dim;
+    const int hq = (int)(c->num_attention_heads / tp), hkv = (int)(c->num_key_value_heads / tp);
+    const int F = (int)(c->intermediate_size / tp), V = (int)((c->vocab_size + tp - 1) / tp);
+    const int L = (int)c->num_hidden_layers;
+    /* Linear (out, in), y = x W^T: colwise q, k, v, gate, up; rowwise o, down */
+    const int outs[7] = {hq * D, hkv * D, hkv * D, H, F, F, H};
+    const int ins[7] = {H, H, H, hq * D, H, H, F};
+    const size_t per = (size_t)(7 * L + 1) * (bwd ? 3 : 1);
+    bench_gemm *g = malloc(sizeof *g * per * (size_t)share);
+    if (!g)
+        return NULL;
+    int k = 0;
+    for (int r = 0; r < share; r++) {
+        for (int l = 0; l < L; l++)
+            for (int j = 0; j < 7; j++)
+                g[k++] = (bench_gemm){T, outs[j], ins[j], false, true};
+        g[k++] = (bench_gemm){T, V, H, false, true};
+        if (!bwd)
+            continue;
+        g[k++] = (bench_gemm){T, H, V, false, false}; /* dX = dY W */
+        g[k++] = (bench_gemm){V, H, T, true, false};  /* dW = dY^T X */
+        for (int l = L - 1; l >= 0; l--)
+            for (int j = 6; j >= 0; j--) {
+                g[k++] = (bench_gemm){T, ins[j], outs[j], false, false};
+                g[k++] = (bench_gemm){outs[j], ins[j], T, true, false};
+            }
+    }
+    *n = k;
+    *flop = 0;
+    for (int i = 0; i < k; i++)
+        *flop += 2.0 * g[i].m * g[i].n * g[i].k;
+    return g;
+}
+
+/* The attention of one pass at degree tp by hand on device 0, for `share`
+ * ranks: libtp's fused attention (causal, grouped kv heads, the default
+ * backend as the model's calls) on q [B, hq, S, D], k, v [B, hkv, S, D]
+ * of the model's dtype, one call per layer and rank; with bwd each then
+ * tp_backward with the random gradient g (q's shape). in[3] and g: the
+ * caller's tensors on device 0. max(-w, 1) untimed runs, then -r timed
+ * ones between tp_cuda_synchronize: times[0..reps) seconds. */
+static tp_status attn_by_hand(const options *o, bool bwd, int share, tp_tensor *const *in,
+                              tp_tensor *g, double *times)
+{
+    const tp_sdpa_options so = {.causal = true};
+    const int64_t calls = o->cfg.num_hidden_layers * share;
+    const int warm = o->warmup > 0 ? o->warmup : 1;
+    tp_status st = TP_OK;
+    for (int i = 0; i < 3 && st == TP_OK; i++)
+        st = tp_tensor_set_requires_grad(in[i], bwd);
+    if (st == TP_OK)
+        st = tp_cuda_synchronize(0);
+    for (int it = -warm; it < o->reps && st == TP_OK; it++) {
+        const double t0 = bench_now_s();
+        if (!bwd)
+            tp_no_grad_begin();
+        for (int64_t l = 0; l < calls && st == TP_OK; l++) {
+            tp_tensor *out = NULL;
+            st = tp_scaled_dot_product_attention_with(in[0], in[1], in[2], &so, &out);
+            if (st == TP_OK && bwd)
+                st = tp_backward(out, g);
+            tp_tensor_release(out);
+            for (int i = 0; i < 3 && bwd; i++)
+                tp_tensor_zero_grad(in[i]);
+        }
+        if (!bwd)
+            tp_no_grad_end();
+        if (st == TP_OK)
+            st = tp_cuda_synchronize(0);
+        if (it >= 0)
+            times[it] = bench_now_s() - t0;
+    }
+    return st;
+}
+
+/* The GEMMs and the attention of each pass kind r ran, by hand on device 0
+ * for the ranks that shared it (r->share): r->hand_gemm, r->hand_attn (NaN
+ * where one failed: then a message and false). */
+static bool pass_by_hand(const options *o, perf_run *r)
+{
+    const tp_llm_config *c = &o->cfg;
+    const int n = tp_cuda_device_count(), tp = r->tp;
+    bool ok = true;
+    r->share = (tp + n - 1) / n; /* ranks 0, n, 2n, ... are on device 0 */
+    for (int kind = 0; kind < 2; kind++)
+        for (int i = 0; i < o->reps; i++)
+            r->hand_gemm[kind][i] = r->hand_attn[kind][i] = NAN;
+    if (o->batch * o->seq > INT_MAX) {
+        fprintf(stderr, "tp-bench-llm: tp %d: the GEMMs by hand take int sizes: %ld tokens are "
+                "too many\n", tp, o->batch * o->seq);
+        return false;
+    }
+    /* the model's memory back to the device for the buffers below */
+    tp_memory_empty_cache(TP_CUDA(0));
+    for (int kind = 0; kind < 2; kind++) {
+        if (!(kind == 0 ? o->fwd : o->bwd))
+            continue;
+        int count = 0;
+        char err[256] = "";
+        bench_gemm *g = pass_gemms(o, tp, kind == 1, r->share, &count, &r->gemm_flop[kind]);
+        if (!g)
+            snprintf(err, sizeof err, "out of memory");
+        const double med = g ? bench_cuda_gemms(0, o->dtype, g, count, o->warmup > 0 ? o->warmup : 1,
+                                                o->reps, r->hand_gemm[kind], err, sizeof err)
+                             : -1;
+        free(g);
+        if (med < 0) {
+            fprintf(stderr, "tp-bench-llm: tp %d %s: the GEMMs by hand: %s\n", tp,
+                    kind == 0 ? "fwd" : "fwd+bwd", err);
+            for (int i = 0; i < o->reps; i++)
+                r->hand_gemm[kind][i] = NAN;
+            ok = false;
+        }
+    }
+    const int64_t hq = c->num_attention_heads / tp, hkv = c->num_key_value_heads / tp;
+    const int64_t shp[2][4] = {{o->batch, hq, o->seq, c->head_dim},
+                               {o->batch, hkv, o->seq, c->head_dim}};
+    tp_tensor *in[3] = {NULL, NULL, NULL}, *grad = NULL;
+    tp_status st = TP_OK;
+    for (int i = 0; i < 4 && st == TP_OK; i++) {
+        tp_tensor **t = i < 3 ? &in[i] : &grad;
+        st = tp_tensor_empty(o->dtype, TP_CUDA(0), 4, shp[i == 1 || i == 2], t);
+        if (st == TP_OK)
+            st = tp_tensor_fill_random(*t, TP_RNG_NORMAL, 0, 1, (uint64_t)i + 1, NULL, NULL);
+    }
+    if (st != TP_OK)
+        fprintf(stderr, "tp-bench-llm: tp %d: the attention by hand's inputs: %s (%s)\n", tp,
+                tp_status_name(st), tp_last_error());
+    for (int kind = 0; kind < 2 && st == TP_OK; kind++) {
+        if (!(kind == 0 ? o->fwd : o->bwd))
+            continue;
+        st = attn_by_hand(o, kind == 1, r->share, in, grad, r->hand_attn[kind]);
+        if (st != TP_OK) {
+            fprintf(stderr, "tp-bench-llm: tp %d %s: the attention by hand: %s (%s)\n", tp,
+                    kind == 0 ? "fwd" : "fwd+bwd", tp_status_name(st), tp_last_error());
+            for (int i = 0; i < o->reps; i++)
+                r->hand_attn[kind][i] = NAN;
+        }
+    }
+    for (int i = 0; i < 3; i++)
+        tp_tensor_release(in[i]);
+    tp_tensor_release(grad);
+    tp_cuda_synchronize(0);
+    tp_memory_empty_cache(TP_CUDA(0));
+    return ok && st == TP_OK;
+}
+#endif
+
+/* A pass kind's figures by hand (--device cuda): the medians of the GEMMs
+ * and the attention, the GEMMs' TFLOP/s at their median, and (GEMMs +
+ * attention) / model: the median [min .. max] of repetition i's by hand over
+ * the model's pass i (NaN where one failed). */
+typedef struct {
+    double model, gemm, attn, tflops, ratio, ratio_lo, ratio_hi;
+} hand_figures;
+
+static void hand_stats(const options *o, const perf_run *r, int kind, hand_figures *h)
+{
+    double lo, hi, ratio[MAX_REPS];
+    const double *model = kind == 0 ? r->fwd : r->bwd;
+    stats((double *)model, o->reps, &h->model, &lo, &hi);
+    stats((double *)r->hand_gemm[kind], o->reps, &h->gemm, &lo, &hi);
+    stats((double *)r->hand_attn[kind], o->reps, &h->attn, &lo, &hi);
+    bool ok = !isnan(h->gemm) && !isnan(h->attn);
+    for (int i = 0; i < o->reps; i++) {
+        ratio[i] = (r->hand_gemm[kind][i] + r->hand_attn[kind][i]) / model[i];
+        ok = ok && !isnan(ratio[i]);
+    }
+    h->tflops = r->gemm_flop[kind] / h->gemm / 1e12;
+    if (ok)
+        stats(ratio, o->reps, &h->ratio, &h->ratio_lo, &h->ratio_hi);
+    else
+        h->ratio = h->ratio_lo = h->ratio_hi = NAN;
+}
+
+/* The pass by hand against the model's, per degree and pass kind. */
+static void print_by_hand(const options *o, const perf_run *runs, const bool *ran,
+                          const char *gpu)
+{
+    printf("# by hand, in the same run on device 0 (%s), after the model is freed: GEMMs = "
+           "cublasGemmEx (%s in and out, f32 accumulation, CUBLAS_GEMM_DEFAULT) of one pass's "
+           "products at rank 0's shards (per layer q, k, v, o, gate, up, down, then lm_head; "
+           "fwd+bwd: each one's dX and dW too), timed with CUDA events; attn = libtp's fused "
+           "attention (tp_scaled_dot_product_attention_with, causal, %lld/%lld heads, head dim "
+           "%lld) on plain tensors, one call per layer (fwd+bwd: and its backward), to "
+           "tp_cuda_synchronize; both for each rank on device 0 (ranks: the count), %d timed "
+           "after %d; hand/model: (GEMMs + attn) / the model's pass, the median [min .. max] "
+           "of repetition i over pass i; target for fwd+bwd: >= 0.85\n",
+           gpu, tp_dtype_name(o->dtype), (long long)o->cfg.num_attention_heads,
+           (long long)o->cfg.num_key_value_heads, (long long)o->cfg.head_dim, o->reps,
+           o->warmup > 0 ? o->warmup : 1);
+    printf("%3s %5s %8s %10s %10s %12s %10s %10s %26s %16s\n", "tp", "ranks", "pass",
+           "model ms", "GEMMs ms", "GEMM TFLOP/s", "attn ms", "hand ms", "hand/model [min .. max]",
+           "target");
+    for (int kind = 0; kind < 2; kind++) {
+        if (!(kind == 0 ? o->fwd : o->bwd))
+            continue;
+        for (int k = 0; k < o->ntp; k++) {
+            if (!ran[k])
+                continue;
+            const perf_run *r = &runs[k];
+            hand_figures h;
+            hand_stats(o, r, kind, &h);
+            char spread[64], target[32] = "-";
+            snprintf(spread, sizeof spread, "%.3f [%.3f .. %.3f]", h.ratio, h.ratio_lo,
+                     h.ratio_hi);
+            if (kind == 1 && !isnan(h.ratio))
+                snprintf(target, sizeof target, ">= 0.85: %s", h.ratio >= 0.85 ? "met" : "missed");
+            printf("%3d %5d %8s %10.2f %10.2f %12.1f %10.2f %10.2f %26s %16s\n", r->tp, r->share,
+                   kind == 0 ? "fwd" : "fwd+bwd", h.model * 1e3, h.gemm * 1e3, h.tflops,
+                   h.attn * 1e3, (h.gemm + h.attn) * 1e3, spread, target);
+        }
+    }
+}
+
 /* o->ids: batch x seq pseudo-random ids in [0, vocab), the same every run;
  * and the OpenBLAS threads. false when memory runs out. */
 static bool make_ids(options *o)
@@ -708,6 +1021,10 @@ static int run_perf(options *o)
         runs[k].tp = o->tps[k];
         if (!(ran[k] = run_degree(o, k, perf_rank, &runs[k], &world_rank, &status)))
             continue;
+#if TP_HAVE_CUDA
+        if (o->cuda && world_rank == 0 && !pass_by_hand(o, &runs[k]))
+            status = 1;
+#endif
     }
     if (world_rank != 0)
         return status;
@@ -717,18 +1034,37 @@ static int run_perf(options *o)
             fprintf(stderr, "tp-bench-llm: cannot write %s: %s\n", o->csv, strerror(errno));
             return 1;
         }
+        /* --device cuda: the device, the dtype and the pass by hand after the CPU's columns */
         fprintf(csv, "impl,model,params,batch,seq,tp,threads,pass,time_ms,time_min_ms,time_max_ms,"
-                     "reps,warmup,tokens_per_s,peak_mib,loss,backend,cores,cpu_ms\n");
+                     "reps,warmup,tokens_per_s,peak_mib,loss,backend,cores,cpu_ms%s\n",
+                o->cuda ? ",device,dtype,gemm_ms,attn_ms,hand_over_model,hand_over_model_min,"
+                          "hand_over_model_max,gemm_tflops"
+                        : "");
     }
+    char gpu[256] = "";
+#if TP_HAVE_CUDA
+    if (o->cuda)
+        bench_cuda_device_name(0, gpu, sizeof gpu);
+#endif
     printf("# tp-bench-llm: %s\n", line);
-    printf("# batch %ld x seq %ld = %ld tokens, f32, CPU; %s ranks; OpenBLAS threads %d "
-           "(process-wide, shared by the ranks); %d cores; load average %.2f %.2f %.2f\n",
-           o->batch, o->seq, o->batch * o->seq, o->mpi ? "mpi" : "shm (threads)", o->threads,
-           bench_cores(), load[0], load[1], load[2]);
-    printf("# a pass: the slowest rank's; %d timed after %d untimed; median [min .. max]; "
-           "peak: libtp tensor bytes above the passes' start, all ranks; CPU: the median CPU "
+    if (o->cuda)
+        printf("# batch %ld x seq %ld = %ld tokens, %s, CUDA (%d device%s, rank r on device r "
+               "%% %d; device 0: %s); %s ranks; %d cores; load average %.2f %.2f %.2f\n",
+               o->batch, o->seq, o->batch * o->seq, tp_dtype_name(o->dtype),
+               tp_cuda_device_count(), tp_cuda_device_count() == 1 ? "" : "s",
+               tp_cuda_device_count(), gpu, o->mpi ? "mpi" : "shm (threads)", bench_cores(),
+               load[0], load[1], load[2]);
+    else
+        printf("# batch %ld x seq %ld = %ld tokens, f32, CPU; %s ranks; OpenBLAS threads %d "
+               "(process-wide, shared by the ranks); %d cores; load average %.2f %.2f %.2f\n",
+               o->batch, o->seq, o->batch * o->seq, o->mpi ? "mpi" : "shm (threads)", o->threads,
+               bench_cores(), load[0], load[1], load[2]);
+    printf("# a pass: the slowest rank's%s; %d timed after %d untimed; median [min .. max]; "
+           "peak: libtp tensor bytes above the passes' start, %s; CPU: the median CPU "
            "time of the process (%s) over a pass%s\n",
-           o->reps, o->warmup, o->mpi ? "rank 0's" : "all ranks and BLAS threads, spinning included",
+           o->cuda ? ", to tp_cuda_synchronize" : "", o->reps, o->warmup,
+           o->cuda ? "on device 0 (the ranks on it)" : "all ranks",
+           o->mpi ? "rank 0's" : "all ranks and BLAS threads, spinning included",
            o->plan_at_1 ? "; tp 1 under the plan (mesh of 1)" : "");
     printf("%3s %8s %8s %12s %24s %12s %9s %10s %12s\n", "tp", "threads", "pass", "median ms",
            "[min .. max] ms", "tokens/s", "vs tp 1", "peak MiB", "CPU ms");
@@ -763,18 +1099,27 @@ static int run_perf(options *o)
                    kind == 0 ? "fwd" : "fwd+bwd", med * 1e3, spread,
                    (double)(o->batch * o->seq) / med, speed, peak, cpu * 1e3);
             if (csv) {
-                char loss[32] = "";
+                char loss[32] = "", hand[256] = "";
                 if (kind == 1)
                     snprintf(loss, sizeof loss, "%.6f", r->loss);
+                if (o->cuda) {
+                    hand_figures h;
+                    hand_stats(o, r, kind, &h);
+                    snprintf(hand, sizeof hand, ",cuda,%s,%.3f,%.3f,%.4f,%.4f,%.4f,%.1f",
+                             tp_dtype_name(o->dtype), h.gemm * 1e3, h.attn * 1e3, h.ratio,
+                             h.ratio_lo, h.ratio_hi, h.tflops);
+                }
                 fprintf(csv, "libtp,%s,%.0f,%ld,%ld,%d,%d,%s,%.3f,%.3f,%.3f,%d,%d,%.1f,%.1f,%s,%s,%d,"
-                             "%.3f\n",
+                             "%.3f%s\n",
                         o->cfg_name, param_count(&o->cfg), o->batch, o->seq, r->tp, o->threads,
                         kind == 0 ? "fwd" : "fwd+bwd", med * 1e3, lo * 1e3, hi * 1e3, o->reps,
                         o->warmup, (double)(o->batch * o->seq) / med, peak, loss,
-                        o->mpi ? "mpi" : "shm", bench_cores(), cpu * 1e3);
+                        o->mpi ? "mpi" : "shm", bench_cores(), cpu * 1e3, hand);
             }
         }
     }
+    if (o->cuda)
+        print_by_hand(o, runs, ran, gpu);
     for (int k = 0; k < o->ntp && o->bwd; k++)
         if (ran[k]) {
             printf("# loss of the first pass (tp %d): %.6f\n", runs[k].tp, runs[k].loss);
@@ -1745,6 +2090,10 @@ int main(int argc, char **argv)
     int rc = parse_args(argc, argv, &o);
     if (rc)
         return rc;
+    if (o.cuda && tp_cuda_device_count() <= 0) {
+        fprintf(stderr, "tp-bench-llm: --device cuda: no CUDA device\n");
+        return 1;
+    }
     if (o.dump)
         rc = run_dump(&o);
     else if (o.save)
