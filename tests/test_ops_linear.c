@@ -84,6 +84,20 @@ static tp_status check_case(tp_test_slot *s, tp_mesh *mesh, op3_fn op, int n_in,
     return TP_OK;
 }
 
+/* x, W, b's placements per mesh dim: the last mesh dim takes the case; on
+ * N-D meshes mesh dim 0 shards x's batch (data parallel) and the others
+ * replicate. */
+static void case_placements(int mesh_ndim, tp_placement x, tp_placement w, tp_placement b,
+                            tp_placement pl[3][3])
+{
+    for (int d = 0; d < 3; d++) {
+        bool inner = d == mesh_ndim - 1;
+        pl[0][d] = inner ? x : d == 0 ? tp_shard(0) : tp_replicate();
+        pl[1][d] = inner ? w : tp_replicate();
+        pl[2][d] = inner ? b : tp_replicate();
+    }
+}
+
 static tp_status lin_body(tp_comm *w, void *arg)
 {
     lin_ctx *c = arg;
@@ -106,14 +120,7 @@ static tp_status lin_body(tp_comm *w, void *arg)
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         for (int with_bias = 0; with_bias < 2; with_bias++) {
             tp_placement pl[3][3];
-            for (int d = 0; d < 3; d++) {
-                /* the last mesh dim takes the case; on N-D meshes mesh dim 0
-                 * shards x's batch (data parallel) and the others replicate */
-                bool inner = d == c->mesh_ndim - 1;
-                pl[0][d] = inner ? cases[k].x : d == 0 ? S0 : R;
-                pl[1][d] = inner ? cases[k].w : R;
-                pl[2][d] = inner ? cases[k].b : R;
-            }
+            case_placements(c->mesh_ndim, cases[k].x, cases[k].w, cases[k].b, pl);
             char label[96];
             snprintf(label, sizeof label, "linear %s%s", cases[k].label,
                      with_bias ? " with bias" : "");
@@ -127,12 +134,7 @@ static tp_status lin_body(tp_comm *w, void *arg)
         for (int v = 0; v < 4; v++) {
             bool with_bias = v & 1, tanh_approx = v & 2;
             tp_placement pl[3][3];
-            for (int d = 0; d < 3; d++) {
-                bool inner = d == c->mesh_ndim - 1;
-                pl[0][d] = inner ? cases[k].x : d == 0 ? S0 : R;
-                pl[1][d] = inner ? cases[k].w : R;
-                pl[2][d] = inner ? cases[k].b : R;
-            }
+            case_placements(c->mesh_ndim, cases[k].x, cases[k].w, cases[k].b, pl);
             char label[128];
             snprintf(label, sizeof label, "linear_gelu (%s) %s%s", tanh_approx ? "tanh" : "erf",
                      cases[k].label, with_bias ? " with bias" : "");

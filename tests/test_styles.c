@@ -1287,6 +1287,29 @@ ParameterizedTest(seq_param *p, styles, uneven_sequence_shards, .timeout = 60)
 
 /* ==== the MLP of DESIGN.md ==================================================== */
 
+/* net1 ColwiseParallel, net2 RowwiseParallel (sequence parallel: S(0) in
+ * and out), as the seed's MLP test plans them. */
+static tp_status parallelize_mlp(tp_module *m, tp_mesh *mesh, bool seq)
+{
+    tp_style *cs = NULL, *rs = NULL;
+    tp_colwise_options co = {0};
+    tp_rowwise_options ro = {0};
+    if (seq) {
+        co.input_layouts = tp_layout_of(tp_shard(0));
+        ro.output_layouts = tp_layout_of(tp_shard(0));
+    }
+    tp_status st = tp_colwise_parallel_create(&co, &cs);
+    if (st == TP_OK)
+        st = tp_rowwise_parallel_create(&ro, &rs);
+    if (st == TP_OK) {
+        tp_plan_entry plan[2] = {{"net1", cs}, {"net2", rs}};
+        st = tp_parallelize_module(m, mesh, 2, plan, NULL);
+    }
+    tp_style_free(cs);
+    tp_style_free(rs);
+    return st;
+}
+
 static tp_status make_mlp(tp_mesh *mesh, bool seq, tp_module **out)
 {
     tp_module *m = NULL, *a = NULL, *relu = NULL, *b = NULL;
@@ -1321,24 +1344,9 @@ static tp_status make_mlp(tp_mesh *mesh, bool seq, tp_module **out)
         tp_module_free(m);
         return st;
     }
-    tp_style *cs = NULL, *rs = NULL;
-    tp_colwise_options co = {0};
-    tp_rowwise_options ro = {0};
-    if (seq) {
-        co.input_layouts = tp_layout_of(tp_shard(0));
-        ro.output_layouts = tp_layout_of(tp_shard(0));
-    }
     st = tp_module_init(m, 5);
     if (st == TP_OK)
-        st = tp_colwise_parallel_create(&co, &cs);
-    if (st == TP_OK)
-        st = tp_rowwise_parallel_create(&ro, &rs);
-    if (st == TP_OK) {
-        tp_plan_entry plan[2] = {{"net1", cs}, {"net2", rs}};
-        st = tp_parallelize_module(m, mesh, 2, plan, NULL);
-    }
-    tp_style_free(cs);
-    tp_style_free(rs);
+        st = parallelize_mlp(m, mesh, seq);
     if (st != TP_OK) {
         tp_module_free(m);
         return st;
@@ -1447,15 +1455,15 @@ ParameterizedTest(int *n, styles, mlp_counts, .timeout = 60)
 
 /* ==== the MLP with its GELU fused into net1 ======================================= */
 
-/* Sequential(net1 Linear 10->F, [act GELU(tanh)], net2 Linear F->10),
+/* Sequential(net1 Linear 10->16, [act GELU(tanh)], net2 Linear 16->10),
  * seed 5; fused: the GELU fused into net1 (tp_nn_linear_fuse_gelu) and no
  * act. With a mesh: net1 colwise, net2 rowwise (sequence parallel: S(0) in
  * and out). */
-static tp_status make_gelu_mlp(tp_mesh *mesh, bool seq, bool fused, int64_t F, tp_module **out)
+static tp_status make_gelu_mlp(tp_mesh *mesh, bool seq, bool fused, tp_module **out)
 {
     tp_module *m = NULL, *child = NULL;
     TP_TEST_TRY(tp_nn_sequential_create(&m));
-    tp_status st = tp_nn_linear_create(10, F, true, &child);
+    tp_status st = tp_nn_linear_create(10, 16, true, &child);
     if (st == TP_OK && fused)
         st = tp_nn_linear_fuse_gelu(child, TP_GELU_TANH);
     if (st == TP_OK)
@@ -1466,29 +1474,13 @@ static tp_status make_gelu_mlp(tp_mesh *mesh, bool seq, bool fused, int64_t F, t
             st = tp_module_add_child(m, "act", child), child = st == TP_OK ? NULL : child;
     }
     if (st == TP_OK)
-        st = tp_nn_linear_create(F, 10, true, &child);
+        st = tp_nn_linear_create(16, 10, true, &child);
     if (st == TP_OK)
         st = tp_module_add_child(m, "net2", child), child = st == TP_OK ? NULL : child;
     if (st == TP_OK)
         st = tp_module_init(m, 5);
-    tp_style *cs = NULL, *rs = NULL;
-    if (st == TP_OK && mesh) {
-        tp_colwise_options co = {0};
-        tp_rowwise_options ro = {0};
-        if (seq) {
-            co.input_layouts = tp_layout_of(tp_shard(0));
-            ro.output_layouts = tp_layout_of(tp_shard(0));
-        }
-        st = tp_colwise_parallel_create(&co, &cs);
-        if (st == TP_OK)
-            st = tp_rowwise_parallel_create(&ro, &rs);
-        if (st == TP_OK) {
-            tp_plan_entry plan[2] = {{"net1", cs}, {"net2", rs}};
-            st = tp_parallelize_module(m, mesh, 2, plan, NULL);
-        }
-    }
-    tp_style_free(cs);
-    tp_style_free(rs);
+    if (st == TP_OK && mesh)
+        st = parallelize_mlp(m, mesh, seq);
     tp_module_free(child);
     if (st != TP_OK) {
         tp_module_free(m);
@@ -1530,9 +1522,9 @@ static tp_status fused_mlp_body(tp_comm *world, void *arg)
     /* the unparallelized, unfused MLP against the fused one parallelized:
      * the same values, and the MLP's collectives of DESIGN.md (forward one
      * all_reduce, backward none) */
-    RANK_OK(s, make_gelu_mlp(NULL, false, false, 16, &ref));
+    RANK_OK(s, make_gelu_mlp(NULL, false, false, &ref));
     RANK_OK(s, run_counted(ref, x, true, dbg, &yr));
-    RANK_OK(s, make_gelu_mlp(mesh, false, true, 16, &m));
+    RANK_OK(s, make_gelu_mlp(mesh, false, true, &m));
     RANK_OK(s, run_counted(m, x, true, dbg, &yf));
     expect_phase(s, dbg, TP_PHASE_FORWARD, w, 1, 0, 0, "fused MLP");
     expect_phase(s, dbg, TP_PHASE_BACKWARD, w, 0, 0, 0, "fused MLP");
@@ -1555,7 +1547,7 @@ static tp_status fused_mlp_body(tp_comm *world, void *arg)
 
     /* sequence parallel: all_gather + reduce_scatter forward, all_gather
      * backward, as unfused */
-    RANK_OK(s, make_gelu_mlp(mesh, true, true, 16, &m));
+    RANK_OK(s, make_gelu_mlp(mesh, true, true, &m));
     RANK_OK(s, run_counted(m, x, true, dbg, &yf));
     expect_phase(s, dbg, TP_PHASE_FORWARD, w, 0, 1, 1, "sequence-parallel fused MLP");
     expect_phase(s, dbg, TP_PHASE_BACKWARD, w, 0, 1, 0, "sequence-parallel fused MLP");
@@ -1566,7 +1558,7 @@ static tp_status fused_mlp_body(tp_comm *world, void *arg)
 
     /* RowwiseParallel on a fused Linear is refused before anything moves,
      * and a Linear split along its input features cannot be fused */
-    RANK_OK(s, make_gelu_mlp(NULL, false, true, 16, &m));
+    RANK_OK(s, make_gelu_mlp(NULL, false, true, &m));
     tp_style *rs = NULL;
     RANK_OK(s, tp_rowwise_parallel_create(NULL, &rs));
     tp_plan_entry bad = {"net1", rs};
