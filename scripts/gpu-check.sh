@@ -7,6 +7,7 @@
 #
 #   scripts/gpu-check.sh [--bundle ARCHIVE] [--out DIR] [--gpu-only] [--skip-bench]
 #                        [--profile-mlp] [--suites LIST] [--jobs N] [--max-test-seconds S]
+#                        [--budget-s S]
 #
 #   --bundle ARCHIVE  run a scripts/gpu-bundle.sh archive instead of building
 #                     (for a GPU machine without libtp's build dependencies)
@@ -16,6 +17,12 @@
 #   --skip-bench      no benchmarks
 #   --profile-mlp     also time every kernel of one bf16 TP MLP pass with ncu
 #   --max-test-seconds S  cap each suite's time limit at S seconds
+#   --budget-s S      end within S seconds of the start of the runs (a lent
+#                     machine's command limit less the build or unpacking and
+#                     a margin): limits are cut to what is left, what cannot
+#                     start is reported as not run, the report is rewritten
+#                     as results come in, and the benches run newest targets
+#                     first
 #   --suites LIST     only these suites (comma-separated; a trailing * matches a prefix)
 #   --jobs N          suites at once (default: the cores; GPU suites one at a time)
 #
@@ -30,7 +37,7 @@ while [ $# -gt 0 ]; do
     --bundle) bundle=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --gpu-only | --skip-bench | --profile-mlp) extra+=("$1"); shift ;;
-    --max-test-seconds | --suites | --jobs) extra+=("$1" "$2"); shift 2 ;;
+    --max-test-seconds | --suites | --jobs | --budget-s) extra+=("$1" "$2"); shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 64 ;;
     esac

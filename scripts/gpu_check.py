@@ -4,6 +4,14 @@ unpacked scripts/gpu-bundle.sh archive) and writes a report. Called by
 scripts/gpu-check.sh, which prepares the build and the library path.
 
     gpu_check.py --root DIR --tests-json FILE --out DIR [--gpu-only] [--skip-bench]
+                 [--budget-s S]
+
+--budget-s S: the whole run must end within S seconds of its start (a lent
+GPU machine's command limit, less a margin): each suite's and bench's time
+limit is cut to what is left, what cannot start any more is reported as not
+run for want of time (not a failure), and the report is rewritten after the
+suites and after every bench, so that a run killed from outside still leaves
+one. The benches run the newest targets first.
 
 Exit status: 0 when no test failed and no GPU test skipped; 1 otherwise.
 """
@@ -190,8 +198,15 @@ def main():
                     help="suites run at once (the GPU suites one at a time among them)")
     ap.add_argument("--max-test-seconds", type=float, default=0,
                     help="cap on each suite's time limit (0: the suite's own)")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="end the whole run within this many seconds (0: no limit)")
     a = ap.parse_args()
     a.root = os.path.abspath(a.root)
+    t_start = time.time()
+
+    def left():
+        """Seconds of the budget left (a large number without one)."""
+        return a.budget_s - (time.time() - t_start) if a.budget_s > 0 else 1e9
 
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     logs = os.path.join(a.out, "logs")
@@ -247,7 +262,10 @@ def main():
                 tenv[k] = ":".join(parts)
             else:
                 tenv[k] = remap(v)
-        limit = min(t.get("timeout") or 600, a.max_test_seconds or 600)
+        limit = min(t.get("timeout") or 600, a.max_test_seconds or 600, left() - MARGIN_S)
+        if limit < MIN_RUN_S:
+            return dict(suite=name, status="not run", passed=0, failed=0, skipped=0,
+                        gpu_skipped=0, seconds=0.0, note="the time budget was spent")
         rc, secs, out = run(cmd, os.path.join(logs, f"test-{name}.log"), tenv, timeout=limit,
                             cwd=t.get("workdir") or a.root)
         m = SYNTH.search(out)
@@ -311,23 +329,27 @@ def main():
         path = os.path.join(a.root, "examples", ex)
         if not os.path.exists(path):
             continue
+        if left() - MARGIN_S < MIN_RUN_S:
+            ex_rows.append((ex, "", "not run", 0.0, "the time budget was spent"))
+            continue
         _, _, helptext = run([path, "--help"], os.path.join(logs, f"{ex}-help.log"), env, 30)
         args = ["--device", "cuda"] if "--device" in helptext else []
-        rc, secs, out = run([path] + args, os.path.join(logs, f"example-{ex}.log"), env, 300)
+        rc, secs, out = run([path] + args, os.path.join(logs, f"example-{ex}.log"), env,
+                            min(300, max(1, left() - MARGIN_S)))
         ex_rows.append((ex, " ".join(args) or "(cpu: no device option)", rc, secs,
                         out.strip().splitlines()[-1] if out.strip() else ""))
         if rc:
             failed_any = True
         print(f"[gpu-check] {ex} {' '.join(args)}: rc {rc}, {secs:.1f} s", flush=True)
+    write_report(a, rows, ex_rows, [], [], failed_any, gpu_skipped_total, pending=True)
 
-    benches = []
+    benches, comm_csvs = [], []
     if not a.skip_bench:
         b = lambda n: os.path.join(a.root, "bench", n)
         # the comm benches (about 60 s together on an H100): every call is
         # checked (-c 1) and timed until its stream is done; -n 0 --target-s
         # bounds each timed loop at about 30-50 ms whatever a call costs
         sweep = ["-b", "4M", "-e", "256M", "-f", "4", "-w", "5", "-n", "0", "-c", "1"]
-        comm_csvs = []
         plan = [
             ("tp_linear against bare cublasGemmEx (bf16, f32, TF32)",
              [b("tp-bench-gemm"), "-s", "4096,8192,16384,8192x2048x8192", "--dtype",
@@ -412,11 +434,20 @@ def main():
                               "bf16", "-n", "1", "-w", "0", "-R", "1"]))
             else:
                 print("[gpu-check] --profile-mlp: ncu not found", flush=True)
+        # under a budget the issue's newest targets come first
+        plan.sort(key=lambda tc: bench_rank(tc[0]))
         for title, cmd in plan:
             if not os.path.exists(cmd[0]):
                 continue
+            if left() - MARGIN_S < MIN_RUN_S:
+                benches.append((title, " ".join([os.path.basename(cmd[0])] + cmd[1:]),
+                                "not run", 0.0, "the time budget was spent"))
+                print(f"[gpu-check] bench {title}: not run (the time budget was spent)",
+                      flush=True)
+                continue
             slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40]
-            rc, secs, out = run(cmd, os.path.join(logs, f"bench-{slug}.log"), env, 480)
+            rc, secs, out = run(cmd, os.path.join(logs, f"bench-{slug}.log"), env,
+                                min(480, left() - MARGIN_S))
             benches.append((title, " ".join([os.path.basename(cmd[0])] + cmd[1:]), rc, secs, out))
             # the GPU benches exit 1 when they ran but missed a target: that is
             # a figure for the report, not a failure of the check
@@ -427,7 +458,37 @@ def main():
             if rc != 0 and not (rc == 1 and missed_ok):
                 failed_any = True
             print(f"[gpu-check] bench {title}: rc {rc}, {secs:.1f} s", flush=True)
+            write_report(a, rows, ex_rows, benches, comm_csvs, failed_any, gpu_skipped_total,
+                         pending=True)
 
+    return write_report(a, rows, ex_rows, benches, comm_csvs, failed_any, gpu_skipped_total,
+                        pending=False)
+
+
+# Under --budget-s: seconds kept free at the end (the report, the logs'
+# archive), and the least a suite or bench is started with.
+MARGIN_S = 20
+MIN_RUN_S = 15
+
+# The benches' order: the targets of the newest issue first (fused attention,
+# the fused MLP, the 8B-shaped layer, decode), then the rest as listed.
+BENCH_FIRST = ("fused attention against", "TP MLP block", "8B-shaped decoder layer",
+               "decode: the 100M", "decode: an 8B", "decode as above", "fused attention at seq",
+               "PyTorch's flash")
+
+
+def bench_rank(title):
+    for i, p in enumerate(BENCH_FIRST):
+        if title.startswith(p):
+            return i
+    return len(BENCH_FIRST)
+
+
+def write_report(a, rows, ex_rows, benches, comm_csvs, failed_any, gpu_skipped_total, pending):
+    """gpu-results.csv, gpu-report.md and gpu-logs.tar.xz from what ran so
+    far (pending: more is to come; the report says so). Returns the exit
+    status."""
+    logs = os.path.join(a.out, "logs")
     with open(os.path.join(a.out, "gpu-results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["suite", "status", "passed", "failed", "skipped",
                                           "gpu_skipped", "seconds", "note"])
@@ -437,8 +498,9 @@ def main():
     tp = sum(r["passed"] for r in rows)
     tf = sum(r["failed"] for r in rows)
     ok = not failed_any and gpu_skipped_total == 0
+    verdict = ("PASS" if ok else "FAIL") + (" so far (still running)" if pending else "")
     with open(os.path.join(a.out, "gpu-report.md"), "w") as f:
-        f.write(f"# libtp GPU check: {'PASS' if ok else 'FAIL'}\n\n")
+        f.write(f"# libtp GPU check: {verdict}\n\n")
         f.write(f"- device: {a.device or 'unknown'}\n")
         info = os.path.join(a.root, "BUILD_INFO")
         if os.path.exists(info):
@@ -456,15 +518,20 @@ def main():
                     "| --- | --- | ---: | ---: | --- |\n")
             for ex, args, rc, secs, last in ex_rows:
                 f.write(f"| {ex} | {args} | {rc} | {secs:.1f} | {last} |\n")
-        if not a.skip_bench:
+        if comm_csvs:
             write_comm_summary(f, comm_summary(comm_csvs))
         for title, cmd, rc, secs, out in benches:
+            if rc == "not run":
+                f.write(f"\n## {title}\n\n`{cmd}`: not run ({out})\n")
+                continue
             if "by ncu" in title:
                 write_ncu_summary(f, title, ncu_kernels(out))
             f.write(f"\n## {title}\n\n`{cmd}` (rc {rc}, {secs:.1f} s)\n\n```\n")
             lines = out.splitlines()
             f.write("\n".join(lines[-60:]) + "\n```\n")
 
+    if pending:
+        return 0 if ok else 1
     with tarfile.open(os.path.join(a.out, "gpu-logs.tar.xz"), "w:xz") as tar:
         tar.add(logs, arcname="logs")
     print(f"[gpu-check] {'PASS' if ok else 'FAIL'}: {tp} passed, {tf} failed, "
