@@ -332,6 +332,30 @@ ParameterizedTest(run_case *c, models, cuda_against_transformers, .timeout = 300
     run_model(c, c->dtype == TP_BF16 ? 3e-2 : 1e-4, 1e-4, 1e-3);
 }
 
+/* A bf16 training step against transformers' f32 reference: logits, the
+ * loss and every gradient, at tp 2 and 4 (sequence parallel too), on the
+ * CPU and on one GPU whose shm ranks (threads) share it. Bounds: the logits'
+ * 3e-2 of the largest (low_precision_logits'), the loss 1e-2 relative, each
+ * gradient 5e-2 of its largest entry (cpu_bf16_head_dims_64_128's). */
+ParameterizedTestParameters(models, bf16_training_step)
+{
+    static run_case cases[] = {
+        {LLAMA, 2, false, true, TP_BF16, false},  {MISTRAL, 4, true, true, TP_BF16, false},
+        {LLAMA, 2, false, true, TP_BF16, true},   {MISTRAL, 4, true, true, TP_BF16, true},
+        {QWEN2, 2, false, true, TP_BF16, true},
+    };
+    return cr_make_param_array(run_case, cases, sizeof cases / sizeof cases[0]);
+}
+
+ParameterizedTest(run_case *c, models, bf16_training_step, .timeout = 300)
+{
+    if (c->cuda && tp_cuda_device_count() <= 0)
+        cr_skip_test("no CUDA device: %s", TP_HAVE_CUDA ? "libtp has CUDA but the machine shows "
+                                                          "no device"
+                                                        : "libtp was built without CUDA");
+    run_model(c, 3e-2, 1e-2, 5e-2);
+}
+
 /* Each rank reads only its shard: at tp 2 the bytes read (the thread's
  * tp_safetensors_bytes_read) are exactly its parameters' local elements in
  * the file's dtype (bf16, over three files); the tied weight is read once
