@@ -86,6 +86,20 @@ static tp_status linear_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
                              tp_tensor_data(*out), tp__rows(x), w->shape[1], w->shape[0]);
 }
 
+/* New buffers for the gradients of x, W and (with bias) b that op's
+ * backward is asked for, in x's dtype on the op's device. */
+static tp_status linear_grads(const tp__op *op, tp_tensor *const *in, bool bias, tp_tensor **g)
+{
+    tp_tensor *x = in[0];
+    if (op->need_grad[0])
+        TP_CHECK(out_like(op, x, x->ndim, x->shape, &g[0]));
+    if (op->need_grad[1])
+        TP_CHECK(out_like(op, x, 2, in[1]->shape, &g[1]));
+    if (bias && op->need_grad[2])
+        TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
+    return TP_OK;
+}
+
 typedef struct linear_gelu_params {
     tp_gelu_approx approx;
     /* set by the consumer's backward that took this op's GELU backward
@@ -112,11 +126,7 @@ static tp_status linear_bwd_through_gelu(tp__op *op, tp_tensor *const *in, tp_te
     if (aux->ndim != x->ndim || memcmp(aux->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim))
         return TP_OK; /* not the layout it would be handed on in */
     linear_gelu_params *qp = TP__OP_PARAMS(q, linear_gelu_params);
-    TP_CHECK(out_like(op, x, x->ndim, x->shape, &g[0]));
-    if (op->need_grad[1])
-        TP_CHECK(out_like(op, x, 2, w->shape, &g[1]));
-    if (op->need_grad[2])
-        TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
+    TP_CHECK(linear_grads(op, in, true, g));
     tp_tensor *qb = src->inputs[2] ? tp__tensor_local(q->in[2]) : NULL;
     if (qb)
         TP_CHECK(out_like(op, x, 1, qb->shape, &gb_act));
@@ -145,12 +155,7 @@ static tp_status linear_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy, tp_
         if (done)
             return TP_OK;
     }
-    if (op->need_grad[0])
-        TP_CHECK(out_like(op, x, x->ndim, x->shape, &g[0]));
-    if (op->need_grad[1])
-        TP_CHECK(out_like(op, x, 2, w->shape, &g[1]));
-    if (op->need_grad[2])
-        TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
+    TP_CHECK(linear_grads(op, in, true, g));
     void *gx = g[0] ? tp_tensor_data(g[0]) : NULL, *gw = g[1] ? tp_tensor_data(g[1]) : NULL,
          *gb = g[2] ? tp_tensor_data(g[2]) : NULL;
     return op->k->linear_bwd(op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
@@ -184,15 +189,11 @@ tp_status tp_linear(tp_tensor *x, tp_tensor *w, tp_tensor *b, tp_tensor **y)
  * everything replicated. */
 static int linear_gelu_strategies(const tp__op *op, int mesh_dim, tp__strategy *s)
 {
-    (void)mesh_dim;
-    int nd = tp__op_gndim(op, 0), n = 0;
-    s[n++] = (tp__strategy){{tp__R(), tp__S(0), tp__S(0)}, tp__S(nd - 1),
-                            {tp__P(), tp__S(0), tp__S(0)}};
-    for (int d = 0; d + 1 < nd; d++)
-        s[n++] = (tp__strategy){{tp__S(d), tp__R(), tp__R()}, tp__S(d),
-                                {tp__S(d), tp__P(), tp__P()}};
-    s[n++] = (tp__strategy){{tp__R(), tp__R(), tp__R()}, tp__R(), {tp__R(), tp__R(), tp__R()}};
-    return n;
+    int n = linear_strategies(op, mesh_dim, s), kept = 0;
+    for (int i = 0; i < n; i++)
+        if (s[i].out.kind != TP_PLACEMENT_PARTIAL)
+            s[kept++] = s[i];
+    return kept;
 }
 
 static tp_status linear_gelu_fwd(tp__op *op, tp_tensor *const *in, tp_tensor **out)
@@ -222,22 +223,18 @@ static tp_status linear_gelu_bwd(tp__op *op, tp_tensor *const *in, tp_tensor *gy
     TP_ASSERT(aux);
     const linear_gelu_params *p = TP__OP_PARAMS(op, linear_gelu_params);
     bool tanh_approx = p->approx == TP_GELU_TANH;
-    if (op->need_grad[0])
-        TP_CHECK(out_like(op, x, x->ndim, x->shape, &g[0]));
-    if (op->need_grad[1])
-        TP_CHECK(out_like(op, x, 2, w->shape, &g[1]));
     if (p->taken) {
         /* the consumer's product applied the GELU's backward: gy is the
          * pre-activation's gradient, saved[1] the bias gradient */
         if (op->need_grad[2])
             g[2] = tp_tensor_retain(op->saved[1]);
+        TP_CHECK(linear_grads(op, in, false, g));
         return op->k->linear_bwd(op->dev, x->dtype, tp_tensor_data(x), tp_tensor_data(w),
                                  tp_tensor_data(gy), g[0] ? tp_tensor_data(g[0]) : NULL,
                                  g[1] ? tp_tensor_data(g[1]) : NULL, NULL, tp__rows(x),
                                  w->shape[1], w->shape[0], false);
     }
-    if (op->need_grad[2])
-        TP_CHECK(out_like(op, x, 1, in[2]->shape, &g[2]));
+    TP_CHECK(linear_grads(op, in, true, g));
     TP_CHECK(out_like(op, x, aux->ndim, aux->shape, &gz));
     void *gx = g[0] ? tp_tensor_data(g[0]) : NULL, *gw = g[1] ? tp_tensor_data(g[1]) : NULL,
          *gb = g[2] ? tp_tensor_data(g[2]) : NULL;
