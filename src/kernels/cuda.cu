@@ -1850,42 +1850,50 @@ tp_status cuda_linear_gelu_fwd(tp_device dev, tp_dtype dtype, const void *x, con
     return cuda_gelu_fwd(dev, dtype, pre, y, rows * out, tanh_approx);
 }
 
+/* gz[rows, cols] = gy gelu'(aux) and, when gb is non-NULL, gb = its column
+ * sums: one column pass (the GELU backward kernel, then the column sum,
+ * under TP_CUDA_EPILOGUE=0). gz may be gy (each element is read, then
+ * written, by one thread). fn, op: the entry's, for its messages. */
+tp_status dgelu_bgrad(const char *fn, tp__kop op, tp_device dev, tp_dtype dtype, const void *gy,
+                      const void *aux, void *gz, void *gb, int64_t rows, int64_t cols,
+                      bool tanh_approx)
+{
+    if (!gb || !lt_enabled() || rows <= 0 || cols <= 0) {
+        TP_CHECK(cuda_gelu_bwd(dev, dtype, aux, gy, gz, rows * cols, tanh_approx));
+        return gb ? cuda_linear_bwd(dev, dtype, NULL, NULL, gz, NULL, NULL, gb, rows, 0, cols,
+                                    false)
+                  : TP_OK;
+    }
+    Launch L;
+    tp_status st;
+    if (!enter(fn, op, dtype, dev, true, &L, &st))
+        return st;
+    st = tanh_approx ? TYPED(dtype, (launch_colsum<T, COL_DGELU_TANH>(
+                                        &L, cp<T>(gy), cp<T>(aux), NULL, NULL, mp<T>(gb), rows,
+                                        cols, false, 1.0, mp<T>(gz))))
+                     : TYPED(dtype, (launch_colsum<T, COL_DGELU_ERF>(
+                                        &L, cp<T>(gy), cp<T>(aux), NULL, NULL, mp<T>(gb), rows,
+                                        cols, false, 1.0, mp<T>(gz))));
+    return st == TP_OK ? end(&L) : fail(&L, st);
+}
+
 tp_status cuda_linear_gelu_bwd(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                const void *aux, const void *gy, void *gz, void *gx, void *gw,
                                void *gb, int64_t rows, int64_t in, int64_t out, bool tanh_approx)
 {
     if (!cuda_supports(TP__KOP_LINEAR_GELU_BWD, dtype))
         return tp__kernels_unsupported(tp__kernels_cuda, TP__KOP_LINEAR_GELU_BWD, dtype);
-    if (gb && lt_enabled() && rows > 0 && out > 0) {
-        Launch L;
-        tp_status st;
-        if (!enter("linear + gelu backward (CUDA)", TP__KOP_LINEAR_GELU_BWD, dtype, dev, true, &L,
-                   &st))
-            return st;
-        st = tanh_approx
-                 ? TYPED(dtype, (launch_colsum<T, COL_DGELU_TANH>(
-                                    &L, cp<T>(gy), cp<T>(aux), NULL, NULL, mp<T>(gb), rows, out,
-                                    false, 1.0, mp<T>(gz))))
-                 : TYPED(dtype, (launch_colsum<T, COL_DGELU_ERF>(
-                                    &L, cp<T>(gy), cp<T>(aux), NULL, NULL, mp<T>(gb), rows, out,
-                                    false, 1.0, mp<T>(gz))));
-        st = st == TP_OK ? end(&L) : fail(&L, st);
-        if (st != TP_OK)
-            return st;
-        gb = NULL;
-    } else {
-        TP_CHECK(cuda_gelu_bwd(dev, dtype, aux, gy, gz, rows * out, tanh_approx));
-    }
-    return cuda_linear_bwd(dev, dtype, x, w, gz, gx, gw, gb, rows, in, out, false);
+    TP_CHECK(dgelu_bgrad("linear + gelu backward (CUDA)", TP__KOP_LINEAR_GELU_BWD, dev, dtype, gy,
+                         aux, gz, gb, rows, out, tanh_approx));
+    return cuda_linear_bwd(dev, dtype, x, w, gz, gx, gw, NULL, rows, in, out, false);
 }
 
 /* A linear's backward whose input came out of a GELU. bf16/f16, tanh: gz =
  * (gy W) gelu'(aux) and its column sums from one cuBLASLt product
  * (DGELU_BGRAD; DGELU without the sums), under the conditions of the
  * forward's epilogue (kLtMinElems, in a multiple of 8, 16-byte aligned
- * buffers, TP_CUDA_EPILOGUE); else the product into gz and the column pass
- * of linear_gelu_bwd over it in place (the GELU backward kernel without
- * gb_act). The linear's gw and gb as linear_bwd's. */
+ * buffers, TP_CUDA_EPILOGUE); else the product into gz and dgelu_bgrad
+ * over it in place. The linear's gw and gb as linear_bwd's. */
 tp_status cuda_linear_bwd_dgelu(tp_device dev, tp_dtype dtype, const void *x, const void *w,
                                 const void *gy, const void *aux, void *gz, void *gb_act, void *gw,
                                 void *gb, int64_t rows, int64_t in, int64_t out, bool tanh_approx)
@@ -1910,28 +1918,8 @@ tp_status cuda_linear_bwd_dgelu(tp_device dev, tp_dtype dtype, const void *x, co
     }
     if (!done) {
         TP_CHECK(cuda_linear_bwd(dev, dtype, NULL, w, gy, gz, NULL, NULL, rows, in, out, false));
-        if (gb_act && lt_enabled() && rows > 0 && in > 0) {
-            Launch L;
-            tp_status st;
-            if (!enter("linear backward + gelu (CUDA)", TP__KOP_LINEAR_BWD_DGELU, dtype, dev, true,
-                       &L, &st))
-                return st;
-            /* in place: each element is read, then written, by one thread */
-            st = tanh_approx ? TYPED(dtype, (launch_colsum<T, COL_DGELU_TANH>(
-                                                &L, cp<T>(gz), cp<T>(aux), NULL, NULL,
-                                                mp<T>(gb_act), rows, in, false, 1.0, mp<T>(gz))))
-                             : TYPED(dtype, (launch_colsum<T, COL_DGELU_ERF>(
-                                                &L, cp<T>(gz), cp<T>(aux), NULL, NULL,
-                                                mp<T>(gb_act), rows, in, false, 1.0, mp<T>(gz))));
-            st = st == TP_OK ? end(&L) : fail(&L, st);
-            if (st != TP_OK)
-                return st;
-        } else {
-            TP_CHECK(cuda_gelu_bwd(dev, dtype, aux, gz, gz, rows * in, tanh_approx));
-            if (gb_act)
-                TP_CHECK(cuda_linear_bwd(dev, dtype, NULL, NULL, gz, NULL, NULL, gb_act, rows, 0,
-                                         in, false));
-        }
+        TP_CHECK(dgelu_bgrad("linear backward + gelu (CUDA)", TP__KOP_LINEAR_BWD_DGELU, dev, dtype,
+                             gz, aux, gz, gb_act, rows, in, tanh_approx));
     }
     if (!gw && !gb)
         return TP_OK;
