@@ -325,6 +325,29 @@ static tp_status op_linear_gelu_step(void *arg, tp_tensor **out)
     return TP_OK;
 }
 
+/* linear_gelu, then a linear over its output whose backward takes the
+ * GELU's backward over (ops.h): the hand-over's allocations fail too */
+static tp_status op_gelu_mlp_step(void *arg, tp_tensor **out)
+{
+    tp_tensor **t = arg; /* x, w1, b1, w2, b2, gy */
+    tp_tensor *h = NULL, *y = NULL;
+    tp_status st = tp_linear_gelu(t[0], t[1], t[2], TP_GELU_TANH, &h);
+    if (st == TP_OK)
+        st = tp_linear(h, t[3], t[4], &y);
+    tp_tensor_release(h);
+    if (st == TP_OK)
+        st = tp_backward(y, t[5]);
+    for (int i = 0; i < 5; i++)
+        tp_tensor_zero_grad(t[i]);
+    if (st != TP_OK) {
+        tp_tensor_release(y);
+        *out = NULL;
+        return st;
+    }
+    *out = y;
+    return TP_OK;
+}
+
 Test(alloc, linear_gelu_forward_backward, .timeout = 30)
 {
     const int64_t shapes[4][2] = {{6, 5}, {8, 5}, {8, 1}, {6, 8}};
@@ -341,6 +364,23 @@ Test(alloc, linear_gelu_forward_backward, .timeout = 30)
         }
         fail_each_allocation(d ? "tp_linear_gelu + backward (bf16)" : "tp_linear_gelu + backward",
                              op_linear_gelu_step, t);
+        /* x [6, 5] -> 8 -> 3 */
+        const int64_t mshapes[6][2] = {{6, 5}, {8, 5}, {8, 1}, {3, 8}, {3, 1}, {6, 3}};
+        tp_tensor *m[6] = {0};
+        for (int i = 0; i < 6; i++) {
+            cr_assert_eq(tp_tensor_empty(dt, TP_CPU, mshapes[i][1] == 1 ? 1 : 2, mshapes[i], &m[i]),
+                         TP_OK);
+            cr_assert_eq(tp_tensor_fill_random(m[i], TP_RNG_UNIFORM, -1, 1, 9 + (uint64_t)i, NULL,
+                                               NULL),
+                         TP_OK);
+            if (i < 5)
+                cr_assert_eq(tp_tensor_set_requires_grad(m[i], true), TP_OK);
+        }
+        fail_each_allocation(d ? "tp_linear_gelu -> tp_linear + backward (bf16)"
+                               : "tp_linear_gelu -> tp_linear + backward",
+                             op_gelu_mlp_step, m);
+        for (int i = 0; i < 6; i++)
+            tp_tensor_release(m[i]);
         for (int i = 0; i < 4; i++)
             tp_tensor_release(t[i]);
     }
